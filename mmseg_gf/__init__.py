@@ -1,0 +1,19 @@
+"""mmseg_gf: gradient filtering (Yang, Li, Marculescu, CVPR 2023) for
+MMSegmentation.
+
+Importing the package registers everything with mmseg / mmengine, so an
+existing config only needs ``custom_imports = dict(imports=['mmseg_gf'])``.
+Without mmseg installed, the pure-PyTorch operator in ``mmseg_gf.ops`` still
+imports; a broken mmseg installation still fails loudly.
+"""
+from importlib.util import find_spec
+
+from .ops import check_radius, gradient_filtered_conv2d
+
+__version__ = '0.1.0'
+__all__ = ['check_radius', 'gradient_filtered_conv2d']
+
+if find_spec('mmseg') is not None:
+    from . import engine  # noqa: F401  (registers the hook and the builder)
+    from .models import GFConv2d
+    __all__ += ['GFConv2d']

@@ -1,0 +1,118 @@
+"""``GFConv2d``: an ``nn.Conv2d`` whose backward is the gradient filter."""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from mmseg.registry import MODELS
+from torch import Tensor, nn
+
+from ..ops import check_radius
+from ..ops.gradient_filter import GradientFilterConv2dFunction, resolve_padding
+
+
+_CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
+                    'padding', 'dilation', 'transposed', 'output_padding',
+                    'groups', 'padding_mode',
+                    '_reversed_padding_repeated_twice')
+
+
+def _plain_conv_classes() -> tuple:
+    classes = [nn.Conv2d]
+    try:  # mmcv's wrapper only adds empty-tensor support around nn.Conv2d
+        from mmcv.cnn.bricks.wrappers import Conv2d as MMCVConv2d
+        classes.append(MMCVConv2d)
+    except ImportError:
+        pass
+    return tuple(classes)
+
+
+def is_filterable_conv(module: nn.Module) -> bool:
+    """True for convs whose forward is exactly ``nn.Conv2d``'s convolution."""
+    return type(module) in _plain_conv_classes() or isinstance(
+        module, GFConv2d)
+
+
+@MODELS.register_module()
+class GFConv2d(nn.Conv2d):
+    """A drop-in ``nn.Conv2d``: exact forward, gradient-filtered backward.
+
+    Usable wherever mmcv builds convs, e.g.
+    ``conv_cfg=dict(type='GFConv2d', radius=4)`` in an mmseg config. The
+    filter only acts while autograd records: in ``torch.no_grad()`` (testing)
+    the layer is a plain convolution with no extra work.
+
+    The filter lives in ``_conv_forward`` rather than ``forward`` so that
+    callers that bypass ``forward`` still get it, notably mmcv's
+    ``ConvModule`` with ``efficient_conv_bn_eval``, which passes a fused
+    weight straight to ``conv._conv_forward``.
+
+    Args:
+        *args, **kwargs: as for ``nn.Conv2d``.
+        radius (int): patch size ``r >= 1`` of the gradient filter.
+        enabled (bool): ``False`` gives the exact backward (the "vanilla"
+            baseline with the same layers). Default: True.
+    """
+
+    def __init__(self, *args, radius: int = 4, enabled: bool = True,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.radius = check_radius(radius)
+        self.enabled = bool(enabled)
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, radius: int,
+                  enabled: bool = True) -> 'GFConv2d':
+        """Wrap an existing conv, **sharing** its Parameters.
+
+        Sharing (not copying) keeps optimizers built before the swap valid,
+        and keeps ``state_dict`` keys and values identical.
+
+        Raises:
+            TypeError: for a conv class whose forward is not a plain
+                convolution (e.g. weight-standardised ``ConvWS``): filtering
+                it would silently change what it computes.
+        """
+        if not is_filterable_conv(conv):
+            raise TypeError(
+                f'cannot gradient-filter a {type(conv).__module__}.'
+                f'{type(conv).__name__}: only nn.Conv2d (and mmcv\'s '
+                'Conv2d wrapper) compute a plain convolution; its forward '
+                'would be bypassed or changed')
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for name in _CONV_ATTRIBUTES:
+            setattr(new, name, getattr(conv, name))
+        new.training = conv.training
+        new.register_parameter('weight', conv.weight)
+        new.register_parameter('bias', conv.bias)
+        new.radius = check_radius(radius)
+        new.enabled = bool(enabled)
+        return new
+
+    def _filter_active(self, input: Tensor, weight: Tensor,
+                       bias: Optional[Tensor]) -> bool:
+        return self.enabled and torch.is_grad_enabled() and (
+            input.requires_grad or weight.requires_grad
+            or (bias is not None and bias.requires_grad))
+
+    def _conv_forward(self, input: Tensor, weight: Tensor,
+                      bias: Optional[Tensor]) -> Tensor:
+        if not self._filter_active(input, weight, bias):
+            return super()._conv_forward(input, weight, bias)
+        padding = self.padding
+        if self.padding_mode != 'zeros':
+            input = F.pad(input, self._reversed_padding_repeated_twice,
+                          mode=self.padding_mode)
+            padding = (0, 0)
+        pad, extra = resolve_padding(padding, self.kernel_size, self.dilation)
+        if extra is not None:
+            input = F.pad(input, extra)
+        return GradientFilterConv2dFunction.apply(input, weight, bias,
+                                                  self.stride, pad,
+                                                  self.dilation, self.groups,
+                                                  self.radius)
+
+    def extra_repr(self) -> str:
+        return (f'{super().extra_repr()}, radius={self.radius}'
+                f'{"" if self.enabled else ", enabled=False"}')

@@ -1,0 +1,392 @@
+"""Gradient-filtered 2-D convolution: exact forward, filtered backward.
+
+This module is the single implementation of the math in ``GF_SPEC.md``
+(Yang, Li, Marculescu, CVPR 2023, Eq. 2, 3, 5 and Supplement A.5-A.6). It is
+pure PyTorch (no mmseg / mmcv import) so any PyTorch user can call
+:func:`gradient_filtered_conv2d` directly.
+
+The idea in one paragraph: cut the output gradient ``g_y`` into ``r x r``
+patches and replace every patch by its mean. A patch-constant ``g_y`` makes the
+convolution's backward collapse onto a small "pooled grid" (one cell per
+patch): the input gradient becomes a channel-mixing product with the
+spatially summed kernel, broadcast back over the patch, and the weight
+gradient becomes a product of patch means with patch sums of ``x``. Those
+patch sums of ``x`` (``1/r^2`` of its size for stride 1) are all the forward
+keeps, which is where the activation-memory saving comes from.
+
+One mechanism serves every conv kind. Along an axis where the kernel's taps
+stay within one patch (dilation ``d < r*s``), the kernel is summed over that
+axis; along an axis where taps reach other patches (``d >= r*s``, dilated
+convs of DeepLabV3 / ResNet-d8), the kernel keeps its taps and is applied on
+the pooled grid with dilation ``d // (r*s)``. The backward is then the exact
+backward of that small convolution on the pooled grid, scaled by ``1/s^2``.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+IntPair = Union[int, Tuple[int, int]]
+
+
+def _pair(value: IntPair) -> Tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    return int(value[0]), int(value[1])
+
+
+def check_radius(radius) -> int:
+    """Validate a patch size ``r`` and return it as an ``int``.
+
+    Raises:
+        ValueError: if ``radius`` is not an integer >= 1 (``bool`` is refused
+            too: ``True`` is almost certainly a configuration mistake).
+    """
+    if isinstance(radius, bool) or not isinstance(radius, int) or radius < 1:
+        raise ValueError(
+            f'gradient filter radius must be an int >= 1, got {radius!r}')
+    return radius
+
+
+@dataclass(frozen=True)
+class AxisGeometry:
+    """Where the patches lie along one spatial axis (GF_SPEC "Notation").
+
+    Attributes:
+        num_patches: ``ceil(out_size / r)`` patches along the axis.
+        out_patch: ``r``, output pixels per patch.
+        in_patch: ``r * s``, input pixels per patch ``Q(P)``.
+        in_start: first input pixel of ``Q(0)``; ``c = ((k-1)*d)//2 - p``,
+            which may be negative or run past the map (zero padding there).
+        pooled_dilation: dilation of the kernel on the pooled grid,
+            ``d // (r*s)``; 0 means every tap stays within one patch, so the
+            kernel is summed over this axis.
+        pooled_centre: index of the kernel tap that reads the patch itself,
+            ``(k-1)//2``, used only when ``pooled_dilation >= 1``.
+    """
+
+    in_size: int
+    out_size: int
+    num_patches: int
+    out_patch: int
+    in_patch: int
+    in_start: int
+    pooled_dilation: int
+    pooled_centre: int
+    kernel: int
+
+    @classmethod
+    def of(cls, in_size: int, out_size: int, kernel: int, stride: int,
+           padding: int, dilation: int, radius: int) -> 'AxisGeometry':
+        return cls(
+            in_size=in_size,
+            out_size=out_size,
+            num_patches=-(-out_size // radius),
+            out_patch=radius,
+            in_patch=radius * stride,
+            in_start=((kernel - 1) * dilation) // 2 - padding,
+            pooled_dilation=dilation // (radius * stride),
+            pooled_centre=(kernel - 1) // 2,
+            kernel=kernel)
+
+    @property
+    def collapsed(self) -> bool:
+        """True when all taps fall in one patch: the kernel is summed here."""
+        return self.pooled_dilation == 0 or self.kernel == 1
+
+    @property
+    def pooled_pads(self) -> Tuple[int, int]:
+        """Zero padding (before, after) of the pooled grid for the taps."""
+        if self.collapsed:
+            return 0, 0
+        before = self.pooled_centre * self.pooled_dilation
+        after = (self.kernel - 1 - self.pooled_centre) * self.pooled_dilation
+        return before, after
+
+    @property
+    def input_pads(self) -> Tuple[int, int]:
+        """F.pad amounts (before, after) mapping the input axis onto the
+        ``num_patches * in_patch`` pixels covered by the patches; negative
+        values crop."""
+        covered = self.num_patches * self.in_patch
+        return -self.in_start, self.in_start + covered - self.in_size
+
+
+def _fit_to_patches(t: Tensor, geo_h: AxisGeometry,
+                    geo_w: AxisGeometry) -> Tensor:
+    """Pad (zeros) or crop ``t`` so that it is exactly the patch-covered area.
+
+    Used both ways: on ``x`` before pooling, and (with negated pads) on the
+    spread input gradient to place it back into the input's frame.
+    """
+    top, bottom = geo_h.input_pads
+    left, right = geo_w.input_pads
+    if top == bottom == left == right == 0:
+        return t
+    return F.pad(t, (left, right, top, bottom))
+
+
+def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
+                       geo_w: AxisGeometry) -> Tensor:
+    """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x`` (GF_SPEC "Forward").
+
+    Returns a ``N x Ci x ceil(Ho/r) x ceil(Wo/r)`` tensor in ``x``'s dtype
+    (pooling accumulates in float32 for reduced-precision inputs).
+    """
+    covered = _fit_to_patches(x, geo_h, geo_w)
+    return F.avg_pool2d(
+        covered, (geo_h.in_patch, geo_w.in_patch), divisor_override=1)
+
+
+def _patch_pixel_counts(geo: AxisGeometry, device, dtype) -> Tensor:
+    """Valid output pixels per patch along one axis (the last may be short)."""
+    starts = torch.arange(geo.num_patches, device=device) * geo.out_patch
+    return (geo.out_size - starts).clamp(max=geo.out_patch).to(dtype)
+
+
+def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
+                       geo_w: AxisGeometry, acc_dtype: torch.dtype,
+                       scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """The gradient filter: per-patch sums and means of ``g_y`` (Eq. 2).
+
+    One pass over ``g_y``; partial border patches average over their valid
+    pixels only. Returns ``(sums, scale * means)`` in ``acc_dtype``; the sums
+    also give the exact bias gradient without a second pass.
+    """
+    kernel = (min(geo_h.out_patch, geo_h.out_size),
+              min(geo_w.out_patch, geo_w.out_size))
+    sums = F.avg_pool2d(
+        grad_output, kernel, (geo_h.out_patch, geo_w.out_patch),
+        ceil_mode=True, divisor_override=1).to(acc_dtype)
+    exact_tiling = (geo_h.out_size % geo_h.out_patch == 0
+                    and geo_w.out_size % geo_w.out_patch == 0)
+    if exact_tiling:
+        means = sums * (scale / (geo_h.out_patch * geo_w.out_patch))
+    else:
+        counts_h = _patch_pixel_counts(geo_h, sums.device, acc_dtype)
+        counts_w = _patch_pixel_counts(geo_w, sums.device, acc_dtype)
+        means = sums * (scale / (counts_h[:, None] * counts_w[None, :]))
+    return sums, means
+
+
+def pooled_kernel(weight: Tensor, geo_h: AxisGeometry,
+                  geo_w: AxisGeometry) -> Tensor:
+    """The kernel as seen on the pooled grid: summed over collapsed axes.
+
+    Both axes collapsed gives ``W~[co, ci] = sum_{u,v} W[co, ci, u, v]``
+    (GF_SPEC step 2) as a ``1 x 1`` kernel.
+    """
+    dims = [dim for dim, geo in ((2, geo_h), (3, geo_w)) if geo.collapsed]
+    return weight.sum(dim=dims, keepdim=True) if dims else weight
+
+
+def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
+                    geo_w: AxisGeometry) -> Tensor:
+    """Broadcast each pooled cell over its input patch ``Q(P)`` (Eq. 3).
+
+    One expand + reshape write; pixels outside every ``Q(P)`` get 0.
+    """
+    n, c, ph, pw = grad_pooled.shape
+    spread = grad_pooled[:, :, :, None, :, None].expand(
+        n, c, ph, geo_h.in_patch, pw, geo_w.in_patch).reshape(
+            n, c, ph * geo_h.in_patch, pw * geo_w.in_patch)
+    top, bottom = geo_h.input_pads
+    left, right = geo_w.input_pads
+    if top == bottom == left == right == 0:
+        return spread
+    return F.pad(spread, (-left, -right, -top, -bottom))
+
+
+def _pad_pooled(t: Tensor, geo_h: AxisGeometry, geo_w: AxisGeometry) -> Tensor:
+    top, bottom = geo_h.pooled_pads
+    left, right = geo_w.pooled_pads
+    if top == bottom == left == right == 0:
+        return t
+    return F.pad(t, (left, right, top, bottom))
+
+
+def _channel_mixing_backward(
+    grad_pooled: Tensor,
+    input_pooled: Optional[Tensor],
+    kernel: Tensor,
+    groups: int,
+    need_input: bool,
+    need_weight: bool,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Backward of a grouped ``1 x 1`` convolution as batched matmuls.
+
+    The usual (non-dilated) case: ``g_x~ = W~^T g~`` and ``g_W~ = g~ x~^T``
+    per group, with the patch grid flattened. Direct matmuls avoid the large
+    fixed cost of a general convolution backward on such small tensors.
+    """
+    n, co, ph, pw = grad_pooled.shape
+    co_g, ci_g = kernel.shape[0] // groups, kernel.shape[1]
+    grad = grad_pooled.reshape(n, groups, co_g, ph * pw)
+    mixing = kernel.reshape(groups, co_g, ci_g)
+    grad_input = grad_kernel = None
+    if need_input:
+        grad_input = torch.matmul(mixing.transpose(1, 2), grad).reshape(
+            n, groups * ci_g, ph, pw)
+    if need_weight:
+        inp = input_pooled.reshape(n, groups, ci_g, ph * pw)
+        grad_kernel = torch.einsum('ngol,ngil->goi', grad, inp).reshape(
+            groups * co_g, ci_g, 1, 1)
+    return grad_input, grad_kernel
+
+
+def pooled_conv_backward(
+    grad_pooled: Tensor,
+    input_pooled: Optional[Tensor],
+    kernel: Tensor,
+    geo_h: AxisGeometry,
+    geo_w: AxisGeometry,
+    groups: int,
+    need_input: bool,
+    need_weight: bool,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Exact backward of the small convolution on the pooled grid.
+
+    The forward it differentiates is ``y~ = conv2d(pad(x~), kernel,
+    dilation=pooled_dilation)``, a stride-1 convolution whose output grid is
+    the patch grid. Collapsed axes have a kernel of size 1, so in the usual
+    (non-dilated) case this is a pair of channel-mixing matrix products.
+
+    Returns:
+        ``(grad wrt x~ on the patch grid, grad wrt the pooled kernel)``.
+    """
+    if geo_h.collapsed and geo_w.collapsed:
+        return _channel_mixing_backward(grad_pooled, input_pooled, kernel,
+                                        groups, need_input, need_weight)
+    n = grad_pooled.shape[0]
+    ci = kernel.shape[1] * groups
+    top, bottom = geo_h.pooled_pads
+    left, right = geo_w.pooled_pads
+    padded_shape = (n, ci, geo_h.num_patches + top + bottom,
+                    geo_w.num_patches + left + right)
+    if input_pooled is None:
+        # Only the shape is used when the weight gradient is not asked for.
+        padded_input = grad_pooled.new_empty(padded_shape)
+    else:
+        padded_input = _pad_pooled(input_pooled, geo_h, geo_w)
+    dilation = (max(geo_h.pooled_dilation, 1), max(geo_w.pooled_dilation, 1))
+    grad_input, grad_kernel, _ = torch.ops.aten.convolution_backward(
+        grad_pooled, padded_input, kernel, None, [1, 1], [0, 0],
+        list(dilation), False, [0, 0], groups,
+        [need_input, need_weight, False])
+    if grad_input is not None and (top or bottom or left or right):
+        grad_input = grad_input[:, :, top:top + geo_h.num_patches,
+                                left:left + geo_w.num_patches]
+    return grad_input, grad_kernel
+
+
+class GradientFilterConv2dFunction(torch.autograd.Function):
+    """Autograd Function: ``F.conv2d`` forward, gradient-filter backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                stride: Tuple[int, int], padding: Tuple[int, int],
+                dilation: Tuple[int, int], groups: int,
+                radius: int) -> Tensor:
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        geo_h = AxisGeometry.of(x.shape[2], out.shape[2], weight.shape[2],
+                                stride[0], padding[0], dilation[0], radius)
+        geo_w = AxisGeometry.of(x.shape[3], out.shape[3], weight.shape[3],
+                                stride[1], padding[1], dilation[1], radius)
+        # Never save x: only its patch sums, and only if g_W will be needed.
+        x_pooled = (
+            pool_input_patches(x, geo_h, geo_w)
+            if ctx.needs_input_grad[1] else None)
+        ctx.save_for_backward(x_pooled, weight)
+        ctx.geometry = (geo_h, geo_w)
+        ctx.groups = groups
+        ctx.stride_area = stride[0] * stride[1]
+        ctx.input_dtype = x.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: Tensor):
+        x_pooled, weight = ctx.saved_tensors
+        geo_h, geo_w = ctx.geometry
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        with torch.autocast(grad_output.device.type, enabled=False):
+            # 1/s^2 keeps the filtered gradients unbiased for strided convs
+            # (GF_SPEC "Normalisation").
+            sums, means = filter_output_grad(grad_output, geo_h, geo_w,
+                                             acc_dtype,
+                                             1.0 / ctx.stride_area)
+            kernel = pooled_kernel(weight.to(acc_dtype), geo_h, geo_w)
+            grad_x_pooled, grad_kernel = pooled_conv_backward(
+                means,
+                None if x_pooled is None else x_pooled.to(acc_dtype),
+                kernel, geo_h, geo_w, ctx.groups, need_x, need_w)
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = spread_to_input(
+                grad_x_pooled.to(ctx.input_dtype), geo_h, geo_w)
+        if need_w:
+            grad_w = grad_kernel.expand_as(weight).to(weight.dtype)
+        if need_b:
+            grad_b = sums.sum(dim=(0, 2, 3)).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def resolve_padding(padding: Union[str, IntPair], kernel_size: Sequence[int],
+                    dilation: Sequence[int]) -> Tuple[Tuple[int, int],
+                                                      Optional[List[int]]]:
+    """Turn ``nn.Conv2d``'s padding into numbers the Function can use.
+
+    Returns ``(symmetric padding, extra F.pad or None)``: ``'same'`` with an
+    even total is symmetric; an odd total (even kernel) puts the extra pixel
+    after, as ``F.conv2d`` does, via an explicit ``F.pad``.
+    """
+    if not isinstance(padding, str):
+        return _pair(padding), None
+    if padding == 'valid':
+        return (0, 0), None
+    if padding != 'same':
+        raise ValueError(f'unsupported padding {padding!r}')
+    pads, extra, asymmetric = [], [], False
+    for k, d in zip(kernel_size, dilation):
+        total = d * (k - 1)
+        pads.append(total // 2)
+        extra.append(total - 2 * (total // 2))
+        asymmetric |= bool(total % 2)
+    if not asymmetric:
+        return (pads[0], pads[1]), None
+    return (pads[0], pads[1]), [0, extra[1], 0, extra[0]]
+
+
+def gradient_filtered_conv2d(x: Tensor,
+                             weight: Tensor,
+                             bias: Optional[Tensor] = None,
+                             stride: IntPair = 1,
+                             padding: Union[str, IntPair] = 0,
+                             dilation: IntPair = 1,
+                             groups: int = 1,
+                             radius: int = 4) -> Tensor:
+    """``F.conv2d`` whose backward is the gradient filter of patch size ``r``.
+
+    Args:
+        x: input, ``N x Ci x H x W``.
+        weight: ``Co x Ci/groups x kh x kw``.
+        bias: optional ``Co``; its gradient is exact.
+        stride, padding, dilation, groups: as in ``F.conv2d`` (string
+            padding ``'same'`` / ``'valid'`` included).
+        radius: patch size ``r >= 1`` of the output-gradient patches.
+
+    Returns:
+        Exactly ``F.conv2d(x, weight, bias, stride, padding, dilation, groups)``.
+    """
+    radius = check_radius(radius)
+    dilation = _pair(dilation)
+    pad, extra = resolve_padding(padding, weight.shape[2:], dilation)
+    if extra is not None:
+        x = F.pad(x, extra)
+    return GradientFilterConv2dFunction.apply(x, weight, bias, _pair(stride),
+                                              pad, dilation, groups, radius)
