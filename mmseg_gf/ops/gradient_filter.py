@@ -188,12 +188,17 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
                     geo_w: AxisGeometry) -> Tensor:
     """Broadcast each pooled cell over its input patch ``Q(P)`` (Eq. 3).
 
-    One expand + reshape write; pixels outside every ``Q(P)`` get 0.
+    Written in two broadcasts, first along the width (a ``1/r`` sized
+    intermediate), then whole rows along the height: both copies have a
+    contiguous inner dimension, about twice as fast on CPU as one 6-D
+    expand. Pixels outside every ``Q(P)`` get 0.
     """
     n, c, ph, pw = grad_pooled.shape
-    spread = grad_pooled[:, :, :, None, :, None].expand(
-        n, c, ph, geo_h.in_patch, pw, geo_w.in_patch).reshape(
-            n, c, ph * geo_h.in_patch, pw * geo_w.in_patch)
+    ih, iw = geo_h.in_patch, geo_w.in_patch
+    rows = grad_pooled[..., None].expand(n, c, ph, pw, iw).reshape(
+        n, c, ph, 1, pw * iw)
+    spread = rows.expand(n, c, ph, ih, pw * iw).reshape(
+        n, c, ph * ih, pw * iw)
     top, bottom = geo_h.input_pads
     left, right = geo_w.input_pads
     if top == bottom == left == right == 0:

@@ -1,0 +1,94 @@
+"""Per-layer benchmark: GFConv2d's backward vs torch's native conv backward.
+
+Example::
+
+    python tools/benchmark_layers.py --batch 8 --radii 2 4 \
+        --out-dir work_dirs/benchmarks/layers
+
+Writes ``layers.json``, ``layers.md`` and ``layers.png`` (speedup per layer)
+and prints the table and the medians over layers. CUDA is measured too when
+a CUDA GPU is present (``--devices cpu cuda``).
+"""
+import argparse
+import json
+import os
+import os.path as osp
+
+import torch
+
+from mmseg_gf.analysis.layer_benchmark import (PAPER_LAYERS, markdown_table,
+                                               summarize, time_layer)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--batch', type=int, default=8)
+    parser.add_argument('--radii', type=int, nargs='+', default=[2, 4])
+    parser.add_argument('--repeats', type=int, default=7)
+    parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument(
+        '--layers', type=int, nargs='+', default=None,
+        help='indices into the paper\'s Table 10 layers (default: all 7)')
+    parser.add_argument(
+        '--devices', nargs='+', default=None,
+        help='default: cpu, plus cuda when available')
+    parser.add_argument('--threads', type=int, default=None,
+                        help='torch CPU threads (default: torch\'s choice)')
+    parser.add_argument('--out-dir', default='work_dirs/benchmarks/layers')
+    return parser.parse_args()
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4))
+    keys = sorted({(r.device, r.case, r.radius) for r in rows})
+    layers = list(dict.fromkeys(r.layer for r in rows))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        sel = {r.layer: r.backward_speedup for r in rows
+               if (r.device, r.case, r.radius) == key}
+        ax.bar([j + i * width for j in range(len(layers))],
+               [sel.get(layer, 0) for layer in layers], width,
+               label=f'{key[0]} {key[1]} r={key[2]}')
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))])
+    ax.set_xticklabels(layers, rotation=20, fontsize=7)
+    ax.set_yscale('log')
+    ax.set_ylabel('backward speedup vs torch (x)')
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    devices = args.devices or (['cpu', 'cuda']
+                               if torch.cuda.is_available() else ['cpu'])
+    layers = [PAPER_LAYERS[i] for i in (args.layers or range(len(PAPER_LAYERS)))]
+    rows = []
+    for device in devices:
+        for cin, cout, h, w in layers:
+            print(f'[{device}] {cin}x{cout}@{h}x{w} ...', flush=True)
+            rows += time_layer(cin, cout, h, w, args.radii, args.batch,
+                               args.repeats, args.warmup, device)
+    os.makedirs(args.out_dir, exist_ok=True)
+    table = markdown_table(rows)
+    summary = {dev: summarize([r for r in rows if r.device.startswith(dev)])
+               for dev in devices}
+    meta = dict(batch=args.batch, threads=torch.get_num_threads(),
+                torch=torch.__version__, repeats=args.repeats)
+    with open(osp.join(args.out_dir, 'layers.json'), 'w') as f:
+        json.dump(dict(meta=meta, summary=summary,
+                       rows=[r.as_dict() for r in rows]), f, indent=2)
+    with open(osp.join(args.out_dir, 'layers.md'), 'w') as f:
+        f.write(table + '\n')
+    plot(rows, osp.join(args.out_dir, 'layers.png'))
+    print(table)
+    print(json.dumps(dict(meta=meta, summary=summary), indent=2))
+
+
+if __name__ == '__main__':
+    main()
