@@ -178,8 +178,15 @@ def pooled_kernel(weight: Tensor, geo_h: AxisGeometry,
     """The kernel as seen on the pooled grid: summed over collapsed axes.
 
     Both axes collapsed gives ``W~[co, ci] = sum_{u,v} W[co, ci, u, v]``
-    (GF_SPEC step 2) as a ``1 x 1`` kernel.
+    (GF_SPEC step 2) as a ``1 x 1`` kernel, computed as a matrix-vector
+    product: a reduction over the short contiguous tap axis vectorises
+    poorly, and for 512x512 kernels this read dominates small layers.
     """
+    if geo_h.collapsed and geo_w.collapsed:
+        co, ci_g, kh, kw = weight.shape
+        taps = weight.new_ones(kh * kw)
+        return (weight.reshape(co * ci_g, kh * kw) @ taps).reshape(
+            co, ci_g, 1, 1)
     dims = [dim for dim, geo in ((2, geo_h), (3, geo_w)) if geo.collapsed]
     return weight.sum(dim=dims, keepdim=True) if dims else weight
 
@@ -229,11 +236,11 @@ def _channel_mixing_backward(
     fixed cost of a general convolution backward on such small tensors.
     """
     n, co, ph, pw = grad_pooled.shape
-    co_g, ci_g = kernel.shape[0] // groups, kernel.shape[1]
+    co_g, ci_g = co // groups, kernel.shape[1]
     grad = grad_pooled.reshape(n, groups, co_g, ph * pw)
-    mixing = kernel.reshape(groups, co_g, ci_g)
     grad_input = grad_kernel = None
     if need_input:
+        mixing = kernel.reshape(groups, co_g, ci_g)
         grad_input = torch.matmul(mixing.transpose(1, 2), grad).reshape(
             n, groups * ci_g, ph, pw)
     if need_weight:
@@ -325,7 +332,13 @@ class GradientFilterConv2dFunction(torch.autograd.Function):
             sums, means = filter_output_grad(grad_output, geo_h, geo_w,
                                              acc_dtype,
                                              1.0 / ctx.stride_area)
-            kernel = pooled_kernel(weight.to(acc_dtype), geo_h, geo_w)
+            # For the weight gradient alone only the kernel's shape matters:
+            # skip reading (and summing) a possibly large weight.
+            kernel = (
+                pooled_kernel(weight.to(acc_dtype), geo_h, geo_w)
+                if need_x or not (geo_h.collapsed and geo_w.collapsed) else
+                weight.new_empty(()).expand(weight.shape[0], weight.shape[1],
+                                           1, 1))
             grad_x_pooled, grad_kernel = pooled_conv_backward(
                 means,
                 None if x_pooled is None else x_pooled.to(acc_dtype),
