@@ -229,23 +229,38 @@ def _channel_mixing_backward(
     need_input: bool,
     need_weight: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Backward of a grouped ``1 x 1`` convolution as batched matmuls.
+    """Backward of a grouped ``1 x 1`` convolution as matrix products.
 
     The usual (non-dilated) case: ``g_x~ = W~^T g~`` and ``g_W~ = g~ x~^T``
-    per group, with the patch grid flattened. Direct matmuls avoid the large
-    fixed cost of a general convolution backward on such small tensors.
+    per group, with batch and patch grid flattened into one axis so that
+    each group is a single large GEMM (one per group, not one per image).
+    Depthwise convs are elementwise. Direct products avoid the large fixed
+    cost of a general convolution backward on such small tensors.
     """
     n, co, ph, pw = grad_pooled.shape
     co_g, ci_g = co // groups, kernel.shape[1]
-    grad = grad_pooled.reshape(n, groups, co_g, ph * pw)
     grad_input = grad_kernel = None
+    if co_g == 1 and ci_g == 1:  # depthwise
+        if need_input:
+            grad_input = grad_pooled * kernel.reshape(1, co, 1, 1)
+        if need_weight:
+            grad_kernel = (grad_pooled * input_pooled).sum(
+                dim=(0, 2, 3)).reshape(co, 1, 1, 1)
+        return grad_input, grad_kernel
+
+    def by_group(t: Tensor, per_group: int) -> Tensor:
+        # (n, g*c, ph, pw) -> (g, c, n*ph*pw)
+        return t.reshape(n, groups, per_group, ph * pw).permute(
+            1, 2, 0, 3).reshape(groups, per_group, n * ph * pw)
+
+    grad = by_group(grad_pooled, co_g)
     if need_input:
-        mixing = kernel.reshape(groups, co_g, ci_g)
-        grad_input = torch.matmul(mixing.transpose(1, 2), grad).reshape(
-            n, groups * ci_g, ph, pw)
+        mixing = kernel.reshape(groups, co_g, ci_g).transpose(1, 2)
+        grad_input = torch.bmm(mixing, grad).reshape(
+            groups * ci_g, n, ph, pw).transpose(0, 1)
     if need_weight:
-        inp = input_pooled.reshape(n, groups, ci_g, ph * pw)
-        grad_kernel = torch.einsum('ngol,ngil->goi', grad, inp).reshape(
+        inp = by_group(input_pooled, ci_g)
+        grad_kernel = torch.bmm(grad, inp.transpose(1, 2)).reshape(
             groups * co_g, ci_g, 1, 1)
     return grad_input, grad_kernel
 
