@@ -80,3 +80,15 @@ def test_capture_layer_io_records_input_and_output_grad():
     inp, grad = records['c']
     assert inp.shape == (2, 3, 6, 6)
     torch.testing.assert_close(grad, torch.ones(2, 1, 6, 6))
+
+
+def test_saved_bytes_filtered_vs_vanilla_match_analytic_ratio():
+    from mmseg_gf import GFConv2d
+    from mmseg_gf.analysis.memory import saved_tensor_bytes
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    gf = GFConv2d.from_conv(conv, radius=4)
+    x = torch.randn(2, 8, 32, 32)
+    vanilla = saved_tensor_bytes(lambda: conv(x))
+    filtered = saved_tensor_bytes(lambda: gf(x))
+    assert vanilla == x.numel() * 4  # x itself; the weight is a Parameter
+    assert filtered == x.numel() * 4 // 16  # patch sums: 1/r^2
