@@ -1,0 +1,37 @@
+"""The per-layer benchmark tool runs and measures what it claims."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from mmseg_gf.analysis.layer_benchmark import summarize, time_layer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_time_layer_measures_both_cases_and_saved_bytes():
+    rows = time_layer(8, 8, 16, 16, radii=(2, 4), batch=2, repeats=1,
+                      warmup=0)
+    assert {(r.case, r.radius) for r in rows} == {
+        ('with_gx', 2), ('with_gx', 4), ('weight_only', 2),
+        ('weight_only', 4)}
+    for row in rows:
+        assert row.vanilla_saved_bytes == 2 * 8 * 16 * 16 * 4
+        assert row.gf_saved_bytes * row.radius**2 == row.vanilla_saved_bytes
+        assert row.vanilla_backward > 0 and row.gf_backward > 0
+    summary = summarize(rows)
+    assert summary['with_gx/r=4']['max_saved_ratio'] == 1 / 16
+
+
+def test_cli_writes_json_markdown_and_plot(tmp_path):
+    out = tmp_path / 'bench'
+    subprocess.run(
+        [sys.executable, 'tools/benchmark_layers.py', '--layers', '6',
+         '--batch', '1', '--repeats', '1', '--warmup', '0', '--radii', '4',
+         '--devices', 'cpu', '--out-dir', str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=300)
+    data = json.loads((out / 'layers.json').read_text())
+    assert len(data['rows']) == 2  # with_gx and weight_only at r=4
+    assert data['rows'][0]['layer'] == '64x64@56x56'
+    assert '| 64x64@56x56 |' in (out / 'layers.md').read_text()
+    assert (out / 'layers.png').stat().st_size > 1000
