@@ -1,0 +1,20 @@
+"""Layer selection, surgery, config rewrite and GradFilterHook.
+
+Importing this package registers ``GradFilterModel`` (mmseg MODELS),
+``GradFilterHook`` and ``GradientQualityHook`` (mmseg HOOKS).
+"""
+from .config import build_grad_filter_model, check_settings, rewrite_config
+from .hooks import GradFilterHook, format_cost_table
+from .quality_hook import GradientQualityHook
+from .selection import (LayerChoice, auto_radius, resolve_radius,
+                        select_layers, trace_convs)
+from .surgery import (apply_gradient_filter, get_gradient_filter_layers,
+                      set_frozen_norms_eval)
+
+__all__ = [
+    'LayerChoice', 'trace_convs', 'select_layers', 'auto_radius',
+    'resolve_radius', 'apply_gradient_filter', 'set_frozen_norms_eval',
+    'get_gradient_filter_layers', 'build_grad_filter_model',
+    'check_settings', 'rewrite_config', 'GradFilterHook', 'format_cost_table',
+    'GradientQualityHook'
+]

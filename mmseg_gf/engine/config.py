@@ -1,0 +1,201 @@
+"""Config support: the ``GradFilterModel`` builder and ``rewrite_config``.
+
+Two equivalent ways to finetune with gradient filtering:
+
+1. A top-level ``gradient_filter = dict(num_layers=5, radius=4)`` in an mmseg
+   config, turned by :func:`rewrite_config` into
+   ``model = dict(type='GradFilterModel', model=<segmentor>, ...)``. The
+   builder returns the plain segmentor class with GFConv2d swapped in, so
+   checkpoints keep mmseg's keys and load without the plugin.
+2. An unchanged config plus ``custom_hooks=[dict(type='GradFilterHook',
+   num_layers=5, radius=4)]`` (see ``hooks.py``).
+"""
+import copy
+from typing import Any, Dict, Optional, Sequence
+
+from mmseg.registry import MODELS
+from torch import nn
+
+from ..ops import check_radius
+from .selection import select_layers
+from .surgery import apply_gradient_filter, check_mode
+
+__all__ = [
+    'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
+    'rewrite_config', 'default_input_size'
+]
+
+#: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
+SETTING_KEYS = ('num_layers', 'layers', 'radius', 'mode', 'train_norm',
+                'input_size')
+DEFAULT_INPUT_SIZE = (512, 512)
+
+
+def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Validate gradient-filter settings before any model is built.
+
+    Args:
+        settings: a dict with keys among :data:`SETTING_KEYS`.
+
+    Returns:
+        dict: a copy with defaults filled (radius 4, mode 'gf',
+        train_norm False, input_size None).
+
+    Raises:
+        ValueError: unknown key, both or neither of num_layers / layers,
+            bad mode, radius or input_size. Errors say what is allowed.
+    """
+    unknown = sorted(set(settings) - set(SETTING_KEYS))
+    if unknown:
+        raise ValueError(f'gradient_filter: unknown key(s) {unknown}; '
+                         f'allowed: {list(SETTING_KEYS)}')
+    out = dict(radius=4, mode='gf', train_norm=False, input_size=None,
+               num_layers=None, layers=None)
+    out.update(settings)
+    if (out['num_layers'] is None) == (out['layers'] is None):
+        raise ValueError('gradient_filter: give exactly one of num_layers '
+                         '(the last N convs) and layers (module paths), got '
+                         f'num_layers={out["num_layers"]!r}, '
+                         f'layers={out["layers"]!r}')
+    n = out['num_layers']
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                          or n < 1):
+        raise ValueError(
+            f'gradient_filter num_layers must be an int >= 1, got {n!r}')
+    if out['layers'] is not None:
+        layers = out['layers']
+        if isinstance(layers, str):
+            layers = [layers]
+        if not layers or not all(isinstance(p, str) for p in layers):
+            raise ValueError('gradient_filter layers must be a non-empty '
+                             f'list of module paths, got {layers!r}')
+        out['layers'] = list(layers)
+    check_mode(out['mode'])
+    radius = out['radius']
+    values = radius.values() if isinstance(radius, dict) else [radius]
+    for r in values:
+        if r != 'auto':
+            try:
+                check_radius(r)
+            except ValueError:
+                raise ValueError(
+                    "gradient_filter radius must be an int >= 1, 'auto' or "
+                    'a dict {module path: int or "auto"}, got '
+                    f'{radius!r}') from None
+    if not isinstance(out['train_norm'], bool):
+        raise ValueError('gradient_filter train_norm must be True or False, '
+                         f'got {out["train_norm"]!r}')
+    size = out['input_size']
+    if size is not None:
+        if isinstance(size, int):
+            size = (size, size)
+        if len(size) != 2 or not all(
+                isinstance(v, int) and v > 0 for v in size):
+            raise ValueError('gradient_filter input_size must be (H, W) '
+                             f'positive ints, got {out["input_size"]!r}')
+        out['input_size'] = tuple(size)
+    return out
+
+
+def default_input_size(cfg) -> Sequence[int]:
+    """Trace size from a config: data_preprocessor size, crop_size or 512."""
+    model = cfg.get('model', {}) or {}
+    if model.get('type') == 'GradFilterModel':
+        model = model.get('model', {})
+    size = (model.get('data_preprocessor') or {}).get('size')
+    if size is None:
+        size = (cfg.get('data_preprocessor') or {}).get('size')
+    if size is None:
+        size = cfg.get('crop_size')
+    if size is None:
+        return DEFAULT_INPUT_SIZE
+    if isinstance(size, int):
+        return (size, size)
+    return (int(size[0]), int(size[1]))
+
+
+def build_grad_filter_model(model: dict,
+                            num_layers: Optional[int] = None,
+                            layers: Optional[Sequence[str]] = None,
+                            radius: Any = 4,
+                            mode: str = 'gf',
+                            train_norm: bool = False,
+                            input_size: Optional[Sequence[int]] = None,
+                            data_preprocessor: Optional[dict] = None
+                            ) -> nn.Module:
+    """Build a segmentor and gradient-filter its chosen layers.
+
+    Registered in mmseg's ``MODELS`` as ``GradFilterModel``. Returns the
+    segmentor itself (not a wrapper), so its ``state_dict`` keys are plain
+    mmseg keys; the choices are kept on it (``_gradient_filter_layers``),
+    which tells GradFilterHook not to apply them again.
+
+    Args:
+        model: the segmentor config.
+        num_layers, layers, radius, mode, train_norm: see
+            :func:`select_layers` and :func:`apply_gradient_filter`.
+        input_size: ``(H, W)`` of the selection trace (default 512).
+        data_preprocessor: mmengine's Runner injects the config's top-level
+            ``data_preprocessor`` into the model dict; it is forwarded to
+            the segmentor config if that has none.
+    """
+    settings = check_settings(
+        dict(num_layers=num_layers, layers=layers, radius=radius, mode=mode,
+             train_norm=train_norm, input_size=input_size))
+    model = copy.deepcopy(model)
+    if data_preprocessor is not None:
+        model.setdefault('data_preprocessor', data_preprocessor)
+    segmentor = MODELS.build(model)
+    size = settings['input_size'] or DEFAULT_INPUT_SIZE
+    choices = select_layers(segmentor, num_layers=settings['num_layers'],
+                            layers=settings['layers'],
+                            radius=settings['radius'], input_size=size)
+    apply_gradient_filter(segmentor, choices, mode=settings['mode'],
+                          train_norm=settings['train_norm'])
+    return segmentor
+
+
+MODELS.register_module(name='GradFilterModel',
+                       module=build_grad_filter_model)
+
+
+def rewrite_config(cfg):
+    """Turn a top-level ``gradient_filter`` setting into the model builder.
+
+    ``cfg.model`` becomes ``dict(type='GradFilterModel', model=<old model>,
+    **settings)``; a ``GradFilterHook`` with no settings is added to
+    ``custom_hooks`` (it logs the cost table and keeps frozen norms in
+    eval mode every iteration), and ``mmseg_gf`` to ``custom_imports`` so
+    the dumped config builds on its own. A config without
+    ``gradient_filter``, or one already rewritten, is returned unchanged.
+
+    Args:
+        cfg (mmengine.Config): the config, modified in place.
+
+    Returns:
+        The same config.
+
+    Raises:
+        ValueError: invalid settings (see :func:`check_settings`).
+    """
+    settings = cfg.get('gradient_filter')
+    if settings is None:
+        return cfg
+    settings = check_settings(dict(settings))
+    if cfg.model.get('type') == 'GradFilterModel':
+        return cfg
+    if settings['input_size'] is None:
+        settings['input_size'] = tuple(default_input_size(cfg))
+    cfg.model = dict(type='GradFilterModel', model=cfg.model, **settings)
+    hooks = list(cfg.get('custom_hooks') or [])
+    if not any(h.get('type') == 'GradFilterHook' for h in hooks):
+        hooks.append(dict(type='GradFilterHook'))
+    cfg.custom_hooks = hooks
+    imports = dict(cfg.get('custom_imports') or {})
+    names = list(imports.get('imports', []))
+    if 'mmseg_gf' not in names:
+        names.append('mmseg_gf')
+    imports['imports'] = names
+    imports.setdefault('allow_failed_imports', False)
+    cfg.custom_imports = imports
+    return cfg

@@ -1,0 +1,214 @@
+"""GradFilterHook: gradient filtering for an unchanged mmseg config.
+
+Where it acts in mmengine's ``Runner.train()``: the optimizer is built, then
+``before_run``, weight init, ``load_or_resume`` (checkpoint / optimizer
+state), then the train loop calls ``before_train``. The hook swaps layers in
+``before_train``, after all of that: GFConv2d shares the conv's Parameters,
+so the optimizer (and a resumed optimizer state) stays valid and loaded
+weights are kept. DDP fixes the set of gradient-requiring parameters when it
+is constructed, so a DDP-wrapped model is wrapped again after freezing
+(otherwise the reducer waits for gradients of frozen parameters:
+"Expected to have finished reduction in the prior iteration").
+"""
+import copy
+import gc
+from typing import Any, Dict, List, Optional, Sequence
+
+from mmengine.hooks import Hook
+from mmengine.model import is_model_wrapper
+from mmseg.registry import HOOKS
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..analysis.cost import conv_backward_cost
+from .config import DEFAULT_INPUT_SIZE, check_settings, default_input_size
+from .selection import LayerChoice, select_layers, trace_convs
+from .surgery import (MODE_ATTR, apply_gradient_filter,
+                      get_gradient_filter_layers, set_frozen_norms_eval)
+
+__all__ = ['GradFilterHook', 'format_cost_table']
+
+
+def _fmt_flops(v: float) -> str:
+    if v >= 1e9:
+        return f'{v / 1e9:.2f}G'
+    return f'{v / 1e6:.2f}M'
+
+
+def _fmt_bytes(v: float) -> str:
+    return f'{v / 2**20:.2f}MiB'
+
+
+def format_cost_table(model: nn.Module,
+                      choices: Sequence[LayerChoice],
+                      batch: int = 1,
+                      mode: str = 'gf',
+                      needs_input_grad: Optional[Dict[str, bool]] = None
+                      ) -> str:
+    """A text table of the chosen layers and their backward costs.
+
+    Args:
+        model: the (unwrapped) segmentor, for trainable-parameter counts.
+        choices: the applied layers.
+        batch: training batch size.
+        mode: 'gf' or 'vanilla' (shown in the title).
+        needs_input_grad: path -> whether the layer computes ``g_x`` (its
+            input depends on a trained layer), e.g. from
+            ``trace_convs(model, size, grad=True)``. Default: every layer
+            but the first in execution order (an upper bound: branches fed
+            by frozen features need no ``g_x``).
+    """
+    header = ('path', 'k/s/d/g', 'in->out', 'r', 'params', 'bwd vanilla',
+              'bwd GF', 'saved vanilla', 'saved GF')
+    rows: List[Sequence[str]] = []
+    tot = [0, 0, 0, 0]
+    for i, c in enumerate(choices):
+        cost = conv_backward_cost(
+            cin=c.in_shape[0], cout=c.out_shape[0], kh=c.kernel_size[0],
+            kw=c.kernel_size[1], stride=c.stride, dilation=c.dilation,
+            groups=c.groups, in_hw=c.in_shape[1:], out_hw=c.out_shape[1:],
+            batch=batch, radius=c.radius,
+            need_input_grad=(needs_input_grad[c.path] if needs_input_grad
+                             and c.path in needs_input_grad else i > 0))
+        params = sum(p.numel() for p in c.module.parameters()
+                     if p.requires_grad)
+        tot[0] += cost.vanilla_flops
+        tot[1] += cost.gf_flops
+        tot[2] += cost.vanilla_saved_bytes
+        tot[3] += cost.gf_saved_bytes
+        rows.append((
+            c.path, f'{c.kernel_size[0]}/{c.stride[0]}/{c.dilation[0]}'
+            f'/{c.groups}', f'{c.in_shape[1]}x{c.in_shape[2]}->'
+            f'{c.out_shape[1]}x{c.out_shape[2]}', str(c.radius), str(params),
+            _fmt_flops(cost.vanilla_flops), _fmt_flops(cost.gf_flops),
+            _fmt_bytes(cost.vanilla_saved_bytes),
+            _fmt_bytes(cost.gf_saved_bytes)))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rows.append(('total (+classifier/norm params)', '', '', '',
+                 str(trainable), _fmt_flops(tot[0]), _fmt_flops(tot[1]),
+                 _fmt_bytes(tot[2]), _fmt_bytes(tot[3])))
+    widths = [max(len(r[i]) for r in rows + [header])
+              for i in range(len(header))]
+    lines = [
+        f'Gradient filter ({mode}): {len(choices)} layers, batch {batch}, '
+        'backward FLOPs / saved activations of the chosen convs'
+    ]
+    for r in [header] + rows:
+        lines.append('  '.join(v.ljust(w) for v, w in zip(r, widths)))
+    return '\n'.join(lines)
+
+
+@HOOKS.register_module()
+class GradFilterHook(Hook):
+    """Gradient-filter the last layers of an existing mmseg config's model.
+
+    Use with ``custom_imports=dict(imports=['mmseg_gf'],
+    allow_failed_imports=False)`` and
+    ``custom_hooks=[dict(type='GradFilterHook', num_layers=5, radius=4)]``.
+    If the model was already prepared (built by ``GradFilterModel`` through
+    ``rewrite_config``), nothing is re-applied and the hook only logs the
+    cost table and keeps frozen norms in eval mode; then no settings are
+    needed.
+
+    Args:
+        num_layers: train the last N convs (execution order).
+        layers: or explicit module paths.
+        radius: int, 'auto' or {path prefix: int|'auto'}.
+        mode: 'gf' or 'vanilla' (same layers, exact backward).
+        train_norm: also train the norms following the chosen convs.
+        input_size: (H, W) of the selection trace; default: the config's
+            data_preprocessor size / crop_size, else 512.
+        log_table: log the per-layer cost table at train start.
+    """
+
+    priority = 'ABOVE_NORMAL'
+
+    def __init__(self,
+                 num_layers: Optional[int] = None,
+                 layers: Optional[Sequence[str]] = None,
+                 radius: Any = 4,
+                 mode: str = 'gf',
+                 train_norm: bool = False,
+                 input_size: Optional[Sequence[int]] = None,
+                 log_table: bool = True) -> None:
+        self.configured = num_layers is not None or layers is not None
+        self.settings = check_settings(
+            dict(num_layers=num_layers, layers=layers, radius=radius,
+                 mode=mode, train_norm=train_norm, input_size=input_size)
+        ) if self.configured else None
+        self.log_table = log_table
+
+    def before_train(self, runner) -> None:
+        """Apply selection + surgery (unless done), re-wrap DDP, log."""
+        model = runner.model.module if is_model_wrapper(
+            runner.model) else runner.model
+        choices = get_gradient_filter_layers(model)
+        if choices is None and is_model_wrapper(runner.model) and \
+                not isinstance(runner.model, DistributedDataParallel):
+            # FSDP / DeepSpeed wrappers flatten or shard the Parameters that
+            # GFConv2d.from_conv would share: swapping after wrapping is
+            # unsafe there, building the model prepared is not.
+            raise TypeError(
+                'GradFilterHook can only re-wrap DistributedDataParallel '
+                f'models, got {type(runner.model).__name__}; use the '
+                '`gradient_filter` config setting (rewrite_config) so the '
+                'model is prepared before it is wrapped')
+        if choices is None:
+            if not self.configured:
+                raise ValueError(
+                    'GradFilterHook needs num_layers or layers, unless the '
+                    'model was built by GradFilterModel (gradient_filter '
+                    'config setting)')
+            s = self.settings
+            size = s['input_size'] or (
+                default_input_size(runner.cfg)
+                if runner.cfg is not None else DEFAULT_INPUT_SIZE)
+            choices = select_layers(model, num_layers=s['num_layers'],
+                                    layers=s['layers'], radius=s['radius'],
+                                    input_size=size)
+            choices = apply_gradient_filter(model, choices, mode=s['mode'],
+                                            train_norm=s['train_norm'])
+            if is_model_wrapper(runner.model):
+                self._rewrap(runner, model)
+        elif self.configured:
+            runner.logger.info(
+                'GradFilterHook: the model was already gradient-filtered by '
+                'its config (GradFilterModel); hook settings are ignored')
+        set_frozen_norms_eval(model)
+        if self.log_table:
+            batch = 1
+            try:
+                batch = int(runner.cfg.train_dataloader.batch_size)
+            except (AttributeError, KeyError, TypeError):
+                pass
+            size = choices[0].input_hw if choices[0].input_hw[0] else (
+                DEFAULT_INPUT_SIZE)
+            # One forward with autograd on: which chosen convs get an input
+            # that needs a gradient (they compute g_x; the others do not).
+            needs = {
+                r.path: r.input_requires_grad
+                for r in trace_convs(model, size, grad=True)
+            }
+            runner.logger.info('\n' + format_cost_table(
+                model, choices, batch, getattr(model, MODE_ATTR, 'gf'),
+                needs))
+
+    @staticmethod
+    def _rewrap(runner, model: nn.Module) -> None:
+        """Wrap ``model`` in DDP again, with the config's wrapper settings.
+
+        DDP records which parameters require gradients when it is built and
+        waits for all of them in every backward; after freezing most of them
+        it would fail with "Expected to have finished reduction in the prior
+        iteration". The old wrapper is released first (and collected) so
+        its reducer's autograd hooks leave the shared Parameters.
+        """
+        wrapper_cfg = copy.deepcopy(runner.cfg.get('model_wrapper_cfg'))
+        runner.model = None
+        gc.collect()
+        runner.model = runner.wrap_model(wrapper_cfg, model)
+
+    def before_train_iter(self, runner, batch_idx: int,
+                          data_batch: Any = None) -> None:
+        """mmengine loops call ``model.train()``: re-freeze norm stats."""
+        set_frozen_norms_eval(runner.model)

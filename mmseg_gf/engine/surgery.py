@@ -1,0 +1,133 @@
+"""Swap selected convs for GFConv2d and freeze everything else.
+
+The swap shares Parameters (``GFConv2d.from_conv``), so ``state_dict`` keys
+and values are unchanged and an optimizer built before the swap stays valid.
+"""
+from typing import List, Optional, Sequence
+
+from torch import nn
+
+from ..models.gf_conv import GFConv2d
+from .selection import CLASSIFIER_SUFFIX, NORM_TYPES, LayerChoice
+
+__all__ = [
+    'MODES', 'MARK_ATTR', 'apply_gradient_filter', 'set_frozen_norms_eval',
+    'get_gradient_filter_layers', 'classifier_paths'
+]
+
+#: 'gf': filtered backward; 'vanilla': same layers trained, exact backward
+#: (the paper's "Vanilla BP N" baseline differs from "Ours N" only here).
+MODES = ('gf', 'vanilla')
+#: Attribute set on the segmentor: the applied list of LayerChoice.
+MARK_ATTR = '_gradient_filter_layers'
+MODE_ATTR = '_gradient_filter_mode'
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, 'module') and isinstance(
+        model.module, nn.Module) else model
+
+
+def check_mode(mode: str) -> str:
+    """Validate ``mode``; raises ValueError naming the allowed values."""
+    if mode not in MODES:
+        raise ValueError(f'gradient_filter mode must be one of {MODES}, '
+                         f'got {mode!r}')
+    return mode
+
+
+def get_gradient_filter_layers(
+        model: nn.Module) -> Optional[List[LayerChoice]]:
+    """The layers applied to ``model`` (wrapped or not), or None."""
+    return getattr(_unwrap(model), MARK_ATTR, None)
+
+
+def classifier_paths(model: nn.Module) -> List[str]:
+    """Paths of the decode head classifier(s), always trained."""
+    return [
+        n for n, _ in _unwrap(model).named_modules()
+        if n.startswith('decode_head') and n.split('.')[-1] ==
+        CLASSIFIER_SUFFIX
+    ]
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition('.')
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, module)
+
+
+def apply_gradient_filter(model: nn.Module,
+                          choices: Sequence[LayerChoice],
+                          mode: str = 'gf',
+                          train_norm: bool = False) -> List[LayerChoice]:
+    """Swap the chosen convs to GFConv2d and freeze all other parameters.
+
+    Trainable afterwards: the chosen convs, the decode head's ``conv_seg``
+    and, with ``train_norm=True``, the norm layer directly following each
+    chosen conv. Freezing is what makes the backward cheap: autograd then
+    stops at the first chosen conv (no ``g_x`` needed there) and frozen
+    layers save nothing for backward.
+
+    Idempotent: a model already marked is returned unchanged (the applied
+    choices are returned), so a config-rewritten model passing through a
+    GradFilterHook is not filtered twice.
+
+    Args:
+        model: the segmentor (unwrapped, or a wrapper with ``.module``).
+        choices: from :func:`select_layers` on this model.
+        mode: ``'gf'`` or ``'vanilla'`` (exact backward, same layers).
+        train_norm: also train the norms following the chosen convs.
+
+    Returns:
+        list[LayerChoice]: the choices, ``module`` now the GFConv2d.
+    """
+    check_mode(mode)
+    model = _unwrap(model)
+    applied = getattr(model, MARK_ATTR, None)
+    if applied is not None:
+        return applied
+    if not choices:
+        raise ValueError('gradient_filter: no layer selected')
+    enabled = mode == 'gf'
+    for choice in choices:
+        conv = model.get_submodule(choice.path)
+        if isinstance(conv, GFConv2d):
+            conv.radius, conv.enabled = choice.radius, enabled
+            gf = conv
+        else:
+            gf = GFConv2d.from_conv(conv, choice.radius, enabled=enabled)
+            _set_submodule(model, choice.path, gf)
+        choice.module = gf
+    for p in model.parameters():
+        p.requires_grad_(False)
+    trained = [c.path for c in choices] + classifier_paths(model)
+    if train_norm:
+        trained += [c.norm_path for c in choices if c.norm_path]
+    for path in trained:
+        for p in model.get_submodule(path).parameters():
+            p.requires_grad_(True)
+    setattr(model, MARK_ATTR, list(choices))
+    setattr(model, MODE_ATTR, mode)
+    set_frozen_norms_eval(model)
+    return list(choices)
+
+
+def set_frozen_norms_eval(model: nn.Module) -> int:
+    """Put norm layers with no trainable parameter in eval mode.
+
+    Frozen BN must keep its (calibrated) running statistics: in train mode it
+    would both normalise with batch statistics and overwrite them. mmengine's
+    train loops call ``model.train()`` every iteration, so call this again
+    before each iteration (GradFilterHook does).
+
+    Returns:
+        int: how many norm layers were put in eval mode.
+    """
+    count = 0
+    for m in _unwrap(model).modules():
+        if isinstance(m, NORM_TYPES) and not any(
+                p.requires_grad for p in m.parameters()):
+            m.eval()
+            count += 1
+    return count

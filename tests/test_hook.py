@@ -1,0 +1,231 @@
+"""GradFilterHook on an unchanged mmseg config: single process, checkpoint
+compatibility, resume, the cost table, and 2-process DDP (marked ``ddp``)."""
+import os
+import os.path as osp
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.logging import MMLogger
+
+from mmseg_gf.engine import (GradFilterHook, apply_gradient_filter,
+                             format_cost_table, select_layers, trace_convs)
+from mmseg_gf.models import GFConv2d
+from tests._engine_fixtures import (EXPECTED, build_model, changed_modules,
+                                    gf_paths, prepare_workspace, run_training,
+                                    runner_cfg)
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+INPUT = (64, 64)
+PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
+
+
+def _fake_runner(model):
+    return SimpleNamespace(model=model, cfg=Config(dict(crop_size=INPUT)),
+                           logger=MMLogger.get_current_instance())
+
+
+def test_hook_settings_and_in_place_surgery():
+    runner = _fake_runner(build_model('fcn_r18'))
+    with pytest.raises(ValueError, match='GradFilterHook needs num_layers'):
+        GradFilterHook().before_train(runner)
+    with pytest.raises(ValueError, match='mode must be one of'):
+        GradFilterHook(num_layers=2, mode='exact')
+    with pytest.raises(ValueError, match='exactly one of num_layers'):
+        GradFilterHook(num_layers=2, layers=['decode_head'])
+    hook = GradFilterHook(num_layers=2, radius='auto')
+    hook.before_train(runner)  # not wrapped: surgery in place
+    assert gf_paths(runner.model) == EXPECTED['fcn_r18'][5][-2:]
+    assert all(m.radius == 4 for m in runner.model.modules()
+               if isinstance(m, GFConv2d))  # 1/8 -> 4
+    runner.model.train()
+    hook.before_train_iter(runner, 0)
+    assert not runner.model.backbone.layer4[1].bn2.training
+
+
+def test_hook_does_not_reapply_to_prepared_model():
+    model = build_model('pspnet_r18')
+    apply_gradient_filter(
+        model, select_layers(model, num_layers=5, radius=2, input_size=INPUT))
+    runner = _fake_runner(model)
+    GradFilterHook(num_layers=10, radius=8).before_train(runner)
+    assert gf_paths(model) == EXPECTED['pspnet_r18'][5]
+    assert {m.radius for m in model.modules()
+            if isinstance(m, GFConv2d)} == {2}
+
+
+def test_hook_refuses_non_ddp_wrappers():
+    from mmengine.registry import MODEL_WRAPPERS
+
+    @MODEL_WRAPPERS.register_module(name='_ShardingWrapperForTest',
+                                    force=True)
+    class Sharding(torch.nn.Module):  # stands in for FSDP / DeepSpeed
+
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    runner = _fake_runner(Sharding(build_model('fcn_r18')))
+    with pytest.raises(TypeError, match='gradient_filter` config setting'):
+        GradFilterHook(num_layers=2).before_train(runner)
+
+
+def test_cost_table_input_grads():
+    """The table counts g_x only where the input needs a gradient: the PSP
+    branches read frozen layer4 output, the bottleneck reads the branches."""
+    model = build_model('pspnet_r18')
+    choices = apply_gradient_filter(
+        model, select_layers(model, num_layers=5, radius=2, input_size=INPUT))
+    needs = {r.path: r.input_requires_grad
+             for r in trace_convs(model, INPUT, grad=True)}
+    assert [needs[c.path] for c in choices] == [False] * 4 + [True]
+    assert not any(p.grad is not None for p in model.parameters())
+    table = format_cost_table(model, choices, batch=2, needs_input_grad=needs)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 5 + 1
+    assert lines[-1].startswith('total')
+    assert 'decode_head.bottleneck.conv' in lines[-2]
+    # bottleneck 1024->128, 3x3, 8x8, batch 2: vanilla g_x + g_W =
+    # 2 * 2*2*128*64*1024*9 = 603.98M; GF (r=2, 16 patches):
+    # 2 * 2*2*128*1024*16 + g_y means 2*128*64 + tap sums 128*1024*9 = 17.97M
+    assert '603.98M' in lines[-2] and '17.97M' in lines[-2]
+    # saved: x is 2*1024*8*8 fp32 = 0.50MiB; patch sums 1/4 of it
+    assert '0.50MiB' in lines[-2] and '0.12MiB' in lines[-2]
+    # first PSP branch (1x1 map, frozen input): only g_W, 2*2*128*512
+    assert '0.26M        0.26M' in lines[2]
+
+
+# ----------------------------------------------------------------------------
+# Runner (single process): train, checkpoint, load without GF, resume
+
+
+@pytest.fixture(scope='module')
+def workspace(tmp_path_factory):
+    return prepare_workspace(str(tmp_path_factory.mktemp('gf_hook')))
+
+
+def _hook_cfg(workspace, work_dir='hook', max_iters=3):
+    cfg = runner_cfg(osp.join(workspace['root'], work_dir), workspace['voc'],
+                     max_iters=max_iters)
+    cfg['custom_imports'] = dict(imports=['mmseg_gf'],
+                                 allow_failed_imports=False)
+    cfg['custom_hooks'] = [
+        dict(type='GradFilterHook', num_layers=5, radius=4)
+    ]
+    cfg['load_from'] = workspace['init']
+    return cfg
+
+
+@pytest.fixture(scope='module')
+def hook_run(workspace):
+    """One 3-iteration run of an unchanged config plus GradFilterHook."""
+    return run_training(_hook_cfg(workspace))
+
+
+def test_runner_hook_unchanged_config(workspace, hook_run):
+    model = hook_run.model
+    assert type(model).__name__ == 'EncoderDecoder'
+    assert gf_paths(model) == EXPECTED['pspnet_r18'][5]
+    assert all(m.radius == 4 for m in model.modules()
+               if isinstance(m, GFConv2d))
+    assert changed_modules(model.state_dict(),
+                           workspace['init_state']) == PSP5
+    assert not model.backbone.layer4[1].bn2.training  # frozen norm in eval
+
+
+def test_checkpoint_loads_into_plain_mmseg(hook_run):
+    ckpt = osp.join(hook_run.work_dir, 'iter_3.pth')
+    state = torch.load(ckpt, map_location='cpu',
+                       weights_only=False)['state_dict']
+    plain = build_model('pspnet_r18')
+    assert set(state) == set(plain.state_dict())
+    plain.load_state_dict(state, strict=True)
+    assert not gf_paths(plain)
+    gf_model = hook_run.model
+    gf_model.eval()
+    plain.eval()
+    x = torch.randn(2, 3, *INPUT)
+    with torch.no_grad():
+        a = gf_model(x, None, mode='tensor')
+        b = plain(x, None, mode='tensor')
+        pa = gf_model.predict(x)
+        pb = plain.predict(x)
+    assert torch.equal(a, b)
+    for da, db in zip(pa, pb):
+        assert torch.equal(da.pred_sem_seg.data, db.pred_sem_seg.data)
+
+
+def test_resume_from_gf_checkpoint(workspace, hook_run, monkeypatch):
+    # mmengine 0.10.7 calls torch.load without weights_only; torch >= 2.6
+    # then refuses the checkpoint's mmengine objects (HistoryBuffer, ...).
+    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
+    ckpt = osp.join(hook_run.work_dir, 'iter_3.pth')
+    saved = torch.load(ckpt, map_location='cpu', weights_only=False)
+    # resume one more iteration: the optimizer state is loaded before the
+    # hook swaps layers (load_or_resume precedes before_train)
+    cfg = _hook_cfg(workspace, 'resume', max_iters=4)
+    cfg.update(load_from=ckpt, resume=True)
+    seen = {}
+    from mmengine.hooks import Hook
+    from mmengine.runner import Runner
+
+    from mmseg_gf.engine import rewrite_config
+
+    class Probe(Hook):
+        """Records the state after resume + surgery, before the 4th step."""
+        priority = 'LOWEST'  # after GradFilterHook (ABOVE_NORMAL)
+
+        def before_train(self, runner):
+            opt = runner.optim_wrapper.optimizer.state_dict()['state']
+            seen['opt'] = {k: v['momentum_buffer'].clone()
+                           for k, v in opt.items()}
+            seen['gf'] = gf_paths(runner.model)
+            seen['iter'] = runner.iter
+
+    runner = Runner.from_cfg(rewrite_config(Config(cfg)))
+    runner.register_hook(Probe())
+    runner.train()
+    assert seen['iter'] == 3 and runner.iter == 4
+    assert seen['gf'] == EXPECTED['pspnet_r18'][5]
+    saved_state = saved['optimizer']['state']
+    assert seen['opt'].keys() == saved_state.keys()
+    assert len(saved_state) == 7  # 5 convs (weights) + conv_seg w, b
+    for k in saved_state:
+        assert torch.equal(seen['opt'][k], saved_state[k]['momentum_buffer'])
+    assert changed_modules(runner.model.state_dict(),
+                           saved['state_dict']) == PSP5
+
+
+# ----------------------------------------------------------------------------
+# DDP (2 processes, gloo, CPU)
+
+
+@pytest.mark.ddp
+def test_ddp_hook_two_processes(workspace, tmp_path):
+    """Hook path under DDP: the wrapper is rebuilt after freezing, so no
+    "Expected to have finished reduction" error, and ranks stay in sync."""
+    out = str(tmp_path)
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep +
+               os.environ.get('PYTHONPATH', ''), OMP_NUM_THREADS='1')
+    cmd = [sys.executable, '-m', 'torch.distributed.run',
+           '--nproc_per_node=2', f'--master_port={port}',
+           osp.join(REPO, 'tests', '_ddp_worker.py'), workspace['voc'],
+           workspace['init'], out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    states = [torch.load(osp.join(out, f'rank{r}.pth'), weights_only=False)
+              for r in (0, 1)]
+    for k in states[0]['state']:
+        assert torch.equal(states[0]['state'][k], states[1]['state'][k]), k
+    assert states[0]['gf_paths'] == EXPECTED['pspnet_r18'][5]
+    assert states[0]['wrapped'] and states[0]['iter'] == 3
+    assert changed_modules(states[0]['state'],
+                           workspace['init_state']) == PSP5
