@@ -8,12 +8,11 @@ imports; a broken mmseg installation still fails loudly.
 """
 from importlib.util import find_spec
 
+from .models import GFConv2d
 from .ops import check_radius, gradient_filtered_conv2d
 
 __version__ = '0.1.0'
-__all__ = ['check_radius', 'gradient_filtered_conv2d']
+__all__ = ['GFConv2d', 'check_radius', 'gradient_filtered_conv2d']
 
 if find_spec('mmseg') is not None:
     from . import engine  # noqa: F401  (registers the hook and the builder)
-    from .models import GFConv2d
-    __all__ += ['GFConv2d']

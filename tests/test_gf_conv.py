@@ -115,3 +115,16 @@ def test_reflect_padding_filters_the_padded_input():
 def test_bad_radius_in_constructor(radius):
     with pytest.raises(ValueError, match='radius'):
         GFConv2d(3, 3, 3, radius=radius)
+
+
+def test_operator_and_gfconv2d_import_without_mmseg():
+    """Plain PyTorch users (and the GPU benchmark machine) have no mmseg."""
+    import subprocess
+    import sys
+    code = ('import sys; sys.modules["mmseg"] = None\n'
+            'import torch, mmseg_gf\n'
+            'conv = mmseg_gf.GFConv2d(3, 4, 3, padding=1, radius=2)\n'
+            'conv(torch.randn(1, 3, 8, 8)).sum().backward()\n'
+            'assert conv.weight.grad is not None\n'
+            'assert "mmseg_gf.engine" not in sys.modules\n')
+    subprocess.run([sys.executable, '-c', code], check=True)

@@ -4,7 +4,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from mmseg.registry import MODELS
 from torch import Tensor, nn
 
 from ..ops import check_radius
@@ -33,7 +32,6 @@ def is_filterable_conv(module: nn.Module) -> bool:
         module, GFConv2d)
 
 
-@MODELS.register_module()
 class GFConv2d(nn.Conv2d):
     """A drop-in ``nn.Conv2d``: exact forward, gradient-filtered backward.
 
