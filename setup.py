@@ -1,5 +1,30 @@
-"""Install mmseg_gf: ``pip install -e .`` (see README for the full stack)."""
+"""Install mmseg_gf: ``pip install -e .`` (see README for the full stack).
+
+If torch is importable at install time (``pip install --no-build-isolation``,
+as the Makefile does), the optional CPU kernels ``mmseg_gf._patch_ops`` are
+compiled too; ``MMSEG_GF_BUILD_NATIVE=0`` skips them. Without them the
+pure-PyTorch path runs (same results, slower pooling/spreading on CPU).
+"""
+import os
+
 from setuptools import find_packages, setup
+
+
+def native_extension():
+    """``(ext_modules, cmdclass)`` for the optional CPU kernels."""
+    if os.environ.get('MMSEG_GF_BUILD_NATIVE', '1') == '0':
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        return [], {}
+    ext = CppExtension(
+        'mmseg_gf._patch_ops', ['mmseg_gf/ops/csrc/patch_ops.cpp'],
+        extra_compile_args=['-O3'])
+    return [ext], {'build_ext': BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = native_extension()
 
 setup(
     name='mmseg_gf',
@@ -11,4 +36,6 @@ setup(
     # Makefile in a fixed order: a bare `torch` requirement here would pull
     # a multi-GB CUDA build, and mmcv must be built against torch.
     install_requires=['numpy'],
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import native
+
 IntPair = Union[int, Tuple[int, int]]
 
 
@@ -99,6 +101,16 @@ class AxisGeometry:
         return self.pooled_dilation == 0 or self.kernel == 1
 
     @property
+    def input_patches(self) -> Tuple[int, int, int]:
+        """``(start, size, count)`` of the patches ``Q(P)`` on the input."""
+        return self.in_start, self.in_patch, self.num_patches
+
+    @property
+    def output_patches(self) -> Tuple[int, int, int]:
+        """``(start, size, count)`` of the ``r``-patches on the output."""
+        return 0, self.out_patch, self.num_patches
+
+    @property
     def pooled_pads(self) -> Tuple[int, int]:
         """Zero padding (before, after) of the pooled grid for the taps."""
         if self.collapsed:
@@ -137,6 +149,8 @@ def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
     Returns a ``N x Ci x ceil(Ho/r) x ceil(Wo/r)`` tensor in ``x``'s dtype
     (pooling accumulates in float32 for reduced-precision inputs).
     """
+    if native.usable(x):
+        return native.patch_sums(x, geo_h.input_patches, geo_w.input_patches)
     covered = _fit_to_patches(x, geo_h, geo_w)
     return F.avg_pool2d(
         covered, (geo_h.in_patch, geo_w.in_patch), divisor_override=1)
@@ -157,11 +171,15 @@ def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
     pixels only. Returns ``(sums, scale * means)`` in ``acc_dtype``; the sums
     also give the exact bias gradient without a second pass.
     """
-    kernel = (min(geo_h.out_patch, geo_h.out_size),
-              min(geo_w.out_patch, geo_w.out_size))
-    sums = F.avg_pool2d(
-        grad_output, kernel, (geo_h.out_patch, geo_w.out_patch),
-        ceil_mode=True, divisor_override=1).to(acc_dtype)
+    if native.usable(grad_output):
+        sums = native.patch_sums(grad_output, geo_h.output_patches,
+                                 geo_w.output_patches).to(acc_dtype)
+    else:
+        kernel = (min(geo_h.out_patch, geo_h.out_size),
+                  min(geo_w.out_patch, geo_w.out_size))
+        sums = F.avg_pool2d(
+            grad_output, kernel, (geo_h.out_patch, geo_w.out_patch),
+            ceil_mode=True, divisor_override=1).to(acc_dtype)
     exact_tiling = (geo_h.out_size % geo_h.out_patch == 0
                     and geo_w.out_size % geo_w.out_patch == 0)
     if exact_tiling:
@@ -200,6 +218,10 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
     contiguous inner dimension, about twice as fast on CPU as one 6-D
     expand. Pixels outside every ``Q(P)`` get 0.
     """
+    grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed
+    if native.usable(grid):
+        return native.spread(grid, geo_h.in_size, geo_w.in_size,
+                             geo_h.input_patches, geo_w.input_patches)
     n, c, ph, pw = grad_pooled.shape
     ih, iw = geo_h.in_patch, geo_w.in_patch
     rows = grad_pooled[..., None].expand(n, c, ph, pw, iw).reshape(
@@ -248,20 +270,25 @@ def _channel_mixing_backward(
                 dim=(0, 2, 3)).reshape(co, 1, 1, 1)
         return grad_input, grad_kernel
 
-    def by_group(t: Tensor, per_group: int) -> Tensor:
-        # (n, g*c, ph, pw) -> (g, c, n*ph*pw)
-        return t.reshape(n, groups, per_group, ph * pw).permute(
-            1, 2, 0, 3).reshape(groups, per_group, n * ph * pw)
-
-    grad = by_group(grad_pooled, co_g)
+    cells = ph * pw
     if need_input:
+        # (g, ci_g, co_g) @ (n, g, co_g, cells) -> (n, g, ci_g, cells):
+        # broadcast over the batch, output already in NCHW order.
         mixing = kernel.reshape(groups, co_g, ci_g).transpose(1, 2)
-        grad_input = torch.bmm(mixing, grad).reshape(
-            groups * ci_g, n, ph, pw).transpose(0, 1)
+        grad_input = torch.matmul(
+            mixing, grad_pooled.reshape(n, groups, co_g, cells)).reshape(
+                n, groups * ci_g, ph, pw)
     if need_weight:
-        inp = by_group(input_pooled, ci_g)
-        grad_kernel = torch.bmm(grad, inp.transpose(1, 2)).reshape(
-            groups * co_g, ci_g, 1, 1)
+        # One GEMM per group over batch and cells together:
+        # (g, co_g, n*cells) @ (g, n*cells, ci_g).
+        def by_group(t: Tensor, per_group: int) -> Tensor:
+            return t.reshape(n, groups, per_group, cells).permute(
+                1, 2, 0, 3).reshape(groups, per_group, n * cells)
+
+        grad_kernel = torch.bmm(
+            by_group(grad_pooled, co_g),
+            by_group(input_pooled, ci_g).transpose(1, 2)).reshape(
+                groups * co_g, ci_g, 1, 1)
     return grad_input, grad_kernel
 
 

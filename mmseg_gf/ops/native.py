@@ -1,0 +1,51 @@
+"""Optional compiled CPU kernels for the two full-size passes.
+
+``setup.py`` builds ``mmseg_gf._patch_ops`` from ``csrc/patch_ops.cpp`` when
+torch is importable at install time. Without it (or with
+``MMSEG_GF_NATIVE=0`` in the environment) everything runs on the
+pure-PyTorch path, which computes the same numbers; the kernels only make
+the patch sums of ``g_y`` / ``x`` and the spread of ``g_x`` faster on CPU.
+
+Patches along an axis: patch ``P`` covers pixels ``[start + P*size,
+start + (P+1)*size)`` clipped to the map; pixels outside count as zeros.
+"""
+import os
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+try:
+    from .. import _patch_ops as _kernels
+except ImportError:  # not built: pure-PyTorch path
+    _kernels = None
+
+__all__ = ['available', 'usable', 'patch_sums', 'spread']
+
+Patches = Tuple[int, int, int]  # (start, size, count) along one axis
+
+
+def available() -> bool:
+    """True if the compiled kernels are built and not switched off."""
+    return _kernels is not None and os.environ.get('MMSEG_GF_NATIVE',
+                                                   '1') != '0'
+
+
+def usable(t: Tensor) -> bool:
+    """The kernels take contiguous NCHW float32 / float64 CPU tensors."""
+    return (available() and t.device.type == 'cpu'
+            and t.dtype in (torch.float32, torch.float64) and t.dim() == 4
+            and t.is_contiguous())
+
+
+def patch_sums(t: Tensor, rows: Patches, cols: Patches) -> Tensor:
+    """``N x C x rows.count x cols.count`` sums of ``t`` over its patches."""
+    return _kernels.patch_sums(t, *rows, *cols)
+
+
+def spread(grid: Tensor, height: int, width: int, rows: Patches,
+           cols: Patches) -> Tensor:
+    """Each cell of ``grid`` broadcast over its patch of a ``height x
+    width`` map (zeros outside every patch)."""
+    return _kernels.spread(grid, height, width, rows[0], rows[1], cols[0],
+                           cols[1])
