@@ -20,7 +20,10 @@ def native_extension():
         return [], {}
     ext = CppExtension(
         'mmseg_gf._patch_ops', ['mmseg_gf/ops/csrc/patch_ops.cpp'],
-        extra_compile_args=['-O3'])
+        # OpenMP: at::parallel_for splits the planes over threads only when
+        # the extension itself is compiled with it.
+        extra_compile_args=['-O3', '-fopenmp'],
+        extra_link_args=['-fopenmp'])
     return [ext], {'build_ext': BuildExtension.with_options(use_ninja=True)}
 
 

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -44,28 +45,100 @@ Axis make_axis(int64_t extent, int64_t start, int64_t size, int64_t count) {
   return Axis{extent, start, size, count};
 }
 
+// The patches of an axis that lie wholly inside the map: [first, last).
+// Only they take the fixed-size fast loops below; the (at most two) border
+// patches take the general clipped loop.
+std::pair<int64_t, int64_t> whole_patches(const Axis& a) {
+  const int64_t first = std::max<int64_t>(0, (-a.start + a.size - 1) / a.size);
+  const int64_t last = std::min<int64_t>(
+      a.count, a.start + a.size * a.count <= a.extent
+                   ? a.count
+                   : (a.extent - a.start) / a.size);
+  return {std::min(first, last), last};
+}
+
+// out[q] = sum of row over patch q. S > 0: patch size known at compile
+// time (r*s = 2, 4, 8 are the common ones), so the inner loop unrolls.
+template <int S, typename acc_t>
+void reduce_row_fixed(const acc_t* __restrict__ row, acc_t* __restrict__ out,
+                      const Axis& a, int64_t first, int64_t last) {
+  for (int64_t q = first; q < last; ++q) {
+    const acc_t* cell = row + a.start + q * S;
+    acc_t sum = 0;
+    for (int j = 0; j < S; ++j) sum += cell[j];
+    out[q] = sum;
+  }
+}
+
+template <typename acc_t>
+void reduce_row(const acc_t* row, acc_t* out, const Axis& a) {
+  const auto whole = whole_patches(a);
+  auto clipped = [&](int64_t q) {
+    acc_t sum = 0;
+    for (int64_t w = a.lo(q); w < a.hi(q); ++w) sum += row[w];
+    out[q] = sum;
+  };
+  for (int64_t q = 0; q < whole.first; ++q) clipped(q);
+  switch (a.size) {
+    case 2: reduce_row_fixed<2>(row, out, a, whole.first, whole.second); break;
+    case 4: reduce_row_fixed<4>(row, out, a, whole.first, whole.second); break;
+    case 8: reduce_row_fixed<8>(row, out, a, whole.first, whole.second); break;
+    default:
+      for (int64_t q = whole.first; q < whole.second; ++q) clipped(q);
+  }
+  for (int64_t q = std::max(whole.first, whole.second); q < a.count; ++q)
+    clipped(q);
+}
+
+// line[w] = cells[patch of w], 0 outside every patch.
+template <int S, typename scalar_t>
+void expand_row_fixed(const scalar_t* __restrict__ cells,
+                      scalar_t* __restrict__ line, const Axis& a,
+                      int64_t first, int64_t last) {
+  for (int64_t q = first; q < last; ++q) {
+    scalar_t* cell = line + a.start + q * S;
+    for (int j = 0; j < S; ++j) cell[j] = cells[q];
+  }
+}
+
+template <typename scalar_t>
+void expand_row(const scalar_t* cells, scalar_t* line, const Axis& a) {
+  const auto whole = whole_patches(a);
+  auto clipped = [&](int64_t q) {
+    std::fill(line + a.lo(q), line + a.hi(q), cells[q]);
+  };
+  std::fill(line, line + a.lo(0), scalar_t(0));
+  for (int64_t q = 0; q < whole.first; ++q) clipped(q);
+  switch (a.size) {
+    case 2: expand_row_fixed<2>(cells, line, a, whole.first, whole.second); break;
+    case 4: expand_row_fixed<4>(cells, line, a, whole.first, whole.second); break;
+    case 8: expand_row_fixed<8>(cells, line, a, whole.first, whole.second); break;
+    default:
+      for (int64_t q = whole.first; q < whole.second; ++q) clipped(q);
+  }
+  for (int64_t q = std::max(whole.first, whole.second); q < a.count; ++q)
+    clipped(q);
+  std::fill(line + a.hi(a.count - 1), line + a.extent, scalar_t(0));
+}
+
 // out[n, c, P, Q] = sum of t over patch (P, Q); accumulates in `acc_t`.
 template <typename scalar_t, typename acc_t>
 void patch_sums_kernel(const scalar_t* src, acc_t* dst, int64_t planes,
                        const Axis& ah, const Axis& aw) {
   const int64_t H = ah.extent, W = aw.extent;
   at::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> row(static_cast<size_t>(W));
+    std::vector<acc_t> buffer(static_cast<size_t>(W));
+    acc_t* __restrict__ row = buffer.data();
     for (int64_t plane = begin; plane < end; ++plane) {
       const scalar_t* in = src + plane * H * W;
       acc_t* out = dst + plane * ah.count * aw.count;
       for (int64_t p = 0; p < ah.count; ++p) {
-        std::fill(row.begin(), row.end(), acc_t(0));
+        std::fill(row, row + W, acc_t(0));
         for (int64_t h = ah.lo(p); h < ah.hi(p); ++h) {
-          const scalar_t* line = in + h * W;
+          const scalar_t* __restrict__ line = in + h * W;
           for (int64_t w = 0; w < W; ++w) row[w] += static_cast<acc_t>(line[w]);
         }
-        acc_t* out_row = out + p * aw.count;
-        for (int64_t q = 0; q < aw.count; ++q) {
-          acc_t sum = 0;
-          for (int64_t w = aw.lo(q); w < aw.hi(q); ++w) sum += row[w];
-          out_row[q] = sum;
-        }
+        reduce_row(row, out + p * aw.count, aw);
       }
     }
   });
@@ -86,12 +159,7 @@ void spread_kernel(const scalar_t* src, scalar_t* dst, int64_t planes,
         if (h0 >= h1) continue;
         std::memset(out + filled * W, 0, sizeof(scalar_t) * (h0 - filled) * W);
         scalar_t* first = out + h0 * W;
-        const scalar_t* cells = grid + p * aw.count;
-        std::fill(first, first + aw.lo(0), scalar_t(0));
-        for (int64_t q = 0; q < aw.count; ++q) {
-          std::fill(first + aw.lo(q), first + aw.hi(q), cells[q]);
-        }
-        std::fill(first + aw.hi(aw.count - 1), first + W, scalar_t(0));
+        expand_row(grid + p * aw.count, first, aw);
         for (int64_t h = h0 + 1; h < h1; ++h) {
           std::memcpy(out + h * W, first, sizeof(scalar_t) * W);
         }
