@@ -9,9 +9,9 @@ JOBS ?= 2
 STAMP := $(VENV)/.mmseg_gf-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test bench clean
+.PHONY: venv native demo test bench clean
 
-venv: $(STAMP)
+venv: $(STAMP) native
 
 $(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,18 +24,24 @@ $(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
 	MMCV_WITH_OPS=1 MAX_JOBS=$(JOBS) $(PIP) install --no-build-isolation mmcv==2.1.0
 	$(PIP) install mmsegmentation==1.2.2
 	$(PIP) install -r requirements/tests.txt
+	# 4. this package (editable); also compiles its optional CPU kernels.
 	$(PIP) install --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import mmcv.ops, mmseg.utils, mmseg_gf; print('stack ok')"
 	touch $@
 
-demo: $(STAMP)
+# Rebuild the CPU kernels (mmseg_gf/_patch_ops*.so) when their source
+# changed since the venv was made; a no-op otherwise.
+native: $(STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace
+
+demo: venv
 	$(BIN)/python tools/demo.py
 
-test: $(STAMP)
+test: venv
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: venv
 	$(BIN)/python tools/benchmark_layers.py
 
 clean:
-	rm -rf $(VENV) work_dirs/demo data/demo
+	rm -rf $(VENV) work_dirs/demo data/demo build mmseg_gf/_patch_ops*.so
