@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,70 +55,61 @@ std::pair<int64_t, int64_t> whole_patches(const Axis& a) {
       a.count, a.start + a.size * a.count <= a.extent
                    ? a.count
                    : (a.extent - a.start) / a.size);
-  return {std::min(first, last), last};
+  return {std::min(first, last), last};  // empty range if none is whole
 }
 
-// out[q] = sum of row over patch q. S > 0: patch size known at compile
-// time (r*s = 2, 4, 8 are the common ones), so the inner loop unrolls.
-template <int S, typename acc_t>
-void reduce_row_fixed(const acc_t* __restrict__ row, acc_t* __restrict__ out,
-                      const Axis& a, int64_t first, int64_t last) {
-  for (int64_t q = first; q < last; ++q) {
-    const acc_t* cell = row + a.start + q * S;
-    acc_t sum = 0;
-    for (int j = 0; j < S; ++j) sum += cell[j];
-    out[q] = sum;
-  }
-}
-
-template <typename acc_t>
-void reduce_row(const acc_t* row, acc_t* out, const Axis& a) {
+// Calls visit(q, size) for every patch q of the axis. `size` is a
+// std::integral_constant: the patch size S for whole patches when it is one
+// of the common r*s = 2, 4, 8 (known at compile time, so the inner loops
+// unroll and vectorise), else 0, meaning "use a.lo(q) .. a.hi(q)".
+template <typename Visit>
+void for_each_patch(const Axis& a, Visit&& visit) {
   const auto whole = whole_patches(a);
-  auto clipped = [&](int64_t q) {
-    acc_t sum = 0;
-    for (int64_t w = a.lo(q); w < a.hi(q); ++w) sum += row[w];
-    out[q] = sum;
+  const std::integral_constant<int, 0> general{};
+  for (int64_t q = 0; q < whole.first; ++q) visit(q, general);
+  auto run = [&](auto size) {
+    for (int64_t q = whole.first; q < whole.second; ++q) visit(q, size);
   };
-  for (int64_t q = 0; q < whole.first; ++q) clipped(q);
   switch (a.size) {
-    case 2: reduce_row_fixed<2>(row, out, a, whole.first, whole.second); break;
-    case 4: reduce_row_fixed<4>(row, out, a, whole.first, whole.second); break;
-    case 8: reduce_row_fixed<8>(row, out, a, whole.first, whole.second); break;
-    default:
-      for (int64_t q = whole.first; q < whole.second; ++q) clipped(q);
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    default: run(general);
   }
-  for (int64_t q = std::max(whole.first, whole.second); q < a.count; ++q)
-    clipped(q);
+  for (int64_t q = whole.second; q < a.count; ++q) visit(q, general);
+}
+
+// out[q] = sum of row over patch q.
+template <typename acc_t>
+void reduce_row(const acc_t* __restrict__ row, acc_t* __restrict__ out,
+                const Axis& a) {
+  for_each_patch(a, [&](int64_t q, auto size) {
+    constexpr int S = decltype(size)::value;
+    acc_t sum = 0;
+    if constexpr (S > 0) {
+      const acc_t* cell = row + a.start + q * S;
+      for (int j = 0; j < S; ++j) sum += cell[j];
+    } else {
+      for (int64_t w = a.lo(q); w < a.hi(q); ++w) sum += row[w];
+    }
+    out[q] = sum;
+  });
 }
 
 // line[w] = cells[patch of w], 0 outside every patch.
-template <int S, typename scalar_t>
-void expand_row_fixed(const scalar_t* __restrict__ cells,
-                      scalar_t* __restrict__ line, const Axis& a,
-                      int64_t first, int64_t last) {
-  for (int64_t q = first; q < last; ++q) {
-    scalar_t* cell = line + a.start + q * S;
-    for (int j = 0; j < S; ++j) cell[j] = cells[q];
-  }
-}
-
 template <typename scalar_t>
-void expand_row(const scalar_t* cells, scalar_t* line, const Axis& a) {
-  const auto whole = whole_patches(a);
-  auto clipped = [&](int64_t q) {
-    std::fill(line + a.lo(q), line + a.hi(q), cells[q]);
-  };
+void expand_row(const scalar_t* __restrict__ cells,
+                scalar_t* __restrict__ line, const Axis& a) {
   std::fill(line, line + a.lo(0), scalar_t(0));
-  for (int64_t q = 0; q < whole.first; ++q) clipped(q);
-  switch (a.size) {
-    case 2: expand_row_fixed<2>(cells, line, a, whole.first, whole.second); break;
-    case 4: expand_row_fixed<4>(cells, line, a, whole.first, whole.second); break;
-    case 8: expand_row_fixed<8>(cells, line, a, whole.first, whole.second); break;
-    default:
-      for (int64_t q = whole.first; q < whole.second; ++q) clipped(q);
-  }
-  for (int64_t q = std::max(whole.first, whole.second); q < a.count; ++q)
-    clipped(q);
+  for_each_patch(a, [&](int64_t q, auto size) {
+    constexpr int S = decltype(size)::value;
+    if constexpr (S > 0) {
+      scalar_t* cell = line + a.start + q * S;
+      for (int j = 0; j < S; ++j) cell[j] = cells[q];
+    } else {
+      std::fill(line + a.lo(q), line + a.hi(q), cells[q]);
+    }
+  });
   std::fill(line + a.hi(a.count - 1), line + a.extent, scalar_t(0));
 }
 
