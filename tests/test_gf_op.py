@@ -267,3 +267,13 @@ def test_nan_in_output_grad_propagates():
 def test_bad_radius_is_refused(bad):
     with pytest.raises(ValueError, match='radius must be an int >= 1'):
         check_radius(bad)
+
+
+def test_meta_tensors_give_gradient_shapes():
+    """Shape inference (e.g. model summaries) runs on the meta device."""
+    x = torch.empty(2, 3, 9, 9, device='meta', requires_grad=True)
+    w = torch.empty(4, 3, 3, 3, device='meta', requires_grad=True)
+    out = gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 4)
+    gx, gw = torch.autograd.grad(out, (x, w), torch.empty_like(out))
+    assert gx.shape == x.shape and gw.shape == w.shape
+    assert gx.device.type == 'meta'

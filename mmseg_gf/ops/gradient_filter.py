@@ -22,6 +22,7 @@ the pooled grid with dilation ``d // (r*s)``. The backward is then the exact
 backward of that small convolution on the pooled grid, scaled by ``1/s^2``.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -337,6 +338,14 @@ def pooled_conv_backward(
     return grad_input, grad_kernel
 
 
+def _autocast_off(device_type: str):
+    """Disable autocast in the backward (accumulation stays float32);
+    a no-op context on devices autocast does not know (e.g. ``meta``)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class GradientFilterConv2dFunction(torch.autograd.Function):
     """Autograd Function: ``F.conv2d`` forward, gradient-filter backward."""
 
@@ -368,7 +377,7 @@ class GradientFilterConv2dFunction(torch.autograd.Function):
         geo_h, geo_w = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-        with torch.autocast(grad_output.device.type, enabled=False):
+        with _autocast_off(grad_output.device.type):
             # 1/s^2 keeps the filtered gradients unbiased for strided convs
             # (GF_SPEC "Normalisation").
             sums, means = filter_output_grad(grad_output, geo_h, geo_w,

@@ -32,10 +32,11 @@ def available() -> bool:
 
 
 def usable(t: Tensor) -> bool:
-    """The kernels take contiguous NCHW float32 / float64 CPU tensors."""
+    """The kernels take contiguous NCHW float32 / float64 CPU tensors, in
+    eager mode (under ``torch.compile`` the traceable PyTorch path runs)."""
     return (available() and t.device.type == 'cpu'
             and t.dtype in (torch.float32, torch.float64) and t.dim() == 4
-            and t.is_contiguous())
+            and t.is_contiguous() and not torch.compiler.is_compiling())
 
 
 def patch_sums(t: Tensor, rows: Patches, cols: Patches) -> Tensor:
