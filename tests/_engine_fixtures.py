@@ -262,18 +262,58 @@ def prepare_workspace(root: str) -> dict:
     """A tiny VOC dataset plus a fixed initial PSPNet-R18 checkpoint.
 
     Training runs start from ``init`` (``load_from``), so "which parameters
-    changed" is measured against ``init_state``.
+    changed" is measured against ``init_state``. The initial weights are a
+    seeded init *plus noise*: a Runner seeded the same way builds the seeded
+    init itself, so with plain seeded weights a checkpoint that silently
+    failed to load (mmengine loads ``load_from`` with ``strict=False``)
+    would look loaded.
     """
     import torch
     voc = make_tiny_voc(osp.join(root, 'data'), num_train=4, num_val=2,
                         size=64)
     torch.manual_seed(0)
     init = build_model('pspnet_r18')
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in init.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=gen))
     init_ckpt = osp.join(root, 'init.pth')
     torch.save({'state_dict': init.state_dict(), 'meta': {}}, init_ckpt)
     return dict(root=root, voc=voc, init=init_ckpt,
                 init_state={k: v.clone()
                             for k, v in init.state_dict().items()})
+
+
+def tool_cfg(work_dir: str, voc_root: str, init: str, way: str = 'rewrite',
+             max_iters: int = 3, batch_size: int = 2, **hook_args) -> dict:
+    """A ``tools/train.py`` config: PSPNet-R18, last 5 convs, r = 4.
+
+    ``way='rewrite'``: ``gradient_filter=dict(...)``; ``'hook'``: an
+    unchanged model config plus ``GradFilterHook``. Deterministic: no
+    dropout (the ranks of a DDP run draw other masks than one process),
+    frozen BN in eval, seeded shuffling, no random augmentation.
+    """
+    cfg = runner_cfg(work_dir, voc_root, max_iters=max_iters,
+                     batch_size=batch_size)
+    cfg['model']['decode_head']['dropout_ratio'] = 0.0
+    cfg['train_dataloader']['sampler']['seed'] = 0
+    cfg['custom_imports'] = dict(imports=['mmseg_gf', 'tests._train_hooks'],
+                                 allow_failed_imports=False)
+    cfg['load_from'] = init
+    settings = dict(dict(num_layers=5, radius=4), **hook_args)
+    if way == 'rewrite':
+        cfg['gradient_filter'] = settings
+        cfg['custom_hooks'] = []
+    else:
+        cfg['custom_hooks'] = [dict(type='GradFilterHook', **settings)]
+    return cfg
+
+
+def write_cfg(path: str, cfg: dict) -> str:
+    """Dump a config dict to a ``.py`` file (as a user would write it)."""
+    from mmengine.config import Config
+    Config(copy.deepcopy(cfg)).dump(path)
+    return path
 
 
 def run_training(cfg_dict: dict, **extra):

@@ -17,6 +17,10 @@ PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
 
 
 @pytest.mark.parametrize('settings, match', [
+    (5, r'gradient_filter must be a dict, e\.g\. dict\(num_layers=5'),
+    ([('num_layers', 5)], 'gradient_filter must be a dict'),
+    (dict(num_layers=5, radius='4'), "radius must be an int >= 1, 'auto'"),
+    (dict(num_layers=5, radius=None), "radius must be an int >= 1, 'auto'"),
     (dict(num_layers=5, radus=4), r"unknown key\(s\) \['radus'\]"),
     (dict(num_layers=5, mode='fast'),
      r"mode must be one of \('gf', 'vanilla'\)"),
@@ -119,3 +123,42 @@ def test_runner_config_rewrite(workspace):
     state = torch.load(osp.join(runner.work_dir, 'iter_3.pth'),
                        map_location='cpu', weights_only=False)['state_dict']
     assert set(state) == set(workspace['init_state'])
+
+
+def test_prepare_cpu_distributed(monkeypatch):
+    """tools/train.py --launcher pytorch on a machine without CUDA: gloo and
+    a DDP wrapper without device ids; GPU machines and launcher 'none' keep
+    the config as it is."""
+    from mmengine.registry import MODEL_WRAPPERS
+
+    from mmseg_gf.engine.config import (CPUDistributedDataParallel,
+                                        prepare_cpu_distributed)
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+
+    def prepared(**cfg):
+        return prepare_cpu_distributed(Config(dict(model=dict(), **cfg)))
+
+    assert 'env_cfg' not in prepared(launcher='none')
+    cfg = prepared(launcher='pytorch', find_unused_parameters=True,
+                   env_cfg=dict(dist_cfg=dict(backend='nccl', timeout=60)))
+    assert cfg.env_cfg.dist_cfg == dict(backend='gloo', timeout=60)
+    assert cfg.model_wrapper_cfg == dict(type='CPUDistributedDataParallel',
+                                         broadcast_buffers=False,
+                                         find_unused_parameters=True)
+    assert MODEL_WRAPPERS.get('CPUDistributedDataParallel') is \
+        CPUDistributedDataParallel
+    cfg = prepared(launcher='pytorch',
+                   model_wrapper_cfg=dict(type='MMDistributedDataParallel',
+                                          broadcast_buffers=True))
+    assert cfg.model_wrapper_cfg == dict(type='CPUDistributedDataParallel',
+                                         broadcast_buffers=True)
+    assert cfg.env_cfg.dist_cfg.backend == 'gloo'
+    cfg = prepared(launcher='slurm', env_cfg=dict(dist_cfg=dict(
+        backend='mpi')), model_wrapper_cfg=dict(type='MyWrapper'))
+    assert cfg.env_cfg.dist_cfg.backend == 'mpi'
+    assert cfg.model_wrapper_cfg.type == 'MyWrapper'
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    cfg = prepared(launcher='pytorch',
+                   env_cfg=dict(dist_cfg=dict(backend='nccl')))
+    assert cfg.env_cfg.dist_cfg.backend == 'nccl'
+    assert 'model_wrapper_cfg' not in cfg

@@ -1,8 +1,9 @@
 """GradFilterHook on an unchanged mmseg config: single process, checkpoint
-compatibility, resume, the cost table, and 2-process DDP (marked ``ddp``)."""
+compatibility both ways (plain mmseg without the plugin, plain checkpoint
+into a GF model), resume, the cost table. 2-process DDP: test_distributed.py.
+"""
 import os
 import os.path as osp
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -200,32 +201,96 @@ def test_resume_from_gf_checkpoint(workspace, hook_run, monkeypatch):
                            saved['state_dict']) == PSP5
 
 
-# ----------------------------------------------------------------------------
-# DDP (2 processes, gloo, CPU)
+PLAIN_MMSEG_SCRIPT = r'''
+import sys
 
 
-@pytest.mark.ddp
-def test_ddp_hook_two_processes(workspace, tmp_path):
-    """Hook path under DDP: the wrapper is rebuilt after freezing, so no
-    "Expected to have finished reduction" error, and ranks stay in sync."""
-    out = str(tmp_path)
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep +
-               os.environ.get('PYTHONPATH', ''), OMP_NUM_THREADS='1')
-    cmd = [sys.executable, '-m', 'torch.distributed.run',
-           '--nproc_per_node=2', f'--master_port={port}',
-           osp.join(REPO, 'tests', '_ddp_worker.py'), workspace['voc'],
-           workspace['init'], out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=240, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    states = [torch.load(osp.join(out, f'rank{r}.pth'), weights_only=False)
-              for r in (0, 1)]
-    for k in states[0]['state']:
-        assert torch.equal(states[0]['state'][k], states[1]['state'][k]), k
-    assert states[0]['gf_paths'] == EXPECTED['pspnet_r18'][5]
-    assert states[0]['wrapped'] and states[0]['iter'] == 3
-    assert changed_modules(states[0]['state'],
-                           workspace['init_state']) == PSP5
+class RefusePlugin:
+    """Any import of mmseg_gf fails: this process is plain mmseg."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == 'mmseg_gf' or name.startswith('mmseg_gf.'):
+            raise ImportError('mmseg_gf imported by a plain mmseg process')
+
+
+sys.meta_path.insert(0, RefusePlugin())
+import torch
+from mmengine.config import ConfigDict
+from mmengine.registry import init_default_scope
+from mmseg.registry import MODELS
+from mmseg.utils import register_all_modules
+
+from tests._engine_fixtures import model_cfg
+
+ckpt_path, inputs_path, out_path = sys.argv[1:4]
+register_all_modules()
+init_default_scope('mmseg')
+model = MODELS.build(ConfigDict(model_cfg('pspnet_r18')))
+# a full unpickle: nothing of the plugin may be inside the checkpoint
+checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+model.load_state_dict(checkpoint['state_dict'], strict=True)
+model.eval()
+with torch.no_grad():
+    samples = model.predict(torch.load(inputs_path))
+assert not [m for m in sys.modules if m.startswith('mmseg_gf')]
+torch.save(dict(
+    labels=torch.stack([s.pred_sem_seg.data for s in samples]),
+    logits=torch.stack([s.seg_logits.data for s in samples])), out_path)
+'''
+
+
+def test_checkpoint_evaluates_in_plain_mmseg_without_the_plugin(
+        hook_run, tmp_path):
+    """A GF-finetuned checkpoint, in a process that never imports mmseg_gf
+    (imports of it are refused): loads strictly into the mmseg model and
+    predicts exactly what the GF model predicts."""
+    ckpt = osp.join(hook_run.work_dir, 'iter_3.pth')
+    gen = torch.Generator().manual_seed(3)
+    inputs = torch.randn(2, 3, *INPUT, generator=gen)
+    torch.save(inputs, tmp_path / 'inputs.pth')
+    script = tmp_path / 'plain_mmseg.py'
+    script.write_text(PLAIN_MMSEG_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1')
+    proc = subprocess.run(
+        [sys.executable, str(script), ckpt, str(tmp_path / 'inputs.pth'),
+         str(tmp_path / 'plain.pth')], env=env, capture_output=True,
+        text=True, timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    plain = torch.load(tmp_path / 'plain.pth', weights_only=False)
+    model = hook_run.model
+    model.eval()
+    with torch.no_grad():
+        samples = model.predict(inputs)
+    labels = torch.stack([s.pred_sem_seg.data for s in samples])
+    logits = torch.stack([s.seg_logits.data for s in samples])
+    assert logits.std() > 0  # not a degenerate constant output
+    assert torch.equal(plain['labels'], labels)
+    torch.testing.assert_close(plain['logits'], logits, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_plain_checkpoint_loads_into_gf_model_by_key(workspace, hook_run,
+                                                     monkeypatch):
+    """Plain mmseg checkpoint -> GF model. mmengine's ``load_from`` is
+    strict=False (a bad rename would only warn), so check the keys
+    strictly, and that the Runner really loaded it: every frozen tensor of
+    the trained model is the checkpoint's, which differs from the seeded
+    initialisation the Runner would otherwise have."""
+    from mmengine.runner.checkpoint import load_checkpoint
+    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
+    model = build_model('pspnet_r18')
+    apply_gradient_filter(
+        model, select_layers(model, num_layers=5, radius=4, input_size=INPUT))
+    load_checkpoint(model, workspace['init'], map_location='cpu',
+                    strict=True)  # raises on any missing / unexpected key
+    init = workspace['init_state']
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in init.items())
+
+    torch.manual_seed(0)
+    seeded = build_model('pspnet_r18').state_dict()
+    key = 'backbone.layer1.0.conv1.weight'
+    assert not torch.equal(seeded[key], init[key])
+    state = hook_run.model.state_dict()
+    frozen = [k for k in state if k.rsplit('.', 1)[0] not in PSP5]
+    assert len(frozen) > 100
+    assert all(torch.equal(state[k], init[k]) for k in frozen)

@@ -45,7 +45,7 @@ def _grad_owners(model):
 
 @pytest.mark.parametrize('name', sorted(EXPECTED))
 def test_only_selected_layers_get_gradients(name):
-    for n in (5, 10):
+    for n in (1, 5, 10):
         model, choices = _prepared(name, n)
         for c in choices:
             assert isinstance(model.get_submodule(c.path), GFConv2d)

@@ -32,6 +32,9 @@ import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
 # trusted as much as the config: restore the pre-2.6 behaviour unless the user
 # chose otherwise.
 os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
+from mmseg_gf.engine.config import (init_cpu_process_group,  # noqa: E402
+                                    prepare_cpu_distributed)
+from mmseg_gf.engine.hooks import check_checkpoint_matches  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -71,6 +74,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '--tta', action='store_true', help='test time augmentation')
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ('config', 'checkpoint'):
+        path = getattr(args, name)
+        if '://' not in path and not osp.isfile(path):
+            parser.error(f'{name}: file {path!r} does not exist')
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
@@ -114,7 +121,7 @@ def build_config(args: argparse.Namespace) -> Config:
     if args.out is not None:
         cfg.test_evaluator['output_dir'] = args.out
         cfg.test_evaluator['keep_results'] = True
-    return cfg
+    return prepare_cpu_distributed(cfg)
 
 
 def format_metrics(metrics: Dict[str, float]) -> str:
@@ -124,8 +131,17 @@ def format_metrics(metrics: Dict[str, float]) -> str:
 
 
 def run_test(cfg: Config) -> Dict[str, float]:
-    """Build a Runner from ``cfg`` and return its test metrics."""
+    """Build a Runner from ``cfg`` and return its test metrics.
+
+    The checkpoint must match the model exactly (mmengine would load it with
+    ``strict=False`` and evaluate whatever weights did not load): a
+    mismatch raises ValueError before anything is evaluated.
+    """
+    init_cpu_process_group(cfg)
     runner = Runner.from_cfg(cfg)
+    model = getattr(runner.model, 'module', runner.model)
+    check_checkpoint_matches(model, cfg.load_from, setting='checkpoint',
+                             allowed=None)
     metrics = runner.test()
     metrics = {k: float(v) for k, v in metrics.items()}
     if runner.rank == 0:

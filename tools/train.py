@@ -10,9 +10,11 @@ Example::
     python tools/train.py configs/gf/pspnet_r18_voc_r4.py \
         --work-dir work_dirs/psp_r18_r4 \
         --cfg-options load_from=checkpoints/pspnet_r18_cityscapes.pth
-    # distributed:
+    # distributed (GPUs: nccl; a CPU-only machine: gloo, chosen here):
     python -m torch.distributed.run --nproc_per_node=4 tools/train.py \
         CONFIG --launcher pytorch
+    # continue an interrupted run from the latest checkpoint in work_dir:
+    python tools/train.py CONFIG --work-dir work_dirs/psp_r18_r4 --resume
 """
 import argparse
 import logging
@@ -23,7 +25,7 @@ from typing import List, Optional
 
 from mmengine.config import Config, DictAction
 from mmengine.logging import print_log
-from mmengine.runner import Runner
+from mmengine.runner import Runner, find_latest_checkpoint
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
 
@@ -34,7 +36,9 @@ import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
 # trusted as much as the config: restore the pre-2.6 behaviour unless the user
 # chose otherwise.
 os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
-from mmseg_gf.engine import rewrite_config
+from mmseg_gf.engine import rewrite_config  # noqa: E402
+from mmseg_gf.engine.config import (init_cpu_process_group,  # noqa: E402
+                                    prepare_cpu_distributed)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -46,7 +50,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '--resume',
         action='store_true',
         default=False,
-        help='resume from the latest checkpoint in the work_dir automatically')
+        help='resume from the latest checkpoint in the work_dir '
+        'automatically (model, optimizer, scheduler, iteration); with no '
+        'checkpoint there yet, start from load_from as usual')
     parser.add_argument(
         '--amp',
         action='store_true',
@@ -69,9 +75,36 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     # --local_rank (older).
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
+    if not osp.isfile(args.config):
+        parser.error(f'config: file {args.config!r} does not exist')
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
+
+
+def resolve_resume(cfg: Config, resume: bool) -> Config:
+    """``--resume``: continue from the latest checkpoint in ``work_dir``.
+
+    mmengine reads ``resume=True`` together with a ``load_from`` as "resume
+    from load_from". A finetuning config's ``load_from`` is the pretrained
+    model, so that would restart from it, or, with its ``meta`` iteration
+    count (e.g. 80k of the original training), end at once. Here the latest
+    checkpoint of this run wins; without one the run starts from
+    ``load_from`` as a fresh run would.
+    """
+    cfg.resume = False
+    if not resume:
+        return cfg
+    latest = find_latest_checkpoint(cfg.work_dir)
+    if latest is not None:
+        cfg.load_from = latest
+        cfg.resume = True
+    else:
+        print_log(
+            f'--resume: no checkpoint in {cfg.work_dir} yet; starting from '
+            f'load_from={cfg.get("load_from")!r}', logger='current',
+            level=logging.WARNING)
+    return cfg
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -101,7 +134,9 @@ def build_config(args: argparse.Namespace) -> Config:
             cfg.optim_wrapper.type = 'AmpOptimWrapper'
             cfg.optim_wrapper.loss_scale = 'dynamic'
 
-    cfg.resume = args.resume
+    resolve_resume(cfg, args.resume)
+    # Distributed without CUDA: gloo and a CPU DDP wrapper.
+    prepare_cpu_distributed(cfg)
 
     # `gradient_filter = dict(...)` -> GradFilterModel + GradFilterHook;
     # a config without it is returned unchanged.
@@ -117,7 +152,11 @@ def build_runner(cfg: Config) -> Runner:
 
 def main(argv: Optional[List[str]] = None) -> Runner:
     args = parse_args(argv)
-    runner = build_runner(build_config(args))
+    cfg = build_config(args)
+    # mmengine's init_dist('pytorch') needs CUDA; create the gloo group
+    # first on a CPU-only machine (the Runner then reuses it).
+    init_cpu_process_group(cfg)
+    runner = build_runner(cfg)
     runner.train()
     return runner
 

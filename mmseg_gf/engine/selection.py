@@ -328,6 +328,14 @@ def select_layers(model: nn.Module,
         pool = [
             r for r in records if r.inference and not _is_classifier(r.path)
         ]
+        if not pool:
+            classifiers = [r.path for r in records if _is_classifier(r.path)]
+            raise ValueError(
+                f'gradient_filter: {type(model).__name__} runs no conv on '
+                f'its inference path besides its classifier {classifiers}, '
+                'so num_layers has nothing to choose from (allowed: a '
+                'segmentor with nn.Conv2d layers; to train the classifier '
+                "alone, use layers=['decode_head.conv_seg'])")
         if isinstance(num_layers, bool) or not isinstance(
                 num_layers, int) or not 1 <= num_layers <= len(pool):
             raise ValueError(

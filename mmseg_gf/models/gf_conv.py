@@ -1,5 +1,6 @@
 """``GFConv2d``: an ``nn.Conv2d`` whose backward is the gradient filter."""
 
+import warnings
 from typing import Optional
 
 import torch
@@ -14,6 +15,26 @@ _CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
                     'padding', 'dilation', 'transposed', 'output_padding',
                     'groups', 'padding_mode',
                     '_reversed_padding_repeated_twice')
+
+
+class GFExactBackwardWarning(UserWarning):
+    """A GFConv2d call ran with the exact backward: the filter cannot apply."""
+
+
+def exact_backward_reason(input: Tensor, weight: Tensor) -> Optional[str]:
+    """Why a conv call cannot be gradient-filtered, or None if it can.
+
+    The only kind of convolution ``nn.Conv2d`` runs that GF_SPEC does not
+    define is a complex-valued one (the spec's patch means, tap sums and
+    products are written for real tensors; the operator's pooling has no
+    complex kernels). Every real conv, whatever its kernel, stride, padding
+    (numbers, ``'same'``, ``'valid'``, any ``padding_mode``), dilation,
+    groups, size or dtype, is covered.
+    """
+    if input.is_complex() or weight.is_complex():
+        return ('complex-valued tensors (GF_SPEC defines the gradient filter '
+                'for real-valued convolutions only)')
+    return None
 
 
 def _plain_conv_classes() -> tuple:
@@ -98,6 +119,31 @@ class GFConv2d(nn.Conv2d):
                       bias: Optional[Tensor]) -> Tensor:
         if not self._filter_active(input, weight, bias):
             return super()._conv_forward(input, weight, bias)
+        if input.numel() == 0 or weight.numel() == 0:
+            # Nothing to filter (empty batch / channels): the exact backward
+            # gives the spec's answer, empty or all-zero gradients.
+            return super()._conv_forward(input, weight, bias)
+        reason = exact_backward_reason(input, weight)
+        if reason is not None:
+            self._warn_exact_backward(reason)
+            return super()._conv_forward(input, weight, bias)
+        if input.dim() == 3:  # unbatched (C, H, W), as nn.Conv2d accepts
+            return self._filtered_conv(input.unsqueeze(0), weight,
+                                       bias).squeeze(0)
+        return self._filtered_conv(input, weight, bias)
+
+    def _warn_exact_backward(self, reason: str) -> None:
+        """Warn once per layer that its backward is the exact one."""
+        if getattr(self, '_warned_exact_backward', False):
+            return
+        self._warned_exact_backward = True
+        warnings.warn(
+            f'GFConv2d({self.extra_repr()}): falling back to the exact '
+            f'backward for {reason}; this layer is trained without the '
+            'gradient filter', GFExactBackwardWarning, stacklevel=3)
+
+    def _filtered_conv(self, input: Tensor, weight: Tensor,
+                       bias: Optional[Tensor]) -> Tensor:
         padding = self.padding
         if self.padding_mode != 'zeros':
             input = F.pad(input, self._reversed_padding_repeated_twice,
