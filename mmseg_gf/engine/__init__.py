@@ -3,6 +3,7 @@
 Importing this package registers ``GradFilterModel`` (mmseg MODELS),
 ``GradFilterHook`` and ``GradientQualityHook`` (mmseg HOOKS).
 """
+from .calibration import CalibrationHook  # noqa: F401 (registers it)
 from .config import build_grad_filter_model, check_settings, rewrite_config
 from .hooks import GradFilterHook, format_cost_table
 from .quality_hook import GradientQualityHook

@@ -15,3 +15,9 @@
 # (mmengine does not re-evaluate base files); see configs/demo/ for how:
 #   dataset_train = dict(_base_.dataset_train, data_root=..., pipeline=...)
 _base_ = ['mmseg::_base_/datasets/pascal_voc12_aug.py']
+
+# The paper's protocol (Supplement D.3): batch 8 on one device for both
+# calibration and finetuning. `num_classes` is read by the concrete configs
+# (`decode_head=dict(num_classes=_base_.num_classes)`).
+num_classes = 21
+train_dataloader = dict(batch_size=8)

@@ -1,0 +1,22 @@
+"""The paper's segmentation protocol as one command (tools/run_pipeline.py).
+
+source model (mmseg checkpoint, or trained here offline) -> calibration ->
+finetune with each strategy and seed -> results.md / results.csv /
+results.png in the layout of Tables 3 and 9.
+
+* :mod:`.experiments`: the models, datasets, transfers and strategies, and
+  how a run's config is composed from the ``configs/_base_`` pieces.
+* :mod:`.runner`: planning, running (resumable), progress.
+* :mod:`.flops`: #Layers and backward GFLOPs of a strategy (through the
+  shared cost model :mod:`mmseg_gf.analysis.cost`).
+* :mod:`.report`: the tables and the plot.
+* :mod:`.hooks`: ``ValMetricsRecorderHook``, which appends every validation
+  result to ``<work_dir>/val_metrics.jsonl``.
+"""
+from .experiments import (DATASETS, MODELS, STRATEGIES, TRANSFERS,
+                          compose_config, strategy_names)
+
+__all__ = [
+    'DATASETS', 'MODELS', 'STRATEGIES', 'TRANSFERS', 'compose_config',
+    'strategy_names'
+]

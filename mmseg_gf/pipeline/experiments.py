@@ -1,0 +1,414 @@
+"""Models, datasets, transfers and strategies of the paper's protocol, and
+how one run's config is composed from the ``configs/_base_`` pieces.
+
+A run's config is always the same four bases plus one line of glue::
+
+    _base_ = ['configs/_base_/models/<model>.py',
+              'configs/_base_/datasets/<dataset>.py',
+              'configs/_base_/default_runtime.py',
+              'configs/_base_/strategies/<strategy>.py']
+    model = dict(data_preprocessor=dict(size=_base_.crop_size),
+                 decode_head=dict(num_classes=_base_.num_classes))
+
+(the concrete files in ``configs/gf`` and ``configs/calib`` are exactly
+this), followed by run-specific settings (data location, crop, iterations,
+seed, checkpoint) applied by :func:`adapt_config`. The final config of every
+run is dumped to ``<work_dir>/config.py`` and runs on its own with
+``tools/train.py``.
+"""
+import math
+import os.path as osp
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from mmengine.config import Config
+
+__all__ = [
+    'CONFIG_DIR', 'ModelSpec', 'DatasetSpec', 'StrategySpec', 'MODELS',
+    'DATASETS', 'TRANSFERS', 'STRATEGIES', 'PAPER_STRATEGIES',
+    'strategy_names', 'strategy_file', 'compose_config', 'adapt_config',
+    'set_data', 'rescale_schedule'
+]
+
+#: The repository's ``configs`` directory (the package is installed
+#: editable from the repository).
+CONFIG_DIR = osp.join(
+    osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))), 'configs')
+
+ZOO = 'https://download.openmmlab.com/mmsegmentation/v0.5/'
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A segmentor of Tables 3 / 9.
+
+    Attributes:
+        base: file in ``configs/_base_/models``.
+        label: the paper's name.
+        calibration: strategy file of its calibration (``calibrate``: the
+            classifier, 1000 iterations; ``calibrate_decoder``: the decoder,
+            5000 iterations, for the MobileNetV2 models).
+        zoo: source dataset -> mmseg model-zoo checkpoint URL (only those
+            mmseg publishes; otherwise see docs/pipeline.md).
+    """
+
+    base: str
+    label: str
+    calibration: str = 'calibrate'
+    zoo: Dict[str, str] = field(default_factory=dict)
+
+
+MODELS: Dict[str, ModelSpec] = {
+    'pspnet_r18':
+    ModelSpec(
+        'pspnet_r18-d8.py', 'PSPNet-R18',
+        zoo=dict(cityscapes=ZOO + 'pspnet/pspnet_r18-d8_512x1024_80k_'
+                 'cityscapes/pspnet_r18-d8_512x1024_80k_cityscapes_'
+                 '20201225_021458-09ffa746.pth')),
+    'pspnet_mv2':
+    ModelSpec(
+        'pspnet_m-v2-d8.py', 'PSPNet-M', 'calibrate_decoder',
+        zoo=dict(
+            cityscapes=ZOO + 'mobilenet_v2/pspnet_m-v2-d8_512x1024_80k_'
+            'cityscapes/pspnet_m-v2-d8_512x1024_80k_cityscapes_'
+            '20200825_124817-19e81d51.pth',
+            ade20k=ZOO + 'mobilenet_v2/pspnet_m-v2-d8_512x512_160k_ade20k/'
+            'pspnet_m-v2-d8_512x512_160k_ade20k_20200825_214953-f5942f7a.pth'
+        )),
+    'deeplabv3_r18':
+    ModelSpec(
+        'deeplabv3_r18-d8.py', 'DLV3-R18',
+        zoo=dict(cityscapes=ZOO + 'deeplabv3/deeplabv3_r18-d8_512x1024_80k_'
+                 'cityscapes/deeplabv3_r18-d8_512x1024_80k_cityscapes_'
+                 '20201225_021506-23dffbe2.pth')),
+    'deeplabv3_mv2':
+    ModelSpec(
+        'deeplabv3_m-v2-d8.py', 'DLV3-M', 'calibrate_decoder',
+        zoo=dict(
+            cityscapes=ZOO + 'mobilenet_v2/deeplabv3_m-v2-d8_512x1024_80k_'
+            'cityscapes/deeplabv3_m-v2-d8_512x1024_80k_cityscapes_'
+            '20200825_124836-bef03590.pth',
+            ade20k=ZOO + 'mobilenet_v2/deeplabv3_m-v2-d8_512x512_160k_'
+            'ade20k/deeplabv3_m-v2-d8_512x512_160k_ade20k_20200825_'
+            '223255-63986343.pth')),
+    'fcn_r18':
+    ModelSpec(
+        'fcn_r18-d8.py', 'FCN-R18',
+        zoo=dict(cityscapes=ZOO + 'fcn/fcn_r18-d8_512x1024_80k_cityscapes/'
+                 'fcn_r18-d8_512x1024_80k_cityscapes_20201225_021327-'
+                 '6c50f8b4.pth')),
+    'upernet_r18':
+    ModelSpec('upernet_r18.py', 'UPerNet-R18'),
+}
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset of the protocol.
+
+    Attributes:
+        base: file in ``configs/_base_/datasets``.
+        label: display name.
+        maker: key of :data:`mmseg_gf.datasets.MAKERS` (synthetic data).
+        subdir: the config's ``data_root`` relative to the maker's ``root``.
+        synthetic: default keyword arguments of the maker (image size,
+            classes present) for ``--synthetic``. The class subsets and the
+            per-family appearance tables of the generator differ between
+            datasets: moving from one to another is a real transfer.
+    """
+
+    base: str
+    label: str
+    maker: str
+    subdir: str
+    synthetic: Dict[str, Any] = field(default_factory=dict)
+
+
+DATASETS: Dict[str, DatasetSpec] = {
+    'voc':
+    DatasetSpec('voc12aug.py', 'VOC12Aug', 'voc', 'VOCdevkit/VOC2012',
+                dict(size=(96, 96), classes=[1, 2, 3, 4, 5, 6])),
+    'cityscapes':
+    DatasetSpec('cityscapes.py', 'Cityscapes', 'cityscapes', '',
+                dict(size=(64, 128), classes=[11, 12, 13, 14, 15, 16])),
+    'ade20k':
+    DatasetSpec('ade20k.py', 'ADE20K', 'ade20k', 'ADEChallengeData2016',
+                dict(size=(96, 96), classes=list(range(1, 11)))),
+}
+
+#: transfer -> (source dataset, target dataset).
+TRANSFERS: Dict[str, Tuple[str, str]] = {
+    'cityscapes2voc': ('cityscapes', 'voc'),
+    'ade2voc': ('ade20k', 'voc'),
+    'ade2cityscapes': ('ade20k', 'cityscapes'),
+}
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A row of the table.
+
+    Attributes:
+        base: file in ``configs/_base_/strategies`` (``{model}`` is replaced
+            by the model name; ``{calibration}`` by its calibration file).
+        kind: ``'calib'`` or ``'finetune'``.
+        options: settings merged after loading (``merge_from_dict`` keys).
+    """
+
+    base: str
+    kind: str = 'finetune'
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+def _builtin_strategies() -> Dict[str, StrategySpec]:
+    out = dict(calib=StrategySpec('{calibration}.py', 'calib'))
+    out['vanilla_all'] = StrategySpec('vanilla_all.py')
+    out['classifier_only'] = StrategySpec('classifier_only.py')
+    for n in (5, 10):
+        out[f'vanilla_last{n}'] = StrategySpec(f'vanilla_last{n}.py')
+        for r in ('r2', 'r4', 'auto'):
+            out[f'gf_last{n}_{r}'] = StrategySpec(f'gf_last{n}_{r}.py')
+        ref = f'reference/{{model}}_{n}.py'
+        out[f'gf_ref{n}'] = StrategySpec(ref)
+        out[f'vanilla_ref{n}'] = StrategySpec(
+            ref, options={'gradient_filter.mode': 'vanilla'})
+    return out
+
+
+STRATEGIES: Dict[str, StrategySpec] = _builtin_strategies()
+
+#: The rows of Tables 3 / 9 (with both patch sizes the paper studies).
+PAPER_STRATEGIES = [
+    'calib', 'vanilla_all', 'vanilla_last5', 'vanilla_last10', 'gf_last5_r2',
+    'gf_last5_r4', 'gf_last10_r2', 'gf_last10_r4'
+]
+
+
+def strategy_names() -> List[str]:
+    """Built-in strategy names (``gf_ref*`` / ``vanilla_ref*`` exist only
+    for the models the reference implementation configured)."""
+    return list(STRATEGIES)
+
+
+def strategy_file(strategy: str, model: str,
+                  config_dir: str = CONFIG_DIR) -> str:
+    """The strategy's base file for ``model``.
+
+    ``strategy`` is a built-in name or a path to a strategy file of one's
+    own (a few lines like those in ``configs/_base_/strategies``).
+
+    Raises:
+        ValueError: unknown strategy, or no such file for this model.
+    """
+    if strategy.endswith('.py'):
+        path = osp.abspath(strategy)
+    else:
+        if strategy not in STRATEGIES:
+            raise ValueError(f'unknown strategy {strategy!r}; built-in: '
+                             f'{strategy_names()} or a path to a .py file')
+        base = STRATEGIES[strategy].base.format(
+            model=model, calibration=MODELS[model].calibration)
+        path = osp.join(config_dir, '_base_', 'strategies', base)
+    if not osp.isfile(path):
+        raise ValueError(f'strategy {strategy!r} has no config for model '
+                         f'{model!r} (no file {path})')
+    return path
+
+
+def strategy_kind(strategy: str) -> str:
+    """'calib' or 'finetune'."""
+    spec = STRATEGIES.get(strategy)
+    return spec.kind if spec is not None else 'finetune'
+
+
+def compose_config(model: str,
+                   dataset: str,
+                   strategy: str,
+                   config_dir: str = CONFIG_DIR) -> Config:
+    """model + dataset + runtime + strategy bases, with the glue line.
+
+    Args:
+        model: a key of :data:`MODELS`.
+        dataset: a key of :data:`DATASETS`.
+        strategy: a key of :data:`STRATEGIES`, ``'pretrain_source'`` or a
+            path to a strategy file.
+        config_dir: the ``configs`` directory.
+    """
+    if model not in MODELS:
+        raise ValueError(f'unknown model {model!r}; one of {list(MODELS)}')
+    if dataset not in DATASETS:
+        raise ValueError(
+            f'unknown dataset {dataset!r}; one of {list(DATASETS)}')
+    base = osp.join(config_dir, '_base_')
+    if strategy == 'pretrain_source':
+        strat = osp.join(base, 'strategies', 'pretrain_source.py')
+    else:
+        strat = strategy_file(strategy, model, config_dir)
+    bases = [
+        osp.join(base, 'models', MODELS[model].base),
+        osp.join(base, 'datasets', DATASETS[dataset].base),
+        osp.join(base, 'default_runtime.py'), strat
+    ]
+    text = (f'_base_ = {bases!r}\n'
+            'model = dict(data_preprocessor=dict(size=_base_.crop_size), '
+            'decode_head=dict(num_classes=_base_.num_classes))\n')
+    cfg = Config.fromstring(text, '.py')
+    spec = STRATEGIES.get(strategy)
+    if spec is not None and spec.options:
+        cfg.merge_from_dict(dict(spec.options))
+    return cfg
+
+
+def _iter_datasets(ds: dict):
+    """The leaf dataset dicts of a (Concat/Repeat) dataset config."""
+    if ds.get('type') == 'ConcatDataset' or 'datasets' in ds:
+        for d in ds['datasets']:
+            yield from _iter_datasets(d)
+    elif 'dataset' in ds:
+        yield from _iter_datasets(ds['dataset'])
+    else:
+        yield ds
+
+
+def set_data(cfg: Config,
+             data_root: Optional[str] = None,
+             image_size: Optional[Sequence[int]] = None,
+             crop: Optional[Sequence[int]] = None) -> Config:
+    """Move the datasets and resize their pipelines, in place.
+
+    Args:
+        cfg: a composed config.
+        data_root: new ``data_root`` of every train/val/test dataset.
+        image_size: ``(H, W)`` the images are resized to (``RandomResize``
+            and test ``Resize`` scales; the random ratio range is kept), for
+            data much smaller than the real datasets.
+        crop: ``(H, W)`` training crop (``RandomCrop``, ``Pad`` and the
+            data preprocessor's size).
+    """
+    for key in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        loader = cfg.get(key)
+        if not loader:
+            continue
+        for ds in _iter_datasets(loader['dataset']):
+            if data_root is not None:
+                ds['data_root'] = data_root
+            for t in ds.get('pipeline', []):
+                kind = t.get('type')
+                if image_size is not None and kind in ('RandomResize',
+                                                       'Resize'):
+                    if 'scale' in t:
+                        t['scale'] = (int(image_size[1]), int(image_size[0]))
+                if crop is not None and kind == 'RandomCrop':
+                    t['crop_size'] = tuple(int(v) for v in crop)
+                if crop is not None and kind == 'Pad' and 'size' in t:
+                    t['size'] = tuple(int(v) for v in crop)
+    if crop is not None:
+        crop = tuple(int(v) for v in crop)
+        cfg.crop_size = crop
+        cfg.model.data_preprocessor['size'] = crop
+    return cfg
+
+
+def _scale(x: float, f: float, max_iters: int) -> int:
+    return 0 if x <= 0 else min(max_iters, max(1, math.ceil(x * f)))
+
+
+def rescale_schedule(cfg: Config,
+                     max_iters: int,
+                     val_interval: Optional[int] = None) -> Config:
+    """Change the number of iterations, keeping the schedule's shape.
+
+    Every ``param_scheduler`` keeps its place relative to the run (a 1000
+    of 20000 warm-up stays 5%); ``CosineAnnealingLR`` gets the new
+    ``T_max``; ``ExponentialLR`` a gamma with the same total decay.
+    Validation and checkpoints happen every ``val_interval`` iterations
+    (default: as many validations as before), and always at the end.
+    """
+    max_iters = int(max_iters)
+    if max_iters < 1:
+        raise ValueError(f'max_iters must be >= 1, got {max_iters}')
+    old = int(cfg.train_cfg.max_iters)
+    f = max_iters / old
+    scheds = cfg.get('param_scheduler') or []
+    if isinstance(scheds, dict):
+        scheds = [scheds]
+    for s in scheds:
+        begin, end = s.get('begin', 0), s.get('end', old)
+        end = old if end is None or end > old else end
+        nb, ne = _scale(begin, f, max_iters), _scale(end, f, max_iters)
+        if ne <= nb:
+            ne = nb + 1
+        if s.get('type') in ('CosineAnnealingLR', 'CosineAnnealingParamScheduler'):
+            s['T_max'] = ne - nb
+        if s.get('type') in ('ExponentialLR', 'ExponentialParamScheduler'):
+            s['gamma'] = float(s['gamma'])**((end - begin) / (ne - nb))
+        s['begin'], s['end'] = nb, ne
+    cfg.train_cfg.max_iters = max_iters
+    if val_interval is None:
+        n_val = max(1, round(old / int(cfg.train_cfg.get('val_interval',
+                                                          old))))
+        val_interval = max(1, math.ceil(max_iters / n_val))
+    val_interval = min(int(val_interval), max_iters)
+    cfg.train_cfg.val_interval = val_interval
+    ckpt = cfg.default_hooks.get('checkpoint')
+    if ckpt is not None:
+        ckpt['interval'] = val_interval
+    logger = cfg.default_hooks.get('logger')
+    if logger is not None:
+        logger['interval'] = max(1, min(int(logger.get('interval', 50)),
+                                        val_interval))
+    return cfg
+
+
+def adapt_config(cfg: Config,
+                 work_dir: str,
+                 seed: int,
+                 data_root: Optional[str] = None,
+                 image_size: Optional[Sequence[int]] = None,
+                 crop: Optional[Sequence[int]] = None,
+                 max_iters: Optional[int] = None,
+                 val_interval: Optional[int] = None,
+                 batch_size: Optional[int] = None,
+                 num_workers: Optional[int] = None,
+                 load_from: Optional[str] = None,
+                 cfg_options: Optional[Dict[str, Any]] = None) -> Config:
+    """The run-specific settings of one pipeline run, in place.
+
+    Besides the arguments: keep one checkpoint (the last), record every
+    validation (``ValMetricsRecorderHook``) and draw nothing.
+    ``cfg_options`` (the CLI's ``--cfg-options``) is merged last.
+    """
+    set_data(cfg, data_root, image_size, crop)
+    if max_iters is not None or val_interval is not None:
+        rescale_schedule(cfg, max_iters or cfg.train_cfg.max_iters,
+                         val_interval)
+    if batch_size is not None:
+        cfg.train_dataloader.batch_size = int(batch_size)
+    if num_workers is not None:
+        for key in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+            cfg[key]['num_workers'] = int(num_workers)
+            cfg[key]['persistent_workers'] = int(num_workers) > 0
+    cfg.randomness = dict(seed=int(seed))
+    cfg.work_dir = work_dir
+    cfg.load_from = load_from
+    ckpt = cfg.default_hooks.get('checkpoint')
+    if ckpt is not None:
+        ckpt['max_keep_ckpts'] = 1
+    vis = cfg.default_hooks.get('visualization')
+    if vis is not None:
+        vis['draw'] = False
+    hooks = list(cfg.get('custom_hooks') or [])
+    if not any(h.get('type') == 'ValMetricsRecorderHook' for h in hooks):
+        hooks.append(dict(type='ValMetricsRecorderHook'))
+    cfg.custom_hooks = hooks
+    imports = dict(cfg.get('custom_imports') or {})
+    names = list(imports.get('imports', []))
+    for name in ('mmseg_gf', 'mmseg_gf.pipeline.hooks'):
+        if name not in names:
+            names.append(name)
+    imports['imports'] = names
+    imports.setdefault('allow_failed_imports', False)
+    cfg.custom_imports = imports
+    if cfg_options:
+        cfg.merge_from_dict(dict(cfg_options))
+    return cfg
