@@ -20,21 +20,17 @@ import os.path as osp
 import sys
 from typing import Dict, List, Optional
 
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 from mmengine.runner import Runner
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
-
-# mmengine 0.10.7 calls torch.load() without weights_only; torch >= 2.6
-# defaults to weights_only=True and refuses mmengine's own checkpoints (their
-# message_hub holds HistoryBuffer / numpy objects). The checkpoint comes from
-# the command line or the config, which is itself executed Python, so it is
-# trusted as much as the config: restore the pre-2.6 behaviour unless the user
-# chose otherwise.
-os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
-from mmseg_gf.engine.config import (init_cpu_process_group,  # noqa: E402
+from mmseg_gf.engine.cli import (add_common_args, load_config,
+                                 trust_mmengine_checkpoints)
+from mmseg_gf.engine.config import (init_cpu_process_group,
                                     prepare_cpu_distributed)
-from mmseg_gf.engine.hooks import check_checkpoint_matches  # noqa: E402
+from mmseg_gf.engine.hooks import check_checkpoint_matches
+
+trust_mmengine_checkpoints()  # before any checkpoint is read
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -59,27 +55,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '(inside work_dir/timestamp/)')
     parser.add_argument(
         '--wait-time', type=float, default=2, help='the interval of show (s)')
-    parser.add_argument(
-        '--cfg-options',
-        nargs='+',
-        action=DictAction,
-        help='override some settings in the used config, the key-value pair '
-        'in xxx=yyy format will be merged into config file.')
-    parser.add_argument(
-        '--launcher',
-        choices=['none', 'pytorch', 'slurm', 'mpi'],
-        default='none',
-        help='job launcher')
+    add_common_args(parser)
     parser.add_argument(
         '--tta', action='store_true', help='test time augmentation')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
     for name in ('config', 'checkpoint'):
         path = getattr(args, name)
         if '://' not in path and not osp.isfile(path):
             parser.error(f'{name}: file {path!r} does not exist')
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
 
 
@@ -101,15 +84,7 @@ def trigger_visualization_hook(cfg: Config,
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs',
-                                osp.splitext(osp.basename(args.config))[0])
+    cfg = load_config(args)
     cfg.load_from = args.checkpoint
     cfg.resume = False
     if args.show or args.show_dir:

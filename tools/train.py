@@ -18,27 +18,22 @@ Example::
 """
 import argparse
 import logging
-import os
 import os.path as osp
 import sys
 from typing import List, Optional
 
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 from mmengine.logging import print_log
 from mmengine.runner import Runner, find_latest_checkpoint
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
-
-# mmengine 0.10.7 calls torch.load() without weights_only; torch >= 2.6
-# defaults to weights_only=True and refuses mmengine's own checkpoints (their
-# message_hub holds HistoryBuffer / numpy objects). The checkpoint comes from
-# the command line or the config, which is itself executed Python, so it is
-# trusted as much as the config: restore the pre-2.6 behaviour unless the user
-# chose otherwise.
-os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
-from mmseg_gf.engine import rewrite_config  # noqa: E402
-from mmseg_gf.engine.config import (init_cpu_process_group,  # noqa: E402
+from mmseg_gf.engine.cli import (add_common_args, load_config,
+                                 trust_mmengine_checkpoints)
+from mmseg_gf.engine import rewrite_config
+from mmseg_gf.engine.config import (init_cpu_process_group,
                                     prepare_cpu_distributed)
+
+trust_mmengine_checkpoints()  # before any checkpoint is read
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -58,27 +53,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         action='store_true',
         default=False,
         help='enable automatic-mixed-precision training')
-    parser.add_argument(
-        '--cfg-options',
-        nargs='+',
-        action=DictAction,
-        help='override some settings in the used config, the key-value pair '
-        'in xxx=yyy format will be merged into config file. If the value to '
-        'be overwritten is a list, it should be like key="[a,b]" or key=a,b; '
-        'nested lists/tuples like key="[(a,b),(c,d)]". No white space.')
-    parser.add_argument(
-        '--launcher',
-        choices=['none', 'pytorch', 'slurm', 'mpi'],
-        default='none',
-        help='job launcher')
-    # torch.distributed.launch passes --local-rank (torch >= 2.0) or
-    # --local_rank (older).
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    add_common_args(parser)
     args = parser.parse_args(argv)
     if not osp.isfile(args.config):
         parser.error(f'config: file {args.config!r} does not exist')
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
 
 
@@ -109,17 +87,7 @@ def resolve_resume(cfg: Config, resume: bool) -> Config:
 
 def build_config(args: argparse.Namespace) -> Config:
     """Load the config and apply the CLI overrides and the plugin rewrite."""
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-
-    # work_dir: CLI > config > ./work_dirs/<config name>
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs',
-                                osp.splitext(osp.basename(args.config))[0])
+    cfg = load_config(args)
 
     if args.amp:
         if cfg.optim_wrapper.type == 'AmpOptimWrapper':

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mmengine.config import Config
 
+from ..engine.cli import trust_mmengine_checkpoints
 from .experiments import (CONFIG_DIR, DATASETS, MODELS, PAPER_STRATEGIES,
                           TRANSFERS, adapt_config, compose_config,
                           strategy_file, strategy_kind)
@@ -373,11 +374,9 @@ class Pipeline:
 
     def run(self) -> List[Stage]:
         """Run every stage that is not done, in order."""
-        # mmengine 0.10.7 calls torch.load() without weights_only; torch >=
-        # 2.6 refuses mmengine's own checkpoints by default (their meta holds
-        # numpy objects). The checkpoints are this tool's own or the one the
-        # user named, trusted as much as the configs (as in tools/train.py).
-        os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
+        # The checkpoints are this tool's own or the one the user named,
+        # trusted as much as the configs (as in tools/train.py).
+        trust_mmengine_checkpoints()
         if not self.stages:
             self.plan()
         self.print_plan()
