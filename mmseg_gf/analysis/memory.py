@@ -6,7 +6,7 @@ measure the same quantities so the two can be checked against each other.
 
 import os
 import resource
-from typing import Callable
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -54,3 +54,99 @@ def _max_rss_bytes() -> int:
     # ru_maxrss is in kilobytes on Linux (bytes on macOS).
     scale = 1 if os.uname().sysname == 'Darwin' else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def saved_bytes_by_module(
+        forward: Callable[[], object],
+        modules: Mapping[str, nn.Module],
+        exclude: Iterable[torch.Tensor] = ()) -> Tuple[Dict[str, int], int]:
+    """Bytes autograd saves while ``forward()`` runs, per module and in all.
+
+    A tensor packed for backward while one of ``modules`` is running (its
+    ``forward``, hooks included) is attributed to that module (to the
+    innermost one if they nest). Each storage is counted once per module and
+    once in the total; storages of ``exclude`` (e.g. the model's
+    Parameters, alive anyway) are left out.
+
+    Args:
+        forward: runs the forward pass (with autograd recording).
+        modules: name -> module whose saved tensors are attributed.
+        exclude: tensors whose storages are not counted.
+
+    Returns:
+        ``({name: bytes}, total_bytes)``; the total covers everything saved
+        during ``forward()``, inside the listed modules or not.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    per_module: Dict[str, Dict[int, int]] = {name: {} for name in modules}
+    everything: Dict[int, int] = {}
+    stack = []
+
+    def pack(t: torch.Tensor):
+        if isinstance(t, nn.Parameter):
+            return t
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in skip:
+            return t
+        everything[ptr] = storage.nbytes()
+        if stack:
+            per_module[stack[-1]][ptr] = storage.nbytes()
+        return t
+
+    def enter(name):
+
+        def hook(module, args):
+            stack.append(name)
+
+        return hook
+
+    def leave(module, args, output):
+        stack.pop()
+
+    handles = []
+    for name, module in modules.items():
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ({name: sum(v.values())
+             for name, v in per_module.items()}, sum(everything.values()))
+
+
+def profiled_peak_bytes(step: Callable[[], object],
+                        device: Optional[torch.device] = None) -> int:
+    """Peak memory of ``step()`` above what was allocated before it.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (see :func:`peak_step_bytes`).
+    CPU: the running sum of the allocations and frees torch's profiler
+    records (``profile_memory=True``) in time order, allocations at the start
+    of the op making them and frees at its end, i.e. the peak of live tensor
+    bytes at operator granularity (a temporary allocated and freed inside
+    one op is not seen). Unlike ``ru_maxrss`` it is exact to the tensor,
+    unaffected by the allocator's caching and earlier peaks of the process,
+    so variants can be compared in one process.
+    """
+    device = torch.device('cpu') if device is None else torch.device(device)
+    if device.type == 'cuda':
+        return peak_step_bytes(step, device)
+    from torch.autograd import profiler
+    with profiler.profile(profile_memory=True) as prof:
+        step()
+    changes = []
+    for event in prof.function_events:
+        delta = event.self_cpu_memory_usage
+        if delta > 0:
+            changes.append((event.time_range.start, delta))
+        elif delta < 0:
+            changes.append((event.time_range.end, delta))
+    changes.sort(key=lambda c: (c[0], -c[1]))
+    live = peak = 0
+    for _, delta in changes:
+        live += delta
+        peak = max(peak, live)
+    return peak
