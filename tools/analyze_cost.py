@@ -23,9 +23,7 @@ Examples::
     python tools/analyze_cost.py --paper-table3
 """
 import argparse
-import json
 import math
-import os
 import os.path as osp
 import sys
 import time
@@ -37,6 +35,7 @@ import mmseg_gf  # noqa: F401  (registers GFConv2d, GradFilterModel, ...)
 from mmseg_gf.analysis.model_cost import (ModelCost, build_segmentor,
                                           measure_memory,
                                           model_backward_cost)
+from mmseg_gf.engine.cli import write_json
 from mmseg_gf.engine.selection import trace_convs
 
 # ----------------------------------------------------------------------------
@@ -423,10 +422,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             print(measure_table(result))
             out['measured'] = result
     if args.out:
-        os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
-        with open(args.out, 'w') as f:
-            json.dump(out, f, indent=2)
-        print(f'wrote {args.out}')
+        write_json(args.out, out)
     return out
 
 

@@ -14,9 +14,6 @@ Example::
         --batch 8 --strategies vanilla_all vanilla_last5 gf_last5_r4
 """
 import argparse
-import json
-import os
-import os.path as osp
 import statistics
 import time
 from typing import Dict, List, Optional
@@ -26,6 +23,7 @@ import torch
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
 from mmseg_gf.analysis.model_cost import (build_segmentor, random_batch,
                                           training_loss)
+from mmseg_gf.engine.cli import write_json
 from mmseg_gf.pipeline import MODELS, compose_config
 from mmseg_gf.pipeline.experiments import set_data
 
@@ -110,10 +108,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
           f'{torch.__version__}; median of {args.repeats} steps')
     print(markdown(rows, rows[0]))
     if args.out:
-        os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
-        with open(args.out, 'w') as f:
-            json.dump(dict(model=args.model, crop=crop, batch=args.batch,
-                           rows=rows), f, indent=2)
+        write_json(args.out, dict(model=args.model, crop=crop,
+                                  batch=args.batch, rows=rows))
     return rows
 
 

@@ -29,9 +29,7 @@ Examples::
 """
 import argparse
 import copy
-import json
 import math
-import os
 import os.path as osp
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -44,7 +42,7 @@ from mmseg_gf.analysis.model_cost import (build_segmentor, random_batch,
                                           training_loss)
 from mmseg_gf.analysis.quality import (capture_layer_io, cosine,
                                        layer_gradient_quality, snr)
-from mmseg_gf.engine.cli import trust_mmengine_checkpoints
+from mmseg_gf.engine.cli import trust_mmengine_checkpoints, write_json
 from mmseg_gf.engine.surgery import get_gradient_filter_layers
 
 trust_mmengine_checkpoints()  # before any checkpoint is read
@@ -246,10 +244,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                upstream=args.upstream,
                rows=[{k: _jsonable(v) for k, v in r.items()} for r in rows])
     if args.out:
-        os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
-        with open(args.out, 'w') as f:
-            json.dump(out, f, indent=2)
-        print(f'wrote {args.out}')
+        write_json(args.out, out)
     return out
 
 

@@ -10,7 +10,10 @@ import os.path as osp
 
 from mmengine.config import Config, DictAction
 
-__all__ = ['trust_mmengine_checkpoints', 'add_common_args', 'load_config']
+__all__ = [
+    'trust_mmengine_checkpoints', 'add_common_args', 'load_config',
+    'write_json'
+]
 
 
 def trust_mmengine_checkpoints() -> None:
@@ -66,3 +69,12 @@ def load_config(args: argparse.Namespace) -> Config:
         cfg.work_dir = osp.join('./work_dirs',
                                 osp.splitext(osp.basename(args.config))[0])
     return cfg
+
+
+def write_json(path: str, obj) -> None:
+    """Write a tool's ``--out`` file (creating its directory) and say so."""
+    import json
+    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+    with open(path, 'w') as f:
+        json.dump(obj, f, indent=2)
+    print(f'wrote {path}')
