@@ -277,3 +277,25 @@ def test_meta_tensors_give_gradient_shapes():
     gx, gw = torch.autograd.grad(out, (x, w), torch.empty_like(out))
     assert gx.shape == x.shape and gw.shape == w.shape
     assert gx.device.type == 'meta'
+
+
+@pytest.mark.parametrize('channels,grid,groups', [
+    (8, (9, 7), 1),    # large grid: one GEMM per image
+    (8, (9, 7), 2),
+    (48, (2, 2), 1),   # small grid, many channels: batch x cells gathered
+    (48, (2, 2), 4),
+])
+def test_pooled_weight_grad_both_strategies(channels, grid, groups):
+    """Both ways of summing the patch-grid weight gradient over the batch
+    equal the plain sum of per-image, per-group products."""
+    from mmseg_gf.ops.gradient_filter import _pooled_weight_grad
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, channels, *grid, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, channels, *grid, generator=gen, dtype=torch.float64)
+    cg = channels // groups
+    want = torch.stack([
+        sum(g[n, k * cg:(k + 1) * cg].reshape(cg, -1)
+            @ x[n, k * cg:(k + 1) * cg].reshape(cg, -1).T for n in range(3))
+        for k in range(groups)
+    ])
+    torch.testing.assert_close(_pooled_weight_grad(g, x, groups), want)
