@@ -35,7 +35,7 @@ import mmseg_gf  # noqa: F401  (registers GFConv2d, GradFilterModel, ...)
 from mmseg_gf.analysis.model_cost import (ModelCost, build_segmentor,
                                           measure_memory,
                                           model_backward_cost)
-from mmseg_gf.engine.cli import write_json
+from mmseg_gf.engine.cli import markdown_table, write_json
 from mmseg_gf.engine.selection import trace_convs
 
 # ----------------------------------------------------------------------------
@@ -172,13 +172,6 @@ def text_table(header: Sequence[str], rows: List[Sequence[str]]) -> str:
 
     return '\n'.join([line(header), line(['-' * w for w in widths])] +
                      [line(r) for r in rows])
-
-
-def markdown_table(header: Sequence[str], rows: List[Sequence[str]]) -> str:
-    out = ['| ' + ' | '.join(header) + ' |',
-           '|' + '|'.join(' --- ' for _ in header) + '|']
-    out += ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
-    return '\n'.join(out)
 
 
 def cost_table(cost: ModelCost) -> str:

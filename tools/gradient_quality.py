@@ -42,7 +42,8 @@ from mmseg_gf.analysis.model_cost import (build_segmentor, random_batch,
                                           training_loss)
 from mmseg_gf.analysis.quality import (capture_layer_io, cosine,
                                        layer_gradient_quality, snr)
-from mmseg_gf.engine.cli import trust_mmengine_checkpoints, write_json
+from mmseg_gf.engine.cli import (markdown_table, trust_mmengine_checkpoints,
+                                 write_json)
 from mmseg_gf.engine.surgery import get_gradient_filter_layers
 
 trust_mmengine_checkpoints()  # before any checkpoint is read
@@ -190,12 +191,9 @@ COLUMNS = (
 
 
 def markdown(rows: List[Dict[str, Any]]) -> str:
-    lines = ['| ' + ' | '.join(label for _, label in COLUMNS) + ' |',
-             '|' + '|'.join(' --- ' for _ in COLUMNS) + '|']
-    for row in rows:
-        lines.append('| ' + ' | '.join(_fmt(row.get(key))
-                                       for key, _ in COLUMNS) + ' |')
-    return '\n'.join(lines)
+    return markdown_table([label for _, label in COLUMNS],
+                          [[_fmt(row.get(key)) for key, _ in COLUMNS]
+                           for row in rows])
 
 
 def _jsonable(v):

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..engine.selection import CLASSIFIER_SUFFIX, ConvRecord, trace_convs
+from ..engine.selection import ConvRecord, is_classifier, trace_convs
 from ..engine.surgery import MODE_ATTR, get_gradient_filter_layers
 from .cost import ConvBackwardCost, conv_backward_cost
 
@@ -39,14 +39,6 @@ __all__ = [
     'LayerCost', 'ModelCost', 'build_segmentor', 'model_backward_cost',
     'measure_memory', 'random_batch', 'training_loss'
 ]
-
-
-def _pair(v) -> Tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
-def _is_classifier(path: str) -> bool:
-    return path.split('.')[-1] == CLASSIFIER_SUFFIX
 
 
 @dataclass
@@ -201,11 +193,12 @@ def build_segmentor(cfg, input_size: Optional[Sequence[int]] = None
     return MODELS.build(cfg.model)
 
 
-def _layer_cost(rec: ConvRecord, conv: nn.Module, radius: int,
+def _layer_cost(rec: ConvRecord, conv: nn.Conv2d, radius: int,
                 need_input_grad: bool, batch: int, elem_bytes: int,
                 collapse_dilated: bool) -> LayerCost:
-    kh, kw = _pair(conv.kernel_size)
-    dilation = (1, 1) if collapse_dilated else _pair(conv.dilation)
+    # nn.Conv2d keeps kernel_size / stride / dilation as pairs.
+    kh, kw = conv.kernel_size
+    dilation = (1, 1) if collapse_dilated else conv.dilation
     cost = conv_backward_cost(
         cin=rec.in_shape[0], cout=rec.out_shape[0], kh=kh, kw=kw,
         stride=conv.stride, dilation=dilation, groups=conv.groups,
@@ -213,8 +206,8 @@ def _layer_cost(rec: ConvRecord, conv: nn.Module, radius: int,
         radius=radius, need_input_grad=need_input_grad,
         elem_bytes=elem_bytes)
     return LayerCost(
-        path=rec.path, kernel_size=(kh, kw), stride=_pair(conv.stride),
-        dilation=_pair(conv.dilation), groups=conv.groups,
+        path=rec.path, kernel_size=(kh, kw), stride=tuple(conv.stride),
+        dilation=tuple(conv.dilation), groups=conv.groups,
         in_shape=tuple(rec.in_shape), out_shape=tuple(rec.out_shape),
         radius=radius, need_input_grad=need_input_grad, cost=cost)
 
@@ -258,7 +251,7 @@ def model_backward_cost(model: nn.Module,
                     collapse_dilated=collapse_dilated)
     if choices is None:
         items = [(r, r.module, radius) for r in records
-                 if r.inference and not _is_classifier(r.path)]
+                 if r.inference and not is_classifier(r.path)]
     else:
         out.mode = getattr(model, MODE_ATTR, 'gf')
         items = []
@@ -274,7 +267,7 @@ def model_backward_cost(model: nn.Module,
             _layer_cost(rec, conv, r, bool(rec.input_requires_grad),
                         out.batch, elem_bytes, collapse_dilated))
     cls = [r for r in records
-           if r.inference and _is_classifier(r.path)]
+           if r.inference and is_classifier(r.path)]
     if cls:
         rec = cls[-1]
         out.classifier = _layer_cost(rec, rec.module, 1,

@@ -5,14 +5,16 @@ Both tools follow mmseg 1.x's scripts flag for flag; only the parts that are
 the same in both live here.
 """
 import argparse
+import json
 import os
 import os.path as osp
+from typing import Sequence
 
 from mmengine.config import Config, DictAction
 
 __all__ = [
     'trust_mmengine_checkpoints', 'add_common_args', 'load_config',
-    'write_json'
+    'write_json', 'markdown_table'
 ]
 
 
@@ -73,8 +75,16 @@ def load_config(args: argparse.Namespace) -> Config:
 
 def write_json(path: str, obj) -> None:
     """Write a tool's ``--out`` file (creating its directory) and say so."""
-    import json
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with open(path, 'w') as f:
         json.dump(obj, f, indent=2)
     print(f'wrote {path}')
+
+
+def markdown_table(header: Sequence[str],
+                   rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table of a tool's report (cells printed with ``str``)."""
+    out = ['| ' + ' | '.join(header) + ' |',
+           '|' + '|'.join(' --- ' for _ in header) + '|']
+    out += ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
+    return '\n'.join(out)

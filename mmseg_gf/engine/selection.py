@@ -29,7 +29,7 @@ NORM_TYPES = (_BatchNorm, _InstanceNorm, nn.GroupNorm, nn.LayerNorm)
 
 __all__ = [
     'ConvRecord', 'LayerChoice', 'trace_convs', 'select_layers',
-    'auto_radius', 'resolve_radius', 'CLASSIFIER_SUFFIX'
+    'auto_radius', 'resolve_radius', 'is_classifier', 'CLASSIFIER_SUFFIX'
 ]
 
 #: mmseg's ``BaseDecodeHead`` names its final 1x1 classifier ``conv_seg``.
@@ -265,7 +265,9 @@ def _pair(v) -> Tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-def _is_classifier(path: str) -> bool:
+def is_classifier(path: str) -> bool:
+    """The decode head's classifier (``decode_head[.i].conv_seg``), which
+    every strategy trains and no layer count includes."""
     return path.startswith('decode_head') and path.split(
         '.')[-1] == CLASSIFIER_SUFFIX
 
@@ -326,10 +328,10 @@ def select_layers(model: nn.Module,
     chosen: List[ConvRecord] = []
     if num_layers is not None:
         pool = [
-            r for r in records if r.inference and not _is_classifier(r.path)
+            r for r in records if r.inference and not is_classifier(r.path)
         ]
         if not pool:
-            classifiers = [r.path for r in records if _is_classifier(r.path)]
+            classifiers = [r.path for r in records if is_classifier(r.path)]
             raise ValueError(
                 f'gradient_filter: {type(model).__name__} runs no conv on '
                 f'its inference path besides its classifier {classifiers}, '
