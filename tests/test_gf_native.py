@@ -81,3 +81,113 @@ def test_unsupported_inputs_use_the_pure_path():
     assert not native.usable(t.bfloat16())
     assert not native.usable(t.contiguous(memory_format=torch.channels_last))
     assert not native.usable(t.transpose(2, 3))
+
+
+def _gradients(x, w, b, g, conv_args, needs):
+    """``(g_x, g_W, g_b)`` of the operator, ``None`` where not required."""
+    leaves = [None if t is None else t.clone().requires_grad_(need)
+              for t, need in zip((x, w, b), needs)]
+    out = gradient_filtered_conv2d(*leaves, *conv_args)
+    asked = [t is not None and t.requires_grad for t in leaves]
+    grads = iter(torch.autograd.grad(
+        out, [t for t, a in zip(leaves, asked) if a], g))
+    return [next(grads) if a else None for a in asked]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the calls into the fused compiled backward."""
+    calls = []
+    original = native.collapsed_backward
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(native, 'collapsed_backward', counting)
+    return calls
+
+
+# stride, kernel, padding, groups (of 4 channels), radius, input size
+FUSED_CASES = [
+    (1, 3, 1, 1, 4, (14, 14)),  # partial last patch (14 = 3 * 4 + 2)
+    (1, 3, 1, 1, 2, (8, 6)),
+    (2, 3, 1, 1, 2, (13, 11)),  # strided: input patches of r*s pixels
+    (1, 1, 0, 1, 3, (7, 9)),
+    (1, 3, 0, 2, 2, (9, 10)),  # grouped, no padding (patches start inside)
+    (2, 5, 2, 4, 4, (17, 15)),  # depthwise
+    (1, 3, 3, 1, 2, (5, 5)),  # wide padding: patches start outside the map
+]
+
+
+@pytest.mark.parametrize('needs', [(True, True, True), (False, True, False),
+                                   (True, False, True), (True, True, False)])
+@pytest.mark.parametrize('s,k,p,groups,r,size', FUSED_CASES)
+def test_fused_backward_matches_stepwise_path(monkeypatch, fused_calls, s, k,
+                                              p, groups, r, size, needs):
+    gen = torch.Generator().manual_seed(s * 100 + k * 10 + r)
+    x = torch.randn(3, 4, *size, generator=gen, dtype=torch.float64)
+    out_channels = 4 if groups == 4 else 6
+    w = torch.randn(out_channels, 4 // groups, k, k, generator=gen,
+                    dtype=torch.float64)
+    b = torch.randn(w.shape[0], generator=gen, dtype=torch.float64)
+    out_size = _out_sizes(size, k, s, p, 1)
+    g = torch.randn(3, w.shape[0], *out_size, generator=gen,
+                    dtype=torch.float64)
+    conv_args = (s, p, 1, groups, r)
+    fused = _gradients(x, w, b, g, conv_args, needs)
+    assert len(fused_calls) == 1
+    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    stepwise = _gradients(x, w, b, g, conv_args, needs)
+    assert len(fused_calls) == 1
+    for a, ref in zip(fused, stepwise):
+        if ref is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_backward_float32_large_map(fused_calls, monkeypatch):
+    """Large enough (8 MiB g_x) for the huge-page-advised outputs."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 8, 384, 384, generator=gen)
+    w = torch.randn(8, 8, 3, 3, generator=gen)
+    b = torch.randn(8, generator=gen)
+    g = torch.randn(2, 8, 384, 384, generator=gen)
+    fused = _gradients(x, w, b, g, (1, 1, 1, 1, 4), (True, True, True))
+    assert len(fused_calls) == 1
+    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    stepwise = _gradients(x, w, b, g, (1, 1, 1, 1, 4), (True, True, True))
+    for a, ref in zip(fused, stepwise):
+        torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_backward_only_where_it_applies(fused_calls):
+    """Dilated taps reaching other patches, and autocast's mixed dtypes,
+    take the step-by-step path."""
+    x = torch.randn(1, 2, 12, 12)
+    w = torch.randn(2, 2, 3, 3)
+    g = torch.randn(1, 2, 12, 12)
+    _gradients(x, w, None, g, (1, 4, 4, 1, 2), (True, True, False))
+    assert not fused_calls  # dilation 4 >= r * s: kernel keeps its taps
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = gradient_filtered_conv2d(xs, ws, None, 1, 1, 1, 1, 2)
+    out.float().sum().backward()
+    assert not fused_calls
+    _gradients(x, w, None, g, (1, 2, 2, 1, 4), (True, True, False))
+    assert len(fused_calls) == 1  # dilation 2 < r * s: collapsed
+
+
+def test_forward_saves_patch_sums_channel_major():
+    """The saved patch sums are laid out as the fused weight GEMM reads
+    them (C x N x cells in memory), so the backward copies nothing."""
+    saved = []
+    x = torch.randn(2, 3, 8, 8)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t) or t, lambda t: t):
+        gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2)
+    pooled = [t for t in saved if t.shape == (2, 3, 4, 4)]
+    assert len(pooled) == 1
+    assert pooled[0].permute(1, 0, 2, 3).is_contiguous()

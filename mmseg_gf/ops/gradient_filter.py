@@ -148,10 +148,13 @@ def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
     """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x`` (GF_SPEC "Forward").
 
     Returns a ``N x Ci x ceil(Ho/r) x ceil(Wo/r)`` tensor in ``x``'s dtype
-    (pooling accumulates in float32 for reduced-precision inputs).
+    (pooling accumulates in float32 for reduced-precision inputs). The
+    compiled kernel lays it out channel-major in memory, ready for the
+    fused backward's weight GEMM.
     """
     if native.usable(x):
-        return native.patch_sums(x, geo_h.input_patches, geo_w.input_patches)
+        return native.patch_sums(x, geo_h.input_patches, geo_w.input_patches,
+                                 channel_major=True)
     covered = _fit_to_patches(x, geo_h, geo_w)
     return F.avg_pool2d(
         covered, (geo_h.in_patch, geo_w.in_patch), divisor_override=1)
@@ -405,35 +408,70 @@ class GradientFilterConv2dFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output: Tensor):
         x_pooled, weight = ctx.saved_tensors
-        geo_h, geo_w = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-        with _autocast_off(grad_output.device.type):
-            # 1/s^2 keeps the filtered gradients unbiased for strided convs
-            # (GF_SPEC "Normalisation").
-            sums, means = filter_output_grad(grad_output, geo_h, geo_w,
-                                             acc_dtype,
-                                             1.0 / ctx.stride_area)
-            # For the weight gradient alone only the kernel's shape matters:
-            # skip reading (and summing) a possibly large weight.
-            kernel = (
-                pooled_kernel(weight.to(acc_dtype), geo_h, geo_w)
-                if need_x or not (geo_h.collapsed and geo_w.collapsed) else
-                weight.new_empty(()).expand(weight.shape[0], weight.shape[1],
-                                           1, 1))
-            grad_x_pooled, grad_kernel = pooled_conv_backward(
-                means,
-                None if x_pooled is None else x_pooled.to(acc_dtype),
-                kernel, geo_h, geo_w, ctx.groups, need_x, need_w)
-        grad_x = grad_w = grad_b = None
-        if need_x:
-            grad_x = spread_to_input(
-                grad_x_pooled.to(ctx.input_dtype), geo_h, geo_w)
+        if _fusable(ctx, grad_output, x_pooled, weight):
+            grad_x, grad_w, grad_b = _fused_backward(ctx, grad_output,
+                                                     x_pooled, weight)
+        else:
+            grad_x, grad_w, grad_b = _stepwise_backward(
+                ctx, grad_output, x_pooled, weight)
         if need_w:
-            grad_w = grad_kernel.expand_as(weight).to(weight.dtype)
-        if need_b:
-            grad_b = sums.sum(dim=(0, 2, 3)).to(weight.dtype)
+            grad_w = grad_w.expand_as(weight).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _fusable(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
+             weight: Tensor) -> bool:
+    """Whether the compiled one-call backward applies: the kernel collapses
+    on both axes and every tensor is a CPU NCHW tensor of one float dtype."""
+    geo_h, geo_w = ctx.geometry
+    dtype = grad_output.dtype
+    return (geo_h.collapsed and geo_w.collapsed and native.usable(grad_output)
+            and weight.dtype == dtype and ctx.input_dtype == dtype
+            and weight.device.type == 'cpu'
+            and (x_pooled is None or x_pooled.dtype == dtype))
+
+
+def _fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
+                    weight: Tensor):
+    """Steps 1-4 of GF_SPEC in one compiled call (see ``native``)."""
+    geo_h, geo_w = ctx.geometry
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    return native.collapsed_backward(
+        grad_output, x_pooled, weight, ctx.groups, 1.0 / ctx.stride_area,
+        (geo_h.in_size, geo_w.in_size), geo_h.input_patches,
+        geo_w.input_patches, geo_h.out_patch, need_x, need_w, need_b)
+
+
+def _stepwise_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
+                       weight: Tensor):
+    """Steps 1-4 of GF_SPEC as PyTorch ops: every device, dtype and conv
+    kind (dilated kernels included). Returns ``(g_x, g_W~, g_b)``."""
+    geo_h, geo_w = ctx.geometry
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+    with _autocast_off(grad_output.device.type):
+        # 1/s^2 keeps the filtered gradients unbiased for strided convs
+        # (GF_SPEC "Normalisation").
+        sums, means = filter_output_grad(grad_output, geo_h, geo_w,
+                                         acc_dtype, 1.0 / ctx.stride_area)
+        # For the weight gradient alone only the kernel's shape matters:
+        # skip reading (and summing) a possibly large weight.
+        kernel = (
+            pooled_kernel(weight.to(acc_dtype), geo_h, geo_w)
+            if need_x or not (geo_h.collapsed and geo_w.collapsed) else
+            weight.new_empty(()).expand(weight.shape[0], weight.shape[1], 1,
+                                        1))
+        grad_x_pooled, grad_kernel = pooled_conv_backward(
+            means, None if x_pooled is None else x_pooled.to(acc_dtype),
+            kernel, geo_h, geo_w, ctx.groups, need_x, need_w)
+    grad_x = grad_b = None
+    if need_x:
+        grad_x = spread_to_input(
+            grad_x_pooled.to(ctx.input_dtype), geo_h, geo_w)
+    if need_b:
+        grad_b = sums.sum(dim=(0, 2, 3)).to(weight.dtype)
+    return grad_x, grad_kernel, grad_b
 
 
 def resolve_padding(padding: Union[str, IntPair], kernel_size: Sequence[int],

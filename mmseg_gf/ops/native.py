@@ -1,16 +1,18 @@
-"""Optional compiled CPU kernels for the two full-size passes.
+"""Optional compiled CPU kernels: the two full-size passes, and the whole
+backward of the usual (non-dilated) conv in one call.
 
 ``setup.py`` builds ``mmseg_gf._patch_ops`` from ``csrc/patch_ops.cpp`` when
 torch is importable at install time. Without it (or with
 ``MMSEG_GF_NATIVE=0`` in the environment) everything runs on the
 pure-PyTorch path, which computes the same numbers; the kernels only make
-the patch sums of ``g_y`` / ``x`` and the spread of ``g_x`` faster on CPU.
+the patch sums of ``g_y`` / ``x``, the spread of ``g_x`` and (fused) the
+small-layer backward faster on CPU.
 
 Patches along an axis: patch ``P`` covers pixels ``[start + P*size,
 start + (P+1)*size)`` clipped to the map; pixels outside count as zeros.
 """
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -20,7 +22,7 @@ try:
 except ImportError:  # not built: pure-PyTorch path
     _kernels = None
 
-__all__ = ['available', 'usable', 'patch_sums', 'spread']
+__all__ = ['available', 'usable', 'patch_sums', 'spread', 'collapsed_backward']
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
@@ -39,9 +41,15 @@ def usable(t: Tensor) -> bool:
             and t.is_contiguous() and not torch.compiler.is_compiling())
 
 
-def patch_sums(t: Tensor, rows: Patches, cols: Patches) -> Tensor:
-    """``N x C x rows.count x cols.count`` sums of ``t`` over its patches."""
-    return _kernels.patch_sums(t, *rows, *cols)
+def patch_sums(t: Tensor, rows: Patches, cols: Patches,
+               channel_major: bool = False) -> Tensor:
+    """``N x C x rows.count x cols.count`` sums of ``t`` over its patches.
+
+    With ``channel_major`` the result's memory is ``C x N x ...`` (a
+    permuted view): the layout :func:`collapsed_backward` multiplies
+    without a copy.
+    """
+    return _kernels.patch_sums(t, *rows, *cols, channel_major)
 
 
 def spread(grid: Tensor, height: int, width: int, rows: Patches,
@@ -50,3 +58,24 @@ def spread(grid: Tensor, height: int, width: int, rows: Patches,
     width`` map (zeros outside every patch)."""
     return _kernels.spread(grid, height, width, rows[0], rows[1], cols[0],
                            cols[1])
+
+
+def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
+                       weight: Tensor, groups: int, scale: float,
+                       input_size: Tuple[int, int], rows: Patches,
+                       cols: Patches, radius: int, need_input: bool,
+                       need_weight: bool, need_bias: bool
+                       ) -> Tuple[Optional[Tensor], Optional[Tensor],
+                                  Optional[Tensor]]:
+    """The whole backward of a conv whose kernel collapses on both axes.
+
+    ``rows`` / ``cols`` are the input patches ``Q(P)``; ``grad_output``
+    and ``weight`` are ``usable`` tensors of one dtype. Returns ``(g_x,
+    g_W on the pooled ``Co x Ci/groups x 1 x 1`` kernel, g_b)``, ``None`` where
+    not asked for.
+    """
+    return tuple(
+        _kernels.collapsed_backward(grad_output, input_pooled, weight, groups,
+                                    scale, *input_size, rows[0], rows[1],
+                                    cols[0], cols[1], radius, need_input,
+                                    need_weight, need_bias))

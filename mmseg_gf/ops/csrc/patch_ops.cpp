@@ -19,7 +19,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -113,25 +116,74 @@ void expand_row(const scalar_t* __restrict__ cells,
   std::fill(line + a.hi(a.count - 1), line + a.extent, scalar_t(0));
 }
 
+// Where the planes of a patch grid lie in memory: plane (n, c) starts at
+// n * stride_n + c * stride_c. NCHW grids have stride_n = C * cells and
+// stride_c = cells; the fused backward keeps its grids channel-major
+// ("CNHW": stride_c = N * cells, stride_n = cells) so that each group's
+// grid is one contiguous matrix for the GEMMs, with no permuting copy.
+struct GridLayout {
+  int64_t channels;
+  int64_t stride_n;
+  int64_t stride_c;
+
+  int64_t offset(int64_t plane) const {
+    return (plane / channels) * stride_n + (plane % channels) * stride_c;
+  }
+};
+
+GridLayout nchw_layout(int64_t channels, int64_t cells) {
+  return GridLayout{channels, channels * cells, cells};
+}
+
+GridLayout cnhw_layout(int64_t batch, int64_t channels, int64_t cells) {
+  return GridLayout{channels, cells, batch * cells};
+}
+
+// What to write per patch: plain sums (the forward's pooling of x), or
+// means times `scale` (the gradient filter on g_y, partial patches averaged
+// over their valid pixels), optionally with every plane's total (the bias
+// gradient, from the same pass).
+template <typename acc_t>
+struct PatchReduction {
+  bool average = false;
+  acc_t scale = 1;
+  acc_t* plane_totals = nullptr;  // one per plane (n, c), if not null
+};
+
 // out[n, c, P, Q] = sum of t over patch (P, Q); accumulates in `acc_t`.
 template <typename scalar_t, typename acc_t>
 void patch_sums_kernel(const scalar_t* src, acc_t* dst, int64_t planes,
-                       const Axis& ah, const Axis& aw) {
+                       const Axis& ah, const Axis& aw, const GridLayout& out_layout,
+                       const PatchReduction<acc_t>& how) {
   const int64_t H = ah.extent, W = aw.extent;
   at::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buffer(static_cast<size_t>(W));
     acc_t* __restrict__ row = buffer.data();
     for (int64_t plane = begin; plane < end; ++plane) {
       const scalar_t* in = src + plane * H * W;
-      acc_t* out = dst + plane * ah.count * aw.count;
+      acc_t* out = dst + out_layout.offset(plane);
+      acc_t total = 0;
       for (int64_t p = 0; p < ah.count; ++p) {
         std::fill(row, row + W, acc_t(0));
         for (int64_t h = ah.lo(p); h < ah.hi(p); ++h) {
           const scalar_t* __restrict__ line = in + h * W;
           for (int64_t w = 0; w < W; ++w) row[w] += static_cast<acc_t>(line[w]);
         }
-        reduce_row(row, out + p * aw.count, aw);
+        acc_t* cells = out + p * aw.count;
+        reduce_row(row, cells, aw);
+        if (how.plane_totals) {
+          for (int64_t q = 0; q < aw.count; ++q) total += cells[q];
+        }
+        if (how.average) {
+          // Output patches start at 0 and number ceil(extent / r): each
+          // has at least one valid pixel.
+          const int64_t rows = ah.hi(p) - ah.lo(p);
+          for (int64_t q = 0; q < aw.count; ++q) {
+            cells[q] *= how.scale / static_cast<acc_t>(rows * (aw.hi(q) - aw.lo(q)));
+          }
+        }
       }
+      if (how.plane_totals) how.plane_totals[plane] = total;
     }
   });
 }
@@ -139,11 +191,11 @@ void patch_sums_kernel(const scalar_t* src, acc_t* dst, int64_t planes,
 // out[n, c, h, w] = grid[n, c, P(h), Q(w)], 0 outside every patch.
 template <typename scalar_t>
 void spread_kernel(const scalar_t* src, scalar_t* dst, int64_t planes,
-                   const Axis& ah, const Axis& aw) {
+                   const Axis& ah, const Axis& aw, const GridLayout& in_layout) {
   const int64_t H = ah.extent, W = aw.extent;
   at::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
     for (int64_t plane = begin; plane < end; ++plane) {
-      const scalar_t* grid = src + plane * ah.count * aw.count;
+      const scalar_t* grid = src + in_layout.offset(plane);
       scalar_t* out = dst + plane * H * W;
       int64_t filled = 0;  // rows written so far, top to bottom
       for (int64_t p = 0; p < ah.count; ++p) {
@@ -162,6 +214,32 @@ void spread_kernel(const scalar_t* src, scalar_t* dst, int64_t planes,
   });
 }
 
+// A fresh tensor for a pass that writes all of it once (g_x, patch grids).
+//
+// A large fresh tensor is new memory, and with 4 KiB pages the first write
+// to every page is a page fault: on the 2-core VM we measured, faulting in
+// a 78 MB g_x took 23 ms, writing it 7 ms. Advising transparent huge pages
+// (Linux "madvise" mode, the usual default) for the 2 MiB-aligned part
+// before the first write cuts the faults 512-fold. torch's own switch for
+// this, THP_MEM_ALLOC_ENABLE=1, does the same for every allocation of the
+// process; here only our outputs are concerned. The advice changes no data
+// and no allocator: the tensor is freed as any other.
+torch::Tensor empty_for_writing(at::IntArrayRef sizes,
+                                const at::TensorOptions& options) {
+  torch::Tensor t = torch::empty(sizes, options);
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  if (t.nbytes() >= 4 * kHugePage) {
+    const uintptr_t begin = (first + kHugePage - 1) & ~(kHugePage - 1);
+    const uintptr_t end = (first + t.nbytes()) & ~(kHugePage - 1);
+    // Advice only: if the kernel refuses, the pages are simply small.
+    madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  }
+#endif
+  return t;
+}
+
 void check_input(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.dim() == 4, name, " must be N x C x H x W");
@@ -171,20 +249,27 @@ void check_input(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 // Patch sums of a contiguous NCHW tensor; float32 accumulation for float32
-// input, float64 for float64.
+// input, float64 for float64. With `channel_major` the result is still
+// indexed N x C x count_h x count_w but its memory is C x N x count_h x
+// count_w, the layout the fused backward multiplies without copying.
 torch::Tensor patch_sums(const torch::Tensor& input, int64_t start_h,
                          int64_t size_h, int64_t count_h, int64_t start_w,
-                         int64_t size_w, int64_t count_w) {
+                         int64_t size_w, int64_t count_w, bool channel_major) {
   check_input(input, "input");
   const Axis ah = make_axis(input.size(2), start_h, size_h, count_h);
   const Axis aw = make_axis(input.size(3), start_w, size_w, count_w);
-  auto out = torch::empty({input.size(0), input.size(1), count_h, count_w},
-                          input.options());
-  const int64_t planes = input.size(0) * input.size(1);
+  const int64_t N = input.size(0), C = input.size(1);
+  torch::Tensor out =
+      channel_major
+          ? empty_for_writing({C, N, count_h, count_w}, input.options())
+                .permute({1, 0, 2, 3})
+          : empty_for_writing({N, C, count_h, count_w}, input.options());
+  const GridLayout layout = channel_major ? cnhw_layout(N, C, count_h * count_w)
+                                          : nchw_layout(C, count_h * count_w);
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "patch_sums", [&] {
     patch_sums_kernel<scalar_t, scalar_t>(input.data_ptr<scalar_t>(),
-                                          out.data_ptr<scalar_t>(), planes, ah,
-                                          aw);
+                                          out.data_ptr<scalar_t>(), N * C, ah, aw,
+                                          layout, PatchReduction<scalar_t>{});
   });
   return out;
 }
@@ -197,17 +282,108 @@ torch::Tensor spread(const torch::Tensor& grid, int64_t height, int64_t width,
   check_input(grid, "grid");
   const Axis ah = make_axis(height, start_h, size_h, grid.size(2));
   const Axis aw = make_axis(width, start_w, size_w, grid.size(3));
-  auto out = torch::empty({grid.size(0), grid.size(1), height, width},
-                          grid.options());
-  const int64_t planes = grid.size(0) * grid.size(1);
+  auto out = empty_for_writing({grid.size(0), grid.size(1), height, width},
+                               grid.options());
+  const int64_t N = grid.size(0), C = grid.size(1);
   AT_DISPATCH_FLOATING_TYPES(grid.scalar_type(), "spread", [&] {
-    spread_kernel<scalar_t>(grid.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), planes, ah, aw);
+    spread_kernel<scalar_t>(grid.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            N * C, ah, aw,
+                            nchw_layout(C, grid.size(2) * grid.size(3)));
   });
   return out;
+}
+
+// The whole gradient-filter backward of a conv whose kernel collapses on
+// both axes (every tap within one patch: GF_SPEC steps 1-4), in one call.
+//
+// The Python path does the same in ~15 ATen calls (pool, means, permuting
+// copies, GEMMs, spread); on small layers their fixed costs, not the
+// arithmetic, set the time. Here g_y is pooled once into a channel-major
+// grid of means (and the bias gradient from the same pass), each GEMM reads
+// its operands where they lie, and g_x is spread straight from the
+// channel-major product.
+//
+// `input_pooled` is the forward's patch sums of x (N x Ci x P x Q, ideally
+// channel-major memory); it may be undefined when the weight gradient is
+// not needed. Returns {g_x (N x Ci x H x W), g_W on the pooled kernel
+// (Co x Ci/groups x 1 x 1), g_b (Co)}, each undefined unless asked for.
+std::vector<torch::Tensor> collapsed_backward(
+    const torch::Tensor& grad_output, const c10::optional<torch::Tensor>& input_pooled,
+    const torch::Tensor& weight, int64_t groups, double scale,
+    int64_t in_height, int64_t in_width, int64_t in_start_h, int64_t in_size_h,
+    int64_t in_start_w, int64_t in_size_w, int64_t radius, bool need_input,
+    bool need_weight, bool need_bias) {
+  check_input(grad_output, "grad_output");
+  TORCH_CHECK(weight.scalar_type() == grad_output.scalar_type(),
+              "weight and grad_output must have the same dtype");
+  const int64_t N = grad_output.size(0), Co = grad_output.size(1);
+  const int64_t ci_g = weight.size(1), co_g = Co / groups, Ci = ci_g * groups;
+  TORCH_CHECK(weight.size(0) == Co && co_g * groups == Co,
+              "weight does not match grad_output and groups");
+  const int64_t count_h = (grad_output.size(2) + radius - 1) / radius;
+  const int64_t count_w = (grad_output.size(3) + radius - 1) / radius;
+  const int64_t cells = count_h * count_w;
+  const Axis out_h = make_axis(grad_output.size(2), 0, radius, count_h);
+  const Axis out_w = make_axis(grad_output.size(3), 0, radius, count_w);
+
+  // Step 1 (Eq. 2): patch means of g_y, channel-major; plane totals -> g_b.
+  auto means = empty_for_writing({Co, N * cells}, grad_output.options());
+  torch::Tensor totals;
+  if (need_bias) totals = torch::empty({N, Co}, grad_output.options());
+  AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "filter_grad", [&] {
+    PatchReduction<scalar_t> how;
+    how.average = true;
+    how.scale = static_cast<scalar_t>(scale);
+    how.plane_totals = need_bias ? totals.data_ptr<scalar_t>() : nullptr;
+    patch_sums_kernel<scalar_t, scalar_t>(
+        grad_output.data_ptr<scalar_t>(), means.data_ptr<scalar_t>(), N * Co,
+        out_h, out_w, cnhw_layout(N, Co, cells), how);
+  });
+  const auto by_group = [&](const torch::Tensor& t, int64_t per_group) {
+    return t.view({groups, per_group, N * cells});
+  };
+  torch::Tensor grad_input, grad_kernel, grad_bias;
+  if (need_bias) grad_bias = totals.sum(0);
+
+  if (need_weight) {  // Step 3: g_W~ = g~ x~^T per group.
+    TORCH_CHECK(input_pooled.has_value() && input_pooled->defined(),
+                "the weight gradient needs the pooled input");
+    const torch::Tensor& pooled = *input_pooled;
+    TORCH_CHECK(pooled.scalar_type() == grad_output.scalar_type() &&
+                    pooled.size(0) == N && pooled.size(1) == Ci &&
+                    pooled.size(2) == count_h && pooled.size(3) == count_w,
+                "pooled input does not match grad_output");
+    const torch::Tensor channel_major = pooled.permute({1, 0, 2, 3}).contiguous();
+    grad_kernel = at::bmm(by_group(means, co_g),
+                          by_group(channel_major, ci_g).transpose(1, 2))
+                      .view({Co, ci_g, 1, 1});
+  }
+
+  if (need_input) {  // Steps 2 and 4: g_x~ = W~^T g~, spread over Q(P).
+    const int64_t taps = weight.size(2) * weight.size(3);
+    const torch::Tensor kernel =
+        at::mv(weight.contiguous().view({Co * ci_g, taps}),
+               at::ones({taps}, weight.options()))
+            .view({groups, co_g, ci_g});
+    torch::Tensor mixed = empty_for_writing({groups, ci_g, N * cells},
+                                            grad_output.options());
+    at::bmm_out(mixed, kernel.transpose(1, 2), by_group(means, co_g));
+    const Axis in_h = make_axis(in_height, in_start_h, in_size_h, count_h);
+    const Axis in_w = make_axis(in_width, in_start_w, in_size_w, count_w);
+    grad_input = empty_for_writing({N, Ci, in_height, in_width},
+                                   grad_output.options());
+    AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "spread", [&] {
+      spread_kernel<scalar_t>(mixed.data_ptr<scalar_t>(),
+                              grad_input.data_ptr<scalar_t>(), N * Ci, in_h, in_w,
+                              cnhw_layout(N, Ci, cells));
+    });
+  }
+  return {grad_input, grad_kernel, grad_bias};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("patch_sums", &patch_sums, "sums over patches of an NCHW tensor");
   m.def("spread", &spread, "broadcast a patch grid over an NCHW map");
+  m.def("collapsed_backward", &collapsed_backward,
+        "fused gradient-filter backward for kernels collapsed on both axes");
 }
