@@ -150,12 +150,47 @@ struct PatchReduction {
   acc_t* plane_totals = nullptr;  // one per plane (n, c), if not null
 };
 
+// row[w] = sum over the plane's rows [h0, h1) at column w. Rows of the
+// usual patch heights are added in one pass (one store per column instead
+// of one per row): on small maps this loop is most of the pooling time.
+template <typename scalar_t, typename acc_t>
+void add_rows(const scalar_t* plane, int64_t W, int64_t h0, int64_t h1,
+              acc_t* __restrict__ row) {
+  const scalar_t* __restrict__ a = plane + h0 * W;
+  if (h1 - h0 == 4) {
+    const scalar_t* __restrict__ b = a + W;
+    const scalar_t* __restrict__ c = b + W;
+    const scalar_t* __restrict__ d = c + W;
+    for (int64_t w = 0; w < W; ++w) {
+      row[w] = (static_cast<acc_t>(a[w]) + static_cast<acc_t>(b[w])) +
+               (static_cast<acc_t>(c[w]) + static_cast<acc_t>(d[w]));
+    }
+  } else if (h1 - h0 == 2) {
+    const scalar_t* __restrict__ b = a + W;
+    for (int64_t w = 0; w < W; ++w) {
+      row[w] = static_cast<acc_t>(a[w]) + static_cast<acc_t>(b[w]);
+    }
+  } else {
+    std::fill(row, row + W, acc_t(0));
+    for (int64_t h = h0; h < h1; ++h) {
+      const scalar_t* __restrict__ line = plane + h * W;
+      for (int64_t w = 0; w < W; ++w) row[w] += static_cast<acc_t>(line[w]);
+    }
+  }
+}
+
 // out[n, c, P, Q] = sum of t over patch (P, Q); accumulates in `acc_t`.
 template <typename scalar_t, typename acc_t>
 void patch_sums_kernel(const scalar_t* src, acc_t* dst, int64_t planes,
                        const Axis& ah, const Axis& aw, const GridLayout& out_layout,
                        const PatchReduction<acc_t>& how) {
   const int64_t H = ah.extent, W = aw.extent;
+  // 1 / (valid pixels) of every column of patches, for the means. Output
+  // patches start at 0 and number ceil(extent / r): none is empty.
+  std::vector<acc_t> inverse_widths(static_cast<size_t>(aw.count));
+  for (int64_t q = 0; q < aw.count; ++q) {
+    inverse_widths[q] = acc_t(1) / static_cast<acc_t>(std::max<int64_t>(aw.hi(q) - aw.lo(q), 1));
+  }
   at::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buffer(static_cast<size_t>(W));
     acc_t* __restrict__ row = buffer.data();
@@ -164,22 +199,16 @@ void patch_sums_kernel(const scalar_t* src, acc_t* dst, int64_t planes,
       acc_t* out = dst + out_layout.offset(plane);
       acc_t total = 0;
       for (int64_t p = 0; p < ah.count; ++p) {
-        std::fill(row, row + W, acc_t(0));
-        for (int64_t h = ah.lo(p); h < ah.hi(p); ++h) {
-          const scalar_t* __restrict__ line = in + h * W;
-          for (int64_t w = 0; w < W; ++w) row[w] += static_cast<acc_t>(line[w]);
-        }
+        add_rows(in, W, ah.lo(p), ah.hi(p), row);
         acc_t* cells = out + p * aw.count;
         reduce_row(row, cells, aw);
         if (how.plane_totals) {
           for (int64_t q = 0; q < aw.count; ++q) total += cells[q];
         }
         if (how.average) {
-          // Output patches start at 0 and number ceil(extent / r): each
-          // has at least one valid pixel.
-          const int64_t rows = ah.hi(p) - ah.lo(p);
+          const acc_t row_scale = how.scale / static_cast<acc_t>(ah.hi(p) - ah.lo(p));
           for (int64_t q = 0; q < aw.count; ++q) {
-            cells[q] *= how.scale / static_cast<acc_t>(rows * (aw.hi(q) - aw.lo(q)));
+            cells[q] *= row_scale * inverse_widths[q];
           }
         }
       }
