@@ -26,7 +26,8 @@ from .surgery import apply_gradient_filter, check_mode
 
 __all__ = [
     'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
-    'rewrite_config', 'default_input_size', 'CPUDistributedDataParallel',
+    'rewrite_config', 'add_custom_hook', 'add_custom_imports',
+    'default_input_size', 'CPUDistributedDataParallel',
     'prepare_cpu_distributed', 'init_cpu_process_group'
 ]
 
@@ -199,18 +200,30 @@ def rewrite_config(cfg):
     if settings['input_size'] is None:
         settings['input_size'] = tuple(default_input_size(cfg))
     cfg.model = dict(type='GradFilterModel', model=cfg.model, **settings)
+    add_custom_hook(cfg, 'GradFilterHook')
+    add_custom_imports(cfg, 'mmseg_gf')
+    return cfg
+
+
+def add_custom_hook(cfg, hook_type: str) -> None:
+    """Append ``dict(type=hook_type)`` to ``cfg.custom_hooks`` unless a hook
+    of that type is already there (the user's settings win)."""
     hooks = list(cfg.get('custom_hooks') or [])
-    if not any(h.get('type') == 'GradFilterHook' for h in hooks):
-        hooks.append(dict(type='GradFilterHook'))
+    if not any(h.get('type') == hook_type for h in hooks):
+        hooks.append(dict(type=hook_type))
     cfg.custom_hooks = hooks
+
+
+def add_custom_imports(cfg, *modules: str) -> None:
+    """Add ``modules`` to ``cfg.custom_imports`` (once each), so that a
+    dumped config registers what it uses on its own; failed imports stay
+    errors unless the user said otherwise."""
     imports = dict(cfg.get('custom_imports') or {})
     names = list(imports.get('imports', []))
-    if 'mmseg_gf' not in names:
-        names.append('mmseg_gf')
+    names += [name for name in modules if name not in names]
     imports['imports'] = names
     imports.setdefault('allow_failed_imports', False)
     cfg.custom_imports = imports
-    return cfg
 
 
 # ----------------------------------------------------------------------------

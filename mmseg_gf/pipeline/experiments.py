@@ -23,6 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mmengine.config import Config
 
+from ..engine.config import add_custom_hook, add_custom_imports
+
 __all__ = [
     'CONFIG_DIR', 'ModelSpec', 'DatasetSpec', 'StrategySpec', 'MODELS',
     'DATASETS', 'TRANSFERS', 'STRATEGIES', 'PAPER_STRATEGIES',
@@ -397,18 +399,8 @@ def adapt_config(cfg: Config,
     vis = cfg.default_hooks.get('visualization')
     if vis is not None:
         vis['draw'] = False
-    hooks = list(cfg.get('custom_hooks') or [])
-    if not any(h.get('type') == 'ValMetricsRecorderHook' for h in hooks):
-        hooks.append(dict(type='ValMetricsRecorderHook'))
-    cfg.custom_hooks = hooks
-    imports = dict(cfg.get('custom_imports') or {})
-    names = list(imports.get('imports', []))
-    for name in ('mmseg_gf', 'mmseg_gf.pipeline.hooks'):
-        if name not in names:
-            names.append(name)
-    imports['imports'] = names
-    imports.setdefault('allow_failed_imports', False)
-    cfg.custom_imports = imports
+    add_custom_hook(cfg, 'ValMetricsRecorderHook')
+    add_custom_imports(cfg, 'mmseg_gf', 'mmseg_gf.pipeline.hooks')
     if cfg_options:
         cfg.merge_from_dict(dict(cfg_options))
     return cfg
