@@ -428,7 +428,6 @@ def _fusable(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
     dtype = grad_output.dtype
     return (geo_h.collapsed and geo_w.collapsed and native.usable(grad_output)
             and weight.dtype == dtype and ctx.input_dtype == dtype
-            and weight.device.type == 'cpu'
             and (x_pooled is None or x_pooled.dtype == dtype))
 
 

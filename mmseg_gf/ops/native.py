@@ -71,8 +71,8 @@ def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
 
     ``rows`` / ``cols`` are the input patches ``Q(P)``; ``grad_output``
     and ``weight`` are ``usable`` tensors of one dtype. Returns ``(g_x,
-    g_W on the pooled ``Co x Ci/groups x 1 x 1`` kernel, g_b)``, ``None`` where
-    not asked for.
+    g_W, g_b)``, ``None`` where not asked for; ``g_W`` is on the pooled
+    ``Co x Ci/groups x 1 x 1`` kernel.
     """
     return tuple(
         _kernels.collapsed_backward(grad_output, input_pooled, weight, groups,

@@ -187,9 +187,11 @@ void patch_sums_kernel(const scalar_t* src, acc_t* dst, int64_t planes,
   const int64_t H = ah.extent, W = aw.extent;
   // 1 / (valid pixels) of every column of patches, for the means. Output
   // patches start at 0 and number ceil(extent / r): none is empty.
-  std::vector<acc_t> inverse_widths(static_cast<size_t>(aw.count));
-  for (int64_t q = 0; q < aw.count; ++q) {
-    inverse_widths[q] = acc_t(1) / static_cast<acc_t>(std::max<int64_t>(aw.hi(q) - aw.lo(q), 1));
+  std::vector<acc_t> inverse_widths;
+  if (how.average) {
+    for (int64_t q = 0; q < aw.count; ++q) {
+      inverse_widths.push_back(acc_t(1) / static_cast<acc_t>(aw.hi(q) - aw.lo(q)));
+    }
   }
   at::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buffer(static_cast<size_t>(W));
