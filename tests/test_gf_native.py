@@ -22,10 +22,13 @@ def _out_sizes(size, k, s, p, d):
     return [(v + 2 * p - d * (k - 1) - 1) // s + 1 for v in size]
 
 
-# stride, kernel, padding, dilation, radius, input size (non-empty outputs)
+# stride, kernel, padding, dilation, radius, input size (non-empty outputs);
+# rows of 47 float64 values are 'long' for the pooling kernel (added one
+# row at a time), the others short (2 or 4 rows added in one pass).
 CASES = [
     case for case in itertools.product((1, 2), (1, 3, 5), (0, 1, 3), (1, 2, 5),
-                                       (2, 3, 4), ((7, 9), (13, 11), (2, 1)))
+                                       (2, 3, 4),
+                                       ((7, 9), (13, 11), (2, 1), (6, 47)))
     if min(_out_sizes(case[5], *case[1:2], case[0], *case[2:4])) >= 1
 ]
 
