@@ -194,3 +194,77 @@ def test_forward_saves_patch_sums_channel_major():
     pooled = [t for t in saved if t.shape == (2, 3, 4, 4)]
     assert len(pooled) == 1
     assert pooled[0].permute(1, 0, 2, 3).is_contiguous()
+
+
+@pytest.fixture
+def recycler():
+    """A recycling pool of 64 MiB for the test, empty before and after."""
+    native.release_recycled()
+    previous = native.recycle_limit(64 << 20)
+    yield
+    native.recycle_limit(previous)
+    native.release_recycled()
+
+
+def test_large_outputs_reuse_freed_memory(recycler):
+    """A freed 9 MiB spread goes back to the pool and the next output of
+    the same size is written into the same memory, with correct values."""
+    grid = torch.randn(2, 8, 96, 96)
+    first = native.spread(grid, 384, 384, (0, 4, 96), (0, 4, 96))
+    address, nbytes = first.data_ptr(), first.nbytes
+    assert nbytes >= 8 << 20 and native.recycled_bytes() == 0
+    del first
+    assert native.recycled_bytes() == nbytes
+    grid2 = torch.randn(2, 8, 96, 96)
+    second = native.spread(grid2, 384, 384, (0, 4, 96), (0, 4, 96))
+    assert second.data_ptr() == address and native.recycled_bytes() == 0
+    expected = grid2.repeat_interleave(4, 2).repeat_interleave(4, 3)
+    assert torch.equal(second, expected)
+    # A different size cannot take the kept block: fresh memory.
+    del second
+    other = native.spread(torch.randn(2, 8, 100, 100), 400, 400,
+                          (0, 4, 100), (0, 4, 100))
+    assert other.data_ptr() != address
+    assert native.recycled_bytes() == nbytes
+
+
+def test_recycling_pool_respects_its_limit(recycler):
+    """Least recently returned blocks are freed beyond the limit; a limit
+    of 0 keeps nothing; small outputs never enter the pool."""
+    grids = [torch.randn(2, 8, 96, 96 + i) for i in range(3)]
+    outs = [native.spread(g, 384, 4 * g.shape[3], (0, 4, 96),
+                          (0, 4, g.shape[3])) for g in grids]
+    sizes = [o.nbytes for o in outs]
+    native.recycle_limit(sizes[1] + sizes[2])
+    for i in range(3):  # returned in order 0, 1, 2: block 0 is dropped
+        outs[i] = None
+    assert native.recycled_bytes() == sizes[1] + sizes[2]
+    native.recycle_limit(0)
+    assert native.recycled_bytes() == 0
+    native.recycle_limit(64 << 20)
+    small = native.spread(torch.randn(1, 1, 4, 4), 16, 16, (0, 4, 4),
+                          (0, 4, 4))
+    del small
+    assert native.recycled_bytes() == 0
+
+
+def test_fused_backward_gradients_survive_recycling(recycler, monkeypatch):
+    """Two backward calls in a row: the second reuses the first's freed
+    g_x memory and both match the step-by-step path."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 8, 384, 384, generator=gen)
+    w = torch.randn(8, 8, 3, 3, generator=gen)
+    g = torch.randn(2, 8, 384, 384, generator=gen)
+    needs = (True, True, False)
+    grad_x, grad_w, _ = _gradients(x, w, None, g, (1, 1, 1, 1, 4), needs)
+    address, reference = grad_x.data_ptr(), (grad_x.clone(), grad_w.clone())
+    del grad_x
+    assert native.recycled_bytes() >= 8 << 20
+    grad_x, grad_w, _ = _gradients(x, w, None, g, (1, 1, 1, 1, 4), needs)
+    assert grad_x.data_ptr() == address
+    assert torch.equal(grad_x, reference[0])
+    assert torch.equal(grad_w, reference[1])
+    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    stepwise = _gradients(x, w, None, g, (1, 1, 1, 1, 4), needs)
+    torch.testing.assert_close(grad_x, stepwise[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad_w, stepwise[1], rtol=1e-4, atol=1e-4)

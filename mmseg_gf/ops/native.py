@@ -8,6 +8,13 @@ pure-PyTorch path, which computes the same numbers; the kernels only make
 the patch sums of ``g_y`` / ``x``, the spread of ``g_x`` and (fused) the
 small-layer backward faster on CPU.
 
+Large outputs (>= 8 MiB: ``g_x``, big patch grids) are recycled: when such
+a tensor dies its memory goes back to a small pool and the next output of
+the same byte size reuses it, so a training step does not pay the page
+faults of fresh memory again (see ``OutputRecycler`` in the C++ source).
+The pool holds at most ``MMSEG_GF_RECYCLE_MB`` MiB (default 256, ``0``
+turns it off); :func:`release_recycled` empties it.
+
 Patches along an axis: patch ``P`` covers pixels ``[start + P*size,
 start + (P+1)*size)`` clipped to the map; pixels outside count as zeros.
 """
@@ -22,7 +29,10 @@ try:
 except ImportError:  # not built: pure-PyTorch path
     _kernels = None
 
-__all__ = ['available', 'usable', 'patch_sums', 'spread', 'collapsed_backward']
+__all__ = [
+    'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
+    'recycle_limit', 'recycled_bytes', 'release_recycled'
+]
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
@@ -79,3 +89,19 @@ def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                                     scale, *input_size, rows[0], rows[1],
                                     cols[0], cols[1], radius, need_input,
                                     need_weight, need_bias))
+
+
+def recycle_limit(limit_bytes: int) -> int:
+    """Set how many bytes of freed large outputs are kept for reuse (``0``:
+    none, freeing what is kept); returns the previous limit."""
+    return _kernels.recycle_limit(int(limit_bytes))
+
+
+def recycled_bytes() -> int:
+    """Bytes of freed large outputs kept for reuse right now."""
+    return _kernels.recycled_bytes()
+
+
+def release_recycled() -> None:
+    """Free every kept output block (as ``torch.cuda.empty_cache`` does)."""
+    _kernels.release_recycled()

@@ -23,7 +23,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -291,30 +294,144 @@ void spread_kernel(const scalar_t* src, scalar_t* dst, int64_t planes,
   });
 }
 
-// A fresh tensor for a pass that writes all of it once (g_x, patch grids).
+// Fresh memory for a large tensor that a pass writes in full.
 //
-// A large fresh tensor is new memory, and with 4 KiB pages the first write
-// to every page is a page fault: on the 2-core VM we measured, faulting in
-// a 78 MB g_x took 23 ms, writing it 7 ms. Advising transparent huge pages
-// (Linux "madvise" mode, the usual default) for the 2 MiB-aligned part
-// before the first write cuts the faults 512-fold. torch's own switch for
-// this, THP_MEM_ALLOC_ENABLE=1, does the same for every allocation of the
-// process; here only our outputs are concerned. The advice changes no data
-// and no allocator: the tensor is freed as any other.
-torch::Tensor empty_for_writing(at::IntArrayRef sizes,
+// With 4 KiB pages the first write to every page of new memory is a page
+// fault: on the 2-core VM we measured, faulting in a 78 MB g_x took 23 ms,
+// writing it 7 ms. Advising transparent huge pages (Linux "madvise" mode,
+// the usual default) for the 2 MiB-aligned part before the first write cuts
+// the faults 512-fold. torch's own switch for this, THP_MEM_ALLOC_ENABLE=1,
+// does the same for every allocation of the process; here only our outputs
+// are concerned. The advice changes no data and no allocator.
+constexpr int64_t kHugePage = int64_t(2) << 20;
+constexpr int64_t kLargeBytes = 4 * kHugePage;
+
+torch::Tensor fresh_for_writing(at::IntArrayRef sizes,
                                 const at::TensorOptions& options) {
   torch::Tensor t = torch::empty(sizes, options);
 #ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
   const uintptr_t first = reinterpret_cast<uintptr_t>(t.data_ptr());
-  if (t.nbytes() >= 4 * kHugePage) {
-    const uintptr_t begin = (first + kHugePage - 1) & ~(kHugePage - 1);
-    const uintptr_t end = (first + t.nbytes()) & ~(kHugePage - 1);
+  if (static_cast<int64_t>(t.nbytes()) >= kLargeBytes) {
+    const uintptr_t huge = static_cast<uintptr_t>(kHugePage);
+    const uintptr_t begin = (first + huge - 1) & ~(huge - 1);
+    const uintptr_t end = (first + t.nbytes()) & ~(huge - 1);
     // Advice only: if the kernel refuses, the pages are simply small.
     madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
   }
 #endif
   return t;
+}
+
+// Keeps the memory of large outputs freed by one backward for the next.
+//
+// Fresh memory stays expensive even with huge pages on a VM whose host
+// takes back free guest memory (free page reporting, as on the Firecracker
+// VM we measured): the same 78 MB spread took 6 ms when its huge pages were
+// still backed by the host and 86-97 ms when they were not, about one call
+// in three right after a vanilla backward had freed as much. Training calls
+// the same layers with the same shapes every step, so a block freed by one
+// step fits the next one exactly: as torch's CUDA allocator does on GPUs,
+// large blocks (>= 8 MiB) go back to a small pool when their tensor dies
+// and are lent out again for the same byte size.
+//
+// The pool holds at most `limit` bytes (MMSEG_GF_RECYCLE_MB, default 256;
+// 0 turns it off), least recently returned blocks are freed first, and
+// release() frees everything (as torch.cuda.empty_cache does). Blocks are
+// ordinary torch allocations (a byte tensor owns each one), so memory
+// profilers count them, pooled or lent.
+class OutputRecycler {
+ public:
+  static OutputRecycler& instance() {
+    // Never destroyed: tensors freed during interpreter shutdown still
+    // return their blocks here.
+    static OutputRecycler* recycler = new OutputRecycler();
+    return *recycler;
+  }
+
+  torch::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    const int64_t bytes = c10::multiply_integers(sizes) *
+                          static_cast<int64_t>(options.dtype().itemsize());
+    if (bytes < kLargeBytes || bytes > limit()) {
+      return fresh_for_writing(sizes, options);
+    }
+    torch::Tensor owner = take(bytes);
+    if (!owner.defined()) {
+      owner = fresh_for_writing({bytes}, options.dtype(torch::kUInt8));
+    }
+    void* data = owner.data_ptr();
+    return torch::from_blob(
+        data, sizes,
+        [this, owner](void*) mutable { give_back(std::move(owner)); },
+        options);
+  }
+
+  int64_t limit() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return limit_;
+  }
+
+  // Sets the limit (freeing blocks above it); returns the previous one.
+  int64_t set_limit(int64_t bytes) {
+    std::vector<torch::Tensor> freed;
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t previous = limit_;
+    limit_ = std::max<int64_t>(bytes, 0);
+    trim(freed);
+    return previous;
+  }
+
+  int64_t held_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return held_bytes_;
+  }
+
+  void release() { set_limit(set_limit(0)); }
+
+ private:
+  OutputRecycler() {
+    const char* env = std::getenv("MMSEG_GF_RECYCLE_MB");
+    limit_ = (env ? std::max<int64_t>(std::atoll(env), 0) : 256) << 20;
+  }
+
+  torch::Tensor take(int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = held_.begin(); it != held_.end(); ++it) {
+      if (static_cast<int64_t>(it->nbytes()) == bytes) {
+        torch::Tensor owner = std::move(*it);
+        held_.erase(it);
+        held_bytes_ -= bytes;
+        return owner;
+      }
+    }
+    return {};
+  }
+
+  void give_back(torch::Tensor owner) {
+    std::vector<torch::Tensor> freed;  // freed after the lock is released
+    std::lock_guard<std::mutex> lock(mutex_);
+    held_bytes_ += static_cast<int64_t>(owner.nbytes());
+    held_.push_front(std::move(owner));
+    trim(freed);
+  }
+
+  void trim(std::vector<torch::Tensor>& freed) {  // mutex_ held
+    while (held_bytes_ > limit_) {
+      held_bytes_ -= static_cast<int64_t>(held_.back().nbytes());
+      freed.push_back(std::move(held_.back()));
+      held_.pop_back();
+    }
+  }
+
+  std::mutex mutex_;
+  std::deque<torch::Tensor> held_;  // most recently returned first
+  int64_t held_bytes_ = 0;
+  int64_t limit_ = 0;
+};
+
+// A tensor for a pass that writes all of it once (g_x, patch grids).
+torch::Tensor empty_for_writing(at::IntArrayRef sizes,
+                                const at::TensorOptions& options) {
+  return OutputRecycler::instance().empty(sizes, options);
 }
 
 void check_input(const torch::Tensor& t, const char* name) {
@@ -461,6 +578,13 @@ std::vector<torch::Tensor> collapsed_backward(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("patch_sums", &patch_sums, "sums over patches of an NCHW tensor");
   m.def("spread", &spread, "broadcast a patch grid over an NCHW map");
+  m.def("recycle_limit", [](int64_t bytes) {
+    return OutputRecycler::instance().set_limit(bytes);
+  }, "set the byte limit of the output pool; returns the previous one");
+  m.def("recycled_bytes", [] { return OutputRecycler::instance().held_bytes(); },
+        "bytes of freed outputs kept for reuse");
+  m.def("release_recycled", [] { OutputRecycler::instance().release(); },
+        "free every kept output block");
   m.def("collapsed_backward", &collapsed_backward,
         "fused gradient-filter backward for kernels collapsed on both axes");
 }
