@@ -268,3 +268,23 @@ def test_fused_backward_gradients_survive_recycling(recycler, monkeypatch):
     stepwise = _gradients(x, w, None, g, (1, 1, 1, 1, 4), needs)
     torch.testing.assert_close(grad_x, stepwise[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grad_w, stepwise[1], rtol=1e-4, atol=1e-4)
+
+
+def test_profiled_peak_counts_recycled_outputs(recycler):
+    """The profiler-based peak of a step does not lose the g_x written into
+    memory recycled from the step before (recycling is off while it runs)."""
+    from mmseg_gf.analysis.memory import profiled_peak_bytes
+    x = torch.randn(2, 8, 384, 384, requires_grad=True)
+    w = torch.randn(8, 8, 3, 3, requires_grad=True)
+    g = torch.randn(2, 8, 384, 384)
+
+    def step():
+        out = gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 4)
+        torch.autograd.grad(out, (x, w), g)  # g_x dies here: pooled
+
+    step()
+    assert native.recycled_bytes() >= x.nbytes
+    peaks = [profiled_peak_bytes(step) for _ in range(2)]
+    assert peaks[0] == peaks[1]
+    assert peaks[0] >= 2 * x.nbytes  # the forward output and g_x
+    assert native.recycle_limit(64 << 20) == 64 << 20  # restored afterwards

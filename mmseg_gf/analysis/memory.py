@@ -129,13 +129,19 @@ def profiled_peak_bytes(step: Callable[[], object],
     bytes at operator granularity (a temporary allocated and freed inside
     one op is not seen). Unlike ``ru_maxrss`` it is exact to the tensor,
     unaffected by the allocator's caching and earlier peaks of the process,
-    so variants can be compared in one process.
+    so variants can be compared in one process. The native kernels' output
+    recycling is off during the step, so that every output is counted.
     """
     device = torch.device('cpu') if device is None else torch.device(device)
     if device.type == 'cuda':
         return peak_step_bytes(step, device)
     from torch.autograd import profiler
-    with profiler.profile(profile_memory=True) as prof:
+
+    from ..ops import native
+
+    # Recycled outputs were allocated in an earlier step: the profiler would
+    # not see them. Live tensor bytes are the same either way.
+    with native.recycling_off(), profiler.profile(profile_memory=True) as prof:
         step()
     changes = []
     for event in prof.function_events:

@@ -18,6 +18,7 @@ turns it off); :func:`release_recycled` empties it.
 Patches along an axis: patch ``P`` covers pixels ``[start + P*size,
 start + (P+1)*size)`` clipped to the map; pixels outside count as zeros.
 """
+import contextlib
 import os
 from typing import Optional, Tuple
 
@@ -31,7 +32,7 @@ except ImportError:  # not built: pure-PyTorch path
 
 __all__ = [
     'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
-    'recycle_limit', 'recycled_bytes', 'release_recycled'
+    'recycle_limit', 'recycled_bytes', 'release_recycled', 'recycling_off'
 ]
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
@@ -105,3 +106,19 @@ def recycled_bytes() -> int:
 def release_recycled() -> None:
     """Free every kept output block (as ``torch.cuda.empty_cache`` does)."""
     _kernels.release_recycled()
+
+
+@contextlib.contextmanager
+def recycling_off():
+    """Every large output in the block is fresh memory, as torch allocates
+    it, and nothing is kept; the previous limit is restored afterwards.
+    Memory profilers that count allocations need this: a recycled block was
+    allocated once, in an earlier step. A no-op without the kernels."""
+    if _kernels is None:
+        yield
+        return
+    previous = recycle_limit(0)
+    try:
+        yield
+    finally:
+        recycle_limit(previous)
