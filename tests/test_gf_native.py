@@ -230,7 +230,7 @@ def test_large_outputs_reuse_freed_memory(recycler):
 
 def test_recycling_pool_respects_its_limit(recycler):
     """Least recently returned blocks are freed beyond the limit; a limit
-    of 0 keeps nothing; small outputs never enter the pool."""
+    of 0 keeps nothing; outputs below 128 KiB never enter the pool."""
     grids = [torch.randn(2, 8, 96, 96 + i) for i in range(3)]
     outs = [native.spread(g, 384, 4 * g.shape[3], (0, 4, 96),
                           (0, 4, g.shape[3])) for g in grids]
@@ -242,8 +242,17 @@ def test_recycling_pool_respects_its_limit(recycler):
     native.recycle_limit(0)
     assert native.recycled_bytes() == 0
     native.recycle_limit(64 << 20)
-    small = native.spread(torch.randn(1, 1, 4, 4), 16, 16, (0, 4, 4),
-                          (0, 4, 4))
+    # 256 KiB is recycled; 64 KiB (malloc's heap reuses it) is not.
+    medium = native.spread(torch.randn(1, 1, 64, 64), 256, 256, (0, 4, 64),
+                           (0, 4, 64))
+    address = medium.data_ptr()
+    del medium
+    assert native.recycled_bytes() == 256 << 10
+    medium = native.spread(torch.randn(1, 1, 64, 64), 256, 256, (0, 4, 64),
+                           (0, 4, 64))
+    assert medium.data_ptr() == address
+    small = native.spread(torch.randn(1, 1, 32, 32), 128, 128, (0, 4, 32),
+                          (0, 4, 32))
     del small
     assert native.recycled_bytes() == 0
 

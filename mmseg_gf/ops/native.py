@@ -8,7 +8,7 @@ pure-PyTorch path, which computes the same numbers; the kernels only make
 the patch sums of ``g_y`` / ``x``, the spread of ``g_x`` and (fused) the
 small-layer backward faster on CPU.
 
-Large outputs (>= 8 MiB: ``g_x``, big patch grids) are recycled: when such
+Outputs of 128 KiB or more (``g_x``, patch grids) are recycled: when such
 a tensor dies its memory goes back to a small pool and the next output of
 the same byte size reuses it, so a training step does not pay the page
 faults of fresh memory again (see ``OutputRecycler`` in the C++ source).

@@ -304,14 +304,15 @@ void spread_kernel(const scalar_t* src, scalar_t* dst, int64_t planes,
 // does the same for every allocation of the process; here only our outputs
 // are concerned. The advice changes no data and no allocator.
 constexpr int64_t kHugePage = int64_t(2) << 20;
-constexpr int64_t kLargeBytes = 4 * kHugePage;
+constexpr int64_t kHugePageAdviceBytes = 4 * kHugePage;
+constexpr int64_t kRecycleBytes = int64_t(128) << 10;
 
 torch::Tensor fresh_for_writing(at::IntArrayRef sizes,
                                 const at::TensorOptions& options) {
   torch::Tensor t = torch::empty(sizes, options);
 #ifdef MADV_HUGEPAGE
   const uintptr_t first = reinterpret_cast<uintptr_t>(t.data_ptr());
-  if (static_cast<int64_t>(t.nbytes()) >= kLargeBytes) {
+  if (static_cast<int64_t>(t.nbytes()) >= kHugePageAdviceBytes) {
     const uintptr_t huge = static_cast<uintptr_t>(kHugePage);
     const uintptr_t begin = (first + huge - 1) & ~(huge - 1);
     const uintptr_t end = (first + t.nbytes()) & ~(huge - 1);
@@ -331,8 +332,12 @@ torch::Tensor fresh_for_writing(at::IntArrayRef sizes,
 // in three right after a vanilla backward had freed as much. Training calls
 // the same layers with the same shapes every step, so a block freed by one
 // step fits the next one exactly: as torch's CUDA allocator does on GPUs,
-// large blocks (>= 8 MiB) go back to a small pool when their tensor dies
-// and are lent out again for the same byte size.
+// blocks of kRecycleBytes or more go back to a small pool when their tensor
+// dies and are lent out again for the same byte size. That bound is glibc's
+// default mmap threshold: smaller blocks come from malloc's heap, which
+// reuses memory already; larger ones are fresh mappings, whose page faults
+// cost even the small layers' patch grids (0.3-1.6 MB) a measurable part
+// of their backward (512x512@14x14 weight only, r = 2: 17.5-19.3x -> 21x).
 //
 // The pool holds at most `limit` bytes (MMSEG_GF_RECYCLE_MB, default 256;
 // 0 turns it off), least recently returned blocks are freed first, and
@@ -351,7 +356,7 @@ class OutputRecycler {
   torch::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
     const int64_t bytes = c10::multiply_integers(sizes) *
                           static_cast<int64_t>(options.dtype().itemsize());
-    if (bytes < kLargeBytes || bytes > limit()) {
+    if (bytes < kRecycleBytes || bytes > limit()) {
       return fresh_for_writing(sizes, options);
     }
     torch::Tensor owner = take(bytes);
@@ -548,9 +553,10 @@ std::vector<torch::Tensor> collapsed_backward(
                     pooled.size(2) == count_h && pooled.size(3) == count_w,
                 "pooled input does not match grad_output");
     const torch::Tensor channel_major = pooled.permute({1, 0, 2, 3}).contiguous();
-    grad_kernel = at::bmm(by_group(means, co_g),
-                          by_group(channel_major, ci_g).transpose(1, 2))
-                      .view({Co, ci_g, 1, 1});
+    grad_kernel = empty_for_writing({groups, co_g, ci_g}, grad_output.options());
+    at::bmm_out(grad_kernel, by_group(means, co_g),
+                by_group(channel_major, ci_g).transpose(1, 2));
+    grad_kernel = grad_kernel.view({Co, ci_g, 1, 1});
   }
 
   if (need_input) {  // Steps 2 and 4: g_x~ = W~^T g~, spread over Q(P).
