@@ -196,6 +196,12 @@ def test_forward_saves_patch_sums_channel_major():
     assert pooled[0].permute(1, 0, 2, 3).is_contiguous()
 
 
+def _spread_by_4(grid):
+    """``grid`` spread over 4 x 4 patches: an output 16x its size."""
+    h, w = grid.shape[2:]
+    return native.spread(grid, 4 * h, 4 * w, (0, 4, h), (0, 4, w))
+
+
 @pytest.fixture
 def recycler():
     """A recycling pool of 64 MiB for the test, empty before and after."""
@@ -210,20 +216,19 @@ def test_large_outputs_reuse_freed_memory(recycler):
     """A freed 9 MiB spread goes back to the pool and the next output of
     the same size is written into the same memory, with correct values."""
     grid = torch.randn(2, 8, 96, 96)
-    first = native.spread(grid, 384, 384, (0, 4, 96), (0, 4, 96))
+    first = _spread_by_4(grid)
     address, nbytes = first.data_ptr(), first.nbytes
     assert nbytes >= 8 << 20 and native.recycled_bytes() == 0
     del first
     assert native.recycled_bytes() == nbytes
     grid2 = torch.randn(2, 8, 96, 96)
-    second = native.spread(grid2, 384, 384, (0, 4, 96), (0, 4, 96))
+    second = _spread_by_4(grid2)
     assert second.data_ptr() == address and native.recycled_bytes() == 0
     expected = grid2.repeat_interleave(4, 2).repeat_interleave(4, 3)
     assert torch.equal(second, expected)
     # A different size cannot take the kept block: fresh memory.
     del second
-    other = native.spread(torch.randn(2, 8, 100, 100), 400, 400,
-                          (0, 4, 100), (0, 4, 100))
+    other = _spread_by_4(torch.randn(2, 8, 100, 100))
     assert other.data_ptr() != address
     assert native.recycled_bytes() == nbytes
 
@@ -232,8 +237,7 @@ def test_recycling_pool_respects_its_limit(recycler):
     """Least recently returned blocks are freed beyond the limit; a limit
     of 0 keeps nothing; outputs below 128 KiB never enter the pool."""
     grids = [torch.randn(2, 8, 96, 96 + i) for i in range(3)]
-    outs = [native.spread(g, 384, 4 * g.shape[3], (0, 4, 96),
-                          (0, 4, g.shape[3])) for g in grids]
+    outs = [_spread_by_4(g) for g in grids]
     sizes = [o.nbytes for o in outs]
     native.recycle_limit(sizes[1] + sizes[2])
     for i in range(3):  # returned in order 0, 1, 2: block 0 is dropped
@@ -243,16 +247,13 @@ def test_recycling_pool_respects_its_limit(recycler):
     assert native.recycled_bytes() == 0
     native.recycle_limit(64 << 20)
     # 256 KiB is recycled; 64 KiB (malloc's heap reuses it) is not.
-    medium = native.spread(torch.randn(1, 1, 64, 64), 256, 256, (0, 4, 64),
-                           (0, 4, 64))
+    medium = _spread_by_4(torch.randn(1, 1, 64, 64))
     address = medium.data_ptr()
     del medium
     assert native.recycled_bytes() == 256 << 10
-    medium = native.spread(torch.randn(1, 1, 64, 64), 256, 256, (0, 4, 64),
-                           (0, 4, 64))
+    medium = _spread_by_4(torch.randn(1, 1, 64, 64))
     assert medium.data_ptr() == address
-    small = native.spread(torch.randn(1, 1, 32, 32), 128, 128, (0, 4, 32),
-                          (0, 4, 32))
+    small = _spread_by_4(torch.randn(1, 1, 32, 32))
     del small
     assert native.recycled_bytes() == 0
 
