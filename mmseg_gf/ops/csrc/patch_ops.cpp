@@ -440,6 +440,54 @@ torch::Tensor empty_for_writing(at::IntArrayRef sizes,
   return OutputRecycler::instance().empty(sizes, options);
 }
 
+// Which products go to oneDNN (see grouped_matmul): all three dimensions
+// at least kOneDnnMinDim long, and at least kOneDnnMacsPerCopy
+// multiply-adds for every operand element that must be copied first.
+constexpr int64_t kOneDnnMinDim = 256;
+constexpr int64_t kOneDnnMacsPerCopy = 512;
+
+// out[g] = a[g] b[g] per group, for groups x M x K and groups x K x S
+// operands of any strides; out is groups x M x S, contiguous.
+//
+// On the AMD EPYC (Zen 5) VM we measured, MKL's sgemm, which torch's
+// matmuls call, ran at half the speed of oneDNN's convolutions (MKL takes
+// its AVX2 code on AMD CPUs; oneDNN generates code for the instructions it
+// finds, here AVX-512): 512 x 512 x 392 took 1.05 ms as a GEMM and 0.60 ms
+// as a 1x1 convolution, which is the same product (b as K input channels
+// over S pixels, a as M filters of K weights). So float32 products of one
+// group may run as at::conv2d, oneDNN's forward convolution (its
+// weight-gradient primitive, tried too, took up to 6x longer than the GEMM
+// with 1024 input channels). Two costs limit where that pays, both
+// measured in the layer benchmark (cold caches, after a vanilla backward):
+// the convolution writes its output and blocked copies of its operands
+// into fresh memory, whose page faults grow with the largest matrix while
+// the saving grows with the multiply-adds; their ratio is the smallest
+// dimension (with 128, e.g. 128 x 128 x 9600, the convolution lost by up
+// to 1.7x). And a transposed operand must first be copied contiguous:
+// 256 x 256 x 9600 with its 9.6 MB right operand copied lost 1.5x, while
+// 512 x 512 x 2400 with a 4.9 MB copy still won 1.4x.
+torch::Tensor grouped_matmul(const torch::Tensor& a, const torch::Tensor& b) {
+  const int64_t groups = a.size(0), M = a.size(1), K = a.size(2);
+  const int64_t S = b.size(2);
+  const int64_t copied = (a.is_contiguous() ? 0 : M * K) +
+                         (b.is_contiguous() ? 0 : K * S);
+  if (groups == 1 && a.scalar_type() == at::kFloat &&
+      std::min({M, K, S}) >= kOneDnnMinDim &&
+      copied * kOneDnnMacsPerCopy <= M * K * S) {
+    // Autocast (if the caller left it on) must not lower the precision.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto dense = [](const torch::Tensor& t) {
+      return t.is_contiguous() ? t
+                               : empty_for_writing(t.sizes(), t.options()).copy_(t);
+    };
+    return at::conv2d(dense(b).view({1, K, 1, S}), dense(a).view({M, K, 1, 1}))
+        .view({1, M, S});
+  }
+  torch::Tensor out = empty_for_writing({groups, M, S}, a.options());
+  at::bmm_out(out, a, b);
+  return out;
+}
+
 void check_input(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.dim() == 4, name, " must be N x C x H x W");
@@ -554,10 +602,9 @@ std::vector<torch::Tensor> collapsed_backward(
                     pooled.size(2) == count_h && pooled.size(3) == count_w,
                 "pooled input does not match grad_output");
     const torch::Tensor channel_major = pooled.permute({1, 0, 2, 3}).contiguous();
-    grad_kernel = empty_for_writing({groups, co_g, ci_g}, grad_output.options());
-    at::bmm_out(grad_kernel, by_group(means, co_g),
-                by_group(channel_major, ci_g).transpose(1, 2));
-    grad_kernel = grad_kernel.view({Co, ci_g, 1, 1});
+    grad_kernel = grouped_matmul(by_group(means, co_g),
+                                 by_group(channel_major, ci_g).transpose(1, 2))
+                      .view({Co, ci_g, 1, 1});
   }
 
   if (need_input) {  // Steps 2 and 4: g_x~ = W~^T g~, spread over Q(P).
@@ -566,9 +613,8 @@ std::vector<torch::Tensor> collapsed_backward(
         at::mv(weight.contiguous().view({Co * ci_g, taps}),
                at::ones({taps}, weight.options()))
             .view({groups, co_g, ci_g});
-    torch::Tensor mixed = empty_for_writing({groups, ci_g, N * cells},
-                                            grad_output.options());
-    at::bmm_out(mixed, kernel.transpose(1, 2), by_group(means, co_g));
+    const torch::Tensor mixed =
+        grouped_matmul(kernel.transpose(1, 2), by_group(means, co_g));
     const Axis in_h = make_axis(in_height, in_start_h, in_size_h, count_h);
     const Axis in_w = make_axis(in_width, in_start_w, in_size_w, count_w);
     grad_input = empty_for_writing({N, Ci, in_height, in_width},
