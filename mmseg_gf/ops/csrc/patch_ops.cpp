@@ -440,11 +440,9 @@ torch::Tensor empty_for_writing(at::IntArrayRef sizes,
   return OutputRecycler::instance().empty(sizes, options);
 }
 
-// Which products go to oneDNN (see grouped_matmul): all three dimensions
-// at least kOneDnnMinDim long, and at least kOneDnnMacsPerCopy
-// multiply-adds for every operand element that must be copied first.
-constexpr int64_t kOneDnnMinDim = 256;
-constexpr int64_t kOneDnnMacsPerCopy = 512;
+// Products whose three dimensions are all at least this long go to oneDNN
+// (see grouped_matmul).
+constexpr int64_t kOneDnnMinDim = 512;
 
 // out[g] = a[g] b[g] per group, for groups x M x K and groups x K x S
 // operands of any strides; out is groups x M x S, contiguous.
@@ -457,23 +455,22 @@ constexpr int64_t kOneDnnMacsPerCopy = 512;
 // over S pixels, a as M filters of K weights). So float32 products of one
 // group may run as at::conv2d, oneDNN's forward convolution (its
 // weight-gradient primitive, tried too, took up to 6x longer than the GEMM
-// with 1024 input channels). Two costs limit where that pays, both
-// measured in the layer benchmark (cold caches, after a vanilla backward):
-// the convolution writes its output and blocked copies of its operands
-// into fresh memory, whose page faults grow with the largest matrix while
-// the saving grows with the multiply-adds; their ratio is the smallest
-// dimension (with 128, e.g. 128 x 128 x 9600, the convolution lost by up
-// to 1.7x). And a transposed operand must first be copied contiguous:
-// 256 x 256 x 9600 with its 9.6 MB right operand copied lost 1.5x, while
-// 512 x 512 x 2400 with a 4.9 MB copy still won 1.4x.
+// with 1024 input channels), after copying a transposed operand
+// contiguous (into recycled memory). But the convolution writes its output
+// and blocked copies of its operands into fresh memory, whose page faults
+// grow with the largest of the three matrices while the saving grows with
+// the multiply-adds: their ratio is the smallest dimension. In the layer
+// benchmark (cold caches, right after a vanilla backward) the convolution
+// won with all three dimensions at least 512 (the 512x512@30x40 layer's
+// backward with g_x at r = 2, 512 x 512 x 2400: 1.5x faster) and lost with
+// one of 256 or 128 (256x256@60x80 with g_x at r = 2, 256 x 256 x 9600:
+// 1.3x slower; 128 x 128 x 9600: up to 1.7x), although warm and alone it
+// won on those too.
 torch::Tensor grouped_matmul(const torch::Tensor& a, const torch::Tensor& b) {
   const int64_t groups = a.size(0), M = a.size(1), K = a.size(2);
   const int64_t S = b.size(2);
-  const int64_t copied = (a.is_contiguous() ? 0 : M * K) +
-                         (b.is_contiguous() ? 0 : K * S);
   if (groups == 1 && a.scalar_type() == at::kFloat &&
-      std::min({M, K, S}) >= kOneDnnMinDim &&
-      copied * kOneDnnMacsPerCopy <= M * K * S) {
+      std::min({M, K, S}) >= kOneDnnMinDim) {
     // Autocast (if the caller left it on) must not lower the precision.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto dense = [](const torch::Tensor& t) {
