@@ -172,26 +172,30 @@ def _backward_ops(out, inputs, g):
     return grads, {event.name for event in prof.events()}
 
 
-@pytest.mark.parametrize('channels,batch,onednn', [(512, 2, True),
-                                                   (64, 2, False)])
+@pytest.mark.parametrize('channels,batch,size,convs,gemms', [
+    (512, 2, 32, True, False),  # both products 512 x 512 x 512
+    (64, 2, 32, False, True),  # 64 x 64 x 512
+    (512, 5, 64, True, True),  # 512 x 512 x 5120: x~^T (10 MB) not copied
+])
 def test_fused_gemms_on_onednn_only_when_large(monkeypatch, fused_calls,
-                                               channels, batch, onednn):
+                                               channels, batch, size, convs,
+                                               gemms):
     """The fused backward's two products run as oneDNN 1x1 convolutions
-    when they are large in every dimension (512 x 512 x 512 here; see
-    grouped_matmul), as batched GEMMs otherwise (64 x 64 x 512); either
-    way the gradients are the stepwise path's, and stay float32 if
-    autocast is left on around the backward."""
+    when they are large in every dimension and need at most 8 MiB copied
+    first (see grouped_matmul), as batched GEMMs otherwise; either way the
+    gradients are the stepwise path's, and stay float32 if autocast is
+    left on around the backward."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(batch, channels, 32, 32, generator=gen,
+    x = torch.randn(batch, channels, size, size, generator=gen,
                     requires_grad=True)
     w = (torch.randn(channels, channels, 3, 3, generator=gen) /
          (9 * channels)**0.5).requires_grad_()
-    g = torch.randn(batch, channels, 32, 32, generator=gen)
+    g = torch.randn(batch, channels, size, size, generator=gen)
     out = gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2)
     fused, ops = _backward_ops(out, (x, w), g)
     assert len(fused_calls) == 1
-    assert ('aten::conv2d' in ops) == onednn
-    assert ('aten::bmm' in ops) != onednn
+    assert ('aten::conv2d' in ops) == convs
+    assert ('aten::bmm' in ops) == gemms
     with torch.autocast('cpu', dtype=torch.bfloat16):
         under_autocast = torch.autograd.grad(out, (x, w), g,
                                              retain_graph=True)
@@ -200,7 +204,7 @@ def test_fused_gemms_on_onednn_only_when_large(monkeypatch, fused_calls,
         gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2), (x, w), g)
     for a, auto, ref in zip(fused, under_autocast, stepwise):
         assert a.dtype == auto.dtype == torch.float32
-        # float32 sums of 512 products, in another order
+        # float32 sums of 512-5120 products, in another order
         scale = ref.abs().max().item()
         torch.testing.assert_close(a, ref, rtol=0, atol=1e-5 * scale)
         torch.testing.assert_close(auto, a, rtol=0, atol=0)

@@ -441,8 +441,9 @@ torch::Tensor empty_for_writing(at::IntArrayRef sizes,
 }
 
 // Products whose three dimensions are all at least this long go to oneDNN
-// (see grouped_matmul).
+// (see grouped_matmul), if no more than this many bytes must be copied.
 constexpr int64_t kOneDnnMinDim = 512;
+constexpr int64_t kOneDnnMaxCopyBytes = int64_t(8) << 20;
 
 // out[g] = a[g] b[g] per group, for groups x M x K and groups x K x S
 // operands of any strides; out is groups x M x S, contiguous.
@@ -465,12 +466,18 @@ constexpr int64_t kOneDnnMinDim = 512;
 // backward with g_x at r = 2, 512 x 512 x 2400: 1.5x faster) and lost with
 // one of 256 or 128 (256x256@60x80 with g_x at r = 2, 256 x 256 x 9600:
 // 1.3x slower; 128 x 128 x 9600: up to 1.7x), although warm and alone it
-// won on those too.
+// won on those too. Copying a large transposed operand costs the same way:
+// 1024 x 1024 x 2048 with an 8 MB copy won 1.8x, 512 x 512 x 32768 with a
+// 64 MB one lost 1.3x (cold products alone).
 torch::Tensor grouped_matmul(const torch::Tensor& a, const torch::Tensor& b) {
   const int64_t groups = a.size(0), M = a.size(1), K = a.size(2);
   const int64_t S = b.size(2);
+  const int64_t copied_bytes =
+      ((a.is_contiguous() ? 0 : M * K) + (b.is_contiguous() ? 0 : K * S)) *
+      static_cast<int64_t>(a.element_size());
   if (groups == 1 && a.scalar_type() == at::kFloat &&
-      std::min({M, K, S}) >= kOneDnnMinDim) {
+      std::min({M, K, S}) >= kOneDnnMinDim &&
+      copied_bytes <= kOneDnnMaxCopyBytes) {
     // Autocast (if the caller left it on) must not lower the precision.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto dense = [](const torch::Tensor& t) {
