@@ -442,7 +442,7 @@ torch::Tensor empty_for_writing(at::IntArrayRef sizes,
 
 // Products whose three dimensions are all at least this long go to oneDNN
 // (see grouped_matmul), if no more than this many bytes must be copied.
-constexpr int64_t kOneDnnMinDim = 512;
+constexpr int64_t kOneDnnMinDim = 384;
 constexpr int64_t kOneDnnMaxCopyBytes = int64_t(8) << 20;
 
 // out[g] = a[g] b[g] per group, for groups x M x K and groups x K x S
@@ -462,11 +462,12 @@ constexpr int64_t kOneDnnMaxCopyBytes = int64_t(8) << 20;
 // grow with the largest of the three matrices while the saving grows with
 // the multiply-adds: their ratio is the smallest dimension. In the layer
 // benchmark (cold caches, right after a vanilla backward) the convolution
-// won with all three dimensions at least 512 (the 512x512@30x40 layer's
-// backward with g_x at r = 2, 512 x 512 x 2400: 1.5x faster) and lost with
-// one of 256 or 128 (256x256@60x80 with g_x at r = 2, 256 x 256 x 9600:
-// 1.3x slower; 128 x 128 x 9600: up to 1.7x), although warm and alone it
-// won on those too. Copying a large transposed operand costs the same way:
+// won with all three dimensions at least 392 (the layers' backward at
+// r = 2: 512x512@30x40 with g_x, 512 x 512 x 2400, 1.5x faster;
+// 512x512@14x14, 512 x 512 x 392, 1.1-1.3x) and lost with one of 256 or
+// 128 (256x256@60x80 with g_x at r = 2, 256 x 256 x 9600: 1.3x slower;
+// 128 x 128 x 9600: up to 1.7x), although warm and alone it won on those
+// too. Copying a large transposed operand costs the same way:
 // 1024 x 1024 x 2048 with an 8 MB copy won 1.8x, 512 x 512 x 32768 with a
 // 64 MB one lost 1.3x (cold products alone).
 torch::Tensor grouped_matmul(const torch::Tensor& a, const torch::Tensor& b) {
