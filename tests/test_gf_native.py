@@ -5,12 +5,15 @@ the map, patches running past it, strides, partial patches); the reference
 tests in test_gf_op.py run with whichever path is active.
 """
 import itertools
+import os
 
 import pytest
 import torch
 
 from mmseg_gf.ops import gradient_filtered_conv2d, native
-from mmseg_gf.ops.gradient_filter import (AxisGeometry, filter_output_grad,
+from mmseg_gf.ops.gradient_filter import (AxisGeometry,
+                                          GradientFilterConv2dFunction,
+                                          filter_output_grad,
                                           pool_input_patches, spread_to_input)
 
 pytestmark = pytest.mark.skipif(
@@ -97,18 +100,20 @@ def _gradients(x, w, b, g, conv_args, needs):
     return [next(grads) if a else None for a in asked]
 
 
+class _CallsSince:
+    """The fused compiled backward's calls since the fixture started (from
+    the C++ autograd node or the Python Function): ``len`` counts them."""
+
+    def __init__(self):
+        self.start = native.fused_backward_calls()
+
+    def __len__(self):
+        return native.fused_backward_calls() - self.start
+
+
 @pytest.fixture
-def fused_calls(monkeypatch):
-    """Counts the calls into the fused compiled backward."""
-    calls = []
-    original = native.collapsed_backward
-
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(native, 'collapsed_backward', counting)
-    return calls
+def fused_calls():
+    return _CallsSince()
 
 
 # stride, kernel, padding, groups (of 4 channels), radius, input size
@@ -150,6 +155,97 @@ def test_fused_backward_matches_stepwise_path(monkeypatch, fused_calls, s, k,
             torch.testing.assert_close(a, ref, rtol=1e-12, atol=1e-12)
 
 
+def _node_kind(out):
+    name = out.grad_fn.name()
+    if 'GradientFilteredConv2d' in name:
+        return 'C++'
+    assert name == 'GradientFilterConv2dFunctionBackward', name
+    return 'Python'
+
+
+def test_usual_case_takes_the_cpp_node_others_the_python_function():
+    x = torch.randn(2, 4, 9, 9)
+    w = torch.randn(4, 4, 3, 3, requires_grad=True)
+
+    def kind(x=x, w=w, dilation=1, radius=2):
+        return _node_kind(
+            gradient_filtered_conv2d(x, w, None, 1, dilation, dilation, 1,
+                                     radius))
+
+    assert kind() == 'C++'
+    assert kind(dilation=2, radius=4) == 'C++'  # taps within one patch
+    assert kind(dilation=4, radius=2) == 'Python'  # taps reach other patches
+    assert kind(x=x.contiguous(memory_format=torch.channels_last)) == 'Python'
+    assert kind(x=x.double(), w=w.detach().double().requires_grad_()) == 'C++'
+    assert kind(x=x.bfloat16(),
+                w=w.detach().bfloat16().requires_grad_()) == 'Python'
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert kind() == 'Python'
+    with torch.no_grad():  # nothing to differentiate: the plain conv
+        out = gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2)
+    assert out.grad_fn is None
+    assert torch.equal(out, torch.nn.functional.conv2d(x, w, None, 1, 1))
+
+
+@pytest.mark.parametrize('needs', [(True, True, True), (False, True, False),
+                                   (True, False, True), (False, False, True)])
+@pytest.mark.parametrize('s,k,p,groups,r,size', FUSED_CASES)
+def test_cpp_node_equals_python_function(fused_calls, s, k, p, groups, r,
+                                         size, needs):
+    """Both nodes run the same compiled backward: identical numbers, and
+    the C++ node's forward saves exactly the Function's tensors."""
+    gen = torch.Generator().manual_seed(s * 100 + k * 10 + r)
+    x = torch.randn(2, 4, *size, generator=gen)
+    w = torch.randn(4 if groups == 4 else 6, 4 // groups, k, k, generator=gen)
+    b = torch.randn(w.shape[0], generator=gen)
+    g = torch.randn(2, w.shape[0], *_out_sizes(size, k, s, p, 1),
+                    generator=gen)
+    results = {}
+    for node in ('C++', 'Python'):
+        leaves = [t.clone().requires_grad_(need)
+                  for t, need in zip((x, w, b), needs)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t) or t, lambda t: t):
+            if node == 'C++':
+                out = gradient_filtered_conv2d(*leaves, s, p, 1, groups, r)
+            else:
+                out = GradientFilterConv2dFunction.apply(
+                    *leaves, (s, s), (p, p), (1, 1), groups, r)
+        assert _node_kind(out) == node
+        asked = [t for t in leaves if t.requires_grad]
+        results[node] = (out, saved, torch.autograd.grad(out, asked, g))
+    (out, saved, grads), (ref_out, ref_saved, ref_grads) = (results['C++'],
+                                                           results['Python'])
+    assert len(fused_calls) == 2
+    assert torch.equal(out, ref_out)
+    assert [t.shape for t in saved] == [t.shape for t in ref_saved]
+    for a, ref in zip(saved + list(grads), ref_saved + list(ref_grads)):
+        assert a.dtype == ref.dtype and torch.equal(a, ref)
+
+
+def test_cpp_node_non_contiguous_grad_and_double_backward():
+    """A channels-last g_y is read correctly; create_graph gives the first
+    derivatives, and differentiating them again raises (as the Python
+    Function's @once_differentiable does) instead of giving wrong ones."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 8, 8, generator=gen, requires_grad=True)
+    w = torch.randn(5, 3, 3, 3, generator=gen, requires_grad=True)
+    out = gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2)
+    assert _node_kind(out) == 'C++'
+    g = torch.randn(2, 5, 8, 8, generator=gen)
+    ref = torch.autograd.grad(out, (x, w), g, retain_graph=True)
+    got = torch.autograd.grad(
+        out, (x, w), g.contiguous(memory_format=torch.channels_last),
+        retain_graph=True)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    gx, gw = torch.autograd.grad(out, (x, w), g, create_graph=True)
+    assert torch.equal(gx, ref[0]) and torch.equal(gw, ref[1])
+    with pytest.raises(RuntimeError, match='not differentiable'):
+        gw.sum().backward()
+
+
 def test_fused_backward_float32_large_map(fused_calls, monkeypatch):
     """Large enough (8 MiB g_x) for the huge-page-advised outputs."""
     gen = torch.Generator().manual_seed(2)
@@ -172,19 +268,37 @@ def _backward_ops(out, inputs, g):
     return grads, {event.name for event in prof.events()}
 
 
-@pytest.mark.parametrize('channels,batch,size,convs,gemms', [
-    (512, 2, 32, True, False),  # both products 512 x 512 x 512
-    (64, 2, 32, False, True),  # 64 x 64 x 512
-    (512, 5, 64, True, True),  # 512 x 512 x 5120: x~^T (10 MB) not copied
+@pytest.fixture
+def onednn_products():
+    """Sets whether large products may run on oneDNN for one test; returns
+    the setting it replaced, and restores the first one afterwards."""
+    previous = []
+
+    def set_products(enabled):
+        previous.append(native.set_onednn_products(enabled))
+        return previous[-1]
+
+    yield set_products
+    if previous:
+        native.set_onednn_products(previous[0])
+
+
+@pytest.mark.parametrize('allowed,channels,batch,size,convs,gemms', [
+    (True, 512, 2, 32, True, False),  # both products 512 x 512 x 512
+    (True, 64, 2, 32, False, True),  # 64 x 64 x 512
+    (True, 512, 5, 64, True, True),  # 512 x 512 x 5120: x~^T (10 MB) not copied
+    (False, 512, 2, 32, False, True),  # MKL only
 ])
 def test_fused_gemms_on_onednn_only_when_large(monkeypatch, fused_calls,
+                                               onednn_products, allowed,
                                                channels, batch, size, convs,
                                                gemms):
-    """The fused backward's two products run as oneDNN 1x1 convolutions
-    when they are large in every dimension and need at most 8 MiB copied
-    first (see grouped_matmul), as batched GEMMs otherwise; either way the
-    gradients are the stepwise path's, and stay float32 if autocast is
-    left on around the backward."""
+    """Where allowed, the fused backward's two products run as oneDNN 1x1
+    convolutions when they are large in every dimension and need at most
+    8 MiB copied first (see grouped_matmul), as batched GEMMs otherwise;
+    either way the gradients are the stepwise path's, and stay float32 if
+    autocast is left on around the backward."""
+    onednn_products(allowed)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(batch, channels, size, size, generator=gen,
                     requires_grad=True)
@@ -208,6 +322,20 @@ def test_fused_gemms_on_onednn_only_when_large(monkeypatch, fused_calls,
         scale = ref.abs().max().item()
         torch.testing.assert_close(a, ref, rtol=0, atol=1e-5 * scale)
         torch.testing.assert_close(auto, a, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/cpuinfo'), reason='Linux only')
+def test_onednn_products_default_to_what_the_cpu_prefers(onednn_products):
+    """Allowed by default only on AMD CPUs with full-width AVX-512 (Zen 5,
+    CPU family 1Ah, and later)."""
+    with open('/proc/cpuinfo') as cpuinfo:
+        info = cpuinfo.read()
+    family = int(info.split('cpu family')[1].split(':')[1].split()[0])
+    expected = ('AuthenticAMD' in info and ' avx512f' in info
+                and family >= 0x1a)
+    assert native.onednn_products_preferred() == expected
+    assert onednn_products(not expected) == expected  # the default
+    assert onednn_products(expected) == (not expected)
 
 
 def test_fused_backward_only_where_it_applies(fused_calls):

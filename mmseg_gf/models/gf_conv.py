@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
-from ..ops.gradient_filter import GradientFilterConv2dFunction, resolve_padding
+from ..ops.gradient_filter import filtered_conv, resolve_padding
 
 
 _CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
@@ -152,10 +152,8 @@ class GFConv2d(nn.Conv2d):
         pad, extra = resolve_padding(padding, self.kernel_size, self.dilation)
         if extra is not None:
             input = F.pad(input, extra)
-        return GradientFilterConv2dFunction.apply(input, weight, bias,
-                                                  self.stride, pad,
-                                                  self.dilation, self.groups,
-                                                  self.radius)
+        return filtered_conv(input, weight, bias, self.stride, pad,
+                             self.dilation, self.groups, self.radius)
 
     def extra_repr(self) -> str:
         return (f'{super().extra_repr()}, radius={self.radius}'

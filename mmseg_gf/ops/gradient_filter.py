@@ -380,6 +380,21 @@ def _autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
+def conv_geometry(x: Tensor, weight: Tensor, stride: Tuple[int, int],
+                  padding: Tuple[int, int], dilation: Tuple[int, int],
+                  radius: int) -> Tuple[AxisGeometry, AxisGeometry]:
+    """The patch geometry of ``F.conv2d(x, weight, ...)`` along H and W."""
+    geometry = []
+    for axis in (0, 1):
+        size, kernel = x.shape[2 + axis], weight.shape[2 + axis]
+        out = (size + 2 * padding[axis] - dilation[axis] *
+               (kernel - 1) - 1) // stride[axis] + 1
+        geometry.append(
+            AxisGeometry.of(size, out, kernel, stride[axis], padding[axis],
+                            dilation[axis], radius))
+    return geometry[0], geometry[1]
+
+
 class GradientFilterConv2dFunction(torch.autograd.Function):
     """Autograd Function: ``F.conv2d`` forward, gradient-filter backward."""
 
@@ -389,10 +404,8 @@ class GradientFilterConv2dFunction(torch.autograd.Function):
                 dilation: Tuple[int, int], groups: int,
                 radius: int) -> Tensor:
         out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-        geo_h = AxisGeometry.of(x.shape[2], out.shape[2], weight.shape[2],
-                                stride[0], padding[0], dilation[0], radius)
-        geo_w = AxisGeometry.of(x.shape[3], out.shape[3], weight.shape[3],
-                                stride[1], padding[1], dilation[1], radius)
+        geo_h, geo_w = conv_geometry(x, weight, stride, padding, dilation,
+                                     radius)
         # Never save x: only its patch sums, and only if g_W will be needed.
         x_pooled = (
             pool_input_patches(x, geo_h, geo_w)
@@ -525,5 +538,34 @@ def gradient_filtered_conv2d(x: Tensor,
     pad, extra = resolve_padding(padding, weight.shape[2:], dilation)
     if extra is not None:
         x = F.pad(x, extra)
-    return GradientFilterConv2dFunction.apply(x, weight, bias, _pair(stride),
-                                              pad, dilation, groups, radius)
+    return filtered_conv(x, weight, bias, _pair(stride), pad, dilation,
+                         groups, radius)
+
+
+def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                  stride: Tuple[int, int], padding: Tuple[int, int],
+                  dilation: Tuple[int, int], groups: int,
+                  radius: int) -> Tensor:
+    """``F.conv2d`` with the gradient-filter backward; numeric padding.
+
+    Two autograd nodes compute the same backward. The usual case (a
+    contiguous NCHW float CPU input, weight and bias of its dtype, a kernel
+    that collapses on both axes, autocast off) takes the compiled C++ node
+    :func:`native.filtered_conv2d`: on small layers the Python Function's
+    own overhead was ~10% of the backward. Everything else (other devices,
+    dtypes and layouts, dilated taps, autocast, ``torch.compile``) takes
+    :class:`GradientFilterConv2dFunction`, the reference.
+    """
+    if (native.usable(x) and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype)
+            and not torch.is_autocast_enabled('cpu')):
+        geo_h, geo_w = conv_geometry(x, weight, stride, padding, dilation,
+                                     radius)
+        if geo_h.collapsed and geo_w.collapsed:
+            return native.filtered_conv2d(x, weight, bias, stride, padding,
+                                          dilation, groups, radius,
+                                          geo_h.input_patches,
+                                          geo_w.input_patches)
+    return GradientFilterConv2dFunction.apply(x, weight, bias, stride,
+                                              padding, dilation, groups,
+                                              radius)

@@ -32,7 +32,9 @@ except ImportError:  # not built: pure-PyTorch path
 
 __all__ = [
     'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
-    'recycle_limit', 'recycled_bytes', 'release_recycled', 'recycling_off'
+    'filtered_conv2d', 'fused_backward_calls',
+    'recycle_limit', 'recycled_bytes', 'release_recycled', 'recycling_off',
+    'onednn_products_preferred', 'set_onednn_products'
 ]
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
@@ -90,6 +92,43 @@ def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                                     scale, *input_size, rows[0], rows[1],
                                     cols[0], cols[1], radius, need_input,
                                     need_weight, need_bias))
+
+
+def filtered_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    stride: Tuple[int, int], padding: Tuple[int, int],
+                    dilation: Tuple[int, int], groups: int, radius: int,
+                    rows: Patches, cols: Patches) -> Tensor:
+    """``F.conv2d`` whose backward is :func:`collapsed_backward`, as one
+    C++ autograd node (no Python runs in its backward).
+
+    ``x`` is ``usable``, ``weight`` / ``bias`` of its dtype, and the kernel
+    collapses on both axes; ``rows`` / ``cols`` are the input patches
+    ``Q(P)`` (their counts are implied by the output size and ``radius``).
+    """
+    return _kernels.filtered_conv2d(x, weight, bias, list(stride),
+                                    list(padding), list(dilation), groups,
+                                    radius, rows[0], rows[1], cols[0],
+                                    cols[1])
+
+
+def fused_backward_calls() -> int:
+    """How many backward calls have run :func:`collapsed_backward` in this
+    process, from either autograd path (a diagnostic)."""
+    return _kernels.fused_backward_calls()
+
+
+def onednn_products_preferred() -> bool:
+    """Whether this CPU was measured to run the fused backward's large
+    float32 products faster as oneDNN convolutions than as MKL GEMMs: AMD
+    CPUs with full-width AVX-512 (Zen 5 and later), which MKL does not use
+    (see ``grouped_matmul`` in the C++ source). The default setting."""
+    return _kernels.onednn_products_preferred()
+
+
+def set_onednn_products(enabled: bool) -> bool:
+    """Let large float32 products run on oneDNN (``True``) or always on
+    MKL (``False``); returns the previous setting."""
+    return _kernels.set_onednn_products(bool(enabled))
 
 
 def recycle_limit(limit_bytes: int) -> int:

@@ -18,10 +18,16 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 
 #include <sys/mman.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -38,6 +44,12 @@ struct Axis {
   int64_t start;   // first pixel of patch 0 (may be < 0)
   int64_t size;    // pixels per patch
   int64_t count;   // number of patches
+  // The patches that lie wholly inside the map: [first_whole, last_whole).
+  // Only they take the fixed-size fast loops below; the (at most two)
+  // border patches take the general clipped loop. Computed once (see
+  // make_axis): the kernels visit them for every row of every plane.
+  int64_t first_whole;
+  int64_t last_whole;
 
   // First and one-past-last pixel of patch p inside the map (lo <= hi).
   int64_t clip(int64_t v) const {
@@ -49,19 +61,10 @@ struct Axis {
 
 Axis make_axis(int64_t extent, int64_t start, int64_t size, int64_t count) {
   TORCH_CHECK(size >= 1 && count >= 1, "patch size and count must be >= 1");
-  return Axis{extent, start, size, count};
-}
-
-// The patches of an axis that lie wholly inside the map: [first, last).
-// Only they take the fixed-size fast loops below; the (at most two) border
-// patches take the general clipped loop.
-std::pair<int64_t, int64_t> whole_patches(const Axis& a) {
-  const int64_t first = std::max<int64_t>(0, (-a.start + a.size - 1) / a.size);
+  const int64_t first = std::max<int64_t>(0, (-start + size - 1) / size);
   const int64_t last = std::min<int64_t>(
-      a.count, a.start + a.size * a.count <= a.extent
-                   ? a.count
-                   : (a.extent - a.start) / a.size);
-  return {std::min(first, last), last};  // empty range if none is whole
+      count, start + size * count <= extent ? count : (extent - start) / size);
+  return Axis{extent, start, size, count, std::min(first, last), last};
 }
 
 // Calls visit(q, size) for every patch q of the axis. `size` is a
@@ -70,11 +73,10 @@ std::pair<int64_t, int64_t> whole_patches(const Axis& a) {
 // unroll and vectorise), else 0, meaning "use a.lo(q) .. a.hi(q)".
 template <typename Visit>
 void for_each_patch(const Axis& a, Visit&& visit) {
-  const auto whole = whole_patches(a);
   const std::integral_constant<int, 0> general{};
-  for (int64_t q = 0; q < whole.first; ++q) visit(q, general);
+  for (int64_t q = 0; q < a.first_whole; ++q) visit(q, general);
   auto run = [&](auto size) {
-    for (int64_t q = whole.first; q < whole.second; ++q) visit(q, size);
+    for (int64_t q = a.first_whole; q < a.last_whole; ++q) visit(q, size);
   };
   switch (a.size) {
     case 2: run(std::integral_constant<int, 2>{}); break;
@@ -82,7 +84,7 @@ void for_each_patch(const Axis& a, Visit&& visit) {
     case 8: run(std::integral_constant<int, 8>{}); break;
     default: run(general);
   }
-  for (int64_t q = whole.second; q < a.count; ++q) visit(q, general);
+  for (int64_t q = a.last_whole; q < a.count; ++q) visit(q, general);
 }
 
 // out[i] = sum of the i-th run of S values of `runs`, for i < n. A plain
@@ -102,23 +104,22 @@ void sum_runs(const acc_t* __restrict__ runs, acc_t* __restrict__ out,
 template <typename acc_t>
 void reduce_row(const acc_t* __restrict__ row, acc_t* __restrict__ out,
                 const Axis& a) {
-  const auto whole = whole_patches(a);
   auto clipped = [&](int64_t q) {
     acc_t sum = 0;
     for (int64_t w = a.lo(q); w < a.hi(q); ++w) sum += row[w];
     out[q] = sum;
   };
-  for (int64_t q = 0; q < whole.first; ++q) clipped(q);
-  const acc_t* runs = row + a.start + whole.first * a.size;
-  const int64_t n = whole.second - whole.first;
+  for (int64_t q = 0; q < a.first_whole; ++q) clipped(q);
+  const acc_t* runs = row + a.start + a.first_whole * a.size;
+  const int64_t n = a.last_whole - a.first_whole;
   switch (a.size) {
-    case 2: sum_runs<2>(runs, out + whole.first, n); break;
-    case 4: sum_runs<4>(runs, out + whole.first, n); break;
-    case 8: sum_runs<8>(runs, out + whole.first, n); break;
+    case 2: sum_runs<2>(runs, out + a.first_whole, n); break;
+    case 4: sum_runs<4>(runs, out + a.first_whole, n); break;
+    case 8: sum_runs<8>(runs, out + a.first_whole, n); break;
     default:
-      for (int64_t q = whole.first; q < whole.second; ++q) clipped(q);
+      for (int64_t q = a.first_whole; q < a.last_whole; ++q) clipped(q);
   }
-  for (int64_t q = whole.second; q < a.count; ++q) clipped(q);
+  for (int64_t q = a.last_whole; q < a.count; ++q) clipped(q);
 }
 
 // line[w] = cells[patch of w], 0 outside every patch.
@@ -234,12 +235,19 @@ void patch_sums_kernel(const scalar_t* src, acc_t* dst, int64_t planes,
                        const Axis& ah, const Axis& aw, const GridLayout& out_layout,
                        const PatchReduction<acc_t>& how) {
   const int64_t H = ah.extent, W = aw.extent;
-  // 1 / (valid pixels) of every column of patches, for the means. Output
-  // patches start at 0 and number ceil(extent / r): none is empty.
-  std::vector<acc_t> inverse_widths;
+  const int64_t cells = ah.count * aw.count;
+  // scale / (valid pixels) of every patch, for the means. Output patches
+  // start at 0 and number ceil(extent / r): none is empty. Like every
+  // per-patch quantity here it is computed once, not per plane: on small
+  // maps (a 14x14 map is 16 patches) per-row work, not the data, set the
+  // time (8 x 512 x 14 x 14 pooled at r = 4, warm: 246 -> 179 us).
+  std::vector<acc_t> cell_scales;
   if (how.average) {
-    for (int64_t q = 0; q < aw.count; ++q) {
-      inverse_widths.push_back(acc_t(1) / static_cast<acc_t>(aw.hi(q) - aw.lo(q)));
+    for (int64_t p = 0; p < ah.count; ++p) {
+      for (int64_t q = 0; q < aw.count; ++q) {
+        cell_scales.push_back(how.scale / static_cast<acc_t>(
+            (ah.hi(p) - ah.lo(p)) * (aw.hi(q) - aw.lo(q))));
+      }
     }
   }
   at::parallel_for(0, planes, 1, [&](int64_t begin, int64_t end) {
@@ -247,23 +255,19 @@ void patch_sums_kernel(const scalar_t* src, acc_t* dst, int64_t planes,
     acc_t* __restrict__ row = buffer.data();
     for (int64_t plane = begin; plane < end; ++plane) {
       const scalar_t* in = src + plane * H * W;
-      acc_t* out = dst + out_layout.offset(plane);
-      acc_t total = 0;
+      acc_t* __restrict__ out = dst + out_layout.offset(plane);
       for (int64_t p = 0; p < ah.count; ++p) {
         add_rows(in, W, ah.lo(p), ah.hi(p), row);
-        acc_t* cells = out + p * aw.count;
-        reduce_row(row, cells, aw);
-        if (how.plane_totals) {
-          for (int64_t q = 0; q < aw.count; ++q) total += cells[q];
-        }
-        if (how.average) {
-          const acc_t row_scale = how.scale / static_cast<acc_t>(ah.hi(p) - ah.lo(p));
-          for (int64_t q = 0; q < aw.count; ++q) {
-            cells[q] *= row_scale * inverse_widths[q];
-          }
-        }
+        reduce_row(row, out + p * aw.count, aw);
       }
-      if (how.plane_totals) how.plane_totals[plane] = total;
+      if (how.plane_totals) {
+        acc_t total = 0;
+        for (int64_t i = 0; i < cells; ++i) total += out[i];
+        how.plane_totals[plane] = total;
+      }
+      if (how.average) {
+        for (int64_t i = 0; i < cells; ++i) out[i] *= cell_scales[i];
+      }
     }
   });
 }
@@ -445,16 +449,47 @@ torch::Tensor empty_for_writing(at::IntArrayRef sizes,
 constexpr int64_t kOneDnnMinDim = 384;
 constexpr int64_t kOneDnnMaxCopyBytes = int64_t(8) << 20;
 
+// Whether this CPU is an AMD one that executes AVX-512 at full width: Zen 5
+// (family 1Ah) and later. MKL, which torch's matmuls call, takes its AVX2
+// code on every AMD CPU; oneDNN runs AVX-512 wherever it exists. Only where
+// 512-bit instructions also do twice the work of 256-bit ones does that
+// make oneDNN faster. Zen 4 (family 19h) splits them in two: on the Zen 4
+// VM we measured, MKL's GEMM beat the convolution route on every product
+// of the benchmark (512 x 512 x 392: 1.06 vs 1.52 ms warm, 1.39 vs 1.85 ms
+// right after a vanilla backward; 256 x 256 x 9600: 7.0 vs 15.5 ms warm).
+// On Intel CPUs MKL uses AVX-512 itself; we have not measured them.
+bool amd_cpu_with_full_width_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 &&
+                   ecx == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__builtin_cpu_supports("avx512f")) return false;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  unsigned family = (eax >> 8) & 0xf;
+  if (family == 0xf) family += (eax >> 20) & 0xff;
+  return family >= 0x1a;
+#else
+  return false;
+#endif
+}
+
+// May large float32 products take the oneDNN route? By default where it was
+// measured faster (above); set_onednn_products() overrides it.
+std::atomic<bool>& onednn_products() {
+  static std::atomic<bool> enabled{amd_cpu_with_full_width_avx512()};
+  return enabled;
+}
+
 // out[g] = a[g] b[g] per group, for groups x M x K and groups x K x S
 // operands of any strides; out is groups x M x S, contiguous.
 //
-// On the AMD EPYC (Zen 5) VM we measured, MKL's sgemm, which torch's
-// matmuls call, ran at half the speed of oneDNN's convolutions (MKL takes
-// its AVX2 code on AMD CPUs; oneDNN generates code for the instructions it
-// finds, here AVX-512): 512 x 512 x 392 took 1.05 ms as a GEMM and 0.60 ms
-// as a 1x1 convolution, which is the same product (b as K input channels
-// over S pixels, a as M filters of K weights). So float32 products of one
-// group may run as at::conv2d, oneDNN's forward convolution (its
+// On the AMD EPYC (Zen 5) VM we measured, MKL's sgemm ran at half the speed
+// of oneDNN's convolutions: 512 x 512 x 392 took 1.05 ms as a GEMM and
+// 0.60 ms as a 1x1 convolution, which is the same product (b as K input
+// channels over S pixels, a as M filters of K weights). So, where
+// onednn_products() allows it, float32 products of one group may run as
+// at::conv2d, oneDNN's forward convolution (its
 // weight-gradient primitive, tried too, took up to 6x longer than the GEMM
 // with 1024 input channels), after copying a transposed operand
 // contiguous (into recycled memory). But the convolution writes its output
@@ -476,7 +511,7 @@ torch::Tensor grouped_matmul(const torch::Tensor& a, const torch::Tensor& b) {
   const int64_t copied_bytes =
       ((a.is_contiguous() ? 0 : M * K) + (b.is_contiguous() ? 0 : K * S)) *
       static_cast<int64_t>(a.element_size());
-  if (groups == 1 && a.scalar_type() == at::kFloat &&
+  if (onednn_products().load() && groups == 1 && a.scalar_type() == at::kFloat &&
       std::min({M, K, S}) >= kOneDnnMinDim &&
       copied_bytes <= kOneDnnMaxCopyBytes) {
     // Autocast (if the caller left it on) must not lower the precision.
@@ -560,12 +595,19 @@ torch::Tensor spread(const torch::Tensor& grid, int64_t height, int64_t width,
 // channel-major memory); it may be undefined when the weight gradient is
 // not needed. Returns {g_x (N x Ci x H x W), g_W on the pooled kernel
 // (Co x Ci/groups x 1 x 1), g_b (Co)}, each undefined unless asked for.
+// How many times collapsed_backward ran (from either autograd path).
+std::atomic<int64_t>& fused_backward_calls() {
+  static std::atomic<int64_t> calls{0};
+  return calls;
+}
+
 std::vector<torch::Tensor> collapsed_backward(
     const torch::Tensor& grad_output, const c10::optional<torch::Tensor>& input_pooled,
     const torch::Tensor& weight, int64_t groups, double scale,
     int64_t in_height, int64_t in_width, int64_t in_start_h, int64_t in_size_h,
     int64_t in_start_w, int64_t in_size_w, int64_t radius, bool need_input,
     bool need_weight, bool need_bias) {
+  fused_backward_calls().fetch_add(1, std::memory_order_relaxed);
   check_input(grad_output, "grad_output");
   TORCH_CHECK(weight.scalar_type() == grad_output.scalar_type(),
               "weight and grad_output must have the same dtype");
@@ -633,6 +675,136 @@ std::vector<torch::Tensor> collapsed_backward(
   return {grad_input, grad_kernel, grad_bias};
 }
 
+namespace mmseg_gf {
+
+// How a filtered conv convolves and where its input patches Q(P) lie (what
+// the Python wrapper computes with AxisGeometry), kept in the autograd
+// context as integers.
+struct FilteredConvGeometry {
+  std::vector<int64_t> stride, padding, dilation;
+  int64_t groups;
+  int64_t radius;
+  int64_t start_h, size_h, start_w, size_w;  // input patches; count: the grid's
+
+  std::vector<int64_t> pack() const {
+    return {stride[0],   stride[1],   padding[0], padding[1], dilation[0],
+            dilation[1], groups,      radius,     start_h,    size_h,
+            start_w,     size_w};
+  }
+  static FilteredConvGeometry unpack(const std::vector<int64_t>& v) {
+    TORCH_CHECK(v.size() == 12, "corrupt filtered-conv geometry");
+    return {{v[0], v[1]}, {v[2], v[3]}, {v[4], v[5]}, v[6],
+            v[7],         v[8],         v[9],         v[10], v[11]};
+  }
+};
+
+// The gradient-filtered conv of the usual case as a C++ autograd node.
+//
+// A Python autograd.Function costs every layer's backward the interpreter
+// and the engine's bridge to Python: on the Zen 4 VM we measured, right
+// after a vanilla backward (cold caches, as in training), ~150 us of Python
+// around the compiled call and ~110 us more in the engine, where a C++
+// node such as torch's own conv costs ~65 us. On 14x14 layers that was 10%
+// of the filtered backward (512x512@14x14 weight-only, r = 4: 1.40 ->
+// 1.25 ms). This node runs the same compiled passes (patch_sums forward,
+// collapsed_backward backward) with no Python on the way; the Python
+// Function serves every other case (gradient_filter.filtered_conv).
+class GradientFilteredConv2d
+    : public torch::autograd::Function<GradientFilteredConv2d> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx,
+                               const torch::Tensor& input,
+                               const torch::Tensor& weight,
+                               const c10::optional<torch::Tensor>& bias,
+                               const FilteredConvGeometry& geo) {
+    torch::Tensor out = at::conv2d(input, weight, bias, geo.stride,
+                                   geo.padding, geo.dilation, geo.groups);
+    // Never save x: only its patch sums, and only if g_W will be needed.
+    torch::Tensor pooled;
+    if (ctx->needs_input_grad(1)) {
+      pooled = patch_sums(input, geo.start_h, geo.size_h,
+                          (out.size(2) + geo.radius - 1) / geo.radius,
+                          geo.start_w, geo.size_w,
+                          (out.size(3) + geo.radius - 1) / geo.radius,
+                          /*channel_major=*/true);
+    }
+    ctx->save_for_backward({pooled, weight});
+    ctx->saved_data["geometry"] = geo.pack();
+    ctx->saved_data["input_size"] =
+        std::vector<int64_t>{input.size(2), input.size(3)};
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto geo = FilteredConvGeometry::unpack(
+        ctx->saved_data["geometry"].toIntVector());
+    const auto input_size = ctx->saved_data["input_size"].toIntVector();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    std::vector<torch::Tensor> result;
+    {
+      at::NoGradGuard no_grad;
+      result = collapsed_backward(
+          grads[0].contiguous(), saved[0], saved[1], geo.groups,
+          1.0 / static_cast<double>(geo.stride[0] * geo.stride[1]),
+          input_size[0], input_size[1], geo.start_h, geo.size_h, geo.start_w,
+          geo.size_w, geo.radius, ctx->needs_input_grad(0),
+          ctx->needs_input_grad(1), has_bias && ctx->needs_input_grad(2));
+    }
+    if (result[1].defined()) result[1] = result[1].expand_as(saved[1]);
+    torch::autograd::variable_list out{result[0], result[1], result[2],
+                                       torch::Tensor()};
+    if (!torch::GradMode::is_enabled()) return out;
+    // create_graph: as Python's @once_differentiable, these gradients raise
+    // when differentiated again rather than give wrong second derivatives.
+    for (auto& g : out) {
+      if (g.defined()) g = g.detach().requires_grad_(true);
+    }
+    return torch::autograd::DelayedError(
+               "the gradient filter's backward is not differentiable "
+               "(double backward through a gradient-filtered conv)",
+               static_cast<int64_t>(out.size()))
+        .apply(std::move(out));
+  }
+};
+
+// F.conv2d(input, weight, bias, ...) whose backward is the fused gradient
+// filter, for a contiguous NCHW CPU input of a kernel that collapses on both
+// axes (the caller checks the geometry).
+torch::Tensor filtered_conv2d(const torch::Tensor& input,
+                              const torch::Tensor& weight,
+                              const c10::optional<torch::Tensor>& bias,
+                              std::vector<int64_t> stride,
+                              std::vector<int64_t> padding,
+                              std::vector<int64_t> dilation, int64_t groups,
+                              int64_t radius, int64_t start_h, int64_t size_h,
+                              int64_t start_w, int64_t size_w) {
+  check_input(input, "input");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(weight.scalar_type() == input.scalar_type() &&
+                  (!has_bias || bias->scalar_type() == input.scalar_type()),
+              "input, weight and bias must have the same dtype");
+  TORCH_CHECK(radius >= 1, "radius must be >= 1");
+  TORCH_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2,
+              "stride, padding and dilation must be pairs");
+  const bool records =
+      torch::GradMode::is_enabled() &&
+      (input.requires_grad() || weight.requires_grad() ||
+       (has_bias && bias->requires_grad()));
+  if (!records) {  // nothing will be differentiated: the plain convolution
+    return at::conv2d(input, weight, bias, stride, padding, dilation, groups);
+  }
+  return GradientFilteredConv2d::apply(
+      input, weight, bias,
+      FilteredConvGeometry{stride, padding, dilation, groups, radius, start_h,
+                           size_h, start_w, size_w});
+}
+
+}  // namespace mmseg_gf
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("patch_sums", &patch_sums, "sums over patches of an NCHW tensor");
   m.def("spread", &spread, "broadcast a patch grid over an NCHW map");
@@ -643,6 +815,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bytes of freed outputs kept for reuse");
   m.def("release_recycled", [] { OutputRecycler::instance().release(); },
         "free every kept output block");
+  m.def("set_onednn_products", [](bool enabled) {
+    return onednn_products().exchange(enabled);
+  }, "let large float32 products run on oneDNN; returns the previous setting");
+  m.def("onednn_products_preferred", &amd_cpu_with_full_width_avx512,
+        "whether this CPU was measured to run them faster on oneDNN");
+  m.def("filtered_conv2d", &mmseg_gf::filtered_conv2d,
+        "conv2d whose backward is the fused gradient filter (C++ autograd node)");
+  m.def("fused_backward_calls", [] { return fused_backward_calls().load(); },
+        "how many backward calls took the fused compiled path");
   m.def("collapsed_backward", &collapsed_backward,
         "fused gradient-filter backward for kernels collapsed on both axes");
 }
