@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from mmseg_gf.ops import gradient_filtered_conv2d, native
 from mmseg_gf.ops.gradient_filter import (AxisGeometry,
@@ -244,6 +245,29 @@ def test_cpp_node_non_contiguous_grad_and_double_backward():
     assert torch.equal(gx, ref[0]) and torch.equal(gw, ref[1])
     with pytest.raises(RuntimeError, match='not differentiable'):
         gw.sum().backward()
+
+
+@pytest.mark.parametrize('node', ['C++', 'Python'])
+def test_forward_mode_and_func_transforms_raise(monkeypatch, node):
+    """Neither node defines forward-mode AD or functorch rules: both raise
+    (docs/reliability.md) rather than give a wrong derivative."""
+    if node == 'Python':
+        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    x = torch.randn(2, 3, 8, 8)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    assert _node_kind(gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1,
+                                               2)) == node
+
+    def filtered(x, w):
+        return gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2)
+
+    with pytest.raises(RuntimeError, match='jvp'):
+        with forward_ad.dual_level():
+            filtered(forward_ad.make_dual(x, torch.randn_like(x)), w)
+    with pytest.raises(RuntimeError):
+        torch.func.grad(lambda w: filtered(x, w).sum())(w.detach())
+    with pytest.raises(RuntimeError):
+        torch.func.vmap(lambda xi: filtered(xi, w))(x[:, None])
 
 
 def test_fused_backward_float32_large_map(fused_calls, monkeypatch):
