@@ -1,6 +1,10 @@
-// CPU kernels for the two memory-bound passes of the gradient filter.
+// CPU kernels of the gradient filter, from the bottom up: the two passes
+// over full-size tensors (patch_sums, spread), the whole backward of the
+// usual conv in one call (collapsed_backward, with its two products in
+// grouped_matmul), and that conv as a C++ autograd node
+// (GradientFilteredConv2d).
 //
-// Both passes touch every element of a full-size NCHW tensor exactly once
+// Both full-size passes touch every element of a full-size NCHW tensor exactly once
 // (pooling reads it, spreading writes it); everything else in the backward
 // works on the 1/r^2-sized patch grid. aten's avg_pool2d walks each output
 // window with scalar code, and the pure-PyTorch spread needs two expanding
