@@ -4,7 +4,7 @@
 // grouped_matmul), and that conv as a C++ autograd node
 // (GradientFilteredConv2d).
 //
-// Both full-size passes touch every element of a full-size NCHW tensor exactly once
+// Both full-size passes touch every element of an NCHW tensor exactly once
 // (pooling reads it, spreading writes it); everything else in the backward
 // works on the 1/r^2-sized patch grid. aten's avg_pool2d walks each output
 // window with scalar code, and the pure-PyTorch spread needs two expanding
@@ -585,6 +585,12 @@ torch::Tensor spread(const torch::Tensor& grid, int64_t height, int64_t width,
   return out;
 }
 
+// How many times collapsed_backward ran (from either autograd path).
+std::atomic<int64_t>& fused_backward_calls() {
+  static std::atomic<int64_t> calls{0};
+  return calls;
+}
+
 // The whole gradient-filter backward of a conv whose kernel collapses on
 // both axes (every tap within one patch: GF_SPEC steps 1-4), in one call.
 //
@@ -599,12 +605,6 @@ torch::Tensor spread(const torch::Tensor& grid, int64_t height, int64_t width,
 // channel-major memory); it may be undefined when the weight gradient is
 // not needed. Returns {g_x (N x Ci x H x W), g_W on the pooled kernel
 // (Co x Ci/groups x 1 x 1), g_b (Co)}, each undefined unless asked for.
-// How many times collapsed_backward ran (from either autograd path).
-std::atomic<int64_t>& fused_backward_calls() {
-  static std::atomic<int64_t> calls{0};
-  return calls;
-}
-
 std::vector<torch::Tensor> collapsed_backward(
     const torch::Tensor& grad_output, const c10::optional<torch::Tensor>& input_pooled,
     const torch::Tensor& weight, int64_t groups, double scale,
