@@ -1,9 +1,11 @@
 """Install mmseg_gf: ``pip install -e .`` (see README for the full stack).
 
 If torch is importable at install time (``pip install --no-build-isolation``,
-as the Makefile does), the optional CPU kernels ``mmseg_gf._patch_ops`` are
-compiled too; ``MMSEG_GF_BUILD_NATIVE=0`` skips them. Without them the
-pure-PyTorch path runs (same results, slower pooling/spreading on CPU).
+as the Makefile does), the optional CPU kernels ``mmseg_gf._patch_ops``
+(patch sums, spreading, the fused backward) and ``mmseg_gf._bit_mask``
+(activation bit masks of the lean trained region) are compiled too;
+``MMSEG_GF_BUILD_NATIVE=0`` skips them. Without them the pure-PyTorch path
+runs (same results, slower on CPU).
 """
 import os
 
@@ -18,13 +20,17 @@ def native_extension():
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         return [], {}
-    ext = CppExtension(
-        'mmseg_gf._patch_ops', ['mmseg_gf/ops/csrc/patch_ops.cpp'],
-        # OpenMP: at::parallel_for splits the planes over threads only when
-        # the extension itself is compiled with it.
-        extra_compile_args=['-O3', '-fopenmp'],
-        extra_link_args=['-fopenmp'])
-    return [ext], {'build_ext': BuildExtension.with_options(use_ninja=True)}
+    # OpenMP: at::parallel_for splits the work over threads only when the
+    # extension itself is compiled with it.
+    flags = dict(extra_compile_args=['-O3', '-fopenmp'],
+                 extra_link_args=['-fopenmp'])
+    exts = [
+        CppExtension('mmseg_gf._patch_ops',
+                     ['mmseg_gf/ops/csrc/patch_ops.cpp'], **flags),
+        CppExtension('mmseg_gf._bit_mask',
+                     ['mmseg_gf/ops/csrc/bit_mask.cpp'], **flags),
+    ]
+    return exts, {'build_ext': BuildExtension.with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = native_extension()

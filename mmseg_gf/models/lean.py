@@ -1,0 +1,167 @@
+"""Lean variants of the modules around a trained conv (see :mod:`mmseg_gf.ops.lean`).
+
+:func:`make_lean` swaps a module's class for a subclass of it (the class of
+the module itself, e.g. mmengine's reverted ``_BatchNormXd``, not a fixed
+base), so ``isinstance`` checks, ``state_dict`` keys, hooks and the forward's
+numbers are unchanged; :func:`make_plain` swaps it back. A lean module runs
+its plain forward unless autograd records it (grad mode on and an input that
+requires a gradient), so swapping every module of a model costs nothing
+outside the trained region.
+
+What becomes lean:
+
+* ``_BatchNorm`` (BatchNorm1d/2d/3d, SyncBatchNorm, mmengine's reverted
+  SyncBN) in eval mode with no trainable parameter: keeps ``C`` scales.
+* ``ReLU``, ``ReLU6`` / ``Hardtanh``, ``LeakyReLU``: keep 1 bit per element.
+* ``Dropout`` (element-wise): keeps 1 bit per element.
+* decode heads whose loss is mmseg's ``BaseDecodeHead.loss_by_feat``: keep
+  the low-resolution logits, not the upsampled ones
+  (:func:`make_lean_loss`).
+
+Everything else keeps autograd's default (GroupNorm / LayerNorm, whose
+backward needs their input; GELU, Sigmoid, HSwish and other smooth
+activations; ``Dropout2d``, whose noise is already one value per channel).
+"""
+from typing import Dict, Optional, Type
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
+                        MaskedDropoutFunction, recomputed_losses)
+
+__all__ = [
+    'make_lean', 'make_plain', 'is_lean', 'make_lean_loss', 'lean_kind',
+    'LEAN_KINDS'
+]
+
+#: What :func:`lean_kind` returns for a module that has a lean variant.
+LEAN_KINDS = ('norm', 'activation', 'dropout', 'loss')
+
+
+def _recording(x: Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+class _LeanFrozenNorm:
+    """Eval-mode batch norm without trainable parameters: ``g * scale``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not _recording(x) or self.training or self.running_var is None
+                or any(p.requires_grad for p in self.parameters())):
+            return super().forward(x)
+        var = self.running_var.float()
+        scale = torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight.detach().float()
+        return FrozenAffineNormFunction.apply(x, scale, super().forward)
+
+
+class _LeanActivation:
+    """ReLU / Hardtanh (ReLU6) / LeakyReLU keeping a bit mask."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        # A view modified in place needs autograd's own view bookkeeping.
+        if not _recording(x) or (self.inplace and x._is_view()):
+            return super().forward(x)
+        if isinstance(self, nn.LeakyReLU):
+            args = (0.0, None, False, float(self.negative_slope))
+        elif isinstance(self, nn.Hardtanh):
+            args = (float(self.min_val), float(self.max_val), True, 0.0)
+        else:
+            args = (0.0, None, True, 0.0)
+        return MaskedActivationFunction.apply(x, super().forward, *args,
+                                              bool(self.inplace))
+
+
+class _LeanDropout:
+    """Element-wise dropout keeping its keep mask as bits."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not self.training or not 0 < self.p < 1 or self.inplace
+                or not _recording(x)):
+            return super().forward(x)
+        return MaskedDropoutFunction.apply(x, float(self.p))
+
+
+class _LeanLossHead:
+    """A decode head whose loss keeps the low-resolution logits only."""
+
+    def loss_by_feat(self, seg_logits: Tensor, batch_data_samples) -> dict:
+        if not _recording(seg_logits):
+            return super().loss_by_feat(seg_logits, batch_data_samples)
+        plain = super().loss_by_feat
+        return recomputed_losses(
+            lambda logits: plain(logits, batch_data_samples), seg_logits)
+
+
+_MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
+           'dropout': _LeanDropout, 'loss': _LeanLossHead}
+_CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
+
+
+def _base_decode_head_loss():
+    try:
+        from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+    except ImportError:
+        return None
+    return BaseDecodeHead.loss_by_feat
+
+
+def lean_kind(module: nn.Module) -> Optional[str]:
+    """Which lean variant ``module`` has (one of :data:`LEAN_KINDS`), or
+    None. Already-lean modules report their kind too."""
+    if isinstance(module, _BatchNorm):
+        return 'norm'
+    if type(module) in (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU) or (
+            is_lean(module) and isinstance(module, _LeanActivation)):
+        return 'activation'
+    if type(module) is nn.Dropout or isinstance(module, _LeanDropout):
+        return 'dropout'
+    base_loss = _base_decode_head_loss()
+    if base_loss is not None and getattr(
+            getattr(type(module), '_plain_class', type(module)),
+            'loss_by_feat', None) is base_loss:
+        return 'loss'
+    return None
+
+
+def is_lean(module: nn.Module) -> bool:
+    """True if :func:`make_lean` swapped ``module``'s class."""
+    return '_plain_class' in type(module).__dict__
+
+
+def _lean_class(cls: Type[nn.Module], kind: str) -> Type[nn.Module]:
+    lean = _CLASSES.get(cls)
+    if lean is None:
+        lean = type(f'Lean{cls.__name__}', (_MIXINS[kind], cls),
+                    {'_plain_class': cls, '__module__': cls.__module__})
+        _CLASSES[cls] = lean
+    return lean
+
+
+def make_lean(module: nn.Module) -> Optional[str]:
+    """Swap ``module`` (not its children) to its lean variant, if it has one.
+
+    Returns:
+        The kind swapped (or already lean), None if it has no lean variant.
+    """
+    kind = lean_kind(module)
+    if kind is not None and not is_lean(module):
+        module.__class__ = _lean_class(type(module), kind)
+    return kind
+
+
+def make_lean_loss(head: nn.Module) -> bool:
+    """Make a decode head's loss keep only its low-resolution logits.
+    Returns False if the head has its own ``loss_by_feat`` (left as is)."""
+    return make_lean(head) == 'loss'
+
+
+def make_plain(module: nn.Module) -> bool:
+    """Undo :func:`make_lean` on ``module``; returns whether it was lean."""
+    if not is_lean(module):
+        return False
+    module.__class__ = type(module).__dict__['_plain_class']
+    return True

@@ -1,0 +1,121 @@
+// Bit masks for the lean trained region: an activation's backward needs only
+// one bit per element (does the gradient pass, or is it scaled), so the
+// forward keeps that bit instead of the full float tensor (1/32 of the bytes
+// of a float32 map).
+//
+// Layout (shared with the PyTorch fallback in mmseg_gf/ops/bit_mask.py):
+// element i of the tensor in memory order is bit (i % 8) of byte (i / 8);
+// the last byte's unused bits are 0.
+//
+// Bit of element v: v > lo && v < hi (hi = +inf: no upper bound, so that
+// +inf passes as in ReLU's backward), except that a NaN gets `nan_bit`
+// (ReLU and Hardtanh pass the gradient of a NaN, LeakyReLU scales it).
+// Comparisons are made in the element's own precision (double for double).
+#include <torch/extension.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// Bytes per parallel task: large enough that the split costs nothing.
+constexpr int64_t kGrain = 1 << 14;
+
+template <typename scalar_t>
+void pack_bits(const scalar_t* x, uint8_t* out, int64_t n, double lo_d,
+               double hi_d, bool nan_bit) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t lo = static_cast<acc_t>(lo_d);
+  const acc_t hi = static_cast<acc_t>(hi_d);
+  const bool bounded = std::isfinite(hi_d);
+  const int64_t bytes = (n + 7) / 8;
+  at::parallel_for(0, bytes, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * 8;
+      const int64_t count = std::min<int64_t>(8, n - first);
+      uint8_t byte = 0;
+      for (int64_t k = 0; k < count; ++k) {
+        const acc_t v = static_cast<acc_t>(x[first + k]);
+        const bool bit =
+            std::isnan(v) ? nan_bit : (v > lo && (!bounded || v < hi));
+        byte |= static_cast<uint8_t>(bit) << k;
+      }
+      out[b] = byte;
+    }
+  });
+}
+
+// out[i] = bit ? g[i] : g[i] * off_scale, with an exact 0 where off_scale
+// is 0 (as ReLU's backward writes, also for an infinite g).
+template <typename scalar_t>
+void apply_bits(const scalar_t* g, const uint8_t* bits, scalar_t* out,
+                int64_t n, double off_scale) {
+  const int64_t bytes = (n + 7) / 8;
+  using acc_t = at::opmath_type<scalar_t>;
+  const bool zero_off = off_scale == 0.0;
+  const acc_t scale = static_cast<acc_t>(off_scale);
+  at::parallel_for(0, bytes, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * 8;
+      const int64_t count = std::min<int64_t>(8, n - first);
+      const uint8_t byte = bits[b];
+      for (int64_t k = 0; k < count; ++k) {
+        const scalar_t v = g[first + k];
+        const scalar_t off =
+            zero_off ? scalar_t(0)
+                     : static_cast<scalar_t>(static_cast<acc_t>(v) * scale);
+        out[first + k] = ((byte >> k) & 1) ? v : off;
+      }
+    }
+  });
+}
+
+void check_dense_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+at::Tensor pack_mask(const at::Tensor& x, double lo, double hi, bool nan_bit) {
+  check_dense_cpu(x, "x");
+  const int64_t n = x.numel();
+  at::Tensor out = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "pack_mask", [&] {
+        pack_bits<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<uint8_t>(),
+                            n, lo, hi, nan_bit);
+      });
+  return out;
+}
+
+at::Tensor apply_mask(const at::Tensor& grad, const at::Tensor& bits,
+                      double off_scale) {
+  check_dense_cpu(grad, "grad");
+  check_dense_cpu(bits, "bits");
+  TORCH_CHECK(bits.scalar_type() == at::kByte, "bits must be uint8");
+  const int64_t n = grad.numel();
+  TORCH_CHECK(bits.numel() == (n + 7) / 8, "bits hold ", bits.numel(),
+              " bytes, the gradient needs ", (n + 7) / 8);
+  at::Tensor out = at::empty_like(grad);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, grad.scalar_type(), "apply_mask", [&] {
+        apply_bits<scalar_t>(grad.data_ptr<scalar_t>(),
+                             bits.data_ptr<uint8_t>(),
+                             out.data_ptr<scalar_t>(), n, off_scale);
+      });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Bit masks of activations for the lean trained region";
+  m.def("pack_mask", &pack_mask, "1 bit per element: lo < x < hi",
+        py::arg("x"), py::arg("lo"), py::arg("hi"), py::arg("nan_bit"));
+  m.def("apply_mask", &apply_mask,
+        "grad where the bit is set, grad * off_scale elsewhere",
+        py::arg("grad"), py::arg("bits"), py::arg("off_scale"));
+}

@@ -1,0 +1,181 @@
+"""Autograd functions that keep only what their backward needs.
+
+In a finetuned segmentor most of what a training step keeps for backward is
+not the convolutions' inputs (which gradient filtering shrinks) but what the
+layers around them save by default:
+
+* a frozen norm layer in eval mode is a per-channel affine map, whose
+  backward is ``g * scale``; autograd's batch norm keeps its whole input;
+* ReLU / ReLU6 / LeakyReLU need one bit per element (does the gradient pass),
+  autograd keeps a float tensor;
+* element-wise dropout needs its keep mask, autograd keeps a float noise
+  tensor on CPU;
+* the loss upsamples the logits to the label size and keeps that (and the
+  log-softmax) for backward: more than all trained convs together.
+
+Each function here computes exactly what the plain operation computes in the
+forward (the same call, bit for bit) and keeps the small thing instead; the
+loss recomputes its upsampled logits in the backward from the low-resolution
+ones. Gradients equal the plain path's (bitwise for the activations, dropout
+and loss; to rounding for the norm, whose scale is one product instead of
+two). No mmseg import: the mmseg modules are wired in by
+:mod:`mmseg_gf.models.lean`.
+"""
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from . import bit_mask
+
+__all__ = [
+    'FrozenAffineNormFunction', 'MaskedActivationFunction',
+    'MaskedDropoutFunction', 'RecomputedLossFunction', 'recomputed_losses'
+]
+
+
+class FrozenAffineNormFunction(Function):
+    """A frozen norm's forward, with ``g_x = g * scale`` as backward.
+
+    ``scale`` is the per-channel factor of the affine map the norm applies
+    (``weight / sqrt(running_var + eps)`` for batch norm in eval mode); it is
+    the only tensor kept (``C`` elements).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: Tensor,
+                normalize: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.save_for_backward(scale)
+        return normalize(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        scale, = ctx.saved_tensors
+        shape = [1, -1] + [1] * (grad.dim() - 2)
+        scale = scale.view(shape)
+        if grad.dtype != scale.dtype:
+            return (grad.to(scale.dtype) * scale).to(grad.dtype), None, None
+        return grad * scale, None, None
+
+
+class MaskedActivationFunction(Function):
+    """A piecewise-linear activation keeping one bit per element.
+
+    The gradient passes where ``lo < x < hi`` (``hi=None``: no bound; NaN
+    gets ``nan_bit``) and is multiplied by ``off_scale`` elsewhere: ReLU is
+    ``(0, None, True, 0)``, Hardtanh/ReLU6 ``(min, max, True, 0)``,
+    LeakyReLU ``(0, None, False, slope)``, as their autograd formulas read.
+    The mask is taken from the input before ``activate`` runs, so in-place
+    activations (``inplace=True``, marked dirty) work too.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, activate: Callable[[Tensor], Tensor],
+                lo: float, hi: Optional[float], nan_bit: bool,
+                off_scale: float, inplace: bool) -> Tensor:
+        bits = bit_mask.pack(x, lo, hi, nan_bit)
+        y = activate(x)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(bits)
+        ctx.off_scale = off_scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        bits, = ctx.saved_tensors
+        return (bit_mask.apply(grad, bits, ctx.off_scale), None, None, None,
+                None, None, None)
+
+
+class MaskedDropoutFunction(Function):
+    """Element-wise dropout keeping its keep mask as bits.
+
+    The noise is drawn by ``torch.nn.functional.dropout`` of a tensor of
+    ones (the same draws, on CPU, as dropout of ``x``: one Bernoulli sample
+    per element, scaled by ``1/(1-p)``), the output is ``x * noise``, and the
+    backward ``g * noise`` is rebuilt from the bits and the scale.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:
+        noise = torch.nn.functional.dropout(torch.ones_like(x), p, True)
+        bits = bit_mask.pack(noise, 0.0)
+        ctx.save_for_backward(bits)
+        ctx.scale = 1.0 / (1.0 - p)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        bits, = ctx.saved_tensors
+        kept = bit_mask.apply(grad, bits, 0.0)
+        return kept * ctx.scale, None
+
+
+def _autocast_state(device_type: str):
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+class RecomputedLossFunction(Function):
+    """Losses of low-resolution logits, recomputed in the backward.
+
+    ``compute(logits)`` returns a dict of tensors (mmseg's ``loss_by_feat``:
+    upsample to the label size, then each loss). The forward keeps only
+    ``logits`` and the random state; the backward runs ``compute`` again with
+    autograd (and the forward's autocast setting) and differentiates the
+    ``loss*`` entries. Entries without ``loss`` in their name (accuracy) are
+    returned as non-differentiable. ``keys`` receives the dict's keys in
+    output order.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor,
+                compute: Callable[[Tensor], Dict[str, Tensor]],
+                keys: List[str]):
+        device = logits.device
+        ctx.compute = compute
+        ctx.autocast = _autocast_state(device.type)
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = (torch.cuda.get_rng_state(device)
+                        if device.type == 'cuda' else None)
+        ctx.save_for_backward(logits)
+        out = compute(logits)
+        keys.extend(out)
+        ctx.keys = list(out)
+        values = tuple(out[k] for k in ctx.keys)
+        ctx.mark_non_differentiable(
+            *[v for k, v in zip(ctx.keys, values) if 'loss' not in k])
+        return values
+
+    @staticmethod
+    def backward(ctx, *grads):
+        logits, = ctx.saved_tensors
+        device = logits.device
+        devices = [device] if device.type == 'cuda' else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, device)
+            leaf = logits.detach().requires_grad_(True)
+            with torch.autocast(device.type, dtype=ctx.autocast,
+                                enabled=ctx.autocast is not None):
+                out = ctx.compute(leaf)
+        pairs = [(out[k], g) for k, g in zip(ctx.keys, grads)
+                 if 'loss' in k and g is not None and out[k].requires_grad]
+        if not pairs:
+            return torch.zeros_like(logits), None, None
+        grad, = torch.autograd.grad([o for o, _ in pairs], leaf,
+                                    [g for _, g in pairs])
+        return grad, None, None
+
+
+def recomputed_losses(compute: Callable[[Tensor], Dict[str, Tensor]],
+                      logits: Tensor) -> Dict[str, Tensor]:
+    """``compute(logits)``, keeping only ``logits`` for the backward (see
+    :class:`RecomputedLossFunction`)."""
+    keys: List[str] = []
+    values = RecomputedLossFunction.apply(logits, compute, keys)
+    return dict(zip(keys, values))

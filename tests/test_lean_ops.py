@@ -1,0 +1,283 @@
+"""Lean modules: the same forward and gradients as the plain modules, while
+keeping only a scale, one bit per element, or the low-resolution logits.
+
+References are the plain torch modules themselves (autograd's own formulas).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from mmseg_gf.analysis.memory import saved_tensor_bytes
+from mmseg_gf.models.lean import is_lean, make_lean, make_plain
+from mmseg_gf.ops import bit_mask
+from mmseg_gf.ops.lean import recomputed_losses
+
+ACTIVATIONS = {
+    'relu': lambda inplace: nn.ReLU(inplace=inplace),
+    'relu6': lambda inplace: nn.ReLU6(inplace=inplace),
+    'hardtanh': lambda inplace: nn.Hardtanh(-0.5, 0.7, inplace=inplace),
+    'leaky': lambda inplace: nn.LeakyReLU(0.1, inplace=inplace),
+}
+
+
+def _special_values(shape, seed=0):
+    """Random values with exact zeros, the bounds, +-inf and NaN mixed in."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * 4
+    flat = x.view(-1)
+    specials = torch.tensor([0.0, -0.0, 6.0, -0.5, 0.7, float('inf'),
+                             -float('inf'), float('nan')])
+    idx = torch.randperm(flat.numel(), generator=gen)[:specials.numel()]
+    flat[idx] = specials[:idx.numel()]
+    return x
+
+
+@pytest.mark.parametrize('numel', [1, 7, 8, 9, 64, 1001])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64,
+                                   torch.bfloat16])
+def test_pack_native_equals_fallback(numel, dtype, monkeypatch):
+    if not bit_mask.native_available():
+        pytest.skip('compiled bit-mask kernels not built')
+    x = _special_values((numel, ), seed=numel).to(dtype)
+    for lo, hi, nan_bit in [(0.0, None, True), (0.0, 6.0, True),
+                            (0.0, None, False), (-0.5, 0.7, True)]:
+        native = bit_mask.pack(x, lo, hi, nan_bit)
+        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+        fallback = bit_mask.pack(x, lo, hi, nan_bit)
+        monkeypatch.delenv('MMSEG_GF_NATIVE')
+        assert native.dtype == torch.uint8
+        assert native.numel() == bit_mask.packed_bytes(numel)
+        assert torch.equal(native, fallback)
+        # independent reading of the layout: bit i%8 of byte i//8
+        bits = [(int(native[i // 8]) >> (i % 8)) & 1 for i in range(numel)]
+        v = x.float() if dtype == torch.bfloat16 else x  # own precision
+        want = (v > lo) & (v < (hi if hi is not None else float('inf')))
+        if hi is None:
+            want |= v == float('inf')
+        want = torch.where(v.isnan(), torch.tensor(nan_bit), want)
+        assert bits == want.int().tolist()
+        g = torch.randn(numel).to(dtype)
+        for off in (0.0, 0.1):
+            a = bit_mask.apply(g, native, off)
+            monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+            b = bit_mask.apply(g, native, off)
+            monkeypatch.delenv('MMSEG_GF_NATIVE')
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize('name', sorted(ACTIVATIONS))
+@pytest.mark.parametrize('inplace', [False, True])
+@pytest.mark.parametrize('native', [True, False])
+def test_activation_same_forward_and_grad(name, inplace, native,
+                                          monkeypatch):
+    if not native:
+        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    plain = ACTIVATIONS[name](inplace)
+    lean = ACTIVATIONS[name](inplace)
+    assert make_lean(lean) == 'activation' and is_lean(lean)
+    assert isinstance(lean, type(plain))
+    x0 = _special_values((2, 3, 5, 7), seed=1)
+    g = torch.randn(2, 3, 5, 7)
+    outs, grads = [], []
+    for m in (plain, lean):
+        x = x0.clone().requires_grad_(True)
+        y = m(x * 1.0)  # a non-leaf input, as in a network
+        y.backward(g)
+        outs.append(y.detach())
+        grads.append(x.grad)
+    assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
+    assert torch.equal(outs[0].isnan(), outs[1].isnan())
+    if name in ('relu6', 'hardtanh'):
+        # torch's own Hardtanh backward passes a NaN's gradient in its
+        # scalar loop and zeroes it in its vector loop: no reference there
+        keep = ~x0.isnan()
+        grads = [gr[keep] for gr in grads]
+    assert torch.equal(grads[0].nan_to_num(), grads[1].nan_to_num())
+
+
+def test_activation_keeps_bits_only():
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+    lean = make_lean_copy(nn.ReLU(inplace=True))
+    plain_bytes = saved_tensor_bytes(lambda: nn.ReLU()(x * 1.0))
+    lean_bytes = saved_tensor_bytes(lambda: lean(x * 1.0))
+    assert plain_bytes == x.numel() * 4
+    assert lean_bytes == x.numel() // 8
+
+
+def make_lean_copy(module):
+    module = copy.deepcopy(module)
+    make_lean(module)
+    return module
+
+
+def _frozen_bn(channels, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    bn = nn.BatchNorm2d(channels)
+    bn.running_mean.copy_(torch.randn(channels, generator=gen))
+    bn.running_var.copy_(torch.rand(channels, generator=gen) + 0.1)
+    with torch.no_grad():
+        bn.weight.copy_(torch.randn(channels, generator=gen))
+        bn.bias.copy_(torch.randn(channels, generator=gen))
+    bn.requires_grad_(False)
+    return bn.eval()
+
+
+def test_frozen_norm_same_forward_grad_and_keeps_scale():
+    plain = _frozen_bn(6)
+    lean = make_lean_copy(plain)
+    assert isinstance(lean, nn.BatchNorm2d)
+    x0 = torch.randn(3, 6, 9, 11)
+    g = torch.randn(3, 6, 9, 11)
+    res = []
+    for m in (plain, lean):
+        x = x0.clone().requires_grad_(True)
+        y = m(x)
+        y.backward(g)
+        res.append((y.detach(), x.grad))
+    assert torch.equal(res[0][0], res[1][0])
+    torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-6, atol=0)
+    x = x0.clone().requires_grad_(True)
+    assert saved_tensor_bytes(lambda: lean(x)) == 6 * 4
+    assert saved_tensor_bytes(lambda: plain(x)) >= x.numel() * 4
+
+
+def test_norm_in_train_mode_or_trainable_is_plain():
+    lean = make_lean_copy(_frozen_bn(4))
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    lean.weight.requires_grad_(True)
+    assert saved_tensor_bytes(lambda: lean(x)) >= x.numel() * 4
+    lean.weight.requires_grad_(False)
+    lean.train()
+    assert saved_tensor_bytes(lambda: lean(x)) >= x.numel() * 4
+
+
+def test_dropout_same_draws_grad_and_bits():
+    plain, lean = nn.Dropout(0.3), make_lean_copy(nn.Dropout(0.3))
+    x0 = torch.randn(2, 5, 8, 9)
+    g = torch.randn(2, 5, 8, 9)
+    res = []
+    for m in (plain, lean):
+        torch.manual_seed(7)
+        x = x0.clone().requires_grad_(True)
+        y = m(x * 1.0)
+        y.backward(g)
+        res.append((y.detach(), x.grad))
+    assert torch.equal(res[0][0], res[1][0])
+    assert torch.equal(res[0][1], res[1][1])
+    x = x0.clone().requires_grad_(True)
+    assert saved_tensor_bytes(lambda: lean(x * 1.0)) == \
+        bit_mask.packed_bytes(x.numel())
+    lean.eval()
+    assert torch.equal(lean(x0), x0)
+
+
+def test_make_plain_restores_class():
+    m = nn.ReLU6()
+    make_lean(m)
+    assert type(m).__name__ == 'LeanReLU6'
+    assert make_plain(m) and type(m) is nn.ReLU6 and not is_lean(m)
+    assert make_lean(nn.GELU()) is None
+    assert make_lean(nn.Dropout2d(0.1)) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(act=st.sampled_from(sorted(ACTIVATIONS)),
+       inplace=st.booleans(),
+       stride=st.sampled_from([1, 2]),
+       kernel=st.sampled_from([1, 3]),
+       radius=st.sampled_from([1, 2, 4]),
+       size=st.integers(5, 13),
+       p=st.sampled_from([0.0, 0.2]),
+       seed=st.integers(0, 2**16))
+def test_random_chain_equals_plain(act, inplace, stride, kernel, radius,
+                                   size, p, seed):
+    """conv (GF) -> frozen BN -> activation -> dropout -> conv (GF): the lean
+    chain gives the plain chain's loss and gradients."""
+    from mmseg_gf import GFConv2d
+    torch.manual_seed(seed)
+    chain = nn.Sequential(
+        GFConv2d(3, 6, kernel, stride, kernel // 2, radius=radius),
+        _frozen_bn(6, seed), ACTIVATIONS[act](inplace), nn.Dropout(p),
+        GFConv2d(6, 4, 3, 1, 1, radius=radius)).train()
+    chain[1].eval()
+    lean = copy.deepcopy(chain)
+    for m in lean:
+        make_lean(m)
+    x = torch.randn(2, 3, size, size)
+    results = []
+    for net in (chain, lean):
+        net.zero_grad()
+        torch.manual_seed(seed + 1)
+        loss = net(x).square().mean()
+        loss.backward()
+        results.append((loss.detach(),
+                        [q.grad.clone() for q in net.parameters()
+                         if q.requires_grad]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def _resize_ce(logits, labels, weight=None, ignore_index=255):
+    up = F.interpolate(logits, size=labels.shape[-2:], mode='bilinear',
+                       align_corners=False)
+    return {
+        'loss_ce': F.cross_entropy(up, labels, weight=weight,
+                                   ignore_index=ignore_index),
+        'acc_seg': (up.argmax(1) == labels).float().mean() * 100,
+    }
+
+
+@pytest.mark.parametrize('with_weight', [False, True])
+def test_recomputed_loss_equals_plain_and_keeps_logits(with_weight):
+    gen = torch.Generator().manual_seed(3)
+    logits0 = torch.randn(2, 5, 6, 7, generator=gen)
+    labels = torch.randint(0, 5, (2, 24, 28), generator=gen)
+    labels[:, :3] = 255
+    weight = torch.rand(5, generator=gen) + 0.5 if with_weight else None
+    results = []
+    for lean in (False, True):
+        logits = logits0.clone().requires_grad_(True)
+        feat = logits * 2.0
+
+        def compute(t):
+            return _resize_ce(t, labels, weight)
+
+        out = recomputed_losses(compute, feat) if lean else compute(feat)
+        out['loss_ce'].backward()
+        assert not out['acc_seg'].requires_grad
+        results.append((out['loss_ce'].detach(), out['acc_seg'],
+                        logits.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    feat = logits0.clone().requires_grad_(True) * 2.0
+    kept = saved_tensor_bytes(
+        lambda: recomputed_losses(lambda t: _resize_ce(t, labels), feat))
+    assert kept == feat.numel() * 4
+
+
+def test_recomputed_loss_replays_random_state_and_autocast():
+    logits0 = torch.randn(2, 3, 4, 4)
+    labels = torch.randint(0, 3, (2, 8, 8))
+
+    def noisy(t):
+        up = F.interpolate(t, size=(8, 8), mode='bilinear')
+        up = F.dropout(up, 0.5, True)
+        return {'loss': F.cross_entropy(up, labels)}
+
+    grads = []
+    for lean in (False, True):
+        logits = logits0.clone().requires_grad_(True)
+        torch.manual_seed(11)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            feat = logits * 1.0
+            out = recomputed_losses(noisy, feat) if lean else noisy(feat)
+        torch.rand(3)  # the random state moves on before backward
+        out['loss'].backward()
+        grads.append(logits.grad)
+    assert torch.equal(grads[0], grads[1])
