@@ -2,7 +2,8 @@
 (so also inside ``torchrun`` workers of ``tools/train.py``).
 
 * ``StateDumpHook``: after the run, each rank writes its final state_dict,
-  the GFConv2d paths, world size and wrapper type to ``out/rank{r}.pth``.
+  the GFConv2d paths, the lean modules, world size and wrapper type to
+  ``out/rank{r}.pth``.
 * ``InterruptHook``: raises :class:`SimulatedInterrupt` after iteration
   ``at_iter`` (after the CheckpointHook has saved): an interrupted run.
 * ``ConvFreeBackbone``: a backbone with no convolution at all.
@@ -29,6 +30,7 @@ class StateDumpHook(Hook):
         self.out = out
 
     def after_run(self, runner) -> None:
+        from mmseg_gf.engine.lean_region import lean_counts
         from mmseg_gf.models import GFConv2d
         model = runner.model.module if is_model_wrapper(
             runner.model) else runner.model
@@ -43,6 +45,7 @@ class StateDumpHook(Hook):
                  gf_paths=[n for n, m in model.named_modules()
                            if isinstance(m, GFConv2d)],
                  wrapper=type(runner.model).__name__,
+                 lean=lean_counts(model),
                  world_size=world, backend=backend, iter=runner.iter),
             osp.join(self.out, f'rank{rank}.pth'))
 

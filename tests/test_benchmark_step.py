@@ -1,6 +1,6 @@
-"""tools/benchmark_step.py: whole training steps of the pipeline's
-strategies, timed side by side (tiny crop here; real figures in the README).
-"""
+"""tools/benchmark_step.py: whole steps next to inference, with peak and
+saved bytes (tiny crop here; the real figures are in the README)."""
+import json
 import os.path as osp
 import sys
 
@@ -13,23 +13,34 @@ sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))),
 import benchmark_step  # noqa: E402
 
 
-def test_steps_of_three_strategies(tmp_path, capsys):
-    out = tmp_path / 'steps.json'
-    rows = benchmark_step.main([
-        '--model', 'pspnet_r18', '--crop', '64', '64', '--batch', '2',
-        '--repeats', '1', '--warmup', '0', '--strategies', 'vanilla_all',
-        'vanilla_last5', 'gf_last5_r4', '--out', str(out)
+def test_rows_ratios_and_files(tmp_path, capsys):
+    results = benchmark_step.main([
+        '--models', 'pspnet_r18', '--crop', '64', '64', '--batch', '2',
+        '--repeats', '1', '--warmup', '0', '--rows', 'inference',
+        'vanilla_last5:plain', 'gf_last5_r4:plain', 'gf_last5_r4:lean',
+        '--out-dir', str(tmp_path)
     ])
-    by = {r['strategy']: r for r in rows}
-    for r in rows:
+    by = {r['row']: r for r in results[0]['rows']}
+    inference = by['inference']
+    assert inference['peak_bytes'] > 0 and inference['saved_bytes'] == 0
+    for name in ('vanilla_last5:plain', 'gf_last5_r4:plain',
+                 'gf_last5_r4:lean'):
+        r = by[name]
         assert r['forward'] > 0 and r['backward'] > 0
         assert r['step'] >= r['forward'] + r['backward']
-    # The same five convs (+ classifier) are trained by the vanilla and the
-    # filtered last-5 strategy; everything is trained by vanilla_all.
-    assert by['vanilla_last5']['trainable_params'] == \
-        by['gf_last5_r4']['trainable_params']
-    assert by['vanilla_all']['trainable_params'] > \
-        5 * by['gf_last5_r4']['trainable_params']
-    table = capsys.readouterr().out
-    assert '| gf_last5_r4 |' in table and '20k steps (h)' in table
-    assert out.exists()
+        assert r['peak_vs_inference'] == pytest.approx(
+            r['peak_bytes'] / inference['peak_bytes'])
+    # the same layers: saved bytes shrink from exact to filtered to lean
+    vanilla, gf, lean = (by[n]['saved_bytes'] for n in (
+        'vanilla_last5:plain', 'gf_last5_r4:plain', 'gf_last5_r4:lean'))
+    assert lean < gf < vanilla
+    assert by['gf_last5_r4:lean']['saved_vs_vanilla_plain'] == \
+        pytest.approx(lean / vanilla)
+    assert by['gf_last5_r4:lean']['analytic_saved_bytes'] == lean
+    assert by['gf_last5_r4:lean']['trainable_params'] == \
+        by['vanilla_last5:plain']['trainable_params']
+    assert '| gf_last5_r4:lean |' in capsys.readouterr().out
+    for ext in ('json', 'md', 'png'):
+        assert (tmp_path / f'steps.{ext}').stat().st_size > 0
+    assert json.loads((tmp_path / 'steps.json').read_text())[0]['model'] == \
+        'pspnet_r18'

@@ -89,12 +89,14 @@ def test_ddp_tools_train_matches_single_process(workspace, tmp_path,
         assert info['world_size'] == 2 and info['backend'] == 'gloo'
         assert info['wrapper'] == 'CPUDistributedDataParallel'
         assert info['gf_paths'] == EXPECTED['pspnet_r18'][5]
+        assert info['lean']['activation'] > 0 and info['lean']['loss'] == 1
         assert info['iter'] == ITERS
     for key, value in ranks[0]['state'].items():
         assert torch.equal(value, ranks[1]['state'][key]), key
     assert changed_modules(ranks[0]['state'],
                            workspace['init_state']) == PSP5
     assert 'Gradient filter (gf): 5 layers' in log  # the cost table
+    assert 'kept for backward by the whole step' in log
 
     single = _single(cfg_path, str(out / 'work_single'), monkeypatch)
     info = torch.load(osp.join(out, 'rank0.pth'), weights_only=False)

@@ -176,6 +176,25 @@ def test_dropout_same_draws_grad_and_bits():
     assert torch.equal(lean(x0), x0)
 
 
+@pytest.mark.parametrize('size', [(2, 2), (3, 6), 6, (None, 3)])
+def test_adaptive_pool_keeps_shape_only(size):
+    plain = nn.AdaptiveAvgPool2d(size)
+    lean = make_lean_copy(plain)
+    x0 = torch.randn(2, 4, 13, 11)
+    g = torch.randn_like(plain(x0))
+    res = []
+    for m in (plain, lean):
+        x = x0.clone().requires_grad_(True)
+        y = m(x * 1.0)
+        y.backward(g)
+        res.append((y.detach(), x.grad))
+    assert torch.equal(res[0][0], res[1][0])
+    assert torch.equal(res[0][1], res[1][1])
+    x = x0.clone().requires_grad_(True)
+    assert saved_tensor_bytes(lambda: plain(x * 1.0)) == x.numel() * 4
+    assert saved_tensor_bytes(lambda: lean(x * 1.0)) == 0
+
+
 def test_make_plain_restores_class():
     m = nn.ReLU6()
     make_lean(m)

@@ -73,6 +73,36 @@ def _checkpoints(work_dir):
 
 
 # ----------------------------------------------------------------------------
+# The lean region through the tool, with --amp (bf16 autocast on CPU)
+
+
+@pytest.mark.parametrize('way', ['rewrite', 'hook'])
+def test_lean_and_plain_runs_agree_under_amp(workspace, tmp_path, tools,
+                                             way):
+    """``lean`` (the default) and ``lean=False`` train the same weights
+    through tools/train.py --amp, by the config rewrite and by the hook on
+    an unchanged config; only the lean run has lean modules."""
+    from mmseg_gf.engine.lean_region import lean_counts
+    train, _ = tools
+    states = {}
+    for lean in (True, False):
+        name = f'{way}_{"lean" if lean else "plain"}'
+        cfg = _cfg(workspace, tmp_path, name, way=way, max_iters=2,
+                   lean=lean)
+        runner = train.main([write_cfg(str(tmp_path / f'{name}.py'), cfg),
+                             '--work-dir', str(tmp_path / name), '--amp'])
+        assert type(runner.optim_wrapper).__name__ == 'AmpOptimWrapper'
+        counts = lean_counts(runner.model)
+        assert (counts.get('loss') == 1) == lean, counts
+        states[lean] = {k: v.clone()
+                        for k, v in runner.model.state_dict().items()}
+    assert changed_modules(states[True], workspace['init_state']) == PSP5
+    for key, value in states[False].items():
+        torch.testing.assert_close(states[True][key], value, rtol=1e-3,
+                                   atol=1e-5, msg=key)
+
+
+# ----------------------------------------------------------------------------
 # Resume
 
 

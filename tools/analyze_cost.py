@@ -35,6 +35,7 @@ import mmseg_gf  # noqa: F401  (registers GFConv2d, GradFilterModel, ...)
 from mmseg_gf.analysis.model_cost import (ModelCost, build_segmentor,
                                           measure_memory,
                                           model_backward_cost)
+from mmseg_gf.analysis.step_memory import trace_step_saved_bytes
 from mmseg_gf.engine.cli import markdown_table, write_json
 from mmseg_gf.engine.selection import trace_convs
 
@@ -276,6 +277,16 @@ def analyze(cfg: Config, shape: Sequence[int], batch: int = 1,
                                collapse_dilated=collapse_dilated)
 
 
+def step_saved_bytes(cfg: Config, shape: Sequence[int]):
+    """The whole step's analytic saved bytes of a lean gradient-filter
+    config (:mod:`mmseg_gf.analysis.step_memory`), else None."""
+    settings = cfg.get('gradient_filter')
+    if not isinstance(settings, dict) or not settings.get('lean', True):
+        return None
+    return trace_step_saved_bytes(build_segmentor(cfg, input_size=shape),
+                                  shape)
+
+
 # ----------------------------------------------------------------------------
 # The paper's Table 3
 
@@ -401,6 +412,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         for line in summary_lines(cost):
             print(line)
         out.update(config=args.config, cost=cost.as_dict())
+        step = step_saved_bytes(cfg, args.shape)
+        if step is not None:
+            print(step.summary(args.batch))
+            out['step_saved_bytes'] = dict(
+                total=step.total(args.batch),
+                by_category=step.by_category(args.batch),
+                unmodelled=step.unmodelled)
         if args.measure:
             shape = args.measure_shape or args.shape
             result = measure_memory(cfg, shape, batch=args.batch,

@@ -33,7 +33,7 @@ __all__ = [
 
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
 SETTING_KEYS = ('num_layers', 'layers', 'radius', 'mode', 'train_norm',
-                'input_size')
+                'lean', 'input_size')
 DEFAULT_INPUT_SIZE = (512, 512)
 
 
@@ -45,7 +45,7 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
 
     Returns:
         dict: a copy with defaults filled (radius 4, mode 'gf',
-        train_norm False, input_size None).
+        train_norm False, lean True, input_size None).
 
     Raises:
         ValueError: not a dict, unknown key, both or neither of
@@ -61,8 +61,8 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     if unknown:
         raise ValueError(f'gradient_filter: unknown key(s) {unknown}; '
                          f'allowed: {list(SETTING_KEYS)}')
-    out = dict(radius=4, mode='gf', train_norm=False, input_size=None,
-               num_layers=None, layers=None)
+    out = dict(radius=4, mode='gf', train_norm=False, lean=True,
+               input_size=None, num_layers=None, layers=None)
     out.update(settings)
     if (out['num_layers'] is None) == (out['layers'] is None):
         raise ValueError('gradient_filter: give exactly one of num_layers '
@@ -94,9 +94,10 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
                     "gradient_filter radius must be an int >= 1, 'auto' or "
                     'a dict {module path: int or "auto"}, got '
                     f'{radius!r}') from None
-    if not isinstance(out['train_norm'], bool):
-        raise ValueError('gradient_filter train_norm must be True or False, '
-                         f'got {out["train_norm"]!r}')
+    for key in ('train_norm', 'lean'):
+        if not isinstance(out[key], bool):
+            raise ValueError(f'gradient_filter {key} must be True or False, '
+                             f'got {out[key]!r}')
     size = out['input_size']
     if size is not None:
         if isinstance(size, int):
@@ -132,6 +133,7 @@ def build_grad_filter_model(model: dict,
                             radius: Any = 4,
                             mode: str = 'gf',
                             train_norm: bool = False,
+                            lean: bool = True,
                             input_size: Optional[Sequence[int]] = None,
                             data_preprocessor: Optional[dict] = None
                             ) -> nn.Module:
@@ -144,7 +146,7 @@ def build_grad_filter_model(model: dict,
 
     Args:
         model: the segmentor config.
-        num_layers, layers, radius, mode, train_norm: see
+        num_layers, layers, radius, mode, train_norm, lean: see
             :func:`select_layers` and :func:`apply_gradient_filter`.
         input_size: ``(H, W)`` of the selection trace (default 512).
         data_preprocessor: mmengine's Runner injects the config's top-level
@@ -153,7 +155,7 @@ def build_grad_filter_model(model: dict,
     """
     settings = check_settings(
         dict(num_layers=num_layers, layers=layers, radius=radius, mode=mode,
-             train_norm=train_norm, input_size=input_size))
+             train_norm=train_norm, lean=lean, input_size=input_size))
     model = copy.deepcopy(model)
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
@@ -163,7 +165,8 @@ def build_grad_filter_model(model: dict,
                             layers=settings['layers'],
                             radius=settings['radius'], input_size=size)
     apply_gradient_filter(segmentor, choices, mode=settings['mode'],
-                          train_norm=settings['train_norm'])
+                          train_norm=settings['train_norm'],
+                          lean=settings['lean'])
     return segmentor
 
 

@@ -26,10 +26,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..analysis.cost import conv_backward_cost
+from ..analysis.step_memory import trace_step_saved_bytes
 from .config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
                      default_input_size)
 from .selection import LayerChoice, select_layers, trace_convs
-from .surgery import (MODE_ATTR, apply_gradient_filter,
+from .surgery import (LEAN_ATTR, MODE_ATTR, apply_gradient_filter,
                       get_gradient_filter_layers, set_frozen_norms_eval)
 
 __all__ = [
@@ -224,6 +225,8 @@ class GradFilterHook(Hook):
         radius: int, 'auto' or {path prefix: int|'auto'}.
         mode: 'gf' or 'vanilla' (same layers, exact backward).
         train_norm: also train the norms following the chosen convs.
+        lean: keep only what each backward needs around the trained convs
+            (frozen norms, activations, dropout, the loss); default True.
         input_size: (H, W) of the selection trace; default: the config's
             data_preprocessor size / crop_size, else 512.
         log_table: log the per-layer cost table at train start.
@@ -240,6 +243,7 @@ class GradFilterHook(Hook):
                  radius: Any = 4,
                  mode: str = 'gf',
                  train_norm: bool = False,
+                 lean: bool = True,
                  input_size: Optional[Sequence[int]] = None,
                  log_table: bool = True,
                  check_load_from: bool = True,
@@ -252,7 +256,8 @@ class GradFilterHook(Hook):
         self.configured = num_layers is not None or layers is not None
         self.settings = check_settings(
             dict(num_layers=num_layers, layers=layers, radius=radius,
-                 mode=mode, train_norm=train_norm, input_size=input_size)
+                 mode=mode, train_norm=train_norm, lean=lean,
+                 input_size=input_size)
         ) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
@@ -305,7 +310,8 @@ class GradFilterHook(Hook):
                                     layers=s['layers'], radius=s['radius'],
                                     input_size=size)
             choices = apply_gradient_filter(model, choices, mode=s['mode'],
-                                            train_norm=s['train_norm'])
+                                            train_norm=s['train_norm'],
+                                            lean=s['lean'])
             if is_model_wrapper(runner.model):
                 self._rewrap(runner, model)
         elif self.configured:
@@ -330,6 +336,9 @@ class GradFilterHook(Hook):
             runner.logger.info('\n' + format_cost_table(
                 model, choices, batch, getattr(model, MODE_ATTR, 'gf'),
                 needs))
+            if getattr(model, LEAN_ATTR, False):
+                runner.logger.info(
+                    trace_step_saved_bytes(model, size).summary(batch))
 
     @staticmethod
     def _rewrap(runner, model: nn.Module) -> None:

@@ -8,6 +8,7 @@ from typing import List, Optional, Sequence
 from torch import nn
 
 from ..models.gf_conv import GFConv2d
+from .lean_region import apply_lean_region
 from .selection import CLASSIFIER_SUFFIX, NORM_TYPES, LayerChoice
 
 __all__ = [
@@ -21,6 +22,7 @@ MODES = ('gf', 'vanilla')
 #: Attribute set on the segmentor: the applied list of LayerChoice.
 MARK_ATTR = '_gradient_filter_layers'
 MODE_ATTR = '_gradient_filter_mode'
+LEAN_ATTR = '_gradient_filter_lean'
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -60,7 +62,8 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
 def apply_gradient_filter(model: nn.Module,
                           choices: Sequence[LayerChoice],
                           mode: str = 'gf',
-                          train_norm: bool = False) -> List[LayerChoice]:
+                          train_norm: bool = False,
+                          lean: bool = True) -> List[LayerChoice]:
     """Swap the chosen convs to GFConv2d and freeze all other parameters.
 
     Trainable afterwards: the chosen convs, the decode head's ``conv_seg``
@@ -78,6 +81,10 @@ def apply_gradient_filter(model: nn.Module,
         choices: from :func:`select_layers` on this model.
         mode: ``'gf'`` or ``'vanilla'`` (exact backward, same layers).
         train_norm: also train the norms following the chosen convs.
+        lean: swap the frozen norms, activations, dropout and the decode
+            head's loss for variants that keep only what their backward
+            needs (:mod:`mmseg_gf.engine.lean_region`); same forward, same
+            gradients.
 
     Returns:
         list[LayerChoice]: the choices, ``module`` now the GFConv2d.
@@ -109,6 +116,9 @@ def apply_gradient_filter(model: nn.Module,
             p.requires_grad_(True)
     setattr(model, MARK_ATTR, list(choices))
     setattr(model, MODE_ATTR, mode)
+    setattr(model, LEAN_ATTR, bool(lean))
+    if lean:
+        apply_lean_region(model)
     set_frozen_norms_eval(model)
     return list(choices)
 

@@ -14,6 +14,8 @@ What becomes lean:
   SyncBN) in eval mode with no trainable parameter: keeps ``C`` scales.
 * ``ReLU``, ``ReLU6`` / ``Hardtanh``, ``LeakyReLU``: keep 1 bit per element.
 * ``Dropout`` (element-wise): keeps 1 bit per element.
+* ``AdaptiveAvgPool2d`` to more than 1x1 (PSPNet's pyramid): keeps the
+  input's shape only.
 * decode heads whose loss is mmseg's ``BaseDecodeHead.loss_by_feat``: keep
   the low-resolution logits, not the upsampled ones
   (:func:`make_lean_loss`).
@@ -29,7 +31,9 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
-                        MaskedDropoutFunction, recomputed_losses)
+                        MaskedDropoutFunction,
+                        ShapeOnlyAdaptiveAvgPoolFunction, recomputed_losses)
+from .lean_loss import chunkable_losses, chunked_cross_entropy_losses
 
 __all__ = [
     'make_lean', 'make_plain', 'is_lean', 'make_lean_loss', 'lean_kind',
@@ -37,7 +41,7 @@ __all__ = [
 ]
 
 #: What :func:`lean_kind` returns for a module that has a lean variant.
-LEAN_KINDS = ('norm', 'activation', 'dropout', 'loss')
+LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss')
 
 
 def _recording(x: Tensor) -> bool:
@@ -85,19 +89,43 @@ class _LeanDropout:
         return MaskedDropoutFunction.apply(x, float(self.p))
 
 
+class _LeanAdaptiveAvgPool:
+    """Adaptive average pooling keeping its input's shape only."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _recording(x) or x.dim() != 4 or x.shape[-2:] == (1, 1) \
+                or self._pools_to_one(x):
+            return super().forward(x)
+        return ShapeOnlyAdaptiveAvgPoolFunction.apply(x, super().forward)
+
+    def _pools_to_one(self, x: Tensor) -> bool:
+        size = self.output_size
+        size = (size, size) if not isinstance(size, (tuple, list)) else size
+        out = [x.shape[-2 + i] if s is None else s for i, s in
+               enumerate(size)]
+        return tuple(out) == (1, 1)
+
+
 class _LeanLossHead:
-    """A decode head whose loss keeps the low-resolution logits only."""
+    """A decode head whose loss keeps the low-resolution logits only:
+    mmseg's cross-entropy image by image (:mod:`.lean_loss`), any other
+    loss on the whole batch, recomputed in the backward."""
 
     def loss_by_feat(self, seg_logits: Tensor, batch_data_samples) -> dict:
         if not _recording(seg_logits):
             return super().loss_by_feat(seg_logits, batch_data_samples)
+        specs = chunkable_losses(self)
+        if specs is not None:
+            return chunked_cross_entropy_losses(self, seg_logits,
+                                                batch_data_samples, specs)
         plain = super().loss_by_feat
         return recomputed_losses(
             lambda logits: plain(logits, batch_data_samples), seg_logits)
 
 
 _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
-           'dropout': _LeanDropout, 'loss': _LeanLossHead}
+           'dropout': _LeanDropout, 'pool': _LeanAdaptiveAvgPool,
+           'loss': _LeanLossHead}
 _CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
 
 
@@ -119,6 +147,8 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return 'activation'
     if type(module) is nn.Dropout or isinstance(module, _LeanDropout):
         return 'dropout'
+    if isinstance(module, nn.AdaptiveAvgPool2d):
+        return 'pool'
     base_loss = _base_decode_head_loss()
     if base_loss is not None and getattr(
             getattr(type(module), '_plain_class', type(module)),

@@ -10,6 +10,8 @@ layers around them save by default:
   autograd keeps a float tensor;
 * element-wise dropout needs its keep mask, autograd keeps a float noise
   tensor on CPU;
+* adaptive average pooling (PSPNet's pyramid) needs only its input's shape,
+  autograd keeps the input;
 * the loss upsamples the logits to the label size and keeps that (and the
   log-softmax) for backward: more than all trained convs together.
 
@@ -31,7 +33,8 @@ from . import bit_mask
 
 __all__ = [
     'FrozenAffineNormFunction', 'MaskedActivationFunction',
-    'MaskedDropoutFunction', 'RecomputedLossFunction', 'recomputed_losses'
+    'MaskedDropoutFunction', 'ShapeOnlyAdaptiveAvgPoolFunction',
+    'RecomputedLossFunction', 'recomputed_losses'
 ]
 
 
@@ -111,6 +114,31 @@ class MaskedDropoutFunction(Function):
         bits, = ctx.saved_tensors
         kept = bit_mask.apply(grad, bits, 0.0)
         return kept * ctx.scale, None
+
+
+class ShapeOnlyAdaptiveAvgPoolFunction(Function):
+    """Adaptive average pooling keeping only its input's shape.
+
+    Pooling is linear: its backward spreads each output gradient evenly over
+    the input pixels of its bin, from sizes alone. The backward calls
+    autograd's own kernel with an uninitialised tensor of the input's shape
+    and strides (the kernel reads only its geometry), so the gradient is
+    autograd's, bit for bit. Only for outputs larger than 1x1: a 1x1 output
+    is a mean, which keeps nothing anyway.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, pool: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.geometry = (tuple(x.shape), tuple(x.stride()), x.dtype,
+                        x.device)
+        return pool(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, stride, dtype, device = ctx.geometry
+        like = torch.empty_strided(shape, stride, dtype=dtype,
+                                   device=device)
+        return torch.ops.aten._adaptive_avg_pool2d_backward(grad, like), None
 
 
 def _autocast_state(device_type: str):

@@ -1,0 +1,246 @@
+"""Whole training steps of the protocol's strategies next to inference.
+
+For one protocol model, each row builds the segmentor as the pipeline
+composes it and measures, on one random batch at the training crop, all in
+one process:
+
+* ``inference``: mmseg's ``predict`` (eval forward, logits resized to the
+  image, arg-max) under ``torch.no_grad``, the yardstick;
+* each strategy row (``vanilla_last5``, ``gf_last10_r4``, ...; with
+  ``:lean`` or ``:plain`` for the gradient-filter setting ``lean``): median
+  forward (loss), backward and whole-step (with SGD) seconds, the step's peak
+  of live tensor bytes (:func:`~.memory.profiled_peak_bytes`), the bytes
+  autograd keeps for backward (:func:`~.memory.saved_tensor_bytes`) and, for
+  lean rows, their analytic count (:mod:`.step_memory`).
+
+Ratios are taken within the run: each row against inference, and each
+filtered row's saved bytes against the same layers trained with
+``mode='vanilla', lean=False`` (the paper's 1/r^2 claim, end to end).
+"""
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .memory import profiled_peak_bytes, saved_tensor_bytes
+from .model_cost import build_segmentor, random_batch, training_loss
+from .step_memory import trace_step_saved_bytes
+
+__all__ = ['DEFAULT_ROWS', 'parse_row', 'benchmark_model', 'markdown',
+           'plot', 'FINETUNE_ITERS']
+
+#: The protocol's finetuning length, for the "20k steps" column.
+FINETUNE_ITERS = 20000
+#: Rows measured by default: every target of the lean region has its pair.
+DEFAULT_ROWS = ('inference', 'vanilla_last5:plain', 'gf_last5_r4:plain',
+                'gf_last5_r4:lean', 'vanilla_last10:plain',
+                'gf_last10_r4:plain', 'gf_last10_r4:lean')
+
+
+def parse_row(row: str):
+    """``'gf_last5_r4:lean'`` -> ``('gf_last5_r4', True)``; no suffix means
+    lean (the default setting); ``'inference'`` -> ``('inference', None)``.
+    """
+    if row == 'inference':
+        return row, None
+    strategy, _, variant = row.partition(':')
+    if variant not in ('', 'lean', 'plain'):
+        raise ValueError(f'row {row!r}: the suffix must be :lean or :plain')
+    return strategy, variant != 'plain'
+
+
+def _median_times(run, repeats: int, warmup: int) -> Dict[str, float]:
+    times: Dict[str, List[float]] = {}
+    for i in range(warmup + repeats):
+        parts = run()
+        if i >= warmup:
+            for k, v in parts.items():
+                times.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _inference_row(model, inputs, samples, repeats, warmup):
+    model.eval()
+
+    def predict():
+        with torch.no_grad():
+            model.predict(inputs, samples)
+
+    def run():
+        t0 = time.perf_counter()
+        predict()
+        return {'forward': time.perf_counter() - t0}
+
+    row = _median_times(run, repeats, warmup)
+    row.update(step=row['forward'], backward=0.0,
+               peak_bytes=profiled_peak_bytes(predict), saved_bytes=0,
+               trainable_params=0)
+    return row
+
+
+def _strategy_row(model, inputs, samples, crop, batch, repeats, warmup,
+                  lean):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = training_loss(model, inputs, samples)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        return {'forward': t1 - t0, 'backward': t2 - t1, 'step': t3 - t0}
+
+    row = _median_times(step, repeats, warmup)
+    row['peak_bytes'] = profiled_peak_bytes(step)
+    row['saved_bytes'] = saved_tensor_bytes(
+        lambda: training_loss(model, inputs, samples))
+    row['trainable_params'] = sum(p.numel() for p in params)
+    if lean:
+        counted = trace_step_saved_bytes(model, crop)
+        row['analytic_saved_bytes'] = counted.total(batch)
+        row['analytic_by_category'] = counted.by_category(batch)
+        row['unmodelled'] = counted.unmodelled
+    return row
+
+
+def benchmark_model(model_name: str,
+                    rows: Sequence[str] = DEFAULT_ROWS,
+                    dataset: str = 'voc',
+                    crop: Sequence[int] = (512, 512),
+                    batch: int = 8,
+                    repeats: int = 2,
+                    warmup: int = 1,
+                    progress=None) -> Dict:
+    """Measure ``rows`` of one protocol model (see the module docstring).
+
+    Args:
+        model_name: a key of :data:`mmseg_gf.pipeline.MODELS`.
+        rows: ``'inference'`` and strategy names, optionally suffixed
+            ``:lean`` / ``:plain``.
+        dataset: the target dataset of the configs (its class count).
+        crop, batch: the batch's image size and images per step.
+        repeats, warmup: timed and untimed runs per row (timings are
+            medians).
+        progress: called with each row's name before it is measured.
+
+    Returns:
+        dict with ``model``, ``crop``, ``batch``, ``threads``, ``torch`` and
+        ``rows`` (one dict per row, in order, with the ratios filled in).
+    """
+    from ..pipeline import compose_config
+    from ..pipeline.experiments import set_data
+    crop = tuple(int(v) for v in crop)
+    measured = []
+    for name in rows:
+        strategy, lean = parse_row(name)
+        if progress is not None:
+            progress(name)
+        cfg = compose_config(model_name, dataset,
+                             'vanilla_all' if lean is None else strategy)
+        set_data(cfg, crop=crop)
+        if lean is not None and cfg.get('gradient_filter') is not None:
+            cfg.gradient_filter = dict(cfg.gradient_filter, lean=lean)
+        torch.manual_seed(0)
+        model = build_segmentor(cfg)
+        inputs, samples = random_batch(model, crop, batch, label_block=16)
+        if lean is None:
+            row = _inference_row(model, inputs, samples, repeats, warmup)
+        else:
+            row = _strategy_row(model, inputs, samples, crop, batch, repeats,
+                                warmup, lean)
+        row.update(row=name, strategy=strategy, lean=lean)
+        measured.append(row)
+        del model
+    _add_ratios(measured)
+    return dict(model=model_name, crop=list(crop), batch=int(batch),
+                threads=torch.get_num_threads(), torch=torch.__version__,
+                rows=measured)
+
+
+def _same_layers_vanilla_plain(strategy: str) -> str:
+    """``gf_last5_r4`` -> ``vanilla_last5`` (the strategy's layers, exact)."""
+    if not strategy.startswith('gf_'):
+        return strategy
+    return 'vanilla_' + strategy[len('gf_'):].rsplit('_r', 1)[0]
+
+
+def _add_ratios(rows: List[Dict]) -> None:
+    inference = next((r for r in rows if r['lean'] is None), None)
+    plain = {r['strategy']: r for r in rows if r['lean'] is False}
+    for r in rows:
+        if inference is not None:
+            r['peak_vs_inference'] = r['peak_bytes'] / inference['peak_bytes']
+            r['step_vs_inference'] = r['step'] / inference['forward']
+        ref = plain.get(_same_layers_vanilla_plain(r['strategy']))
+        if ref is not None and r['lean'] is not None and ref['saved_bytes']:
+            r['saved_vs_vanilla_plain'] = r['saved_bytes'] / \
+                ref['saved_bytes']
+        if r['lean'] and r['strategy'] in plain:
+            r['step_vs_plain'] = r['step'] / plain[r['strategy']]['step']
+
+
+def _mib(v: Optional[float]) -> str:
+    return '' if v is None else f'{v / 2**20:.1f}'
+
+
+def _ratio(v: Optional[float], digits: int = 2) -> str:
+    return '' if v is None else f'{v:.{digits}f}'
+
+
+def markdown(result: Dict) -> str:
+    """One model's rows as a markdown table."""
+    lines = [
+        '| row | fwd s | bwd s | step s | step / inference fwd | lean / '
+        'plain step | peak MiB | peak / inference | saved MiB | analytic '
+        'MiB | saved / vanilla plain | 20k steps (h) |',
+        '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
+    ]
+    for r in result['rows']:
+        lines.append(
+            f"| {r['row']} | {r['forward']:.3f} | {r['backward']:.3f} | "
+            f"{r['step']:.3f} | {_ratio(r.get('step_vs_inference'))} | "
+            f"{_ratio(r.get('step_vs_plain'), 3)} | {_mib(r['peak_bytes'])} | "
+            f"{_ratio(r.get('peak_vs_inference'))} | "
+            f"{_mib(r['saved_bytes'])} | "
+            f"{_mib(r.get('analytic_saved_bytes'))} | "
+            f"{_ratio(r.get('saved_vs_vanilla_plain'), 3)} | "
+            f"{r['step'] * FINETUNE_ITERS / 3600:.1f} |")
+    return '\n'.join(lines)
+
+
+def plot(results: Sequence[Dict], path: str) -> None:
+    """Peak memory and step time per row, relative to inference, one group
+    of bars per model (matplotlib, Agg)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import numpy as np
+    names = [r['row'] for r in results[0]['rows'] if r['lean'] is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(1, len(names))
+    x = np.arange(len(results))
+    for ax, key, title in (
+            (axes[0], 'peak_vs_inference', 'step peak / inference peak'),
+            (axes[1], 'step_vs_inference',
+             'step time / inference forward time')):
+        for i, name in enumerate(names):
+            values = [next((r.get(key, np.nan) for r in res['rows']
+                            if r['row'] == name), np.nan) for res in results]
+            ax.bar(x + (i - len(names) / 2 + 0.5) * width, values, width,
+                   label=name)
+        ax.axhline(1.0, color='k', lw=0.8)
+        ax.set_xticks(x, [res['model'] for res in results], rotation=20)
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
+    first = results[0]
+    fig.suptitle(f"crop {first['crop'][0]}x{first['crop'][1]}, batch "
+                 f"{first['batch']}, {first['threads']} threads, torch "
+                 f"{first['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,176 @@
+"""The lean trained region on the six protocol models: the same forward,
+loss and gradients as ``lean=False``, and measured saved bytes equal to the
+analytic count (:mod:`mmseg_gf.analysis.step_memory`)."""
+import copy
+
+import pytest
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+pytest.importorskip('mmseg')
+
+from tests._engine_fixtures import build_model  # noqa: E402
+
+from mmseg_gf.analysis.memory import saved_tensor_bytes  # noqa: E402
+from mmseg_gf.analysis.model_cost import (random_batch,  # noqa: E402
+                                          training_loss)
+from mmseg_gf.analysis.step_memory import \
+    trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
+from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
+                                         remove_lean_region)
+
+MODELS = ('pspnet_r18', 'deeplabv3_r18', 'fcn_r18', 'upernet_r18',
+          'pspnet_mv2', 'deeplabv3_mv2')
+SIZE = (64, 64)
+BATCH = 2
+
+
+def _calibrated(name):
+    """A model whose BN layers hold non-trivial running statistics."""
+    torch.manual_seed(0)
+    model = build_model(name)
+    gen = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, _BatchNorm):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=gen))
+            m.running_var.copy_(
+                torch.rand(m.num_features, generator=gen) + 0.5)
+    return model
+
+
+def _prepared(base, num_layers, mode, lean):
+    model = copy.deepcopy(base)
+    choices = select_layers(model, num_layers=num_layers, radius=4,
+                            input_size=SIZE)
+    apply_gradient_filter(model, choices, mode=mode, lean=lean)
+    return model
+
+
+def _step(model, inputs, samples):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # the decode head's dropout draws the same noise
+    logits = model._forward(inputs)
+    torch.manual_seed(5)
+    loss = training_loss(model, inputs, samples)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()
+             if p.requires_grad}
+    return logits.detach(), loss.detach(), grads
+
+
+@pytest.mark.parametrize('name', MODELS)
+def test_lean_step_equals_plain_step(name):
+    base = _calibrated(name)
+    inputs, samples = random_batch(base, SIZE, BATCH, label_block=4)
+    for i in range(2):  # an ignored band, so ignore_index is exercised
+        samples[i].gt_sem_seg.data[:, :4] = 255
+    for num_layers in (5, 10):
+        for mode in ('gf', 'vanilla'):
+            plain = _prepared(base, num_layers, mode, lean=False)
+            lean = _prepared(base, num_layers, mode, lean=True)
+            counts = lean_counts(lean)
+            assert counts['norm'] > 0 and counts['activation'] > 0
+            assert counts['loss'] == 1 and not lean_counts(plain)
+            want, got = _step(plain, inputs, samples), _step(lean, inputs,
+                                                             samples)
+            assert torch.equal(want[0], got[0]), 'forward differs'
+            torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
+            assert want[2].keys() == got[2].keys()
+            for key, g in want[2].items():
+                torch.testing.assert_close(
+                    got[2][key], g, rtol=1e-5,
+                    atol=1e-6 * float(g.abs().max()),
+                    msg=lambda m: f'{name} N={num_layers} {mode} {key}: {m}')
+
+
+@pytest.mark.parametrize('name', MODELS)
+def test_measured_saved_bytes_equal_analytic_count(name):
+    base = _calibrated(name)
+    inputs, samples = random_batch(base, SIZE, BATCH, label_block=4)
+    for num_layers in (5, 10):
+        for mode in ('gf', 'vanilla'):
+            lean = _prepared(base, num_layers, mode, lean=True)
+            plain = _prepared(base, num_layers, mode, lean=False)
+            params = list(lean.parameters())
+
+            def kept(model):
+                return saved_tensor_bytes(
+                    lambda: training_loss(model, inputs, samples))
+
+            measured = kept(lean)
+            counted = trace_step_saved_bytes(lean, SIZE)
+            assert not counted.unmodelled, counted.unmodelled
+            assert counted.total(BATCH) == measured, (
+                name, num_layers, mode, counted.by_category(BATCH))
+            assert measured < kept(plain)
+            del params
+
+
+def test_remove_lean_region_restores_plain_classes():
+    model = _prepared(_calibrated('pspnet_r18'), 5, 'gf', lean=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert remove_lean_region(model) > 0
+    assert not lean_counts(model)
+    assert all(torch.equal(v, before[k])
+               for k, v in model.state_dict().items())
+
+
+LOSS_CASES = {
+    'ce': [dict(type='CrossEntropyLoss', loss_weight=1.0)],
+    'ce_non_ignore_weighted': [
+        dict(type='CrossEntropyLoss', loss_weight=0.4, avg_non_ignore=True)
+    ],
+    'two_ce_one_name': [
+        dict(type='CrossEntropyLoss', loss_weight=1.0),
+        dict(type='CrossEntropyLoss', loss_weight=0.5, avg_non_ignore=True)
+    ],
+    'ce_sum_and_mean': [
+        dict(type='CrossEntropyLoss', loss_name='loss_a', reduction='sum'),
+        dict(type='CrossEntropyLoss', loss_name='loss_b')
+    ],
+    # not chunked: the whole batch, recomputed in the backward
+    'class_weight': [
+        dict(type='CrossEntropyLoss', class_weight=[0.5, 1.0, 2.0])
+    ],
+    'dice': [dict(type='DiceLoss', loss_weight=0.7)],
+}
+
+
+@pytest.mark.parametrize('case', sorted(LOSS_CASES))
+def test_lean_loss_equals_mmseg_loss_by_feat(case):
+    from mmseg.registry import MODELS as SEG_MODELS
+
+    from mmseg_gf.models.lean import make_lean
+    from mmseg_gf.models.lean_loss import chunkable_losses
+    head = SEG_MODELS.build(
+        dict(type='FCNHead', in_channels=4, channels=4, num_convs=1,
+             num_classes=3, align_corners=False,
+             loss_decode=LOSS_CASES[case]))
+    lean = copy.deepcopy(head)
+    assert make_lean(lean) == 'loss'
+    chunked = chunkable_losses(lean) is not None
+    assert chunked == (case not in ('class_weight', 'dice'))
+    model = build_model('fcn_r18')
+    _, samples = random_batch(model, (20, 24), 3, label_block=3)
+    if case != 'class_weight':  # mmseg's class weights fail on ignored px
+        samples[0].gt_sem_seg.data[:, :5] = 255
+        samples[2].gt_sem_seg.data[:] = 255  # an image with no label
+    logits0 = torch.randn(3, 3, 5, 6, generator=torch.Generator()
+                          .manual_seed(2))
+    results = []
+    for m in (head, lean):
+        logits = logits0.clone().requires_grad_(True)
+        out = m.loss_by_feat(logits * 1.0, samples)
+        sum(v for k, v in out.items() if 'loss' in k).backward()
+        results.append((out, logits.grad))
+    (want, want_grad), (got, got_grad) = results
+    assert want.keys() == got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5,
+                               atol=1e-7 * float(want_grad.abs().max()))
+    logits = logits0.clone().requires_grad_(True)
+    assert saved_tensor_bytes(
+        lambda: lean.loss_by_feat(logits * 1.0, samples)) == \
+        logits0.numel() * 4
