@@ -34,6 +34,8 @@ PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
     (dict(num_layers=5, radius={'decode_head': 0}), 'radius must be'),
     (dict(num_layers=5, input_size=(64, )), 'input_size must be'),
     (dict(num_layers=5, train_norm='yes'), 'train_norm must be'),
+    (dict(num_layers=5, lean=1), 'lean must be True or False'),
+    (dict(num_layers=5, leen=True), r"unknown key\(s\) \['leen'\]"),
 ])
 def test_bad_settings(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -43,7 +45,8 @@ def test_bad_settings(settings, match):
 def test_defaults_filled():
     s = check_settings(dict(layers='decode_head', input_size=64))
     assert s == dict(num_layers=None, layers=['decode_head'], radius=4,
-                     mode='gf', train_norm=False, input_size=(64, 64))
+                     mode='gf', train_norm=False, lean=True,
+                     input_size=(64, 64))
 
 
 def test_rewrite_fails_early_before_building_anything():
