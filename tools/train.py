@@ -29,6 +29,7 @@ from mmengine.runner import Runner, find_latest_checkpoint
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
 from mmseg_gf.engine.cli import (add_common_args, load_config,
                                  trust_mmengine_checkpoints)
+from mmseg_gf.engine.cpu_amp import enable_amp
 from mmseg_gf.engine import rewrite_config
 from mmseg_gf.engine.config import (init_cpu_process_group,
                                     prepare_cpu_distributed)
@@ -52,7 +53,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '--amp',
         action='store_true',
         default=False,
-        help='enable automatic-mixed-precision training')
+        help='enable automatic-mixed-precision training (bfloat16 '
+        'autocast on a machine without CUDA)')
     add_common_args(parser)
     args = parser.parse_args(argv)
     if not osp.isfile(args.config):
@@ -90,17 +92,7 @@ def build_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args)
 
     if args.amp:
-        if cfg.optim_wrapper.type == 'AmpOptimWrapper':
-            print_log(
-                'AMP training is already enabled in your config.',
-                logger='current',
-                level=logging.WARNING)
-        else:
-            assert cfg.optim_wrapper.type == 'OptimWrapper', (
-                '`--amp` is only supported when the optimizer wrapper type is '
-                f'`OptimWrapper` but got {cfg.optim_wrapper.type}.')
-            cfg.optim_wrapper.type = 'AmpOptimWrapper'
-            cfg.optim_wrapper.loss_scale = 'dynamic'
+        enable_amp(cfg)
 
     resolve_resume(cfg, args.resume)
     # Distributed without CUDA: gloo and a CPU DDP wrapper.

@@ -1,9 +1,11 @@
 """Layer selection, surgery, config rewrite and GradFilterHook.
 
 Importing this package registers ``GradFilterModel`` (mmseg MODELS),
-``GradFilterHook`` and ``GradientQualityHook`` (mmseg HOOKS).
+``GradFilterHook`` and ``GradientQualityHook`` (mmseg HOOKS) and
+``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS).
 """
 from .calibration import CalibrationHook  # noqa: F401 (registers it)
+from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config
 from .hooks import GradFilterHook, format_cost_table
 from .quality_hook import GradientQualityHook
@@ -17,5 +19,5 @@ __all__ = [
     'resolve_radius', 'apply_gradient_filter', 'set_frozen_norms_eval',
     'get_gradient_filter_layers', 'build_grad_filter_model',
     'check_settings', 'rewrite_config', 'GradFilterHook', 'format_cost_table',
-    'GradientQualityHook'
+    'GradientQualityHook', 'CPUAmpOptimWrapper', 'enable_amp'
 ]

@@ -1,0 +1,39 @@
+"""``--amp`` without a GPU: CPUAmpOptimWrapper autocasts the forward to
+bfloat16; enable_amp picks it when CUDA is absent."""
+import pytest
+import torch
+from mmengine.config import Config
+from mmseg.registry import OPTIM_WRAPPERS
+
+from mmseg_gf.engine.cpu_amp import CPUAmpOptimWrapper, enable_amp
+
+
+def test_wrapper_autocasts_forward_to_bfloat16():
+    model = torch.nn.Linear(4, 3)
+    wrapper = OPTIM_WRAPPERS.build(
+        dict(type='CPUAmpOptimWrapper',
+             optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    assert isinstance(wrapper, CPUAmpOptimWrapper)
+    x = torch.randn(2, 4)
+    with wrapper.optim_context(model):
+        y = model(x)
+    assert y.dtype == torch.bfloat16
+    assert model(x).dtype == torch.float32
+    before = model.weight.detach().clone()
+    wrapper.update_params(y.float().square().mean())
+    assert not torch.equal(before, model.weight)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        CPUAmpOptimWrapper(dtype='float64', optimizer=wrapper.optimizer)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA machine')
+def test_enable_amp_without_cuda():
+    cfg = Config(dict(optim_wrapper=dict(type='OptimWrapper',
+                                         optimizer=dict(type='SGD'))))
+    enable_amp(cfg)
+    assert cfg.optim_wrapper.type == 'CPUAmpOptimWrapper'
+    enable_amp(cfg)  # already on: unchanged, with a warning
+    assert cfg.optim_wrapper.type == 'CPUAmpOptimWrapper'
+    bad = Config(dict(optim_wrapper=dict(type='ApexOptimWrapper')))
+    with pytest.raises(ValueError, match='only supported when'):
+        enable_amp(bad)
