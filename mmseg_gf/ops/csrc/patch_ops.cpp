@@ -592,7 +592,8 @@ std::atomic<int64_t>& fused_backward_calls() {
 }
 
 // The whole gradient-filter backward of a conv whose kernel collapses on
-// both axes (every tap within one patch: GF_SPEC steps 1-4), in one call.
+// both axes (every tap within one patch: steps 1-4 of
+// docs/gradient_filter.md#backward), in one call.
 //
 // The Python path does the same in ~15 ATen calls (pool, means, permuting
 // copies, GEMMs, spread); on small layers their fixed costs, not the
@@ -644,7 +645,7 @@ std::vector<torch::Tensor> collapsed_backward(
   torch::Tensor grad_input, grad_kernel, grad_bias;
   if (need_bias) grad_bias = totals.sum(0);
 
-  if (need_weight) {  // Step 3: g_W~ = g~ x~^T per group.
+  if (need_weight) {  // Step 4 (Eq. 5): g_W~ = g~ x~^T per group.
     TORCH_CHECK(input_pooled.has_value() && input_pooled->defined(),
                 "the weight gradient needs the pooled input");
     const torch::Tensor& pooled = *input_pooled;
@@ -658,7 +659,7 @@ std::vector<torch::Tensor> collapsed_backward(
                       .view({Co, ci_g, 1, 1});
   }
 
-  if (need_input) {  // Steps 2 and 4: g_x~ = W~^T g~, spread over Q(P).
+  if (need_input) {  // Steps 2 and 3 (Eq. 3): g_x~ = W~^T g~, spread over Q(P).
     const int64_t taps = weight.size(2) * weight.size(3);
     const torch::Tensor kernel =
         at::mv(weight.contiguous().view({Co * ci_g, taps}),
