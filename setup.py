@@ -24,9 +24,17 @@ def native_extension():
     # extension itself is compiled with it.
     flags = dict(extra_compile_args=['-O3', '-fopenmp'],
                  extra_link_args=['-fopenmp'])
+    csrc = 'mmseg_gf/ops/csrc/'
+    patch_ops = ('patch_kernels', 'output_recycler', 'cpu_dispatch',
+                 'collapsed_backward', 'filtered_conv_node')
     exts = [
-        CppExtension('mmseg_gf._patch_ops',
-                     ['mmseg_gf/ops/csrc/patch_ops.cpp'], **flags),
+        CppExtension(
+            'mmseg_gf._patch_ops',
+            [csrc + name + '.cpp' for name in patch_ops + ('bindings', )],
+            # The headers too: `build_ext` rebuilds only when a listed file
+            # is newer than the built module.
+            depends=[csrc + name + '.h' for name in patch_ops],
+            **flags),
         CppExtension('mmseg_gf._bit_mask',
                      ['mmseg_gf/ops/csrc/bit_mask.cpp'], **flags),
     ]

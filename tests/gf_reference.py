@@ -1,6 +1,7 @@
-"""An independent, slow, float64 implementation of GF_SPEC's formulas.
+"""An independent, slow, float64 implementation of the gradient filter's
+formulas (docs/gradient_filter.md).
 
-Written from the spec's equations with explicit loops over patches and
+Written from the equations with explicit loops over patches and
 kernel taps (no pooling, no convolution ops), so that the fast operator in
 ``mmseg_gf.ops`` is checked against the math rather than against itself.
 """
@@ -31,7 +32,7 @@ def reference_gradients(
         x: Tensor, weight: Tensor, grad_out: Tensor, stride: Tuple[int, int],
         padding: Tuple[int, int], dilation: Tuple[int, int], groups: int,
         radius: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Return ``(g_x, g_W, g_b)`` of GF_SPEC, all float64."""
+    """Return ``(g_x, g_W, g_b)`` of docs/gradient_filter.md, all float64."""
     x, weight, grad_out = x.double(), weight.double(), grad_out.double()
     n, ci, h, w = x.shape
     co, ci_g, kh, kw = weight.shape

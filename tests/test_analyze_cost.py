@@ -23,7 +23,8 @@ TOOL = osp.join(REPO, 'tools', 'analyze_cost.py')
 sys.path.insert(0, osp.join(REPO, 'tools'))
 import analyze_cost  # noqa: E402
 
-DLV3 = osp.join(REPO, 'configs', 'gf', 'deeplabv3_r18_voc_ref10.py')
+DLV3 = osp.join(REPO, 'configs', 'gf',
+                'deeplabv3_r18-d8_gf-ref10_1xb8-20k_voc12aug-512x512.py')
 PSP = osp.join(REPO, 'configs', 'gf', 'pspnet_r18_voc_r4.py')
 SHAPE = (64, 64)
 

@@ -1,4 +1,5 @@
-"""The gradient-filter operator against GF_SPEC (pure torch, no mmseg)."""
+"""The gradient-filter operator against docs/gradient_filter.md (pure torch,
+no mmseg)."""
 
 import itertools
 import math
@@ -107,7 +108,8 @@ def _patch_constant(gy, r, zero_ring=0):
                                            (5, 8)])
 def test_limit_patch_constant_grad_gives_exact_interior_input_grad(
         kernel, radius):
-    """GF_SPEC limit 1: stride 1, g_y constant on patches."""
+    """Exact limit 1 (docs/gradient_filter.md#exact-limits): stride 1, g_y
+    constant on patches."""
     half = (kernel - 1) // 2
     x, w, b, gy, s, p, d = _conv_case(1, 2, 3, 4, (4 * radius, 3 * radius),
                                       kernel, 1, 1, 1)
@@ -131,7 +133,8 @@ def test_limit_patch_constant_grad_gives_exact_interior_input_grad(
 @pytest.mark.parametrize('radius', [2, 4])
 def test_limit_patch_means_of_input_grad_and_weight_grad(
         stride, kernel, radius):
-    """GF_SPEC limits 2 and 3, any stride."""
+    """Exact limits 2 and 3 (docs/gradient_filter.md#exact-limits), any
+    stride."""
     n, cin, cout, patches = 2, 3, 4, 6
     size = patches * radius * stride
     x, w, b, gy, s, p, d = _conv_case(2, n, cin, cout, (size, size), kernel,
@@ -162,7 +165,8 @@ def test_limit_patch_means_of_input_grad_and_weight_grad(
 
 @pytest.mark.parametrize('dilation_factor', [1, 2])
 def test_dilated_limits(dilation_factor):
-    """GF_SPEC dilated path: d a multiple of r, stride 1."""
+    """Exact limit 4, the dilated path (docs/gradient_filter.md#exact-limits):
+    d a multiple of r, stride 1."""
     radius, kernel = 2, 3
     d = radius * dilation_factor
     patches = 8

@@ -135,8 +135,9 @@ def _explicit_padding(cfg):
 
 
 def _reference_module_grads(cfg, x, weight, grad_out):
-    """GF_SPEC in float64 for a module conv: pad explicitly as nn.Conv2d
-    does, apply the spec with zero padding, then back through the pad."""
+    """docs/gradient_filter.md in float64 for a module conv: pad explicitly
+    as nn.Conv2d does, apply the formulas with zero padding, then back
+    through the pad."""
     x64 = x.detach().cpu().double().requires_grad_()
     weight, grad_out = weight.detach().cpu(), grad_out.cpu()
     batched = x64 if x64.dim() == 4 else x64.unsqueeze(0)
@@ -219,8 +220,9 @@ def _check_module(cfg, device, dtype):
 def test_gfconv2d_any_valid_conv(device, cfg, dtype):
     """Every nn.Conv2d setting and input: same output as nn.Conv2d (bit for
     bit), gradients with the parameters' shapes / dtypes / devices and equal
-    to the float64 GF_SPEC reference; what nn.Conv2d refuses GFConv2d
-    refuses too; no exact-backward fallback for any real conv."""
+    to the float64 reference (tests/gf_reference.py); what nn.Conv2d
+    refuses GFConv2d refuses too; no exact-backward fallback for any real
+    conv."""
     _check_module(cfg, device, dtype)
 
 
@@ -249,8 +251,9 @@ def test_gfconv2d_named_corner_cases(case):
 
 
 def test_complex_conv_falls_back_to_exact_backward_with_a_warning():
-    """The one kind GF_SPEC does not define: complex tensors. GFConv2d runs
-    the exact backward there and says so, once per layer."""
+    """The one kind docs/gradient_filter.md does not define: complex
+    tensors. GFConv2d runs the exact backward there and says so, once per
+    layer."""
     torch.manual_seed(0)
     kwargs = dict(padding=1, dtype=torch.complex64)
     gf = GFConv2d(3, 4, 3, radius=2, **kwargs)

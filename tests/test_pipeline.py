@@ -325,25 +325,24 @@ def test_rescale_schedule_keeps_shape():
 
 
 def _concrete(path):
-    """(model, target, strategy) of a configs/{calib,gf} file."""
-    name = osp.splitext(osp.basename(path))[0]
+    """(model, target, strategy) of a configs/{calib,gf} file, from its
+    name (tests/_config_names.py); pspnet_r18_voc_r4.py is the short name
+    of pspnet_r18-d8_gf-last5-r4_1xb8-20k_voc12aug-512x512.py."""
+    from tests._config_names import parse_config_name
+    if osp.basename(path) == 'pspnet_r18_voc_r4.py':
+        return 'pspnet_r18', 'voc', 'gf_last5_r4'
+    model, target, strategy, _ = parse_config_name(path)
     kind = osp.basename(osp.dirname(path))
-    for target in ('voc', 'cityscapes'):
-        for suffix, strategy in (('', 'calib'), ('_r4', 'gf_last5_r4'),
-                                 ('_ref10', 'gf_ref10')):
-            model = name[:-len(f'_{target}{suffix}')]
-            if name.endswith(f'_{target}{suffix}') and (
-                    (kind == 'calib') == (strategy == 'calib')):
-                return model, target, strategy
-    raise AssertionError(path)
+    assert (kind == 'calib') == (strategy == 'calib'), path
+    return model, target, strategy
 
 
 def test_concrete_configs_are_base_compositions():
-    """Every configs/calib and configs/gf file (the existing
-    pspnet_r18_voc_r4.py aside) is the pipeline's composition of
-    model + dataset + runtime + strategy bases: the same ``_base_`` list
-    and glue for all, and the very same config for a sample (loading is
-    slow: mmengine resolves ``mmseg::`` bases through pkg_resources)."""
+    """Every configs/calib and configs/gf file is the pipeline's
+    composition of model + dataset + runtime + strategy bases: the same
+    ``_base_`` list and glue for all, and the very same config for a sample
+    (loading is slow: mmengine resolves ``mmseg::`` bases through
+    pkg_resources)."""
     import ast
     import glob
 
@@ -352,8 +351,9 @@ def test_concrete_configs_are_base_compositions():
     paths = sorted(
         glob.glob(osp.join(REPO, 'configs', 'calib', '*.py')) +
         glob.glob(osp.join(REPO, 'configs', 'gf', '*.py')))
-    paths = [p for p in paths if not p.endswith('pspnet_r18_voc_r4.py')]
-    assert len(paths) == 9 + 8 + 4
+    # calibration 6 models x 2 targets; GF and vanilla last 5 for the same;
+    # 4 reference layer lists; the short-named entry point.
+    assert len(paths) == 12 + 24 + 4 + 1
     base = osp.join(REPO, 'configs', '_base_')
     for path in paths:
         model, target, strategy = _concrete(path)
@@ -374,17 +374,15 @@ def test_concrete_configs_are_base_compositions():
             osp.join(base, 'default_runtime.py'),
             strategy_file(strategy, model)
         ], path
-    sample = ('calib/pspnet_mv2_cityscapes.py', 'calib/fcn_r18_voc.py',
-              'gf/upernet_r18_voc_r4.py', 'gf/deeplabv3_r18_voc_ref10.py')
+    sample = ('calib/pspnet_m-v2-d8_calib_1xb8-5k_cityscapes-512x1024.py',
+              'calib/fcn_r18-d8_calib_1xb8-1k_voc12aug-512x512.py',
+              'gf/upernet_r18_gf-last5-r4_1xb8-20k_voc12aug-512x512.py',
+              'gf/deeplabv3_r18-d8_gf-ref10_1xb8-20k_voc12aug-512x512.py',
+              'gf/pspnet_r18_voc_r4.py')
     for rel in sample:
         path = osp.join(REPO, 'configs', rel)
         want = compose_config(*_concrete(path)).to_dict()
         assert Config.fromfile(path).to_dict() == want, path
-    # The paper's Table 3 / 9 pairs all have both.
-    names = {osp.basename(p) for p in paths}
-    for model in ('upernet_r18', 'pspnet_mv2', 'deeplabv3_mv2'):
-        assert f'{model}_cityscapes.py' in names
-        assert f'{model}_cityscapes_r4.py' in names
 
 
 def _cost(model, strategy):

@@ -13,7 +13,7 @@ every conv on the inference path (GF columns then at ``--radius``).
 Examples::
 
     python tools/analyze_cost.py configs/gf/pspnet_r18_voc_r4.py
-    python tools/analyze_cost.py configs/gf/upernet_r18_voc_ref10.py \
+    python tools/analyze_cost.py configs/gf/upernet_r18_gf-ref10_1xb8-20k_voc12aug-512x512.py \
         --shape 512 1024 --batch 8 --out work_dirs/cost/upernet.json
     # measured too: autograd's saved bytes per trained conv and the peak
     # memory of one training step, GF vs vanilla on the same layers

@@ -22,8 +22,10 @@ sees during training).
 Examples::
 
     python tools/gradient_quality.py configs/gf/pspnet_r18_voc_r4.py \
-        --checkpoint work_dirs/pspnet_r18_voc/iter_1000.pth --shape 512
-    python tools/gradient_quality.py configs/gf/upernet_r18_voc_ref10.py \
+        --checkpoint \
+        work_dirs/pspnet_r18-d8_calib_1xb8-1k_voc12aug-512x512/iter_1000.pth \
+        --shape 512
+    python tools/gradient_quality.py configs/gf/upernet_r18_gf-ref10_1xb8-20k_voc12aug-512x512.py \
         --source dataset --data-root data/VOCdevkit/VOC2012 \
         --out work_dirs/quality/upernet.json
 """

@@ -59,7 +59,10 @@ test_dataloader = val_dataloader
 data_preprocessor = dict(size=crop_size)
 model = dict(data_preprocessor=data_preprocessor)
 
-optim_wrapper = dict(optimizer=dict(lr=0.1))
+# The paper's plain schedule: the base's gradient clipping and warm-up (the
+# reference implementation's, in every finetuning strategy) are dropped here
+# (clip_grad=None; param_scheduler below replaces the whole list).
+optim_wrapper = dict(optimizer=dict(lr=0.1), clip_grad=None)
 param_scheduler = [
     dict(
         type='CosineAnnealingLR',

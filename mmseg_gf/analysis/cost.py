@@ -7,11 +7,12 @@ definition. Conventions:
 * 1 multiply-accumulate = 2 FLOPs; additions of a reduction/pooling = 1 FLOP.
 * Vanilla (exact) backward of ``y = conv2d(x, W)``:
   ``g_x`` and ``g_W`` each cost ``2 * N * Co * Ho * Wo * (Ci/g) * kh * kw``.
-* Gradient filter with patch size ``r`` (GF_SPEC): on the pooled grid of
-  ``P = ceil(Ho/r) * ceil(Wo/r)`` cells, ``g_x`` and ``g_W`` each cost
-  ``2 * N * Co * (Ci/g) * P * taps``, where ``taps`` is 1 for a collapsed
-  (summed) kernel and ``kh`` / ``kw`` along an axis whose pooled dilation
-  ``d // (r*s)`` is >= 1 (dilated convs keep their taps on the pooled grid).
+* Gradient filter with patch size ``r`` (docs/gradient_filter.md): on the
+  pooled grid of ``P = ceil(Ho/r) * ceil(Wo/r)`` cells, ``g_x`` and ``g_W``
+  each cost ``2 * N * Co * (Ci/g) * P * taps``, where ``taps`` is 1 for a
+  collapsed (summed) kernel and ``kh`` / ``kw`` along an axis whose pooled
+  dilation ``d // (r*s)`` is >= 1 (dilated convs keep their taps on the
+  pooled grid).
   Shared overheads: the patch means of ``g_y`` (``N * Co * Ho * Wo`` adds)
   and, when ``g_x`` is needed or the kernel is not collapsed, the kernel tap
   sum (``Co * Ci/g * kh * kw`` adds). Broadcasting back over patches is a copy

@@ -234,7 +234,8 @@ def model_backward_cost(model: nn.Module,
             operator computes it, the kernel always summed to one tap
             (dilation ignored), instead of this plugin's operator, which
             keeps the taps of dilated convs with ``d // (r*s) >= 1`` on the
-            pooled grid (GF_SPEC). Exact (vanilla) counts are unaffected.
+            pooled grid (docs/gradient_filter.md#dilated-convolutions).
+            Exact (vanilla) counts are unaffected.
         records: a precomputed ``trace_convs(model, input_size, grad=True)``.
 
     Returns:

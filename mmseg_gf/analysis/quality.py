@@ -1,7 +1,8 @@
 """How good are filtered gradients? SNR, cosine and the DC-energy ratio.
 
 Definitions follow the paper (Section 4.1, 5.4, 5.6) as pinned down in
-GF_SPEC: ``SNR = sum t^2 / sum (t - a)^2`` (Eq. 8) and the DC energy ratio
+docs/gradient_filter.md#gradient-quality: ``SNR = sum t^2 / sum (t - a)^2``
+(Eq. 8) and the DC energy ratio
 ``Theta[0,0]^2 / max_{(u,v) != (0,0)} Theta[u,v]^2`` of each ``k x k`` kernel
 slice (Eq. 13). Proposition 1 says that the SNR of the filtered input
 gradient is at least that of the filtered output gradient when the kernel's

@@ -24,16 +24,16 @@ class GFExactBackwardWarning(UserWarning):
 def exact_backward_reason(input: Tensor, weight: Tensor) -> Optional[str]:
     """Why a conv call cannot be gradient-filtered, or None if it can.
 
-    The only kind of convolution ``nn.Conv2d`` runs that GF_SPEC does not
-    define is a complex-valued one (the spec's patch means, tap sums and
-    products are written for real tensors; the operator's pooling has no
-    complex kernels). Every real conv, whatever its kernel, stride, padding
-    (numbers, ``'same'``, ``'valid'``, any ``padding_mode``), dilation,
-    groups, size or dtype, is covered.
+    The only kind of convolution ``nn.Conv2d`` runs that
+    docs/gradient_filter.md does not define is a complex-valued one (its
+    patch means, tap sums and products are written for real tensors; the
+    operator's pooling has no complex kernels). Every real conv, whatever
+    its kernel, stride, padding (numbers, ``'same'``, ``'valid'``, any
+    ``padding_mode``), dilation, groups, size or dtype, is covered.
     """
     if input.is_complex() or weight.is_complex():
-        return ('complex-valued tensors (GF_SPEC defines the gradient filter '
-                'for real-valued convolutions only)')
+        return ('complex-valued tensors (docs/gradient_filter.md defines the '
+                'gradient filter for real-valued convolutions only)')
     return None
 
 

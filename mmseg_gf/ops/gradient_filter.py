@@ -1,9 +1,9 @@
 """Gradient-filtered 2-D convolution: exact forward, filtered backward.
 
-This module is the single implementation of the math in ``GF_SPEC.md``
-(Yang, Li, Marculescu, CVPR 2023, Eq. 2, 3, 5 and Supplement A.5-A.6). It is
-pure PyTorch (no mmseg / mmcv import) so any PyTorch user can call
-:func:`gradient_filtered_conv2d` directly.
+This module is the single implementation of the math in
+``docs/gradient_filter.md`` (Yang, Li, Marculescu, CVPR 2023, Eq. 2, 3, 5
+and Supplement A.5-A.6). It is pure PyTorch (no mmseg / mmcv import) so
+any PyTorch user can call :func:`gradient_filtered_conv2d` directly.
 
 The idea in one paragraph: cut the output gradient ``g_y`` into ``r x r``
 patches and replace every patch by its mean. A patch-constant ``g_y`` makes the
@@ -57,7 +57,8 @@ def check_radius(radius) -> int:
 
 @dataclass(frozen=True)
 class AxisGeometry:
-    """Where the patches lie along one spatial axis (GF_SPEC "Notation").
+    """Where the patches lie along one spatial axis
+    (docs/gradient_filter.md#patch-geometry).
 
     Attributes:
         num_patches: ``ceil(out_size / r)`` patches along the axis.
@@ -145,7 +146,8 @@ def _fit_to_patches(t: Tensor, geo_h: AxisGeometry,
 
 def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
                        geo_w: AxisGeometry) -> Tensor:
-    """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x`` (GF_SPEC "Forward").
+    """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x``
+    (docs/gradient_filter.md#forward).
 
     Returns a ``N x Ci x ceil(Ho/r) x ceil(Wo/r)`` tensor in ``x``'s dtype
     (pooling accumulates in float32 for reduced-precision inputs). The
@@ -200,9 +202,10 @@ def pooled_kernel(weight: Tensor, geo_h: AxisGeometry,
     """The kernel as seen on the pooled grid: summed over collapsed axes.
 
     Both axes collapsed gives ``W~[co, ci] = sum_{u,v} W[co, ci, u, v]``
-    (GF_SPEC step 2) as a ``1 x 1`` kernel, computed as a matrix-vector
-    product: a reduction over the short contiguous tap axis vectorises
-    poorly, and for 512x512 kernels this read dominates small layers.
+    (docs/gradient_filter.md#backward, step 2) as a ``1 x 1`` kernel,
+    computed as a matrix-vector product: a reduction over the short
+    contiguous tap axis vectorises poorly, and for 512x512 kernels this read
+    dominates small layers.
     """
     if geo_h.collapsed and geo_w.collapsed:
         co, ci_g, kh, kw = weight.shape
@@ -446,7 +449,8 @@ def _fusable(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
 
 def _fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
                     weight: Tensor):
-    """Steps 1-4 of GF_SPEC in one compiled call (see ``native``)."""
+    """Steps 1-4 of docs/gradient_filter.md#backward in one compiled call
+    (see ``native``)."""
     geo_h, geo_w = ctx.geometry
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     return native.collapsed_backward(
@@ -457,14 +461,15 @@ def _fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
 
 def _stepwise_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
                        weight: Tensor):
-    """Steps 1-4 of GF_SPEC as PyTorch ops: every device, dtype and conv
-    kind (dilated kernels included). Returns ``(g_x, g_W~, g_b)``."""
+    """Steps 1-4 of docs/gradient_filter.md#backward as PyTorch ops: every
+    device, dtype and conv kind (dilated kernels included). Returns
+    ``(g_x, g_W~, g_b)``."""
     geo_h, geo_w = ctx.geometry
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     acc_dtype = torch.promote_types(weight.dtype, torch.float32)
     with _autocast_off(grad_output.device.type):
         # 1/s^2 keeps the filtered gradients unbiased for strided convs
-        # (GF_SPEC "Normalisation").
+        # (docs/gradient_filter.md#stride-normalisation).
         sums, means = filter_output_grad(grad_output, geo_h, geo_w,
                                          acc_dtype, 1.0 / ctx.stride_area)
         # For the weight gradient alone only the kernel's shape matters:

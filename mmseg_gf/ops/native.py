@@ -1,8 +1,8 @@
 """Optional compiled CPU kernels: the two full-size passes, and the whole
 backward of the usual (non-dilated) conv in one call.
 
-``setup.py`` builds ``mmseg_gf._patch_ops`` from ``csrc/patch_ops.cpp`` when
-torch is importable at install time. Without it (or with
+``setup.py`` builds ``mmseg_gf._patch_ops`` from the sources in ``csrc/``
+when torch is importable at install time. Without it (or with
 ``MMSEG_GF_NATIVE=0`` in the environment) everything runs on the
 pure-PyTorch path, which computes the same numbers; the kernels only make
 the patch sums of ``g_y`` / ``x``, the spread of ``g_x`` and (fused) the
@@ -11,7 +11,7 @@ small-layer backward faster on CPU.
 Outputs of 128 KiB or more (``g_x``, patch grids) are recycled: when such
 a tensor dies its memory goes back to a small pool and the next output of
 the same byte size reuses it, so a training step does not pay the page
-faults of fresh memory again (see ``OutputRecycler`` in the C++ source).
+faults of fresh memory again (see ``csrc/output_recycler.cpp``).
 The pool holds at most ``MMSEG_GF_RECYCLE_MB`` MiB (default 256, ``0``
 turns it off); :func:`release_recycled` empties it.
 
@@ -121,7 +121,7 @@ def onednn_products_preferred() -> bool:
     """Whether this CPU was measured to run the fused backward's large
     float32 products faster as oneDNN convolutions than as MKL GEMMs: AMD
     CPUs with full-width AVX-512 (Zen 5 and later), which MKL does not use
-    (see ``grouped_matmul`` in the C++ source). The default setting."""
+    (see ``csrc/cpu_dispatch.cpp``). The default setting."""
     return _kernels.onednn_products_preferred()
 
 

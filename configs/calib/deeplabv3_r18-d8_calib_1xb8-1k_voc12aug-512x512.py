@@ -1,0 +1,14 @@
+# Calibration of DeepLabV3-R18 on VOC12Aug (the "Calibration" rows of Tables
+# 3 / 9): the classifier and the BN statistics, 1000 iterations, from a
+# Cityscapes- or ADE20K-trained model:
+#   python tools/train.py configs/calib/deeplabv3_r18-d8_calib_1xb8-1k_voc12aug-512x512.py \
+#       --cfg-options load_from=<source checkpoint>
+_base_ = [
+    '../_base_/models/deeplabv3_r18-d8.py',
+    '../_base_/datasets/voc12aug.py',
+    '../_base_/default_runtime.py',
+    '../_base_/strategies/calibrate.py'
+]
+model = dict(
+    data_preprocessor=dict(size=_base_.crop_size),
+    decode_head=dict(num_classes=_base_.num_classes))

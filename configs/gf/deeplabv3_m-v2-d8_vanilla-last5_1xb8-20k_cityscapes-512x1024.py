@@ -1,0 +1,15 @@
+# DeepLabV3-MobileNetV2 finetuned on Cityscapes, "Vanilla BP, 5": the last 5
+# convs in execution order trained with the exact backward (the classifier
+# too, everything else frozen), from the calibrated model
+# (configs/calib/deeplabv3_m-v2-d8_calib_1xb8-5k_cityscapes-512x1024.py):
+#   python tools/train.py configs/gf/deeplabv3_m-v2-d8_vanilla-last5_1xb8-20k_cityscapes-512x1024.py \
+#       --cfg-options load_from=<calibrated checkpoint>
+_base_ = [
+    '../_base_/models/deeplabv3_m-v2-d8.py',
+    '../_base_/datasets/cityscapes.py',
+    '../_base_/default_runtime.py',
+    '../_base_/strategies/vanilla_last5.py'
+]
+model = dict(
+    data_preprocessor=dict(size=_base_.crop_size),
+    decode_head=dict(num_classes=_base_.num_classes))

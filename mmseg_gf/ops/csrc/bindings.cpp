@@ -1,0 +1,42 @@
+// Python bindings of the CPU kernels: the extension module
+// mmseg_gf._patch_ops, wrapped by mmseg_gf/ops/native.py.
+//
+// What the other files hold, from the bottom up: patch_kernels (the two
+// passes over full-size tensors: pooling and spreading), output_recycler
+// (memory of large outputs kept from one step for the next), cpu_dispatch
+// (MKL or oneDNN for the fused backward's products), collapsed_backward
+// (the whole backward of the usual conv in one call) and
+// filtered_conv_node (that conv as a C++ autograd node).
+
+#include <torch/extension.h>
+
+#include "collapsed_backward.h"
+#include "cpu_dispatch.h"
+#include "filtered_conv_node.h"
+#include "output_recycler.h"
+#include "patch_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace gf = mmseg_gf;
+  m.def("patch_sums", &gf::patch_sums, "sums over patches of an NCHW tensor");
+  m.def("spread", &gf::spread, "broadcast a patch grid over an NCHW map");
+  m.def("recycle_limit", &gf::set_recycle_limit,
+        "set the byte limit of the output pool; returns the previous one");
+  m.def("recycled_bytes", &gf::recycled_bytes,
+        "bytes of freed outputs kept for reuse");
+  m.def("release_recycled", &gf::release_recycled,
+        "free every kept output block");
+  m.def("set_onednn_products", &gf::set_onednn_products,
+        "let large float32 products run on oneDNN; returns the previous "
+        "setting");
+  m.def("onednn_products_preferred", &gf::amd_cpu_with_full_width_avx512,
+        "whether this CPU runs them on oneDNN by default (AMD with "
+        "full-width AVX-512)");
+  m.def("filtered_conv2d", &gf::filtered_conv2d,
+        "conv2d whose backward is the fused gradient filter (C++ autograd "
+        "node)");
+  m.def("fused_backward_calls", &gf::fused_backward_calls,
+        "how many backward calls took the fused compiled path");
+  m.def("collapsed_backward", &gf::collapsed_backward,
+        "fused gradient-filter backward for kernels collapsed on both axes");
+}

@@ -1,0 +1,24 @@
+// CPU dispatch of the fused backward's two products: MKL's batched GEMM, or
+// oneDNN's 1x1 convolution on CPUs where that runs faster. See
+// cpu_dispatch.cpp for the rule and the reason.
+
+#pragma once
+
+#include <torch/all.h>
+
+namespace mmseg_gf {
+
+// Whether this is an AMD CPU that executes AVX-512 at full width (Zen 5,
+// family 1Ah, and later): the CPUs where large float32 products take the
+// oneDNN route by default.
+bool amd_cpu_with_full_width_avx512();
+
+// Lets large float32 products take the oneDNN route (true) or keeps them on
+// MKL (false); returns the previous setting.
+bool set_onednn_products(bool enabled);
+
+// out[g] = a[g] b[g] per group, for groups x M x K and groups x K x S
+// operands of any strides; out is groups x M x S, contiguous.
+torch::Tensor grouped_matmul(const torch::Tensor& a, const torch::Tensor& b);
+
+}  // namespace mmseg_gf
