@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         result = benchmark_model(
             name, args.rows, args.dataset, args.crop, args.batch,
             args.repeats, args.warmup,
-            progress=lambda row, name=name: print(f'[{name}] {row}',
+            progress=lambda msg, name=name: print(f'[{name}] {msg}',
                                                   flush=True))
         result['cpu'] = platform.processor() or platform.machine()
         results.append(result)

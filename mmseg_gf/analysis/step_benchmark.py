@@ -13,7 +13,9 @@ one process:
   autograd keeps for backward (:func:`~.memory.saved_tensor_bytes`) and, for
   lean rows, their analytic count (:mod:`.step_memory`).
 
-Ratios are taken within the run: each row against inference, and each
+Timed runs go round robin over the rows, so ratios hold under a changing
+machine load. Ratios are taken within the run: each row against inference,
+and each
 filtered row's saved bytes against the same layers trained with
 ``mode='vanilla', lean=False`` (the paper's 1/r^2 claim, end to end).
 """
@@ -50,37 +52,18 @@ def parse_row(row: str):
     return strategy, variant != 'plain'
 
 
-def _median_times(run, repeats: int, warmup: int) -> Dict[str, float]:
-    times: Dict[str, List[float]] = {}
-    for i in range(warmup + repeats):
-        parts = run()
-        if i >= warmup:
-            for k, v in parts.items():
-                times.setdefault(k, []).append(v)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _inference_row(model, inputs, samples, repeats, warmup):
+def _predict_fn(model, inputs, samples):
     model.eval()
 
     def predict():
         with torch.no_grad():
             model.predict(inputs, samples)
+        return {}
 
-    def run():
-        t0 = time.perf_counter()
-        predict()
-        return {'forward': time.perf_counter() - t0}
-
-    row = _median_times(run, repeats, warmup)
-    row.update(step=row['forward'], backward=0.0,
-               peak_bytes=profiled_peak_bytes(predict), saved_bytes=0,
-               trainable_params=0)
-    return row
+    return predict
 
 
-def _strategy_row(model, inputs, samples, crop, batch, repeats, warmup,
-                  lean):
+def _step_fn(model, inputs, samples):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4)
 
@@ -92,20 +75,18 @@ def _strategy_row(model, inputs, samples, crop, batch, repeats, warmup,
         loss.backward()
         t2 = time.perf_counter()
         opt.step()
-        t3 = time.perf_counter()
-        return {'forward': t1 - t0, 'backward': t2 - t1, 'step': t3 - t0}
+        return {'forward': t1 - t0, 'backward': t2 - t1}
 
-    row = _median_times(step, repeats, warmup)
-    row['peak_bytes'] = profiled_peak_bytes(step)
-    row['saved_bytes'] = saved_tensor_bytes(
-        lambda: training_loss(model, inputs, samples))
-    row['trainable_params'] = sum(p.numel() for p in params)
-    if lean:
-        counted = trace_step_saved_bytes(model, crop)
-        row['analytic_saved_bytes'] = counted.total(batch)
-        row['analytic_by_category'] = counted.by_category(batch)
-        row['unmodelled'] = counted.unmodelled
-    return row
+    return step
+
+
+def _timed(run) -> Dict[str, float]:
+    t0 = time.perf_counter()
+    parts = run()
+    total = time.perf_counter() - t0
+    if not parts:  # inference: everything is forward
+        return {'forward': total, 'backward': 0.0, 'step': total}
+    return dict(parts, step=total)
 
 
 def benchmark_model(model_name: str,
@@ -118,6 +99,11 @@ def benchmark_model(model_name: str,
                     progress=None) -> Dict:
     """Measure ``rows`` of one protocol model (see the module docstring).
 
+    Every row's segmentor is built first; the timed runs then go round
+    robin (each repeat runs every row once), so that a change of machine
+    load during the run affects all rows alike and their ratios stay
+    comparable. Peak and saved bytes are measured per row afterwards.
+
     Args:
         model_name: a key of :data:`mmseg_gf.pipeline.MODELS`.
         rows: ``'inference'`` and strategy names, optionally suffixed
@@ -126,7 +112,7 @@ def benchmark_model(model_name: str,
         crop, batch: the batch's image size and images per step.
         repeats, warmup: timed and untimed runs per row (timings are
             medians).
-        progress: called with each row's name before it is measured.
+        progress: called with a short message before each phase.
 
     Returns:
         dict with ``model``, ``crop``, ``batch``, ``threads``, ``torch`` and
@@ -135,11 +121,11 @@ def benchmark_model(model_name: str,
     from ..pipeline import compose_config
     from ..pipeline.experiments import set_data
     crop = tuple(int(v) for v in crop)
-    measured = []
+    say = progress or (lambda message: None)
+    built = []
     for name in rows:
         strategy, lean = parse_row(name)
-        if progress is not None:
-            progress(name)
+        say(f'build {name}')
         cfg = compose_config(model_name, dataset,
                              'vanilla_all' if lean is None else strategy)
         set_data(cfg, crop=crop)
@@ -148,14 +134,37 @@ def benchmark_model(model_name: str,
         torch.manual_seed(0)
         model = build_segmentor(cfg)
         inputs, samples = random_batch(model, crop, batch, label_block=16)
+        run = (_predict_fn if lean is None else _step_fn)(model, inputs,
+                                                           samples)
+        built.append((name, strategy, lean, model, inputs, samples, run))
+    times: List[Dict[str, List[float]]] = [{} for _ in built]
+    for i in range(warmup + repeats):
+        say(f'{"warm-up" if i < warmup else "timed"} round {i + 1}')
+        for k, (*_, run) in enumerate(built):
+            parts = _timed(run)
+            if i >= warmup:
+                for key, v in parts.items():
+                    times[k].setdefault(key, []).append(v)
+    measured = []
+    for k, (name, strategy, lean, model, inputs, samples, run) in \
+            enumerate(built):
+        say(f'memory {name}')
+        row = {key: statistics.median(v) for key, v in times[k].items()}
+        row.update(row=name, strategy=strategy, lean=lean,
+                   peak_bytes=profiled_peak_bytes(run))
         if lean is None:
-            row = _inference_row(model, inputs, samples, repeats, warmup)
+            row.update(saved_bytes=0, trainable_params=0)
         else:
-            row = _strategy_row(model, inputs, samples, crop, batch, repeats,
-                                warmup, lean)
-        row.update(row=name, strategy=strategy, lean=lean)
+            row['saved_bytes'] = saved_tensor_bytes(
+                lambda: training_loss(model, inputs, samples))
+            row['trainable_params'] = sum(
+                p.numel() for p in model.parameters() if p.requires_grad)
+        if lean:
+            counted = trace_step_saved_bytes(model, crop)
+            row['analytic_saved_bytes'] = counted.total(batch)
+            row['analytic_by_category'] = counted.by_category(batch)
+            row['unmodelled'] = counted.unmodelled
         measured.append(row)
-        del model
     _add_ratios(measured)
     return dict(model=model_name, crop=list(crop), batch=int(batch),
                 threads=torch.get_num_threads(), torch=torch.__version__,
