@@ -14,7 +14,8 @@ filtered conv is :class:`TritonFilteredConv2d`:
 Both Triton parts are registered torch custom ops (``torch.library``) with
 fake implementations, so ``torch.compile`` traces through them and CUDA
 graphs (``mode='reduce-overhead'``) capture them: nothing in them syncs
-with the host or depends on tensor values. In eager mode the backward runs
+with the host or depends on tensor values. (In eager mode the Function
+calls their implementations directly.) In eager mode the backward runs
 a few lines of Python (the Function, the op, the Triton launchers); Triton
 offers no launch from C++.
 
@@ -115,8 +116,7 @@ def _no_autocast(t: Tensor):
     return contextlib.nullcontext()
 
 
-@torch.library.custom_op('mmseg_gf::triton_patch_sums', mutates_args=())
-def patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
+def _patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
                col_start: int, col_size: int, col_count: int) -> Tensor:
     """``x~``, the forward's patch sums of ``x`` over the input patches
     ``Q(P)``: a contiguous ``Ci x N x ph x pw`` tensor in ``x``'s dtype
@@ -124,6 +124,10 @@ def patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
     with _on_device(x):
         return _kernels().patch_sums(x, (row_start, row_size, row_count),
                                      (col_start, col_size, col_count))
+
+
+patch_sums = torch.library.custom_op('mmseg_gf::triton_patch_sums',
+                                    _patch_sums, mutates_args=())
 
 
 @patch_sums.register_fake
@@ -137,9 +141,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0, ))
 
 
-@torch.library.custom_op('mmseg_gf::triton_collapsed_backward',
-                         mutates_args=())
-def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
+def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                        weight: Tensor, groups: int, scale: float,
                        input_height: int, input_width: int, rows: List[int],
                        cols: List[int], radius: int,
@@ -197,6 +199,11 @@ def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
     return grad_x, grad_w, grad_b
 
 
+collapsed_backward = torch.library.custom_op(
+    'mmseg_gf::triton_collapsed_backward', _collapsed_backward,
+    mutates_args=())
+
+
 @collapsed_backward.register_fake
 def _(grad_output, input_pooled, weight, groups, scale, input_height,
       input_width, rows, cols, radius, input_dtype, need_input, need_weight,
@@ -216,6 +223,15 @@ def _(grad_output, input_pooled, weight, groups, scale, input_height,
     return grad_x, grad_w, grad_b
 
 
+def _call(op, impl, *args):
+    """Under ``torch.compile`` the registered op, which the compiler traces
+    with its fake implementation; in eager mode the implementation itself,
+    without the dispatcher's round trip back into Python."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return impl(*args)
+
+
 class TritonFilteredConv2d(torch.autograd.Function):
     """``F.conv2d`` forward, the filtered backward as one call of
     :func:`collapsed_backward` (the Triton counterpart of
@@ -228,7 +244,7 @@ class TritonFilteredConv2d(torch.autograd.Function):
                 rows: Patches, cols: Patches) -> Tensor:
         out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         # Never save x: only its patch sums, and only if g_W will be needed.
-        pooled = (torch.ops.mmseg_gf.triton_patch_sums(x, *rows, *cols)
+        pooled = (_call(patch_sums, _patch_sums, x, *rows, *cols)
                   if ctx.needs_input_grad[1] else None)
         ctx.save_for_backward(pooled, weight)
         ctx.conv = (groups, 1.0 / (stride[0] * stride[1]), x.shape[2],
@@ -242,9 +258,10 @@ class TritonFilteredConv2d(torch.autograd.Function):
         pooled, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         groups, scale, height, width, rows, cols, radius, x_dtype = ctx.conv
-        grad_x, grad_w, grad_b = torch.ops.mmseg_gf.triton_collapsed_backward(
-            grad_output, pooled, weight, groups, scale, height, width,
-            list(rows), list(cols), radius, x_dtype, need_x, need_w, need_b)
+        grad_x, grad_w, grad_b = _call(
+            collapsed_backward, _collapsed_backward, grad_output, pooled,
+            weight, groups, scale, height, width, list(rows), list(cols),
+            radius, x_dtype, need_x, need_w, need_b)
         return (grad_x if need_x else None,
                 grad_w.reshape(*weight.shape[:2], 1, 1).expand_as(weight).to(
                     weight.dtype) if need_w else None,
