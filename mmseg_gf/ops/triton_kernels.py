@@ -30,9 +30,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# Kernels decorated under TRITON_INTERPRET=1 run on CPU tensors, in numpy.
-INTERPRETED = bool(triton.knobs.runtime.interpret)
-
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
 # Elements per program tile. Heuristics, not tuned on a GPU: large enough
