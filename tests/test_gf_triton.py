@@ -84,6 +84,66 @@ def test_cuda_graphs_reduce_overhead_gives_eager_gradients():
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
 
 
+# (kernel, pointer dtypes, constexprs besides the tile sizes, geometry):
+# the forward's x sums (bfloat16, r = 4, stride 2), g_y means with the bias
+# partial sums (float16 g_y, r = 2 on a 160-wide map), float64 at r = 1, and
+# the spread from a float32 grid into bfloat16 / float64 maps.
+SPECIALIZATIONS = {
+    'x_sums_bf16': ('_patch_reduce', dict(src='bf16', dst='bf16',
+                                          partial='bf16'),
+                    dict(MEAN=False, PARTIAL=False, ACC='fp32'),
+                    ((-1, 8, 15), (-1, 8, 20))),
+    'gy_means_fp16': ('_patch_reduce', dict(src='fp16', dst='fp32',
+                                            partial='fp32'),
+                      dict(MEAN=True, PARTIAL=True, ACC='fp32'),
+                      ((0, 2, 60), (0, 2, 80))),
+    'gy_means_fp64_r1': ('_patch_reduce', dict(src='fp64', dst='fp64',
+                                               partial='fp64'),
+                         dict(MEAN=True, PARTIAL=True, ACC='fp64'),
+                         ((0, 1, 14), (0, 1, 14))),
+    'spread_bf16': ('_spread', dict(grid='fp32', out='bf16'), {}, (120, 160)),
+    'spread_fp64': ('_spread', dict(grid='fp64', out='fp64'), {}, (14, 14)),
+}
+
+
+@TRITON
+@pytest.mark.parametrize('spec', list(SPECIALIZATIONS.values()),
+                         ids=list(SPECIALIZATIONS))
+def test_kernels_compile_for_h100(spec):
+    """Triton compiles the kernels down to an sm_90 cubin without a GPU
+    (its own LLVM and ptxas): what the interpreter cannot see (types of
+    loop-carried values, layouts of the 3-D reductions, one-element
+    ranges) fails here, on every machine with triton."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mmseg_gf.ops import triton_kernels
+    name, pointers, flags, geometry = spec
+    kernel = getattr(triton_kernels, name)
+    meta = (triton_kernels.reduce_meta(*geometry) if name == '_patch_reduce'
+            else triton_kernels.spread_meta(*geometry))
+    constexprs = dict(flags, **meta)
+    if 'ACC' in constexprs:
+        constexprs['ACC'] = getattr(tl, {'fp32': 'float32',
+                                         'fp64': 'float64'}[flags['ACC']])
+    signature = {
+        arg: ('constexpr' if arg in constexprs else
+              '*' + pointers[arg] if arg in pointers else
+              'fp32' if arg == 'scale' else 'i32')
+        for arg in kernel.arg_names
+    }
+    source = ASTSource(kernel, signature, {
+        (kernel.arg_names.index(arg), ): value
+        for arg, value in constexprs.items()
+    })
+    compiled = triton.compile(source, target=GPUTarget('cuda', 90, 32),
+                              options=triton_kernels.LAUNCH_OPTIONS)
+    assert len(compiled.asm['cubin']) > 0
+    assert f'.entry {name}(' in compiled.asm['ptx']
+
+
 def test_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):
     """``set_enabled`` overrides ``MMSEG_GF_TRITON``; CPU tensors never take
     the Triton path unless the interpreter was on at import."""

@@ -122,20 +122,37 @@ def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
-            rows: Patches, cols: Patches, scale: float, mean: bool,
-            acc: torch.dtype):
-    n, c, height, width = src.shape
+# Rounding as written, no fused multiply-adds (also what triton 3.10 will
+# default to; saying so silences 3.9's warning about the change).
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
+
+
+def reduce_meta(rows: Patches, cols: Patches) -> dict:
+    """Tile sizes of :func:`_patch_reduce` for these patches."""
     row_size = triton.next_power_of_2(rows[1])
     col_size = triton.next_power_of_2(cols[1])
     block_p = max(1, min(triton.next_power_of_2(cols[2]),
                          _REDUCE_TILE // (row_size * col_size)))
+    return dict(ROW_SIZE=row_size, COL_SIZE=col_size, BLOCK_P=block_p)
+
+
+def spread_meta(height: int, width: int) -> dict:
+    """Tile sizes of :func:`_spread` for a ``height x width`` map."""
+    block_w = min(triton.next_power_of_2(width), 128)
+    block_h = max(1, min(triton.next_power_of_2(height),
+                         _SPREAD_TILE // block_w))
+    return dict(BLOCK_H=block_h, BLOCK_W=block_w)
+
+
+def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
+            rows: Patches, cols: Patches, scale: float, mean: bool,
+            acc: torch.dtype):
+    n, c, height, width = src.shape
     _patch_reduce[(n * c * rows[2], )](
         src, dst_nchw, dst_nchw if partial is None else partial, c, height,
         width, *src.stride(), *dst_nchw.stride(), *rows, *cols, scale,
         MEAN=mean, PARTIAL=partial is not None, ACC=_acc(acc),
-        ROW_SIZE=row_size, COL_SIZE=col_size,
-        BLOCK_P=block_p)
+        **reduce_meta(rows, cols), **LAUNCH_OPTIONS)
 
 
 def patch_sums(x: Tensor, rows: Patches, cols: Patches) -> Tensor:
@@ -169,11 +186,9 @@ def spread(grid_nchw: Tensor, out: Tensor, rows: Patches,
     """Write every pixel of ``out`` (``N x C x H x W``) from the value of
     its patch in ``grid_nchw`` (any strides); 0 outside every patch."""
     n, c, height, width = out.shape
-    block_w = min(triton.next_power_of_2(width), 128)
-    block_h = max(1, min(triton.next_power_of_2(height),
-                         _SPREAD_TILE // block_w))
-    launch = (n * c, triton.cdiv(height, block_h), triton.cdiv(width, block_w))
+    meta = spread_meta(height, width)
+    launch = (n * c, triton.cdiv(height, meta['BLOCK_H']),
+              triton.cdiv(width, meta['BLOCK_W']))
     _spread[launch](grid_nchw, out, c, height, width, *grid_nchw.stride(),
-                    *out.stride(), *rows, *cols, BLOCK_H=block_h,
-                    BLOCK_W=block_w)
+                    *out.stride(), *rows, *cols, **meta, **LAUNCH_OPTIONS)
     return out
