@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from mmseg_gf.analysis.layer_benchmark import summarize, time_layer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,15 +25,27 @@ def test_time_layer_measures_both_cases_and_saved_bytes():
     assert summary['with_gx/r=4']['max_saved_ratio'] == 1 / 16
 
 
+def test_time_layer_bfloat16_and_io_floor():
+    rows = time_layer(4, 4, 8, 8, radii=(2, ), batch=1, repeats=1, warmup=0,
+                      dtype=torch.bfloat16)
+    assert [(r.case, r.dtype) for r in rows] == [('with_gx', 'bfloat16'),
+                                                 ('weight_only', 'bfloat16')]
+    for row in rows:
+        assert row.io_floor > 0 and row.grad_clone > 0
+        assert row.vanilla_saved_bytes == 4 * 8 * 8 * 2  # bfloat16 x
+
+
 def test_cli_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / 'bench'
     subprocess.run(
         [sys.executable, 'tools/benchmark_layers.py', '--layers', '6',
          '--batch', '1', '--repeats', '1', '--warmup', '0', '--radii', '4',
-         '--devices', 'cpu', '--out-dir', str(out)],
+         '--device', 'cpu', '--dtype', 'float32', '--out-dir', str(out)],
         cwd=ROOT, check=True, capture_output=True, timeout=300)
     data = json.loads((out / 'layers.json').read_text())
     assert len(data['rows']) == 2  # with_gx and weight_only at r=4
     assert data['rows'][0]['layer'] == '64x64@56x56'
+    assert data['meta']['dtype'] == 'float32'
+    assert data['rows'][0]['backward_over_io_floor'] > 0
     assert '| 64x64@56x56 |' in (out / 'layers.md').read_text()
     assert (out / 'layers.png').stat().st_size > 1000

@@ -7,7 +7,14 @@ Example::
 
 Writes ``layers.json``, ``layers.md`` and ``layers.png`` (speedup per layer)
 and prints the table and the medians over layers. CUDA is measured too when
-a CUDA GPU is present (``--devices cpu cuda``).
+a CUDA GPU is present (``--devices cpu cuda``; ``--device cuda`` for CUDA
+alone). On CUDA, cuDNN picks its fastest algorithms for vanilla
+(``torch.backends.cudnn.benchmark``, on unless ``--no-cudnn-benchmark``)
+and the filtered conv takes the Triton kernels where triton is installed
+(``--no-triton``: the step-by-step PyTorch route, for comparison)::
+
+    python tools/benchmark_layers.py --device cuda --dtype bfloat16 \
+        --out-dir work_dirs/benchmarks/layers_cuda_bf16
 """
 import argparse
 import json
@@ -18,6 +25,10 @@ import torch
 
 from mmseg_gf.analysis.layer_benchmark import (PAPER_LAYERS, markdown_table,
                                                summarize, time_layer)
+from mmseg_gf.ops import triton_path
+
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
+          'float16': torch.float16}
 
 
 def parse_args():
@@ -30,8 +41,17 @@ def parse_args():
         '--layers', type=int, nargs='+', default=None,
         help='indices into the paper\'s Table 10 layers (default: all 7)')
     parser.add_argument(
-        '--devices', nargs='+', default=None,
+        '--devices', '--device', nargs='+', default=None,
         help='default: cpu, plus cuda when available')
+    parser.add_argument(
+        '--dtype', choices=sorted(DTYPES), default='float32',
+        help='dtype of input, weight and output gradient (both convs)')
+    parser.add_argument(
+        '--cudnn-benchmark', action=argparse.BooleanOptionalAction,
+        default=True, help='torch.backends.cudnn.benchmark (CUDA only)')
+    parser.add_argument(
+        '--no-triton', action='store_true',
+        help='filtered conv on CUDA without the Triton kernels')
     parser.add_argument('--threads', type=int, default=None,
                         help='torch CPU threads (default: torch\'s choice)')
     parser.add_argument('--out-dir', default='work_dirs/benchmarks/layers')
@@ -65,6 +85,9 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    if args.no_triton:
+        triton_path.set_enabled(False)
     devices = args.devices or (['cpu', 'cuda']
                                if torch.cuda.is_available() else ['cpu'])
     layers = [PAPER_LAYERS[i] for i in (args.layers or range(len(PAPER_LAYERS)))]
@@ -73,13 +96,19 @@ def main():
         for cin, cout, h, w in layers:
             print(f'[{device}] {cin}x{cout}@{h}x{w} ...', flush=True)
             rows += time_layer(cin, cout, h, w, args.radii, args.batch,
-                               args.repeats, args.warmup, device)
+                               args.repeats, args.warmup, device,
+                               DTYPES[args.dtype])
     os.makedirs(args.out_dir, exist_ok=True)
     table = markdown_table(rows)
     summary = {dev: summarize([r for r in rows if r.device.startswith(dev)])
                for dev in devices}
     meta = dict(batch=args.batch, threads=torch.get_num_threads(),
-                torch=torch.__version__, repeats=args.repeats)
+                torch=torch.__version__, repeats=args.repeats,
+                dtype=args.dtype)
+    if 'cuda' in devices:
+        meta.update(gpu=torch.cuda.get_device_name(),
+                    cudnn_benchmark=args.cudnn_benchmark,
+                    triton_kernels=triton_path.enabled())
     with open(osp.join(args.out_dir, 'layers.json'), 'w') as f:
         json.dump(dict(meta=meta, summary=summary,
                        rows=[r.as_dict() for r in rows]), f, indent=2)

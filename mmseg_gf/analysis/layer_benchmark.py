@@ -36,6 +36,7 @@ class LayerTiming:
     vanilla_backward: float
     gf_backward: float
     grad_clone: float  # memory floor: one copy of g_y
+    io_floor: float  # one read of g_y (+ one write of a g_x with_gx)
     vanilla_saved_bytes: int
     gf_saved_bytes: int
 
@@ -56,12 +57,17 @@ class LayerTiming:
     def backward_over_floor(self) -> float:
         return self.gf_backward / self.grad_clone
 
+    @property
+    def backward_over_io_floor(self) -> float:
+        return self.gf_backward / self.io_floor
+
     def as_dict(self) -> Dict:
         row = asdict(self)
         row.update(backward_speedup=self.backward_speedup,
                    step_speedup=self.step_speedup,
                    forward_overhead=self.forward_overhead,
                    backward_over_floor=self.backward_over_floor,
+                   backward_over_io_floor=self.backward_over_io_floor,
                    saved_ratio=self.gf_saved_bytes / self.vanilla_saved_bytes)
         return row
 
@@ -94,6 +100,18 @@ def _saved_bytes(forward: Callable[[], torch.Tensor]) -> int:
     return total
 
 
+def _io_floor(grad_out: torch.Tensor, grad_in: torch.Tensor,
+              with_gx: bool) -> Callable[[], object]:
+    """The least memory traffic any filtered backward needs: read ``g_y``
+    once and, when the input needs a gradient, write ``g_x`` once (into a
+    buffer allocated beforehand, as a step's recycled ``g_x`` would be)."""
+    if not with_gx:
+        return grad_out.sum
+    if grad_in.shape == grad_out.shape:
+        return lambda: grad_in.copy_(grad_out)
+    return lambda: (grad_out.sum(), grad_in.zero_())
+
+
 def time_layer(cin: int, cout: int, height: int, width: int,
                radii: Sequence[int] = (2, 4), batch: int = 8,
                repeats: int = 7, warmup: int = 2,
@@ -103,7 +121,8 @@ def time_layer(cin: int, cout: int, height: int, width: int,
 
     Backward times are of the backward alone (graph built once, replayed
     with ``retain_graph``), the forward with autograd recording, as in
-    training.
+    training. Two memory floors are timed in the same loop: ``g_y.clone()``
+    and :func:`_io_floor`.
     """
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -114,10 +133,12 @@ def time_layer(cin: int, cout: int, height: int, width: int,
                     dtype=dtype) * (2.0 / (9 * cin))**0.5)
     grad_out = torch.randn(batch, cout, height, width, generator=gen,
                            device=dev, dtype=dtype)
+    grad_in = torch.empty_like(x_data)
     layer = f'{cin}x{cout}@{height}x{width}'
     results = []
     for case in ('with_gx', 'weight_only'):
         x = x_data.clone().requires_grad_(case == 'with_gx')
+        io_floor = _io_floor(grad_out, grad_in, case == 'with_gx')
         inputs = (x, weight) if case == 'with_gx' else (weight, )
 
         def vanilla():
@@ -130,7 +151,7 @@ def time_layer(cin: int, cout: int, height: int, width: int,
                                                 radius)
 
             y_v, y_g = vanilla(), filtered()
-            samples = {k: [] for k in ('vf', 'gf', 'vb', 'gb', 'clone')}
+            samples = {k: [] for k in ('vf', 'gf', 'vb', 'gb', 'clone', 'io')}
             for rep in range(warmup + repeats):
                 measured = {
                     'vf': _timed(vanilla, dev),
@@ -140,6 +161,7 @@ def time_layer(cin: int, cout: int, height: int, width: int,
                     'gb': _timed(lambda: torch.autograd.grad(
                         y_g, inputs, grad_out, retain_graph=True), dev),
                     'clone': _timed(grad_out.clone, dev),
+                    'io': _timed(io_floor, dev),
                 }
                 if rep >= warmup:
                     for key, value in measured.items():
@@ -151,6 +173,7 @@ def time_layer(cin: int, cout: int, height: int, width: int,
                             vanilla_forward=med['vf'], gf_forward=med['gf'],
                             vanilla_backward=med['vb'],
                             gf_backward=med['gb'], grad_clone=med['clone'],
+                            io_floor=med['io'],
                             vanilla_saved_bytes=_saved_bytes(vanilla),
                             gf_saved_bytes=_saved_bytes(filtered)))
     return results
@@ -184,13 +207,14 @@ def markdown_table(rows: Sequence[LayerTiming]) -> str:
     lines = [
         '| layer (Cin x Cout @ H x W) | case | r | bwd speedup | '
         'fwd+bwd speedup | fwd overhead | GF bwd / clone(g_y) | '
-        'saved bytes GF/vanilla |',
-        '|---|---|---|---|---|---|---|---|',
+        'GF bwd / IO floor | saved bytes GF/vanilla |',
+        '|---|---|---|---|---|---|---|---|---|',
     ]
     for r in rows:
         lines.append(
             f'| {r.layer} | {r.case} | {r.radius} | '
             f'{r.backward_speedup:.1f}x | {r.step_speedup:.2f}x | '
             f'{r.forward_overhead:.2f} | {r.backward_over_floor:.2f} | '
+            f'{r.backward_over_io_floor:.2f} | '
             f'{r.gf_saved_bytes / r.vanilla_saved_bytes:.4f} |')
     return '\n'.join(lines)

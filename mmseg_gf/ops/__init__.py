@@ -1,4 +1,6 @@
-"""Pure-PyTorch gradient-filter operators (no mmseg / mmcv dependency)."""
+"""Gradient-filter operators (no mmseg / mmcv dependency): pure PyTorch,
+plus optional compiled CPU kernels (``native``) and Triton GPU kernels
+(``triton_path``)."""
 from .gradient_filter import (AxisGeometry, GradientFilterConv2dFunction,
                               check_radius, gradient_filtered_conv2d)
 

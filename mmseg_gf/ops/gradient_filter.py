@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import native
+from . import native, triton_path
 
 IntPair = Union[int, Tuple[int, int]]
 
@@ -553,24 +553,35 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                   radius: int) -> Tensor:
     """``F.conv2d`` with the gradient-filter backward; numeric padding.
 
-    Two autograd nodes compute the same backward. The usual case (a
-    contiguous NCHW float CPU input, weight and bias of its dtype, a kernel
-    that collapses on both axes, autocast off) takes the compiled C++ node
-    :func:`native.filtered_conv2d`: on small layers the Python Function's
-    own overhead was ~10% of the backward. Everything else (other devices,
-    dtypes and layouts, dilated taps, autocast, ``torch.compile``) takes
-    :class:`GradientFilterConv2dFunction`, the reference.
+    Three autograd nodes compute the same backward. The usual case (a
+    kernel that collapses on both axes) takes a fused node where one
+    applies: on a contiguous NCHW CUDA input the Triton one
+    (:func:`triton_path.filtered_conv2d`; on an H100 the step-by-step
+    route's handful of small kernels was slower than cuDNN's exact
+    backward);
+    on a contiguous NCHW float CPU input with weight and bias of its dtype
+    and autocast off the compiled C++ one (:func:`native.filtered_conv2d`;
+    on small layers the Python Function's own overhead was ~10% of the
+    backward). Everything else (other layouts and dtypes, dilated taps,
+    CPU autocast, ``torch.compile`` on CPU, machines without the kernels)
+    takes :class:`GradientFilterConv2dFunction`, the reference.
     """
-    if (native.usable(x) and weight.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype)
-            and not torch.is_autocast_enabled('cpu')):
+    if triton_path.usable(x, weight, bias):
+        fused = triton_path
+    elif (native.usable(x) and weight.dtype == x.dtype
+          and (bias is None or bias.dtype == x.dtype)
+          and not torch.is_autocast_enabled('cpu')):
+        fused = native
+    else:
+        fused = None
+    if fused is not None:
         geo_h, geo_w = conv_geometry(x, weight, stride, padding, dilation,
                                      radius)
         if geo_h.collapsed and geo_w.collapsed:
-            return native.filtered_conv2d(x, weight, bias, stride, padding,
-                                          dilation, groups, radius,
-                                          geo_h.input_patches,
-                                          geo_w.input_patches)
+            return fused.filtered_conv2d(x, weight, bias, stride, padding,
+                                         dilation, groups, radius,
+                                         geo_h.input_patches,
+                                         geo_w.input_patches)
     return GradientFilterConv2dFunction.apply(x, weight, bias, stride,
                                               padding, dilation, groups,
                                               radius)

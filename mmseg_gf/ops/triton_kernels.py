@@ -1,0 +1,194 @@
+"""Triton kernels of the GPU path: the two passes over full-size maps.
+
+The filtered backward of a conv whose kernel collapses on both axes touches
+full-size memory in exactly two places, and these kernels are those places:
+
+* ``_patch_reduce`` reads a map once and writes one value per patch: the
+  forward's patch sums of ``x``, and the backward's patch means of ``g_y``
+  (scaled by ``1/s^2``) together with per-row partial sums for the exact
+  bias gradient, so that ``g_y`` is read once for both;
+* ``_spread`` writes ``g_x`` once, every pixel from the patch-grid value of
+  its patch (zero outside every patch).
+
+Everything between them (the two channel-mixing products) lives on the
+``1/r^2``-sized patch grid and runs as cuBLAS GEMMs (``triton_path``).
+
+The grids are laid out channel-major (``C x N x ph x pw``): the weight
+gradient then reduces over batch and patches as one contiguous axis, one
+GEMM per group. Accumulation is float32 (float64 for float64 tensors); the
+result is rounded once to the output's dtype.
+
+Importing this module imports ``triton``: import it only where triton is
+installed (``triton_path`` does so lazily). Whether the kernels run
+compiled (CUDA tensors) or in triton's interpreter (CPU tensors, for tests)
+is fixed when this module is imported, by ``TRITON_INTERPRET``.
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+Patches = Tuple[int, int, int]  # (start, size, count) along one axis
+
+# Elements per program tile. Heuristics, not tuned on a GPU: large enough
+# for coalesced 128-byte rows, small enough for many programs on small maps.
+_REDUCE_TILE = 1024
+_SPREAD_TILE = 1024
+
+
+@triton.jit
+def _patch_reduce(src, dst, partial, channels, height, width,
+                  s_n, s_c, s_h, s_w, d_n, d_c, d_h, d_w,
+                  row_start, row_size, row_count,
+                  col_start, col_size, col_count, scale,
+                  MEAN: tl.constexpr, PARTIAL: tl.constexpr,
+                  ACC: tl.constexpr, ROW_SIZE: tl.constexpr,
+                  COL_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program per (image, channel, patch row): sums (or means) of the
+    patches of that row, ``BLOCK_P`` patches per ``ROW_SIZE x BLOCK_P x
+    COL_SIZE`` tile (sizes padded to powers of two, the padding masked).
+    Each map row of the tile is one contiguous run; pixels outside the map
+    count as 0."""
+    pid = tl.program_id(0).to(tl.int64)  # int64: offsets of large maps
+    plane = pid // row_count
+    a = pid % row_count
+    n = plane // channels
+    c = plane % channels
+    src_plane = src + n * s_n + c * s_c
+    dst_row = dst + n * d_n + c * d_c + a * d_h
+    top = row_start + a * row_size
+    i = tl.arange(0, ROW_SIZE)
+    h = top + i
+    row_ok = (i < row_size) & (h >= 0) & (h < height)
+    # Map rows inside the patch (>= 1 for output patches).
+    rows = tl.minimum(top + row_size, height) - tl.maximum(top, 0)
+    offs_p = tl.arange(0, BLOCK_P)
+    j = tl.arange(0, COL_SIZE)
+    total = tl.zeros([BLOCK_P], ACC)  # per-lane raw sums, for the bias
+    for b0 in range(0, col_count, BLOCK_P):
+        b = b0 + offs_p
+        left = col_start + b * col_size
+        w = left[:, None] + j[None, :]
+        col_ok = ((b[:, None] < col_count) & (j[None, :] < col_size)
+                  & (w >= 0) & (w < width))
+        tile = tl.load(src_plane + h[:, None, None] * s_h +
+                       w[None, :, :] * s_w,
+                       mask=row_ok[:, None, None] & col_ok[None, :, :],
+                       other=0.)
+        acc = tl.sum(tl.sum(tile.to(ACC), axis=2), axis=0)
+        if PARTIAL:
+            total += acc
+        if MEAN:
+            # Partial border patches average over the pixels they have.
+            cols = tl.minimum(left + col_size, width) - tl.maximum(left, 0)
+            acc = acc * (scale / (tl.maximum(cols, 1) * rows).to(ACC))
+        tl.store(dst_row + b * d_w, acc.to(dst.dtype.element_ty),
+                 mask=b < col_count)
+    if PARTIAL:
+        tl.store(partial + pid, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _spread(grid, out, channels, height, width,
+            g_n, g_c, g_h, g_w, o_n, o_c, o_h, o_w,
+            row_start, row_size, row_count,
+            col_start, col_size, col_count,
+            BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One program per (image, channel, tile of the map): each pixel takes
+    its patch's grid value, 0 outside every patch; written once."""
+    plane = tl.program_id(0).to(tl.int64)
+    n = plane // channels
+    c = plane % channels
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    w = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    rel_h = h - row_start
+    rel_w = w - col_start
+    in_h = (rel_h >= 0) & (rel_h < row_count * row_size)
+    in_w = (rel_w >= 0) & (rel_w < col_count * col_size)
+    # Clamp before dividing: floor division of negatives is never needed.
+    a = tl.where(in_h, rel_h, 0) // row_size
+    b = tl.where(in_w, rel_w, 0) // col_size
+    value = tl.load(grid + n * g_n + c * g_c + a[:, None] * g_h +
+                    b[None, :] * g_w,
+                    mask=in_h[:, None] & in_w[None, :], other=0.)
+    tl.store(out + n * o_n + c * o_c + h[:, None] * o_h + w[None, :] * o_w,
+             value.to(out.dtype.element_ty),
+             mask=(h[:, None] < height) & (w[None, :] < width))
+
+
+def _acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# Rounding as written, no fused multiply-adds (also what triton 3.10 will
+# default to; saying so silences 3.9's warning about the change).
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
+
+
+def reduce_meta(rows: Patches, cols: Patches) -> dict:
+    """Tile sizes of :func:`_patch_reduce` for these patches."""
+    row_size = triton.next_power_of_2(rows[1])
+    col_size = triton.next_power_of_2(cols[1])
+    block_p = max(1, min(triton.next_power_of_2(cols[2]),
+                         _REDUCE_TILE // (row_size * col_size)))
+    return dict(ROW_SIZE=row_size, COL_SIZE=col_size, BLOCK_P=block_p)
+
+
+def spread_meta(height: int, width: int) -> dict:
+    """Tile sizes of :func:`_spread` for a ``height x width`` map."""
+    block_w = min(triton.next_power_of_2(width), 128)
+    block_h = max(1, min(triton.next_power_of_2(height),
+                         _SPREAD_TILE // block_w))
+    return dict(BLOCK_H=block_h, BLOCK_W=block_w)
+
+
+def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
+            rows: Patches, cols: Patches, scale: float, mean: bool,
+            acc: torch.dtype):
+    n, c, height, width = src.shape
+    _patch_reduce[(n * c * rows[2], )](
+        src, dst_nchw, dst_nchw if partial is None else partial, c, height,
+        width, *src.stride(), *dst_nchw.stride(), *rows, *cols, scale,
+        MEAN=mean, PARTIAL=partial is not None, ACC=_acc(acc),
+        **reduce_meta(rows, cols), **LAUNCH_OPTIONS)
+
+
+def patch_sums(x: Tensor, rows: Patches, cols: Patches) -> Tensor:
+    """``x~``: sums of ``x`` over its input patches, in ``x``'s dtype, as a
+    contiguous ``Ci x N x ph x pw`` (channel-major) tensor."""
+    n, c = x.shape[:2]
+    out = x.new_empty((c, n, rows[2], cols[2]))
+    dst = out.permute(1, 0, 2, 3)
+    _reduce(x, dst, None, rows, cols, 1.0, False, x.dtype)
+    return out
+
+
+def output_grad_means(grad_output: Tensor, radius: int, scale: float,
+                      acc: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """One read of ``g_y``: ``(scale * patch means as a Co x N x ph x pw
+    tensor, partial sums N x Co x ph)``, both in ``acc``; the partial sums
+    add up to the exact bias gradient (``sum over dims 0 and 2``) in a fixed
+    order, so the result is deterministic."""
+    n, c, height, width = grad_output.shape
+    rows = (0, radius, -(-height // radius))
+    cols = (0, radius, -(-width // radius))
+    means = grad_output.new_empty((c, n, rows[2], cols[2]), dtype=acc)
+    partial = grad_output.new_empty((n, c, rows[2]), dtype=acc)
+    _reduce(grad_output, means.permute(1, 0, 2, 3), partial, rows, cols,
+            scale, True, acc)
+    return means, partial
+
+
+def spread(grid_nchw: Tensor, out: Tensor, rows: Patches,
+           cols: Patches) -> Tensor:
+    """Write every pixel of ``out`` (``N x C x H x W``) from the value of
+    its patch in ``grid_nchw`` (any strides); 0 outside every patch."""
+    n, c, height, width = out.shape
+    meta = spread_meta(height, width)
+    launch = (n * c, triton.cdiv(height, meta['BLOCK_H']),
+              triton.cdiv(width, meta['BLOCK_W']))
+    _spread[launch](grid_nchw, out, c, height, width, *grid_nchw.stride(),
+                    *out.stride(), *rows, *cols, **meta, **LAUNCH_OPTIONS)
+    return out

@@ -1,0 +1,280 @@
+"""The GPU path of the usual filtered conv: Triton kernels as torch ops.
+
+For a conv whose kernel collapses on both axes (every tap within one
+patch: all but the dilated convs), on a contiguous NCHW CUDA input, the
+filtered conv is :class:`TritonFilteredConv2d`:
+
+* forward: ``F.conv2d`` (cuDNN) plus one Triton pass over ``x`` for its
+  patch sums (only when the weight needs a gradient);
+* backward: one custom op, :func:`collapsed_backward`: one Triton pass over
+  ``g_y`` (patch means and the bias gradient's partial sums), the two
+  channel-mixing products on the patch grid as cuBLAS GEMMs, one Triton
+  pass writing ``g_x`` (none when the input needs no gradient).
+
+Both Triton parts are registered torch custom ops (``torch.library``) with
+fake implementations, so ``torch.compile`` traces through them and CUDA
+graphs (``mode='reduce-overhead'``) capture them: nothing in them syncs
+with the host or depends on tensor values. (In eager mode the Function
+calls their implementations directly.) In eager mode the backward runs
+a few lines of Python (the Function, the op, the Triton launchers); Triton
+offers no launch from C++.
+
+Without triton installed, with ``MMSEG_GF_TRITON=0`` in the environment or
+after :func:`set_enabled(False) <set_enabled>`, every CUDA conv takes the
+pure-PyTorch Function, which computes the same gradients. CPU tensors take
+this path only under triton's interpreter (``TRITON_INTERPRET=1`` set
+before ``mmseg_gf`` is imported), which is how the kernels are tested on
+machines without a GPU.
+"""
+import contextlib
+import importlib.util
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    'installed', 'enabled', 'set_enabled', 'usable', 'filtered_conv2d',
+    'collapsed_backward', 'patch_sums', 'backward_calls'
+]
+
+Patches = Tuple[int, int, int]  # (start, size, count) along one axis
+
+# Decided once, at import: dispatch must not import modules or read
+# triton's settings while torch.compile traces it.
+_INSTALLED = importlib.util.find_spec('triton') is not None
+_ON_CPU = os.environ.get('TRITON_INTERPRET', '0').lower() in ('1', 'true',
+                                                              'on', 'yes')
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_switch: Optional[bool] = None  # set_enabled's override of the env var
+_calls = 0
+
+
+def installed() -> bool:
+    """True if triton can be imported."""
+    return _INSTALLED
+
+
+def enabled() -> bool:
+    """True if triton is installed and the GPU path is switched on
+    (``MMSEG_GF_TRITON`` not ``0``, or :func:`set_enabled(True)`)."""
+    if not _INSTALLED:
+        return False
+    if _switch is not None:
+        return _switch
+    return os.environ.get('MMSEG_GF_TRITON', '1') != '0'
+
+
+def set_enabled(flag: Optional[bool]) -> Optional[bool]:
+    """Switch the Triton path on (``True``) or off (``False``) for this
+    process, whatever ``MMSEG_GF_TRITON`` says; ``None`` goes back to the
+    env var. Returns the previous override."""
+    global _switch
+    previous, _switch = _switch, None if flag is None else bool(flag)
+    return previous
+
+
+def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether this conv may take the Triton path: a non-empty contiguous
+    NCHW float input on CUDA (on CPU only under the interpreter), weight
+    and bias floating point on the same device. The caller checks that the
+    kernel collapses on both axes."""
+    device = x.device.type
+    return (_INSTALLED and (device == 'cuda' or (_ON_CPU and device == 'cpu'))
+            and enabled() and x.dim() == 4 and x.numel() > 0
+            and weight.numel() > 0 and x.is_contiguous()
+            and x.dtype in _FLOAT_TYPES and weight.dtype in _FLOAT_TYPES
+            and weight.device == x.device
+            and (bias is None or bias.dtype in _FLOAT_TYPES))
+
+
+def backward_calls() -> int:
+    """How many eager backward calls ran the Triton kernels in this process
+    (a diagnostic; replays of a captured CUDA graph do not count)."""
+    return _calls
+
+
+def _kernels():
+    from . import triton_kernels  # imports triton: only when first used
+    return triton_kernels
+
+
+def _on_device(t: Tensor):
+    """Triton launches on the current CUDA device: make it ``t``'s."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _no_autocast(t: Tensor):
+    """The products run in the accumulation dtype, never autocast's."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
+               col_start: int, col_size: int, col_count: int) -> Tensor:
+    """``x~``, the forward's patch sums of ``x`` over the input patches
+    ``Q(P)``: a contiguous ``Ci x N x ph x pw`` tensor in ``x``'s dtype
+    (channel-major: the weight-gradient GEMM's layout)."""
+    with _on_device(x):
+        return _kernels().patch_sums(x, (row_start, row_size, row_count),
+                                     (col_start, col_size, col_count))
+
+
+patch_sums = torch.library.custom_op('mmseg_gf::triton_patch_sums',
+                                    _patch_sums, mutates_args=())
+
+
+@patch_sums.register_fake
+def _(x, row_start, row_size, row_count, col_start, col_size, col_count):
+    return x.new_empty((x.shape[1], x.shape[0], row_count, col_count))
+
+
+def _empty(like: Tensor) -> Tensor:
+    """What the op returns for a gradient nobody asked for (ops cannot
+    return None)."""
+    return like.new_empty((0, ))
+
+
+def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
+                       weight: Tensor, groups: int, scale: float,
+                       input_height: int, input_width: int, rows: List[int],
+                       cols: List[int], radius: int,
+                       input_dtype: torch.dtype, need_input: bool,
+                       need_weight: bool, need_bias: bool
+                       ) -> Tuple[Tensor, Tensor, Tensor]:
+    """GF_SPEC steps 1-5 for a kernel that collapses on both axes.
+
+    ``input_pooled`` is :func:`patch_sums`' output (``None`` unless the
+    weight gradient is needed), ``rows`` / ``cols`` the input patches
+    ``Q(P)``, ``scale = 1/s^2``. Returns ``(g_x, g_W~, g_b)``: ``g_x`` in
+    ``input_dtype``, ``g_W~`` as ``Co x Ci/groups`` and ``g_b`` in the
+    accumulation dtype (float32; float64 for a float64 weight); an empty
+    tensor stands for each gradient not asked for.
+    """
+    global _calls
+    _calls += 1
+    kernels = _kernels()
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    co, ci_g = weight.shape[:2]
+    co_g = co // groups
+    # Three distinct tensors: op outputs must not alias each other.
+    grad_x, grad_w, grad_b = (_empty(grad_output) for _ in range(3))
+    with _on_device(grad_output), _no_autocast(grad_output):
+        means, partial = kernels.output_grad_means(grad_output, radius,
+                                                   scale, acc)
+        if need_bias:
+            grad_b = partial.sum(dim=(0, 2))
+        cells = means[0].numel()  # N x ph x pw: the GEMMs' long axis
+        if need_weight:
+            pooled = input_pooled.to(acc)
+            if co_g == 1 and ci_g == 1:  # depthwise: one dot per channel
+                grad_w = (means.reshape(co, cells) *
+                          pooled.reshape(co, cells)).sum(dim=1, keepdim=True)
+            else:
+                grad_w = torch.bmm(
+                    means.reshape(groups, co_g, cells),
+                    pooled.reshape(groups, ci_g, cells).transpose(1, 2)
+                ).reshape(co, ci_g)
+        if need_input:
+            # W~ = sum of the taps; g_x~ = W~^T g~ per group, channel-major.
+            kernel = weight.to(acc).reshape(groups, co_g, ci_g, -1).sum(-1)
+            if co_g == 1 and ci_g == 1:
+                grid = means * kernel.reshape(co, 1, 1, 1)
+            else:
+                grid = torch.bmm(kernel.transpose(1, 2),
+                                 means.reshape(groups, co_g, cells))
+            n = grad_output.shape[0]
+            grid = grid.reshape(groups * ci_g, n, *means.shape[2:])
+            grad_x = kernels.spread(
+                grid.permute(1, 0, 2, 3),
+                grad_output.new_empty((n, groups * ci_g, input_height,
+                                       input_width), dtype=input_dtype),
+                tuple(rows), tuple(cols))
+    return grad_x, grad_w, grad_b
+
+
+collapsed_backward = torch.library.custom_op(
+    'mmseg_gf::triton_collapsed_backward', _collapsed_backward,
+    mutates_args=())
+
+
+@collapsed_backward.register_fake
+def _(grad_output, input_pooled, weight, groups, scale, input_height,
+      input_width, rows, cols, radius, input_dtype, need_input, need_weight,
+      need_bias):
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    co, ci_g = weight.shape[:2]
+    # Three distinct tensors: op outputs must not alias each other.
+    grad_x, grad_w, grad_b = (_empty(grad_output) for _ in range(3))
+    if need_input:
+        grad_x = grad_output.new_empty(
+            (grad_output.shape[0], groups * ci_g, input_height, input_width),
+            dtype=input_dtype)
+    if need_weight:
+        grad_w = grad_output.new_empty((co, ci_g), dtype=acc)
+    if need_bias:
+        grad_b = grad_output.new_empty((co, ), dtype=acc)
+    return grad_x, grad_w, grad_b
+
+
+def _call(op, impl, *args):
+    """Under ``torch.compile`` the registered op, which the compiler traces
+    with its fake implementation; in eager mode the implementation itself,
+    without the dispatcher's round trip back into Python."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return impl(*args)
+
+
+class TritonFilteredConv2d(torch.autograd.Function):
+    """``F.conv2d`` forward, the filtered backward as one call of
+    :func:`collapsed_backward` (the Triton counterpart of
+    ``GradientFilterConv2dFunction``'s usual case; same gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                stride: Tuple[int, int], padding: Tuple[int, int],
+                dilation: Tuple[int, int], groups: int, radius: int,
+                rows: Patches, cols: Patches) -> Tensor:
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        # Never save x: only its patch sums, and only if g_W will be needed.
+        pooled = (_call(patch_sums, _patch_sums, x, *rows, *cols)
+                  if ctx.needs_input_grad[1] else None)
+        ctx.save_for_backward(pooled, weight)
+        ctx.conv = (groups, 1.0 / (stride[0] * stride[1]), x.shape[2],
+                    x.shape[3], rows, cols, radius, x.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: Tensor):
+        pooled, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        groups, scale, height, width, rows, cols, radius, x_dtype = ctx.conv
+        grad_x, grad_w, grad_b = _call(
+            collapsed_backward, _collapsed_backward, grad_output, pooled,
+            weight, groups, scale, height, width, list(rows), list(cols),
+            radius, x_dtype, need_x, need_w, need_b)
+        return (grad_x if need_x else None,
+                grad_w.reshape(*weight.shape[:2], 1, 1).expand_as(weight).to(
+                    weight.dtype) if need_w else None,
+                grad_b.to(ctx.bias_dtype) if need_b else None,
+                None, None, None, None, None, None, None)
+
+
+def filtered_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    stride: Tuple[int, int], padding: Tuple[int, int],
+                    dilation: Tuple[int, int], groups: int, radius: int,
+                    rows: Patches, cols: Patches) -> Tensor:
+    """``F.conv2d`` with the Triton-path backward (``native.filtered_conv2d``'s
+    signature). ``x`` is :func:`usable`, the kernel collapses on both axes
+    and ``rows`` / ``cols`` are the input patches ``Q(P)``."""
+    return TritonFilteredConv2d.apply(x, weight, bias, stride, padding,
+                                      dilation, groups, radius, rows, cols)

@@ -1,0 +1,184 @@
+"""The Triton GPU path (``mmseg_gf.ops.triton_path``).
+
+Its kernels are checked by ``tests/triton_cases.py`` in a subprocess:
+under triton's interpreter on CPU tensors (every machine with triton, no
+GPU needed) and compiled on CUDA where there is a GPU. ``TRITON_INTERPRET``
+only takes effect before triton is imported, and in this process it must
+stay off (every CPU conv would take the interpreter), hence the
+subprocess. The tests here also cover the switch and a machine without
+triton.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON = pytest.mark.skipif(
+    not triton_path.installed(),
+    reason='triton is not installed (requirements/tests.txt pins it)')
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason='no CUDA GPU on this machine')
+
+
+def _run_cases(interpret: bool, *args: str) -> str:
+    env = dict(os.environ, TRITON_INTERPRET='1' if interpret else '0')
+    env.pop('MMSEG_GF_TRITON', None)
+    env['PYTHONPATH'] = os.pathsep.join(
+        p for p in (str(ROOT), env.get('PYTHONPATH')) if p)
+    proc = subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
+         '-rs', str(ROOT / 'tests' / 'triton_cases.py'), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    report = proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, report
+    assert ' passed' in report and ' failed' not in report, report
+    return report
+
+
+@TRITON
+def test_kernels_under_the_triton_interpreter():
+    """Every case of ``triton_cases.py`` on CPU tensors, interpreted."""
+    report = _run_cases(True)
+    assert 'skipped' not in report, report
+
+
+@TRITON
+@CUDA
+def test_kernels_compiled_on_cuda():
+    """The same cases on CUDA tensors, compiled (float16 autocast too)."""
+    report = _run_cases(False)
+    assert 'skipped' not in report, report
+
+
+@TRITON
+@CUDA
+def test_cuda_graphs_reduce_overhead_gives_eager_gradients():
+    """``torch.compile(mode='reduce-overhead')``: inductor plus CUDA
+    graphs, with the Triton ops captured; replays give eager gradients."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 30, 22, generator=gen).cuda().requires_grad_()
+    w = torch.randn(32, 16, 3, 3, generator=gen).cuda().requires_grad_()
+    b = torch.randn(32, generator=gen).cuda().requires_grad_()
+
+    def loss(x, w, b):
+        out = gradient_filtered_conv2d(x, w, b, 1, 1, 1, 1, 4)
+        return (out * out).sum()
+
+    def grads(fn):
+        for t in (x, w, b):
+            t.grad = None
+        fn(x, w, b).backward()
+        return [t.grad.clone() for t in (x, w, b)]
+
+    eager = grads(loss)
+    compiled = torch.compile(loss, mode='reduce-overhead', fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        got = grads(compiled)
+    for g, r in zip(got, eager):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
+# (kernel, pointer dtypes, constexprs besides the tile sizes, geometry):
+# the forward's x sums (bfloat16, r = 4, stride 2), g_y means with the bias
+# partial sums (float16 g_y, r = 2 on a 160-wide map), float64 at r = 1, and
+# the spread from a float32 grid into bfloat16 / float64 maps.
+SPECIALIZATIONS = {
+    'x_sums_bf16': ('_patch_reduce', dict(src='bf16', dst='bf16',
+                                          partial='bf16'),
+                    dict(MEAN=False, PARTIAL=False, ACC='fp32'),
+                    ((-1, 8, 15), (-1, 8, 20))),
+    'gy_means_fp16': ('_patch_reduce', dict(src='fp16', dst='fp32',
+                                            partial='fp32'),
+                      dict(MEAN=True, PARTIAL=True, ACC='fp32'),
+                      ((0, 2, 60), (0, 2, 80))),
+    'gy_means_fp64_r1': ('_patch_reduce', dict(src='fp64', dst='fp64',
+                                               partial='fp64'),
+                         dict(MEAN=True, PARTIAL=True, ACC='fp64'),
+                         ((0, 1, 14), (0, 1, 14))),
+    'spread_bf16': ('_spread', dict(grid='fp32', out='bf16'), {}, (120, 160)),
+    'spread_fp64': ('_spread', dict(grid='fp64', out='fp64'), {}, (14, 14)),
+}
+
+
+@TRITON
+@pytest.mark.parametrize('spec', list(SPECIALIZATIONS.values()),
+                         ids=list(SPECIALIZATIONS))
+def test_kernels_compile_for_h100(spec):
+    """Triton compiles the kernels down to an sm_90 cubin without a GPU
+    (its own LLVM and ptxas): what the interpreter cannot see (types of
+    loop-carried values, layouts of the 3-D reductions, one-element
+    ranges) fails here, on every machine with triton."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mmseg_gf.ops import triton_kernels
+    name, pointers, flags, geometry = spec
+    kernel = getattr(triton_kernels, name)
+    meta = (triton_kernels.reduce_meta(*geometry) if name == '_patch_reduce'
+            else triton_kernels.spread_meta(*geometry))
+    constexprs = dict(flags, **meta)
+    if 'ACC' in constexprs:
+        constexprs['ACC'] = getattr(tl, {'fp32': 'float32',
+                                         'fp64': 'float64'}[flags['ACC']])
+    signature = {
+        arg: ('constexpr' if arg in constexprs else
+              '*' + pointers[arg] if arg in pointers else
+              'fp32' if arg == 'scale' else 'i32')
+        for arg in kernel.arg_names
+    }
+    source = ASTSource(kernel, signature, {
+        (kernel.arg_names.index(arg), ): value
+        for arg, value in constexprs.items()
+    })
+    compiled = triton.compile(source, target=GPUTarget('cuda', 90, 32),
+                              options=triton_kernels.LAUNCH_OPTIONS)
+    assert len(compiled.asm['cubin']) > 0
+    assert f'.entry {name}(' in compiled.asm['ptx']
+
+
+def test_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):
+    """``set_enabled`` overrides ``MMSEG_GF_TRITON``; CPU tensors never take
+    the Triton path unless the interpreter was on at import."""
+    x, w = torch.zeros(1, 2, 4, 4), torch.zeros(2, 2, 3, 3)
+    assert not triton_path.usable(x, w, None)
+    monkeypatch.setenv('MMSEG_GF_TRITON', '0')
+    assert not triton_path.enabled()
+    previous = triton_path.set_enabled(True)
+    try:
+        assert triton_path.enabled() == triton_path.installed()
+        triton_path.set_enabled(None)
+        assert not triton_path.enabled()
+        monkeypatch.setenv('MMSEG_GF_TRITON', '1')
+        assert triton_path.enabled() == triton_path.installed()
+    finally:
+        triton_path.set_enabled(previous)
+
+
+def test_package_runs_without_triton():
+    """With ``import triton`` failing, mmseg_gf imports, reports the path
+    unavailable and computes filtered gradients (pure PyTorch / C++)."""
+    code = '\n'.join([
+        'import sys', 'sys.modules["triton"] = None',
+        'import torch', 'from mmseg_gf.ops import gradient_filtered_conv2d, '
+        'triton_path',
+        'assert not triton_path.installed() and not triton_path.enabled()',
+        'x = torch.randn(1, 2, 6, 6, requires_grad=True)',
+        'w = torch.randn(3, 2, 3, 3, requires_grad=True)',
+        'gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2).sum().backward()',
+        'assert x.grad.shape == x.shape and w.grad.abs().sum() > 0',
+        'assert triton_path.backward_calls() == 0',
+        'print("ok")'])
+    env = dict(os.environ, TRITON_INTERPRET='1')
+    env['PYTHONPATH'] = os.pathsep.join(
+        p for p in (str(ROOT), env.get('PYTHONPATH')) if p)
+    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr

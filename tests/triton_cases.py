@@ -1,0 +1,249 @@
+"""Cases of the Triton path; run by ``test_gf_triton.py`` in a subprocess.
+
+Not collected on its own (the name does not start with ``test_``): triton
+decides at import whether its kernels run compiled or interpreted, from
+``TRITON_INTERPRET``, and that setting must not leak into the rest of the
+suite (every CPU conv would then take the interpreter). Run directly::
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/triton_cases.py   # CPU
+    python -m pytest -q tests/triton_cases.py                      # CUDA
+
+Under the interpreter the tensors are CPU tensors and the shapes tiny (it
+runs every program in Python); on a GPU the same cases run compiled.
+"""
+import itertools
+import os
+
+import pytest
+import torch
+
+from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
+from tests.gf_reference import reference_gradients
+
+INTERPRETED = os.environ.get('TRITON_INTERPRET', '0') == '1'
+if not triton_path.installed():
+    pytest.skip('triton is not installed', allow_module_level=True)
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip('neither TRITON_INTERPRET=1 nor a CUDA GPU',
+                allow_module_level=True)
+DEVICE = 'cpu' if INTERPRETED else 'cuda'
+
+# (name, groups, in channels, out channels)
+CHANNELS = {'dense': (1, 2, 3), 'grouped': (2, 4, 2), 'depthwise': (2, 2, 2)}
+
+
+def _geometry(stride, kernel, kind, radius):
+    """Padding and input size of a case: an output of ``2r+1 x 3r+1``
+    pixels, so the last patch row is partial, plus ``s-1`` input pixels
+    beyond the last patch (they get no gradient). Padding: 0 or 1, so
+    that both 1x1 and 3x3 kernels are seen with and without it."""
+    padding = {'dense': kernel // 2, 'grouped': 1, 'depthwise': 0}[kind]
+    out = (2 * radius + 1, 3 * radius + 1)
+    size = tuple((o - 1) * stride + kernel - 2 * padding + stride - 1
+                 for o in out)
+    return padding, size
+
+
+def _tensors(stride, kernel, kind, radius, dtype, batch=2):
+    groups, ci, co = CHANNELS[kind]
+    padding, size = _geometry(stride, kernel, kind, radius)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, ci, *size, generator=gen, dtype=dtype)
+    w = torch.randn(co, ci // groups, kernel, kernel, generator=gen,
+                    dtype=dtype)
+    b = torch.randn(co, generator=gen, dtype=dtype)
+    return x, w, b, padding, groups
+
+
+def _filtered(x, w, b, stride, padding, groups, radius, grad_fn,
+              need=(True, True, True)):
+    """Forward on DEVICE, backward with ``grad_fn(out)``; returns the
+    output and the gradients (``None`` where not asked for) on the CPU."""
+    leaves = [t.to(DEVICE).requires_grad_(flag) if t is not None else None
+              for t, flag in zip((x, w, b), need)]
+    out = gradient_filtered_conv2d(leaves[0], leaves[1], leaves[2], stride,
+                                   padding, 1, groups, radius)
+    grad_out = grad_fn(out)
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    grads = iter(torch.autograd.grad(out, wanted, grad_out))
+    return out, grad_out, [
+        next(grads).cpu() if t is not None and t.requires_grad else None
+        for t in leaves
+    ]
+
+
+def _randn_like(seed):
+    def make(out):
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(out.shape, generator=gen,
+                           dtype=out.dtype).to(out.device)
+    return make
+
+
+# Every stride x kernel x group kind at r = 2; r = 1 and 4 on a covering
+# subset (each kind, stride and kernel once or more; the interpreter's time
+# is what bounds the count). The 3x3 stride-1 case at r = 1 is the control
+# whose taps reach other patches.
+GRID = (list(itertools.product((1, 2), (1, 3), sorted(CHANNELS), (2, ))) +
+        [(1, 3, 'dense', 4), (2, 3, 'grouped', 4), (2, 1, 'depthwise', 4),
+         (1, 1, 'grouped', 4), (2, 3, 'dense', 1), (1, 1, 'depthwise', 1),
+         (2, 1, 'grouped', 1), (1, 3, 'dense', 1)])
+
+
+@pytest.mark.parametrize('stride,kernel,kind,radius', GRID)
+def test_float64_matches_independent_reference(stride, kernel, kind, radius):
+    """Every stride / kernel / group kind / radius, partial border patches,
+    padding and uncovered pixels: the Triton path gives GF_SPEC's gradients
+    to float64 rounding (``tests/gf_reference.py``, explicit loops). A
+    3x3 kernel at ``r * s = 1`` has taps in other patches: it stays on the
+    step-by-step route. (One image: the interpreter's time grows with the
+    number of programs; the other tests cover batches.)"""
+    x, w, b, padding, groups = _tensors(stride, kernel, kind, radius,
+                                        torch.float64, batch=1)
+    calls = triton_path.backward_calls()
+    _, grad_out, (gx, gw, gb) = _filtered(x, w, b, stride, padding, groups,
+                                          radius, _randn_like(1))
+    collapsed = kernel == 1 or radius * stride > 1
+    assert triton_path.backward_calls() == calls + collapsed
+    rx, rw, rb = reference_gradients(x, w, grad_out.cpu(), (stride, stride),
+                                     (padding, padding), (1, 1), groups,
+                                     radius)
+    for got, want in ((gx, rx), (gw, rw), (gb, rb)):
+        assert got.dtype == torch.float64 and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def _pure_torch(x, w, b, stride, padding, groups, radius, grad_fn, need):
+    """The same conv on the CPU's pure-PyTorch Function."""
+    previous = triton_path.set_enabled(False)
+    os.environ['MMSEG_GF_NATIVE'] = '0'
+    try:
+        global DEVICE
+        device, DEVICE = DEVICE, 'cpu'
+        return _filtered(x, w, b, stride, padding, groups, radius, grad_fn,
+                         need)
+    finally:
+        DEVICE = device
+        del os.environ['MMSEG_GF_NATIVE']
+        triton_path.set_enabled(previous)
+
+
+# All but (False, False, False): with nothing to differentiate autograd
+# records no node.
+@pytest.mark.parametrize(
+    'need', list(itertools.product((True, False), repeat=3))[:-1])
+def test_float32_every_combination_of_needed_gradients(need):
+    """Input, weight, bias each needed or not (no bias at all when it is
+    not): the gradients asked for match the pure-PyTorch path, the others
+    are None, and x's patch sums are saved only for the weight gradient."""
+    need_x, need_w, need_b = need
+    x, w, b, padding, groups = _tensors(2, 3, 'grouped', 2, torch.float32)
+    if not need_b:
+        b = None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        _, _, got = _filtered(x, w, b, 2, padding, groups, 2,
+                              _randn_like(2), need)
+    _, _, want = _pure_torch(x, w, b, 2, padding, groups, 2, _randn_like(2),
+                             need)
+    # Ci x N x ph x pw: the 5 x 7 output in 2 x 2 patches
+    pooled_shape = (x.shape[1], x.shape[0], 3, 4)
+    assert (pooled_shape in saved) == need_w
+    for flag, g, r in zip(need, got, want):
+        if not flag:
+            assert g is None
+            continue
+        torch.testing.assert_close(g, r, rtol=1e-5,
+                                   atol=1e-6 * float(r.abs().max()))
+
+
+def test_non_contiguous_output_gradients():
+    """``g_y`` of any strides is read in place: an expanded constant (the
+    gradient of ``out.sum()``) and a transposed copy."""
+    x, w, b, padding, groups = _tensors(1, 3, 'dense', 2, torch.float32)
+    for grad_fn in (lambda out: torch.ones((), dtype=out.dtype,
+                                           device=out.device).expand_as(out),
+                    lambda out: _randn_like(3)(out).transpose(2, 3)
+                    .contiguous().transpose(2, 3)):
+        _, grad_out, got = _filtered(x, w, b, 1, padding, groups, 2, grad_fn)
+        assert not grad_out.is_contiguous()
+        _, _, want = _pure_torch(x, w, b, 1, padding, groups, 2, grad_fn,
+                                 (True, True, True))
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, rtol=1e-5,
+                                       atol=1e-6 * float(r.abs().max()))
+
+
+def test_autocast_reduced_precision_accumulates_in_float32():
+    """Under autocast ``g_y`` is bfloat16 (float16 too on CUDA); its patch
+    means, the products and the bias sum run in float32 and ``g_x`` comes
+    back in x's dtype. So the gradients are the float32 ones of the rounded
+    ``g_y``, to float32 rounding. (The pure-PyTorch path rounds ``g_y``'s
+    patch sums to its dtype first: up to 2^-8 relative for bfloat16.)"""
+    x, w, b, padding, groups = _tensors(2, 3, 'dense', 4, torch.float32)
+    dtypes = [torch.bfloat16] + ([torch.float16] if DEVICE == 'cuda' else [])
+    for dtype in dtypes:
+        with torch.autocast(DEVICE, dtype=dtype):
+            out, grad_out, got = _filtered(x, w, b, 2, padding, groups, 4,
+                                           _randn_like(4))
+        assert out.dtype == grad_out.dtype == dtype
+        rounded = grad_out.float().cpu()
+        _, _, want = _pure_torch(x, w, b, 2, padding, groups, 4,
+                                 lambda out: rounded, (True, True, True))
+        for g, r in zip(got, want):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, r, rtol=1e-5,
+                                       atol=1e-6 * float(r.abs().max()))
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementations and dispatch of both ops, as
+    ``torch.compile`` and CUDA graphs rely on them."""
+    x, w, _, _, _ = _tensors(2, 3, 'grouped', 2, torch.float32, batch=1)
+    x, w = x.to(DEVICE), w.to(DEVICE)
+    rows, cols = (0, 4, 3), (-1, 4, 2)
+    torch.library.opcheck(torch.ops.mmseg_gf.triton_patch_sums,
+                          (x, *rows, *cols))
+    pooled = torch.ops.mmseg_gf.triton_patch_sums(x, *rows, *cols)
+    grad_out = torch.randn(1, 2, 5, 3, device=DEVICE)
+    torch.library.opcheck(
+        torch.ops.mmseg_gf.triton_collapsed_backward,
+        (grad_out, pooled, w, 2, 0.25, x.shape[2], x.shape[3], list(rows),
+         list(cols), 2, x.dtype, True, True, True))
+
+
+def test_torch_compile_traces_the_custom_ops():
+    """``torch.compile(fullgraph=True)`` traces the Function and both ops
+    (no graph break) and gives the eager gradients. (``aot_eager``: the
+    interpreter cannot run inductor's generated kernels; on CUDA the
+    inductor + CUDA-graph case is ``test_gf_triton``'s.)"""
+    x, w, b, padding, groups = _tensors(1, 3, 'dense', 2, torch.float32)
+    x, w, b = (t.to(DEVICE) for t in (x, w, b))
+
+    def loss(x, w, b):
+        out = gradient_filtered_conv2d(x, w, b, 1, padding, 1, groups, 2)
+        return (out * out).sum()
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    eager = grads(loss)
+    calls = triton_path.backward_calls()
+    got = grads(torch.compile(loss, backend='aot_eager', fullgraph=True))
+    assert triton_path.backward_calls() == calls + 1
+    for g, r in zip(got, eager):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_double_backward_raises():
+    x, w, b, padding, groups = _tensors(1, 1, 'dense', 2, torch.float32)
+    x = x.to(DEVICE).requires_grad_()
+    w = w.to(DEVICE).requires_grad_()
+    out = gradient_filtered_conv2d(x, w, None, 1, padding, 1, groups, 2)
+    # g_y = 2 * out depends on x: a second backward would need ours.
+    (gx, ) = torch.autograd.grad((out * out).sum(), (x, ), create_graph=True)
+    with pytest.raises(RuntimeError, match='differentiate twice'):
+        gx.sum().backward()
