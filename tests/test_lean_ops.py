@@ -82,21 +82,13 @@ def test_activation_same_forward_and_grad(name, inplace, native,
     assert make_lean(lean) == 'activation' and is_lean(lean)
     assert isinstance(lean, type(plain))
     x0 = _special_values((2, 3, 5, 7), seed=1)
-    g = torch.randn(2, 3, 5, 7)
-    outs, grads = [], []
-    for m in (plain, lean):
-        x = x0.clone().requires_grad_(True)
-        y = m(x * 1.0)  # a non-leaf input, as in a network
-        y.backward(g)
-        outs.append(y.detach())
-        grads.append(x.grad)
+    outs, grads = zip(*run_both((plain, lean), x0, torch.randn(2, 3, 5, 7)))
     assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
     assert torch.equal(outs[0].isnan(), outs[1].isnan())
     if name in ('relu6', 'hardtanh'):
         # torch's own Hardtanh backward passes a NaN's gradient in its
         # scalar loop and zeroes it in its vector loop: no reference there
-        keep = ~x0.isnan()
-        grads = [gr[keep] for gr in grads]
+        grads = [gr[~x0.isnan()] for gr in grads]
     assert torch.equal(grads[0].nan_to_num(), grads[1].nan_to_num())
 
 
@@ -113,6 +105,20 @@ def make_lean_copy(module):
     module = copy.deepcopy(module)
     make_lean(module)
     return module
+
+
+def run_both(modules, x0, g, seed=None):
+    """Forward ``x0`` (as a non-leaf, as in a network) and backward ``g``
+    through each module; returns ``[(output, input gradient)]``."""
+    results = []
+    for m in modules:
+        if seed is not None:
+            torch.manual_seed(seed)
+        x = x0.clone().requires_grad_(True)
+        y = m(x * 1.0)
+        y.backward(g)
+        results.append((y.detach(), x.grad))
+    return results
 
 
 def _frozen_bn(channels, seed=0):
@@ -132,13 +138,7 @@ def test_frozen_norm_same_forward_grad_and_keeps_scale():
     lean = make_lean_copy(plain)
     assert isinstance(lean, nn.BatchNorm2d)
     x0 = torch.randn(3, 6, 9, 11)
-    g = torch.randn(3, 6, 9, 11)
-    res = []
-    for m in (plain, lean):
-        x = x0.clone().requires_grad_(True)
-        y = m(x)
-        y.backward(g)
-        res.append((y.detach(), x.grad))
+    res = run_both((plain, lean), x0, torch.randn(3, 6, 9, 11))
     assert torch.equal(res[0][0], res[1][0])
     torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-6, atol=0)
     x = x0.clone().requires_grad_(True)
@@ -159,14 +159,7 @@ def test_norm_in_train_mode_or_trainable_is_plain():
 def test_dropout_same_draws_grad_and_bits():
     plain, lean = nn.Dropout(0.3), make_lean_copy(nn.Dropout(0.3))
     x0 = torch.randn(2, 5, 8, 9)
-    g = torch.randn(2, 5, 8, 9)
-    res = []
-    for m in (plain, lean):
-        torch.manual_seed(7)
-        x = x0.clone().requires_grad_(True)
-        y = m(x * 1.0)
-        y.backward(g)
-        res.append((y.detach(), x.grad))
+    res = run_both((plain, lean), x0, torch.randn(2, 5, 8, 9), seed=7)
     assert torch.equal(res[0][0], res[1][0])
     assert torch.equal(res[0][1], res[1][1])
     x = x0.clone().requires_grad_(True)
@@ -181,13 +174,7 @@ def test_adaptive_pool_keeps_shape_only(size):
     plain = nn.AdaptiveAvgPool2d(size)
     lean = make_lean_copy(plain)
     x0 = torch.randn(2, 4, 13, 11)
-    g = torch.randn_like(plain(x0))
-    res = []
-    for m in (plain, lean):
-        x = x0.clone().requires_grad_(True)
-        y = m(x * 1.0)
-        y.backward(g)
-        res.append((y.detach(), x.grad))
+    res = run_both((plain, lean), x0, torch.randn_like(plain(x0)))
     assert torch.equal(res[0][0], res[1][0])
     assert torch.equal(res[0][1], res[1][1])
     x = x0.clone().requires_grad_(True)
