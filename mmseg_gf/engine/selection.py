@@ -5,8 +5,8 @@ The paper trains "the last N conv layers" of a segmentor. "Last" has to mean
 registration order lies (every mmseg head registers its classifier
 ``conv_seg`` first; UPerHead registers ``lateral_convs`` before the PPM
 ``bottleneck`` it runs earlier). So the segmentor is run
-once on a dummy input with forward hooks on every ``nn.Conv2d``, the way
-mmseg's ``encode_decode`` runs it: ``extract_feat``, then the decode head's
+once on a dummy input with forward hooks on every ``nn.Conv2d``, through
+mmseg's own ``encode_decode``: ``extract_feat``, then the decode head's
 ``predict`` (for a ``CascadeEncoderDecoder``: ``forward`` of every head but
 the last, each fed the previous head's output, then ``predict`` of the last
 one, e.g. PointRend's ``PointHead`` with its point subdivision). Its result,
@@ -34,8 +34,9 @@ mmseg ``BaseDecodeHead`` (``decode_head.conv_seg``, or
 (a ``Conv1d``; its point MLP ``fcs`` is made of ``Conv1d`` layers too, which
 are not convs here and stay frozen). Classifiers are always trained and
 never counted among the N layers unless named explicitly; ``num_layers``
-refuses a segmentor whose decode heads have no such classifier (Segmenter's
-mask transformer head computes class scores from class embeddings).
+refuses a segmentor where no classifier conv feeds the output (Segmenter's
+mask transformer head and SAN's CLIP head compute class scores from class
+embeddings).
 """
 import difflib
 from dataclasses import dataclass, field
@@ -152,30 +153,30 @@ def _tensors(obj) -> List[torch.Tensor]:
     return []
 
 
-def _capture_forward(head: nn.Module, sink: List) -> callable:
-    """Record every result of ``head.forward``, however it is called.
+def _capture(obj: nn.Module, name: str, sink: List) -> callable:
+    """Record every result of the method ``obj.<name>``, however called.
 
     mmseg calls heads' ``forward`` directly (``decode_head.forward(x)``,
     ``self.forward(...)`` inside ``predict``), which module forward hooks do
     not see; an instance attribute shadowing the method does. Returns the
     function that undoes it.
     """
-    had = 'forward' in head.__dict__
-    previous = head.__dict__.get('forward')
-    original = head.forward
+    had = name in obj.__dict__
+    previous = obj.__dict__.get(name)
+    original = getattr(obj, name)
 
-    def forward(*args, **kwargs):
+    def method(*args, **kwargs):
         out = original(*args, **kwargs)
         sink.append(out)
         return out
 
-    head.forward = forward
+    setattr(obj, name, method)
 
     def restore():
         if had:
-            head.forward = previous
+            setattr(obj, name, previous)
         else:
-            del head.forward
+            delattr(obj, name)
 
     return restore
 
@@ -190,31 +191,36 @@ def _run_inference_path(model: nn.Module, x: torch.Tensor,
                         aux_marker: List[bool]):
     """mmseg's ``encode_decode``, then the auxiliary heads (marked).
 
+    The auxiliary heads get the features ``encode_decode`` extracted. A
+    model without ``encode_decode`` runs ``extract_feat`` and the decode
+    head(s') ``forward``, a cascade feeding each head the previous output.
+
     Returns:
         ``(output, side_outputs)``: the segmentation logits, and the
         auxiliary heads' outputs.
     """
     h, w = x.shape[-2:]
-    metas = [dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w))]
-    test_cfg = getattr(model, 'test_cfg', None)
-    feats = model.extract_feat(x)
-    heads = _head_list(model.decode_head)
-    last = heads[-1]
-    if len(heads) > 1:  # CascadeEncoderDecoder.encode_decode
-        prev = heads[0].forward(feats)
-        for head in heads[1:-1]:
-            prev = head.forward(feats, prev)
-        out = last.predict(feats, prev, metas, test_cfg) if hasattr(
-            last, 'predict') else last.forward(feats, prev)
-    else:  # EncoderDecoder.encode_decode
-        out = last.predict(feats, metas, test_cfg) if hasattr(
-            last, 'predict') else last.forward(feats)
+    feats: List = []
+    if hasattr(model, 'encode_decode'):
+        metas = [dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w))]
+        restore = _capture(model, 'extract_feat', feats)
+        try:
+            out = model.encode_decode(x, metas)
+        finally:
+            restore()
+    else:
+        feats.append(model.extract_feat(x))
+        heads = _head_list(model.decode_head)
+        out = heads[0].forward(feats[0])
+        for head in heads[1:]:
+            out = head.forward(feats[0], out)
     side = []
     aux = _head_list(getattr(model, 'auxiliary_head', None))
     if aux:
         aux_marker[0] = True
+        x_aux = feats[0] if feats else model.extract_feat(x)
         for head in aux:
-            side.append(head.forward(feats))
+            side.append(head.forward(x_aux))
     return out, side
 
 
@@ -308,7 +314,7 @@ def trace_convs(model: nn.Module,
             handles.append(m.register_forward_hook(norm_hook))
     head_outputs: List = []
     restores = [
-        _capture_forward(head, head_outputs)
+        _capture(head, 'forward', head_outputs)
         for head in _head_list(model.decode_head)
     ]
     modes = {m: m.training for m in model.modules()}
@@ -496,17 +502,18 @@ def select_layers(model: nn.Module,
     if num_layers is not None:
         name = type(model).__name__
         classifiers = [
-            n for n, _ in model.named_modules() if is_classifier(n)
+            r.path for r in records
+            if is_classifier(r.path) and r.inference and r.feeds_output
         ]
         if not classifiers:
             heads = [type(m).__name__ for m in _head_list(model.decode_head)]
             raise ValueError(
                 f'gradient_filter: the decode head of {name} ({heads}) has '
-                'no classifier conv (conv_seg, or fc_seg for PointHead), '
-                'which gradient filtering always trains: its class scores '
-                'come from layers that num_layers cannot select (not '
-                'nn.Conv2d), so they would stay frozen. Allowed: a '
-                "segmentor whose decode heads end in mmseg's conv_seg")
+                'no classifier conv (conv_seg) that the output depends on; '
+                'gradient filtering always trains it: its class scores come '
+                'from layers that num_layers cannot select (not nn.Conv2d, '
+                'e.g. class embeddings), so they would stay frozen. Allowed: '
+                "a segmentor whose decode heads end in mmseg's conv_seg")
         ran = [
             r for r in records if r.inference and not is_classifier(r.path)
         ]
