@@ -38,6 +38,10 @@ radius 2; mmseg's ``encode_decode`` is the output, see
 5. one ``train_step`` (mmengine's, SGD): exactly the trainable parameters
    change and frozen norms keep their running statistics.
 
+``test_zoo_hook_runner`` runs the issue's two failing families (PointRend,
+EMANet) the way a user would: unchanged model config, ``custom_imports`` and
+``GradFilterHook`` under mmengine's Runner.
+
 Parameters get a small random perturbation after the seeded init: several
 heads initialise a scale to 0 (DANet's ``gamma``, GCNet's last
 ``channel_add_conv``), which would make upstream gradients exactly zero at
@@ -56,8 +60,21 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+from mmengine.hooks import Hook
 
 pytestmark = pytest.mark.zoo
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    """One intra-op thread: these models are small enough that a second
+    thread gains little, and on a busy 2-core machine waiting OpenMP
+    threads spin (the sweep took 6 min of CPU with 2 threads, 24 s with
+    one, under a load of 10)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 SIZE = 64
 NUM_LAYERS = 5
@@ -522,3 +539,58 @@ def test_zoo_config(case):
 def test_zoo_not_run(family, config, reason):
     assert osp.isfile(osp.join(zoo_dir(), config)), config
     pytest.skip(f'{family}: {reason}')
+
+
+class _Snapshot(Hook):
+    """The state at ``before_train``: after weight init and the
+    GradFilterHook (priority ABOVE_NORMAL), before the first iteration."""
+    priority = 'LOWEST'
+    state = None
+
+    def before_train(self, runner):
+        self.state = {
+            k: v.clone()
+            for k, v in runner.model.state_dict().items()
+        }
+
+
+@pytest.mark.parametrize('config', [
+    'point_rend/pointrend_r50_4xb2-80k_cityscapes-512x1024.py',
+    'emanet/emanet_r50-d8_4xb2-80k_cityscapes-512x1024.py'
+], ids=['point_rend', 'emanet'])
+def test_zoo_hook_runner(config, tmp_path):
+    """The issue's two failures, as a new user meets them: an unchanged
+    zoo model config + ``custom_imports`` + ``GradFilterHook(num_layers=5)``
+    under mmengine's Runner (tiny VOC-layout dataset, 2 iterations)."""
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    from mmseg_gf.engine import get_gradient_filter_layers
+    from mmseg_gf.engine.selection import is_classifier
+    from tests._engine_fixtures import make_tiny_voc, runner_cfg
+    case = next(c for c in CASES if c.config == config)
+    voc = make_tiny_voc(str(tmp_path / 'data'), num_train=4, num_val=2,
+                        size=SIZE)
+    cfg = runner_cfg(str(tmp_path / 'work'), voc, max_iters=2)
+    cfg['model'] = load_model_cfg(case)
+    cfg['custom_imports'] = dict(imports=['mmseg_gf'],
+                                 allow_failed_imports=False)
+    cfg['custom_hooks'] = [dict(type='GradFilterHook', num_layers=5,
+                                radius=2)]
+    runner = Runner.from_cfg(Config(cfg))
+    snapshot = _Snapshot()
+    runner.register_hook(snapshot)
+    runner.train()
+    model = runner.model
+    init = snapshot.state
+    choices = get_gradient_filter_layers(model)
+    assert len(choices) == 5
+    assert 'decode_head.ema_mid_conv.conv' not in [c.path for c in choices]
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    changed = {n for n in params
+               if not torch.equal(model.state_dict()[n], init[n])}
+    assert changed == trainable
+    assert {n.rsplit('.', 1)[0] for n in trainable} == \
+        {c.path for c in choices} | {
+            n for n, _ in model.named_modules() if is_classifier(n)}
