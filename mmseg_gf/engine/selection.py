@@ -5,11 +5,38 @@ The paper trains "the last N conv layers" of a segmentor. "Last" has to mean
 registration order lies (every mmseg head registers its classifier
 ``conv_seg`` first; UPerHead registers ``lateral_convs`` before the PPM
 ``bottleneck`` it runs earlier). So the segmentor is run
-once on a dummy input with forward hooks on every conv, through
-``extract_feat`` + ``decode_head.forward`` (auxiliary heads are a training
-aid, not part of the network being finetuned, and are excluded). The
-classifier ``decode_head.conv_seg`` is always trained and is not counted
-among the N layers unless named explicitly.
+once on a dummy input with forward hooks on every ``nn.Conv2d``, through
+mmseg's own ``encode_decode``: ``extract_feat``, then the decode head's
+``predict`` (for a ``CascadeEncoderDecoder``: ``forward`` of every head but
+the last, each fed the previous head's output, then ``predict`` of the last
+one, e.g. PointRend's ``PointHead`` with its point subdivision). Its result,
+the segmentation logits, is *the output*. Auxiliary heads are run afterwards
+and marked: they are a training aid, not part of the network being
+finetuned.
+
+"The last N" counts only convs that a gradient of the loss on the output can
+reach. The trace records autograd's graph (every parameter temporarily
+requires a gradient; no activation is kept, as nothing is back-propagated),
+and a conv counts when the node that computed its output is in the graph
+behind the output. Convs whose result is used under ``torch.no_grad`` or
+detached drop out by themselves, without naming them: EMANet's
+``decode_head.ema_mid_conv`` (which mmseg freezes on purpose; its output only
+drives the EM iterations, run without autograd), or DANet's side classifiers
+``pam_conv_seg`` / ``cam_conv_seg``, which feed training-only losses as an
+auxiliary head does. Activation checkpointing (``with_cp``) is switched off
+during the trace, since a reentrant checkpoint runs its forward without
+autograd.
+
+The classifiers are every decode head's final layer: ``conv_seg`` of an
+mmseg ``BaseDecodeHead`` (``decode_head.conv_seg``, or
+``decode_head.<i>.conv_seg`` for each head of a cascade, e.g. OCRNet's
+``FCNHead`` and ``OCRHead``) and ``fc_seg`` of PointRend's ``PointHead``
+(a ``Conv1d``; its point MLP ``fcs`` is made of ``Conv1d`` layers too, which
+are not convs here and stay frozen). Classifiers are always trained and
+never counted among the N layers unless named explicitly; ``num_layers``
+refuses a segmentor where no classifier conv feeds the output (Segmenter's
+mask transformer head and SAN's CLIP head compute class scores from class
+embeddings).
 """
 import difflib
 from dataclasses import dataclass, field
@@ -29,11 +56,15 @@ NORM_TYPES = (_BatchNorm, _InstanceNorm, nn.GroupNorm, nn.LayerNorm)
 
 __all__ = [
     'ConvRecord', 'LayerChoice', 'trace_convs', 'select_layers',
-    'auto_radius', 'resolve_radius', 'is_classifier', 'CLASSIFIER_SUFFIX'
+    'auto_radius', 'resolve_radius', 'is_classifier', 'CLASSIFIER_SUFFIX',
+    'CLASSIFIER_NAMES'
 ]
 
 #: mmseg's ``BaseDecodeHead`` names its final 1x1 classifier ``conv_seg``.
 CLASSIFIER_SUFFIX = 'conv_seg'
+#: Names of decode-head classifiers: ``conv_seg``, and ``fc_seg`` of
+#: PointRend's ``PointHead`` (which deletes its ``conv_seg``).
+CLASSIFIER_NAMES = (CLASSIFIER_SUFFIX, 'fc_seg')
 
 
 @dataclass
@@ -52,6 +83,14 @@ class ConvRecord:
         norm_path: the norm layer that consumed this conv's output
             immediately after it, if any (``conv -> bn`` in a ConvModule or a
             ResNet block); with ``train_norm=True`` it is trained too.
+        feeds_output: the output (the segmentation logits of the inference
+            path) depends on this conv's output through autograd, in any of
+            its calls: a gradient of the loss on the output reaches it.
+            None for a trace with ``grad=True`` (not determined there).
+        feeds_heads: some head output depends on it: the output, any output
+            of a decode head's ``forward`` (DANet's side classifiers) or of
+            an auxiliary head; False means no loss gradient reaches it.
+            None for a trace with ``grad=True``.
     """
 
     path: str
@@ -61,6 +100,8 @@ class ConvRecord:
     inference: bool = True
     norm_path: Optional[str] = None
     input_requires_grad: bool = False
+    feeds_output: Optional[bool] = None
+    feeds_heads: Optional[bool] = None
 
 
 @dataclass
@@ -101,23 +142,107 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model.module, nn.Module) else model
 
 
+def _tensors(obj) -> List[torch.Tensor]:
+    """The tensors in a (nested) head output: tensor, list, tuple, dict."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _capture(obj: nn.Module, name: str, sink: List) -> callable:
+    """Record every result of the method ``obj.<name>``, however called.
+
+    mmseg calls heads' ``forward`` directly (``decode_head.forward(x)``,
+    ``self.forward(...)`` inside ``predict``), which module forward hooks do
+    not see; an instance attribute shadowing the method does. Returns the
+    function that undoes it.
+    """
+    had = name in obj.__dict__
+    previous = obj.__dict__.get(name)
+    original = getattr(obj, name)
+
+    def method(*args, **kwargs):
+        out = original(*args, **kwargs)
+        sink.append(out)
+        return out
+
+    setattr(obj, name, method)
+
+    def restore():
+        if had:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
+
+    return restore
+
+
+def _head_list(head) -> List[nn.Module]:
+    if head is None:
+        return []
+    return list(head) if isinstance(head, nn.ModuleList) else [head]
+
+
 def _run_inference_path(model: nn.Module, x: torch.Tensor,
-                        aux_marker: List[bool]) -> None:
-    """extract_feat + decode_head(s), then auxiliary heads (marked)."""
-    feats = model.extract_feat(x)
-    head = model.decode_head
-    if isinstance(head, nn.ModuleList):  # CascadeEncoderDecoder
-        out = head[0].forward(feats)
-        for h in head[1:]:
-            out = h.forward(feats, out)
+                        aux_marker: List[bool]):
+    """mmseg's ``encode_decode``, then the auxiliary heads (marked).
+
+    The auxiliary heads get the features ``encode_decode`` extracted. A
+    model without ``encode_decode`` runs ``extract_feat`` and the decode
+    head(s') ``forward``, a cascade feeding each head the previous output.
+
+    Returns:
+        ``(output, side_outputs)``: the segmentation logits, and the
+        auxiliary heads' outputs.
+    """
+    h, w = x.shape[-2:]
+    feats: List = []
+    if hasattr(model, 'encode_decode'):
+        metas = [dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w))]
+        restore = _capture(model, 'extract_feat', feats)
+        try:
+            out = model.encode_decode(x, metas)
+        finally:
+            restore()
     else:
-        head.forward(feats)
-    aux = getattr(model, 'auxiliary_head', None)
-    if aux is not None:
+        feats.append(model.extract_feat(x))
+        heads = _head_list(model.decode_head)
+        out = heads[0].forward(feats[0])
+        for head in heads[1:]:
+            out = head.forward(feats[0], out)
+    side = []
+    aux = _head_list(getattr(model, 'auxiliary_head', None))
+    if aux:
         aux_marker[0] = True
-        heads = aux if isinstance(aux, nn.ModuleList) else [aux]
-        for h in heads:
-            h.forward(feats)
+        x_aux = feats[0] if feats else model.extract_feat(x)
+        for head in aux:
+            side.append(head.forward(x_aux))
+    return out, side
+
+
+def _graph_nodes(roots: Sequence[torch.Tensor], seen: set) -> set:
+    """Add to ``seen`` every autograd node behind ``roots``."""
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+def _drop_saved(tensor):
+    return None
+
+
+def _no_unpack(_):
+    raise RuntimeError('the selection trace keeps no activation for '
+                       'backward')
 
 
 def trace_convs(model: nn.Module,
@@ -125,18 +250,24 @@ def trace_convs(model: nn.Module,
                 grad: bool = False) -> List[ConvRecord]:
     """Run the segmentor once and list its convs in execution order.
 
-    The model is run in eval mode (batch 1 is then safe for BN and pooling),
-    under ``no_grad`` by default, and its training flags are restored
-    afterwards, so the trace changes no state (no BN statistics update).
+    The model is run in eval mode (batch 1 is then safe for BN and pooling)
+    with autograd recording but no activation saved for backward (nothing
+    is back-propagated), and its training flags, parameters'
+    ``requires_grad`` and ``with_cp`` flags are restored afterwards, so the
+    trace changes no state (no BN statistics update).
 
     Args:
         model: an mmseg segmentor with ``extract_feat`` and ``decode_head``
-            (``EncoderDecoder``; ``CascadeEncoderDecoder`` also works).
+            (``EncoderDecoder`` or ``CascadeEncoderDecoder``; see the module
+            docstring for what is run).
         input_size: ``(H, W)`` of the dummy input; shapes in the records are
             at this size, so use the training crop.
-        grad: run with autograd on, to learn which convs receive an input
-            that needs a gradient (after surgery: which chosen layers must
-            compute ``g_x``). Default False (``no_grad``).
+        grad: False (default): every parameter requires a gradient during
+            the trace, which records which convs feed the output
+            (``feeds_output``, ``feeds_heads``). True: the parameters keep
+            their own ``requires_grad``, to learn which convs receive an
+            input that needs a gradient (after surgery: which chosen layers
+            must compute ``g_x``; ``input_requires_grad``).
 
     Returns:
         One :class:`ConvRecord` per ``nn.Conv2d`` that ran, first call order;
@@ -149,15 +280,19 @@ def trace_convs(model: nn.Module,
             f'extract_feat and decode_head, got {type(model).__name__}')
     names = {m: n for n, m in model.named_modules()}
     records: Dict[nn.Module, ConvRecord] = {}
+    nodes: Dict[nn.Module, list] = {}
     aux_marker = [False]
     last_conv: List[Optional[Tuple[ConvRecord, torch.Tensor]]] = [None]
 
     def conv_hook(module, inputs, output):
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            nodes.setdefault(module, []).append(output.grad_fn)
         if module not in records and isinstance(output, torch.Tensor):
             rec = ConvRecord(names[module], module,
                              tuple(inputs[0].shape[1:]),
                              tuple(output.shape[1:]), not aux_marker[0],
-                             input_requires_grad=inputs[0].requires_grad)
+                             input_requires_grad=bool(grad)
+                             and inputs[0].requires_grad)
             records[module] = rec
             last_conv[0] = (rec, output)
         else:
@@ -177,21 +312,49 @@ def trace_convs(model: nn.Module,
             handles.append(m.register_forward_hook(conv_hook))
         elif isinstance(m, NORM_TYPES):
             handles.append(m.register_forward_hook(norm_hook))
+    head_outputs: List = []
+    restores = [
+        _capture(head, 'forward', head_outputs)
+        for head in _head_list(model.decode_head)
+    ]
     modes = {m: m.training for m in model.modules()}
+    checkpointed = [
+        m for m in model.modules() if getattr(m, 'with_cp', False) is True
+    ]
+    flags = {p: p.requires_grad for p in model.parameters()}
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device('cpu')
     try:
         model.eval()
+        for m in checkpointed:
+            m.with_cp = False
+        if not grad:
+            for p in flags:
+                p.requires_grad_(True)
         h, w = (int(v) for v in input_size)
-        with torch.set_grad_enabled(grad):
-            _run_inference_path(model,
-                                torch.zeros(1, 3, h, w, device=device),
-                                aux_marker)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                _drop_saved, _no_unpack):
+            out, side = _run_inference_path(
+                model, torch.zeros(1, 3, h, w, device=device), aux_marker)
     finally:
+        for restore in restores:
+            restore()
         for handle in handles:
             handle.remove()
         for m, mode in modes.items():
             m.training = mode
+        for m in checkpointed:
+            m.with_cp = True
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+    if not grad:
+        behind_output = _graph_nodes(_tensors(out), set())
+        behind_heads = _graph_nodes(
+            _tensors(head_outputs) + _tensors(side), set(behind_output))
+        for module, rec in records.items():
+            calls = nodes.get(module, [])
+            rec.feeds_output = any(n in behind_output for n in calls)
+            rec.feeds_heads = any(n in behind_heads for n in calls)
     return list(records.values())
 
 
@@ -266,10 +429,11 @@ def _pair(v) -> Tuple[int, int]:
 
 
 def is_classifier(path: str) -> bool:
-    """The decode head's classifier (``decode_head[.i].conv_seg``), which
-    every strategy trains and no layer count includes."""
-    return path.startswith('decode_head') and path.split(
-        '.')[-1] == CLASSIFIER_SUFFIX
+    """A decode head's classifier (``decode_head[.i].conv_seg``, or
+    PointHead's ``fc_seg``), which every strategy trains and no layer count
+    includes."""
+    return (path == 'decode_head' or path.startswith('decode_head.')) and \
+        path.split('.')[-1] in CLASSIFIER_NAMES
 
 
 def _check_filterable(path: str, module: nn.Module) -> None:
@@ -279,6 +443,11 @@ def _check_filterable(path: str, module: nn.Module) -> None:
             f'{type(module).__name__}, which cannot be gradient-filtered; '
             'allowed: nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
             'DeformConv, ConvTranspose)')
+
+
+def _listing(paths: Sequence[str], limit: int = 6) -> str:
+    more = f' and {len(paths) - limit} more' if len(paths) > limit else ''
+    return f'{list(paths[:limit])}{more}'
 
 
 def select_layers(model: nn.Module,
@@ -295,30 +464,34 @@ def select_layers(model: nn.Module,
     Args:
         model: an mmseg segmentor (unwrapped or wrapped).
         num_layers: the last N convs in forward execution order on the
-            inference path, ``decode_head.conv_seg`` excluded (it is always
+            inference path that a gradient of the loss on the output reaches
+            (``feeds_output``); classifiers excluded (they are always
             trained anyway).
         layers: module paths; a conv is taken as is, a container stands for
-            every conv inside it in execution order (a head's classifier
-            ``conv_seg`` is only taken when named itself).
+            every conv inside it in execution order that some loss gradient
+            reaches (``feeds_heads``; a head's classifier is only taken when
+            named itself).
         radius: int, ``'auto'`` or ``{path prefix: int|'auto'}``, see
             :func:`resolve_radius`.
         input_size: ``(H, W)`` of the trace.
-        records: a precomputed :func:`trace_convs` result.
+        records: a precomputed :func:`trace_convs` result (of a trace with
+            ``grad=False``; otherwise the model is traced again).
 
     Returns:
         list[LayerChoice]: in execution order.
 
     Raises:
         ValueError: bad ``num_layers`` (< 1 or more than the convs there
-            are), unknown path (with close matches), non-filterable conv,
-            model without convs, bad radius.
+            are), a segmentor without a classifier (``num_layers``), unknown
+            path (with close matches), a named conv that no loss gradient
+            reaches, non-filterable conv, model without convs, bad radius.
     """
     if (num_layers is None) == (layers is None):
         raise ValueError('gradient_filter: give exactly one of num_layers '
                          f'and layers, got num_layers={num_layers!r}, '
                          f'layers={layers!r}')
     model = _unwrap(model)
-    if records is None:
+    if records is None or any(r.feeds_output is None for r in records):
         records = trace_convs(model, input_size)
     if not records:
         raise ValueError(
@@ -327,23 +500,41 @@ def select_layers(model: nn.Module,
     h = int(input_size[0])
     chosen: List[ConvRecord] = []
     if num_layers is not None:
-        pool = [
+        name = type(model).__name__
+        classifiers = [
+            r.path for r in records
+            if is_classifier(r.path) and r.inference and r.feeds_output
+        ]
+        if not classifiers:
+            heads = [type(m).__name__ for m in _head_list(model.decode_head)]
+            raise ValueError(
+                f'gradient_filter: the decode head of {name} ({heads}) has '
+                'no classifier conv (conv_seg) that the output depends on; '
+                'gradient filtering always trains it: its class scores come '
+                'from layers that num_layers cannot select (not nn.Conv2d, '
+                'e.g. class embeddings), so they would stay frozen. Allowed: '
+                "a segmentor whose decode heads end in mmseg's conv_seg")
+        ran = [
             r for r in records if r.inference and not is_classifier(r.path)
         ]
+        pool = [r for r in ran if r.feeds_output]
+        unreached = [r.path for r in ran if not r.feeds_output]
         if not pool:
-            classifiers = [r.path for r in records if is_classifier(r.path)]
             raise ValueError(
-                f'gradient_filter: {type(model).__name__} runs no conv on '
-                f'its inference path besides its classifier {classifiers}, '
-                'so num_layers has nothing to choose from (allowed: a '
-                'segmentor with nn.Conv2d layers; to train the classifier '
-                "alone, use layers=['decode_head.conv_seg'])")
+                f'gradient_filter: {name} runs no conv on its inference '
+                f'path that the output depends on besides its classifiers '
+                f'{classifiers}, so num_layers has nothing to choose from '
+                '(allowed: a segmentor with nn.Conv2d layers; to train the '
+                "classifier alone, use layers=['decode_head.conv_seg'])")
         if isinstance(num_layers, bool) or not isinstance(
                 num_layers, int) or not 1 <= num_layers <= len(pool):
+            note = (f'; not counted, as no gradient of the output reaches '
+                    f'them: {_listing(unreached)}' if unreached else '')
             raise ValueError(
                 f'gradient_filter num_layers must be an int in '
-                f'[1, {len(pool)}] ({type(model).__name__} runs {len(pool)} '
-                f'convs besides the classifier), got {num_layers!r}')
+                f'[1, {len(pool)}] ({name} runs {len(pool)} convs besides '
+                f'the classifier that the output depends on{note}), got '
+                f'{num_layers!r}')
         chosen = pool[-num_layers:]
     else:
         if isinstance(layers, str):
@@ -364,7 +555,7 @@ def select_layers(model: nn.Module,
                 r for r in records
                 if r.path == path or (
                     r.path.startswith(path + '.')
-                    and r.path.split('.')[-1] != CLASSIFIER_SUFFIX)
+                    and r.path.split('.')[-1] not in CLASSIFIER_NAMES)
             ]
             if not inside:
                 if isinstance(mod, nn.Conv2d):
@@ -376,7 +567,16 @@ def select_layers(model: nn.Module,
                     f'({type(mod).__name__}) contains no conv that runs in '
                     'the forward pass; allowed: a conv or a container of '
                     'convs')
-            for rec in inside:
+            reached = [r for r in inside if r.feeds_heads]
+            if not reached:
+                raise ValueError(
+                    f'gradient_filter layers: no loss gradient reaches '
+                    f'{path!r}: no head output depends on '
+                    f'{_listing([r.path for r in inside])} through autograd '
+                    '(used under torch.no_grad or detached, e.g. EMANet\'s '
+                    'ema_mid_conv), so training it would change nothing; '
+                    'allowed: convs that the output or a head depends on')
+            for rec in reached:
                 if rec not in chosen:
                     chosen.append(rec)
         order = {id(r): i for i, r in enumerate(records)}

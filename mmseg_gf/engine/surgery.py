@@ -9,7 +9,7 @@ from torch import nn
 
 from ..models.gf_conv import GFConv2d
 from .lean_region import apply_lean_region
-from .selection import CLASSIFIER_SUFFIX, NORM_TYPES, LayerChoice
+from .selection import NORM_TYPES, LayerChoice, is_classifier
 
 __all__ = [
     'MODES', 'MARK_ATTR', 'apply_gradient_filter', 'set_frozen_norms_eval',
@@ -45,12 +45,9 @@ def get_gradient_filter_layers(
 
 
 def classifier_paths(model: nn.Module) -> List[str]:
-    """Paths of the decode head classifier(s), always trained."""
-    return [
-        n for n, _ in _unwrap(model).named_modules()
-        if n.startswith('decode_head') and n.split('.')[-1] ==
-        CLASSIFIER_SUFFIX
-    ]
+    """Paths of the decode head classifier(s), always trained (see
+    :func:`~mmseg_gf.engine.selection.is_classifier`)."""
+    return [n for n, _ in _unwrap(model).named_modules() if is_classifier(n)]
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
