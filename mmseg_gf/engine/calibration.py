@@ -31,11 +31,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from .utils import unwrap_model
+
 __all__ = ['CalibrationHook', 'freeze_for_calibration']
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if is_model_wrapper(model) else model
 
 
 def freeze_for_calibration(model: nn.Module,
@@ -53,7 +51,7 @@ def freeze_for_calibration(model: nn.Module,
     Raises:
         ValueError: a path names no module, or nothing would be trained.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     modules = dict(model.named_modules())
     missing = [p for p in trainable if p not in modules]
     if missing:
@@ -79,7 +77,7 @@ def set_norm_stats_train(model: nn.Module) -> int:
         int: how many BN layers.
     """
     count = 0
-    for m in _unwrap(model).modules():
+    for m in unwrap_model(model).modules():
         if isinstance(m, _BatchNorm):
             m.train()
             count += 1
@@ -115,7 +113,7 @@ class CalibrationHook(Hook):
         self.trained: Optional[List[str]] = None
 
     def before_train(self, runner) -> None:
-        model = _unwrap(runner.model)
+        model = unwrap_model(runner.model)
         if is_model_wrapper(runner.model) and not isinstance(
                 runner.model, DistributedDataParallel):
             raise TypeError('CalibrationHook can only re-wrap '

@@ -32,6 +32,7 @@ from .config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
 from .selection import LayerChoice, select_layers, trace_convs
 from .surgery import (LEAN_ATTR, MODE_ATTR, apply_gradient_filter,
                       get_gradient_filter_layers, set_frozen_norms_eval)
+from .utils import unwrap_model
 
 __all__ = [
     'GradFilterHook', 'format_cost_table', 'check_checkpoint_matches',
@@ -275,16 +276,14 @@ class GradFilterHook(Hook):
             load_from = find_latest_checkpoint(runner.work_dir)
         if load_from is None:
             return
-        model = runner.model.module if is_model_wrapper(
-            runner.model) else runner.model
+        model = unwrap_model(runner.model)
         check_checkpoint_matches(
             model, load_from, 'resume' if resume else 'load_from',
             logger=runner.logger)
 
     def before_train(self, runner) -> None:
         """Apply selection + surgery (unless done), re-wrap DDP, log."""
-        model = runner.model.module if is_model_wrapper(
-            runner.model) else runner.model
+        model = unwrap_model(runner.model)
         choices = get_gradient_filter_layers(model)
         if choices is None and is_model_wrapper(runner.model) and \
                 not isinstance(runner.model, DistributedDataParallel):
