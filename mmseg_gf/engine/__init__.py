@@ -7,6 +7,7 @@ Importing this package registers ``GradFilterModel`` (mmseg MODELS),
 from .calibration import CalibrationHook  # noqa: F401 (registers it)
 from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config
+from .cpu_distributed import CPUDistributedDataParallel  # noqa: F401
 from .hooks import GradFilterHook, format_cost_table
 from .quality_hook import GradientQualityHook
 from .selection import (LayerChoice, auto_radius, resolve_radius,
