@@ -8,7 +8,7 @@ Two equivalent ways to finetune with gradient filtering:
    builder returns the plain segmentor class with GFConv2d swapped in, so
    checkpoints keep mmseg's keys and load without the plugin.
 2. An unchanged config plus ``custom_hooks=[dict(type='GradFilterHook',
-   num_layers=5, radius=4)]`` (see ``hooks.py``).
+   num_layers=5, radius=4)]`` (see ``hooks/grad_filter_hook.py``).
 """
 import copy
 from typing import Any, Dict, Optional, Sequence

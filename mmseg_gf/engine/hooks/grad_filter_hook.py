@@ -21,15 +21,15 @@ from mmseg.registry import HOOKS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..analysis.cost import conv_backward_cost
-from ..analysis.step_memory import trace_step_saved_bytes
-from .checkpoint import check_checkpoint_matches
-from .config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
+from ...analysis.cost import conv_backward_cost
+from ...analysis.step_memory import trace_step_saved_bytes
+from ..checkpoint import check_checkpoint_matches
+from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
                      default_input_size)
-from .selection import LayerChoice, select_layers, trace_convs
-from .surgery import (LEAN_ATTR, MODE_ATTR, apply_gradient_filter,
+from ..selection import LayerChoice, select_layers, trace_convs
+from ..surgery import (LEAN_ATTR, MODE_ATTR, apply_gradient_filter,
                       get_gradient_filter_layers, set_frozen_norms_eval)
-from .utils import unwrap_model
+from ..utils import unwrap_model
 
 __all__ = ['GradFilterHook', 'format_cost_table']
 

@@ -13,9 +13,9 @@ from typing import Optional
 from mmengine.hooks import Hook
 from mmseg.registry import HOOKS
 
-from ..analysis.quality import capture_layer_io, layer_gradient_quality
-from ..models import GFConv2d
-from .utils import unwrap_model
+from ...analysis.quality import capture_layer_io, layer_gradient_quality
+from ...models import GFConv2d
+from ..utils import unwrap_model
 
 
 @HOOKS.register_module()
