@@ -13,7 +13,7 @@ import os.path as osp
 import torch
 from mmengine.dist import get_dist_info
 from mmengine.hooks import Hook
-from mmengine.model import BaseModule, is_model_wrapper
+from mmengine.model import BaseModule
 from mmseg.registry import HOOKS, MODELS
 from torch import nn
 
@@ -31,9 +31,9 @@ class StateDumpHook(Hook):
 
     def after_run(self, runner) -> None:
         from mmseg_gf.engine.lean_region import lean_counts
+        from mmseg_gf.engine.utils import unwrap_model
         from mmseg_gf.models import GFConv2d
-        model = runner.model.module if is_model_wrapper(
-            runner.model) else runner.model
+        model = unwrap_model(runner.model)
         rank, world = get_dist_info()
         backend = None
         if torch.distributed.is_available() and \

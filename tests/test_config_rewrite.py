@@ -134,8 +134,8 @@ def test_prepare_cpu_distributed(monkeypatch):
     the config as it is."""
     from mmengine.registry import MODEL_WRAPPERS
 
-    from mmseg_gf.engine.config import (CPUDistributedDataParallel,
-                                        prepare_cpu_distributed)
+    from mmseg_gf.engine.cpu_distributed import (CPUDistributedDataParallel,
+                                                 prepare_cpu_distributed)
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
 
     def prepared(**cfg):

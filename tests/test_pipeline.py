@@ -27,7 +27,7 @@ from mmseg_gf.pipeline import compose_config  # noqa: E402
 from mmseg_gf.pipeline.experiments import (rescale_schedule,  # noqa: E402
                                            set_data)
 from mmseg_gf.pipeline.flops import strategy_cost  # noqa: E402
-from mmseg_gf.pipeline.hooks import ValMetricsRecorderHook  # noqa: E402
+from mmseg_gf.engine.hooks import ValMetricsRecorderHook  # noqa: E402
 from mmseg_gf.pipeline.report import mean_std  # noqa: E402
 
 os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')

@@ -7,7 +7,7 @@ from mmengine.logging import MessageHub, MMLogger
 from torch import nn
 
 from mmseg_gf import GFConv2d
-from mmseg_gf.engine.quality_hook import GradientQualityHook
+from mmseg_gf.engine.hooks import GradientQualityHook
 
 
 def test_hook_logs_quality_of_each_filtered_layer_on_its_interval():

@@ -13,7 +13,7 @@ import torch
 from mmengine.hooks import Hook
 from mmseg.registry import HOOKS
 
-from mmseg_gf.engine.hooks import check_checkpoint_matches
+from mmseg_gf.engine.checkpoint import check_checkpoint_matches
 from tests._engine_fixtures import (EXPECTED, NORM, build_model,
                                     changed_modules, gf_paths, model_cfg,
                                     prepare_workspace, tool_cfg, write_cfg)

@@ -24,11 +24,11 @@ from mmengine.config import Config
 from mmengine.runner import Runner
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
+from mmseg_gf.engine.checkpoint import check_checkpoint_matches
 from mmseg_gf.engine.cli import (add_common_args, load_config,
                                  trust_mmengine_checkpoints)
-from mmseg_gf.engine.config import (init_cpu_process_group,
-                                    prepare_cpu_distributed)
-from mmseg_gf.engine.hooks import check_checkpoint_matches
+from mmseg_gf.engine.cpu_distributed import (init_cpu_process_group,
+                                             prepare_cpu_distributed)
 
 trust_mmengine_checkpoints()  # before any checkpoint is read
 

@@ -31,8 +31,8 @@ from mmseg_gf.engine.cli import (add_common_args, load_config,
                                  trust_mmengine_checkpoints)
 from mmseg_gf.engine.cpu_amp import enable_amp
 from mmseg_gf.engine import rewrite_config
-from mmseg_gf.engine.config import (init_cpu_process_group,
-                                    prepare_cpu_distributed)
+from mmseg_gf.engine.cpu_distributed import (init_cpu_process_group,
+                                             prepare_cpu_distributed)
 
 trust_mmengine_checkpoints()  # before any checkpoint is read
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..engine.selection import ConvRecord, is_classifier, trace_convs
 from ..engine.surgery import MODE_ATTR, get_gradient_filter_layers
+from ..engine.utils import unwrap_model
 from .cost import ConvBackwardCost, conv_backward_cost
 
 __all__ = [
@@ -241,8 +242,7 @@ def model_backward_cost(model: nn.Module,
     Returns:
         ModelCost: the counted convs (classifier apart), in execution order.
     """
-    model = model.module if hasattr(model, 'module') and isinstance(
-        model.module, nn.Module) else model
+    model = unwrap_model(model)
     size = tuple(int(v) for v in input_size)
     if records is None:
         records = trace_convs(model, size, grad=True)

@@ -1,14 +1,16 @@
-"""Layer selection, surgery, config rewrite and GradFilterHook.
+"""Layer selection, surgery, config rewrite, checkpoint checking, the hooks.
 
-Importing this package registers ``GradFilterModel`` (mmseg MODELS),
-``GradFilterHook`` and ``GradientQualityHook`` (mmseg HOOKS) and
-``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS).
+Importing this package registers ``GradFilterModel`` (mmseg MODELS), the
+hooks of :mod:`.hooks` (``GradFilterHook``, ``CalibrationHook``,
+``GradientQualityHook``, ``ValMetricsRecorderHook``; mmseg HOOKS),
+``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS) and
+``CPUDistributedDataParallel`` (mmengine MODEL_WRAPPERS).
 """
-from .calibration import CalibrationHook  # noqa: F401 (registers it)
 from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config
-from .hooks import GradFilterHook, format_cost_table
-from .quality_hook import GradientQualityHook
+from .cpu_distributed import CPUDistributedDataParallel  # noqa: F401
+from .hooks import (CalibrationHook, GradFilterHook, GradientQualityHook,
+                    ValMetricsRecorderHook, format_cost_table)
 from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers, trace_convs)
 from .surgery import (apply_gradient_filter, get_gradient_filter_layers,
@@ -19,5 +21,6 @@ __all__ = [
     'resolve_radius', 'apply_gradient_filter', 'set_frozen_norms_eval',
     'get_gradient_filter_layers', 'build_grad_filter_model',
     'check_settings', 'rewrite_config', 'GradFilterHook', 'format_cost_table',
-    'GradientQualityHook', 'CPUAmpOptimWrapper', 'enable_amp'
+    'GradientQualityHook', 'CalibrationHook', 'ValMetricsRecorderHook',
+    'CPUAmpOptimWrapper', 'enable_amp'
 ]

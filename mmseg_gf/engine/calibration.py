@@ -1,41 +1,21 @@
-"""CalibrationHook: the paper's calibration step before finetuning.
+"""The paper's calibration step: which parameters train, which norms update.
 
 Supplement D.3: a model pretrained on the source dataset is first
 *calibrated* on the target dataset: its classifier (for the MobileNetV2
 models: the whole decoder) is trained and the statistics of every batch
 normalisation layer are re-estimated, all other weights frozen. This is the
 "Calibration" row of Tables 3 and 9 and the starting point of every
-finetuning strategy.
-
-The hook, in an otherwise ordinary training config::
-
-    custom_hooks = [dict(type='CalibrationHook',
-                         trainable=['decode_head.conv_seg'])]
-
-* ``before_train`` (after the checkpoint is loaded): every parameter outside
-  ``trainable`` gets ``requires_grad=False`` -- the optimizer, built earlier,
-  then skips them (SGD ignores parameters without a gradient, weight decay
-  included) and autograd stops at the first trained module. A DDP-wrapped
-  model is wrapped again, as GradFilterHook does.
-* ``before_train_iter`` (after the loop's ``model.train()``): every BN layer
-  is put in train mode, overriding ``norm_eval=True`` backbones, so its
-  running statistics follow the target data. Its affine parameters stay
-  frozen unless they are inside ``trainable``.
+finetuning strategy. :class:`~mmseg_gf.engine.hooks.CalibrationHook` applies
+these functions in a training run.
 """
-from typing import List, Optional, Sequence, Union
+from typing import List, Sequence
 
-from mmengine.hooks import Hook
-from mmengine.model import is_model_wrapper
-from mmseg.registry import HOOKS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ['CalibrationHook', 'freeze_for_calibration']
+from .utils import unwrap_model
 
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if is_model_wrapper(model) else model
+__all__ = ['freeze_for_calibration', 'set_norm_stats_train']
 
 
 def freeze_for_calibration(model: nn.Module,
@@ -53,7 +33,7 @@ def freeze_for_calibration(model: nn.Module,
     Raises:
         ValueError: a path names no module, or nothing would be trained.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     modules = dict(model.named_modules())
     missing = [p for p in trainable if p not in modules]
     if missing:
@@ -79,68 +59,8 @@ def set_norm_stats_train(model: nn.Module) -> int:
         int: how many BN layers.
     """
     count = 0
-    for m in _unwrap(model).modules():
+    for m in unwrap_model(model).modules():
         if isinstance(m, _BatchNorm):
             m.train()
             count += 1
     return count
-
-
-@HOOKS.register_module()
-class CalibrationHook(Hook):
-    """Train only ``trainable`` and re-estimate the BN statistics.
-
-    Args:
-        trainable: module path or paths to train (default: the decode
-            head's classifier ``decode_head.conv_seg``; the MobileNetV2
-            models calibrate ``decode_head``).
-        update_norm_stats: keep every BN layer in train mode (default True);
-            False: norm layers without trained parameters stay in eval mode
-            (statistics fixed).
-    """
-
-    priority = 'ABOVE_NORMAL'
-
-    def __init__(self,
-                 trainable: Union[str, Sequence[str]] = (
-                     'decode_head.conv_seg', ),
-                 update_norm_stats: bool = True) -> None:
-        if isinstance(trainable, str):
-            trainable = [trainable]
-        if not trainable or not all(isinstance(p, str) for p in trainable):
-            raise ValueError('CalibrationHook trainable must be a module '
-                             f'path or a list of them, got {trainable!r}')
-        self.trainable = list(trainable)
-        self.update_norm_stats = bool(update_norm_stats)
-        self.trained: Optional[List[str]] = None
-
-    def before_train(self, runner) -> None:
-        model = _unwrap(runner.model)
-        if is_model_wrapper(runner.model) and not isinstance(
-                runner.model, DistributedDataParallel):
-            raise TypeError('CalibrationHook can only re-wrap '
-                            'DistributedDataParallel models, got '
-                            f'{type(runner.model).__name__}')
-        self.trained = freeze_for_calibration(model, self.trainable)
-        if is_model_wrapper(runner.model):
-            # DDP fixed its set of gradient-requiring parameters when built.
-            from .hooks import GradFilterHook
-            GradFilterHook._rewrap(runner, model)
-        n_train = sum(p.numel() for p in model.parameters()
-                      if p.requires_grad)
-        n_all = sum(p.numel() for p in model.parameters())
-        n_bn = sum(isinstance(m, _BatchNorm) for m in model.modules())
-        runner.logger.info(
-            f'CalibrationHook: training {self.trainable} ({n_train} of '
-            f'{n_all} parameters); '
-            + (f'{n_bn} BN layers update their statistics'
-               if self.update_norm_stats else 'BN statistics fixed'))
-
-    def before_train_iter(self, runner, batch_idx: int,
-                          data_batch=None) -> None:
-        if self.update_norm_stats:
-            set_norm_stats_train(runner.model)
-        else:
-            # Frozen norms keep their statistics (as GradFilterHook does).
-            from .surgery import set_frozen_norms_eval
-            set_frozen_norms_eval(runner.model)

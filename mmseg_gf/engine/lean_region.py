@@ -20,13 +20,9 @@ from typing import Dict
 from torch import nn
 
 from ..models.lean import is_lean, lean_kind, make_lean, make_plain
+from .utils import unwrap_model
 
 __all__ = ['apply_lean_region', 'remove_lean_region', 'lean_counts']
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, 'module') and isinstance(
-        model.module, nn.Module) else model
 
 
 def apply_lean_region(model: nn.Module) -> Dict[str, int]:
@@ -36,7 +32,7 @@ def apply_lean_region(model: nn.Module) -> Dict[str, int]:
         dict: kind (``norm``, ``activation``, ``dropout``, ``loss``) -> how
         many modules of the model now are lean.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     for module in list(model.modules()):
         make_lean(module)
     return lean_counts(model)
@@ -44,10 +40,10 @@ def apply_lean_region(model: nn.Module) -> Dict[str, int]:
 
 def remove_lean_region(model: nn.Module) -> int:
     """Swap every lean module back to its plain class; returns how many."""
-    return sum(make_plain(m) for m in list(_unwrap(model).modules()))
+    return sum(make_plain(m) for m in list(unwrap_model(model).modules()))
 
 
 def lean_counts(model: nn.Module) -> Dict[str, int]:
     """kind -> number of lean modules in ``model``."""
-    return dict(Counter(lean_kind(m) for m in _unwrap(model).modules()
+    return dict(Counter(lean_kind(m) for m in unwrap_model(model).modules()
                         if is_lean(m)))

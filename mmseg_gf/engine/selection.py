@@ -49,6 +49,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ..models.gf_conv import is_filterable_conv
 from ..ops import check_radius
+from .utils import unwrap_model
 
 RadiusSetting = Union[int, str, Dict[str, Union[int, str]]]
 
@@ -135,11 +136,6 @@ class LayerChoice:
     def output_stride(self) -> int:
         """Input-image pixels per output pixel of this conv (1, 2, 4, ...)."""
         return max(1, round(self.input_hw[0] / max(self.out_shape[1], 1)))
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, 'module') and isinstance(
-        model.module, nn.Module) else model
 
 
 def _tensors(obj) -> List[torch.Tensor]:
@@ -273,7 +269,7 @@ def trace_convs(model: nn.Module,
         One :class:`ConvRecord` per ``nn.Conv2d`` that ran, first call order;
         inference-path convs first, then auxiliary-head ones.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     if not (hasattr(model, 'extract_feat') and hasattr(model, 'decode_head')):
         raise ValueError(
             'gradient filter layer selection needs an mmseg segmentor with '
@@ -490,7 +486,7 @@ def select_layers(model: nn.Module,
         raise ValueError('gradient_filter: give exactly one of num_layers '
                          f'and layers, got num_layers={num_layers!r}, '
                          f'layers={layers!r}')
-    model = _unwrap(model)
+    model = unwrap_model(model)
     if records is None or any(r.feeds_output is None for r in records):
         records = trace_convs(model, input_size)
     if not records:

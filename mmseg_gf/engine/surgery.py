@@ -10,6 +10,7 @@ from torch import nn
 from ..models.gf_conv import GFConv2d
 from .lean_region import apply_lean_region
 from .selection import NORM_TYPES, LayerChoice, is_classifier
+from .utils import unwrap_model
 
 __all__ = [
     'MODES', 'MARK_ATTR', 'apply_gradient_filter', 'set_frozen_norms_eval',
@@ -25,11 +26,6 @@ MODE_ATTR = '_gradient_filter_mode'
 LEAN_ATTR = '_gradient_filter_lean'
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, 'module') and isinstance(
-        model.module, nn.Module) else model
-
-
 def check_mode(mode: str) -> str:
     """Validate ``mode``; raises ValueError naming the allowed values."""
     if mode not in MODES:
@@ -41,13 +37,14 @@ def check_mode(mode: str) -> str:
 def get_gradient_filter_layers(
         model: nn.Module) -> Optional[List[LayerChoice]]:
     """The layers applied to ``model`` (wrapped or not), or None."""
-    return getattr(_unwrap(model), MARK_ATTR, None)
+    return getattr(unwrap_model(model), MARK_ATTR, None)
 
 
 def classifier_paths(model: nn.Module) -> List[str]:
     """Paths of the decode head classifier(s), always trained (see
     :func:`~mmseg_gf.engine.selection.is_classifier`)."""
-    return [n for n, _ in _unwrap(model).named_modules() if is_classifier(n)]
+    return [n for n, _ in unwrap_model(model).named_modules()
+            if is_classifier(n)]
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -87,7 +84,7 @@ def apply_gradient_filter(model: nn.Module,
         list[LayerChoice]: the choices, ``module`` now the GFConv2d.
     """
     check_mode(mode)
-    model = _unwrap(model)
+    model = unwrap_model(model)
     applied = getattr(model, MARK_ATTR, None)
     if applied is not None:
         return applied
@@ -132,7 +129,7 @@ def set_frozen_norms_eval(model: nn.Module) -> int:
         int: how many norm layers were put in eval mode.
     """
     count = 0
-    for m in _unwrap(model).modules():
+    for m in unwrap_model(model).modules():
         if isinstance(m, NORM_TYPES) and not any(
                 p.requires_grad for p in m.parameters()):
             m.eval()

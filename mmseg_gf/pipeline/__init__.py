@@ -10,8 +10,9 @@ results.png in the layout of Tables 3 and 9.
 * :mod:`.flops`: #Layers and backward GFLOPs of a strategy (through the
   shared cost model :mod:`mmseg_gf.analysis.cost`).
 * :mod:`.report`: the tables and the plot.
-* :mod:`.hooks`: ``ValMetricsRecorderHook``, which appends every validation
-  result to ``<work_dir>/val_metrics.jsonl``.
+* ``ValMetricsRecorderHook`` (:mod:`mmseg_gf.engine.hooks`) appends every
+  validation result to ``<work_dir>/val_metrics.jsonl``; :mod:`.hooks` is
+  the import path the run configs name for it.
 """
 from .experiments import (DATASETS, MODELS, STRATEGIES, TRANSFERS,
                           compose_config, strategy_names)

@@ -32,10 +32,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from mmengine.config import Config
 
 from ..engine.cli import trust_mmengine_checkpoints
+from ..engine.hooks import read_val_metrics
 from .experiments import (CONFIG_DIR, DATASETS, MODELS, PAPER_STRATEGIES,
                           TRANSFERS, adapt_config, compose_config,
                           strategy_file, strategy_kind)
-from .hooks import read_val_metrics
 
 __all__ = ['PipelineOptions', 'Stage', 'Pipeline', 'prepare_synthetic']
 

@@ -12,131 +12,26 @@ is constructed, so a DDP-wrapped model is wrapped again after freezing
 """
 import copy
 import gc
-import logging
-import os.path as osp
-import re
 from typing import Any, Dict, List, Optional, Sequence
 
 from mmengine.hooks import Hook
-from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
-from mmengine.runner import CheckpointLoader, find_latest_checkpoint
+from mmengine.runner import find_latest_checkpoint
 from mmseg.registry import HOOKS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..analysis.cost import conv_backward_cost
-from ..analysis.step_memory import trace_step_saved_bytes
-from .config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
+from ...analysis.cost import conv_backward_cost
+from ...analysis.step_memory import trace_step_saved_bytes
+from ..checkpoint import check_checkpoint_matches
+from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
                      default_input_size)
-from .selection import LayerChoice, select_layers, trace_convs
-from .surgery import (LEAN_ATTR, MODE_ATTR, apply_gradient_filter,
+from ..selection import LayerChoice, select_layers, trace_convs
+from ..surgery import (LEAN_ATTR, MODE_ATTR, apply_gradient_filter,
                       get_gradient_filter_layers, set_frozen_norms_eval)
+from ..utils import unwrap_model
 
-__all__ = [
-    'GradFilterHook', 'format_cost_table', 'check_checkpoint_matches',
-    'CLASSIFIER_KEYS'
-]
-
-#: State-dict keys allowed to differ between a ``load_from`` checkpoint and
-#: the model being finetuned: the classifiers, whose shape follows the
-#: number of classes of a dataset (e.g. Cityscapes 19 -> VOC 21).
-CLASSIFIER_KEYS = r'^(decode_head(\.\d+)?\.conv_seg\.|auxiliary_head\.)'
-
-
-def _listing(items: Sequence[str], limit: int = 8) -> str:
-    shown = ', '.join(items[:limit])
-    more = f', ... ({len(items) - limit} more)' if len(items) > limit else ''
-    return f'[{shown}{more}]'
-
-
-def check_checkpoint_matches(model: nn.Module,
-                             filename: str,
-                             setting: str = 'load_from',
-                             allowed: Optional[str] = CLASSIFIER_KEYS,
-                             logger: Any = 'current') -> None:
-    """Fail early if a checkpoint does not fit ``model``.
-
-    mmengine loads ``load_from`` with ``strict=False``: a checkpoint of a
-    different model (or one with renamed keys) only logs a warning and
-    training starts from random weights. Here any missing key, unexpected
-    key or shape mismatch is an error, except for keys matching
-    ``allowed`` (by default the classifiers, which legitimately change with
-    the number of classes; those are logged). Remote checkpoints
-    (``scheme://...``) are not checked.
-
-    Args:
-        model: the (unwrapped) model.
-        filename: the checkpoint path.
-        setting: the config setting that named it, for the messages.
-        allowed: regex of keys allowed to differ; None: none.
-        logger: where to log the allowed differences.
-
-    Raises:
-        FileNotFoundError: ``filename`` is a local path that does not exist.
-        ValueError: the keys / shapes do not match, listing the mismatches.
-    """
-    if '://' in str(filename):
-        return
-    if not osp.isfile(filename):
-        raise FileNotFoundError(
-            f'{setting}: checkpoint file {filename!r} does not exist '
-            '(allowed: an existing checkpoint file, a URL, or None)')
-    checkpoint = CheckpointLoader.load_checkpoint(filename,
-                                                  map_location='cpu')
-    state = checkpoint.get('state_dict', checkpoint) if isinstance(
-        checkpoint, dict) else None
-    if not isinstance(state, dict):
-        raise ValueError(f'{setting}: {filename!r} holds no state dict '
-                         f'(got {type(checkpoint).__name__})')
-    state = {re.sub(r'^module\.', '', k): v for k, v in state.items()}
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [
-        f'{k}: checkpoint {tuple(state[k].shape)} vs model '
-        f'{tuple(own[k].shape)}' for k in own
-        if k in state and hasattr(state[k], 'shape')
-        and tuple(state[k].shape) != tuple(own[k].shape)
-    ]
-
-    def split(keys):
-        if allowed is None:
-            return keys, []
-        return ([k for k in keys if not re.match(allowed, k)],
-                [k for k in keys if re.match(allowed, k)])
-
-    missing, ok_missing = split(missing)
-    unexpected, ok_unexpected = split(unexpected)
-    shapes, ok_shapes = split(shapes)
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f'{len(missing)} model keys missing from it '
-                         f'{_listing(missing)}')
-        if unexpected:
-            parts.append(f'{len(unexpected)} keys the model does not have '
-                         f'{_listing(unexpected)}')
-        if shapes:
-            parts.append(f'{len(shapes)} shape mismatches '
-                         f'{_listing(shapes)}')
-        note = (' Only the classifiers (decode_head.conv_seg, '
-                'auxiliary_head) may differ.' if allowed == CLASSIFIER_KEYS
-                else '')
-        raise ValueError(
-            f'{setting}: checkpoint {filename!r} does not match the '
-            f'{type(model).__name__} being trained (a checkpoint of a '
-            f'different model?): {"; ".join(parts)}.{note} Expected: a '
-            'checkpoint of this model config (or set '
-            'GradFilterHook(check_load_from=False) to load it anyway)')
-    tolerated = ok_missing + ok_unexpected + ok_shapes
-    if tolerated:
-        print_log(
-            f'{setting}: {filename!r} differs from the model in the '
-            f'classifier only, which starts from its initialisation: '
-            f"{_listing(tolerated)}", logger=logger, level=logging.WARNING)
-
-
+__all__ = ['GradFilterHook', 'format_cost_table']
 
 def _fmt_flops(v: float) -> str:
     if v >= 1e9:
@@ -275,16 +170,14 @@ class GradFilterHook(Hook):
             load_from = find_latest_checkpoint(runner.work_dir)
         if load_from is None:
             return
-        model = runner.model.module if is_model_wrapper(
-            runner.model) else runner.model
+        model = unwrap_model(runner.model)
         check_checkpoint_matches(
             model, load_from, 'resume' if resume else 'load_from',
             logger=runner.logger)
 
     def before_train(self, runner) -> None:
         """Apply selection + surgery (unless done), re-wrap DDP, log."""
-        model = runner.model.module if is_model_wrapper(
-            runner.model) else runner.model
+        model = unwrap_model(runner.model)
         choices = get_gradient_filter_layers(model)
         if choices is None and is_model_wrapper(runner.model) and \
                 not isinstance(runner.model, DistributedDataParallel):

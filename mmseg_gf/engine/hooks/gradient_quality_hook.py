@@ -13,8 +13,9 @@ from typing import Optional
 from mmengine.hooks import Hook
 from mmseg.registry import HOOKS
 
-from ..analysis.quality import capture_layer_io, layer_gradient_quality
-from ..models import GFConv2d
+from ...analysis.quality import capture_layer_io, layer_gradient_quality
+from ...models import GFConv2d
+from ..utils import unwrap_model
 
 
 @HOOKS.register_module()
@@ -41,8 +42,7 @@ class GradientQualityHook(Hook):
 
     @staticmethod
     def _filtered_layers(runner):
-        model = runner.model
-        model = getattr(model, 'module', model)
+        model = unwrap_model(runner.model)
         return [(name, module) for name, module in model.named_modules()
                 if isinstance(module, GFConv2d) and module.enabled]
 

@@ -1,0 +1,114 @@
+"""Checking a checkpoint against the model it is loaded into.
+
+mmengine loads ``load_from`` with ``strict=False``: a checkpoint of another
+model only logs a warning. :func:`check_checkpoint_matches` makes it an
+error (used by GradFilterHook before training and by tools/test.py).
+"""
+import logging
+import os.path as osp
+import re
+from typing import Any, Optional, Sequence
+
+from mmengine.logging import print_log
+from mmengine.runner import CheckpointLoader
+from torch import nn
+
+__all__ = ['check_checkpoint_matches', 'CLASSIFIER_KEYS']
+
+#: State-dict keys allowed to differ between a ``load_from`` checkpoint and
+#: the model being finetuned: the classifiers, whose shape follows the
+#: number of classes of a dataset (e.g. Cityscapes 19 -> VOC 21).
+CLASSIFIER_KEYS = r'^(decode_head(\.\d+)?\.conv_seg\.|auxiliary_head\.)'
+
+
+def _listing(items: Sequence[str], limit: int = 8) -> str:
+    shown = ', '.join(items[:limit])
+    more = f', ... ({len(items) - limit} more)' if len(items) > limit else ''
+    return f'[{shown}{more}]'
+
+
+def check_checkpoint_matches(model: nn.Module,
+                             filename: str,
+                             setting: str = 'load_from',
+                             allowed: Optional[str] = CLASSIFIER_KEYS,
+                             logger: Any = 'current') -> None:
+    """Fail early if a checkpoint does not fit ``model``.
+
+    mmengine loads ``load_from`` with ``strict=False``: a checkpoint of a
+    different model (or one with renamed keys) only logs a warning and
+    training starts from random weights. Here any missing key, unexpected
+    key or shape mismatch is an error, except for keys matching
+    ``allowed`` (by default the classifiers, which legitimately change with
+    the number of classes; those are logged). Remote checkpoints
+    (``scheme://...``) are not checked.
+
+    Args:
+        model: the (unwrapped) model.
+        filename: the checkpoint path.
+        setting: the config setting that named it, for the messages.
+        allowed: regex of keys allowed to differ; None: none.
+        logger: where to log the allowed differences.
+
+    Raises:
+        FileNotFoundError: ``filename`` is a local path that does not exist.
+        ValueError: the keys / shapes do not match, listing the mismatches.
+    """
+    if '://' in str(filename):
+        return
+    if not osp.isfile(filename):
+        raise FileNotFoundError(
+            f'{setting}: checkpoint file {filename!r} does not exist '
+            '(allowed: an existing checkpoint file, a URL, or None)')
+    checkpoint = CheckpointLoader.load_checkpoint(filename,
+                                                  map_location='cpu')
+    state = checkpoint.get('state_dict', checkpoint) if isinstance(
+        checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(f'{setting}: {filename!r} holds no state dict '
+                         f'(got {type(checkpoint).__name__})')
+    state = {re.sub(r'^module\.', '', k): v for k, v in state.items()}
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f'{k}: checkpoint {tuple(state[k].shape)} vs model '
+        f'{tuple(own[k].shape)}' for k in own
+        if k in state and hasattr(state[k], 'shape')
+        and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
+
+    def split(keys):
+        if allowed is None:
+            return keys, []
+        return ([k for k in keys if not re.match(allowed, k)],
+                [k for k in keys if re.match(allowed, k)])
+
+    missing, ok_missing = split(missing)
+    unexpected, ok_unexpected = split(unexpected)
+    shapes, ok_shapes = split(shapes)
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f'{len(missing)} model keys missing from it '
+                         f'{_listing(missing)}')
+        if unexpected:
+            parts.append(f'{len(unexpected)} keys the model does not have '
+                         f'{_listing(unexpected)}')
+        if shapes:
+            parts.append(f'{len(shapes)} shape mismatches '
+                         f'{_listing(shapes)}')
+        note = (' Only the classifiers (decode_head.conv_seg, '
+                'auxiliary_head) may differ.' if allowed == CLASSIFIER_KEYS
+                else '')
+        raise ValueError(
+            f'{setting}: checkpoint {filename!r} does not match the '
+            f'{type(model).__name__} being trained (a checkpoint of a '
+            f'different model?): {"; ".join(parts)}.{note} Expected: a '
+            'checkpoint of this model config (or set '
+            'GradFilterHook(check_load_from=False) to load it anyway)')
+    tolerated = ok_missing + ok_unexpected + ok_shapes
+    if tolerated:
+        print_log(
+            f'{setting}: {filename!r} differs from the model in the '
+            f'classifier only, which starts from its initialisation: '
+            f"{_listing(tolerated)}", logger=logger, level=logging.WARNING)

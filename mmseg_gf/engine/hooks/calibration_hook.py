@@ -1,0 +1,91 @@
+"""CalibrationHook: the paper's calibration step before finetuning.
+
+Supplement D.3 (see :mod:`mmseg_gf.engine.calibration`): train the
+classifier (or the decoder), re-estimate the batch-norm statistics, keep all
+other weights frozen. The hook, in an otherwise ordinary training config::
+
+    custom_hooks = [dict(type='CalibrationHook',
+                         trainable=['decode_head.conv_seg'])]
+
+* ``before_train`` (after the checkpoint is loaded): every parameter outside
+  ``trainable`` gets ``requires_grad=False`` -- the optimizer, built earlier,
+  then skips them (SGD ignores parameters without a gradient, weight decay
+  included) and autograd stops at the first trained module. A DDP-wrapped
+  model is wrapped again, as GradFilterHook does.
+* ``before_train_iter`` (after the loop's ``model.train()``): every BN layer
+  is put in train mode, overriding ``norm_eval=True`` backbones, so its
+  running statistics follow the target data. Its affine parameters stay
+  frozen unless they are inside ``trainable``.
+"""
+from typing import List, Optional, Sequence, Union
+
+from mmengine.hooks import Hook
+from mmengine.model import is_model_wrapper
+from mmseg.registry import HOOKS
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+
+from ..calibration import freeze_for_calibration, set_norm_stats_train
+from ..surgery import set_frozen_norms_eval
+from ..utils import unwrap_model
+from .grad_filter_hook import GradFilterHook
+
+__all__ = ['CalibrationHook']
+
+
+@HOOKS.register_module()
+class CalibrationHook(Hook):
+    """Train only ``trainable`` and re-estimate the BN statistics.
+
+    Args:
+        trainable: module path or paths to train (default: the decode
+            head's classifier ``decode_head.conv_seg``; the MobileNetV2
+            models calibrate ``decode_head``).
+        update_norm_stats: keep every BN layer in train mode (default True);
+            False: norm layers without trained parameters stay in eval mode
+            (statistics fixed).
+    """
+
+    priority = 'ABOVE_NORMAL'
+
+    def __init__(self,
+                 trainable: Union[str, Sequence[str]] = (
+                     'decode_head.conv_seg', ),
+                 update_norm_stats: bool = True) -> None:
+        if isinstance(trainable, str):
+            trainable = [trainable]
+        if not trainable or not all(isinstance(p, str) for p in trainable):
+            raise ValueError('CalibrationHook trainable must be a module '
+                             f'path or a list of them, got {trainable!r}')
+        self.trainable = list(trainable)
+        self.update_norm_stats = bool(update_norm_stats)
+        self.trained: Optional[List[str]] = None
+
+    def before_train(self, runner) -> None:
+        model = unwrap_model(runner.model)
+        if is_model_wrapper(runner.model) and not isinstance(
+                runner.model, DistributedDataParallel):
+            raise TypeError('CalibrationHook can only re-wrap '
+                            'DistributedDataParallel models, got '
+                            f'{type(runner.model).__name__}')
+        self.trained = freeze_for_calibration(model, self.trainable)
+        if is_model_wrapper(runner.model):
+            # DDP fixed its set of gradient-requiring parameters when built.
+            GradFilterHook._rewrap(runner, model)
+        n_train = sum(p.numel() for p in model.parameters()
+                      if p.requires_grad)
+        n_all = sum(p.numel() for p in model.parameters())
+        n_bn = sum(isinstance(m, _BatchNorm) for m in model.modules())
+        runner.logger.info(
+            f'CalibrationHook: training {self.trainable} ({n_train} of '
+            f'{n_all} parameters); '
+            + (f'{n_bn} BN layers update their statistics'
+               if self.update_norm_stats else 'BN statistics fixed'))
+
+    def before_train_iter(self, runner, batch_idx: int,
+                          data_batch=None) -> None:
+        if self.update_norm_stats:
+            set_norm_stats_train(runner.model)
+        else:
+            # Frozen norms keep their statistics (as GradFilterHook does).
+            set_frozen_norms_eval(runner.model)
