@@ -209,8 +209,8 @@ BAD = {
     'model without conv': (
         dict(model=_conv_free_model(), gf=dict(num_layers=1),
              load_from=None), ValueError,
-        r"runs no conv on its inference path besides its classifier "
-        r"\['decode_head.conv_seg'\]"),
+        r"runs no conv on its inference path that the output depends on "
+        r"besides its classifiers \['decode_head.conv_seg'\]"),
 }
 
 
