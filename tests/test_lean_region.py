@@ -92,7 +92,6 @@ def test_measured_saved_bytes_equal_analytic_count(name):
         for mode in ('gf', 'vanilla'):
             lean = _prepared(base, num_layers, mode, lean=True)
             plain = _prepared(base, num_layers, mode, lean=False)
-            params = list(lean.parameters())
 
             def kept(model):
                 return saved_tensor_bytes(
@@ -104,7 +103,6 @@ def test_measured_saved_bytes_equal_analytic_count(name):
             assert counted.total(BATCH) == measured, (
                 name, num_layers, mode, counted.by_category(BATCH))
             assert measured < kept(plain)
-            del params
 
 
 def test_remove_lean_region_restores_plain_classes():
