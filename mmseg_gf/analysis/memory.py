@@ -135,6 +135,33 @@ def profiled_peak_bytes(step: Callable[[], object],
     device = torch.device('cpu') if device is None else torch.device(device)
     if device.type == 'cuda':
         return peak_step_bytes(step, device)
+    return max(live_bytes_by_interval(step, marker=None))
+
+
+#: Name of the profiler ranges :func:`mark` records.
+MARKER = 'mmseg_gf::mark'
+
+
+def mark() -> None:
+    """Record a point in time for :func:`live_bytes_by_interval`."""
+    with torch.autograd.profiler.record_function(MARKER):
+        pass
+
+
+def live_bytes_by_interval(run: Callable[[], object],
+                           marker: Optional[str] = MARKER) -> list:
+    """Peak live tensor bytes of ``run()`` between consecutive markers.
+
+    The CPU profiler's allocation and free events are summed in time order
+    (allocations at the start of the op making them, frees at its end, as in
+    :func:`profiled_peak_bytes`), starting from 0 at the call; ``run`` calls
+    :func:`mark` to cut the time line into intervals.
+
+    Returns:
+        list[int]: one peak per interval: before the first marker, between
+        markers, after the last one (``marker=None``: the whole run, one
+        value).
+    """
     from torch.autograd import profiler
 
     from ..ops import native
@@ -142,17 +169,28 @@ def profiled_peak_bytes(step: Callable[[], object],
     # Recycled outputs were allocated in an earlier step: the profiler would
     # not see them. Live tensor bytes are the same either way.
     with native.recycling_off(), profiler.profile(profile_memory=True) as prof:
-        step()
+        run()
     changes = []
+    cuts = []
     for event in prof.function_events:
+        if marker is not None and event.name == marker:
+            cuts.append(event.time_range.start)
+            continue
         delta = event.self_cpu_memory_usage
         if delta > 0:
             changes.append((event.time_range.start, delta))
         elif delta < 0:
             changes.append((event.time_range.end, delta))
     changes.sort(key=lambda c: (c[0], -c[1]))
-    live = peak = 0
-    for _, delta in changes:
+    cuts.sort()
+    peaks = [0] * (len(cuts) + 1)
+    live = interval = 0
+    for time, delta in changes:
+        while interval < len(cuts) and cuts[interval] <= time:
+            interval += 1
+            peaks[interval] = live
         live += delta
-        peak = max(peak, live)
-    return peak
+        peaks[interval] = max(peaks[interval], live)
+    for later in range(interval + 1, len(peaks)):
+        peaks[later] = live
+    return peaks

@@ -40,7 +40,8 @@ from ..models.gf_conv import GFConv2d
 from ..models.lean import is_lean, lean_kind
 from .cost import conv_backward_cost
 
-__all__ = ['SavedItem', 'StepSavedBytes', 'trace_step_saved_bytes']
+__all__ = ['SavedItem', 'StepSavedBytes', 'trace_step_saved_bytes',
+           'item_for_module', 'is_head_lean']
 
 #: Categories of :class:`SavedItem`, in table order.
 CATEGORIES = ('conv', 'classifier', 'norm', 'activation', 'dropout',
@@ -138,9 +139,21 @@ def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
     return SavedItem(path, category, x[0].numel(), eb)
 
 
-def _item(path: str, module: nn.Module, x: torch.Tensor,
-          out: torch.Tensor, shared: Dict[int, str]) -> Optional[SavedItem]:
-    """The rule for one recorded leaf module; raises LookupError if none."""
+def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
+                    out: torch.Tensor,
+                    shared: Dict[int, str]) -> Optional[SavedItem]:
+    """What one recorded leaf module keeps (None: nothing).
+
+    Args:
+        path: its module path.
+        module: the module, in the state it runs in.
+        x, out: its first input and its output.
+        shared: storage -> path of the exact convs counted so far (convs
+            sharing an input share what they keep); updated.
+
+    Raises:
+        LookupError: no rule covers this module.
+    """
     if isinstance(module, nn.Conv2d):
         item = _conv_item(path, module, x, out)
         if item is not None and item.elements == x[0].numel():
@@ -201,13 +214,13 @@ def trace_step_saved_bytes(model: nn.Module,
                 output, torch.Tensor):
             return
         try:
-            item = _item(path, module, x, output, shared)
+            item = item_for_module(path, module, x, output, shared)
         except LookupError:
             result.unmodelled.append(path)
             return
         if item is not None:
             result.items.append(item)
-        if _is_classifier(path) and is_lean(_head_of(model, path)):
+        if _is_classifier(path) and is_head_lean(model, path):
             result.items.append(
                 SavedItem(path.rpartition('.')[0], 'logits',
                           output[0].numel(), output.element_size()))
@@ -229,5 +242,7 @@ def trace_step_saved_bytes(model: nn.Module,
     return result
 
 
-def _head_of(model: nn.Module, classifier_path: str) -> nn.Module:
-    return model.get_submodule(classifier_path.rpartition('.')[0])
+def is_head_lean(model: nn.Module, classifier_path: str) -> bool:
+    """Whether the head owning a classifier computes its loss lean (it
+    then keeps its low-resolution logits for backward)."""
+    return is_lean(model.get_submodule(classifier_path.rpartition('.')[0]))

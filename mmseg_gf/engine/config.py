@@ -2,7 +2,8 @@
 
 Two equivalent ways to finetune with gradient filtering:
 
-1. A top-level ``gradient_filter = dict(num_layers=5, radius=4)`` in an mmseg
+1. A top-level ``gradient_filter = dict(num_layers=5, radius=4)`` (or
+   ``dict(budget=dict(saved_mib=300))``, see :mod:`.budget`) in an mmseg
    config, turned by :func:`rewrite_config` into
    ``model = dict(type='GradFilterModel', model=<segmentor>, ...)``. The
    builder returns the plain segmentor class with GFConv2d swapped in, so
@@ -17,19 +18,23 @@ from mmseg.registry import MODELS
 from torch import nn
 
 from ..ops import check_radius
+from .budget import check_budget
 from .selection import select_layers
 from .surgery import apply_gradient_filter, check_mode
 
 __all__ = [
     'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
     'rewrite_config', 'add_custom_hook', 'add_custom_imports',
-    'default_input_size'
+    'default_input_size', 'default_batch_size', 'BUDGET_ATTR'
 ]
 
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
-SETTING_KEYS = ('num_layers', 'layers', 'radius', 'mode', 'train_norm',
-                'lean', 'input_size')
+SETTING_KEYS = ('num_layers', 'layers', 'budget', 'radius', 'mode',
+                'train_norm', 'lean', 'input_size')
 DEFAULT_INPUT_SIZE = (512, 512)
+DEFAULT_RADIUS = 4
+#: Attribute of a segmentor whose layers a budget chose: the BudgetChoice.
+BUDGET_ATTR = '_gradient_filter_budget'
 
 
 def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -40,12 +45,14 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
 
     Returns:
         dict: a copy with defaults filled (radius 4, mode 'gf',
-        train_norm False, lean True, input_size None).
+        train_norm False, lean True, input_size None, budget None).
 
     Raises:
-        ValueError: not a dict, unknown key, both or neither of
-            num_layers / layers, bad mode, radius or input_size. Errors
-            say what is allowed.
+        ValueError: not a dict, unknown key, not exactly one of
+            num_layers / layers / budget, a budget with a radius (its
+            candidates go in ``budget['radii']``), with ``mode`` other than
+            'gf' or with ``train_norm``, bad mode, radius, budget or
+            input_size. Errors say what is allowed.
     """
     if not isinstance(settings, dict):
         raise ValueError(
@@ -56,14 +63,35 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     if unknown:
         raise ValueError(f'gradient_filter: unknown key(s) {unknown}; '
                          f'allowed: {list(SETTING_KEYS)}')
-    out = dict(radius=4, mode='gf', train_norm=False, lean=True,
-               input_size=None, num_layers=None, layers=None)
+    out = dict(radius=None, mode='gf', train_norm=False, lean=True,
+               input_size=None, num_layers=None, layers=None, budget=None)
     out.update(settings)
-    if (out['num_layers'] is None) == (out['layers'] is None):
+    given = [k for k in ('num_layers', 'layers', 'budget')
+             if out[k] is not None]
+    if len(given) != 1:
         raise ValueError('gradient_filter: give exactly one of num_layers '
-                         '(the last N convs) and layers (module paths), got '
+                         '(the last N convs), layers (module paths) and '
+                         'budget (limits the choice must fit), got '
                          f'num_layers={out["num_layers"]!r}, '
-                         f'layers={out["layers"]!r}')
+                         f'layers={out["layers"]!r}, '
+                         f'budget={out["budget"]!r}')
+    if out['budget'] is not None:
+        out['budget'] = check_budget(out['budget'])
+        if out['radius'] is not None:
+            raise ValueError(
+                'gradient_filter: a budget chooses the radii itself; give '
+                'the candidates as budget=dict(..., radii=[2, 4, 8]) instead '
+                f'of radius={out["radius"]!r}')
+        _check_flags(out)
+        if out['mode'] != 'gf' or out['train_norm']:
+            raise ValueError(
+                "gradient_filter budget needs mode='gf' and "
+                'train_norm=False (the costs it fits are those of filtered '
+                f'convs with frozen norms), got mode={out["mode"]!r}, '
+                f'train_norm={out["train_norm"]!r}')
+        return out
+    if out['radius'] is None:
+        out['radius'] = DEFAULT_RADIUS
     n = out['num_layers']
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)
                           or n < 1):
@@ -77,7 +105,6 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
             raise ValueError('gradient_filter layers must be a non-empty '
                              f'list of module paths, got {layers!r}')
         out['layers'] = list(layers)
-    check_mode(out['mode'])
     radius = out['radius']
     values = radius.values() if isinstance(radius, dict) else [radius]
     for r in values:
@@ -89,6 +116,13 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
                     "gradient_filter radius must be an int >= 1, 'auto' or "
                     'a dict {module path: int or "auto"}, got '
                     f'{radius!r}') from None
+    _check_flags(out)
+    return out
+
+
+def _check_flags(out: Dict[str, Any]) -> None:
+    """mode, train_norm, lean and input_size (normalised in place)."""
+    check_mode(out['mode'])
     for key in ('train_norm', 'lean'):
         if not isinstance(out[key], bool):
             raise ValueError(f'gradient_filter {key} must be True or False, '
@@ -102,7 +136,6 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
             raise ValueError('gradient_filter input_size must be (H, W) '
                              f'positive ints, got {out["input_size"]!r}')
         out['input_size'] = tuple(size)
-    return out
 
 
 def default_input_size(cfg) -> Sequence[int]:
@@ -122,10 +155,19 @@ def default_input_size(cfg) -> Sequence[int]:
     return (int(size[0]), int(size[1]))
 
 
+def default_batch_size(cfg) -> Optional[int]:
+    """Images per training step from a config (None if it has none)."""
+    try:
+        return int(cfg.train_dataloader.batch_size)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
 def build_grad_filter_model(model: dict,
                             num_layers: Optional[int] = None,
                             layers: Optional[Sequence[str]] = None,
-                            radius: Any = 4,
+                            budget: Optional[dict] = None,
+                            radius: Any = None,
                             mode: str = 'gf',
                             train_norm: bool = False,
                             lean: bool = True,
@@ -143,26 +185,59 @@ def build_grad_filter_model(model: dict,
         model: the segmentor config.
         num_layers, layers, radius, mode, train_norm, lean: see
             :func:`select_layers` and :func:`apply_gradient_filter`.
+        budget: instead of ``num_layers`` / ``layers`` and ``radius``:
+            limits the setting must fit
+            (:func:`mmseg_gf.analysis.step_profile.choose_by_budget`).
         input_size: ``(H, W)`` of the selection trace (default 512).
         data_preprocessor: mmengine's Runner injects the config's top-level
             ``data_preprocessor`` into the model dict; it is forwarded to
             the segmentor config if that has none.
     """
     settings = check_settings(
-        dict(num_layers=num_layers, layers=layers, radius=radius, mode=mode,
-             train_norm=train_norm, lean=lean, input_size=input_size))
+        dict(num_layers=num_layers, layers=layers, budget=budget,
+             radius=radius, mode=mode, train_norm=train_norm, lean=lean,
+             input_size=input_size))
     model = copy.deepcopy(model)
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
     segmentor = MODELS.build(model)
     size = settings['input_size'] or DEFAULT_INPUT_SIZE
-    choices = select_layers(segmentor, num_layers=settings['num_layers'],
-                            layers=settings['layers'],
-                            radius=settings['radius'], input_size=size)
-    apply_gradient_filter(segmentor, choices, mode=settings['mode'],
-                          train_norm=settings['train_norm'],
-                          lean=settings['lean'])
+    select_and_apply(segmentor, settings, size)
     return segmentor
+
+
+def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
+                     input_size: Sequence[int],
+                     batch: Optional[int] = None) -> list:
+    """Choose the layers of checked ``settings`` and apply them.
+
+    With a budget, :func:`~mmseg_gf.analysis.step_profile.
+    choose_layers_by_budget` decides ``num_layers``
+    and the radii (its choice is kept on the segmentor as
+    :data:`BUDGET_ATTR`); ``batch`` is used when the budget names none.
+
+    Returns:
+        list[LayerChoice]: the applied layers.
+    """
+    num_layers, radius = settings['num_layers'], settings['radius']
+    if settings['budget'] is not None:
+        # the cost model lives in analysis, which builds on the engine
+        from ..analysis.step_profile import choose_layers_by_budget
+        choice = choose_layers_by_budget(segmentor, settings['budget'],
+                                         input_size, batch)
+        num_layers, radius = choice.num_layers, choice.radius
+    else:
+        choice = None
+    choices = select_layers(segmentor, num_layers=num_layers,
+                            layers=settings['layers'], radius=radius,
+                            input_size=input_size)
+    choices = apply_gradient_filter(segmentor, choices,
+                                    mode=settings['mode'],
+                                    train_norm=settings['train_norm'],
+                                    lean=settings['lean'])
+    if choice is not None:
+        setattr(segmentor, BUDGET_ATTR, choice)
+    return choices
 
 
 MODELS.register_module(name='GradFilterModel',
@@ -197,6 +272,9 @@ def rewrite_config(cfg):
         return cfg
     if settings['input_size'] is None:
         settings['input_size'] = tuple(default_input_size(cfg))
+    if settings['budget'] is not None and settings['budget']['batch'] is None:
+        settings['budget'] = dict(settings['budget'],
+                                  batch=default_batch_size(cfg))
     cfg.model = dict(type='GradFilterModel', model=cfg.model, **settings)
     add_custom_hook(cfg, 'GradFilterHook')
     add_custom_imports(cfg, 'mmseg_gf')

@@ -28,6 +28,7 @@ from ..engine.config import add_custom_hook, add_custom_imports
 __all__ = [
     'CONFIG_DIR', 'ModelSpec', 'DatasetSpec', 'StrategySpec', 'MODELS',
     'DATASETS', 'TRANSFERS', 'STRATEGIES', 'PAPER_STRATEGIES',
+    'BUDGET_STRATEGIES', 'fill_budget',
     'strategy_names', 'strategy_file', 'compose_config', 'adapt_config',
     'set_data', 'rescale_schedule'
 ]
@@ -155,11 +156,16 @@ class StrategySpec:
             by the model name; ``{calibration}`` by its calibration file).
         kind: ``'calib'`` or ``'finetune'``.
         options: settings merged after loading (``merge_from_dict`` keys).
+        budget_like: a strategy whose predicted backward GFLOPs per image
+            (at the run's crop) become this one's ``backward_gflops``
+            budget (:func:`fill_budget`): the same compute, spent as the
+            budget's rule spends it.
     """
 
     base: str
     kind: str = 'finetune'
     options: Dict[str, Any] = field(default_factory=dict)
+    budget_like: Optional[str] = None
 
 
 def _builtin_strategies() -> Dict[str, StrategySpec]:
@@ -174,10 +180,18 @@ def _builtin_strategies() -> Dict[str, StrategySpec]:
         out[f'gf_ref{n}'] = StrategySpec(ref)
         out[f'vanilla_ref{n}'] = StrategySpec(
             ref, options={'gradient_filter.mode': 'vanilla'})
+        # the paper's Section 5.4 (c): "GF last n, r = 4"'s compute spent
+        # on as many layers as fit at r = 8
+        out[f'gf_budget{n}_r8'] = StrategySpec('gf_budget_r8.py',
+                                               budget_like=f'gf_last{n}_r4')
     return out
 
 
 STRATEGIES: Dict[str, StrategySpec] = _builtin_strategies()
+
+#: Budget strategies: the compute of ``gf_last5_r4`` / ``gf_last10_r4``
+#: spent on more layers at r = 8 (docs/budget.md).
+BUDGET_STRATEGIES = ['gf_budget5_r8', 'gf_budget10_r8']
 
 #: The rows of Tables 3 / 9 (with both patch sizes the paper studies).
 PAPER_STRATEGIES = [
@@ -258,6 +272,37 @@ def compose_config(model: str,
     spec = STRATEGIES.get(strategy)
     if spec is not None and spec.options:
         cfg.merge_from_dict(dict(spec.options))
+    return cfg
+
+
+def fill_budget(cfg: Config, strategy: str, model: str) -> Config:
+    """Set a budget strategy's ``backward_gflops`` for this model, in place.
+
+    The value is the predicted backward GFLOPs per image, at the config's
+    crop, of the strategy named by :attr:`StrategySpec.budget_like`
+    (its ``num_layers`` and ``radius``), from the same profile of the
+    model that the budget's choice uses; other strategies are returned
+    unchanged.
+    """
+    spec = STRATEGIES.get(strategy)
+    if spec is None or spec.budget_like is None:
+        return cfg
+    from mmseg.registry import MODELS as SEGMENTORS
+    from mmseg.utils import register_all_modules
+
+    from ..analysis.step_profile import profile_step_costs
+    from ..engine.config import default_input_size
+    register_all_modules(init_default_scope=False)
+    like = Config.fromfile(strategy_file(spec.budget_like, model))
+    setting = like.gradient_filter
+    segmentor = SEGMENTORS.build(cfg.model)
+    profile = profile_step_costs(segmentor, default_input_size(cfg))
+    gflops = profile.cost(setting['num_layers'], setting['radius'],
+                          1).backward_gflops
+    budget = dict(cfg.gradient_filter.budget)
+    # a hair above, so that the setting itself fits despite rounding
+    budget['backward_gflops'] = gflops * (1 + 1e-9)
+    cfg.gradient_filter.budget = budget
     return cfg
 
 

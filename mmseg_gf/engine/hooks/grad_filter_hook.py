@@ -24,11 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 from ...analysis.cost import conv_backward_cost
 from ...analysis.step_memory import trace_step_saved_bytes
 from ..checkpoint import check_checkpoint_matches
-from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
-                     default_input_size)
-from ..selection import LayerChoice, select_layers, trace_convs
-from ..surgery import (LEAN_ATTR, MODE_ATTR, apply_gradient_filter,
-                      get_gradient_filter_layers, set_frozen_norms_eval)
+from ..config import (BUDGET_ATTR, DEFAULT_INPUT_SIZE, SETTING_KEYS,
+                      check_settings, default_batch_size, default_input_size,
+                      select_and_apply)
+from ..selection import LayerChoice, trace_convs
+from ..surgery import (LEAN_ATTR, MODE_ATTR, get_gradient_filter_layers,
+                       set_frozen_norms_eval)
 from ..utils import unwrap_model
 
 __all__ = ['GradFilterHook', 'format_cost_table']
@@ -117,7 +118,12 @@ class GradFilterHook(Hook):
     Args:
         num_layers: train the last N convs (execution order).
         layers: or explicit module paths.
-        radius: int, 'auto' or {path prefix: int|'auto'}.
+        budget: or limits the choice of N and radii must fit, e.g.
+            ``dict(saved_mib=300, backward_gflops=1)`` (see
+            :mod:`mmseg_gf.engine.budget`), at the training crop and the
+            train dataloader's batch size.
+        radius: int, 'auto' or {path prefix: int|'auto'} (default 4; not
+            with a budget).
         mode: 'gf' or 'vanilla' (same layers, exact backward).
         train_norm: also train the norms following the chosen convs.
         lean: keep only what each backward needs around the trained convs
@@ -135,7 +141,8 @@ class GradFilterHook(Hook):
     def __init__(self,
                  num_layers: Optional[int] = None,
                  layers: Optional[Sequence[str]] = None,
-                 radius: Any = 4,
+                 budget: Optional[dict] = None,
+                 radius: Any = None,
                  mode: str = 'gf',
                  train_norm: bool = False,
                  lean: bool = True,
@@ -148,10 +155,11 @@ class GradFilterHook(Hook):
             raise ValueError(
                 f'GradFilterHook: unknown argument(s) {sorted(unknown)}; '
                 f'allowed: {allowed}')
-        self.configured = num_layers is not None or layers is not None
+        self.configured = any(
+            v is not None for v in (num_layers, layers, budget))
         self.settings = check_settings(
-            dict(num_layers=num_layers, layers=layers, radius=radius,
-                 mode=mode, train_norm=train_norm, lean=lean,
+            dict(num_layers=num_layers, layers=layers, budget=budget,
+                 radius=radius, mode=mode, train_norm=train_norm, lean=lean,
                  input_size=input_size)
         ) if self.configured else None
         self.log_table = log_table
@@ -192,19 +200,15 @@ class GradFilterHook(Hook):
         if choices is None:
             if not self.configured:
                 raise ValueError(
-                    'GradFilterHook needs num_layers or layers, unless the '
-                    'model was built by GradFilterModel (gradient_filter '
-                    'config setting)')
+                    'GradFilterHook needs num_layers, layers or budget, '
+                    'unless the model was built by GradFilterModel '
+                    '(gradient_filter config setting)')
             s = self.settings
             size = s['input_size'] or (
                 default_input_size(runner.cfg)
                 if runner.cfg is not None else DEFAULT_INPUT_SIZE)
-            choices = select_layers(model, num_layers=s['num_layers'],
-                                    layers=s['layers'], radius=s['radius'],
-                                    input_size=size)
-            choices = apply_gradient_filter(model, choices, mode=s['mode'],
-                                            train_norm=s['train_norm'],
-                                            lean=s['lean'])
+            choices = select_and_apply(model, s, size,
+                                       batch=_batch_size(runner))
             if is_model_wrapper(runner.model):
                 self._rewrap(runner, model)
         elif self.configured:
@@ -212,12 +216,11 @@ class GradFilterHook(Hook):
                 'GradFilterHook: the model was already gradient-filtered by '
                 'its config (GradFilterModel); hook settings are ignored')
         set_frozen_norms_eval(model)
+        budget = getattr(model, BUDGET_ATTR, None)
+        if budget is not None:
+            runner.logger.info(f'GradFilterHook: {budget.summary()}')
         if self.log_table:
-            batch = 1
-            try:
-                batch = int(runner.cfg.train_dataloader.batch_size)
-            except (AttributeError, KeyError, TypeError):
-                pass
+            batch = _batch_size(runner) or 1
             size = choices[0].input_hw if choices[0].input_hw[0] else (
                 DEFAULT_INPUT_SIZE)
             # One forward with autograd on: which chosen convs get an input
@@ -252,3 +255,8 @@ class GradFilterHook(Hook):
                           data_batch: Any = None) -> None:
         """mmengine loops call ``model.train()``: re-freeze norm stats."""
         set_frozen_norms_eval(runner.model)
+
+
+def _batch_size(runner) -> Optional[int]:
+    """The train dataloader's batch size from the runner's config."""
+    return default_batch_size(runner.cfg) if runner.cfg is not None else None
