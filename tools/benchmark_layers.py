@@ -23,8 +23,9 @@ import os.path as osp
 
 import torch
 
-from mmseg_gf.analysis.layer_benchmark import (PAPER_LAYERS, markdown_table,
-                                               summarize, time_layer)
+from mmseg_gf.analysis.layer_benchmark import (BENCHMARK_CONV_SHAPES,
+                                               summarize, time_layer,
+                                               timing_table)
 from mmseg_gf.ops import triton_path
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
@@ -90,7 +91,8 @@ def main():
         triton_path.set_enabled(False)
     devices = args.devices or (['cpu', 'cuda']
                                if torch.cuda.is_available() else ['cpu'])
-    layers = [PAPER_LAYERS[i] for i in (args.layers or range(len(PAPER_LAYERS)))]
+    layers = [BENCHMARK_CONV_SHAPES[i]
+              for i in (args.layers or range(len(BENCHMARK_CONV_SHAPES)))]
     rows = []
     for device in devices:
         for cin, cout, h, w in layers:
@@ -99,7 +101,7 @@ def main():
                                args.repeats, args.warmup, device,
                                DTYPES[args.dtype])
     os.makedirs(args.out_dir, exist_ok=True)
-    table = markdown_table(rows)
+    table = timing_table(rows)
     summary = {dev: summarize([r for r in rows if r.device.startswith(dev)])
                for dev in devices}
     meta = dict(batch=args.batch, threads=torch.get_num_threads(),

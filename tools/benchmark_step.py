@@ -21,7 +21,7 @@ import torch
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
 from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
-                                              markdown, plot)
+                                              plot, step_table)
 from mmseg_gf.engine.cli import write_json
 from mmseg_gf.pipeline import MODELS
 
@@ -60,13 +60,13 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         print(f'\n{MODELS[name].label}, crop {args.crop[0]}x{args.crop[1]}, '
               f'batch {args.batch}, {result["threads"]} threads, torch '
               f'{result["torch"]}; median of {args.repeats} steps')
-        print(markdown(result), flush=True)
+        print(step_table(result), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     write_json(osp.join(args.out_dir, 'steps.json'), results)
     with open(osp.join(args.out_dir, 'steps.md'), 'w') as f:
         for result in results:
             f.write(f"## {MODELS[result['model']].label}\n\n"
-                    f'{markdown(result)}\n\n')
+                    f'{step_table(result)}\n\n')
     plot(results, osp.join(args.out_dir, 'steps.png'))
     return results
 
