@@ -8,13 +8,12 @@ import argparse
 import json
 import os
 import os.path as osp
-from typing import Sequence
 
 from mmengine.config import Config, DictAction
 
 __all__ = [
     'trust_mmengine_checkpoints', 'add_common_args', 'load_config',
-    'write_json', 'markdown_table'
+    'write_json'
 ]
 
 
@@ -80,11 +79,3 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
     print(f'wrote {path}')
 
-
-def markdown_table(header: Sequence[str],
-                   rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table of a tool's report (cells printed with ``str``)."""
-    out = ['| ' + ' | '.join(header) + ' |',
-           '|' + '|'.join(' --- ' for _ in header) + '|']
-    out += ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
-    return '\n'.join(out)
