@@ -347,8 +347,8 @@ def test_concrete_configs_are_base_compositions():
     import ast
     import glob
 
-    from mmseg_gf.pipeline.experiments import (DATASETS,
-                                               MODELS, strategy_file)
+    from mmseg_gf.pipeline.experiments import (PROTOCOL_DATASETS,
+                                               PROTOCOL_MODELS, strategy_file)
     paths = sorted(
         glob.glob(osp.join(REPO, 'configs', 'calib', '*.py')) +
         glob.glob(osp.join(REPO, 'configs', 'gf', '*.py')))
@@ -370,8 +370,8 @@ def test_concrete_configs_are_base_compositions():
             for b in ast.literal_eval(assigned['_base_'])
         ]
         assert bases == [
-            osp.join(base, 'models', MODELS[model].base),
-            osp.join(base, 'datasets', DATASETS[target].base),
+            osp.join(base, 'models', PROTOCOL_MODELS[model].base),
+            osp.join(base, 'datasets', PROTOCOL_DATASETS[target].base),
             osp.join(base, 'default_runtime.py'),
             strategy_file(strategy, model)
         ], path

@@ -25,7 +25,7 @@ from typing import List, Optional
 
 from mmengine.config import DictAction
 
-from mmseg_gf.pipeline import MODELS, TRANSFERS, strategy_names
+from mmseg_gf.pipeline import PROTOCOL_MODELS, TRANSFERS, strategy_names
 from mmseg_gf.pipeline.experiments import PAPER_STRATEGIES
 from mmseg_gf.pipeline.runner import Pipeline, PipelineOptions
 
@@ -42,7 +42,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         'list of strategies and seeds; write the Table 3/9 layout.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--model', required=True,
-                   choices=sorted(MODELS))
+                   choices=sorted(PROTOCOL_MODELS))
     p.add_argument('--transfer', required=True, choices=sorted(TRANSFERS))
     p.add_argument(
         '--strategies', nargs='+', default=list(PAPER_STRATEGIES),

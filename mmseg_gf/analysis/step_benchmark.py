@@ -106,7 +106,7 @@ def benchmark_model(model_name: str,
     comparable. Peak and saved bytes are measured per row afterwards.
 
     Args:
-        model_name: a key of :data:`mmseg_gf.pipeline.MODELS`.
+        model_name: a key of :data:`mmseg_gf.pipeline.PROTOCOL_MODELS`.
         rows: ``'inference'`` and strategy names, optionally suffixed
             ``:lean`` / ``:plain``.
         dataset: the target dataset of the configs (its class count).

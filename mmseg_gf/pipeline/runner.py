@@ -32,8 +32,8 @@ from mmengine.config import Config
 from ..engine.cli import trust_mmengine_checkpoints
 from ..engine.hooks import read_val_metrics
 from ..engine.runner import run_in_subprocess, train
-from .experiments import (CONFIG_DIR, PAPER_STRATEGIES, DATASETS,
-                          MODELS, TRANSFERS, adapt_config,
+from .experiments import (CONFIG_DIR, PAPER_STRATEGIES, PROTOCOL_DATASETS,
+                          PROTOCOL_MODELS, TRANSFERS, adapt_config,
                           compose_config, strategy_file, strategy_kind)
 
 __all__ = ['PipelineOptions', 'Stage', 'Pipeline', 'prepare_synthetic']
@@ -118,7 +118,7 @@ def prepare_synthetic(root: str, dataset: str, num_train: int, num_val: int,
         ``(data_root, (H, W))``: the config's data root and image size.
     """
     from ..datasets import MAKERS
-    spec = DATASETS[dataset]
+    spec = PROTOCOL_DATASETS[dataset]
     out = osp.join(root, dataset)
     settings = dict(spec.synthetic, num_train=int(num_train),
                     num_val=int(num_val), seed=int(seed))
@@ -167,9 +167,9 @@ class Pipeline:
     """
 
     def __init__(self, opts: PipelineOptions) -> None:
-        if opts.model not in MODELS:
+        if opts.model not in PROTOCOL_MODELS:
             raise ValueError(f'unknown model {opts.model!r}; one of '
-                             f'{list(MODELS)}')
+                             f'{list(PROTOCOL_MODELS)}')
         if opts.transfer not in TRANSFERS:
             raise ValueError(f'unknown transfer {opts.transfer!r}; one of '
                              f'{list(TRANSFERS)}')
@@ -226,7 +226,7 @@ class Pipeline:
     def _source_checkpoint(self) -> Optional[str]:
         ckpt = self.opts.source_checkpoint
         if ckpt == 'zoo':
-            zoo = MODELS[self.opts.model].zoo
+            zoo = PROTOCOL_MODELS[self.opts.model].zoo
             if self.source not in zoo:
                 raise ValueError(
                     f'mmseg publishes no {self.source} checkpoint of '
@@ -291,9 +291,9 @@ class Pipeline:
 
     def _title(self) -> str:
         """'<model>: <source> -> <target>' in the paper's names."""
-        return (f'{MODELS[self.opts.model].label}: '
-                f'{DATASETS[self.source].label} -> '
-                f'{DATASETS[self.target].label}')
+        return (f'{PROTOCOL_MODELS[self.opts.model].label}: '
+                f'{PROTOCOL_DATASETS[self.source].label} -> '
+                f'{PROTOCOL_DATASETS[self.target].label}')
 
     def print_plan(self) -> None:
         _log(f'{self._title()}; output {self.out_dir}')
