@@ -23,7 +23,7 @@ import os.path as osp
 
 import torch
 
-from mmseg_gf.analysis.layer_benchmark import (BENCHMARK_CONV_SHAPES,
+from mmseg_gf.analysis.layer_benchmark import (BENCHMARK_CONV_SHAPES, plot,
                                                summarize, time_layer,
                                                timing_table)
 from mmseg_gf.ops import triton_path
@@ -57,29 +57,6 @@ def parse_args():
                         help='torch CPU threads (default: torch\'s choice)')
     parser.add_argument('--out-dir', default='work_dirs/benchmarks/layers')
     return parser.parse_args()
-
-
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 4))
-    keys = sorted({(r.device, r.case, r.radius) for r in rows})
-    layers = list(dict.fromkeys(r.layer for r in rows))
-    width = 0.8 / len(keys)
-    for i, key in enumerate(keys):
-        sel = {r.layer: r.backward_speedup for r in rows
-               if (r.device, r.case, r.radius) == key}
-        ax.bar([j + i * width for j in range(len(layers))],
-               [sel.get(layer, 0) for layer in layers], width,
-               label=f'{key[0]} {key[1]} r={key[2]}')
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))])
-    ax.set_xticklabels(layers, rotation=20, fontsize=7)
-    ax.set_yscale('log')
-    ax.set_ylabel('backward speedup vs torch (x)')
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main():

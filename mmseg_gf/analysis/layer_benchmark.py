@@ -214,3 +214,29 @@ def timing_table(rows: Sequence[LayerTiming]) -> str:
           f'{r.step_speedup:.2f}x', f'{r.forward_overhead:.2f}',
           f'{r.backward_over_floor:.2f}', f'{r.backward_over_io_floor:.2f}',
           f'{r.gf_saved_bytes / r.vanilla_saved_bytes:.4f}') for r in rows])
+
+
+def plot(rows: Sequence[LayerTiming], path: str) -> None:
+    """Backward speedup per layer, one bar per (device, case, radius), log
+    scale (matplotlib, Agg): the ``layers.png`` of the benchmark."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4))
+    keys = sorted({(r.device, r.case, r.radius) for r in rows})
+    layers = list(dict.fromkeys(r.layer for r in rows))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        sel = {r.layer: r.backward_speedup for r in rows
+               if (r.device, r.case, r.radius) == key}
+        ax.bar([j + i * width for j in range(len(layers))],
+               [sel.get(layer, 0) for layer in layers], width,
+               label=f'{key[0]} {key[1]} r={key[2]}')
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))])
+    ax.set_xticklabels(layers, rotation=20, fontsize=7)
+    ax.set_yscale('log')
+    ax.set_ylabel('backward speedup vs torch (x)')
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
