@@ -10,7 +10,7 @@ is PSPNet with a dilated ResNet-18 (``configs/_base_/models/pspnet_r18-d8
 import os.path as osp
 from typing import Tuple
 
-from mmseg_gf.pipeline.experiments import MODELS
+from mmseg_gf.pipeline.experiments import PROTOCOL_MODELS
 
 #: pipeline dataset key -> ``{dataset}-{crop}`` part of a name.
 DATASET_PARTS = {
@@ -21,16 +21,18 @@ DATASET_PARTS = {
 
 def model_part(model: str) -> str:
     """``{algorithm}_{backbone}``: the model base file's name."""
-    return osp.splitext(MODELS[model].base)[0]
+    return osp.splitext(PROTOCOL_MODELS[model].base)[0]
 
 
 def parse_config_name(path: str) -> Tuple[str, str, str, str]:
     """``(model, target, strategy, schedule)`` of a concrete config, with
     model, target and strategy as the pipeline names them
-    (``experiments.MODELS`` / ``DATASETS`` / ``STRATEGIES`` keys) and
+    (``experiments.PROTOCOL_MODELS`` / ``PROTOCOL_DATASETS`` /
+    ``STRATEGIES`` keys) and
     schedule as written (e.g. ``'1xb8-20k'``)."""
     name = osp.splitext(osp.basename(path))[0]
-    models = [m for m in MODELS if name.startswith(model_part(m) + '_')]
+    models = [m for m in PROTOCOL_MODELS
+              if name.startswith(model_part(m) + '_')]
     if len(models) != 1:
         raise ValueError(f'{name}: no single model part')
     model = models[0]

@@ -18,10 +18,13 @@ from mmseg_gf.engine.config import rewrite_config  # noqa: E402
 from mmseg_gf.engine.selection import trace_convs  # noqa: E402
 from mmseg_gf.engine.surgery import get_gradient_filter_layers  # noqa: E402
 
+from mmseg_gf.analysis.model_cost import config_backward_cost  # noqa: E402
+from mmseg_gf.analysis.paper_table3 import PAPER_TABLE3_GFLOPS  # noqa: E402
+from tests._tools import load_tool  # noqa: E402
+
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOL = osp.join(REPO, 'tools', 'analyze_cost.py')
-sys.path.insert(0, osp.join(REPO, 'tools'))
-import analyze_cost  # noqa: E402
+analyze_cost = load_tool('analyze_cost')
 
 DLV3 = osp.join(REPO, 'configs', 'gf',
                 'deeplabv3_r18-d8_gf-ref10_1xb8-20k_voc12aug-512x512.py')
@@ -88,8 +91,8 @@ def test_cli_totals_are_the_sum_of_per_layer_costs(tmp_path):
         'backbone.layer4.0.conv1', 'backbone.layer4.0.downsample.0'
     ]
     # The dilated layers keep their taps: GF counts depend on the choice.
-    collapsed = analyze_cost.analyze(Config.fromfile(DLV3), SHAPE, batch=3,
-                                     collapse_dilated=True)
+    collapsed = config_backward_cost(Config.fromfile(DLV3), SHAPE, batch=3,
+                                      collapse_dilated=True)
     want_c = independent_costs(DLV3, SHAPE, collapse=True)
     assert collapsed.gf_flops == sum(c.gf_flops for c in want_c.values())
     assert collapsed.gf_flops < totals['gf_flops']
@@ -102,7 +105,7 @@ def test_config_without_gradient_filter_counts_every_conv(tmp_path):
         f"_base_ = [{osp.join(REPO, 'configs/_base_/models/fcn_r18-d8.py')!r}]"
         '\nmodel = dict(decode_head=dict(num_classes=5))\n')
     cfg = Config.fromfile(str(path))
-    cost = analyze_cost.analyze(cfg, SHAPE, radius=2)
+    cost = config_backward_cost(cfg, SHAPE, radius=2)
     assert cost.mode == 'all'
     assert all(layer.radius == 2 for layer in cost.layers)
     assert not any(layer.path.endswith('conv_seg') for layer in cost.layers)
@@ -148,7 +151,7 @@ def test_paper_table3_pspnet(capsys, tmp_path):
     assert '| PSPNet-R18 | 5 | 5 |' in printed
     assert '15.0' in printed and '0.14' in printed
     row, = json.loads(out.read_text())['paper_table3']['rows']
-    assert row['paper_vanilla'] == analyze_cost.PAPER_TABLE3['pspnet_r18'][
+    assert row['paper_vanilla'] == PAPER_TABLE3_GFLOPS['pspnet_r18'][
         'vanilla'][5]
     assert row['paths'] == [f'decode_head.psp_modules.{i}.1.conv'
                             for i in range(4)] + ['decode_head.bottleneck.conv']

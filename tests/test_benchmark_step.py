@@ -1,16 +1,14 @@
 """tools/benchmark_step.py: whole steps next to inference, with peak and
 saved bytes (tiny crop here; the real figures are in the README)."""
 import json
-import os.path as osp
-import sys
 
 import pytest
 
 pytest.importorskip('mmseg')
 
-sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))),
-                            'tools'))
-import benchmark_step  # noqa: E402
+from tests._tools import load_tool  # noqa: E402
+
+benchmark_step = load_tool('benchmark_step')
 
 
 def test_rows_ratios_and_files(tmp_path, capsys):

@@ -3,7 +3,6 @@ torch.distributed.run --nproc_per_node=2 tools/train.py CFG --launcher
 pytorch`` (mmengine's launcher), gloo on CPU, both ways in (config rewrite
 and an unchanged config + GradFilterHook). Each is compared with a
 single-process run of the same total batch."""
-import importlib.util
 import os
 import os.path as osp
 import socket
@@ -15,6 +14,7 @@ import torch
 
 from tests._engine_fixtures import (EXPECTED, changed_modules,
                                     prepare_workspace, tool_cfg, write_cfg)
+from tests._tools import load_tool
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
@@ -64,11 +64,7 @@ def _torchrun(cfg_path, work_dir):
 def _single(cfg_path, work_dir, monkeypatch):
     monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
     monkeypatch.delenv('LOCAL_RANK', raising=False)
-    spec = importlib.util.spec_from_file_location(
-        'gf_tool_train', osp.join(REPO, 'tools', 'train.py'))
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    runner = train.main([cfg_path, '--work-dir', work_dir])
+    runner = load_tool('train').main([cfg_path, '--work-dir', work_dir])
     state = runner.model.state_dict()
     return {k: v.detach().clone() for k, v in state.items()}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from mmseg_gf.pipeline.experiments import MODELS, strategy_file
+from mmseg_gf.pipeline.experiments import PROTOCOL_MODELS, strategy_file
 from tests._config_names import config_name, parse_config_name
 from tests._engine_fixtures import EXPECTED, gf_paths
 
@@ -52,7 +52,7 @@ def _load(path: str) -> Config:
 
 def _calib_schedule(model: str) -> str:
     """1000 iterations, 5000 for the models whose decoder is calibrated."""
-    if MODELS[model].calibration == 'calibrate_decoder':
+    if PROTOCOL_MODELS[model].calibration == 'calibrate_decoder':
         return '1xb8-5k'
     return '1xb8-1k'
 
@@ -62,7 +62,7 @@ def test_the_common_cases_are_all_there():
     targets, and the calibration each of them starts from."""
     gf = {osp.basename(p) for p in glob.glob(osp.join(GF_DIR, '*.py'))}
     calib = {osp.basename(p) for p in glob.glob(osp.join(CALIB_DIR, '*.py'))}
-    for model in MODELS:
+    for model in PROTOCOL_MODELS:
         for target in TARGETS:
             for strategy in COMMON:
                 assert config_name(model, target, strategy, '1xb8-20k') in gf

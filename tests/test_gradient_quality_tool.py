@@ -3,16 +3,16 @@ gradients, Proposition 1, end-to-end weight gradients."""
 import json
 import math
 import os.path as osp
-import sys
 
 import pytest
 
 pytest.importorskip('mmseg')
 pytest.importorskip('torch')
 
+from tests._tools import load_tool  # noqa: E402
+
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, osp.join(REPO, 'tools'))
-import gradient_quality  # noqa: E402
+gradient_quality = load_tool('gradient_quality')
 
 PSP = osp.join(REPO, 'configs', 'gf', 'pspnet_r18_voc_r4.py')
 

@@ -13,8 +13,9 @@ import torch
 from mmengine.config import Config
 from mmengine.logging import MMLogger
 
+from mmseg_gf.analysis.cost_report import format_cost_table
 from mmseg_gf.engine import (GradFilterHook, apply_gradient_filter,
-                             format_cost_table, select_layers, trace_convs)
+                             select_layers, trace_convs)
 from mmseg_gf.models import GFConv2d
 from tests._engine_fixtures import (EXPECTED, build_model, changed_modules,
                                     gf_paths, prepare_workspace, run_training,

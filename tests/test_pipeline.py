@@ -18,10 +18,11 @@ torch = pytest.importorskip('torch')
 
 from mmengine.config import Config  # noqa: E402
 
+from tests._tools import load_tool  # noqa: E402
+
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOL = osp.join(REPO, 'tools', 'run_pipeline.py')
-sys.path.insert(0, osp.join(REPO, 'tools'))
-import run_pipeline  # noqa: E402
+run_pipeline = load_tool('run_pipeline')
 
 from mmseg_gf.pipeline import compose_config  # noqa: E402
 from mmseg_gf.pipeline.experiments import (rescale_schedule,  # noqa: E402
@@ -162,8 +163,8 @@ def test_calibration_and_finetune_freeze_the_right_weights(learned):
 def test_resume_after_interrupt_and_stale_runs(learned, monkeypatch,
                                                capsys):
     """Interrupt a new strategy mid-run: finished runs are not redone, the
-    interrupted one resumes from its checkpoint (here through the
-    tools/train.py subprocess path, --isolate); a changed setting makes the
+    interrupted one resumes from its checkpoint (here in a new process,
+    --isolate); a changed setting makes the
     affected runs stale."""
     _, out, argv = learned
     strategies = ['calib', 'classifier_only', 'gf_last5_r4']
@@ -346,8 +347,8 @@ def test_concrete_configs_are_base_compositions():
     import ast
     import glob
 
-    from mmseg_gf.pipeline.experiments import (DATASETS, MODELS,
-                                               strategy_file)
+    from mmseg_gf.pipeline.experiments import (PROTOCOL_DATASETS,
+                                               PROTOCOL_MODELS, strategy_file)
     paths = sorted(
         glob.glob(osp.join(REPO, 'configs', 'calib', '*.py')) +
         glob.glob(osp.join(REPO, 'configs', 'gf', '*.py')))
@@ -369,8 +370,8 @@ def test_concrete_configs_are_base_compositions():
             for b in ast.literal_eval(assigned['_base_'])
         ]
         assert bases == [
-            osp.join(base, 'models', MODELS[model].base),
-            osp.join(base, 'datasets', DATASETS[target].base),
+            osp.join(base, 'models', PROTOCOL_MODELS[model].base),
+            osp.join(base, 'datasets', PROTOCOL_DATASETS[target].base),
             osp.join(base, 'default_runtime.py'),
             strategy_file(strategy, model)
         ], path

@@ -2,7 +2,6 @@
 equals an uninterrupted run; bad input fails before training with a message
 naming the setting and what is allowed; checkpoints of other models are
 refused."""
-import importlib.util
 import logging
 import os
 import os.path as osp
@@ -17,18 +16,11 @@ from mmseg_gf.engine.checkpoint import check_checkpoint_matches
 from tests._engine_fixtures import (EXPECTED, NORM, build_model,
                                     changed_modules, gf_paths, model_cfg,
                                     prepare_workspace, tool_cfg, write_cfg)
+from tests._tools import load_tool
 from tests._train_hooks import SimulatedInterrupt
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
-
-
-def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(
-        f'gf_tool_{name}', osp.join(REPO, 'tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -37,7 +29,7 @@ def tools(monkeypatch):
     touch (weights_only override, LOCAL_RANK) is restored afterwards."""
     monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
     monkeypatch.delenv('LOCAL_RANK', raising=False)
-    return _load_tool('train'), _load_tool('test')
+    return load_tool('train'), load_tool('test')
 
 
 @HOOKS.register_module(force=True)

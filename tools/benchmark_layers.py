@@ -23,8 +23,9 @@ import os.path as osp
 
 import torch
 
-from mmseg_gf.analysis.layer_benchmark import (PAPER_LAYERS, markdown_table,
-                                               summarize, time_layer)
+from mmseg_gf.analysis.layer_benchmark import (BENCHMARK_CONV_SHAPES, plot,
+                                               summarize, time_layer,
+                                               timing_table)
 from mmseg_gf.ops import triton_path
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
@@ -58,29 +59,6 @@ def parse_args():
     return parser.parse_args()
 
 
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 4))
-    keys = sorted({(r.device, r.case, r.radius) for r in rows})
-    layers = list(dict.fromkeys(r.layer for r in rows))
-    width = 0.8 / len(keys)
-    for i, key in enumerate(keys):
-        sel = {r.layer: r.backward_speedup for r in rows
-               if (r.device, r.case, r.radius) == key}
-        ax.bar([j + i * width for j in range(len(layers))],
-               [sel.get(layer, 0) for layer in layers], width,
-               label=f'{key[0]} {key[1]} r={key[2]}')
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))])
-    ax.set_xticklabels(layers, rotation=20, fontsize=7)
-    ax.set_yscale('log')
-    ax.set_ylabel('backward speedup vs torch (x)')
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main():
     args = parse_args()
     if args.threads:
@@ -90,7 +68,8 @@ def main():
         triton_path.set_enabled(False)
     devices = args.devices or (['cpu', 'cuda']
                                if torch.cuda.is_available() else ['cpu'])
-    layers = [PAPER_LAYERS[i] for i in (args.layers or range(len(PAPER_LAYERS)))]
+    layers = [BENCHMARK_CONV_SHAPES[i]
+              for i in (args.layers or range(len(BENCHMARK_CONV_SHAPES)))]
     rows = []
     for device in devices:
         for cin, cout, h, w in layers:
@@ -99,7 +78,7 @@ def main():
                                args.repeats, args.warmup, device,
                                DTYPES[args.dtype])
     os.makedirs(args.out_dir, exist_ok=True)
-    table = markdown_table(rows)
+    table = timing_table(rows)
     summary = {dev: summarize([r for r in rows if r.device.startswith(dev)])
                for dev in devices}
     meta = dict(batch=args.batch, threads=torch.get_num_threads(),

@@ -21,15 +21,15 @@ import torch
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
 from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
-                                              markdown, plot)
+                                              plot, step_table)
 from mmseg_gf.engine.cli import write_json
-from mmseg_gf.pipeline import MODELS
+from mmseg_gf.pipeline import PROTOCOL_MODELS
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--models', nargs='+', default=['pspnet_r18'],
-                   choices=sorted(MODELS))
+                   choices=sorted(PROTOCOL_MODELS))
     p.add_argument('--dataset', default='voc',
                    help='target dataset of the configs (class count)')
     p.add_argument('--rows', nargs='+', default=list(DEFAULT_ROWS),
@@ -57,16 +57,17 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
                                                   flush=True))
         result['cpu'] = platform.processor() or platform.machine()
         results.append(result)
-        print(f'\n{MODELS[name].label}, crop {args.crop[0]}x{args.crop[1]}, '
+        print(f'\n{PROTOCOL_MODELS[name].label}, crop '
+              f'{args.crop[0]}x{args.crop[1]}, '
               f'batch {args.batch}, {result["threads"]} threads, torch '
               f'{result["torch"]}; median of {args.repeats} steps')
-        print(markdown(result), flush=True)
+        print(step_table(result), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     write_json(osp.join(args.out_dir, 'steps.json'), results)
     with open(osp.join(args.out_dir, 'steps.md'), 'w') as f:
         for result in results:
-            f.write(f"## {MODELS[result['model']].label}\n\n"
-                    f'{markdown(result)}\n\n')
+            f.write(f"## {PROTOCOL_MODELS[result['model']].label}\n\n"
+                    f'{step_table(result)}\n\n')
     plot(results, osp.join(args.out_dir, 'steps.png'))
     return results
 

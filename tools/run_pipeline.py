@@ -25,7 +25,7 @@ from typing import List, Optional
 
 from mmengine.config import DictAction
 
-from mmseg_gf.pipeline import MODELS, TRANSFERS, strategy_names
+from mmseg_gf.pipeline import PROTOCOL_MODELS, TRANSFERS, strategy_names
 from mmseg_gf.pipeline.experiments import PAPER_STRATEGIES
 from mmseg_gf.pipeline.runner import Pipeline, PipelineOptions
 
@@ -41,7 +41,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         description='Calibrate + finetune one model on one transfer with a '
         'list of strategies and seeds; write the Table 3/9 layout.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--model', required=True, choices=sorted(MODELS))
+    p.add_argument('--model', required=True,
+                   choices=sorted(PROTOCOL_MODELS))
     p.add_argument('--transfer', required=True, choices=sorted(TRANSFERS))
     p.add_argument(
         '--strategies', nargs='+', default=list(PAPER_STRATEGIES),
@@ -96,7 +97,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         'iterations (source/calibration/finetuning); explicit options win')
     p.add_argument(
         '--isolate', action='store_true',
-        help='run each training as a tools/train.py subprocess')
+        help='run each training in a new Python process (all it held in '
+        'memory is given back when it ends)')
     p.add_argument('--dry-run', action='store_true',
                    help='print the plan and exit')
     p.add_argument('--report-only', action='store_true',

@@ -3,7 +3,8 @@
 mmseg 1.x's ``tools/train.py`` CLI, plus two plugin steps: ``import mmseg_gf``
 (registers GFConv2d, GradFilterHook, ...) and ``rewrite_config(cfg)``, which
 turns a top-level ``gradient_filter = dict(num_layers, radius, mode)`` into
-the model rewrite (last N convs filtered, the rest frozen).
+the model rewrite (last N convs filtered, the rest frozen). The run itself
+is :func:`mmseg_gf.engine.runner.train`.
 
 Example::
 
@@ -17,22 +18,16 @@ Example::
     python tools/train.py CONFIG --work-dir work_dirs/psp_r18_r4 --resume
 """
 import argparse
-import logging
 import os.path as osp
 import sys
 from typing import List, Optional
 
-from mmengine.config import Config
-from mmengine.logging import print_log
-from mmengine.runner import Runner, find_latest_checkpoint
+from mmengine.runner import Runner
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
-from mmseg_gf.engine.cli import (add_common_args, load_config,
+from mmseg_gf.engine.cli import (add_common_args, export_local_rank,
                                  trust_mmengine_checkpoints)
-from mmseg_gf.engine.cpu_amp import enable_amp
-from mmseg_gf.engine import rewrite_config
-from mmseg_gf.engine.cpu_distributed import (init_cpu_process_group,
-                                             prepare_cpu_distributed)
+from mmseg_gf.engine.runner import train
 
 trust_mmengine_checkpoints()  # before any checkpoint is read
 
@@ -59,66 +54,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not osp.isfile(args.config):
         parser.error(f'config: file {args.config!r} does not exist')
+    export_local_rank(args)
     return args
-
-
-def resolve_resume(cfg: Config, resume: bool) -> Config:
-    """``--resume``: continue from the latest checkpoint in ``work_dir``.
-
-    mmengine reads ``resume=True`` together with a ``load_from`` as "resume
-    from load_from". A finetuning config's ``load_from`` is the pretrained
-    model, so that would restart from it, or, with its ``meta`` iteration
-    count (e.g. 80k of the original training), end at once. Here the latest
-    checkpoint of this run wins; without one the run starts from
-    ``load_from`` as a fresh run would.
-    """
-    cfg.resume = False
-    if not resume:
-        return cfg
-    latest = find_latest_checkpoint(cfg.work_dir)
-    if latest is not None:
-        cfg.load_from = latest
-        cfg.resume = True
-    else:
-        print_log(
-            f'--resume: no checkpoint in {cfg.work_dir} yet; starting from '
-            f'load_from={cfg.get("load_from")!r}', logger='current',
-            level=logging.WARNING)
-    return cfg
-
-
-def build_config(args: argparse.Namespace) -> Config:
-    """Load the config and apply the CLI overrides and the plugin rewrite."""
-    cfg = load_config(args)
-
-    if args.amp:
-        enable_amp(cfg)
-
-    resolve_resume(cfg, args.resume)
-    # Distributed without CUDA: gloo and a CPU DDP wrapper.
-    prepare_cpu_distributed(cfg)
-
-    # `gradient_filter = dict(...)` -> GradFilterModel + GradFilterHook;
-    # a config without it is returned unchanged.
-    return rewrite_config(cfg)
-
-
-def build_runner(cfg: Config) -> Runner:
-    if 'runner_type' in cfg:
-        from mmseg.registry import RUNNERS
-        return RUNNERS.build(cfg)
-    return Runner.from_cfg(cfg)
 
 
 def main(argv: Optional[List[str]] = None) -> Runner:
     args = parse_args(argv)
-    cfg = build_config(args)
-    # mmengine's init_dist('pytorch') needs CUDA; create the gloo group
-    # first on a CPU-only machine (the Runner then reuses it).
-    init_cpu_process_group(cfg)
-    runner = build_runner(cfg)
-    runner.train()
-    return runner
+    return train(args.config, work_dir=args.work_dir,
+                 cfg_options=args.cfg_options, resume=args.resume,
+                 amp=args.amp, launcher=args.launcher)
 
 
 if __name__ == '__main__':

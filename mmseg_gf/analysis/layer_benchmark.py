@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import gradient_filtered_conv2d
+from .table import format_table
 
-# The paper's Table 10 layers: (Cin, Cout, H, W), 3x3, stride 1, padding 1.
-PAPER_LAYERS: Tuple[Tuple[int, int, int, int], ...] = (
+#: The convs the benchmark times: the paper's Table 10 layers, as
+#: (Cin, Cout, H, W), each 3x3, stride 1, padding 1.
+BENCHMARK_CONV_SHAPES: Tuple[Tuple[int, int, int, int], ...] = (
     (128, 128, 120, 160), (256, 256, 60, 80), (512, 512, 30, 40),
     (512, 512, 14, 14), (256, 256, 14, 14), (128, 128, 28, 28),
     (64, 64, 56, 56))
@@ -202,19 +204,39 @@ def summarize(rows: Sequence[LayerTiming]) -> Dict[str, Dict[str, float]]:
     return summary
 
 
-def markdown_table(rows: Sequence[LayerTiming]) -> str:
-    """The per-layer table of the README."""
-    lines = [
-        '| layer (Cin x Cout @ H x W) | case | r | bwd speedup | '
-        'fwd+bwd speedup | fwd overhead | GF bwd / clone(g_y) | '
-        'GF bwd / IO floor | saved bytes GF/vanilla |',
-        '|---|---|---|---|---|---|---|---|---|',
-    ]
-    for r in rows:
-        lines.append(
-            f'| {r.layer} | {r.case} | {r.radius} | '
-            f'{r.backward_speedup:.1f}x | {r.step_speedup:.2f}x | '
-            f'{r.forward_overhead:.2f} | {r.backward_over_floor:.2f} | '
-            f'{r.backward_over_io_floor:.2f} | '
-            f'{r.gf_saved_bytes / r.vanilla_saved_bytes:.4f} |')
-    return '\n'.join(lines)
+def timing_table(rows: Sequence[LayerTiming]) -> str:
+    """The per-layer table of the README (markdown)."""
+    return format_table(
+        ('layer (Cin x Cout @ H x W)', 'case', 'r', 'bwd speedup',
+         'fwd+bwd speedup', 'fwd overhead', 'GF bwd / clone(g_y)',
+         'GF bwd / IO floor', 'saved bytes GF/vanilla'),
+        [(r.layer, r.case, r.radius, f'{r.backward_speedup:.1f}x',
+          f'{r.step_speedup:.2f}x', f'{r.forward_overhead:.2f}',
+          f'{r.backward_over_floor:.2f}', f'{r.backward_over_io_floor:.2f}',
+          f'{r.gf_saved_bytes / r.vanilla_saved_bytes:.4f}') for r in rows])
+
+
+def plot(rows: Sequence[LayerTiming], path: str) -> None:
+    """Backward speedup per layer, one bar per (device, case, radius), log
+    scale (matplotlib, Agg): the ``layers.png`` of the benchmark."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4))
+    keys = sorted({(r.device, r.case, r.radius) for r in rows})
+    layers = list(dict.fromkeys(r.layer for r in rows))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        sel = {r.layer: r.backward_speedup for r in rows
+               if (r.device, r.case, r.radius) == key}
+        ax.bar([j + i * width for j in range(len(layers))],
+               [sel.get(layer, 0) for layer in layers], width,
+               label=f'{key[0]} {key[1]} r={key[2]}')
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))])
+    ax.set_xticklabels(layers, rotation=20, fontsize=7)
+    ax.set_yscale('log')
+    ax.set_ylabel('backward speedup vs torch (x)')
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -35,10 +35,12 @@ from ..engine.selection import ConvRecord, is_classifier, trace_convs
 from ..engine.surgery import MODE_ATTR, get_gradient_filter_layers
 from ..engine.utils import unwrap_model
 from .cost import ConvBackwardCost, conv_backward_cost
+from .step_memory import trace_step_saved_bytes
 
 __all__ = [
     'LayerCost', 'ModelCost', 'build_segmentor', 'model_backward_cost',
-    'measure_memory', 'random_batch', 'training_loss'
+    'config_backward_cost', 'config_step_saved_bytes', 'measure_memory',
+    'random_batch', 'training_loss'
 ]
 
 
@@ -279,6 +281,33 @@ def model_backward_cost(model: nn.Module,
 
 # ----------------------------------------------------------------------------
 # Measured memory: what autograd keeps, GF vs vanilla on the same layers
+
+
+def config_backward_cost(cfg, shape: Sequence[int], batch: int = 1,
+                         radius: int = 4,
+                         collapse_dilated: bool = False) -> ModelCost:
+    """Build a config's model (``gradient_filter`` applied) and cost it at
+    ``shape``: the per-layer numbers of ``tools/analyze_cost.py``.
+
+    ``radius`` is the GF columns' patch size for a config without
+    ``gradient_filter`` (every conv counted, see
+    :func:`model_backward_cost`).
+    """
+    model = build_segmentor(cfg, input_size=shape)
+    return model_backward_cost(model, shape, batch=batch, radius=radius,
+                               collapse_dilated=collapse_dilated)
+
+
+def config_step_saved_bytes(cfg, shape: Sequence[int]):
+    """The whole step's analytic saved bytes
+    (:func:`~mmseg_gf.analysis.step_memory.trace_step_saved_bytes`) of a
+    config whose ``gradient_filter`` has the lean region on; None for any
+    other config, where the count does not apply."""
+    settings = cfg.get('gradient_filter')
+    if not isinstance(settings, dict) or not settings.get('lean', True):
+        return None
+    return trace_step_saved_bytes(build_segmentor(cfg, input_size=shape),
+                                  shape)
 
 
 def random_batch(model: nn.Module,

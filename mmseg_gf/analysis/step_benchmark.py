@@ -28,8 +28,9 @@ import torch
 from .memory import profiled_peak_bytes, saved_tensor_bytes
 from .model_cost import build_segmentor, random_batch, training_loss
 from .step_memory import trace_step_saved_bytes
+from .table import format_table
 
-__all__ = ['DEFAULT_ROWS', 'parse_row', 'benchmark_model', 'markdown',
+__all__ = ['DEFAULT_ROWS', 'parse_row', 'benchmark_model', 'step_table',
            'plot', 'FINETUNE_ITERS']
 
 #: The protocol's finetuning length, for the "20k steps" column.
@@ -105,7 +106,7 @@ def benchmark_model(model_name: str,
     comparable. Peak and saved bytes are measured per row afterwards.
 
     Args:
-        model_name: a key of :data:`mmseg_gf.pipeline.MODELS`.
+        model_name: a key of :data:`mmseg_gf.pipeline.PROTOCOL_MODELS`.
         rows: ``'inference'`` and strategy names, optionally suffixed
             ``:lean`` / ``:plain``.
         dataset: the target dataset of the configs (its class count).
@@ -201,25 +202,20 @@ def _ratio(v: Optional[float], digits: int = 2) -> str:
     return '' if v is None else f'{v:.{digits}f}'
 
 
-def markdown(result: Dict) -> str:
+def step_table(result: Dict) -> str:
     """One model's rows as a markdown table."""
-    lines = [
-        '| row | fwd s | bwd s | step s | step / inference fwd | lean / '
-        'plain step | peak MiB | peak / inference | saved MiB | analytic '
-        'MiB | saved / vanilla plain | 20k steps (h) |',
-        '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
-    ]
-    for r in result['rows']:
-        lines.append(
-            f"| {r['row']} | {r['forward']:.3f} | {r['backward']:.3f} | "
-            f"{r['step']:.3f} | {_ratio(r.get('step_vs_inference'))} | "
-            f"{_ratio(r.get('step_vs_plain'), 3)} | {_mib(r['peak_bytes'])} | "
-            f"{_ratio(r.get('peak_vs_inference'))} | "
-            f"{_mib(r['saved_bytes'])} | "
-            f"{_mib(r.get('analytic_saved_bytes'))} | "
-            f"{_ratio(r.get('saved_vs_vanilla_plain'), 3)} | "
-            f"{r['step'] * FINETUNE_ITERS / 3600:.1f} |")
-    return '\n'.join(lines)
+    return format_table(
+        ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
+         'lean / plain step', 'peak MiB', 'peak / inference', 'saved MiB',
+         'analytic MiB', 'saved / vanilla plain', '20k steps (h)'),
+        [(r['row'], f"{r['forward']:.3f}", f"{r['backward']:.3f}",
+          f"{r['step']:.3f}", _ratio(r.get('step_vs_inference')),
+          _ratio(r.get('step_vs_plain'), 3), _mib(r['peak_bytes']),
+          _ratio(r.get('peak_vs_inference')), _mib(r['saved_bytes']),
+          _mib(r.get('analytic_saved_bytes')),
+          _ratio(r.get('saved_vs_vanilla_plain'), 3),
+          f"{r['step'] * FINETUNE_ITERS / 3600:.1f}")
+         for r in result['rows']], align='l' + 'r' * 11)
 
 
 def plot(results: Sequence[Dict], path: str) -> None:

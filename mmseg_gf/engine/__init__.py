@@ -10,7 +10,7 @@ from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config
 from .cpu_distributed import CPUDistributedDataParallel  # noqa: F401
 from .hooks import (CalibrationHook, GradFilterHook, GradientQualityHook,
-                    ValMetricsRecorderHook, format_cost_table)
+                    ValMetricsRecorderHook)
 from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers, trace_convs)
 from .surgery import (apply_gradient_filter, get_gradient_filter_layers,
@@ -20,7 +20,7 @@ __all__ = [
     'LayerChoice', 'trace_convs', 'select_layers', 'auto_radius',
     'resolve_radius', 'apply_gradient_filter', 'set_frozen_norms_eval',
     'get_gradient_filter_layers', 'build_grad_filter_model',
-    'check_settings', 'rewrite_config', 'GradFilterHook', 'format_cost_table',
+    'check_settings', 'rewrite_config', 'GradFilterHook',
     'GradientQualityHook', 'CalibrationHook', 'ValMetricsRecorderHook',
     'CPUAmpOptimWrapper', 'enable_amp'
 ]

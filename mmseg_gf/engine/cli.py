@@ -1,20 +1,20 @@
-"""What tools/train.py and tools/test.py share: mmseg's common CLI flags,
-loading a config with them, and trusting mmengine's checkpoint format.
+"""What the tools' command lines share: mmseg's common flags of
+tools/train.py and tools/test.py, trusting mmengine's checkpoint format,
+writing a tool's ``--out`` json.
 
-Both tools follow mmseg 1.x's scripts flag for flag; only the parts that are
-the same in both live here.
+The tools follow mmseg 1.x's scripts flag for flag; the runs themselves are
+in :mod:`mmseg_gf.engine.runner`.
 """
 import argparse
 import json
 import os
 import os.path as osp
-from typing import Sequence
 
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 
 __all__ = [
-    'trust_mmengine_checkpoints', 'add_common_args', 'load_config',
-    'write_json', 'markdown_table'
+    'trust_mmengine_checkpoints', 'add_common_args', 'export_local_rank',
+    'write_json'
 ]
 
 
@@ -52,25 +52,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
 
 
-def load_config(args: argparse.Namespace) -> Config:
-    """The config with the CLI's launcher, ``--cfg-options`` and work dir.
-
-    Work dir: ``--work-dir`` > the config's ``work_dir`` >
-    ``./work_dirs/<config name>``. Also exports ``LOCAL_RANK`` from
-    ``--local-rank`` when the launcher did not.
-    """
+def export_local_rank(args: argparse.Namespace) -> None:
+    """Export ``--local-rank`` as ``LOCAL_RANK`` when the launcher did not
+    (``torch.distributed.launch`` passes the flag; mmengine reads the
+    variable)."""
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs',
-                                osp.splitext(osp.basename(args.config))[0])
-    return cfg
 
 
 def write_json(path: str, obj) -> None:
@@ -80,11 +67,3 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
     print(f'wrote {path}')
 
-
-def markdown_table(header: Sequence[str],
-                   rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table of a tool's report (cells printed with ``str``)."""
-    out = ['| ' + ' | '.join(header) + ' |',
-           '|' + '|'.join(' --- ' for _ in header) + '|']
-    out += ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
-    return '\n'.join(out)

@@ -1,6 +1,7 @@
 """Distributed training on CPU-only machines (gloo).
 
-``tools/train.py`` and ``tools/test.py`` call :func:`prepare_cpu_distributed`
+The runs of :mod:`mmseg_gf.engine.runner` (``tools/train.py``,
+``tools/test.py``) call :func:`prepare_cpu_distributed`
 and :func:`init_cpu_process_group` for a distributed launch without CUDA.
 """
 from datetime import timedelta

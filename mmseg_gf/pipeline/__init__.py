@@ -14,10 +14,10 @@ results.png in the layout of Tables 3 and 9.
   validation result to ``<work_dir>/val_metrics.jsonl``; :mod:`.hooks` is
   the import path the run configs name for it.
 """
-from .experiments import (DATASETS, MODELS, STRATEGIES, TRANSFERS,
-                          compose_config, strategy_names)
+from .experiments import (PROTOCOL_DATASETS, PROTOCOL_MODELS, STRATEGIES,
+                          TRANSFERS, compose_config, strategy_names)
 
 __all__ = [
-    'DATASETS', 'MODELS', 'STRATEGIES', 'TRANSFERS', 'compose_config',
-    'strategy_names'
+    'PROTOCOL_DATASETS', 'PROTOCOL_MODELS', 'STRATEGIES', 'TRANSFERS',
+    'compose_config', 'strategy_names'
 ]

@@ -26,9 +26,9 @@ from mmengine.config import Config
 from ..engine.config import add_custom_hook, add_custom_imports
 
 __all__ = [
-    'CONFIG_DIR', 'ModelSpec', 'DatasetSpec', 'StrategySpec', 'MODELS',
-    'DATASETS', 'TRANSFERS', 'STRATEGIES', 'PAPER_STRATEGIES',
-    'BUDGET_STRATEGIES', 'fill_budget',
+    'CONFIG_DIR', 'ModelSpec', 'DatasetSpec', 'StrategySpec',
+    'PROTOCOL_MODELS', 'PROTOCOL_DATASETS', 'TRANSFERS', 'STRATEGIES',
+    'PAPER_STRATEGIES', 'BUDGET_STRATEGIES', 'fill_budget',
     'strategy_names', 'strategy_file', 'compose_config', 'adapt_config',
     'set_data', 'rescale_schedule'
 ]
@@ -61,7 +61,9 @@ class ModelSpec:
     zoo: Dict[str, str] = field(default_factory=dict)
 
 
-MODELS: Dict[str, ModelSpec] = {
+#: The protocol's segmentors by name (``--model``): plain data, not an mmseg
+#: registry (configs name these through their ``configs/_base_`` files).
+PROTOCOL_MODELS: Dict[str, ModelSpec] = {
     'pspnet_r18':
     ModelSpec(
         'pspnet_r18-d8.py', 'PSPNet-R18',
@@ -127,7 +129,9 @@ class DatasetSpec:
     synthetic: Dict[str, Any] = field(default_factory=dict)
 
 
-DATASETS: Dict[str, DatasetSpec] = {
+#: The protocol's datasets by name (the ends of a ``--transfer``): plain
+#: data, not mmseg's ``DATASETS`` registry.
+PROTOCOL_DATASETS: Dict[str, DatasetSpec] = {
     'voc':
     DatasetSpec('voc12aug.py', 'VOC12Aug', 'voc', 'VOCdevkit/VOC2012',
                 dict(size=(96, 96), classes=[1, 2, 3, 4, 5, 6])),
@@ -223,7 +227,7 @@ def strategy_file(strategy: str, model: str,
             raise ValueError(f'unknown strategy {strategy!r}; built-in: '
                              f'{strategy_names()} or a path to a .py file')
         base = STRATEGIES[strategy].base.format(
-            model=model, calibration=MODELS[model].calibration)
+            model=model, calibration=PROTOCOL_MODELS[model].calibration)
         path = osp.join(config_dir, '_base_', 'strategies', base)
     if not osp.isfile(path):
         raise ValueError(f'strategy {strategy!r} has no config for model '
@@ -244,25 +248,26 @@ def compose_config(model: str,
     """model + dataset + runtime + strategy bases, with the glue line.
 
     Args:
-        model: a key of :data:`MODELS`.
-        dataset: a key of :data:`DATASETS`.
+        model: a key of :data:`PROTOCOL_MODELS`.
+        dataset: a key of :data:`PROTOCOL_DATASETS`.
         strategy: a key of :data:`STRATEGIES`, ``'pretrain_source'`` or a
             path to a strategy file.
         config_dir: the ``configs`` directory.
     """
-    if model not in MODELS:
-        raise ValueError(f'unknown model {model!r}; one of {list(MODELS)}')
-    if dataset not in DATASETS:
+    if model not in PROTOCOL_MODELS:
         raise ValueError(
-            f'unknown dataset {dataset!r}; one of {list(DATASETS)}')
+            f'unknown model {model!r}; one of {list(PROTOCOL_MODELS)}')
+    if dataset not in PROTOCOL_DATASETS:
+        raise ValueError(
+            f'unknown dataset {dataset!r}; one of {list(PROTOCOL_DATASETS)}')
     base = osp.join(config_dir, '_base_')
     if strategy == 'pretrain_source':
         strat = osp.join(base, 'strategies', 'pretrain_source.py')
     else:
         strat = strategy_file(strategy, model, config_dir)
     bases = [
-        osp.join(base, 'models', MODELS[model].base),
-        osp.join(base, 'datasets', DATASETS[dataset].base),
+        osp.join(base, 'models', PROTOCOL_MODELS[model].base),
+        osp.join(base, 'datasets', PROTOCOL_DATASETS[dataset].base),
         osp.join(base, 'default_runtime.py'), strat
     ]
     text = (f'_base_ = {bases!r}\n'

@@ -11,6 +11,8 @@ import math
 import os.path as osp
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..analysis.table import format_table
+
 __all__ = ['Row', 'summarize', 'write_report', 'mean_std', 'fmt_mean_std']
 
 METRICS = ('mIoU', 'mAcc', 'best_mIoU', 'best_mAcc')
@@ -107,32 +109,28 @@ def summarize(rows: List[Row]) -> List[Dict[str, Any]]:
 def _markdown(title: str, notes: Sequence[str], rows: List[Row]) -> str:
     lines = [f'# {title}', '']
     lines += [f'{n}' for n in notes]
-    lines += [
-        '', '| Method | Strategy | #Layers | r | GFLOPs | mIoU | mAcc | '
-        'best mIoU | mAcc @ best | seeds |',
-        '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|'
-    ]
-    for row in rows:
-        c = row.cost
-        lines.append(
-            f'| {row.method} | {row.strategy} | {c["layers"]} | '
-            f'{c["radius"]} | {_fmt_gflops(c["gflops"])} | ' +
-            ' | '.join(fmt_mean_std(row.values(k)) for k in METRICS) +
-            f' | {len(row.results)} |')
-    lines += ['', '## Runs', '',
-              '| Strategy | seed | iters | mIoU | mAcc | aAcc | best mIoU '
-              '(iter) | time |', '|---|---:|---:|---:|---:|---:|---:|---:|']
+    lines += ['', format_table(
+        ('Method', 'Strategy', '#Layers', 'r', 'GFLOPs', 'mIoU', 'mAcc',
+         'best mIoU', 'mAcc @ best', 'seeds'),
+        [(row.method, row.strategy, row.cost['layers'], row.cost['radius'],
+          _fmt_gflops(row.cost['gflops']),
+          *(fmt_mean_std(row.values(k)) for k in METRICS), len(row.results))
+         for row in rows], align='ll' + 'r' * 8)]
+    runs = []
     for row in rows:
         for r in row.results:
             fin, best = r.get('final') or {}, r.get('best') or {}
-            lines.append(
-                f'| {row.strategy} | {r["seed"]} | {r.get("max_iters")} | '
-                f'{fin.get("mIoU", float("nan")):.2f} | '
-                f'{fin.get("mAcc", float("nan")):.2f} | '
-                f'{fin.get("aAcc", float("nan")):.2f} | '
+            runs.append((
+                row.strategy, r['seed'], r.get('max_iters'),
+                f'{fin.get("mIoU", float("nan")):.2f}',
+                f'{fin.get("mAcc", float("nan")):.2f}',
+                f'{fin.get("aAcc", float("nan")):.2f}',
                 f'{best.get("mIoU", float("nan")):.2f} '
-                f'({best.get("iter", "-")}) | '
-                f'{r.get("seconds", 0) / 60:.1f} min |')
+                f'({best.get("iter", "-")})',
+                f'{r.get("seconds", 0) / 60:.1f} min'))
+    lines += ['', '## Runs', '', format_table(
+        ('Strategy', 'seed', 'iters', 'mIoU', 'mAcc', 'aAcc',
+         'best mIoU (iter)', 'time'), runs, align='l' + 'r' * 7)]
     return '\n'.join(lines) + '\n'
 
 

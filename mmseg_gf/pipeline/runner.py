@@ -23,8 +23,6 @@ import hashlib
 import json
 import os
 import os.path as osp
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -33,13 +31,13 @@ from mmengine.config import Config
 
 from ..engine.cli import trust_mmengine_checkpoints
 from ..engine.hooks import read_val_metrics
-from .experiments import (CONFIG_DIR, DATASETS, MODELS, PAPER_STRATEGIES,
-                          TRANSFERS, adapt_config, compose_config,
-                          strategy_file, strategy_kind)
+from ..engine.runner import run_in_subprocess, train
+from .experiments import (CONFIG_DIR, PAPER_STRATEGIES, PROTOCOL_DATASETS,
+                          PROTOCOL_MODELS, TRANSFERS, adapt_config,
+                          compose_config, strategy_file, strategy_kind)
 
 __all__ = ['PipelineOptions', 'Stage', 'Pipeline', 'prepare_synthetic']
 
-TOOLS_DIR = osp.join(osp.dirname(CONFIG_DIR), 'tools')
 RESULT_FILE = 'result.json'
 RUN_FILE = 'run.json'
 
@@ -120,7 +118,7 @@ def prepare_synthetic(root: str, dataset: str, num_train: int, num_val: int,
         ``(data_root, (H, W))``: the config's data root and image size.
     """
     from ..datasets import MAKERS
-    spec = DATASETS[dataset]
+    spec = PROTOCOL_DATASETS[dataset]
     out = osp.join(root, dataset)
     settings = dict(spec.synthetic, num_train=int(num_train),
                     num_val=int(num_val), seed=int(seed))
@@ -169,9 +167,9 @@ class Pipeline:
     """
 
     def __init__(self, opts: PipelineOptions) -> None:
-        if opts.model not in MODELS:
+        if opts.model not in PROTOCOL_MODELS:
             raise ValueError(f'unknown model {opts.model!r}; one of '
-                             f'{list(MODELS)}')
+                             f'{list(PROTOCOL_MODELS)}')
         if opts.transfer not in TRANSFERS:
             raise ValueError(f'unknown transfer {opts.transfer!r}; one of '
                              f'{list(TRANSFERS)}')
@@ -228,7 +226,7 @@ class Pipeline:
     def _source_checkpoint(self) -> Optional[str]:
         ckpt = self.opts.source_checkpoint
         if ckpt == 'zoo':
-            zoo = MODELS[self.opts.model].zoo
+            zoo = PROTOCOL_MODELS[self.opts.model].zoo
             if self.source not in zoo:
                 raise ValueError(
                     f'mmseg publishes no {self.source} checkpoint of '
@@ -291,10 +289,14 @@ class Pipeline:
             return 'partial'
         return 'todo'
 
+    def _title(self) -> str:
+        """'<model>: <source> -> <target>' in the paper's names."""
+        return (f'{PROTOCOL_MODELS[self.opts.model].label}: '
+                f'{PROTOCOL_DATASETS[self.source].label} -> '
+                f'{PROTOCOL_DATASETS[self.target].label}')
+
     def print_plan(self) -> None:
-        o = self.opts
-        _log(f'{MODELS[o.model].label}: {DATASETS[self.source].label} -> '
-             f'{DATASETS[self.target].label}; output {self.out_dir}')
+        _log(f'{self._title()}; output {self.out_dir}')
         for st in self.stages:
             it = int(st.cfg.train_cfg.max_iters)
             extra = ''
@@ -319,32 +321,18 @@ class Pipeline:
         with open(osp.join(st.work_dir, RUN_FILE), 'w') as f:
             json.dump(dict(name=st.name, fingerprint=st.fingerprint,
                            config=config_path), f, indent=1)
+        # The dumped file is what runs, as tools/train.py would run it;
+        # without yapf (the Runner prints the config and stores it in every
+        # checkpoint, and formatting it takes ~1 s each time on a slow CPU).
+        # Resuming: from work_dir's last checkpoint, never from load_from.
+        kwargs = dict(work_dir=st.work_dir, resume=resume,
+                      cfg_options=dict(load_from=None) if resume else None,
+                      format_python_code=False)
         if self.opts.isolate:
-            cmd = [
-                sys.executable,
-                osp.join(TOOLS_DIR, 'train.py'), config_path, '--work-dir',
-                st.work_dir
-            ]
-            if resume:
-                cmd += ['--resume', '--cfg-options', 'load_from=None']
-            _log('$ ' + ' '.join(cmd))
-            subprocess.run(cmd, check=True)
+            _log(f'{st.name}: training in a new process')
+            run_in_subprocess(train, config_path, **kwargs)
             return
-        from mmengine.runner import Runner
-
-        from ..engine import rewrite_config
-
-        # What tools/train.py does with the dumped file (without yapf: the
-        # Runner prints the config and stores it in every checkpoint, and
-        # formatting it takes ~1 s each time on a slow CPU).
-        cfg = Config.fromfile(config_path, format_python_code=False)
-        cfg.work_dir = st.work_dir
-        cfg.resume = resume
-        if resume:
-            cfg.load_from = None  # resume from work_dir's last checkpoint
-        rewrite_config(cfg)
-        runner = Runner.from_cfg(cfg)
-        runner.train()
+        runner = train(config_path, **kwargs)
         records = read_val_metrics(st.work_dir)
         if not records or records[-1]['iter'] != runner.iter:
             runner.val()  # interrupted during the final validation
@@ -454,8 +442,7 @@ class Pipeline:
         calib = next(s for s in self.stages if s.kind == 'calib')
         ft = next((s for s in self.stages if s.kind == 'finetune'), None)
         crop = tuple(calib.cfg.model.data_preprocessor['size'])
-        title = (f'{MODELS[o.model].label}: {DATASETS[self.source].label} '
-                 f'-> {DATASETS[self.target].label}')
+        title = self._title()
         notes = [
             f'- source model: {calib.cfg.load_from}',
             f'- calibration: {int(calib.cfg.train_cfg.max_iters)} iterations'

@@ -12,7 +12,7 @@ is constructed, so a DDP-wrapped model is wrapped again after freezing
 """
 import copy
 import gc
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
@@ -21,8 +21,6 @@ from mmseg.registry import HOOKS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ...analysis.cost import conv_backward_cost
-from ...analysis.step_memory import trace_step_saved_bytes
 from ..checkpoint import check_checkpoint_matches
 from ..config import (BUDGET_ATTR, DEFAULT_INPUT_SIZE, SETTING_KEYS,
                       check_settings, default_batch_size, default_input_size,
@@ -32,75 +30,7 @@ from ..surgery import (LEAN_ATTR, MODE_ATTR, get_gradient_filter_layers,
                        set_frozen_norms_eval)
 from ..utils import unwrap_model
 
-__all__ = ['GradFilterHook', 'format_cost_table']
-
-def _fmt_flops(v: float) -> str:
-    if v >= 1e9:
-        return f'{v / 1e9:.2f}G'
-    return f'{v / 1e6:.2f}M'
-
-
-def _fmt_bytes(v: float) -> str:
-    return f'{v / 2**20:.2f}MiB'
-
-
-def format_cost_table(model: nn.Module,
-                      choices: Sequence[LayerChoice],
-                      batch: int = 1,
-                      mode: str = 'gf',
-                      needs_input_grad: Optional[Dict[str, bool]] = None
-                      ) -> str:
-    """A text table of the chosen layers and their backward costs.
-
-    Args:
-        model: the (unwrapped) segmentor, for trainable-parameter counts.
-        choices: the applied layers.
-        batch: training batch size.
-        mode: 'gf' or 'vanilla' (shown in the title).
-        needs_input_grad: path -> whether the layer computes ``g_x`` (its
-            input depends on a trained layer), e.g. from
-            ``trace_convs(model, size, grad=True)``. Default: every layer
-            but the first in execution order (an upper bound: branches fed
-            by frozen features need no ``g_x``).
-    """
-    header = ('path', 'k/s/d/g', 'in->out', 'r', 'params', 'bwd vanilla',
-              'bwd GF', 'saved vanilla', 'saved GF')
-    rows: List[Sequence[str]] = []
-    tot = [0, 0, 0, 0]
-    for i, c in enumerate(choices):
-        cost = conv_backward_cost(
-            cin=c.in_shape[0], cout=c.out_shape[0], kh=c.kernel_size[0],
-            kw=c.kernel_size[1], stride=c.stride, dilation=c.dilation,
-            groups=c.groups, in_hw=c.in_shape[1:], out_hw=c.out_shape[1:],
-            batch=batch, radius=c.radius,
-            need_input_grad=(needs_input_grad[c.path] if needs_input_grad
-                             and c.path in needs_input_grad else i > 0))
-        params = sum(p.numel() for p in c.module.parameters()
-                     if p.requires_grad)
-        tot[0] += cost.vanilla_flops
-        tot[1] += cost.gf_flops
-        tot[2] += cost.vanilla_saved_bytes
-        tot[3] += cost.gf_saved_bytes
-        rows.append((
-            c.path, f'{c.kernel_size[0]}/{c.stride[0]}/{c.dilation[0]}'
-            f'/{c.groups}', f'{c.in_shape[1]}x{c.in_shape[2]}->'
-            f'{c.out_shape[1]}x{c.out_shape[2]}', str(c.radius), str(params),
-            _fmt_flops(cost.vanilla_flops), _fmt_flops(cost.gf_flops),
-            _fmt_bytes(cost.vanilla_saved_bytes),
-            _fmt_bytes(cost.gf_saved_bytes)))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    rows.append(('total (+classifier/norm params)', '', '', '',
-                 str(trainable), _fmt_flops(tot[0]), _fmt_flops(tot[1]),
-                 _fmt_bytes(tot[2]), _fmt_bytes(tot[3])))
-    widths = [max(len(r[i]) for r in rows + [header])
-              for i in range(len(header))]
-    lines = [
-        f'Gradient filter ({mode}): {len(choices)} layers, batch {batch}, '
-        'backward FLOPs / saved activations of the chosen convs'
-    ]
-    for r in [header] + rows:
-        lines.append('  '.join(v.ljust(w) for v, w in zip(r, widths)))
-    return '\n'.join(lines)
+__all__ = ['GradFilterHook']
 
 
 @HOOKS.register_module()
@@ -220,21 +150,34 @@ class GradFilterHook(Hook):
         if budget is not None:
             runner.logger.info(f'GradFilterHook: {budget.summary()}')
         if self.log_table:
-            batch = _batch_size(runner) or 1
-            size = choices[0].input_hw if choices[0].input_hw[0] else (
-                DEFAULT_INPUT_SIZE)
-            # One forward with autograd on: which chosen convs get an input
-            # that needs a gradient (they compute g_x; the others do not).
-            needs = {
-                r.path: r.input_requires_grad
-                for r in trace_convs(model, size, grad=True)
-            }
-            runner.logger.info('\n' + format_cost_table(
-                model, choices, batch, getattr(model, MODE_ATTR, 'gf'),
-                needs))
-            if getattr(model, LEAN_ATTR, False):
-                runner.logger.info(
-                    trace_step_saved_bytes(model, size).summary(batch))
+            self._log_cost(runner, model, choices)
+
+    @staticmethod
+    def _log_cost(runner, model: nn.Module,
+                  choices: Sequence[LayerChoice]) -> None:
+        """Log the chosen layers' cost table (and, with the lean region,
+        the whole step's saved bytes).
+
+        :mod:`mmseg_gf.analysis` builds on the engine, so it is imported
+        here, when the table is wanted, not with the hook.
+        """
+        from ...analysis.cost_report import format_cost_table
+        from ...analysis.step_memory import trace_step_saved_bytes
+        batch = _batch_size(runner) or 1
+        size = choices[0].input_hw if choices[0].input_hw[0] else (
+            DEFAULT_INPUT_SIZE)
+        # One forward with autograd on: which chosen convs get an input
+        # that needs a gradient (they compute g_x; the others do not).
+        needs = {
+            r.path: r.input_requires_grad
+            for r in trace_convs(model, size, grad=True)
+        }
+        runner.logger.info('\n' + format_cost_table(
+            model, choices, batch, getattr(model, MODE_ATTR, 'gf'),
+            needs))
+        if getattr(model, LEAN_ATTR, False):
+            runner.logger.info(
+                trace_step_saved_bytes(model, size).summary(batch))
 
     @staticmethod
     def _rewrap(runner, model: nn.Module) -> None:
