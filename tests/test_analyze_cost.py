@@ -164,3 +164,37 @@ def test_paper_table3_pspnet(capsys, tmp_path):
     assert abs(row['paper_vanilla'] / row['vanilla'] - 1) > 0.15
     assert row['paper_vanilla'] / row['fwd_bwd'] == pytest.approx(1,
                                                                   abs=0.04)
+
+
+def test_sweep_marks_the_budget_and_its_choice(tmp_path, capsys):
+    """--sweep: one row per (N, r) from the same profile as the budget's
+    choice; the marks are the limits applied to the printed figures; a
+    budget nothing meets prints the reason instead of a choice."""
+    from mmseg.registry import MODELS
+
+    from mmseg_gf.analysis.step_profile import (choose_by_budget,
+                                                profile_step_costs)
+    out = str(tmp_path / 'cost.json')
+    result = analyze_cost.main([
+        PSP, '--shape', '64', '--batch', '2', '--sweep', '--budget',
+        'saved_mib=0.2', 'radii=[2,8]', '--out', out])['sweep']
+    cfg = Config.fromfile(PSP)
+    torch.manual_seed(0)
+    profile = profile_step_costs(MODELS.build(cfg.model), SHAPE)
+    rows = result['rows']
+    assert len(rows) == 2 * profile.max_layers
+    for row in rows:
+        cost = profile.cost(row['num_layers'], row['radius'], 2)
+        assert row['saved_mib'] == pytest.approx(cost.saved_mib)
+        assert row['backward_gflops'] == pytest.approx(cost.backward_gflops)
+        assert row['fits'] == (row['saved_mib'] <= 0.2)
+        assert row['peak_mib'] > row['saved_mib']
+    expected = choose_by_budget(profile, dict(saved_mib=0.2, radii=[2, 8]),
+                                2)
+    assert result['choice']['num_layers'] == expected.num_layers
+    assert result['choice']['radius'] == expected.radius
+    assert osp.isfile(str(tmp_path / 'cost_sweep.png'))
+    assert 'Chosen: budget (saved_mib <= 0.2)' in capsys.readouterr().out
+    result = analyze_cost.main([PSP, '--shape', '64', '--sweep',
+                                '--budget', 'backward_gflops=1e-9'])['sweep']
+    assert result['choice'] is None and 'cannot be met' in result['error']

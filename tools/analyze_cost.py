@@ -21,6 +21,10 @@ Examples::
         --measure --measure-shape 128 128
     # our GFLOPs next to the paper's Table 3 (512x512, per image)
     python tools/analyze_cost.py --paper-table3
+    # every "last N at radius r": predicted backward GFLOPs, kept bytes and
+    # step peak, marking what a budget allows (docs/budget.md)
+    python tools/analyze_cost.py configs/gf/pspnet_r18_voc_r4.py --sweep \
+        --batch 8 --budget saved_mib=60 peak_mib=600 --out work_dirs/cost/sweep.json
 """
 import argparse
 import os.path as osp
@@ -35,6 +39,8 @@ from mmseg_gf.analysis.cost_report import (cost_summary_lines,
 from mmseg_gf.analysis.model_cost import (config_backward_cost,
                                           config_step_saved_bytes,
                                           measure_memory)
+from mmseg_gf.analysis.budget_sweep import (config_sweep, sweep_markdown,
+                                            sweep_plot)
 from mmseg_gf.analysis.paper_table3 import (PAPER_TABLE3_GFLOPS, TABLE3_NOTE,
                                             compare_with_table3,
                                             table3_comparison_table)
@@ -83,6 +89,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '--rows', nargs='+', choices=['all', '5', '10'],
         default=['all', '5', '10'], help='--paper-table3: which rows')
     parser.add_argument(
+        '--sweep', action='store_true',
+        help='for N = 1 .. all and each radius: predicted backward GFLOPs '
+        'per image, bytes kept for backward and step peak at --shape and '
+        '--batch (a plot next to --out)')
+    parser.add_argument(
+        '--budget', nargs='+', action=DictAction,
+        help='--sweep: limits to mark and choose by, e.g. saved_mib=60 '
+        'peak_mib=600 backward_gflops=1 radii=[2,4,8] (default: the '
+        "config's gradient_filter budget)")
+    parser.add_argument(
         '--cfg-options', nargs='+', action=DictAction,
         help='override some settings in the used config, the key-value '
         'pair in xxx=yyy format will be merged into config file.')
@@ -102,6 +118,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         setattr(args, name, value)
     if args.batch < 1:
         parser.error('--batch must be >= 1')
+    if (args.sweep or args.budget) and not args.config:
+        parser.error('--sweep / --budget need a config file')
     return args
 
 
@@ -146,9 +164,39 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    else 'torch profiler, live tensor bytes') + ')')
             print(measured_memory_table(result))
             out['measured'] = result
+    if args.config and (args.sweep or args.budget):
+        out['sweep'] = sweep(cfg, args)
     if args.out:
         write_json(args.out, out)
     return out
+
+
+def sweep(cfg: Config, args: argparse.Namespace) -> Dict[str, Any]:
+    """Print the sweep table (and the budget's choice), plot it."""
+    try:
+        result = config_sweep(cfg, args.shape, args.batch, args.budget)
+        error = None
+    except ValueError as exc:  # the budget cannot be met: say why
+        result = config_sweep(cfg, args.shape, args.batch)
+        error = str(exc)
+    print(f'\nsettings at {args.shape[0]}x{args.shape[1]}, batch '
+          f'{args.batch} (predicted; docs/budget.md)')
+    print(sweep_markdown(result['rows'], result['choice']))
+    if error:
+        print(error)
+    if args.out:
+        path = osp.splitext(args.out)[0] + '_sweep.png'
+        sweep_plot(result['rows'], path, result['limits'],
+                   title=osp.basename(args.config))
+        print(f'plot: {path}')
+    choice = result['choice']
+    return dict(rows=result['rows'], radii=result['radii'],
+                limits=result['limits'], error=error,
+                choice=None if choice is None else dict(
+                    num_layers=choice.num_layers, radius=choice.radius,
+                    backward_gflops=choice.cost.backward_gflops,
+                    saved_mib=choice.cost.saved_mib,
+                    peak_mib=choice.cost.peak_mib))
 
 
 if __name__ == '__main__':

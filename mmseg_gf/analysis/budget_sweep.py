@@ -10,11 +10,12 @@ against N, one line per radius, with the budget's limits.
 """
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..engine.budget import LIMIT_KEYS, check_budget
-from .step_profile import BudgetChoice, StepCostProfile
-from ..engine.cli import markdown_table
+from ..engine.budget import DEFAULT_RADII, LIMIT_KEYS, check_budget
+from .table import format_table
+from .step_profile import (BudgetChoice, StepCostProfile, choose_by_budget,
+                           profile_step_costs)
 
-__all__ = ['sweep_rows', 'sweep_markdown', 'sweep_plot']
+__all__ = ['config_sweep', 'sweep_rows', 'sweep_markdown', 'sweep_plot']
 
 #: Table / json columns: limit key -> header.
 COLUMNS = {'backward_gflops': 'backward GFLOPs / image',
@@ -67,7 +68,8 @@ def sweep_markdown(rows: List[dict],
         if marks:
             cells.append('yes' if row['fits'] else '')
         body.append(cells)
-    text = markdown_table(header, body)
+    text = format_table(header, body,
+                        align='rr' + 'r' * len(keys) + ('l' if marks else ''))
     if choice is not None:
         text += f'\n\nChosen: {choice.summary()}'
     return text
@@ -100,4 +102,41 @@ def sweep_plot(rows: List[dict], path: str,
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def config_sweep(cfg, input_size: Sequence[int], batch: int,
+                 budget: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Profile a config's segmentor and sweep its settings.
+
+    Args:
+        cfg (mmengine.Config): its ``model`` (plain, or the
+            ``GradFilterModel`` of a rewritten config); its
+            ``gradient_filter`` budget is used when ``budget`` is None.
+        input_size: ``(H, W)`` (the training crop).
+        batch: images per step.
+        budget: limits to mark and choose by (optional).
+
+    Returns:
+        dict: ``rows`` (:func:`sweep_rows`), ``choice`` (the budget's,
+        :class:`BudgetChoice` or None), ``radii``, ``limits``.
+    """
+    from mmseg.registry import MODELS
+    from mmseg.utils import register_all_modules
+    register_all_modules(init_default_scope=False)
+    model_cfg = dict(cfg.model)
+    if model_cfg.get('type') == 'GradFilterModel':
+        model_cfg = dict(model_cfg['model'])
+    if budget is None:
+        budget = (cfg.get('gradient_filter') or {}).get('budget')
+    checked = check_budget(budget) if budget is not None else None
+    radii = checked['radii'] if checked else DEFAULT_RADII
+    segmentor = MODELS.build(model_cfg)
+    profile = profile_step_costs(segmentor, input_size, timeline=True)
+    rows = sweep_rows(profile, radii, batch, checked)
+    choice = None
+    if checked is not None:
+        choice = choose_by_budget(profile, checked, batch)
+    return dict(rows=rows, choice=choice, radii=list(radii),
+                limits=({k: checked[k] for k in LIMIT_KEYS}
+                        if checked else None))
 

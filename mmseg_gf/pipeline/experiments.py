@@ -280,7 +280,8 @@ def compose_config(model: str,
     return cfg
 
 
-def fill_budget(cfg: Config, strategy: str, model: str) -> Config:
+def fill_budget(cfg: Config, strategy: str, model: str,
+                config_dir: str = CONFIG_DIR) -> Config:
     """Set a budget strategy's ``backward_gflops`` for this model, in place.
 
     The value is the predicted backward GFLOPs per image, at the config's
@@ -298,7 +299,7 @@ def fill_budget(cfg: Config, strategy: str, model: str) -> Config:
     from ..analysis.step_profile import profile_step_costs
     from ..engine.config import default_input_size
     register_all_modules(init_default_scope=False)
-    like = Config.fromfile(strategy_file(spec.budget_like, model))
+    like = Config.fromfile(strategy_file(spec.budget_like, model, config_dir))
     setting = like.gradient_filter
     segmentor = SEGMENTORS.build(cfg.model)
     profile = profile_step_costs(segmentor, default_input_size(cfg))

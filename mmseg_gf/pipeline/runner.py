@@ -34,7 +34,8 @@ from ..engine.hooks import read_val_metrics
 from ..engine.runner import run_in_subprocess, train
 from .experiments import (CONFIG_DIR, PAPER_STRATEGIES, PROTOCOL_DATASETS,
                           PROTOCOL_MODELS, TRANSFERS, adapt_config,
-                          compose_config, strategy_file, strategy_kind)
+                          compose_config, fill_budget, strategy_file,
+                          strategy_kind)
 
 __all__ = ['PipelineOptions', 'Stage', 'Pipeline', 'prepare_synthetic']
 
@@ -215,13 +216,16 @@ class Pipeline:
         if strategy == 'pretrain_source':
             # From scratch: the backbone's BN statistics must be learnt.
             cfg.merge_from_dict({'model.backbone.norm_eval': False})
-        return adapt_config(
+        cfg = adapt_config(
             cfg, work_dir, seed, data_root=data['data_root'],
             image_size=data['image_size'], crop=self.crop,
             max_iters=max_iters, val_interval=val_interval,
             batch_size=self.opts.batch_size,
             num_workers=self.opts.num_workers, load_from=load_from,
             cfg_options=self.opts.cfg_options)
+        # at the run's crop: the budget is the compute of another strategy
+        return fill_budget(cfg, strategy, self.opts.model,
+                           self.opts.config_dir)
 
     def _source_checkpoint(self) -> Optional[str]:
         ckpt = self.opts.source_checkpoint
