@@ -20,7 +20,6 @@ PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
     (5, r'gradient_filter must be a dict, e\.g\. dict\(num_layers=5'),
     ([('num_layers', 5)], 'gradient_filter must be a dict'),
     (dict(num_layers=5, radius='4'), "radius must be an int >= 1, 'auto'"),
-    (dict(num_layers=5, radius=None), "radius must be an int >= 1, 'auto'"),
     (dict(num_layers=5, radus=4), r"unknown key\(s\) \['radus'\]"),
     (dict(num_layers=5, mode='fast'),
      r"mode must be one of \('gf', 'vanilla'\)"),
@@ -46,7 +45,9 @@ def test_defaults_filled():
     s = check_settings(dict(layers='decode_head', input_size=64))
     assert s == dict(num_layers=None, layers=['decode_head'], radius=4,
                      mode='gf', train_norm=False, lean=True,
-                     input_size=(64, 64))
+                     input_size=(64, 64), budget=None)
+    # radius=None is the default too (GradFilterHook passes it)
+    assert check_settings(dict(num_layers=2, radius=None))['radius'] == 4
 
 
 def test_rewrite_fails_early_before_building_anything():
