@@ -37,7 +37,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('--crop', type=int, nargs=2, default=(512, 512),
                    metavar=('H', 'W'))
     p.add_argument('--batch', type=int, default=8)
-    p.add_argument('--repeats', type=int, default=2)
+    p.add_argument('--repeats', type=int, default=2,
+                   help='timed steps per row (median); 0: memory only')
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--threads', type=int, default=None)
     p.add_argument('--out-dir', default='work_dirs/benchmarks/steps')

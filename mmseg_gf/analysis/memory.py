@@ -4,6 +4,7 @@ The analytic counts live in :mod:`mmseg_gf.analysis.cost`; these functions
 measure the same quantities so the two can be checked against each other.
 """
 
+import gc
 import os
 import resource
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
@@ -166,6 +167,10 @@ def live_bytes_by_interval(run: Callable[[], object],
 
     from ..ops import native
 
+    # Garbage of earlier code collected during the run would count as frees
+    # (of blocks an earlier profiling session saw allocated), lowering the
+    # running sum: collect it first.
+    gc.collect()
     # Recycled outputs were allocated in an earlier step: the profiler would
     # not see them. Live tensor bytes are the same either way.
     with native.recycling_off(), profiler.profile(profile_memory=True) as prof:

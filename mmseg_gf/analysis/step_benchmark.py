@@ -112,7 +112,7 @@ def benchmark_model(model_name: str,
         dataset: the target dataset of the configs (its class count).
         crop, batch: the batch's image size and images per step.
         repeats, warmup: timed and untimed runs per row (timings are
-            medians).
+            medians); ``repeats=0`` measures memory only.
         progress: called with a short message before each phase.
 
     Returns:
@@ -183,14 +183,16 @@ def _add_ratios(rows: List[Dict]) -> None:
     inference = next((r for r in rows if r['lean'] is None), None)
     plain = {r['strategy']: r for r in rows if r['lean'] is False}
     for r in rows:
+        timed = 'step' in r
         if inference is not None:
             r['peak_vs_inference'] = r['peak_bytes'] / inference['peak_bytes']
-            r['step_vs_inference'] = r['step'] / inference['forward']
+            if timed:
+                r['step_vs_inference'] = r['step'] / inference['forward']
         ref = plain.get(_same_layers_vanilla_plain(r['strategy']))
         if ref is not None and r['lean'] is not None and ref['saved_bytes']:
             r['saved_vs_vanilla_plain'] = r['saved_bytes'] / \
                 ref['saved_bytes']
-        if r['lean'] and r['strategy'] in plain:
+        if timed and r['lean'] and r['strategy'] in plain:
             r['step_vs_plain'] = r['step'] / plain[r['strategy']]['step']
 
 
@@ -208,14 +210,19 @@ def step_table(result: Dict) -> str:
         ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
          'lean / plain step', 'peak MiB', 'peak / inference', 'saved MiB',
          'analytic MiB', 'saved / vanilla plain', '20k steps (h)'),
-        [(r['row'], f"{r['forward']:.3f}", f"{r['backward']:.3f}",
-          f"{r['step']:.3f}", _ratio(r.get('step_vs_inference')),
+        [(r['row'], _seconds(r.get('forward')), _seconds(r.get('backward')),
+          _seconds(r.get('step')), _ratio(r.get('step_vs_inference')),
           _ratio(r.get('step_vs_plain'), 3), _mib(r['peak_bytes']),
           _ratio(r.get('peak_vs_inference')), _mib(r['saved_bytes']),
           _mib(r.get('analytic_saved_bytes')),
           _ratio(r.get('saved_vs_vanilla_plain'), 3),
+          '' if 'step' not in r else
           f"{r['step'] * FINETUNE_ITERS / 3600:.1f}")
          for r in result['rows']], align='l' + 'r' * 11)
+
+
+def _seconds(v: Optional[float]) -> str:
+    return '' if v is None else f'{v:.3f}'
 
 
 def plot(results: Sequence[Dict], path: str) -> None:
