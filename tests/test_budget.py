@@ -231,3 +231,29 @@ def test_budget_runs_train_the_chosen_layers(workspace, way):
     log = open(osp.join(runner.log_dir, f'{runner.timestamp}.log')).read()
     assert f'the last {expected.num_layers} convs' in log
     assert 'MiB kept for backward' in log
+
+
+def test_pipeline_budget_strategy_spends_the_compute_of_gf_last5_r4():
+    """gf_budget5_r8 gets the predicted backward GFLOPs of gf_last5_r4 at
+    the run's crop and trains more layers at r = 8 within them."""
+    from mmseg_gf.analysis.model_cost import build_segmentor
+    from mmseg_gf.engine.config import BUDGET_ATTR
+    from mmseg_gf.pipeline import compose_config
+    from mmseg_gf.pipeline.experiments import fill_budget, set_data
+    cfg = compose_config('pspnet_r18', 'voc', 'gf_budget5_r8')
+    set_data(cfg, crop=SIZE)
+    assert cfg.gradient_filter.budget.backward_gflops is None
+    fill_budget(cfg, 'gf_budget5_r8', 'pspnet_r18')
+    limit = cfg.gradient_filter.budget.backward_gflops
+    reference = compose_config('pspnet_r18', 'voc', 'gf_last5_r4')
+    set_data(reference, crop=SIZE)
+    torch.manual_seed(0)
+    ref_model = build_segmentor(reference)
+    assert limit == pytest.approx(_flops_per_image(ref_model) / 1e9,
+                                  rel=1e-6)
+    torch.manual_seed(0)
+    model = build_segmentor(cfg)
+    choice = getattr(model, BUDGET_ATTR)
+    assert choice.num_layers > 5
+    assert set(choice.radius.values()) == {8}
+    assert _flops_per_image(model) / 1e9 <= limit
