@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from ..engine.budget import LIMIT_KEYS, check_budget
-from ..engine.selection import (ConvRecord, is_classifier, select_layers,
-                                trace_convs)
+from ..engine.selection import (ConvRecord, LayerChoice, is_classifier,
+                                select_layers, trace_convs)
 from ..engine.surgery import apply_gradient_filter, set_frozen_norms_eval
 from ..engine.utils import unwrap_model
 from .cost import conv_backward_cost
@@ -58,11 +58,9 @@ class ConvProfile:
     """A candidate conv (one of the last-``N`` pool).
 
     Attributes:
-        path: module path.
+        choice: its selection record (path, shapes at the profile's input
+            size, kernel geometry).
         index: position in the pool (execution order).
-        in_shape, out_shape: ``(C, H, W)`` at the profile's input size.
-        kernel_size, stride, dilation: pairs.
-        groups: conv groups.
         upstream: index of the last pool conv its input depends on (-1:
             none); it computes ``g_x`` when that conv is trained.
         output_stride: input pixels per output pixel.
@@ -70,28 +68,26 @@ class ConvProfile:
         seq: position of its call among the traced module calls.
     """
 
-    path: str
+    choice: LayerChoice
     index: int
-    in_shape: Tuple[int, int, int]
-    out_shape: Tuple[int, int, int]
-    kernel_size: Tuple[int, int]
-    stride: Tuple[int, int]
-    dilation: Tuple[int, int]
-    groups: int
     upstream: int
     output_stride: int
     params: int
     seq: int = 0
-    module: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def path(self) -> str:
+        return self.choice.path
 
     def cost(self, radius: int, first: int, batch: int = 1):
         """Its backward cost when the pool is trained from ``first`` on."""
+        c = self.choice
         return conv_backward_cost(
-            cin=self.in_shape[0], cout=self.out_shape[0],
-            kh=self.kernel_size[0], kw=self.kernel_size[1],
-            stride=self.stride, dilation=self.dilation, groups=self.groups,
-            in_hw=self.in_shape[1:], out_hw=self.out_shape[1:], batch=batch,
-            radius=radius, need_input_grad=self.upstream >= first)
+            cin=c.in_shape[0], cout=c.out_shape[0], kh=c.kernel_size[0],
+            kw=c.kernel_size[1], stride=c.stride, dilation=c.dilation,
+            groups=c.groups, in_hw=c.in_shape[1:], out_hw=c.out_shape[1:],
+            batch=batch, radius=radius,
+            need_input_grad=self.upstream >= first)
 
 
 @dataclass
@@ -330,10 +326,10 @@ def _backward_scratch(conv: ConvProfile, radius: int,
     """Peak bytes one filtered conv's backward allocates beyond its
     results, on random data of the conv's shapes."""
     from ..models.gf_conv import GFConv2d
-    module = GFConv2d.from_conv(copy.deepcopy(conv.module), radius)
+    module = GFConv2d.from_conv(copy.deepcopy(conv.choice.module), radius)
     for p in module.parameters():
         p.requires_grad_(True)
-    x = torch.randn((batch, ) + tuple(conv.in_shape),
+    x = torch.randn((batch, ) + tuple(conv.choice.in_shape),
                     requires_grad=need_input_grad)
     y = module(x)
     grad = torch.randn_like(y)
@@ -453,16 +449,12 @@ def profile_step_costs(model: nn.Module,
         tags[output.grad_fn] = i
         track(output, seq, i)
         if all(c.index != i for c in profile.convs):
-            c = choices[i]
             profile.convs.append(ConvProfile(
-                path=c.path, index=i, in_shape=tuple(args[0].shape[1:]),
-                out_shape=tuple(output.shape[1:]),
-                kernel_size=c.kernel_size, stride=c.stride,
-                dilation=c.dilation, groups=c.groups,
+                choice=choices[i], index=i,
                 upstream=_max_upstream(args[0], tags, memo),
                 output_stride=max(1, round(size[0] / output.shape[-2])),
                 params=sum(p.numel() for p in module.parameters()),
-                seq=seq, module=module))
+                seq=seq))
 
     def on_module(module, args, output):
         seq = calls[0]
