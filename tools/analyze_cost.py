@@ -173,12 +173,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 def sweep(cfg: Config, args: argparse.Namespace) -> Dict[str, Any]:
     """Print the sweep table (and the budget's choice), plot it."""
-    try:
-        result = config_sweep(cfg, args.shape, args.batch, args.budget)
-        error = None
-    except ValueError as exc:  # the budget cannot be met: say why
-        result = config_sweep(cfg, args.shape, args.batch)
-        error = str(exc)
+    result = config_sweep(cfg, args.shape, args.batch, args.budget)
+    error = result['error']
     print(f'\nsettings at {args.shape[0]}x{args.shape[1]}, batch '
           f'{args.batch} (predicted; docs/budget.md)')
     print(sweep_markdown(result['rows'], result['choice']))

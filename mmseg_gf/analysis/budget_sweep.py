@@ -118,7 +118,8 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
 
     Returns:
         dict: ``rows`` (:func:`sweep_rows`), ``choice`` (the budget's,
-        :class:`BudgetChoice` or None), ``radii``, ``limits``.
+        :class:`BudgetChoice` or None), ``error`` (why nothing fits, or
+        None), ``radii``, ``limits``.
     """
     from mmseg.registry import MODELS
     from mmseg.utils import register_all_modules
@@ -133,10 +134,13 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
     segmentor = MODELS.build(model_cfg)
     profile = profile_step_costs(segmentor, input_size, timeline=True)
     rows = sweep_rows(profile, radii, batch, checked)
-    choice = None
+    choice = error = None
     if checked is not None:
-        choice = choose_by_budget(profile, checked, batch)
-    return dict(rows=rows, choice=choice, radii=list(radii),
+        try:
+            choice = choose_by_budget(profile, checked, batch)
+        except ValueError as exc:  # nothing fits: the message says why
+            error = str(exc)
+    return dict(rows=rows, choice=choice, error=error, radii=list(radii),
                 limits=({k: checked[k] for k in LIMIT_KEYS}
                         if checked else None))
 
