@@ -5,8 +5,8 @@ not put on ``sys.path``."""
 import importlib.util
 import os.path as osp
 
-TOOLS_DIR = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))),
-                     'tools')
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOLS_DIR = osp.join(REPO, 'tools')
 
 
 def load_tool(name: str):

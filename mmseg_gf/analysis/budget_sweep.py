@@ -8,6 +8,8 @@ settings a budget allows and the one :func:`~mmseg_gf.engine.budget.
 choose_by_budget` picks (which may mix radii). A plot shows each cost
 against N, one line per radius, with the budget's limits.
 """
+import os
+import os.path as osp
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..engine.budget import DEFAULT_RADII, LIMIT_KEYS, check_budget
@@ -100,6 +102,7 @@ def sweep_plot(rows: List[dict], path: str,
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

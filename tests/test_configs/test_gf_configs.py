@@ -13,8 +13,8 @@ from mmengine.config import Config
 from mmseg_gf.pipeline.experiments import PROTOCOL_MODELS, strategy_file
 from tests._config_names import config_name, parse_config_name
 from tests._engine_fixtures import EXPECTED, gf_paths
+from tests._tools import REPO  # noqa: E402
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 GF_DIR = osp.join(REPO, 'configs', 'gf')
 CALIB_DIR = osp.join(REPO, 'configs', 'calib')
 PATHS = sorted(

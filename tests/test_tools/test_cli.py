@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from tests._tools import REPO  # noqa: E402
 
 pytest.importorskip('mmseg')
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DEMO_CFG = osp.join(REPO, 'configs', 'demo', 'pspnet_r18_voc_r4_cpu.py')
 ITERS = 4
 

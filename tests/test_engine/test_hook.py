@@ -20,8 +20,8 @@ from mmseg_gf.models import GFConv2d
 from tests._engine_fixtures import (EXPECTED, build_model, changed_modules,
                                     gf_paths, prepare_workspace, run_training,
                                     runner_cfg)
+from tests._tools import REPO
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 INPUT = (64, 64)
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
 

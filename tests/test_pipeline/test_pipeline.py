@@ -18,9 +18,8 @@ torch = pytest.importorskip('torch')
 
 from mmengine.config import Config  # noqa: E402
 
-from tests._tools import load_tool  # noqa: E402
+from tests._tools import REPO, load_tool  # noqa: E402
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOL = osp.join(REPO, 'tools', 'run_pipeline.py')
 run_pipeline = load_tool('run_pipeline')
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 
 from mmseg_gf.analysis.layer_benchmark import summarize, time_layer
+from tests._tools import REPO  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(REPO)
 
 
 def test_time_layer_measures_both_cases_and_saved_bytes():

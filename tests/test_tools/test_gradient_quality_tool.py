@@ -9,9 +9,8 @@ import pytest
 pytest.importorskip('mmseg')
 pytest.importorskip('torch')
 
-from tests._tools import load_tool  # noqa: E402
+from tests._tools import REPO, load_tool  # noqa: E402
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 gradient_quality = load_tool('gradient_quality')
 
 PSP = osp.join(REPO, 'configs', 'gf', 'pspnet_r18_voc_r4.py')

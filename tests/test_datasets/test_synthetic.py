@@ -12,8 +12,8 @@ from mmseg_gf.datasets import (class_appearance, make_ade20k, make_cityscapes,
 pytest.importorskip('mmseg')
 from mmengine.config import Config  # noqa: E402
 from mmengine.registry import init_default_scope  # noqa: E402
+from tests._tools import REPO  # noqa: E402
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 VOC_CFG = osp.join(REPO, 'configs', '_base_', 'datasets', 'voc12aug.py')
 MMSEG_DATASETS = osp.join(
     osp.dirname(__import__('mmseg').__file__), '.mim', 'configs', '_base_',

@@ -16,10 +16,9 @@ from mmseg_gf.engine.checkpoint import check_checkpoint_matches
 from tests._engine_fixtures import (EXPECTED, NORM, build_model,
                                     changed_modules, gf_paths, model_cfg,
                                     prepare_workspace, tool_cfg, write_cfg)
-from tests._tools import load_tool
+from tests._tools import REPO, load_tool
 from tests._train_hooks import SimulatedInterrupt
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
 
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
+from tests._tools import REPO  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(REPO)
 TRITON = pytest.mark.skipif(
     not triton_path.installed(),
     reason='triton is not installed (requirements/tests.txt pins it)')

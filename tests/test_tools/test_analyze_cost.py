@@ -20,9 +20,8 @@ from mmseg_gf.engine.surgery import get_gradient_filter_layers  # noqa: E402
 
 from mmseg_gf.analysis.model_cost import config_backward_cost  # noqa: E402
 from mmseg_gf.analysis.paper_table3 import PAPER_TABLE3_GFLOPS  # noqa: E402
-from tests._tools import load_tool  # noqa: E402
+from tests._tools import REPO, load_tool  # noqa: E402
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOL = osp.join(REPO, 'tools', 'analyze_cost.py')
 analyze_cost = load_tool('analyze_cost')
 
@@ -174,7 +173,7 @@ def test_sweep_marks_the_budget_and_its_choice(tmp_path, capsys):
 
     from mmseg_gf.analysis.step_profile import (choose_by_budget,
                                                 profile_step_costs)
-    out = str(tmp_path / 'cost.json')
+    out = str(tmp_path / 'new_dir' / 'cost.json')
     result = analyze_cost.main([
         PSP, '--shape', '64', '--batch', '2', '--sweep', '--budget',
         'saved_mib=0.2', 'radii=[2,8]', '--out', out])['sweep']
@@ -193,7 +192,7 @@ def test_sweep_marks_the_budget_and_its_choice(tmp_path, capsys):
                                 2)
     assert result['choice']['num_layers'] == expected.num_layers
     assert result['choice']['radius'] == expected.radius
-    assert osp.isfile(str(tmp_path / 'cost_sweep.png'))
+    assert osp.isfile(str(tmp_path / 'new_dir' / 'cost_sweep.png'))
     assert 'Chosen: budget (saved_mib <= 0.2)' in capsys.readouterr().out
     result = analyze_cost.main([PSP, '--shape', '64', '--sweep',
                                 '--budget', 'backward_gflops=1e-9'])['sweep']

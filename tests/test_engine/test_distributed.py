@@ -14,9 +14,8 @@ import torch
 
 from tests._engine_fixtures import (EXPECTED, changed_modules,
                                     prepare_workspace, tool_cfg, write_cfg)
-from tests._tools import load_tool
+from tests._tools import REPO, load_tool
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
 ITERS = 3
 
