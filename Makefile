@@ -8,6 +8,8 @@ PIP := $(BIN)/python -m pip
 JOBS ?= 2
 STAMP := $(VENV)/.mmseg_gf-installed
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): one per core; 0 runs the suite in one process.
+TEST_WORKERS ?= auto
 
 .PHONY: venv native demo test bench clean
 
@@ -38,7 +40,7 @@ demo: venv
 	$(BIN)/python tools/demo.py
 
 test: venv
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: venv
 	$(BIN)/python tools/benchmark_layers.py
