@@ -50,7 +50,7 @@ __all__ = [
 MIB = 2**20
 #: A setting fits a ``peak_mib`` limit when its predicted peak is at most
 #: this fraction of it: predictions are within 10% of the measured peak
-#: (tests/test_budget.py), so the measured peak stays within the limit.
+#: (tests/test_engine/test_budget.py), so the measured peak stays within the limit.
 PEAK_HEADROOM = 0.9
 
 @dataclass
@@ -193,7 +193,7 @@ class StepCostProfile:
     classifier_params: int = 0
     classifier_seqs: List[int] = field(default_factory=list)
     tensors: List[_Lifetime] = field(default_factory=list)
-    workspaces: Dict[Tuple[int, int, bool], Tuple[int, int]] = field(
+    workspaces: Dict[Tuple[tuple, int, bool], Tuple[int, int]] = field(
         default_factory=dict, repr=False)
     live: Optional[List[Tuple[int, int]]] = None
 
@@ -254,8 +254,10 @@ class StepCostProfile:
                   need_input_grad: bool, batch: int) -> int:
         """Scratch bytes of one filtered conv's backward beyond its
         results (``g_x``, ``g_W``), linear in the batch from runs at batch
-        1 and 2 of the conv alone (measured once per radius, cached)."""
-        key = (conv.index, radius, need_input_grad)
+        1 and 2 of the conv alone (measured once per conv geometry and
+        radius: convs of one shape, as in a ResNet stage, share it)."""
+        key = (_geometry(conv.choice.module, conv.choice.in_shape), radius,
+               need_input_grad)
         if key not in self.workspaces:
             self.workspaces[key] = tuple(
                 _backward_scratch(conv, radius, need_input_grad, n)
@@ -321,6 +323,14 @@ class StepCostProfile:
         return peak
 
 
+def _geometry(conv: torch.nn.Conv2d, in_shape) -> tuple:
+    """What a conv's backward scratch depends on: its input's shape and
+    the conv's hyper-parameters."""
+    return (tuple(in_shape), conv.in_channels, conv.out_channels,
+            conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+            conv.groups, conv.padding_mode, conv.bias is not None)
+
+
 def _backward_scratch(conv: ConvProfile, radius: int,
                       need_input_grad: bool, batch: int) -> int:
     """Peak bytes one filtered conv's backward allocates beyond its
@@ -338,7 +348,8 @@ def _backward_scratch(conv: ConvProfile, radius: int,
     if need_input_grad:
         results += x.numel() * x.element_size()
     peak = max(live_bytes_by_interval(
-        lambda: torch.autograd.backward(y, grad), marker=None))
+        lambda: torch.autograd.backward(y, grad), marker=None,
+        collect=False))
     return max(0, peak - results)
 
 
