@@ -40,6 +40,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('--repeats', type=int, default=2,
                    help='timed steps per row (median); 0: memory only')
     p.add_argument('--warmup', type=int, default=1)
+    p.add_argument('--no-memory', dest='memory', action='store_false',
+                   help='time the rows only (no peak / saved bytes)')
     p.add_argument('--threads', type=int, default=None)
     p.add_argument('--out-dir', default='work_dirs/benchmarks/steps')
     return p.parse_args(argv)
@@ -53,7 +55,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     for name in args.models:
         result = benchmark_model(
             name, args.rows, args.dataset, args.crop, args.batch,
-            args.repeats, args.warmup,
+            args.repeats, args.warmup, args.memory,
             progress=lambda msg, name=name: print(f'[{name}] {msg}',
                                                   flush=True))
         result['cpu'] = platform.processor() or platform.machine()

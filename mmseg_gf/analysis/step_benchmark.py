@@ -97,6 +97,7 @@ def benchmark_model(model_name: str,
                     batch: int = 8,
                     repeats: int = 2,
                     warmup: int = 1,
+                    memory: bool = True,
                     progress=None) -> Dict:
     """Measure ``rows`` of one protocol model (see the module docstring).
 
@@ -113,6 +114,8 @@ def benchmark_model(model_name: str,
         crop, batch: the batch's image size and images per step.
         repeats, warmup: timed and untimed runs per row (timings are
             medians); ``repeats=0`` measures memory only.
+        memory: measure peak and saved bytes (``False``: times only, for
+            a model whose memory rows are measured in another run).
         progress: called with a short message before each phase.
 
     Returns:
@@ -149,10 +152,14 @@ def benchmark_model(model_name: str,
     measured = []
     for k, (name, strategy, lean, model, inputs, samples, run) in \
             enumerate(built):
-        say(f'memory {name}')
         row = {key: statistics.median(v) for key, v in times[k].items()}
-        row.update(row=name, strategy=strategy, lean=lean,
-                   peak_bytes=profiled_peak_bytes(run))
+        row.update(row=name, strategy=strategy, lean=lean, peak_bytes=None,
+                   saved_bytes=None)
+        measured.append(row)
+        if not memory:
+            continue
+        say(f'memory {name}')
+        row['peak_bytes'] = profiled_peak_bytes(run)
         if lean is None:
             row.update(saved_bytes=0, trainable_params=0)
         else:
@@ -165,7 +172,6 @@ def benchmark_model(model_name: str,
             row['analytic_saved_bytes'] = counted.total(batch)
             row['analytic_by_category'] = counted.by_category(batch)
             row['unmodelled'] = counted.unmodelled
-        measured.append(row)
     _add_ratios(measured)
     return dict(model=model_name, crop=list(crop), batch=int(batch),
                 threads=torch.get_num_threads(), torch=torch.__version__,
@@ -185,7 +191,9 @@ def _add_ratios(rows: List[Dict]) -> None:
     for r in rows:
         timed = 'step' in r
         if inference is not None:
-            r['peak_vs_inference'] = r['peak_bytes'] / inference['peak_bytes']
+            if r['peak_bytes'] is not None:
+                r['peak_vs_inference'] = (r['peak_bytes'] /
+                                          inference['peak_bytes'])
             if timed:
                 r['step_vs_inference'] = r['step'] / inference['forward']
         ref = plain.get(_same_layers_vanilla_plain(r['strategy']))

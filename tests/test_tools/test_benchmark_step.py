@@ -42,3 +42,22 @@ def test_rows_ratios_and_files(tmp_path, capsys):
         assert (tmp_path / f'steps.{ext}').stat().st_size > 0
     assert json.loads((tmp_path / 'steps.json').read_text())[0]['model'] == \
         'pspnet_r18'
+
+
+def test_no_memory_times_the_rows_only(tmp_path):
+    results = benchmark_step.main([
+        '--models', 'fcn_r18', '--crop', '64', '64', '--batch', '1',
+        '--repeats', '1', '--warmup', '0', '--no-memory', '--rows',
+        'inference', 'gf_last5_r4:plain', 'gf_last5_r4:lean', '--out-dir',
+        str(tmp_path)
+    ])
+    by = {r['row']: r for r in results[0]['rows']}
+    for r in by.values():
+        assert r['peak_bytes'] is None and r['saved_bytes'] is None
+        assert 'peak_vs_inference' not in r
+    lean = by['gf_last5_r4:lean']
+    assert lean['step_vs_plain'] == pytest.approx(
+        lean['step'] / by['gf_last5_r4:plain']['step'])
+    assert lean['step_vs_inference'] == pytest.approx(
+        lean['step'] / by['inference']['forward'])
+    assert (tmp_path / 'steps.png').stat().st_size > 0
