@@ -150,12 +150,13 @@ def test_unmeetable_budget_names_the_cheapest_setting():
 PEAK_SIZE = (128, 128)
 
 
-def _measured_peak(model, size, batch):
+def _measured_peak(model, size, batch, device='cpu'):
     """The step's peak of live tensor bytes (forward + backward), with the
     previous parameter gradients released before it (as ``zero_grad``
-    with ``set_to_none`` does at the start of a step)."""
+    with ``set_to_none`` does at the start of a step); on CUDA
+    ``max_memory_allocated`` above what was allocated before the step."""
     params = [p for p in model.parameters() if p.requires_grad]
-    inputs, samples = random_batch(model, size, batch)
+    inputs, samples = random_batch(model, size, batch, device=device)
 
     def step():
         training_loss(model, inputs, samples).backward()
@@ -163,16 +164,22 @@ def _measured_peak(model, size, batch):
     step()  # warm-up: lazy allocations, kernel choice
     for p in params:
         p.grad = None
-    peak = profiled_peak_bytes(step)
+    peak = profiled_peak_bytes(step, device)
     for p in params:
         p.grad = None
     return peak
 
 
+@pytest.mark.parametrize('device', [
+    'cpu',
+    pytest.param('cuda', marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason='no CUDA GPU on this machine'))
+])
 @pytest.mark.parametrize('name', MODELS)
-def test_predicted_peak_holds_for_the_chosen_setting(name):
+def test_predicted_peak_holds_for_the_chosen_setting(name, device):
     """A peak budget: the chosen setting's measured step peak is within 10%
-    of the prediction and within the budget."""
+    of the prediction and within the budget (CPU: live tensor bytes from
+    the profiler; CUDA: ``max_memory_allocated``)."""
     torch.manual_seed(0)
     base = build_model(name)
     profile = profile_step_costs(base, PEAK_SIZE, timeline=True)
@@ -181,8 +188,9 @@ def test_predicted_peak_holds_for_the_chosen_setting(name):
     choice = choose_by_budget(profile, dict(peak_mib=limit), BATCH)
     assert choice.num_layers >= n
     predicted = choice.cost.peak_bytes
-    model = _built(base, choice.num_layers, choice.radius, PEAK_SIZE)
-    measured = _measured_peak(model, PEAK_SIZE, BATCH)
+    model = _built(base, choice.num_layers, choice.radius,
+                   PEAK_SIZE).to(device)
+    measured = _measured_peak(model, PEAK_SIZE, BATCH, device)
     assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
     assert measured / 2**20 <= limit, (measured, limit)
 
