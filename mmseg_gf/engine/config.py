@@ -252,7 +252,11 @@ def rewrite_config(cfg):
     ``custom_hooks`` (it logs the cost table and keeps frozen norms in
     eval mode every iteration), and ``mmseg_gf`` to ``custom_imports`` so
     the dumped config builds on its own. A config without
-    ``gradient_filter``, or one already rewritten, is returned unchanged.
+    ``gradient_filter`` is returned unchanged, and so is one already
+    rewritten (a run's dumped config holds both the setting and the
+    ``GradFilterModel``) when the two agree; when they do not (one was
+    edited, e.g. by ``--cfg-options``), it is an error rather than a
+    silent choice of one.
 
     Args:
         cfg (mmengine.Config): the config, modified in place.
@@ -269,6 +273,7 @@ def rewrite_config(cfg):
     settings = check_settings(
         dict(settings) if isinstance(settings, dict) else settings)
     if cfg.model.get('type') == 'GradFilterModel':
+        _check_rewritten_agrees(settings, cfg.model)
         return cfg
     if settings['input_size'] is None:
         settings['input_size'] = tuple(default_input_size(cfg))
@@ -279,6 +284,39 @@ def rewrite_config(cfg):
     add_custom_hook(cfg, 'GradFilterHook')
     add_custom_imports(cfg, 'mmseg_gf')
     return cfg
+
+
+def _check_rewritten_agrees(settings: Dict[str, Any], model) -> None:
+    """``gradient_filter`` (checked) against the settings of an existing
+    ``GradFilterModel``; what the rewrite fills in (``input_size``, a
+    budget's ``batch``) counts only where ``gradient_filter`` gives it."""
+    built = check_settings({k: model[k] for k in SETTING_KEYS if k in model})
+
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return tuple(plain(v) for v in value)
+        return value
+
+    differ = []
+    for key in SETTING_KEYS:
+        given, has = plain(settings[key]), plain(built[key])
+        if key == 'input_size' and given is None:
+            continue
+        if key == 'budget' and given is not None and has is not None \
+                and given.get('batch') is None:
+            has = dict(has, batch=None)
+        if given != has:
+            differ.append(f'{key}: gradient_filter {given!r}, '
+                          f'model {has!r}')
+    if differ:
+        raise ValueError(
+            'gradient_filter disagrees with the GradFilterModel the config '
+            'already builds (a run\'s dumped config holds both): ' +
+            '; '.join(differ) + '. Edit one of them: set model to the plain '
+            'segmentor (model.model) and keep gradient_filter, or drop '
+            'gradient_filter and edit the model\'s settings.')
 
 
 def add_custom_hook(cfg, hook_type: str) -> None:

@@ -107,6 +107,16 @@ def test_runner_config_rewrite(workspace):
     assert 'mmseg_gf' in rewritten.custom_imports['imports']
     # idempotent
     assert rewrite_config(rewritten).model.model.type == 'EncoderDecoder'
+    # ... unless one of the two settings was edited afterwards
+    edited = Config(copy.deepcopy(rewritten._cfg_dict.to_dict()))
+    edited.merge_from_dict({'gradient_filter.num_layers': 7})
+    with pytest.raises(ValueError, match=r'disagrees.*num_layers: '
+                       r'gradient_filter 7, model 5'):
+        rewrite_config(edited)
+    edited = Config(copy.deepcopy(rewritten._cfg_dict.to_dict()))
+    edited.merge_from_dict({'model.radius': 8})
+    with pytest.raises(ValueError, match='radius: gradient_filter 4, model 8'):
+        rewrite_config(edited)
     # the dumped config builds on its own (custom_imports added)
     path = osp.join(workspace['root'], 'rewritten.py')
     rewritten.dump(path)
