@@ -105,10 +105,15 @@ def test_voc12aug_config_reads_it(voc_root):
             assert (lab == 0).any() and ((lab > 0) & (lab < 255)).any()
 
 
+def train_and_val(config_name: str, data_root: str):
+    """The train and val datasets of one of mmseg's dataset configs."""
+    cfg = Config.fromfile(osp.join(MMSEG_DATASETS, config_name))
+    return (build(cfg.train_dataloader.dataset, data_root),
+            build(cfg.val_dataloader.dataset, data_root))
+
+
 def test_cityscapes_config_reads_it(city_root):
-    cfg = Config.fromfile(osp.join(MMSEG_DATASETS, 'cityscapes.py'))
-    train = build(cfg.train_dataloader.dataset, city_root)
-    val = build(cfg.val_dataloader.dataset, city_root)
+    train, val = train_and_val('cityscapes.py', city_root)
     assert (len(train), len(val)) == (5, 3)
     assert len(train.metainfo['classes']) == 19
     name = osp.basename(train.get_data_info(0)['seg_map_path'])
@@ -122,9 +127,7 @@ def test_cityscapes_config_reads_it(city_root):
 
 
 def test_ade20k_config_reads_it(ade_root):
-    cfg = Config.fromfile(osp.join(MMSEG_DATASETS, 'ade20k.py'))
-    train = build(cfg.train_dataloader.dataset, ade_root)
-    val = build(cfg.val_dataloader.dataset, ade_root)
+    train, val = train_and_val('ade20k.py', ade_root)
     assert (len(train), len(val)) == (5, 3)
     assert len(train.metainfo['classes']) == 150
     raw = np.array(

@@ -8,12 +8,18 @@ from mmseg_gf.ops import gradient_filtered_conv2d
 from tests.gf_reference import reference_gradients
 
 
-@st.composite
-def conv_settings(draw):
+def draw_channels_and_kernel(draw):
+    """Groups, in/out channels divisible by them, and a kernel size."""
     groups = draw(st.sampled_from([1, 2, 3]))
     cin = groups * draw(st.integers(1, 3))
     cout = groups * draw(st.integers(1, 3))
     kh, kw = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    return groups, cin, cout, kh, kw
+
+
+@st.composite
+def conv_settings(draw):
+    groups, cin, cout, kh, kw = draw_channels_and_kernel(draw)
     sh, sw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     dh, dw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     ph, pw = draw(st.integers(0, kh)), draw(st.integers(0, kw))
@@ -74,10 +80,7 @@ PADDING_MODES = ('zeros', 'reflect', 'replicate', 'circular')
 @st.composite
 def module_settings(draw):
     """Any nn.Conv2d construction plus an input it may or may not accept."""
-    groups = draw(st.sampled_from([1, 2, 3]))
-    cin = groups * draw(st.integers(1, 3))
-    cout = groups * draw(st.integers(1, 3))
-    kh, kw = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    groups, cin, cout, kh, kw = draw_channels_and_kernel(draw)
     padding_kind = draw(st.sampled_from(['int', 'pair', 'same', 'valid']))
     if padding_kind == 'same':  # nn.Conv2d refuses 'same' with stride > 1
         sh = sw = 1
