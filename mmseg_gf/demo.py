@@ -14,7 +14,7 @@ Steps, each through the code path of the CLI tools:
 5. evaluate the last checkpoint (mIoU *after*).
 
 Steps 3 to 5 each run in a new process
-(:func:`~mmseg_gf.engine.runner.run_in_subprocess`): mmengine's per-run
+(:func:`~mmseg_gf.engine.entrypoints.run_in_subprocess`): mmengine's per-run
 globals are named after the config file and the start second, and the
 demo's runs of one config follow each other within seconds.
 """
@@ -24,7 +24,7 @@ import os.path as osp
 import time
 from typing import Any, Dict, Optional, Sequence
 
-from .engine.runner import (METRICS_FILE, build_runner, build_train_config,
+from .engine.entrypoints import (METRICS_FILE, build_runner, build_train_config,
                             evaluate, run_in_subprocess, train)
 
 __all__ = ['ensure_data', 'save_initial_checkpoint', 'run_demo']

@@ -10,7 +10,7 @@ is PSPNet with a dilated ResNet-18 (``configs/_base_/models/pspnet_r18-d8
 import os.path as osp
 from typing import Tuple
 
-from mmseg_gf.pipeline.experiments import PROTOCOL_MODELS
+from mmseg_gf.protocol.experiments import PROTOCOL_MODELS
 
 #: pipeline dataset key -> ``{dataset}-{crop}`` part of a name.
 DATASET_PARTS = {

@@ -1,5 +1,5 @@
 """The package's layering: ``mmseg_gf.engine`` (what a training run needs)
-imports neither ``mmseg_gf.analysis`` nor ``mmseg_gf.pipeline`` when it is
+imports neither ``mmseg_gf.analysis`` nor ``mmseg_gf.protocol`` when it is
 imported, so the analysis code can build on the engine without a cycle."""
 import subprocess
 import sys
@@ -13,7 +13,7 @@ import sys
 import mmseg_gf.engine
 print(' '.join(sorted(m for m in sys.modules
                       if m.startswith(('mmseg_gf.analysis',
-                                       'mmseg_gf.pipeline')))))
+                                       'mmseg_gf.protocol')))))
 """
 
 

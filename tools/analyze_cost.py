@@ -44,7 +44,7 @@ from mmseg_gf.analysis.budget_sweep import (config_sweep, sweep_markdown,
 from mmseg_gf.analysis.paper_table3 import (PAPER_TABLE3_GFLOPS, TABLE3_NOTE,
                                             compare_with_table3,
                                             table3_comparison_table)
-from mmseg_gf.engine.cli import write_json
+from mmseg_gf.engine.tool_args import write_json
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

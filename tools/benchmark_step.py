@@ -22,8 +22,8 @@ import torch
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
 from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
                                               plot, step_table)
-from mmseg_gf.engine.cli import write_json
-from mmseg_gf.pipeline import PROTOCOL_MODELS
+from mmseg_gf.engine.tool_args import write_json
+from mmseg_gf.protocol import PROTOCOL_MODELS
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

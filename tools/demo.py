@@ -21,7 +21,7 @@ from mmengine.config import DictAction
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
 from mmseg_gf.analysis.table import format_table
 from mmseg_gf.demo import ensure_data, run_demo
-from mmseg_gf.engine.cli import trust_mmengine_checkpoints
+from mmseg_gf.engine.tool_args import trust_mmengine_checkpoints
 
 DEFAULT_CONFIG = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))),
                           'configs', 'demo', 'pspnet_r18_voc_r4_cpu.py')

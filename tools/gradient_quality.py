@@ -31,7 +31,7 @@ import mmseg_gf  # noqa: F401  (registers GFConv2d, GradFilterModel, ...)
 from mmseg_gf.analysis.model_quality import (jsonable_rows,
                                              measure_config_quality,
                                              quality_table)
-from mmseg_gf.engine.cli import trust_mmengine_checkpoints, write_json
+from mmseg_gf.engine.tool_args import trust_mmengine_checkpoints, write_json
 
 trust_mmengine_checkpoints()  # before any checkpoint is read
 
@@ -52,7 +52,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         '--data-root', default=None,
         help='--source dataset: move the config\'s datasets here (e.g. '
-        'data/pipeline_synthetic/voc/VOCdevkit/VOC2012)')
+        'data/protocol_synthetic/voc/VOCdevkit/VOC2012)')
     parser.add_argument('--shape', type=int, nargs='+', default=[512, 512],
                         help='H [W] of the random batch (default 512 512)')
     parser.add_argument('--batch', type=int, default=2)
@@ -87,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
     if args.data_root:
-        from mmseg_gf.pipeline.experiments import set_data
+        from mmseg_gf.protocol.experiments import set_data
         set_data(cfg, data_root=args.data_root)
     if cfg.get('gradient_filter') is None:
         raise SystemExit(

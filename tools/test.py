@@ -3,7 +3,7 @@
 Checkpoints written by tools/train.py hold plain mmseg keys, so the model is
 built from the config as is (gradient filtering only changes backward); the
 plugin is still imported so configs that name its modules build. The run
-itself is :func:`mmseg_gf.engine.runner.evaluate`.
+itself is :func:`mmseg_gf.engine.entrypoints.evaluate`.
 
 Prints the metrics (aAcc / mIoU / mAcc) and, with ``--work-dir``, also writes
 them to ``<work-dir>/metrics.json``. ``--out DIR`` saves the predicted label
@@ -20,9 +20,9 @@ import sys
 from typing import Dict, List, Optional
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
-from mmseg_gf.engine.cli import (add_common_args, export_local_rank,
+from mmseg_gf.engine.tool_args import (add_common_args, export_local_rank,
                                  trust_mmengine_checkpoints)
-from mmseg_gf.engine.runner import evaluate, format_metrics
+from mmseg_gf.engine.entrypoints import evaluate, format_metrics
 
 trust_mmengine_checkpoints()  # before any checkpoint is read
 

@@ -4,7 +4,7 @@ mmseg 1.x's ``tools/train.py`` CLI, plus two plugin steps: ``import mmseg_gf``
 (registers GFConv2d, GradFilterHook, ...) and ``rewrite_config(cfg)``, which
 turns a top-level ``gradient_filter = dict(num_layers, radius, mode)`` into
 the model rewrite (last N convs filtered, the rest frozen). The run itself
-is :func:`mmseg_gf.engine.runner.train`.
+is :func:`mmseg_gf.engine.entrypoints.train`.
 
 Example::
 
@@ -25,9 +25,9 @@ from typing import List, Optional
 from mmengine.runner import Runner
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
-from mmseg_gf.engine.cli import (add_common_args, export_local_rank,
+from mmseg_gf.engine.tool_args import (add_common_args, export_local_rank,
                                  trust_mmengine_checkpoints)
-from mmseg_gf.engine.runner import train
+from mmseg_gf.engine.entrypoints import train
 
 trust_mmengine_checkpoints()  # before any checkpoint is read
 

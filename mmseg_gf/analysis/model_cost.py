@@ -22,7 +22,7 @@ grad=True)``); autograd computes the full ``g_x`` of a conv even when only
 some of its input channels lead to trained layers (e.g. PSPNet's
 bottleneck after the concat), and so does the count.
 
-Used by :func:`mmseg_gf.pipeline.flops.strategy_cost`,
+Used by :func:`mmseg_gf.protocol.flops.strategy_cost`,
 ``tools/analyze_cost.py`` and the GradFilterHook's numbers agree with it.
 """
 import copy

@@ -80,7 +80,7 @@ TABLE3_NOTE = (
 
 def table3_row_config(model: str, layers: int) -> Config:
     """The config of a Table 3 row (``layers``: 0 for "All", 5, 10)."""
-    from ..pipeline import compose_config
+    from ..protocol import compose_config
     if layers == 0:
         return compose_config(model, 'voc', 'vanilla_all')
     spec = TABLE3_ROW_LAYERS[model][layers]

@@ -107,7 +107,7 @@ def benchmark_model(model_name: str,
     comparable. Peak and saved bytes are measured per row afterwards.
 
     Args:
-        model_name: a key of :data:`mmseg_gf.pipeline.PROTOCOL_MODELS`.
+        model_name: a key of :data:`mmseg_gf.protocol.PROTOCOL_MODELS`.
         rows: ``'inference'`` and strategy names, optionally suffixed
             ``:lean`` / ``:plain``.
         dataset: the target dataset of the configs (its class count).
@@ -122,8 +122,8 @@ def benchmark_model(model_name: str,
         dict with ``model``, ``crop``, ``batch``, ``threads``, ``torch`` and
         ``rows`` (one dict per row, in order, with the ratios filled in).
     """
-    from ..pipeline import compose_config
-    from ..pipeline.experiments import set_data
+    from ..protocol import compose_config
+    from ..protocol.experiments import set_data
     crop = tuple(int(v) for v in crop)
     say = progress or (lambda message: None)
     built = []

@@ -1,6 +1,6 @@
 """Distributed training on CPU-only machines (gloo).
 
-The runs of :mod:`mmseg_gf.engine.runner` (``tools/train.py``,
+The runs of :mod:`mmseg_gf.engine.entrypoints` (``tools/train.py``,
 ``tools/test.py``) call :func:`prepare_cpu_distributed`
 and :func:`init_cpu_process_group` for a distributed launch without CUDA.
 """

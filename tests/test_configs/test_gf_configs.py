@@ -10,7 +10,7 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from mmseg_gf.pipeline.experiments import PROTOCOL_MODELS, strategy_file
+from mmseg_gf.protocol.experiments import PROTOCOL_MODELS, strategy_file
 from tests._config_names import config_name, parse_config_name
 from tests._engine_fixtures import EXPECTED, gf_paths
 from tests._tools import REPO  # noqa: E402

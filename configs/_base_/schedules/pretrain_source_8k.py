@@ -1,5 +1,5 @@
 # Offline stand-in for a model-zoo checkpoint: train a randomly initialised
-# segmentor on the *source* dataset (tools/run_pipeline.py does this when no
+# segmentor on the *source* dataset (tools/run_protocol.py does this when no
 # --source-checkpoint is given). mmseg's usual poly schedule (SGD lr 0.01,
 # momentum 0.9, weight decay 5e-4, power 0.9, eta_min 1e-4), 8000
 # iterations: short next to mmseg's 80k-160k, enough for a usable source

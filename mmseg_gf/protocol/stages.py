@@ -29,22 +29,22 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mmengine.config import Config
 
-from ..engine.cli import trust_mmengine_checkpoints
+from ..engine.tool_args import trust_mmengine_checkpoints
 from ..engine.hooks import read_val_metrics
-from ..engine.runner import run_in_subprocess, train
+from ..engine.entrypoints import run_in_subprocess, train
 from .experiments import (CONFIG_DIR, PAPER_STRATEGIES, PROTOCOL_DATASETS,
                           PROTOCOL_MODELS, TRANSFERS, adapt_config,
                           compose_config, fill_budget, strategy_file,
                           strategy_kind)
 
-__all__ = ['PipelineOptions', 'Stage', 'Pipeline', 'prepare_synthetic']
+__all__ = ['ProtocolOptions', 'Stage', 'Pipeline', 'prepare_synthetic']
 
 RESULT_FILE = 'result.json'
 RUN_FILE = 'run.json'
 
 
 def _log(msg: str) -> None:
-    print(f'[pipeline] {msg}', flush=True)
+    print(f'[protocol] {msg}', flush=True)
 
 
 def _fmt_time(sec: float) -> str:
@@ -57,8 +57,8 @@ def _fmt_time(sec: float) -> str:
 
 
 @dataclass
-class PipelineOptions:
-    """What tools/run_pipeline.py asks for (see its --help).
+class ProtocolOptions:
+    """What tools/run_protocol.py asks for (see its --help).
 
     Iteration counts left ``None`` keep the configs' values (source 8000,
     calibration 1000 / 5000, finetuning 20000).
@@ -160,14 +160,14 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
         return json.load(f)
 
 
-class Pipeline:
+class ProtocolRun:
     """Plan, run and report one model x transfer experiment.
 
     Args:
         opts: the options.
     """
 
-    def __init__(self, opts: PipelineOptions) -> None:
+    def __init__(self, opts: ProtocolOptions) -> None:
         if opts.model not in PROTOCOL_MODELS:
             raise ValueError(f'unknown model {opts.model!r}; one of '
                              f'{list(PROTOCOL_MODELS)}')
@@ -182,7 +182,7 @@ class Pipeline:
         for s in opts.strategies:
             strategy_file(s, opts.model, opts.config_dir)
         self.out_dir = osp.abspath(opts.out_dir or osp.join(
-            'work_dirs', 'pipeline', f'{opts.model}_{opts.transfer}'))
+            'work_dirs', 'protocol', f'{opts.model}_{opts.transfer}'))
         self.data: Dict[str, Dict[str, Any]] = {}
         self.stages: List[Stage] = []
 
@@ -235,7 +235,7 @@ class Pipeline:
                 raise ValueError(
                     f'mmseg publishes no {self.source} checkpoint of '
                     f'{self.opts.model} that this tool knows; give a file '
-                    '(see docs/pipeline.md) or leave --source-checkpoint out '
+                    '(see docs/protocol.md) or leave --source-checkpoint out '
                     'to train a source model here')
             return zoo[self.source]
         return ckpt

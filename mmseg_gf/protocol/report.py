@@ -59,7 +59,7 @@ class Row:
 
     Args:
         strategy: strategy name.
-        cost: :func:`mmseg_gf.pipeline.flops.strategy_cost` result.
+        cost: :func:`mmseg_gf.protocol.flops.strategy_cost` result.
         results: ``result.json`` contents of the finished runs.
     """
 

@@ -52,7 +52,7 @@ class ModelSpec:
             classifier, 1000 iterations; ``calibrate_decoder``: the decoder,
             5000 iterations, for the MobileNetV2 models).
         zoo: source dataset -> mmseg model-zoo checkpoint URL (only those
-            mmseg publishes; otherwise see docs/pipeline.md).
+            mmseg publishes; otherwise see docs/protocol.md).
     """
 
     base: str
@@ -425,7 +425,7 @@ def adapt_config(cfg: Config,
                  num_workers: Optional[int] = None,
                  load_from: Optional[str] = None,
                  cfg_options: Optional[Dict[str, Any]] = None) -> Config:
-    """The run-specific settings of one pipeline run, in place.
+    """The run-specific settings of one protocol run, in place.
 
     Besides the arguments: keep one checkpoint (the last), record every
     validation (``ValMetricsRecorderHook``) and draw nothing.
@@ -451,7 +451,7 @@ def adapt_config(cfg: Config,
     if vis is not None:
         vis['draw'] = False
     add_custom_hook(cfg, 'ValMetricsRecorderHook')
-    add_custom_imports(cfg, 'mmseg_gf', 'mmseg_gf.pipeline.hooks')
+    add_custom_imports(cfg, 'mmseg_gf', 'mmseg_gf.engine.hooks')
     if cfg_options:
         cfg.merge_from_dict(dict(cfg_options))
     return cfg

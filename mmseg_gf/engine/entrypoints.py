@@ -1,6 +1,6 @@
 """Training and evaluation runs: the one code path behind ``tools/train.py``,
 ``tools/test.py``, the demo (:mod:`mmseg_gf.demo`) and the pipeline
-(:mod:`mmseg_gf.pipeline.runner`).
+(:mod:`mmseg_gf.protocol.stages`).
 
 Each caller used to rebuild the same steps (load the config, apply the
 overrides, ``--amp``, ``--resume``, the CPU-distributed settings, the

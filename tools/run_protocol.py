@@ -9,14 +9,14 @@ Examples::
 
     # The paper's Table 3 row block for PSPNet-R18 on real data, starting
     # from mmseg's Cityscapes checkpoint (downloaded by mmengine):
-    python tools/run_pipeline.py --model pspnet_r18 --transfer cityscapes2voc \
+    python tools/run_protocol.py --model pspnet_r18 --transfer cityscapes2voc \
         --source-checkpoint zoo
     # ... from a local checkpoint, selected strategies, one seed:
-    python tools/run_pipeline.py --model upernet_r18 --transfer ade2voc \
+    python tools/run_protocol.py --model upernet_r18 --transfer ade2voc \
         --source-checkpoint checkpoints/upernet_r18_ade20k.pth \
         --strategies calib vanilla_all gf_last10_r4 gf_ref10 --seeds 233
     # Offline CPU demo on synthetic data, source model trained here:
-    python tools/run_pipeline.py --model pspnet_r18 --transfer cityscapes2voc \
+    python tools/run_protocol.py --model pspnet_r18 --transfer cityscapes2voc \
         --preset cpu
 """
 import argparse
@@ -25,13 +25,13 @@ from typing import List, Optional
 
 from mmengine.config import DictAction
 
-from mmseg_gf.pipeline import PROTOCOL_MODELS, TRANSFERS, strategy_names
-from mmseg_gf.pipeline.experiments import PAPER_STRATEGIES
-from mmseg_gf.pipeline.runner import Pipeline, PipelineOptions
+from mmseg_gf.protocol import PROTOCOL_MODELS, TRANSFERS, strategy_names
+from mmseg_gf.protocol.experiments import PAPER_STRATEGIES
+from mmseg_gf.protocol.stages import Pipeline, ProtocolOptions
 
 #: --preset cpu: a reduced version that runs on a laptop CPU in minutes.
 CPU_PRESET = dict(
-    synthetic='data/pipeline_synthetic', synthetic_train=48,
+    synthetic='data/protocol_synthetic', synthetic_train=48,
     synthetic_val=12, crop=(64, 64), batch_size=4, num_workers=2,
     source_iters=300, calib_iters=100, finetune_iters=200, val_interval=100)
 
@@ -53,7 +53,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('--seeds', nargs='+', type=int, default=[233, 234, 235])
     p.add_argument(
         '--work-dir', dest='out_dir',
-        help='output directory (default: work_dirs/pipeline/'
+        help='output directory (default: work_dirs/protocol/'
         '<model>_<transfer>)')
     p.add_argument(
         '--source-checkpoint',
@@ -114,8 +114,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def options(args: argparse.Namespace) -> PipelineOptions:
-    return PipelineOptions(
+def options(args: argparse.Namespace) -> ProtocolOptions:
+    return ProtocolOptions(
         model=args.model, transfer=args.transfer,
         strategies=list(args.strategies), seeds=list(args.seeds),
         out_dir=args.out_dir, source_checkpoint=args.source_checkpoint,
@@ -134,19 +134,19 @@ def options(args: argparse.Namespace) -> PipelineOptions:
 def main(argv: Optional[List[str]] = None) -> Pipeline:
     args = parse_args(argv)
     try:
-        pipeline = Pipeline(options(args))
-        pipeline.plan()
+        protocol = ProtocolRun(options(args))
+        protocol.plan()
     except ValueError as e:  # bad strategy / checkpoint choice: no traceback
-        raise SystemExit(f'run_pipeline.py: error: {e}') from None
+        raise SystemExit(f'run_protocol.py: error: {e}') from None
     if args.dry_run:
-        pipeline.print_plan()
-        return pipeline
+        protocol.print_plan()
+        return protocol
     if not args.report_only:
-        pipeline.run()
-    written = pipeline.report()
+        protocol.run()
+    written = protocol.report()
     with open(written['md']) as f:
         print(f.read())
-    return pipeline
+    return protocol
 
 
 if __name__ == '__main__':

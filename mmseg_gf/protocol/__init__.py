@@ -1,4 +1,4 @@
-"""The paper's segmentation protocol as one command (tools/run_pipeline.py).
+"""The paper's segmentation protocol as one command (tools/run_protocol.py).
 
 source model (mmseg checkpoint, or trained here offline) -> calibration ->
 finetune with each strategy and seed -> results.md / results.csv /

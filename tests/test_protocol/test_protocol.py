@@ -1,4 +1,4 @@
-"""The paper's protocol end to end (tools/run_pipeline.py) on generated data:
+"""The paper's protocol end to end (tools/run_protocol.py) on generated data:
 source model trained offline -> calibration -> finetuning -> Table 3/9
 layout; resumption; calibration / freezing semantics in the checkpoints;
 configs composed from the bases; #Layers / GFLOPs against the reference
@@ -20,15 +20,15 @@ from mmengine.config import Config  # noqa: E402
 
 from tests._tools import REPO, load_tool  # noqa: E402
 
-TOOL = osp.join(REPO, 'tools', 'run_pipeline.py')
-run_pipeline = load_tool('run_pipeline')
+TOOL = osp.join(REPO, 'tools', 'run_protocol.py')
+run_protocol = load_tool('run_protocol')
 
-from mmseg_gf.pipeline import compose_config  # noqa: E402
-from mmseg_gf.pipeline.experiments import (rescale_schedule,  # noqa: E402
+from mmseg_gf.protocol import compose_config  # noqa: E402
+from mmseg_gf.protocol.experiments import (rescale_schedule,  # noqa: E402
                                            set_data)
-from mmseg_gf.pipeline.flops import strategy_cost  # noqa: E402
+from mmseg_gf.protocol.flops import strategy_cost  # noqa: E402
 from mmseg_gf.engine.hooks import ValMetricsRecorderHook  # noqa: E402
-from mmseg_gf.pipeline.report import mean_std  # noqa: E402
+from mmseg_gf.protocol.report import mean_std  # noqa: E402
 
 os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
 
@@ -93,7 +93,7 @@ def learned(tmp_path_factory):
         '--synthetic', str(tmp / 'data'), '--work-dir', out, '--strategies',
         'calib', 'classifier_only', 'gf_last5_r4'
     ]
-    run_pipeline.main(argv)
+    run_protocol.main(argv)
     return tmp, out, argv
 
 
@@ -185,7 +185,7 @@ def test_resume_after_interrupt_and_stale_runs(learned, monkeypatch,
                         interrupting)
     capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):
-        run_pipeline.main(argv)
+        run_protocol.main(argv)
     log = capsys.readouterr().out
     assert '[1/1] vanilla_last5/seed233: starting' in log
     wd = osp.join(out, 'vanilla_last5', 'seed233')
@@ -193,7 +193,7 @@ def test_resume_after_interrupt_and_stale_runs(learned, monkeypatch,
     assert not osp.exists(osp.join(wd, 'result.json'))
     monkeypatch.setattr(ValMetricsRecorderHook, 'after_val_epoch', original)
 
-    run_pipeline.main(argv + ['--isolate'])
+    run_protocol.main(argv + ['--isolate'])
     log = capsys.readouterr().out
     assert 'partial vanilla_last5/seed233' in log
     assert '[1/1] vanilla_last5/seed233: resuming' in log
@@ -215,13 +215,13 @@ def test_resume_after_interrupt_and_stale_runs(learned, monkeypatch,
         rows['gf_last5_r4']['gflops'])
 
     # Nothing left to do: a plain re-run trains nothing.
-    run_pipeline.main(argv)
+    run_protocol.main(argv)
     log = capsys.readouterr().out
     assert 'starting' not in log and 'resuming' not in log
     # Another finetuning length: only the finetuning runs are stale.
     i = argv.index('--finetune-iters')
     changed = argv[:i + 1] + ['120'] + argv[i + 2:]
-    run_pipeline.main(changed + ['--dry-run'])
+    run_protocol.main(changed + ['--dry-run'])
     plan = capsys.readouterr().out
     assert 'done    source' in plan and 'done    calib' in plan
     assert 'stale   gf_last5_r4/seed233' in plan
@@ -263,9 +263,9 @@ def test_pipeline_per_head_type(tmp_path, model, transfer, strategies, cli):
                               timeout=600)
         assert proc.returncode == 0, proc.stdout[-4000:]
         assert '| Method | Strategy |' in proc.stdout  # table printed
-        assert '[pipeline] [4/4]' in proc.stdout  # progress shown
+        assert '[protocol] [4/4]' in proc.stdout  # progress shown
     else:
-        run_pipeline.main(argv)
+        run_protocol.main(argv)
     rows = check_table(out, strategies)
     src = load_state(osp.join(out, 'source', 'iter_2.pth'))
     cal = load_state(osp.join(out, 'calib', 'iter_2.pth'))
@@ -346,7 +346,7 @@ def test_concrete_configs_are_base_compositions():
     import ast
     import glob
 
-    from mmseg_gf.pipeline.experiments import (PROTOCOL_DATASETS,
+    from mmseg_gf.protocol.experiments import (PROTOCOL_DATASETS,
                                                PROTOCOL_MODELS, strategy_file)
     paths = sorted(
         glob.glob(osp.join(REPO, 'configs', 'calib', '*.py')) +
@@ -395,7 +395,7 @@ def test_last_n_selection_against_reference_choices():
     """#Layers / GFLOPs from the shared cost model: last-N + fixed r
     reproduces the reference's PSPNet-R18 and FCN-R18 choices exactly;
     for DeepLabV3 and UPerNet the differing convs are the documented ones
-    (docs/pipeline.md)."""
+    (docs/protocol.md)."""
     psp = {s: _cost('pspnet_r18', s) for s in (
         'vanilla_all', 'vanilla_last10', 'vanilla_last5', 'gf_last5_r2',
         'gf_last5_r4', 'gf_last10_r4', 'gf_ref10')}
@@ -441,7 +441,7 @@ def test_mean_std_is_sample_std():
 
 def test_unknown_strategy_is_a_clean_error(tmp_path):
     with pytest.raises(SystemExit, match='no config for model'):
-        run_pipeline.main([
+        run_protocol.main([
             '--model', 'deeplabv3_mv2', '--transfer', 'ade2voc',
             '--strategies', 'gf_ref10', '--work-dir', str(tmp_path),
             '--dry-run'

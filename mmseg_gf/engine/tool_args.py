@@ -3,7 +3,7 @@ tools/train.py and tools/test.py, trusting mmengine's checkpoint format,
 writing a tool's ``--out`` json.
 
 The tools follow mmseg 1.x's scripts flag for flag; the runs themselves are
-in :mod:`mmseg_gf.engine.runner`.
+in :mod:`mmseg_gf.engine.entrypoints`.
 """
 import argparse
 import json
