@@ -31,7 +31,7 @@ class StateDumpHook(Hook):
 
     def after_run(self, runner) -> None:
         from mmseg_gf.engine.lean_region import lean_counts
-        from mmseg_gf.engine.utils import unwrap_model
+        from mmseg_gf.models.segmentor import unwrap_model
         from mmseg_gf.models import GFConv2d
         model = unwrap_model(runner.model)
         rank, world = get_dist_info()

@@ -6,7 +6,7 @@ setting is applied (``rewrite_config``), the model is traced at ``--shape``
 and every trained conv is listed in execution order with its geometry,
 radius, and the backward FLOPs / MACs and saved activation bytes of the
 exact (vanilla) and the gradient-filtered backward, all from the shared
-cost model (``mmseg_gf.analysis.cost.conv_backward_cost``; conventions in
+cost model (``mmseg_gf.accounting.conv_cost.conv_backward_cost``; conventions in
 docs/cost.md). A config without ``gradient_filter`` is "Vanilla BP All":
 every conv on the inference path (GF columns then at ``--radius``).
 
@@ -36,12 +36,12 @@ import mmseg_gf  # noqa: F401  (registers GFConv2d, GradFilterModel, ...)
 from mmseg_gf.analysis.cost_report import (cost_summary_lines,
                                            measured_memory_table,
                                            model_cost_table)
+from mmseg_gf.analysis.measured_memory import measure_memory
 from mmseg_gf.analysis.model_cost import (config_backward_cost,
-                                          config_step_saved_bytes,
-                                          measure_memory)
+                                          config_step_saved_bytes)
 from mmseg_gf.analysis.budget_sweep import (config_sweep, sweep_markdown,
                                             sweep_plot)
-from mmseg_gf.analysis.paper_table3 import (PAPER_TABLE3_GFLOPS, TABLE3_NOTE,
+from mmseg_gf.protocol.paper_table3 import (PAPER_TABLE3_GFLOPS, TABLE3_NOTE,
                                             compare_with_table3,
                                             table3_comparison_table)
 from mmseg_gf.engine.tool_args import write_json

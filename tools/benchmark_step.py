@@ -24,6 +24,7 @@ from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
                                               plot, step_table)
 from mmseg_gf.engine.tool_args import write_json
 from mmseg_gf.protocol import PROTOCOL_MODELS
+from mmseg_gf.protocol.experiments import step_row_config
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -53,9 +54,11 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         torch.set_num_threads(args.threads)
     results = []
     for name in args.models:
+        rows = [(row, step_row_config(name, args.dataset, row, args.crop))
+                for row in args.rows]
         result = benchmark_model(
-            name, args.rows, args.dataset, args.crop, args.batch,
-            args.repeats, args.warmup, args.memory,
+            name, rows, args.crop, args.batch, args.repeats, args.warmup,
+            args.memory,
             progress=lambda msg, name=name: print(f'[{name}] {msg}',
                                                   flush=True))
         result['cpu'] = platform.processor() or platform.machine()

@@ -16,7 +16,7 @@ from mmengine.registry import init_default_scope
 from mmengine.runner import load_checkpoint
 
 import mmseg_gf  # noqa: F401  (registers GFConv2d)
-from mmseg_gf.analysis.quality import model_dc_energy_ratio
+from mmseg_gf.ops.quality import model_dc_energy_ratio
 
 
 def parse_args():

@@ -19,7 +19,7 @@ from typing import List, Optional
 from mmengine.config import DictAction
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
-from mmseg_gf.analysis.table import format_table
+from mmseg_gf.accounting.format import format_table
 from mmseg_gf.demo import ensure_data, run_demo
 from mmseg_gf.engine.tool_args import trust_mmengine_checkpoints
 

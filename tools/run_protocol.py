@@ -27,7 +27,7 @@ from mmengine.config import DictAction
 
 from mmseg_gf.protocol import PROTOCOL_MODELS, TRANSFERS, strategy_names
 from mmseg_gf.protocol.experiments import PAPER_STRATEGIES
-from mmseg_gf.protocol.stages import Pipeline, ProtocolOptions
+from mmseg_gf.protocol.stages import ProtocolOptions, ProtocolRun
 
 #: --preset cpu: a reduced version that runs on a laptop CPU in minutes.
 CPU_PRESET = dict(

@@ -3,19 +3,24 @@
 ``tools/analyze_cost.py CONFIG --sweep`` prints this table: for N = 1 ..
 all and each candidate radius, the predicted backward GFLOPs per image, the
 bytes the step keeps for backward and its peak (from one profile of the
-model, :func:`mmseg_gf.engine.budget.profile_step_costs`), marking the
-settings a budget allows and the one :func:`~mmseg_gf.engine.budget.
-choose_by_budget` picks (which may mix radii). A plot shows each cost
+model, :func:`mmseg_gf.engine.budget.profile_segmentor`), marking the
+settings a budget allows and the one
+:func:`~mmseg_gf.accounting.budget.choose_by_budget` picks (which may mix
+radii). A plot shows each cost
 against N, one line per radius, with the budget's limits.
 """
 import os
 import os.path as osp
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..engine.budget import DEFAULT_RADII, LIMIT_KEYS, check_budget
-from .table import format_table
-from .step_profile import (BudgetChoice, StepCostProfile, choose_by_budget,
-                           profile_step_costs)
+from mmseg.registry import MODELS
+from mmseg.utils import register_all_modules
+
+from ..accounting.budget import (DEFAULT_RADII, LIMIT_KEYS, BudgetChoice,
+                                 check_budget, choose_by_budget, fits)
+from ..accounting.format import format_table
+from ..accounting.profile import StepCostProfile
+from ..engine.budget import profile_segmentor
 
 __all__ = ['config_sweep', 'sweep_rows', 'sweep_markdown', 'sweep_plot']
 
@@ -52,7 +57,7 @@ def sweep_rows(profile: StepCostProfile, radii: Sequence[int], batch: int,
                 num_layers=n, radius=r,
                 backward_gflops=cost.backward_gflops,
                 saved_mib=cost.saved_mib, peak_mib=cost.peak_mib,
-                fits=None if limits is None else cost.fits(limits)))
+                fits=None if limits is None else fits(cost, limits)))
     return rows
 
 
@@ -124,8 +129,6 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
         :class:`BudgetChoice` or None), ``error`` (why nothing fits, or
         None), ``radii``, ``limits``.
     """
-    from mmseg.registry import MODELS
-    from mmseg.utils import register_all_modules
     register_all_modules(init_default_scope=False)
     model_cfg = dict(cfg.model)
     if model_cfg.get('type') == 'GradFilterModel':
@@ -135,7 +138,7 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
     checked = check_budget(budget) if budget is not None else None
     radii = checked['radii'] if checked else DEFAULT_RADII
     segmentor = MODELS.build(model_cfg)
-    profile = profile_step_costs(segmentor, input_size, timeline=True)
+    profile = profile_segmentor(segmentor, input_size, timeline=True)
     rows = sweep_rows(profile, radii, batch, checked)
     choice = error = None
     if checked is not None:

@@ -13,8 +13,9 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..accounting.format import format_table
+from ..accounting.measured import saved_tensor_bytes
 from ..ops import gradient_filtered_conv2d
-from .table import format_table
 
 #: The convs the benchmark times: the paper's Table 10 layers, as
 #: (Cin, Cout, H, W), each 3x3, stride 1, padding 1.
@@ -85,21 +86,6 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - start
-
-
-def _saved_bytes(forward: Callable[[], torch.Tensor]) -> int:
-    """Bytes autograd keeps for backward, minus Parameters (always alive)."""
-    total = 0
-
-    def pack(t: torch.Tensor):
-        nonlocal total
-        if not isinstance(t, torch.nn.Parameter):
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return total
 
 
 def _io_floor(grad_out: torch.Tensor, grad_in: torch.Tensor,
@@ -176,8 +162,8 @@ def time_layer(cin: int, cout: int, height: int, width: int,
                             vanilla_backward=med['vb'],
                             gf_backward=med['gb'], grad_clone=med['clone'],
                             io_floor=med['io'],
-                            vanilla_saved_bytes=_saved_bytes(vanilla),
-                            gf_saved_bytes=_saved_bytes(filtered)))
+                            vanilla_saved_bytes=saved_tensor_bytes(vanilla),
+                            gf_saved_bytes=saved_tensor_bytes(filtered)))
     return results
 
 

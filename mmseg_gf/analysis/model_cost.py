@@ -1,8 +1,8 @@
 """Backward cost of a whole segmentor: its trained convs, traced.
 
 The per-conv numbers all come from the single cost model
-:func:`mmseg_gf.analysis.cost.conv_backward_cost`; this module only decides
-*which* convs a model trains and with *which* shapes, radii and ``g_x``
+:func:`mmseg_gf.accounting.conv_cost.conv_backward_cost`; this module only
+decides *which* convs a model trains and with *which* shapes, radii and ``g_x``
 needs, by tracing the built model:
 
 * a model with gradient filtering applied (``gradient_filter`` in its
@@ -22,25 +22,26 @@ grad=True)``); autograd computes the full ``g_x`` of a conv even when only
 some of its input channels lead to trained layers (e.g. PSPNet's
 bottleneck after the concat), and so does the count.
 
-Used by :func:`mmseg_gf.protocol.flops.strategy_cost`,
-``tools/analyze_cost.py`` and the GradFilterHook's numbers agree with it.
+Used by :func:`mmseg_gf.protocol.flops.strategy_cost` and
+``tools/analyze_cost.py``; the GradFilterHook's table
+(:func:`mmseg_gf.accounting.report.chosen_layers_table`) counts the same
+convs with the same cost model.
 """
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..engine.selection import ConvRecord, is_classifier, trace_convs
-from ..engine.surgery import MODE_ATTR, get_gradient_filter_layers
-from ..engine.utils import unwrap_model
-from .cost import ConvBackwardCost, conv_backward_cost
-from .step_memory import trace_step_saved_bytes
+from ..accounting.conv_cost import ConvBackwardCost, ConvGeometry
+from ..accounting.trace import trace_step_saved_bytes
+from ..engine.build import build_segmentor
+from ..engine.selection import ConvRecord, trace_convs
+from ..engine.state import get_state
+from ..models.segmentor import is_classifier, unwrap_model
 
 __all__ = [
-    'LayerCost', 'ModelCost', 'build_segmentor', 'model_backward_cost',
-    'config_backward_cost', 'config_step_saved_bytes', 'measure_memory',
-    'random_batch', 'training_loss'
+    'LayerCost', 'ModelCost', 'model_backward_cost', 'config_backward_cost',
+    'config_step_saved_bytes'
 ]
 
 
@@ -169,48 +170,18 @@ class ModelCost:
                         if self.classifier is not None else None))
 
 
-def build_segmentor(cfg, input_size: Optional[Sequence[int]] = None
-                    ) -> nn.Module:
-    """Build a config's segmentor with its ``gradient_filter`` applied.
-
-    Args:
-        cfg (mmengine.Config): not modified.
-        input_size: if given and the config has a ``gradient_filter``
-            setting without ``input_size``, the layer-selection trace runs
-            at this size (cheaper for small analyses; the chosen layers are
-            the same, the ``'auto'`` radius rule uses output strides).
-    """
-    from mmseg.registry import MODELS
-    from mmseg.utils import register_all_modules
-
-    from ..engine.config import rewrite_config
-    register_all_modules(init_default_scope=False)
-    cfg = copy.deepcopy(cfg)
-    settings = cfg.get('gradient_filter')
-    if input_size is not None and isinstance(settings, dict) and \
-            settings.get('input_size') is None:
-        settings = dict(settings)
-        settings['input_size'] = tuple(int(v) for v in input_size)
-        cfg.gradient_filter = settings
-    rewrite_config(cfg)
-    return MODELS.build(cfg.model)
-
-
 def _layer_cost(rec: ConvRecord, conv: nn.Conv2d, radius: int,
                 need_input_grad: bool, batch: int, elem_bytes: int,
                 collapse_dilated: bool) -> LayerCost:
-    # nn.Conv2d keeps kernel_size / stride / dilation as pairs.
-    kh, kw = conv.kernel_size
-    dilation = (1, 1) if collapse_dilated else conv.dilation
-    cost = conv_backward_cost(
-        cin=rec.in_shape[0], cout=rec.out_shape[0], kh=kh, kw=kw,
-        stride=conv.stride, dilation=dilation, groups=conv.groups,
-        in_hw=rec.in_shape[1:], out_hw=rec.out_shape[1:], batch=batch,
-        radius=radius, need_input_grad=need_input_grad,
-        elem_bytes=elem_bytes)
+    geometry = ConvGeometry.of(conv, rec.in_shape, rec.out_shape)
+    cost = geometry.cost(radius, batch=batch,
+                         need_input_grad=need_input_grad,
+                         elem_bytes=elem_bytes,
+                         collapse_dilated=collapse_dilated)
     return LayerCost(
-        path=rec.path, kernel_size=(kh, kw), stride=tuple(conv.stride),
-        dilation=tuple(conv.dilation), groups=conv.groups,
+        path=rec.path, kernel_size=geometry.kernel_size,
+        stride=geometry.stride, dilation=geometry.dilation,
+        groups=geometry.groups,
         in_shape=tuple(rec.in_shape), out_shape=tuple(rec.out_shape),
         radius=radius, need_input_grad=need_input_grad, cost=cost)
 
@@ -249,16 +220,16 @@ def model_backward_cost(model: nn.Module,
     if records is None:
         records = trace_convs(model, size, grad=True)
     by_path = {r.path: r for r in records}
-    choices = get_gradient_filter_layers(model)
+    state = get_state(model)
     out = ModelCost(mode='all', input_size=size, batch=int(batch),
                     collapse_dilated=collapse_dilated)
-    if choices is None:
+    if state is None:
         items = [(r, r.module, radius) for r in records
                  if r.inference and not is_classifier(r.path)]
     else:
-        out.mode = getattr(model, MODE_ATTR, 'gf')
+        out.mode = state.mode
         items = []
-        for c in choices:
+        for c in state.layers:
             rec = by_path.get(c.path)
             if rec is None:
                 raise ValueError(
@@ -279,10 +250,6 @@ def model_backward_cost(model: nn.Module,
     return out
 
 
-# ----------------------------------------------------------------------------
-# Measured memory: what autograd keeps, GF vs vanilla on the same layers
-
-
 def config_backward_cost(cfg, shape: Sequence[int], batch: int = 1,
                          radius: int = 4,
                          collapse_dilated: bool = False) -> ModelCost:
@@ -300,7 +267,7 @@ def config_backward_cost(cfg, shape: Sequence[int], batch: int = 1,
 
 def config_step_saved_bytes(cfg, shape: Sequence[int]):
     """The whole step's analytic saved bytes
-    (:func:`~mmseg_gf.analysis.step_memory.trace_step_saved_bytes`) of a
+    (:func:`~mmseg_gf.accounting.trace.trace_step_saved_bytes`) of a
     config whose ``gradient_filter`` has the lean region on; None for any
     other config, where the count does not apply."""
     settings = cfg.get('gradient_filter')
@@ -310,145 +277,3 @@ def config_step_saved_bytes(cfg, shape: Sequence[int]):
                                   shape)
 
 
-def random_batch(model: nn.Module,
-                 input_size: Sequence[int],
-                 batch: int = 1,
-                 device='cpu',
-                 seed: int = 0,
-                 label_block: int = 1):
-    """Random images and labels for ``model.loss``.
-
-    Args:
-        model: the segmentor (its ``decode_head.num_classes`` is used).
-        input_size: ``(H, W)``.
-        batch: images.
-        device: where the tensors go.
-        seed: of the generator (same seed, same batch).
-        label_block: labels are constant on ``label_block`` pixel squares
-            (1: independent per pixel; larger gives region-like maps).
-
-    Returns:
-        ``(inputs, data_samples)``.
-    """
-    import torch
-    import torch.nn.functional as F
-    from mmengine.structures import PixelData
-    from mmseg.structures import SegDataSample
-    h, w = (int(v) for v in input_size)
-    gen = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(batch, 3, h, w, generator=gen).to(device)
-    num_classes = int(getattr(model.decode_head, 'num_classes', 2))
-    block = max(1, int(label_block))
-    samples = []
-    for _ in range(batch):
-        coarse = torch.randint(0, num_classes,
-                               (1, 1, -(-h // block), -(-w // block)),
-                               generator=gen)
-        labels = F.interpolate(coarse.float(), scale_factor=block,
-                               mode='nearest')[0, :, :h, :w].long()
-        sample = SegDataSample()
-        sample.gt_sem_seg = PixelData(data=labels.to(device))
-        sample.set_metainfo(
-            dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w)))
-        samples.append(sample)
-    return inputs, samples
-
-
-def training_loss(model: nn.Module, inputs, data_samples):
-    """``model.loss`` summed over its ``loss*`` terms, in training mode
-    with frozen norms in eval mode (as GradFilterHook keeps them)."""
-    from ..engine.surgery import set_frozen_norms_eval
-    model.train()
-    set_frozen_norms_eval(model)
-    losses = model.loss(inputs, data_samples)
-    return sum(v.sum() for k, v in losses.items() if 'loss' in k)
-
-
-def measure_memory(cfg,
-                   input_size: Sequence[int] = (64, 64),
-                   batch: int = 1,
-                   device: str = 'cpu',
-                   modes: Sequence[str] = ('vanilla', 'gf'),
-                   num_layers: Optional[int] = None,
-                   radius: Any = 4) -> Dict[str, Any]:
-    """Measure what the trained part keeps for backward, GF vs vanilla.
-
-    For each mode the config's segmentor is built with its
-    ``gradient_filter`` setting (or ``dict(num_layers=num_layers,
-    radius=radius)`` for a config without one), ``mode`` overridden, and
-    one training step (``model.loss`` on random images and labels, then
-    ``backward``) is run:
-
-    * ``saved_bytes`` per trained conv: the storages autograd packs for
-      backward while that conv runs (``saved_tensors_hooks``), Parameters
-      left out; the analytic count of the same conv
-      (:attr:`ConvBackwardCost.vanilla_saved_bytes` /
-      :attr:`~ConvBackwardCost.gf_saved_bytes`) next to it;
-    * ``saved_bytes_total``: everything the forward saves, each storage
-      once (frozen norms, activations, the classifier's input, ...);
-    * ``peak_bytes``: the step's peak memory above what was allocated
-      before it (:func:`~mmseg_gf.analysis.memory.profiled_peak_bytes`:
-      CUDA ``max_memory_allocated``, CPU the profiler's live tensor bytes).
-
-    Args:
-        cfg (mmengine.Config): not modified.
-        input_size: ``(H, W)`` of the random batch (small is fine).
-        batch: images per step.
-        device: ``'cpu'`` or ``'cuda'``.
-        modes: which of ``'vanilla'`` / ``'gf'`` to measure.
-        num_layers, radius: the setting for a config without
-            ``gradient_filter`` (then ``num_layers`` is required).
-
-    Returns:
-        dict ``{mode: {'layers': [{path, measured, analytic}],
-        'trained_saved_bytes', 'analytic_saved_bytes', 'saved_bytes_total',
-        'peak_bytes'}}`` plus ``input_size``, ``batch``, ``device``.
-    """
-    import torch
-
-    from ..engine.surgery import get_gradient_filter_layers
-    from .memory import profiled_peak_bytes, saved_bytes_by_module
-    settings = cfg.get('gradient_filter')
-    if settings is None:
-        if num_layers is None:
-            raise ValueError(
-                'measure_memory: the config has no gradient_filter setting; '
-                'give num_layers (the last N convs to train)')
-        settings = dict(num_layers=num_layers, radius=radius)
-    size = tuple(int(v) for v in input_size)
-    out: Dict[str, Any] = dict(input_size=list(size), batch=int(batch),
-                               device=str(device))
-    for mode in modes:
-        run_cfg = copy.deepcopy(cfg)
-        run_cfg.gradient_filter = dict(settings, mode=mode)
-        torch.manual_seed(0)
-        model = build_segmentor(run_cfg, input_size=size).to(device)
-        cost = model_backward_cost(model, size, batch=batch)
-        choices = get_gradient_filter_layers(model)
-        convs = {c.path: c.module for c in choices}
-        inputs, samples = random_batch(model, size, batch, device)
-
-        def forward():
-            return training_loss(model, inputs, samples)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            forward().backward()
-
-        per_layer, total = saved_bytes_by_module(
-            forward, convs, exclude=list(model.parameters()))
-        step()  # warm-up (lazy allocations, kernel choice)
-        peak = profiled_peak_bytes(step, torch.device(device))
-        layers = []
-        for layer in cost.layers:
-            analytic = (layer.cost.gf_saved_bytes if mode == 'gf' else
-                        layer.cost.vanilla_saved_bytes)
-            layers.append(dict(path=layer.path, radius=layer.radius,
-                               measured=per_layer[layer.path],
-                               analytic=analytic))
-        out[mode] = dict(
-            layers=layers,
-            trained_saved_bytes=sum(x['measured'] for x in layers),
-            analytic_saved_bytes=sum(x['analytic'] for x in layers),
-            saved_bytes_total=total, peak_bytes=peak)
-    return out

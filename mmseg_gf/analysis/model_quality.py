@@ -22,10 +22,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..accounting.batch import random_batch, training_loss
+from ..accounting.format import format_table
+from ..engine.build import build_segmentor
 from ..engine.surgery import get_gradient_filter_layers
-from .model_cost import build_segmentor, random_batch, training_loss
-from .quality import capture_layer_io, cosine, layer_gradient_quality, snr
-from .table import format_table
+from ..ops.quality import (capture_layer_io, cosine, layer_gradient_quality,
+                           snr)
 
 __all__ = [
     'dataset_batch', 'measure_model_quality', 'measure_config_quality',

@@ -1,7 +1,8 @@
-"""Whole training steps of the protocol's strategies next to inference.
+"""Whole training steps of gradient-filter settings next to inference.
 
-For one protocol model, each row builds the segmentor as the pipeline
-composes it and measures, on one random batch at the training crop, all in
+For one model, each row builds the segmentor from its config (the caller
+composes them: ``tools/benchmark_step.py`` from the protocol's strategies,
+:func:`mmseg_gf.protocol.experiments.step_row_config`) and measures, on one random batch at the training crop, all in
 one process:
 
 * ``inference``: mmseg's ``predict`` (eval forward, logits resized to the
@@ -9,9 +10,12 @@ one process:
 * each strategy row (``vanilla_last5``, ``gf_last10_r4``, ...; with
   ``:lean`` or ``:plain`` for the gradient-filter setting ``lean``): median
   forward (loss), backward and whole-step (with SGD) seconds, the step's peak
-  of live tensor bytes (:func:`~.memory.profiled_peak_bytes`), the bytes
-  autograd keeps for backward (:func:`~.memory.saved_tensor_bytes`) and, for
-  lean rows, their analytic count (:mod:`.step_memory`).
+  of live tensor bytes
+  (:func:`~mmseg_gf.accounting.measured.profiled_peak_bytes`), the bytes
+  autograd keeps for backward
+  (:func:`~mmseg_gf.accounting.measured.saved_tensor_bytes`) and, for lean
+  rows, their analytic count
+  (:func:`~mmseg_gf.accounting.trace.trace_step_saved_bytes`).
 
 Timed runs go round robin over the rows, so ratios hold under a changing
 machine load. Ratios are taken within the run: each row against inference,
@@ -21,14 +25,15 @@ filtered row's saved bytes against the same layers trained with
 """
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .memory import profiled_peak_bytes, saved_tensor_bytes
-from .model_cost import build_segmentor, random_batch, training_loss
-from .step_memory import trace_step_saved_bytes
-from .table import format_table
+from ..accounting.batch import random_batch, training_loss
+from ..accounting.format import fmt_mib, format_table
+from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
+from ..accounting.trace import trace_step_saved_bytes
+from ..engine.build import build_segmentor
 
 __all__ = ['DEFAULT_ROWS', 'parse_row', 'benchmark_model', 'step_table',
            'plot', 'FINETUNE_ITERS']
@@ -91,15 +96,15 @@ def _timed(run) -> Dict[str, float]:
 
 
 def benchmark_model(model_name: str,
-                    rows: Sequence[str] = DEFAULT_ROWS,
-                    dataset: str = 'voc',
+                    rows: Sequence[Tuple[str, Any]],
                     crop: Sequence[int] = (512, 512),
                     batch: int = 8,
                     repeats: int = 2,
                     warmup: int = 1,
                     memory: bool = True,
-                    progress=None) -> Dict:
-    """Measure ``rows`` of one protocol model (see the module docstring).
+                    progress: Optional[Callable[[str], None]] = None
+                    ) -> Dict:
+    """Measure ``rows`` of one model (see the module docstring).
 
     Every row's segmentor is built first; the timed runs then go round
     robin (each repeat runs every row once), so that a change of machine
@@ -107,10 +112,11 @@ def benchmark_model(model_name: str,
     comparable. Peak and saved bytes are measured per row afterwards.
 
     Args:
-        model_name: a key of :data:`mmseg_gf.protocol.PROTOCOL_MODELS`.
-        rows: ``'inference'`` and strategy names, optionally suffixed
-            ``:lean`` / ``:plain``.
-        dataset: the target dataset of the configs (its class count).
+        model_name: the model's name in the result.
+        rows: ``(row name, config)`` pairs: ``'inference'`` with the
+            plain model's config, strategy names (optionally suffixed
+            ``:lean`` / ``:plain``, :func:`parse_row`) with a config whose
+            ``gradient_filter`` is that row's setting.
         crop, batch: the batch's image size and images per step.
         repeats, warmup: timed and untimed runs per row (timings are
             medians); ``repeats=0`` measures memory only.
@@ -122,60 +128,73 @@ def benchmark_model(model_name: str,
         dict with ``model``, ``crop``, ``batch``, ``threads``, ``torch`` and
         ``rows`` (one dict per row, in order, with the ratios filled in).
     """
-    from ..protocol import compose_config
-    from ..protocol.experiments import set_data
     crop = tuple(int(v) for v in crop)
     say = progress or (lambda message: None)
     built = []
-    for name in rows:
-        strategy, lean = parse_row(name)
+    for name, cfg in rows:
         say(f'build {name}')
-        cfg = compose_config(model_name, dataset,
-                             'vanilla_all' if lean is None else strategy)
-        set_data(cfg, crop=crop)
-        if lean is not None and cfg.get('gradient_filter') is not None:
-            cfg.gradient_filter = dict(cfg.gradient_filter, lean=lean)
-        torch.manual_seed(0)
-        model = build_segmentor(cfg)
-        inputs, samples = random_batch(model, crop, batch, label_block=16)
-        run = (_predict_fn if lean is None else _step_fn)(model, inputs,
-                                                           samples)
-        built.append((name, strategy, lean, model, inputs, samples, run))
-    times: List[Dict[str, List[float]]] = [{} for _ in built]
-    for i in range(warmup + repeats):
-        say(f'{"warm-up" if i < warmup else "timed"} round {i + 1}')
-        for k, (*_, run) in enumerate(built):
-            parts = _timed(run)
-            if i >= warmup:
-                for key, v in parts.items():
-                    times[k].setdefault(key, []).append(v)
+        built.append(_Row(name, cfg, crop, batch))
+    times = _time_round_robin(built, repeats, warmup, say)
     measured = []
-    for k, (name, strategy, lean, model, inputs, samples, run) in \
-            enumerate(built):
-        row = {key: statistics.median(v) for key, v in times[k].items()}
-        row.update(row=name, strategy=strategy, lean=lean, peak_bytes=None,
-                   saved_bytes=None)
-        measured.append(row)
-        if not memory:
-            continue
-        say(f'memory {name}')
-        row['peak_bytes'] = profiled_peak_bytes(run)
-        if lean is None:
-            row.update(saved_bytes=0, trainable_params=0)
-        else:
-            row['saved_bytes'] = saved_tensor_bytes(
-                lambda: training_loss(model, inputs, samples))
-            row['trainable_params'] = sum(
-                p.numel() for p in model.parameters() if p.requires_grad)
-        if lean:
-            counted = trace_step_saved_bytes(model, crop)
-            row['analytic_saved_bytes'] = counted.total(batch)
-            row['analytic_by_category'] = counted.by_category(batch)
-            row['unmodelled'] = counted.unmodelled
+    for row, row_times in zip(built, times):
+        result = {key: statistics.median(v) for key, v in row_times.items()}
+        result.update(row=row.name, strategy=row.strategy, lean=row.lean,
+                      peak_bytes=None, saved_bytes=None)
+        if memory:
+            say(f'memory {row.name}')
+            result.update(row.memory(crop, batch))
+        measured.append(result)
     _add_ratios(measured)
     return dict(model=model_name, crop=list(crop), batch=int(batch),
                 threads=torch.get_num_threads(), torch=torch.__version__,
                 rows=measured)
+
+
+class _Row:
+    """One row's segmentor, batch and the function that runs it."""
+
+    def __init__(self, name: str, cfg, crop, batch: int) -> None:
+        self.name = name
+        self.strategy, self.lean = parse_row(name)
+        torch.manual_seed(0)
+        self.model = build_segmentor(cfg)
+        self.inputs, self.samples = random_batch(self.model, crop, batch,
+                                                 label_block=16)
+        make = _predict_fn if self.lean is None else _step_fn
+        self.run = make(self.model, self.inputs, self.samples)
+
+    def memory(self, crop, batch: int) -> Dict[str, Any]:
+        """Peak and saved bytes (measured), and the analytic count for a
+        lean row."""
+        out: Dict[str, Any] = dict(peak_bytes=profiled_peak_bytes(self.run))
+        if self.lean is None:
+            out.update(saved_bytes=0, trainable_params=0)
+            return out
+        out['saved_bytes'] = saved_tensor_bytes(
+            lambda: training_loss(self.model, self.inputs, self.samples))
+        out['trainable_params'] = sum(
+            p.numel() for p in self.model.parameters() if p.requires_grad)
+        if self.lean:
+            counted = trace_step_saved_bytes(self.model, crop)
+            out['analytic_saved_bytes'] = counted.total(batch)
+            out['analytic_by_category'] = counted.by_category(batch)
+            out['unmodelled'] = counted.unmodelled
+        return out
+
+
+def _time_round_robin(built: Sequence[_Row], repeats: int, warmup: int,
+                      say) -> List[Dict[str, List[float]]]:
+    """Per row, the timed parts of each timed round (every round runs
+    every row once)."""
+    times: List[Dict[str, List[float]]] = [{} for _ in built]
+    for i in range(warmup + repeats):
+        say(f'{"warm-up" if i < warmup else "timed"} round {i + 1}')
+        for k, row in enumerate(built):
+            parts = _timed(row.run)
+            if i >= warmup:
+                for key, v in parts.items():
+                    times[k].setdefault(key, []).append(v)
+    return times
 
 
 def _same_layers_vanilla_plain(strategy: str) -> str:
@@ -205,7 +224,7 @@ def _add_ratios(rows: List[Dict]) -> None:
 
 
 def _mib(v: Optional[float]) -> str:
-    return '' if v is None else f'{v / 2**20:.1f}'
+    return fmt_mib(v, 1)
 
 
 def _ratio(v: Optional[float], digits: int = 2) -> str:

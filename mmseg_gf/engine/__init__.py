@@ -13,8 +13,9 @@ from .hooks import (CalibrationHook, GradFilterHook, GradientQualityHook,
                     ValMetricsRecorderHook)
 from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers, trace_convs)
-from .surgery import (apply_gradient_filter, get_gradient_filter_layers,
-                      set_frozen_norms_eval)
+from ..models.segmentor import set_frozen_norms_eval
+from .state import GradientFilterState, get_state
+from .surgery import apply_gradient_filter, get_gradient_filter_layers
 
 __all__ = [
     'LayerChoice', 'trace_convs', 'select_layers', 'auto_radius',
@@ -22,5 +23,5 @@ __all__ = [
     'get_gradient_filter_layers', 'build_grad_filter_model',
     'check_settings', 'rewrite_config', 'GradFilterHook',
     'GradientQualityHook', 'CalibrationHook', 'ValMetricsRecorderHook',
-    'CPUAmpOptimWrapper', 'enable_amp'
+    'CPUAmpOptimWrapper', 'enable_amp', 'GradientFilterState', 'get_state'
 ]

@@ -1,77 +1,69 @@
-"""The ``budget`` gradient-filter setting: limits the choice must fit.
+"""A budget's choice on a real segmentor: the profile's probe, built by
+selection and surgery, then the accounting's choice.
 
-``gradient_filter=dict(budget=dict(saved_mib=300, peak_mib=..., backward_gflops=1))``
-(any subset of the limits; ``radii``: the candidate radii, default
-{2, 4, 8}; ``batch``: images per step, default the config's train batch
-size) replaces ``num_layers`` / ``layers`` and ``radius``:
-:func:`mmseg_gf.analysis.step_profile.choose_by_budget` picks the largest
-number of last convs, then the finest radii, whose predicted step cost fits
-every limit. This module only validates the setting, so that bad input fails
-before anything is built.
+The accounting (:mod:`mmseg_gf.accounting.profile`,
+:mod:`mmseg_gf.accounting.budget`) costs every "last N, radii" setting from
+one traced step of a *probe*; preparing that probe is the engine's job:
+the candidate pool is what ``num_layers`` counts (:func:`select_layers`),
+and the probe is a copy of the segmentor with every candidate trained
+(:func:`apply_gradient_filter`, exact backward, lean region on).
 """
-import math
-from typing import Any, Dict
+import copy
+from typing import Any, Dict, Optional, Sequence
 
-from ..ops import check_radius
+from torch import nn
 
-__all__ = ['LIMIT_KEYS', 'BUDGET_KEYS', 'DEFAULT_RADII', 'check_budget']
+from ..accounting.budget import BudgetChoice, check_budget, choose_by_budget
+from ..accounting.profile import StepCostProfile, profile_step_costs
+from ..models.segmentor import is_classifier, unwrap_model
+from .selection import select_layers, trace_convs
+from .surgery import apply_gradient_filter
 
-#: Limits a budget may give (any subset, at least one).
-LIMIT_KEYS = ('saved_mib', 'peak_mib', 'backward_gflops')
-#: Keys of ``gradient_filter=dict(budget=dict(...))``.
-BUDGET_KEYS = LIMIT_KEYS + ('radii', 'batch')
-#: Candidate radii when a budget names none.
-DEFAULT_RADII = (2, 4, 8)
+__all__ = ['profile_segmentor', 'choose_layers_by_budget']
 
 
-def check_budget(budget: Any) -> Dict[str, Any]:
-    """Validate a budget before anything is built.
+def profile_segmentor(model: nn.Module, input_size: Sequence[int],
+                      timeline: bool = False) -> StepCostProfile:
+    """Profile a plain segmentor for the costs of every last-N setting.
 
-    Returns:
-        dict: the limits given, ``radii`` (sorted, unique) and ``batch``
-        (None when not given: the config's training batch is used).
+    The model itself is not changed: a copy is prepared as gradient
+    filtering would train all candidate convs, then traced once
+    (:func:`~mmseg_gf.accounting.profile.profile_step_costs`).
 
-    Raises:
-        ValueError: not a dict, unknown key, no limit, a limit that is not a
-            positive number, bad radii or batch; the message lists what is
-            allowed.
+    Args:
+        model: an mmseg segmentor (plain, not yet gradient-filtered).
+        input_size: ``(H, W)`` (the training crop).
+        timeline: also profile live bytes per call, for the step peak.
     """
-    if not isinstance(budget, dict):
+    model = unwrap_model(model)
+    size = (int(input_size[0]), int(input_size[1]))
+    pool = [r for r in trace_convs(model, size) if r.inference
+            and not is_classifier(r.path) and r.feeds_output]
+    if not pool:
         raise ValueError(
-            'gradient_filter budget must be a dict, e.g. dict(saved_mib=300)'
-            f', with keys among {list(BUDGET_KEYS)}; got {budget!r}')
-    unknown = sorted(set(budget) - set(BUDGET_KEYS))
-    if unknown:
-        raise ValueError(f'gradient_filter budget: unknown key(s) {unknown}'
-                         f'; allowed: {list(BUDGET_KEYS)}')
-    out: Dict[str, Any] = {k: None for k in BUDGET_KEYS}
-    out.update(budget)
-    if all(out[k] is None for k in LIMIT_KEYS):
-        raise ValueError('gradient_filter budget needs at least one limit '
-                         f'among {list(LIMIT_KEYS)}, got {budget!r}')
-    for key in LIMIT_KEYS:
-        value = out[key]
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(
-                value, (int, float)) or not value > 0 or math.isinf(value):
-            raise ValueError(f'gradient_filter budget {key} must be a '
-                             f'positive number, got {value!r}')
-    radii = DEFAULT_RADII if out['radii'] is None else out['radii']
-    if isinstance(radii, int):
-        radii = (radii, )
-    try:
-        radii = tuple(sorted({check_radius(r) for r in radii}))
-    except (TypeError, ValueError):
-        raise ValueError('gradient_filter budget radii must be a non-empty '
-                         f'list of ints >= 1, got {out["radii"]!r}') from None
-    if not radii:
-        raise ValueError('gradient_filter budget radii must be a non-empty '
-                         f'list of ints >= 1, got {out["radii"]!r}')
-    out['radii'] = radii
-    batch = out['batch']
-    if batch is not None and (isinstance(batch, bool)
-                              or not isinstance(batch, int) or batch < 1):
-        raise ValueError('gradient_filter budget batch must be an int >= 1, '
-                         f'got {batch!r}')
-    return out
+            f'gradient_filter budget: {type(model).__name__} runs no conv '
+            'that the output depends on besides its classifier')
+    probe = copy.deepcopy(model)
+    choices = select_layers(probe, num_layers=len(pool), radius=1,
+                            input_size=size)
+    apply_gradient_filter(probe, choices, mode='vanilla', lean=True)
+    return profile_step_costs(probe, [c.module for c in choices], size,
+                              is_classifier, timeline=timeline)
+
+
+def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
+                            input_size: Sequence[int],
+                            batch: Optional[int] = None) -> BudgetChoice:
+    """Profile ``segmentor`` and choose the setting that fits ``budget``.
+
+    Args:
+        segmentor: the plain segmentor.
+        budget: see :func:`~mmseg_gf.accounting.budget.check_budget`.
+        input_size: the training crop.
+        batch: images per step, unless the budget names it (default 1).
+    """
+    budget = check_budget(budget)
+    batch = budget['batch'] or batch or 1
+    profile = profile_segmentor(segmentor, input_size,
+                                timeline=budget['peak_mib'] is not None)
+    return choose_by_budget(profile, budget, batch)

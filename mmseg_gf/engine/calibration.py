@@ -13,7 +13,7 @@ from typing import List, Sequence
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .utils import unwrap_model
+from ..models.segmentor import unwrap_model
 
 __all__ = ['freeze_for_calibration', 'set_norm_stats_train']
 

@@ -3,8 +3,8 @@
 Two equivalent ways to finetune with gradient filtering:
 
 1. A top-level ``gradient_filter = dict(num_layers=5, radius=4)`` (or
-   ``dict(budget=dict(saved_mib=300))``, see :mod:`.budget`) in an mmseg
-   config, turned by :func:`rewrite_config` into
+   ``dict(budget=dict(saved_mib=300))``, see
+   :mod:`mmseg_gf.accounting.budget`) in an mmseg config, turned by :func:`rewrite_config` into
    ``model = dict(type='GradFilterModel', model=<segmentor>, ...)``. The
    builder returns the plain segmentor class with GFConv2d swapped in, so
    checkpoints keep mmseg's keys and load without the plugin.
@@ -17,15 +17,17 @@ from typing import Any, Dict, Optional, Sequence
 from mmseg.registry import MODELS
 from torch import nn
 
+from ..accounting.budget import check_budget
 from ..ops import check_radius
-from .budget import check_budget
+from .budget import choose_layers_by_budget
 from .selection import select_layers
+from .state import get_state
 from .surgery import apply_gradient_filter, check_mode
 
 __all__ = [
     'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
     'rewrite_config', 'add_custom_hook', 'add_custom_imports',
-    'default_input_size', 'default_batch_size', 'BUDGET_ATTR'
+    'default_input_size', 'default_batch_size'
 ]
 
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
@@ -33,8 +35,6 @@ SETTING_KEYS = ('num_layers', 'layers', 'budget', 'radius', 'mode',
                 'train_norm', 'lean', 'input_size')
 DEFAULT_INPUT_SIZE = (512, 512)
 DEFAULT_RADIUS = 4
-#: Attribute of a segmentor whose layers a budget chose: the BudgetChoice.
-BUDGET_ATTR = '_gradient_filter_budget'
 
 
 def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -178,8 +178,9 @@ def build_grad_filter_model(model: dict,
 
     Registered in mmseg's ``MODELS`` as ``GradFilterModel``. Returns the
     segmentor itself (not a wrapper), so its ``state_dict`` keys are plain
-    mmseg keys; the choices are kept on it (``_gradient_filter_layers``),
-    which tells GradFilterHook not to apply them again.
+    mmseg keys; the choices are kept on it
+    (:class:`~mmseg_gf.engine.state.GradientFilterState`), which tells
+    GradFilterHook not to apply them again.
 
     Args:
         model: the segmentor config.
@@ -187,7 +188,7 @@ def build_grad_filter_model(model: dict,
             :func:`select_layers` and :func:`apply_gradient_filter`.
         budget: instead of ``num_layers`` / ``layers`` and ``radius``:
             limits the setting must fit
-            (:func:`mmseg_gf.analysis.step_profile.choose_by_budget`).
+            (:func:`mmseg_gf.accounting.budget.choose_by_budget`).
         input_size: ``(H, W)`` of the selection trace (default 512).
         data_preprocessor: mmengine's Runner injects the config's top-level
             ``data_preprocessor`` into the model dict; it is forwarded to
@@ -211,18 +212,15 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
                      batch: Optional[int] = None) -> list:
     """Choose the layers of checked ``settings`` and apply them.
 
-    With a budget, :func:`~mmseg_gf.analysis.step_profile.
-    choose_layers_by_budget` decides ``num_layers``
-    and the radii (its choice is kept on the segmentor as
-    :data:`BUDGET_ATTR`); ``batch`` is used when the budget names none.
+    With a budget, :func:`~mmseg_gf.engine.budget.choose_layers_by_budget`
+    decides ``num_layers`` and the radii (its choice is kept in the
+    segmentor's state); ``batch`` is used when the budget names none.
 
     Returns:
         list[LayerChoice]: the applied layers.
     """
     num_layers, radius = settings['num_layers'], settings['radius']
     if settings['budget'] is not None:
-        # the cost model lives in analysis, which builds on the engine
-        from ..analysis.step_profile import choose_layers_by_budget
         choice = choose_layers_by_budget(segmentor, settings['budget'],
                                          input_size, batch)
         num_layers, radius = choice.num_layers, choice.radius
@@ -236,7 +234,7 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
                                     train_norm=settings['train_norm'],
                                     lean=settings['lean'])
     if choice is not None:
-        setattr(segmentor, BUDGET_ATTR, choice)
+        get_state(segmentor).budget = choice
     return choices
 
 

@@ -20,7 +20,7 @@ from typing import Dict
 from torch import nn
 
 from ..models.lean import is_lean, lean_kind, make_lean, make_plain
-from .utils import unwrap_model
+from ..models.segmentor import unwrap_model
 
 __all__ = ['apply_lean_region', 'remove_lean_region', 'lean_counts']
 

@@ -44,28 +44,19 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
 
+from ..accounting.conv_cost import ConvGeometry, output_stride
 from ..models.gf_conv import is_filterable_conv
-from ..ops import check_radius
-from .utils import unwrap_model
+from ..models.segmentor import (CLASSIFIER_NAMES, NORM_TYPES, is_classifier,
+                                unwrap_model)
+from ..ops import as_pair, check_radius
 
 RadiusSetting = Union[int, str, Dict[str, Union[int, str]]]
 
-NORM_TYPES = (_BatchNorm, _InstanceNorm, nn.GroupNorm, nn.LayerNorm)
-
 __all__ = [
     'ConvRecord', 'LayerChoice', 'trace_convs', 'select_layers',
-    'auto_radius', 'resolve_radius', 'is_classifier', 'CLASSIFIER_SUFFIX',
-    'CLASSIFIER_NAMES'
+    'auto_radius', 'resolve_radius'
 ]
-
-#: mmseg's ``BaseDecodeHead`` names its final 1x1 classifier ``conv_seg``.
-CLASSIFIER_SUFFIX = 'conv_seg'
-#: Names of decode-head classifiers: ``conv_seg``, and ``fc_seg`` of
-#: PointRend's ``PointHead`` (which deletes its ``conv_seg``).
-CLASSIFIER_NAMES = (CLASSIFIER_SUFFIX, 'fc_seg')
 
 
 @dataclass
@@ -135,7 +126,14 @@ class LayerChoice:
     @property
     def output_stride(self) -> int:
         """Input-image pixels per output pixel of this conv (1, 2, 4, ...)."""
-        return max(1, round(self.input_hw[0] / max(self.out_shape[1], 1)))
+        return output_stride(self.input_hw[0], self.out_shape[1])
+
+    @property
+    def geometry(self) -> ConvGeometry:
+        """Its shapes and hyper-parameters, for the cost model."""
+        return ConvGeometry(tuple(self.in_shape), tuple(self.out_shape),
+                            self.kernel_size, self.stride, self.dilation,
+                            self.groups)
 
 
 def _tensors(obj) -> List[torch.Tensor]:
@@ -420,18 +418,6 @@ def resolve_radius(radius: RadiusSetting, path: str,
     return check_radius(radius)
 
 
-def _pair(v) -> Tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
-def is_classifier(path: str) -> bool:
-    """A decode head's classifier (``decode_head[.i].conv_seg``, or
-    PointHead's ``fc_seg``), which every strategy trains and no layer count
-    includes."""
-    return (path == 'decode_head' or path.startswith('decode_head.')) and \
-        path.split('.')[-1] in CLASSIFIER_NAMES
-
-
 def _check_filterable(path: str, module: nn.Module) -> None:
     if not is_filterable_conv(module):
         raise ValueError(
@@ -581,7 +567,7 @@ def select_layers(model: nn.Module,
     for rec in chosen:
         _check_filterable(rec.path, rec.module)
         conv = rec.module
-        out_stride = max(1, round(h / max(rec.out_shape[1], 1)))
+        out_stride = output_stride(h, rec.out_shape[1])
         result.append(
             LayerChoice(
                 path=rec.path,
@@ -589,9 +575,9 @@ def select_layers(model: nn.Module,
                 radius=resolve_radius(radius, rec.path, out_stride),
                 in_shape=rec.in_shape,
                 out_shape=rec.out_shape,
-                kernel_size=_pair(conv.kernel_size),
-                stride=_pair(conv.stride),
-                dilation=_pair(conv.dilation),
+                kernel_size=as_pair(conv.kernel_size),
+                stride=as_pair(conv.stride),
+                dilation=as_pair(conv.dilation),
                 groups=conv.groups,
                 norm_path=rec.norm_path,
                 input_hw=(int(input_size[0]), int(input_size[1]))))

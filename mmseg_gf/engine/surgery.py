@@ -8,22 +8,18 @@ from typing import List, Optional, Sequence
 from torch import nn
 
 from ..models.gf_conv import GFConv2d
+from ..models.segmentor import (classifier_paths, set_frozen_norms_eval,
+                                unwrap_model)
 from .lean_region import apply_lean_region
-from .selection import NORM_TYPES, LayerChoice, is_classifier
-from .utils import unwrap_model
+from .selection import LayerChoice
+from .state import GradientFilterState, get_state, set_state
 
-__all__ = [
-    'MODES', 'MARK_ATTR', 'apply_gradient_filter', 'set_frozen_norms_eval',
-    'get_gradient_filter_layers', 'classifier_paths'
-]
+__all__ = ['MODES', 'check_mode', 'apply_gradient_filter',
+           'get_gradient_filter_layers']
 
 #: 'gf': filtered backward; 'vanilla': same layers trained, exact backward
 #: (the paper's "Vanilla BP N" baseline differs from "Ours N" only here).
 MODES = ('gf', 'vanilla')
-#: Attribute set on the segmentor: the applied list of LayerChoice.
-MARK_ATTR = '_gradient_filter_layers'
-MODE_ATTR = '_gradient_filter_mode'
-LEAN_ATTR = '_gradient_filter_lean'
 
 
 def check_mode(mode: str) -> str:
@@ -37,14 +33,8 @@ def check_mode(mode: str) -> str:
 def get_gradient_filter_layers(
         model: nn.Module) -> Optional[List[LayerChoice]]:
     """The layers applied to ``model`` (wrapped or not), or None."""
-    return getattr(unwrap_model(model), MARK_ATTR, None)
-
-
-def classifier_paths(model: nn.Module) -> List[str]:
-    """Paths of the decode head classifier(s), always trained (see
-    :func:`~mmseg_gf.engine.selection.is_classifier`)."""
-    return [n for n, _ in unwrap_model(model).named_modules()
-            if is_classifier(n)]
+    state = get_state(model)
+    return None if state is None else state.layers
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -85,9 +75,8 @@ def apply_gradient_filter(model: nn.Module,
     """
     check_mode(mode)
     model = unwrap_model(model)
-    applied = getattr(model, MARK_ATTR, None)
-    if applied is not None:
-        return applied
+    if get_state(model) is not None:
+        return get_state(model).layers
     if not choices:
         raise ValueError('gradient_filter: no layer selected')
     enabled = mode == 'gf'
@@ -108,30 +97,8 @@ def apply_gradient_filter(model: nn.Module,
     for path in trained:
         for p in model.get_submodule(path).parameters():
             p.requires_grad_(True)
-    setattr(model, MARK_ATTR, list(choices))
-    setattr(model, MODE_ATTR, mode)
-    setattr(model, LEAN_ATTR, bool(lean))
+    set_state(model, GradientFilterState(list(choices), mode, bool(lean)))
     if lean:
         apply_lean_region(model)
     set_frozen_norms_eval(model)
     return list(choices)
-
-
-def set_frozen_norms_eval(model: nn.Module) -> int:
-    """Put norm layers with no trainable parameter in eval mode.
-
-    Frozen BN must keep its (calibrated) running statistics: in train mode it
-    would both normalise with batch statistics and overwrite them. mmengine's
-    train loops call ``model.train()`` every iteration, so call this again
-    before each iteration (GradFilterHook does).
-
-    Returns:
-        int: how many norm layers were put in eval mode.
-    """
-    count = 0
-    for m in unwrap_model(model).modules():
-        if isinstance(m, NORM_TYPES) and not any(
-                p.requires_grad for p in m.parameters()):
-            m.eval()
-            count += 1
-    return count

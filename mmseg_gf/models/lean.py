@@ -18,7 +18,7 @@ What becomes lean:
   input's shape only.
 * decode heads whose loss is mmseg's ``BaseDecodeHead.loss_by_feat``: keep
   the low-resolution logits, not the upsampled ones
-  (:func:`make_lean_loss`).
+  (:func:`make_lean` on the head).
 
 Everything else keeps autograd's default (GroupNorm / LayerNorm, whose
 backward needs their input; GELU, Sigmoid, HSwish and other smooth
@@ -36,7 +36,7 @@ from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
 from .lean_loss import chunkable_losses, chunked_cross_entropy_losses
 
 __all__ = [
-    'make_lean', 'make_plain', 'is_lean', 'make_lean_loss', 'lean_kind',
+    'make_lean', 'make_plain', 'is_lean', 'lean_kind',
     'LEAN_KINDS'
 ]
 
@@ -181,12 +181,6 @@ def make_lean(module: nn.Module) -> Optional[str]:
     if kind is not None and not is_lean(module):
         module.__class__ = _lean_class(type(module), kind)
     return kind
-
-
-def make_lean_loss(head: nn.Module) -> bool:
-    """Make a decode head's loss keep only its low-resolution logits.
-    Returns False if the head has its own ``loss_by_feat`` (left as is)."""
-    return make_lean(head) == 'loss'
 
 
 def make_plain(module: nn.Module) -> bool:

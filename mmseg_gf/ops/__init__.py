@@ -2,9 +2,10 @@
 plus optional compiled CPU kernels (``native``) and Triton GPU kernels
 (``triton_path``)."""
 from .gradient_filter import (AxisGeometry, GradientFilterConv2dFunction,
-                              check_radius, gradient_filtered_conv2d)
+                              as_pair, check_radius,
+                              gradient_filtered_conv2d)
 
 __all__ = [
-    'AxisGeometry', 'GradientFilterConv2dFunction', 'check_radius',
+    'AxisGeometry', 'GradientFilterConv2dFunction', 'as_pair', 'check_radius',
     'gradient_filtered_conv2d'
 ]

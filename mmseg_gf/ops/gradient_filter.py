@@ -36,7 +36,8 @@ from . import native, triton_path
 IntPair = Union[int, Tuple[int, int]]
 
 
-def _pair(value: IntPair) -> Tuple[int, int]:
+def as_pair(value: IntPair) -> Tuple[int, int]:
+    """``(h, w)`` from an int or a pair (conv hyper-parameters)."""
     if isinstance(value, int):
         return value, value
     return int(value[0]), int(value[1])
@@ -501,7 +502,7 @@ def resolve_padding(padding: Union[str, IntPair], kernel_size: Sequence[int],
     after, as ``F.conv2d`` does, via an explicit ``F.pad``.
     """
     if not isinstance(padding, str):
-        return _pair(padding), None
+        return as_pair(padding), None
     if padding == 'valid':
         return (0, 0), None
     if padding != 'same':
@@ -539,11 +540,11 @@ def gradient_filtered_conv2d(x: Tensor,
         Exactly ``F.conv2d(x, weight, bias, stride, padding, dilation, groups)``.
     """
     radius = check_radius(radius)
-    dilation = _pair(dilation)
+    dilation = as_pair(dilation)
     pad, extra = resolve_padding(padding, weight.shape[2:], dilation)
     if extra is not None:
         x = F.pad(x, extra)
-    return filtered_conv(x, weight, bias, _pair(stride), pad, dilation,
+    return filtered_conv(x, weight, bias, as_pair(stride), pad, dilation,
                          groups, radius)
 
 

@@ -6,13 +6,13 @@ results.png in the layout of Tables 3 and 9.
 
 * :mod:`.experiments`: the models, datasets, transfers and strategies, and
   how a run's config is composed from the ``configs/_base_`` pieces.
-* :mod:`.runner`: planning, running (resumable), progress.
+* :mod:`.stages`: planning, running (resumable), progress.
 * :mod:`.flops`: #Layers and backward GFLOPs of a strategy (through the
-  shared cost model :mod:`mmseg_gf.analysis.cost`).
+  shared cost model :mod:`mmseg_gf.accounting.conv_cost`).
 * :mod:`.report`: the tables and the plot.
+* :mod:`.paper_table3`: our backward GFLOPs next to the paper's Table 3.
 * ``ValMetricsRecorderHook`` (:mod:`mmseg_gf.engine.hooks`) appends every
-  validation result to ``<work_dir>/val_metrics.jsonl``; :mod:`.hooks` is
-  the import path the run configs name for it.
+  validation result to ``<work_dir>/val_metrics.jsonl``.
 """
 from .experiments import (PROTOCOL_DATASETS, PROTOCOL_MODELS, STRATEGIES,
                           TRANSFERS, compose_config, strategy_names)

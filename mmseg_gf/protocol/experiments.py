@@ -22,13 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mmengine.config import Config
+from mmseg.registry import MODELS as SEGMENTORS
+from mmseg.utils import register_all_modules
 
-from ..engine.config import add_custom_hook, add_custom_imports
+from ..engine.budget import profile_segmentor
+from ..engine.config import (add_custom_hook, add_custom_imports,
+                             default_input_size)
 
 __all__ = [
     'CONFIG_DIR', 'ModelSpec', 'DatasetSpec', 'StrategySpec',
     'PROTOCOL_MODELS', 'PROTOCOL_DATASETS', 'TRANSFERS', 'STRATEGIES',
-    'PAPER_STRATEGIES', 'BUDGET_STRATEGIES', 'fill_budget',
+    'PAPER_STRATEGIES', 'fill_budget', 'step_row_config',
     'strategy_names', 'strategy_file', 'compose_config', 'adapt_config',
     'set_data', 'rescale_schedule'
 ]
@@ -193,10 +197,6 @@ def _builtin_strategies() -> Dict[str, StrategySpec]:
 
 STRATEGIES: Dict[str, StrategySpec] = _builtin_strategies()
 
-#: Budget strategies: the compute of ``gf_last5_r4`` / ``gf_last10_r4``
-#: spent on more layers at r = 8 (docs/budget.md).
-BUDGET_STRATEGIES = ['gf_budget5_r8', 'gf_budget10_r8']
-
 #: The rows of Tables 3 / 9 (with both patch sizes the paper studies).
 PAPER_STRATEGIES = [
     'calib', 'vanilla_all', 'vanilla_last5', 'vanilla_last10', 'gf_last5_r2',
@@ -293,16 +293,11 @@ def fill_budget(cfg: Config, strategy: str, model: str,
     spec = STRATEGIES.get(strategy)
     if spec is None or spec.budget_like is None:
         return cfg
-    from mmseg.registry import MODELS as SEGMENTORS
-    from mmseg.utils import register_all_modules
-
-    from ..analysis.step_profile import profile_step_costs
-    from ..engine.config import default_input_size
     register_all_modules(init_default_scope=False)
     like = Config.fromfile(strategy_file(spec.budget_like, model, config_dir))
     setting = like.gradient_filter
     segmentor = SEGMENTORS.build(cfg.model)
-    profile = profile_step_costs(segmentor, default_input_size(cfg))
+    profile = profile_segmentor(segmentor, default_input_size(cfg))
     gflops = profile.cost(setting['num_layers'], setting['radius'],
                           1).backward_gflops
     budget = dict(cfg.gradient_filter.budget)
@@ -454,4 +449,20 @@ def adapt_config(cfg: Config,
     add_custom_imports(cfg, 'mmseg_gf', 'mmseg_gf.engine.hooks')
     if cfg_options:
         cfg.merge_from_dict(dict(cfg_options))
+    return cfg
+
+
+def step_row_config(model: str, dataset: str, row: str,
+                    crop: Sequence[int]) -> Config:
+    """The config of one ``tools/benchmark_step.py`` row of a protocol
+    model: ``'inference'`` (the plain model, ``vanilla_all``) or a strategy
+    with an optional ``:lean`` / ``:plain`` suffix for the gradient-filter
+    setting ``lean``, its data at ``crop``."""
+    strategy, _, variant = row.partition(':')
+    cfg = compose_config(model, dataset,
+                         'vanilla_all' if row == 'inference' else strategy)
+    set_data(cfg, crop=crop)
+    if row != 'inference' and cfg.get('gradient_filter') is not None:
+        cfg.gradient_filter = dict(cfg.gradient_filter,
+                                   lean=variant != 'plain')
     return cfg

@@ -11,7 +11,7 @@ import math
 import os.path as osp
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..analysis.table import format_table
+from ..accounting.format import format_table
 
 __all__ = ['Row', 'summarize', 'write_report', 'mean_std', 'fmt_mean_std']
 

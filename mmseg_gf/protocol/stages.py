@@ -30,14 +30,17 @@ from typing import Any, Dict, List, Optional, Tuple
 from mmengine.config import Config
 
 from ..engine.tool_args import trust_mmengine_checkpoints
+from ..datasets import MAKERS
 from ..engine.hooks import read_val_metrics
 from ..engine.entrypoints import run_in_subprocess, train
+from .flops import strategy_cost
+from .report import Row, write_report
 from .experiments import (CONFIG_DIR, PAPER_STRATEGIES, PROTOCOL_DATASETS,
                           PROTOCOL_MODELS, TRANSFERS, adapt_config,
                           compose_config, fill_budget, strategy_file,
                           strategy_kind)
 
-__all__ = ['ProtocolOptions', 'Stage', 'Pipeline', 'prepare_synthetic']
+__all__ = ['ProtocolOptions', 'Stage', 'ProtocolRun', 'prepare_synthetic']
 
 RESULT_FILE = 'result.json'
 RUN_FILE = 'run.json'
@@ -118,7 +121,6 @@ def prepare_synthetic(root: str, dataset: str, num_train: int, num_val: int,
     Returns:
         ``(data_root, (H, W))``: the config's data root and image size.
     """
-    from ..datasets import MAKERS
     spec = PROTOCOL_DATASETS[dataset]
     out = osp.join(root, dataset)
     settings = dict(spec.synthetic, num_train=int(num_train),
@@ -402,7 +404,6 @@ class ProtocolRun:
     def costs(self) -> Dict[str, Dict[str, Any]]:
         """#Layers / r / GFLOPs of every strategy (cached per fingerprint
         in ``<strategy>/cost.json``)."""
-        from .flops import strategy_cost
         out: Dict[str, Dict[str, Any]] = {}
         for st in self.stages:
             if st.kind == 'source' or st.strategy in out:
@@ -422,7 +423,6 @@ class ProtocolRun:
 
     def report(self) -> Dict[str, str]:
         """Write results.md / .csv / runs.csv / .png from finished runs."""
-        from .report import Row, write_report
         if not self.stages:
             self.plan()
         costs = self.costs()
@@ -457,7 +457,7 @@ class ProtocolRun:
             f'- batch {int(calib.cfg.train_dataloader.batch_size)}, crop '
             f'{crop[0]}x{crop[1]}, seeds {" ".join(map(str, o.seeds))}',
             '- GFLOPs: backward of the trained convs per image at the crop '
-            'size (classifier not counted), from mmseg_gf.analysis.cost',
+            'size (classifier not counted), from mmseg_gf.accounting.conv_cost',
             '- mIoU / mAcc: final iteration; best mIoU: best validation '
             '(mAcc of that validation); mean [sample std] over seeds',
         ]

@@ -13,15 +13,16 @@ pytest.importorskip('mmseg')
 
 from tests._engine_fixtures import build_model  # noqa: E402
 
-from mmseg_gf.analysis.memory import (profiled_peak_bytes,  # noqa: E402
-                                      saved_tensor_bytes)
-from mmseg_gf.analysis.model_cost import (model_backward_cost,  # noqa: E402
-                                          random_batch, training_loss)
-from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
-from mmseg_gf.analysis.step_profile import (PEAK_HEADROOM,  # noqa: E402
-                                            choose_by_budget,
-                                            profile_step_costs)
-from mmseg_gf.engine.budget import DEFAULT_RADII, check_budget  # noqa: E402
+from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa: E402
+from mmseg_gf.accounting.budget import (DEFAULT_RADII,  # noqa: E402
+                                        PEAK_HEADROOM, check_budget,
+                                        choose_by_budget)
+from mmseg_gf.accounting.measured import (profiled_peak_bytes,  # noqa: E402
+                                          saved_tensor_bytes)
+from mmseg_gf.analysis.model_cost import model_backward_cost  # noqa: E402
+from mmseg_gf.engine import (apply_gradient_filter, get_state,  # noqa: E402
+                             select_layers)
+from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.engine.config import check_settings  # noqa: E402
 
 MODELS = ('pspnet_r18', 'deeplabv3_r18', 'fcn_r18', 'upernet_r18',
@@ -91,7 +92,7 @@ def test_profile_costs_equal_the_built_models(name):
     FLOPs == the cost model over that model's traced convs."""
     torch.manual_seed(0)
     base = build_model(name)
-    profile = profile_step_costs(base, SIZE)
+    profile = profile_segmentor(base, SIZE)
     n_all = profile.max_layers
     assert n_all == len([p for p in profile.convs])
     settings = [(1, 2), (5, 8), (min(12, n_all), 4)]
@@ -111,7 +112,7 @@ def test_profile_costs_equal_the_built_models(name):
 
 def test_choice_takes_most_layers_then_finest_radii():
     torch.manual_seed(0)
-    profile = profile_step_costs(build_model('pspnet_r18'), SIZE)
+    profile = profile_segmentor(build_model('pspnet_r18'), SIZE)
     radii = (2, 4, 8)
     limit = profile.cost(9, 8, BATCH).saved_mib * 1.02
     choice = choose_by_budget(profile, dict(saved_mib=limit, radii=radii),
@@ -137,7 +138,7 @@ def test_choice_takes_most_layers_then_finest_radii():
 
 def test_unmeetable_budget_names_the_cheapest_setting():
     torch.manual_seed(0)
-    profile = profile_step_costs(build_model('fcn_r18'), SIZE)
+    profile = profile_segmentor(build_model('fcn_r18'), SIZE)
     cheapest = profile.cost(1, 8, BATCH)
     with pytest.raises(ValueError) as err:
         choose_by_budget(profile, dict(saved_mib=cheapest.saved_mib / 2),
@@ -182,7 +183,7 @@ def test_predicted_peak_holds_for_the_chosen_setting(name, device):
     the profiler; CUDA: ``max_memory_allocated``)."""
     torch.manual_seed(0)
     base = build_model(name)
-    profile = profile_step_costs(base, PEAK_SIZE, timeline=True)
+    profile = profile_segmentor(base, PEAK_SIZE, timeline=True)
     n = min(8, profile.max_layers)
     limit = profile.cost(n, 8, BATCH).peak_mib / PEAK_HEADROOM * 1.0001
     choice = choose_by_budget(profile, dict(peak_mib=limit), BATCH)
@@ -217,7 +218,7 @@ def test_budget_runs_train_the_chosen_layers(workspace, way):
                                         tool_cfg)
     batch = 2
     torch.manual_seed(0)
-    profile = profile_step_costs(build_model('pspnet_r18'), SIZE)
+    profile = profile_segmentor(build_model('pspnet_r18'), SIZE)
     limit = profile.cost(8, 8, batch).saved_mib * 1.01
     budget = dict(saved_mib=limit, radii=[2, 8])
     expected = choose_by_budget(profile, budget, batch)
@@ -244,8 +245,7 @@ def test_budget_runs_train_the_chosen_layers(workspace, way):
 def test_pipeline_budget_strategy_spends_the_compute_of_gf_last5_r4():
     """gf_budget5_r8 gets the predicted backward GFLOPs of gf_last5_r4 at
     the run's crop and trains more layers at r = 8 within them."""
-    from mmseg_gf.analysis.model_cost import build_segmentor
-    from mmseg_gf.engine.config import BUDGET_ATTR
+    from mmseg_gf.engine.build import build_segmentor
     from mmseg_gf.protocol import compose_config
     from mmseg_gf.protocol.experiments import fill_budget, set_data
     cfg = compose_config('pspnet_r18', 'voc', 'gf_budget5_r8')
@@ -261,7 +261,7 @@ def test_pipeline_budget_strategy_spends_the_compute_of_gf_last5_r4():
                                   rel=1e-6)
     torch.manual_seed(0)
     model = build_segmentor(cfg)
-    choice = getattr(model, BUDGET_ATTR)
+    choice = get_state(model).budget
     assert choice.num_layers > 5
     assert set(choice.radius.values()) == {8}
     assert _flops_per_image(model) / 1e9 <= limit

@@ -13,7 +13,7 @@ import torch
 from mmengine.config import Config
 from mmengine.logging import MMLogger
 
-from mmseg_gf.analysis.cost_report import format_cost_table
+from mmseg_gf.accounting.report import chosen_layers_table
 from mmseg_gf.engine import (GradFilterHook, apply_gradient_filter,
                              select_layers, trace_convs)
 from mmseg_gf.models import GFConv2d
@@ -86,7 +86,7 @@ def test_cost_table_input_grads():
              for r in trace_convs(model, INPUT, grad=True)}
     assert [needs[c.path] for c in choices] == [False] * 4 + [True]
     assert not any(p.grad is not None for p in model.parameters())
-    table = format_cost_table(model, choices, batch=2, needs_input_grad=needs)
+    table = chosen_layers_table(model, choices, batch=2, needs_input_grad=needs)
     lines = table.splitlines()
     assert len(lines) == 2 + 5 + 1
     assert lines[-1].startswith('total')

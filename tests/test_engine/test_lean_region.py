@@ -1,6 +1,6 @@
 """The lean trained region on the six protocol models: the same forward,
 loss and gradients as ``lean=False``, and measured saved bytes equal to the
-analytic count (:mod:`mmseg_gf.analysis.step_memory`)."""
+analytic count (:mod:`mmseg_gf.accounting.trace`)."""
 import copy
 
 import pytest
@@ -11,11 +11,10 @@ pytest.importorskip('mmseg')
 
 from tests._engine_fixtures import build_model  # noqa: E402
 
-from mmseg_gf.analysis.memory import saved_tensor_bytes  # noqa: E402
-from mmseg_gf.analysis.model_cost import (random_batch,  # noqa: E402
-                                          training_loss)
-from mmseg_gf.analysis.step_memory import \
-    trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
+from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
+                                       training_loss)
+from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
                                          remove_lean_region)

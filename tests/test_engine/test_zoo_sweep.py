@@ -460,7 +460,7 @@ def test_zoo_config(case):
 
     from mmseg_gf.engine import (get_gradient_filter_layers, rewrite_config,
                                  set_frozen_norms_eval, trace_convs)
-    from mmseg_gf.engine.selection import is_classifier
+    from mmseg_gf.models.segmentor import is_classifier
 
     size = case.size
     model_cfg = load_model_cfg(case)
@@ -566,7 +566,7 @@ def test_zoo_hook_runner(config, tmp_path):
     from mmengine.runner import Runner
 
     from mmseg_gf.engine import get_gradient_filter_layers
-    from mmseg_gf.engine.selection import is_classifier
+    from mmseg_gf.models.segmentor import is_classifier
     from tests._engine_fixtures import make_tiny_voc, runner_cfg
     case = next(c for c in CASES if c.config == config)
     voc = make_tiny_voc(str(tmp_path / 'data'), num_train=4, num_val=2,

@@ -480,7 +480,7 @@ def test_fused_backward_gradients_survive_recycling(recycler, monkeypatch):
 def test_profiled_peak_counts_recycled_outputs(recycler):
     """The profiler-based peak of a step does not lose the g_x written into
     memory recycled from the step before (recycling is off while it runs)."""
-    from mmseg_gf.analysis.memory import profiled_peak_bytes
+    from mmseg_gf.accounting.measured import profiled_peak_bytes
     x = torch.randn(2, 8, 384, 384, requires_grad=True)
     w = torch.randn(8, 8, 3, 3, requires_grad=True)
     g = torch.randn(2, 8, 384, 384)

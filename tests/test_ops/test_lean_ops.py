@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from mmseg_gf.analysis.memory import saved_tensor_bytes
+from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, make_lean, make_plain
 from mmseg_gf.ops import bit_mask
 from mmseg_gf.ops.lean import recomputed_losses

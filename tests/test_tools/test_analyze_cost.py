@@ -13,13 +13,13 @@ torch = pytest.importorskip('torch')
 
 from mmengine.config import Config  # noqa: E402
 
-from mmseg_gf.analysis import conv_backward_cost  # noqa: E402
+from mmseg_gf.accounting import conv_backward_cost  # noqa: E402
 from mmseg_gf.engine.config import rewrite_config  # noqa: E402
 from mmseg_gf.engine.selection import trace_convs  # noqa: E402
 from mmseg_gf.engine.surgery import get_gradient_filter_layers  # noqa: E402
 
 from mmseg_gf.analysis.model_cost import config_backward_cost  # noqa: E402
-from mmseg_gf.analysis.paper_table3 import PAPER_TABLE3_GFLOPS  # noqa: E402
+from mmseg_gf.protocol.paper_table3 import PAPER_TABLE3_GFLOPS  # noqa: E402
 from tests._tools import REPO, load_tool  # noqa: E402
 
 TOOL = osp.join(REPO, 'tools', 'analyze_cost.py')
@@ -171,15 +171,15 @@ def test_sweep_marks_the_budget_and_its_choice(tmp_path, capsys):
     budget nothing meets prints the reason instead of a choice."""
     from mmseg.registry import MODELS
 
-    from mmseg_gf.analysis.step_profile import (choose_by_budget,
-                                                profile_step_costs)
+    from mmseg_gf.accounting.budget import choose_by_budget
+    from mmseg_gf.engine.budget import profile_segmentor
     out = str(tmp_path / 'new_dir' / 'cost.json')
     result = analyze_cost.main([
         PSP, '--shape', '64', '--batch', '2', '--sweep', '--budget',
         'saved_mib=0.2', 'radii=[2,8]', '--out', out])['sweep']
     cfg = Config.fromfile(PSP)
     torch.manual_seed(0)
-    profile = profile_step_costs(MODELS.build(cfg.model), SHAPE)
+    profile = profile_segmentor(MODELS.build(cfg.model), SHAPE)
     rows = result['rows']
     assert len(rows) == 2 * profile.max_layers
     for row in rows:

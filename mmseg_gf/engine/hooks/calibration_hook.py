@@ -25,10 +25,9 @@ from mmseg.registry import HOOKS
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from ...models.segmentor import set_frozen_norms_eval, unwrap_model
 from ..calibration import freeze_for_calibration, set_norm_stats_train
-from ..surgery import set_frozen_norms_eval
-from ..utils import unwrap_model
-from .grad_filter_hook import GradFilterHook
+from ..ddp import rewrap_ddp
 
 __all__ = ['CalibrationHook']
 
@@ -71,7 +70,7 @@ class CalibrationHook(Hook):
         self.trained = freeze_for_calibration(model, self.trainable)
         if is_model_wrapper(runner.model):
             # DDP fixed its set of gradient-requiring parameters when built.
-            GradFilterHook._rewrap(runner, model)
+            rewrap_ddp(runner, model)
         n_train = sum(p.numel() for p in model.parameters()
                       if p.requires_grad)
         n_all = sum(p.numel() for p in model.parameters())

@@ -10,8 +10,6 @@ is constructed, so a DDP-wrapped model is wrapped again after freezing
 (otherwise the reducer waits for gradients of frozen parameters:
 "Expected to have finished reduction in the prior iteration").
 """
-import copy
-import gc
 from typing import Any, Optional, Sequence
 
 from mmengine.hooks import Hook
@@ -21,14 +19,17 @@ from mmseg.registry import HOOKS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ...accounting.report import chosen_layers_table
+from ...accounting.trace import trace_step_saved_bytes
+from ...models.segmentor import set_frozen_norms_eval, unwrap_model
 from ..checkpoint import check_checkpoint_matches
-from ..config import (BUDGET_ATTR, DEFAULT_INPUT_SIZE, SETTING_KEYS,
-                      check_settings, default_batch_size, default_input_size,
+from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
+                      default_batch_size, default_input_size,
                       select_and_apply)
+from ..ddp import rewrap_ddp
 from ..selection import LayerChoice, trace_convs
-from ..surgery import (LEAN_ATTR, MODE_ATTR, get_gradient_filter_layers,
-                       set_frozen_norms_eval)
-from ..utils import unwrap_model
+from ..state import get_state
+from ..surgery import get_gradient_filter_layers
 
 __all__ = ['GradFilterHook']
 
@@ -50,7 +51,7 @@ class GradFilterHook(Hook):
         layers: or explicit module paths.
         budget: or limits the choice of N and radii must fit, e.g.
             ``dict(saved_mib=300, backward_gflops=1)`` (see
-            :mod:`mmseg_gf.engine.budget`), at the training crop and the
+            :mod:`mmseg_gf.accounting.budget`), at the training crop and the
             train dataloader's batch size.
         radius: int, 'auto' or {path prefix: int|'auto'} (default 4; not
             with a budget).
@@ -140,13 +141,13 @@ class GradFilterHook(Hook):
             choices = select_and_apply(model, s, size,
                                        batch=_batch_size(runner))
             if is_model_wrapper(runner.model):
-                self._rewrap(runner, model)
+                rewrap_ddp(runner, model)
         elif self.configured:
             runner.logger.info(
                 'GradFilterHook: the model was already gradient-filtered by '
                 'its config (GradFilterModel); hook settings are ignored')
         set_frozen_norms_eval(model)
-        budget = getattr(model, BUDGET_ATTR, None)
+        budget = get_state(model).budget
         if budget is not None:
             runner.logger.info(f'GradFilterHook: {budget.summary()}')
         if self.log_table:
@@ -156,13 +157,7 @@ class GradFilterHook(Hook):
     def _log_cost(runner, model: nn.Module,
                   choices: Sequence[LayerChoice]) -> None:
         """Log the chosen layers' cost table (and, with the lean region,
-        the whole step's saved bytes).
-
-        :mod:`mmseg_gf.analysis` builds on the engine, so it is imported
-        here, when the table is wanted, not with the hook.
-        """
-        from ...analysis.cost_report import format_cost_table
-        from ...analysis.step_memory import trace_step_saved_bytes
+        the whole step's saved bytes)."""
         batch = _batch_size(runner) or 1
         size = choices[0].input_hw if choices[0].input_hw[0] else (
             DEFAULT_INPUT_SIZE)
@@ -172,27 +167,12 @@ class GradFilterHook(Hook):
             r.path: r.input_requires_grad
             for r in trace_convs(model, size, grad=True)
         }
-        runner.logger.info('\n' + format_cost_table(
-            model, choices, batch, getattr(model, MODE_ATTR, 'gf'),
-            needs))
-        if getattr(model, LEAN_ATTR, False):
+        state = get_state(model)
+        runner.logger.info('\n' + chosen_layers_table(
+            model, choices, batch, state.mode, needs))
+        if state.lean:
             runner.logger.info(
                 trace_step_saved_bytes(model, size).summary(batch))
-
-    @staticmethod
-    def _rewrap(runner, model: nn.Module) -> None:
-        """Wrap ``model`` in DDP again, with the config's wrapper settings.
-
-        DDP records which parameters require gradients when it is built and
-        waits for all of them in every backward; after freezing most of them
-        it would fail with "Expected to have finished reduction in the prior
-        iteration". The old wrapper is released first (and collected) so
-        its reducer's autograd hooks leave the shared Parameters.
-        """
-        wrapper_cfg = copy.deepcopy(runner.cfg.get('model_wrapper_cfg'))
-        runner.model = None
-        gc.collect()
-        runner.model = runner.wrap_model(wrapper_cfg, model)
 
     def before_train_iter(self, runner, batch_idx: int,
                           data_batch: Any = None) -> None:

@@ -14,7 +14,8 @@ from mmengine.hooks import Hook
 from mmseg.registry import HOOKS
 
 from ...models import GFConv2d
-from ..utils import unwrap_model
+from ...models.segmentor import unwrap_model
+from ...ops.quality import capture_layer_io, layer_gradient_quality
 
 
 @HOOKS.register_module()
@@ -48,8 +49,6 @@ class GradientQualityHook(Hook):
     def before_train_iter(self, runner, batch_idx, data_batch=None) -> None:
         if not self.every_n_train_iters(runner, self.interval):
             return
-        # Imported when used: mmseg_gf.analysis builds on the engine.
-        from ...analysis.quality import capture_layer_io
         layers = self._filtered_layers(runner)
         if layers:
             self._recorder = capture_layer_io(layers)
@@ -59,7 +58,6 @@ class GradientQualityHook(Hook):
                          outputs=None) -> None:
         if self._recorder is None:
             return
-        from ...analysis.quality import layer_gradient_quality
         self._recorder.__exit__(None, None, None)
         modules = dict(self._filtered_layers(runner))
         for name, (x, grad_out) in self._records.items():

@@ -7,7 +7,7 @@ docs/gradient_filter.md#gradient-quality: ``SNR = sum t^2 / sum (t - a)^2``
 slice (Eq. 13). Proposition 1 says that the SNR of the filtered input
 gradient is at least that of the filtered output gradient when the kernel's
 DC component dominates; :func:`layer_gradient_quality` measures both.
-Pure torch: no mmseg import.
+Pure torch: no mmseg import; the GradientQualityHook logs it during training.
 """
 
 import math
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops import gradient_filtered_conv2d
+from .gradient_filter import gradient_filtered_conv2d
 
 
 def snr(target: Tensor, approx: Tensor) -> float:

@@ -28,7 +28,12 @@ from dataclasses import dataclass
 from math import ceil
 from typing import Sequence, Tuple
 
-__all__ = ['ConvBackwardCost', 'conv_backward_cost']
+from torch import nn
+
+from ..ops import as_pair
+
+__all__ = ['ConvBackwardCost', 'conv_backward_cost', 'ConvGeometry',
+           'output_stride']
 
 
 @dataclass(frozen=True)
@@ -69,12 +74,6 @@ class ConvBackwardCost:
                 self.gf_overhead_flops)
 
 
-def _pair(value) -> Tuple[int, int]:
-    if isinstance(value, int):
-        return value, value
-    return int(value[0]), int(value[1])
-
-
 def conv_backward_cost(cin: int,
                        cout: int,
                        kh: int,
@@ -109,8 +108,8 @@ def conv_backward_cost(cin: int,
     Returns:
         ConvBackwardCost: the counts, see the module docstring.
     """
-    sh, sw = _pair(stride)
-    dh, dw = _pair(dilation)
+    sh, sw = as_pair(stride)
+    dh, dw = as_pair(dilation)
     h, w = (int(v) for v in in_hw)
     ho, wo = (int(v) for v in out_hw)
     cin_g = cin // groups
@@ -139,3 +138,56 @@ def conv_backward_cost(cin: int,
         gf_forward_overhead_flops=(
             batch * cin * ceil(ho / radius) * radius * sh *
             ceil(wo / radius) * radius * sw if need_weight_grad else 0))
+
+
+def output_stride(input_h: int, out_h: int) -> int:
+    """Input-image pixels per output pixel of a layer (1, 2, 4, ...): what
+    the ``'auto'`` radius and the budget's refinement order go by."""
+    return max(1, round(int(input_h) / max(int(out_h), 1)))
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """What a conv's backward cost depends on: its hyper-parameters and
+    the shapes it ran at.
+
+    Attributes:
+        in_shape, out_shape: ``(C, H, W)`` of its input and output.
+        kernel_size, stride, dilation: ``(h, w)`` pairs.
+        groups: conv groups.
+    """
+
+    in_shape: Tuple[int, int, int]
+    out_shape: Tuple[int, int, int]
+    kernel_size: Tuple[int, int]
+    stride: Tuple[int, int]
+    dilation: Tuple[int, int]
+    groups: int
+
+    @classmethod
+    def of(cls, conv: nn.Module, in_shape: Sequence[int],
+           out_shape: Sequence[int]) -> 'ConvGeometry':
+        """A conv module's geometry at one call (shapes without batch)."""
+        return cls(tuple(int(v) for v in in_shape),
+                   tuple(int(v) for v in out_shape),
+                   as_pair(conv.kernel_size), as_pair(conv.stride),
+                   as_pair(conv.dilation), int(conv.groups))
+
+    def cost(self, radius: int, batch: int = 1,
+             need_input_grad: bool = True, need_weight_grad: bool = True,
+             elem_bytes: int = 4,
+             collapse_dilated: bool = False) -> ConvBackwardCost:
+        """:func:`conv_backward_cost` of this conv.
+
+        ``collapse_dilated``: count the filtered backward with the kernel
+        always summed to one tap, as the paper's reference operator does.
+        """
+        return conv_backward_cost(
+            cin=self.in_shape[0], cout=self.out_shape[0],
+            kh=self.kernel_size[0], kw=self.kernel_size[1],
+            stride=self.stride,
+            dilation=(1, 1) if collapse_dilated else self.dilation,
+            groups=self.groups, in_hw=self.in_shape[1:],
+            out_hw=self.out_shape[1:], batch=batch, radius=radius,
+            need_input_grad=need_input_grad,
+            need_weight_grad=need_weight_grad, elem_bytes=elem_bytes)

@@ -1,14 +1,49 @@
-"""The one table formatter of the plugin's reports.
+"""How the plugin writes numbers and tables: one formatter of each kind.
 
 The training log's cost table, the tools' printed tables, the benchmarks'
-``*.md`` files and the pipeline's ``results.md`` all go through
-:func:`format_table`, so that a table looks the same wherever it appears and
-a change of layout happens in one place. Pure Python (no torch): anything
-may import it.
+``*.md`` files and the protocol's ``results.md`` all go through
+:func:`format_table`, and bytes and FLOPs through :func:`fmt_bytes`,
+:func:`fmt_mib` and :func:`fmt_flops`, so that a figure looks the same
+wherever it appears and a change of layout happens in one place. Pure
+Python (no torch): anything may import it.
 """
 from typing import Optional, Sequence
 
-__all__ = ['format_table']
+__all__ = ['MIB', 'format_table', 'fmt_bytes', 'fmt_mib', 'fmt_flops',
+           'fmt_flops_short']
+
+#: Bytes in a MiB: every figure in MiB divides by this.
+MIB = 2**20
+
+
+def fmt_bytes(v: float) -> str:
+    """Bytes in GiB/MiB/KiB with two decimals (``'3.25MiB'``)."""
+    for unit, scale in (('GiB', 2**30), ('MiB', MIB), ('KiB', 2**10)):
+        if abs(v) >= scale:
+            return f'{v / scale:.2f}{unit}'
+    return f'{v:.0f}B'
+
+
+def fmt_mib(v: Optional[float], digits: int = 2, unit: str = '') -> str:
+    """Bytes as MiB with ``digits`` decimals, ``unit`` appended (the
+    training log writes ``'1.50MiB'``, tables ``'1.5'`` under a MiB
+    header); ``''`` for None (not measured)."""
+    return '' if v is None else f'{v / MIB:.{digits}f}{unit}'
+
+
+def fmt_flops(v: float) -> str:
+    """FLOPs with a G/M/K prefix and three decimals (the tools' tables)."""
+    for unit, scale in (('G', 1e9), ('M', 1e6), ('K', 1e3)):
+        if abs(v) >= scale:
+            return f'{v / scale:.3f}{unit}'
+    return f'{v:.0f}'
+
+
+def fmt_flops_short(v: float) -> str:
+    """The training log's short form: G above 1e9, else M."""
+    if v >= 1e9:
+        return f'{v / 1e9:.2f}G'
+    return f'{v / 1e6:.2f}M'
 
 STYLES = ('markdown', 'text')
 

@@ -1,16 +1,16 @@
-"""Analytic count of what a lean training step keeps for backward.
+"""What each kind of module keeps for backward during a training step.
 
-The whole step's saved bytes, not only the trained convs' inputs: one trace
-of the segmentor's ``loss`` at batch 1 records, for every leaf module that
-autograd records (an input that requires a gradient, or a trained
-parameter), its kind and shapes; each kind's rule then gives its bytes at
-any batch size:
+The rules behind every "kept for backward" figure (the training log, the
+tools, the budget). One traced training forward (:mod:`.trace`) meets every
+leaf module that autograd records (an input that requires a gradient, or a
+trained parameter); :func:`kept_by_call` turns one such call into what it
+keeps, per image, so any batch size follows:
 
 ==========================  ===============================================
 module                      kept for backward
 ==========================  ===============================================
 trained conv, ``gf``        patch sums of its input, ``N*Ci*cells``
-                            elements (:func:`~.cost.conv_backward_cost`)
+                            elements (:func:`~.conv_cost.conv_backward_cost`)
 trained conv, exact         its input ``N*Ci*H*W`` (once per input tensor:
 (``vanilla``, classifier)   convs sharing an input share what they keep)
 frozen conv                 nothing (its weight is a live Parameter)
@@ -20,28 +20,29 @@ lean element-wise dropout   1 bit per element
 adaptive average pooling    nothing (lean: its input's shape; to 1x1 it
                             is a mean, which keeps nothing)
 ``Dropout2d`` (training)    its noise, one value per channel: ``N*C``
-decode head, lean loss      the low-resolution logits ``N*K*h*w``
+a head's lean loss          the low-resolution logits ``N*K*h*w``
 ==========================  ===============================================
 
 Modules of other kinds that autograd records (a trained norm, GELU, ...)
-are listed as *unmodelled* with their paths: the count covers the lean
-region as :mod:`mmseg_gf.models.lean` defines it. Functional operations
-between modules (``torch.cat``, additions, bilinear resizes) keep nothing.
-:func:`mmseg_gf.analysis.model_cost.measure_step_memory` measures the same
-step, so tests check the two against each other.
+are *unmodelled*: reported with their paths, never counted as zero silently.
+Functional operations between modules (``torch.cat``, additions, bilinear
+resizes) keep nothing. ``tests/test_accounting`` checks the rules against
+autograd's saved tensors.
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..models.gf_conv import GFConv2d
 from ..models.lean import is_lean, lean_kind
-from .cost import conv_backward_cost
+from ..models.segmentor import is_head_classifier
+from .conv_cost import ConvGeometry
+from .format import fmt_mib
 
-__all__ = ['SavedItem', 'StepSavedBytes', 'trace_step_saved_bytes',
-           'item_for_module', 'is_head_lean']
+__all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
+           'kept_by_call', 'is_head_lean']
 
 #: Categories of :class:`SavedItem`, in table order.
 CATEGORIES = ('conv', 'classifier', 'norm', 'activation', 'dropout',
@@ -77,7 +78,7 @@ class SavedItem:
 
 @dataclass
 class StepSavedBytes:
-    """The analytic saved bytes of one training step.
+    """What a whole training step keeps for backward, analytically.
 
     Attributes:
         items: one :class:`SavedItem` per module that keeps something.
@@ -102,10 +103,10 @@ class StepSavedBytes:
 
     def summary(self, batch: int = 1) -> str:
         """One line for logs and tools: the total and its parts."""
-        parts = ', '.join(f'{name} {_mib(v)}' for name, v in
+        parts = ', '.join(f'{name} {fmt_mib(v)}' for name, v in
                           self.by_category(batch).items())
         line = (f'kept for backward by the whole step (analytic, lean '
-                f'region, batch {batch}): {_mib(self.total(batch))} MiB = '
+                f'region, batch {batch}): {fmt_mib(self.total(batch))} MiB = '
                 f'{parts}')
         if self.unmodelled:
             line += (f'; not counted (no lean rule): '
@@ -114,28 +115,16 @@ class StepSavedBytes:
         return line
 
 
-def _mib(v: int) -> str:
-    return f'{v / 2**20:.2f}'
-
-
-def _is_classifier(path: str) -> bool:
-    return path.split('.')[-1] == 'conv_seg'
-
-
 def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
                out: torch.Tensor) -> Optional[SavedItem]:
     if not conv.weight.requires_grad:
         return None
     eb = x.element_size()
     if isinstance(conv, GFConv2d) and conv.enabled:
-        cost = conv_backward_cost(
-            cin=x.shape[1], cout=out.shape[1], kh=conv.kernel_size[0],
-            kw=conv.kernel_size[1], stride=conv.stride,
-            dilation=conv.dilation, groups=conv.groups, in_hw=x.shape[2:],
-            out_hw=out.shape[2:], batch=1, radius=conv.radius,
-            need_input_grad=False, elem_bytes=eb)
+        cost = ConvGeometry.of(conv, x.shape[1:], out.shape[1:]).cost(
+            conv.radius, need_input_grad=False, elem_bytes=eb)
         return SavedItem(path, 'conv', cost.gf_saved_bytes // eb, eb)
-    category = 'classifier' if _is_classifier(path) else 'conv'
+    category = 'classifier' if is_head_classifier(path) else 'conv'
     return SavedItem(path, category, x[0].numel(), eb)
 
 
@@ -184,65 +173,33 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
     raise LookupError(path)
 
 
-def trace_step_saved_bytes(model: nn.Module,
-                           input_size: Sequence[int]) -> StepSavedBytes:
-    """Trace one training forward + loss of ``model`` at batch 1 and count
-    what each recorded module keeps (see the module docstring).
-
-    The model is put in training mode with frozen norms in eval mode (as
-    training runs); the random state is restored afterwards.
-    """
-    from ..engine.surgery import set_frozen_norms_eval
-    from .model_cost import random_batch
-    size = tuple(int(v) for v in input_size)
-    result = StepSavedBytes(input_size=size)
-    shared: Dict[int, str] = {}
-    names = {m: n for n, m in model.named_modules()}
-    handles = []
-
-    def record(module, args, output):
-        if not args or not isinstance(args[0], torch.Tensor):
-            return
-        x = args[0]
-        recorded = torch.is_grad_enabled() and (
-            x.requires_grad
-            or any(p.requires_grad for p in module.parameters()))
-        if not recorded:
-            return
-        path = names[module]
-        if lean_kind(module) == 'loss' or not isinstance(
-                output, torch.Tensor):
-            return
-        try:
-            item = item_for_module(path, module, x, output, shared)
-        except LookupError:
-            result.unmodelled.append(path)
-            return
-        if item is not None:
-            result.items.append(item)
-        if _is_classifier(path) and is_head_lean(model, path):
-            result.items.append(
-                SavedItem(path.rpartition('.')[0], 'logits',
-                          output[0].numel(), output.element_size()))
-
-    for module in model.modules():
-        if not any(True for _ in module.children()):
-            handles.append(module.register_forward_hook(record))
-    was_training = model.training
-    try:
-        with torch.random.fork_rng():
-            model.train()
-            set_frozen_norms_eval(model)
-            inputs, samples = random_batch(model, size, 1)
-            model.loss(inputs, samples)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    return result
-
-
 def is_head_lean(model: nn.Module, classifier_path: str) -> bool:
     """Whether the head owning a classifier computes its loss lean (it
     then keeps its low-resolution logits for backward)."""
     return is_lean(model.get_submodule(classifier_path.rpartition('.')[0]))
+
+
+def kept_by_call(model: nn.Module, path: str, module: nn.Module,
+                 x: torch.Tensor, out: torch.Tensor,
+                 shared: Dict[int, str]
+                 ) -> Tuple[List[SavedItem], bool]:
+    """Everything one recorded call keeps: its own item and, for a head's
+    classifier whose head computes a lean loss, the low-resolution logits
+    that loss keeps (attributed to the head).
+
+    Returns:
+        ``(items, modelled)``: ``modelled`` is False when no rule covers
+        the module itself (its bytes are then unknown, not zero).
+    """
+    items: List[SavedItem] = []
+    modelled = True
+    try:
+        item = item_for_module(path, module, x, out, shared)
+    except LookupError:
+        item, modelled = None, False
+    if item is not None:
+        items.append(item)
+    if is_head_classifier(path) and is_head_lean(model, path):
+        items.append(SavedItem(path.rpartition('.')[0], 'logits',
+                               out[0].numel(), out.element_size()))
+    return items, modelled

@@ -1,16 +1,20 @@
 """Measured memory: what autograd really keeps, and a step's peak.
 
-The analytic counts live in :mod:`mmseg_gf.analysis.cost`; these functions
-measure the same quantities so the two can be checked against each other.
+The analytic counts (:mod:`.kept`, :mod:`.profile`) predict these
+quantities; the functions here measure them, so that the two are checked
+against each other, and the budget's peak model reads its forward's live
+bytes from :func:`live_bytes_by_interval`. Saved bytes are counted per
+storage everywhere (a view of a kept tensor costs nothing more).
 """
 
 import gc
-import os
-import resource
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.autograd import profiler
+
+from ..ops import native
 
 
 def saved_tensor_bytes(forward: Callable[[], object]) -> int:
@@ -31,30 +35,16 @@ def saved_tensor_bytes(forward: Callable[[], object]) -> int:
     return sum(storages.values())
 
 
-def peak_step_bytes(step: Callable[[], object],
-                    device: torch.device) -> int:
-    """Peak memory of one training step above what was allocated before it.
-
-    CUDA: ``max_memory_allocated``. CPU: the growth of the process's peak
-    resident set (``ru_maxrss``), which only rises: run each variant in a
-    fresh process (``tools/benchmark_model.py`` does) for comparable numbers.
-    """
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    before = _max_rss_bytes()
+def _cuda_peak_bytes(step: Callable[[], object],
+                     device: torch.device) -> int:
+    """``max_memory_allocated`` of ``step()`` above what was allocated
+    before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
     step()
-    return _max_rss_bytes() - before
-
-
-def _max_rss_bytes() -> int:
-    # ru_maxrss is in kilobytes on Linux (bytes on macOS).
-    scale = 1 if os.uname().sysname == 'Darwin' else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def saved_bytes_by_module(
@@ -123,7 +113,7 @@ def profiled_peak_bytes(step: Callable[[], object],
                         device: Optional[torch.device] = None) -> int:
     """Peak memory of ``step()`` above what was allocated before it.
 
-    CUDA: ``torch.cuda.max_memory_allocated`` (see :func:`peak_step_bytes`).
+    CUDA: ``torch.cuda.max_memory_allocated``.
     CPU: the running sum of the allocations and frees torch's profiler
     records (``profile_memory=True``) in time order, allocations at the start
     of the op making them and frees at its end, i.e. the peak of live tensor
@@ -135,7 +125,7 @@ def profiled_peak_bytes(step: Callable[[], object],
     """
     device = torch.device('cpu') if device is None else torch.device(device)
     if device.type == 'cuda':
-        return peak_step_bytes(step, device)
+        return _cuda_peak_bytes(step, device)
     return max(live_bytes_by_interval(step, marker=None))
 
 
@@ -170,10 +160,6 @@ def live_bytes_by_interval(run: Callable[[], object],
         markers, after the last one (``marker=None``: the whole run, one
         value).
     """
-    from torch.autograd import profiler
-
-    from ..ops import native
-
     # Garbage of earlier code collected during the run would count as frees
     # (of blocks an earlier profiling session saw allocated), lowering the
     # running sum: collect it first, and keep the collector off meanwhile.

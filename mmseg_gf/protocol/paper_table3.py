@@ -14,9 +14,11 @@ from typing import Any, Dict, Sequence, Union
 
 from mmengine.config import Config
 
+from ..accounting.format import format_table
+from ..analysis.model_cost import ModelCost, model_backward_cost
+from ..engine.build import build_segmentor
 from ..engine.selection import trace_convs
-from .model_cost import ModelCost, build_segmentor, model_backward_cost
-from .table import format_table
+from .experiments import compose_config
 
 __all__ = [
     'PAPER_TABLE3_GFLOPS', 'TABLE3_ROW_LAYERS', 'TABLE3_INPUT_SIZE',
@@ -80,7 +82,6 @@ TABLE3_NOTE = (
 
 def table3_row_config(model: str, layers: int) -> Config:
     """The config of a Table 3 row (``layers``: 0 for "All", 5, 10)."""
-    from ..protocol import compose_config
     if layers == 0:
         return compose_config(model, 'voc', 'vanilla_all')
     spec = TABLE3_ROW_LAYERS[model][layers]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from mmseg_gf.analysis.quality import (capture_layer_io, cosine,
+from mmseg_gf.ops.quality import (capture_layer_io, cosine,
                                        dc_energy_ratios,
                                        filtered_output_grad,
                                        layer_gradient_quality,
@@ -84,7 +84,7 @@ def test_capture_layer_io_records_input_and_output_grad():
 
 def test_saved_bytes_filtered_vs_vanilla_match_analytic_ratio():
     from mmseg_gf import GFConv2d
-    from mmseg_gf.analysis.memory import saved_tensor_bytes
+    from mmseg_gf.accounting.measured import saved_tensor_bytes
     conv = nn.Conv2d(8, 8, 3, padding=1)
     gf = GFConv2d.from_conv(conv, radius=4)
     x = torch.randn(2, 8, 32, 32)

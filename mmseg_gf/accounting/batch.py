@@ -1,0 +1,62 @@
+"""Random training batches for a segmentor's ``loss``: what the traces,
+the budget's profile and the measurements run a step on."""
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from mmengine.structures import PixelData
+from mmseg.structures import SegDataSample
+from torch import nn
+
+from ..models.segmentor import set_frozen_norms_eval
+
+__all__ = ['random_batch', 'training_loss']
+
+
+def random_batch(model: nn.Module,
+                 input_size: Sequence[int],
+                 batch: int = 1,
+                 device='cpu',
+                 seed: int = 0,
+                 label_block: int = 1):
+    """Random images and labels for ``model.loss``.
+
+    Args:
+        model: the segmentor (its ``decode_head.num_classes`` is used).
+        input_size: ``(H, W)``.
+        batch: images.
+        device: where the tensors go.
+        seed: of the generator (same seed, same batch).
+        label_block: labels are constant on ``label_block`` pixel squares
+            (1: independent per pixel; larger gives region-like maps).
+
+    Returns:
+        ``(inputs, data_samples)``.
+    """
+    h, w = (int(v) for v in input_size)
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(batch, 3, h, w, generator=gen).to(device)
+    num_classes = int(getattr(model.decode_head, 'num_classes', 2))
+    block = max(1, int(label_block))
+    samples = []
+    for _ in range(batch):
+        coarse = torch.randint(0, num_classes,
+                               (1, 1, -(-h // block), -(-w // block)),
+                               generator=gen)
+        labels = F.interpolate(coarse.float(), scale_factor=block,
+                               mode='nearest')[0, :, :h, :w].long()
+        sample = SegDataSample()
+        sample.gt_sem_seg = PixelData(data=labels.to(device))
+        sample.set_metainfo(
+            dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w)))
+        samples.append(sample)
+    return inputs, samples
+
+
+def training_loss(model: nn.Module, inputs, data_samples):
+    """``model.loss`` summed over its ``loss*`` terms, in training mode
+    with frozen norms in eval mode (as GradFilterHook keeps them)."""
+    model.train()
+    set_frozen_norms_eval(model)
+    losses = model.loss(inputs, data_samples)
+    return sum(v.sum() for k, v in losses.items() if 'loss' in k)

@@ -1,0 +1,113 @@
+"""The step's peak memory, predicted from one profile.
+
+A budget's ``peak_mib`` limit needs the peak of live tensor bytes of a
+training step for every "last N, radii" setting, without running each.
+The profile (:mod:`.profile`) records, per leaf-module call of the traced
+forward, the live bytes of a forward that keeps nothing (at batch 1 and 2,
+so the batch's share is linear), and the lifetimes of the tensors that need
+a gradient; :func:`step_peak` adds, per call, what the setting keeps, the
+gradients alive in the backward and the filtered convs' scratch buffers.
+"""
+import copy
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..models.gf_conv import GFConv2d
+from .measured import live_bytes_by_interval
+
+__all__ = ['Lifetime', 'step_peak', 'scratch_key', 'backward_scratch']
+
+
+@dataclass
+class Lifetime:
+    """A module output that needs a gradient, in the batch-1 trace: the
+    call that made it, the last candidate conv behind it, its bytes, and
+    the call during which it was freed (None: it outlived the trace)."""
+
+    made: int
+    upstream: int
+    nbytes: int
+    freed: Optional[int] = None
+
+
+def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
+              grads: List[int], scratch: List[int],
+              tensors: Sequence[Lifetime], first: int, start: int,
+              batch: int) -> int:
+    """The step's peak of live tensor bytes, predicted.
+
+    Forward: during module call ``k``, the traced forward's live bytes
+    (linear in the batch, from the batch-1 and batch-2 traces ``live``, so
+    that the per-image chunk of the loss stays one image) plus everything
+    kept for backward by calls up to ``k`` (``kept``). Backward mirrors the
+    forward: the gradient of a tensor lives from its consumers' backward to
+    its producer's, as the tensor lived from its producer to its consumers;
+    at call ``k`` the gradients of the tensors that need one (``tensors``
+    whose upstream conv is trained, index >= ``first``) and were alive
+    there, what calls up to ``k`` kept, and the parameter gradients
+    (``grads``) of the trained layers from ``k`` on are held, and during a
+    filtered conv's backward its kernel's ``scratch``.
+
+    Args:
+        live: ``(batch 1, batch 2)`` live bytes per call, plus what
+            follows the last call.
+        kept, grads, scratch: per call, at ``batch``.
+        tensors: lifetimes from the profile's batch-1 trace.
+        first: index of the first trained candidate conv.
+        start: the call of that conv (the backward ends there).
+        batch: images per step.
+    """
+    n = len(live)
+    mirrored = [0] * (n + 1)
+    for t in tensors:
+        if t.upstream >= first:
+            mirrored[t.made] += t.nbytes * batch
+            mirrored[n if t.freed is None else t.freed] -= t.nbytes * batch
+    after = sum(grads)
+    peak = after
+    held = gradients = 0
+    for k, (one, two) in enumerate(live):
+        held += kept[k]
+        after -= grads[k]
+        gradients += mirrored[k]
+        forward = one + (batch - 1) * (two - one)
+        peak = max(peak, forward + held)
+        if k >= start:
+            # during call k's backward its own parameter gradient is made
+            # while its output's gradient is still alive
+            peak = max(peak, held + gradients + after + grads[k] + scratch[k])
+    return peak
+
+
+def scratch_key(conv: nn.Conv2d, in_shape: Sequence[int], radius: int,
+                need_input_grad: bool) -> tuple:
+    """What a filtered conv's backward scratch depends on: its input's
+    shape, the conv's hyper-parameters, the radius and ``g_x``."""
+    return (tuple(in_shape), conv.in_channels, conv.out_channels,
+            conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+            conv.groups, conv.padding_mode, conv.bias is not None, radius,
+            need_input_grad)
+
+
+def backward_scratch(conv: nn.Conv2d, in_shape: Sequence[int], radius: int,
+                     need_input_grad: bool, batch: int) -> int:
+    """Peak bytes one filtered conv's backward allocates beyond its
+    results (``g_x``, ``g_W``), on random data of the conv's shapes."""
+    module = GFConv2d.from_conv(copy.deepcopy(conv), radius)
+    for p in module.parameters():
+        p.requires_grad_(True)
+    x = torch.randn((batch, ) + tuple(in_shape),
+                    requires_grad=need_input_grad)
+    y = module(x)
+    grad = torch.randn_like(y)
+    results = sum(p.numel() * p.element_size()
+                  for p in module.parameters())
+    if need_input_grad:
+        results += x.numel() * x.element_size()
+    peak = max(live_bytes_by_interval(
+        lambda: torch.autograd.backward(y, grad), marker=None,
+        collect=False))
+    return max(0, peak - results)

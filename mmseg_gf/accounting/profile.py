@@ -1,0 +1,410 @@
+"""The cost of every "last N convs, radii" setting, from one profile.
+
+A budget is met by choosing how many of a segmentor's last convs to train
+and at which radii (:mod:`.budget`); trying each setting would cost a model
+build and a step apiece. Instead :func:`profile_step_costs` traces one
+training step (:class:`~.trace.StepTracer`) of a *probe*: the segmentor
+prepared as if every candidate conv were trained, and records, for every
+call autograd would record, what it keeps for backward (the rules of
+:mod:`.kept`) and the last candidate conv upstream of its input. Which
+modules record depends only on the first trained conv, so the bytes kept by
+a step that trains the last ``N`` convs are a sum over the profile for every
+``N`` and radius assignment, equal to the count of the model actually built
+that way (tested), which itself equals autograd's saved bytes. Backward
+FLOPs are the single cost model's (:mod:`.conv_cost`); the step's peak is
+the peak model's (:mod:`.peak`).
+"""
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .batch import random_batch
+from .conv_cost import ConvBackwardCost, ConvGeometry, output_stride
+from .format import MIB
+from .kept import SavedItem, kept_by_call
+from .measured import live_bytes_by_interval
+from .peak import Lifetime, backward_scratch, scratch_key, step_peak
+from .trace import ModuleCall, StepTracer
+
+__all__ = ['ConvProfile', 'StepCost', 'StepCostProfile',
+           'profile_step_costs']
+
+
+@dataclass
+class ConvProfile:
+    """A candidate conv (one of the last-``N`` pool).
+
+    Attributes:
+        path: its module path.
+        module: the conv.
+        geometry: its shapes at the profile's input size.
+        index: position in the pool (execution order).
+        upstream: index of the last pool conv its input depends on (-1:
+            none); it computes ``g_x`` when that conv is trained.
+        output_stride: input pixels per output pixel.
+        params: its parameter count (weight and bias).
+        seq: position of its call among the traced module calls.
+    """
+
+    path: str
+    module: nn.Module
+    geometry: ConvGeometry
+    index: int
+    upstream: int
+    output_stride: int
+    params: int
+    seq: int = 0
+
+    def cost(self, radius: int, first: int,
+             batch: int = 1) -> ConvBackwardCost:
+        """Its backward cost when the pool is trained from ``first`` on."""
+        return self.geometry.cost(radius, batch=batch,
+                                  need_input_grad=self.upstream >= first)
+
+
+@dataclass
+class StepCost:
+    """Predicted cost of one training step of a setting.
+
+    Attributes:
+        num_layers: trained convs besides the classifier.
+        radii: path -> radius of each trained conv.
+        batch: images per step.
+        saved_bytes: bytes kept for backward by the whole step.
+        backward_flops: backward FLOPs per image, trained convs and
+            classifier.
+        peak_bytes: predicted peak of live tensor bytes during the step
+            (None when the profile has no peak model).
+    """
+
+    num_layers: int
+    radii: Dict[str, int]
+    batch: int
+    saved_bytes: int
+    backward_flops: int
+    peak_bytes: Optional[int] = None
+
+    @property
+    def saved_mib(self) -> float:
+        return self.saved_bytes / MIB
+
+    @property
+    def peak_mib(self) -> Optional[float]:
+        return None if self.peak_bytes is None else self.peak_bytes / MIB
+
+    @property
+    def backward_gflops(self) -> float:
+        return self.backward_flops / 1e9
+
+    def value(self, key: str) -> Optional[float]:
+        """A limit key's figure (MiB, GFLOPs per image)."""
+        return getattr(self, key)
+
+    def describe(self) -> str:
+        peak = ('' if self.peak_bytes is None else
+                f', step peak {self.peak_mib:.1f} MiB')
+        return (f'{self.backward_gflops:.3f} backward GFLOPs per image, '
+                f'{self.saved_mib:.1f} MiB kept for backward{peak} '
+                f'(batch {self.batch})')
+
+
+@dataclass
+class _Entry:
+    """A recorded non-candidate call: what it keeps (None: no rule covers
+    it), the last candidate behind its input, and whether it is trained."""
+
+    item: Optional[SavedItem]
+    upstream: int
+    trained: bool
+    path: str
+    seq: int = 0
+
+    def counted(self, first: int) -> bool:
+        """Autograd records it when training from candidate ``first``."""
+        return self.trained or self.upstream >= first
+
+
+@dataclass
+class StepCostProfile:
+    """The costs of every "last N, radii" setting of one segmentor.
+
+    Built by :func:`profile_step_costs`; see the module docstring.
+
+    Attributes:
+        input_size: ``(H, W)`` of the profile.
+        convs: the candidate convs, execution order.
+        entries: recorded non-candidate calls and what they keep.
+        classifiers: ``(geometry, upstream index, seq)`` of each trained
+            classifier call (exact backward).
+        classifier_params: parameters of the classifiers.
+        tensors: lifetimes of the module outputs that need a gradient.
+        live: live tensor bytes of the traced forward (nothing kept for
+            backward) during each module call, ``(batch 1, batch 2)`` pairs
+            in call order, plus what follows the last call; None when the
+            profile was made without ``timeline``.
+    """
+
+    input_size: Tuple[int, int]
+    convs: List[ConvProfile] = field(default_factory=list)
+    entries: List[_Entry] = field(default_factory=list)
+    classifiers: List[Tuple[ConvGeometry, int, int]] = field(
+        default_factory=list)
+    classifier_params: int = 0
+    tensors: List[Lifetime] = field(default_factory=list)
+    workspaces: Dict[tuple, Tuple[int, int]] = field(default_factory=dict,
+                                                     repr=False)
+    live: Optional[List[Tuple[int, int]]] = None
+
+    @property
+    def max_layers(self) -> int:
+        return len(self.convs)
+
+    def first_index(self, num_layers: int) -> int:
+        if not 1 <= num_layers <= self.max_layers:
+            raise ValueError(f'num_layers must be in [1, {self.max_layers}]'
+                             f', got {num_layers!r}')
+        return self.max_layers - num_layers
+
+    def unmodelled(self, num_layers: int) -> List[str]:
+        """Recorded modules no rule covers (their bytes not counted)."""
+        first = self.first_index(num_layers)
+        return [e.path for e in self.entries
+                if e.item is None and e.counted(first)]
+
+    def radii_for(self, num_layers: int, radius: Any) -> Dict[str, int]:
+        """``radius`` (int, or path -> int) for the trained convs."""
+        convs = self.convs[self.first_index(num_layers):]
+        if isinstance(radius, dict):
+            return {c.path: int(radius[c.path]) for c in convs}
+        return {c.path: int(radius) for c in convs}
+
+    def cost(self, num_layers: int, radius: Any, batch: int = 1) -> StepCost:
+        """The step cost of training the last ``num_layers`` convs.
+
+        Args:
+            num_layers: how many of the candidate convs (the last ones).
+            radius: an int for all, or ``{path: int}``.
+            batch: images per step.
+        """
+        first = self.first_index(num_layers)
+        radii = self.radii_for(num_layers, radius)
+        saved = flops = 0
+        for conv in self.convs[first:]:
+            c = conv.cost(radii[conv.path], first)
+            saved += c.gf_saved_bytes * batch
+            flops += c.gf_flops
+        saved += sum(e.item.nbytes(batch) for e in self.entries
+                     if e.item is not None and e.counted(first))
+        for geometry, upstream, _ in self.classifiers:
+            flops += geometry.cost(
+                1, need_input_grad=upstream >= first).vanilla_flops
+        result = StepCost(num_layers=num_layers, radii=radii, batch=batch,
+                          saved_bytes=saved, backward_flops=flops)
+        if self.live is not None:
+            result.peak_bytes = self._peak(first, radii, batch)
+        return result
+
+    def workspace(self, conv: ConvProfile, radius: int,
+                  need_input_grad: bool, batch: int) -> int:
+        """Scratch bytes of one filtered conv's backward beyond its
+        results, linear in the batch from runs at batch 1 and 2 of the conv
+        alone (measured once per conv geometry and radius: convs of one
+        shape, as in a ResNet stage, share it)."""
+        in_shape = conv.geometry.in_shape
+        key = scratch_key(conv.module, in_shape, radius, need_input_grad)
+        if key not in self.workspaces:
+            self.workspaces[key] = tuple(
+                backward_scratch(conv.module, in_shape, radius,
+                                 need_input_grad, n) for n in (1, 2))
+        one, two = self.workspaces[key]
+        return max(0, one + (batch - 1) * (two - one))
+
+    def _peak(self, first: int, radii: Dict[str, int], batch: int) -> int:
+        """:func:`~.peak.step_peak` of training from candidate ``first``."""
+        n = len(self.live)
+        kept, grads, scratch = [0] * n, [0] * n, [0] * n
+        for conv in self.convs[first:]:
+            r = radii[conv.path]
+            kept[conv.seq] += conv.cost(r, first).gf_saved_bytes * batch
+            grads[conv.seq] += 4 * conv.params
+            scratch[conv.seq] = self.workspace(conv, r, conv.upstream >= first,
+                                               batch)
+        for e in self.entries:
+            if e.item is not None and e.counted(first):
+                kept[e.seq] += e.item.nbytes(batch)
+        for _, _, seq in self.classifiers:
+            grads[seq] += 4 * self.classifier_params // len(self.classifiers)
+        return step_peak(self.live, kept, grads, scratch, self.tensors, first,
+                         self.convs[first].seq, batch)
+
+
+def _max_upstream(tensor: torch.Tensor, tags: Dict[Any, int],
+                  memo: Dict[Any, int]) -> int:
+    """The largest tag among the autograd nodes behind ``tensor`` (the
+    candidate convs' nodes are tagged with their index; -1: none)."""
+    root = tensor.grad_fn
+    if root is None:
+        return -1
+    if root in memo:
+        return memo[root]
+    # iterative post-order walk: a node's value is the max of its inputs'
+    order, stack, seen = [], [root], {root}
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        for child, _ in node.next_functions:
+            if child is not None and child not in memo and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    for node in reversed(order):
+        best = tags.get(node, -1)
+        for child, _ in node.next_functions:
+            if child is not None:
+                best = max(best, memo.get(child, -1))
+        memo[node] = best
+    return memo[root]
+
+
+class _Recorder:
+    """Fills a :class:`StepCostProfile` from the calls of the batch-1 trace.
+
+    Candidate convs run with the exact backward, their outputs' autograd
+    nodes tagged with their index; any other call's input is walked back to
+    the last tagged node (:func:`_max_upstream`).
+    """
+
+    def __init__(self, probe: nn.Module, candidates: Sequence[nn.Module],
+                 profile: StepCostProfile, is_classifier) -> None:
+        self.probe = probe
+        self.index = {m: i for i, m in enumerate(candidates)}
+        self.profile = profile
+        self.is_classifier = is_classifier
+        self.tags: Dict[Any, int] = {}
+        self.memo: Dict[Any, int] = {}
+        self.shared: Dict[int, str] = {}
+        self.alive: Dict[int, Lifetime] = {}
+        self.tracer: Optional[StepTracer] = None
+
+    def upstream(self, tensor: torch.Tensor) -> int:
+        return _max_upstream(tensor, self.tags, self.memo)
+
+    def track(self, output: torch.Tensor, seq: int, upstream: int) -> None:
+        """Note when a tensor that needs a gradient is made and freed."""
+        if not output.requires_grad or id(output) in self.alive:
+            return  # an in-place result is the tensor already tracked
+        life = Lifetime(seq, upstream, output.nbytes)
+        self.profile.tensors.append(life)
+        self.alive[id(output)] = life
+        tracer, alive = self.tracer, self.alive
+
+        def freed(key=id(output), life=life):
+            life.freed = tracer.seq
+            alive.pop(key, None)
+
+        weakref.finalize(output, freed)
+
+    def __call__(self, call: ModuleCall) -> None:
+        if not isinstance(call.output, torch.Tensor):
+            return
+        if call.module in self.index:
+            self.on_candidate(call)
+        elif call.recorded:
+            self.on_module(call)
+
+    def on_candidate(self, call: ModuleCall) -> None:
+        out = call.output
+        if out.grad_fn is None:
+            return
+        i = self.index[call.module]
+        # inputs made by functional code (torch.cat, additions) are seen
+        # here first
+        upstream = self.upstream(call.x)
+        self.track(call.x, call.seq, upstream)
+        self.tags[out.grad_fn] = i
+        self.track(out, call.seq, i)
+        if all(c.index != i for c in self.profile.convs):
+            self.profile.convs.append(ConvProfile(
+                path=call.path, module=call.module,
+                geometry=ConvGeometry.of(call.module, call.x.shape[1:],
+                                         out.shape[1:]),
+                index=i, upstream=upstream,
+                output_stride=output_stride(self.profile.input_size[0],
+                                            out.shape[-2]),
+                params=sum(p.numel() for p in call.module.parameters()),
+                seq=call.seq))
+
+    def on_module(self, call: ModuleCall) -> None:
+        x, out = call.x, call.output
+        upstream = self.upstream(x)
+        self.track(x, call.seq, upstream)
+        self.track(out, call.seq, max(upstream, self.upstream(out)))
+        items, modelled = kept_by_call(self.probe, call.path, call.module, x,
+                                       out, self.shared)
+        if not modelled:
+            self.profile.entries.append(
+                _Entry(None, upstream, call.trained, call.path, call.seq))
+        self.profile.entries.extend(
+            _Entry(item, upstream, call.trained, call.path, call.seq)
+            for item in items)
+        if self.is_classifier(call.path) and call.trained:
+            self.profile.classifiers.append(
+                (ConvGeometry.of(call.module, x.shape[1:], out.shape[1:]),
+                 upstream, call.seq))
+            self.profile.classifier_params += sum(
+                p.numel() for p in call.module.parameters())
+
+
+def profile_step_costs(probe: nn.Module, candidates: Sequence[nn.Module],
+                       input_size: Sequence[int], is_classifier,
+                       timeline: bool = False) -> StepCostProfile:
+    """Profile a prepared segmentor for the costs of every last-N setting.
+
+    Args:
+        probe: the segmentor prepared as gradient filtering trains every
+            candidate conv with the exact backward (their outputs carry
+            autograd nodes to tag, and, nothing being kept, memory behaves
+            as in a step where they run frozen or filtered), the lean
+            region on and the classifiers trained. Traced as it is; the
+            trace keeps nothing for backward.
+        candidates: the candidate convs of ``probe``, execution order.
+        input_size: ``(H, W)`` (the training crop).
+        is_classifier: path -> whether a conv is a decode-head classifier
+            (trained by every setting; costed exactly).
+        timeline: also run the trace at batch 1 and 2 under the CPU
+            profiler, recording live tensor bytes per module call, for the
+            step peak (:attr:`StepCost.peak_bytes`); three traces instead
+            of one.
+    """
+    size = (int(input_size[0]), int(input_size[1]))
+    profile = StepCostProfile(input_size=size)
+    recorder = _Recorder(probe, candidates, profile, is_classifier)
+    tracer = StepTracer(probe, recorder, marks=True)
+    recorder.tracer = tracer
+    with tracer.hooked():
+        tracer.step(random_batch(probe, size, 1), keep_saved=False)
+        tracer.recording = False
+        recorder.memo.clear()
+        recorder.tags.clear()
+        profile.convs.sort(key=lambda c: c.index)
+        if timeline:
+            profile.live = _live_per_call(tracer, probe, size)
+    return profile
+
+
+def _live_per_call(tracer: StepTracer, probe: nn.Module,
+                   size: Tuple[int, int]) -> List[Tuple[int, int]]:
+    """Live bytes per call of the traced forward at batch 1 and 2."""
+    live = []
+    for n in (1, 2):
+        batch = random_batch(probe, size, n)
+        live.append(live_bytes_by_interval(
+            lambda: tracer.step(batch, keep_saved=False)))
+    if len(live[0]) != len(live[1]):
+        raise RuntimeError(
+            'gradient_filter budget: the traces at batch 1 and 2 ran '
+            'different module calls; the step peak cannot be predicted for '
+            'this model')
+    return list(zip(*live))

@@ -1,0 +1,38 @@
+"""Building a config's segmentor outside a Runner, as training builds it.
+
+Tools and measurements need the model a config trains (its
+``gradient_filter`` applied) without a dataset or a Runner.
+"""
+import copy
+from typing import Optional, Sequence
+
+from mmseg.registry import MODELS
+from mmseg.utils import register_all_modules
+from torch import nn
+
+from .config import rewrite_config
+
+__all__ = ['build_segmentor']
+
+
+def build_segmentor(cfg, input_size: Optional[Sequence[int]] = None
+                    ) -> nn.Module:
+    """Build a config's segmentor with its ``gradient_filter`` applied.
+
+    Args:
+        cfg (mmengine.Config): not modified.
+        input_size: if given and the config has a ``gradient_filter``
+            setting without ``input_size``, the layer-selection trace runs
+            at this size (cheaper for small analyses; the chosen layers are
+            the same, the ``'auto'`` radius rule uses output strides).
+    """
+    register_all_modules(init_default_scope=False)
+    cfg = copy.deepcopy(cfg)
+    settings = cfg.get('gradient_filter')
+    if input_size is not None and isinstance(settings, dict) and \
+            settings.get('input_size') is None:
+        settings = dict(settings)
+        settings['input_size'] = tuple(int(v) for v in input_size)
+        cfg.gradient_filter = settings
+    rewrite_config(cfg)
+    return MODELS.build(cfg.model)

@@ -1,0 +1,50 @@
+"""What gradient filtering did to a segmentor, kept on the segmentor.
+
+The surgery, the config rewrite, the hooks, the tools and the measurements
+all need to know which layers were chosen, in which mode, whether the lean
+region is on and, for a budget, what the budget chose. One
+:class:`GradientFilterState` attached to the segmentor answers all of it
+(:func:`get_state`), instead of loose private attributes.
+"""
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from torch import nn
+
+from ..models.segmentor import unwrap_model
+
+__all__ = ['GradientFilterState', 'STATE_ATTR', 'get_state', 'set_state']
+
+#: The segmentor attribute holding its :class:`GradientFilterState`.
+STATE_ATTR = 'gradient_filter_state'
+
+
+@dataclass
+class GradientFilterState:
+    """The gradient-filter settings applied to one segmentor.
+
+    Attributes:
+        layers: the chosen convs
+            (:class:`~mmseg_gf.engine.selection.LayerChoice`, execution
+            order; ``module`` is the GFConv2d).
+        mode: ``'gf'`` (filtered backward) or ``'vanilla'`` (exact).
+        lean: whether the lean trained region is on.
+        budget: the :class:`~mmseg_gf.accounting.budget.BudgetChoice` when
+            the layers came from a ``budget`` setting, else None.
+    """
+
+    layers: List[Any]
+    mode: str = 'gf'
+    lean: bool = True
+    budget: Optional[Any] = None
+
+
+def get_state(model: nn.Module) -> Optional[GradientFilterState]:
+    """The state of ``model`` (wrapped or not); None when gradient
+    filtering was not applied."""
+    return getattr(unwrap_model(model), STATE_ATTR, None)
+
+
+def set_state(model: nn.Module, state: GradientFilterState) -> None:
+    """Attach ``state`` to ``model`` (wrapped or not)."""
+    setattr(unwrap_model(model), STATE_ATTR, state)
