@@ -1,13 +1,12 @@
 """Training and evaluation runs: the one code path behind ``tools/train.py``,
-``tools/test.py``, the demo (:mod:`mmseg_gf.demo`) and the pipeline
+``tools/test.py``, the demo (:mod:`mmseg_gf.demo`) and the protocol
 (:mod:`mmseg_gf.protocol.stages`).
 
-Each caller used to rebuild the same steps (load the config, apply the
-overrides, ``--amp``, ``--resume``, the CPU-distributed settings, the
-``gradient_filter`` rewrite, the Runner); a step added in one place was
-missing in the others. Here they are done once, as mmseg 1.x's
-``tools/train.py`` / ``tools/test.py`` do them, with the plugin's steps
-added.
+Every caller needs the same steps (load the config, apply the overrides,
+``--amp``, ``--resume``, the CPU-distributed settings, the
+``gradient_filter`` rewrite, the Runner); they are done here once, as mmseg
+1.x's ``tools/train.py`` / ``tools/test.py`` do them, with the plugin's
+steps added, so that no caller misses one.
 """
 import json
 import logging
@@ -45,7 +44,7 @@ def load_config(config: str,
     Work dir: ``work_dir`` > the config's ``work_dir`` >
     ``./work_dirs/<config name>`` (mmseg's rule). ``format_python_code=False``
     skips yapf when the config is printed and stored in checkpoints (about
-    1 s each time on a slow CPU; the pipeline's many short runs use it).
+    1 s each time on a slow CPU; the protocol's many short runs use it).
     """
     cfg = Config.fromfile(config, format_python_code=format_python_code)
     cfg.launcher = launcher
