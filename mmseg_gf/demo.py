@@ -24,8 +24,10 @@ import os.path as osp
 import time
 from typing import Any, Dict, Optional, Sequence
 
-from .engine.entrypoints import (METRICS_FILE, build_runner, build_train_config,
-                            evaluate, run_in_subprocess, train)
+from .datasets import make_voc_aug
+from .engine.entrypoints import (METRICS_FILE, build_runner,
+                                 build_train_config, evaluate,
+                                 run_in_subprocess, train)
 
 __all__ = ['ensure_data', 'save_initial_checkpoint', 'run_demo']
 
@@ -37,7 +39,6 @@ def ensure_data(data: str, num_train: int = 96, num_val: int = 24,
     """Write the synthetic VOC12Aug under ``data`` unless it already holds
     data made with the same settings (recorded in
     ``<data>/demo_data.json``); returns its ``VOCdevkit/VOC2012`` root."""
-    from .datasets import make_voc_aug
     data_root = osp.join(data, 'VOCdevkit', 'VOC2012')
     settings = dict(num_train=num_train, num_val=num_val, size=list(size),
                     seed=seed, classes=list(classes))
