@@ -131,7 +131,7 @@ def options(args: argparse.Namespace) -> ProtocolOptions:
         isolate=args.isolate)
 
 
-def main(argv: Optional[List[str]] = None) -> Pipeline:
+def main(argv: Optional[List[str]] = None) -> ProtocolRun:
     args = parse_args(argv)
     try:
         protocol = ProtocolRun(options(args))
