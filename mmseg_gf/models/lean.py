@@ -12,7 +12,9 @@ What becomes lean:
 
 * ``_BatchNorm`` (BatchNorm1d/2d/3d, SyncBatchNorm, mmengine's reverted
   SyncBN) in eval mode with no trainable parameter: keeps ``C`` scales.
-* ``ReLU``, ``ReLU6`` / ``Hardtanh``, ``LeakyReLU``: keep 1 bit per element.
+* ``ReLU``, ``ReLU6`` / ``Hardtanh``, ``LeakyReLU``, ``Hardsigmoid``,
+  mmcv's ``HSigmoid``, ``PReLU`` with a frozen slope: keep 1 bit per element.
+* ``MaxPool2d``: keeps a uint8 window offset per output element.
 * ``Dropout`` (element-wise): keeps 1 bit per element.
 * ``AdaptiveAvgPool2d`` to more than 1x1 (PSPNet's pyramid): keeps the
   input's shape only.
@@ -22,7 +24,7 @@ What becomes lean:
 
 Everything else keeps autograd's default (GroupNorm / LayerNorm, whose
 backward needs their input; GELU, Sigmoid, HSwish and other smooth
-activations; ``Dropout2d``, whose noise is already one value per channel).
+activations, a trained PReLU; ``Dropout2d``, whose noise is already one value per channel).
 """
 from typing import Dict, Optional, Type
 
@@ -30,10 +32,20 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..ops import bit_mask
 from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
                         MaskedDropoutFunction,
                         ShapeOnlyAdaptiveAvgPoolFunction, recomputed_losses)
+from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
+                                   PiecewiseLinearActivationFunction,
+                                   clamp_bits, hardsigmoid_bits)
+from ..ops.lean_pool import MAX_WINDOW, WindowOffsetMaxPoolFunction
 from .lean_loss import chunkable_losses, chunked_cross_entropy_losses
+
+try:
+    from mmcv.cnn.bricks.hsigmoid import HSigmoid
+except ImportError:  # no mmcv: torch's own kinds only
+    HSigmoid = None
 
 __all__ = [
     'make_lean', 'make_plain', 'is_lean', 'lean_kind',
@@ -77,6 +89,83 @@ class _LeanActivation:
             args = (0.0, None, True, 0.0)
         return MaskedActivationFunction.apply(x, super().forward, *args,
                                               bool(self.inplace))
+
+
+class _LeanHardsigmoid:
+    """torch's Hardsigmoid keeping 1 bit: ``-3 < x < 3``; the passing
+    gradient times 1/6, as ``hardsigmoid_backward``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _recording(x) or (self.inplace and x._is_view()):
+            return super().forward(x)
+        return PiecewiseLinearActivationFunction.apply(
+            x, super().forward, hardsigmoid_bits, None, _times_one_sixth,
+            bool(self.inplace))
+
+
+def _times_one_sixth(g: Tensor) -> Tensor:
+    return g * HARDSIGMOID_SLOPE
+
+
+class _LeanHSigmoid:
+    """mmcv's ``HSigmoid``, ``clamp((x + bias) / divisor, min, max)``,
+    keeping 1 bit: ``min <= (x + bias) / divisor <= max`` (clamp's
+    inclusive bounds); the passing gradient divided by ``divisor``, as the
+    chain of clamp's and division's backward computes it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _recording(x):
+            return super().forward(x)
+        return PiecewiseLinearActivationFunction.apply(
+            x, super().forward, self._bits, None, self._divide, False)
+
+    def _bits(self, x: Tensor) -> Tensor:
+        # the value mmcv clamps, computed by the same operations
+        return clamp_bits((x + self.bias) / self.divisor,
+                          float(self.min_value), float(self.max_value))
+
+    def _divide(self, g: Tensor) -> Tensor:
+        return g / self.divisor
+
+
+class _LeanPReLU:
+    """PReLU with a frozen slope keeping 1 bit: ``x > 0``; elsewhere the
+    gradient times the slope Parameter (kept itself, alive anyway)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not _recording(x) or self.weight.requires_grad or x.dim() < 2
+                or self.weight.numel() not in (1, x.shape[1])):
+            return super().forward(x)
+        return PiecewiseLinearActivationFunction.apply(
+            x, super().forward, _positive_bits, self.weight, None, False)
+
+
+def _positive_bits(x: Tensor) -> Tensor:
+    return bit_mask.pack(x, 0.0, None, False)
+
+
+class _LeanMaxPool:
+    """``MaxPool2d`` keeping a uint8 window offset per output element and
+    its input's shape (:mod:`mmseg_gf.ops.lean_pool`)."""
+
+    def keeps_offsets(self, x: Tensor) -> bool:
+        """Whether a recorded call on ``x`` runs the lean path."""
+        kernel = _pair(self.kernel_size)
+        return (x.dim() == 4 and x.is_contiguous() and not
+                self.return_indices and kernel[0] * kernel[1] <= MAX_WINDOW)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _recording(x) or not self.keeps_offsets(x):
+            return super().forward(x)
+        stride = self.stride if self.stride else self.kernel_size
+        return WindowOffsetMaxPoolFunction.apply(
+            x, _pair(self.kernel_size), _pair(stride), _pair(self.padding),
+            _pair(self.dilation), bool(self.ceil_mode))
+
+
+def _pair(v) -> tuple:
+    return tuple(int(i) for i in v) if isinstance(v, (tuple, list)) else (
+        int(v), int(v))
 
 
 class _LeanDropout:
@@ -127,6 +216,11 @@ _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
            'dropout': _LeanDropout, 'pool': _LeanAdaptiveAvgPool,
            'loss': _LeanLossHead}
 _CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
+#: Lean variants chosen by class rather than by kind.
+_CLASS_MIXINS = {nn.Hardsigmoid: _LeanHardsigmoid, nn.PReLU: _LeanPReLU,
+                 nn.MaxPool2d: _LeanMaxPool}
+if HSigmoid is not None:
+    _CLASS_MIXINS[HSigmoid] = _LeanHSigmoid
 
 
 def _base_decode_head_loss():
@@ -145,6 +239,9 @@ def lean_kind(module: nn.Module) -> Optional[str]:
     if type(module) in (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU) or (
             is_lean(module) and isinstance(module, _LeanActivation)):
         return 'activation'
+    plain = getattr(type(module), '_plain_class', type(module))
+    if plain in _CLASS_MIXINS:
+        return 'pool' if plain is nn.MaxPool2d else 'activation'
     if type(module) is nn.Dropout or isinstance(module, _LeanDropout):
         return 'dropout'
     if isinstance(module, nn.AdaptiveAvgPool2d):
@@ -165,7 +262,8 @@ def is_lean(module: nn.Module) -> bool:
 def _lean_class(cls: Type[nn.Module], kind: str) -> Type[nn.Module]:
     lean = _CLASSES.get(cls)
     if lean is None:
-        lean = type(f'Lean{cls.__name__}', (_MIXINS[kind], cls),
+        mixin = _CLASS_MIXINS.get(cls, _MIXINS[kind])
+        lean = type(f'Lean{cls.__name__}', (mixin, cls),
                     {'_plain_class': cls, '__module__': cls.__module__})
         _CLASSES[cls] = lean
     return lean

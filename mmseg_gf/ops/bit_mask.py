@@ -24,7 +24,7 @@ try:
 except ImportError:  # not built: PyTorch fallback
     _kernels = None
 
-__all__ = ['pack', 'apply', 'packed_bytes', 'native_available']
+__all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available']
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -80,9 +80,17 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0) -> Tensor:
     grad = grad.contiguous()
     if _native(grad):
         return _kernels.apply_mask(grad, bits, float(off_scale))
-    shifts = torch.arange(8, dtype=torch.uint8, device=grad.device)
-    keep = ((bits.unsqueeze(1) >> shifts) & 1).view(-1)[:grad.numel()]
-    keep = keep.view(grad.shape).bool()
+    keep = unpack(bits, grad.shape)
     off = torch.zeros((), dtype=grad.dtype, device=grad.device) \
         if off_scale == 0 else grad * off_scale
     return torch.where(keep, grad, off)
+
+
+def unpack(bits: Tensor, shape) -> Tensor:
+    """The bool tensor of ``shape`` (contiguous) whose bits :func:`pack`
+    wrote: for backward formulas that need more than :func:`apply`'s one
+    off-scale (PReLU's per-channel slopes)."""
+    numel = math.prod(shape)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    keep = ((bits.unsqueeze(1) >> shifts) & 1).view(-1)[:numel]
+    return keep.view(shape).bool()

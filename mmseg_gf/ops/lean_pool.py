@@ -1,0 +1,100 @@
+"""Max pooling keeping the window offset of each maximum, not its input.
+
+Autograd's ``max_pool2d`` keeps its input and an int64 index per output
+element (a ResNet stem's pool: 8 + 4 bytes per output element plus the
+input, four times larger). The backward needs only where each maximum
+was: its offset inside the pooling window, ``kh * kW + kw``, fits a uint8
+when the window has at most 256 elements. :class:`WindowOffsetMaxPoolFunction`
+keeps those offsets and the input's shape; the backward rebuilds torch's
+flat indices from them and calls the same kernel as autograd
+(``max_pool2d_with_indices_backward``), so the gradient is autograd's bit for
+bit, ties included: the offsets are converted from the indices torch's own
+forward returned.
+"""
+from typing import Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+__all__ = ['WindowOffsetMaxPoolFunction', 'MAX_WINDOW', 'window_offsets',
+           'flat_indices']
+
+#: Largest window (``kernel_h * kernel_w``) whose offsets fit a uint8.
+MAX_WINDOW = 256
+
+Pair = Tuple[int, int]
+
+
+def _window_starts(out_hw: Sequence[int], stride: Pair, padding: Pair,
+                   device) -> Tuple[Tensor, Tensor]:
+    """Top-left input row / column of every output's window, shaped to
+    broadcast over ``(N, C, Ho, Wo)``."""
+    rows = torch.arange(out_hw[0], device=device).view(-1, 1)
+    cols = torch.arange(out_hw[1], device=device).view(1, -1)
+    return rows * stride[0] - padding[0], cols * stride[1] - padding[1]
+
+
+def window_offsets(indices: Tensor, width: int, kernel: Pair, stride: Pair,
+                   padding: Pair, dilation: Pair) -> Tensor:
+    """uint8 ``kh * kW + kw`` of each maximum from torch's flat indices
+    (``row * width + col`` in the input plane)."""
+    top, left = _window_starts(indices.shape[-2:], stride, padding,
+                               indices.device)
+    row = torch.div(indices, width, rounding_mode='floor')
+    col = indices - row * width
+    kh = torch.div(row - top, dilation[0], rounding_mode='floor')
+    kw = torch.div(col - left, dilation[1], rounding_mode='floor')
+    return (kh * kernel[1] + kw).to(torch.uint8)
+
+
+def flat_indices(offsets: Tensor, width: int, kernel: Pair, stride: Pair,
+                 padding: Pair, dilation: Pair) -> Tensor:
+    """Inverse of :func:`window_offsets`: torch's int64 flat indices."""
+    top, left = _window_starts(offsets.shape[-2:], stride, padding,
+                               offsets.device)
+    off = offsets.long()
+    kh = torch.div(off, kernel[1], rounding_mode='floor')
+    kw = off - kh * kernel[1]
+    row = top + kh * dilation[0]
+    col = left + kw * dilation[1]
+    return (row * width + col).contiguous()
+
+
+class WindowOffsetMaxPoolFunction(Function):
+    """``max_pool2d`` of a 4-D input, keeping uint8 window offsets.
+
+    Args (of ``apply``): ``x`` (N, C, H, W), then ``kernel``, ``stride``,
+    ``padding``, ``dilation`` as int pairs and ``ceil_mode``; the window
+    must have at most :data:`MAX_WINDOW` elements.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: Pair, stride: Pair, padding: Pair,
+                dilation: Pair, ceil_mode: bool) -> Tensor:
+        if kernel[0] * kernel[1] > MAX_WINDOW:
+            raise ValueError(f'max-pool window {kernel} has more than '
+                             f'{MAX_WINDOW} elements')
+        out, indices = torch.ops.aten.max_pool2d_with_indices(
+            x, kernel, stride, padding, dilation, ceil_mode)
+        geometry = (kernel, stride, padding, dilation)
+        ctx.save_for_backward(window_offsets(indices, x.shape[-1],
+                                             *geometry))
+        ctx.geometry = geometry
+        ctx.ceil_mode = ceil_mode
+        ctx.like = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        offsets, = ctx.saved_tensors
+        shape, strides, dtype, device = ctx.like
+        indices = flat_indices(offsets, shape[-1], *ctx.geometry)
+        # the kernel reads only the input's geometry, never its values
+        like = torch.empty_strided(shape, strides, dtype=dtype,
+                                   device=device)
+        kernel, stride, padding, dilation = ctx.geometry
+        g = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, like, kernel, stride, padding, dilation, ctx.ceil_mode,
+            indices)
+        return g, None, None, None, None, None
