@@ -15,7 +15,10 @@ trained conv, exact         its input ``N*Ci*H*W`` (once per input tensor:
 (``vanilla``, classifier)   convs sharing an input share what they keep)
 frozen conv                 nothing (its weight is a live Parameter)
 lean frozen norm            ``C`` float32 scales
-lean ReLU/ReLU6/LeakyReLU   1 bit per element, ``ceil(N*C*H*W / 8)`` bytes
+lean ReLU/ReLU6/LeakyReLU,  1 bit per element, ``ceil(N*C*H*W / 8)`` bytes
+Hardsigmoid/HSigmoid,       (a frozen PReLU's slope is its Parameter)
+frozen PReLU
+lean max-pool               a uint8 window offset per output element
 lean element-wise dropout   1 bit per element
 adaptive average pooling    nothing (lean: its input's shape; to 1x1 it
                             is a mean, which keeps nothing)
@@ -23,11 +26,16 @@ adaptive average pooling    nothing (lean: its input's shape; to 1x1 it
 a head's lean loss          the low-resolution logits ``N*K*h*w``
 ==========================  ===============================================
 
-Modules of other kinds that autograd records (a trained norm, GELU, ...)
-are *unmodelled*: reported with their paths, never counted as zero silently.
-Functional operations between modules (``torch.cat``, additions, bilinear
-resizes) keep nothing. ``tests/test_accounting`` checks the rules against
-autograd's saved tensors.
+Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
+measures it, storage by storage, and attributes it to the innermost module
+running when autograd packed it: a leaf no rule covers (a trained norm,
+GELU, Sigmoid, ...), or functional code inside a module (an SE gate's
+``x * gate``, attention's matmuls). :func:`measured_item` turns those
+bytes, measured at batch 1, into ``'unmodelled'`` items that scale linearly
+with the batch; they are reported per kind as "unmodelled: X MiB
+measured", never as zero. Concatenations, additions and bilinear resizes
+keep nothing. ``tests/test_accounting`` checks the rules against autograd's
+saved tensors.
 """
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -42,11 +50,12 @@ from .conv_cost import ConvGeometry
 from .format import fmt_mib
 
 __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
-           'kept_by_call', 'is_head_lean']
+           'kept_by_call', 'is_head_lean', 'measured_item',
+           'unmodelled_by_kind', 'describe_unmodelled']
 
 #: Categories of :class:`SavedItem`, in table order.
 CATEGORIES = ('conv', 'classifier', 'norm', 'activation', 'dropout',
-              'logits')
+              'pool', 'logits', 'unmodelled')
 
 
 @dataclass
@@ -60,6 +69,10 @@ class SavedItem:
         elem_bytes: bytes per element (``'bits'``: ignored).
         rule: ``'linear'`` (N x elements x bytes), ``'bits'`` (ceil of
             N x elements / 8) or ``'const'`` (elements x bytes).
+        storage: the storage (``data_ptr``) of the tensor the item counts,
+            when it counts one that exists in the forward (an exact conv's
+            input, the logits): the tracer's measurement leaves it out.
+        kind: what an ``'unmodelled'`` item measured (the module's class).
     """
 
     path: str
@@ -67,6 +80,8 @@ class SavedItem:
     elements: int
     elem_bytes: int = 4
     rule: str = 'linear'
+    storage: Optional[int] = None
+    kind: str = ''
 
     def nbytes(self, batch: int) -> int:
         if self.rule == 'bits':
@@ -101,18 +116,47 @@ class StepSavedBytes:
             out[item.category] += item.nbytes(batch)
         return out
 
+    def unmodelled_bytes(self, batch: int = 1) -> Dict[str, int]:
+        """Kind -> bytes at ``batch`` of what no rule covers (measured)."""
+        return unmodelled_by_kind(self.items, batch)
+
     def summary(self, batch: int = 1) -> str:
         """One line for logs and tools: the total and its parts."""
         parts = ', '.join(f'{name} {fmt_mib(v)}' for name, v in
                           self.by_category(batch).items())
-        line = (f'kept for backward by the whole step (analytic, lean '
-                f'region, batch {batch}): {fmt_mib(self.total(batch))} MiB = '
-                f'{parts}')
-        if self.unmodelled:
-            line += (f'; not counted (no lean rule): '
-                     f'{", ".join(self.unmodelled[:6])}'
-                     f'{" ..." if len(self.unmodelled) > 6 else ""}')
+        line = (f'kept for backward by the whole step (analytic + measured, '
+                f'lean region, batch {batch}): {fmt_mib(self.total(batch))} '
+                f'MiB = {parts}')
+        unmodelled = self.unmodelled_bytes(batch)
+        if unmodelled:
+            line += '; ' + describe_unmodelled(unmodelled, batch)
         return line
+
+
+def unmodelled_by_kind(items: Sequence[SavedItem],
+                       batch: int = 1) -> Dict[str, int]:
+    """Kind -> bytes at ``batch`` of the ``'unmodelled'`` items, largest
+    first."""
+    out: Dict[str, int] = {}
+    for item in items:
+        if item.category == 'unmodelled':
+            out[item.kind] = out.get(item.kind, 0) + item.nbytes(batch)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def describe_unmodelled(by_kind: Dict[str, int], batch: int) -> str:
+    """``unmodelled: GELU 1.50 MiB measured, ...`` (measured at batch 1,
+    scaled linearly to ``batch``)."""
+    parts = ', '.join(f'{kind} {fmt_mib(v)} MiB measured'
+                      for kind, v in by_kind.items())
+    scaled = '' if batch == 1 else (f' (at batch 1, x{batch})')
+    return f'unmodelled: {parts}{scaled}'
+
+
+def measured_item(path: str, kind: str, nbytes: int) -> SavedItem:
+    """An ``'unmodelled'`` item: ``nbytes`` measured at batch 1, linear in
+    the batch."""
+    return SavedItem(path, 'unmodelled', int(nbytes), 1, 'linear', kind=kind)
 
 
 def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
@@ -125,7 +169,8 @@ def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
             conv.radius, need_input_grad=False, elem_bytes=eb)
         return SavedItem(path, 'conv', cost.gf_saved_bytes // eb, eb)
     category = 'classifier' if is_head_classifier(path) else 'conv'
-    return SavedItem(path, category, x[0].numel(), eb)
+    return SavedItem(path, category, x[0].numel(), eb,
+                     storage=x.untyped_storage().data_ptr())
 
 
 def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
@@ -156,9 +201,14 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
     trained = any(p.requires_grad for p in module.parameters())
     if kind == 'norm' and not trained and not module.training:
         return SavedItem(path, 'norm', x.shape[1], 4, 'const')
-    if kind in ('activation', 'dropout') and not (
-            kind == 'dropout' and (not module.training or module.p == 0)):
+    if kind == 'activation' and not trained:
         return SavedItem(path, kind, x[0].numel(), rule='bits')
+    if kind == 'dropout' and module.training and module.p != 0:
+        return SavedItem(path, kind, x[0].numel(), rule='bits')
+    if kind == 'pool' and isinstance(module, nn.MaxPool2d):
+        if not module.keeps_offsets(x):
+            raise LookupError(path)
+        return SavedItem(path, 'pool', out[0].numel(), 1)
     if isinstance(module, nn.AdaptiveAvgPool2d) and (kind == 'pool' or
                                                      out.shape[-2:] ==
                                                      (1, 1)):
@@ -201,5 +251,6 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
         items.append(item)
     if is_head_classifier(path) and is_head_lean(model, path):
         items.append(SavedItem(path.rpartition('.')[0], 'logits',
-                               out[0].numel(), out.element_size()))
+                               out[0].numel(), out.element_size(),
+                               storage=out.untyped_storage().data_ptr()))
     return items, modelled

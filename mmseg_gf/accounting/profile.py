@@ -24,10 +24,10 @@ from torch import nn
 from .batch import random_batch
 from .conv_cost import ConvBackwardCost, ConvGeometry, output_stride
 from .format import MIB
-from .kept import SavedItem, kept_by_call
+from .kept import SavedItem, kept_by_call, measured_item
 from .measured import live_bytes_by_interval
 from .peak import Lifetime, backward_scratch, scratch_key, step_peak
-from .trace import ModuleCall, StepTracer
+from .trace import ModuleCall, SavedPack, StepTracer, UnmodelledBytes
 
 __all__ = ['ConvProfile', 'StepCost', 'StepCostProfile',
            'profile_step_costs']
@@ -113,8 +113,8 @@ class StepCost:
 
 @dataclass
 class _Entry:
-    """A recorded non-candidate call: what it keeps (None: no rule covers
-    it), the last candidate behind its input, and whether it is trained."""
+    """A recorded non-candidate call (or a measured storage): what it keeps,
+    the last candidate behind its input, and whether it is trained."""
 
     item: Optional[SavedItem]
     upstream: int
@@ -169,10 +169,11 @@ class StepCostProfile:
         return self.max_layers - num_layers
 
     def unmodelled(self, num_layers: int) -> List[str]:
-        """Recorded modules no rule covers (their bytes not counted)."""
+        """Modules keeping what no rule covers (their bytes measured)."""
         first = self.first_index(num_layers)
-        return [e.path for e in self.entries
-                if e.item is None and e.counted(first)]
+        return sorted({e.path for e in self.entries
+                       if e.item.category == 'unmodelled'
+                       and e.counted(first)})
 
     def radii_for(self, num_layers: int, radius: Any) -> Dict[str, int]:
         """``radius`` (int, or path -> int) for the trained convs."""
@@ -197,7 +198,7 @@ class StepCostProfile:
             saved += c.gf_saved_bytes * batch
             flops += c.gf_flops
         saved += sum(e.item.nbytes(batch) for e in self.entries
-                     if e.item is not None and e.counted(first))
+                     if e.counted(first))
         for geometry, upstream, _ in self.classifiers:
             flops += geometry.cost(
                 1, need_input_grad=upstream >= first).vanilla_flops
@@ -233,7 +234,7 @@ class StepCostProfile:
             scratch[conv.seq] = self.workspace(conv, r, conv.upstream >= first,
                                                batch)
         for e in self.entries:
-            if e.item is not None and e.counted(first):
+            if e.counted(first):
                 kept[e.seq] += e.item.nbytes(batch)
         for _, _, seq in self.classifiers:
             grads[seq] += 4 * self.classifier_params // len(self.classifiers)
@@ -287,6 +288,8 @@ class _Recorder:
         self.shared: Dict[int, str] = {}
         self.alive: Dict[int, Lifetime] = {}
         self.tracer: Optional[StepTracer] = None
+        self.unmodelled = UnmodelledBytes()
+        self.pack_upstream: Dict[int, Tuple[int, bool]] = {}
 
     def upstream(self, tensor: torch.Tensor) -> int:
         return _max_upstream(tensor, self.tags, self.memo)
@@ -319,6 +322,7 @@ class _Recorder:
         if out.grad_fn is None:
             return
         i = self.index[call.module]
+        self.unmodelled.note_call(call.seq, (), True)
         # inputs made by functional code (torch.cat, additions) are seen
         # here first
         upstream = self.upstream(call.x)
@@ -343,9 +347,7 @@ class _Recorder:
         self.track(out, call.seq, max(upstream, self.upstream(out)))
         items, modelled = kept_by_call(self.probe, call.path, call.module, x,
                                        out, self.shared)
-        if not modelled:
-            self.profile.entries.append(
-                _Entry(None, upstream, call.trained, call.path, call.seq))
+        self.unmodelled.note_call(call.seq, items, modelled)
         self.profile.entries.extend(
             _Entry(item, upstream, call.trained, call.path, call.seq)
             for item in items)
@@ -355,6 +357,33 @@ class _Recorder:
                  upstream, call.seq))
             self.profile.classifier_params += sum(
                 p.numel() for p in call.module.parameters())
+
+
+    def on_pack(self, pack: SavedPack) -> None:
+        """A saved tensor: held (unless a candidate saved it) with the last
+        candidate behind the operation's other inputs: it is saved when
+        they need a gradient, i.e. once that candidate is trained."""
+        if pack.module in self.index:
+            return
+        others = [t for t in pack.inputs if t is not pack.tensor] or list(
+            pack.inputs) or [pack.tensor]
+        upstream = max(self.upstream(t) for t in others)
+        trained = any(t.requires_grad and t.grad_fn is None for t in others)
+        self.pack_upstream[id(pack)] = (upstream, trained)
+        self.unmodelled.on_pack(pack)
+
+    def measured_entries(self) -> List[_Entry]:
+        """One entry per storage no rule covers, counted once any of the
+        operations that saved it is recorded."""
+        entries = []
+        for packs in self.unmodelled.by_storage():
+            marks = [self.pack_upstream[id(p)] for p in packs]
+            first = packs[0]
+            entries.append(_Entry(
+                measured_item(first.owner, first.kind, first.nbytes),
+                max(u for u, _ in marks), any(t for _, t in marks),
+                first.owner, first.seq))
+        return entries
 
 
 def profile_step_costs(probe: nn.Module, candidates: Sequence[nn.Module],
@@ -381,11 +410,14 @@ def profile_step_costs(probe: nn.Module, candidates: Sequence[nn.Module],
     size = (int(input_size[0]), int(input_size[1]))
     profile = StepCostProfile(input_size=size)
     recorder = _Recorder(probe, candidates, profile, is_classifier)
-    tracer = StepTracer(probe, recorder, marks=True)
+    tracer = StepTracer(probe, recorder, marks=True,
+                        on_pack=recorder.on_pack, operations=True)
     recorder.tracer = tracer
     with tracer.hooked():
         tracer.step(random_batch(probe, size, 1), keep_saved=False)
         tracer.recording = False
+        profile.entries.extend(recorder.measured_entries())
+        recorder.unmodelled = UnmodelledBytes()
         recorder.memo.clear()
         recorder.tags.clear()
         profile.convs.sort(key=lambda c: c.index)

@@ -8,20 +8,34 @@ hands each call, as a :class:`ModuleCall`, to its consumer:
 :func:`trace_step_saved_bytes` (the training log's "kept for backward"
 line) and :func:`~.profile.profile_step_costs` (the budget) read the same
 calls, so the two cannot disagree about which modules a step records.
+
+What no rule of :mod:`.kept` covers is measured in the same step: a
+``saved_tensors_hooks`` pack hook hands every tensor autograd saves, as a
+:class:`SavedPack`, to the consumer, with the innermost module running at
+that moment (module pre- and post-hooks on every module keep the stack), so
+functional code inside a module (an SE gate's ``x * gate``) is attributed
+to that module. :class:`UnmodelledBytes` turns the packs of the calls no
+rule covered into measured items, each storage counted once.
 """
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..models.segmentor import set_frozen_norms_eval
 from .batch import random_batch
-from .kept import StepSavedBytes, kept_by_call
+from .kept import SavedItem, StepSavedBytes, kept_by_call, measured_item
 from .measured import mark
 
-__all__ = ['ModuleCall', 'StepTracer', 'trace_step_saved_bytes']
+__all__ = ['ModuleCall', 'SavedPack', 'StepTracer', 'UnmodelledBytes',
+           'trace_step_saved_bytes', 'LOSS_OWNER']
+
+#: What packs made outside every module's forward (the head's loss) are
+#: attributed to.
+LOSS_OWNER = '(loss)'
 
 
 @dataclass
@@ -49,6 +63,66 @@ class ModuleCall:
     recorded: bool
 
 
+@dataclass
+class SavedPack:
+    """A tensor autograd saved for backward during the traced step.
+
+    Attributes:
+        tensor: the tensor (hold it to keep its storage from being reused
+            while the step runs).
+        seq: the tracer's ``seq`` when it was saved: the call it belongs to
+            when ``owner`` is a leaf (leaf hooks count calls as they end).
+        owner: path of the innermost module running (:data:`LOSS_OWNER`:
+            none, e.g. the head's loss).
+        kind: the owner's class name, `` (functional)`` appended for a
+            module with children (the tensor was saved by its own code).
+        leaf: the owner is a leaf module.
+        module: the owner (None: :data:`LOSS_OWNER`).
+        inputs: the tensors the operation saving it received (the
+            outermost torch function running, else the owner's positional
+            tensors); empty unless the tracer follows operations.
+    """
+
+    tensor: torch.Tensor
+    seq: int
+    owner: str
+    kind: str
+    leaf: bool
+    module: Optional[nn.Module] = None
+    inputs: Sequence[torch.Tensor] = ()
+
+    @property
+    def storage(self) -> int:
+        return self.tensor.untyped_storage().data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.untyped_storage().nbytes()
+
+
+class _OperationInputs(TorchFunctionMode):
+    """Remembers the arguments of the outermost torch function running
+    (the mode is off inside its own handler, so nested calls are not
+    seen): the operation a pack hook is called from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        outer, self.current = self.current, (args, kwargs)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.current = outer
+
+    def tensors(self) -> List[torch.Tensor]:
+        if self.current is None:
+            return []
+        flat, _ = torch.utils._pytree.tree_flatten(self.current)
+        return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
 def _drop(_):
     return None
 
@@ -67,6 +141,11 @@ class StepTracer:
         marks: put a profiler mark (:func:`~.measured.mark`) at every
             call, so that :func:`~.measured.live_bytes_by_interval` cuts
             the step's live bytes per call.
+        on_pack: called with each :class:`SavedPack` while
+            :attr:`recording` is True (holding the pack keeps its storage
+            alive, also in a step that keeps nothing).
+        operations: fill :attr:`SavedPack.inputs` (a torch function mode
+            follows every operation of the step).
 
     Attributes:
         seq: calls so far in the current step (the next call's ``seq``).
@@ -75,13 +154,18 @@ class StepTracer:
 
     def __init__(self, model: nn.Module,
                  on_call: Callable[[ModuleCall], None],
-                 marks: bool = False) -> None:
+                 marks: bool = False,
+                 on_pack: Optional[Callable[[SavedPack], None]] = None,
+                 operations: bool = False) -> None:
         self.model = model
         self.on_call = on_call
         self.marks = marks
+        self.on_pack = on_pack
+        self.operations = _OperationInputs() if operations else None
         self.seq = 0
         self.recording = True
         self._paths = {m: n for n, m in model.named_modules()}
+        self._stack: List[tuple] = []
 
     def _hook(self, module, args, output) -> None:
         seq = self.seq
@@ -97,13 +181,44 @@ class StepTracer:
         self.on_call(ModuleCall(seq, self._paths[module], module, x,
                                 output, trained, recorded))
 
+    def _enter(self, module, args) -> None:
+        self._stack.append((module, args))
+
+    def _leave(self, module, args, output) -> None:
+        self._stack.pop()
+
+    def _pack(self, tensor: torch.Tensor) -> None:
+        """Report one saved tensor to :attr:`on_pack`."""
+        if isinstance(tensor, nn.Parameter) or not self.recording:
+            return
+        if self._stack:
+            module, args = self._stack[-1]
+            leaf = not any(True for _ in module.children())
+            owner = self._paths.get(module, type(module).__name__)
+            kind = type(module).__name__ + ('' if leaf else ' (functional)')
+        else:
+            module, args, leaf, owner, kind = None, (), False, LOSS_OWNER, \
+                LOSS_OWNER
+        inputs = ()
+        if self.operations is not None:
+            inputs = self.operations.tensors() or [
+                a for a in args if isinstance(a, torch.Tensor)]
+        self.on_pack(SavedPack(tensor, self.seq, owner, kind, leaf, module,
+                               inputs))
+
     @contextlib.contextmanager
     def hooked(self):
-        """Hooks on every leaf module for the duration of the block."""
+        """Hooks on every leaf module for the duration of the block (and,
+        with :attr:`on_pack`, the module stack's hooks on every module)."""
         handles = [
             m.register_forward_hook(self._hook) for m in self.model.modules()
             if not any(True for _ in m.children())
         ]
+        if self.on_pack is not None:
+            for m in self.model.modules():
+                handles.append(m.register_forward_pre_hook(self._enter))
+                handles.append(m.register_forward_hook(self._leave,
+                                                       always_call=True))
         try:
             yield self
         finally:
@@ -121,40 +236,111 @@ class StepTracer:
         """
         inputs, samples = batch
         self.seq = 0
-        saved = contextlib.nullcontext() if keep_saved else \
-            torch.autograd.graph.saved_tensors_hooks(_drop, _no_unpack)
-        with torch.random.fork_rng(), saved:
+        self._stack.clear()
+        saved = self._saved_hooks(keep_saved)
+        operations = self.operations if (
+            self.operations is not None and self.recording) else \
+            contextlib.nullcontext()
+        with torch.random.fork_rng(), saved, operations:
             self.model.train()
             set_frozen_norms_eval(self.model)
             return self.model.loss(inputs, samples)
 
+    def _saved_hooks(self, keep_saved: bool):
+        """What autograd's pack hook does: keep or drop, and report."""
+        if self.on_pack is None:
+            return contextlib.nullcontext() if keep_saved else \
+                torch.autograd.graph.saved_tensors_hooks(_drop, _no_unpack)
+
+        def pack(tensor):
+            self._pack(tensor)
+            return tensor if keep_saved else None
+
+        unpack = (lambda t: t) if keep_saved else _no_unpack
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+@dataclass
+class UnmodelledBytes:
+    """The packs of a traced step that no rule of :mod:`.kept` covers.
+
+    A pack is covered when its owner is a leaf whose call a rule modelled
+    (the rule counts what that call keeps), or when its storage is one a
+    rule counts itself (an exact conv's input, the logits: ``storage`` of
+    a :class:`~.kept.SavedItem`). Each storage counts once.
+    """
+
+    packs: List[SavedPack] = field(default_factory=list)
+    modelled_calls: Set[int] = field(default_factory=set)
+    counted_storages: Set[int] = field(default_factory=set)
+
+    def on_pack(self, pack: SavedPack) -> None:
+        self.packs.append(pack)
+
+    def note_call(self, seq: int, items: Sequence[SavedItem],
+                  modelled: bool) -> None:
+        """What a rule said about call ``seq``."""
+        if modelled:
+            self.modelled_calls.add(seq)
+        self.counted_storages.update(i.storage for i in items
+                                     if i.storage is not None)
+
+    def by_storage(self) -> List[List[SavedPack]]:
+        """The uncovered packs, grouped by storage, in packing order."""
+        groups: Dict[int, List[SavedPack]] = {}
+        for pack in self.packs:
+            groups.setdefault(pack.storage, []).append(pack)
+        out = []
+        for ptr, packs in groups.items():
+            if ptr in self.counted_storages:
+                continue
+            left = [p for p in packs
+                    if not (p.leaf and p.seq in self.modelled_calls)]
+            if left:
+                out.append(left)
+        return out
+
+    def items(self) -> List[SavedItem]:
+        """One measured item per owner (bytes at batch 1)."""
+        per_owner: Dict[tuple, int] = {}
+        for packs in self.by_storage():
+            key = (packs[0].owner, packs[0].kind)
+            per_owner[key] = per_owner.get(key, 0) + packs[0].nbytes
+        return [measured_item(path, kind, nbytes)
+                for (path, kind), nbytes in per_owner.items()]
+
 
 def trace_step_saved_bytes(model: nn.Module,
                            input_size: Sequence[int]) -> StepSavedBytes:
-    """What one training step of ``model`` keeps for backward, analytic.
+    """What one training step of ``model`` keeps for backward.
 
     One step at batch 1 is traced and each recorded call's rule
-    (:func:`~.kept.kept_by_call`) gives its bytes per image. The model's
-    training flag is restored afterwards.
+    (:func:`~.kept.kept_by_call`) gives its bytes per image; what no rule
+    covers is measured in the same step (:class:`UnmodelledBytes`) and
+    scaled linearly with the batch. The model's training flag is restored
+    afterwards.
     """
     size = tuple(int(v) for v in input_size)
     result = StepSavedBytes(input_size=size)
     shared: Dict[int, str] = {}
+    unmodelled = UnmodelledBytes()
 
     def on_call(call: ModuleCall) -> None:
         if not call.recorded or not isinstance(call.output, torch.Tensor):
             return
         items, modelled = kept_by_call(model, call.path, call.module, call.x,
                                        call.output, shared)
-        if not modelled:
-            result.unmodelled.append(call.path)
+        unmodelled.note_call(call.seq, items, modelled)
         result.items.extend(items)
 
     was_training = model.training
-    tracer = StepTracer(model, on_call)
+    tracer = StepTracer(model, on_call, on_pack=unmodelled.on_pack)
     try:
         with tracer.hooked():
             tracer.step(random_batch(model, size, 1))
     finally:
         model.train(was_training)
+    measured = unmodelled.items()
+    result.items.extend(measured)
+    result.unmodelled.extend(i.path for i in measured)
     return result

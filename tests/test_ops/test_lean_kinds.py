@@ -169,8 +169,8 @@ def test_max_pool_outside_the_lean_path_is_plain():
 
 
 @pytest.mark.parametrize('kernel, stride, padding, dilation, ceil_mode',
-                         itertools.product([1, 2, 3], [1, 2, 3], [0, 1],
-                                           [1, 2], [False, True]))
+                         list(itertools.product([1, 2, 3], [1, 2, 3], [0, 1],
+                                                [1, 2], [False, True])))
 def test_max_pool_grid(kernel, stride, padding, dilation, ceil_mode):
     """Every small geometry torch accepts, on an odd size with ties."""
     if padding > kernel // 2:

@@ -1,0 +1,154 @@
+"""What no rule covers is measured, not counted as zero.
+
+A tiny segmentor with an SE gate (``x * sigmoid(conv(pool(x)))``, mmseg's
+``SELayer``), GELU, a frozen PReLU, mmcv's HSigmoid and a max-pool stem: the
+step trace's analytic + measured total equals autograd's saved bytes of a
+real step at batch 2, the unmodelled kinds are named with their bytes, and
+the budget's profile predicts every last-N setting's saved bytes. Then the
+selection reaching the stem of PSPNet-R18 (max-pool included).
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip('mmseg')
+
+from mmengine.config import Config, ConfigDict  # noqa: E402
+from mmengine.model import BaseModule  # noqa: E402
+from mmengine.registry import init_default_scope  # noqa: E402
+from mmcv.cnn import ConvModule  # noqa: E402
+from mmseg.models.utils import SELayer  # noqa: E402
+from mmseg.registry import MODELS  # noqa: E402
+
+from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa: E402
+from mmseg_gf.accounting.budget import choose_by_budget  # noqa: E402
+from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
+from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
+from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
+
+SIZE = (32, 32)
+BATCH = 2
+BN = dict(type='BN', requires_grad=True)
+
+
+@MODELS.register_module(force=True)
+class GatedTestBackbone(BaseModule):
+    """stem conv -> max-pool -> conv + frozen PReLU -> SE gate (Sigmoid)
+    -> conv + GELU -> conv + mmcv's HSigmoid."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = ConvModule(3, 8, 3, 2, 1, norm_cfg=BN)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.conv1 = ConvModule(8, 16, 3, 1, 1, norm_cfg=BN,
+                                act_cfg=dict(type='PReLU', num_parameters=16))
+        self.se = SELayer(16, ratio=4, act_cfg=(dict(type='ReLU'),
+                                                dict(type='Sigmoid')))
+        self.conv2 = ConvModule(16, 16, 3, 1, 1, norm_cfg=BN,
+                                act_cfg=dict(type='GELU'))
+        self.conv3 = ConvModule(16, 16, 1, norm_cfg=BN,
+                                act_cfg=dict(type='HSigmoid'))
+
+    def forward(self, x):
+        x = self.conv1(self.pool(self.stem(x)))
+        return (self.conv3(self.conv2(self.se(x))), )
+
+
+def _gated_model():
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    return MODELS.build(ConfigDict(
+        type='EncoderDecoder',
+        data_preprocessor=dict(type='SegDataPreProcessor', size=SIZE,
+                               mean=[0., 0., 0.], std=[1., 1., 1.]),
+        backbone=dict(type='GatedTestBackbone'),
+        decode_head=dict(type='FCNHead', in_channels=16, channels=8,
+                         num_convs=1, concat_input=False, num_classes=3,
+                         norm_cfg=BN, dropout_ratio=0.0,
+                         loss_decode=dict(type='CrossEntropyLoss')),
+        train_cfg=dict(), test_cfg=dict(mode='whole')))
+
+
+def _built(base, num_layers, radius, size):
+    model = copy.deepcopy(base)
+    choices = select_layers(model, num_layers=num_layers, radius=radius,
+                            input_size=size)
+    apply_gradient_filter(model, choices, mode='gf', lean=True)
+    return model
+
+
+def _measured(model, size, batch=BATCH):
+    inputs, samples = random_batch(model, size, batch)
+    return saved_tensor_bytes(lambda: training_loss(model, inputs, samples))
+
+
+def test_trace_measures_the_se_gate_and_matches_a_real_step():
+    base = _gated_model()
+    model = _built(base, 7, 2, SIZE)  # every conv but the classifier
+    for m in model.modules():
+        if isinstance(m, nn.PReLU):
+            assert not m.weight.requires_grad
+    counted = trace_step_saved_bytes(model, SIZE)
+    assert counted.total(BATCH) == _measured(model, SIZE)
+    unmodelled = counted.unmodelled_bytes(BATCH)
+    # Sigmoid keeps its output, the gate product x and the gate, GELU its
+    # input: 16 channels at 8x8 (the gate 16 x 1 x 1), float32, batch 2
+    assert unmodelled['GELU'] == BATCH * 16 * 8 * 8 * 4
+    assert unmodelled['Sigmoid'] == BATCH * 16 * 4
+    assert unmodelled['SELayer (functional)'] == BATCH * 16 * 8 * 8 * 4
+    assert set(unmodelled) == {'GELU', 'Sigmoid', 'SELayer (functional)'}
+    # the lean kinds are counted by their rules, not measured
+    by_category = counted.by_category(BATCH)
+    assert by_category['pool'] == BATCH * 8 * 8 * 8
+    assert by_category['unmodelled'] == sum(unmodelled.values())
+    line = counted.summary(BATCH)
+    assert "unmodelled: " in line and "GELU 0.01 MiB measured" in line
+
+
+def test_profile_predicts_every_setting_with_measured_bytes():
+    """Every last-N setting, the measured storages counted only when the
+    operations saving them are recorded: the profile's prediction equals
+    autograd's saved bytes of the model built that way."""
+    base = _gated_model()
+    profile = profile_segmentor(base, SIZE)
+    assert profile.max_layers == 7
+    for n in range(1, profile.max_layers + 1):
+        predicted = profile.cost(n, 2, BATCH).saved_bytes
+        assert predicted == _measured(_built(base, n, 2, SIZE), SIZE), n
+    assert 'backbone.se' in profile.unmodelled(profile.max_layers)
+
+
+def _stock_pspnet_r18():
+    """configs/_base_/models/pspnet_r18-d8.py as it is (BN, no auxiliary
+    head, random init) with a small data preprocessor size."""
+    init_default_scope('mmseg')
+    cfg = Config.fromfile('configs/_base_/models/pspnet_r18-d8.py')
+    cfg.model.data_preprocessor.size = STEM_SIZE
+    cfg.model.decode_head.num_classes = 3
+    torch.manual_seed(0)
+    return MODELS.build(cfg.model)
+
+
+STEM_SIZE = (64, 64)
+
+
+def test_budget_reaching_the_stem_predicts_kept_bytes():
+    """A saved-bytes budget that chooses every conv, stem and its max-pool
+    included: the prediction is within 10% of the measured bytes (it is
+    exact: the max-pool keeps its window offsets by rule)."""
+    base = _stock_pspnet_r18()
+    profile = profile_segmentor(base, STEM_SIZE)
+    limit = profile.cost(profile.max_layers, 8, BATCH).saved_mib * 1.001
+    choice = choose_by_budget(profile, dict(saved_mib=limit, radii=[8]),
+                              BATCH)
+    assert choice.num_layers == profile.max_layers
+    assert 'backbone.stem.0' in choice.radius
+    model = _built(base, choice.num_layers, choice.radius, STEM_SIZE)
+    measured = _measured(model, STEM_SIZE)
+    predicted = choice.cost.saved_bytes
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+    assert predicted == measured
+    assert profile.unmodelled(profile.max_layers) == []
