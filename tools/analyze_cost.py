@@ -150,7 +150,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             out['step_saved_bytes'] = dict(
                 total=step.total(args.batch),
                 by_category=step.by_category(args.batch),
-                unmodelled=step.unmodelled)
+                unmodelled=step.unmodelled,
+                unmodelled_measured=step.unmodelled_bytes(args.batch))
         if args.measure:
             shape = args.measure_shape or args.shape
             result = measure_memory(cfg, shape, batch=args.batch,

@@ -369,8 +369,8 @@ class _Recorder:
             pack.inputs) or [pack.tensor]
         upstream = max(self.upstream(t) for t in others)
         trained = any(t.requires_grad and t.grad_fn is None for t in others)
-        self.pack_upstream[id(pack)] = (upstream, trained)
-        self.unmodelled.on_pack(pack)
+        kept = self.unmodelled.on_pack(pack)
+        self.pack_upstream[id(kept)] = (upstream, trained)
 
     def measured_entries(self) -> List[_Entry]:
         """One entry per storage no rule covers, counted once any of the

@@ -68,8 +68,10 @@ class SavedPack:
     """A tensor autograd saved for backward during the traced step.
 
     Attributes:
-        tensor: the tensor (hold it to keep its storage from being reused
-            while the step runs).
+        tensor: the tensor (None once :meth:`slim`).
+        storage: its storage; holding it keeps the memory from being reused
+            while the step runs, without keeping the tensor (whose lifetime
+            the profile's finalizers observe) alive.
         seq: the tracer's ``seq`` when it was saved: the call it belongs to
             when ``owner`` is a leaf (leaf hooks count calls as they end).
         owner: path of the innermost module running (:data:`LOSS_OWNER`:
@@ -83,7 +85,8 @@ class SavedPack:
             tensors); empty unless the tracer follows operations.
     """
 
-    tensor: torch.Tensor
+    tensor: Optional[torch.Tensor]
+    storage: Any
     seq: int
     owner: str
     kind: str
@@ -92,12 +95,17 @@ class SavedPack:
     inputs: Sequence[torch.Tensor] = ()
 
     @property
-    def storage(self) -> int:
-        return self.tensor.untyped_storage().data_ptr()
+    def ptr(self) -> int:
+        return self.storage.data_ptr()
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.untyped_storage().nbytes()
+        return self.storage.nbytes()
+
+    def slim(self) -> 'SavedPack':
+        """The pack without its tensor and inputs (what may be kept)."""
+        return SavedPack(None, self.storage, self.seq, self.owner, self.kind,
+                         self.leaf, self.module)
 
 
 class _OperationInputs(TorchFunctionMode):
@@ -203,8 +211,8 @@ class StepTracer:
         if self.operations is not None:
             inputs = self.operations.tensors() or [
                 a for a in args if isinstance(a, torch.Tensor)]
-        self.on_pack(SavedPack(tensor, self.seq, owner, kind, leaf, module,
-                               inputs))
+        self.on_pack(SavedPack(tensor, tensor.untyped_storage(), self.seq,
+                               owner, kind, leaf, module, inputs))
 
     @contextlib.contextmanager
     def hooked(self):
@@ -274,8 +282,10 @@ class UnmodelledBytes:
     modelled_calls: Set[int] = field(default_factory=set)
     counted_storages: Set[int] = field(default_factory=set)
 
-    def on_pack(self, pack: SavedPack) -> None:
-        self.packs.append(pack)
+    def on_pack(self, pack: SavedPack) -> SavedPack:
+        """Keep ``pack`` without its tensor; returns what is kept."""
+        self.packs.append(pack.slim())
+        return self.packs[-1]
 
     def note_call(self, seq: int, items: Sequence[SavedItem],
                   modelled: bool) -> None:
@@ -289,7 +299,7 @@ class UnmodelledBytes:
         """The uncovered packs, grouped by storage, in packing order."""
         groups: Dict[int, List[SavedPack]] = {}
         for pack in self.packs:
-            groups.setdefault(pack.storage, []).append(pack)
+            groups.setdefault(pack.ptr, []).append(pack)
         out = []
         for ptr, packs in groups.items():
             if ptr in self.counted_storages:
