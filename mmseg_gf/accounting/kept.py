@@ -153,10 +153,13 @@ def describe_unmodelled(by_kind: Dict[str, int], batch: int) -> str:
     return f'unmodelled: {parts}{scaled}'
 
 
-def measured_item(path: str, kind: str, nbytes: int) -> SavedItem:
+def measured_item(path: str, kind: str, nbytes: int,
+                  constant: bool = False) -> SavedItem:
     """An ``'unmodelled'`` item: ``nbytes`` measured at batch 1, linear in
-    the batch."""
-    return SavedItem(path, 'unmodelled', int(nbytes), 1, 'linear', kind=kind)
+    the batch (``constant``: the same at any batch, e.g. a view of a
+    Parameter saved by a Linear)."""
+    return SavedItem(path, 'unmodelled', int(nbytes), 1,
+                     'const' if constant else 'linear', kind=kind)
 
 
 def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,

@@ -288,7 +288,7 @@ class _Recorder:
         self.shared: Dict[int, str] = {}
         self.alive: Dict[int, Lifetime] = {}
         self.tracer: Optional[StepTracer] = None
-        self.unmodelled = UnmodelledBytes()
+        self.unmodelled = UnmodelledBytes.of(probe)
         self.pack_upstream: Dict[int, Tuple[int, bool]] = {}
 
     def upstream(self, tensor: torch.Tensor) -> int:
@@ -380,7 +380,8 @@ class _Recorder:
             marks = [self.pack_upstream[id(p)] for p in packs]
             first = packs[0]
             entries.append(_Entry(
-                measured_item(first.owner, first.kind, first.nbytes),
+                measured_item(first.owner, first.kind, first.nbytes,
+                              self.unmodelled.is_constant(first)),
                 max(u for u, _ in marks), any(t for _, t in marks),
                 first.owner, first.seq))
         return entries
@@ -417,7 +418,7 @@ def profile_step_costs(probe: nn.Module, candidates: Sequence[nn.Module],
         tracer.step(random_batch(probe, size, 1), keep_saved=False)
         tracer.recording = False
         profile.entries.extend(recorder.measured_entries())
-        recorder.unmodelled = UnmodelledBytes()
+        recorder.unmodelled = UnmodelledBytes.of(probe)
         recorder.memo.clear()
         recorder.tags.clear()
         profile.convs.sort(key=lambda c: c.index)

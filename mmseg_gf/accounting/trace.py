@@ -275,12 +275,24 @@ class UnmodelledBytes:
     A pack is covered when its owner is a leaf whose call a rule modelled
     (the rule counts what that call keeps), or when its storage is one a
     rule counts itself (an exact conv's input, the logits: ``storage`` of
-    a :class:`~.kept.SavedItem`). Each storage counts once.
+    a :class:`~.kept.SavedItem`). Each storage counts once; one that holds
+    a Parameter or buffer of the model (a Linear saves a view of its
+    weight) counts the same at any batch.
+
+    Attributes:
+        constant_storages: storages of the model's Parameters and buffers.
     """
 
     packs: List[SavedPack] = field(default_factory=list)
     modelled_calls: Set[int] = field(default_factory=set)
     counted_storages: Set[int] = field(default_factory=set)
+    constant_storages: Set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> 'UnmodelledBytes':
+        tensors = list(model.parameters()) + list(model.buffers())
+        return cls(constant_storages={t.untyped_storage().data_ptr()
+                                      for t in tensors})
 
     def on_pack(self, pack: SavedPack) -> SavedPack:
         """Keep ``pack`` without its tensor; returns what is kept."""
@@ -310,14 +322,18 @@ class UnmodelledBytes:
                 out.append(left)
         return out
 
+    def is_constant(self, pack: SavedPack) -> bool:
+        return pack.ptr in self.constant_storages
+
     def items(self) -> List[SavedItem]:
-        """One measured item per owner (bytes at batch 1)."""
+        """Measured items per owner (bytes at batch 1; constant apart)."""
         per_owner: Dict[tuple, int] = {}
         for packs in self.by_storage():
-            key = (packs[0].owner, packs[0].kind)
-            per_owner[key] = per_owner.get(key, 0) + packs[0].nbytes
-        return [measured_item(path, kind, nbytes)
-                for (path, kind), nbytes in per_owner.items()]
+            first = packs[0]
+            key = (first.owner, first.kind, self.is_constant(first))
+            per_owner[key] = per_owner.get(key, 0) + first.nbytes
+        return [measured_item(path, kind, nbytes, constant)
+                for (path, kind, constant), nbytes in per_owner.items()]
 
 
 def trace_step_saved_bytes(model: nn.Module,
@@ -333,7 +349,7 @@ def trace_step_saved_bytes(model: nn.Module,
     size = tuple(int(v) for v in input_size)
     result = StepSavedBytes(input_size=size)
     shared: Dict[int, str] = {}
-    unmodelled = UnmodelledBytes()
+    unmodelled = UnmodelledBytes.of(model)
 
     def on_call(call: ModuleCall) -> None:
         if not call.recorded or not isinstance(call.output, torch.Tensor):

@@ -34,10 +34,24 @@ BATCH = 2
 BN = dict(type='BN', requires_grad=True)
 
 
+class LinearGate(nn.Module):
+    """CGNet's context gate: ``x * sigmoid(linear(mean(x)))``, the sigmoid
+    and the product in its own code; its Linear saves a view of its frozen
+    weight (the same bytes at any batch)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.fc = nn.Linear(channels, channels)
+
+    def forward(self, x):
+        gate = torch.sigmoid(self.fc(x.mean((2, 3))))
+        return x * gate[:, :, None, None]
+
+
 @MODELS.register_module(force=True)
 class GatedTestBackbone(BaseModule):
     """stem conv -> max-pool -> conv + frozen PReLU -> SE gate (Sigmoid)
-    -> conv + GELU -> conv + mmcv's HSigmoid."""
+    -> linear gate -> conv + GELU -> conv + mmcv's HSigmoid."""
 
     def __init__(self):
         super().__init__()
@@ -47,6 +61,7 @@ class GatedTestBackbone(BaseModule):
                                 act_cfg=dict(type='PReLU', num_parameters=16))
         self.se = SELayer(16, ratio=4, act_cfg=(dict(type='ReLU'),
                                                 dict(type='Sigmoid')))
+        self.gate = LinearGate(16)
         self.conv2 = ConvModule(16, 16, 3, 1, 1, norm_cfg=BN,
                                 act_cfg=dict(type='GELU'))
         self.conv3 = ConvModule(16, 16, 1, norm_cfg=BN,
@@ -54,7 +69,7 @@ class GatedTestBackbone(BaseModule):
 
     def forward(self, x):
         x = self.conv1(self.pool(self.stem(x)))
-        return (self.conv3(self.conv2(self.se(x))), )
+        return (self.conv3(self.conv2(self.gate(self.se(x)))), )
 
 
 def _gated_model():
@@ -94,12 +109,16 @@ def test_trace_measures_the_se_gate_and_matches_a_real_step():
     counted = trace_step_saved_bytes(model, SIZE)
     assert counted.total(BATCH) == _measured(model, SIZE)
     unmodelled = counted.unmodelled_bytes(BATCH)
-    # Sigmoid keeps its output, the gate product x and the gate, GELU its
-    # input: 16 channels at 8x8 (the gate 16 x 1 x 1), float32, batch 2
+    # Sigmoid keeps its output, the gate products x and the gate, GELU its
+    # input: 16 channels at 8x8 (the gates 16 x 1 x 1), float32, batch 2
     assert unmodelled['GELU'] == BATCH * 16 * 8 * 8 * 4
     assert unmodelled['Sigmoid'] == BATCH * 16 * 4
     assert unmodelled['SELayer (functional)'] == BATCH * 16 * 8 * 8 * 4
-    assert set(unmodelled) == {'GELU', 'Sigmoid', 'SELayer (functional)'}
+    assert unmodelled['LinearGate (functional)'] == \
+        BATCH * 16 * (8 * 8 + 1) * 4
+    assert unmodelled['Linear'] == 16 * 16 * 4  # its weight, transposed
+    assert set(unmodelled) == {'GELU', 'Sigmoid', 'SELayer (functional)',
+                               'LinearGate (functional)', 'Linear'}
     # the lean kinds are counted by their rules, not measured
     by_category = counted.by_category(BATCH)
     assert by_category['pool'] == BATCH * 8 * 8 * 8
