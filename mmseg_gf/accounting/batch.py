@@ -47,10 +47,20 @@ def random_batch(model: nn.Module,
                                mode='nearest')[0, :, :h, :w].long()
         sample = SegDataSample()
         sample.gt_sem_seg = PixelData(data=labels.to(device))
+        # heads with a boundary loss (PIDNet) read an edge map
+        sample.gt_edge_map = PixelData(data=_edges(labels).to(device))
         sample.set_metainfo(
             dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w)))
         samples.append(sample)
     return inputs, samples
+
+
+def _edges(labels: torch.Tensor) -> torch.Tensor:
+    """1 where a label differs from its right or lower neighbour."""
+    edges = torch.zeros_like(labels)
+    edges[..., :, :-1] |= (labels[..., :, 1:] != labels[..., :, :-1]).long()
+    edges[..., :-1, :] |= (labels[..., 1:, :] != labels[..., :-1, :]).long()
+    return edges
 
 
 def training_loss(model: nn.Module, inputs, data_samples):

@@ -13,7 +13,9 @@ trained conv, ``gf``        patch sums of its input, ``N*Ci*cells``
                             elements (:func:`~.conv_cost.conv_backward_cost`)
 trained conv, exact         its input ``N*Ci*H*W`` (once per input tensor:
 (``vanilla``, classifier)   convs sharing an input share what they keep)
-frozen conv                 nothing (its weight is a live Parameter)
+frozen conv                 nothing (its weight is a live Parameter);
+                            in the gradient path autograd keeps its
+                            input: measured (below)
 lean frozen norm            ``C`` float32 scales
 lean ReLU/ReLU6/LeakyReLU,  1 bit per element, ``ceil(N*C*H*W / 8)`` bytes
 Hardsigmoid/HSigmoid,       (a frozen PReLU's slope is its Parameter)
@@ -22,6 +24,7 @@ lean max-pool               a uint8 window offset per output element
 lean element-wise dropout   1 bit per element
 adaptive average pooling    nothing (lean: its input's shape; to 1x1 it
                             is a mean, which keeps nothing)
+lean ``AvgPool2d``          nothing (its input's shape)
 ``Dropout2d`` (training)    its noise, one value per channel: ``N*C``
 a head's lean loss          the low-resolution logits ``N*K*h*w``
 ==========================  ===============================================
@@ -165,6 +168,10 @@ def measured_item(path: str, kind: str, nbytes: int,
 def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
                out: torch.Tensor) -> Optional[SavedItem]:
     if not conv.weight.requires_grad:
+        if x.requires_grad:
+            # autograd's convolution keeps its input even when only g_x is
+            # needed (a frozen auxiliary head's conv): measured
+            raise LookupError(path)
         return None
     eb = x.element_size()
     if isinstance(conv, GFConv2d) and conv.enabled:
@@ -208,6 +215,8 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
         return SavedItem(path, kind, x[0].numel(), rule='bits')
     if kind == 'dropout' and module.training and module.p != 0:
         return SavedItem(path, kind, x[0].numel(), rule='bits')
+    if kind == 'pool' and isinstance(module, nn.AvgPool2d) and x.dim() == 4:
+        return None
     if kind == 'pool' and isinstance(module, nn.MaxPool2d):
         if not module.keeps_offsets(x):
             raise LookupError(path)

@@ -203,7 +203,8 @@ class StepTracer:
             module, args = self._stack[-1]
             leaf = not any(True for _ in module.children())
             owner = self._paths.get(module, type(module).__name__)
-            kind = type(module).__name__ + ('' if leaf else ' (functional)')
+            plain = getattr(type(module), '_plain_class', type(module))
+            kind = plain.__name__ + ('' if leaf else ' (functional)')
         else:
             module, args, leaf, owner, kind = None, (), False, LOSS_OWNER, \
                 LOSS_OWNER
@@ -222,16 +223,35 @@ class StepTracer:
             m.register_forward_hook(self._hook) for m in self.model.modules()
             if not any(True for _ in m.children())
         ]
+        heads = []
         if self.on_pack is not None:
             for m in self.model.modules():
                 handles.append(m.register_forward_pre_hook(self._enter))
                 handles.append(m.register_forward_hook(self._leave,
                                                        always_call=True))
+                if hasattr(m, 'loss_by_feat') and 'forward' not in vars(m):
+                    m.forward = self._stacked(m, m.forward)
+                    heads.append(m)
         try:
             yield self
         finally:
             for h in handles:
                 h.remove()
+            for m in heads:
+                del m.forward
+
+    def _stacked(self, module: nn.Module, forward: Callable) -> Callable:
+        """``forward`` on the module stack: mmseg's heads call
+        ``self.forward`` from ``loss``, bypassing the module hooks."""
+
+        def run(*args, **kwargs):
+            self._enter(module, args)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._stack.pop()
+
+        return run
 
     def step(self, batch, keep_saved: bool = True) -> Dict[str, Any]:
         """One training forward + loss on ``batch`` (``(inputs,

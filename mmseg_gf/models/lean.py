@@ -14,7 +14,8 @@ What becomes lean:
   SyncBN) in eval mode with no trainable parameter: keeps ``C`` scales.
 * ``ReLU``, ``ReLU6`` / ``Hardtanh``, ``LeakyReLU``, ``Hardsigmoid``,
   mmcv's ``HSigmoid``, ``PReLU`` with a frozen slope: keep 1 bit per element.
-* ``MaxPool2d``: keeps a uint8 window offset per output element.
+* ``MaxPool2d``: keeps a uint8 window offset per output element;
+  ``AvgPool2d`` (4-D): its input's shape only.
 * ``Dropout`` (element-wise): keeps 1 bit per element.
 * ``AdaptiveAvgPool2d`` to more than 1x1 (PSPNet's pyramid): keeps the
   input's shape only.
@@ -39,7 +40,8 @@ from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
 from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
                                    PiecewiseLinearActivationFunction,
                                    clamp_bits, hardsigmoid_bits)
-from ..ops.lean_pool import MAX_WINDOW, WindowOffsetMaxPoolFunction
+from ..ops.lean_pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
+                             WindowOffsetMaxPoolFunction)
 from .lean_loss import chunkable_losses, chunked_cross_entropy_losses
 
 try:
@@ -163,6 +165,20 @@ class _LeanMaxPool:
             _pair(self.dilation), bool(self.ceil_mode))
 
 
+class _LeanAvgPool:
+    """``AvgPool2d`` keeping its input's shape only (its backward is
+    linear)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _recording(x) or x.dim() != 4:
+            return super().forward(x)
+        stride = self.stride if self.stride else self.kernel_size
+        return ShapeOnlyAvgPoolFunction.apply(
+            x, _pair(self.kernel_size), _pair(stride), _pair(self.padding),
+            bool(self.ceil_mode), bool(self.count_include_pad),
+            self.divisor_override)
+
+
 def _pair(v) -> tuple:
     return tuple(int(i) for i in v) if isinstance(v, (tuple, list)) else (
         int(v), int(v))
@@ -218,9 +234,10 @@ _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
 _CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
 #: Lean variants chosen by class rather than by kind.
 _CLASS_MIXINS = {nn.Hardsigmoid: _LeanHardsigmoid, nn.PReLU: _LeanPReLU,
-                 nn.MaxPool2d: _LeanMaxPool}
+                 nn.MaxPool2d: _LeanMaxPool, nn.AvgPool2d: _LeanAvgPool}
 if HSigmoid is not None:
     _CLASS_MIXINS[HSigmoid] = _LeanHSigmoid
+_POOLS = (nn.MaxPool2d, nn.AvgPool2d)
 
 
 def _base_decode_head_loss():
@@ -241,7 +258,7 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return 'activation'
     plain = getattr(type(module), '_plain_class', type(module))
     if plain in _CLASS_MIXINS:
-        return 'pool' if plain is nn.MaxPool2d else 'activation'
+        return 'pool' if plain in _POOLS else 'activation'
     if type(module) is nn.Dropout or isinstance(module, _LeanDropout):
         return 'dropout'
     if isinstance(module, nn.AdaptiveAvgPool2d):

@@ -1,4 +1,11 @@
-"""Max pooling keeping the window offset of each maximum, not its input.
+"""Pooling that keeps what its backward needs, not its input.
+
+Average pooling is linear: its backward (``avg_pool2d_backward``) needs only
+the input's geometry, so :class:`ShapeOnlyAvgPoolFunction` keeps that
+(LRASPP's image pool, STDC's and CGNet's downsamplers keep their input
+under autograd).
+
+Max pooling keeps the window offset of each maximum, not its input.
 
 Autograd's ``max_pool2d`` keeps its input and an int64 index per output
 element (a ResNet stem's pool: 8 + 4 bytes per output element plus the
@@ -17,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-__all__ = ['WindowOffsetMaxPoolFunction', 'MAX_WINDOW', 'window_offsets',
-           'flat_indices']
+__all__ = ['WindowOffsetMaxPoolFunction', 'ShapeOnlyAvgPoolFunction',
+           'MAX_WINDOW', 'window_offsets', 'flat_indices']
 
 #: Largest window (``kernel_h * kernel_w``) whose offsets fit a uint8.
 MAX_WINDOW = 256
@@ -88,13 +95,41 @@ class WindowOffsetMaxPoolFunction(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         offsets, = ctx.saved_tensors
-        shape, strides, dtype, device = ctx.like
-        indices = flat_indices(offsets, shape[-1], *ctx.geometry)
-        # the kernel reads only the input's geometry, never its values
-        like = torch.empty_strided(shape, strides, dtype=dtype,
-                                   device=device)
+        indices = flat_indices(offsets, ctx.like[0][-1], *ctx.geometry)
         kernel, stride, padding, dilation = ctx.geometry
         g = torch.ops.aten.max_pool2d_with_indices_backward(
-            grad, like, kernel, stride, padding, dilation, ctx.ceil_mode,
-            indices)
+            grad, _like(ctx.like), kernel, stride, padding, dilation,
+            ctx.ceil_mode, indices)
         return g, None, None, None, None, None
+
+
+def _like(geometry) -> Tensor:
+    """An uninitialised tensor of a recorded input's shape and strides:
+    the pooling backward kernels read only its geometry."""
+    shape, strides, dtype, device = geometry
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+
+class ShapeOnlyAvgPoolFunction(Function):
+    """``avg_pool2d`` keeping its input's shape only.
+
+    Args (of ``apply``): ``x``, then ``kernel``, ``stride``, ``padding`` (int
+    pairs), ``ceil_mode``, ``count_include_pad``, ``divisor_override``, as
+    ``torch.nn.functional.avg_pool2d`` takes them; the backward calls the
+    kernel autograd calls, so the gradient is autograd's bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: Pair, stride: Pair, padding: Pair,
+                ceil_mode: bool, count_include_pad: bool,
+                divisor_override) -> Tensor:
+        ctx.args = (kernel, stride, padding, ceil_mode, count_include_pad,
+                    divisor_override)
+        ctx.like = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        return torch.ops.aten.avg_pool2d(x, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        g = torch.ops.aten.avg_pool2d_backward(grad, _like(ctx.like),
+                                               *ctx.args)
+        return (g, ) + (None, ) * 6

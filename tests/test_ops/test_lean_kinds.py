@@ -181,3 +181,21 @@ def test_max_pool_grid(kernel, stride, padding, dilation, ceil_mode):
     gen = torch.Generator().manual_seed(kernel * 100 + stride)
     x0 = torch.randint(0, 4, (1, 2, 7, 9), generator=gen).float()
     _assert_same(plain, lean, x0)
+
+
+@pytest.mark.parametrize('kwargs', [
+    dict(kernel_size=3, stride=2, padding=1),  # STDC, CGNet downsamplers
+    dict(kernel_size=49, stride=(16, 20)),  # LRASPP's image pool
+    dict(kernel_size=3, stride=2, padding=1, ceil_mode=True,
+         count_include_pad=False),
+    dict(kernel_size=(2, 3), divisor_override=5),
+])
+def test_avg_pool_same_forward_grad_and_keeps_shape_only(kwargs):
+    plain = nn.AvgPool2d(**kwargs)
+    lean = _lean_copy(plain)
+    assert lean_kind(lean) == 'pool'
+    size = (64, 70) if kwargs['kernel_size'] == 49 else (9, 11)
+    x0 = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(4))
+    _assert_same(plain, lean, x0)
+    assert _kept(lean, x0) == 0
+    assert _kept(plain, x0) == x0.numel() * 4
