@@ -211,7 +211,9 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
     trained = any(p.requires_grad for p in module.parameters())
     if kind == 'norm' and not trained and not module.training:
         return SavedItem(path, 'norm', x.shape[1], 4, 'const')
-    if kind == 'activation' and not trained:
+    if kind == 'activation' and not trained and not (
+            getattr(module, 'inplace', False) and x._is_view()):
+        # (in place on a view, the plain module runs: measured)
         return SavedItem(path, kind, x[0].numel(), rule='bits')
     if kind == 'dropout' and module.training and module.p != 0:
         return SavedItem(path, kind, x[0].numel(), rule='bits')
