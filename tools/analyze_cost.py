@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 from mmengine.config import Config, DictAction
 
 import mmseg_gf  # noqa: F401  (registers GFConv2d, GradFilterModel, ...)
+from mmseg_gf.accounting.report import step_kept_table
 from mmseg_gf.analysis.cost_report import (cost_summary_lines,
                                            measured_memory_table,
                                            model_cost_table)
@@ -147,6 +148,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         step = config_step_saved_bytes(cfg, args.shape)
         if step is not None:
             print(step.summary(args.batch))
+            print(step_kept_table(step, args.batch))
             out['step_saved_bytes'] = dict(
                 total=step.total(args.batch),
                 by_category=step.by_category(args.batch),

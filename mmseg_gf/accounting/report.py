@@ -9,8 +9,9 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from .format import fmt_flops_short, fmt_mib, format_table
+from .kept import StepSavedBytes
 
-__all__ = ['chosen_layers_table']
+__all__ = ['chosen_layers_table', 'step_kept_table']
 
 
 def _log_mib(v: float) -> str:
@@ -70,3 +71,19 @@ def chosen_layers_table(model: nn.Module,
              'convs')
     return title + '\n' + format_table(header, rows, style='text',
                                        rule=False)
+
+
+def step_kept_table(step: StepSavedBytes, batch: int = 1) -> str:
+    """What the whole step keeps for backward, by category, then each kind
+    no rule covers with its measured bytes (``unmodelled: GELU``, ...;
+    measured at batch 1, scaled linearly to ``batch``), never as zero."""
+    rows = [(name, _log_mib(v), 'rule')
+            for name, v in step.by_category(batch).items()
+            if v and name != 'unmodelled']
+    rows += [(f'unmodelled: {kind}', _log_mib(v), 'measured')
+             for kind, v in step.unmodelled_bytes(batch).items()]
+    rows.append(('total', _log_mib(step.total(batch)), ''))
+    title = f'Kept for backward by the whole step, batch {batch}'
+    return title + '\n' + format_table(('what', 'kept', 'how'), rows,
+                                        align='lrl', style='text',
+                                        rule=False)

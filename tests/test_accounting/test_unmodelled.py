@@ -171,3 +171,18 @@ def test_budget_reaching_the_stem_predicts_kept_bytes():
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
     assert predicted == measured
     assert profile.unmodelled(profile.max_layers) == []
+
+
+def test_kept_table_names_each_unmodelled_kind():
+    from mmseg_gf.accounting.report import step_kept_table
+    model = _built(_gated_model(), 7, 2, SIZE)
+    table = step_kept_table(trace_step_saved_bytes(model, SIZE), BATCH)
+    lines = table.splitlines()
+    assert lines[0] == f'Kept for backward by the whole step, batch {BATCH}'
+    kinds = [line.split()[1] for line in lines if line.startswith(
+        'unmodelled: ')]
+    assert sorted(kinds) == ['GELU', 'Linear', 'LinearGate', 'SELayer',
+                             'Sigmoid']
+    assert all(line.rstrip().endswith('measured') for line in lines
+               if line.startswith('unmodelled: '))
+    assert lines[-1].startswith('total')

@@ -19,7 +19,7 @@ from mmseg.registry import HOOKS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ...accounting.report import chosen_layers_table
+from ...accounting.report import chosen_layers_table, step_kept_table
 from ...accounting.trace import trace_step_saved_bytes
 from ...models.segmentor import set_frozen_norms_eval, unwrap_model
 from ..checkpoint import check_checkpoint_matches
@@ -171,8 +171,9 @@ class GradFilterHook(Hook):
         runner.logger.info('\n' + chosen_layers_table(
             model, choices, batch, state.mode, needs))
         if state.lean:
-            runner.logger.info(
-                trace_step_saved_bytes(model, size).summary(batch))
+            step = trace_step_saved_bytes(model, size)
+            runner.logger.info(step.summary(batch))
+            runner.logger.info('\n' + step_kept_table(step, batch))
 
     def before_train_iter(self, runner, batch_idx: int,
                           data_batch: Any = None) -> None:
