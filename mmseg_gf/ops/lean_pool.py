@@ -45,27 +45,44 @@ def _window_starts(out_hw: Sequence[int], stride: Pair, padding: Pair,
 def window_offsets(indices: Tensor, width: int, kernel: Pair, stride: Pair,
                    padding: Pair, dilation: Pair) -> Tensor:
     """uint8 ``kh * kW + kw`` of each maximum from torch's flat indices
-    (``row * width + col`` in the input plane)."""
+    (``row * width + col`` in the input plane). ``indices`` is overwritten:
+    in place, one int64 temporary of its size is made, not five."""
     top, left = _window_starts(indices.shape[-2:], stride, padding,
                                indices.device)
-    row = torch.div(indices, width, rounding_mode='floor')
-    col = indices - row * width
-    kh = torch.div(row - top, dilation[0], rounding_mode='floor')
-    kw = torch.div(col - left, dilation[1], rounding_mode='floor')
-    return (kh * kernel[1] + kw).to(torch.uint8)
+    rows = torch.div(indices, width, rounding_mode='floor')
+    cols = indices.sub_(rows, alpha=width)
+    kh = rows.sub_(top).div_(dilation[0], rounding_mode='floor')
+    kw = cols.sub_(left).div_(dilation[1], rounding_mode='floor')
+    return kh.mul_(kernel[1]).add_(kw).to(torch.uint8)
 
 
 def flat_indices(offsets: Tensor, width: int, kernel: Pair, stride: Pair,
                  padding: Pair, dilation: Pair) -> Tensor:
-    """Inverse of :func:`window_offsets`: torch's int64 flat indices."""
+    """Inverse of :func:`window_offsets`: torch's int64 flat indices (the
+    window coordinates split in uint8, one int64 tensor made)."""
     top, left = _window_starts(offsets.shape[-2:], stride, padding,
                                offsets.device)
-    off = offsets.long()
-    kh = torch.div(off, kernel[1], rounding_mode='floor')
-    kw = off - kh * kernel[1]
-    row = top + kh * dilation[0]
-    col = left + kw * dilation[1]
-    return (row * width + col).contiguous()
+    kh = torch.div(offsets, kernel[1], rounding_mode='floor')
+    kw = offsets - kh * kernel[1]
+    index = kh.long().mul_(dilation[0]).add_(top).mul_(width)
+    return index.add_(left).add_(kw, alpha=dilation[1])
+
+
+def _like(geometry) -> Tensor:
+    """A tensor of a recorded input's shape for the pooling backward
+    kernels, which read only its geometry: a contiguous input's is a
+    broadcast scalar (no memory), any other an uninitialised tensor of its
+    strides (the kernels follow its memory format)."""
+    shape, strides, dtype, device, contiguous = geometry
+    if contiguous:
+        return torch.empty((1, ) * len(shape), dtype=dtype,
+                           device=device).expand(shape)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+
+def _geometry(x: Tensor) -> tuple:
+    return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device,
+            x.is_contiguous())
 
 
 class WindowOffsetMaxPoolFunction(Function):
@@ -89,7 +106,7 @@ class WindowOffsetMaxPoolFunction(Function):
                                              *geometry))
         ctx.geometry = geometry
         ctx.ceil_mode = ceil_mode
-        ctx.like = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        ctx.like = _geometry(x)
         return out
 
     @staticmethod
@@ -101,13 +118,6 @@ class WindowOffsetMaxPoolFunction(Function):
             grad, _like(ctx.like), kernel, stride, padding, dilation,
             ctx.ceil_mode, indices)
         return g, None, None, None, None, None
-
-
-def _like(geometry) -> Tensor:
-    """An uninitialised tensor of a recorded input's shape and strides:
-    the pooling backward kernels read only its geometry."""
-    shape, strides, dtype, device = geometry
-    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
 class ShapeOnlyAvgPoolFunction(Function):
@@ -125,7 +135,7 @@ class ShapeOnlyAvgPoolFunction(Function):
                 divisor_override) -> Tensor:
         ctx.args = (kernel, stride, padding, ceil_mode, count_include_pad,
                     divisor_override)
-        ctx.like = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        ctx.like = _geometry(x)
         return torch.ops.aten.avg_pool2d(x, *ctx.args)
 
     @staticmethod

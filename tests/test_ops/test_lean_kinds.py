@@ -197,5 +197,7 @@ def test_avg_pool_same_forward_grad_and_keeps_shape_only(kwargs):
     size = (64, 70) if kwargs['kernel_size'] == 49 else (9, 11)
     x0 = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(4))
     _assert_same(plain, lean, x0)
+    # a channels-last input: the backward follows its memory format
+    _assert_same(plain, lean, x0.contiguous(memory_format=torch.channels_last))
     assert _kept(lean, x0) == 0
     assert _kept(plain, x0) == x0.numel() * 4
