@@ -361,14 +361,17 @@ class _Recorder:
 
     def on_pack(self, pack: SavedPack) -> None:
         """A saved tensor: held (unless a candidate saved it) with the last
-        candidate behind the operation's other inputs: it is saved when
-        they need a gradient, i.e. once that candidate is trained."""
+        candidate behind the inputs of the operation saving it: the
+        operation records once that candidate is trained (or always, when
+        an input is a trained Parameter). Counted whenever the operation
+        records: a tensor an operation saves only for another input's
+        gradient (the gate of ``x * gate``, for ``x``'s) is over-counted
+        for the settings where that input needs none."""
         if pack.module in self.index:
             return
-        others = [t for t in pack.inputs if t is not pack.tensor] or list(
-            pack.inputs) or [pack.tensor]
-        upstream = max(self.upstream(t) for t in others)
-        trained = any(t.requires_grad and t.grad_fn is None for t in others)
+        inputs = list(pack.inputs) or [pack.tensor]
+        upstream = max(self.upstream(t) for t in inputs)
+        trained = any(t.requires_grad and t.grad_fn is None for t in inputs)
         kept = self.unmodelled.on_pack(pack)
         self.pack_upstream[id(kept)] = (upstream, trained)
 

@@ -52,7 +52,8 @@ class LinearGate(nn.Module):
 @MODELS.register_module(force=True)
 class GatedTestBackbone(BaseModule):
     """stem conv -> max-pool -> conv + frozen PReLU -> SE gate (Sigmoid)
-    -> linear gate -> conv + GELU -> conv + mmcv's HSigmoid."""
+    -> linear gate -> conv + GELU -> conv + mmcv's HSigmoid (then a
+    decode head and a frozen auxiliary head)."""
 
     def __init__(self):
         super().__init__()
@@ -85,6 +86,12 @@ def _gated_model():
                          num_convs=1, concat_input=False, num_classes=3,
                          norm_cfg=BN, dropout_ratio=0.0,
                          loss_decode=dict(type='CrossEntropyLoss')),
+        # frozen, in the gradient path: autograd keeps its convs' inputs
+        auxiliary_head=dict(type='FCNHead', in_channels=16, channels=8,
+                            num_convs=1, concat_input=False, num_classes=3,
+                            norm_cfg=BN, dropout_ratio=0.0,
+                            loss_decode=dict(type='CrossEntropyLoss',
+                                             loss_weight=0.4)),
         train_cfg=dict(), test_cfg=dict(mode='whole')))
 
 
@@ -118,8 +125,10 @@ def test_trace_measures_the_se_gate_and_matches_a_real_step():
     assert unmodelled['LinearGate (functional)'] == \
         BATCH * 16 * (8 * 8 + 1) * 4
     assert unmodelled['Linear'] == 16 * 16 * 4  # its weight, transposed
+    # the auxiliary head's frozen convs: 16, then 8 channels at 8x8
+    assert unmodelled['Conv2d'] == BATCH * (16 + 8) * 8 * 8 * 4
     assert set(unmodelled) == {'GELU', 'Sigmoid', 'SELayer (functional)',
-                               'LinearGate (functional)', 'Linear'}
+                               'LinearGate (functional)', 'Linear', 'Conv2d'}
     # the lean kinds are counted by their rules, not measured
     by_category = counted.by_category(BATCH)
     assert by_category['pool'] == BATCH * 8 * 8 * 8
@@ -186,8 +195,8 @@ def test_kept_table_names_each_unmodelled_kind():
     assert lines[0] == f'Kept for backward by the whole step, batch {BATCH}'
     kinds = [line.split()[1] for line in lines if line.startswith(
         'unmodelled: ')]
-    assert sorted(kinds) == ['GELU', 'Linear', 'LinearGate', 'SELayer',
-                             'Sigmoid']
+    assert sorted(kinds) == ['Conv2d', 'GELU', 'Linear', 'LinearGate',
+                             'SELayer', 'Sigmoid']
     assert all(line.rstrip().endswith('measured') for line in lines
                if line.startswith('unmodelled: '))
     assert lines[-1].startswith('total')
