@@ -25,7 +25,8 @@ What becomes lean:
 
 Everything else keeps autograd's default (GroupNorm / LayerNorm, whose
 backward needs their input; GELU, Sigmoid, HSwish and other smooth
-activations, a trained PReLU; ``Dropout2d``, whose noise is already one value per channel).
+activations, a trained PReLU; ``Dropout2d``, whose noise is already one
+value per channel).
 """
 from typing import Dict, Optional, Type
 

@@ -8,7 +8,8 @@ it). :class:`PiecewiseLinearActivationFunction` keeps the bit (and, for
 PReLU, the slope Parameter itself, which is alive anyway) and rebuilds the
 gradient with the same floating-point operations as autograd's formula, so
 gradients are equal bit for bit (``tests/test_ops/test_lean_kinds.py``).
-ReLU, ReLU6/Hardtanh and LeakyReLU are :class:`~.lean.MaskedActivationFunction`.
+ReLU, ReLU6/Hardtanh and LeakyReLU use
+:class:`~.lean.MaskedActivationFunction`.
 """
 import math
 from typing import Callable, Optional
