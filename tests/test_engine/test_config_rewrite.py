@@ -135,7 +135,7 @@ def test_runner_config_rewrite(workspace):
     assert not model.backbone.layer4[1].bn2.training  # frozen norm in eval
     # the checkpoint has plain mmseg keys
     state = torch.load(osp.join(runner.work_dir, 'iter_3.pth'),
-                       map_location='cpu', weights_only=False)['state_dict']
+                       map_location='cpu')['state_dict']
     assert set(state) == set(workspace['init_state'])
 
 
