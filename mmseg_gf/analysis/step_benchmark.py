@@ -306,29 +306,39 @@ def _ratio(v: Optional[float], digits: int = 2) -> str:
 
 
 def step_table(result: Dict) -> str:
-    """One model's rows as a markdown table."""
-    return format_table(
-        ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
-         'lean / plain step', 'peak MiB', 'peak / inference', 'saved MiB',
-         'analytic MiB', 'saved / vanilla plain', '20k steps (h)'),
-        [(r['row'], _seconds(r.get('forward')), _seconds(r.get('backward')),
-          _seconds(r.get('step')), _ratio(r.get('step_vs_inference')),
-          _ratio(r.get('step_vs_plain'), 3), _mib(r['peak_bytes']),
-          _ratio(r.get('peak_vs_inference')), _mib(r['saved_bytes']),
-          _mib(r.get('analytic_saved_bytes')),
-          _ratio(r.get('saved_vs_vanilla_plain'), 3),
-          '' if 'step' not in r else
-          f"{r['step'] * FINETUNE_ITERS / 3600:.1f}")
-         for r in result['rows']], align='l' + 'r' * 11)
+    """One model's rows as a markdown table, without the columns that no
+    row measured (times of a memory-only run, bytes of a ``--no-memory``
+    run)."""
+    headers = ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
+               'lean / plain step', 'peak MiB', 'peak / inference',
+               'saved MiB', 'analytic MiB', 'saved / vanilla plain',
+               '20k steps (h)')
+    rows = [(r['row'], _seconds(r.get('forward')), _seconds(r.get('backward')),
+             _seconds(r.get('step')), _ratio(r.get('step_vs_inference')),
+             _ratio(r.get('step_vs_plain'), 3), _mib(r['peak_bytes']),
+             _ratio(r.get('peak_vs_inference')), _mib(r['saved_bytes']),
+             _mib(r.get('analytic_saved_bytes')),
+             _ratio(r.get('saved_vs_vanilla_plain'), 3),
+             '' if 'step' not in r else
+             f"{r['step'] * FINETUNE_ITERS / 3600:.1f}")
+            for r in result['rows']]
+    keep = [i for i in range(len(headers))
+            if i == 0 or any(row[i] != '' for row in rows)]
+    return format_table([headers[i] for i in keep],
+                        [[row[i] for i in keep] for row in rows],
+                        align='l' + 'r' * (len(keep) - 1))
 
 
 def _seconds(v: Optional[float]) -> str:
     return '' if v is None else f'{v:.3f}'
 
 
-#: The plot's panels: result key, title.
-PLOT_PANELS = (('peak_vs_inference', 'step peak / inference peak'),
-               ('step_vs_inference', 'step time / inference forward time'))
+#: The plot's panels: result key, title, a line at 1 (the yardstick).
+PLOT_PANELS = (('peak_vs_inference', 'step peak / inference peak', True),
+               ('step_vs_inference', 'step time / inference forward time',
+                True),
+               ('saved_vs_vanilla_plain', 'kept for backward / vanilla, the '
+                'same layers, lean=False', False))
 
 
 def _row_values(results: Sequence[Dict], row: str, key: str) -> List[float]:
@@ -349,13 +359,29 @@ def _model_label(res: Dict, crops_differ: bool) -> str:
     return label
 
 
-def plot(results: Sequence[Dict], path: str) -> bool:
-    """Step peak and step time per row, relative to inference, one group
-    of bars per model (matplotlib, Agg).
+def _measured_panels(results: Sequence[Dict], names: Sequence[str]):
+    """``(key, title, line at 1, rows that have the key)`` for each panel
+    some row measured; the vanilla rows' own kept ratio (1) is left out."""
+    panels = []
+    for key, title, yardstick in PLOT_PANELS:
+        rows = [name for name in names
+                if any(v == v for v in _row_values(results, name, key))
+                and not (key == 'saved_vs_vanilla_plain'
+                         and name.startswith('vanilla'))]
+        if rows:
+            panels.append((key, title, yardstick, rows))
+    return panels
 
-    Only what was measured is drawn: a panel per ratio that some row has
-    (a memory-only run has no time panel, a ``--no-memory`` run no peak
-    panel); the legend sits below the panels, clear of the bars.
+
+def plot(results: Sequence[Dict], path: str) -> bool:
+    """Ratios per row, one group of bars per model, one panel per ratio
+    (matplotlib, Agg): step peak and step time over inference, bytes kept
+    for backward over the same layers' vanilla ``lean=False`` step.
+
+    Only what was measured is drawn: a memory-only run has no time panel, a
+    ``--no-memory`` run no peak or kept panel; one legend for all panels
+    sits below them, clear of the bars (a row keeps its colour in every
+    panel).
 
     Returns:
         whether a plot was written (``False``: no ratio was measured).
@@ -365,39 +391,37 @@ def plot(results: Sequence[Dict], path: str) -> bool:
     import matplotlib.pyplot as plt
     import numpy as np
     names = [r['row'] for r in results[0]['rows'] if r['lean'] is not None]
-    panels = [(key, title) for key, title in PLOT_PANELS
-              if any(not np.isnan(v) for name in names
-                     for v in _row_values(results, name, key))]
+    panels = _measured_panels(results, names)
     if not panels:
         return False
+    colours = {name: f'C{i % 10}' for i, name in enumerate(names)}
     crops_differ = len({tuple(res['crop']) for res in results}) > 1
-    fig, axes = plt.subplots(
-        1, len(panels), squeeze=False,
-        figsize=(max(6.0, 0.45 * len(names) * len(results) + 2) *
-                 len(panels), 4.8))
-    width = 0.8 / max(1, len(names))
+    width_in = min(20.0, max(7.0, 0.3 * len(names) * len(results) + 2))
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(width_in, 3.2 * len(panels) + 1.2))
     x = np.arange(len(results))
-    for ax, (key, title) in zip(axes[0], panels):
-        for i, name in enumerate(names):
-            ax.bar(x + (i - len(names) / 2 + 0.5) * width,
-                   _row_values(results, name, key), width, label=name)
-        ax.axhline(1.0, color='k', lw=0.8)
+    for ax, (key, title, yardstick, rows) in zip(axes[:, 0], panels):
+        width = 0.8 / len(rows)
+        for i, name in enumerate(rows):
+            ax.bar(x + (i - len(rows) / 2 + 0.5) * width,
+                   _row_values(results, name, key), width,
+                   color=colours[name])
+        if yardstick:
+            ax.axhline(1.0, color='k', lw=0.8)
         ax.set_xticks(x, [_model_label(res, crops_differ)
-                          for res in results],
-                      rotation=30 if len(results) > 4 else 0, ha='right'
-                      if len(results) > 4 else 'center', fontsize=8)
-        ax.set_title(title)
+                          for res in results], fontsize=8)
+        ax.set_title(title, fontsize=10)
         ax.grid(axis='y', alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc='lower center', ncol=min(len(names), 6),
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names]
+    fig.legend(handles, names, loc='lower center', ncol=min(len(names), 6),
                fontsize=8, frameon=False)
     first = results[0]
     crop = '' if crops_differ else \
         f"crop {first['crop'][0]}x{first['crop'][1]}, "
     fig.suptitle(f"{crop}batch {first['batch']}, {first['threads']} "
-                 f"threads, torch {first['torch']}")
-    rows_of_legend = -(-len(names) // 6)
-    fig.tight_layout(rect=(0, 0.04 + 0.05 * rows_of_legend, 1, 1))
+                 f"threads, torch {first['torch']}", fontsize=10)
+    legend_in = 0.3 * -(-len(names) // 6) + 0.1
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

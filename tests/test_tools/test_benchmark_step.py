@@ -146,3 +146,34 @@ def test_family_crops():
     with pytest.raises(SystemExit):
         benchmark_step.parse_args(['--families', 'stdc1', '--family-crop',
                                    'cgnet=64'])
+
+
+def test_the_plot_draws_only_what_was_measured(tmp_path):
+    """A memory-only run plots peak and kept ratios, a --no-memory run the
+    time ratio only; the vanilla rows' own kept ratio (1) is not drawn."""
+    from mmseg_gf.analysis.step_benchmark import _measured_panels, plot
+
+    def result(memory: bool, timed: bool):
+        rows = [dict(row='inference', lean=None)]
+        for name, kept in (('vanilla_last5:plain', 1.0),
+                           ('gf_last5_r4:lean', 0.1)):
+            row = dict(row=name, lean=name.endswith('lean'))
+            if memory:
+                row.update(peak_vs_inference=1.5,
+                           saved_vs_vanilla_plain=kept)
+            if timed:
+                row.update(step_vs_inference=1.2)
+            rows.append(row)
+        return dict(model='m', label='M', crop=[64, 64], batch=2,
+                    threads=1, torch='x', rows=rows)
+
+    names = ['vanilla_last5:plain', 'gf_last5_r4:lean']
+    panels = _measured_panels([result(True, False)], names)
+    assert [(p[0], p[3]) for p in panels] == [
+        ('peak_vs_inference', names),
+        ('saved_vs_vanilla_plain', ['gf_last5_r4:lean'])]
+    panels = _measured_panels([result(False, True)], names)
+    assert [p[0] for p in panels] == ['step_vs_inference']
+    assert not plot([result(False, False)], str(tmp_path / 'none.png'))
+    assert not (tmp_path / 'none.png').exists()
+    assert plot([result(True, True)], str(tmp_path / 'all.png'))
