@@ -48,9 +48,10 @@ def _plain_conv_classes() -> tuple:
 
 
 def is_filterable_conv(module: nn.Module) -> bool:
-    """True for convs whose forward is exactly ``nn.Conv2d``'s convolution."""
-    return type(module) in _plain_conv_classes() or isinstance(
-        module, GFConv2d)
+    """True for convs whose forward is exactly ``nn.Conv2d``'s convolution
+    (also when :mod:`.lean` swapped their class: ``_plain_class``)."""
+    plain = getattr(type(module), '_plain_class', type(module))
+    return plain in _plain_conv_classes() or isinstance(module, GFConv2d)
 
 
 class GFConv2d(nn.Conv2d):
