@@ -37,7 +37,7 @@ from ..ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
                         FrozenLinearFunction, MaskedActivationFunction,
                         MaskedDropoutFunction,
                         ShapeOnlyAdaptiveAvgPoolFunction, recomputed_losses)
-from .gf_conv import GFConv2d, is_filterable_conv
+from .gf_conv import GFConv2d, is_filterable_conv, with_mmcv_wrapper
 from .lean_loss import chunkable_losses, chunked_cross_entropy_losses
 
 __all__ = [
@@ -167,16 +167,6 @@ class _LeanFrozenLinear:
         return FrozenLinearFunction.apply(x, self.weight, super().forward)
 
 
-def _plain_linear_classes() -> tuple:
-    classes = [nn.Linear]
-    try:  # mmcv's wrapper only adds empty-tensor support around nn.Linear
-        from mmcv.cnn.bricks.wrappers import Linear as MMCVLinear
-        classes.append(MMCVLinear)
-    except ImportError:
-        pass
-    return tuple(classes)
-
-
 def _plain_type(module: nn.Module) -> type:
     """The class of ``module`` before :func:`make_lean`."""
     return getattr(type(module), '_plain_class', type(module))
@@ -211,7 +201,7 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return 'pool'
     if is_filterable_conv(module) and not isinstance(module, GFConv2d):
         return 'frozen_conv'
-    if _plain_type(module) in _plain_linear_classes():
+    if _plain_type(module) in with_mmcv_wrapper(nn.Linear):
         return 'frozen_linear'
     base_loss = _base_decode_head_loss()
     if base_loss is not None and getattr(
