@@ -101,7 +101,7 @@ def _step(model, batch):
     return losses, grads
 
 
-def _assert_same_grads(got, want):
+def _assert_same_tensors(got, want):
     assert got.keys() == want.keys()
     for key, g in want.items():
         torch.testing.assert_close(got[key], g, rtol=1e-5, atol=0, msg=key)
@@ -143,7 +143,7 @@ def test_frozen_head_on_frozen_features_is_skipped(log_records):
     for _ in range(2):
         want_losses, want = _step(kept, batch)
         got_losses, got = _step(skipping, batch)
-        _assert_same_grads(got, want)
+        _assert_same_tensors(got, want)
     assert calls == {'auxiliary_head.conv_seg': 0}
     assert 'aux.loss_ce' in want_losses and 'aux.loss_ce' not in got_losses
     torch.testing.assert_close(got_losses['decode.loss_ce'],
@@ -162,12 +162,39 @@ def test_logged_losses_are_the_plain_values_without_a_graph():
                               batch)
     got_losses, got = _step(_prepared(base, log_frozen_aux_losses=True),
                             batch)
-    _assert_same_grads(got, want)
+    _assert_same_tensors(got, want)
     assert got_losses.keys() == want_losses.keys()
     for key in ('aux.loss_ce', 'aux.acc_seg'):
         assert not got_losses[key].requires_grad
         torch.testing.assert_close(got_losses[key], want_losses[key],
                                    rtol=1e-6, atol=0)
+
+
+def test_mmengine_parse_losses_and_update_with_logged_losses():
+    """mmengine's train step path: ``parse_losses`` sums the detached
+    terms into the logged total (mmseg's), the optimizer wrapper's
+    backward and step run, and the update is the one of every head run."""
+    from mmengine.optim import OptimWrapper
+    base = _base(_aux(2))
+    batch = random_batch(base, SIZE, 2, label_block=4)
+    results = []
+    for flags in (dict(keep_frozen_aux_heads=True),
+                  dict(log_frozen_aux_losses=True)):
+        model = _prepared(base, **flags)
+        model.train()
+        set_frozen_norms_eval(model)
+        wrapper = OptimWrapper(torch.optim.SGD(
+            [p for p in model.parameters() if p.requires_grad], lr=0.1))
+        torch.manual_seed(3)
+        loss, log_vars = model.parse_losses(model.loss(*batch))
+        wrapper.update_params(loss)
+        results.append((log_vars, {n: p.detach().clone() for n, p in
+                                   model.named_parameters()}))
+    (want_log, want), (got_log, got) = results
+    assert got_log.keys() == want_log.keys()
+    torch.testing.assert_close(got_log['loss'], want_log['loss'],
+                               rtol=1e-6, atol=0)
+    _assert_same_tensors(got, want)
 
 
 def test_heads_reading_trained_features_or_trained_run():
@@ -180,7 +207,7 @@ def test_heads_reading_trained_features_or_trained_run():
     calls = _count_calls(skipping)
     want_losses, want = _step(kept, batch)
     got_losses, got = _step(skipping, batch)
-    _assert_same_grads(got, want)
+    _assert_same_tensors(got, want)
     assert calls == {'auxiliary_head.0.conv_seg': 0,
                      'auxiliary_head.1.conv_seg': 1}
     assert 'aux_0.loss_ce' not in got_losses
@@ -193,7 +220,7 @@ def test_heads_reading_trained_features_or_trained_run():
     got_losses, got = _step(skipping, batch)
     assert calls['auxiliary_head.0.conv_seg'] == 1
     assert 'auxiliary_head.0.conv_seg.weight' in got
-    _assert_same_grads(got, want)
+    _assert_same_tensors(got, want)
 
 
 def test_frozen_head_reason_reads_the_in_index_selection():
@@ -219,7 +246,7 @@ def test_cascade_segmentor_skips_too():
     calls = _count_calls(skipping)
     want_losses, want = _step(kept, batch)
     got_losses, got = _step(skipping, batch)
-    _assert_same_grads(got, want)
+    _assert_same_tensors(got, want)
     assert calls == {'auxiliary_head.conv_seg': 0}
     assert 'aux.loss_ce' not in got_losses
 

@@ -122,7 +122,7 @@ def test_frozen_conv_under_cpu_autocast():
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.equal(got, want)
     assert got_g.dtype == torch.float32
-    torch.testing.assert_close(got_g, want_g, rtol=1e-2, atol=1e-2)
+    assert torch.equal(got_g, want_g)  # the same bfloat16 kernel, then cast
 
 
 @pytest.mark.parametrize('shape', [(5, 8), (2, 3, 8), (2, 0, 8)])
