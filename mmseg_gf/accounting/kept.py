@@ -13,7 +13,12 @@ trained conv, ``gf``        patch sums of its input, ``N*Ci*cells``
                             elements (:func:`~.conv_cost.conv_backward_cost`)
 trained conv, exact         its input ``N*Ci*H*W`` (once per input tensor:
 (``vanilla``, classifier)   convs sharing an input share what they keep)
-frozen conv                 nothing (its weight is a live Parameter)
+lean frozen conv            nothing: ``g_x`` needs its weight only, a live
+(frozen weight and bias)    Parameter (zero padding of integer sizes)
+plain frozen conv           its input, as an exact conv (autograd's
+                            convolution keeps it for ``g_W`` either way);
+                            other padding modes are not modelled
+lean frozen linear          nothing (``g_x = g W``)
 lean frozen norm            ``C`` float32 scales
 lean ReLU/ReLU6/LeakyReLU   1 bit per element, ``ceil(N*C*H*W / 8)`` bytes
 lean element-wise dropout   1 bit per element
@@ -36,7 +41,7 @@ import torch
 from torch import nn
 
 from ..models.gf_conv import GFConv2d
-from ..models.lean import is_lean, lean_kind
+from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
 from ..models.segmentor import is_head_classifier
 from .conv_cost import ConvGeometry
 from .format import fmt_mib
@@ -115,10 +120,21 @@ class StepSavedBytes:
         return line
 
 
+def _frozen_conv_item(path: str, conv: nn.Conv2d,
+                      x: torch.Tensor) -> Optional[SavedItem]:
+    """A frozen conv in the gradient path: nothing when lean, else its
+    input (a padded copy of it for other padding modes: not modelled)."""
+    if frozen_conv_is_lean(conv) or x.numel() == 0:
+        return None
+    if conv.padding_mode != 'zeros' or isinstance(conv.padding, str):
+        raise LookupError(path)
+    return SavedItem(path, 'conv', x[0].numel(), x.element_size())
+
+
 def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
                out: torch.Tensor) -> Optional[SavedItem]:
-    if not conv.weight.requires_grad:
-        return None
+    if not any(p.requires_grad for p in conv.parameters()):
+        return _frozen_conv_item(path, conv, x)
     eb = x.element_size()
     if isinstance(conv, GFConv2d) and conv.enabled:
         cost = ConvGeometry.of(conv, x.shape[1:], out.shape[1:]).cost(
@@ -154,6 +170,8 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
         return item
     kind = lean_kind(module) if is_lean(module) else None
     trained = any(p.requires_grad for p in module.parameters())
+    if kind == 'frozen_linear' and not trained:
+        return None
     if kind == 'norm' and not trained and not module.training:
         return SavedItem(path, 'norm', x.shape[1], 4, 'const')
     if kind in ('activation', 'dropout') and not (

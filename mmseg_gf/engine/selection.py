@@ -137,14 +137,14 @@ class LayerChoice:
                             self.groups)
 
 
-def _tensors(obj) -> List[torch.Tensor]:
+def nested_tensors(obj) -> List[torch.Tensor]:
     """The tensors in a (nested) head output: tensor, list, tuple, dict."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
+        return [t for o in obj for t in nested_tensors(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
+        return [t for o in obj.values() for t in nested_tensors(o)]
     return []
 
 
@@ -285,9 +285,10 @@ def trace_convs(model: nn.Module,
         out, side = _run_inference_path(
             model, torch.zeros(1, 3, h, w, device=device), hooks.aux_marker)
     if not grad:
-        behind_output = _graph_nodes(_tensors(out), set())
+        behind_output = _graph_nodes(nested_tensors(out), set())
         behind_heads = _graph_nodes(
-            _tensors(head_outputs) + _tensors(side), set(behind_output))
+            nested_tensors(head_outputs) + nested_tensors(side),
+            set(behind_output))
         for module, rec in hooks.records.items():
             calls = hooks.nodes.get(module, [])
             rec.feeds_output = any(n in behind_output for n in calls)

@@ -19,6 +19,9 @@ What becomes lean:
 * decode heads whose loss is mmseg's ``BaseDecodeHead.loss_by_feat``: keep
   the low-resolution logits, not the upsampled ones
   (:func:`make_lean` on the head).
+* ``nn.Conv2d`` and mmcv's ``Conv2d`` (not ``GFConv2d``) while frozen, with
+  zero padding of integer sizes: keep nothing (the weight is a live
+  Parameter); ``nn.Linear`` (and mmcv's) while frozen: keep nothing.
 
 Everything else keeps autograd's default (GroupNorm / LayerNorm, whose
 backward needs their input; GELU, Sigmoid, HSwish and other smooth
@@ -30,18 +33,21 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
+from ..ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
+                        FrozenLinearFunction, MaskedActivationFunction,
                         MaskedDropoutFunction,
                         ShapeOnlyAdaptiveAvgPoolFunction, recomputed_losses)
+from .gf_conv import GFConv2d, is_filterable_conv, with_mmcv_wrapper
 from .lean_loss import chunkable_losses, chunked_cross_entropy_losses
 
 __all__ = [
-    'make_lean', 'make_plain', 'is_lean', 'lean_kind',
+    'make_lean', 'make_plain', 'is_lean', 'lean_kind', 'frozen_conv_is_lean',
     'LEAN_KINDS'
 ]
 
 #: What :func:`lean_kind` returns for a module that has a lean variant.
-LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss')
+LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss',
+              'frozen_conv', 'frozen_linear')
 
 
 def _recording(x: Tensor) -> bool:
@@ -123,9 +129,53 @@ class _LeanLossHead:
             lambda logits: plain(logits, batch_data_samples), seg_logits)
 
 
+def _frozen(*tensors: Optional[Tensor]) -> bool:
+    return not any(t is not None and t.requires_grad for t in tensors)
+
+
+def frozen_conv_is_lean(conv: nn.Module) -> bool:
+    """Whether a lean conv keeps nothing when autograd records it with
+    frozen weight and bias: zero padding of integer sizes (any other
+    padding runs the plain convolution, which keeps its input)."""
+    return (isinstance(conv, _LeanFrozenConv) and conv.padding_mode == 'zeros'
+            and not isinstance(conv.padding, str))
+
+
+class _LeanFrozenConv:
+    """A conv that keeps nothing while frozen (see
+    :class:`~mmseg_gf.ops.lean.FrozenConvFunction`). In ``_conv_forward``,
+    as GFConv2d, so callers passing their own weight (mmcv's
+    ``efficient_conv_bn_eval``) get it too; trained, it is the plain conv."""
+
+    def _conv_forward(self, x: Tensor, weight: Tensor,
+                      bias: Optional[Tensor]) -> Tensor:
+        plain = super()._conv_forward
+        if (not _recording(x) or not _frozen(weight, bias) or x.dim() != 4
+                or x.numel() == 0 or not frozen_conv_is_lean(self)):
+            return plain(x, weight, bias)
+        return FrozenConvFunction.apply(
+            x, weight, lambda t: plain(t, weight, bias), self.stride,
+            self.padding, self.dilation, self.groups)
+
+
+class _LeanFrozenLinear:
+    """A linear layer that keeps nothing while frozen."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _recording(x) or not _frozen(self.weight, self.bias):
+            return super().forward(x)
+        return FrozenLinearFunction.apply(x, self.weight, super().forward)
+
+
+def _plain_type(module: nn.Module) -> type:
+    """The class of ``module`` before :func:`make_lean`."""
+    return getattr(type(module), '_plain_class', type(module))
+
+
 _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
            'dropout': _LeanDropout, 'pool': _LeanAdaptiveAvgPool,
-           'loss': _LeanLossHead}
+           'loss': _LeanLossHead, 'frozen_conv': _LeanFrozenConv,
+           'frozen_linear': _LeanFrozenLinear}
 _CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
 
 
@@ -149,10 +199,13 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return 'dropout'
     if isinstance(module, nn.AdaptiveAvgPool2d):
         return 'pool'
+    if is_filterable_conv(module) and not isinstance(module, GFConv2d):
+        return 'frozen_conv'
+    if _plain_type(module) in with_mmcv_wrapper(nn.Linear):
+        return 'frozen_linear'
     base_loss = _base_decode_head_loss()
     if base_loss is not None and getattr(
-            getattr(type(module), '_plain_class', type(module)),
-            'loss_by_feat', None) is base_loss:
+            _plain_type(module), 'loss_by_feat', None) is base_loss:
         return 'loss'
     return None
 
