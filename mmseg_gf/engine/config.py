@@ -81,20 +81,33 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
                          f'layers={out["layers"]!r}, '
                          f'budget={out["budget"]!r}')
     if out['budget'] is not None:
-        out['budget'] = check_budget(out['budget'])
-        if out['radius'] is not None:
-            raise ValueError(
-                'gradient_filter: a budget chooses the radii itself; give '
-                'the candidates as budget=dict(..., radii=[2, 4, 8]) instead '
-                f'of radius={out["radius"]!r}')
+        _check_budget_settings(out)
+    else:
+        _check_layer_settings(out)
         _check_flags(out)
-        if out['mode'] != 'gf' or out['train_norm']:
-            raise ValueError(
-                "gradient_filter budget needs mode='gf' and "
-                'train_norm=False (the costs it fits are those of filtered '
-                f'convs with frozen norms), got mode={out["mode"]!r}, '
-                f'train_norm={out["train_norm"]!r}')
-        return out
+    return out
+
+
+def _check_budget_settings(out: Dict[str, Any]) -> None:
+    """A budget chooses layers and radii itself, for filtered convs with
+    frozen norms; then the flags (normalised in place)."""
+    out['budget'] = check_budget(out['budget'])
+    if out['radius'] is not None:
+        raise ValueError(
+            'gradient_filter: a budget chooses the radii itself; give '
+            'the candidates as budget=dict(..., radii=[2, 4, 8]) instead '
+            f'of radius={out["radius"]!r}')
+    _check_flags(out)
+    if out['mode'] != 'gf' or out['train_norm']:
+        raise ValueError(
+            "gradient_filter budget needs mode='gf' and "
+            'train_norm=False (the costs it fits are those of filtered '
+            f'convs with frozen norms), got mode={out["mode"]!r}, '
+            f'train_norm={out["train_norm"]!r}')
+
+
+def _check_layer_settings(out: Dict[str, Any]) -> None:
+    """num_layers or layers, and radius (normalised in place)."""
     if out['radius'] is None:
         out['radius'] = DEFAULT_RADIUS
     n = out['num_layers']
@@ -121,8 +134,6 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
                     "gradient_filter radius must be an int >= 1, 'auto' or "
                     'a dict {module path: int or "auto"}, got '
                     f'{radius!r}') from None
-    _check_flags(out)
-    return out
 
 
 def _check_flags(out: Dict[str, Any]) -> None:
