@@ -311,3 +311,34 @@ def test_fallback_is_exact_and_logged_once(case, monkeypatch):
     for name, p in plain.named_parameters():
         _assert_close(dict(lean.named_parameters())[name].grad, p.grad, name)
     assert len(logged) == 1 and reason in logged[0], logged
+
+
+@pytest.mark.parametrize('case', ['ce', 'ce_and_dice'])
+def test_bfloat16_autocast_within_its_rounding(case):
+    """Under CPU autocast the classifier and the loss run in bfloat16 as
+    mmseg's do; gradients come back in float32 and differ from autograd's
+    only by where bfloat16 rounds (its epsilon is 2^-7: a few of them)."""
+    plain = _fcn_head(case)
+    lean = copy.deepcopy(plain)
+    make_lean(lean)
+    inputs, samples = _inputs([(3, 4) + LOW], 1), _samples(3, 2)
+    results = []
+    for head in (plain, lean):
+        head.train()
+        x = inputs[0].clone().requires_grad_(True)
+        torch.manual_seed(3)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            out = head.loss([x], samples, None)
+            total = sum(v for k, v in out.items() if 'loss' in k)
+        (total * 1024.0).backward()
+        grads = dict(x=x.grad, **{n: p.grad for n, p in
+                                  head.named_parameters()})
+        results.append(({k: v.detach() for k, v in out.items()}, grads))
+    (want, want_grads), (got, got_grads) = results
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=2 ** -6, atol=0)
+    for name, g in want_grads.items():
+        assert got_grads[name].dtype == g.dtype == torch.float32
+        torch.testing.assert_close(got_grads[name], g, rtol=0,
+                                   atol=2 ** -5 * float(g.abs().max()),
+                                   msg=lambda m: f'{name}: {m}')
