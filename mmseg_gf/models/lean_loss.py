@@ -295,10 +295,17 @@ class ClassifierCapture:
         self.calls: List[Tuple[Tensor, Tensor]] = []
         self._held: List[list] = []
 
-    def _pack(self, tensor: Tensor) -> list:
-        holder = [tensor]
-        self._held.append(holder)
-        return holder
+    @staticmethod
+    def _packer(held: List[list]) -> Callable[[Tensor], list]:
+        # Not a bound method: the classifier's autograd node keeps its pack
+        # hook, and a hook holding the capture (hence the node's own
+        # output) would make a cycle the garbage collector cannot see.
+        def pack(tensor: Tensor) -> list:
+            holder = [tensor]
+            held.append(holder)
+            return holder
+
+        return pack
 
     @staticmethod
     def _unpack(holder: list) -> Tensor:
@@ -313,8 +320,8 @@ class ClassifierCapture:
         """mmseg's ``cls_seg`` (dropout, then ``conv_seg``), recorded."""
         if head.dropout is not None:
             feat = head.dropout(feat)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack,
-                                                      self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(
+                self._packer(self._held), self._unpack):
             logits = head.conv_seg(feat)
         self.calls.append((feat, logits))
         return logits

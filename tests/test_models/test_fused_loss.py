@@ -342,3 +342,21 @@ def test_bfloat16_autocast_within_its_rounding(case):
         torch.testing.assert_close(got_grads[name], g, rtol=0,
                                    atol=2 ** -5 * float(g.abs().max()),
                                    msg=lambda m: f'{name}: {m}')
+
+
+def test_classifier_input_and_logits_are_freed_after_the_loss():
+    """Nothing refers to the classifier's input or output once ``loss``
+    returns (the held saved tensors make no reference cycle)."""
+    import gc
+    import weakref
+    lean = _fcn_head('ce')
+    make_lean(lean)
+    refs = []
+    lean.conv_seg.register_forward_hook(lambda m, args, out: refs.extend(
+        [weakref.ref(args[0]), weakref.ref(out)]))
+    lean.train()
+    losses = lean.loss([_inputs([(2, 4) + LOW], 1)[0].requires_grad_(True)],
+                       _samples(2, 2), None)
+    gc.collect()
+    assert losses['loss_ce'].requires_grad
+    assert [r() for r in refs] == [None, None]
