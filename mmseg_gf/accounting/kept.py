@@ -43,7 +43,7 @@ from torch import nn
 
 from ..models.gf_conv import GFConv2d
 from ..models.lean import is_lean, lean_kind
-from ..models.lean_loss import classifier_fused_now, loss_gradient_copies
+from ..models.lean_head import classifier_fused_now, loss_gradient_copies
 from ..models.segmentor import is_head_classifier
 from .conv_cost import ConvGeometry
 from .format import fmt_mib

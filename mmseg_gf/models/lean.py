@@ -22,7 +22,7 @@ What becomes lean:
   classifier fused with its loss (keeps the loss's gradient w.r.t. the
   logits, not the classifier's input); other heads keep their logits
   (cross-entropy) or their loss's gradient w.r.t. them
-  (:mod:`.lean_loss`).
+  (:mod:`.lean_head`).
 
 Everything else keeps autograd's default (GroupNorm / LayerNorm, whose
 backward needs their input; GELU, Sigmoid, HSwish and other smooth
@@ -37,7 +37,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
                         MaskedDropoutFunction,
                         ShapeOnlyAdaptiveAvgPoolFunction)
-from .lean_loss import (ClassifierCapture, base_decode_head, fusion_blocker,
+from .lean_head import (ClassifierCapture, base_decode_head, fusion_blocker,
                         fused_classifier_losses, lean_head_losses,
                         log_fallback_once)
 
@@ -122,7 +122,7 @@ class _LeanLossHead:
     """A decode head whose loss keeps neither the upsampled logits nor, where
     its classifier can be fused with the loss, the classifier's input.
 
-    ``loss`` arms a :class:`~.lean_loss.ClassifierCapture` when
+    ``loss`` arms a :class:`~.lean_head.ClassifierCapture` when
     :func:`fusion_blocker` allows it; ``cls_seg`` then runs ``conv_seg``
     with its saved tensors held by the capture, and ``loss_by_feat``, when
     it receives that very output, releases them and computes the loss with

@@ -18,7 +18,7 @@ from mmseg.structures import SegDataSample  # noqa: E402
 from mmseg.utils import register_all_modules  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from mmseg_gf.models import lean_loss  # noqa: E402
+from mmseg_gf.models import lean_head  # noqa: E402
 from mmseg_gf.models.lean import make_lean  # noqa: E402
 
 register_all_modules(init_default_scope=False)
@@ -297,9 +297,9 @@ def test_fallback_is_exact_and_logged_once(case, monkeypatch):
     lean = copy.deepcopy(plain)
     make_lean(lean)
     logged = []
-    monkeypatch.setattr(lean_loss, 'print_log',
+    monkeypatch.setattr(lean_head, 'print_log',
                         lambda msg, **kw: logged.append(msg))
-    monkeypatch.setattr(lean_loss, '_LOGGED', set())
+    monkeypatch.setattr(lean_head, '_LOGGED', set())
     inputs, samples = _inputs([(2, 4) + LOW], 1), _samples(2, 2)
     for head in (plain, lean):  # losses summed over pixels if not scalar
         for seed in (3, 4):
