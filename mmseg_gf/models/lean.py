@@ -155,7 +155,7 @@ class _LeanLossHead:
         rng = torch.get_rng_state()
         try:
             if capture is not None and reason is None:
-                return fused_classifier_losses(self, capture,
+                return fused_classifier_losses(self, capture, seg_logits,
                                                batch_data_samples)
             if reason is not None:
                 self._fused_classifier_off = reason

@@ -75,9 +75,10 @@ def log_fallback_once(head: nn.Module, reason: str) -> None:
 def fusion_blocker(head: nn.Module) -> Optional[str]:
     """Why ``head``'s classifier cannot be fused with its loss (logged
     once), or None when it can: the head must classify with mmseg's
-    ``cls_seg`` (dropout, then ``conv_seg``), compute mmseg's
-    ``loss_by_feat`` (its loss is then the only consumer of the logits) and
-    have a plain ``nn.Conv2d`` as ``conv_seg``."""
+    ``cls_seg`` (dropout, then ``conv_seg``) and have a plain
+    ``nn.Conv2d`` as ``conv_seg``. (Whether its forward returns the
+    classifier's output, alone or in a tuple, is seen in the forward:
+    :meth:`ClassifierCapture.mismatch`.)"""
     reason = getattr(head, '_fused_classifier_off', None)
     base = base_decode_head()
     plain = _plain_class(head)
@@ -85,9 +86,6 @@ def fusion_blocker(head: nn.Module) -> Optional[str]:
         return reason
     if plain.cls_seg is not base.cls_seg:
         reason = 'its class overrides cls_seg'
-    elif not _has_base_loss(head):
-        reason = ('its class has its own loss_by_feat (its loss\'s gradient '
-                  'is taken in the forward instead)')
     elif type(getattr(head, 'conv_seg', None)) is not nn.Conv2d or \
             head.conv_seg.padding_mode != 'zeros':
         reason = 'conv_seg is not a zero-padded torch.nn.Conv2d'
@@ -142,10 +140,12 @@ class ClassifierCapture:
 
     def mismatch(self, seg_logits) -> Optional[str]:
         """Why ``seg_logits`` cannot be fused (None: it is the one
-        classifier call's output)."""
+        classifier call's output, or a tuple holding it once)."""
         if len(self.calls) != 1:
             return f'cls_seg ran {len(self.calls)} times in the forward'
-        if seg_logits is not self.calls[0][1]:
+        items = seg_logits if isinstance(seg_logits, (tuple, list)) \
+            else [seg_logits]
+        if sum(t is self.calls[0][1] for t in items) != 1:
             return 'its forward does not return the classifier\'s output'
         return None
 
@@ -160,24 +160,43 @@ def _trainable(head: nn.Module) -> List[Tensor]:
     return [p for p in head.parameters() if p.requires_grad]
 
 
-def _single_logit_gradients(compute: Callable[[Tensor], Dict[str, Tensor]],
-                            logits: Tensor,
-                            params: Sequence[Tensor]) -> LogitGradients:
-    values, grads = loss_gradients(compute, [logits], params)
+def _logit_gradients(compute: Callable[..., Dict[str, Tensor]],
+                     logits: Tensor, others: Sequence[Tensor],
+                     params: Sequence[Tensor]) -> LogitGradients:
+    """``compute(logits, *others)`` differentiated in the forward, one
+    basis per loss output that depends on ``logits``."""
+    values, grads = loss_gradients(compute, [logits, *others], params)
     result = LogitGradients(values)
-    for key, (grad, ) in grads.items():
+    for key, (grad, *rest) in grads.items():
         if grad is not None:
             result.mix[key] = [(len(result.bases), 1.0)]
             result.bases.append(grad)
+        if others:
+            result.others[key] = tuple(rest)
     return result
 
 
+def _with_logits_at(seg_logits, position: Optional[int]) -> Callable:
+    """Rebuild the head's output from ``(classifier logits, *others)``."""
+    def rebuild(logits: Tensor, *others: Tensor):
+        if position is None:
+            return logits
+        items = list(others)
+        items.insert(position, logits)
+        return type(seg_logits)(items)
+
+    return rebuild
+
+
 def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
-                            batch_data_samples) -> Dict[str, Tensor]:
-    """``head.loss_by_feat`` of its classifier's output, through
+                            seg_logits, batch_data_samples
+                            ) -> Dict[str, Tensor]:
+    """``head.loss_by_feat(seg_logits)`` where ``seg_logits`` is (or holds)
+    the classifier's output, through
     :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction`: mmseg's
     cross-entropy image by image when :func:`chunkable_losses` allows,
-    the head's ``loss_by_feat`` on the whole batch otherwise.
+    the head's ``loss_by_feat`` on the whole batch otherwise (the other
+    logits of a tuple get their gradients kept too).
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
@@ -185,7 +204,12 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
             then still holds what the classifier saved.
     """
     feat, logits = capture.calls[0]
-    specs = chunkable_losses(head)
+    position, others = None, []
+    if isinstance(seg_logits, (tuple, list)):
+        position = [t is logits for t in seg_logits].index(True)
+        others = [t for i, t in enumerate(seg_logits) if i != position]
+    specs = chunkable_losses(head) if position is None and \
+        _has_base_loss(head) else None
     if specs is not None:
         label = head._stack_batch_gt(batch_data_samples).squeeze(1)
 
@@ -193,17 +217,18 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
             return chunked_cross_entropy_gradients(
                 z, label, head.align_corners, head.ignore_index, specs)
     else:
-        plain = _plain_loss_by_feat(head)
+        plain, rebuild = _plain_loss_by_feat(head), _with_logits_at(
+            seg_logits, position)
 
-        def gradients(z: Tensor) -> LogitGradients:
-            return _single_logit_gradients(
-                lambda leaf: plain(leaf, batch_data_samples), z,
-                _trainable(head))
+        def gradients(z: Tensor, *rest: Tensor) -> LogitGradients:
+            return _logit_gradients(
+                lambda *leaves: plain(rebuild(*leaves), batch_data_samples),
+                z, rest, _trainable(head))
     conv = head.conv_seg
     keys: List[str] = []
     values = FusedClassifierLossFunction.apply(
         feat, conv.weight, conv.bias, logits.detach(), ConvSpec.of(conv),
-        gradients, keys)
+        gradients, keys, *others)
     capture.release()
     return dict(zip(keys, values))
 

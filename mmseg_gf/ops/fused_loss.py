@@ -48,13 +48,18 @@ class LogitGradients:
     Attributes:
         values: every output (detached), in output order.
         bases: gradient tensors, the logits' shape.
-        mix: output key -> ``[(basis index, factor)]``; outputs that are
-            not in it are not differentiable (accuracy).
+        mix: output key -> ``[(basis index, factor)]``.
+        others: output key -> its gradient w.r.t. each further logits
+            tensor the loss reads (a head returning a tuple of logits; None
+            where it does not depend on one). Outputs in neither ``mix``
+            nor ``others`` are not differentiable (accuracy).
     """
 
     values: Dict[str, Tensor]
     bases: List[Tensor] = field(default_factory=list)
     mix: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
+    others: Dict[str, Tuple[Optional[Tensor], ...]] = field(
+        default_factory=dict)
 
 
 def _identity(tensor: Tensor) -> Tensor:
@@ -134,16 +139,49 @@ def _scaled_sum(terms: Sequence[Tuple[Tensor, Tensor]],
     return total.to(like.dtype)
 
 
+def _flatten(grads: Dict[str, Tuple[Optional[Tensor], ...]],
+             keys: List[str]) -> Tuple[List[Tuple[int, int]], List[Tensor]]:
+    """The gradients that exist, and ``(output index, logits index)`` of
+    each: what a backward needs to scale them."""
+    layout, kept = [], []
+    for key, per_logit in grads.items():
+        for j, g in enumerate(per_logit):
+            if g is not None:
+                layout.append((keys.index(key), j))
+                kept.append(g)
+    return layout, kept
+
+
+def _recombine(layout: Sequence[Tuple[int, int]], kept: Sequence[Tensor],
+               grad_outputs: Sequence[Optional[Tensor]],
+               num_logits: int) -> Tuple[Optional[Tensor], ...]:
+    """Each logits tensor's gradient: its kept gradients, each scaled by its
+    output's incoming gradient, summed."""
+    terms: List[List[Tuple[Tensor, Tensor]]] = [
+        [] for _ in range(num_logits)]
+    for (k, j), g in zip(layout, kept):
+        if grad_outputs[k] is not None:
+            terms[j].append((grad_outputs[k], g))
+    return tuple(_scaled_sum(t, t[0][1]) if t else None for t in terms)
+
+
+def _outputs(ctx, values: Dict[str, Tensor], differentiable) -> tuple:
+    """The forward's outputs in key order, the non-differentiable marked."""
+    outputs = tuple(values[k].clone() for k in ctx.keys)
+    ctx.mark_non_differentiable(
+        *[v for k, v in zip(ctx.keys, outputs) if k not in differentiable])
+    return outputs
+
+
 class PrecomputedGradientLossFunction(Function):
     """Loss outputs of logits tensors, differentiated in the forward.
 
     Inputs: ``compute`` (logits -> dict of outputs, e.g. a head's
     ``loss_by_feat``), ``keys`` (a list that receives the dict's keys in
     output order), ``params`` (see :func:`loss_gradients`), then the
-    logits tensors. Keeps each loss output's
-    gradient w.r.t. each logits tensor it depends on (at the logits'
-    resolution), nothing else; outputs without ``loss`` in their key are
-    non-differentiable.
+    logits tensors. Keeps each loss output's gradient w.r.t. each logits
+    tensor it depends on (at the logits' resolution), nothing else;
+    outputs without ``loss`` in their key are non-differentiable.
     """
 
     @staticmethod
@@ -152,30 +190,15 @@ class PrecomputedGradientLossFunction(Function):
         values, grads = loss_gradients(compute, logits, params)
         keys.extend(values)
         ctx.keys = list(values)
-        ctx.layout = []  # (output index, logits index) per kept tensor
-        kept = []
-        for k, per_logit in grads.items():
-            for j, g in enumerate(per_logit):
-                if g is not None:
-                    ctx.layout.append((ctx.keys.index(k), j))
-                    kept.append(g)
+        ctx.layout, kept = _flatten(grads, ctx.keys)
         ctx.save_for_backward(*kept)
         ctx.num_logits = len(logits)
-        outputs = tuple(values[k].clone() for k in ctx.keys)
-        ctx.mark_non_differentiable(
-            *[v for k, v in zip(ctx.keys, outputs) if k not in grads])
-        return outputs
+        return _outputs(ctx, values, grads)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        terms: List[List[Tuple[Tensor, Tensor]]] = [
-            [] for _ in range(ctx.num_logits)]
-        for (k, j), g in zip(ctx.layout, ctx.saved_tensors):
-            if grad_outputs[k] is not None:
-                terms[j].append((grad_outputs[k], g))
-        grads = tuple(
-            _scaled_sum(t, t[0][1]) if t else None for t in terms)
-        return (None, None, None) + grads
+        return (None, None, None) + _recombine(
+            ctx.layout, ctx.saved_tensors, grad_outputs, ctx.num_logits)
 
 
 @dataclass(frozen=True)
@@ -227,23 +250,25 @@ def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
 
 
 class FusedClassifierLossFunction(Function):
-    """``loss(conv2d(x, W, b))`` with every gradient taken in the forward.
+    """``loss(conv2d(x, W, b), *others)`` with every gradient taken in the
+    forward.
 
     Inputs: the classifier's input ``x``, ``weight``, ``bias`` (or None),
     its output ``z`` (already computed, detached), the :class:`ConvSpec`,
-    ``gradients`` (``z`` -> :class:`LogitGradients`: the loss's outputs
-    and its gradient w.r.t. ``z``) and ``keys`` (receives the output keys).
-    Keeps, per basis of :class:`LogitGradients`, ``g_z`` (only when ``x``
-    needs a gradient) and ``g_W``, ``g_b`` (when the classifier is
-    trained): never ``x``.
+    ``gradients`` (``(z, *others)`` -> :class:`LogitGradients`: the loss's
+    outputs and gradients), ``keys`` (receives the output keys), then the
+    further logits tensors the loss reads, if any. Keeps, per basis of
+    :class:`LogitGradients`, ``g_z`` (only when ``x`` needs a gradient) and
+    ``g_W``, ``g_b`` (when the classifier is trained), and the gradients
+    w.r.t. ``others``: never ``x``.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                 z: Tensor, spec: ConvSpec,
-                gradients: Callable[[Tensor], LogitGradients],
-                keys: List[str]):
-        result = gradients(z)
+                gradients: Callable[..., LogitGradients], keys: List[str],
+                *others: Tensor):
+        result = gradients(z, *others)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         kept_z, kept_w, kept_b = [], [], []
         for basis in result.bases:
@@ -253,43 +278,53 @@ class FusedClassifierLossFunction(Function):
                 kept_w.extend([g_w] if need_w else [])
                 kept_b.extend([g_b] if need_b else [])
             kept_z.extend([basis] if need_x else [])
-        ctx.save_for_backward(weight, *kept_z, *kept_w, *kept_b)
-        ctx.counts = (len(kept_z), len(kept_w), len(kept_b))
-        ctx.x_geometry = (tuple(x.shape), x.dtype)
-        ctx.spec, ctx.mix = spec, result.mix
         keys.extend(result.values)
         ctx.keys = list(result.values)
-        outputs = tuple(result.values[k].clone() for k in ctx.keys)
-        ctx.mark_non_differentiable(
-            *[v for k, v in zip(ctx.keys, outputs) if k not in ctx.mix])
-        return outputs
+        ctx.layout, kept_o = _flatten(result.others, ctx.keys)
+        ctx.save_for_backward(weight, *kept_z, *kept_w, *kept_b, *kept_o)
+        ctx.counts = (len(kept_z), len(kept_w), len(kept_b), len(others))
+        ctx.x_geometry = (tuple(x.shape), x.dtype)
+        ctx.spec, ctx.mix = spec, result.mix
+        differentiable = set(result.mix) | {
+            k for k, gs in result.others.items()
+            if any(g is not None for g in gs)}
+        return _outputs(ctx, result.values, differentiable)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         weight, *kept = ctx.saved_tensors
-        n_z, n_w, n_b = ctx.counts
+        n_z, n_w, n_b, n_o = ctx.counts
         kept_z, kept_w = kept[:n_z], kept[n_z:n_z + n_w]
-        kept_b = kept[n_z + n_w:]
-        scales: Dict[int, Tensor] = {}
-        for key, grad in zip(ctx.keys, grad_outputs):
-            if grad is None or key not in ctx.mix:
-                continue
-            for b, factor in ctx.mix[key]:
-                part = grad * factor
-                scales[b] = scales[b] + part if b in scales else part
-        if not scales:
-            return (None, ) * 7
+        kept_b, kept_o = kept[n_z + n_w:n_z + n_w + n_b], \
+            kept[n_z + n_w + n_b:]
+        others = _recombine(ctx.layout, kept_o, grad_outputs, n_o)
+        scales = _basis_scales(ctx.keys, ctx.mix, grad_outputs)
         g_x = g_w = g_b = None
-        if kept_z:
+        if scales and kept_z:
             g_z = _scaled_sum([(s, kept_z[b]) for b, s in scales.items()],
                               kept_z[0])
             shape, dtype = ctx.x_geometry
             g_x = input_gradient(g_z, weight.to(g_z.dtype), shape,
                                  ctx.spec).to(dtype)
-        if kept_w:
+        if scales and kept_w:
             g_w = _scaled_sum([(s, kept_w[b]) for b, s in scales.items()],
                               weight)
-        if kept_b:
+        if scales and kept_b:
             g_b = _scaled_sum([(s, kept_b[b]) for b, s in scales.items()],
                               weight)
-        return g_x, g_w, g_b, None, None, None, None
+        return (g_x, g_w, g_b, None, None, None, None) + others
+
+
+def _basis_scales(keys: Sequence[str], mix: Dict[str, List[Tuple[int, float]]],
+                  grad_outputs: Sequence[Optional[Tensor]]
+                  ) -> Dict[int, Tensor]:
+    """Basis index -> its factor in the gradient: the incoming gradients
+    of the outputs that use it, times their factors."""
+    scales: Dict[int, Tensor] = {}
+    for key, grad in zip(keys, grad_outputs):
+        if grad is None or key not in mix:
+            continue
+        for b, factor in mix[key]:
+            part = grad * factor
+            scales[b] = scales[b] + part if b in scales else part
+    return scales

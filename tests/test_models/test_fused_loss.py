@@ -247,7 +247,8 @@ MULTI_CASES = {
 def test_own_loss_by_feat_heads_equal_mmseg(case):
     """Heads with their own ``loss_by_feat`` (tuple logits, OHEM
     cross-entropy, boundary and detail losses): the loss runs once, its
-    gradient is kept at the logits' resolution."""
+    gradients are kept at the logits' resolution, ``conv_seg`` (whose
+    output is one of the tuple's) is fused and keeps nothing."""
     build, shapes, edge = MULTI_CASES[case]
     plain = build()
     lean = copy.deepcopy(plain)
@@ -258,6 +259,8 @@ def test_own_loss_by_feat_heads_equal_mmseg(case):
                            (_inputs(shapes, 4), samples, 512.0)])
     assert _kept_bytes(lean, inputs, samples) < \
         _kept_bytes(plain, inputs, samples)
+    assert _classifier_input_kept(plain, inputs, samples)[0]
+    assert not _classifier_input_kept(lean, inputs, samples)[0]
 
 
 class _ScaledLogitsHead(FCNHead):
