@@ -18,9 +18,9 @@ What becomes lean:
   input's shape only.
 * mmseg's decode heads (:func:`make_lean` on the head): their loss keeps
   low-resolution tensors, never the upsampled logits. A head classifying
-  with mmseg's ``cls_seg`` into mmseg's ``loss_by_feat`` has its
-  classifier fused with its loss (keeps the loss's gradient w.r.t. the
-  logits, not the classifier's input); other heads keep their logits
+  with mmseg's ``cls_seg`` and returning its output (alone or in a tuple)
+  has its classifier fused with its loss (keeps the loss's gradient w.r.t.
+  the logits, not the classifier's input); other heads keep their logits
   (cross-entropy) or their loss's gradient w.r.t. them
   (:mod:`.lean_head`).
 
@@ -125,7 +125,7 @@ class _LeanLossHead:
     ``loss`` arms a :class:`~.lean_head.ClassifierCapture` when
     :func:`fusion_blocker` allows it; ``cls_seg`` then runs ``conv_seg``
     with its saved tensors held by the capture, and ``loss_by_feat``, when
-    it receives that very output, releases them and computes the loss with
+    it receives that very output (alone or in a tuple), releases them and computes the loss with
     :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction` instead.
     Otherwise: mmseg's cross-entropy image by image (keeps the logits),
     any other loss with its gradient taken in the forward (keeps that)."""
