@@ -125,7 +125,8 @@ class _LeanLossHead:
     ``loss`` arms a :class:`~.lean_head.ClassifierCapture` when
     :func:`fusion_blocker` allows it; ``cls_seg`` then runs ``conv_seg``
     with its saved tensors held by the capture, and ``loss_by_feat``, when
-    it receives that very output (alone or in a tuple), releases them and computes the loss with
+    it receives that very output (alone or in a tuple), releases them and
+    computes the loss with
     :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction` instead.
     Otherwise: mmseg's cross-entropy image by image (keeps the logits),
     any other loss with its gradient taken in the forward (keeps that)."""
