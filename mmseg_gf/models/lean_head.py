@@ -8,8 +8,9 @@ it held by the capture; when the forward returns that very output (alone,
 or once in a tuple of logits), the capture is released and
 :func:`fused_classifier_losses` computes the loss with
 ``FusedClassifierLossFunction``: the loss's gradient w.r.t. the logits,
-``g_W`` and ``g_b`` taken in the forward, the classifier's input not kept. Otherwise :func:`lean_head_losses`: mmseg's cross-entropy image by
-image (:mod:`.lean_loss`, keeps the logits) or the head's own
+``g_W`` and ``g_b`` taken in the forward, the classifier's input not kept.
+Otherwise :func:`lean_head_losses`: mmseg's cross-entropy image by image
+(:mod:`.lean_loss`, keeps the logits) or the head's own
 ``loss_by_feat`` once, with its gradient kept
 (``PrecomputedGradientLossFunction``). Why a head is not fused is logged
 once (mmengine's current logger). :func:`loss_gradient_copies` and
