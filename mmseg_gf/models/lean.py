@@ -37,9 +37,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
                         MaskedDropoutFunction,
                         ShapeOnlyAdaptiveAvgPoolFunction)
-from .lean_head import (ClassifierCapture, base_decode_head, fusion_blocker,
-                        fused_classifier_losses, lean_head_losses,
-                        log_fallback_once)
+from .lean_head import (ClassifierCapture, base_decode_head,
+                        disable_classifier_fusion, fused_classifier_losses,
+                        fusion_blocker, lean_head_losses, log_fallback_once)
 
 __all__ = [
     'make_lean', 'make_plain', 'is_lean', 'lean_kind',
@@ -159,8 +159,7 @@ class _LeanLossHead:
                 return fused_classifier_losses(self, capture, seg_logits,
                                                batch_data_samples)
             if reason is not None:
-                self._fused_classifier_off = reason
-                log_fallback_once(self, reason)
+                disable_classifier_fusion(self, reason)
             return lean_head_losses(self, seg_logits, batch_data_samples)
         except ValueError as error:  # this loss needs autograd's own path
             self._lean_loss_off = self._fused_classifier_off = str(error)

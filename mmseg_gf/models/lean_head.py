@@ -33,7 +33,7 @@ from .lean_loss import (chunkable_losses, chunked_cross_entropy_gradients,
 __all__ = ['base_decode_head', 'ClassifierCapture', 'fusion_blocker',
            'fused_classifier_losses', 'lean_head_losses',
            'log_fallback_once', 'loss_gradient_copies',
-           'classifier_fused_now']
+           'disable_classifier_fusion', 'classifier_fused_now']
 
 
 def base_decode_head():
@@ -278,6 +278,16 @@ def loss_gradient_copies(head: nn.Module) -> Optional[int]:
     losses = head.loss_decode
     losses = list(losses) if isinstance(losses, nn.ModuleList) else [losses]
     return len({loss.loss_name for loss in losses})
+
+
+def disable_classifier_fusion(head: nn.Module, reason: str) -> None:
+    """Keep ``head``'s classifier out of its loss from now on (its lean loss
+    then keeps the classifier's input and the logits, as mmseg's
+    cross-entropy image by image or the loss's gradient): for comparing the
+    two, or for a head whose forward reads its classifier's output in a way
+    the fusion does not see. ``reason`` is logged once."""
+    head._fused_classifier_off = reason
+    log_fallback_once(head, reason)
 
 
 def classifier_fused_now(head: nn.Module) -> bool:

@@ -18,6 +18,8 @@ from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
                                          remove_lean_region)
+from mmseg_gf.models.lean_head import (  # noqa: E402
+    disable_classifier_fusion)
 
 MODELS = ('pspnet_r18', 'deeplabv3_r18', 'fcn_r18', 'upernet_r18',
           'pspnet_mv2', 'deeplabv3_mv2')
@@ -182,7 +184,7 @@ def test_fused_classifier_keeps_less_and_is_counted(name):
     inputs, samples = random_batch(base, SIZE, BATCH, label_block=4)
     fused = _prepared(base, 5, 'gf', lean=True)
     unfused = _prepared(base, 5, 'gf', lean=True)
-    unfused.decode_head._fused_classifier_off = 'switched off by the test'
+    disable_classifier_fusion(unfused.decode_head, 'switched off by the test')
     kept = {}
     for key, model in (('fused', fused), ('unfused', unfused)):
         kept[key] = saved_tensor_bytes(
