@@ -230,6 +230,14 @@ def weight_and_bias_gradients(x: Tensor, weight: Tensor, g_z: Tensor,
     return g_w, g_b
 
 
+def _memory_format(x: Tensor) -> torch.memory_format:
+    """``x``'s layout, for a gradient in the same one (as autograd's)."""
+    if not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
                    spec: ConvSpec) -> Tensor:
     """``g_x = W^T g_z`` of ``z = conv2d(x, W)``, ``x`` of ``shape``: a
@@ -283,7 +291,7 @@ class FusedClassifierLossFunction(Function):
         ctx.layout, kept_o = _flatten(result.others, ctx.keys)
         ctx.save_for_backward(weight, *kept_z, *kept_w, *kept_b, *kept_o)
         ctx.counts = (len(kept_z), len(kept_w), len(kept_b), len(others))
-        ctx.x_geometry = (tuple(x.shape), x.dtype)
+        ctx.x_geometry = (tuple(x.shape), x.dtype, _memory_format(x))
         ctx.spec, ctx.mix = spec, result.mix
         differentiable = set(result.mix) | {
             k for k, gs in result.others.items()
@@ -303,9 +311,9 @@ class FusedClassifierLossFunction(Function):
         if scales and kept_z:
             g_z = _scaled_sum([(s, kept_z[b]) for b, s in scales.items()],
                               kept_z[0])
-            shape, dtype = ctx.x_geometry
+            shape, dtype, layout = ctx.x_geometry
             g_x = input_gradient(g_z, weight.to(g_z.dtype), shape,
-                                 ctx.spec).to(dtype)
+                                 ctx.spec).to(dtype, memory_format=layout)
         if scales and kept_w:
             g_w = _scaled_sum([(s, kept_w[b]) for b, s in scales.items()],
                               weight)

@@ -36,18 +36,22 @@ CONVS = [
 
 @pytest.mark.parametrize('conv', CONVS)
 @pytest.mark.parametrize('bias', [True, False])
-def test_fused_classifier_equals_autograd(conv, bias):
+@pytest.mark.parametrize('layout', ['nchw', 'channels_last'])
+def test_fused_classifier_equals_autograd(conv, bias, layout):
     c, k, kernel, stride, padding, dilation, groups, size = conv
+    fmt = torch.channels_last if layout == 'channels_last' else \
+        torch.contiguous_format
     gen = torch.Generator().manual_seed(0)
-    x0 = torch.randn((2, c) + size, generator=gen)
+    x0 = torch.randn((2, c) + size, generator=gen).contiguous(
+        memory_format=fmt)
     layer = torch.nn.Conv2d(c, k, kernel, stride, padding, dilation, groups,
-                            bias=bias)
+                            bias=bias).to(memory_format=fmt)
     spec = ConvSpec.of(layer)
     scales = {'loss_a': 3.0, 'loss_b': 0.25}
     results = []
     for fused in (False, True):
         layer.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_(True)
+        x = x0.clone(memory_format=fmt).requires_grad_(True)
         for step in range(2):  # accumulation into .grad
             if fused:
                 keys = []
@@ -61,6 +65,7 @@ def test_fused_classifier_equals_autograd(conv, bias):
             sum(out[k] * s * (step + 1) for k, s in scales.items()).backward()
         results.append((out, x.grad, [p.grad for p in layer.parameters()]))
     (want, want_x, want_p), (got, got_x, got_p) = results
+    assert got_x.is_contiguous(memory_format=fmt)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0)
     assert not got['metric'].requires_grad
