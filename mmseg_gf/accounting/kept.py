@@ -25,7 +25,13 @@ lean element-wise dropout   1 bit per element
 adaptive average pooling    nothing (lean: its input's shape; to 1x1 it
                             is a mean, which keeps nothing)
 ``Dropout2d`` (training)    its noise, one value per channel: ``N*C``
-a head's lean loss          the low-resolution logits ``N*K*h*w``
+a head's lean loss          the low-resolution logits ``N*K*h*w`` (mmseg's
+                            cross-entropy), else its gradient w.r.t. them,
+                            once per loss name
+classifier fused with its   nothing itself; its head's loss keeps the
+head's loss                 gradient w.r.t. the logits (if the classifier's
+                            input needs one) and ``g_W``, ``g_b``, once per
+                            loss name (once for the cross-entropy)
 ==========================  ===============================================
 
 Modules of other kinds that autograd records (a trained norm, GELU, ...)
@@ -42,6 +48,7 @@ from torch import nn
 
 from ..models.gf_conv import GFConv2d
 from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
+from ..models.lean_head import classifier_fused_now, loss_gradient_copies
 from ..models.segmentor import is_head_classifier
 from .conv_cost import ConvGeometry
 from .format import fmt_mib
@@ -193,8 +200,30 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
 
 def is_head_lean(model: nn.Module, classifier_path: str) -> bool:
     """Whether the head owning a classifier computes its loss lean (it
-    then keeps its low-resolution logits for backward)."""
+    then keeps its low-resolution logits, or its loss's gradient w.r.t.
+    them, for backward)."""
     return is_lean(model.get_submodule(classifier_path.rpartition('.')[0]))
+
+
+def _lean_loss_items(head_path: str, head: nn.Module, conv: nn.Module,
+                     x: torch.Tensor, out: torch.Tensor) -> List[SavedItem]:
+    """What a lean head's loss keeps for the classifier output ``out``:
+    one logits-sized tensor per :func:`loss_gradient_copies`; fused with the
+    classifier, only where ``x`` needs a gradient, plus ``g_W`` and ``g_b``
+    per copy (the classifier then keeps nothing itself)."""
+    copies = loss_gradient_copies(head) or 1
+    eb = out.element_size()
+    if not classifier_fused_now(head):
+        return [SavedItem(head_path, 'logits', copies * out[0].numel(), eb)]
+    items = []
+    if x.requires_grad:
+        items.append(SavedItem(head_path, 'logits',
+                               copies * out[0].numel(), eb))
+    for param in (conv.weight, conv.bias):
+        if param is not None and param.requires_grad:
+            items.append(SavedItem(head_path, 'classifier',
+                                   copies * param.numel(), eb, 'const'))
+    return items
 
 
 def kept_by_call(model: nn.Module, path: str, module: nn.Module,
@@ -202,13 +231,20 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
                  shared: Dict[int, str]
                  ) -> Tuple[List[SavedItem], bool]:
     """Everything one recorded call keeps: its own item and, for a head's
-    classifier whose head computes a lean loss, the low-resolution logits
-    that loss keeps (attributed to the head).
+    classifier whose head computes a lean loss, what that loss keeps
+    (attributed to the head; a classifier fused with its loss keeps
+    nothing itself).
 
     Returns:
         ``(items, modelled)``: ``modelled`` is False when no rule covers
         the module itself (its bytes are then unknown, not zero).
     """
+    head = None
+    if is_head_classifier(path) and is_head_lean(model, path):
+        head = model.get_submodule(path.rpartition('.')[0])
+    if head is not None and classifier_fused_now(head):
+        return _lean_loss_items(path.rpartition('.')[0], head, module, x,
+                                out), True
     items: List[SavedItem] = []
     modelled = True
     try:
@@ -217,7 +253,7 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
         item, modelled = None, False
     if item is not None:
         items.append(item)
-    if is_head_classifier(path) and is_head_lean(model, path):
-        items.append(SavedItem(path.rpartition('.')[0], 'logits',
-                               out[0].numel(), out.element_size()))
+    if head is not None:
+        items.extend(_lean_loss_items(path.rpartition('.')[0], head, module,
+                                      x, out))
     return items, modelled

@@ -16,9 +16,13 @@ What becomes lean:
 * ``Dropout`` (element-wise): keeps 1 bit per element.
 * ``AdaptiveAvgPool2d`` to more than 1x1 (PSPNet's pyramid): keeps the
   input's shape only.
-* decode heads whose loss is mmseg's ``BaseDecodeHead.loss_by_feat``: keep
-  the low-resolution logits, not the upsampled ones
-  (:func:`make_lean` on the head).
+* mmseg's decode heads (:func:`make_lean` on the head): their loss keeps
+  low-resolution tensors, never the upsampled logits. A head classifying
+  with mmseg's ``cls_seg`` and returning its output (alone or in a tuple)
+  has its classifier fused with its loss (keeps the loss's gradient w.r.t.
+  the logits, not the classifier's input); other heads keep their logits
+  (cross-entropy) or their loss's gradient w.r.t. them
+  (:mod:`.lean_head`).
 * ``nn.Conv2d`` and mmcv's ``Conv2d`` (not ``GFConv2d``) while frozen, with
   zero padding of integer sizes: keep nothing (the weight is a live
   Parameter); ``nn.Linear`` (and mmcv's) while frozen: keep nothing.
@@ -36,9 +40,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
                         FrozenLinearFunction, MaskedActivationFunction,
                         MaskedDropoutFunction,
-                        ShapeOnlyAdaptiveAvgPoolFunction, recomputed_losses)
+                        ShapeOnlyAdaptiveAvgPoolFunction)
 from .gf_conv import GFConv2d, is_filterable_conv, with_mmcv_wrapper
-from .lean_loss import chunkable_losses, chunked_cross_entropy_losses
+from .lean_head import (ClassifierCapture, base_decode_head,
+                        disable_classifier_fusion, fused_classifier_losses,
+                        fusion_blocker, lean_head_losses, log_fallback_once)
 
 __all__ = [
     'make_lean', 'make_plain', 'is_lean', 'lean_kind', 'frozen_conv_is_lean',
@@ -112,21 +118,60 @@ class _LeanAdaptiveAvgPool:
         return tuple(out) == (1, 1)
 
 
-class _LeanLossHead:
-    """A decode head whose loss keeps the low-resolution logits only:
-    mmseg's cross-entropy image by image (:mod:`.lean_loss`), any other
-    loss on the whole batch, recomputed in the backward."""
+def _recording_any(logits) -> bool:
+    tensors = logits if isinstance(logits, (tuple, list)) else [logits]
+    return all(isinstance(t, Tensor) for t in tensors) and any(
+        _recording(t) for t in tensors)
 
-    def loss_by_feat(self, seg_logits: Tensor, batch_data_samples) -> dict:
-        if not _recording(seg_logits):
-            return super().loss_by_feat(seg_logits, batch_data_samples)
-        specs = chunkable_losses(self)
-        if specs is not None:
-            return chunked_cross_entropy_losses(self, seg_logits,
-                                                batch_data_samples, specs)
-        plain = super().loss_by_feat
-        return recomputed_losses(
-            lambda logits: plain(logits, batch_data_samples), seg_logits)
+
+class _LeanLossHead:
+    """A decode head whose loss keeps neither the upsampled logits nor, where
+    its classifier can be fused with the loss, the classifier's input.
+
+    ``loss`` arms a :class:`~.lean_head.ClassifierCapture` when
+    :func:`fusion_blocker` allows it; ``cls_seg`` then runs ``conv_seg``
+    with its saved tensors held by the capture, and ``loss_by_feat``, when
+    it receives that very output (alone or in a tuple), releases them and
+    computes the loss with
+    :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction` instead.
+    Otherwise: mmseg's cross-entropy image by image (keeps the logits),
+    any other loss with its gradient taken in the forward (keeps that)."""
+
+    def loss(self, *args, **kwargs):
+        if fusion_blocker(self) is not None:
+            return super().loss(*args, **kwargs)
+        self._classifier_capture = ClassifierCapture()
+        try:
+            return super().loss(*args, **kwargs)
+        finally:
+            self._classifier_capture = None
+
+    def cls_seg(self, feat: Tensor) -> Tensor:
+        capture = getattr(self, '_classifier_capture', None)
+        if capture is None:
+            return super().cls_seg(feat)
+        return capture.classify(self, feat)
+
+    def loss_by_feat(self, seg_logits, batch_data_samples, *args, **kwargs):
+        if args or kwargs or not _recording_any(seg_logits) or getattr(
+                self, '_lean_loss_off', None):
+            return super().loss_by_feat(seg_logits, batch_data_samples,
+                                        *args, **kwargs)
+        capture = getattr(self, '_classifier_capture', None)
+        reason = None if capture is None else capture.mismatch(seg_logits)
+        rng = torch.get_rng_state()
+        try:
+            if capture is not None and reason is None:
+                return fused_classifier_losses(self, capture, seg_logits,
+                                               batch_data_samples)
+            if reason is not None:
+                disable_classifier_fusion(self, reason)
+            return lean_head_losses(self, seg_logits, batch_data_samples)
+        except ValueError as error:  # this loss needs autograd's own path
+            self._lean_loss_off = self._fused_classifier_off = str(error)
+            log_fallback_once(self, str(error))
+            torch.set_rng_state(rng)  # the plain loss draws what it drew
+        return super().loss_by_feat(seg_logits, batch_data_samples)
 
 
 def _frozen(*tensors: Optional[Tensor]) -> bool:
@@ -179,14 +224,6 @@ _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
 _CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
 
 
-def _base_decode_head_loss():
-    try:
-        from mmseg.models.decode_heads.decode_head import BaseDecodeHead
-    except ImportError:
-        return None
-    return BaseDecodeHead.loss_by_feat
-
-
 def lean_kind(module: nn.Module) -> Optional[str]:
     """Which lean variant ``module`` has (one of :data:`LEAN_KINDS`), or
     None. Already-lean modules report their kind too."""
@@ -203,9 +240,8 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return 'frozen_conv'
     if _plain_type(module) in with_mmcv_wrapper(nn.Linear):
         return 'frozen_linear'
-    base_loss = _base_decode_head_loss()
-    if base_loss is not None and getattr(
-            _plain_type(module), 'loss_by_feat', None) is base_loss:
+    base = base_decode_head()
+    if base is not None and isinstance(module, base):
         return 'loss'
     return None
 
