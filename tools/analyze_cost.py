@@ -9,6 +9,9 @@ exact (vanilla) and the gradient-filtered backward, all from the shared
 cost model (``mmseg_gf.accounting.conv_cost.conv_backward_cost``; conventions in
 docs/cost.md). A config without ``gradient_filter`` is "Vanilla BP All":
 every conv on the inference path (GF columns then at ``--radius``).
+Any mmseg config works: ``--setting`` gives it a gradient-filter setting by
+name, ``--offline`` builds a zoo config as it comes (SyncBN -> BN, no
+pretrained checkpoint).
 
 Examples::
 
@@ -25,6 +28,10 @@ Examples::
     # step peak, marking what a budget allows (docs/budget.md)
     python tools/analyze_cost.py configs/gf/pspnet_r18_voc_r4.py --sweep \
         --batch 8 --budget saved_mib=60 peak_mib=600 --out work_dirs/cost/sweep.json
+    # a config of mmseg's zoo as it comes, GF on its last 10 convs at r = 4
+    # ($MMSEG: mmseg's package directory, where it installs its configs)
+    python tools/analyze_cost.py --offline --setting gf_last10_r4 \
+        $MMSEG/.mim/configs/stdc/stdc1_4xb12-80k_cityscapes-512x1024.py
 """
 import argparse
 import os.path as osp
@@ -42,10 +49,12 @@ from mmseg_gf.analysis.model_cost import (config_backward_cost,
                                           config_step_saved_bytes)
 from mmseg_gf.analysis.budget_sweep import (config_sweep, sweep_markdown,
                                             sweep_plot)
+from mmseg_gf.analysis.step_benchmark import row_settings, set_row_settings
 from mmseg_gf.protocol.paper_table3 import (PAPER_TABLE3_GFLOPS, TABLE3_NOTE,
                                             compare_with_table3,
                                             table3_comparison_table)
 from mmseg_gf.engine.tool_args import write_json
+from mmseg_gf.engine.zoo import make_offline
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -103,6 +112,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '--cfg-options', nargs='+', action=DictAction,
         help='override some settings in the used config, the key-value '
         'pair in xxx=yyy format will be merged into config file.')
+    parser.add_argument(
+        '--setting', help="the config's gradient_filter by name, as "
+        "tools/benchmark_step.py's rows: vanilla_last<N>, gf_last<N>_r<R>, "
+        'gf_last<N>_auto (optionally :lean / :plain); vanilla_all: none')
+    parser.add_argument(
+        '--offline', action='store_true',
+        help='adapt a config of mmseg\'s zoo for one process without '
+        'downloads: SyncBN -> BN, pretrained / init_cfg checkpoints removed')
     args = parser.parse_args(argv)
     if not args.paper_table3 and not args.config:
         parser.error('give a config file, or --paper-table3')
@@ -121,7 +138,29 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error('--batch must be >= 1')
     if (args.sweep or args.budget) and not args.config:
         parser.error('--sweep / --budget need a config file')
+    if args.setting is not None:
+        if args.setting == 'inference':
+            parser.error("--setting: a gradient-filter setting "
+                         "(vanilla_all, vanilla_last<N>, gf_last<N>_r<R>, "
+                         "gf_last<N>_auto), not 'inference'")
+        try:
+            row_settings(args.setting)
+        except ValueError as e:
+            parser.error(f'--setting: {e}')
     return args
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    """The config with ``--cfg-options``, ``--offline`` and
+    ``--setting`` applied, in this order."""
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.offline:
+        make_offline(cfg)
+    if args.setting is not None:
+        set_row_settings(cfg, args.setting)
+    return cfg
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -135,9 +174,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(TABLE3_NOTE)
         out['paper_table3'] = result
     if args.config:
-        cfg = Config.fromfile(args.config)
-        if args.cfg_options:
-            cfg.merge_from_dict(args.cfg_options)
+        cfg = load_config(args)
         cost = config_backward_cost(cfg, args.shape, args.batch, args.radius,
                                     args.collapse_dilated)
         print(f'config: {args.config}')

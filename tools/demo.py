@@ -21,12 +21,9 @@ from mmengine.config import DictAction
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
 from mmseg_gf.accounting.format import format_table
 from mmseg_gf.demo import ensure_data, run_demo
-from mmseg_gf.engine.tool_args import trust_mmengine_checkpoints
 
 DEFAULT_CONFIG = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))),
                           'configs', 'demo', 'pspnet_r18_voc_r4_cpu.py')
-
-trust_mmengine_checkpoints()  # before any checkpoint is read
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

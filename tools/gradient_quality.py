@@ -31,9 +31,7 @@ import mmseg_gf  # noqa: F401  (registers GFConv2d, GradFilterModel, ...)
 from mmseg_gf.analysis.model_quality import (jsonable_rows,
                                              measure_config_quality,
                                              quality_table)
-from mmseg_gf.engine.tool_args import trust_mmengine_checkpoints, write_json
-
-trust_mmengine_checkpoints()  # before any checkpoint is read
+from mmseg_gf.engine.tool_args import write_json
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

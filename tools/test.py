@@ -20,11 +20,8 @@ import sys
 from typing import Dict, List, Optional
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
-from mmseg_gf.engine.tool_args import (add_common_args, export_local_rank,
-                                 trust_mmengine_checkpoints)
+from mmseg_gf.engine.tool_args import add_common_args, apply_common_args
 from mmseg_gf.engine.entrypoints import evaluate, format_metrics
-
-trust_mmengine_checkpoints()  # before any checkpoint is read
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -57,7 +54,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         path = getattr(args, name)
         if '://' not in path and not osp.isfile(path):
             parser.error(f'{name}: file {path!r} does not exist')
-    export_local_rank(args)
+    apply_common_args(args)
     return args
 
 

@@ -25,11 +25,8 @@ from typing import List, Optional
 from mmengine.runner import Runner
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules and hooks)
-from mmseg_gf.engine.tool_args import (add_common_args, export_local_rank,
-                                 trust_mmengine_checkpoints)
+from mmseg_gf.engine.tool_args import add_common_args, apply_common_args
 from mmseg_gf.engine.entrypoints import train
-
-trust_mmengine_checkpoints()  # before any checkpoint is read
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -54,7 +51,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not osp.isfile(args.config):
         parser.error(f'config: file {args.config!r} does not exist')
-    export_local_rank(args)
+    apply_common_args(args)
     return args
 
 

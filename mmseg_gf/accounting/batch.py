@@ -31,7 +31,8 @@ def random_batch(model: nn.Module,
             (1: independent per pixel; larger gives region-like maps).
 
     Returns:
-        ``(inputs, data_samples)``.
+        ``(inputs, data_samples)``; each sample has ``gt_sem_seg`` and the
+        boundary map ``gt_edge_map`` that PIDNet's head trains on.
     """
     h, w = (int(v) for v in input_size)
     gen = torch.Generator().manual_seed(seed)
@@ -47,19 +48,20 @@ def random_batch(model: nn.Module,
                                mode='nearest')[0, :, :h, :w].long()
         sample = SegDataSample()
         sample.gt_sem_seg = PixelData(data=labels.to(device))
-        # heads with a boundary loss (PIDNet) read an edge map
-        sample.gt_edge_map = PixelData(data=_edges(labels).to(device))
+        sample.gt_edge_map = PixelData(data=_label_edges(labels).to(device))
         sample.set_metainfo(
             dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w)))
         samples.append(sample)
     return inputs, samples
 
 
-def _edges(labels: torch.Tensor) -> torch.Tensor:
-    """1 where a label differs from its right or lower neighbour."""
-    edges = torch.zeros_like(labels)
-    edges[..., :, :-1] |= (labels[..., :, 1:] != labels[..., :, :-1]).long()
-    edges[..., :-1, :] |= (labels[..., 1:, :] != labels[..., :-1, :]).long()
+def _label_edges(labels: torch.Tensor) -> torch.Tensor:
+    """1 where a pixel's label differs from its right or lower neighbour
+    (the boundary map mmseg's ``GenerateEdge`` derives from the labels,
+    one pixel wide), uint8 of the labels' shape."""
+    edges = torch.zeros_like(labels, dtype=torch.uint8)
+    edges[..., :, :-1] |= (labels[..., :, 1:] != labels[..., :, :-1])
+    edges[..., :-1, :] |= (labels[..., 1:, :] != labels[..., :-1, :])
     return edges
 
 

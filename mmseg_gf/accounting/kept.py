@@ -13,9 +13,12 @@ trained conv, ``gf``        patch sums of its input, ``N*Ci*cells``
                             elements (:func:`~.conv_cost.conv_backward_cost`)
 trained conv, exact         its input ``N*Ci*H*W`` (once per input tensor:
 (``vanilla``, classifier)   convs sharing an input share what they keep)
-frozen conv                 nothing (its weight is a live Parameter);
-                            in the gradient path autograd keeps its
-                            input: measured (below)
+lean frozen conv            nothing: ``g_x`` needs its weight only, a live
+(frozen weight and bias)    Parameter (zero padding of integer sizes)
+plain frozen conv           its input, as an exact conv (autograd's
+                            convolution keeps it for ``g_W`` either way);
+                            other padding modes are not modelled
+lean frozen linear          nothing (``g_x = g W``)
 lean frozen norm            ``C`` float32 scales
 lean ReLU/ReLU6/LeakyReLU,  1 bit per element, ``ceil(N*C*H*W / 8)`` bytes
 Hardsigmoid/HSigmoid,       (a frozen PReLU's slope is its Parameter)
@@ -26,7 +29,13 @@ adaptive average pooling    nothing (lean: its input's shape; to 1x1 it
                             is a mean, which keeps nothing)
 lean ``AvgPool2d``          nothing (its input's shape)
 ``Dropout2d`` (training)    its noise, one value per channel: ``N*C``
-a head's lean loss          the low-resolution logits ``N*K*h*w``
+a head's lean loss          the low-resolution logits ``N*K*h*w`` (mmseg's
+                            cross-entropy), else its gradient w.r.t. them,
+                            once per loss name
+classifier fused with its   nothing itself; its head's loss keeps the
+head's loss                 gradient w.r.t. the logits (if the classifier's
+                            input needs one) and ``g_W``, ``g_b``, once per
+                            loss name (once for the cross-entropy)
 ==========================  ===============================================
 
 Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
@@ -47,7 +56,8 @@ import torch
 from torch import nn
 
 from ..models.gf_conv import GFConv2d
-from ..models.lean import is_lean, lean_kind
+from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
+from ..models.lean_head import classifier_fused_now, loss_gradient_copies
 from ..models.segmentor import is_head_classifier
 from .conv_cost import ConvGeometry
 from .format import fmt_mib
@@ -165,14 +175,22 @@ def measured_item(path: str, kind: str, nbytes: int,
                      'const' if constant else 'linear', kind=kind)
 
 
+def _frozen_conv_item(path: str, conv: nn.Conv2d,
+                      x: torch.Tensor) -> Optional[SavedItem]:
+    """A frozen conv in the gradient path: nothing when lean, else its
+    input (a padded copy of it for other padding modes: not modelled)."""
+    if frozen_conv_is_lean(conv) or x.numel() == 0:
+        return None
+    if conv.padding_mode != 'zeros' or isinstance(conv.padding, str):
+        raise LookupError(path)
+    return SavedItem(path, 'conv', x[0].numel(), x.element_size(),
+                     storage=x.untyped_storage().data_ptr())
+
+
 def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
                out: torch.Tensor) -> Optional[SavedItem]:
-    if not conv.weight.requires_grad:
-        if x.requires_grad:
-            # autograd's convolution keeps its input even when only g_x is
-            # needed (a frozen auxiliary head's conv): measured
-            raise LookupError(path)
-        return None
+    if not any(p.requires_grad for p in conv.parameters()):
+        return _frozen_conv_item(path, conv, x)
     eb = x.element_size()
     if isinstance(conv, GFConv2d) and conv.enabled:
         cost = ConvGeometry.of(conv, x.shape[1:], out.shape[1:]).cost(
@@ -209,6 +227,8 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
         return item
     kind = lean_kind(module) if is_lean(module) else None
     trained = any(p.requires_grad for p in module.parameters())
+    if kind == 'frozen_linear' and not trained:
+        return None
     if kind == 'norm' and not trained and not module.training:
         return SavedItem(path, 'norm', x.shape[1], 4, 'const')
     if kind == 'activation' and not trained and not (
@@ -239,8 +259,30 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
 
 def is_head_lean(model: nn.Module, classifier_path: str) -> bool:
     """Whether the head owning a classifier computes its loss lean (it
-    then keeps its low-resolution logits for backward)."""
+    then keeps its low-resolution logits, or its loss's gradient w.r.t.
+    them, for backward)."""
     return is_lean(model.get_submodule(classifier_path.rpartition('.')[0]))
+
+
+def _lean_loss_items(head_path: str, head: nn.Module, conv: nn.Module,
+                     x: torch.Tensor, out: torch.Tensor) -> List[SavedItem]:
+    """What a lean head's loss keeps for the classifier output ``out``:
+    one logits-sized tensor per :func:`loss_gradient_copies`; fused with the
+    classifier, only where ``x`` needs a gradient, plus ``g_W`` and ``g_b``
+    per copy (the classifier then keeps nothing itself)."""
+    copies = loss_gradient_copies(head) or 1
+    eb = out.element_size()
+    if not classifier_fused_now(head):
+        return [SavedItem(head_path, 'logits', copies * out[0].numel(), eb)]
+    items = []
+    if x.requires_grad:
+        items.append(SavedItem(head_path, 'logits',
+                               copies * out[0].numel(), eb))
+    for param in (conv.weight, conv.bias):
+        if param is not None and param.requires_grad:
+            items.append(SavedItem(head_path, 'classifier',
+                                   copies * param.numel(), eb, 'const'))
+    return items
 
 
 def kept_by_call(model: nn.Module, path: str, module: nn.Module,
@@ -248,13 +290,20 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
                  shared: Dict[int, str]
                  ) -> Tuple[List[SavedItem], bool]:
     """Everything one recorded call keeps: its own item and, for a head's
-    classifier whose head computes a lean loss, the low-resolution logits
-    that loss keeps (attributed to the head).
+    classifier whose head computes a lean loss, what that loss keeps
+    (attributed to the head; a classifier fused with its loss keeps
+    nothing itself).
 
     Returns:
         ``(items, modelled)``: ``modelled`` is False when no rule covers
         the module itself (its bytes are then unknown, not zero).
     """
+    head = None
+    if is_head_classifier(path) and is_head_lean(model, path):
+        head = model.get_submodule(path.rpartition('.')[0])
+    if head is not None and classifier_fused_now(head):
+        return _lean_loss_items(path.rpartition('.')[0], head, module, x,
+                                out), True
     items: List[SavedItem] = []
     modelled = True
     try:
@@ -263,8 +312,7 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
         item, modelled = None, False
     if item is not None:
         items.append(item)
-    if is_head_classifier(path) and is_head_lean(model, path):
-        items.append(SavedItem(path.rpartition('.')[0], 'logits',
-                               out[0].numel(), out.element_size(),
-                               storage=out.untyped_storage().data_ptr()))
+    if head is not None:
+        items.extend(_lean_loss_items(path.rpartition('.')[0], head, module,
+                                      x, out))
     return items, modelled

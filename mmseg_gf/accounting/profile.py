@@ -322,7 +322,7 @@ class _Recorder:
         if out.grad_fn is None:
             return
         i = self.index[call.module]
-        self.unmodelled.note_call(call.seq, (), True)
+        self.unmodelled.note_call(call.seq, call.path, (), True)
         # inputs made by functional code (torch.cat, additions) are seen
         # here first
         upstream = self.upstream(call.x)
@@ -347,7 +347,7 @@ class _Recorder:
         self.track(out, call.seq, max(upstream, self.upstream(out)))
         items, modelled = kept_by_call(self.probe, call.path, call.module, x,
                                        out, self.shared)
-        self.unmodelled.note_call(call.seq, items, modelled)
+        self.unmodelled.note_call(call.seq, call.path, items, modelled)
         self.profile.entries.extend(
             _Entry(item, upstream, call.trained, call.path, call.seq)
             for item in items)

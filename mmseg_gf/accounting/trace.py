@@ -33,9 +33,10 @@ from .measured import mark
 __all__ = ['ModuleCall', 'SavedPack', 'StepTracer', 'UnmodelledBytes',
            'trace_step_saved_bytes', 'LOSS_OWNER']
 
-#: What packs made outside every module's forward (the head's loss) are
-#: attributed to.
+#: What packs made outside every module's forward are attributed to.
 LOSS_OWNER = '(loss)'
+#: Appended to a head's kind for what its ``loss_by_feat`` saves.
+LOSS_PART = ' (loss)'
 
 
 @dataclass
@@ -77,7 +78,8 @@ class SavedPack:
         owner: path of the innermost module running (:data:`LOSS_OWNER`:
             none, e.g. the head's loss).
         kind: the owner's class name, `` (functional)`` appended for a
-            module with children (the tensor was saved by its own code).
+            module with children (the tensor was saved by its own code),
+            :data:`LOSS_PART` for a head's ``loss_by_feat``.
         leaf: the owner is a leaf module.
         module: the owner (None: :data:`LOSS_OWNER`).
         inputs: the tensors the operation saving it received (the
@@ -189,8 +191,8 @@ class StepTracer:
         self.on_call(ModuleCall(seq, self._paths[module], module, x,
                                 output, trained, recorded))
 
-    def _enter(self, module, args) -> None:
-        self._stack.append((module, args))
+    def _enter(self, module, args, part: str = '') -> None:
+        self._stack.append((module, args, part))
 
     def _leave(self, module, args, output) -> None:
         self._stack.pop()
@@ -200,11 +202,12 @@ class StepTracer:
         if isinstance(tensor, nn.Parameter) or not self.recording:
             return
         if self._stack:
-            module, args = self._stack[-1]
+            module, args, part = self._stack[-1]
             leaf = not any(True for _ in module.children())
             owner = self._paths.get(module, type(module).__name__)
             plain = getattr(type(module), '_plain_class', type(module))
-            kind = plain.__name__ + ('' if leaf else ' (functional)')
+            kind = plain.__name__ + (part or ('' if leaf else
+                                              ' (functional)'))
         else:
             module, args, leaf, owner, kind = None, (), False, LOSS_OWNER, \
                 LOSS_OWNER
@@ -229,8 +232,11 @@ class StepTracer:
                 handles.append(m.register_forward_pre_hook(self._enter))
                 handles.append(m.register_forward_hook(self._leave,
                                                        always_call=True))
-                if hasattr(m, 'loss_by_feat') and 'forward' not in vars(m):
-                    m.forward = self._stacked(m, m.forward)
+                if hasattr(m, 'loss_by_feat') and not {
+                        'forward', 'loss_by_feat'} & set(vars(m)):
+                    m.forward = self._stacked(m, m.forward, '')
+                    m.loss_by_feat = self._stacked(m, m.loss_by_feat,
+                                                   LOSS_PART)
                     heads.append(m)
         try:
             yield self
@@ -238,16 +244,18 @@ class StepTracer:
             for h in handles:
                 h.remove()
             for m in heads:
-                del m.forward
+                del m.forward, m.loss_by_feat
 
-    def _stacked(self, module: nn.Module, forward: Callable) -> Callable:
-        """``forward`` on the module stack: mmseg's heads call
-        ``self.forward`` from ``loss``, bypassing the module hooks."""
+    def _stacked(self, module: nn.Module, method: Callable,
+                 part: str) -> Callable:
+        """``method`` on the module stack: mmseg's heads call
+        ``self.forward`` and ``self.loss_by_feat`` from ``loss``, bypassing
+        the module hooks; what the loss saves is told apart (``part``)."""
 
         def run(*args, **kwargs):
-            self._enter(module, args)
+            self._enter(module, args, part)
             try:
-                return forward(*args, **kwargs)
+                return method(*args, **kwargs)
             finally:
                 self._stack.pop()
 
@@ -293,9 +301,11 @@ class UnmodelledBytes:
     """The packs of a traced step that no rule of :mod:`.kept` covers.
 
     A pack is covered when its owner is a leaf whose call a rule modelled
-    (the rule counts what that call keeps), or when its storage is one a
-    rule counts itself (an exact conv's input, the logits: ``storage`` of
-    a :class:`~.kept.SavedItem`). Each storage counts once; one that holds
+    (the rule counts what that call keeps), when its storage is one a rule
+    counts itself (an exact conv's input: ``storage`` of a
+    :class:`~.kept.SavedItem`), or when a head's loss saved it and a rule
+    counts that loss (an item of the head's path made at its classifier's
+    call). Each storage counts once; one that holds
     a Parameter or buffer of the model (a Linear saves a view of its
     weight) counts the same at any batch.
 
@@ -307,6 +317,7 @@ class UnmodelledBytes:
     modelled_calls: Set[int] = field(default_factory=set)
     counted_storages: Set[int] = field(default_factory=set)
     constant_storages: Set[int] = field(default_factory=set)
+    counted_losses: Set[str] = field(default_factory=set)
 
     @classmethod
     def of(cls, model: nn.Module) -> 'UnmodelledBytes':
@@ -319,13 +330,20 @@ class UnmodelledBytes:
         self.packs.append(pack.slim())
         return self.packs[-1]
 
-    def note_call(self, seq: int, items: Sequence[SavedItem],
+    def note_call(self, seq: int, path: str, items: Sequence[SavedItem],
                   modelled: bool) -> None:
-        """What a rule said about call ``seq``."""
+        """What a rule said about call ``seq`` of module ``path``."""
         if modelled:
             self.modelled_calls.add(seq)
         self.counted_storages.update(i.storage for i in items
                                      if i.storage is not None)
+        self.counted_losses.update(i.path for i in items if i.path != path)
+
+    def covered(self, pack: SavedPack) -> bool:
+        if pack.leaf and pack.seq in self.modelled_calls:
+            return True
+        return pack.kind.endswith(LOSS_PART) and \
+            pack.owner in self.counted_losses
 
     def by_storage(self) -> List[List[SavedPack]]:
         """The uncovered packs, grouped by storage, in packing order."""
@@ -336,8 +354,7 @@ class UnmodelledBytes:
         for ptr, packs in groups.items():
             if ptr in self.counted_storages:
                 continue
-            left = [p for p in packs
-                    if not (p.leaf and p.seq in self.modelled_calls)]
+            left = [p for p in packs if not self.covered(p)]
             if left:
                 out.append(left)
         return out
@@ -376,7 +393,7 @@ def trace_step_saved_bytes(model: nn.Module,
             return
         items, modelled = kept_by_call(model, call.path, call.module, call.x,
                                        call.output, shared)
-        unmodelled.note_call(call.seq, items, modelled)
+        unmodelled.note_call(call.seq, call.path, items, modelled)
         result.items.extend(items)
 
     was_training = model.training

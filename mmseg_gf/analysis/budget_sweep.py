@@ -137,6 +137,9 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
         budget = (cfg.get('gradient_filter') or {}).get('budget')
     checked = check_budget(budget) if budget is not None else None
     radii = checked['radii'] if checked else DEFAULT_RADII
+    # a config inheriting default_scope from a base has no _scope_ (see
+    # mmseg_gf.engine.build.build_segmentor)
+    model_cfg.setdefault('_scope_', cfg.get('default_scope') or 'mmseg')
     segmentor = MODELS.build(model_cfg)
     profile = profile_segmentor(segmentor, input_size, timeline=True)
     rows = sweep_rows(profile, radii, batch, checked)

@@ -1,13 +1,11 @@
 """Whole training steps of gradient-filter settings next to inference.
 
-For one model, each row builds the segmentor from its config (the caller
-composes them: ``tools/benchmark_step.py`` from the protocol's strategies,
-:func:`mmseg_gf.protocol.experiments.step_row_config`) and measures, on one random batch at the training crop, all in
-one process:
+For one model, each row builds the segmentor from its config and measures,
+on one random batch at the training crop, all in one process:
 
 * ``inference``: mmseg's ``predict`` (eval forward, logits resized to the
   image, arg-max) under ``torch.no_grad``, the yardstick;
-* each strategy row (``vanilla_last5``, ``gf_last10_r4``, ...; with
+* each setting row (``vanilla_last5``, ``gf_last10_r4``, ...; with
   ``:lean`` or ``:plain`` for the gradient-filter setting ``lean``): median
   forward (loss), backward and whole-step (with SGD) seconds, the step's peak
   of live tensor bytes
@@ -17,12 +15,18 @@ one process:
   rows, their analytic count
   (:func:`~mmseg_gf.accounting.trace.trace_step_saved_bytes`).
 
+A row's config is any mmseg config with the row's ``gradient_filter``
+setting (:func:`row_settings`, :func:`row_config`); ``tools/benchmark_step.py``
+composes the protocol models' rows from their strategy files instead.
+
 Timed runs go round robin over the rows, so ratios hold under a changing
 machine load. Ratios are taken within the run: each row against inference,
 and each
 filtered row's saved bytes against the same layers trained with
 ``mode='vanilla', lean=False`` (the paper's 1/r^2 claim, end to end).
 """
+import copy
+import re
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -35,8 +39,9 @@ from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
 
-__all__ = ['DEFAULT_ROWS', 'parse_row', 'benchmark_model', 'step_table',
-           'plot', 'FINETUNE_ITERS']
+__all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'parse_row', 'row_settings',
+           'set_row_settings', 'row_config', 'benchmark_model', 'step_table', 'plot',
+           'FINETUNE_ITERS']
 
 #: The protocol's finetuning length, for the "20k steps" column.
 FINETUNE_ITERS = 20000
@@ -44,6 +49,12 @@ FINETUNE_ITERS = 20000
 DEFAULT_ROWS = ('inference', 'vanilla_last5:plain', 'gf_last5_r4:plain',
                 'gf_last5_r4:lean', 'vanilla_last10:plain',
                 'gf_last10_r4:plain', 'gf_last10_r4:lean')
+#: What a row may be (the error message of :func:`row_settings`).
+ROW_FORMS = ("'inference', 'vanilla_all', 'vanilla_last<N>', "
+             "'gf_last<N>_r<R>' or 'gf_last<N>_auto', the last two "
+             "optionally suffixed ':lean' (the default) or ':plain'")
+_LAST_N = re.compile(r'(?P<mode>gf|vanilla)_last(?P<n>\d+)'
+                     r'(?:_r(?P<r>\d+)|_(?P<auto>auto))?')
 
 
 def parse_row(row: str):
@@ -56,6 +67,67 @@ def parse_row(row: str):
     if variant not in ('', 'lean', 'plain'):
         raise ValueError(f'row {row!r}: the suffix must be :lean or :plain')
     return strategy, variant != 'plain'
+
+
+def row_settings(row: str) -> Optional[Dict[str, Any]]:
+    """The ``gradient_filter`` setting a row names, for any mmseg config.
+
+    ``'gf_last5_r4:plain'`` -> ``dict(num_layers=5, radius=4, mode='gf',
+    lean=False)``; ``'vanilla_last10'`` -> ``dict(num_layers=10,
+    mode='vanilla', lean=True)``; ``'gf_last5_auto'`` has ``radius='auto'``.
+    ``'inference'`` and ``'vanilla_all'`` (every layer trained by plain
+    mmseg) have none: ``None``.
+
+    Raises:
+        ValueError: a row of none of the :data:`ROW_FORMS`.
+    """
+    strategy, lean = parse_row(row)
+    if strategy in ('inference', 'vanilla_all'):
+        return None
+    match = _LAST_N.fullmatch(strategy)
+    if match is None or int(match['n']) < 1 or int(match['r'] or 1) < 1 or \
+            (match['mode'] == 'gf') == (match['r'] is None
+                                        and match['auto'] is None):
+        raise ValueError(f'row {row!r}: a row is one of {ROW_FORMS} '
+                         '(N, R >= 1; a radius for gf only)')
+    settings = dict(num_layers=int(match['n']), mode=match['mode'],
+                    lean=bool(lean))
+    if match['auto']:
+        settings['radius'] = 'auto'
+    elif match['r']:
+        settings['radius'] = int(match['r'])
+    return settings
+
+
+def set_row_settings(cfg, row: str):
+    """``cfg``'s ``gradient_filter`` replaced by the row's setting (removed
+    for ``inference`` / ``vanilla_all``), in place; returns ``cfg``."""
+    settings = row_settings(row)
+    cfg.pop('gradient_filter', None)
+    if settings is not None:
+        cfg.gradient_filter = settings
+    return cfg
+
+
+def row_config(cfg, row: str, crop: Sequence[int]):
+    """A copy of ``cfg`` (an mmengine ``Config``) measuring ``row`` at
+    ``crop``: the row's ``gradient_filter`` setting in place of the
+    config's own (none for ``inference`` / ``vanilla_all``), the crop as
+    the data preprocessor's size (the layer-selection trace runs at it) and
+    inference on the whole image (``test_cfg`` mode ``'whole'``: the
+    yardstick is the batch the step trains on, not a sliding window)."""
+    cfg = set_row_settings(copy.deepcopy(cfg), row)
+    crop = tuple(int(v) for v in crop)
+    cfg.crop_size = crop
+    model = cfg.model
+    if model.get('data_preprocessor') is not None:
+        model.data_preprocessor['size'] = crop
+    test_cfg = dict(model.get('test_cfg') or {})
+    for key in ('crop_size', 'stride'):
+        test_cfg.pop(key, None)
+    test_cfg['mode'] = 'whole'
+    model.test_cfg = test_cfg
+    return cfg
 
 
 def _predict_fn(model, inputs, samples):
@@ -102,8 +174,8 @@ def benchmark_model(model_name: str,
                     repeats: int = 2,
                     warmup: int = 1,
                     memory: bool = True,
-                    progress: Optional[Callable[[str], None]] = None
-                    ) -> Dict:
+                    progress: Optional[Callable[[str], None]] = None,
+                    label: Optional[str] = None) -> Dict:
     """Measure ``rows`` of one model (see the module docstring).
 
     Every row's segmentor is built first; the timed runs then go round
@@ -123,9 +195,10 @@ def benchmark_model(model_name: str,
         memory: measure peak and saved bytes (``False``: times only, for
             a model whose memory rows are measured in another run).
         progress: called with a short message before each phase.
+        label: the model's display name (default ``model_name``).
 
     Returns:
-        dict with ``model``, ``crop``, ``batch``, ``threads``, ``torch`` and
+        dict with ``model``, ``label``, ``crop``, ``batch``, ``threads``, ``torch`` and
         ``rows`` (one dict per row, in order, with the ratios filled in).
     """
     crop = tuple(int(v) for v in crop)
@@ -145,7 +218,8 @@ def benchmark_model(model_name: str,
             result.update(row.memory(crop, batch))
         measured.append(result)
     _add_ratios(measured)
-    return dict(model=model_name, crop=list(crop), batch=int(batch),
+    return dict(model=model_name, label=label or model_name,
+                crop=list(crop), batch=int(batch),
                 threads=torch.get_num_threads(), torch=torch.__version__,
                 rows=measured)
 
@@ -232,54 +306,122 @@ def _ratio(v: Optional[float], digits: int = 2) -> str:
 
 
 def step_table(result: Dict) -> str:
-    """One model's rows as a markdown table."""
-    return format_table(
-        ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
-         'lean / plain step', 'peak MiB', 'peak / inference', 'saved MiB',
-         'analytic MiB', 'saved / vanilla plain', '20k steps (h)'),
-        [(r['row'], _seconds(r.get('forward')), _seconds(r.get('backward')),
-          _seconds(r.get('step')), _ratio(r.get('step_vs_inference')),
-          _ratio(r.get('step_vs_plain'), 3), _mib(r['peak_bytes']),
-          _ratio(r.get('peak_vs_inference')), _mib(r['saved_bytes']),
-          _mib(r.get('analytic_saved_bytes')),
-          _ratio(r.get('saved_vs_vanilla_plain'), 3),
-          '' if 'step' not in r else
-          f"{r['step'] * FINETUNE_ITERS / 3600:.1f}")
-         for r in result['rows']], align='l' + 'r' * 11)
+    """One model's rows as a markdown table, without the columns that no
+    row measured (times of a memory-only run, bytes of a ``--no-memory``
+    run)."""
+    headers = ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
+               'lean / plain step', 'peak MiB', 'peak / inference',
+               'saved MiB', 'analytic MiB', 'saved / vanilla plain',
+               '20k steps (h)')
+    rows = [(r['row'], _seconds(r.get('forward')), _seconds(r.get('backward')),
+             _seconds(r.get('step')), _ratio(r.get('step_vs_inference')),
+             _ratio(r.get('step_vs_plain'), 3), _mib(r['peak_bytes']),
+             _ratio(r.get('peak_vs_inference')), _mib(r['saved_bytes']),
+             _mib(r.get('analytic_saved_bytes')),
+             _ratio(r.get('saved_vs_vanilla_plain'), 3),
+             '' if 'step' not in r else
+             f"{r['step'] * FINETUNE_ITERS / 3600:.1f}")
+            for r in result['rows']]
+    keep = [i for i in range(len(headers))
+            if i == 0 or any(row[i] != '' for row in rows)]
+    return format_table([headers[i] for i in keep],
+                        [[row[i] for i in keep] for row in rows],
+                        align='l' + 'r' * (len(keep) - 1))
 
 
 def _seconds(v: Optional[float]) -> str:
     return '' if v is None else f'{v:.3f}'
 
 
-def plot(results: Sequence[Dict], path: str) -> None:
-    """Peak memory and step time per row, relative to inference, one group
-    of bars per model (matplotlib, Agg)."""
+#: The plot's panels: result key, title, a line at 1 (the yardstick).
+PLOT_PANELS = (('peak_vs_inference', 'step peak / inference peak', True),
+               ('step_vs_inference', 'step time / inference forward time',
+                True),
+               ('saved_vs_vanilla_plain', 'kept for backward / vanilla, the '
+                'same layers, lean=False', False))
+
+
+def _row_values(results: Sequence[Dict], row: str, key: str) -> List[float]:
+    """One row's ``key`` per model (NaN where the model has none)."""
+    nan = float('nan')
+    out = []
+    for res in results:
+        value = next((r.get(key) for r in res['rows'] if r['row'] == row),
+                     None)
+        out.append(nan if value is None else float(value))
+    return out
+
+
+def _model_label(res: Dict, crops_differ: bool) -> str:
+    label = res.get('label', res['model'])
+    if crops_differ:
+        label += f"\n{res['crop'][0]}x{res['crop'][1]}"
+    return label
+
+
+def _measured_panels(results: Sequence[Dict], names: Sequence[str]):
+    """``(key, title, line at 1, rows that have the key)`` for each panel
+    some row measured; the vanilla rows' own kept ratio (1) is left out."""
+    panels = []
+    for key, title, yardstick in PLOT_PANELS:
+        rows = [name for name in names
+                if any(v == v for v in _row_values(results, name, key))
+                and not (key == 'saved_vs_vanilla_plain'
+                         and name.startswith('vanilla'))]
+        if rows:
+            panels.append((key, title, yardstick, rows))
+    return panels
+
+
+def plot(results: Sequence[Dict], path: str) -> bool:
+    """Ratios per row, one group of bars per model, one panel per ratio
+    (matplotlib, Agg): step peak and step time over inference, bytes kept
+    for backward over the same layers' vanilla ``lean=False`` step.
+
+    Only what was measured is drawn: a memory-only run has no time panel, a
+    ``--no-memory`` run no peak or kept panel; one legend for all panels
+    sits below them, clear of the bars (a row keeps its colour in every
+    panel).
+
+    Returns:
+        whether a plot was written (``False``: no ratio was measured).
+    """
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     import numpy as np
     names = [r['row'] for r in results[0]['rows'] if r['lean'] is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / max(1, len(names))
+    panels = _measured_panels(results, names)
+    if not panels:
+        return False
+    colours = {name: f'C{i % 10}' for i, name in enumerate(names)}
+    crops_differ = len({tuple(res['crop']) for res in results}) > 1
+    width_in = min(20.0, max(7.0, 0.3 * len(names) * len(results) + 2))
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(width_in, 3.2 * len(panels) + 1.2))
     x = np.arange(len(results))
-    for ax, key, title in (
-            (axes[0], 'peak_vs_inference', 'step peak / inference peak'),
-            (axes[1], 'step_vs_inference',
-             'step time / inference forward time')):
-        for i, name in enumerate(names):
-            values = [next((r.get(key, np.nan) for r in res['rows']
-                            if r['row'] == name), np.nan) for res in results]
-            ax.bar(x + (i - len(names) / 2 + 0.5) * width, values, width,
-                   label=name)
-        ax.axhline(1.0, color='k', lw=0.8)
-        ax.set_xticks(x, [res['model'] for res in results], rotation=20)
-        ax.set_title(title)
-    axes[0].legend(fontsize=7)
+    for ax, (key, title, yardstick, rows) in zip(axes[:, 0], panels):
+        width = 0.8 / len(rows)
+        for i, name in enumerate(rows):
+            ax.bar(x + (i - len(rows) / 2 + 0.5) * width,
+                   _row_values(results, name, key), width,
+                   color=colours[name])
+        if yardstick:
+            ax.axhline(1.0, color='k', lw=0.8)
+        ax.set_xticks(x, [_model_label(res, crops_differ)
+                          for res in results], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis='y', alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names]
+    fig.legend(handles, names, loc='lower center', ncol=min(len(names), 6),
+               fontsize=8, frameon=False)
     first = results[0]
-    fig.suptitle(f"crop {first['crop'][0]}x{first['crop'][1]}, batch "
-                 f"{first['batch']}, {first['threads']} threads, torch "
-                 f"{first['torch']}")
-    fig.tight_layout()
+    crop = '' if crops_differ else \
+        f"crop {first['crop'][0]}x{first['crop'][1]}, "
+    fig.suptitle(f"{crop}batch {first['batch']}, {first['threads']} "
+                 f"threads, torch {first['torch']}", fontsize=10)
+    legend_in = 0.3 * -(-len(names) // 6) + 0.1
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

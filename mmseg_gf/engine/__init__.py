@@ -4,7 +4,9 @@ Importing this package registers ``GradFilterModel`` (mmseg MODELS), the
 hooks of :mod:`.hooks` (``GradFilterHook``, ``CalibrationHook``,
 ``GradientQualityHook``, ``ValMetricsRecorderHook``; mmseg HOOKS),
 ``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS) and
-``CPUDistributedDataParallel`` (mmengine MODEL_WRAPPERS).
+``CPUDistributedDataParallel`` (mmengine MODEL_WRAPPERS), and allows the
+data types of mmengine checkpoints in ``torch.load(weights_only=True)``
+(:mod:`.safe_load`).
 """
 from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config
@@ -14,6 +16,7 @@ from .hooks import (CalibrationHook, GradFilterHook, GradientQualityHook,
 from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers, trace_convs)
 from ..models.segmentor import set_frozen_norms_eval
+from .safe_load import allow_mmengine_checkpoints
 from .state import GradientFilterState, get_state
 from .surgery import apply_gradient_filter, get_gradient_filter_layers
 
@@ -25,3 +28,5 @@ __all__ = [
     'GradientQualityHook', 'CalibrationHook', 'ValMetricsRecorderHook',
     'CPUAmpOptimWrapper', 'enable_amp', 'GradientFilterState', 'get_state'
 ]
+
+allow_mmengine_checkpoints()

@@ -35,4 +35,9 @@ def build_segmentor(cfg, input_size: Optional[Sequence[int]] = None
         settings['input_size'] = tuple(int(v) for v in input_size)
         cfg.gradient_filter = settings
     rewrite_config(cfg)
+    # mmengine gives the model dict a ``_scope_`` only when the config file
+    # itself sets ``default_scope``; a zoo config inherits it from a base,
+    # and the segmentor's own builds (its data preprocessor) would then
+    # look in mmengine's registry instead of mmseg's.
+    cfg.model.setdefault('_scope_', cfg.get('default_scope') or 'mmseg')
     return MODELS.build(cfg.model)

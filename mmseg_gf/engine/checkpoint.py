@@ -7,11 +7,13 @@ error (used by GradFilterHook before training and by tools/test.py).
 import logging
 import os.path as osp
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from mmengine.logging import print_log
 from mmengine.runner import CheckpointLoader
 from torch import nn
+
+from .safe_load import explain_refused_checkpoints
 
 __all__ = ['check_checkpoint_matches', 'CLASSIFIER_KEYS']
 
@@ -55,18 +57,7 @@ def check_checkpoint_matches(model: nn.Module,
     """
     if '://' in str(filename):
         return
-    if not osp.isfile(filename):
-        raise FileNotFoundError(
-            f'{setting}: checkpoint file {filename!r} does not exist '
-            '(allowed: an existing checkpoint file, a URL, or None)')
-    checkpoint = CheckpointLoader.load_checkpoint(filename,
-                                                  map_location='cpu')
-    state = checkpoint.get('state_dict', checkpoint) if isinstance(
-        checkpoint, dict) else None
-    if not isinstance(state, dict):
-        raise ValueError(f'{setting}: {filename!r} holds no state dict '
-                         f'(got {type(checkpoint).__name__})')
-    state = {re.sub(r'^module\.', '', k): v for k, v in state.items()}
+    state = _load_state_dict(filename, setting)
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -76,35 +67,17 @@ def check_checkpoint_matches(model: nn.Module,
         if k in state and hasattr(state[k], 'shape')
         and tuple(state[k].shape) != tuple(own[k].shape)
     ]
-
-    def split(keys):
-        if allowed is None:
-            return keys, []
-        return ([k for k in keys if not re.match(allowed, k)],
-                [k for k in keys if re.match(allowed, k)])
-
-    missing, ok_missing = split(missing)
-    unexpected, ok_unexpected = split(unexpected)
-    shapes, ok_shapes = split(shapes)
+    missing, ok_missing = _split(missing, allowed)
+    unexpected, ok_unexpected = _split(unexpected, allowed)
+    shapes, ok_shapes = _split(shapes, allowed)
     if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f'{len(missing)} model keys missing from it '
-                         f'{_listing(missing)}')
-        if unexpected:
-            parts.append(f'{len(unexpected)} keys the model does not have '
-                         f'{_listing(unexpected)}')
-        if shapes:
-            parts.append(f'{len(shapes)} shape mismatches '
-                         f'{_listing(shapes)}')
-        note = (' Only the classifiers (decode_head.conv_seg, '
-                'auxiliary_head) may differ.' if allowed == CLASSIFIER_KEYS
-                else '')
         raise ValueError(
             f'{setting}: checkpoint {filename!r} does not match the '
             f'{type(model).__name__} being trained (a checkpoint of a '
-            f'different model?): {"; ".join(parts)}.{note} Expected: a '
-            'checkpoint of this model config (or set '
+            f'different model?): '
+            f'{_mismatches(missing, unexpected, shapes)}.'
+            f'{_ALLOWED_NOTE if allowed == CLASSIFIER_KEYS else ""} '
+            'Expected: a checkpoint of this model config (or set '
             'GradFilterHook(check_load_from=False) to load it anyway)')
     tolerated = ok_missing + ok_unexpected + ok_shapes
     if tolerated:
@@ -112,3 +85,46 @@ def check_checkpoint_matches(model: nn.Module,
             f'{setting}: {filename!r} differs from the model in the '
             f'classifier only, which starts from its initialisation: '
             f"{_listing(tolerated)}", logger=logger, level=logging.WARNING)
+
+
+_ALLOWED_NOTE = (' Only the classifiers (decode_head.conv_seg, '
+                 'auxiliary_head) may differ.')
+
+
+def _load_state_dict(filename: str, setting: str) -> dict:
+    """The checkpoint's state dict, ``module.`` prefixes (DDP) removed."""
+    if not osp.isfile(filename):
+        raise FileNotFoundError(
+            f'{setting}: checkpoint file {filename!r} does not exist '
+            '(allowed: an existing checkpoint file, a URL, or None)')
+    with explain_refused_checkpoints():
+        checkpoint = CheckpointLoader.load_checkpoint(filename,
+                                                      map_location='cpu')
+    state = checkpoint.get('state_dict', checkpoint) if isinstance(
+        checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(f'{setting}: {filename!r} holds no state dict '
+                         f'(got {type(checkpoint).__name__})')
+    return {re.sub(r'^module\.', '', k): v for k, v in state.items()}
+
+
+def _split(keys: List[str], allowed: Optional[str]):
+    """``(not allowed to differ, allowed to differ)``."""
+    if allowed is None:
+        return keys, []
+    return ([k for k in keys if not re.match(allowed, k)],
+            [k for k in keys if re.match(allowed, k)])
+
+
+def _mismatches(missing: List[str], unexpected: List[str],
+                shapes: List[str]) -> str:
+    parts = []
+    if missing:
+        parts.append(f'{len(missing)} model keys missing from it '
+                     f'{_listing(missing)}')
+    if unexpected:
+        parts.append(f'{len(unexpected)} keys the model does not have '
+                     f'{_listing(unexpected)}')
+    if shapes:
+        parts.append(f'{len(shapes)} shape mismatches {_listing(shapes)}')
+    return '; '.join(parts)

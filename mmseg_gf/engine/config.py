@@ -32,7 +32,11 @@ __all__ = [
 
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
 SETTING_KEYS = ('num_layers', 'layers', 'budget', 'radius', 'mode',
-                'train_norm', 'lean', 'input_size')
+                'train_norm', 'lean', 'input_size', 'keep_frozen_aux_heads',
+                'log_frozen_aux_losses')
+#: Settings that are True or False, with their defaults.
+FLAG_DEFAULTS = dict(train_norm=False, lean=True, keep_frozen_aux_heads=False,
+                     log_frozen_aux_losses=False)
 DEFAULT_INPUT_SIZE = (512, 512)
 DEFAULT_RADIUS = 4
 
@@ -45,7 +49,8 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
 
     Returns:
         dict: a copy with defaults filled (radius 4, mode 'gf',
-        train_norm False, lean True, input_size None, budget None).
+        train_norm False, lean True, keep_frozen_aux_heads False,
+        log_frozen_aux_losses False, input_size None, budget None).
 
     Raises:
         ValueError: not a dict, unknown key, not exactly one of
@@ -63,8 +68,8 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     if unknown:
         raise ValueError(f'gradient_filter: unknown key(s) {unknown}; '
                          f'allowed: {list(SETTING_KEYS)}')
-    out = dict(radius=None, mode='gf', train_norm=False, lean=True,
-               input_size=None, num_layers=None, layers=None, budget=None)
+    out = dict(radius=None, mode='gf', input_size=None, num_layers=None,
+               layers=None, budget=None, **FLAG_DEFAULTS)
     out.update(settings)
     given = [k for k in ('num_layers', 'layers', 'budget')
              if out[k] is not None]
@@ -76,20 +81,33 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
                          f'layers={out["layers"]!r}, '
                          f'budget={out["budget"]!r}')
     if out['budget'] is not None:
-        out['budget'] = check_budget(out['budget'])
-        if out['radius'] is not None:
-            raise ValueError(
-                'gradient_filter: a budget chooses the radii itself; give '
-                'the candidates as budget=dict(..., radii=[2, 4, 8]) instead '
-                f'of radius={out["radius"]!r}')
+        _check_budget_settings(out)
+    else:
+        _check_layer_settings(out)
         _check_flags(out)
-        if out['mode'] != 'gf' or out['train_norm']:
-            raise ValueError(
-                "gradient_filter budget needs mode='gf' and "
-                'train_norm=False (the costs it fits are those of filtered '
-                f'convs with frozen norms), got mode={out["mode"]!r}, '
-                f'train_norm={out["train_norm"]!r}')
-        return out
+    return out
+
+
+def _check_budget_settings(out: Dict[str, Any]) -> None:
+    """A budget chooses layers and radii itself, for filtered convs with
+    frozen norms; then the flags (normalised in place)."""
+    out['budget'] = check_budget(out['budget'])
+    if out['radius'] is not None:
+        raise ValueError(
+            'gradient_filter: a budget chooses the radii itself; give '
+            'the candidates as budget=dict(..., radii=[2, 4, 8]) instead '
+            f'of radius={out["radius"]!r}')
+    _check_flags(out)
+    if out['mode'] != 'gf' or out['train_norm']:
+        raise ValueError(
+            "gradient_filter budget needs mode='gf' and "
+            'train_norm=False (the costs it fits are those of filtered '
+            f'convs with frozen norms), got mode={out["mode"]!r}, '
+            f'train_norm={out["train_norm"]!r}')
+
+
+def _check_layer_settings(out: Dict[str, Any]) -> None:
+    """num_layers or layers, and radius (normalised in place)."""
     if out['radius'] is None:
         out['radius'] = DEFAULT_RADIUS
     n = out['num_layers']
@@ -116,14 +134,12 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
                     "gradient_filter radius must be an int >= 1, 'auto' or "
                     'a dict {module path: int or "auto"}, got '
                     f'{radius!r}') from None
-    _check_flags(out)
-    return out
 
 
 def _check_flags(out: Dict[str, Any]) -> None:
-    """mode, train_norm, lean and input_size (normalised in place)."""
+    """mode, the flags and input_size (normalised in place)."""
     check_mode(out['mode'])
-    for key in ('train_norm', 'lean'):
+    for key in FLAG_DEFAULTS:
         if not isinstance(out[key], bool):
             raise ValueError(f'gradient_filter {key} must be True or False, '
                              f'got {out[key]!r}')
@@ -172,7 +188,9 @@ def build_grad_filter_model(model: dict,
                             train_norm: bool = False,
                             lean: bool = True,
                             input_size: Optional[Sequence[int]] = None,
-                            data_preprocessor: Optional[dict] = None
+                            data_preprocessor: Optional[dict] = None,
+                            keep_frozen_aux_heads: bool = False,
+                            log_frozen_aux_losses: bool = False
                             ) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
 
@@ -184,7 +202,8 @@ def build_grad_filter_model(model: dict,
 
     Args:
         model: the segmentor config.
-        num_layers, layers, radius, mode, train_norm, lean: see
+        num_layers, layers, radius, mode, train_norm, lean,
+        keep_frozen_aux_heads, log_frozen_aux_losses: see
             :func:`select_layers` and :func:`apply_gradient_filter`.
         budget: instead of ``num_layers`` / ``layers`` and ``radius``:
             limits the setting must fit
@@ -197,7 +216,9 @@ def build_grad_filter_model(model: dict,
     settings = check_settings(
         dict(num_layers=num_layers, layers=layers, budget=budget,
              radius=radius, mode=mode, train_norm=train_norm, lean=lean,
-             input_size=input_size))
+             input_size=input_size,
+             keep_frozen_aux_heads=keep_frozen_aux_heads,
+             log_frozen_aux_losses=log_frozen_aux_losses))
     model = copy.deepcopy(model)
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
@@ -229,10 +250,9 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
     choices = select_layers(segmentor, num_layers=num_layers,
                             layers=settings['layers'], radius=radius,
                             input_size=input_size)
-    choices = apply_gradient_filter(segmentor, choices,
-                                    mode=settings['mode'],
-                                    train_norm=settings['train_norm'],
-                                    lean=settings['lean'])
+    choices = apply_gradient_filter(
+        segmentor, choices, mode=settings['mode'],
+        **{k: settings[k] for k in FLAG_DEFAULTS})
     if choice is not None:
         get_state(segmentor).budget = choice
     return choices

@@ -23,6 +23,7 @@ from .checkpoint import check_checkpoint_matches
 from .config import rewrite_config
 from .cpu_amp import enable_amp
 from .cpu_distributed import init_cpu_process_group, prepare_cpu_distributed
+from .safe_load import explain_refused_checkpoints
 
 __all__ = [
     'load_config', 'resolve_resume', 'build_train_config', 'build_runner',
@@ -125,7 +126,8 @@ def train(config: str, **kwargs) -> Runner:
     # first on a CPU-only machine (the Runner then reuses it).
     init_cpu_process_group(cfg)
     runner = build_runner(cfg)
-    runner.train()
+    with explain_refused_checkpoints():
+        runner.train()
     return runner
 
 
@@ -192,7 +194,8 @@ def run_test(cfg: Config) -> Dict[str, float]:
     model = getattr(runner.model, 'module', runner.model)
     check_checkpoint_matches(model, cfg.load_from, setting='checkpoint',
                              allowed=None)
-    metrics = runner.test()
+    with explain_refused_checkpoints():
+        metrics = runner.test()
     metrics = {k: float(v) for k, v in metrics.items()}
     if runner.rank == 0:
         os.makedirs(cfg.work_dir, exist_ok=True)

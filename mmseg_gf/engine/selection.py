@@ -38,6 +38,7 @@ refuses a segmentor where no classifier conv feeds the output (Segmenter's
 mask transformer head and SAN's CLIP head compute class scores from class
 embeddings).
 """
+import contextlib
 import difflib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -136,14 +137,14 @@ class LayerChoice:
                             self.groups)
 
 
-def _tensors(obj) -> List[torch.Tensor]:
+def nested_tensors(obj) -> List[torch.Tensor]:
     """The tensors in a (nested) head output: tensor, list, tuple, dict."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
+        return [t for o in obj for t in nested_tensors(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
+        return [t for o in obj.values() for t in nested_tensors(o)]
     return []
 
 
@@ -272,52 +273,101 @@ def trace_convs(model: nn.Module,
         raise ValueError(
             'gradient filter layer selection needs an mmseg segmentor with '
             f'extract_feat and decode_head, got {type(model).__name__}')
-    names = {m: n for n, m in model.named_modules()}
-    records: Dict[nn.Module, ConvRecord] = {}
-    nodes: Dict[nn.Module, list] = {}
-    aux_marker = [False]
-    last_conv: List[Optional[Tuple[ConvRecord, torch.Tensor]]] = [None]
-
-    def conv_hook(module, inputs, output):
-        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
-            nodes.setdefault(module, []).append(output.grad_fn)
-        if module not in records and isinstance(output, torch.Tensor):
-            rec = ConvRecord(names[module], module,
-                             tuple(inputs[0].shape[1:]),
-                             tuple(output.shape[1:]), not aux_marker[0],
-                             input_requires_grad=bool(grad)
-                             and inputs[0].requires_grad)
-            records[module] = rec
-            last_conv[0] = (rec, output)
-        else:
-            last_conv[0] = None
-
-    def norm_hook(module, inputs, output):
-        # A norm "directly follows" a conv when it consumes that very tensor.
-        if last_conv[0] is not None and inputs and \
-                inputs[0] is last_conv[0][1] and last_conv[0][0].norm_path \
-                is None:
-            last_conv[0][0].norm_path = names[module]
-        last_conv[0] = None
-
-    handles = []
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d):
-            handles.append(m.register_forward_hook(conv_hook))
-        elif isinstance(m, NORM_TYPES):
-            handles.append(m.register_forward_hook(norm_hook))
+    hooks = _ConvHooks(model, grad)
     head_outputs: List = []
-    restores = [
-        _capture(head, 'forward', head_outputs)
-        for head in _head_list(model.decode_head)
-    ]
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device('cpu')
+    h, w = (int(v) for v in input_size)
+    with hooks.installed(), _captured_heads(model, head_outputs), \
+            _trace_state(model, grad), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(_drop_saved,
+                                                     _no_unpack):
+        out, side = _run_inference_path(
+            model, torch.zeros(1, 3, h, w, device=device), hooks.aux_marker)
+    if not grad:
+        behind_output = _graph_nodes(nested_tensors(out), set())
+        behind_heads = _graph_nodes(
+            nested_tensors(head_outputs) + nested_tensors(side),
+            set(behind_output))
+        for module, rec in hooks.records.items():
+            calls = hooks.nodes.get(module, [])
+            rec.feeds_output = any(n in behind_output for n in calls)
+            rec.feeds_heads = any(n in behind_heads for n in calls)
+    return list(hooks.records.values())
+
+
+class _ConvHooks:
+    """Forward hooks of the selection trace: a :class:`ConvRecord` per conv
+    (first call), the autograd node of every call, and which norm layer
+    directly consumes a conv's output."""
+
+    def __init__(self, model: nn.Module, grad: bool) -> None:
+        self.model = model
+        self.grad = grad
+        self.names = {m: n for n, m in model.named_modules()}
+        self.records: Dict[nn.Module, ConvRecord] = {}
+        self.nodes: Dict[nn.Module, list] = {}
+        self.aux_marker = [False]
+        self.last_conv: Optional[Tuple[ConvRecord, torch.Tensor]] = None
+
+    def conv_hook(self, module, inputs, output) -> None:
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            self.nodes.setdefault(module, []).append(output.grad_fn)
+        if module in self.records or not isinstance(output, torch.Tensor):
+            self.last_conv = None
+            return
+        rec = ConvRecord(self.names[module], module,
+                         tuple(inputs[0].shape[1:]), tuple(output.shape[1:]),
+                         not self.aux_marker[0],
+                         input_requires_grad=bool(self.grad)
+                         and inputs[0].requires_grad)
+        self.records[module] = rec
+        self.last_conv = (rec, output)
+
+    def norm_hook(self, module, inputs, output) -> None:
+        # A norm "directly follows" a conv when it consumes that very tensor.
+        last = self.last_conv
+        if last is not None and inputs and inputs[0] is last[1] and \
+                last[0].norm_path is None:
+            last[0].norm_path = self.names[module]
+        self.last_conv = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        handles = []
+        for m in self.model.modules():
+            if isinstance(m, nn.Conv2d):
+                handles.append(m.register_forward_hook(self.conv_hook))
+            elif isinstance(m, NORM_TYPES):
+                handles.append(m.register_forward_hook(self.norm_hook))
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+@contextlib.contextmanager
+def _captured_heads(model: nn.Module, sink: List):
+    """Every decode head's ``forward`` results go to ``sink``."""
+    restores = [_capture(head, 'forward', sink)
+                for head in _head_list(model.decode_head)]
+    try:
+        yield sink
+    finally:
+        for restore in restores:
+            restore()
+
+
+@contextlib.contextmanager
+def _trace_state(model: nn.Module, grad: bool):
+    """Eval mode, activation checkpointing off and (``grad=False``) every
+    parameter requiring a gradient for the block; all restored after."""
     modes = {m: m.training for m in model.modules()}
     checkpointed = [
         m for m in model.modules() if getattr(m, 'with_cp', False) is True
     ]
     flags = {p: p.requires_grad for p in model.parameters()}
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device('cpu')
     try:
         model.eval()
         for m in checkpointed:
@@ -325,31 +375,14 @@ def trace_convs(model: nn.Module,
         if not grad:
             for p in flags:
                 p.requires_grad_(True)
-        h, w = (int(v) for v in input_size)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                _drop_saved, _no_unpack):
-            out, side = _run_inference_path(
-                model, torch.zeros(1, 3, h, w, device=device), aux_marker)
+        yield
     finally:
-        for restore in restores:
-            restore()
-        for handle in handles:
-            handle.remove()
         for m, mode in modes.items():
             m.training = mode
         for m in checkpointed:
             m.with_cp = True
         for p, flag in flags.items():
             p.requires_grad_(flag)
-    if not grad:
-        behind_output = _graph_nodes(_tensors(out), set())
-        behind_heads = _graph_nodes(
-            _tensors(head_outputs) + _tensors(side), set(behind_output))
-        for module, rec in records.items():
-            calls = nodes.get(module, [])
-            rec.feeds_output = any(n in behind_output for n in calls)
-            rec.feeds_heads = any(n in behind_heads for n in calls)
-    return list(records.values())
 
 
 def auto_radius(output_stride: int) -> int:
@@ -479,106 +512,122 @@ def select_layers(model: nn.Module,
         raise ValueError(
             f'gradient_filter: {type(model).__name__} ran no nn.Conv2d on '
             'its inference path; nothing can be gradient-filtered')
-    h = int(input_size[0])
-    chosen: List[ConvRecord] = []
     if num_layers is not None:
-        name = type(model).__name__
-        classifiers = [
-            r.path for r in records
-            if is_classifier(r.path) and r.inference and r.feeds_output
-        ]
-        if not classifiers:
-            heads = [type(m).__name__ for m in _head_list(model.decode_head)]
-            raise ValueError(
-                f'gradient_filter: the decode head of {name} ({heads}) has '
-                'no classifier conv (conv_seg) that the output depends on; '
-                'gradient filtering always trains it: its class scores come '
-                'from layers that num_layers cannot select (not nn.Conv2d, '
-                'e.g. class embeddings), so they would stay frozen. Allowed: '
-                "a segmentor whose decode heads end in mmseg's conv_seg")
-        ran = [
-            r for r in records if r.inference and not is_classifier(r.path)
-        ]
-        pool = [r for r in ran if r.feeds_output]
-        unreached = [r.path for r in ran if not r.feeds_output]
-        if not pool:
-            raise ValueError(
-                f'gradient_filter: {name} runs no conv on its inference '
-                f'path that the output depends on besides its classifiers '
-                f'{classifiers}, so num_layers has nothing to choose from '
-                '(allowed: a segmentor with nn.Conv2d layers; to train the '
-                "classifier alone, use layers=['decode_head.conv_seg'])")
-        if isinstance(num_layers, bool) or not isinstance(
-                num_layers, int) or not 1 <= num_layers <= len(pool):
-            note = (f'; not counted, as no gradient of the output reaches '
-                    f'them: {_listing(unreached)}' if unreached else '')
-            raise ValueError(
-                f'gradient_filter num_layers must be an int in '
-                f'[1, {len(pool)}] ({name} runs {len(pool)} convs besides '
-                f'the classifier that the output depends on{note}), got '
-                f'{num_layers!r}')
-        chosen = pool[-num_layers:]
+        chosen = _last_n_layers(model, records, num_layers)
     else:
-        if isinstance(layers, str):
-            layers = [layers]
-        if not layers:
-            raise ValueError('gradient_filter layers must be a non-empty '
-                             'list of module paths')
-        modules = dict(model.named_modules())
-        for path in layers:
-            if path not in modules:
-                close = difflib.get_close_matches(path, list(modules), n=3)
-                hint = f'; did you mean {close}?' if close else ''
-                raise ValueError(
-                    f'gradient_filter layers: no module {path!r} in '
-                    f'{type(model).__name__}{hint}')
-            mod = modules[path]
-            inside = [
-                r for r in records
-                if r.path == path or (
-                    r.path.startswith(path + '.')
-                    and r.path.split('.')[-1] not in CLASSIFIER_NAMES)
-            ]
-            if not inside:
-                if isinstance(mod, nn.Conv2d):
-                    raise ValueError(
-                        f'gradient_filter layers: conv {path!r} never runs '
-                        'in the forward pass')
-                raise ValueError(
-                    f'gradient_filter layers: {path!r} '
-                    f'({type(mod).__name__}) contains no conv that runs in '
-                    'the forward pass; allowed: a conv or a container of '
-                    'convs')
-            reached = [r for r in inside if r.feeds_heads]
-            if not reached:
-                raise ValueError(
-                    f'gradient_filter layers: no loss gradient reaches '
-                    f'{path!r}: no head output depends on '
-                    f'{_listing([r.path for r in inside])} through autograd '
-                    '(used under torch.no_grad or detached, e.g. EMANet\'s '
-                    'ema_mid_conv), so training it would change nothing; '
-                    'allowed: convs that the output or a head depends on')
-            for rec in reached:
-                if rec not in chosen:
-                    chosen.append(rec)
-        order = {id(r): i for i, r in enumerate(records)}
-        chosen.sort(key=lambda r: order[id(r)])
-    result = []
-    for rec in chosen:
-        _check_filterable(rec.path, rec.module)
-        conv = rec.module
-        out_stride = output_stride(h, rec.out_shape[1])
-        result.append(
-            LayerChoice(
-                path=rec.path,
-                module=conv,
-                radius=resolve_radius(radius, rec.path, out_stride),
-                in_shape=rec.in_shape,
-                out_shape=rec.out_shape,
-                kernel_size=as_pair(conv.kernel_size),
-                stride=as_pair(conv.stride),
-                dilation=as_pair(conv.dilation),
-                groups=conv.groups,
-                norm_path=rec.norm_path,
-                input_hw=(int(input_size[0]), int(input_size[1]))))
-    return result
+        chosen = _named_layers(model, records, layers)
+    return [_layer_choice(rec, radius, input_size) for rec in chosen]
+
+
+def _last_n_layers(model: nn.Module, records: List[ConvRecord],
+                   num_layers) -> List[ConvRecord]:
+    """The last ``num_layers`` inference-path convs that feed the output,
+    classifiers excluded (see :func:`select_layers`)."""
+    name = type(model).__name__
+    classifiers = [
+        r.path for r in records
+        if is_classifier(r.path) and r.inference and r.feeds_output
+    ]
+    if not classifiers:
+        heads = [type(m).__name__ for m in _head_list(model.decode_head)]
+        raise ValueError(
+            f'gradient_filter: the decode head of {name} ({heads}) has '
+            'no classifier conv (conv_seg) that the output depends on; '
+            'gradient filtering always trains it: its class scores come '
+            'from layers that num_layers cannot select (not nn.Conv2d, '
+            'e.g. class embeddings), so they would stay frozen. Allowed: '
+            "a segmentor whose decode heads end in mmseg's conv_seg")
+    ran = [r for r in records if r.inference and not is_classifier(r.path)]
+    pool = [r for r in ran if r.feeds_output]
+    unreached = [r.path for r in ran if not r.feeds_output]
+    if not pool:
+        raise ValueError(
+            f'gradient_filter: {name} runs no conv on its inference '
+            f'path that the output depends on besides its classifiers '
+            f'{classifiers}, so num_layers has nothing to choose from '
+            '(allowed: a segmentor with nn.Conv2d layers; to train the '
+            "classifier alone, use layers=['decode_head.conv_seg'])")
+    if isinstance(num_layers, bool) or not isinstance(
+            num_layers, int) or not 1 <= num_layers <= len(pool):
+        note = (f'; not counted, as no gradient of the output reaches '
+                f'them: {_listing(unreached)}' if unreached else '')
+        raise ValueError(
+            f'gradient_filter num_layers must be an int in '
+            f'[1, {len(pool)}] ({name} runs {len(pool)} convs besides '
+            f'the classifier that the output depends on{note}), got '
+            f'{num_layers!r}')
+    return pool[-num_layers:]
+
+
+def _named_layers(model: nn.Module, records: List[ConvRecord],
+                  layers) -> List[ConvRecord]:
+    """The convs that ``layers`` (module paths) name, in execution order."""
+    if isinstance(layers, str):
+        layers = [layers]
+    if not layers:
+        raise ValueError('gradient_filter layers must be a non-empty '
+                         'list of module paths')
+    modules = dict(model.named_modules())
+    chosen: List[ConvRecord] = []
+    for path in layers:
+        for rec in _convs_reached_in(model, modules, records, path):
+            if rec not in chosen:
+                chosen.append(rec)
+    order = {id(r): i for i, r in enumerate(records)}
+    return sorted(chosen, key=lambda r: order[id(r)])
+
+
+def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
+                      records: List[ConvRecord],
+                      path: str) -> List[ConvRecord]:
+    """The convs at or inside ``path`` that some loss gradient reaches (a
+    head's classifier only when named itself); errors name the path."""
+    if path not in modules:
+        close = difflib.get_close_matches(path, list(modules), n=3)
+        hint = f'; did you mean {close}?' if close else ''
+        raise ValueError(f'gradient_filter layers: no module {path!r} in '
+                         f'{type(model).__name__}{hint}')
+    mod = modules[path]
+    inside = [
+        r for r in records
+        if r.path == path or (r.path.startswith(path + '.') and
+                              r.path.split('.')[-1] not in CLASSIFIER_NAMES)
+    ]
+    if not inside:
+        if isinstance(mod, nn.Conv2d):
+            raise ValueError(f'gradient_filter layers: conv {path!r} never '
+                             'runs in the forward pass')
+        raise ValueError(
+            f'gradient_filter layers: {path!r} ({type(mod).__name__}) '
+            'contains no conv that runs in the forward pass; allowed: a '
+            'conv or a container of convs')
+    reached = [r for r in inside if r.feeds_heads]
+    if not reached:
+        raise ValueError(
+            f'gradient_filter layers: no loss gradient reaches {path!r}: no '
+            f'head output depends on {_listing([r.path for r in inside])} '
+            'through autograd (used under torch.no_grad or detached, e.g. '
+            "EMANet's ema_mid_conv), so training it would change nothing; "
+            'allowed: convs that the output or a head depends on')
+    return reached
+
+
+def _layer_choice(rec: ConvRecord, radius: RadiusSetting,
+                  input_size: Sequence[int]) -> LayerChoice:
+    """A traced conv as a :class:`LayerChoice` with its radius resolved."""
+    _check_filterable(rec.path, rec.module)
+    conv = rec.module
+    h, w = int(input_size[0]), int(input_size[1])
+    return LayerChoice(
+        path=rec.path,
+        module=conv,
+        radius=resolve_radius(radius, rec.path,
+                              output_stride(h, rec.out_shape[1])),
+        in_shape=rec.in_shape,
+        out_shape=rec.out_shape,
+        kernel_size=as_pair(conv.kernel_size),
+        stride=as_pair(conv.stride),
+        dilation=as_pair(conv.dilation),
+        groups=conv.groups,
+        norm_path=rec.norm_path,
+        input_hw=(h, w))

@@ -6,8 +6,8 @@ region is on and, for a budget, what the budget chose. One
 :class:`GradientFilterState` attached to the segmentor answers all of it
 (:func:`get_state`), instead of loose private attributes.
 """
-from dataclasses import dataclass
-from typing import Any, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Set
 
 from torch import nn
 
@@ -31,12 +31,22 @@ class GradientFilterState:
         lean: whether the lean trained region is on.
         budget: the :class:`~mmseg_gf.accounting.budget.BudgetChoice` when
             the layers came from a ``budget`` setting, else None.
+        keep_frozen_aux_heads: run every auxiliary head in training, also
+            those whose loss trains nothing
+            (:mod:`~mmseg_gf.engine.frozen_aux_heads`); False skips them.
+        log_frozen_aux_losses: return a skipped head's losses, computed
+            without autograd, for the log.
+        logged_frozen_aux_heads: paths of the skipped heads already logged
+            (each is logged once).
     """
 
     layers: List[Any]
     mode: str = 'gf'
     lean: bool = True
     budget: Optional[Any] = None
+    keep_frozen_aux_heads: bool = False
+    log_frozen_aux_losses: bool = False
+    logged_frozen_aux_heads: Set[str] = field(default_factory=set)
 
 
 def get_state(model: nn.Module) -> Optional[GradientFilterState]:

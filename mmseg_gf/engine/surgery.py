@@ -10,6 +10,7 @@ from torch import nn
 from ..models.gf_conv import GFConv2d
 from ..models.segmentor import (classifier_paths, set_frozen_norms_eval,
                                 unwrap_model)
+from .frozen_aux_heads import skip_frozen_aux_heads
 from .lean_region import apply_lean_region
 from .selection import LayerChoice
 from .state import GradientFilterState, get_state, set_state
@@ -47,7 +48,10 @@ def apply_gradient_filter(model: nn.Module,
                           choices: Sequence[LayerChoice],
                           mode: str = 'gf',
                           train_norm: bool = False,
-                          lean: bool = True) -> List[LayerChoice]:
+                          lean: bool = True,
+                          keep_frozen_aux_heads: bool = False,
+                          log_frozen_aux_losses: bool = False
+                          ) -> List[LayerChoice]:
     """Swap the chosen convs to GFConv2d and freeze all other parameters.
 
     Trainable afterwards: the chosen convs, the decode head's ``conv_seg``
@@ -69,6 +73,12 @@ def apply_gradient_filter(model: nn.Module,
             head's loss for variants that keep only what their backward
             needs (:mod:`mmseg_gf.engine.lean_region`); same forward, same
             gradients.
+        keep_frozen_aux_heads: run auxiliary heads whose loss trains
+            nothing (frozen, reading features that need no gradient);
+            False leaves them out of training steps
+            (:mod:`mmseg_gf.engine.frozen_aux_heads`).
+        log_frozen_aux_losses: the left-out heads' losses, computed without
+            autograd, are still returned for the log.
 
     Returns:
         list[LayerChoice]: the choices, ``module`` now the GFConv2d.
@@ -97,7 +107,12 @@ def apply_gradient_filter(model: nn.Module,
     for path in trained:
         for p in model.get_submodule(path).parameters():
             p.requires_grad_(True)
-    set_state(model, GradientFilterState(list(choices), mode, bool(lean)))
+    set_state(model, GradientFilterState(
+        list(choices), mode, bool(lean),
+        keep_frozen_aux_heads=bool(keep_frozen_aux_heads),
+        log_frozen_aux_losses=bool(log_frozen_aux_losses)))
+    if not keep_frozen_aux_heads:
+        skip_frozen_aux_heads(model)
     if lean:
         apply_lean_region(model)
     set_frozen_norms_eval(model)

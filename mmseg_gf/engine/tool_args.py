@@ -1,6 +1,6 @@
 """What the tools' command lines share: mmseg's common flags of
-tools/train.py and tools/test.py, trusting mmengine's checkpoint format,
-writing a tool's ``--out`` json.
+tools/train.py and tools/test.py, the checkpoint types a user trusts
+explicitly, writing a tool's ``--out`` json.
 
 The tools follow mmseg 1.x's scripts flag for flag; the runs themselves are
 in :mod:`mmseg_gf.engine.entrypoints`.
@@ -12,28 +12,17 @@ import os.path as osp
 
 from mmengine.config import DictAction
 
+from .safe_load import TRUST_FLAG, trust_checkpoint_types
+
 __all__ = [
-    'trust_mmengine_checkpoints', 'add_common_args', 'export_local_rank',
+    'add_common_args', 'apply_common_args', 'export_local_rank',
     'write_json'
 ]
 
 
-def trust_mmengine_checkpoints() -> None:
-    """Let ``torch.load`` read mmengine checkpoints again.
-
-    mmengine 0.10.7 calls ``torch.load()`` without ``weights_only``; torch
-    >= 2.6 defaults to ``weights_only=True`` and refuses mmengine's own
-    checkpoints (their ``message_hub`` holds HistoryBuffer / numpy objects).
-    The checkpoint comes from the command line or the config, which is
-    itself executed Python, so it is trusted as much as the config: restore
-    the pre-2.6 behaviour unless the user chose otherwise (the variable is
-    only set when absent).
-    """
-    os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
-
-
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """``--cfg-options``, ``--launcher`` and ``--local-rank``."""
+    """``--cfg-options``, ``--launcher``, ``--local-rank`` and
+    ``--trust-checkpoint-type``."""
     parser.add_argument(
         '--cfg-options',
         nargs='+',
@@ -50,6 +39,23 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     # torch.distributed.launch passes --local-rank (torch >= 2.0) or
     # --local_rank (older).
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    parser.add_argument(
+        TRUST_FLAG,
+        dest='trust_checkpoint_types',
+        action='append',
+        default=[],
+        metavar='TYPE',
+        help='allow this type (dotted name) in checkpoints; checkpoints are '
+        'loaded with torch.load(weights_only=True), which refuses types '
+        'that are not data (their loading could run code). Give it only for '
+        'a file you trust, with the name its refusal printed; repeatable')
+
+
+def apply_common_args(args: argparse.Namespace) -> None:
+    """What the common flags do before a run: export ``LOCAL_RANK``, trust
+    the named checkpoint types."""
+    export_local_rank(args)
+    trust_checkpoint_types(args.trust_checkpoint_types)
 
 
 def export_local_rank(args: argparse.Namespace) -> None:

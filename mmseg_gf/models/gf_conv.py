@@ -37,20 +37,28 @@ def exact_backward_reason(input: Tensor, weight: Tensor) -> Optional[str]:
     return None
 
 
-def _plain_conv_classes() -> tuple:
-    classes = [nn.Conv2d]
-    try:  # mmcv's wrapper only adds empty-tensor support around nn.Conv2d
-        from mmcv.cnn.bricks.wrappers import Conv2d as MMCVConv2d
-        classes.append(MMCVConv2d)
-    except ImportError:
+def with_mmcv_wrapper(torch_class: type) -> tuple:
+    """``torch_class`` and mmcv's wrapper of the same name, when mmcv is
+    installed (its wrappers only add empty-tensor support around torch's
+    ``Conv2d``, ``Linear``, ...: the same computation)."""
+    classes = [torch_class]
+    try:
+        from mmcv.cnn.bricks import wrappers
+        classes.append(getattr(wrappers, torch_class.__name__))
+    except (ImportError, AttributeError):
         pass
     return tuple(classes)
 
 
+def _plain_conv_classes() -> tuple:
+    return with_mmcv_wrapper(nn.Conv2d)
+
+
 def is_filterable_conv(module: nn.Module) -> bool:
-    """True for convs whose forward is exactly ``nn.Conv2d``'s convolution."""
-    return type(module) in _plain_conv_classes() or isinstance(
-        module, GFConv2d)
+    """True for convs whose forward is exactly ``nn.Conv2d``'s convolution
+    (also when :mod:`.lean` swapped their class: ``_plain_class``)."""
+    plain = getattr(type(module), '_plain_class', type(module))
+    return plain in _plain_conv_classes() or isinstance(module, GFConv2d)
 
 
 class GFConv2d(nn.Conv2d):

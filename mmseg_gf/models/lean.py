@@ -19,9 +19,16 @@ What becomes lean:
 * ``Dropout`` (element-wise): keeps 1 bit per element.
 * ``AdaptiveAvgPool2d`` to more than 1x1 (PSPNet's pyramid): keeps the
   input's shape only.
-* decode heads whose loss is mmseg's ``BaseDecodeHead.loss_by_feat``: keep
-  the low-resolution logits, not the upsampled ones
-  (:func:`make_lean` on the head).
+* mmseg's decode heads (:func:`make_lean` on the head): their loss keeps
+  low-resolution tensors, never the upsampled logits. A head classifying
+  with mmseg's ``cls_seg`` and returning its output (alone or in a tuple)
+  has its classifier fused with its loss (keeps the loss's gradient w.r.t.
+  the logits, not the classifier's input); other heads keep their logits
+  (cross-entropy) or their loss's gradient w.r.t. them
+  (:mod:`.lean_head`).
+* ``nn.Conv2d`` and mmcv's ``Conv2d`` (not ``GFConv2d``) while frozen, with
+  zero padding of integer sizes: keep nothing (the weight is a live
+  Parameter); ``nn.Linear`` (and mmcv's) while frozen: keep nothing.
 
 Everything else keeps autograd's default (GroupNorm / LayerNorm, whose
 backward needs their input; GELU, Sigmoid, HSwish and other smooth
@@ -35,15 +42,19 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..ops import bit_mask
-from ..ops.lean import (FrozenAffineNormFunction, MaskedActivationFunction,
+from ..ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
+                        FrozenLinearFunction, MaskedActivationFunction,
                         MaskedDropoutFunction,
-                        ShapeOnlyAdaptiveAvgPoolFunction, recomputed_losses)
+                        ShapeOnlyAdaptiveAvgPoolFunction)
 from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
                                    PiecewiseLinearActivationFunction,
                                    clamp_bits, hardsigmoid_bits)
 from ..ops.lean_pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
                              WindowOffsetMaxPoolFunction)
-from .lean_loss import chunkable_losses, chunked_cross_entropy_losses
+from .gf_conv import GFConv2d, is_filterable_conv, with_mmcv_wrapper
+from .lean_head import (ClassifierCapture, base_decode_head,
+                        disable_classifier_fusion, fused_classifier_losses,
+                        fusion_blocker, lean_head_losses, log_fallback_once)
 
 try:
     from mmcv.cnn.bricks.hsigmoid import HSigmoid
@@ -51,12 +62,13 @@ except ImportError:  # no mmcv: torch's own kinds only
     HSigmoid = None
 
 __all__ = [
-    'make_lean', 'make_plain', 'is_lean', 'lean_kind',
+    'make_lean', 'make_plain', 'is_lean', 'lean_kind', 'frozen_conv_is_lean',
     'LEAN_KINDS'
 ]
 
 #: What :func:`lean_kind` returns for a module that has a lean variant.
-LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss')
+LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss',
+              'frozen_conv', 'frozen_linear')
 
 
 def _recording(x: Tensor) -> bool:
@@ -212,26 +224,109 @@ class _LeanAdaptiveAvgPool:
         return tuple(out) == (1, 1)
 
 
-class _LeanLossHead:
-    """A decode head whose loss keeps the low-resolution logits only:
-    mmseg's cross-entropy image by image (:mod:`.lean_loss`), any other
-    loss on the whole batch, recomputed in the backward."""
+def _recording_any(logits) -> bool:
+    tensors = logits if isinstance(logits, (tuple, list)) else [logits]
+    return all(isinstance(t, Tensor) for t in tensors) and any(
+        _recording(t) for t in tensors)
 
-    def loss_by_feat(self, seg_logits: Tensor, batch_data_samples) -> dict:
-        if not _recording(seg_logits):
-            return super().loss_by_feat(seg_logits, batch_data_samples)
-        specs = chunkable_losses(self)
-        if specs is not None:
-            return chunked_cross_entropy_losses(self, seg_logits,
-                                                batch_data_samples, specs)
-        plain = super().loss_by_feat
-        return recomputed_losses(
-            lambda logits: plain(logits, batch_data_samples), seg_logits)
+
+class _LeanLossHead:
+    """A decode head whose loss keeps neither the upsampled logits nor, where
+    its classifier can be fused with the loss, the classifier's input.
+
+    ``loss`` arms a :class:`~.lean_head.ClassifierCapture` when
+    :func:`fusion_blocker` allows it; ``cls_seg`` then runs ``conv_seg``
+    with its saved tensors held by the capture, and ``loss_by_feat``, when
+    it receives that very output (alone or in a tuple), releases them and
+    computes the loss with
+    :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction` instead.
+    Otherwise: mmseg's cross-entropy image by image (keeps the logits),
+    any other loss with its gradient taken in the forward (keeps that)."""
+
+    def loss(self, *args, **kwargs):
+        if fusion_blocker(self) is not None:
+            return super().loss(*args, **kwargs)
+        self._classifier_capture = ClassifierCapture()
+        try:
+            return super().loss(*args, **kwargs)
+        finally:
+            self._classifier_capture = None
+
+    def cls_seg(self, feat: Tensor) -> Tensor:
+        capture = getattr(self, '_classifier_capture', None)
+        if capture is None:
+            return super().cls_seg(feat)
+        return capture.classify(self, feat)
+
+    def loss_by_feat(self, seg_logits, batch_data_samples, *args, **kwargs):
+        if args or kwargs or not _recording_any(seg_logits) or getattr(
+                self, '_lean_loss_off', None):
+            return super().loss_by_feat(seg_logits, batch_data_samples,
+                                        *args, **kwargs)
+        capture = getattr(self, '_classifier_capture', None)
+        reason = None if capture is None else capture.mismatch(seg_logits)
+        rng = torch.get_rng_state()
+        try:
+            if capture is not None and reason is None:
+                return fused_classifier_losses(self, capture, seg_logits,
+                                               batch_data_samples)
+            if reason is not None:
+                disable_classifier_fusion(self, reason)
+            return lean_head_losses(self, seg_logits, batch_data_samples)
+        except ValueError as error:  # this loss needs autograd's own path
+            self._lean_loss_off = self._fused_classifier_off = str(error)
+            log_fallback_once(self, str(error))
+            torch.set_rng_state(rng)  # the plain loss draws what it drew
+        return super().loss_by_feat(seg_logits, batch_data_samples)
+
+
+def _frozen(*tensors: Optional[Tensor]) -> bool:
+    return not any(t is not None and t.requires_grad for t in tensors)
+
+
+def frozen_conv_is_lean(conv: nn.Module) -> bool:
+    """Whether a lean conv keeps nothing when autograd records it with
+    frozen weight and bias: zero padding of integer sizes (any other
+    padding runs the plain convolution, which keeps its input)."""
+    return (isinstance(conv, _LeanFrozenConv) and conv.padding_mode == 'zeros'
+            and not isinstance(conv.padding, str))
+
+
+class _LeanFrozenConv:
+    """A conv that keeps nothing while frozen (see
+    :class:`~mmseg_gf.ops.lean.FrozenConvFunction`). In ``_conv_forward``,
+    as GFConv2d, so callers passing their own weight (mmcv's
+    ``efficient_conv_bn_eval``) get it too; trained, it is the plain conv."""
+
+    def _conv_forward(self, x: Tensor, weight: Tensor,
+                      bias: Optional[Tensor]) -> Tensor:
+        plain = super()._conv_forward
+        if (not _recording(x) or not _frozen(weight, bias) or x.dim() != 4
+                or x.numel() == 0 or not frozen_conv_is_lean(self)):
+            return plain(x, weight, bias)
+        return FrozenConvFunction.apply(
+            x, weight, lambda t: plain(t, weight, bias), self.stride,
+            self.padding, self.dilation, self.groups)
+
+
+class _LeanFrozenLinear:
+    """A linear layer that keeps nothing while frozen."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _recording(x) or not _frozen(self.weight, self.bias):
+            return super().forward(x)
+        return FrozenLinearFunction.apply(x, self.weight, super().forward)
+
+
+def _plain_type(module: nn.Module) -> type:
+    """The class of ``module`` before :func:`make_lean`."""
+    return getattr(type(module), '_plain_class', type(module))
 
 
 _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
            'dropout': _LeanDropout, 'pool': _LeanAdaptiveAvgPool,
-           'loss': _LeanLossHead}
+           'loss': _LeanLossHead, 'frozen_conv': _LeanFrozenConv,
+           'frozen_linear': _LeanFrozenLinear}
 _CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
 #: Lean variants chosen by class rather than by kind.
 _CLASS_MIXINS = {nn.Hardsigmoid: _LeanHardsigmoid, nn.PReLU: _LeanPReLU,
@@ -239,14 +334,6 @@ _CLASS_MIXINS = {nn.Hardsigmoid: _LeanHardsigmoid, nn.PReLU: _LeanPReLU,
 if HSigmoid is not None:
     _CLASS_MIXINS[HSigmoid] = _LeanHSigmoid
 _POOLS = (nn.MaxPool2d, nn.AvgPool2d)
-
-
-def _base_decode_head_loss():
-    try:
-        from mmseg.models.decode_heads.decode_head import BaseDecodeHead
-    except ImportError:
-        return None
-    return BaseDecodeHead.loss_by_feat
 
 
 def lean_kind(module: nn.Module) -> Optional[str]:
@@ -257,17 +344,19 @@ def lean_kind(module: nn.Module) -> Optional[str]:
     if type(module) in (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU) or (
             is_lean(module) and isinstance(module, _LeanActivation)):
         return 'activation'
-    plain = getattr(type(module), '_plain_class', type(module))
+    plain = _plain_type(module)
     if plain in _CLASS_MIXINS:
         return 'pool' if plain in _POOLS else 'activation'
     if type(module) is nn.Dropout or isinstance(module, _LeanDropout):
         return 'dropout'
     if isinstance(module, nn.AdaptiveAvgPool2d):
         return 'pool'
-    base_loss = _base_decode_head_loss()
-    if base_loss is not None and getattr(
-            getattr(type(module), '_plain_class', type(module)),
-            'loss_by_feat', None) is base_loss:
+    if is_filterable_conv(module) and not isinstance(module, GFConv2d):
+        return 'frozen_conv'
+    if _plain_type(module) in with_mmcv_wrapper(nn.Linear):
+        return 'frozen_linear'
+    base = base_decode_head()
+    if base is not None and isinstance(module, base):
         return 'loss'
     return None
 

@@ -14,9 +14,10 @@ upsampled logits are alive at a time.
 The numbers are mmseg's: the same per-pixel cross-entropy, the same
 normaliser (``avg_non_ignore``, ``loss_weight``, ``+ eps``) and the same
 accuracy; only the sum over pixels is taken per image and then added, which
-rounds differently from one sum (relative differences ~1e-7). Other losses
-take :func:`mmseg_gf.ops.lean.recomputed_losses` (the whole batch,
-recomputed in the backward).
+rounds differently from one sum (relative differences ~1e-7).
+:func:`chunked_cross_entropy_gradients` computes the same loss with its
+gradient w.r.t. the logits, for the classifier fused with its loss
+(:mod:`.lean_head`); other losses are wired there too.
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -25,8 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
+from ..ops.fused_loss import LogitGradients, forward_graph
+
 __all__ = ['chunkable_losses', 'chunked_cross_entropy_losses',
-           'ChunkedCrossEntropyFunction']
+           'chunked_cross_entropy_gradients', 'ChunkedCrossEntropyFunction']
 
 _EPS = torch.finfo(torch.float32).eps
 
@@ -64,6 +67,54 @@ def _autocast_dtype(device_type: str):
     return torch.get_autocast_dtype(device_type)
 
 
+def _image_cross_entropy(logits: Tensor, target: Tensor, align_corners: bool,
+                         ignore_index: int) -> Tuple[Tensor, Tensor]:
+    """Summed per-pixel cross-entropy of one image's logits upsampled to
+    its label (``target``, 1 x H x W), and the upsampled logits."""
+    up = _upsample(logits, target.shape[-2:], align_corners)
+    part = F.cross_entropy(up, target, reduction='none',
+                           ignore_index=ignore_index).sum()
+    return part, up
+
+
+def _image_hits(up: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """Correctly classified labelled pixels of one image: mmseg's
+    ``accuracy`` (top-1, no threshold) before its division."""
+    hit = up.topk(1, dim=1)[1].squeeze(1).eq(target)
+    return hit[target != ignore_index].float().sum()
+
+
+def _spec_values(total: Tensor, correct: Tensor, label: Tensor,
+                 ignore_index: int, specs: Sequence[LossSpec]
+                 ) -> Tuple[Dict[str, Tensor], List[float]]:
+    """Each loss name's value from the summed cross-entropy ``total`` (mmseg's
+    normalisers), ``acc_seg`` from the summed hits, and the factor of
+    ``total`` in each spec's loss."""
+    valid = int((label != ignore_index).sum())
+    coefficients = []
+    values: Dict[str, Tensor] = {}
+    for name, weight, reduction, non_ignore in specs:
+        if reduction == 'mean':
+            factor = (valid if non_ignore else label.numel()) + _EPS
+            value = weight * (total / factor)
+            coefficients.append(weight / factor)
+        else:
+            value = weight * total
+            coefficients.append(weight)
+        values[name] = values[name] + value if name in values else value
+    values['acc_seg'] = (correct.reshape(1) + _EPS).mul_(100.0 /
+                                                         (valid + _EPS))
+    return values, coefficients
+
+
+def _by_name(specs: Sequence[LossSpec],
+             coefficients: Sequence[float]) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for (name, *_), c in zip(specs, coefficients):
+        out[name] = out.get(name, 0.0) + c
+    return out
+
+
 class ChunkedCrossEntropyFunction(Function):
     """Per-image cross-entropy losses and accuracy of upsampled logits.
 
@@ -79,59 +130,72 @@ class ChunkedCrossEntropyFunction(Function):
                 ignore_index: int, specs: Sequence[LossSpec]):
         ctx.save_for_backward(logits)
         ctx.label, ctx.align_corners = label, align_corners
-        ctx.ignore_index, ctx.specs = ignore_index, list(specs)
+        ctx.ignore_index = ignore_index
         ctx.autocast = _autocast_dtype(logits.device.type)
-        size = label.shape[-2:]
         total = correct = None
         for i in range(logits.shape[0]):
-            up = _upsample(logits[i:i + 1], size, align_corners)
             target = label[i:i + 1]
-            part = F.cross_entropy(up, target, reduction='none',
-                                   ignore_index=ignore_index).sum()
-            hit = up.topk(1, dim=1)[1].squeeze(1).eq(target)
-            hit = hit[target != ignore_index].float().sum()
+            part, up = _image_cross_entropy(logits[i:i + 1], target,
+                                            align_corners, ignore_index)
+            hit = _image_hits(up, target, ignore_index)
             total = part if total is None else total + part
             correct = hit if correct is None else correct + hit
             del up
-        valid = int((label != ignore_index).sum())
-        ctx.coefficients = []
-        values: Dict[str, Tensor] = {}
-        for name, weight, reduction, non_ignore in specs:
-            if reduction == 'mean':
-                factor = (valid if non_ignore else label.numel()) + _EPS
-                value = weight * (total / factor)
-                ctx.coefficients.append(weight / factor)
-            else:
-                value = weight * total
-                ctx.coefficients.append(weight)
-            values[name] = values[name] + value if name in values else value
-        accuracy = (correct.reshape(1) + _EPS).mul_(100.0 / (valid + _EPS))
-        ctx.mark_non_differentiable(accuracy)
-        ctx.names = list(values)
-        return tuple(values.values()) + (accuracy, )
+        values, coefficients = _spec_values(total, correct, label,
+                                            ignore_index, specs)
+        ctx.coefficients = _by_name(specs, coefficients)
+        ctx.mark_non_differentiable(values['acc_seg'])
+        ctx.names = list(values)[:-1]
+        return tuple(values.values())
 
     @staticmethod
     def backward(ctx, *grads):
         logits, = ctx.saved_tensors
-        by_name = dict(zip(ctx.names, grads[:-1]))
-        scale = sum(
-            by_name[name] * coefficient
-            for (name, *_), coefficient in zip(ctx.specs, ctx.coefficients)
-            if by_name[name] is not None)
+        scale = sum(grad * ctx.coefficients[name]
+                    for name, grad in zip(ctx.names, grads[:-1])
+                    if grad is not None)
         grad = torch.empty_like(logits)
-        size = ctx.label.shape[-2:]
         device = logits.device.type
         for i in range(logits.shape[0]):
             leaf = logits[i:i + 1].detach().requires_grad_(True)
             with torch.enable_grad(), torch.autocast(
                     device, dtype=ctx.autocast,
                     enabled=ctx.autocast is not None):
-                up = _upsample(leaf, size, ctx.align_corners)
-                part = F.cross_entropy(up, ctx.label[i:i + 1],
-                                       reduction='none',
-                                       ignore_index=ctx.ignore_index).sum()
+                part, _ = _image_cross_entropy(leaf, ctx.label[i:i + 1],
+                                               ctx.align_corners,
+                                               ctx.ignore_index)
                 grad[i:i + 1], = torch.autograd.grad(part * scale, leaf)
         return grad, None, None, None, None
+
+
+def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
+                                    align_corners: bool, ignore_index: int,
+                                    specs: Sequence[LossSpec]
+                                    ) -> LogitGradients:
+    """The chunked losses and accuracy of ``logits`` (detached) with their
+    gradient w.r.t. ``logits``, image by image: what
+    :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction` keeps.
+    Every loss name's gradient is a multiple of the summed cross-entropy's,
+    so one basis serves them all. Runs under the caller's autocast."""
+    basis = torch.empty_like(logits)
+    total = correct = None
+    for i in range(logits.shape[0]):
+        target = label[i:i + 1]
+        leaf = logits[i:i + 1].detach().requires_grad_(True)
+        with forward_graph():
+            part, up = _image_cross_entropy(leaf, target, align_corners,
+                                            ignore_index)
+            basis[i:i + 1], = torch.autograd.grad(part, leaf)
+        hit = _image_hits(up.detach(), target, ignore_index)
+        part = part.detach()
+        total = part if total is None else total + part
+        correct = hit if correct is None else correct + hit
+        del up
+    values, coefficients = _spec_values(total, correct, label, ignore_index,
+                                        specs)
+    mix = {name: [(0, c)] for name, c in _by_name(specs,
+                                                  coefficients).items()}
+    return LogitGradients(values, [basis], mix)
 
 
 def chunked_cross_entropy_losses(head: nn.Module, seg_logits: Tensor,
@@ -147,3 +211,4 @@ def chunked_cross_entropy_losses(head: nn.Module, seg_logits: Tensor,
     out = dict(zip(names, values[:-1]))
     out['acc_seg'] = values[-1]
     return out
+

@@ -13,7 +13,11 @@ layers around them save by default:
 * adaptive average pooling (PSPNet's pyramid) needs only its input's shape,
   autograd keeps the input;
 * the loss upsamples the logits to the label size and keeps that (and the
-  log-softmax) for backward: more than all trained convs together.
+  log-softmax) for backward: more than all trained convs together;
+* a frozen conv whose input needs a gradient needs only its weight for
+  ``g_x``, autograd keeps its input as well (a frozen linear layer: the
+  weight only, which autograd already does in float32; under autocast it
+  keeps a cast copy of the weight).
 
 Each function here computes exactly what the plain operation computes in the
 forward (the same call, bit for bit) and keeps the small thing instead; the
@@ -34,7 +38,8 @@ from . import bit_mask
 __all__ = [
     'FrozenAffineNormFunction', 'MaskedActivationFunction',
     'MaskedDropoutFunction', 'ShapeOnlyAdaptiveAvgPoolFunction',
-    'RecomputedLossFunction', 'recomputed_losses'
+    'RecomputedLossFunction', 'recomputed_losses', 'FrozenConvFunction',
+    'FrozenLinearFunction'
 ]
 
 
@@ -207,3 +212,82 @@ def recomputed_losses(compute: Callable[[Tensor], Dict[str, Tensor]],
     keys: List[str] = []
     values = RecomputedLossFunction.apply(logits, compute, keys)
     return dict(zip(keys, values))
+
+
+def _frozen_weight(ctx, weight: Tensor) -> None:
+    """Keep a reference to a frozen layer's weight (a live Parameter: no
+    byte is kept) and its version, checked as autograd checks a saved
+    tensor: an in-place change between forward and backward is an error,
+    not a silently different gradient."""
+    ctx.weight = weight
+    ctx.weight_version = weight._version
+
+
+def _weight_for_backward(ctx, dtype: torch.dtype) -> Tensor:
+    weight = ctx.weight
+    if weight._version != ctx.weight_version:
+        raise RuntimeError(
+            'the weight of a frozen layer was modified in place between its '
+            'forward and backward (version '
+            f'{ctx.weight_version} -> {weight._version}); its input '
+            'gradient would not be the one of the forward that ran')
+    return weight.to(dtype)
+
+
+class FrozenConvFunction(Function):
+    """A 2-d convolution with frozen weight and bias, keeping no tensor.
+
+    ``g_x = conv_transpose(g, W)`` needs the weight and the input's shape
+    only; autograd's convolution keeps the input too. The forward is
+    ``conv(x)`` itself (the module's own call, bit for bit); the backward
+    is autograd's own kernel (``aten.convolution_backward`` with only the
+    input gradient asked for), given the input's shape as a zero-stride
+    tensor (read for its sizes only, as ``torch.nn.grad.conv2d_input``
+    does), so strides, padding, dilation, groups and sizes the stride does
+    not divide are handled as autograd handles them. It computes in the
+    output's dtype (autocast's) and returns the gradient in ``x``'s.
+    Zero padding with integer sizes only (``padding_mode='zeros'``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor,
+                conv: Callable[[Tensor], Tensor], stride, padding, dilation,
+                groups: int) -> Tensor:
+        _frozen_weight(ctx, weight)
+        out = conv(x)
+        ctx.geometry = (tuple(x.shape), x.dtype, out.dtype, tuple(stride),
+                        tuple(padding), tuple(dilation), int(groups))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, in_dtype, dtype, stride, padding, dilation, groups = \
+            ctx.geometry
+        weight = _weight_for_backward(ctx, dtype)
+        grad = grad.to(dtype)
+        shape_only = grad.new_empty(1).expand(shape)
+        g_x = torch.ops.aten.convolution_backward(
+            grad, shape_only, weight, None, stride, padding, dilation, False,
+            [0], groups, (True, False, False))[0]
+        return g_x.to(in_dtype), None, None, None, None, None, None
+
+
+class FrozenLinearFunction(Function):
+    """A linear layer with frozen weight and bias, keeping no tensor:
+    ``g_x = g W`` (in the output's dtype, returned in ``x``'s). Autograd
+    keeps only the weight here too (its transposed view) in float32; under
+    autocast it keeps the weight's cast copy, which this does not."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor,
+                linear: Callable[[Tensor], Tensor]) -> Tensor:
+        _frozen_weight(ctx, weight)
+        out = linear(x)
+        ctx.dtypes = (x.dtype, out.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        in_dtype, dtype = ctx.dtypes
+        weight = _weight_for_backward(ctx, dtype)
+        return grad.to(dtype).matmul(weight).to(in_dtype), None, None

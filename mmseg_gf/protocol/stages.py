@@ -29,7 +29,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mmengine.config import Config
 
-from ..engine.tool_args import trust_mmengine_checkpoints
 from ..datasets import MAKERS
 from ..engine.hooks import read_val_metrics
 from ..engine.entrypoints import run_in_subprocess, train
@@ -368,9 +367,6 @@ class ProtocolRun:
 
     def run(self) -> List[Stage]:
         """Run every stage that is not done, in order."""
-        # The checkpoints are this tool's own or the one the user named,
-        # trusted as much as the configs (as in tools/train.py).
-        trust_mmengine_checkpoints()
         if not self.stages:
             self.plan()
         self.print_plan()

@@ -45,7 +45,8 @@ def test_defaults_filled():
     s = check_settings(dict(layers='decode_head', input_size=64))
     assert s == dict(num_layers=None, layers=['decode_head'], radius=4,
                      mode='gf', train_norm=False, lean=True,
-                     input_size=(64, 64), budget=None)
+                     input_size=(64, 64), budget=None,
+                     keep_frozen_aux_heads=False, log_frozen_aux_losses=False)
     # radius=None is the default too (GradFilterHook passes it)
     assert check_settings(dict(num_layers=2, radius=None))['radius'] == 4
 
@@ -135,7 +136,7 @@ def test_runner_config_rewrite(workspace):
     assert not model.backbone.layer4[1].bn2.training  # frozen norm in eval
     # the checkpoint has plain mmseg keys
     state = torch.load(osp.join(runner.work_dir, 'iter_3.pth'),
-                       map_location='cpu', weights_only=False)['state_dict']
+                       map_location='cpu')['state_dict']
     assert set(state) == set(workspace['init_state'])
 
 

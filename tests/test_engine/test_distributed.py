@@ -45,7 +45,6 @@ def _torchrun(cfg_path, work_dir):
     env = dict(os.environ, OMP_NUM_THREADS='1',
                PYTHONPATH=os.pathsep.join(
                    p for p in (REPO, os.environ.get('PYTHONPATH')) if p))
-    env.pop('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', None)  # the tool sets it
     cmd = [
         sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
         f'--master_port={port}',
@@ -61,7 +60,6 @@ def _torchrun(cfg_path, work_dir):
 
 
 def _single(cfg_path, work_dir, monkeypatch):
-    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     runner = load_tool('train').main([cfg_path, '--work-dir', work_dir])
     state = runner.model.state_dict()
@@ -78,7 +76,7 @@ def test_ddp_tools_train_matches_single_process(workspace, tmp_path,
     gradients of the filtered backward exactly as one batch of 2 would."""
     cfg_path, out = _config(workspace, tmp_path, way)
     log = _torchrun(cfg_path, str(out / 'work_ddp'))
-    ranks = [torch.load(osp.join(out, f'rank{r}.pth'), weights_only=False)
+    ranks = [torch.load(osp.join(out, f'rank{r}.pth'))
              for r in (0, 1)]
     for info in ranks:
         assert info['world_size'] == 2 and info['backend'] == 'gloo'
@@ -94,7 +92,7 @@ def test_ddp_tools_train_matches_single_process(workspace, tmp_path,
     assert 'kept for backward by the whole step' in log
 
     single = _single(cfg_path, str(out / 'work_single'), monkeypatch)
-    info = torch.load(osp.join(out, 'rank0.pth'), weights_only=False)
+    info = torch.load(osp.join(out, 'rank0.pth'))
     assert info['world_size'] == 1  # the dump now comes from one process
     assert changed_modules(single, workspace['init_state']) == PSP5
     for key, value in single.items():

@@ -141,8 +141,7 @@ def test_runner_hook_unchanged_config(workspace, hook_run):
 
 def test_checkpoint_loads_into_plain_mmseg(hook_run):
     ckpt = osp.join(hook_run.work_dir, 'iter_3.pth')
-    state = torch.load(ckpt, map_location='cpu',
-                       weights_only=False)['state_dict']
+    state = torch.load(ckpt, map_location='cpu')['state_dict']
     plain = build_model('pspnet_r18')
     assert set(state) == set(plain.state_dict())
     plain.load_state_dict(state, strict=True)
@@ -162,11 +161,10 @@ def test_checkpoint_loads_into_plain_mmseg(hook_run):
 
 
 def test_resume_from_gf_checkpoint(workspace, hook_run, monkeypatch):
-    # mmengine 0.10.7 calls torch.load without weights_only; torch >= 2.6
-    # then refuses the checkpoint's mmengine objects (HistoryBuffer, ...).
-    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
+    # mmengine's torch.load runs with torch's default weights_only=True:
+    # the checkpoint's mmengine types load through mmseg_gf's allow-list.
     ckpt = osp.join(hook_run.work_dir, 'iter_3.pth')
-    saved = torch.load(ckpt, map_location='cpu', weights_only=False)
+    saved = torch.load(ckpt, map_location='cpu')
     # resume one more iteration: the optimizer state is loaded before the
     # hook swaps layers (load_or_resume precedes before_train)
     cfg = _hook_cfg(workspace, 'resume', max_iters=4)
@@ -227,7 +225,8 @@ ckpt_path, inputs_path, out_path = sys.argv[1:4]
 register_all_modules()
 init_default_scope('mmseg')
 model = MODELS.build(ConfigDict(model_cfg('pspnet_r18')))
-# a full unpickle: nothing of the plugin may be inside the checkpoint
+# a full unpickle (any type the pickle names is imported): nothing of the
+# plugin may be inside the checkpoint
 checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
 model.load_state_dict(checkpoint['state_dict'], strict=True)
 model.eval()
@@ -257,7 +256,7 @@ def test_checkpoint_evaluates_in_plain_mmseg_without_the_plugin(
          str(tmp_path / 'plain.pth')], env=env, capture_output=True,
         text=True, timeout=240, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    plain = torch.load(tmp_path / 'plain.pth', weights_only=False)
+    plain = torch.load(tmp_path / 'plain.pth')
     model = hook_run.model
     model.eval()
     with torch.no_grad():
@@ -278,7 +277,6 @@ def test_plain_checkpoint_loads_into_gf_model_by_key(workspace, hook_run,
     the trained model is the checkpoint's, which differs from the seeded
     initialisation the Runner would otherwise have."""
     from mmengine.runner.checkpoint import load_checkpoint
-    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
     model = build_model('pspnet_r18')
     apply_gradient_filter(
         model, select_layers(model, num_layers=5, radius=4, input_size=INPUT))

@@ -18,6 +18,8 @@ from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
                                          remove_lean_region)
+from mmseg_gf.models.lean_head import (  # noqa: E402
+    disable_classifier_fusion)
 
 MODELS = ('pspnet_r18', 'deeplabv3_r18', 'fcn_r18', 'upernet_r18',
           'pspnet_mv2', 'deeplabv3_mv2')
@@ -171,3 +173,36 @@ def test_lean_loss_equals_mmseg_loss_by_feat(case):
     assert saved_tensor_bytes(
         lambda: lean.loss_by_feat(logits * 1.0, samples)) == \
         logits0.numel() * 4
+
+
+@pytest.mark.parametrize('name', ['fcn_r18', 'upernet_r18'])
+def test_fused_classifier_keeps_less_and_is_counted(name):
+    """The classifier fused with its loss keeps g_z, g_W, g_b instead of its
+    input and the logits: measured equal to the analytic count, and below
+    the unfused lean step (the head's fusion switched off by hand)."""
+    base = _calibrated(name)
+    inputs, samples = random_batch(base, SIZE, BATCH, label_block=4)
+    fused = _prepared(base, 5, 'gf', lean=True)
+    unfused = _prepared(base, 5, 'gf', lean=True)
+    disable_classifier_fusion(unfused.decode_head, 'switched off by the test')
+    kept = {}
+    for key, model in (('fused', fused), ('unfused', unfused)):
+        kept[key] = saved_tensor_bytes(
+            lambda: training_loss(model, inputs, samples))
+        counted = trace_step_saved_bytes(model, SIZE)
+        assert counted.total(BATCH) == kept[key], (key, counted.by_category(
+            BATCH))
+    conv = fused.decode_head.conv_seg
+    seen = []
+    handle = conv.register_forward_hook(
+        lambda m, args, out: seen.append(args[0].nbytes))
+    training_loss(fused, inputs, samples)
+    handle.remove()
+    x_bytes, grads = seen[0], 4 * (conv.weight.numel() + conv.bias.numel())
+    assert kept['unfused'] - kept['fused'] == x_bytes - grads
+    want = _step(_prepared(base, 5, 'gf', lean=False), inputs, samples)
+    got = _step(fused, inputs, samples)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
+    for key, g in want[2].items():
+        torch.testing.assert_close(got[2][key], g, rtol=1e-5,
+                                   atol=1e-6 * float(g.abs().max()))

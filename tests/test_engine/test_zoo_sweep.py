@@ -4,10 +4,10 @@ One config per decode-head family, loaded from the ``configs`` that mmseg
 installs with itself (``mmseg/.mim/configs``) as a user would bring it, then
 adapted for a CPU test the same way for every family:
 
-* ``SyncBN`` -> ``BN`` everywhere (mmengine's Runner does the same outside
-  distributed runs; ``configs/_base_/models/pspnet_r18-d8.py`` sets BN);
-* no checkpoint: ``pretrained=None`` and every ``init_cfg`` naming a
-  checkpoint removed (nothing can be downloaded; weights are random);
+* :func:`mmseg_gf.engine.zoo.offline_model_config`: ``SyncBN`` -> ``BN``
+  everywhere (mmengine's Runner does the same outside distributed runs), no
+  checkpoint (``pretrained=None`` and every ``init_cfg`` naming one
+  removed: nothing can be downloaded; weights are random);
 * a 64x64 input (``data_preprocessor.size``; ISANet 128, LRASPP 392, see
   the cases), ``test_cfg`` mode ``'whole'`` (PointRend keeps its
   subdivision settings), batch 2 for training, random labels;
@@ -62,6 +62,11 @@ import pytest
 import torch
 from mmengine.hooks import Hook
 
+pytest.importorskip('mmseg')
+
+from mmseg_gf.engine.zoo import (mmseg_config_dir,  # noqa: E402
+                                 offline_model_config)
+
 pytestmark = pytest.mark.zoo
 
 
@@ -78,11 +83,6 @@ def one_thread():
 
 SIZE = 64
 NUM_LAYERS = 5
-
-
-def zoo_dir() -> str:
-    import mmseg
-    return osp.join(osp.dirname(mmseg.__file__), '.mim', 'configs')
 
 
 # ---------------------------------------------------------------------------
@@ -318,35 +318,11 @@ NOT_RUN = [
 # Config adaptation and data
 
 
-def _walk(obj, fn):
-    """Apply ``fn`` to every dict in a nested config, bottom up."""
-    if isinstance(obj, dict):
-        for v in obj.values():
-            _walk(v, fn)
-        fn(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _walk(v, fn)
-
-
-def _cpu_no_checkpoint(d: dict) -> None:
-    if d.get('type') == 'SyncBN':
-        d['type'] = 'BN'
-    init = d.get('init_cfg')
-    inits = init if isinstance(init, list) else [init]
-    if any(isinstance(i, dict) and (i.get('type') == 'Pretrained'
-                                    or 'checkpoint' in i) for i in inits):
-        d['init_cfg'] = None
-    if 'pretrained' in d and isinstance(d['pretrained'], str):
-        d['pretrained'] = None
-
-
 def load_model_cfg(case: Case) -> dict:
     """The case's ``model`` config, adapted (see the module docstring)."""
     from mmengine.config import Config
-    cfg = Config.fromfile(osp.join(zoo_dir(), case.config))
-    model = cfg.model.to_dict()
-    _walk(model, _cpu_no_checkpoint)
+    cfg = Config.fromfile(osp.join(mmseg_config_dir(), case.config))
+    model = offline_model_config(cfg.model.to_dict())
     model['data_preprocessor']['size'] = (case.size, case.size)
     test_cfg = dict(model.get('test_cfg') or {})
     test_cfg['mode'] = 'whole'
@@ -537,7 +513,7 @@ def test_zoo_config(case):
 @pytest.mark.parametrize('family, config, reason', NOT_RUN,
                          ids=[c.split('/')[0] for _, c, _ in NOT_RUN])
 def test_zoo_not_run(family, config, reason):
-    assert osp.isfile(osp.join(zoo_dir(), config)), config
+    assert osp.isfile(osp.join(mmseg_config_dir(), config)), config
     pytest.skip(f'{family}: {reason}')
 
 

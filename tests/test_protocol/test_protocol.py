@@ -30,7 +30,6 @@ from mmseg_gf.protocol.flops import strategy_cost  # noqa: E402
 from mmseg_gf.engine.hooks import ValMetricsRecorderHook  # noqa: E402
 from mmseg_gf.protocol.report import mean_std  # noqa: E402
 
-os.environ.setdefault('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
 
 #: Small but real: the learning run (PSPNet-R18, Cityscapes -> VOC12Aug).
 LEARN_ARGS = [
@@ -47,8 +46,7 @@ def read_csv(path):
 
 
 def load_state(path):
-    return torch.load(path, map_location='cpu',
-                      weights_only=False)['state_dict']
+    return torch.load(path, map_location='cpu')['state_dict']
 
 
 def check_table(out_dir, strategies):

@@ -197,3 +197,24 @@ def test_sweep_marks_the_budget_and_its_choice(tmp_path, capsys):
     result = analyze_cost.main([PSP, '--shape', '64', '--sweep',
                                 '--budget', 'backward_gflops=1e-9'])['sweep']
     assert result['choice'] is None and 'cannot be met' in result['error']
+
+
+def test_a_zoo_config_offline_with_a_named_setting(capsys):
+    """mmseg's own Fast-SCNN config as it comes (SyncBN, no checkpoint to
+    load with --offline) with the setting named like benchmark_step's
+    rows: its last 5 convs, radius 4, counted as the engine selects them."""
+    from mmseg_gf.engine.build import build_segmentor
+    from mmseg_gf.engine.zoo import REALTIME_FAMILIES, family_config
+    path = REALTIME_FAMILIES['fast_scnn'].path
+    result = analyze_cost.main([path, '--offline', '--setting',
+                                'gf_last5_r4', '--shape', '64'])
+    assert 'total (5 layers)' in capsys.readouterr().out
+    cfg = family_config('fast_scnn')
+    cfg.gradient_filter = dict(num_layers=5, radius=4)
+    want = [c.path for c in get_gradient_filter_layers(build_segmentor(
+        cfg, input_size=SHAPE))]
+    layers = result['cost']['layers']
+    assert [layer['path'] for layer in layers] == want
+    assert all(layer['radius'] == 4 for layer in layers)
+    with pytest.raises(SystemExit):
+        analyze_cost.main([path, '--setting', 'gf_last5'])

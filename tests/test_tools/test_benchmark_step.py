@@ -1,12 +1,14 @@
 """tools/benchmark_step.py: whole steps next to inference, with peak and
 saved bytes (tiny crop here; the real figures are in the README)."""
 import json
+import os.path as osp
 
 import pytest
 
 pytest.importorskip('mmseg')
 
-from tests._tools import load_tool  # noqa: E402
+from mmseg_gf.analysis.step_benchmark import row_settings  # noqa: E402
+from tests._tools import REPO, load_tool  # noqa: E402
 
 benchmark_step = load_tool('benchmark_step')
 
@@ -61,3 +63,117 @@ def test_no_memory_times_the_rows_only(tmp_path):
     assert lean['step_vs_inference'] == pytest.approx(
         lean['step'] / by['inference']['forward'])
     assert (tmp_path / 'steps.png').stat().st_size > 0
+
+
+PSP_CONFIG = osp.join(REPO, 'configs', 'gf', 'pspnet_r18_voc_r4.py')
+
+
+def test_a_config_file_measures_as_the_protocol_model(tmp_path):
+    """A user's config with rows as settings measures the same bytes as
+    the protocol's own composition of the same model and strategies
+    (configs/gf/pspnet_r18_voc_r4.py is the protocol's PSPNet-R18 on VOC;
+    its own gradient_filter is replaced by each row's)."""
+    rows = ['inference', 'vanilla_last5:plain', 'gf_last5_r4:lean']
+    common = ['--crop', '64', '--batch', '2', '--repeats', '0', '--rows',
+              *rows]
+    by_config, = benchmark_step.main(
+        [PSP_CONFIG, *common, '--out-dir', str(tmp_path / 'config')])
+    by_model, = benchmark_step.main(
+        ['--models', 'pspnet_r18', *common, '--out-dir',
+         str(tmp_path / 'model')])
+    assert by_config['model'] == 'pspnet_r18_voc_r4'
+    assert by_config['crop'] == [64, 64]
+    for got, want in zip(by_config['rows'], by_model['rows']):
+        assert got['row'] == want['row']
+        for key in ('saved_bytes', 'trainable_params'):
+            assert got[key] == want[key], (got['row'], key)
+    lean = by_config['rows'][2]
+    assert lean['saved_bytes'] == lean['analytic_saved_bytes']
+    assert lean['saved_vs_vanilla_plain'] < 1 / 8
+
+
+def test_a_family_by_name_memory_only(tmp_path, capsys):
+    """--families: mmseg's own config, offline, at the given crop; a
+    memory-only run still plots what it measured."""
+    result, = benchmark_step.main([
+        '--families', 'fast_scnn', '--crop', '64', '--batch', '2',
+        '--repeats', '0', '--rows', 'inference', 'gf_last5_r4:lean',
+        '--out-dir', str(tmp_path)])
+    assert result['label'] == 'Fast-SCNN' and result['crop'] == [64, 64]
+    lean = result['rows'][1]
+    assert 'step' not in lean and lean['peak_vs_inference'] > 0
+    assert lean['saved_bytes'] == lean['analytic_saved_bytes']
+    assert '## Fast-SCNN, crop 64x64' in (tmp_path / 'steps.md').read_text()
+    assert (tmp_path / 'steps.png').stat().st_size > 0
+
+
+@pytest.mark.parametrize('row, settings', [
+    ('inference', None),
+    ('vanilla_all', None),
+    ('vanilla_last10:plain', dict(num_layers=10, mode='vanilla',
+                                  lean=False)),
+    ('gf_last5_r4', dict(num_layers=5, mode='gf', lean=True, radius=4)),
+    ('gf_last3_auto:lean', dict(num_layers=3, mode='gf', lean=True,
+                                radius='auto')),
+])
+def test_row_settings(row, settings):
+    assert row_settings(row) == settings
+
+
+@pytest.mark.parametrize('row', ['gf_last5', 'vanilla_last5_r4',
+                                 'gf_last0_r4', 'gf_last5_r0', 'last5',
+                                 'gf_last5_r4:fast'])
+def test_bad_rows_are_refused_before_building(row, capsys):
+    with pytest.raises(SystemExit):
+        benchmark_step.main(['--families', 'stdc1', '--rows', row])
+    assert '--rows' in capsys.readouterr().err
+
+
+def test_family_crops():
+    """--crop is raised to a family's minimum side; --family-crop sets
+    one family's crop; without either, the config's training crop."""
+    args = benchmark_step.parse_args([
+        '--families', 'lraspp_mv3', 'stdc1', 'cgnet', '--crop', '256',
+        '--family-crop', 'cgnet=128'])
+    assert benchmark_step._family_crop('lraspp_mv3', args) == (392, 392)
+    assert benchmark_step._family_crop('stdc1', args) == (256, 256)
+    assert benchmark_step._family_crop('cgnet', args) == (128, 128)
+    args = benchmark_step.parse_args(['--families', 'all'])
+    assert len(args.families) == 12
+    assert benchmark_step._family_crop('stdc1', args) == (512, 1024)
+    with pytest.raises(SystemExit):
+        benchmark_step.parse_args([])
+    with pytest.raises(SystemExit):
+        benchmark_step.parse_args(['--families', 'stdc1', '--family-crop',
+                                   'cgnet=64'])
+
+
+def test_the_plot_draws_only_what_was_measured(tmp_path):
+    """A memory-only run plots peak and kept ratios, a --no-memory run the
+    time ratio only; the vanilla rows' own kept ratio (1) is not drawn."""
+    from mmseg_gf.analysis.step_benchmark import _measured_panels, plot
+
+    def result(memory: bool, timed: bool):
+        rows = [dict(row='inference', lean=None)]
+        for name, kept in (('vanilla_last5:plain', 1.0),
+                           ('gf_last5_r4:lean', 0.1)):
+            row = dict(row=name, lean=name.endswith('lean'))
+            if memory:
+                row.update(peak_vs_inference=1.5,
+                           saved_vs_vanilla_plain=kept)
+            if timed:
+                row.update(step_vs_inference=1.2)
+            rows.append(row)
+        return dict(model='m', label='M', crop=[64, 64], batch=2,
+                    threads=1, torch='x', rows=rows)
+
+    names = ['vanilla_last5:plain', 'gf_last5_r4:lean']
+    panels = _measured_panels([result(True, False)], names)
+    assert [(p[0], p[3]) for p in panels] == [
+        ('peak_vs_inference', names),
+        ('saved_vs_vanilla_plain', ['gf_last5_r4:lean'])]
+    panels = _measured_panels([result(False, True)], names)
+    assert [p[0] for p in panels] == ['step_vs_inference']
+    assert not plot([result(False, False)], str(tmp_path / 'none.png'))
+    assert not (tmp_path / 'none.png').exists()
+    assert plot([result(True, True)], str(tmp_path / 'all.png'))

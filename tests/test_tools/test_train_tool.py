@@ -25,8 +25,7 @@ PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
 @pytest.fixture
 def tools(monkeypatch):
     """tools/train.py and tools/test.py as modules; the environment they
-    touch (weights_only override, LOCAL_RANK) is restored afterwards."""
-    monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
+    touch (LOCAL_RANK, the checkpoint allow-list) is restored afterwards."""
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     return load_tool('train'), load_tool('test')
 
@@ -143,8 +142,7 @@ def test_resume_after_interrupt_equals_uninterrupted_run(
     assert state.keys() == full_state.keys()
     for key, value in full_state.items():
         assert torch.equal(state[key], value), key
-    saved = torch.load(osp.join(work, 'iter_4.pth'), map_location='cpu',
-                       weights_only=False)
+    saved = torch.load(osp.join(work, 'iter_4.pth'), map_location='cpu')
     assert all(torch.equal(saved['state_dict'][k], v)
                for k, v in full_state.items())
 
@@ -279,7 +277,7 @@ def test_checkpoint_check_rules(workspace, tmp_path):
     prefixes are accepted as mmengine strips them."""
     from mmengine.logging import MMLogger
     model = build_model('pspnet_r18')
-    state = torch.load(workspace['init'], weights_only=False)['state_dict']
+    state = torch.load(workspace['init'])['state_dict']
 
     def save(name, sd):
         path = str(tmp_path / name)

@@ -61,6 +61,12 @@ class GradFilterHook(Hook):
             (frozen norms, activations, dropout, the loss); default True.
         input_size: (H, W) of the selection trace; default: the config's
             data_preprocessor size / crop_size, else 512.
+        keep_frozen_aux_heads: run auxiliary heads whose loss trains
+            nothing (all parameters frozen, input needing no gradient);
+            default False: they are left out of training steps, logged once
+            (:mod:`mmseg_gf.engine.frozen_aux_heads`).
+        log_frozen_aux_losses: still log those heads' losses, computed
+            without autograd; default False.
         log_table: log the per-layer cost table at train start.
         check_load_from: before the checkpoint is loaded, fail if the
             ``load_from`` (or resumed) checkpoint does not exist or does not
@@ -78,6 +84,8 @@ class GradFilterHook(Hook):
                  train_norm: bool = False,
                  lean: bool = True,
                  input_size: Optional[Sequence[int]] = None,
+                 keep_frozen_aux_heads: bool = False,
+                 log_frozen_aux_losses: bool = False,
                  log_table: bool = True,
                  check_load_from: bool = True,
                  **unknown) -> None:
@@ -91,7 +99,9 @@ class GradFilterHook(Hook):
         self.settings = check_settings(
             dict(num_layers=num_layers, layers=layers, budget=budget,
                  radius=radius, mode=mode, train_norm=train_norm, lean=lean,
-                 input_size=input_size)
+                 input_size=input_size,
+                 keep_frozen_aux_heads=keep_frozen_aux_heads,
+                 log_frozen_aux_losses=log_frozen_aux_losses)
         ) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)

@@ -1,0 +1,182 @@
+"""Frozen auxiliary heads that train nothing are not run in training.
+
+mmseg's ``EncoderDecoder.loss`` adds each auxiliary head's loss
+(``_auxiliary_head_forward_train``). When every parameter of a head is
+frozen and none of the features it reads (its ``in_index`` selection)
+requires a gradient, that loss is a constant in the trained parameters: its
+backward reaches nothing that is trained, and running the head costs a
+forward, its loss and the memory of both for nothing. On mmseg's real-time
+families finetuned on their last convs (Fast-SCNN, STDC1, BiSeNet, ICNet),
+where auxiliary heads read early features, that is a large part of a step.
+
+:func:`skip_frozen_aux_heads` swaps the segmentor's class for a subclass of
+its own class (as the lean region does with its modules: ``isinstance``,
+``state_dict`` keys and checkpoints are unchanged) whose
+``_auxiliary_head_forward_train`` decides head by head, at every call, from
+the tensors it is given: a head with a trained parameter or a gradient-
+carrying input always runs. A skipped head is logged once, with the reason.
+Its loss is left out of the returned dict, or, with
+``log_frozen_aux_losses=True``, computed under ``torch.no_grad`` and
+returned detached (mmengine's ``parse_losses`` adds it to the logged total;
+a detached term changes no gradient). The segmentor's
+:class:`~.state.GradientFilterState` holds both switches
+(``keep_frozen_aux_heads=True`` runs every head, as mmseg does).
+
+A skipped head draws no random numbers: the heads after it in the same
+step and later steps draw other dropout masks than with it run (from the
+same distribution), unless its loss is logged.
+"""
+import logging
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from mmengine.logging import print_log
+from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+from mmseg.models.segmentors import EncoderDecoder
+from mmseg.utils import add_prefix
+from torch import nn
+
+from ..models.segmentor import unwrap_model
+from .selection import nested_tensors
+from .state import GradientFilterState, get_state
+
+__all__ = ['aux_heads', 'features_read', 'frozen_head_reason',
+           'skip_frozen_aux_heads', 'run_frozen_aux_heads',
+           'skips_frozen_aux_heads']
+
+
+def aux_heads(segmentor: nn.Module) -> List[Tuple[str, str, nn.Module]]:
+    """``(loss prefix, module path, head)`` of each auxiliary head, named
+    as mmseg's ``_auxiliary_head_forward_train`` names their losses."""
+    heads = getattr(segmentor, 'auxiliary_head', None)
+    if heads is None:
+        return []
+    if isinstance(heads, nn.ModuleList):
+        return [(f'aux_{i}', f'auxiliary_head.{i}', h)
+                for i, h in enumerate(heads)]
+    return [('aux', 'auxiliary_head', heads)]
+
+
+def features_read(head: nn.Module, inputs) -> List[torch.Tensor]:
+    """The tensors of ``inputs`` (the extracted features) that ``head``
+    reads: its ``in_index`` selection when it transforms its inputs as
+    mmseg's ``BaseDecodeHead`` does, otherwise every tensor in them."""
+    index = getattr(head, 'in_index', None)
+    transform = getattr(type(head), '_transform_inputs', None)
+    if (index is not None and isinstance(inputs, (list, tuple))
+            and transform is BaseDecodeHead._transform_inputs):
+        indices = index if isinstance(index, (list, tuple)) else [index]
+        try:
+            return nested_tensors([inputs[i] for i in indices])
+        except (IndexError, TypeError):
+            pass  # mmseg itself will fail on this selection
+    return nested_tensors(inputs)
+
+
+def frozen_head_reason(head: nn.Module, inputs) -> Optional[str]:
+    """Why ``head``'s loss trains nothing, or None when it must run (a
+    trained parameter, or a read feature that requires a gradient)."""
+    if any(p.requires_grad for p in head.parameters()):
+        return None
+    if any(t.requires_grad for t in features_read(head, inputs)):
+        return None
+    index = getattr(head, 'in_index', None)
+    read = 'its input' if index is None else f'its input (in_index {index})'
+    return (f'all its parameters are frozen and {read} needs no gradient, '
+            'so its loss is constant in the trained parameters')
+
+
+def _log_skipped_once(state: GradientFilterState, path: str,
+                      head: nn.Module, reason: str) -> None:
+    if path in state.logged_frozen_aux_heads:
+        return
+    state.logged_frozen_aux_heads.add(path)
+    losses = ('its loss is computed without autograd for the log'
+              if state.log_frozen_aux_losses else
+              'its loss is not logged (log_frozen_aux_losses=True logs it)')
+    name = getattr(type(head), '_plain_class', type(head)).__name__
+    print_log(
+        f'gradient_filter: {path} ({name}) is not run in '
+        f'training: {reason}; {losses}; keep_frozen_aux_heads=True runs it',
+        logger='current', level=logging.INFO)
+
+
+def _constant_losses(head: nn.Module, inputs, data_samples,
+                     train_cfg) -> dict:
+    """A skipped head's losses for the log: no graph, detached values."""
+    with torch.no_grad():
+        losses = head.loss(inputs, data_samples, train_cfg)
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v
+            for k, v in losses.items()}
+
+
+class _SkipsFrozenAuxHeads:
+    """``_auxiliary_head_forward_train`` leaving out heads that train
+    nothing (see the module docstring); as mmseg's otherwise."""
+
+    def _auxiliary_head_forward_train(self, inputs, data_samples) -> dict:
+        state = get_state(self)
+        if state is None or state.keep_frozen_aux_heads:
+            return super()._auxiliary_head_forward_train(inputs, data_samples)
+        losses = dict()
+        for prefix, path, head in aux_heads(self):
+            reason = frozen_head_reason(head, inputs)
+            if reason is None:
+                loss = head.loss(inputs, data_samples, self.train_cfg)
+            else:
+                _log_skipped_once(state, path, head, reason)
+                if not state.log_frozen_aux_losses:
+                    continue
+                loss = _constant_losses(head, inputs, data_samples,
+                                        self.train_cfg)
+            losses.update(add_prefix(loss, prefix))
+        return losses
+
+
+def skips_frozen_aux_heads(segmentor: nn.Module) -> bool:
+    """Whether :func:`skip_frozen_aux_heads` swapped ``segmentor``."""
+    return '_plain_segmentor_class' in type(unwrap_model(segmentor)).__dict__
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _skip_class(cls: type) -> type:
+    """The subclass of segmentor class ``cls`` that skips (one per class,
+    named as ``cls``)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (_SkipsFrozenAuxHeads, cls),
+                             {'_plain_segmentor_class': cls,
+                              '__module__': cls.__module__})
+    return _CLASSES[cls]
+
+
+def skip_frozen_aux_heads(segmentor: nn.Module) -> bool:
+    """Let ``segmentor`` (wrapped or not) leave out, in training, auxiliary
+    heads whose loss trains nothing. Only for segmentors whose auxiliary
+    losses are mmseg's ``EncoderDecoder._auxiliary_head_forward_train``
+    (``EncoderDecoder``, ``CascadeEncoderDecoder``); idempotent.
+
+    Returns:
+        Whether the segmentor skips such heads now (False: it has no
+        auxiliary head, or computes their losses its own way).
+    """
+    model = unwrap_model(segmentor)
+    if skips_frozen_aux_heads(model):
+        return True
+    own = getattr(type(model), '_auxiliary_head_forward_train', None)
+    if not aux_heads(model) or \
+            own is not EncoderDecoder._auxiliary_head_forward_train:
+        return False
+    model.__class__ = _skip_class(type(model))
+    return True
+
+
+def run_frozen_aux_heads(segmentor: nn.Module) -> bool:
+    """Undo :func:`skip_frozen_aux_heads`; returns whether it was done."""
+    model = unwrap_model(segmentor)
+    if not skips_frozen_aux_heads(model):
+        return False
+    model.__class__ = type(model).__dict__['_plain_segmentor_class']
+    return True
+

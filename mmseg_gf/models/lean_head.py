@@ -1,0 +1,296 @@
+"""A decode head's loss kept lean, its classifier fused with it where possible.
+
+The wiring of :mod:`mmseg_gf.ops.fused_loss` into mmseg's decode heads
+(docs/lean_region.md, "The loss, fused with the classifier"). A lean head's
+``loss`` arms a :class:`ClassifierCapture` when :func:`fusion_blocker`
+allows it; ``cls_seg`` then runs ``conv_seg`` with what autograd saves for
+it held by the capture; when the forward returns that very output (alone,
+or once in a tuple of logits), the capture is released and
+:func:`fused_classifier_losses` computes the loss with
+``FusedClassifierLossFunction``: the loss's gradient w.r.t. the logits,
+``g_W`` and ``g_b`` taken in the forward, the classifier's input not kept.
+Otherwise :func:`lean_head_losses`: mmseg's cross-entropy image by image
+(:mod:`.lean_loss`, keeps the logits) or the head's own
+``loss_by_feat`` once, with its gradient kept
+(``PrecomputedGradientLossFunction``). Why a head is not fused is logged
+once (mmengine's current logger). :func:`loss_gradient_copies` and
+:func:`classifier_fused_now` answer the accounting's questions.
+"""
+import functools
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from mmengine.logging import print_log
+from torch import Tensor, nn
+
+from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
+                              LogitGradients,
+                              PrecomputedGradientLossFunction,
+                              loss_gradients)
+from .lean_loss import (chunkable_losses, chunked_cross_entropy_gradients,
+                        chunked_cross_entropy_losses)
+
+__all__ = ['base_decode_head', 'ClassifierCapture', 'fusion_blocker',
+           'fused_classifier_losses', 'lean_head_losses',
+           'log_fallback_once', 'loss_gradient_copies',
+           'disable_classifier_fusion', 'classifier_fused_now']
+
+
+def base_decode_head():
+    """mmseg's ``BaseDecodeHead`` class (None without mmseg)."""
+    try:
+        from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+    except ImportError:
+        return None
+    return BaseDecodeHead
+
+
+def _plain_class(head: nn.Module) -> type:
+    return getattr(type(head), '_plain_class', type(head))
+
+
+def _has_base_loss(head: nn.Module) -> bool:
+    base = base_decode_head()
+    return base is not None and \
+        _plain_class(head).loss_by_feat is base.loss_by_feat
+
+
+def _plain_loss_by_feat(head: nn.Module) -> Callable:
+    return functools.partial(_plain_class(head).loss_by_feat, head)
+
+
+_LOGGED: Set[Tuple[str, str]] = set()
+
+
+def log_fallback_once(head: nn.Module, reason: str) -> None:
+    """Log, once per head class and reason, why its classifier is not
+    fused with its loss (mmengine's current logger)."""
+    key = (_plain_class(head).__name__, reason)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        print_log(f'lean loss: {key[0]} keeps its classifier\'s input '
+                  f'(classifier not fused with the loss): {reason}',
+                  logger='current')
+
+
+def fusion_blocker(head: nn.Module) -> Optional[str]:
+    """Why ``head``'s classifier cannot be fused with its loss (logged
+    once), or None when it can: the head must classify with mmseg's
+    ``cls_seg`` (dropout, then ``conv_seg``) and have a plain
+    ``nn.Conv2d`` as ``conv_seg``. (Whether its forward returns the
+    classifier's output, alone or in a tuple, is seen in the forward:
+    :meth:`ClassifierCapture.mismatch`.)"""
+    reason = getattr(head, '_fused_classifier_off', None)
+    base = base_decode_head()
+    plain = _plain_class(head)
+    if reason is not None:
+        return reason
+    if plain.cls_seg is not base.cls_seg:
+        reason = 'its class overrides cls_seg'
+    elif type(getattr(head, 'conv_seg', None)) is not nn.Conv2d or \
+            head.conv_seg.padding_mode != 'zeros':
+        reason = 'conv_seg is not a zero-padded torch.nn.Conv2d'
+    if reason is not None:
+        log_fallback_once(head, reason)
+    return reason
+
+
+class ClassifierCapture:
+    """The classifier calls of one head's ``loss``, with what autograd saved
+    for them held here, so that they can be dropped once the loss is fused.
+
+    If the forward's output is not the one classifier call's output (the
+    head transforms it), nothing is dropped: the calls keep their inputs
+    as autograd would, and the backward is autograd's.
+    """
+
+    def __init__(self) -> None:
+        self.calls: List[Tuple[Tensor, Tensor]] = []
+        self._held: List[list] = []
+
+    @staticmethod
+    def _packer(held: List[list]) -> Callable[[Tensor], list]:
+        # Not a bound method: the classifier's autograd node keeps its pack
+        # hook, and a hook holding the capture (hence the node's own
+        # output) would make a cycle the garbage collector cannot see.
+        def pack(tensor: Tensor) -> list:
+            holder = [tensor]
+            held.append(holder)
+            return holder
+
+        return pack
+
+    @staticmethod
+    def _unpack(holder: list) -> Tensor:
+        if holder[0] is None:
+            raise RuntimeError(
+                'lean loss: the classifier\'s output was used besides the '
+                'decode head\'s loss, whose gradient was fused with the '
+                'classifier; set gradient_filter lean=False')
+        return holder[0]
+
+    def classify(self, head: nn.Module, feat: Tensor) -> Tensor:
+        """mmseg's ``cls_seg`` (dropout, then ``conv_seg``), recorded."""
+        if head.dropout is not None:
+            feat = head.dropout(feat)
+        with torch.autograd.graph.saved_tensors_hooks(
+                self._packer(self._held), self._unpack):
+            logits = head.conv_seg(feat)
+        self.calls.append((feat, logits))
+        return logits
+
+    def mismatch(self, seg_logits) -> Optional[str]:
+        """Why ``seg_logits`` cannot be fused (None: it is the one
+        classifier call's output, or a tuple holding it once)."""
+        if len(self.calls) != 1:
+            return f'cls_seg ran {len(self.calls)} times in the forward'
+        items = seg_logits if isinstance(seg_logits, (tuple, list)) \
+            else [seg_logits]
+        if sum(t is self.calls[0][1] for t in items) != 1:
+            return 'its forward does not return the classifier\'s output'
+        return None
+
+    def release(self) -> Tuple[Tensor, Tensor]:
+        """Drop what the classifier call saved; its input and output."""
+        for holder in self._held:
+            holder[0] = None
+        return self.calls[0]
+
+
+def _trainable(head: nn.Module) -> List[Tensor]:
+    return [p for p in head.parameters() if p.requires_grad]
+
+
+def _logit_gradients(compute: Callable[..., Dict[str, Tensor]],
+                     logits: Tensor, others: Sequence[Tensor],
+                     params: Sequence[Tensor]) -> LogitGradients:
+    """``compute(logits, *others)`` differentiated in the forward, one
+    basis per loss output that depends on ``logits``."""
+    values, grads = loss_gradients(compute, [logits, *others], params)
+    result = LogitGradients(values)
+    for key, (grad, *rest) in grads.items():
+        if grad is not None:
+            result.mix[key] = [(len(result.bases), 1.0)]
+            result.bases.append(grad)
+        if others:
+            result.others[key] = tuple(rest)
+    return result
+
+
+def _with_logits_at(seg_logits, position: Optional[int]) -> Callable:
+    """Rebuild the head's output from ``(classifier logits, *others)``."""
+    def rebuild(logits: Tensor, *others: Tensor):
+        if position is None:
+            return logits
+        items = list(others)
+        items.insert(position, logits)
+        return type(seg_logits)(items)
+
+    return rebuild
+
+
+def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
+                            seg_logits, batch_data_samples
+                            ) -> Dict[str, Tensor]:
+    """``head.loss_by_feat(seg_logits)`` where ``seg_logits`` is (or holds)
+    the classifier's output, through
+    :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction`: mmseg's
+    cross-entropy image by image when :func:`chunkable_losses` allows,
+    the head's ``loss_by_feat`` on the whole batch otherwise (the other
+    logits of a tuple get their gradients kept too).
+
+    Raises:
+        ValueError: the loss cannot be differentiated in the forward (see
+            :func:`~mmseg_gf.ops.fused_loss.loss_gradients`); the capture
+            then still holds what the classifier saved.
+    """
+    feat, logits = capture.calls[0]
+    position, others = None, []
+    if isinstance(seg_logits, (tuple, list)):
+        position = [t is logits for t in seg_logits].index(True)
+        others = [t for i, t in enumerate(seg_logits) if i != position]
+    specs = chunkable_losses(head) if position is None and \
+        _has_base_loss(head) else None
+    if specs is not None:
+        label = head._stack_batch_gt(batch_data_samples).squeeze(1)
+
+        def gradients(z: Tensor) -> LogitGradients:
+            return chunked_cross_entropy_gradients(
+                z, label, head.align_corners, head.ignore_index, specs)
+    else:
+        plain, rebuild = _plain_loss_by_feat(head), _with_logits_at(
+            seg_logits, position)
+
+        def gradients(z: Tensor, *rest: Tensor) -> LogitGradients:
+            return _logit_gradients(
+                lambda *leaves: plain(rebuild(*leaves), batch_data_samples),
+                z, rest, _trainable(head))
+    conv = head.conv_seg
+    keys: List[str] = []
+    values = FusedClassifierLossFunction.apply(
+        feat, conv.weight, conv.bias, logits.detach(), ConvSpec.of(conv),
+        gradients, keys, *others)
+    capture.release()
+    return dict(zip(keys, values))
+
+
+def lean_head_losses(head: nn.Module, seg_logits,
+                     batch_data_samples) -> Dict[str, Tensor]:
+    """``head.loss_by_feat`` without fusing the classifier: mmseg's
+    cross-entropy image by image (keeps the logits) where
+    :func:`chunkable_losses` allows, otherwise the head's own
+    ``loss_by_feat`` once, with its gradient w.r.t. every logits tensor
+    taken in the forward and kept.
+
+    Raises:
+        ValueError: the loss cannot be differentiated in the forward (see
+            :func:`~mmseg_gf.ops.fused_loss.loss_gradients`).
+    """
+    specs = chunkable_losses(head) if _has_base_loss(head) else None
+    if specs is not None:
+        return chunked_cross_entropy_losses(head, seg_logits,
+                                            batch_data_samples, specs)
+    plain = _plain_loss_by_feat(head)
+    tensors = tuple(seg_logits) if isinstance(seg_logits, (tuple, list)) \
+        else (seg_logits, )
+
+    def compute(*leaves):
+        feats = type(seg_logits)(leaves) if isinstance(
+            seg_logits, (tuple, list)) else leaves[0]
+        return plain(feats, batch_data_samples)
+
+    keys: List[str] = []
+    values = PrecomputedGradientLossFunction.apply(compute, keys,
+                                                   _trainable(head),
+                                                   *tensors)
+    return dict(zip(keys, values))
+
+
+def loss_gradient_copies(head: nn.Module) -> Optional[int]:
+    """How many logits-sized tensors ``head``'s lean loss keeps per
+    classifier output: 1 for the chunked cross-entropy, one gradient per
+    loss name for mmseg's ``loss_by_feat`` otherwise; None when the head
+    has its own ``loss_by_feat`` (it depends on that code)."""
+    if not _has_base_loss(head):
+        return None
+    if chunkable_losses(head) is not None:
+        return 1
+    losses = head.loss_decode
+    losses = list(losses) if isinstance(losses, nn.ModuleList) else [losses]
+    return len({loss.loss_name for loss in losses})
+
+
+def disable_classifier_fusion(head: nn.Module, reason: str) -> None:
+    """Keep ``head``'s classifier out of its loss from now on (its lean loss
+    then keeps the classifier's input and the logits, as mmseg's
+    cross-entropy image by image or the loss's gradient): for comparing the
+    two, or for a head whose forward reads its classifier's output in a way
+    the fusion does not see. ``reason`` is logged once."""
+    head._fused_classifier_off = reason
+    log_fallback_once(head, reason)
+
+
+def classifier_fused_now(head: nn.Module) -> bool:
+    """Whether ``head`` is in a ``loss`` call that fuses its classifier
+    with the loss (what a step tracer asks at the classifier's call)."""
+    return getattr(head, '_classifier_capture', None) is not None

@@ -1,0 +1,338 @@
+"""A loss whose gradient is computed in the forward, and a classifier fused
+with it.
+
+A segmentation head's loss is the only consumer of its logits, and a
+training step differentiates it exactly once. So its gradient w.r.t. the
+low-resolution logits can be taken while the forward runs, on a detached
+copy of the logits, and kept instead of what autograd would keep to take it
+later (the upsampled logits, their log-softmax, OHEM's sorted
+probabilities, ...). The backward then only scales the kept gradients by
+the incoming ones: a loss output ``L_k`` with incoming gradient ``c_k``
+contributes ``c_k * dL_k/dz``. Loss scaling (AMP) and gradient accumulation
+only change ``c_k``, so they stay exact; the loss itself runs once, with
+autograd, as the plain path runs it (so a loss that draws random numbers
+draws the same ones).
+
+:class:`PrecomputedGradientLossFunction` does this for any loss of one or
+several logits tensors. :class:`FusedClassifierLossFunction` goes one step
+further when the logits are a convolution's output ``z = conv(x, W, b)``
+(a head's classifier): it also takes ``g_W`` and ``g_b`` from ``x`` in the
+forward, so ``x`` is not kept at all, and its backward is
+``g_x = W^T g_z``. What it keeps per image is ``g_z`` (``K`` channels at
+the logits' resolution) for each independent loss gradient, instead of the
+classifier's input and the logits.
+
+No mmseg import: the mmseg heads are wired in by :mod:`mmseg_gf.models.lean`.
+"""
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+__all__ = ['LogitGradients', 'forward_graph', 'loss_gradients', 'ConvSpec',
+           'PrecomputedGradientLossFunction', 'FusedClassifierLossFunction',
+           'weight_and_bias_gradients', 'input_gradient']
+
+
+@dataclass
+class LogitGradients:
+    """A loss's outputs and their gradients w.r.t. one logits tensor.
+
+    The gradient of output ``k`` is ``sum(c * bases[b] for b, c in
+    mix[k])``: a loss whose outputs share one gradient up to a factor (a
+    cross-entropy under several weights) keeps one basis.
+
+    Attributes:
+        values: every output (detached), in output order.
+        bases: gradient tensors, the logits' shape.
+        mix: output key -> ``[(basis index, factor)]``.
+        others: output key -> its gradient w.r.t. each further logits
+            tensor the loss reads (a head returning a tuple of logits; None
+            where it does not depend on one). Outputs in neither ``mix``
+            nor ``others`` are not differentiable (accuracy).
+    """
+
+    values: Dict[str, Tensor]
+    bases: List[Tensor] = field(default_factory=list)
+    mix: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
+    others: Dict[str, Tuple[Optional[Tensor], ...]] = field(
+        default_factory=dict)
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def forward_graph():
+    """Autograd on, for a graph built and differentiated inside a forward.
+
+    Its saved tensors are freed before the forward returns, so they are
+    not kept for the step's backward: identity saved-tensor hooks keep
+    them away from any hooks around the step (an offloading hook, or a
+    measurement of what the step keeps).
+    """
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+            _identity, _identity):
+        yield
+
+
+def _differentiable_losses(out: Dict[str, Tensor]) -> List[str]:
+    keys = [k for k, v in out.items() if 'loss' in k and v.requires_grad]
+    for k in keys:
+        if out[k].numel() != 1:
+            raise ValueError(
+                f'loss output {k!r} has shape {tuple(out[k].shape)}: only '
+                'scalar losses can have their gradient taken in the forward')
+    return keys
+
+
+def loss_gradients(compute: Callable[..., Dict[str, Tensor]],
+                   logits: Sequence[Tensor],
+                   params: Sequence[Tensor] = ()
+                   ) -> Tuple[Dict[str, Tensor],
+                              Dict[str, Tuple[Optional[Tensor], ...]]]:
+    """Run ``compute(*leaves)`` with autograd on detached copies of
+    ``logits`` and differentiate each scalar ``loss*`` output.
+
+    Args:
+        params: trainable tensors the loss must not depend on (the
+            gradient kept is w.r.t. the logits only).
+
+    Returns:
+        ``(values, grads)``: every output detached, and for each
+        differentiable loss output its gradient w.r.t. each logits tensor
+        (None where it does not depend on it).
+
+    Raises:
+        ValueError: a differentiable loss output is not a scalar, or it
+            depends on one of ``params``.
+    """
+    leaves = [t.detach().requires_grad_(True) for t in logits]
+    params = list(params)
+    with forward_graph():
+        out = compute(*leaves)
+        keys = _differentiable_losses(out)
+        grads = {}
+        for i, key in enumerate(keys):
+            found = torch.autograd.grad(out[key], leaves + params,
+                                        allow_unused=True,
+                                        retain_graph=i < len(keys) - 1)
+            if any(g is not None for g in found[len(leaves):]):
+                raise ValueError(f'loss output {key!r} depends on trainable '
+                                 'parameters besides the logits')
+            grads[key] = found[:len(leaves)]
+    return {k: v.detach() for k, v in out.items()}, grads
+
+
+def _scaled_sum(terms: Sequence[Tuple[Tensor, Tensor]],
+                like: Tensor) -> Tensor:
+    """``sum(scale * tensor)`` in float32 (at least), cast to ``like``'s
+    dtype: the kept gradients times the incoming ones."""
+    total = None
+    for scale, tensor in terms:
+        part = tensor * scale
+        total = part if total is None else total + part
+    return total.to(like.dtype)
+
+
+def _flatten(grads: Dict[str, Tuple[Optional[Tensor], ...]],
+             keys: List[str]) -> Tuple[List[Tuple[int, int]], List[Tensor]]:
+    """The gradients that exist, and ``(output index, logits index)`` of
+    each: what a backward needs to scale them."""
+    layout, kept = [], []
+    for key, per_logit in grads.items():
+        for j, g in enumerate(per_logit):
+            if g is not None:
+                layout.append((keys.index(key), j))
+                kept.append(g)
+    return layout, kept
+
+
+def _recombine(layout: Sequence[Tuple[int, int]], kept: Sequence[Tensor],
+               grad_outputs: Sequence[Optional[Tensor]],
+               num_logits: int) -> Tuple[Optional[Tensor], ...]:
+    """Each logits tensor's gradient: its kept gradients, each scaled by its
+    output's incoming gradient, summed."""
+    terms: List[List[Tuple[Tensor, Tensor]]] = [
+        [] for _ in range(num_logits)]
+    for (k, j), g in zip(layout, kept):
+        if grad_outputs[k] is not None:
+            terms[j].append((grad_outputs[k], g))
+    return tuple(_scaled_sum(t, t[0][1]) if t else None for t in terms)
+
+
+def _outputs(ctx, values: Dict[str, Tensor], differentiable) -> tuple:
+    """The forward's outputs in key order, the non-differentiable marked."""
+    outputs = tuple(values[k].clone() for k in ctx.keys)
+    ctx.mark_non_differentiable(
+        *[v for k, v in zip(ctx.keys, outputs) if k not in differentiable])
+    return outputs
+
+
+class PrecomputedGradientLossFunction(Function):
+    """Loss outputs of logits tensors, differentiated in the forward.
+
+    Inputs: ``compute`` (logits -> dict of outputs, e.g. a head's
+    ``loss_by_feat``), ``keys`` (a list that receives the dict's keys in
+    output order), ``params`` (see :func:`loss_gradients`), then the
+    logits tensors. Keeps each loss output's gradient w.r.t. each logits
+    tensor it depends on (at the logits' resolution), nothing else;
+    outputs without ``loss`` in their key are non-differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, compute: Callable[..., Dict[str, Tensor]],
+                keys: List[str], params: Sequence[Tensor], *logits: Tensor):
+        values, grads = loss_gradients(compute, logits, params)
+        keys.extend(values)
+        ctx.keys = list(values)
+        ctx.layout, kept = _flatten(grads, ctx.keys)
+        ctx.save_for_backward(*kept)
+        ctx.num_logits = len(logits)
+        return _outputs(ctx, values, grads)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None, None, None) + _recombine(
+            ctx.layout, ctx.saved_tensors, grad_outputs, ctx.num_logits)
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """A 2-d convolution's settings (as ``torch.nn.Conv2d`` holds them)."""
+
+    stride: Tuple[int, int] = (1, 1)
+    padding: Tuple[int, int] = (0, 0)
+    dilation: Tuple[int, int] = (1, 1)
+    groups: int = 1
+
+    @classmethod
+    def of(cls, conv: torch.nn.Conv2d) -> 'ConvSpec':
+        return cls(tuple(conv.stride), tuple(conv.padding),
+                   tuple(conv.dilation), int(conv.groups))
+
+
+def weight_and_bias_gradients(x: Tensor, weight: Tensor, g_z: Tensor,
+                              spec: ConvSpec, bias: bool
+                              ) -> Tuple[Tensor, Optional[Tensor]]:
+    """``g_W`` and ``g_b`` of ``z = conv2d(x, W, b)`` for output gradient
+    ``g_z``: autograd's own kernel (``convolution_backward``), in ``g_z``'s
+    dtype."""
+    x, weight = x.to(g_z.dtype), weight.to(g_z.dtype)
+    _, g_w, g_b = torch.ops.aten.convolution_backward(
+        g_z, x, weight, [weight.shape[0]] if bias else None,
+        list(spec.stride), list(spec.padding), list(spec.dilation), False,
+        [0, 0], spec.groups, [False, True, bias])
+    return g_w, g_b
+
+
+def _memory_format(x: Tensor) -> torch.memory_format:
+    """``x``'s layout, for a gradient in the same one (as autograd's)."""
+    if not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
+                   spec: ConvSpec) -> Tensor:
+    """``g_x = W^T g_z`` of ``z = conv2d(x, W)``, ``x`` of ``shape``: a
+    transposed convolution. ``torch.nn.grad.conv2d_input`` runs
+    ``convolution_backward`` on a broadcast stand-in for ``x``, which the
+    CPU kernel copies to full size first: twice the bytes of ``g_x``
+    (measured with torch's profiler, torch 2.13 CPU, for a 256 -> 150
+    channel 1x1 conv at 32x32)."""
+    extra = []
+    for i in range(2):
+        reach = (g_z.shape[2 + i] - 1) * spec.stride[i] - \
+            2 * spec.padding[i] + spec.dilation[i] * \
+            (weight.shape[2 + i] - 1) + 1
+        extra.append(shape[2 + i] - reach)
+    return torch.nn.functional.conv_transpose2d(
+        g_z, weight, None, spec.stride, spec.padding, extra, spec.groups,
+        spec.dilation)
+
+
+class FusedClassifierLossFunction(Function):
+    """``loss(conv2d(x, W, b), *others)`` with every gradient taken in the
+    forward.
+
+    Inputs: the classifier's input ``x``, ``weight``, ``bias`` (or None),
+    its output ``z`` (already computed, detached), the :class:`ConvSpec`,
+    ``gradients`` (``(z, *others)`` -> :class:`LogitGradients`: the loss's
+    outputs and gradients), ``keys`` (receives the output keys), then the
+    further logits tensors the loss reads, if any. Keeps, per basis of
+    :class:`LogitGradients`, ``g_z`` (only when ``x`` needs a gradient) and
+    ``g_W``, ``g_b`` (when the classifier is trained), and the gradients
+    w.r.t. ``others``: never ``x``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                z: Tensor, spec: ConvSpec,
+                gradients: Callable[..., LogitGradients], keys: List[str],
+                *others: Tensor):
+        result = gradients(z, *others)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        kept_z, kept_w, kept_b = [], [], []
+        for basis in result.bases:
+            if need_w or need_b:
+                g_w, g_b = weight_and_bias_gradients(x, weight, basis, spec,
+                                                     bias is not None)
+                kept_w.extend([g_w] if need_w else [])
+                kept_b.extend([g_b] if need_b else [])
+            kept_z.extend([basis] if need_x else [])
+        keys.extend(result.values)
+        ctx.keys = list(result.values)
+        ctx.layout, kept_o = _flatten(result.others, ctx.keys)
+        ctx.save_for_backward(weight, *kept_z, *kept_w, *kept_b, *kept_o)
+        ctx.counts = (len(kept_z), len(kept_w), len(kept_b), len(others))
+        ctx.x_geometry = (tuple(x.shape), x.dtype, _memory_format(x))
+        ctx.spec, ctx.mix = spec, result.mix
+        differentiable = set(result.mix) | {
+            k for k, gs in result.others.items()
+            if any(g is not None for g in gs)}
+        return _outputs(ctx, result.values, differentiable)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        weight, *kept = ctx.saved_tensors
+        n_z, n_w, n_b, n_o = ctx.counts
+        kept_z, kept_w = kept[:n_z], kept[n_z:n_z + n_w]
+        kept_b, kept_o = kept[n_z + n_w:n_z + n_w + n_b], \
+            kept[n_z + n_w + n_b:]
+        others = _recombine(ctx.layout, kept_o, grad_outputs, n_o)
+        scales = _basis_scales(ctx.keys, ctx.mix, grad_outputs)
+        g_x = g_w = g_b = None
+        if scales and kept_z:
+            g_z = _scaled_sum([(s, kept_z[b]) for b, s in scales.items()],
+                              kept_z[0])
+            shape, dtype, layout = ctx.x_geometry
+            g_x = input_gradient(g_z, weight.to(g_z.dtype), shape,
+                                 ctx.spec).to(dtype, memory_format=layout)
+        if scales and kept_w:
+            g_w = _scaled_sum([(s, kept_w[b]) for b, s in scales.items()],
+                              weight)
+        if scales and kept_b:
+            g_b = _scaled_sum([(s, kept_b[b]) for b, s in scales.items()],
+                              weight)
+        return (g_x, g_w, g_b, None, None, None, None) + others
+
+
+def _basis_scales(keys: Sequence[str], mix: Dict[str, List[Tuple[int, float]]],
+                  grad_outputs: Sequence[Optional[Tensor]]
+                  ) -> Dict[int, Tensor]:
+    """Basis index -> its factor in the gradient: the incoming gradients
+    of the outputs that use it, times their factors."""
+    scales: Dict[int, Tensor] = {}
+    for key, grad in zip(keys, grad_outputs):
+        if grad is None or key not in mix:
+            continue
+        for b, factor in mix[key]:
+            part = grad * factor
+            scales[b] = scales[b] + part if b in scales else part
+    return scales

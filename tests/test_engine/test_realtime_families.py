@@ -1,0 +1,173 @@
+"""The lean trained region on mmseg's twelve real-time families: one training
+step with ``lean=True`` equals the same step with ``lean=False``.
+
+Each family is mmseg 1.2.2's own config (:data:`mmseg_gf.engine.zoo.
+REALTIME_FAMILIES`), built as a user brings it to a CPU without downloads
+(:func:`mmseg_gf.engine.zoo.make_offline`: SyncBN -> BN, random weights),
+at a tiny input (64x64; LRASPP 392x392, the smallest its 49x49 pool runs
+at, with its MobileNetV3 tail 1/4 as wide), ``test_cfg`` mode ``'whole'``.
+Random weights get a small perturbation (heads that initialise a scale to 0
+would zero whole gradients) and every BN random running statistics (so a
+frozen norm's scale is not 1). Batch 2, random labels in 4x4 blocks with an
+ignored band (not for the families whose loss has class weights: mmseg's
+cross entropy then indexes the weights with every label, 255 included),
+PIDNet's boundary map from the labels.
+
+For ``gradient_filter=dict(num_layers=5, radius=4, mode=m)`` with
+``m = 'vanilla'`` and ``'gf'``, two models with the plain model's weights,
+``lean=True`` and ``lean=False`` (autograd's defaults: the reference), take
+one step on the same batch with the same random state (dropout, SegNeXt's
+random NMF bases):
+
+* the same trainable parameters, and the lean one does have lean modules
+  (otherwise the comparison would be vacuous);
+* every loss term equal (rtol 1e-5); a lean step may leave out an
+  auxiliary head's term (a frozen head's loss trains nothing), no other;
+* the same parameters get a gradient, each equal (rtol 1e-5, atol 1e-6 of
+  the gradient's largest element).
+
+Marked ``zoo`` like ``test_zoo_sweep.py`` (``-m "not zoo"`` deselects it).
+"""
+import pytest
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+pytest.importorskip('mmseg')
+
+from mmseg_gf.accounting.batch import random_batch  # noqa: E402
+from mmseg_gf.engine.build import build_segmentor  # noqa: E402
+from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
+from mmseg_gf.engine.zoo import (REALTIME_FAMILIES,  # noqa: E402
+                                 family_config, make_offline)
+from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
+
+pytestmark = pytest.mark.zoo
+
+#: Input side, raised to a family's minimum (``ZooFamily.min_crop``).
+SIZE = 64
+BATCH = 2
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    """One intra-op thread: tiny models, a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def family_cfg(name: str, size: int):
+    """The family's zoo config, offline, at ``size`` x ``size``."""
+    cfg = make_offline(family_config(name))
+    model = cfg.model
+    model.data_preprocessor['size'] = (size, size)
+    cfg.crop_size = (size, size)
+    model.test_cfg = dict(mode='whole')
+    if name == 'lraspp_mv3':  # speed at 392x392; the same layer types
+        model.backbone['reduction_factor'] = 4
+    return cfg
+
+
+def has_class_weights(obj) -> bool:
+    """Does any loss of a (nested) config have class weights?"""
+    if isinstance(obj, dict):
+        return obj.get('class_weight') is not None or any(
+            has_class_weights(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(has_class_weights(v) for v in obj)
+    return False
+
+
+def plain_model(cfg):
+    """The family's plain segmentor: seeded init, perturbed, BN running
+    statistics random."""
+    torch.manual_seed(0)
+    model = build_segmentor(cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        for m in model.modules():
+            if isinstance(m, _BatchNorm) and m.running_mean is not None:
+                m.running_mean.copy_(
+                    0.1 * torch.randn(m.num_features, generator=gen))
+                m.running_var.copy_(
+                    torch.rand(m.num_features, generator=gen) + 0.5)
+    return model
+
+
+def filtered_model(cfg, plain, mode: str, lean: bool):
+    """The config with ``gradient_filter`` built as training builds it,
+    holding the plain model's weights and statistics."""
+    cfg = cfg.copy()
+    cfg.gradient_filter = dict(num_layers=5, radius=4, mode=mode, lean=lean)
+    model = build_segmentor(cfg)
+    model.load_state_dict(plain.state_dict())
+    return model
+
+
+def one_step(model, inputs, samples):
+    """Loss terms and the gradient of every parameter that gets one (in
+    training mode with frozen norms in eval mode, as GradFilterHook runs
+    a step)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # dropout, SegNeXt's NMF: the same draws
+    model.train()
+    set_frozen_norms_eval(model)
+    losses = model.loss(inputs, samples)
+    terms = {k: v.sum() for k, v in losses.items() if 'loss' in k}
+    sum(terms.values()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    return {k: v.detach() for k, v in terms.items()}, grads
+
+
+def check_terms(got, want, where):
+    """Every lean term equals the reference's; a term the lean step leaves
+    out may only be an auxiliary head's (a frozen head's loss trains
+    nothing; the gradients check that)."""
+    missing = [k for k in want if k not in got]
+    assert set(got) <= set(want), f'{where}: terms {set(got) - set(want)}'
+    assert all(k.startswith('aux') for k in missing), (
+        f'{where}: lean step lacks {missing}')
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], rtol=1e-5, atol=0,
+                                   msg=lambda m: f'{where} {key}: {m}')
+
+
+@pytest.mark.parametrize('name', list(REALTIME_FAMILIES))
+def test_lean_step_equals_plain_step(name):
+    size = max(SIZE, REALTIME_FAMILIES[name].min_crop)
+    cfg = family_cfg(name, size)
+    plain = plain_model(cfg)
+    inputs, samples = random_batch(plain, (size, size), BATCH,
+                                   label_block=4)
+    if not has_class_weights(cfg.model):
+        for sample in samples:
+            sample.gt_sem_seg.data[:, :4] = 255
+    for mode in ('vanilla', 'gf'):
+        reference = filtered_model(cfg, plain, mode, lean=False)
+        lean = filtered_model(cfg, plain, mode, lean=True)
+        where = f'{name} {mode}'
+        trainable = {n for n, p in lean.named_parameters() if p.requires_grad}
+        assert trainable == {n for n, p in reference.named_parameters()
+                             if p.requires_grad}, where
+        assert sum(lean_counts(lean).values()) > 0, where
+        assert not lean_counts(reference), where
+        want_terms, want = one_step(reference, inputs, samples)
+        got_terms, got = one_step(lean, inputs, samples)
+        check_terms(got_terms, want_terms, where)
+        assert set(got) == set(want), (
+            f'{where}: gradient only with lean {sorted(set(got) - set(want))}'
+            f', only without {sorted(set(want) - set(got))}')
+        assert want and set(want) <= trainable, where
+        for key, g in want.items():
+            torch.testing.assert_close(
+                got[key], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()),
+                msg=lambda m: f'{where} {key}: {m}')
+
+
+def test_registry_names_each_configs_own_crop():
+    for name, family in REALTIME_FAMILIES.items():
+        assert tuple(family_config(name).crop_size) == family.crop, name

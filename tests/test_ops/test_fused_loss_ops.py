@@ -1,0 +1,108 @@
+"""The loss-gradient functions of :mod:`mmseg_gf.ops.fused_loss` against
+autograd on plain convolutions and losses: outputs with different incoming
+gradients, accumulation into ``.grad``, strided / padded / dilated /
+grouped convolutions whose input does not fit their stride."""
+import pytest
+import torch
+
+from mmseg_gf.ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
+                                     LogitGradients,
+                                     PrecomputedGradientLossFunction,
+                                     loss_gradients)
+
+
+def _losses(*logits):
+    """Two scalar losses and a non-differentiable metric of the logits."""
+    z = logits[0]
+    out = {'loss_a': (z.sin() * z).mean(), 'metric': z.detach().max()}
+    out['loss_b'] = sum((t ** 2).sum() * 0.01 for t in logits)
+    return out
+
+
+def _generic(z):
+    values, grads = loss_gradients(_losses, [z])
+    mix = {k: [(i, 1.0)] for i, k in enumerate(grads)}
+    return LogitGradients(values, [g[0] for g in grads.values()], mix)
+
+
+CONVS = [
+    # (C, K, kernel, stride, padding, dilation, groups, input size)
+    (6, 4, 1, 1, 0, 1, 1, (7, 5)),
+    (6, 4, 3, 2, 1, 1, 1, (8, 7)),
+    (6, 4, 3, 1, 2, 2, 2, (6, 6)),
+    (4, 4, 3, 2, 0, 1, 4, (9, 8)),
+]
+
+
+@pytest.mark.parametrize('conv', CONVS)
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('layout', ['nchw', 'channels_last'])
+def test_fused_classifier_equals_autograd(conv, bias, layout):
+    c, k, kernel, stride, padding, dilation, groups, size = conv
+    fmt = torch.channels_last if layout == 'channels_last' else \
+        torch.contiguous_format
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn((2, c) + size, generator=gen).contiguous(
+        memory_format=fmt)
+    layer = torch.nn.Conv2d(c, k, kernel, stride, padding, dilation, groups,
+                            bias=bias).to(memory_format=fmt)
+    spec = ConvSpec.of(layer)
+    scales = {'loss_a': 3.0, 'loss_b': 0.25}
+    results = []
+    for fused in (False, True):
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone(memory_format=fmt).requires_grad_(True)
+        for step in range(2):  # accumulation into .grad
+            if fused:
+                keys = []
+                with torch.no_grad():
+                    z = layer(x)
+                values = FusedClassifierLossFunction.apply(
+                    x, layer.weight, layer.bias, z, spec, _generic, keys)
+                out = dict(zip(keys, values))
+            else:
+                out = _losses(layer(x))
+            sum(out[k] * s * (step + 1) for k, s in scales.items()).backward()
+        results.append((out, x.grad, [p.grad for p in layer.parameters()]))
+    (want, want_x, want_p), (got, got_x, got_p) = results
+    assert got_x.is_contiguous(memory_format=fmt)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0)
+    assert not got['metric'].requires_grad
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-7)
+    for g, w in zip(got_p, want_p):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_precomputed_gradients_of_a_tuple_equal_autograd():
+    gen = torch.Generator().manual_seed(1)
+    logits0 = [torch.randn(2, 3, 4, 5, generator=gen),
+               torch.randn(2, 1, 4, 5, generator=gen)]
+    results = []
+    for precomputed in (False, True):
+        logits = [t.clone().requires_grad_(True) for t in logits0]
+        for scale in (1.0, 1024.0):
+            if precomputed:
+                keys = []
+                values = PrecomputedGradientLossFunction.apply(
+                    _losses, keys, [], *logits)
+                out = dict(zip(keys, values))
+            else:
+                out = _losses(*logits)
+            (out['loss_a'] * scale + out['loss_b'] * 2.0).backward()
+        results.append((out, [t.grad for t in logits]))
+    (want, want_g), (got, got_g) = results
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0)
+    for g, w in zip(got_g, want_g):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_gradients_refuses_what_it_cannot_keep():
+    z = torch.randn(2, 3)
+    weight = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match='only scalar'):
+        loss_gradients(lambda t: {'loss': t * 2}, [z])
+    with pytest.raises(ValueError, match='trainable parameters'):
+        loss_gradients(lambda t: {'loss': (t * weight).sum()}, [z],
+                       [weight])
