@@ -77,7 +77,8 @@ def fusion_blocker(head: nn.Module) -> Optional[str]:
     """Why ``head``'s classifier cannot be fused with its loss (logged
     once), or None when it can: the head must classify with mmseg's
     ``cls_seg`` (dropout, then ``conv_seg``) and have a plain
-    ``nn.Conv2d`` as ``conv_seg``. (Whether its forward returns the
+    ``nn.Conv2d`` as ``conv_seg`` (or its lean class, which runs the plain
+    convolution while trained). (Whether its forward returns the
     classifier's output, alone or in a tuple, is seen in the forward:
     :meth:`ClassifierCapture.mismatch`.)"""
     reason = getattr(head, '_fused_classifier_off', None)
@@ -87,8 +88,8 @@ def fusion_blocker(head: nn.Module) -> Optional[str]:
         return reason
     if plain.cls_seg is not base.cls_seg:
         reason = 'its class overrides cls_seg'
-    elif type(getattr(head, 'conv_seg', None)) is not nn.Conv2d or \
-            head.conv_seg.padding_mode != 'zeros':
+    elif _plain_class(getattr(head, 'conv_seg', None)) is not nn.Conv2d \
+            or head.conv_seg.padding_mode != 'zeros':
         reason = 'conv_seg is not a zero-padded torch.nn.Conv2d'
     if reason is not None:
         log_fallback_once(head, reason)
