@@ -86,6 +86,8 @@ class SavedItem:
             when it counts one that exists in the forward (an exact conv's
             input, the logits): the tracer's measurement leaves it out.
         kind: what an ``'unmodelled'`` item measured (the module's class).
+        estimate: the rule only estimates it (a head's own loss): a trace
+            that measures replaces it by the measurement.
     """
 
     path: str
@@ -95,6 +97,7 @@ class SavedItem:
     rule: str = 'linear'
     storage: Optional[int] = None
     kind: str = ''
+    estimate: bool = False
 
     def nbytes(self, batch: int) -> int:
         if self.rule == 'bits':
@@ -269,11 +272,14 @@ def _lean_loss_items(head_path: str, head: nn.Module, conv: nn.Module,
     """What a lean head's loss keeps for the classifier output ``out``:
     one logits-sized tensor per :func:`loss_gradient_copies`; fused with the
     classifier, only where ``x`` needs a gradient, plus ``g_W`` and ``g_b``
-    per copy (the classifier then keeps nothing itself)."""
+    per copy (the classifier then keeps nothing itself). For a head with
+    its own ``loss_by_feat`` the items are estimates (``estimate``: the
+    step tracer measures that loss instead)."""
     copies = loss_gradient_copies(head) or 1
     eb = out.element_size()
     if not classifier_fused_now(head):
-        return [SavedItem(head_path, 'logits', copies * out[0].numel(), eb)]
+        items = [SavedItem(head_path, 'logits', copies * out[0].numel(), eb)]
+        return _mark_estimates(items, head)
     items = []
     if x.requires_grad:
         items.append(SavedItem(head_path, 'logits',
@@ -282,6 +288,14 @@ def _lean_loss_items(head_path: str, head: nn.Module, conv: nn.Module,
         if param is not None and param.requires_grad:
             items.append(SavedItem(head_path, 'classifier',
                                    copies * param.numel(), eb, 'const'))
+    return _mark_estimates(items, head)
+
+
+def _mark_estimates(items: List[SavedItem],
+                    head: nn.Module) -> List[SavedItem]:
+    if loss_gradient_copies(head) is None:
+        for item in items:
+            item.estimate = True
     return items
 
 

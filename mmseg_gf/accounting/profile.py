@@ -350,7 +350,7 @@ class _Recorder:
         self.unmodelled.note_call(call.seq, call.path, items, modelled)
         self.profile.entries.extend(
             _Entry(item, upstream, call.trained, call.path, call.seq)
-            for item in items)
+            for item in items if not item.estimate)
         if self.is_classifier(call.path) and call.trained:
             self.profile.classifiers.append(
                 (ConvGeometry.of(call.module, x.shape[1:], out.shape[1:]),

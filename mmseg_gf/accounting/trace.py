@@ -304,9 +304,9 @@ class UnmodelledBytes:
     (the rule counts what that call keeps), when its storage is one a rule
     counts itself (an exact conv's input: ``storage`` of a
     :class:`~.kept.SavedItem`), or when a head's loss saved it and a rule
-    counts that loss (an item of the head's path made at its classifier's
-    call). Each storage counts once; one that holds
-    a Parameter or buffer of the model (a Linear saves a view of its
+    counts that loss exactly (an item of the head's path made at its
+    classifier's call, not an estimate). Each storage counts once; one that
+    holds a Parameter or buffer of the model (a Linear saves a view of its
     weight) counts the same at any batch.
 
     Attributes:
@@ -337,7 +337,8 @@ class UnmodelledBytes:
             self.modelled_calls.add(seq)
         self.counted_storages.update(i.storage for i in items
                                      if i.storage is not None)
-        self.counted_losses.update(i.path for i in items if i.path != path)
+        self.counted_losses.update(i.path for i in items
+                                   if i.path != path and not i.estimate)
 
     def covered(self, pack: SavedPack) -> bool:
         if pack.leaf and pack.seq in self.modelled_calls:
@@ -394,7 +395,7 @@ def trace_step_saved_bytes(model: nn.Module,
         items, modelled = kept_by_call(model, call.path, call.module, call.x,
                                        call.output, shared)
         unmodelled.note_call(call.seq, call.path, items, modelled)
-        result.items.extend(items)
+        result.items.extend(i for i in items if not i.estimate)
 
     was_training = model.training
     tracer = StepTracer(model, on_call, on_pack=unmodelled.on_pack)
