@@ -19,7 +19,8 @@ rule covered into measured items, each storage counted once.
 """
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import (Any, Callable, Dict, List, Optional, Sequence, Set,
+                    Tuple)
 
 import torch
 from torch import nn
@@ -363,15 +364,47 @@ class UnmodelledBytes:
     def is_constant(self, pack: SavedPack) -> bool:
         return pack.ptr in self.constant_storages
 
-    def items(self) -> List[SavedItem]:
-        """Measured items per owner (bytes at batch 1; constant apart)."""
+    def by_owner(self) -> Dict[tuple, int]:
+        """``(owner, kind) -> bytes`` of the uncovered storages."""
         per_owner: Dict[tuple, int] = {}
         for packs in self.by_storage():
-            first = packs[0]
-            key = (first.owner, first.kind, self.is_constant(first))
-            per_owner[key] = per_owner.get(key, 0) + first.nbytes
-        return [measured_item(path, kind, nbytes, constant)
-                for (path, kind, constant), nbytes in per_owner.items()]
+            key = (packs[0].owner, packs[0].kind)
+            per_owner[key] = per_owner.get(key, 0) + packs[0].nbytes
+        return per_owner
+
+
+def _traced_step(model: nn.Module, size: Sequence[int], batch: int
+                 ) -> Tuple[List[SavedItem], Dict[tuple, int]]:
+    """One traced step at ``batch``: the rules' items (per image) and the
+    measured bytes of what no rule covers, ``(path, kind) -> bytes``."""
+    items: List[SavedItem] = []
+    shared: Dict[int, str] = {}
+    unmodelled = UnmodelledBytes.of(model)
+
+    def on_call(call: ModuleCall) -> None:
+        if not call.recorded or not isinstance(call.output, torch.Tensor):
+            return
+        found, modelled = kept_by_call(model, call.path, call.module, call.x,
+                                       call.output, shared)
+        unmodelled.note_call(call.seq, call.path, found, modelled)
+        items.extend(i for i in found if not i.estimate)
+
+    tracer = StepTracer(model, on_call, on_pack=unmodelled.on_pack)
+    with tracer.hooked():
+        tracer.step(random_batch(model, size, batch))
+    return items, unmodelled.by_owner()
+
+
+def _per_batch(path: str, kind: str, one: int, two: int) -> List[SavedItem]:
+    """Measured bytes at batch 1 and 2 as a per-image and a constant part
+    (bytes that do not grow with the batch: a loss's class weights, 0-dim
+    scalars); linear in the batch from batch 1 where the two do not fit
+    that (a loss keeping a data-dependent number of pixels)."""
+    per_image, constant = two - one, 2 * one - two
+    if per_image < 0 or constant < 0:
+        return [measured_item(path, kind, one)]
+    return [measured_item(path, kind, n, const) for n, const in
+            ((per_image, False), (constant, True)) if n]
 
 
 def trace_step_saved_bytes(model: nn.Module,
@@ -379,32 +412,21 @@ def trace_step_saved_bytes(model: nn.Module,
     """What one training step of ``model`` keeps for backward.
 
     One step at batch 1 is traced and each recorded call's rule
-    (:func:`~.kept.kept_by_call`) gives its bytes per image; what no rule
-    covers is measured in the same step (:class:`UnmodelledBytes`) and
-    scaled linearly with the batch. The model's training flag is restored
-    afterwards.
+    (:func:`~.kept.kept_by_call`) gives its bytes per image. What no rule
+    covers is measured (:class:`UnmodelledBytes`) in that step and in one
+    at batch 2, which splits it into a per-image and a constant part
+    (:func:`_per_batch`). The model's training flag is restored afterwards.
     """
     size = tuple(int(v) for v in input_size)
     result = StepSavedBytes(input_size=size)
-    shared: Dict[int, str] = {}
-    unmodelled = UnmodelledBytes.of(model)
-
-    def on_call(call: ModuleCall) -> None:
-        if not call.recorded or not isinstance(call.output, torch.Tensor):
-            return
-        items, modelled = kept_by_call(model, call.path, call.module, call.x,
-                                       call.output, shared)
-        unmodelled.note_call(call.seq, call.path, items, modelled)
-        result.items.extend(i for i in items if not i.estimate)
-
     was_training = model.training
-    tracer = StepTracer(model, on_call, on_pack=unmodelled.on_pack)
     try:
-        with tracer.hooked():
-            tracer.step(random_batch(model, size, 1))
+        result.items, one = _traced_step(model, size, 1)
+        two = _traced_step(model, size, 2)[1] if one else {}
     finally:
         model.train(was_training)
-    measured = unmodelled.items()
-    result.items.extend(measured)
-    result.unmodelled.extend(i.path for i in measured)
+    for (path, kind), nbytes in one.items():
+        measured = _per_batch(path, kind, nbytes, two.get((path, kind), 0))
+        result.items.extend(measured)
+        result.unmodelled.append(path)
     return result
