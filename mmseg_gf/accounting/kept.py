@@ -42,10 +42,9 @@ Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
 measures it, storage by storage, and attributes it to the innermost module
 running when autograd packed it: a leaf no rule covers (a trained norm,
 GELU, Sigmoid, ...), or functional code inside a module (an SE gate's
-``x * gate``, attention's matmuls). :func:`measured_item` turns those
-bytes, measured at batch 1, into ``'unmodelled'`` items that scale linearly
-with the batch; they are reported per kind as "unmodelled: X MiB
-measured", never as zero. Concatenations, additions and bilinear resizes
+``x * gate``, attention's matmuls, a head's own loss). :func:`measured_item`
+turns those bytes into ``'unmodelled'`` items, per image or constant; they
+are reported per kind as "unmodelled: X MiB measured", never as zero. Concatenations, additions and bilinear resizes
 keep nothing. ``tests/test_accounting`` checks the rules against autograd's
 saved tensors.
 """
@@ -161,19 +160,16 @@ def unmodelled_by_kind(items: Sequence[SavedItem],
 
 
 def describe_unmodelled(by_kind: Dict[str, int], batch: int) -> str:
-    """``unmodelled: GELU 1.50 MiB measured, ...`` (measured at batch 1,
-    scaled linearly to ``batch``)."""
+    """``unmodelled: GELU 1.50 MiB measured, ...`` (at ``batch``)."""
     parts = ', '.join(f'{kind} {fmt_mib(v)} MiB measured'
                       for kind, v in by_kind.items())
-    scaled = '' if batch == 1 else (f' (at batch 1, x{batch})')
-    return f'unmodelled: {parts}{scaled}'
+    return f'unmodelled: {parts}'
 
 
 def measured_item(path: str, kind: str, nbytes: int,
                   constant: bool = False) -> SavedItem:
-    """An ``'unmodelled'`` item: ``nbytes`` measured at batch 1, linear in
-    the batch (``constant``: the same at any batch, e.g. a view of a
-    Parameter saved by a Linear)."""
+    """An ``'unmodelled'`` item: ``nbytes`` measured per image (``constant``:
+    in all, at any batch, e.g. a view of a Parameter saved by a product)."""
     return SavedItem(path, 'unmodelled', int(nbytes), 1,
                      'const' if constant else 'linear', kind=kind)
 

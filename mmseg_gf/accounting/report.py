@@ -76,7 +76,7 @@ def chosen_layers_table(model: nn.Module,
 def step_kept_table(step: StepSavedBytes, batch: int = 1) -> str:
     """What the whole step keeps for backward, by category, then each kind
     no rule covers with its measured bytes (``unmodelled: GELU``, ...;
-    measured at batch 1, scaled linearly to ``batch``), never as zero."""
+    at ``batch``), never as zero."""
     rows = [(name, _log_mib(v), 'rule')
             for name, v in step.by_category(batch).items()
             if v and name != 'unmodelled']

@@ -34,7 +34,8 @@ from .measured import mark
 __all__ = ['ModuleCall', 'SavedPack', 'StepTracer', 'UnmodelledBytes',
            'trace_step_saved_bytes', 'LOSS_OWNER']
 
-#: What packs made outside every module's forward are attributed to.
+#: What packs made outside every module's forward (and outside a head's
+#: ``loss_by_feat``) are attributed to.
 LOSS_OWNER = '(loss)'
 #: Appended to a head's kind for what its ``loss_by_feat`` saves.
 LOSS_PART = ' (loss)'
