@@ -44,9 +44,10 @@ running when autograd packed it: a leaf no rule covers (a trained norm,
 GELU, Sigmoid, ...), or functional code inside a module (an SE gate's
 ``x * gate``, attention's matmuls, a head's own loss). :func:`measured_item`
 turns those bytes into ``'unmodelled'`` items, per image or constant; they
-are reported per kind as "unmodelled: X MiB measured", never as zero. Concatenations, additions and bilinear resizes
-keep nothing. ``tests/test_accounting`` checks the rules against autograd's
-saved tensors.
+are reported per kind as "unmodelled: X MiB measured", never as zero.
+Concatenations, additions and bilinear resizes keep nothing.
+``tests/test_accounting`` checks the rules against autograd's saved
+tensors.
 """
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
