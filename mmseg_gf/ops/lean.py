@@ -12,22 +12,20 @@ layers around them save by default:
   tensor on CPU;
 * adaptive average pooling (PSPNet's pyramid) needs only its input's shape,
   autograd keeps the input;
-* the loss upsamples the logits to the label size and keeps that (and the
-  log-softmax) for backward: more than all trained convs together;
 * a frozen conv whose input needs a gradient needs only its weight for
   ``g_x``, autograd keeps its input as well (a frozen linear layer: the
   weight only, which autograd already does in float32; under autocast it
   keeps a cast copy of the weight).
 
 Each function here computes exactly what the plain operation computes in the
-forward (the same call, bit for bit) and keeps the small thing instead; the
-loss recomputes its upsampled logits in the backward from the low-resolution
-ones. Gradients equal the plain path's (bitwise for the activations, dropout
-and loss; to rounding for the norm, whose scale is one product instead of
-two). No mmseg import: the mmseg modules are wired in by
+forward (the same call, bit for bit) and keeps the small thing instead.
+Gradients equal the plain path's (bitwise for the activations and dropout;
+to rounding for the norm, whose scale is one product instead of two). The
+loss, which upsamples the logits to the label size, has its gradient taken
+in the forward instead (:mod:`.fused_loss`). No mmseg import: the mmseg modules are wired in by
 :mod:`mmseg_gf.models.lean`.
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -38,7 +36,7 @@ from . import bit_mask
 __all__ = [
     'FrozenAffineNormFunction', 'MaskedActivationFunction',
     'MaskedDropoutFunction', 'ShapeOnlyAdaptiveAvgPoolFunction',
-    'RecomputedLossFunction', 'recomputed_losses', 'FrozenConvFunction',
+    'FrozenConvFunction',
     'FrozenLinearFunction'
 ]
 
@@ -146,72 +144,6 @@ class ShapeOnlyAdaptiveAvgPoolFunction(Function):
         return torch.ops.aten._adaptive_avg_pool2d_backward(grad, like), None
 
 
-def _autocast_state(device_type: str):
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
-
-
-class RecomputedLossFunction(Function):
-    """Losses of low-resolution logits, recomputed in the backward.
-
-    ``compute(logits)`` returns a dict of tensors (mmseg's ``loss_by_feat``:
-    upsample to the label size, then each loss). The forward keeps only
-    ``logits`` and the random state; the backward runs ``compute`` again with
-    autograd (and the forward's autocast setting) and differentiates the
-    ``loss*`` entries. Entries without ``loss`` in their name (accuracy) are
-    returned as non-differentiable. ``keys`` receives the dict's keys in
-    output order.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor,
-                compute: Callable[[Tensor], Dict[str, Tensor]],
-                keys: List[str]):
-        device = logits.device
-        ctx.compute = compute
-        ctx.autocast = _autocast_state(device.type)
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = (torch.cuda.get_rng_state(device)
-                        if device.type == 'cuda' else None)
-        ctx.save_for_backward(logits)
-        out = compute(logits)
-        keys.extend(out)
-        ctx.keys = list(out)
-        values = tuple(out[k] for k in ctx.keys)
-        ctx.mark_non_differentiable(
-            *[v for k, v in zip(ctx.keys, values) if 'loss' not in k])
-        return values
-
-    @staticmethod
-    def backward(ctx, *grads):
-        logits, = ctx.saved_tensors
-        device = logits.device
-        devices = [device] if device.type == 'cuda' else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, device)
-            leaf = logits.detach().requires_grad_(True)
-            with torch.autocast(device.type, dtype=ctx.autocast,
-                                enabled=ctx.autocast is not None):
-                out = ctx.compute(leaf)
-        pairs = [(out[k], g) for k, g in zip(ctx.keys, grads)
-                 if 'loss' in k and g is not None and out[k].requires_grad]
-        if not pairs:
-            return torch.zeros_like(logits), None, None
-        grad, = torch.autograd.grad([o for o, _ in pairs], leaf,
-                                    [g for _, g in pairs])
-        return grad, None, None
-
-
-def recomputed_losses(compute: Callable[[Tensor], Dict[str, Tensor]],
-                      logits: Tensor) -> Dict[str, Tensor]:
-    """``compute(logits)``, keeping only ``logits`` for the backward (see
-    :class:`RecomputedLossFunction`)."""
-    keys: List[str] = []
-    values = RecomputedLossFunction.apply(logits, compute, keys)
-    return dict(zip(keys, values))
 
 
 def _frozen_weight(ctx, weight: Tensor) -> None:

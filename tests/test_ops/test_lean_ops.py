@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -15,7 +14,6 @@ from torch import nn
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, make_lean, make_plain
 from mmseg_gf.ops import bit_mask
-from mmseg_gf.ops.lean import recomputed_losses
 
 ACTIVATIONS = {
     'relu': lambda inplace: nn.ReLU(inplace=inplace),
@@ -227,63 +225,3 @@ def test_random_chain_equals_plain(act, inplace, stride, kernel, radius,
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-
-
-def _resize_ce(logits, labels, weight=None, ignore_index=255):
-    up = F.interpolate(logits, size=labels.shape[-2:], mode='bilinear',
-                       align_corners=False)
-    return {
-        'loss_ce': F.cross_entropy(up, labels, weight=weight,
-                                   ignore_index=ignore_index),
-        'acc_seg': (up.argmax(1) == labels).float().mean() * 100,
-    }
-
-
-@pytest.mark.parametrize('with_weight', [False, True])
-def test_recomputed_loss_equals_plain_and_keeps_logits(with_weight):
-    gen = torch.Generator().manual_seed(3)
-    logits0 = torch.randn(2, 5, 6, 7, generator=gen)
-    labels = torch.randint(0, 5, (2, 24, 28), generator=gen)
-    labels[:, :3] = 255
-    weight = torch.rand(5, generator=gen) + 0.5 if with_weight else None
-    results = []
-    for lean in (False, True):
-        logits = logits0.clone().requires_grad_(True)
-        feat = logits * 2.0
-
-        def compute(t):
-            return _resize_ce(t, labels, weight)
-
-        out = recomputed_losses(compute, feat) if lean else compute(feat)
-        out['loss_ce'].backward()
-        assert not out['acc_seg'].requires_grad
-        results.append((out['loss_ce'].detach(), out['acc_seg'],
-                        logits.grad))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-    feat = logits0.clone().requires_grad_(True) * 2.0
-    kept = saved_tensor_bytes(
-        lambda: recomputed_losses(lambda t: _resize_ce(t, labels), feat))
-    assert kept == feat.numel() * 4
-
-
-def test_recomputed_loss_replays_random_state_and_autocast():
-    logits0 = torch.randn(2, 3, 4, 4)
-    labels = torch.randint(0, 3, (2, 8, 8))
-
-    def noisy(t):
-        up = F.interpolate(t, size=(8, 8), mode='bilinear')
-        up = F.dropout(up, 0.5, True)
-        return {'loss': F.cross_entropy(up, labels)}
-
-    grads = []
-    for lean in (False, True):
-        logits = logits0.clone().requires_grad_(True)
-        torch.manual_seed(11)
-        with torch.autocast('cpu', dtype=torch.bfloat16):
-            feat = logits * 1.0
-            out = recomputed_losses(noisy, feat) if lean else noisy(feat)
-        torch.rand(3)  # the random state moves on before backward
-        out['loss'].backward()
-        grads.append(logits.grad)
-    assert torch.equal(grads[0], grads[1])
