@@ -36,7 +36,7 @@ BUDGET_KEYS = LIMIT_KEYS + ('radii', 'batch')
 DEFAULT_RADII = (2, 4, 8)
 #: A setting fits a ``peak_mib`` limit when its predicted peak is at most
 #: this fraction of it: predictions are within 10% of the measured peak
-#: (tests/test_engine/test_budget.py), so the measured peak stays within the
+#: (tests/test_accounting/test_budget.py), so the measured peak stays within the
 #: limit.
 PEAK_HEADROOM = 0.9
 
