@@ -28,7 +28,7 @@ from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
-from tests.test_engine.test_budget import _measured_peak  # noqa: E402
+from tests.test_accounting.test_budget import _measured_peak  # noqa: E402
 
 SIZE = (32, 32)
 BATCH = 2
