@@ -119,9 +119,10 @@ def profiled_peak_bytes(step: Callable[[], object],
     CUDA: ``torch.cuda.max_memory_allocated``.
     CPU: the running sum of the allocations and frees torch's profiler
     records (``profile_memory=True``) in time order, allocations at the start
-    of the op making them and frees at its end, i.e. the peak of live tensor
-    bytes at operator granularity (a temporary allocated and freed inside
-    one op is not seen). Unlike ``ru_maxrss`` it is exact to the tensor,
+    of the op making them and frees at its end (those between operators, in
+    a custom Function's forward or an autograd node's backward, at their
+    own time), i.e. the peak of live tensor bytes at operator granularity
+    (a temporary allocated and freed inside one op is not seen). Unlike ``ru_maxrss`` it is exact to the tensor,
     unaffected by the allocator's caching and earlier peaks of the process,
     so variants can be compared in one process. The native kernels' output
     recycling is off during the step, so that every output is counted.
