@@ -7,12 +7,15 @@ bytes from :func:`live_bytes_by_interval`. Saved bytes are counted per
 storage everywhere (a view of a kept tensor costs nothing more).
 """
 
+import bisect
 import gc
-from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
+import re
+from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
+                    Tuple)
 
 import torch
 from torch import nn
-from torch.autograd import profiler
+from torch.autograd import DeviceType, profiler
 
 from ..ops import native
 
@@ -116,9 +119,10 @@ def profiled_peak_bytes(step: Callable[[], object],
     CUDA: ``torch.cuda.max_memory_allocated``.
     CPU: the running sum of the allocations and frees torch's profiler
     records (``profile_memory=True``) in time order, allocations at the start
-    of the op making them and frees at its end, i.e. the peak of live tensor
-    bytes at operator granularity (a temporary allocated and freed inside
-    one op is not seen). Unlike ``ru_maxrss`` it is exact to the tensor,
+    of the op making them and frees at its end (those between operators, in
+    a custom Function's forward or an autograd node's backward, at their
+    own time), i.e. the peak of live tensor bytes at operator granularity
+    (a temporary allocated and freed inside one op is not seen). Unlike ``ru_maxrss`` it is exact to the tensor,
     unaffected by the allocator's caching and earlier peaks of the process,
     so variants can be compared in one process. The native kernels' output
     recycling is off during the step, so that every output is counted.
@@ -139,15 +143,66 @@ def mark() -> None:
         pass
 
 
+_OPERATOR_NAME = re.compile(r'^\w+::[\w.]+$')
+
+
+def _operator_spans(events) -> Tuple[List[float], List[float]]:
+    """Start and end times (us) of the outermost operator calls
+    (``aten::softmax``, not an autograd node's or a custom Function's
+    range, which run Python between their operators), sorted."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if _OPERATOR_NAME.match(e.name))
+    starts: List[float] = []
+    ends: List[float] = []
+    for start, end in spans:
+        if ends and start < ends[-1]:
+            continue  # inside the previous outermost call
+        starts.append(start)
+        ends.append(end)
+    return starts, ends
+
+
+def _memory_changes(prof) -> List[Tuple[float, int]]:
+    """``(time us, bytes)`` of the CPU allocations (+) and frees (-): an
+    operator call's own (``self_cpu_memory_usage``, the net of what it
+    allocates and frees outside the operators it calls) at its start if
+    positive, at its end if negative; anything else at its own time.
+
+    Not every event's ``self_cpu_memory_usage``: a range with children
+    that is no operator (a custom Function's forward, an autograd node's
+    backward) has what it frees between its operators summed into one
+    change at its end, e.g. every tensor of a loss computed and
+    differentiated inside a forward, as if all lived until it returned.
+    """
+    starts, ends = _operator_spans(prof.function_events)
+    changes = []
+    for event in prof.function_events:
+        delta = event.self_cpu_memory_usage
+        if delta and _OPERATOR_NAME.match(event.name):
+            changes.append((event.time_range.start if delta > 0 else
+                            event.time_range.end, delta))
+    result = prof.kineto_results
+    for record in result.events():
+        if record.name() != '[memory]' or \
+                record.device_type() != DeviceType.CPU:
+            continue
+        time = (record.start_ns() - result.trace_start_ns()) / 1000
+        i = bisect.bisect_right(starts, time) - 1
+        if i < 0 or time > ends[i]:  # outside every operator call
+            changes.append((time, record.nbytes()))
+    return changes
+
+
 def live_bytes_by_interval(run: Callable[[], object],
                            marker: Optional[str] = MARKER,
                            collect: bool = True) -> list:
     """Peak live tensor bytes of ``run()`` between consecutive markers.
 
     The CPU profiler's allocation and free events are summed in time order
-    (allocations at the start of the op making them, frees at its end, as in
-    :func:`profiled_peak_bytes`), starting from 0 at the call; ``run`` calls
-    :func:`mark` to cut the time line into intervals.
+    (allocations at the start of the operator making them, frees at its
+    end, as in :func:`profiled_peak_bytes`; those outside any operator at
+    their own time: :func:`_memory_changes`), starting from 0 at the call;
+    ``run`` calls :func:`mark` to cut the time line into intervals.
 
     Args:
         collect: run the garbage collector first (~0.1-0.2 s with mmseg
@@ -176,17 +231,9 @@ def live_bytes_by_interval(run: Callable[[], object],
     finally:
         if was_enabled:
             gc.enable()
-    changes = []
-    cuts = []
-    for event in prof.function_events:
-        if marker is not None and event.name == marker:
-            cuts.append(event.time_range.start)
-            continue
-        delta = event.self_cpu_memory_usage
-        if delta > 0:
-            changes.append((event.time_range.start, delta))
-        elif delta < 0:
-            changes.append((event.time_range.end, delta))
+    changes = _memory_changes(prof)
+    cuts = [e.time_range.start for e in prof.function_events
+            if marker is not None and e.name == marker]
     changes.sort(key=lambda c: (c[0], -c[1]))
     cuts.sort()
     peaks = [0] * (len(cuts) + 1)

@@ -166,8 +166,11 @@ def _logit_gradients(compute: Callable[..., Dict[str, Tensor]],
                      logits: Tensor, others: Sequence[Tensor],
                      params: Sequence[Tensor]) -> LogitGradients:
     """``compute(logits, *others)`` differentiated in the forward, one
-    basis per loss output that depends on ``logits``."""
-    values, grads = loss_gradients(compute, [logits, *others], params)
+    basis per loss output that depends on ``logits`` (the others' gradients
+    only where they require one)."""
+    values, grads = loss_gradients(
+        compute, [logits, *others], params,
+        [True] + [t.requires_grad for t in others])
     result = LogitGradients(values)
     for key, (grad, *rest) in grads.items():
         if grad is not None:

@@ -1,18 +1,20 @@
-"""mmseg's cross-entropy decode loss, one image at a time.
+"""mmseg's cross-entropy decode loss (softmax or sigmoid), one image at a
+time.
 
 ``BaseDecodeHead.loss_by_feat`` upsamples the whole batch's logits to the
 label size and takes the loss of that: at 512x512, batch 8 and 21 classes,
 176 MB of upsampled logits plus as much again of log-softmax, alive in the
 forward and, recomputed, in the backward. For the common case (every
-``loss_decode`` is mmseg's ``CrossEntropyLoss`` without sigmoid, mask or
-class weights, reduction ``'mean'`` or ``'sum'``, and no pixel sampler) the
-loss is a sum of per-pixel terms over a normaliser that depends on the labels
-only, so :class:`ChunkedCrossEntropyFunction` computes it image by image,
+``loss_decode`` is mmseg's ``CrossEntropyLoss`` without mask or class
+weights, reduction ``'mean'`` or ``'sum'``, all with softmax or all with
+sigmoid (a binary cross-entropy on one-hot labels, over more than one
+channel), and no pixel sampler) the loss is a sum of per-pixel terms over a
+normaliser that depends on the labels only, so :class:`ChunkedCrossEntropyFunction` computes it image by image,
 forward and backward, keeping the low-resolution logits alone: one image's
 upsampled logits are alive at a time.
 
-The numbers are mmseg's: the same per-pixel cross-entropy, the same
-normaliser (``avg_non_ignore``, ``loss_weight``, ``+ eps``) and the same
+The numbers are mmseg's: the same per-pixel cross-entropy (mmseg's own
+``binary_cross_entropy`` for sigmoid, summed), the same normaliser (``avg_non_ignore``, ``loss_weight``, ``+ eps``) and the same
 accuracy; only the sum over pixels is taken per image and then added, which
 rounds differently from one sum (relative differences ~1e-7).
 :func:`chunked_cross_entropy_gradients` computes the same loss with its
@@ -33,13 +35,17 @@ __all__ = ['chunkable_losses', 'chunked_cross_entropy_losses',
 
 _EPS = torch.finfo(torch.float32).eps
 
-# (loss name, loss weight, reduction, average over non-ignored pixels only)
-LossSpec = Tuple[str, float, str, bool]
+# (loss name, loss weight, reduction, average over non-ignored pixels only,
+# sigmoid)
+LossSpec = Tuple[str, float, str, bool, bool]
 
 
 def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
     """The head's losses as :data:`LossSpec` if the chunked path computes
-    them exactly as mmseg does, else None."""
+    them exactly as mmseg does, else None: all with softmax or all with
+    sigmoid (one summed loss), sigmoid not on a single channel (mmseg's
+    binary case refuses an image without labels, which a batch may
+    hold)."""
     from mmseg.models.losses import CrossEntropyLoss
     if getattr(head, 'sampler', None) is not None:
         return None
@@ -47,12 +53,16 @@ def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
     losses = list(losses) if isinstance(losses, nn.ModuleList) else [losses]
     specs = []
     for loss in losses:
-        if (type(loss) is not CrossEntropyLoss or loss.use_sigmoid
-                or loss.use_mask or loss.class_weight is not None
-                or loss.reduction not in ('mean', 'sum')):
+        if (type(loss) is not CrossEntropyLoss or loss.use_mask
+                or loss.class_weight is not None
+                or loss.reduction not in ('mean', 'sum')
+                or (loss.use_sigmoid and head.out_channels == 1)):
             return None
         specs.append((loss.loss_name, float(loss.loss_weight),
-                      loss.reduction, bool(loss.avg_non_ignore)))
+                      loss.reduction, bool(loss.avg_non_ignore),
+                      bool(loss.use_sigmoid)))
+    if len({spec[4] for spec in specs}) != 1:
+        return None
     return specs
 
 
@@ -68,12 +78,21 @@ def _autocast_dtype(device_type: str):
 
 
 def _image_cross_entropy(logits: Tensor, target: Tensor, align_corners: bool,
-                         ignore_index: int) -> Tuple[Tensor, Tensor]:
+                         ignore_index: int,
+                         sigmoid: bool) -> Tuple[Tensor, Tensor]:
     """Summed per-pixel cross-entropy of one image's logits upsampled to
-    its label (``target``, 1 x H x W), and the upsampled logits."""
+    its label (``target``, 1 x H x W), and the upsampled logits; with
+    ``sigmoid``, mmseg's binary cross-entropy on one-hot labels (ignored
+    pixels weighted 0), summed."""
     up = _upsample(logits, target.shape[-2:], align_corners)
-    part = F.cross_entropy(up, target, reduction='none',
-                           ignore_index=ignore_index).sum()
+    if sigmoid:
+        from mmseg.models.losses.cross_entropy_loss import \
+            binary_cross_entropy
+        part = binary_cross_entropy(up, target, reduction='sum',
+                                    ignore_index=ignore_index)
+    else:
+        part = F.cross_entropy(up, target, reduction='none',
+                               ignore_index=ignore_index).sum()
     return part, up
 
 
@@ -85,17 +104,19 @@ def _image_hits(up: Tensor, target: Tensor, ignore_index: int) -> Tensor:
 
 
 def _spec_values(total: Tensor, correct: Tensor, label: Tensor,
-                 ignore_index: int, specs: Sequence[LossSpec]
+                 ignore_index: int, specs: Sequence[LossSpec], classes: int
                  ) -> Tuple[Dict[str, Tensor], List[float]]:
     """Each loss name's value from the summed cross-entropy ``total`` (mmseg's
-    normalisers), ``acc_seg`` from the summed hits, and the factor of
-    ``total`` in each spec's loss."""
+    normalisers: a sigmoid loss has ``classes`` terms per pixel),
+    ``acc_seg`` from the summed hits, and the factor of ``total`` in each
+    spec's loss."""
     valid = int((label != ignore_index).sum())
     coefficients = []
     values: Dict[str, Tensor] = {}
-    for name, weight, reduction, non_ignore in specs:
+    for name, weight, reduction, non_ignore, sigmoid in specs:
         if reduction == 'mean':
-            factor = (valid if non_ignore else label.numel()) + _EPS
+            pixels = valid if non_ignore else label.numel()
+            factor = pixels * (classes if sigmoid else 1) + _EPS
             value = weight * (total / factor)
             coefficients.append(weight / factor)
         else:
@@ -136,13 +157,16 @@ class ChunkedCrossEntropyFunction(Function):
         for i in range(logits.shape[0]):
             target = label[i:i + 1]
             part, up = _image_cross_entropy(logits[i:i + 1], target,
-                                            align_corners, ignore_index)
+                                            align_corners, ignore_index,
+                                            specs[0][4])
             hit = _image_hits(up, target, ignore_index)
             total = part if total is None else total + part
             correct = hit if correct is None else correct + hit
             del up
         values, coefficients = _spec_values(total, correct, label,
-                                            ignore_index, specs)
+                                            ignore_index, specs,
+                                            logits.shape[1])
+        ctx.sigmoid = specs[0][4]
         ctx.coefficients = _by_name(specs, coefficients)
         ctx.mark_non_differentiable(values['acc_seg'])
         ctx.names = list(values)[:-1]
@@ -163,7 +187,7 @@ class ChunkedCrossEntropyFunction(Function):
                     enabled=ctx.autocast is not None):
                 part, _ = _image_cross_entropy(leaf, ctx.label[i:i + 1],
                                                ctx.align_corners,
-                                               ctx.ignore_index)
+                                               ctx.ignore_index, ctx.sigmoid)
                 grad[i:i + 1], = torch.autograd.grad(part * scale, leaf)
         return grad, None, None, None, None
 
@@ -184,7 +208,7 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
         leaf = logits[i:i + 1].detach().requires_grad_(True)
         with forward_graph():
             part, up = _image_cross_entropy(leaf, target, align_corners,
-                                            ignore_index)
+                                            ignore_index, specs[0][4])
             basis[i:i + 1], = torch.autograd.grad(part, leaf)
         hit = _image_hits(up.detach(), target, ignore_index)
         part = part.detach()
@@ -192,7 +216,7 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
         correct = hit if correct is None else correct + hit
         del up
     values, coefficients = _spec_values(total, correct, label, ignore_index,
-                                        specs)
+                                        specs, logits.shape[1])
     mix = {name: [(0, c)] for name, c in _by_name(specs,
                                                   coefficients).items()}
     return LogitGradients(values, [basis], mix)

@@ -62,6 +62,14 @@ class LogitGradients:
         default_factory=dict)
 
 
+def _pack_detached(tensor: Tensor) -> Tensor:
+    # Not the tensor itself: a saved output would then hold its own
+    # autograd node (tensor -> grad_fn -> packed tensor), a cycle through
+    # C++ that neither reference counting nor the garbage collector frees.
+    # Autograd re-attaches the node when it unpacks a saved output.
+    return tensor.detach()
+
+
 def _identity(tensor: Tensor) -> Tensor:
     return tensor
 
@@ -73,10 +81,14 @@ def forward_graph():
     Its saved tensors are freed before the forward returns, so they are
     not kept for the step's backward: identity saved-tensor hooks keep
     them away from any hooks around the step (an offloading hook, or a
-    measurement of what the step keeps).
+    measurement of what the step keeps). The hooks save a detached alias
+    (same storage, same version counter), so that a graph part no
+    gradient call traverses (OHEM's softmax, a loss output differentiated
+    with ``retain_graph``) is freed by reference counting as soon as its
+    outputs are, as it is without hooks.
     """
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-            _identity, _identity):
+            _pack_detached, _identity):
         yield
 
 
@@ -92,40 +104,56 @@ def _differentiable_losses(out: Dict[str, Tensor]) -> List[str]:
 
 def loss_gradients(compute: Callable[..., Dict[str, Tensor]],
                    logits: Sequence[Tensor],
-                   params: Sequence[Tensor] = ()
+                   params: Sequence[Tensor] = (),
+                   needs: Optional[Sequence[bool]] = None
                    ) -> Tuple[Dict[str, Tensor],
                               Dict[str, Tuple[Optional[Tensor], ...]]]:
     """Run ``compute(*leaves)`` with autograd on detached copies of
     ``logits`` and differentiate each scalar ``loss*`` output.
 
+    Only the logits in ``needs`` are leaves that require a gradient, so a
+    loss term of logits nothing trains (a frozen auxiliary branch's)
+    builds no graph, as on the plain path. Each output is differentiated
+    on its own (its gradient stays separately scalable) and dropped right
+    after, so the graph part only it uses is freed before the next one's
+    gradient is taken.
+
     Args:
         params: trainable tensors the loss must not depend on (the
             gradient kept is w.r.t. the logits only).
+        needs: which logits need a gradient (default: all).
 
     Returns:
         ``(values, grads)``: every output detached, and for each
         differentiable loss output its gradient w.r.t. each logits tensor
-        (None where it does not depend on it).
+        (None where it does not depend on it or it is not needed).
 
     Raises:
         ValueError: a differentiable loss output is not a scalar, or it
             depends on one of ``params``.
     """
-    leaves = [t.detach().requires_grad_(True) for t in logits]
+    needs = [True] * len(logits) if needs is None else list(needs)
+    leaves = [t.detach().requires_grad_(bool(n))
+              for t, n in zip(logits, needs)]
+    wanted = [t for t in leaves if t.requires_grad]
     params = list(params)
     with forward_graph():
-        out = compute(*leaves)
-        keys = _differentiable_losses(out)
+        pending = compute(*leaves)
+        values = {k: v.detach() for k, v in pending.items()}
+        pending = {k: pending[k] for k in _differentiable_losses(pending)}
         grads = {}
-        for i, key in enumerate(keys):
-            found = torch.autograd.grad(out[key], leaves + params,
+        while pending:
+            key = next(iter(pending))
+            found = torch.autograd.grad(pending.pop(key), wanted + params,
                                         allow_unused=True,
-                                        retain_graph=i < len(keys) - 1)
-            if any(g is not None for g in found[len(leaves):]):
+                                        retain_graph=bool(pending))
+            if any(g is not None for g in found[len(wanted):]):
                 raise ValueError(f'loss output {key!r} depends on trainable '
                                  'parameters besides the logits')
-            grads[key] = found[:len(leaves)]
-    return {k: v.detach() for k, v in out.items()}, grads
+            per_wanted = iter(found[:len(wanted)])
+            grads[key] = tuple(next(per_wanted) if t.requires_grad else None
+                               for t in leaves)
+    return values, grads
 
 
 def _scaled_sum(terms: Sequence[Tuple[Tensor, Tensor]],
@@ -187,7 +215,8 @@ class PrecomputedGradientLossFunction(Function):
     @staticmethod
     def forward(ctx, compute: Callable[..., Dict[str, Tensor]],
                 keys: List[str], params: Sequence[Tensor], *logits: Tensor):
-        values, grads = loss_gradients(compute, logits, params)
+        values, grads = loss_gradients(compute, logits, params,
+                                       ctx.needs_input_grad[3:])
         keys.extend(values)
         ctx.keys = list(values)
         ctx.layout, kept = _flatten(grads, ctx.keys)

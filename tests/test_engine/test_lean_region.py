@@ -128,6 +128,11 @@ LOSS_CASES = {
         dict(type='CrossEntropyLoss', loss_name='loss_a', reduction='sum'),
         dict(type='CrossEntropyLoss', loss_name='loss_b')
     ],
+    'sigmoid_two_ways': [  # binary cross-entropy on one-hot labels
+        dict(type='CrossEntropyLoss', use_sigmoid=True, loss_name='loss_a'),
+        dict(type='CrossEntropyLoss', use_sigmoid=True, loss_name='loss_b',
+             loss_weight=0.4, avg_non_ignore=True)
+    ],
     # not chunked: the whole batch, recomputed in the backward
     'class_weight': [
         dict(type='CrossEntropyLoss', class_weight=[0.5, 1.0, 2.0])

@@ -37,6 +37,13 @@ FCN_CASES = {
         dict(type='CrossEntropyLoss', loss_weight=1.0),
         dict(type='CrossEntropyLoss', loss_weight=0.5, avg_non_ignore=True)
     ]),
+    'sigmoid': dict(loss_decode=dict(type='CrossEntropyLoss',
+                                     use_sigmoid=True)),
+    'sigmoid_non_ignore_sum': dict(loss_decode=[
+        dict(type='CrossEntropyLoss', use_sigmoid=True, loss_weight=0.4,
+             avg_non_ignore=True),
+        dict(type='CrossEntropyLoss', use_sigmoid=True, reduction='sum',
+             loss_name='loss_sum')]),
     'avg_non_ignore': dict(loss_decode=dict(
         type='CrossEntropyLoss', loss_weight=0.4, avg_non_ignore=True)),
     'class_weight': dict(loss_decode=dict(
