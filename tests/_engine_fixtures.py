@@ -155,6 +155,13 @@ EXPECTED = {
 }
 
 
+#: The six protocol models at the size and batch the accounting tests use.
+SIX_MODELS = ('pspnet_r18', 'deeplabv3_r18', 'fcn_r18', 'upernet_r18',
+              'pspnet_mv2', 'deeplabv3_mv2')
+SMALL_SIZE = (64, 64)
+SMALL_BATCH = 2
+
+
 def model_cfg(name: str) -> dict:
     """An ``EncoderDecoder`` config for one of :data:`HEADS`."""
     parts = copy.deepcopy(HEADS[name])

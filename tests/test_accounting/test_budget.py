@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import build_model  # noqa: E402
+from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
+                                    SMALL_SIZE, build_model)
 
 from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa: E402
 from mmseg_gf.accounting.budget import (DEFAULT_RADII,  # noqa: E402
@@ -25,10 +26,7 @@ from mmseg_gf.engine import (apply_gradient_filter, get_state,  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.engine.config import check_settings  # noqa: E402
 
-MODELS = ('pspnet_r18', 'deeplabv3_r18', 'fcn_r18', 'upernet_r18',
-          'pspnet_mv2', 'deeplabv3_mv2')
-SIZE = (64, 64)
-BATCH = 2
+MODELS, SIZE, BATCH = SIX_MODELS, SMALL_SIZE, SMALL_BATCH
 
 
 @pytest.mark.parametrize('budget, match', [

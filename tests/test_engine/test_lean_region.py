@@ -9,7 +9,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import build_model  # noqa: E402
+from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
+                                    SMALL_SIZE, build_model)
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
@@ -21,10 +22,7 @@ from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
 from mmseg_gf.models.lean_head import (  # noqa: E402
     disable_classifier_fusion)
 
-MODELS = ('pspnet_r18', 'deeplabv3_r18', 'fcn_r18', 'upernet_r18',
-          'pspnet_mv2', 'deeplabv3_mv2')
-SIZE = (64, 64)
-BATCH = 2
+MODELS, SIZE, BATCH = SIX_MODELS, SMALL_SIZE, SMALL_BATCH
 
 
 def _calibrated(name):
