@@ -31,7 +31,7 @@ $(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
 	$(BIN)/python -c "import mmcv.ops, mmseg.utils, mmseg_gf; print('stack ok')"
 	touch $@
 
-# Rebuild the CPU kernels (mmseg_gf/_patch_ops*.so) when their source
+# Rebuild the CPU kernels (mmseg_gf/_*.so) when their source
 # changed since the venv was made; a no-op otherwise.
 native: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
@@ -46,4 +46,4 @@ bench: venv
 	$(BIN)/python tools/benchmark_layers.py
 
 clean:
-	rm -rf $(VENV) work_dirs/demo data/demo build mmseg_gf/_patch_ops*.so
+	rm -rf $(VENV) work_dirs/demo data/demo build mmseg_gf/_*.so

@@ -3,7 +3,9 @@
 If torch is importable at install time (``pip install --no-build-isolation``,
 as the Makefile does), the optional CPU kernels ``mmseg_gf._patch_ops``
 (patch sums, spreading, the fused backward) and ``mmseg_gf._bit_mask``
-(activation bit masks of the lean trained region) are compiled too;
+(activation bit masks of the lean trained region) and
+``mmseg_gf._resized_loss`` (the cross-entropy of upsampled logits without
+the upsampled logits) are compiled too;
 ``MMSEG_GF_BUILD_NATIVE=0`` skips them. Without them the pure-PyTorch path
 runs (same results, slower on CPU).
 """
@@ -37,6 +39,12 @@ def native_extension():
             **flags),
         CppExtension('mmseg_gf._bit_mask',
                      ['mmseg_gf/ops/csrc/bit_mask.cpp'], **flags),
+        # -fno-trapping-math: the softmax's clamped exp vectorises.
+        CppExtension('mmseg_gf._resized_loss',
+                     ['mmseg_gf/ops/csrc/resized_loss.cpp'],
+                     extra_compile_args=['-O3', '-fopenmp',
+                                         '-fno-trapping-math'],
+                     extra_link_args=['-fopenmp']),
     ]
     return exts, {'build_ext': BuildExtension.with_options(use_ninja=True)}
 

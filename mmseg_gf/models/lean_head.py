@@ -9,8 +9,9 @@ or once in a tuple of logits), the capture is released and
 :func:`fused_classifier_losses` computes the loss with
 ``FusedClassifierLossFunction``: the loss's gradient w.r.t. the logits,
 ``g_W`` and ``g_b`` taken in the forward, the classifier's input not kept.
-Otherwise :func:`lean_head_losses`: mmseg's cross-entropy image by image
-(:mod:`.lean_loss`, keeps the logits) or the head's own
+Otherwise :func:`lean_head_losses`: mmseg's cross-entropy with its
+gradient taken in the forward (:mod:`.lean_loss`, keeps that gradient,
+the logits' size) or the head's own
 ``loss_by_feat`` once, with its gradient kept
 (``PrecomputedGradientLossFunction``). Why a head is not fused is logged
 once (mmengine's current logger). :func:`loss_gradient_copies` and
@@ -241,7 +242,7 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
 def lean_head_losses(head: nn.Module, seg_logits,
                      batch_data_samples) -> Dict[str, Tensor]:
     """``head.loss_by_feat`` without fusing the classifier: mmseg's
-    cross-entropy image by image (keeps the logits) where
+    cross-entropy with its gradient taken in the forward where
     :func:`chunkable_losses` allows, otherwise the head's own
     ``loss_by_feat`` once, with its gradient w.r.t. every logits tensor
     taken in the forward and kept.
@@ -272,13 +273,15 @@ def lean_head_losses(head: nn.Module, seg_logits,
 
 def loss_gradient_copies(head: nn.Module) -> Optional[int]:
     """How many logits-sized tensors ``head``'s lean loss keeps per
-    classifier output: 1 for the chunked cross-entropy, one gradient per
-    loss name for mmseg's ``loss_by_feat`` otherwise; None when the head
+    classifier output: one per class weighting for the chunked
+    cross-entropy, one gradient per loss name for mmseg's ``loss_by_feat``
+    otherwise; None when the head
     has its own ``loss_by_feat`` (it depends on that code)."""
     if not _has_base_loss(head):
         return None
-    if chunkable_losses(head) is not None:
-        return 1
+    specs = chunkable_losses(head)
+    if specs is not None:
+        return len({spec[5] for spec in specs})
     losses = head.loss_decode
     losses = list(losses) if isinstance(losses, nn.ModuleList) else [losses]
     return len({loss.loss_name for loss in losses})
@@ -286,8 +289,8 @@ def loss_gradient_copies(head: nn.Module) -> Optional[int]:
 
 def disable_classifier_fusion(head: nn.Module, reason: str) -> None:
     """Keep ``head``'s classifier out of its loss from now on (its lean loss
-    then keeps the classifier's input and the logits, as mmseg's
-    cross-entropy image by image or the loss's gradient): for comparing the
+    then keeps the classifier's input and the loss's gradient w.r.t. the
+    logits): for comparing the
     two, or for a head whose forward reads its classifier's output in a way
     the fusion does not see. ``reason`` is logged once."""
     head._fused_classifier_off = reason

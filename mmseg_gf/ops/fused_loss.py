@@ -33,7 +33,8 @@ from torch import Tensor
 from torch.autograd import Function
 
 __all__ = ['LogitGradients', 'forward_graph', 'loss_gradients', 'ConvSpec',
-           'PrecomputedGradientLossFunction', 'FusedClassifierLossFunction',
+           'PrecomputedGradientLossFunction', 'KeptGradientLossFunction',
+           'FusedClassifierLossFunction',
            'weight_and_bias_gradients', 'input_gradient']
 
 
@@ -228,6 +229,35 @@ class PrecomputedGradientLossFunction(Function):
     def backward(ctx, *grad_outputs):
         return (None, None, None) + _recombine(
             ctx.layout, ctx.saved_tensors, grad_outputs, ctx.num_logits)
+
+
+class KeptGradientLossFunction(Function):
+    """Loss outputs of one logits tensor whose gradients a function computes
+    in the forward (without autograd, e.g. a compiled kernel).
+
+    Inputs: ``gradients`` (detached logits -> :class:`LogitGradients`),
+    ``keys`` (receives the output keys), the logits. Keeps the gradient
+    bases, nothing else; the backward scales them by the incoming
+    gradients. Outputs outside ``mix`` are non-differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, gradients: Callable[[Tensor], LogitGradients],
+                keys: List[str], logits: Tensor):
+        result = gradients(logits.detach())
+        keys.extend(result.values)
+        ctx.keys, ctx.mix = list(result.values), result.mix
+        ctx.save_for_backward(*result.bases)
+        return _outputs(ctx, result.values, result.mix)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        bases = ctx.saved_tensors
+        scales = _basis_scales(ctx.keys, ctx.mix, grad_outputs)
+        if not scales:
+            return None, None, None
+        return None, None, _scaled_sum(
+            [(s, bases[b]) for b, s in scales.items()], bases[0])
 
 
 @dataclass(frozen=True)

@@ -121,16 +121,29 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
                            'run here: it needs mmseg_gf._resized_loss built '
                            'and float32 CPU logits without autocast')
     if use_kernel:
-        loss, hits, grad, pixel_loss, target_prob = _kernel.resized_cross_entropy(
-            logits.contiguous(), label.contiguous(),
-            None if weight is None else weight.float().contiguous(),
-            int(ignore_index), bool(align_corners), bool(want_grad),
-            bool(want_pixels))
-        return ResizedCrossEntropy(loss, hits, grad if want_grad else None,
-                                   pixel_loss if want_pixels else None,
-                                   target_prob if want_pixels else None)
+        return _compiled(logits, label, ignore_index, align_corners, weight,
+                         want_grad, want_pixels)
     return _reference(logits, label, ignore_index, align_corners, weight,
                       want_grad, want_pixels)
+
+
+def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
+              align_corners: bool, weight: Optional[Tensor], want_grad: bool,
+              want_pixels: bool) -> ResizedCrossEntropy:
+    try:
+        loss, hits, grad, pixel_loss, target_prob = \
+            _kernel.resized_cross_entropy(
+                logits.contiguous(), label.contiguous(),
+                None if weight is None else weight.float().contiguous(),
+                int(ignore_index), bool(align_corners), bool(want_grad),
+                bool(want_pixels))
+    except RuntimeError as error:
+        if 'labels must lie' in str(error):
+            raise ValueError(str(error).splitlines()[0]) from None
+        raise
+    return ResizedCrossEntropy(loss, hits, grad if want_grad else None,
+                               pixel_loss if want_pixels else None,
+                               target_prob if want_pixels else None)
 
 
 def _check_labels(target: Tensor, classes: int, ignore_index: int) -> None:

@@ -131,10 +131,17 @@ LOSS_CASES = {
         dict(type='CrossEntropyLoss', use_sigmoid=True, loss_name='loss_b',
              loss_weight=0.4, avg_non_ignore=True)
     ],
-    # not chunked: the whole batch, recomputed in the backward
     'class_weight': [
         dict(type='CrossEntropyLoss', class_weight=[0.5, 1.0, 2.0])
     ],
+    'class_weights_two': [  # two gradient bases, one per class weighting
+        dict(type='CrossEntropyLoss', class_weight=[0.5, 1.0, 2.0],
+             avg_non_ignore=True, loss_name='loss_a'),
+        dict(type='CrossEntropyLoss', loss_weight=0.3, loss_name='loss_a'),
+        dict(type='CrossEntropyLoss', class_weight=[0.5, 1.0, 2.0],
+             reduction='sum', loss_name='loss_b'),
+    ],
+    # not chunked: the head's loss_by_feat on the whole batch
     'dice': [dict(type='DiceLoss', loss_weight=0.7)],
 }
 
@@ -152,10 +159,10 @@ def test_lean_loss_equals_mmseg_loss_by_feat(case):
     lean = copy.deepcopy(head)
     assert make_lean(lean) == 'loss'
     chunked = chunkable_losses(lean) is not None
-    assert chunked == (case not in ('class_weight', 'dice'))
+    assert chunked == (case != 'dice')
     model = build_model('fcn_r18')
     _, samples = random_batch(model, (20, 24), 3, label_block=3)
-    if case != 'class_weight':  # mmseg's class weights fail on ignored px
+    if 'class_weight' not in case:  # mmseg's fail on ignored pixels
         samples[0].gt_sem_seg.data[:, :5] = 255
         samples[2].gt_sem_seg.data[:] = 255  # an image with no label
     logits0 = torch.randn(3, 3, 5, 6, generator=torch.Generator()
@@ -173,9 +180,10 @@ def test_lean_loss_equals_mmseg_loss_by_feat(case):
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5,
                                atol=1e-7 * float(want_grad.abs().max()))
     logits = logits0.clone().requires_grad_(True)
+    bases = 2 if case == 'class_weights_two' else 1
     assert saved_tensor_bytes(
         lambda: lean.loss_by_feat(logits * 1.0, samples)) == \
-        logits0.numel() * 4
+        bases * logits0.numel() * 4
 
 
 @pytest.mark.parametrize('name', ['fcn_r18', 'upernet_r18'])

@@ -1,0 +1,143 @@
+"""The cross-entropy of upsampled logits (mmseg_gf.ops.resized_loss) against
+PyTorch's own upsampling and cross-entropy on the whole batch in float64:
+both paths (the compiled kernel and the per-image PyTorch path), upsampling
+and downsampling, both ``align_corners``, per-pixel weights, ignored pixels
+and bad labels."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmseg_gf.ops import resized_loss
+from mmseg_gf.ops.resized_loss import resized_cross_entropy
+
+PATHS = [False] + ([True] if resized_loss._kernel is not None else [])
+
+# (N, C, h, w, H, W): 4x and odd upsampling, same size, downsampling, 1x1
+SHAPES = [(2, 5, 7, 9, 28, 36), (2, 19, 16, 12, 61, 47), (1, 3, 8, 8, 8, 8),
+          (1, 4, 10, 13, 5, 6), (2, 2, 1, 1, 4, 3), (1, 150, 6, 5, 24, 20)]
+
+
+def _expected(logits, label, weight, ignore_index, align_corners):
+    """float64 reference: F.interpolate + F.cross_entropy, batch at once."""
+    z = logits.double().requires_grad_(True)
+    up = F.interpolate(z, size=label.shape[-2:], mode='bilinear',
+                       align_corners=align_corners)
+    ce = F.cross_entropy(up, label, reduction='none',
+                         ignore_index=ignore_index)
+    valid = label != ignore_index
+    w = valid.double() if weight is None else weight.double() * valid
+    loss = (ce * w).flatten(1).sum(1)
+    loss.sum().backward()
+    up = up.detach()
+    hits = (up.argmax(1).eq(label) & valid).flatten(1).sum(1)
+    prob = up.softmax(1).gather(1, label.clamp(0, up.shape[1] - 1)[:, None])
+    return dict(loss=loss.detach(), grad=z.grad, hits=hits,
+                pixel_loss=ce.detach(),
+                target_prob=torch.where(valid, prob[:, 0], 0.0))
+
+
+def _case(shape, seed=0, ignored=True):
+    n, c, h, w, H, W = shape
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, c, h, w, generator=g) * 3
+    label = torch.randint(0, c, (n, H, W), generator=g)
+    if ignored:
+        label[0, :max(1, H // 4)] = 255
+    weight = torch.rand(n, H, W, generator=g) + 0.5
+    return logits, label, weight
+
+
+@pytest.mark.parametrize('kernel', PATHS)
+@pytest.mark.parametrize('align_corners', [False, True])
+@pytest.mark.parametrize('shape', SHAPES)
+def test_matches_pytorch_float64(kernel, align_corners, shape):
+    logits, label, weight = _case(shape)
+    got = resized_cross_entropy(logits, label, align_corners=align_corners,
+                                weight=weight, want_pixels=True,
+                                use_kernel=kernel)
+    want = _expected(logits, label, weight, 255, align_corners)
+    assert got.grad.dtype == torch.float32 and got.loss.dtype == torch.float64
+    torch.testing.assert_close(got.loss, want['loss'], rtol=1e-6, atol=0)
+    scale = float(want['grad'].abs().max())
+    torch.testing.assert_close(got.grad.double(), want['grad'], rtol=1e-5,
+                               atol=1e-6 * scale)
+    assert torch.equal(got.hits, want['hits'])
+    torch.testing.assert_close(got.pixel_loss.double(), want['pixel_loss'],
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.target_prob.double(), want['target_prob'],
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('kernel', PATHS)
+def test_unweighted_and_without_gradient(kernel):
+    logits, label, _ = _case((2, 6, 9, 7, 36, 28), seed=3)
+    want = _expected(logits, label, None, 255, False)
+    full = resized_cross_entropy(logits, label, use_kernel=kernel)
+    bare = resized_cross_entropy(logits, label, want_grad=False,
+                                 use_kernel=kernel)
+    assert bare.grad is None and bare.pixel_loss is None
+    torch.testing.assert_close(full.loss, want['loss'], rtol=1e-6, atol=0)
+    torch.testing.assert_close(bare.loss, full.loss, rtol=0, atol=0)
+    torch.testing.assert_close(full.grad.double(), want['grad'], rtol=1e-5,
+                               atol=1e-6 * float(want['grad'].abs().max()))
+
+
+@pytest.mark.parametrize('kernel', PATHS)
+def test_all_ignored_image_and_zero_weights(kernel):
+    logits, label, weight = _case((2, 4, 5, 5, 20, 20), seed=1)
+    label[1] = 255
+    weight[0, 10:] = 0.0
+    got = resized_cross_entropy(logits, label, weight=weight,
+                                want_pixels=True, use_kernel=kernel)
+    assert float(got.loss[1]) == 0.0 and int(got.hits[1]) == 0
+    assert not got.grad[1].any() and not got.pixel_loss[1].any()
+    want = _expected(logits, label, weight, 255, False)
+    torch.testing.assert_close(got.grad.double(), want['grad'], rtol=1e-5,
+                               atol=1e-6 * float(want['grad'].abs().max()))
+
+
+@pytest.mark.parametrize('kernel', PATHS)
+def test_other_ignore_index(kernel):
+    logits, label, _ = _case((1, 5, 6, 6, 12, 12), seed=4, ignored=False)
+    got = resized_cross_entropy(logits, label, ignore_index=2,
+                                use_kernel=kernel)
+    want = _expected(logits, label, None, 2, False)
+    torch.testing.assert_close(got.loss, want['loss'], rtol=1e-6, atol=0)
+    assert torch.equal(got.hits, want['hits'])
+
+
+@pytest.mark.parametrize('kernel', PATHS)
+def test_label_out_of_range_is_refused(kernel):
+    logits, label, _ = _case((1, 3, 4, 4, 8, 8))
+    label[0, 5, 5] = 3
+    with pytest.raises(ValueError, match=r'\[0, 3\)'):
+        resized_cross_entropy(logits, label, use_kernel=kernel)
+
+
+def test_bad_shapes_are_refused():
+    logits, label, weight = _case((2, 3, 4, 4, 8, 8))
+    with pytest.raises(ValueError, match='N x H x W'):
+        resized_cross_entropy(logits, label[:1])
+    with pytest.raises(ValueError, match='label\'s shape'):
+        resized_cross_entropy(logits, label, weight=weight[:, :4])
+
+
+@pytest.mark.skipif(resized_loss._kernel is None,
+                    reason='compiled kernel not built')
+def test_kernel_propagates_nan_and_falls_back_off_float32():
+    logits, label, _ = _case((1, 4, 4, 4, 8, 8), ignored=False)
+    logits[0, 2, 1, 1] = float('nan')
+    got = resized_cross_entropy(logits, label, use_kernel=True)
+    assert torch.isnan(got.loss).all()
+    assert not resized_loss.kernel_usable(logits.double())
+    with pytest.raises(RuntimeError, match='float32 CPU'):
+        resized_cross_entropy(logits.double(), label, use_kernel=True)
+
+
+@pytest.mark.skipif(resized_loss._kernel is None,
+                    reason='compiled kernel not built')
+def test_kernel_switched_off_by_environment(monkeypatch):
+    logits, label, _ = _case((1, 3, 4, 4, 8, 8))
+    assert resized_loss.kernel_usable(logits)
+    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    assert not resized_loss.kernel_usable(logits)
