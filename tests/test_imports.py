@@ -74,6 +74,7 @@ STANDALONE = {'mmseg_gf.datasets': ('mmseg_gf.protocol', 'mmseg_gf.demo')}
 COMPILED = {
     'mmseg_gf._patch_ops': 'mmseg_gf.ops',
     'mmseg_gf._bit_mask': 'mmseg_gf.ops',
+    'mmseg_gf._resized_loss': 'mmseg_gf.ops',
 }
 # ops, the bottom layer, must run without the OpenMMLab stack.
 OPS_EXTERNAL_FORBIDDEN = ('mmseg', 'mmcv', 'mmengine')

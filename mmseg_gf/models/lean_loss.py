@@ -11,13 +11,13 @@ with sigmoid (a binary cross-entropy on one-hot labels, over more than one
 channel, without class weights), and no pixel sampler) the loss is a sum of
 per-pixel terms over a normaliser that depends on the labels only. So
 :func:`chunked_cross_entropy_gradients` computes it, and its gradient
-w.r.t. the low-resolution logits, in the forward: softmax losses with
+w.r.t. the low-resolution logits, in the forward with
 :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy` (no upsampled
-logits at all with the compiled kernel), sigmoid ones image by image with
-mmseg's own ``binary_cross_entropy``. The step keeps that gradient (the
-logits' size) and nothing else of the loss.
+logits at all with the compiled kernel). The step keeps that gradient
+(the logits' size) and nothing else of the loss.
 
-The numbers are mmseg's: the same per-pixel cross-entropy and class
+The numbers are mmseg's: the same per-pixel cross-entropy (for sigmoid,
+mmseg's ``binary_cross_entropy`` on one-hot labels, summed) and class
 weights, the same normaliser (``avg_non_ignore``, ``loss_weight``, ``+
 eps``) and the same accuracy; only the sum over pixels is taken per image
 (in float64 on the softmax path) and then added, which rounds differently
@@ -26,11 +26,9 @@ from one sum (relative differences ~1e-7).
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.fused_loss import (KeptGradientLossFunction, LogitGradients,
-                              forward_graph)
+from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
 from ..ops.resized_loss import resized_cross_entropy
 
 __all__ = ['chunkable_losses', 'chunked_cross_entropy_losses',
@@ -74,52 +72,6 @@ def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
     return specs
 
 
-def _upsample(logits: Tensor, size, align_corners: bool) -> Tensor:
-    return F.interpolate(logits, size=size, mode='bilinear',
-                         align_corners=align_corners)
-
-
-def _image_binary_cross_entropy(logits: Tensor, target: Tensor,
-                                align_corners: bool, ignore_index: int
-                                ) -> Tuple[Tensor, Tensor]:
-    """mmseg's binary cross-entropy on one-hot labels (ignored pixels
-    weighted 0), summed, of one image's logits upsampled to its label
-    (``target``, 1 x H x W); and the upsampled logits."""
-    from mmseg.models.losses.cross_entropy_loss import binary_cross_entropy
-    up = _upsample(logits, target.shape[-2:], align_corners)
-    return binary_cross_entropy(up, target, reduction='sum',
-                                ignore_index=ignore_index), up
-
-
-def _image_hits(up: Tensor, target: Tensor, ignore_index: int) -> Tensor:
-    """Correctly classified labelled pixels of one image: mmseg's
-    ``accuracy`` (top-1, no threshold) before its division."""
-    hit = up.topk(1, dim=1)[1].squeeze(1).eq(target)
-    return hit[target != ignore_index].float().sum()
-
-
-def _sigmoid_totals(logits: Tensor, label: Tensor, align_corners: bool,
-                    ignore_index: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """The summed binary cross-entropy, its gradient and the hits, image by
-    image (one image's upsampled logits alive at a time)."""
-    grad = torch.empty_like(logits)
-    total = correct = None
-    for i in range(logits.shape[0]):
-        target = label[i:i + 1]
-        leaf = logits[i:i + 1].detach().requires_grad_(True)
-        with forward_graph():
-            part, up = _image_binary_cross_entropy(leaf, target,
-                                                   align_corners,
-                                                   ignore_index)
-            grad[i:i + 1], = torch.autograd.grad(part, leaf)
-        hit = _image_hits(up.detach(), target, ignore_index)
-        part = part.detach()
-        total = part if total is None else total + part
-        correct = hit if correct is None else correct + hit
-        del up
-    return total, grad, correct
-
-
 def _class_weight_map(logits: Tensor, label: Tensor, ignore_index: int,
                       weights: Tuple[float, ...]) -> Tensor:
     """``class_weight[label]`` per pixel, 0 where ignored."""
@@ -131,9 +83,10 @@ def _class_weight_map(logits: Tensor, label: Tensor, ignore_index: int,
     return torch.where(valid, table[torch.where(valid, label, 0)], 0.0)
 
 
-def _softmax_totals(logits: Tensor, label: Tensor, align_corners: bool,
-                    ignore_index: int, weights: Optional[Tuple[float, ...]]
-                    ) -> Tuple[Tensor, Tensor, Tensor, Optional[float]]:
+def _totals(logits: Tensor, label: Tensor, align_corners: bool,
+            ignore_index: int, sigmoid: bool,
+            weights: Optional[Tuple[float, ...]]
+            ) -> Tuple[Tensor, Tensor, Tensor, Optional[float]]:
     """The summed (class-weighted) cross-entropy, its gradient, the hits
     and the labelled pixels' summed class weight (None without class
     weights), by
@@ -141,7 +94,8 @@ def _softmax_totals(logits: Tensor, label: Tensor, align_corners: bool,
     weight = None if weights is None else _class_weight_map(
         logits, label, ignore_index, weights)
     out = resized_cross_entropy(logits, label, ignore_index=ignore_index,
-                                align_corners=align_corners, weight=weight)
+                                align_corners=align_corners, weight=weight,
+                                sigmoid=sigmoid)
     total = out.loss.sum().to(torch.promote_types(logits.dtype,
                                                   torch.float32))
     mass = None if weight is None else float(weight.sum())
@@ -190,13 +144,8 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
     for spec in specs:
         name, key = spec[0], spec[5]
         if key not in groups:
-            if spec[4]:
-                total, grad, hits = _sigmoid_totals(
-                    logits, label, align_corners, ignore_index)
-                mass = None
-            else:
-                total, grad, hits, mass = _softmax_totals(
-                    logits, label, align_corners, ignore_index, key)
+            total, grad, hits, mass = _totals(logits, label, align_corners,
+                                              ignore_index, spec[4], key)
             groups[key] = len(totals)
             totals.append((total, mass))
             result.bases.append(grad)

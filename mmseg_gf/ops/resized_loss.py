@@ -1,5 +1,6 @@
-"""Softmax cross-entropy of bilinearly upsampled logits, with its gradient
-w.r.t. the low-resolution logits, without the upsampled logits.
+"""Softmax cross-entropy of bilinearly upsampled logits (or per-class
+sigmoid cross-entropies on one-hot labels), with its gradient w.r.t. the
+low-resolution logits, without the upsampled logits.
 
 A segmentation head predicts at 1/4 or 1/8 of the label's size and its loss
 upsamples the logits to the label first (mmseg's ``loss_by_feat``:
@@ -17,6 +18,9 @@ with the upsampling's adjoint. With the compiled kernel
 tensor of classes exists; otherwise the PyTorch path below computes the
 same per image with ``F.interpolate`` and ``F.cross_entropy``.
 
+With ``sigmoid=True`` a pixel's loss is instead ``sum_c BCE(z_c, [c ==
+label])``, mmseg's ``binary_cross_entropy`` of multi-channel logits.
+
 Weights ``w_p`` are a per-pixel map (class weights of the label, an OHEM
 selection, ...); pixels labelled ``ignore_index`` weigh 0. The caller
 normalises (``mean`` over pixels, ``avg_non_ignore``, ``loss_weight``): the
@@ -31,6 +35,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .fused_loss import forward_graph
 
 try:
     from .. import _resized_loss as _kernel
@@ -52,7 +58,7 @@ class ResizedCrossEntropy:
         pixel_loss: ``N x H x W``, the unweighted ``ce_p`` (0 where
             ignored; None unless asked for).
         target_prob: ``N x H x W``, the softmax probability of each pixel's
-            label (0 where ignored; None unless asked for).
+            label (0 where ignored; None unless asked for, or sigmoid).
     """
 
     loss: Tensor
@@ -92,6 +98,7 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
                           weight: Optional[Tensor] = None,
                           want_grad: bool = True,
                           want_pixels: bool = False,
+                          sigmoid: bool = False,
                           use_kernel: Optional[bool] = None
                           ) -> ResizedCrossEntropy:
     """Cross-entropy of ``logits`` (N x C x h x w) bilinearly resized to
@@ -103,7 +110,10 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
         weight: per-pixel weights ``w_p`` (the label's shape; default 1);
             ignored pixels weigh 0 whatever their weight.
         want_grad: also return ``d sum_p w_p ce_p / d logits``.
-        want_pixels: also return the per-pixel loss and label probability.
+        want_pixels: also return the per-pixel loss and (softmax) label
+            probability.
+        sigmoid: per-class binary cross-entropies on one-hot labels,
+            summed per pixel, instead of the softmax cross-entropy.
         use_kernel: force the compiled kernel (True; raises if it cannot
             run) or the PyTorch path (False); default: the kernel where
             :func:`kernel_usable`.
@@ -122,28 +132,29 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
                            'and float32 CPU logits without autocast')
     if use_kernel:
         return _compiled(logits, label, ignore_index, align_corners, weight,
-                         want_grad, want_pixels)
+                         want_grad, want_pixels, sigmoid)
     return _reference(logits, label, ignore_index, align_corners, weight,
-                      want_grad, want_pixels)
+                      want_grad, want_pixels, sigmoid)
 
 
 def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
               align_corners: bool, weight: Optional[Tensor], want_grad: bool,
-              want_pixels: bool) -> ResizedCrossEntropy:
+              want_pixels: bool, sigmoid: bool) -> ResizedCrossEntropy:
     try:
         loss, hits, grad, pixel_loss, target_prob = \
             _kernel.resized_cross_entropy(
                 logits.contiguous(), label.contiguous(),
                 None if weight is None else weight.float().contiguous(),
                 int(ignore_index), bool(align_corners), bool(want_grad),
-                bool(want_pixels))
+                bool(want_pixels), bool(sigmoid))
     except RuntimeError as error:
         if 'labels must lie' in str(error):
             raise ValueError(str(error).splitlines()[0]) from None
         raise
-    return ResizedCrossEntropy(loss, hits, grad if want_grad else None,
-                               pixel_loss if want_pixels else None,
-                               target_prob if want_pixels else None)
+    return ResizedCrossEntropy(
+        loss, hits, grad if want_grad else None,
+        pixel_loss if want_pixels else None,
+        target_prob if want_pixels and not sigmoid else None)
 
 
 def _check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
@@ -154,9 +165,23 @@ def _check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
                          f'{int(valid.min())}..{int(valid.max())}')
 
 
+def _pixel_losses(up: Tensor, target: Tensor, ignore_index: int,
+                  sigmoid: bool) -> Tensor:
+    """Per-pixel loss of upsampled logits (1 x C x H x W), 0 where
+    ignored."""
+    if not sigmoid:
+        return F.cross_entropy(up, target, reduction='none',
+                               ignore_index=ignore_index)
+    valid = target != ignore_index
+    onehot = F.one_hot(torch.where(valid, target, 0), up.shape[1])
+    bce = F.binary_cross_entropy_with_logits(
+        up, onehot.permute(0, 3, 1, 2).to(up.dtype), reduction='none')
+    return torch.where(valid, bce.sum(1), 0.0)
+
+
 def _reference(logits: Tensor, label: Tensor, ignore_index: int,
                align_corners: bool, weight: Optional[Tensor], want_grad: bool,
-               want_pixels: bool) -> ResizedCrossEntropy:
+               want_pixels: bool, sigmoid: bool) -> ResizedCrossEntropy:
     """The PyTorch path: one image's upsampled logits at a time."""
     n, classes = logits.shape[:2]
     loss = torch.zeros(n, dtype=torch.float64)
@@ -165,7 +190,7 @@ def _reference(logits: Tensor, label: Tensor, ignore_index: int,
     pixel_loss = target_prob = None
     if want_pixels:
         pixel_loss = label.new_zeros(label.shape, dtype=logits.dtype)
-        target_prob = torch.zeros_like(pixel_loss)
+        target_prob = None if sigmoid else torch.zeros_like(pixel_loss)
     for i in range(n):
         target = label[i:i + 1]
         _check_labels(target, classes, ignore_index)
@@ -174,11 +199,12 @@ def _reference(logits: Tensor, label: Tensor, ignore_index: int,
         if weight is not None:
             w = w * weight[i:i + 1].to(logits.dtype)
         leaf = logits[i:i + 1].requires_grad_(want_grad)
-        with torch.enable_grad() if want_grad else torch.no_grad():
+        # forward_graph: the graph is differentiated and freed here, its
+        # saved tensors kept from hooks around the step (measurements).
+        with forward_graph() if want_grad else torch.no_grad():
             up = F.interpolate(leaf, size=target.shape[-2:], mode='bilinear',
                                align_corners=align_corners)
-            ce = F.cross_entropy(up, target, reduction='none',
-                                 ignore_index=ignore_index)
+            ce = _pixel_losses(up, target, ignore_index, sigmoid)
             total = (ce * w).sum()
             if want_grad:
                 grad[i:i + 1], = torch.autograd.grad(total, leaf)
@@ -187,6 +213,7 @@ def _reference(logits: Tensor, label: Tensor, ignore_index: int,
         hits[i] = (up.argmax(1).eq(target) & valid).sum()
         if want_pixels:
             pixel_loss[i] = ce.detach()[0]
+        if target_prob is not None:
             safe = target.clamp(0, classes - 1).unsqueeze(1)
             prob = up.softmax(1).gather(1, safe)[:, 0]
             target_prob[i] = torch.where(valid, prob, 0.0)[0]

@@ -1,8 +1,8 @@
 """The cross-entropy of upsampled logits (mmseg_gf.ops.resized_loss) against
-PyTorch's own upsampling and cross-entropy on the whole batch in float64:
-both paths (the compiled kernel and the per-image PyTorch path), upsampling
-and downsampling, both ``align_corners``, per-pixel weights, ignored pixels
-and bad labels."""
+PyTorch's own upsampling and (softmax or one-hot binary) cross-entropy on
+the whole batch in float64: both paths (the compiled kernel and the
+per-image PyTorch path), upsampling and downsampling, both
+``align_corners``, per-pixel weights, ignored pixels and bad labels."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,14 +17,22 @@ SHAPES = [(2, 5, 7, 9, 28, 36), (2, 19, 16, 12, 61, 47), (1, 3, 8, 8, 8, 8),
           (1, 4, 10, 13, 5, 6), (2, 2, 1, 1, 4, 3), (1, 150, 6, 5, 24, 20)]
 
 
-def _expected(logits, label, weight, ignore_index, align_corners):
-    """float64 reference: F.interpolate + F.cross_entropy, batch at once."""
+def _expected(logits, label, weight, ignore_index, align_corners,
+              sigmoid=False):
+    """float64 reference: F.interpolate, then F.cross_entropy or
+    F.binary_cross_entropy_with_logits on one-hot labels, batch at once."""
     z = logits.double().requires_grad_(True)
     up = F.interpolate(z, size=label.shape[-2:], mode='bilinear',
                        align_corners=align_corners)
-    ce = F.cross_entropy(up, label, reduction='none',
-                         ignore_index=ignore_index)
     valid = label != ignore_index
+    if sigmoid:
+        onehot = F.one_hot(torch.where(valid, label, 0), up.shape[1])
+        ce = F.binary_cross_entropy_with_logits(
+            up, onehot.permute(0, 3, 1, 2).double(), reduction='none')
+        ce = torch.where(valid, ce.sum(1), 0.0)
+    else:
+        ce = F.cross_entropy(up, label, reduction='none',
+                             ignore_index=ignore_index)
     w = valid.double() if weight is None else weight.double() * valid
     loss = (ce * w).flatten(1).sum(1)
     loss.sum().backward()
@@ -48,14 +56,15 @@ def _case(shape, seed=0, ignored=True):
 
 
 @pytest.mark.parametrize('kernel', PATHS)
+@pytest.mark.parametrize('sigmoid', [False, True])
 @pytest.mark.parametrize('align_corners', [False, True])
 @pytest.mark.parametrize('shape', SHAPES)
-def test_matches_pytorch_float64(kernel, align_corners, shape):
+def test_matches_pytorch_float64(kernel, sigmoid, align_corners, shape):
     logits, label, weight = _case(shape)
     got = resized_cross_entropy(logits, label, align_corners=align_corners,
                                 weight=weight, want_pixels=True,
-                                use_kernel=kernel)
-    want = _expected(logits, label, weight, 255, align_corners)
+                                sigmoid=sigmoid, use_kernel=kernel)
+    want = _expected(logits, label, weight, 255, align_corners, sigmoid)
     assert got.grad.dtype == torch.float32 and got.loss.dtype == torch.float64
     torch.testing.assert_close(got.loss, want['loss'], rtol=1e-6, atol=0)
     scale = float(want['grad'].abs().max())
@@ -64,6 +73,9 @@ def test_matches_pytorch_float64(kernel, align_corners, shape):
     assert torch.equal(got.hits, want['hits'])
     torch.testing.assert_close(got.pixel_loss.double(), want['pixel_loss'],
                                rtol=1e-5, atol=1e-6)
+    if sigmoid:
+        assert got.target_prob is None
+        return
     torch.testing.assert_close(got.target_prob.double(), want['target_prob'],
                                rtol=1e-5, atol=1e-7)
 
@@ -141,3 +153,17 @@ def test_kernel_switched_off_by_environment(monkeypatch):
     assert resized_loss.kernel_usable(logits)
     monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
     assert not resized_loss.kernel_usable(logits)
+
+
+@pytest.mark.parametrize('kernel', PATHS)
+@pytest.mark.parametrize('sigmoid', [False, True])
+def test_large_logits(kernel, sigmoid):
+    """Logits of +-100: the softmax's and the softplus' range reduction."""
+    logits, label, _ = _case((1, 7, 6, 5, 24, 20), seed=5)
+    logits = logits * 30
+    got = resized_cross_entropy(logits, label, sigmoid=sigmoid,
+                                use_kernel=kernel)
+    want = _expected(logits, label, None, 255, False, sigmoid)
+    torch.testing.assert_close(got.loss, want['loss'], rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.grad.double(), want['grad'], rtol=1e-5,
+                               atol=1e-6 * float(want['grad'].abs().max()))

@@ -1,4 +1,5 @@
-// Softmax cross-entropy of bilinearly upsampled logits, with its gradient
+// Softmax cross-entropy of bilinearly upsampled logits (or the sum of
+// per-class binary cross-entropies on one-hot labels), with its gradient
 // w.r.t. the low-resolution logits: the extension module
 // mmseg_gf._resized_loss, wrapped by mmseg_gf/ops/resized_loss.py.
 //
@@ -95,6 +96,39 @@ __attribute__((always_inline)) inline void exp_row(float* __restrict row,
   }
 }
 
+// log(u) for u in [1, 2] (u = 1 + exp(-|z|) of a softplus): Cephes'
+// polynomial after halving u above sqrt(2); branch free.
+__attribute__((always_inline)) inline float log_1_to_2(float u) {
+  const bool big = u > 1.41421356f;
+  const float k = big ? 1.f : 0.f;
+  const float x = (big ? u * 0.5f : u) - 1.f;
+  const float z = x * x;
+  float y = 7.0376836292e-2f;
+  y = y * x - 1.1514610310e-1f;
+  y = y * x + 1.1676998740e-1f;
+  y = y * x - 1.2420140846e-1f;
+  y = y * x + 1.4249322787e-1f;
+  y = y * x - 1.6668057665e-1f;
+  y = y * x + 2.0000714765e-1f;
+  y = y * x - 2.4999993993e-1f;
+  y = y * x + 3.3333331174e-1f;
+  y = y * x * z - 2.12194440e-4f * k - 0.5f * z;
+  return x + y + 0.693359375f * k;
+}
+
+// loss += softplus(row) (the binary cross-entropy of a negative label),
+// row <- sigmoid(row), over one W-long row.
+__attribute__((always_inline)) inline void softplus_row(
+    float* __restrict row, float* __restrict loss, int64_t W) {
+  for (int64_t X = 0; X < W; ++X) {
+    const float z = row[X];
+    const float e = exp_nonpositive(z < 0.f ? z : -z);
+    const float inv = 1.f / (1.f + e);
+    loss[X] += (z > 0.f ? z : 0.f) + log_1_to_2(1.f + e);
+    row[X] = z >= 0.f ? inv : e * inv;
+  }
+}
+
 // One image's problem: pointers into the batch and the settings.
 struct Image {
   const float* logits;   // C x h x w
@@ -102,8 +136,9 @@ struct Image {
   const float* weight;   // H x W, or null (weight 1)
   float* grad;           // C x h x w (zeros), or null
   float* pixel_loss;     // H x W, or null
-  float* target_prob;    // H x W, or null
+  float* target_prob;    // H x W, or null (softmax only)
   int64_t classes, h, w, H, W, ignore_index;
+  bool sigmoid;          // per-class binary cross-entropy, one-hot labels
 };
 
 struct ImageResult {
@@ -162,14 +197,15 @@ __attribute__((always_inline)) inline ImageResult image_loss_impl(
     const Image& im, const AxisWeights& ay, const AxisWeights& ax) {
   const int64_t C = im.classes, W = im.W;
   const size_t plane = static_cast<size_t>(C * W);
-  std::vector<float> store(plane * (im.grad ? 5 : 3) + 4 * W);
+  std::vector<float> store(plane * (im.grad ? 5 : 3) + 5 * W);
   float* rows = store.data();                 // the interpolated rows
   float* logit = rows + 2 * plane;            // one output row, C x W
   float* accs = logit + plane;                // gradient accumulators
-  float* top = store.data() + store.size() - 4 * W;
+  float* top = store.data() + store.size() - 5 * W;
   float* sum = top + W;
   float* label_logit = sum + W;
   float* wt = label_logit + W;
+  float* ce = wt + W;
   std::vector<int32_t> best(W), label(W);
   RowPair cached, acc;
   cached.buf[0] = rows;
@@ -216,15 +252,26 @@ __attribute__((always_inline)) inline ImageResult image_loss_impl(
         best[X] = above ? static_cast<int32_t>(c) : best[X];
       }
     }
-    std::fill(sum, sum + W, 0.f);
-    for (int64_t c = 0; c < C; ++c) exp_row(logit + c * W, top, sum, W);
+    // Per-pixel losses; `logit` becomes the softmax numerators (or the
+    // sigmoids), `sum` their sum (1 for sigmoid: no normalisation).
+    if (im.sigmoid) {
+      std::fill(ce, ce + W, 0.f);
+      for (int64_t c = 0; c < C; ++c) softplus_row(logit + c * W, ce, W);
+      for (int64_t X = 0; X < W; ++X) ce[X] -= label_logit[X];
+      std::fill(sum, sum + W, 1.f);
+    } else {
+      std::fill(sum, sum + W, 0.f);
+      for (int64_t c = 0; c < C; ++c) exp_row(logit + c * W, top, sum, W);
+      for (int64_t X = 0; X < W; ++X) {
+        ce[X] = std::log(sum[X]) + top[X] - label_logit[X];
+      }
+    }
     double row_loss = 0.0;
     for (int64_t X = 0; X < W; ++X) {
       const bool valid = lab[X] != im.ignore_index;
-      const float ce = std::log(sum[X]) + top[X] - label_logit[X];
-      row_loss += static_cast<double>(wt[X]) * (valid ? ce : 0.f);
+      row_loss += static_cast<double>(wt[X]) * (valid ? ce[X] : 0.f);
       result.hits += (valid && best[X] == label[X]) ? 1 : 0;
-      if (im.pixel_loss) im.pixel_loss[Y * W + X] = valid ? ce : 0.f;
+      if (im.pixel_loss) im.pixel_loss[Y * W + X] = valid ? ce[X] : 0.f;
       if (im.target_prob) {
         im.target_prob[Y * W + X] =
             valid ? logit[label[X] * W + X] / sum[X] : 0.f;
@@ -289,7 +336,7 @@ bool has_avx2_fma() {
 std::vector<torch::Tensor> resized_cross_entropy(
     const torch::Tensor& logits, const torch::Tensor& label,
     const c10::optional<torch::Tensor>& weight, int64_t ignore_index,
-    bool align_corners, bool want_grad, bool want_pixels) {
+    bool align_corners, bool want_grad, bool want_pixels, bool sigmoid) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
                   logits.dim() == 4 && logits.is_contiguous(),
               "logits must be a contiguous N x C x h x w float32 CPU tensor");
@@ -314,8 +361,9 @@ std::vector<torch::Tensor> resized_cross_entropy(
   auto grad = want_grad ? torch::zeros_like(logits) : torch::Tensor();
   auto pixel_loss = want_pixels ? torch::empty({N, H, W}, logits.options())
                                 : torch::Tensor();
-  auto target_prob = want_pixels ? torch::empty({N, H, W}, logits.options())
-                                 : torch::Tensor();
+  auto target_prob = want_pixels && !sigmoid
+                         ? torch::empty({N, H, W}, logits.options())
+                         : torch::Tensor();
   const AxisWeights ay = axis_weights(h, H, align_corners);
   const AxisWeights ax = axis_weights(w, W, align_corners);
   const bool avx2 = has_avx2_fma();
@@ -328,9 +376,10 @@ std::vector<torch::Tensor> resized_cross_entropy(
                want_grad ? grad.data_ptr<float>() + n * C * h * w : nullptr,
                want_pixels ? pixel_loss.data_ptr<float>() + n * H * W
                            : nullptr,
-               want_pixels ? target_prob.data_ptr<float>() + n * H * W
-                           : nullptr,
-               C, h, w, H, W, ignore_index};
+               want_pixels && !sigmoid
+                   ? target_prob.data_ptr<float>() + n * H * W
+                   : nullptr,
+               C, h, w, H, W, ignore_index, sigmoid};
       const ImageResult r =
           avx2 ? image_loss_avx2(im, ay, ax) : image_loss_generic(im, ay, ax);
       loss.data_ptr<double>()[n] = r.loss;
@@ -347,7 +396,7 @@ std::vector<torch::Tensor> resized_cross_entropy(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("resized_cross_entropy", &resized_cross_entropy,
-        "softmax cross-entropy of bilinearly upsampled logits: per-image "
-        "weighted loss, top-1 hits, the low-resolution gradient and "
-        "per-pixel maps");
+        "softmax (or per-class sigmoid) cross-entropy of bilinearly "
+        "upsampled logits: per-image weighted loss, top-1 hits, the "
+        "low-resolution gradient and per-pixel maps");
 }
