@@ -29,6 +29,8 @@ from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                               loss_gradients)
 from .lean_loss import (chunkable_losses, chunked_cross_entropy_gradients,
                         chunked_cross_entropy_losses)
+from .lean_ohem import (HeadGradientsLossFunction, logit_gradients_at,
+                        own_loss_producer)
 
 __all__ = ['base_decode_head', 'ClassifierCapture', 'fusion_blocker',
            'fused_classifier_losses', 'lean_head_losses',
@@ -215,12 +217,17 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
         others = [t for i, t in enumerate(seg_logits) if i != position]
     specs = chunkable_losses(head) if position is None and \
         _has_base_loss(head) else None
+    own = None if _has_base_loss(head) else own_loss_producer(
+        head, _plain_class(head), seg_logits, batch_data_samples)
     if specs is not None:
         label = head._stack_batch_gt(batch_data_samples).squeeze(1)
 
         def gradients(z: Tensor) -> LogitGradients:
             return chunked_cross_entropy_gradients(
                 z, label, head.align_corners, head.ignore_index, specs)
+    elif own is not None:
+        def gradients(z: Tensor, *rest: Tensor) -> LogitGradients:
+            return logit_gradients_at(own, position, z, rest)
     else:
         plain, rebuild = _plain_loss_by_feat(head), _with_logits_at(
             seg_logits, position)
@@ -254,16 +261,21 @@ def lean_head_losses(head: nn.Module, seg_logits,
     if specs is not None:
         return chunked_cross_entropy_losses(head, seg_logits,
                                             batch_data_samples, specs)
-    plain = _plain_loss_by_feat(head)
     tensors = tuple(seg_logits) if isinstance(seg_logits, (tuple, list)) \
         else (seg_logits, )
+    own = None if _has_base_loss(head) else own_loss_producer(
+        head, _plain_class(head), seg_logits, batch_data_samples)
+    keys: List[str] = []
+    if own is not None:
+        values = HeadGradientsLossFunction.apply(own, keys, *tensors)
+        return dict(zip(keys, values))
+    plain = _plain_loss_by_feat(head)
 
     def compute(*leaves):
         feats = type(seg_logits)(leaves) if isinstance(
             seg_logits, (tuple, list)) else leaves[0]
         return plain(feats, batch_data_samples)
 
-    keys: List[str] = []
     values = PrecomputedGradientLossFunction.apply(compute, keys,
                                                    _trainable(head),
                                                    *tensors)
