@@ -91,6 +91,15 @@ def _weight_map(label: Tensor, keep: Tensor,
     return weight
 
 
+def _resized(logits: Tensor, label: Tensor, **kwargs):
+    """:func:`resized_cross_entropy` with what its PyTorch path saves for
+    its own gradient kept away from hooks around the step (see
+    :func:`~mmseg_gf.ops.fused_loss.forward_graph`): freed before the
+    forward returns, it is not kept for the step's backward."""
+    with forward_graph():
+        return resized_cross_entropy(logits, label, **kwargs)
+
+
 def _value(number: float, like: Tensor) -> Tensor:
     return torch.tensor(number, dtype=like.dtype, device=like.device)
 
@@ -99,9 +108,9 @@ def label_probabilities(logits: Tensor, label: Tensor, ignore_index: int,
                         align_corners: bool):
     """First pass: each pixel's softmax probability of its label (0 where
     ignored) and the top-1 hits, without the gradient."""
-    return resized_cross_entropy(logits, label, ignore_index=ignore_index,
-                                 align_corners=align_corners,
-                                 want_grad=False, want_pixels=True)
+    return _resized(logits, label, ignore_index=ignore_index,
+                    align_corners=align_corners, want_grad=False,
+                    want_pixels=True)
 
 
 def ohem_selection(prob: Tensor, label: Tensor,
@@ -142,10 +151,9 @@ def ohem_cross_entropy(logits: Tensor, label: Tensor, prob: Tensor,
             None if grad is None else (grad, 0.0)
     weight = _weight_map(label, selected, _class_weights(loss, logits),
                          logits.dtype)
-    second = resized_cross_entropy(logits, label,
-                                   ignore_index=loss.ignore_label,
-                                   align_corners=align_corners,
-                                   weight=weight, want_grad=want_grad)
+    second = _resized(logits, label, ignore_index=loss.ignore_label,
+                      align_corners=align_corners, weight=weight,
+                      want_grad=want_grad)
     factor = float(loss.loss_weight) / count
     value = _value(float(second.loss.sum()) * factor, logits)
     return value, (second.grad, factor) if want_grad else None
@@ -175,7 +183,7 @@ def cross_entropy_loss(logits: Tensor, label: Tensor, loss: nn.Module,
                 label_weights[label == ignore_index] = 0
             pixels = float(label_weights.sum())
         factor /= pixels + _EPS
-    out = resized_cross_entropy(
+    out = _resized(
         logits, label, ignore_index=ignore_index, align_corners=align_corners,
         weight=_weight_map(label, valid, class_weight, logits.dtype),
         want_grad=want_grad)
