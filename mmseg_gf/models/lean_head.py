@@ -12,7 +12,9 @@ or once in a tuple of logits), the capture is released and
 Otherwise :func:`lean_head_losses`: mmseg's cross-entropy image by image
 (:mod:`.lean_loss`, keeps the logits) or the head's own
 ``loss_by_feat`` once, with its gradient kept
-(``PrecomputedGradientLossFunction``). Why a head is not fused is logged
+(``PrecomputedGradientLossFunction``). PIDHead's and DDRHead's own losses
+are computed image by image on both paths where :mod:`.lean_ohem` mirrors
+them (:func:`~.lean_ohem.own_loss_producer`). Why a head is not fused is logged
 once (mmengine's current logger). :func:`loss_gradient_copies` and
 :func:`classifier_fused_now` answer the accounting's questions.
 """
@@ -202,8 +204,10 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
     the classifier's output, through
     :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction`: mmseg's
     cross-entropy image by image when :func:`chunkable_losses` allows,
-    the head's ``loss_by_feat`` on the whole batch otherwise (the other
-    logits of a tuple get their gradients kept too).
+    PIDHead's and DDRHead's losses image by image where
+    :func:`~.lean_ohem.own_loss_producer` mirrors them, the head's
+    ``loss_by_feat`` on the whole batch otherwise (the other logits of a
+    tuple get their gradients kept too).
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
@@ -249,9 +253,10 @@ def lean_head_losses(head: nn.Module, seg_logits,
                      batch_data_samples) -> Dict[str, Tensor]:
     """``head.loss_by_feat`` without fusing the classifier: mmseg's
     cross-entropy image by image (keeps the logits) where
-    :func:`chunkable_losses` allows, otherwise the head's own
-    ``loss_by_feat`` once, with its gradient w.r.t. every logits tensor
-    taken in the forward and kept.
+    :func:`chunkable_losses` allows, PIDHead's and DDRHead's losses image
+    by image where :func:`~.lean_ohem.own_loss_producer` mirrors them,
+    otherwise the head's own ``loss_by_feat`` once; each with its
+    gradient w.r.t. every logits tensor taken in the forward and kept.
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
@@ -286,7 +291,10 @@ def loss_gradient_copies(head: nn.Module) -> Optional[int]:
     """How many logits-sized tensors ``head``'s lean loss keeps per
     classifier output: 1 for the chunked cross-entropy, one gradient per
     loss name for mmseg's ``loss_by_feat`` otherwise; None when the head
-    has its own ``loss_by_feat`` (it depends on that code)."""
+    has its own ``loss_by_feat`` (it depends on that code, and its other
+    logits keep gradients too: PIDHead's lean loss keeps 2 of its
+    classifier's logits and 1 each of its P and D logits; the step tracer
+    measures them)."""
     if not _has_base_loss(head):
         return None
     if chunkable_losses(head) is not None:
