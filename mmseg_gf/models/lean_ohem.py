@@ -101,7 +101,10 @@ def _resized(logits: Tensor, label: Tensor, **kwargs):
 
 
 def _value(number: float, like: Tensor) -> Tensor:
-    return torch.tensor(number, dtype=like.dtype, device=like.device)
+    """A loss value in the logits' dtype, at least float32 (mmseg's
+    cross-entropy of bfloat16 logits under autocast is float32)."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    return torch.tensor(number, dtype=dtype, device=like.device)
 
 
 def label_probabilities(logits: Tensor, label: Tensor, ignore_index: int,
@@ -194,8 +197,8 @@ def cross_entropy_loss(logits: Tensor, label: Tensor, loss: nn.Module,
 def _accuracy(hits: Tensor, label: Tensor, ignore_index: int) -> Tensor:
     """mmseg's ``accuracy`` (top-1, percent, shape ``(1,)``) from the hits."""
     valid = int((label != ignore_index).sum())
-    return (hits.sum().float().reshape(1) + _EPS).mul_(100.0 /
-                                                        (valid + _EPS))
+    correct = hits.sum().float().reshape(1).to(label.device)
+    return (correct + _EPS).mul_(100.0 / (valid + _EPS))
 
 
 def _resize(logits: Tensor, size, align_corners: bool) -> Tensor:

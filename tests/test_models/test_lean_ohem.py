@@ -308,3 +308,30 @@ def test_fused_classifier_losses_use_the_own_producer(monkeypatch):
     assert calls == [0]
     sum(v for k, v in out.items() if 'loss' in k).backward()
     assert feat.grad is not None and spatial.grad is not None
+
+
+@pytest.mark.parametrize('head_fn', [pid_head, ddr_head])
+def test_heads_under_bfloat16_autocast(head_fn):
+    """Under CPU autocast (bfloat16 logits) the values are mmseg's float32
+    ones (the same selection) and the gradients bfloat16, within its
+    rounding."""
+    head = head_fn(class_weight=None)
+    head.train()
+    samples = _samples(ignored=0.2)
+    logits = tuple(t.to(torch.bfloat16)
+                   for t in _head_logits(head, torch.float32))
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        want, want_grads = _losses_and_grads(
+            lambda leaves: head.loss_by_feat(leaves, samples), logits)
+        got, got_grads = _losses_and_grads(
+            lambda leaves: lean_head_losses(head, leaves, samples), logits)
+    for key in want:
+        assert got[key].dtype == want[key].dtype, key
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0)
+    for key, per in want_grads.items():
+        for g, w in zip(got_grads[key], per):
+            if w is not None:
+                assert g.dtype == w.dtype == torch.bfloat16
+                torch.testing.assert_close(
+                    g.float(), w.float(), rtol=0,
+                    atol=2 ** -5 * float(w.float().abs().max()))
