@@ -13,7 +13,9 @@ Otherwise :func:`lean_head_losses`: mmseg's cross-entropy with its
 gradient taken in the forward (:mod:`.lean_loss`, keeps that gradient,
 the logits' size) or the head's own
 ``loss_by_feat`` once, with its gradient kept
-(``PrecomputedGradientLossFunction``). Why a head is not fused is logged
+(``PrecomputedGradientLossFunction``). PIDHead's and DDRHead's own losses
+are computed image by image on both paths where :mod:`.lean_ohem` mirrors
+them (:func:`~.lean_ohem.own_loss_producer`). Why a head is not fused is logged
 once (mmengine's current logger). :func:`loss_gradient_copies` and
 :func:`classifier_fused_now` answer the accounting's questions.
 """
@@ -30,6 +32,8 @@ from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                               loss_gradients)
 from .lean_loss import (chunkable_losses, chunked_cross_entropy_gradients,
                         chunked_cross_entropy_losses)
+from .lean_ohem import (HeadGradientsLossFunction, logit_gradients_at,
+                        own_loss_producer)
 
 __all__ = ['base_decode_head', 'ClassifierCapture', 'fusion_blocker',
            'fused_classifier_losses', 'lean_head_losses',
@@ -201,8 +205,10 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
     the classifier's output, through
     :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction`: mmseg's
     cross-entropy image by image when :func:`chunkable_losses` allows,
-    the head's ``loss_by_feat`` on the whole batch otherwise (the other
-    logits of a tuple get their gradients kept too).
+    PIDHead's and DDRHead's losses image by image where
+    :func:`~.lean_ohem.own_loss_producer` mirrors them, the head's
+    ``loss_by_feat`` on the whole batch otherwise (the other logits of a
+    tuple get their gradients kept too).
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
@@ -216,12 +222,17 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
         others = [t for i, t in enumerate(seg_logits) if i != position]
     specs = chunkable_losses(head) if position is None and \
         _has_base_loss(head) else None
+    own = None if _has_base_loss(head) else own_loss_producer(
+        head, _plain_class(head), seg_logits, batch_data_samples)
     if specs is not None:
         label = head._stack_batch_gt(batch_data_samples).squeeze(1)
 
         def gradients(z: Tensor) -> LogitGradients:
             return chunked_cross_entropy_gradients(
                 z, label, head.align_corners, head.ignore_index, specs)
+    elif own is not None:
+        def gradients(z: Tensor, *rest: Tensor) -> LogitGradients:
+            return logit_gradients_at(own, position, z, rest)
     else:
         plain, rebuild = _plain_loss_by_feat(head), _with_logits_at(
             seg_logits, position)
@@ -242,10 +253,10 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
 def lean_head_losses(head: nn.Module, seg_logits,
                      batch_data_samples) -> Dict[str, Tensor]:
     """``head.loss_by_feat`` without fusing the classifier: mmseg's
-    cross-entropy with its gradient taken in the forward where
-    :func:`chunkable_losses` allows, otherwise the head's own
-    ``loss_by_feat`` once, with its gradient w.r.t. every logits tensor
-    taken in the forward and kept.
+    cross-entropy where :func:`chunkable_losses` allows, PIDHead's and
+    DDRHead's losses where :func:`~.lean_ohem.own_loss_producer` mirrors
+    them, otherwise the head's own ``loss_by_feat`` once; each with its
+    gradient w.r.t. every logits tensor taken in the forward and kept.
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
@@ -255,16 +266,21 @@ def lean_head_losses(head: nn.Module, seg_logits,
     if specs is not None:
         return chunked_cross_entropy_losses(head, seg_logits,
                                             batch_data_samples, specs)
-    plain = _plain_loss_by_feat(head)
     tensors = tuple(seg_logits) if isinstance(seg_logits, (tuple, list)) \
         else (seg_logits, )
+    own = None if _has_base_loss(head) else own_loss_producer(
+        head, _plain_class(head), seg_logits, batch_data_samples)
+    keys: List[str] = []
+    if own is not None:
+        values = HeadGradientsLossFunction.apply(own, keys, *tensors)
+        return dict(zip(keys, values))
+    plain = _plain_loss_by_feat(head)
 
     def compute(*leaves):
         feats = type(seg_logits)(leaves) if isinstance(
             seg_logits, (tuple, list)) else leaves[0]
         return plain(feats, batch_data_samples)
 
-    keys: List[str] = []
     values = PrecomputedGradientLossFunction.apply(compute, keys,
                                                    _trainable(head),
                                                    *tensors)
@@ -275,8 +291,10 @@ def loss_gradient_copies(head: nn.Module) -> Optional[int]:
     """How many logits-sized tensors ``head``'s lean loss keeps per
     classifier output: one per class weighting for the chunked
     cross-entropy, one gradient per loss name for mmseg's ``loss_by_feat``
-    otherwise; None when the head
-    has its own ``loss_by_feat`` (it depends on that code)."""
+    otherwise; None when the head has its own ``loss_by_feat`` (it depends
+    on that code, and its other logits keep gradients too: PIDHead's lean
+    loss keeps 2 of its classifier's logits and 1 each of its P and D
+    logits; the step tracer measures them)."""
     if not _has_base_loss(head):
         return None
     specs = chunkable_losses(head)

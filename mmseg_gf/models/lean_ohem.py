@@ -1,0 +1,385 @@
+"""PIDHead's and DDRHead's losses with their gradients taken in the forward,
+image by image, on :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`.
+
+mmseg's ``loss_by_feat`` of these heads upsamples every logits tensor of the
+batch to the label's size and runs ``OhemCrossEntropy`` on it (a softmax, a
+sort of the label probabilities, a selection) under autograd. Here the same
+numbers come from the low-resolution logits:
+
+* :func:`ohem_cross_entropy` in two passes: the label probability of every
+  pixel (``N x H x W``, no class dimension), then mmseg's batch-wide
+  threshold (``min_kept``-th smallest probability of the non-ignored
+  pixels, at least ``thres``) and selection (probability strictly below
+  it) on those, then the weighted cross-entropy's gradient w.r.t. the
+  low-resolution logits with the weights ``selected * class_weight[label]``
+  and the factor ``loss_weight / selected``;
+* :func:`cross_entropy_loss`: mmseg's ``CrossEntropyLoss`` (softmax, no
+  mask) as PIDHead calls it, its normaliser included (class weights of
+  every label, ``avg_non_ignore``);
+* PIDNet's boundary loss on the one-channel boundary logits: autograd, on
+  the upsampled ``N x 1 x H x W`` map.
+
+:func:`own_loss_producer` picks the producer of a head (only PIDHead and
+DDRHead, and only when every ``loss_decode`` is the exact class mirrored
+here); :func:`logit_gradients_at` turns its result into the
+:class:`~mmseg_gf.ops.fused_loss.LogitGradients` of the classifier fused
+with the loss, and :class:`HeadGradientsLossFunction` keeps it for a head
+whose classifier is not fused.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd import Function
+
+from ..ops.fused_loss import (LogitGradients, _flatten, _outputs, _recombine,
+                              forward_graph)
+from ..ops.resized_loss import resized_cross_entropy
+
+__all__ = ['HeadGradients', 'ohem_selection', 'ohem_cross_entropy',
+           'cross_entropy_loss', 'own_loss_producer', 'logit_gradients_at',
+           'HeadGradientsLossFunction']
+
+_EPS = torch.finfo(torch.float32).eps
+
+#: One loss output's gradient w.r.t. one logits tensor: ``factor * grad``.
+Term = Tuple[Tensor, float]
+
+
+@dataclass
+class HeadGradients:
+    """A head's loss outputs and their gradients w.r.t. its logits tensors.
+
+    Attributes:
+        values: every output (detached), in mmseg's key order.
+        grads: output key -> {logits index: (gradient, factor)}; outputs
+            without an entry are not differentiable (accuracy, a loss
+            without valid pixel, a loss of logits nothing trains).
+    """
+
+    values: Dict[str, Tensor]
+    grads: Dict[str, Dict[int, Term]] = field(default_factory=dict)
+
+
+def _loss_list(head: nn.Module) -> Optional[List[nn.Module]]:
+    losses = head.loss_decode
+    return list(losses) if isinstance(losses, nn.ModuleList) else None
+
+
+def _check_labels(label: Tensor, classes: int, ignore_index: int) -> None:
+    valid = label[label != ignore_index]
+    if valid.numel() and (int(valid.min()) < 0
+                          or int(valid.max()) >= classes):
+        raise ValueError(f'labels must lie in [0, {classes}) or be '
+                         f'ignore_index={ignore_index}')
+
+
+def _class_weights(loss: nn.Module, like: Tensor) -> Optional[Tensor]:
+    if loss.class_weight is None:
+        return None
+    return like.new_tensor(loss.class_weight)
+
+
+def _weight_map(label: Tensor, keep: Tensor,
+                class_weight: Optional[Tensor], dtype) -> Tensor:
+    """``keep * class_weight[label]`` (``keep`` where no class weights)."""
+    weight = keep.to(dtype)
+    if class_weight is not None:
+        weight = weight * class_weight[torch.where(keep, label, 0)]
+    return weight
+
+
+def _value(number: float, like: Tensor) -> Tensor:
+    """A loss value in the logits' dtype, at least float32 (mmseg's
+    cross-entropy of bfloat16 logits under autocast is float32)."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    return torch.tensor(number, dtype=dtype, device=like.device)
+
+
+def label_probabilities(logits: Tensor, label: Tensor, ignore_index: int,
+                        align_corners: bool):
+    """First pass: each pixel's softmax probability of its label (0 where
+    ignored) and the top-1 hits, without the gradient."""
+    return resized_cross_entropy(logits, label, ignore_index=ignore_index,
+                    align_corners=align_corners, want_grad=False,
+                    want_pixels=True)
+
+
+def ohem_selection(prob: Tensor, label: Tensor,
+                   loss: nn.Module) -> Optional[Tensor]:
+    """The pixels mmseg's ``OhemCrossEntropy`` averages over (bool, the
+    label's shape), from the label probabilities ``prob``; None when no
+    pixel is labelled (mmseg's loss is then a constant 0).
+
+    mmseg sorts the probabilities of the labelled pixels of the whole
+    batch, takes the one at ``min(min_kept, count - 1)`` and keeps the
+    pixels whose probability is strictly below the larger of it and
+    ``thresh``; the value at that position is the ``k``-th smallest."""
+    mask = label != loss.ignore_label
+    pred = prob[mask]
+    if pred.numel() == 0:
+        return None
+    k = min(loss.min_kept, pred.numel() - 1)
+    min_value = torch.kthvalue(pred, k + 1).values
+    threshold = max(min_value, loss.thresh)
+    return mask & (prob < threshold)
+
+
+def ohem_cross_entropy(logits: Tensor, label: Tensor, prob: Tensor,
+                       loss: nn.Module, align_corners: bool,
+                       want_grad: bool) -> Tuple[Tensor, Optional[Term]]:
+    """mmseg's ``OhemCrossEntropy`` of ``logits`` upsampled to ``label``
+    (``prob``: :func:`label_probabilities`' ``target_prob`` for this
+    label): its value and, with ``want_grad``, its gradient w.r.t. the
+    low-resolution ``logits`` (None: not differentiable, as mmseg's
+    constant 0 without labelled pixels)."""
+    selected = ohem_selection(prob, label, loss)
+    if selected is None:
+        return logits.new_tensor(0.0), None
+    count = int(selected.sum())
+    if count == 0:  # mmseg: the mean of nothing, its gradient zero
+        grad = torch.zeros_like(logits) if want_grad else None
+        return _value(float('nan'), logits), \
+            None if grad is None else (grad, 0.0)
+    weight = _weight_map(label, selected, _class_weights(loss, logits),
+                         logits.dtype)
+    second = resized_cross_entropy(logits, label, ignore_index=loss.ignore_label,
+                      align_corners=align_corners, weight=weight,
+                      want_grad=want_grad)
+    factor = float(loss.loss_weight) / count
+    value = _value(float(second.loss.sum()) * factor, logits)
+    return value, (second.grad, factor) if want_grad else None
+
+
+def cross_entropy_loss(logits: Tensor, label: Tensor, loss: nn.Module,
+                       ignore_index: int, align_corners: bool,
+                       want_grad: bool) -> Tuple[Tensor, Optional[Term]]:
+    """mmseg's ``CrossEntropyLoss`` (softmax, no mask, ``'mean'`` or
+    ``'sum'``) of ``logits`` upsampled to ``label``, called with
+    ``ignore_index``: its value and gradient (see
+    :func:`ohem_cross_entropy`). The ``'mean'`` normaliser is mmseg's:
+    the pixel count (labelled ones with ``avg_non_ignore``) or, with class
+    weights, the sum of every label's class weight, computed as mmseg
+    computes it (it indexes the weights with ignored labels too)."""
+    _check_labels(label, logits.shape[1], ignore_index)
+    class_weight = _class_weights(loss, logits)
+    valid = label != ignore_index
+    factor = float(loss.loss_weight)
+    if loss.reduction == 'mean':
+        if class_weight is None:
+            pixels = int(valid.sum()) if loss.avg_non_ignore \
+                else label.numel()
+        else:
+            label_weights = torch.stack([class_weight[cls] for cls in label])
+            if loss.avg_non_ignore:
+                label_weights[label == ignore_index] = 0
+            pixels = float(label_weights.sum())
+        factor /= pixels + _EPS
+    out = resized_cross_entropy(
+        logits, label, ignore_index=ignore_index, align_corners=align_corners,
+        weight=_weight_map(label, valid, class_weight, logits.dtype),
+        want_grad=want_grad)
+    value = _value(float(out.loss.sum()) * factor, logits)
+    return value, (out.grad, factor) if want_grad else None
+
+
+def _accuracy(hits: Tensor, label: Tensor, ignore_index: int) -> Tensor:
+    """mmseg's ``accuracy`` (top-1, percent, shape ``(1,)``) from the hits."""
+    valid = int((label != ignore_index).sum())
+    correct = hits.sum().float().reshape(1).to(label.device)
+    return (correct + _EPS).mul_(100.0 / (valid + _EPS))
+
+
+def _resize(logits: Tensor, size, align_corners: bool) -> Tensor:
+    return F.interpolate(logits, size=size, mode='bilinear',
+                         align_corners=align_corners)
+
+
+def _boundary_loss(d_logit: Tensor, bd_label: Tensor, loss: nn.Module,
+                   align_corners: bool, want_grad: bool
+                   ) -> Tuple[Tensor, Optional[Term], Tensor]:
+    """PIDNet's boundary loss of the one-channel boundary logits (autograd
+    on the upsampled map: no class dimension), its gradient, and the
+    upsampled logits (detached) that gate ``loss_sem_bd``'s labels."""
+    leaf = d_logit.detach().requires_grad_(want_grad)
+    with forward_graph():
+        up = _resize(leaf, bd_label.shape[-2:], align_corners)
+        value = loss(up, bd_label)
+        grad = torch.autograd.grad(value, leaf)[0] if want_grad else None
+    return value.detach(), None if grad is None else (grad, 1.0), \
+        up.detach()
+
+
+def _pid_gradients(head: nn.Module, logits: Sequence[Tensor],
+                   needs: Sequence[bool], batch_data_samples
+                   ) -> HeadGradients:
+    """PIDHead's ``loss_by_feat`` of ``(p, i, d)`` logits."""
+    p_logit, i_logit, d_logit = logits
+    sem_label, bd_label = head._stack_batch_gt(batch_data_samples)
+    sem_label, bd_label = sem_label.squeeze(1), bd_label.squeeze(1)
+    ac, ignore = head.align_corners, head.ignore_index
+    loss_p, loss_i, loss_bd, loss_sem_bd = head.loss_decode
+    result = HeadGradients({})
+
+    def put(key: str, value: Tensor, term: Optional[Term], at: int) -> None:
+        result.values[key] = value
+        if term is not None:
+            result.grads[key] = {at: term}
+
+    put('loss_sem_p', *cross_entropy_loss(p_logit, sem_label, loss_p, ignore,
+                                          ac, needs[0]), 0)
+    first = label_probabilities(i_logit, sem_label, ignore, ac)
+    put('loss_sem_i', *ohem_cross_entropy(i_logit, sem_label,
+                                          first.target_prob, loss_i, ac,
+                                          needs[1]), 1)
+    value, term, d_up = _boundary_loss(d_logit, bd_label, loss_bd, ac,
+                                       needs[2])
+    put('loss_bd', value, term, 2)
+    gate = torch.sigmoid(d_up[:, 0, :, :]) > 0.8
+    del d_up
+    bd_sem = torch.where(gate, sem_label,
+                         torch.ones_like(sem_label) * ignore)
+    put('loss_sem_bd', *ohem_cross_entropy(
+        i_logit, bd_sem, torch.where(gate, first.target_prob, 0.0),
+        loss_sem_bd, ac, needs[1]), 1)
+    result.values['acc_seg'] = _accuracy(first.hits, sem_label, ignore)
+    return result
+
+
+def _ddr_gradients(head: nn.Module, logits: Sequence[Tensor],
+                   needs: Sequence[bool], batch_data_samples
+                   ) -> HeadGradients:
+    """DDRHead's ``loss_by_feat`` of ``(context, spatial)`` logits."""
+    label = head._stack_batch_gt(batch_data_samples).squeeze(1)
+    ac, ignore = head.align_corners, head.ignore_index
+    result = HeadGradients({})
+    hits = None
+    for at, (key, loss) in enumerate(zip(('loss_context', 'loss_spatial'),
+                                         head.loss_decode)):
+        first = label_probabilities(logits[at], label, ignore, ac)
+        hits = first.hits if at == 0 else hits
+        value, term = ohem_cross_entropy(logits[at], label,
+                                         first.target_prob, loss, ac,
+                                         needs[at])
+        del first
+        result.values[key] = value
+        if term is not None:
+            result.grads[key] = {at: term}
+    result.values['acc_seg'] = _accuracy(hits, label, ignore)
+    return result
+
+
+def _is_softmax_cross_entropy(loss: nn.Module) -> bool:
+    from mmseg.models.losses import CrossEntropyLoss
+    return (type(loss) is CrossEntropyLoss and not loss.use_sigmoid
+            and not loss.use_mask and loss.reduction in ('mean', 'sum'))
+
+
+def _is_ohem(loss: nn.Module, ignore_index: int) -> bool:
+    from mmseg.models.losses import OhemCrossEntropy
+    return type(loss) is OhemCrossEntropy and \
+        loss.ignore_label == ignore_index
+
+
+#: A head's loss outputs and gradients from its logits tensors (forward
+#: order) and which of them need a gradient.
+Producer = Callable[[Sequence[Tensor], Sequence[bool]], HeadGradients]
+
+
+def own_loss_producer(head: nn.Module, plain_class: type, seg_logits,
+                      batch_data_samples) -> Optional[Producer]:
+    """The lean ``loss_by_feat`` of a head with its own (``plain_class``:
+    the head's mmseg class) for its training output ``seg_logits``, or
+    None where none mirrors it exactly: PIDHead with ``[CrossEntropyLoss,
+    OhemCrossEntropy, BoundaryLoss, OhemCrossEntropy]`` on ``(p, i, d)``
+    logits, DDRHead with two ``OhemCrossEntropy`` on ``(context,
+    spatial)``, each OHEM ignoring the head's ``ignore_index``."""
+    try:
+        from mmseg.models.decode_heads import DDRHead, PIDHead
+        from mmseg.models.losses import BoundaryLoss
+    except ImportError:
+        return None
+    losses = _loss_list(head)
+    ignore = head.ignore_index
+    count = len(seg_logits) if isinstance(seg_logits, (tuple, list)) else 0
+    if losses is None:
+        return None
+    if plain_class is PIDHead and len(losses) == 4 and count == 3 \
+            and _is_softmax_cross_entropy(losses[0]) \
+            and _is_ohem(losses[1], ignore) \
+            and type(losses[2]) is BoundaryLoss \
+            and _is_ohem(losses[3], ignore):
+        produce = _pid_gradients
+    elif plain_class is DDRHead and len(losses) == 2 and count == 2 \
+            and all(_is_ohem(loss, ignore) for loss in losses):
+        produce = _ddr_gradients
+    else:
+        return None
+
+    def producer(logits: Sequence[Tensor],
+                 needs: Sequence[bool]) -> HeadGradients:
+        return produce(head, logits, needs, batch_data_samples)
+
+    return producer
+
+
+def _scaled(term: Optional[Term]) -> Optional[Tensor]:
+    if term is None:
+        return None
+    grad, factor = term
+    return grad if factor == 1.0 else grad.mul_(factor)
+
+
+def logit_gradients_at(producer: Producer, position: int, z: Tensor,
+                       rest: Sequence[Tensor]) -> LogitGradients:
+    """The producer's result as
+    :class:`~mmseg_gf.ops.fused_loss.LogitGradients` of the classifier's
+    output ``z``, at ``position`` among the head's logits (``rest``: the
+    others, in order): one basis per output that depends on ``z``, the
+    others' gradients scaled by their factors."""
+    logits = list(rest)
+    logits.insert(position, z)
+    needs = [True if i == position else t.requires_grad
+             for i, t in enumerate(logits)]
+    result = producer(logits, needs)
+    out = LogitGradients(result.values)
+    for key, per in result.grads.items():
+        if position in per:
+            grad, factor = per[position]
+            out.mix[key] = [(len(out.bases), factor)]
+            out.bases.append(grad)
+        if rest:
+            out.others[key] = tuple(_scaled(per.get(i))
+                                    for i in range(len(logits))
+                                    if i != position)
+    return out
+
+
+class HeadGradientsLossFunction(Function):
+    """A :data:`Producer`'s loss outputs of a head's logits tensors, with
+    their gradients taken in the forward and kept (each scaled by its
+    factor), nothing else: the lean loss of a head whose classifier is not
+    fused with it.
+
+    Inputs: the producer, ``keys`` (receives the output keys in order),
+    then the logits tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, producer: Producer, keys: List[str], *logits: Tensor):
+        result = producer(logits, ctx.needs_input_grad[2:])
+        keys.extend(result.values)
+        ctx.keys = list(result.values)
+        grads = {key: tuple(_scaled(per.get(i)) for i in range(len(logits)))
+                 for key, per in result.grads.items()}
+        ctx.layout, kept = _flatten(grads, ctx.keys)
+        ctx.save_for_backward(*kept)
+        ctx.num_logits = len(logits)
+        return _outputs(ctx, result.values, grads)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None, None) + _recombine(ctx.layout, ctx.saved_tensors,
+                                         grad_outputs, ctx.num_logits)
