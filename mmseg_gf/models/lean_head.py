@@ -31,7 +31,7 @@ from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                               PrecomputedGradientLossFunction,
                               loss_gradients)
 from .lean_loss import (chunkable_losses, chunked_cross_entropy_gradients,
-                        chunked_cross_entropy_losses)
+                        chunked_cross_entropy_losses, ohem_sampler_spec)
 from .lean_ohem import (HeadGradientsLossFunction, logit_gradients_at,
                         own_loss_producer)
 
@@ -229,7 +229,8 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
 
         def gradients(z: Tensor) -> LogitGradients:
             return chunked_cross_entropy_gradients(
-                z, label, head.align_corners, head.ignore_index, specs)
+                z, label, head.align_corners, head.ignore_index, specs,
+                ohem_sampler_spec(head))
     elif own is not None:
         def gradients(z: Tensor, *rest: Tensor) -> LogitGradients:
             return logit_gradients_at(own, position, z, rest)

@@ -8,13 +8,18 @@ forward and, recomputed, in the backward. For the common case (every
 ``loss_decode`` is mmseg's ``CrossEntropyLoss`` without mask, reduction
 ``'mean'`` or ``'sum'``, all with softmax (class weights allowed) or all
 with sigmoid (a binary cross-entropy on one-hot labels, over more than one
-channel, without class weights), and no pixel sampler) the loss is a sum of
+channel, without class weights), no pixel sampler or, with softmax,
+mmseg's ``OHEMPixelSampler`` with a threshold) the loss is a sum of
 per-pixel terms over a normaliser that depends on the labels only. So
 :func:`chunked_cross_entropy_gradients` computes it, and its gradient
 w.r.t. the low-resolution logits, in the forward with
 :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy` (no upsampled
 logits at all with the compiled kernel). The step keeps that gradient
 (the logits' size) and nothing else of the loss.
+
+The sampler's hard pixels (a batch-wide threshold on the label
+probabilities) come from a first pass of the same function that computes
+only the label probabilities (``N x H x W``), then weigh the loss's pass.
 
 The numbers are mmseg's: the same per-pixel cross-entropy (for sigmoid,
 mmseg's ``binary_cross_entropy`` on one-hot labels, summed) and class
@@ -30,15 +35,32 @@ from torch import Tensor, nn
 
 from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
 from ..ops.resized_loss import resized_cross_entropy
+from .lean_ohem import probability_selection
 
-__all__ = ['chunkable_losses', 'chunked_cross_entropy_losses',
-           'chunked_cross_entropy_gradients', 'LossSpec']
+__all__ = ['chunkable_losses', 'ohem_sampler_spec',
+           'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
+           'LossSpec', 'SamplerSpec']
 
 _EPS = torch.finfo(torch.float32).eps
 
 # (loss name, loss weight, reduction, average over non-ignored pixels only,
 # sigmoid, class weights or None)
 LossSpec = Tuple[str, float, str, bool, bool, Optional[Tuple[float, ...]]]
+# mmseg's OHEMPixelSampler: (thresh, min_kept per image)
+SamplerSpec = Tuple[float, int]
+
+
+def ohem_sampler_spec(head: nn.Module) -> Optional[SamplerSpec]:
+    """``head``'s pixel sampler as :data:`SamplerSpec` when it is mmseg's
+    ``OHEMPixelSampler`` with a threshold, else None (also without a
+    sampler). Without a threshold the sampler keeps the ``min_kept``
+    largest losses, an order that ties and rounding can change: not
+    mirrored."""
+    from mmseg.structures.sampler import OHEMPixelSampler
+    sampler = getattr(head, 'sampler', None)
+    if type(sampler) is not OHEMPixelSampler or sampler.thresh is None:
+        return None
+    return float(sampler.thresh), int(sampler.min_kept)
 
 
 def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
@@ -46,9 +68,11 @@ def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
     them exactly as mmseg does, else None: all with softmax or all with
     sigmoid (one summed loss), class weights only with softmax, sigmoid not
     on a single channel (mmseg's binary case refuses an image without
-    labels, which a batch may hold)."""
+    labels, which a batch may hold); a pixel sampler only if
+    :func:`ohem_sampler_spec` mirrors it, with softmax."""
     from mmseg.models.losses import CrossEntropyLoss
-    if getattr(head, 'sampler', None) is not None:
+    sampled = getattr(head, 'sampler', None) is not None
+    if sampled and ohem_sampler_spec(head) is None:
         return None
     losses = head.loss_decode
     losses = list(losses) if isinstance(losses, nn.ModuleList) else [losses]
@@ -67,7 +91,7 @@ def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
                       bool(loss.use_sigmoid),
                       None if weights is None else tuple(map(float,
                                                              weights))))
-    if len({spec[4] for spec in specs}) != 1:
+    if len({spec[4] for spec in specs}) != 1 or (sampled and specs[0][4]):
         return None
     return specs
 
@@ -85,21 +109,45 @@ def _class_weight_map(logits: Tensor, label: Tensor, ignore_index: int,
 
 def _totals(logits: Tensor, label: Tensor, align_corners: bool,
             ignore_index: int, sigmoid: bool,
-            weights: Optional[Tuple[float, ...]]
+            weights: Optional[Tuple[float, ...]],
+            sampled: Optional[Tensor]
             ) -> Tuple[Tensor, Tensor, Tensor, Optional[float]]:
-    """The summed (class-weighted) cross-entropy, its gradient, the hits
-    and the labelled pixels' summed class weight (None without class
-    weights), by
+    """The summed (class-weighted, ``sampled``-weighted) cross-entropy,
+    its gradient, the hits and the labelled pixels' summed class weight
+    (None without class weights: mmseg's normaliser, which the sampler's
+    weights do not change), by
     :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`."""
-    weight = None if weights is None else _class_weight_map(
+    classes = None if weights is None else _class_weight_map(
         logits, label, ignore_index, weights)
+    weight = classes if sampled is None else (
+        sampled if classes is None else sampled * classes)
     out = resized_cross_entropy(logits, label, ignore_index=ignore_index,
                                 align_corners=align_corners, weight=weight,
                                 sigmoid=sigmoid)
     total = out.loss.sum().to(torch.promote_types(logits.dtype,
                                                   torch.float32))
-    mass = None if weight is None else float(weight.sum())
+    mass = None if classes is None else float(classes.sum())
     return total, out.grad, out.hits.sum().float(), mass
+
+
+def _sampled_pixels(logits: Tensor, label: Tensor, align_corners: bool,
+                    ignore_index: int, sampler: SamplerSpec) -> Tensor:
+    """mmseg's ``OHEMPixelSampler.sample``: weight 1 on the hard pixels
+    of the whole batch (label probability below the threshold, at least
+    ``min_kept`` per image), 0 elsewhere; the label's shape."""
+    thresh, min_kept = sampler
+    valid = label != ignore_index
+    weight = torch.zeros(label.shape, dtype=torch.float32,
+                         device=label.device)
+    if not bool(valid.any()):
+        return weight
+    prob = resized_cross_entropy(logits, label, ignore_index=ignore_index,
+                                 align_corners=align_corners,
+                                 want_grad=False,
+                                 want_pixels=True).target_prob
+    kept = min_kept * label.shape[0]
+    return weight.masked_fill_(
+        probability_selection(prob, valid, kept, thresh), 1.0)
 
 
 def _spec_value(total: Tensor, pixels: float, spec: LossSpec,
@@ -128,15 +176,19 @@ def _mean_normaliser(spec: LossSpec, valid: int, pixels: int,
 
 def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
                                     align_corners: bool, ignore_index: int,
-                                    specs: Sequence[LossSpec]
+                                    specs: Sequence[LossSpec],
+                                    sampler: Optional[SamplerSpec] = None
                                     ) -> LogitGradients:
     """The chunked losses and accuracy of ``logits`` (detached) with their
     gradient w.r.t. ``logits``. Specs with the same class weights share one
     gradient basis (a loss name's gradient is a multiple of it), so one
-    summed cross-entropy serves them all. Runs under the caller's autocast
-    (the compiled kernel only without it)."""
+    summed cross-entropy serves them all. ``sampler``: the head's
+    :data:`SamplerSpec`, if any. Runs under the caller's autocast (the
+    compiled kernel only without it)."""
     logits = logits.detach()
     valid = int((label != ignore_index).sum())
+    sampled = None if sampler is None else _sampled_pixels(
+        logits, label, align_corners, ignore_index, sampler)
     groups: Dict[Optional[Tuple[float, ...]], int] = {}
     totals: List[Tuple[Tensor, Optional[float]]] = []
     result = LogitGradients({})
@@ -145,7 +197,8 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
         name, key = spec[0], spec[5]
         if key not in groups:
             total, grad, hits, mass = _totals(logits, label, align_corners,
-                                              ignore_index, spec[4], key)
+                                              ignore_index, spec[4], key,
+                                              sampled)
             groups[key] = len(totals)
             totals.append((total, mass))
             result.bases.append(grad)
@@ -174,7 +227,8 @@ def chunked_cross_entropy_losses(head: nn.Module, seg_logits: Tensor,
 
     def gradients(z: Tensor) -> LogitGradients:
         return chunked_cross_entropy_gradients(
-            z, label, head.align_corners, head.ignore_index, specs)
+            z, label, head.align_corners, head.ignore_index, specs,
+            ohem_sampler_spec(head))
 
     keys: List[str] = []
     values = KeptGradientLossFunction.apply(gradients, keys, seg_logits)

@@ -38,7 +38,7 @@ from ..ops.fused_loss import (LogitGradients, _flatten, _outputs, _recombine,
                               forward_graph)
 from ..ops.resized_loss import resized_cross_entropy
 
-__all__ = ['HeadGradients', 'ohem_selection', 'ohem_cross_entropy',
+__all__ = ['HeadGradients', 'probability_selection', 'ohem_selection', 'ohem_cross_entropy',
            'cross_entropy_loss', 'own_loss_producer', 'logit_gradients_at',
            'HeadGradientsLossFunction']
 
@@ -107,24 +107,30 @@ def label_probabilities(logits: Tensor, label: Tensor, ignore_index: int,
                     want_pixels=True)
 
 
+def probability_selection(prob: Tensor, valid: Tensor, kept: int,
+                          thresh: float) -> Tensor:
+    """mmseg's hard-pixel rule (``OhemCrossEntropy`` and
+    ``OHEMPixelSampler``): sort the label probabilities ``prob`` of the
+    ``valid`` pixels, take the one at ``min(kept, count - 1)`` and select
+    the valid pixels whose probability is strictly below the larger of it
+    and ``thresh`` (bool, ``prob``'s shape; ``valid`` not empty). The
+    value at that position is the ``k``-th smallest."""
+    pred = prob[valid]
+    k = min(kept, pred.numel() - 1)
+    min_value = torch.kthvalue(pred, k + 1).values
+    return valid & (prob < max(min_value, thresh))
+
+
 def ohem_selection(prob: Tensor, label: Tensor,
                    loss: nn.Module) -> Optional[Tensor]:
     """The pixels mmseg's ``OhemCrossEntropy`` averages over (bool, the
-    label's shape), from the label probabilities ``prob``; None when no
-    pixel is labelled (mmseg's loss is then a constant 0).
-
-    mmseg sorts the probabilities of the labelled pixels of the whole
-    batch, takes the one at ``min(min_kept, count - 1)`` and keeps the
-    pixels whose probability is strictly below the larger of it and
-    ``thresh``; the value at that position is the ``k``-th smallest."""
+    label's shape), from the label probabilities ``prob``
+    (:func:`probability_selection` with ``min_kept``); None when no pixel
+    is labelled (mmseg's loss is then a constant 0)."""
     mask = label != loss.ignore_label
-    pred = prob[mask]
-    if pred.numel() == 0:
+    if not bool(mask.any()):
         return None
-    k = min(loss.min_kept, pred.numel() - 1)
-    min_value = torch.kthvalue(pred, k + 1).values
-    threshold = max(min_value, loss.thresh)
-    return mask & (prob < threshold)
+    return probability_selection(prob, mask, loss.min_kept, loss.thresh)
 
 
 def ohem_cross_entropy(logits: Tensor, label: Tensor, prob: Tensor,
