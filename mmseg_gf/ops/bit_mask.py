@@ -6,7 +6,11 @@ per element, not the float tensor autograd keeps by default. :func:`pack`
 stores that bit (1/32 of a float32 map) and :func:`apply` applies it.
 
 Layout: element ``i`` of the tensor in memory order is bit ``i % 8`` of byte
-``i // 8``; unused bits of the last byte are 0. The compiled kernels
+``i // 8``; unused bits of the last byte are 0. The memory order is the
+``layout`` argument's: ``torch.contiguous_format`` (NCHW, the default) or,
+for a channels-last 4-d tensor (:func:`layout_of`), ``torch.channels_last``
+(NHWC), so that packing and applying the mask of such a tensor copies
+nothing. The compiled kernels
 (``mmseg_gf._bit_mask``, built with the package) serve contiguous CPU
 tensors; everything else (other devices, strided tensors, ``MMSEG_GF_NATIVE
 =0``, ``torch.compile``) runs the PyTorch fallback, which writes the same
@@ -24,7 +28,8 @@ try:
 except ImportError:  # not built: PyTorch fallback
     _kernels = None
 
-__all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available']
+__all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
+           'layout_of']
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -41,18 +46,39 @@ def _native(t: Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def layout_of(x: Tensor) -> torch.memory_format:
+    """``torch.channels_last`` for a 4-d tensor stored channels-last (and
+    not also contiguous), else ``torch.contiguous_format``: the memory
+    order in which :func:`pack` reads ``x`` without a copy."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _in_memory_order(t: Tensor, layout: torch.memory_format) -> Tensor:
+    """``t`` as a contiguous tensor in ``layout``'s memory order (NHWC
+    for channels-last): a view when ``t`` is stored that way."""
+    if layout is torch.channels_last:
+        return t.contiguous(memory_format=torch.channels_last).permute(
+            0, 2, 3, 1)
+    return t.contiguous()
+
+
 def packed_bytes(numel: int) -> int:
     """Bytes of the mask of a tensor with ``numel`` elements."""
     return (int(numel) + 7) // 8
 
 
 def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
-         nan_bit: bool = True) -> Tensor:
-    """Bits of ``lo < x < hi`` (``hi=None``: no upper bound) in memory
-    order; a NaN gets ``nan_bit``. Returns a flat uint8 tensor of
-    :func:`packed_bytes` bytes.
+         nan_bit: bool = True,
+         layout: torch.memory_format = torch.contiguous_format) -> Tensor:
+    """Bits of ``lo < x < hi`` (``hi=None``: no upper bound) in
+    ``layout``'s memory order; a NaN gets ``nan_bit``. Returns a flat uint8
+    tensor of :func:`packed_bytes` bytes.
     """
     upper = math.inf if hi is None else float(hi)
+    x = _in_memory_order(x, layout)
     if _native(x):
         return _kernels.pack_mask(x, float(lo), upper, bool(nan_bit))
     flat = x.detach().reshape(-1) if x.is_contiguous() else \
@@ -72,25 +98,37 @@ def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
         1, dtype=torch.uint8)
 
 
-def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0) -> Tensor:
+def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0,
+          layout: torch.memory_format = torch.contiguous_format) -> Tensor:
     """``grad`` where the bit is set, ``grad * off_scale`` elsewhere (an
     exact 0 when ``off_scale`` is 0). ``bits`` come from :func:`pack` of a
-    tensor of ``grad``'s shape; the result is contiguous.
+    tensor of ``grad``'s shape, in ``layout``; the result is stored in
+    ``layout`` too.
     """
-    grad = grad.contiguous()
-    if _native(grad):
-        return _kernels.apply_mask(grad, bits, float(off_scale))
-    keep = unpack(bits, grad.shape)
-    off = torch.zeros((), dtype=grad.dtype, device=grad.device) \
-        if off_scale == 0 else grad * off_scale
-    return torch.where(keep, grad, off)
+    flat = _in_memory_order(grad, layout)
+    if _native(flat):
+        out = _kernels.apply_mask(flat, bits, float(off_scale))
+    else:
+        keep = _unpack_flat(bits, flat.shape)
+        off = torch.zeros((), dtype=flat.dtype, device=flat.device) \
+            if off_scale == 0 else flat * off_scale
+        out = torch.where(keep, flat, off)
+    return out.permute(0, 3, 1, 2) if layout is torch.channels_last else out
 
 
-def unpack(bits: Tensor, shape) -> Tensor:
-    """The bool tensor of ``shape`` (contiguous) whose bits :func:`pack`
-    wrote: for backward formulas that need more than :func:`apply`'s one
-    off-scale (PReLU's per-channel slopes)."""
+def _unpack_flat(bits: Tensor, shape) -> Tensor:
     numel = math.prod(shape)
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     keep = ((bits.unsqueeze(1) >> shifts) & 1).view(-1)[:numel]
     return keep.view(shape).bool()
+
+
+def unpack(bits: Tensor, shape,
+           layout: torch.memory_format = torch.contiguous_format) -> Tensor:
+    """The bool tensor of ``shape`` whose bits :func:`pack` wrote in
+    ``layout`` (stored in it): for backward formulas that need more than
+    :func:`apply`'s one off-scale (PReLU's per-channel slopes)."""
+    if layout is torch.channels_last:
+        n, c, h, w = shape
+        return _unpack_flat(bits, (n, h, w, c)).permute(0, 3, 1, 2)
+    return _unpack_flat(bits, shape)

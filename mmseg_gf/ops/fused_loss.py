@@ -275,13 +275,37 @@ class ConvSpec:
                    tuple(conv.dilation), int(conv.groups))
 
 
+def _pointwise(weight: Tensor, spec: ConvSpec) -> bool:
+    """A 1x1 convolution, stride 1, no padding, one group (a classifier):
+    a matrix product over the channels."""
+    return (tuple(weight.shape[2:]) == (1, 1) and spec.stride == (1, 1)
+            and spec.padding == (0, 0) and spec.groups == 1)
+
+
+def _pixels_by_channels(t: Tensor) -> Tensor:
+    """``N x HW x C`` view of a channels-last NCHW tensor (no copy)."""
+    n, c = t.shape[:2]
+    return t.permute(0, 2, 3, 1).reshape(n, -1, c)
+
+
 def weight_and_bias_gradients(x: Tensor, weight: Tensor, g_z: Tensor,
                               spec: ConvSpec, bias: bool
                               ) -> Tuple[Tensor, Optional[Tensor]]:
     """``g_W`` and ``g_b`` of ``z = conv2d(x, W, b)`` for output gradient
-    ``g_z``: autograd's own kernel (``convolution_backward``), in ``g_z``'s
-    dtype."""
+    ``g_z``, in ``g_z``'s dtype: for a 1x1 classifier a batched matrix
+    product that reads ``x`` in its own layout (autograd's kernel copies a
+    channels-last ``x`` first), otherwise autograd's own kernel
+    (``convolution_backward``)."""
     x, weight = x.to(g_z.dtype), weight.to(g_z.dtype)
+    if _pointwise(weight, spec) and x.shape[2:] == g_z.shape[2:]:
+        n, k, c = x.shape[0], weight.shape[0], weight.shape[1]
+        g = g_z.reshape(n, k, -1)
+        if _memory_format(x) is torch.channels_last:
+            g_w = torch.bmm(g, _pixels_by_channels(x))
+        else:
+            g_w = torch.bmm(g, x.reshape(n, c, -1).transpose(1, 2))
+        g_b = g_z.sum((0, 2, 3)) if bias else None
+        return g_w.sum(0).view(k, c, 1, 1), g_b
     _, g_w, g_b = torch.ops.aten.convolution_backward(
         g_z, x, weight, [weight.shape[0]] if bias else None,
         list(spec.stride), list(spec.padding), list(spec.dilation), False,
@@ -298,22 +322,36 @@ def _memory_format(x: Tensor) -> torch.memory_format:
 
 
 def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
-                   spec: ConvSpec) -> Tensor:
-    """``g_x = W^T g_z`` of ``z = conv2d(x, W)``, ``x`` of ``shape``: a
-    transposed convolution. ``torch.nn.grad.conv2d_input`` runs
-    ``convolution_backward`` on a broadcast stand-in for ``x``, which the
-    CPU kernel copies to full size first: twice the bytes of ``g_x``
-    (measured with torch's profiler, torch 2.13 CPU, for a 256 -> 150
-    channel 1x1 conv at 32x32)."""
+                   spec: ConvSpec,
+                   layout: torch.memory_format = torch.contiguous_format
+                   ) -> Tensor:
+    """``g_x = W^T g_z`` of ``z = conv2d(x, W)``, ``x`` of ``shape``, stored
+    in ``layout`` (``x``'s, as autograd's gradient would be). A 1x1
+    classifier's is one batched matrix product written straight into that
+    layout. Otherwise a transposed convolution:
+    ``torch.nn.grad.conv2d_input`` runs ``convolution_backward`` on a
+    broadcast stand-in for ``x``, which the CPU kernel copies to full size
+    first: twice the bytes of ``g_x`` (measured with torch's profiler,
+    torch 2.13 CPU, for a 256 -> 150 channel 1x1 conv at 32x32)."""
+    if _pointwise(weight, spec) and tuple(shape[2:]) == tuple(g_z.shape[2:]):
+        n, k, c = shape[0], weight.shape[0], weight.shape[1]
+        g = g_z.reshape(n, k, -1)
+        w = weight.reshape(k, c)
+        if layout is torch.channels_last:
+            out = g_z.new_empty((n, shape[2], shape[3], c))
+            torch.matmul(g.transpose(1, 2), w, out=out.view(n, -1, c))
+            return out.permute(0, 3, 1, 2)
+        return torch.matmul(w.t(), g).view(n, c, shape[2], shape[3])
     extra = []
     for i in range(2):
         reach = (g_z.shape[2 + i] - 1) * spec.stride[i] - \
             2 * spec.padding[i] + spec.dilation[i] * \
             (weight.shape[2 + i] - 1) + 1
         extra.append(shape[2 + i] - reach)
-    return torch.nn.functional.conv_transpose2d(
+    g_x = torch.nn.functional.conv_transpose2d(
         g_z, weight, None, spec.stride, spec.padding, extra, spec.groups,
         spec.dilation)
+    return g_x.contiguous(memory_format=layout)
 
 
 class FusedClassifierLossFunction(Function):
@@ -372,7 +410,7 @@ class FusedClassifierLossFunction(Function):
                               kept_z[0])
             shape, dtype, layout = ctx.x_geometry
             g_x = input_gradient(g_z, weight.to(g_z.dtype), shape,
-                                 ctx.spec).to(dtype, memory_format=layout)
+                                 ctx.spec, layout).to(dtype)
         if scales and kept_w:
             g_w = _scaled_sum([(s, kept_w[b]) for b, s in scales.items()],
                               weight)

@@ -80,7 +80,10 @@ class MaskedActivationFunction(Function):
     def forward(ctx, x: Tensor, activate: Callable[[Tensor], Tensor],
                 lo: float, hi: Optional[float], nan_bit: bool,
                 off_scale: float, inplace: bool) -> Tensor:
-        bits = bit_mask.pack(x, lo, hi, nan_bit)
+        # The mask in x's memory order: no copy of a channels-last x, and
+        # the gradient comes back in x's layout.
+        ctx.layout = bit_mask.layout_of(x)
+        bits = bit_mask.pack(x, lo, hi, nan_bit, ctx.layout)
         y = activate(x)
         if inplace:
             ctx.mark_dirty(x)
@@ -91,8 +94,8 @@ class MaskedActivationFunction(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         bits, = ctx.saved_tensors
-        return (bit_mask.apply(grad, bits, ctx.off_scale), None, None, None,
-                None, None, None)
+        return (bit_mask.apply(grad, bits, ctx.off_scale, ctx.layout), None,
+                None, None, None, None, None)
 
 
 class MaskedDropoutFunction(Function):

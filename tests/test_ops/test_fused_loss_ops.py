@@ -27,7 +27,9 @@ def _generic(z):
 
 CONVS = [
     # (C, K, kernel, stride, padding, dilation, groups, input size)
-    (6, 4, 1, 1, 0, 1, 1, (7, 5)),
+    (6, 4, 1, 1, 0, 1, 1, (7, 5)),  # a classifier: the matrix-product path
+    (16, 5, 1, 1, 0, 1, 1, (9, 11)),
+    (6, 4, 1, 2, 0, 1, 1, (7, 5)),  # 1x1, strided: the convolution path
     (6, 4, 3, 2, 1, 1, 1, (8, 7)),
     (6, 4, 3, 1, 2, 2, 2, (6, 6)),
     (4, 4, 3, 2, 0, 1, 4, (9, 8)),

@@ -90,6 +90,37 @@ def test_activation_same_forward_and_grad(name, inplace, native,
     assert torch.equal(grads[0].nan_to_num(), grads[1].nan_to_num())
 
 
+@pytest.mark.parametrize('native', [True, False])
+@pytest.mark.parametrize('name', ['relu', 'leaky'])
+def test_activation_of_channels_last_input_copies_nothing(name, native,
+                                                           monkeypatch):
+    """A channels-last input (Segformer's maps, say) is masked in its own
+    memory order: same gradient as autograd's, given back channels-last,
+    and neither pass copies the map."""
+    if not native:
+        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    plain, lean = ACTIVATIONS[name](False), ACTIVATIONS[name](False)
+    make_lean(lean)
+    x0 = _special_values((2, 6, 5, 7), seed=2).contiguous(
+        memory_format=torch.channels_last)
+    g = torch.randn(2, 6, 5, 7).contiguous(memory_format=torch.channels_last)
+    assert bit_mask.layout_of(x0) is torch.channels_last
+    results = []
+    for m in (plain, lean):
+        x = x0.clone().requires_grad_(True)
+        m(x * 1.0).backward(g)
+        results.append(x.grad)
+    assert torch.equal(results[0].nan_to_num(), results[1].nan_to_num())
+    x = x0.clone().requires_grad_(True)
+    with torch.profiler.profile() as prof:
+        lean(x * 1.0).backward(g)
+    assert not [e for e in prof.events()
+                if e.name in ('aten::clone', 'aten::contiguous')]
+    bits = bit_mask.pack(x0, layout=torch.channels_last)
+    keep = bit_mask.unpack(bits, x0.shape, torch.channels_last)
+    assert torch.equal(keep, (x0 > 0) | x0.isnan())
+
+
 def test_activation_keeps_bits_only():
     x = torch.randn(4, 8, 16, 16, requires_grad=True)
     lean = make_lean_copy(nn.ReLU(inplace=True))
