@@ -30,7 +30,8 @@ from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                               LogitGradients,
                               PrecomputedGradientLossFunction,
                               loss_gradients)
-from .lean_loss import (chunkable_losses, chunked_cross_entropy_gradients,
+from .lean_loss import (chunk_blocker, chunkable_losses,
+                        chunked_cross_entropy_gradients,
                         chunked_cross_entropy_losses, ohem_sampler_spec)
 from .lean_ohem import (HeadGradientsLossFunction, logit_gradients_at,
                         own_loss_producer)
@@ -67,15 +68,33 @@ def _plain_loss_by_feat(head: nn.Module) -> Callable:
 _LOGGED: Set[Tuple[str, str]] = set()
 
 
+def _log_once(head: nn.Module, what: str, reason: str) -> None:
+    key = (_plain_class(head).__name__, what + reason)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        print_log(f'lean loss: {key[0]} {what}: {reason}', logger='current')
+
+
 def log_fallback_once(head: nn.Module, reason: str) -> None:
     """Log, once per head class and reason, why its classifier is not
     fused with its loss (mmengine's current logger)."""
-    key = (_plain_class(head).__name__, reason)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        print_log(f'lean loss: {key[0]} keeps its classifier\'s input '
-                  f'(classifier not fused with the loss): {reason}',
-                  logger='current')
+    _log_once(head, 'keeps its classifier\'s input (classifier not fused '
+              'with the loss)', reason)
+
+
+def _chunked_specs(head: nn.Module):
+    """The head's :func:`chunkable_losses` if it uses mmseg's
+    ``loss_by_feat``; when that loss is not mirrored, why is logged once
+    (mmseg's loss then runs on the whole batch, its upsampled logits alive
+    in the forward)."""
+    if not _has_base_loss(head):
+        return None
+    reason = chunk_blocker(head)
+    if reason is not None:
+        _log_once(head, 'runs mmseg\'s loss_by_feat on the whole batch '
+                  '(upsampled logits of every image alive at once)', reason)
+        return None
+    return chunkable_losses(head)
 
 
 def fusion_blocker(head: nn.Module) -> Optional[str]:
@@ -220,8 +239,7 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
     if isinstance(seg_logits, (tuple, list)):
         position = [t is logits for t in seg_logits].index(True)
         others = [t for i, t in enumerate(seg_logits) if i != position]
-    specs = chunkable_losses(head) if position is None and \
-        _has_base_loss(head) else None
+    specs = _chunked_specs(head) if position is None else None
     own = None if _has_base_loss(head) else own_loss_producer(
         head, _plain_class(head), seg_logits, batch_data_samples)
     if specs is not None:
@@ -263,7 +281,7 @@ def lean_head_losses(head: nn.Module, seg_logits,
         ValueError: the loss cannot be differentiated in the forward (see
             :func:`~mmseg_gf.ops.fused_loss.loss_gradients`).
     """
-    specs = chunkable_losses(head) if _has_base_loss(head) else None
+    specs = _chunked_specs(head)
     if specs is not None:
         return chunked_cross_entropy_losses(head, seg_logits,
                                             batch_data_samples, specs)

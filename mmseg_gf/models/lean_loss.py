@@ -37,7 +37,7 @@ from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
 from ..ops.resized_loss import resized_cross_entropy
 from .lean_ohem import probability_selection
 
-__all__ = ['chunkable_losses', 'ohem_sampler_spec',
+__all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
            'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
            'LossSpec', 'SamplerSpec']
 
@@ -63,37 +63,60 @@ def ohem_sampler_spec(head: nn.Module) -> Optional[SamplerSpec]:
     return float(sampler.thresh), int(sampler.min_kept)
 
 
-def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
-    """The head's losses as :data:`LossSpec` if the chunked path computes
-    them exactly as mmseg does, else None: all with softmax or all with
-    sigmoid (one summed loss), class weights only with softmax, sigmoid not
-    on a single channel (mmseg's binary case refuses an image without
-    labels, which a batch may hold); a pixel sampler only if
-    :func:`ohem_sampler_spec` mirrors it, with softmax."""
+def _loss_spec(loss: nn.Module, head: nn.Module
+               ) -> Tuple[Optional[LossSpec], Optional[str]]:
+    """One ``loss_decode`` as :data:`LossSpec`, or why it is not one."""
     from mmseg.models.losses import CrossEntropyLoss
-    sampled = getattr(head, 'sampler', None) is not None
-    if sampled and ohem_sampler_spec(head) is None:
-        return None
+    if type(loss) is not CrossEntropyLoss:
+        return None, f'{type(loss).__name__} is not mmseg\'s CrossEntropyLoss'
+    weights = loss.class_weight
+    if loss.use_mask:
+        return None, 'CrossEntropyLoss with use_mask'
+    if loss.reduction not in ('mean', 'sum'):
+        return None, f'CrossEntropyLoss with reduction {loss.reduction!r}'
+    if loss.use_sigmoid and head.out_channels == 1:
+        return None, 'a sigmoid CrossEntropyLoss of one channel'
+    if loss.use_sigmoid and weights is not None:
+        return None, 'a sigmoid CrossEntropyLoss with class weights'
+    return (loss.loss_name, float(loss.loss_weight), loss.reduction,
+            bool(loss.avg_non_ignore), bool(loss.use_sigmoid),
+            None if weights is None else tuple(map(float, weights))), None
+
+
+def chunk_blocker(head: nn.Module) -> Optional[str]:
+    """Why :func:`chunkable_losses` refuses ``head`` (None: it does not)."""
+    sampler = getattr(head, 'sampler', None)
+    if sampler is not None and ohem_sampler_spec(head) is None:
+        return f'its pixel sampler {type(sampler).__name__} is not ' \
+            'OHEMPixelSampler with a threshold'
     losses = head.loss_decode
     losses = list(losses) if isinstance(losses, nn.ModuleList) else [losses]
     specs = []
     for loss in losses:
-        if type(loss) is not CrossEntropyLoss:
-            return None
-        weights = loss.class_weight
-        if (loss.use_mask
-                or loss.reduction not in ('mean', 'sum')
-                or (loss.use_sigmoid and (head.out_channels == 1
-                                          or weights is not None))):
-            return None
-        specs.append((loss.loss_name, float(loss.loss_weight),
-                      loss.reduction, bool(loss.avg_non_ignore),
-                      bool(loss.use_sigmoid),
-                      None if weights is None else tuple(map(float,
-                                                             weights))))
-    if len({spec[4] for spec in specs}) != 1 or (sampled and specs[0][4]):
+        spec, reason = _loss_spec(loss, head)
+        if reason is not None:
+            return reason
+        specs.append(spec)
+    if len({spec[4] for spec in specs}) != 1:
+        return 'softmax and sigmoid losses mixed'
+    if sampler is not None and specs[0][4]:
+        return 'a pixel sampler with sigmoid losses'
+    return None
+
+
+def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
+    """The head's losses as :data:`LossSpec` if the chunked path computes
+    them exactly as mmseg does, else None (:func:`chunk_blocker` says
+    why): all mmseg's ``CrossEntropyLoss`` without mask, with softmax or
+    all with sigmoid (one summed loss), class weights only with softmax,
+    sigmoid not on a single channel (mmseg's binary case refuses an image
+    without labels, which a batch may hold); a pixel sampler only if
+    :func:`ohem_sampler_spec` mirrors it, with softmax."""
+    if chunk_blocker(head) is not None:
         return None
-    return specs
+    losses = head.loss_decode
+    losses = list(losses) if isinstance(losses, nn.ModuleList) else [losses]
+    return [_loss_spec(loss, head)[0] for loss in losses]
 
 
 def _class_weight_map(logits: Tensor, label: Tensor, ignore_index: int,

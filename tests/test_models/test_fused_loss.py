@@ -320,7 +320,31 @@ def test_fallback_is_exact_and_logged_once(case, monkeypatch):
             sum(v.sum() for k, v in out.items() if 'loss' in k).backward()
     for name, p in plain.named_parameters():
         _assert_close(dict(lean.named_parameters())[name].grad, p.grad, name)
-    assert len(logged) == 1 and reason in logged[0], logged
+    fusion = [m for m in logged if 'classifier not fused' in m]
+    assert len(fusion) == 1 and reason in fusion[0], logged
+
+
+@pytest.mark.parametrize('loss, reason', [
+    (dict(type='DiceLoss'), 'DiceLoss is not mmseg\'s CrossEntropyLoss'),
+    (dict(type='CrossEntropyLoss', reduction='none'), "reduction 'none'"),
+])
+def test_whole_batch_loss_is_logged_once(loss, reason, monkeypatch):
+    """A loss the image-by-image path does not mirror runs mmseg's
+    loss_by_feat on the whole batch; the reason is logged once."""
+    lean = FCNHead(in_channels=4, channels=6, num_convs=1, num_classes=K,
+                   loss_decode=loss)
+    make_lean(lean)
+    logged = []
+    monkeypatch.setattr(lean_head, 'print_log',
+                        lambda msg, **kw: logged.append(msg))
+    monkeypatch.setattr(lean_head, '_LOGGED', set())
+    inputs, samples = _inputs([(2, 4) + LOW], 1), _samples(2, 2)
+    for _ in range(2):
+        out = lean.loss([x.clone().requires_grad_(True) for x in inputs],
+                        samples, None)
+        sum(v.sum() for k, v in out.items() if 'loss' in k).backward()
+    whole = [m for m in logged if 'whole batch' in m]
+    assert len(whole) == 1 and reason in whole[0], logged
 
 
 @pytest.mark.parametrize('case', ['ce', 'ce_and_dice'])
