@@ -22,13 +22,13 @@ Examples::
 import argparse
 import os
 import os.path as osp
-import platform
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from mmengine.config import Config, DictAction
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
+from mmseg_gf.analysis.hardware import cpu_model
 from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
                                               plot, row_config, row_settings,
                                               step_table)
@@ -160,18 +160,6 @@ def _jobs(args) -> List[Job]:
                      [(row, step_row_config(name, args.dataset, row, crop))
                       for row in args.rows]))
     return jobs
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else what ``platform`` knows."""
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:
