@@ -11,6 +11,7 @@ pytest.importorskip('mmseg')
 
 from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
                                     SMALL_SIZE, build_model)
+from tests._loss_checks import assert_same_loss_by_feat  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
@@ -167,18 +168,7 @@ def test_lean_loss_equals_mmseg_loss_by_feat(case):
         samples[2].gt_sem_seg.data[:] = 255  # an image with no label
     logits0 = torch.randn(3, 3, 5, 6, generator=torch.Generator()
                           .manual_seed(2))
-    results = []
-    for m in (head, lean):
-        logits = logits0.clone().requires_grad_(True)
-        out = m.loss_by_feat(logits * 1.0, samples)
-        sum(v for k, v in out.items() if 'loss' in k).backward()
-        results.append((out, logits.grad))
-    (want, want_grad), (got, got_grad) = results
-    assert want.keys() == got.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0)
-    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5,
-                               atol=1e-7 * float(want_grad.abs().max()))
+    assert_same_loss_by_feat(head, lean, logits0, samples)
     logits = logits0.clone().requires_grad_(True)
     bases = 2 if case == 'class_weights_two' else 1
     assert saved_tensor_bytes(

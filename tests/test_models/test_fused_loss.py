@@ -299,6 +299,15 @@ FALLBACKS = {
 }
 
 
+def _captured_logs(monkeypatch):
+    """What lean_head logs from now on (its log-once memory emptied)."""
+    logged = []
+    monkeypatch.setattr(lean_head, 'print_log',
+                        lambda msg, **kw: logged.append(msg))
+    monkeypatch.setattr(lean_head, '_LOGGED', set())
+    return logged
+
+
 @pytest.mark.parametrize('case', sorted(FALLBACKS))
 def test_fallback_is_exact_and_logged_once(case, monkeypatch):
     build, reason = FALLBACKS[case]
@@ -306,10 +315,7 @@ def test_fallback_is_exact_and_logged_once(case, monkeypatch):
     plain = build()
     lean = copy.deepcopy(plain)
     make_lean(lean)
-    logged = []
-    monkeypatch.setattr(lean_head, 'print_log',
-                        lambda msg, **kw: logged.append(msg))
-    monkeypatch.setattr(lean_head, '_LOGGED', set())
+    logged = _captured_logs(monkeypatch)
     inputs, samples = _inputs([(2, 4) + LOW], 1), _samples(2, 2)
     for head in (plain, lean):  # losses summed over pixels if not scalar
         for seed in (3, 4):
@@ -334,10 +340,7 @@ def test_whole_batch_loss_is_logged_once(loss, reason, monkeypatch):
     lean = FCNHead(in_channels=4, channels=6, num_convs=1, num_classes=K,
                    loss_decode=loss)
     make_lean(lean)
-    logged = []
-    monkeypatch.setattr(lean_head, 'print_log',
-                        lambda msg, **kw: logged.append(msg))
-    monkeypatch.setattr(lean_head, '_LOGGED', set())
+    logged = _captured_logs(monkeypatch)
     inputs, samples = _inputs([(2, 4) + LOW], 1), _samples(2, 2)
     for _ in range(2):
         out = lean.loss([x.clone().requires_grad_(True) for x in inputs],

@@ -14,6 +14,7 @@ from mmseg.structures import SegDataSample  # noqa: E402
 from mmengine.structures import PixelData  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
+from tests._loss_checks import assert_same_loss_by_feat  # noqa: E402
 from mmseg_gf.models.lean import make_lean  # noqa: E402
 from mmseg_gf.models.lean_loss import (chunkable_losses,  # noqa: E402
                                        ohem_sampler_spec)
@@ -46,18 +47,7 @@ def _compare(head, samples, seed=0):
     assert make_lean(lean) == 'loss'
     logits0 = torch.randn(len(samples), CLASSES, 5, 6,
                           generator=torch.Generator().manual_seed(seed))
-    results = []
-    for m in (head, lean):
-        logits = logits0.clone().requires_grad_(True)
-        out = m.loss_by_feat(logits * 1.0, samples)
-        sum(v for k, v in out.items() if 'loss' in k).backward()
-        results.append((out, logits.grad))
-    (want, want_grad), (got, got_grad) = results
-    assert want.keys() == got.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0)
-    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5,
-                               atol=1e-7 * float(want_grad.abs().max()))
+    assert_same_loss_by_feat(head, lean, logits0, samples)
     return lean, logits0
 
 
