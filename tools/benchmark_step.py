@@ -61,8 +61,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    'SyncBN -> BN, pretrained / init_cfg checkpoints removed '
                    '(random weights)')
     p.add_argument('--cfg-options', nargs='+', action=DictAction,
-                   help='xxx=yyy settings merged into every CONFIG and '
-                   'family config')
+                   help='xxx=yyy settings merged into every CONFIG, family '
+                   'and --models config')
     p.add_argument('--rows', nargs='+', default=list(DEFAULT_ROWS),
                    help="'inference' and gradient-filter settings: "
                    "vanilla_all, vanilla_last<N>, gf_last<N>_r<R>, "
@@ -156,9 +156,13 @@ def _jobs(args) -> List[Job]:
                      _rows(cfg, args.rows, crop)))
     for name in args.models:
         crop = tuple(args.crop or (512, 512))
-        jobs.append((name, PROTOCOL_MODELS[name].label, crop,
-                     [(row, step_row_config(name, args.dataset, row, crop))
-                      for row in args.rows]))
+        rows = []
+        for row in args.rows:
+            cfg = step_row_config(name, args.dataset, row, crop)
+            if args.cfg_options:
+                cfg.merge_from_dict(args.cfg_options)
+            rows.append((row, cfg))
+        jobs.append((name, PROTOCOL_MODELS[name].label, crop, rows))
     return jobs
 
 

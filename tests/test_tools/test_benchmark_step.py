@@ -177,3 +177,18 @@ def test_the_plot_draws_only_what_was_measured(tmp_path):
     assert not plot([result(False, False)], str(tmp_path / 'none.png'))
     assert not (tmp_path / 'none.png').exists()
     assert plot([result(True, True)], str(tmp_path / 'all.png'))
+
+
+def test_cfg_options_reach_every_kind_of_model():
+    """--cfg-options is merged into --models rows as into configs and
+    families (nothing is built)."""
+    args = benchmark_step.parse_args([
+        '--models', 'fcn_r18', '--families', 'stdc1', '--rows', 'inference',
+        'gf_last5_r4:lean', '--cfg-options',
+        'model.decode_head.dropout_ratio=0.3'])
+    jobs = benchmark_step._jobs(args)
+    assert [job[0] for job in jobs] == ['stdc1', 'fcn_r18']
+    for _, _, _, rows in jobs:
+        assert [row for row, _ in rows] == ['inference', 'gf_last5_r4:lean']
+        assert all(cfg.model.decode_head.dropout_ratio == 0.3
+                   for _, cfg in rows)
