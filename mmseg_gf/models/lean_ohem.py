@@ -151,9 +151,9 @@ def ohem_cross_entropy(logits: Tensor, label: Tensor, prob: Tensor,
             None if grad is None else (grad, 0.0)
     weight = _weight_map(label, selected, _class_weights(loss, logits),
                          logits.dtype)
-    second = resized_cross_entropy(logits, label, ignore_index=loss.ignore_label,
-                      align_corners=align_corners, weight=weight,
-                      want_grad=want_grad)
+    second = resized_cross_entropy(
+        logits, label, ignore_index=loss.ignore_label,
+        align_corners=align_corners, weight=weight, want_grad=want_grad)
     factor = float(loss.loss_weight) / count
     value = _value(float(second.loss.sum()) * factor, logits)
     return value, (second.grad, factor) if want_grad else None
@@ -165,28 +165,26 @@ def cross_entropy_loss(logits: Tensor, label: Tensor, loss: nn.Module,
     """mmseg's ``CrossEntropyLoss`` (softmax, no mask, ``'mean'`` or
     ``'sum'``) of ``logits`` upsampled to ``label``, called with
     ``ignore_index``: its value and gradient (see
-    :func:`ohem_cross_entropy`). The ``'mean'`` normaliser is mmseg's:
-    the pixel count (labelled ones with ``avg_non_ignore``) or, with class
-    weights, the sum of every label's class weight, computed as mmseg
-    computes it (it indexes the weights with ignored labels too)."""
+    :func:`ohem_cross_entropy`). The ``'mean'`` normaliser is mmseg's: the
+    pixel count (labelled ones with ``avg_non_ignore``) or, with class
+    weights, the labels' summed class weight (mmseg 1.2.2 raises an
+    IndexError there on an ignored pixel; here ignored pixels weigh 0, as
+    in :mod:`.lean_loss`)."""
     _check_labels(label, logits.shape[1], ignore_index)
     class_weight = _class_weights(loss, logits)
     valid = label != ignore_index
+    weight = _weight_map(label, valid, class_weight, logits.dtype)
     factor = float(loss.loss_weight)
     if loss.reduction == 'mean':
-        if class_weight is None:
+        if class_weight is not None:
+            pixels = float(weight.sum())
+        else:
             pixels = int(valid.sum()) if loss.avg_non_ignore \
                 else label.numel()
-        else:
-            label_weights = torch.stack([class_weight[cls] for cls in label])
-            if loss.avg_non_ignore:
-                label_weights[label == ignore_index] = 0
-            pixels = float(label_weights.sum())
         factor /= pixels + _EPS
     out = resized_cross_entropy(
         logits, label, ignore_index=ignore_index, align_corners=align_corners,
-        weight=_weight_map(label, valid, class_weight, logits.dtype),
-        want_grad=want_grad)
+        weight=weight, want_grad=want_grad)
     value = _value(float(out.loss.sum()) * factor, logits)
     return value, (out.grad, factor) if want_grad else None
 

@@ -207,3 +207,36 @@ def test_fused_classifier_keeps_less_and_is_counted(name):
     for key, g in want[2].items():
         torch.testing.assert_close(got[2][key], g, rtol=1e-5,
                                    atol=1e-6 * float(g.abs().max()))
+
+
+def test_class_weights_with_ignored_pixels():
+    """mmseg 1.2.2's CrossEntropyLoss with class weights and a mean raises
+    an IndexError on an ignored pixel; the lean loss weighs them 0: PyTorch's
+    class-weighted mean cross-entropy of the upsampled logits."""
+    import torch.nn.functional as F
+    from mmseg.registry import MODELS as SEG_MODELS
+
+    from mmseg_gf.models.lean import make_lean
+    weights = [0.5, 1.0, 2.0]
+    head = SEG_MODELS.build(
+        dict(type='FCNHead', in_channels=4, channels=4, num_convs=1,
+             num_classes=3, align_corners=False,
+             loss_decode=dict(type='CrossEntropyLoss', loss_weight=0.7,
+                              class_weight=weights)))
+    lean = copy.deepcopy(head)
+    make_lean(lean)
+    _, samples = random_batch(build_model('fcn_r18'), (20, 24), 2,
+                              label_block=3)
+    samples[0].gt_sem_seg.data[:, :5] = 255
+    logits = torch.randn(2, 3, 5, 6, generator=torch.Generator()
+                         .manual_seed(3))
+    with pytest.raises(IndexError):
+        head.loss_by_feat(logits, samples)
+    label = torch.cat([s.gt_sem_seg.data for s in samples])
+    up = F.interpolate(logits, size=label.shape[-2:], mode='bilinear',
+                       align_corners=False)
+    want = 0.7 * F.cross_entropy(up, label, weight=torch.tensor(weights),
+                                 ignore_index=255)
+    leaf = logits.clone().requires_grad_(True)
+    got = lean.loss_by_feat(leaf * 1.0, samples)['loss_ce']
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

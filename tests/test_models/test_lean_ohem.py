@@ -216,14 +216,22 @@ def test_pid_head_ignored_pixels_without_class_weights(dtype):
                 _samples(ignored=0.3))
 
 
-def test_pid_head_class_weights_with_ignored_pixels_fail_as_mmseg():
+def test_pid_head_class_weights_with_ignored_pixels():
+    """mmseg 1.2.2's CrossEntropyLoss with class weights raises an
+    IndexError on an ignored pixel; the lean loss weighs them 0: PyTorch's
+    class-weighted mean cross-entropy of the upsampled logits."""
     head = pid_head()
     samples = _samples(ignored=0.3)
     logits = _head_logits(head, torch.float32)
     with pytest.raises(IndexError):
         head.loss_by_feat(logits, samples)
-    with pytest.raises(IndexError):
-        lean_head_losses(head, logits, samples)
+    got = lean_head_losses(head, logits, samples)['loss_sem_p']
+    label = head._stack_batch_gt(samples)[0][:, 0]
+    up = F.interpolate(logits[0], size=label.shape[-2:], mode='bilinear',
+                       align_corners=head.align_corners)
+    want = 0.4 * F.cross_entropy(up, label, weight=torch.tensor(WEIGHTS),
+                                 ignore_index=255)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
