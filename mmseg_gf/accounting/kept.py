@@ -50,7 +50,7 @@ Concatenations, additions and bilinear resizes keep nothing.
 tensors.
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -203,15 +203,18 @@ def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
 
 def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
                     out: torch.Tensor,
-                    shared: Dict[int, str]) -> Optional[SavedItem]:
+                    shared: Dict[int, Tuple[str, Any]]
+                    ) -> Optional[SavedItem]:
     """What one recorded leaf module keeps (None: nothing).
 
     Args:
         path: its module path.
         module: the module, in the state it runs in.
         x, out: its first input and its output.
-        shared: storage -> path of the exact convs counted so far (convs
-            sharing an input share what they keep); updated.
+        shared: storage address -> (path, storage) of the exact convs
+            counted so far (convs sharing an input share what they keep);
+            updated. Holding the storage keeps its address from being
+            reused by a later tensor while the trace runs.
 
     Raises:
         LookupError: no rule covers this module.
@@ -220,10 +223,10 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
         item = _conv_item(path, module, x, out)
         if item is not None and item.elements == x[0].numel():
             # exact convs keep their input tensor itself: once per tensor
-            key = x.untyped_storage().data_ptr()
-            if key in shared:
+            storage = x.untyped_storage()
+            if storage.data_ptr() in shared:
                 return None
-            shared[key] = path
+            shared[storage.data_ptr()] = (path, storage)
         return item
     kind = lean_kind(module) if is_lean(module) else None
     trained = any(p.requires_grad for p in module.parameters())
@@ -298,7 +301,7 @@ def _mark_estimates(items: List[SavedItem],
 
 def kept_by_call(model: nn.Module, path: str, module: nn.Module,
                  x: torch.Tensor, out: torch.Tensor,
-                 shared: Dict[int, str]
+                 shared: Dict[int, Tuple[str, Any]]
                  ) -> Tuple[List[SavedItem], bool]:
     """Everything one recorded call keeps: its own item and, for a head's
     classifier whose head computes a lean loss, what that loss keeps

@@ -285,7 +285,7 @@ class _Recorder:
         self.is_classifier = is_classifier
         self.tags: Dict[Any, int] = {}
         self.memo: Dict[Any, int] = {}
-        self.shared: Dict[int, str] = {}
+        self.shared: Dict[int, Tuple[str, Any]] = {}
         self.alive: Dict[int, Lifetime] = {}
         self.tracer: Optional[StepTracer] = None
         self.unmodelled = UnmodelledBytes.of(probe)

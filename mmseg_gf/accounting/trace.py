@@ -379,7 +379,7 @@ def _traced_step(model: nn.Module, size: Sequence[int], batch: int
     """One traced step at ``batch``: the rules' items (per image) and the
     measured bytes of what no rule covers, ``(path, kind) -> bytes``."""
     items: List[SavedItem] = []
-    shared: Dict[int, str] = {}
+    shared: Dict[int, Tuple[str, Any]] = {}
     unmodelled = UnmodelledBytes.of(model)
 
     def on_call(call: ModuleCall) -> None:

@@ -220,3 +220,22 @@ def test_own_loss_heads_are_measured(family):
     measured = _measured(model, (128, 128))
     assert abs(counted.total(BATCH) / measured - 1) <= 0.03, (
         counted.total(BATCH), measured)
+
+
+def test_exact_conv_input_stays_held_while_the_trace_runs():
+    """An exact conv's input is remembered by its storage address (convs
+    sharing an input keep it once); the storage itself is held, so that
+    no later tensor of the trace can take that address and be taken for
+    an input already counted."""
+    from torch import nn
+
+    from mmseg_gf.accounting.kept import item_for_module
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    shared = {}
+    x = torch.randn(1, 3, 48, 48)
+    assert item_for_module('conv', conv, x, conv(x), shared) is not None
+    ptr = x.untyped_storage().data_ptr()
+    del x
+    path, storage = shared[ptr]
+    assert path == 'conv' and storage.data_ptr() == ptr
+    assert storage.nbytes() == 3 * 48 * 48 * 4
