@@ -337,11 +337,19 @@ def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
         n, k, c = shape[0], weight.shape[0], weight.shape[1]
         g = g_z.reshape(n, k, -1)
         w = weight.reshape(k, c)
+        # One product per image, written in place: torch.matmul of a
+        # matrix and a batch transposes its result into a copy.
         if layout is torch.channels_last:
             out = g_z.new_empty((n, shape[2], shape[3], c))
-            torch.matmul(g.transpose(1, 2), w, out=out.view(n, -1, c))
+            rows = out.view(n, -1, c)
+            for i in range(n):
+                torch.mm(g[i].t(), w, out=rows[i])
             return out.permute(0, 3, 1, 2)
-        return torch.matmul(w.t(), g).view(n, c, shape[2], shape[3])
+        out = g_z.new_empty((n, c, shape[2], shape[3]))
+        planes = out.view(n, c, -1)
+        for i in range(n):
+            torch.mm(w.t(), g[i], out=planes[i])
+        return out
     extra = []
     for i in range(2):
         reach = (g_z.shape[2 + i] - 1) * spec.stride[i] - \

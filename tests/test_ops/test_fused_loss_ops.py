@@ -108,3 +108,32 @@ def test_loss_gradients_refuses_what_it_cannot_keep():
     with pytest.raises(ValueError, match='trainable parameters'):
         loss_gradients(lambda t: {'loss': (t * weight).sum()}, [z],
                        [weight])
+
+
+@pytest.mark.parametrize('layout', [torch.contiguous_format,
+                                    torch.channels_last])
+def test_pointwise_classifier_gradients_copy_nothing(layout):
+    """A 1x1 classifier's g_x, g_W and g_b are matrix products that read
+    x and write g_x in x's layout: equal to autograd's, no copy."""
+    from mmseg_gf.ops.fused_loss import (input_gradient,
+                                         weight_and_bias_gradients)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 9, 11, generator=gen).contiguous(
+        memory_format=layout)
+    layer = torch.nn.Conv2d(16, 5, 1)
+    g_z = torch.randn(2, 5, 9, 11, generator=gen)
+    spec = ConvSpec.of(layer)
+    with torch.profiler.profile() as prof:
+        g_x = input_gradient(g_z, layer.weight.detach(), x.shape, spec,
+                             layout)
+        g_w, g_b = weight_and_bias_gradients(x, layer.weight.detach(), g_z,
+                                             spec, True)
+    copies = [e.name for e in prof.events()
+              if e.name in ('aten::clone', 'aten::contiguous', 'aten::copy_')]
+    assert not copies
+    leaf = x.clone(memory_format=layout).requires_grad_(True)
+    layer(leaf).backward(g_z)
+    assert g_x.is_contiguous(memory_format=layout)
+    torch.testing.assert_close(g_x, leaf.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_w, layer.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_b, layer.bias.grad, rtol=1e-5, atol=1e-5)
