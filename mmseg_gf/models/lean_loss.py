@@ -1,5 +1,5 @@
-"""mmseg's cross-entropy decode loss (softmax or sigmoid), one image at a
-time, its gradient taken in the forward.
+"""mmseg's cross-entropy decode loss (softmax or sigmoid) with its gradient
+taken in the forward, without the batch's upsampled logits.
 
 ``BaseDecodeHead.loss_by_feat`` upsamples the whole batch's logits to the
 label size and takes the loss of that: at 512x512, batch 8 and 21 classes,
@@ -24,7 +24,9 @@ only the label probabilities (``N x H x W``), then weigh the loss's pass.
 The numbers are mmseg's: the same per-pixel cross-entropy (for sigmoid,
 mmseg's ``binary_cross_entropy`` on one-hot labels, summed) and class
 weights, the same normaliser (``avg_non_ignore``, ``loss_weight``, ``+
-eps``) and the same accuracy; only the sum over pixels is taken per image
+eps``; with class weights the labels' summed class weight, where mmseg
+1.2.2 raises an IndexError on an ignored pixel and ignored pixels weigh 0
+here) and the same accuracy; only the sum over pixels is taken per image
 (in float64 on the softmax path) and then added, which rounds differently
 from one sum (relative differences ~1e-7).
 """
