@@ -305,6 +305,8 @@ def own_loss_producer(head: nn.Module, plain_class: type, seg_logits,
         from mmseg.models.losses import BoundaryLoss
     except ImportError:
         return None
+    if plain_class not in (PIDHead, DDRHead):
+        return None
     losses = _loss_list(head)
     ignore = head.ignore_index
     count = len(seg_logits) if isinstance(seg_logits, (tuple, list)) else 0
