@@ -121,6 +121,17 @@ class _Entry:
     trained: bool
     path: str
     seq: int = 0
+    #: the call from which the traced forward no longer holds the kept
+    #: storage itself (a measured storage that is a live tensor of the
+    #: forward, e.g. a GroupNorm's input, is in the trace's live bytes
+    #: until then); None: ``seq``; -1: never (it outlives the trace)
+    live_from: Optional[int] = None
+
+    def forward_seq(self) -> Optional[int]:
+        """The call from which the forward's live bytes lack it."""
+        if self.live_from is None:
+            return self.seq
+        return None if self.live_from < 0 else max(self.seq, self.live_from)
 
     def counted(self, first: int) -> bool:
         """Autograd records it when training from candidate ``first``."""
@@ -210,8 +221,9 @@ class StepCostProfile:
 
     def workspace(self, conv: ConvProfile, radius: int,
                   need_input_grad: bool, batch: int) -> int:
-        """Scratch bytes of one filtered conv's backward beyond its
-        results, linear in the batch from runs at batch 1 and 2 of the conv
+        """Scratch bytes of one filtered conv's backward beyond its output's
+        gradient and its results (negative where these are not all alive
+        at once: :func:`~.peak.backward_scratch`), linear in the batch from runs at batch 1 and 2 of the conv
         alone (measured once per conv geometry and radius: convs of one
         shape, as in a ResNet stage, share it)."""
         in_shape = conv.geometry.in_shape
@@ -221,25 +233,31 @@ class StepCostProfile:
                 backward_scratch(conv.module, in_shape, radius,
                                  need_input_grad, n) for n in (1, 2))
         one, two = self.workspaces[key]
-        return max(0, one + (batch - 1) * (two - one))
+        return one + (batch - 1) * (two - one)
 
     def _peak(self, first: int, radii: Dict[str, int], batch: int) -> int:
         """:func:`~.peak.step_peak` of training from candidate ``first``."""
         n = len(self.live)
         kept, grads, scratch = [0] * n, [0] * n, [0] * n
+        forward_kept = [0] * n
         for conv in self.convs[first:]:
             r = radii[conv.path]
             kept[conv.seq] += conv.cost(r, first).gf_saved_bytes * batch
+            forward_kept[conv.seq] += conv.cost(r, first).gf_saved_bytes * \
+                batch
             grads[conv.seq] += 4 * conv.params
             scratch[conv.seq] = self.workspace(conv, r, conv.upstream >= first,
                                                batch)
         for e in self.entries:
             if e.counted(first):
                 kept[e.seq] += e.item.nbytes(batch)
+                at = e.forward_seq()
+                if at is not None and at < n:
+                    forward_kept[at] += e.item.nbytes(batch)
         for _, _, seq in self.classifiers:
             grads[seq] += 4 * self.classifier_params // len(self.classifiers)
         return step_peak(self.live, kept, grads, scratch, self.tensors, first,
-                         self.convs[first].seq, batch)
+                         self.convs[first].seq, batch, forward_kept)
 
 
 def _max_upstream(tensor: torch.Tensor, tags: Dict[Any, int],
@@ -290,6 +308,7 @@ class _Recorder:
         self.tracer: Optional[StepTracer] = None
         self.unmodelled = UnmodelledBytes.of(probe)
         self.pack_upstream: Dict[int, Tuple[int, bool]] = {}
+        self.pack_freed: Dict[int, int] = {}
 
     def upstream(self, tensor: torch.Tensor) -> int:
         return _max_upstream(tensor, self.tags, self.memo)
@@ -374,6 +393,14 @@ class _Recorder:
         trained = any(t.requires_grad and t.grad_fn is None for t in inputs)
         kept = self.unmodelled.on_pack(pack)
         self.pack_upstream[id(kept)] = (upstream, trained)
+        # when the trace frees the saved tensor (it keeps nothing itself):
+        # until then the forward's live bytes hold it
+        tracer, freed = self.tracer, self.pack_freed
+
+        def on_free(key=id(kept)):
+            freed[key] = tracer.seq
+
+        weakref.finalize(pack.tensor, on_free)
 
     def measured_entries(self) -> List[_Entry]:
         """One entry per storage no rule covers, counted once any of the
@@ -382,11 +409,15 @@ class _Recorder:
         for packs in self.unmodelled.by_storage():
             marks = [self.pack_upstream[id(p)] for p in packs]
             first = packs[0]
+            constant = self.unmodelled.is_constant(first)
+            freed = [self.pack_freed.get(id(p), -1) for p in packs]
             entries.append(_Entry(
                 measured_item(first.owner, first.kind, first.nbytes,
-                              self.unmodelled.is_constant(first)),
+                              constant),
                 max(u for u, _ in marks), any(t for _, t in marks),
-                first.owner, first.seq))
+                first.owner, first.seq,
+                live_from=None if constant else (
+                    -1 if min(freed) < 0 else max(freed))))
         return entries
 
 
