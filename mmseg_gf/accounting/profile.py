@@ -126,12 +126,17 @@ class _Entry:
     #: forward, e.g. a GroupNorm's input, is in the trace's live bytes
     #: until then); None: ``seq``; -1: never (it outlives the trace)
     live_from: Optional[int] = None
+    #: the storage of a Parameter or buffer (a view of a weight saved by a
+    #: product): kept bytes, but alive before the step, so never in its
+    #: live bytes
+    resident: bool = False
 
     def forward_seq(self) -> Optional[int]:
         """The call from which the forward's live bytes lack it."""
         if self.live_from is None:
             return self.seq
-        return None if self.live_from < 0 else max(self.seq, self.live_from)
+        return None if self.live_from < 0 else max(self.seq,
+                                                   self.live_from + 1)
 
     def counted(self, first: int) -> bool:
         """Autograd records it when training from candidate ``first``."""
@@ -249,7 +254,7 @@ class StepCostProfile:
             scratch[conv.seq] = self.workspace(conv, r, conv.upstream >= first,
                                                batch)
         for e in self.entries:
-            if e.counted(first):
+            if e.counted(first) and not e.resident:
                 kept[e.seq] += e.item.nbytes(batch)
                 at = e.forward_seq()
                 if at is not None and at < n:
@@ -400,7 +405,9 @@ class _Recorder:
         def on_free(key=id(kept)):
             freed[key] = tracer.seq
 
-        weakref.finalize(pack.tensor, on_free)
+        # (a view made for the save dies at once: follow its base)
+        base = pack.tensor._base
+        weakref.finalize(pack.tensor if base is None else base, on_free)
 
     def measured_entries(self) -> List[_Entry]:
         """One entry per storage no rule covers, counted once any of the
@@ -417,7 +424,8 @@ class _Recorder:
                 max(u for u, _ in marks), any(t for _, t in marks),
                 first.owner, first.seq,
                 live_from=None if constant else (
-                    -1 if min(freed) < 0 else max(freed))))
+                    -1 if min(freed) < 0 else max(freed)),
+                resident=constant))
         return entries
 
 
