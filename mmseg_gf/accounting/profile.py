@@ -387,14 +387,19 @@ class _Recorder:
         """A saved tensor: held (unless a candidate saved it) with the last
         candidate behind the inputs of the operation saving it: the
         operation records once that candidate is trained (or always, when
-        an input is a trained Parameter). Counted whenever the operation
-        records: a tensor an operation saves only for another input's
-        gradient (the gate of ``x * gate``, for ``x``'s) is over-counted
-        for the settings where that input needs none."""
+        an input is a trained Parameter). An operation with several
+        activation inputs saves one of them for the others' gradients
+        (``x * gate`` keeps ``gate`` for ``x``'s gradient and ``x`` for
+        ``gate``'s): such a tensor is counted by the last candidate behind
+        the other activation inputs. A tensor saved by an operation whose
+        other inputs are Parameters (a norm's input) is counted by its
+        own."""
         if pack.module in self.index:
             return
         inputs = list(pack.inputs) or [pack.tensor]
-        upstream = max(self.upstream(t) for t in inputs)
+        others = [t for t in inputs if not isinstance(t, nn.Parameter)
+                  and t.untyped_storage().data_ptr() != pack.ptr]
+        upstream = max(self.upstream(t) for t in (others or inputs))
         trained = any(t.requires_grad and t.grad_fn is None for t in inputs)
         kept = self.unmodelled.on_pack(pack)
         self.pack_upstream[id(kept)] = (upstream, trained)
