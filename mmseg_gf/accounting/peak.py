@@ -31,6 +31,19 @@ class Lifetime:
     upstream: int
     nbytes: int
     freed: Optional[int] = None
+    #: the last call during which an operation or a module call read it
+    #: (or a view of it); None: not seen
+    last_use: Optional[int] = None
+
+    def end(self, n: int) -> int:
+        """The first call at which its gradient is no longer alive in the
+        mirrored backward: after its last use (autograd makes the gradient
+        at the backward of its last consumer), at the latest where the
+        trace freed it (``n``: it outlived the trace)."""
+        end = n if self.freed is None else self.freed
+        if self.last_use is not None:
+            end = min(end, max(self.made, self.last_use) + 1)
+        return end
 
 
 def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
@@ -72,7 +85,7 @@ def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
     for t in tensors:
         if t.upstream >= first:
             mirrored[t.made] += t.nbytes * batch
-            mirrored[n if t.freed is None else t.freed] -= t.nbytes * batch
+            mirrored[t.end(n)] -= t.nbytes * batch
     after = sum(grads)
     peak = after
     held = gradients = extra = 0

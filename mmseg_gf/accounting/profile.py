@@ -228,9 +228,10 @@ class StepCostProfile:
                   need_input_grad: bool, batch: int) -> int:
         """Scratch bytes of one filtered conv's backward beyond its output's
         gradient and its results (negative where these are not all alive
-        at once: :func:`~.peak.backward_scratch`), linear in the batch from runs at batch 1 and 2 of the conv
-        alone (measured once per conv geometry and radius: convs of one
-        shape, as in a ResNet stage, share it)."""
+        at once: :func:`~.peak.backward_scratch`), linear in the batch
+        from runs at batch 1 and 2 of the conv alone (measured once per
+        conv geometry and radius: convs of one shape, as in a ResNet
+        stage, share it)."""
         in_shape = conv.geometry.in_shape
         key = scratch_key(conv.module, in_shape, radius, need_input_grad)
         if key not in self.workspaces:
@@ -314,6 +315,7 @@ class _Recorder:
         self.unmodelled = UnmodelledBytes.of(probe)
         self.pack_upstream: Dict[int, Tuple[int, bool]] = {}
         self.pack_freed: Dict[int, int] = {}
+        self.by_storage: Dict[int, List[Lifetime]] = {}
 
     def upstream(self, tensor: torch.Tensor) -> int:
         return _max_upstream(tensor, self.tags, self.memo)
@@ -325,13 +327,30 @@ class _Recorder:
         life = Lifetime(seq, upstream, output.nbytes)
         self.profile.tensors.append(life)
         self.alive[id(output)] = life
-        tracer, alive = self.tracer, self.alive
+        ptr = output.untyped_storage().data_ptr()
+        self.by_storage.setdefault(ptr, []).append(life)
+        tracer, alive, by_storage = self.tracer, self.alive, self.by_storage
 
-        def freed(key=id(output), life=life):
+        def freed(key=id(output), life=life, ptr=ptr):
             life.freed = tracer.seq
             alive.pop(key, None)
+            lives = by_storage.get(ptr, [])
+            if life in lives:
+                lives.remove(life)
 
         weakref.finalize(output, freed)
+
+    def use(self, tensors, seq: Optional[int] = None) -> None:
+        """Tensors read by an operation (or a module call) running during
+        call ``seq`` (default: the call running now): the last use of the
+        tracked tensors they are (or are views of)."""
+        if seq is None:
+            seq = self.tracer.seq
+        for t in tensors:
+            for life in self.by_storage.get(
+                    t.untyped_storage().data_ptr(), ()):
+                if life.last_use is None or life.last_use < seq:
+                    life.last_use = seq
 
     def __call__(self, call: ModuleCall) -> None:
         if not isinstance(call.output, torch.Tensor):
@@ -351,6 +370,7 @@ class _Recorder:
         # here first
         upstream = self.upstream(call.x)
         self.track(call.x, call.seq, upstream)
+        self.use([call.x], call.seq)
         self.tags[out.grad_fn] = i
         self.track(out, call.seq, i)
         if all(c.index != i for c in self.profile.convs):
@@ -368,6 +388,7 @@ class _Recorder:
         x, out = call.x, call.output
         upstream = self.upstream(x)
         self.track(x, call.seq, upstream)
+        self.use([x], call.seq)
         self.track(out, call.seq, max(upstream, self.upstream(out)))
         items, modelled = kept_by_call(self.probe, call.path, call.module, x,
                                        out, self.shared)
@@ -391,9 +412,9 @@ class _Recorder:
         activation inputs saves one of them for the others' gradients
         (``x * gate`` keeps ``gate`` for ``x``'s gradient and ``x`` for
         ``gate``'s): such a tensor is counted by the last candidate behind
-        the other activation inputs. A tensor saved by an operation whose
-        other inputs are Parameters (a norm's input) is counted by its
-        own."""
+        the other activation inputs. A tensor saved by an operation without
+        another activation input (GELU's or a norm's input) is counted by
+        its own."""
         if pack.module in self.index:
             return
         inputs = list(pack.inputs) or [pack.tensor]
@@ -461,6 +482,7 @@ def profile_step_costs(probe: nn.Module, candidates: Sequence[nn.Module],
     tracer = StepTracer(probe, recorder, marks=True,
                         on_pack=recorder.on_pack, operations=True)
     recorder.tracer = tracer
+    tracer.operations.on_use = recorder.use
     with tracer.hooked():
         tracer.step(random_batch(probe, size, 1), keep_saved=False)
         tracer.recording = False
