@@ -56,11 +56,11 @@ def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
     Forward: during module call ``k``, the traced forward's live bytes
     (linear in the batch, from the batch-1 and batch-2 traces ``live``, so
     that the per-image chunk of the loss stays one image) plus everything
-    kept for backward by calls up to ``k`` (``kept``). Backward mirrors the
-    forward: the gradient of a tensor lives from its consumers' backward to
-    its producer's, as the tensor lived from its producer to its consumers;
-    at call ``k`` the gradients of the tensors that need one (``tensors``
-    whose upstream conv is trained, index >= ``first``) and were alive
+    kept for backward by calls up to ``k`` (``forward_kept``). Backward
+    mirrors the forward: the gradient of a tensor lives from the backward
+    of its last use to its producer's (:meth:`Lifetime.end`); at call ``k``
+    the gradients of the tensors that need one (``tensors`` whose upstream
+    conv is trained, index >= ``first``) and were made and still used
     there, what calls up to ``k`` kept, and the parameter gradients
     (``grads``) of the trained layers from ``k`` on are held, and during a
     filtered conv's backward its kernel's ``scratch``.
