@@ -31,22 +31,36 @@ class Lifetime:
     upstream: int
     nbytes: int
     freed: Optional[int] = None
+    #: the last call during which an operation or a module call read it
+    #: (or a view of it); None: not seen
+    last_use: Optional[int] = None
+
+    def end(self, n: int) -> int:
+        """The first call at which its gradient is no longer alive in the
+        mirrored backward: after its last use (autograd makes the gradient
+        at the backward of its last consumer), at the latest where the
+        trace freed it (``n``: it outlived the trace)."""
+        end = n if self.freed is None else self.freed
+        if self.last_use is not None:
+            end = min(end, max(self.made, self.last_use) + 1)
+        return end
 
 
 def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
               grads: List[int], scratch: List[int],
               tensors: Sequence[Lifetime], first: int, start: int,
-              batch: int) -> int:
+              batch: int,
+              forward_kept: Optional[List[int]] = None) -> int:
     """The step's peak of live tensor bytes, predicted.
 
     Forward: during module call ``k``, the traced forward's live bytes
     (linear in the batch, from the batch-1 and batch-2 traces ``live``, so
     that the per-image chunk of the loss stays one image) plus everything
-    kept for backward by calls up to ``k`` (``kept``). Backward mirrors the
-    forward: the gradient of a tensor lives from its consumers' backward to
-    its producer's, as the tensor lived from its producer to its consumers;
-    at call ``k`` the gradients of the tensors that need one (``tensors``
-    whose upstream conv is trained, index >= ``first``) and were alive
+    kept for backward by calls up to ``k`` (``forward_kept``). Backward
+    mirrors the forward: the gradient of a tensor lives from the backward
+    of its last use to its producer's (:meth:`Lifetime.end`); at call ``k``
+    the gradients of the tensors that need one (``tensors`` whose upstream
+    conv is trained, index >= ``first``) and were made and still used
     there, what calls up to ``k`` kept, and the parameter gradients
     (``grads``) of the trained layers from ``k`` on are held, and during a
     filtered conv's backward its kernel's ``scratch``.
@@ -59,22 +73,29 @@ def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
         first: index of the first trained candidate conv.
         start: the call of that conv (the backward ends there).
         batch: images per step.
+        forward_kept: ``kept`` as the forward adds it to the traced live
+            bytes: a kept storage that the traced forward still holds (a
+            measured module input) from the call where the trace frees it
+            (default ``kept``).
     """
     n = len(live)
+    if forward_kept is None:
+        forward_kept = kept
     mirrored = [0] * (n + 1)
     for t in tensors:
         if t.upstream >= first:
             mirrored[t.made] += t.nbytes * batch
-            mirrored[n if t.freed is None else t.freed] -= t.nbytes * batch
+            mirrored[t.end(n)] -= t.nbytes * batch
     after = sum(grads)
     peak = after
-    held = gradients = 0
+    held = gradients = extra = 0
     for k, (one, two) in enumerate(live):
         held += kept[k]
+        extra += forward_kept[k]
         after -= grads[k]
         gradients += mirrored[k]
         forward = one + (batch - 1) * (two - one)
-        peak = max(peak, forward + held)
+        peak = max(peak, forward + extra)
         if k >= start:
             # during call k's backward its own parameter gradient is made
             # while its output's gradient is still alive
@@ -94,20 +115,28 @@ def scratch_key(conv: nn.Conv2d, in_shape: Sequence[int], radius: int,
 
 def backward_scratch(conv: nn.Conv2d, in_shape: Sequence[int], radius: int,
                      need_input_grad: bool, batch: int) -> int:
-    """Peak bytes one filtered conv's backward allocates beyond its
-    results (``g_x``, ``g_W``), on random data of the conv's shapes."""
+    """Peak bytes of one filtered conv's backward beyond its output's
+    gradient ``g_y`` and its results (``g_x``, ``g_W``) all alive at once,
+    on random data of the conv's shapes; negative where they are not: the
+    filtered backward's weight gradient leaves the conv's node as a
+    broadcast view of its patch-grid sum, and is made full-size by the
+    parameter's gradient accumulation after the node returned and
+    ``g_y`` was freed.
+
+    ``g_y`` is made inside the measured step (the gradient of
+    ``(y * w).sum()``), so that it is freed as in a training step."""
     module = GFConv2d.from_conv(copy.deepcopy(conv), radius)
     for p in module.parameters():
         p.requires_grad_(True)
     x = torch.randn((batch, ) + tuple(in_shape),
                     requires_grad=need_input_grad)
     y = module(x)
-    grad = torch.randn_like(y)
+    w = torch.randn_like(y)
     results = sum(p.numel() * p.element_size()
-                  for p in module.parameters())
+                  for p in module.parameters()) + y.numel() * y.element_size()
     if need_input_grad:
         results += x.numel() * x.element_size()
     peak = max(live_bytes_by_interval(
-        lambda: torch.autograd.backward(y, grad), marker=None,
+        lambda: torch.autograd.backward((y * w).sum()), marker=None,
         collect=False))
-    return max(0, peak - results)
+    return peak - results

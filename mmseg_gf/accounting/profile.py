@@ -121,6 +121,22 @@ class _Entry:
     trained: bool
     path: str
     seq: int = 0
+    #: the call from which the traced forward no longer holds the kept
+    #: storage itself (a measured storage that is a live tensor of the
+    #: forward, e.g. a GroupNorm's input, is in the trace's live bytes
+    #: until then); None: ``seq``; -1: never (it outlives the trace)
+    live_from: Optional[int] = None
+    #: the storage of a Parameter or buffer (a view of a weight saved by a
+    #: product): kept bytes, but alive before the step, so never in its
+    #: live bytes
+    resident: bool = False
+
+    def forward_seq(self) -> Optional[int]:
+        """The call from which the forward's live bytes lack it."""
+        if self.live_from is None:
+            return self.seq
+        return None if self.live_from < 0 else max(self.seq,
+                                                   self.live_from + 1)
 
     def counted(self, first: int) -> bool:
         """Autograd records it when training from candidate ``first``."""
@@ -210,10 +226,12 @@ class StepCostProfile:
 
     def workspace(self, conv: ConvProfile, radius: int,
                   need_input_grad: bool, batch: int) -> int:
-        """Scratch bytes of one filtered conv's backward beyond its
-        results, linear in the batch from runs at batch 1 and 2 of the conv
-        alone (measured once per conv geometry and radius: convs of one
-        shape, as in a ResNet stage, share it)."""
+        """Scratch bytes of one filtered conv's backward beyond its output's
+        gradient and its results (negative where these are not all alive
+        at once: :func:`~.peak.backward_scratch`), linear in the batch
+        from runs at batch 1 and 2 of the conv alone (measured once per
+        conv geometry and radius: convs of one shape, as in a ResNet
+        stage, share it)."""
         in_shape = conv.geometry.in_shape
         key = scratch_key(conv.module, in_shape, radius, need_input_grad)
         if key not in self.workspaces:
@@ -221,25 +239,31 @@ class StepCostProfile:
                 backward_scratch(conv.module, in_shape, radius,
                                  need_input_grad, n) for n in (1, 2))
         one, two = self.workspaces[key]
-        return max(0, one + (batch - 1) * (two - one))
+        return one + (batch - 1) * (two - one)
 
     def _peak(self, first: int, radii: Dict[str, int], batch: int) -> int:
         """:func:`~.peak.step_peak` of training from candidate ``first``."""
         n = len(self.live)
         kept, grads, scratch = [0] * n, [0] * n, [0] * n
+        forward_kept = [0] * n
         for conv in self.convs[first:]:
             r = radii[conv.path]
             kept[conv.seq] += conv.cost(r, first).gf_saved_bytes * batch
+            forward_kept[conv.seq] += conv.cost(r, first).gf_saved_bytes * \
+                batch
             grads[conv.seq] += 4 * conv.params
             scratch[conv.seq] = self.workspace(conv, r, conv.upstream >= first,
                                                batch)
         for e in self.entries:
-            if e.counted(first):
+            if e.counted(first) and not e.resident:
                 kept[e.seq] += e.item.nbytes(batch)
+                at = e.forward_seq()
+                if at is not None and at < n:
+                    forward_kept[at] += e.item.nbytes(batch)
         for _, _, seq in self.classifiers:
             grads[seq] += 4 * self.classifier_params // len(self.classifiers)
         return step_peak(self.live, kept, grads, scratch, self.tensors, first,
-                         self.convs[first].seq, batch)
+                         self.convs[first].seq, batch, forward_kept)
 
 
 def _max_upstream(tensor: torch.Tensor, tags: Dict[Any, int],
@@ -290,6 +314,8 @@ class _Recorder:
         self.tracer: Optional[StepTracer] = None
         self.unmodelled = UnmodelledBytes.of(probe)
         self.pack_upstream: Dict[int, Tuple[int, bool]] = {}
+        self.pack_freed: Dict[int, int] = {}
+        self.by_storage: Dict[int, List[Lifetime]] = {}
 
     def upstream(self, tensor: torch.Tensor) -> int:
         return _max_upstream(tensor, self.tags, self.memo)
@@ -301,13 +327,30 @@ class _Recorder:
         life = Lifetime(seq, upstream, output.nbytes)
         self.profile.tensors.append(life)
         self.alive[id(output)] = life
-        tracer, alive = self.tracer, self.alive
+        ptr = output.untyped_storage().data_ptr()
+        self.by_storage.setdefault(ptr, []).append(life)
+        tracer, alive, by_storage = self.tracer, self.alive, self.by_storage
 
-        def freed(key=id(output), life=life):
+        def freed(key=id(output), life=life, ptr=ptr):
             life.freed = tracer.seq
             alive.pop(key, None)
+            lives = by_storage.get(ptr, [])
+            if life in lives:
+                lives.remove(life)
 
         weakref.finalize(output, freed)
+
+    def use(self, tensors, seq: Optional[int] = None) -> None:
+        """Tensors read by an operation (or a module call) running during
+        call ``seq`` (default: the call running now): the last use of the
+        tracked tensors they are (or are views of)."""
+        if seq is None:
+            seq = self.tracer.seq
+        for t in tensors:
+            for life in self.by_storage.get(
+                    t.untyped_storage().data_ptr(), ()):
+                if life.last_use is None or life.last_use < seq:
+                    life.last_use = seq
 
     def __call__(self, call: ModuleCall) -> None:
         if not isinstance(call.output, torch.Tensor):
@@ -327,6 +370,7 @@ class _Recorder:
         # here first
         upstream = self.upstream(call.x)
         self.track(call.x, call.seq, upstream)
+        self.use([call.x], call.seq)
         self.tags[out.grad_fn] = i
         self.track(out, call.seq, i)
         if all(c.index != i for c in self.profile.convs):
@@ -344,6 +388,7 @@ class _Recorder:
         x, out = call.x, call.output
         upstream = self.upstream(x)
         self.track(x, call.seq, upstream)
+        self.use([x], call.seq)
         self.track(out, call.seq, max(upstream, self.upstream(out)))
         items, modelled = kept_by_call(self.probe, call.path, call.module, x,
                                        out, self.shared)
@@ -363,17 +408,32 @@ class _Recorder:
         """A saved tensor: held (unless a candidate saved it) with the last
         candidate behind the inputs of the operation saving it: the
         operation records once that candidate is trained (or always, when
-        an input is a trained Parameter). Counted whenever the operation
-        records: a tensor an operation saves only for another input's
-        gradient (the gate of ``x * gate``, for ``x``'s) is over-counted
-        for the settings where that input needs none."""
+        an input is a trained Parameter). An operation with several
+        activation inputs saves one of them for the others' gradients
+        (``x * gate`` keeps ``gate`` for ``x``'s gradient and ``x`` for
+        ``gate``'s): such a tensor is counted by the last candidate behind
+        the other activation inputs. A tensor saved by an operation without
+        another activation input (GELU's or a norm's input) is counted by
+        its own."""
         if pack.module in self.index:
             return
         inputs = list(pack.inputs) or [pack.tensor]
-        upstream = max(self.upstream(t) for t in inputs)
+        others = [t for t in inputs if not isinstance(t, nn.Parameter)
+                  and t.untyped_storage().data_ptr() != pack.ptr]
+        upstream = max(self.upstream(t) for t in (others or inputs))
         trained = any(t.requires_grad and t.grad_fn is None for t in inputs)
         kept = self.unmodelled.on_pack(pack)
         self.pack_upstream[id(kept)] = (upstream, trained)
+        # when the trace frees the saved tensor (it keeps nothing itself):
+        # until then the forward's live bytes hold it
+        tracer, freed = self.tracer, self.pack_freed
+
+        def on_free(key=id(kept)):
+            freed[key] = tracer.seq
+
+        # (a view made for the save dies at once: follow its base)
+        base = pack.tensor._base
+        weakref.finalize(pack.tensor if base is None else base, on_free)
 
     def measured_entries(self) -> List[_Entry]:
         """One entry per storage no rule covers, counted once any of the
@@ -382,11 +442,16 @@ class _Recorder:
         for packs in self.unmodelled.by_storage():
             marks = [self.pack_upstream[id(p)] for p in packs]
             first = packs[0]
+            constant = self.unmodelled.is_constant(first)
+            freed = [self.pack_freed.get(id(p), -1) for p in packs]
             entries.append(_Entry(
                 measured_item(first.owner, first.kind, first.nbytes,
-                              self.unmodelled.is_constant(first)),
+                              constant),
                 max(u for u, _ in marks), any(t for _, t in marks),
-                first.owner, first.seq))
+                first.owner, first.seq,
+                live_from=None if constant else (
+                    -1 if min(freed) < 0 else max(freed)),
+                resident=constant))
         return entries
 
 
@@ -417,6 +482,7 @@ def profile_step_costs(probe: nn.Module, candidates: Sequence[nn.Module],
     tracer = StepTracer(probe, recorder, marks=True,
                         on_pack=recorder.on_pack, operations=True)
     recorder.tracer = tracer
+    tracer.operations.on_use = recorder.use
     with tracer.hooked():
         tracer.step(random_batch(probe, size, 1), keep_saved=False)
         tracer.recording = False

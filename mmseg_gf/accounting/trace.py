@@ -120,9 +120,16 @@ class _OperationInputs(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.current = None
+        #: called with the tensor arguments of every outermost torch
+        #: function, when set and not :attr:`paused` (the tracer's own
+        #: hooks read the tensors too)
+        self.on_use: Optional[Callable[[List[torch.Tensor]], None]] = None
+        self.paused = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         outer, self.current = self.current, (args, kwargs)
+        if outer is None and self.on_use is not None and not self.paused:
+            self.on_use(self.tensors())
         try:
             return func(*args, **(kwargs or {}))
         finally:
@@ -186,12 +193,26 @@ class StepTracer:
             mark()
         if not self.recording:
             return
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        trained = any(p.requires_grad for p in module.parameters())
-        recorded = x is not None and torch.is_grad_enabled() and (
-            x.requires_grad or trained)
-        self.on_call(ModuleCall(seq, self._paths[module], module, x,
-                                output, trained, recorded))
+        with self._quiet():
+            x = args[0] if args and isinstance(args[0], torch.Tensor) \
+                else None
+            trained = any(p.requires_grad for p in module.parameters())
+            recorded = x is not None and torch.is_grad_enabled() and (
+                x.requires_grad or trained)
+            self.on_call(ModuleCall(seq, self._paths[module], module, x,
+                                    output, trained, recorded))
+
+    @contextlib.contextmanager
+    def _quiet(self):
+        """The tracer's own reading of tensors is no operation's use."""
+        if self.operations is None:
+            yield
+            return
+        self.operations.paused += 1
+        try:
+            yield
+        finally:
+            self.operations.paused -= 1
 
     def _enter(self, module, args, part: str = '') -> None:
         self._stack.append((module, args, part))
@@ -203,6 +224,10 @@ class StepTracer:
         """Report one saved tensor to :attr:`on_pack`."""
         if isinstance(tensor, nn.Parameter) or not self.recording:
             return
+        with self._quiet():
+            self._report_pack(tensor)
+
+    def _report_pack(self, tensor: torch.Tensor) -> None:
         if self._stack:
             module, args, part = self._stack[-1]
             leaf = not any(True for _ in module.children())

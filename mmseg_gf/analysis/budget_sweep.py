@@ -9,6 +9,7 @@ settings a budget allows and the one
 radii). A plot shows each cost
 against N, one line per radius, with the budget's limits.
 """
+import copy
 import os
 import os.path as osp
 from typing import Any, Dict, List, Optional, Sequence
@@ -18,11 +19,17 @@ from mmseg.utils import register_all_modules
 
 from ..accounting.budget import (DEFAULT_RADII, LIMIT_KEYS, BudgetChoice,
                                  check_budget, choose_by_budget, fits)
-from ..accounting.format import format_table
+from ..accounting.batch import random_batch, training_loss
+from ..accounting.format import MIB, format_table
+from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.profile import StepCostProfile
 from ..engine.budget import profile_segmentor
+from ..engine.selection import select_layers
+from ..engine.surgery import apply_gradient_filter
 
-__all__ = ['config_sweep', 'sweep_rows', 'sweep_markdown', 'sweep_plot']
+__all__ = ['config_sweep', 'sweep_rows', 'sweep_markdown', 'sweep_plot',
+           'measured_step_peak', 'predicted_vs_measured',
+           'family_predicted_vs_measured', 'families_markdown']
 
 #: Table / json columns: limit key -> header.
 COLUMNS = {'backward_gflops': 'backward GFLOPs / image',
@@ -153,3 +160,136 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
                 limits=({k: checked[k] for k in LIMIT_KEYS}
                         if checked else None))
 
+
+
+def measured_step_peak(model, input_size: Sequence[int], batch: int,
+                       device: str = 'cpu') -> int:
+    """The measured peak of live tensor bytes of one training step
+    (forward and backward) after a warm-up step, the parameter gradients
+    released before it as ``zero_grad(set_to_none=True)`` does (CPU: the
+    profiler's live bytes; CUDA: ``max_memory_allocated`` above what was
+    allocated before the step)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    inputs, samples = random_batch(model, input_size, batch, device=device)
+
+    def step():
+        training_loss(model, inputs, samples).backward()
+
+    step()  # warm-up: lazy allocations, kernel choice
+    for p in params:
+        p.grad = None
+    peak = profiled_peak_bytes(step, device)
+    for p in params:
+        p.grad = None
+    return peak
+
+
+def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
+                          settings: Sequence[Optional[int]],
+                          radius: int = 4) -> List[dict]:
+    """The budget's predictions of "last N convs at ``radius``" next to
+    the model built that way.
+
+    Predicted: ``profile_segmentor(model, input_size,
+    timeline=True).cost(N, radius, batch)``. Measured: a copy of ``model``
+    with its last N convs gradient-filtered (lean region on, as
+    ``gradient_filter=dict(num_layers=N, radius=radius)`` builds it): the
+    bytes autograd saves in one step's forward
+    (:func:`~mmseg_gf.accounting.measured.saved_tensor_bytes`) and the
+    step's peak (:func:`measured_step_peak`).
+
+    Args:
+        model: the plain segmentor (not changed).
+        input_size: ``(H, W)``.
+        batch: images per step.
+        settings: values of N; None (or more than there are) for every
+            candidate conv.
+        radius: of every trained conv.
+
+    Returns:
+        list[dict]: per setting ``num_layers``, ``all`` (every conv),
+        ``predicted_kept``, ``measured_kept``, ``predicted_peak``,
+        ``measured_peak`` (bytes).
+    """
+    size = tuple(int(v) for v in input_size)
+    profile = profile_segmentor(model, size, timeline=True)
+    rows = []
+    for n in settings:
+        n = profile.max_layers if n is None else min(int(n),
+                                                     profile.max_layers)
+        cost = profile.cost(n, radius, batch)
+        built = copy.deepcopy(model)
+        choices = select_layers(built, num_layers=n, radius=radius,
+                                input_size=size)
+        apply_gradient_filter(built, choices, mode='gf', lean=True)
+        inputs, samples = random_batch(built, size, batch)
+        kept = saved_tensor_bytes(
+            lambda: training_loss(built, inputs, samples))
+        rows.append(dict(num_layers=n, all=n == profile.max_layers,
+                         predicted_kept=cost.saved_bytes,
+                         measured_kept=kept,
+                         predicted_peak=cost.peak_bytes,
+                         measured_peak=measured_step_peak(built, size,
+                                                          batch)))
+        del built
+    return rows
+
+
+def family_predicted_vs_measured(name: str,
+                                 input_size: Sequence[int] = (128, 128),
+                                 batch: int = 2, radius: int = 4,
+                                 last: int = 10,
+                                 seed: int = 0) -> Dict[str, Any]:
+    """:func:`predicted_vs_measured` on a real-time family of mmseg's zoo
+    (:data:`~mmseg_gf.engine.zoo.REALTIME_FAMILIES`, built offline:
+    SyncBN -> BN, random weights from ``seed``), for its last ``last``
+    convs and for all of them.
+
+    Returns:
+        dict: ``family``, ``label``, ``input_size``, ``batch``, ``radius``,
+        ``rows`` (the last-``last`` row, then the every-conv row).
+    """
+    import torch
+
+    from ..engine.build import build_segmentor
+    from ..engine.zoo import REALTIME_FAMILIES, family_config, make_offline
+    size = tuple(int(v) for v in input_size)
+    cfg = make_offline(family_config(name))
+    cfg.model.data_preprocessor['size'] = size
+    torch.manual_seed(seed)
+    model = build_segmentor(cfg)
+    rows = predicted_vs_measured(model, size, batch, [last, None], radius)
+    return dict(family=name, label=REALTIME_FAMILIES[name].label,
+                input_size=list(size), batch=batch, radius=radius,
+                rows=rows)
+
+
+def _off(row: dict, key: str) -> float:
+    """Prediction over measurement, minus 1."""
+    measured = row[f'measured_{key}']
+    return row[f'predicted_{key}'] / measured - 1 if measured else 0.0
+
+
+def families_markdown(results: Sequence[Dict[str, Any]]) -> str:
+    """Kept and peak, predicted / measured (MiB), last N and all convs, one
+    row per family, with the largest deviation of the row's kept bytes and
+    of its peaks (prediction over measurement, minus 1)."""
+    header = ['model']
+    first = results[0]['rows']
+    for row in first:
+        what = 'all convs' if row['all'] else f'last {row["num_layers"]}'
+        header += [f'{what}: kept', f'{what}: peak']
+    header += ['kept off by', 'peak off by']
+    body = []
+    for res in results:
+        cells = [res['label']]
+        for row in res['rows']:
+            cells.append(f'{row["predicted_kept"] / MIB:.2f} / '
+                         f'{row["measured_kept"] / MIB:.2f}')
+            cells.append(f'{row["predicted_peak"] / MIB:.1f} / '
+                         f'{row["measured_peak"] / MIB:.1f}')
+        for key in ('kept', 'peak'):
+            worst = max((_off(r, key) for r in res['rows']), key=abs)
+            cells.append(f'{100 * worst:+.1f}%')
+        body.append(cells)
+    return format_table(header, body, align='l' + 'r' * (len(header) - 1))

@@ -1,0 +1,79 @@
+"""The budget's predictions next to the built model's measurements
+(mmseg_gf.analysis.budget_sweep.predicted_vs_measured), on a tiny segmentor
+whose step peak depends on what the peak model gets right: a saved view of
+a Parameter (never live bytes of the step), a measured storage that the
+forward still holds when it is saved (a GroupNorm's input), and a wide
+filtered conv whose weight gradient is made full-size after its output's
+gradient is freed."""
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip('mmseg')
+
+from mmengine.config import ConfigDict  # noqa: E402
+from mmengine.model import BaseModule  # noqa: E402
+from mmengine.registry import init_default_scope  # noqa: E402
+from mmcv.cnn import ConvModule  # noqa: E402
+from mmseg.registry import MODELS  # noqa: E402
+
+from mmseg_gf.analysis.budget_sweep import (families_markdown,  # noqa: E402
+                                            predicted_vs_measured)
+
+SIZE = (32, 32)
+BATCH = 2
+BN = dict(type='BN', requires_grad=True)
+
+
+@MODELS.register_module(force=True)
+class AttentionTestBackbone(BaseModule):
+    """stem conv -> conv + GroupNorm -> self-attention over the pixels
+    (nn.MultiheadAttention: its products save views of the projection
+    weights) -> conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = ConvModule(3, 32, 3, 2, 1, norm_cfg=BN)
+        self.conv1 = ConvModule(32, 64, 3, 2, 1,
+                                norm_cfg=dict(type='GN', num_groups=8))
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.conv2 = ConvModule(64, 64, 3, 1, 1, norm_cfg=BN)
+
+    def forward(self, x):
+        x = self.conv1(self.stem(x))
+        n, c, h, w = x.shape
+        seq = x.flatten(2).transpose(1, 2)
+        seq = seq + self.attn(seq, seq, seq, need_weights=False)[0]
+        x = seq.transpose(1, 2).reshape(n, c, h, w)
+        return (self.conv2(x), )
+
+
+def _model():
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    return MODELS.build(ConfigDict(
+        type='EncoderDecoder',
+        data_preprocessor=dict(type='SegDataPreProcessor', size=SIZE,
+                               mean=[0., 0., 0.], std=[1., 1., 1.]),
+        backbone=dict(type='AttentionTestBackbone'),
+        # a wide 3x3 conv: weight gradient 1024 x 64 x 3 x 3, output
+        # gradient 2 x 1024 x 8 x 8
+        decode_head=dict(type='FCNHead', in_channels=64, channels=1024,
+                         num_convs=1, concat_input=False, num_classes=3,
+                         norm_cfg=BN, dropout_ratio=0.0,
+                         loss_decode=dict(type='CrossEntropyLoss')),
+        train_cfg=dict(), test_cfg=dict(mode='whole')))
+
+
+def test_predictions_equal_or_near_the_measurements():
+    rows = predicted_vs_measured(_model(), SIZE, BATCH, [1, 2, None], 4)
+    assert [r['num_layers'] for r in rows][:2] == [1, 2]
+    assert rows[-1]['all'] and not rows[0]['all']
+    for row in rows:
+        assert row['predicted_kept'] == row['measured_kept'], row
+        assert abs(row['predicted_peak'] / row['measured_peak'] - 1) \
+            <= 0.05, row
+    table = families_markdown([dict(label='tiny', rows=rows)])
+    lines = table.splitlines()
+    assert lines[0].startswith('| model | last 1: kept | last 1: peak |')
+    assert 'all convs: peak' in lines[0] and lines[2].startswith('| tiny |')

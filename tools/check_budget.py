@@ -1,0 +1,75 @@
+"""The budget's predictions next to measurements on mmseg's real-time
+families.
+
+For each family (mmseg 1.2.2's zoo config, offline: SyncBN -> BN, random
+weights) at ``--shape``, ``--batch`` and ``--radius``, for its last
+``--last`` convs and for all of them: the kept bytes and the step peak that
+``profile_segmentor(model, shape, timeline=True).cost(N, radius, batch)``
+predicts, and those of the model built with that setting (autograd's saved
+bytes, the profiler's live bytes of one step); see
+:func:`mmseg_gf.analysis.budget_sweep.family_predicted_vs_measured`.
+Prints the markdown table of docs/budget.md.
+
+Example::
+
+    python tools/check_budget.py --families all --shape 128 128 --batch 2 \
+        --radius 4 --last 10 --out work_dirs/budget/families.json
+"""
+import argparse
+import platform
+from typing import List, Optional
+
+import torch
+
+import mmseg_gf  # noqa: F401  (registers the plugin's modules)
+from mmseg_gf.analysis.budget_sweep import (families_markdown,
+                                            family_predicted_vs_measured)
+from mmseg_gf.engine.tool_args import write_json
+from mmseg_gf.engine.zoo import REALTIME_FAMILIES
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--families', nargs='+', default=['all'],
+                   choices=sorted(REALTIME_FAMILIES) + ['all'],
+                   help="'all': every family that runs at --shape "
+                   '(default)')
+    p.add_argument('--shape', type=int, nargs=2, default=[128, 128],
+                   metavar=('H', 'W'))
+    p.add_argument('--batch', type=int, default=2)
+    p.add_argument('--radius', type=int, default=4)
+    p.add_argument('--last', type=int, default=10,
+                   help='N of the "last N convs" row (default 10)')
+    p.add_argument('--threads', type=int, default=None,
+                   help='torch intra-op threads (default: torch\'s)')
+    p.add_argument('--out', help='write the numbers to this json file')
+    args = p.parse_args(argv)
+    if 'all' in args.families:
+        side = min(args.shape)
+        args.families = [n for n, f in REALTIME_FAMILIES.items()
+                         if f.min_crop <= side]
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> List[dict]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    for name in args.families:
+        results.append(family_predicted_vs_measured(
+            name, args.shape, args.batch, args.radius, args.last))
+        print(families_markdown(results[-1:]).splitlines()[-1], flush=True)
+    print(f'\n{args.shape[0]}x{args.shape[1]}, batch {args.batch}, r = '
+          f'{args.radius}; kept / peak, predicted / measured, MiB; '
+          f'torch {torch.__version__}, {torch.get_num_threads()} threads, '
+          f'{platform.processor() or platform.machine()}')
+    print(families_markdown(results))
+    if args.out:
+        write_json(args.out, dict(results=results, torch=torch.__version__,
+                                  threads=torch.get_num_threads()))
+    return results
+
+
+if __name__ == '__main__':
+    main()
