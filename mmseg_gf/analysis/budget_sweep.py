@@ -14,6 +14,8 @@ import os
 import os.path as osp
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
 from mmseg.registry import MODELS
 from mmseg.utils import register_all_modules
 
@@ -24,8 +26,10 @@ from ..accounting.format import MIB, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.profile import StepCostProfile
 from ..engine.budget import profile_segmentor
+from ..engine.build import build_segmentor
 from ..engine.selection import select_layers
 from ..engine.surgery import apply_gradient_filter
+from ..engine.zoo import REALTIME_FAMILIES, family_config, make_offline
 
 __all__ = ['config_sweep', 'sweep_rows', 'sweep_markdown', 'sweep_plot',
            'measured_step_peak', 'predicted_vs_measured',
@@ -231,7 +235,6 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
                          predicted_peak=cost.peak_bytes,
                          measured_peak=measured_step_peak(built, size,
                                                           batch)))
-        del built
     return rows
 
 
@@ -249,10 +252,6 @@ def family_predicted_vs_measured(name: str,
         dict: ``family``, ``label``, ``input_size``, ``batch``, ``radius``,
         ``rows`` (the last-``last`` row, then the every-conv row).
     """
-    import torch
-
-    from ..engine.build import build_segmentor
-    from ..engine.zoo import REALTIME_FAMILIES, family_config, make_offline
     size = tuple(int(v) for v in input_size)
     cfg = make_offline(family_config(name))
     cfg.model.data_preprocessor['size'] = size
