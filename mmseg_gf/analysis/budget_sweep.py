@@ -15,7 +15,6 @@ import os.path as osp
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-
 from mmseg.registry import MODELS
 from mmseg.utils import register_all_modules
 
