@@ -146,6 +146,10 @@ def _drop(_):
     return None
 
 
+def _identity(tensor):
+    return tensor
+
+
 def _no_unpack(_):
     raise RuntimeError('a trace that keeps nothing cannot run backward')
 
@@ -309,18 +313,39 @@ class StepTracer:
             set_frozen_norms_eval(self.model)
             return self.model.loss(inputs, samples)
 
+    @contextlib.contextmanager
     def _saved_hooks(self, keep_saved: bool):
-        """What autograd's pack hook does: keep or drop, and report."""
+        """What autograd's pack hook does: keep or drop, and report.
+
+        Every saved tensor's autograd node holds the hooks it was packed
+        with, and the tracer holds the packs (their tensors and the
+        operations' inputs, hence their nodes): a cycle through C++ that the
+        garbage collector cannot see. So the pack hook reaches the tracer
+        through a holder emptied when the block ends, and keeps a detached
+        alias (same storage; autograd re-attaches a saved output's node on
+        unpack), not a saved output itself, which would hold its own node.
+        Without both, every traced model and its graph stayed alive (a
+        benchmark of six models at 512x512, batch 8, ran out of 24 GiB).
+        """
         if self.on_pack is None:
-            return contextlib.nullcontext() if keep_saved else \
-                torch.autograd.graph.saved_tensors_hooks(_drop, _no_unpack)
+            with (contextlib.nullcontext() if keep_saved else
+                  torch.autograd.graph.saved_tensors_hooks(_drop,
+                                                           _no_unpack)):
+                yield
+            return
+        holder = [self]
 
         def pack(tensor):
-            self._pack(tensor)
-            return tensor if keep_saved else None
+            if holder[0] is not None:
+                holder[0]._pack(tensor)
+            return tensor.detach() if keep_saved else None
 
-        unpack = (lambda t: t) if keep_saved else _no_unpack
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(
+                    pack, _identity if keep_saved else _no_unpack):
+                yield
+        finally:
+            holder[0] = None
 
 
 @dataclass

@@ -239,3 +239,24 @@ def test_exact_conv_input_stays_held_while_the_trace_runs():
     path, storage = shared[ptr]
     assert path == 'conv' and storage.data_ptr() == ptr
     assert storage.nbytes() == 3 * 48 * 48 * 4
+
+
+def test_traced_model_and_graph_are_freed():
+    """A trace leaves nothing alive behind it: the autograd nodes of its
+    saved tensors hold its pack hook, which must not hold the tracer (and
+    through it the model) once the trace is over. BiSeNetV1's attention
+    gates save their Sigmoid's output, the case that kept every traced
+    model alive."""
+    import gc
+    import weakref
+
+    from mmseg_gf.engine.build import build_segmentor
+    from mmseg_gf.engine.zoo import family_config, make_offline
+    cfg = make_offline(family_config('bisenetv1_r18'))
+    cfg.model.data_preprocessor['size'] = SIZE
+    model = _built(build_segmentor(cfg), 5, 2, SIZE)
+    trace_step_saved_bytes(model, SIZE)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
