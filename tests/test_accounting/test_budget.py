@@ -18,8 +18,8 @@ from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa: E402
 from mmseg_gf.accounting.budget import (DEFAULT_RADII,  # noqa: E402
                                         PEAK_HEADROOM, check_budget,
                                         choose_by_budget)
-from mmseg_gf.accounting.measured import (profiled_peak_bytes,  # noqa: E402
-                                          saved_tensor_bytes)
+from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
+from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
 from mmseg_gf.analysis.model_cost import model_backward_cost  # noqa: E402
 from mmseg_gf.engine import (apply_gradient_filter, get_state,  # noqa: E402
                              select_layers)
@@ -149,26 +149,6 @@ def test_unmeetable_budget_names_the_cheapest_setting():
 PEAK_SIZE = (128, 128)
 
 
-def _measured_peak(model, size, batch, device='cpu'):
-    """The step's peak of live tensor bytes (forward + backward), with the
-    previous parameter gradients released before it (as ``zero_grad``
-    with ``set_to_none`` does at the start of a step); on CUDA
-    ``max_memory_allocated`` above what was allocated before the step."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    inputs, samples = random_batch(model, size, batch, device=device)
-
-    def step():
-        training_loss(model, inputs, samples).backward()
-
-    step()  # warm-up: lazy allocations, kernel choice
-    for p in params:
-        p.grad = None
-    peak = profiled_peak_bytes(step, device)
-    for p in params:
-        p.grad = None
-    return peak
-
-
 @pytest.mark.parametrize('device', [
     'cpu',
     pytest.param('cuda', marks=pytest.mark.skipif(
@@ -189,7 +169,7 @@ def test_predicted_peak_holds_for_the_chosen_setting(name, device):
     predicted = choice.cost.peak_bytes
     model = _built(base, choice.num_layers, choice.radius,
                    PEAK_SIZE).to(device)
-    measured = _measured_peak(model, PEAK_SIZE, BATCH, device)
+    measured = measured_step_peak(model, PEAK_SIZE, BATCH, device)
     assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
     assert measured / 2**20 <= limit, (measured, limit)
 
