@@ -15,7 +15,7 @@ from torch import nn
 
 pytest.importorskip('mmseg')
 
-from mmengine.config import Config, ConfigDict  # noqa: E402
+from mmengine.config import Config  # noqa: E402
 from mmengine.model import BaseModule  # noqa: E402
 from mmengine.registry import init_default_scope  # noqa: E402
 from mmcv.cnn import ConvModule  # noqa: E402
@@ -28,11 +28,11 @@ from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
-from tests.test_accounting.test_budget import _measured_peak  # noqa: E402
+from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
+from tests._tiny_segmentors import BN, fcn_head, tiny_segmentor  # noqa: E402
 
 SIZE = (32, 32)
 BATCH = 2
-BN = dict(type='BN', requires_grad=True)
 
 
 class LinearGate(nn.Module):
@@ -75,24 +75,10 @@ class GatedTestBackbone(BaseModule):
 
 
 def _gated_model():
-    init_default_scope('mmseg')
-    torch.manual_seed(0)
-    return MODELS.build(ConfigDict(
-        type='EncoderDecoder',
-        data_preprocessor=dict(type='SegDataPreProcessor', size=SIZE,
-                               mean=[0., 0., 0.], std=[1., 1., 1.]),
-        backbone=dict(type='GatedTestBackbone'),
-        decode_head=dict(type='FCNHead', in_channels=16, channels=8,
-                         num_convs=1, concat_input=False, num_classes=3,
-                         norm_cfg=BN, dropout_ratio=0.0,
-                         loss_decode=dict(type='CrossEntropyLoss')),
-        # frozen, in the gradient path: lean frozen convs, a lean loss
-        auxiliary_head=dict(type='FCNHead', in_channels=16, channels=8,
-                            num_convs=1, concat_input=False, num_classes=3,
-                            norm_cfg=BN, dropout_ratio=0.0,
-                            loss_decode=dict(type='CrossEntropyLoss',
-                                             loss_weight=0.4)),
-        train_cfg=dict(), test_cfg=dict(mode='whole')))
+    # the auxiliary head is frozen, in the gradient path: lean frozen
+    # convs, a lean loss
+    return tiny_segmentor('GatedTestBackbone', SIZE, fcn_head(16, 8),
+                          fcn_head(16, 8, loss_weight=0.4))
 
 
 def _built(base, num_layers, radius, size):
@@ -180,7 +166,7 @@ def test_budget_reaching_the_stem_predicts_kept_bytes_and_peak():
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
     assert predicted == measured
     assert profile.unmodelled(profile.max_layers) == []
-    peak = _measured_peak(model, STEM_SIZE, BATCH)
+    peak = measured_step_peak(model, STEM_SIZE, BATCH)
     assert abs(peak / choice.cost.peak_bytes - 1) <= 0.10, (
         peak, choice.cost.peak_bytes)
 

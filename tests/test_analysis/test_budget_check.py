@@ -6,23 +6,20 @@ forward still holds when it is saved (a GroupNorm's input), and a wide
 filtered conv whose weight gradient is made full-size after its output's
 gradient is freed."""
 import pytest
-import torch
 from torch import nn
 
 pytest.importorskip('mmseg')
 
-from mmengine.config import ConfigDict  # noqa: E402
 from mmengine.model import BaseModule  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
 from mmcv.cnn import ConvModule  # noqa: E402
 from mmseg.registry import MODELS  # noqa: E402
 
 from mmseg_gf.analysis.budget_sweep import (families_markdown,  # noqa: E402
                                             predicted_vs_measured)
+from tests._tiny_segmentors import BN, fcn_head, tiny_segmentor  # noqa: E402
 
 SIZE = (32, 32)
 BATCH = 2
-BN = dict(type='BN', requires_grad=True)
 
 
 @MODELS.register_module(force=True)
@@ -49,20 +46,9 @@ class AttentionTestBackbone(BaseModule):
 
 
 def _model():
-    init_default_scope('mmseg')
-    torch.manual_seed(0)
-    return MODELS.build(ConfigDict(
-        type='EncoderDecoder',
-        data_preprocessor=dict(type='SegDataPreProcessor', size=SIZE,
-                               mean=[0., 0., 0.], std=[1., 1., 1.]),
-        backbone=dict(type='AttentionTestBackbone'),
-        # a wide 3x3 conv: weight gradient 1024 x 64 x 3 x 3, output
-        # gradient 2 x 1024 x 8 x 8
-        decode_head=dict(type='FCNHead', in_channels=64, channels=1024,
-                         num_convs=1, concat_input=False, num_classes=3,
-                         norm_cfg=BN, dropout_ratio=0.0,
-                         loss_decode=dict(type='CrossEntropyLoss')),
-        train_cfg=dict(), test_cfg=dict(mode='whole')))
+    # a wide 3x3 conv: weight gradient 1024 x 64 x 3 x 3, output gradient
+    # 2 x 1024 x 8 x 8
+    return tiny_segmentor('AttentionTestBackbone', SIZE, fcn_head(64, 1024))
 
 
 def test_predictions_equal_or_near_the_measurements():
