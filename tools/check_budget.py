@@ -16,7 +16,6 @@ Example::
         --radius 4 --last 10 --out work_dirs/budget/families.json
 """
 import argparse
-import platform
 from typing import List, Optional
 
 import torch
@@ -24,6 +23,7 @@ import torch
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
 from mmseg_gf.analysis.budget_sweep import (families_markdown,
                                             family_predicted_vs_measured)
+from mmseg_gf.analysis.hardware import cpu_model
 from mmseg_gf.engine.tool_args import write_json
 from mmseg_gf.engine.zoo import REALTIME_FAMILIES
 
@@ -63,11 +63,12 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     print(f'\n{args.shape[0]}x{args.shape[1]}, batch {args.batch}, r = '
           f'{args.radius}; kept / peak, predicted / measured, MiB; '
           f'torch {torch.__version__}, {torch.get_num_threads()} threads, '
-          f'{platform.processor() or platform.machine()}')
+          f'{cpu_model()}')
     print(families_markdown(results))
     if args.out:
         write_json(args.out, dict(results=results, torch=torch.__version__,
-                                  threads=torch.get_num_threads()))
+                                  threads=torch.get_num_threads(),
+                                  cpu=cpu_model()))
     return results
 
 

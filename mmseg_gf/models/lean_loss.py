@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
 from ..ops.resized_loss import resized_cross_entropy
-from .lean_ohem import probability_selection
+from .lean_ohem import probability_selection, selection_weights
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
            'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
@@ -128,8 +128,8 @@ def _class_weight_map(logits: Tensor, label: Tensor, ignore_index: int,
     if table.numel() != logits.shape[1]:
         raise ValueError(f'class_weight has {table.numel()} entries for '
                          f'{logits.shape[1]} classes')
-    valid = label != ignore_index
-    return torch.where(valid, table[torch.where(valid, label, 0)], 0.0)
+    return selection_weights(label, label != ignore_index, table,
+                             torch.float32)
 
 
 def _totals(logits: Tensor, label: Tensor, align_corners: bool,

@@ -36,9 +36,9 @@ from torch.autograd import Function
 
 from ..ops.fused_loss import (LogitGradients, _flatten, _outputs, _recombine,
                               forward_graph)
-from ..ops.resized_loss import resized_cross_entropy
+from ..ops.resized_loss import check_labels, resized_cross_entropy
 
-__all__ = ['HeadGradients', 'probability_selection', 'ohem_selection', 'ohem_cross_entropy',
+__all__ = ['HeadGradients', 'selection_weights', 'probability_selection', 'ohem_selection', 'ohem_cross_entropy',
            'cross_entropy_loss', 'own_loss_producer', 'logit_gradients_at',
            'HeadGradientsLossFunction']
 
@@ -68,22 +68,14 @@ def _loss_list(head: nn.Module) -> Optional[List[nn.Module]]:
     return list(losses) if isinstance(losses, nn.ModuleList) else None
 
 
-def _check_labels(label: Tensor, classes: int, ignore_index: int) -> None:
-    valid = label[label != ignore_index]
-    if valid.numel() and (int(valid.min()) < 0
-                          or int(valid.max()) >= classes):
-        raise ValueError(f'labels must lie in [0, {classes}) or be '
-                         f'ignore_index={ignore_index}')
-
-
 def _class_weights(loss: nn.Module, like: Tensor) -> Optional[Tensor]:
     if loss.class_weight is None:
         return None
     return like.new_tensor(loss.class_weight)
 
 
-def _weight_map(label: Tensor, keep: Tensor,
-                class_weight: Optional[Tensor], dtype) -> Tensor:
+def selection_weights(label: Tensor, keep: Tensor,
+                      class_weight: Optional[Tensor], dtype) -> Tensor:
     """``keep * class_weight[label]`` (``keep`` where no class weights)."""
     weight = keep.to(dtype)
     if class_weight is not None:
@@ -149,7 +141,7 @@ def ohem_cross_entropy(logits: Tensor, label: Tensor, prob: Tensor,
         grad = torch.zeros_like(logits) if want_grad else None
         return _value(float('nan'), logits), \
             None if grad is None else (grad, 0.0)
-    weight = _weight_map(label, selected, _class_weights(loss, logits),
+    weight = selection_weights(label, selected, _class_weights(loss, logits),
                          logits.dtype)
     second = resized_cross_entropy(
         logits, label, ignore_index=loss.ignore_label,
@@ -170,10 +162,10 @@ def cross_entropy_loss(logits: Tensor, label: Tensor, loss: nn.Module,
     weights, the labels' summed class weight (mmseg 1.2.2 raises an
     IndexError there on an ignored pixel; here ignored pixels weigh 0, as
     in :mod:`.lean_loss`)."""
-    _check_labels(label, logits.shape[1], ignore_index)
+    check_labels(label, logits.shape[1], ignore_index)
     class_weight = _class_weights(loss, logits)
     valid = label != ignore_index
-    weight = _weight_map(label, valid, class_weight, logits.dtype)
+    weight = selection_weights(label, valid, class_weight, logits.dtype)
     factor = float(loss.loss_weight)
     if loss.reduction == 'mean':
         if class_weight is not None:

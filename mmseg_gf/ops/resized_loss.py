@@ -43,7 +43,8 @@ try:
 except ImportError:  # not built: the PyTorch path
     _kernel = None
 
-__all__ = ['ResizedCrossEntropy', 'resized_cross_entropy', 'kernel_usable']
+__all__ = ['ResizedCrossEntropy', 'resized_cross_entropy', 'kernel_usable',
+           'check_labels']
 
 
 @dataclass
@@ -157,7 +158,9 @@ def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
         target_prob if want_pixels and not sigmoid else None)
 
 
-def _check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
+def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
+    """Raise ValueError on a label outside ``[0, classes)`` that is not
+    ``ignore_index``."""
     valid = target[target != ignore_index]
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= classes):
         raise ValueError(f'labels must lie in [0, {classes}) or be '
@@ -193,7 +196,7 @@ def _reference(logits: Tensor, label: Tensor, ignore_index: int,
         target_prob = None if sigmoid else torch.zeros_like(pixel_loss)
     for i in range(n):
         target = label[i:i + 1]
-        _check_labels(target, classes, ignore_index)
+        check_labels(target, classes, ignore_index)
         valid = target != ignore_index
         w = valid.to(logits.dtype)
         if weight is not None:
