@@ -7,15 +7,15 @@ bytes from :func:`live_bytes_by_interval`. Saved bytes are counted per
 storage everywhere (a view of a kept tensor costs nothing more).
 """
 
-import bisect
 import gc
 import re
-from typing import (Callable, Dict, Iterable, List, Mapping, Optional,
-                    Tuple)
+from typing import (Callable, Dict, Iterable, Iterator, List, Mapping,
+                    Optional, Tuple)
 
 import torch
 from torch import nn
-from torch.autograd import DeviceType, profiler
+from torch._C._profiler import _EventType
+from torch.autograd import profiler
 
 from ..ops import native
 
@@ -114,18 +114,22 @@ def saved_bytes_by_module(
 
 def profiled_peak_bytes(step: Callable[[], object],
                         device: Optional[torch.device] = None) -> int:
-    """Peak memory of ``step()`` above what was allocated before it.
+    """Peak memory of what ``step()`` allocates.
 
-    CUDA: ``torch.cuda.max_memory_allocated``.
-    CPU: the running sum of the allocations and frees torch's profiler
-    records (``profile_memory=True``) in time order, allocations at the start
-    of the op making them and frees at its end (those between operators, in
-    a custom Function's forward or an autograd node's backward, at their
-    own time), i.e. the peak of live tensor bytes at operator granularity
-    (a temporary allocated and freed inside one op is not seen). Unlike ``ru_maxrss`` it is exact to the tensor,
-    unaffected by the allocator's caching and earlier peaks of the process,
-    so variants can be compared in one process. The native kernels' output
-    recycling is off during the step, so that every output is counted.
+    CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated
+    before the step.
+    CPU: the running sum of the allocations torch's profiler records
+    (``profile_memory=True``) and of the frees of those blocks, in time
+    order, allocations at the start of the op making them and frees at its
+    end (those between operators, in a custom Function's forward or an
+    autograd node's backward, at their own time), i.e. the peak of the live
+    bytes of the tensors the step made, at operator granularity (a
+    temporary allocated and freed inside one op is not seen; freeing memory
+    allocated before the step lowers nothing: :func:`_memory_changes`).
+    Unlike ``ru_maxrss`` it is exact to the tensor, unaffected by the
+    allocator's caching and earlier peaks of the process, so variants can be
+    compared in one process. The native kernels' output recycling is off
+    during the step, so that every output is counted.
     """
     device = torch.device('cpu') if device is None else torch.device(device)
     if device.type == 'cuda':
@@ -146,51 +150,69 @@ def mark() -> None:
 _OPERATOR_NAME = re.compile(r'^\w+::[\w.]+$')
 
 
-def _operator_spans(events) -> Tuple[List[float], List[float]]:
-    """Start and end times (us) of the outermost operator calls
-    (``aten::softmax``, not an autograd node's or a custom Function's
-    range, which run Python between their operators), sorted."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if _OPERATOR_NAME.match(e.name))
-    starts: List[float] = []
-    ends: List[float] = []
-    for start, end in spans:
-        if ends and start < ends[-1]:
-            continue  # inside the previous outermost call
-        starts.append(start)
-        ends.append(end)
-    return starts, ends
+def _walk(nodes) -> Iterator:
+    """Every node of the profiler's event tree, depth first, in order."""
+    stack = list(reversed(nodes))
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(node.children))
 
 
-def _memory_changes(prof) -> List[Tuple[float, int]]:
-    """``(time us, bytes)`` of the CPU allocations (+) and frees (-): an
-    operator call's own (``self_cpu_memory_usage``, the net of what it
-    allocates and frees outside the operators it calls) at its start if
-    positive, at its end if negative; anything else at its own time.
+def _memory_changes(prof, marker: Optional[str]
+                    ) -> Tuple[List[Tuple[int, int]], List[int]]:
+    """``(time ns, bytes)`` of the CPU allocations (+) and frees (-) of
+    blocks the run allocated, and the start times of the ranges named
+    ``marker`` (none for None).
 
-    Not every event's ``self_cpu_memory_usage``: a range with children
-    that is no operator (a custom Function's forward, an autograd node's
-    backward) has what it frees between its operators summed into one
-    change at its end, e.g. every tensor of a loss computed and
-    differentiated inside a forward, as if all lived until it returned.
+    An operator call's own changes (``aten::softmax``, not those of the
+    operators it calls) are netted and placed at its start if the net is
+    positive, at its end if negative: a temporary allocated and freed
+    inside one operator is not seen. Changes directly inside ranges that
+    are no operator (a custom Function's forward, an autograd node's
+    backward, which run Python between their operators) or outside any
+    range stay at their own time, e.g. the tensors of a loss computed and
+    differentiated inside a forward each live as long as they do.
+
+    A free counts only when the run allocated the block (matched by
+    address). The profiler reports no free of a block allocated while no
+    profiler ran, but does report one of a block that an earlier profiling
+    session saw allocated (a tensor an earlier measurement left alive):
+    counted, such frees would lower the running sum by amounts that depend
+    on the process's history, down to a peak of 0 for a small step.
     """
-    starts, ends = _operator_spans(prof.function_events)
-    changes = []
-    for event in prof.function_events:
-        delta = event.self_cpu_memory_usage
-        if delta and _OPERATOR_NAME.match(event.name):
-            changes.append((event.time_range.start if delta > 0 else
-                            event.time_range.end, delta))
-    result = prof.kineto_results
-    for record in result.events():
-        if record.name() != '[memory]' or \
-                record.device_type() != DeviceType.CPU:
+    allocated = set()
+    own: Dict[int, int] = {}  # operator node id -> net bytes
+    operators: Dict[int, object] = {}
+    changes: List[Tuple[int, int]] = []
+    cuts: List[int] = []
+    for node in _walk(prof.kineto_results.experimental_event_tree()):
+        kind, fields = node.typed
+        if kind != _EventType.Allocation:
+            if marker is not None and node.name == marker:
+                cuts.append(node.start_time_ns)
             continue
-        time = (record.start_ns() - result.trace_start_ns()) / 1000
-        i = bisect.bisect_right(starts, time) - 1
-        if i < 0 or time > ends[i]:  # outside every operator call
-            changes.append((time, record.nbytes()))
-    return changes
+        if fields.device.type != 'cpu':
+            continue
+        size, ptr = fields.alloc_size, fields.ptr
+        if size > 0:
+            allocated.add(ptr)
+        elif ptr in allocated:
+            allocated.discard(ptr)
+        else:
+            continue  # a block allocated before the run
+        parent = node.parent
+        if parent is not None and _OPERATOR_NAME.match(parent.name):
+            operators[id(parent)] = parent
+            own[id(parent)] = own.get(id(parent), 0) + size
+        else:
+            changes.append((node.start_time_ns, size))
+    for key, delta in own.items():
+        if delta:
+            op = operators[key]
+            changes.append((op.start_time_ns if delta > 0 else
+                            op.end_time_ns, delta))
+    return changes, sorted(cuts)
 
 
 def live_bytes_by_interval(run: Callable[[], object],
@@ -215,9 +237,9 @@ def live_bytes_by_interval(run: Callable[[], object],
         markers, after the last one (``marker=None``: the whole run, one
         value).
     """
-    # Garbage of earlier code collected during the run would count as frees
-    # (of blocks an earlier profiling session saw allocated), lowering the
-    # running sum: collect it first, and keep the collector off meanwhile.
+    # A collection during the run would free the run's own garbage at the
+    # collector's whim: collect what is owed first, and keep the collector
+    # off meanwhile.
     if collect:
         gc.collect()
     was_enabled = gc.isenabled()
@@ -231,11 +253,8 @@ def live_bytes_by_interval(run: Callable[[], object],
     finally:
         if was_enabled:
             gc.enable()
-    changes = _memory_changes(prof)
-    cuts = [e.time_range.start for e in prof.function_events
-            if marker is not None and e.name == marker]
+    changes, cuts = _memory_changes(prof, marker)
     changes.sort(key=lambda c: (c[0], -c[1]))
-    cuts.sort()
     peaks = [0] * (len(cuts) + 1)
     live = interval = 0
     for time, delta in changes:

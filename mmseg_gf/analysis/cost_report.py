@@ -108,6 +108,6 @@ def measured_memory_table(result: Dict[str, Any]) -> str:
         lines.append(
             f'{m}: everything the forward saves for backward '
             f'{fmt_bytes(result[m]["saved_bytes_total"])}; peak of one '
-            f'training step (forward + backward, above the memory before '
-            f'it) {fmt_bytes(result[m]["peak_bytes"])}')
+            f'training step (forward + backward: what it allocates, the '
+            f'gradients included) {fmt_bytes(result[m]["peak_bytes"])}')
     return '\n'.join(lines)

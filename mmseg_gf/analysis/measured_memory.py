@@ -41,9 +41,11 @@ def measure_memory(cfg,
       :attr:`~ConvBackwardCost.gf_saved_bytes`) next to it;
     * ``saved_bytes_total``: everything the forward saves, each storage
       once (frozen norms, activations, the classifier's input, ...);
-    * ``peak_bytes``: the step's peak memory above what was allocated
-      before it (:func:`~mmseg_gf.accounting.measured.profiled_peak_bytes`:
-      CUDA ``max_memory_allocated``, CPU the profiler's live tensor bytes).
+    * ``peak_bytes``: the peak of what one step (forward + backward, the
+      gradients included; it starts without them, as under mmengine's
+      optimizer wrapper) allocates
+      (:func:`~mmseg_gf.accounting.measured.profiled_peak_bytes`: CUDA
+      ``max_memory_allocated``, CPU the profiler's live tensor bytes).
 
     Args:
         cfg (mmengine.Config): not modified.
@@ -89,11 +91,16 @@ def _measure_mode(cfg, mode: str, size, batch: int,
         return training_loss(model, inputs, samples)
 
     def step():
-        model.zero_grad(set_to_none=True)
         forward().backward()
+        # Released at the step's end, as mmengine's OptimWrapper does: the
+        # next step starts without gradients and its peak holds all it
+        # allocates (freeing the previous ones inside the measured step
+        # would offset its peak by their bytes, down to 0 on a small map).
+        model.zero_grad(set_to_none=True)
 
     per_layer, total = saved_bytes_by_module(
         forward, convs, exclude=list(model.parameters()))
+    model.zero_grad(set_to_none=True)
     step()  # warm-up (lazy allocations, kernel choice)
     peak = profiled_peak_bytes(step, torch.device(device))
     layers = []

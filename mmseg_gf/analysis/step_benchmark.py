@@ -145,14 +145,17 @@ def _step_fn(model, inputs, samples):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4)
 
+    # mmengine's OptimWrapper order: backward, update, then release the
+    # gradients (``set_to_none``), so that a step starts without them and
+    # its measured peak holds every gradient it allocates.
     def step():
-        opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss = training_loss(model, inputs, samples)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
         opt.step()
+        opt.zero_grad(set_to_none=True)
         return {'forward': t1 - t0, 'backward': t2 - t1}
 
     return step

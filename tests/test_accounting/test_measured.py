@@ -48,3 +48,21 @@ def test_intervals_and_what_is_left():
 
     peaks = live_bytes_by_interval(run)
     assert peaks == [MIB, 3 * MIB, MIB]
+
+
+def test_freeing_memory_from_an_earlier_profiled_run_lowers_nothing():
+    """The profiler reports the free of a block an earlier profiling
+    session saw allocated (here 4 MiB left alive by it): counted, it would
+    put the running sum 4 MiB below zero and the peak of this run, which
+    then makes 1 MiB, at 0. Only what the run itself made counts."""
+    left = []
+    live_bytes_by_interval(lambda: left.append(torch.ones(MIB)),
+                           marker=None)
+
+    def run():
+        left.clear()
+        made = torch.ones(MIB // 4)
+        return made
+
+    assert live_bytes_by_interval(run, marker=None) == [MIB]
+
