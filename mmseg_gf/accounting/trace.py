@@ -27,6 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..models.segmentor import set_frozen_norms_eval
+from ..ops.kept_sources import sources_of
 from .batch import random_batch
 from .kept import SavedItem, StepSavedBytes, kept_by_call, measured_item
 from .measured import mark
@@ -85,8 +86,9 @@ class SavedPack:
         leaf: the owner is a leaf module.
         module: the owner (None: :data:`LOSS_OWNER`).
         inputs: the tensors the operation saving it received (the
-            outermost torch function running, else the owner's positional
-            tensors); empty unless the tracer follows operations.
+            sources a lean loss noted for it, :mod:`~mmseg_gf.ops.kept_sources`;
+            else the outermost torch function running; else the owner's
+            positional tensors); empty unless the tracer follows operations.
     """
 
     tensor: Optional[torch.Tensor]
@@ -244,7 +246,10 @@ class StepTracer:
                 LOSS_OWNER
         inputs = ()
         if self.operations is not None:
-            inputs = self.operations.tensors() or [
+            # A custom Function's saved tensors are packed after its forward
+            # returned, outside any operation: the lean losses name the
+            # logits each kept gradient belongs to (ops.kept_sources).
+            inputs = sources_of(tensor) or self.operations.tensors() or [
                 a for a in args if isinstance(a, torch.Tensor)]
         self.on_pack(SavedPack(tensor, tensor.untyped_storage(), self.seq,
                                owner, kind, leaf, module, inputs))
@@ -359,10 +364,13 @@ class UnmodelledBytes:
     counts that loss exactly (an item of the head's path made at its
     classifier's call, not an estimate). Each storage counts once; one that
     holds a Parameter or buffer of the model (a Linear saves a view of its
-    weight) counts the same at any batch.
+    weight) counts the same at any batch, and so does a gradient w.r.t. a
+    Parameter that a lean loss keeps (a fused classifier's ``g_W``,
+    :mod:`~mmseg_gf.ops.kept_sources`).
 
     Attributes:
-        constant_storages: storages of the model's Parameters and buffers.
+        constant_storages: storages of the model's Parameters and buffers,
+            and of the kept Parameter gradients seen.
     """
 
     packs: List[SavedPack] = field(default_factory=list)
@@ -379,6 +387,9 @@ class UnmodelledBytes:
 
     def on_pack(self, pack: SavedPack) -> SavedPack:
         """Keep ``pack`` without its tensor; returns what is kept."""
+        if any(isinstance(source, nn.Parameter)
+               for source in sources_of(pack.tensor)):
+            self.constant_storages.add(pack.ptr)
         self.packs.append(pack.slim())
         return self.packs[-1]
 

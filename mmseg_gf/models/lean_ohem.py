@@ -36,6 +36,7 @@ from torch.autograd import Function
 
 from ..ops.fused_loss import (LogitGradients, _flatten, _outputs, _recombine,
                               forward_graph)
+from ..ops.kept_sources import note_sources
 from ..ops.resized_loss import check_labels, resized_cross_entropy
 
 __all__ = ['HeadGradients', 'selection_weights', 'probability_selection', 'ohem_selection', 'ohem_cross_entropy',
@@ -373,6 +374,7 @@ class HeadGradientsLossFunction(Function):
         grads = {key: tuple(_scaled(per.get(i)) for i in range(len(logits)))
                  for key, per in result.grads.items()}
         ctx.layout, kept = _flatten(grads, ctx.keys)
+        note_sources(kept, [logits[j] for _, j in ctx.layout])
         ctx.save_for_backward(*kept)
         ctx.num_logits = len(logits)
         return _outputs(ctx, result.values, grads)

@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from .kept_sources import note_sources
+
 __all__ = ['LogitGradients', 'forward_graph', 'loss_gradients', 'ConvSpec',
            'PrecomputedGradientLossFunction', 'KeptGradientLossFunction',
            'FusedClassifierLossFunction',
@@ -221,6 +223,7 @@ class PrecomputedGradientLossFunction(Function):
         keys.extend(values)
         ctx.keys = list(values)
         ctx.layout, kept = _flatten(grads, ctx.keys)
+        note_sources(kept, [logits[j] for _, j in ctx.layout])
         ctx.save_for_backward(*kept)
         ctx.num_logits = len(logits)
         return _outputs(ctx, values, grads)
@@ -247,6 +250,7 @@ class KeptGradientLossFunction(Function):
         result = gradients(logits.detach())
         keys.extend(result.values)
         ctx.keys, ctx.mix = list(result.values), result.mix
+        note_sources(result.bases, [logits] * len(result.bases))
         ctx.save_for_backward(*result.bases)
         return _outputs(ctx, result.values, result.mix)
 
@@ -394,6 +398,10 @@ class FusedClassifierLossFunction(Function):
         keys.extend(result.values)
         ctx.keys = list(result.values)
         ctx.layout, kept_o = _flatten(result.others, ctx.keys)
+        note_sources(kept_z + kept_w + kept_b + kept_o,
+                     [x] * len(kept_z) + [weight] * len(kept_w) +
+                     [bias] * len(kept_b) +
+                     [others[j] for _, j in ctx.layout])
         ctx.save_for_backward(weight, *kept_z, *kept_w, *kept_b, *kept_o)
         ctx.counts = (len(kept_z), len(kept_w), len(kept_b), len(others))
         ctx.x_geometry = (tuple(x.shape), x.dtype, _memory_format(x))

@@ -63,3 +63,18 @@ def test_predictions_equal_or_near_the_measurements():
     lines = table.splitlines()
     assert lines[0].startswith('| model | last 1: kept | last 1: peak |')
     assert 'all convs: peak' in lines[0] and lines[2].startswith('| tiny |')
+
+
+@pytest.mark.parametrize('family', ['pidnet_s', 'ddrnet_23_slim'])
+def test_own_loss_heads_kept_bytes_predicted_exactly(family):
+    """PIDNet's and DDRNet's lean OHEM losses keep a gradient per logits
+    tensor inside a custom Function (packed outside any operation): each is
+    counted in the settings that train its logits' branch, and the fused
+    classifiers' weight gradients at any batch, so the kept bytes of the
+    last 10 convs and of all convs are predicted byte for byte."""
+    from mmseg_gf.analysis.budget_sweep import family_predicted_vs_measured
+    result = family_predicted_vs_measured(family, (128, 128), BATCH, 4, 10)
+    for row in result['rows']:
+        assert row['predicted_kept'] == row['measured_kept'], row
+        assert abs(row['predicted_peak'] / row['measured_peak'] - 1) \
+            <= 0.10, row
