@@ -37,7 +37,6 @@ from torch import Tensor, nn
 
 from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
 from ..ops.resized_loss import resized_cross_entropy
-from .lean_ohem import probability_selection, selection_weights
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
            'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
@@ -50,6 +49,29 @@ _EPS = torch.finfo(torch.float32).eps
 LossSpec = Tuple[str, float, str, bool, bool, Optional[Tuple[float, ...]]]
 # mmseg's OHEMPixelSampler: (thresh, min_kept per image)
 SamplerSpec = Tuple[float, int]
+
+
+def selection_weights(label: Tensor, keep: Tensor,
+                      class_weight: Optional[Tensor], dtype) -> Tensor:
+    """``keep * class_weight[label]`` (``keep`` where no class weights)."""
+    weight = keep.to(dtype)
+    if class_weight is not None:
+        weight = weight * class_weight[torch.where(keep, label, 0)]
+    return weight
+
+
+def probability_selection(prob: Tensor, valid: Tensor, kept: int,
+                          thresh: float) -> Tensor:
+    """mmseg's hard-pixel rule (``OhemCrossEntropy`` and
+    ``OHEMPixelSampler``): sort the label probabilities ``prob`` of the
+    ``valid`` pixels, take the one at ``min(kept, count - 1)`` and select
+    the valid pixels whose probability is strictly below the larger of it
+    and ``thresh`` (bool, ``prob``'s shape; ``valid`` not empty). The
+    value at that position is the ``k``-th smallest."""
+    pred = prob[valid]
+    k = min(kept, pred.numel() - 1)
+    min_value = torch.kthvalue(pred, k + 1).values
+    return valid & (prob < max(min_value, thresh))
 
 
 def ohem_sampler_spec(head: nn.Module) -> Optional[SamplerSpec]:

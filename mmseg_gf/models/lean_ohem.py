@@ -38,6 +38,7 @@ from ..ops.fused_loss import (LogitGradients, _flatten, _outputs, _recombine,
                               forward_graph)
 from ..ops.kept_sources import note_sources
 from ..ops.resized_loss import check_labels, resized_cross_entropy
+from .lean_loss import probability_selection, selection_weights
 
 __all__ = ['HeadGradients', 'selection_weights', 'probability_selection', 'ohem_selection', 'ohem_cross_entropy',
            'cross_entropy_loss', 'own_loss_producer', 'logit_gradients_at',
@@ -75,15 +76,6 @@ def _class_weights(loss: nn.Module, like: Tensor) -> Optional[Tensor]:
     return like.new_tensor(loss.class_weight)
 
 
-def selection_weights(label: Tensor, keep: Tensor,
-                      class_weight: Optional[Tensor], dtype) -> Tensor:
-    """``keep * class_weight[label]`` (``keep`` where no class weights)."""
-    weight = keep.to(dtype)
-    if class_weight is not None:
-        weight = weight * class_weight[torch.where(keep, label, 0)]
-    return weight
-
-
 def _value(number: float, like: Tensor) -> Tensor:
     """A loss value in the logits' dtype, at least float32 (mmseg's
     cross-entropy of bfloat16 logits under autocast is float32)."""
@@ -98,20 +90,6 @@ def label_probabilities(logits: Tensor, label: Tensor, ignore_index: int,
     return resized_cross_entropy(logits, label, ignore_index=ignore_index,
                     align_corners=align_corners, want_grad=False,
                     want_pixels=True)
-
-
-def probability_selection(prob: Tensor, valid: Tensor, kept: int,
-                          thresh: float) -> Tensor:
-    """mmseg's hard-pixel rule (``OhemCrossEntropy`` and
-    ``OHEMPixelSampler``): sort the label probabilities ``prob`` of the
-    ``valid`` pixels, take the one at ``min(kept, count - 1)`` and select
-    the valid pixels whose probability is strictly below the larger of it
-    and ``thresh`` (bool, ``prob``'s shape; ``valid`` not empty). The
-    value at that position is the ``k``-th smallest."""
-    pred = prob[valid]
-    k = min(kept, pred.numel() - 1)
-    min_value = torch.kthvalue(pred, k + 1).values
-    return valid & (prob < max(min_value, thresh))
 
 
 def ohem_selection(prob: Tensor, label: Tensor,
