@@ -28,11 +28,13 @@ import torch
 from mmengine.config import Config, DictAction
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
+from mmseg_gf.accounting.format import fmt_mib
 from mmseg_gf.analysis.hardware import cpu_model
 from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
                                               plot, row_config, row_settings,
                                               step_table)
 from mmseg_gf.engine.config import default_input_size
+from mmseg_gf.engine.cpu_memory import cpu_memory_kept, keep_freed_cpu_memory
 from mmseg_gf.engine.tool_args import write_json
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, family_config,
                                  make_offline)
@@ -83,6 +85,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('--no-memory', dest='memory', action='store_false',
                    help='time the rows only (no peak / saved bytes)')
     p.add_argument('--threads', type=int, default=None)
+    p.add_argument('--reuse-cpu-memory', action='store_true',
+                   help='keep freed CPU memory for reuse, as training with '
+                   'gradient_filter reuse_cpu_memory=True does (every row, '
+                   'inference included: the setting is process-wide)')
     p.add_argument('--out-dir', default='work_dirs/benchmarks/steps')
     args = p.parse_args(argv)
     _check_args(p, args)
@@ -170,6 +176,9 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.reuse_cpu_memory and not keep_freed_cpu_memory():
+        raise SystemExit('--reuse-cpu-memory: the C library has no glibc '
+                         'mallopt')
     results = []
     for name, label, crop, rows in _jobs(args):
         result = benchmark_model(
@@ -178,10 +187,16 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
             progress=lambda msg, name=name: print(f'[{name}] {msg}',
                                                   flush=True))
         result['cpu'] = cpu_model()
+        result['reuse_cpu_memory'] = cpu_memory_kept()
         results.append(result)
         print(f'\n{label}, crop {crop[0]}x{crop[1]}, batch {args.batch}, '
               f'{result["threads"]} threads, torch {result["torch"]}; '
-              f'median of {args.repeats} steps')
+              f'median of {args.repeats} steps'
+              + ('; freed CPU memory reused' if args.reuse_cpu_memory
+                 else '')
+              + (f'; resident after them '
+                 f'{fmt_mib(result["resident_bytes"], 0, " MiB")}'
+                 if result['resident_bytes'] else ''))
         print(step_table(result), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     write_json(osp.join(args.out_dir, 'steps.json'), results)

@@ -1,8 +1,10 @@
 """What the benchmarks ran on, for their tables: every published timing
-names its CPU."""
+names its CPU; and the process's resident memory."""
+import os
 import platform
+from typing import Optional
 
-__all__ = ['cpu_model']
+__all__ = ['cpu_model', 'resident_bytes']
 
 
 def cpu_model() -> str:
@@ -15,3 +17,14 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def resident_bytes() -> Optional[int]:
+    """The process's resident memory now (Linux ``/proc/self/statm``;
+    None elsewhere)."""
+    try:
+        with open('/proc/self/statm') as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf('SC_PAGE_SIZE')

@@ -33,10 +33,14 @@ __all__ = [
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
 SETTING_KEYS = ('num_layers', 'layers', 'budget', 'radius', 'mode',
                 'train_norm', 'lean', 'input_size', 'keep_frozen_aux_heads',
-                'log_frozen_aux_losses')
+                'log_frozen_aux_losses', 'reuse_cpu_memory')
 #: Settings that are True or False, with their defaults.
 FLAG_DEFAULTS = dict(train_norm=False, lean=True, keep_frozen_aux_heads=False,
-                     log_frozen_aux_losses=False)
+                     log_frozen_aux_losses=False, reuse_cpu_memory=False)
+#: The flags the surgery takes (:func:`apply_gradient_filter`); the others
+#: act on the process (:mod:`mmseg_gf.engine.cpu_memory`).
+SURGERY_FLAGS = ('train_norm', 'lean', 'keep_frozen_aux_heads',
+                 'log_frozen_aux_losses')
 DEFAULT_INPUT_SIZE = (512, 512)
 DEFAULT_RADIUS = 4
 
@@ -50,7 +54,8 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     Returns:
         dict: a copy with defaults filled (radius 4, mode 'gf',
         train_norm False, lean True, keep_frozen_aux_heads False,
-        log_frozen_aux_losses False, input_size None, budget None).
+        log_frozen_aux_losses False, reuse_cpu_memory False, input_size
+        None, budget None).
 
     Raises:
         ValueError: not a dict, unknown key, not exactly one of
@@ -190,7 +195,8 @@ def build_grad_filter_model(model: dict,
                             input_size: Optional[Sequence[int]] = None,
                             data_preprocessor: Optional[dict] = None,
                             keep_frozen_aux_heads: bool = False,
-                            log_frozen_aux_losses: bool = False
+                            log_frozen_aux_losses: bool = False,
+                            reuse_cpu_memory: bool = False
                             ) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
 
@@ -205,6 +211,9 @@ def build_grad_filter_model(model: dict,
         num_layers, layers, radius, mode, train_norm, lean,
         keep_frozen_aux_heads, log_frozen_aux_losses: see
             :func:`select_layers` and :func:`apply_gradient_filter`.
+        reuse_cpu_memory: kept in the segmentor's state for GradFilterHook,
+            which keeps freed CPU memory for reuse when training on CPU
+            (:mod:`mmseg_gf.engine.cpu_memory`).
         budget: instead of ``num_layers`` / ``layers`` and ``radius``:
             limits the setting must fit
             (:func:`mmseg_gf.accounting.budget.choose_by_budget`).
@@ -218,7 +227,8 @@ def build_grad_filter_model(model: dict,
              radius=radius, mode=mode, train_norm=train_norm, lean=lean,
              input_size=input_size,
              keep_frozen_aux_heads=keep_frozen_aux_heads,
-             log_frozen_aux_losses=log_frozen_aux_losses))
+             log_frozen_aux_losses=log_frozen_aux_losses,
+             reuse_cpu_memory=reuse_cpu_memory))
     model = copy.deepcopy(model)
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
@@ -252,9 +262,11 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
                             input_size=input_size)
     choices = apply_gradient_filter(
         segmentor, choices, mode=settings['mode'],
-        **{k: settings[k] for k in FLAG_DEFAULTS})
+        **{k: settings[k] for k in SURGERY_FLAGS})
+    state = get_state(segmentor)
+    state.reuse_cpu_memory = settings['reuse_cpu_memory']
     if choice is not None:
-        get_state(segmentor).budget = choice
+        state.budget = choice
     return choices
 
 

@@ -192,3 +192,24 @@ def test_cfg_options_reach_every_kind_of_model():
         assert [row for row, _ in rows] == ['inference', 'gf_last5_r4:lean']
         assert all(cfg.model.decode_head.dropout_ratio == 0.3
                    for _, cfg in rows)
+
+
+def test_reuse_cpu_memory_is_applied_and_recorded(tmp_path):
+    """--reuse-cpu-memory keeps freed memory for the whole process (run in
+    a subprocess, not to change the test worker's allocator)."""
+    import subprocess
+    import sys
+    proc = subprocess.run(
+        [sys.executable, osp.join(REPO, 'tools', 'benchmark_step.py'),
+         '--models', 'fcn_r18', '--crop', '64', '64', '--batch', '1',
+         '--repeats', '1', '--warmup', '0', '--no-memory', '--rows',
+         'inference', 'gf_last5_r4:lean', '--reuse-cpu-memory', '--out-dir',
+         str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'freed CPU memory reused' in proc.stdout
+    assert 'resident after them' in proc.stdout
+    result, = json.loads((tmp_path / 'steps.json').read_text())
+    assert result['reuse_cpu_memory'] is True
+    # two models and torch: well over 100 MiB, under the machine's memory
+    assert 100 * 2**20 < result['resident_bytes'] < 16 * 2**30

@@ -26,6 +26,7 @@ from ..checkpoint import check_checkpoint_matches
 from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
                       default_batch_size, default_input_size,
                       select_and_apply)
+from ..cpu_memory import keep_freed_cpu_memory
 from ..ddp import rewrap_ddp
 from ..selection import LayerChoice, trace_convs
 from ..state import get_state
@@ -67,6 +68,11 @@ class GradFilterHook(Hook):
             (:mod:`mmseg_gf.engine.frozen_aux_heads`).
         log_frozen_aux_losses: still log those heads' losses, computed
             without autograd; default False.
+        reuse_cpu_memory: when the model trains on CPU, keep freed memory
+            in ``malloc``'s heap for the next steps instead of giving it
+            back to the system (:mod:`mmseg_gf.engine.cpu_memory`; the step
+            then skips the page faults of fresh memory, and the process
+            keeps its peak resident memory); default False.
         log_table: log the per-layer cost table at train start.
         check_load_from: before the checkpoint is loaded, fail if the
             ``load_from`` (or resumed) checkpoint does not exist or does not
@@ -86,6 +92,7 @@ class GradFilterHook(Hook):
                  input_size: Optional[Sequence[int]] = None,
                  keep_frozen_aux_heads: bool = False,
                  log_frozen_aux_losses: bool = False,
+                 reuse_cpu_memory: bool = False,
                  log_table: bool = True,
                  check_load_from: bool = True,
                  **unknown) -> None:
@@ -101,7 +108,8 @@ class GradFilterHook(Hook):
                  radius=radius, mode=mode, train_norm=train_norm, lean=lean,
                  input_size=input_size,
                  keep_frozen_aux_heads=keep_frozen_aux_heads,
-                 log_frozen_aux_losses=log_frozen_aux_losses)
+                 log_frozen_aux_losses=log_frozen_aux_losses,
+                 reuse_cpu_memory=reuse_cpu_memory)
         ) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
@@ -157,6 +165,7 @@ class GradFilterHook(Hook):
                 'GradFilterHook: the model was already gradient-filtered by '
                 'its config (GradFilterModel); hook settings are ignored')
         set_frozen_norms_eval(model)
+        _reuse_cpu_memory(runner, model)
         budget = get_state(model).budget
         if budget is not None:
             runner.logger.info(f'GradFilterHook: {budget.summary()}')
@@ -189,6 +198,23 @@ class GradFilterHook(Hook):
                           data_batch: Any = None) -> None:
         """mmengine loops call ``model.train()``: re-freeze norm stats."""
         set_frozen_norms_eval(runner.model)
+
+
+def _reuse_cpu_memory(runner, model: nn.Module) -> None:
+    """Keep freed CPU memory for reuse when the model trains on CPU and its
+    settings ask for it, and say so."""
+    if not get_state(model).reuse_cpu_memory or any(
+            p.device.type != 'cpu' for p in model.parameters()):
+        return
+    if keep_freed_cpu_memory():
+        runner.logger.info(
+            'GradFilterHook: freed CPU memory stays in malloc\'s heap for '
+            'the next steps (no page faults of fresh memory; resident '
+            'memory stays at its peak)')
+    else:
+        runner.logger.info(
+            'GradFilterHook: reuse_cpu_memory has no effect here (the C '
+            'library has no glibc mallopt)')
 
 
 def _batch_size(runner) -> Optional[int]:
