@@ -32,7 +32,8 @@ from ..engine.zoo import REALTIME_FAMILIES, family_config, make_offline
 
 __all__ = ['config_sweep', 'sweep_rows', 'sweep_markdown', 'sweep_plot',
            'measured_step_peak', 'predicted_vs_measured',
-           'family_predicted_vs_measured', 'families_markdown']
+           'config_predicted_vs_measured', 'family_predicted_vs_measured',
+           'families_markdown']
 
 #: Table / json columns: limit key -> header.
 COLUMNS = {'backward_gflops': 'backward GFLOPs / image',
@@ -237,29 +238,42 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
     return rows
 
 
+def config_predicted_vs_measured(cfg, label: str,
+                                 input_size: Sequence[int] = (128, 128),
+                                 batch: int = 2, radius: int = 4,
+                                 settings: Sequence[Optional[int]] = (10,
+                                                                      None),
+                                 seed: int = 0) -> Dict[str, Any]:
+    """:func:`predicted_vs_measured` on the segmentor of a (plain) config,
+    its weights drawn from ``seed``, for each of ``settings`` (N of "last N
+    convs"; None: all of them).
+
+    Returns:
+        dict: ``label``, ``input_size``, ``batch``, ``radius``, ``rows``
+        (one per setting, in order).
+    """
+    size = tuple(int(v) for v in input_size)
+    torch.manual_seed(seed)
+    model = build_segmentor(cfg)
+    rows = predicted_vs_measured(model, size, batch, list(settings), radius)
+    return dict(label=label, input_size=list(size), batch=batch,
+                radius=radius, rows=rows)
+
+
 def family_predicted_vs_measured(name: str,
                                  input_size: Sequence[int] = (128, 128),
                                  batch: int = 2, radius: int = 4,
-                                 last: int = 10,
+                                 settings: Sequence[Optional[int]] = (10,
+                                                                      None),
                                  seed: int = 0) -> Dict[str, Any]:
-    """:func:`predicted_vs_measured` on a real-time family of mmseg's zoo
-    (:data:`~mmseg_gf.engine.zoo.REALTIME_FAMILIES`, built offline:
-    SyncBN -> BN, random weights from ``seed``), for its last ``last``
-    convs and for all of them.
-
-    Returns:
-        dict: ``family``, ``label``, ``input_size``, ``batch``, ``radius``,
-        ``rows`` (the last-``last`` row, then the every-conv row).
-    """
-    size = tuple(int(v) for v in input_size)
+    """:func:`config_predicted_vs_measured` on a real-time family of
+    mmseg's zoo (:data:`~mmseg_gf.engine.zoo.REALTIME_FAMILIES`, built
+    offline: SyncBN -> BN, random weights), with ``family`` added."""
     cfg = make_offline(family_config(name))
-    cfg.model.data_preprocessor['size'] = size
-    torch.manual_seed(seed)
-    model = build_segmentor(cfg)
-    rows = predicted_vs_measured(model, size, batch, [last, None], radius)
-    return dict(family=name, label=REALTIME_FAMILIES[name].label,
-                input_size=list(size), batch=batch, radius=radius,
-                rows=rows)
+    cfg.model.data_preprocessor['size'] = tuple(int(v) for v in input_size)
+    return dict(family=name, **config_predicted_vs_measured(
+        cfg, REALTIME_FAMILIES[name].label, input_size, batch, radius,
+        settings, seed))
 
 
 def _off(row: dict, key: str) -> float:
