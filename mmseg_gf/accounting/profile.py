@@ -442,16 +442,16 @@ class _Recorder:
         for packs in self.unmodelled.by_storage():
             marks = [self.pack_upstream[id(p)] for p in packs]
             first = packs[0]
-            constant = self.unmodelled.is_constant(first)
+            resident = self.unmodelled.is_resident(first)
             freed = [self.pack_freed.get(id(p), -1) for p in packs]
             entries.append(_Entry(
                 measured_item(first.owner, first.kind, first.nbytes,
-                              constant),
+                              self.unmodelled.is_constant(first)),
                 max(u for u, _ in marks), any(t for _, t in marks),
                 first.owner, first.seq,
-                live_from=None if constant else (
+                live_from=None if resident else (
                     -1 if min(freed) < 0 else max(freed)),
-                resident=constant))
+                resident=resident))
         return entries
 
 

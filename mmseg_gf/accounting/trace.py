@@ -249,8 +249,9 @@ class StepTracer:
             # A custom Function's saved tensors are packed after its forward
             # returned, outside any operation: the lean losses name the
             # logits each kept gradient belongs to (ops.kept_sources).
-            inputs = sources_of(tensor) or self.operations.tensors() or [
-                a for a in args if isinstance(a, torch.Tensor)]
+            inputs = (sources_of(tensor)
+                      or self.operations.tensors()
+                      or [a for a in args if isinstance(a, torch.Tensor)])
         self.on_pack(SavedPack(tensor, tensor.untyped_storage(), self.seq,
                                owner, kind, leaf, module, inputs))
 
@@ -369,27 +370,30 @@ class UnmodelledBytes:
     :mod:`~mmseg_gf.ops.kept_sources`).
 
     Attributes:
-        constant_storages: storages of the model's Parameters and buffers,
-            and of the kept Parameter gradients seen.
+        resident_storages: storages of the model's Parameters and buffers
+            (alive before the step).
+        parameter_gradients: storages of the kept gradients w.r.t. a
+            Parameter seen (made during the step, the Parameter's size).
     """
 
     packs: List[SavedPack] = field(default_factory=list)
     modelled_calls: Set[int] = field(default_factory=set)
     counted_storages: Set[int] = field(default_factory=set)
-    constant_storages: Set[int] = field(default_factory=set)
+    resident_storages: Set[int] = field(default_factory=set)
+    parameter_gradients: Set[int] = field(default_factory=set)
     counted_losses: Set[str] = field(default_factory=set)
 
     @classmethod
     def of(cls, model: nn.Module) -> 'UnmodelledBytes':
         tensors = list(model.parameters()) + list(model.buffers())
-        return cls(constant_storages={t.untyped_storage().data_ptr()
+        return cls(resident_storages={t.untyped_storage().data_ptr()
                                       for t in tensors})
 
     def on_pack(self, pack: SavedPack) -> SavedPack:
         """Keep ``pack`` without its tensor; returns what is kept."""
         if any(isinstance(source, nn.Parameter)
                for source in sources_of(pack.tensor)):
-            self.constant_storages.add(pack.ptr)
+            self.parameter_gradients.add(pack.ptr)
         self.packs.append(pack.slim())
         return self.packs[-1]
 
@@ -423,8 +427,13 @@ class UnmodelledBytes:
                 out.append(left)
         return out
 
+    def is_resident(self, pack: SavedPack) -> bool:
+        """A Parameter's or buffer's storage: alive before the step."""
+        return pack.ptr in self.resident_storages
+
     def is_constant(self, pack: SavedPack) -> bool:
-        return pack.ptr in self.constant_storages
+        """The same bytes at any batch."""
+        return self.is_resident(pack) or pack.ptr in self.parameter_gradients
 
     def by_owner(self) -> Dict[tuple, int]:
         """``(owner, kind) -> bytes`` of the uncovered storages."""
