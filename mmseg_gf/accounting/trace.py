@@ -27,7 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..models.segmentor import set_frozen_norms_eval
-from ..ops.kept_sources import sources_of
+from ..ops import kept_sources
 from .batch import random_batch
 from .kept import SavedItem, StepSavedBytes, kept_by_call, measured_item
 from .measured import mark
@@ -249,7 +249,7 @@ class StepTracer:
             # A custom Function's saved tensors are packed after its forward
             # returned, outside any operation: the lean losses name the
             # logits each kept gradient belongs to (ops.kept_sources).
-            inputs = (sources_of(tensor)
+            inputs = (kept_sources.sources_of(tensor)
                       or self.operations.tensors()
                       or [a for a in args if isinstance(a, torch.Tensor)])
         self.on_pack(SavedPack(tensor, tensor.untyped_storage(), self.seq,
@@ -314,7 +314,9 @@ class StepTracer:
         operations = self.operations if (
             self.operations is not None and self.recording) else \
             contextlib.nullcontext()
-        with torch.random.fork_rng(), saved, operations:
+        sources = kept_sources.recording() if self.on_pack is not None \
+            else contextlib.nullcontext()
+        with torch.random.fork_rng(), saved, operations, sources:
             self.model.train()
             set_frozen_norms_eval(self.model)
             return self.model.loss(inputs, samples)
@@ -392,7 +394,7 @@ class UnmodelledBytes:
     def on_pack(self, pack: SavedPack) -> SavedPack:
         """Keep ``pack`` without its tensor; returns what is kept."""
         if any(isinstance(source, nn.Parameter)
-               for source in sources_of(pack.tensor)):
+               for source in kept_sources.sources_of(pack.tensor)):
             self.parameter_gradients.add(pack.ptr)
         self.packs.append(pack.slim())
         return self.packs[-1]

@@ -8,12 +8,15 @@ from torch import nn
 
 from mmseg_gf.ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                                      LogitGradients)
-from mmseg_gf.ops.kept_sources import note_sources, sources_of
+from mmseg_gf.ops.kept_sources import note_sources, recording, sources_of
 
 
-def test_sources_are_weak_and_paired():
+def test_sources_are_weak_paired_and_recorded_only_when_asked():
     kept, source = torch.zeros(3), torch.ones(3)
     note_sources([kept], [source])
+    assert sources_of(kept) == []  # a training step records nothing
+    with recording():
+        note_sources([kept], [source])
     assert sources_of(kept)[0] is source
     assert sources_of(source) == []
     del source
@@ -43,7 +46,8 @@ def test_fused_classifier_names_the_source_of_everything_it_keeps():
         packed.append((t, [id(s) for s in sources_of(t)]))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with recording(), torch.autograd.graph.saved_tensors_hooks(
+            pack, lambda t: t):
         with torch.no_grad():
             z = conv(x)
         keys = []
