@@ -192,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         print(f'\n{label}, crop {crop[0]}x{crop[1]}, batch {args.batch}, '
               f'{result["threads"]} threads, torch {result["torch"]}; '
               f'median of {args.repeats} steps'
-              + ('; freed CPU memory reused' if args.reuse_cpu_memory
+              + ('; freed CPU memory reused' if result['reuse_cpu_memory']
                  else '')
               + (f'; resident after them '
                  f'{fmt_mib(result["resident_bytes"], 0, " MiB")}'

@@ -182,8 +182,7 @@ def _memory_changes(prof, marker: Optional[str]
     on the process's history, down to a peak of 0 for a small step.
     """
     allocated = set()
-    own: Dict[int, int] = {}  # operator node id -> net bytes
-    operators: Dict[int, object] = {}
+    own: Dict[int, list] = {}  # operator node id -> [node, net bytes]
     changes: List[Tuple[int, int]] = []
     cuts: List[int] = []
     for node in _walk(prof.kineto_results.experimental_event_tree()):
@@ -203,13 +202,11 @@ def _memory_changes(prof, marker: Optional[str]
             continue  # a block allocated before the run
         parent = node.parent
         if parent is not None and _OPERATOR_NAME.match(parent.name):
-            operators[id(parent)] = parent
-            own[id(parent)] = own.get(id(parent), 0) + size
+            own.setdefault(id(parent), [parent, 0])[1] += size
         else:
             changes.append((node.start_time_ns, size))
-    for key, delta in own.items():
+    for op, delta in own.values():
         if delta:
-            op = operators[key]
             changes.append((op.start_time_ns if delta > 0 else
                             op.end_time_ns, delta))
     return changes, sorted(cuts)
