@@ -7,13 +7,15 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 JOBS ?= 2
 STAMP := $(VENV)/.mmseg_gf-installed
+NATIVE_STAMP := $(VENV)/.mmseg_gf-native
+NATIVE_SOURCES := $(wildcard mmseg_gf/ops/csrc/*.cpp mmseg_gf/ops/csrc/*.h)
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist): one per core; 0 runs the suite in one process.
 TEST_WORKERS ?= auto
 
 .PHONY: venv native demo test bench clean
 
-venv: $(STAMP) native
+venv: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +33,13 @@ $(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
 	$(BIN)/python -c "import mmcv.ops, mmseg.utils, mmseg_gf; print('stack ok')"
 	touch $@
 
-# Rebuild the CPU kernels (mmseg_gf/_*.so) when their source
-# changed since the venv was made; a no-op otherwise.
-native: $(STAMP)
+# Rebuild the CPU kernels (mmseg_gf/_*.so) when their source changed
+# since they were last built; a no-op otherwise.
+native: $(NATIVE_STAMP)
+
+$(NATIVE_STAMP): $(STAMP) setup.py $(NATIVE_SOURCES)
 	$(BIN)/python setup.py -q build_ext --inplace
+	touch $@
 
 demo: venv
 	$(BIN)/python tools/demo.py
