@@ -29,13 +29,16 @@ adaptive average pooling    nothing (lean: its input's shape; to 1x1 it
                             is a mean, which keeps nothing)
 lean ``AvgPool2d``          nothing (its input's shape)
 ``Dropout2d`` (training)    its noise, one value per channel: ``N*C``
+                            (folded into its head's fused classifier: the
+                            fused loss keeps it, if the input needs ``g_x``)
 a head's lean loss          the low-resolution logits ``N*K*h*w`` (mmseg's
                             cross-entropy), else its gradient w.r.t. them,
                             once per loss name
 classifier fused with its   nothing itself; its head's loss keeps the
 head's loss                 gradient w.r.t. the logits (if the classifier's
                             input needs one) and ``g_W``, ``g_b``, once per
-                            loss name (once for the cross-entropy)
+                            loss name (once for the cross-entropy), and a
+                            folded dropout's noise (if the input needs one)
 ==========================  ===============================================
 
 Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
@@ -57,7 +60,8 @@ from torch import nn
 
 from ..models.gf_conv import GFConv2d
 from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
-from ..models.lean_head import classifier_fused_now, loss_gradient_copies
+from ..models.lean_head import (classifier_fused_now, folded_dropout_noise,
+                                loss_gradient_copies)
 from ..models.segmentor import is_head_classifier
 from .conv_cost import ConvGeometry
 from .format import fmt_mib
@@ -251,7 +255,9 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
                                                      (1, 1)):
         return None
     if isinstance(module, nn.Dropout2d) and not trained:
-        if not module.training or module.p == 0:
+        if not module.training or module.p == 0 or out is x:
+            # (its output is its input also when folded into its head's
+            # classifier: the fused loss keeps the noise)
             return None
         return SavedItem(path, 'dropout', x.shape[1], x.element_size())
     if isinstance(module, nn.Dropout) and (not module.training
@@ -284,6 +290,10 @@ def _lean_loss_items(head_path: str, head: nn.Module, conv: nn.Module,
     if x.requires_grad:
         items.append(SavedItem(head_path, 'logits',
                                copies * out[0].numel(), eb))
+        noise = folded_dropout_noise(head)
+        if noise is not None:
+            items.append(SavedItem(head_path, 'dropout', noise[0].numel(),
+                                   noise.element_size()))
     for param in (conv.weight, conv.bias):
         if param is not None and param.requires_grad:
             items.append(SavedItem(head_path, 'classifier',

@@ -19,6 +19,7 @@ them (:func:`~.lean_ohem.own_loss_producer`). Why a head is not fused is logged
 once (mmengine's current logger). :func:`loss_gradient_copies` and
 :func:`classifier_fused_now` answer the accounting's questions.
 """
+import contextlib
 import functools
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                               LogitGradients,
                               PrecomputedGradientLossFunction,
+                              is_pointwise, channel_scaled_classifier,
                               loss_gradients)
 from .lean_loss import (chunk_blocker, chunkable_losses,
                         chunked_cross_entropy_gradients,
@@ -37,9 +39,11 @@ from .lean_ohem import (HeadGradientsLossFunction, logit_gradients_at,
                         own_loss_producer)
 
 __all__ = ['base_decode_head', 'ClassifierCapture', 'fusion_blocker',
+           'folds_into_classifier', 'feature_noise',
            'fused_classifier_losses', 'lean_head_losses',
            'log_fallback_once', 'loss_gradient_copies',
-           'disable_classifier_fusion', 'classifier_fused_now']
+           'disable_classifier_fusion', 'classifier_fused_now',
+           'folded_dropout_noise']
 
 
 def base_decode_head():
@@ -120,6 +124,40 @@ def fusion_blocker(head: nn.Module) -> Optional[str]:
     return reason
 
 
+def folds_into_classifier(dropout: Optional[nn.Module], feat: Tensor,
+                          conv: nn.Module) -> bool:
+    """Whether ``dropout`` (a head's, before its classifier ``conv``) is a
+    training ``Dropout2d`` that :class:`ClassifierCapture` folds into the
+    classifier: ``0 < p < 1``, not in place, on a 4-d ``feat``, before a
+    1x1 classifier (:func:`~mmseg_gf.ops.fused_loss.channel_scaled_classifier`)
+    whose calls nothing else redirects."""
+    return (dropout is not None and _plain_class(dropout) is nn.Dropout2d
+            and dropout.training and 0 < dropout.p < 1
+            and not dropout.inplace and feat.dim() == 4
+            and is_pointwise(conv.weight, ConvSpec.of(conv))
+            and not {'forward'} & (set(vars(dropout)) | set(vars(conv))))
+
+
+@contextlib.contextmanager
+def _running_as(module: nn.Module, forward: Callable[[Tensor], Tensor]):
+    """``module(x)`` runs ``forward(x)`` inside the block: its hooks still
+    run, so a step tracer sees the call as it sees any other."""
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def feature_noise(feat: Tensor, p: float) -> Tensor:
+    """The ``N x C x 1 x 1`` noise a training ``Dropout2d(p)`` multiplies
+    ``feat`` by, drawn as torch draws it (``bernoulli_(1 - p)``, then
+    divided by ``1 - p``, in ``feat``'s dtype): the same random numbers, so
+    a folded dropout drops the channels the module would."""
+    noise = feat.new_empty(feat.shape[:2] + (1, 1))
+    return noise.bernoulli_(1 - p).div_(1 - p)
+
+
 class ClassifierCapture:
     """The classifier calls of one head's ``loss``, with what autograd saved
     for them held here, so that they can be dropped once the loss is fused.
@@ -127,10 +165,24 @@ class ClassifierCapture:
     If the forward's output is not the one classifier call's output (the
     head transforms it), nothing is dropped: the calls keep their inputs
     as autograd would, and the backward is autograd's.
+
+    A training ``Dropout2d`` before a 1x1 classifier is folded into it
+    (:func:`folds_into_classifier`): the dropout call draws its noise and
+    returns its input, the classifier call multiplies each image's weight
+    columns by that noise
+    (:func:`~mmseg_gf.ops.fused_loss.channel_scaled_classifier`), so the
+    dropped-out copy of the classifier's input is never made.
+
+    Attributes:
+        calls: ``(classifier input, logits, channel scale or None)`` per
+            classifier call.
     """
 
     def __init__(self) -> None:
-        self.calls: List[Tuple[Tensor, Tensor]] = []
+        self.calls: List[Tuple[Tensor, Tensor, Optional[Tensor]]] = []
+        #: the channel scale of the classifier call running now (None
+        #: outside one, or without a folded dropout)
+        self.scale: Optional[Tensor] = None
         self._held: List[list] = []
 
     @staticmethod
@@ -156,12 +208,30 @@ class ClassifierCapture:
 
     def classify(self, head: nn.Module, feat: Tensor) -> Tensor:
         """mmseg's ``cls_seg`` (dropout, then ``conv_seg``), recorded."""
-        if head.dropout is not None:
+        conv, noise = head.conv_seg, []
+        if folds_into_classifier(head.dropout, feat, conv):
+            def draw(x: Tensor) -> Tensor:
+                noise.append(feature_noise(x, head.dropout.p))
+                return x
+
+            with _running_as(head.dropout, draw):
+                feat = head.dropout(feat)
+        elif head.dropout is not None:
             feat = head.dropout(feat)
-        with torch.autograd.graph.saved_tensors_hooks(
-                self._packer(self._held), self._unpack):
-            logits = head.conv_seg(feat)
-        self.calls.append((feat, logits))
+        scale = self.scale = noise[0] if noise else None
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(
+                    self._packer(self._held), self._unpack):
+                if scale is None:
+                    logits = conv(feat)
+                else:
+                    with _running_as(conv,
+                                     lambda x: channel_scaled_classifier(
+                                         x, conv.weight, conv.bias, scale)):
+                        logits = conv(feat)
+        finally:
+            self.scale = None
+        self.calls.append((feat, logits, scale))
         return logits
 
     def mismatch(self, seg_logits) -> Optional[str]:
@@ -175,8 +245,9 @@ class ClassifierCapture:
             return 'its forward does not return the classifier\'s output'
         return None
 
-    def release(self) -> Tuple[Tensor, Tensor]:
-        """Drop what the classifier call saved; its input and output."""
+    def release(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Drop what the classifier call saved; its input, output and
+        channel scale."""
         for holder in self._held:
             holder[0] = None
         return self.calls[0]
@@ -234,7 +305,7 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
             :func:`~mmseg_gf.ops.fused_loss.loss_gradients`); the capture
             then still holds what the classifier saved.
     """
-    feat, logits = capture.calls[0]
+    feat, logits, scale = capture.calls[0]
     position, others = None, []
     if isinstance(seg_logits, (tuple, list)):
         position = [t is logits for t in seg_logits].index(True)
@@ -263,8 +334,8 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
     conv = head.conv_seg
     keys: List[str] = []
     values = FusedClassifierLossFunction.apply(
-        feat, conv.weight, conv.bias, logits.detach(), ConvSpec.of(conv),
-        gradients, keys, *others)
+        feat, conv.weight, conv.bias, logits.detach(), scale,
+        ConvSpec.of(conv), gradients, keys, *others)
     capture.release()
     return dict(zip(keys, values))
 
@@ -332,6 +403,14 @@ def disable_classifier_fusion(head: nn.Module, reason: str) -> None:
     the fusion does not see. ``reason`` is logged once."""
     head._fused_classifier_off = reason
     log_fallback_once(head, reason)
+
+
+def folded_dropout_noise(head: nn.Module) -> Optional[Tensor]:
+    """The noise of the ``Dropout2d`` folded into ``head``'s classifier
+    call running now (what a step tracer asks at the classifier's call: the
+    fused loss keeps it for ``g_x``), or None."""
+    capture = getattr(head, '_classifier_capture', None)
+    return None if capture is None else capture.scale
 
 
 def classifier_fused_now(head: nn.Module) -> bool:

@@ -22,6 +22,14 @@ forward, so ``x`` is not kept at all, and its backward is
 the logits' resolution) for each independent loss gradient, instead of the
 classifier's input and the logits.
 
+A head's ``Dropout2d`` before a 1x1 classifier multiplies each image's
+channels by one noise value each, so it folds into the classifier's weight:
+``conv(x * s_n, W) = (W * s_n) x`` per image ``n``
+(:func:`channel_scaled_classifier`). The dropped-out copy of ``x`` (the
+classifier input's size) is then never made in the forward, and its
+gradient is never multiplied by the noise in the backward: ``g_W`` and
+``g_x`` take the noise as columns of ``W``.
+
 No mmseg import: the mmseg heads are wired in by :mod:`mmseg_gf.models.lean`.
 """
 import contextlib
@@ -36,7 +44,8 @@ from .kept_sources import note_sources
 
 __all__ = ['LogitGradients', 'forward_graph', 'loss_gradients', 'ConvSpec',
            'PrecomputedGradientLossFunction', 'KeptGradientLossFunction',
-           'FusedClassifierLossFunction',
+           'FusedClassifierLossFunction', 'channel_scaled_classifier',
+           'is_pointwise',
            'weight_and_bias_gradients', 'input_gradient']
 
 
@@ -279,7 +288,7 @@ class ConvSpec:
                    tuple(conv.dilation), int(conv.groups))
 
 
-def _pointwise(weight: Tensor, spec: ConvSpec) -> bool:
+def is_pointwise(weight: Tensor, spec: ConvSpec) -> bool:
     """A 1x1 convolution, stride 1, no padding, one group (a classifier):
     a matrix product over the channels."""
     return (tuple(weight.shape[2:]) == (1, 1) and spec.stride == (1, 1)
@@ -292,24 +301,71 @@ def _pixels_by_channels(t: Tensor) -> Tensor:
     return t.permute(0, 2, 3, 1).reshape(n, -1, c)
 
 
+def _per_image_weights(weight: Tensor, channel_scale: Optional[Tensor],
+                       n: int) -> Tensor:
+    """A 1x1 conv's ``K x C`` matrix, per image ``n x K x C`` with each
+    image's input channels scaled (a folded ``Dropout2d``'s noise, ``N x C``
+    or ``N x C x 1 x 1``), broadcast over the images without a scale."""
+    k, c = weight.shape[:2]
+    w = weight.reshape(1, k, c)
+    if channel_scale is None:
+        return w.expand(n, k, c)
+    return w * channel_scale.reshape(n, 1, c).to(weight.dtype)
+
+
+def channel_scaled_classifier(x: Tensor, weight: Tensor,
+                              bias: Optional[Tensor],
+                              channel_scale: Tensor) -> Tensor:
+    """``conv2d(x * channel_scale, W, b)`` of a 1x1 classifier, computed as
+    ``(W * s_n) x_n + b`` per image: ``x * channel_scale`` (``x``'s size)
+    is never made. Differentiable by autograd; the output is in ``x``'s
+    layout (channels-last for a channels-last ``x``, as oneDNN's conv).
+
+    Args:
+        x: ``N x C x H x W``.
+        weight: ``K x C x 1 x 1``.
+        channel_scale: ``N x C`` (or ``N x C x 1 x 1``), e.g. the noise of
+            a training ``Dropout2d``.
+    """
+    n, c, h, w = x.shape
+    k = weight.shape[0]
+    mats = _per_image_weights(weight, channel_scale, n)
+    if _memory_format(x) is torch.channels_last:
+        rows = _pixels_by_channels(x)
+        out = torch.bmm(rows, mats.transpose(1, 2)) if bias is None else \
+            torch.baddbmm(bias.reshape(1, 1, k), rows, mats.transpose(1, 2))
+        return out.view(n, h, w, k).permute(0, 3, 1, 2)
+    planes = x.reshape(n, c, h * w)
+    out = torch.bmm(mats, planes) if bias is None else \
+        torch.baddbmm(bias.reshape(1, k, 1), mats, planes)
+    return out.view(n, k, h, w)
+
+
 def weight_and_bias_gradients(x: Tensor, weight: Tensor, g_z: Tensor,
-                              spec: ConvSpec, bias: bool
+                              spec: ConvSpec, bias: bool,
+                              channel_scale: Optional[Tensor] = None
                               ) -> Tuple[Tensor, Optional[Tensor]]:
     """``g_W`` and ``g_b`` of ``z = conv2d(x, W, b)`` for output gradient
     ``g_z``, in ``g_z``'s dtype: for a 1x1 classifier a batched matrix
     product that reads ``x`` in its own layout (autograd's kernel copies a
     channels-last ``x`` first), otherwise autograd's own kernel
-    (``convolution_backward``)."""
+    (``convolution_backward``). With ``channel_scale`` (1x1 only), of
+    ``z = conv2d(x * channel_scale, W, b)``: each image's ``g_W`` has its
+    columns scaled."""
     x, weight = x.to(g_z.dtype), weight.to(g_z.dtype)
-    if _pointwise(weight, spec) and x.shape[2:] == g_z.shape[2:]:
+    if is_pointwise(weight, spec) and x.shape[2:] == g_z.shape[2:]:
         n, k, c = x.shape[0], weight.shape[0], weight.shape[1]
         g = g_z.reshape(n, k, -1)
         if _memory_format(x) is torch.channels_last:
             g_w = torch.bmm(g, _pixels_by_channels(x))
         else:
             g_w = torch.bmm(g, x.reshape(n, c, -1).transpose(1, 2))
+        if channel_scale is not None:
+            g_w = g_w * channel_scale.reshape(n, 1, c).to(g_w.dtype)
         g_b = g_z.sum((0, 2, 3)) if bias else None
         return g_w.sum(0).view(k, c, 1, 1), g_b
+    if channel_scale is not None:
+        raise ValueError('a channel scale folds into a 1x1 classifier only')
     _, g_w, g_b = torch.ops.aten.convolution_backward(
         g_z, x, weight, [weight.shape[0]] if bias else None,
         list(spec.stride), list(spec.padding), list(spec.dilation), False,
@@ -327,33 +383,37 @@ def _memory_format(x: Tensor) -> torch.memory_format:
 
 def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
                    spec: ConvSpec,
-                   layout: torch.memory_format = torch.contiguous_format
-                   ) -> Tensor:
+                   layout: torch.memory_format = torch.contiguous_format,
+                   channel_scale: Optional[Tensor] = None) -> Tensor:
     """``g_x = W^T g_z`` of ``z = conv2d(x, W)``, ``x`` of ``shape``, stored
     in ``layout`` (``x``'s, as autograd's gradient would be). A 1x1
-    classifier's is one batched matrix product written straight into that
-    layout. Otherwise a transposed convolution:
-    ``torch.nn.grad.conv2d_input`` runs ``convolution_backward`` on a
-    broadcast stand-in for ``x``, which the CPU kernel copies to full size
-    first: twice the bytes of ``g_x`` (measured with torch's profiler,
-    torch 2.13 CPU, for a 256 -> 150 channel 1x1 conv at 32x32)."""
-    if _pointwise(weight, spec) and tuple(shape[2:]) == tuple(g_z.shape[2:]):
+    classifier's is one matrix product per image written straight into
+    that layout (with ``channel_scale``, of ``conv2d(x * channel_scale,
+    W)``: each image's ``W`` with its columns scaled). Otherwise a
+    transposed convolution: ``torch.nn.grad.conv2d_input`` runs
+    ``convolution_backward`` on a broadcast stand-in for ``x``, which the
+    CPU kernel copies to full size first: twice the bytes of ``g_x``
+    (measured with torch's profiler, torch 2.13 CPU, for a 256 -> 150
+    channel 1x1 conv at 32x32)."""
+    if is_pointwise(weight, spec) and tuple(shape[2:]) == tuple(g_z.shape[2:]):
         n, k, c = shape[0], weight.shape[0], weight.shape[1]
         g = g_z.reshape(n, k, -1)
-        w = weight.reshape(k, c)
+        mats = _per_image_weights(weight, channel_scale, n)
         # One product per image, written in place: torch.matmul of a
         # matrix and a batch transposes its result into a copy.
         if layout is torch.channels_last:
             out = g_z.new_empty((n, shape[2], shape[3], c))
             rows = out.view(n, -1, c)
             for i in range(n):
-                torch.mm(g[i].t(), w, out=rows[i])
+                torch.mm(g[i].t(), mats[i], out=rows[i])
             return out.permute(0, 3, 1, 2)
         out = g_z.new_empty((n, c, shape[2], shape[3]))
         planes = out.view(n, c, -1)
         for i in range(n):
-            torch.mm(w.t(), g[i], out=planes[i])
+            torch.mm(mats[i].t(), g[i], out=planes[i])
         return out
+    if channel_scale is not None:
+        raise ValueError('a channel scale folds into a 1x1 classifier only')
     extra = []
     for i in range(2):
         reach = (g_z.shape[2 + i] - 1) * spec.stride[i] - \
@@ -367,22 +427,25 @@ def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
 
 
 class FusedClassifierLossFunction(Function):
-    """``loss(conv2d(x, W, b), *others)`` with every gradient taken in the
-    forward.
+    """``loss(conv2d(x * s, W, b), *others)`` with every gradient taken in
+    the forward.
 
     Inputs: the classifier's input ``x``, ``weight``, ``bias`` (or None),
-    its output ``z`` (already computed, detached), the :class:`ConvSpec`,
-    ``gradients`` (``(z, *others)`` -> :class:`LogitGradients`: the loss's
-    outputs and gradients), ``keys`` (receives the output keys), then the
-    further logits tensors the loss reads, if any. Keeps, per basis of
-    :class:`LogitGradients`, ``g_z`` (only when ``x`` needs a gradient) and
-    ``g_W``, ``g_b`` (when the classifier is trained), and the gradients
-    w.r.t. ``others``: never ``x``.
+    its output ``z`` (already computed, detached), ``channel_scale`` ``s``
+    (``N x C``: a ``Dropout2d``'s noise folded into a 1x1 classifier,
+    :func:`channel_scaled_classifier`; None: no scale), the
+    :class:`ConvSpec`, ``gradients`` (``(z, *others)`` ->
+    :class:`LogitGradients`: the loss's outputs and gradients), ``keys``
+    (receives the output keys), then the further logits tensors the loss
+    reads, if any. Keeps, per basis of :class:`LogitGradients`, ``g_z``
+    (only when ``x`` needs a gradient; then also ``s``) and ``g_W``,
+    ``g_b`` (when the classifier is trained), and the gradients w.r.t.
+    ``others``: never ``x``.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                z: Tensor, spec: ConvSpec,
+                z: Tensor, channel_scale: Optional[Tensor], spec: ConvSpec,
                 gradients: Callable[..., LogitGradients], keys: List[str],
                 *others: Tensor):
         result = gradients(z, *others)
@@ -390,20 +453,24 @@ class FusedClassifierLossFunction(Function):
         kept_z, kept_w, kept_b = [], [], []
         for basis in result.bases:
             if need_w or need_b:
-                g_w, g_b = weight_and_bias_gradients(x, weight, basis, spec,
-                                                     bias is not None)
+                g_w, g_b = weight_and_bias_gradients(
+                    x, weight, basis, spec, bias is not None, channel_scale)
                 kept_w.extend([g_w] if need_w else [])
                 kept_b.extend([g_b] if need_b else [])
             kept_z.extend([basis] if need_x else [])
+        kept_s = [channel_scale] if need_x and kept_z and \
+            channel_scale is not None else []
         keys.extend(result.values)
         ctx.keys = list(result.values)
         ctx.layout, kept_o = _flatten(result.others, ctx.keys)
-        note_sources(kept_z + kept_w + kept_b + kept_o,
-                     [x] * len(kept_z) + [weight] * len(kept_w) +
-                     [bias] * len(kept_b) +
+        note_sources(kept_z + kept_s + kept_w + kept_b + kept_o,
+                     [x] * (len(kept_z) + len(kept_s)) +
+                     [weight] * len(kept_w) + [bias] * len(kept_b) +
                      [others[j] for _, j in ctx.layout])
-        ctx.save_for_backward(weight, *kept_z, *kept_w, *kept_b, *kept_o)
-        ctx.counts = (len(kept_z), len(kept_w), len(kept_b), len(others))
+        ctx.save_for_backward(weight, *kept_s, *kept_z, *kept_w, *kept_b,
+                              *kept_o)
+        ctx.counts = (len(kept_s), len(kept_z), len(kept_w), len(kept_b),
+                      len(others))
         ctx.x_geometry = (tuple(x.shape), x.dtype, _memory_format(x))
         ctx.spec, ctx.mix = spec, result.mix
         differentiable = set(result.mix) | {
@@ -414,7 +481,8 @@ class FusedClassifierLossFunction(Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         weight, *kept = ctx.saved_tensors
-        n_z, n_w, n_b, n_o = ctx.counts
+        n_s, n_z, n_w, n_b, n_o = ctx.counts
+        scale, kept = (kept[0] if n_s else None), kept[n_s:]
         kept_z, kept_w = kept[:n_z], kept[n_z:n_z + n_w]
         kept_b, kept_o = kept[n_z + n_w:n_z + n_w + n_b], \
             kept[n_z + n_w + n_b:]
@@ -426,14 +494,14 @@ class FusedClassifierLossFunction(Function):
                               kept_z[0])
             shape, dtype, layout = ctx.x_geometry
             g_x = input_gradient(g_z, weight.to(g_z.dtype), shape,
-                                 ctx.spec, layout).to(dtype)
+                                 ctx.spec, layout, scale).to(dtype)
         if scales and kept_w:
             g_w = _scaled_sum([(s, kept_w[b]) for b, s in scales.items()],
                               weight)
         if scales and kept_b:
             g_b = _scaled_sum([(s, kept_b[b]) for b, s in scales.items()],
                               weight)
-        return (g_x, g_w, g_b, None, None, None, None) + others
+        return (g_x, g_w, g_b, None, None, None, None, None) + others
 
 
 def _basis_scales(keys: Sequence[str], mix: Dict[str, List[Tuple[int, float]]],

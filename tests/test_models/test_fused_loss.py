@@ -181,9 +181,76 @@ def test_fused_head_equals_mmseg_head(case):
     assert _classifier_input_kept(plain, inputs, samples) == (True, True)
     by_conv, anywhere = _classifier_input_kept(lean, inputs, samples)
     assert not by_conv
-    assert anywhere == (lean.dropout is None)  # else the ReLU's output
+    # the classifier reads the ReLU's output itself (a dropout before it is
+    # folded into the classifier, which makes no dropped-out copy), and the
+    # plain ReLU keeps it
+    assert anywhere
     assert _kept_bytes(lean, inputs, samples) < \
         _kept_bytes(plain, inputs, samples)
+
+
+def test_feature_noise_draws_what_dropout2d_draws():
+    """The folded dropout draws torch's own noise from the same random
+    numbers: the same channels dropped, the same random state after."""
+    x = torch.randn(3, 5, 4, 4)
+    torch.manual_seed(11)
+    want = nn.functional.dropout2d(x, 0.3, training=True)
+    want_state = torch.get_rng_state()
+    torch.manual_seed(11)
+    got = x * lean_head.feature_noise(x, 0.3)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.get_rng_state(), want_state)
+
+
+def _dropout_outputs(head, inputs, samples):
+    """Whether each call of ``head.dropout`` in a training ``loss``
+    returned its very input (folded into the classifier)."""
+    same = []
+    handle = head.dropout.register_forward_hook(
+        lambda m, args, out: same.append(out is args[0]))
+    try:
+        head.train()
+        head.loss(inputs, samples, None)
+    finally:
+        handle.remove()
+    return same
+
+
+def _wide_classifier(head):
+    conv = head.conv_seg
+    head.conv_seg = nn.Conv2d(conv.in_channels, conv.out_channels, 3,
+                              padding=1)
+    return head
+
+
+@pytest.mark.parametrize('variant', ['1x1 classifier', '3x3 classifier'])
+def test_head_dropout_folds_into_a_pointwise_classifier(variant):
+    """A training Dropout2d before a 1x1 classifier runs as a per-image
+    scaling of the classifier's weight (its call returns its input, no
+    dropped-out copy is made); before a 3x3 classifier it runs as mmseg's.
+    Either way: mmseg's losses and gradients."""
+    plain = _fcn_head('ce')
+    if variant == '3x3 classifier':
+        plain = _wide_classifier(plain)
+    lean = copy.deepcopy(plain)
+    make_lean(lean)
+    inputs, samples = _inputs([(3, 4) + LOW], 1), _samples(3, 2)
+    _compare(plain, lean, [(inputs, samples, 1.0)])
+    folded = _dropout_outputs(lean, inputs, samples)
+    assert folded == [variant == '1x1 classifier']
+
+
+def test_only_a_training_feature_dropout_folds():
+    head = _fcn_head('ce').train()
+    feat = torch.randn(2, 6, 3, 3)
+    fold = lean_head.folds_into_classifier
+    assert fold(head.dropout, feat, head.conv_seg)
+    assert not fold(head.dropout, feat[0], head.conv_seg)  # 3-d input
+    assert not fold(nn.Dropout2d(0.1, inplace=True), feat, head.conv_seg)
+    assert not fold(nn.Dropout(0.1), feat, head.conv_seg)
+    assert not fold(nn.Dropout2d(0.0), feat, head.conv_seg)
+    assert not fold(nn.Dropout2d(1.0), feat, head.conv_seg)
+    assert not fold(head.dropout.eval(), feat, head.conv_seg)
 
 
 def test_classifier_only_training_keeps_no_logits_gradient():

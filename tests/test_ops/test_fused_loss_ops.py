@@ -60,7 +60,8 @@ def test_fused_classifier_equals_autograd(conv, bias, layout):
                 with torch.no_grad():
                     z = layer(x)
                 values = FusedClassifierLossFunction.apply(
-                    x, layer.weight, layer.bias, z, spec, _generic, keys)
+                    x, layer.weight, layer.bias, z, None, spec, _generic,
+                    keys)
                 out = dict(zip(keys, values))
             else:
                 out = _losses(layer(x))
@@ -137,3 +138,77 @@ def test_pointwise_classifier_gradients_copy_nothing(layout):
     torch.testing.assert_close(g_x, leaf.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_w, layer.weight.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g_b, layer.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('layout', ['nchw', 'channels_last'])
+def test_channel_scale_folds_into_the_fused_classifier(bias, layout):
+    """``conv(x * s_n)`` with a per-image channel scale (a training
+    Dropout2d's noise, zeros included) folded into the 1x1 classifier's
+    weight: the same logits as autograd's conv of the scaled input, and the
+    fused function's g_x, g_W, g_b equal autograd's through the scaling."""
+    from mmseg_gf.ops.fused_loss import channel_scaled_classifier
+    fmt = torch.channels_last if layout == 'channels_last' else \
+        torch.contiguous_format
+    gen = torch.Generator().manual_seed(2)
+    x0 = torch.randn(3, 6, 7, 5, generator=gen).contiguous(memory_format=fmt)
+    scale = torch.tensor([[1.25, 0, 1.25, 1.25, 0, 1.25],
+                          [0, 1.25, 1.25, 1.25, 1.25, 1.25],
+                          [1.25] * 6]).view(3, 6, 1, 1)
+    layer = torch.nn.Conv2d(6, 4, 1, bias=bias).to(memory_format=fmt)
+    spec = ConvSpec.of(layer)
+    results = []
+    for fused in (False, True):
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone(memory_format=fmt).requires_grad_(True)
+        if fused:
+            with torch.no_grad():
+                z = channel_scaled_classifier(x, layer.weight, layer.bias,
+                                              scale)
+            keys = []
+            values = FusedClassifierLossFunction.apply(
+                x, layer.weight, layer.bias, z, scale, spec, _generic, keys)
+            out = dict(zip(keys, values))
+        else:
+            z = layer(x * scale)
+            out = _losses(z)
+        (out['loss_a'] * 3.0 + out['loss_b']).backward()
+        results.append((z.detach(), out, x.grad,
+                        [p.grad for p in layer.parameters()]))
+    (want_z, want, want_x, want_p), (got_z, got, got_x, got_p) = results
+    torch.testing.assert_close(got_z, want_z, rtol=1e-5, atol=1e-6)
+    for key in ('loss_a', 'loss_b'):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0)
+    assert got_x.is_contiguous(memory_format=fmt)
+    assert (got_x[0, [1, 4]] == 0).all()  # dropped channels get nothing
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_p, want_p):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_channel_scaled_classifier_is_differentiable_by_autograd():
+    """The folded forward itself (what a head whose output is not fused
+    differentiates with autograd)."""
+    from mmseg_gf.ops.fused_loss import channel_scaled_classifier
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 4, 6, generator=gen, dtype=torch.float64)
+    scale = torch.rand(2, 5, 1, 1, generator=gen, dtype=torch.float64)
+    weight = torch.randn(3, 5, 1, 1, generator=gen, dtype=torch.float64)
+    bias = torch.randn(3, generator=gen, dtype=torch.float64)
+    inputs = [t.requires_grad_(True) for t in (x, weight, bias)]
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: channel_scaled_classifier(x, w, b, scale), inputs)
+
+
+def test_channel_scale_needs_a_pointwise_classifier():
+    from mmseg_gf.ops.fused_loss import (input_gradient,
+                                         weight_and_bias_gradients)
+    layer = torch.nn.Conv2d(4, 3, 3, padding=1)
+    x, g_z = torch.randn(2, 4, 5, 5), torch.randn(2, 3, 5, 5)
+    scale = torch.ones(2, 4, 1, 1)
+    with pytest.raises(ValueError, match='1x1 classifier only'):
+        weight_and_bias_gradients(x, layer.weight, g_z, ConvSpec.of(layer),
+                                  True, scale)
+    with pytest.raises(ValueError, match='1x1 classifier only'):
+        input_gradient(g_z, layer.weight, x.shape, ConvSpec.of(layer),
+                       channel_scale=scale)

@@ -51,7 +51,7 @@ def test_fused_classifier_names_the_source_of_everything_it_keeps():
         with torch.no_grad():
             z = conv(x)
         keys = []
-        FusedClassifierLossFunction.apply(x, conv.weight, conv.bias, z,
+        FusedClassifierLossFunction.apply(x, conv.weight, conv.bias, z, None,
                                           ConvSpec.of(conv), gradients, keys,
                                           other)
     kept = sorted((tuple(t.shape), s) for t, s in packed
