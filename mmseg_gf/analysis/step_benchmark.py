@@ -38,6 +38,7 @@ from ..accounting.format import fmt_mib, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
+from ..engine.cpu_memory import StepMemoryReuse
 from .hardware import resident_bytes
 
 __all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'parse_row', 'row_settings',
@@ -142,14 +143,19 @@ def _predict_fn(model, inputs, samples):
     return predict
 
 
-def _step_fn(model, inputs, samples):
+def _step_fn(model, inputs, samples, memory_reuse: bool = False):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4)
+    reuse = StepMemoryReuse()
 
     # mmengine's OptimWrapper order: backward, update, then release the
     # gradients (``set_to_none``), so that a step starts without them and
-    # its measured peak holds every gradient it allocates.
+    # its measured peak holds every gradient it allocates. With
+    # ``memory_reuse``, freed CPU memory is kept for reuse within the step
+    # and given back after it, as GradFilterHook does by default.
     def step():
+        if memory_reuse:
+            reuse.begin()
         t0 = time.perf_counter()
         loss = training_loss(model, inputs, samples)
         t1 = time.perf_counter()
@@ -157,6 +163,8 @@ def _step_fn(model, inputs, samples):
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        del loss
+        reuse.end()
         return {'forward': t1 - t0, 'backward': t2 - t1}
 
     return step
@@ -179,7 +187,8 @@ def benchmark_model(model_name: str,
                     warmup: int = 1,
                     memory: bool = True,
                     progress: Optional[Callable[[str], None]] = None,
-                    label: Optional[str] = None) -> Dict:
+                    label: Optional[str] = None,
+                    reuse_in_step: bool = False) -> Dict:
     """Measure ``rows`` of one model (see the module docstring).
 
     Every row's segmentor is built first; the timed runs then go round
@@ -200,6 +209,11 @@ def benchmark_model(model_name: str,
             a model whose memory rows are measured in another run).
         progress: called with a short message before each phase.
         label: the model's display name (default ``model_name``).
+        reuse_in_step: training steps keep freed CPU memory for reuse
+            within the step and give it back after it
+            (:class:`~mmseg_gf.engine.cpu_memory.StepMemoryReuse`, what
+            ``reuse_cpu_memory='step'`` does in training; inference runs
+            as mmseg's). Timed, as the step's own cost.
 
     Returns:
         dict with ``model``, ``label``, ``crop``, ``batch``, ``threads``,
@@ -212,7 +226,7 @@ def benchmark_model(model_name: str,
     built = []
     for name, cfg in rows:
         say(f'build {name}')
-        built.append(_Row(name, cfg, crop, batch))
+        built.append(_Row(name, cfg, crop, batch, reuse_in_step))
     times = _time_round_robin(built, repeats, warmup, say)
     # what the process holds after the timed steps (all rows' models and
     # whatever malloc kept: engine.cpu_memory), before the memory runs
@@ -236,15 +250,19 @@ def benchmark_model(model_name: str,
 class _Row:
     """One row's segmentor, batch and the function that runs it."""
 
-    def __init__(self, name: str, cfg, crop, batch: int) -> None:
+    def __init__(self, name: str, cfg, crop, batch: int,
+                 reuse_in_step: bool = False) -> None:
         self.name = name
         self.strategy, self.lean = parse_row(name)
         torch.manual_seed(0)
         self.model = build_segmentor(cfg)
         self.inputs, self.samples = random_batch(self.model, crop, batch,
                                                  label_block=16)
-        make = _predict_fn if self.lean is None else _step_fn
-        self.run = make(self.model, self.inputs, self.samples)
+        if self.lean is None:
+            self.run = _predict_fn(self.model, self.inputs, self.samples)
+        else:
+            self.run = _step_fn(self.model, self.inputs, self.samples,
+                                reuse_in_step)
 
     def memory(self, crop, batch: int) -> Dict[str, Any]:
         """Peak and saved bytes (measured), and the analytic count for a
