@@ -25,7 +25,8 @@ What becomes lean:
   has its classifier fused with its loss (keeps the loss's gradient w.r.t.
   the logits, not the classifier's input); other heads keep their logits
   (cross-entropy) or their loss's gradient w.r.t. them
-  (:mod:`.lean_head`).
+  (:mod:`.lean_head`). Their bilinear resizes take a concatenation's
+  gradient slice without copying it (:mod:`mmseg_gf.ops.resize`).
 * ``nn.Conv2d`` and mmcv's ``Conv2d`` (not ``GFConv2d``) while frozen, with
   zero padding of integer sizes: keep nothing (the weight is a live
   Parameter); ``nn.Linear`` (and mmcv's) while frozen: keep nothing.
@@ -51,6 +52,7 @@ from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
                                    clamp_bits, hardsigmoid_bits)
 from ..ops.lean_pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
                              WindowOffsetMaxPoolFunction)
+from ..ops.resize import strided_gradient_resizes
 from .gf_conv import GFConv2d, is_filterable_conv, with_mmcv_wrapper
 from .lean_head import (ClassifierCapture, base_decode_head,
                         disable_classifier_fusion, fused_classifier_losses,
@@ -241,16 +243,21 @@ class _LeanLossHead:
     computes the loss with
     :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction` instead.
     Otherwise: mmseg's cross-entropy image by image (keeps the logits),
-    any other loss with its gradient taken in the forward (keeps that)."""
+    any other loss with its gradient taken in the forward (keeps that).
+    Bilinear resizes in ``loss`` run as
+    :class:`~mmseg_gf.ops.resize.BilinearResizeFunction`."""
 
     def loss(self, *args, **kwargs):
-        if fusion_blocker(self) is not None:
-            return super().loss(*args, **kwargs)
-        self._classifier_capture = ClassifierCapture()
-        try:
-            return super().loss(*args, **kwargs)
-        finally:
-            self._classifier_capture = None
+        # its bilinear resizes read a concatenation's channel slice of
+        # their gradient in place (ops.resize)
+        with strided_gradient_resizes():
+            if fusion_blocker(self) is not None:
+                return super().loss(*args, **kwargs)
+            self._classifier_capture = ClassifierCapture()
+            try:
+                return super().loss(*args, **kwargs)
+            finally:
+                self._classifier_capture = None
 
     def cls_seg(self, feat: Tensor) -> Tensor:
         capture = getattr(self, '_classifier_capture', None)
