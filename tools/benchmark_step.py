@@ -34,8 +34,7 @@ from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
                                               plot, row_config, row_settings,
                                               step_table)
 from mmseg_gf.engine.config import default_input_size
-from mmseg_gf.engine.cpu_memory import (REUSE_MODES, keep_freed_cpu_memory,
-                                        supported)
+from mmseg_gf.engine.cpu_memory import cpu_memory_kept, keep_freed_cpu_memory
 from mmseg_gf.engine.tool_args import write_json
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, family_config,
                                  make_offline)
@@ -44,12 +43,6 @@ from mmseg_gf.protocol.experiments import step_row_config
 
 #: A model to measure: name, label, crop, (row, config) pairs.
 Job = Tuple[str, str, Tuple[int, int], List[Tuple[str, Config]]]
-
-
-#: How the printed summary names each ``--reuse-cpu-memory`` mode.
-_REUSE_NOTE = {'step': '; freed CPU memory reused within each step',
-               'run': '; freed CPU memory reused by every row, all run',
-               'off': ''}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -92,13 +85,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('--no-memory', dest='memory', action='store_false',
                    help='time the rows only (no peak / saved bytes)')
     p.add_argument('--threads', type=int, default=None)
-    p.add_argument('--reuse-cpu-memory', choices=REUSE_MODES,
-                   default='step',
-                   help="freed CPU memory kept for reuse, as training with "
-                   "gradient_filter reuse_cpu_memory does: 'step' (the "
-                   "default): within each training step, given back after "
-                   "it (inference runs as mmseg's); 'run': for the whole "
-                   "process, every row, inference included; 'off'")
+    p.add_argument('--reuse-cpu-memory', action='store_true',
+                   help='keep freed CPU memory for reuse, as training with '
+                   'gradient_filter reuse_cpu_memory=True does (every row, '
+                   'inference included: the setting is process-wide)')
     p.add_argument('--out-dir', default='work_dirs/benchmarks/steps')
     args = p.parse_args(argv)
     _check_args(p, args)
@@ -186,28 +176,24 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    reuse = args.reuse_cpu_memory
-    if reuse != 'off' and not supported():
-        print(f'--reuse-cpu-memory {reuse}: the C library has no glibc '
-              'mallopt; measured without reuse')
-        reuse = 'off'
-    if reuse == 'run':
-        keep_freed_cpu_memory()
+    if args.reuse_cpu_memory and not keep_freed_cpu_memory():
+        raise SystemExit('--reuse-cpu-memory: the C library has no glibc '
+                         'mallopt')
     results = []
     for name, label, crop, rows in _jobs(args):
         result = benchmark_model(
             name, rows, crop, args.batch, args.repeats, args.warmup,
             args.memory, label=label,
             progress=lambda msg, name=name: print(f'[{name}] {msg}',
-                                                  flush=True),
-            reuse_in_step=reuse == 'step')
+                                                  flush=True))
         result['cpu'] = cpu_model()
-        result['reuse_cpu_memory'] = reuse
+        result['reuse_cpu_memory'] = cpu_memory_kept()
         results.append(result)
         print(f'\n{label}, crop {crop[0]}x{crop[1]}, batch {args.batch}, '
               f'{result["threads"]} threads, torch {result["torch"]}; '
               f'median of {args.repeats} steps'
-              + _REUSE_NOTE[result['reuse_cpu_memory']]
+              + ('; freed CPU memory reused' if result['reuse_cpu_memory']
+                 else '')
               + (f'; resident after them '
                  f'{fmt_mib(result["resident_bytes"], 0, " MiB")}'
                  if result['resident_bytes'] else ''))

@@ -38,7 +38,6 @@ from ..accounting.format import fmt_mib, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
-from ..engine.cpu_memory import StepMemoryReuse
 from .hardware import resident_bytes
 
 __all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'parse_row', 'row_settings',
@@ -143,19 +142,14 @@ def _predict_fn(model, inputs, samples):
     return predict
 
 
-def _step_fn(model, inputs, samples, memory_reuse: bool = False):
+def _step_fn(model, inputs, samples):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4)
-    reuse = StepMemoryReuse()
 
     # mmengine's OptimWrapper order: backward, update, then release the
     # gradients (``set_to_none``), so that a step starts without them and
-    # its measured peak holds every gradient it allocates. With
-    # ``memory_reuse``, freed CPU memory is kept for reuse within the step
-    # and given back after it, as GradFilterHook does by default.
+    # its measured peak holds every gradient it allocates.
     def step():
-        if memory_reuse:
-            reuse.begin()
         t0 = time.perf_counter()
         loss = training_loss(model, inputs, samples)
         t1 = time.perf_counter()
@@ -163,8 +157,6 @@ def _step_fn(model, inputs, samples, memory_reuse: bool = False):
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        del loss
-        reuse.end()
         return {'forward': t1 - t0, 'backward': t2 - t1}
 
     return step
@@ -187,8 +179,7 @@ def benchmark_model(model_name: str,
                     warmup: int = 1,
                     memory: bool = True,
                     progress: Optional[Callable[[str], None]] = None,
-                    label: Optional[str] = None,
-                    reuse_in_step: bool = False) -> Dict:
+                    label: Optional[str] = None) -> Dict:
     """Measure ``rows`` of one model (see the module docstring).
 
     Every row's segmentor is built first; the timed runs then go round
@@ -209,11 +200,6 @@ def benchmark_model(model_name: str,
             a model whose memory rows are measured in another run).
         progress: called with a short message before each phase.
         label: the model's display name (default ``model_name``).
-        reuse_in_step: training steps keep freed CPU memory for reuse
-            within the step and give it back after it
-            (:class:`~mmseg_gf.engine.cpu_memory.StepMemoryReuse`, what
-            ``reuse_cpu_memory='step'`` does in training; inference runs
-            as mmseg's). Timed, as the step's own cost.
 
     Returns:
         dict with ``model``, ``label``, ``crop``, ``batch``, ``threads``,
@@ -226,7 +212,7 @@ def benchmark_model(model_name: str,
     built = []
     for name, cfg in rows:
         say(f'build {name}')
-        built.append(_Row(name, cfg, crop, batch, reuse_in_step))
+        built.append(_Row(name, cfg, crop, batch))
     times = _time_round_robin(built, repeats, warmup, say)
     # what the process holds after the timed steps (all rows' models and
     # whatever malloc kept: engine.cpu_memory), before the memory runs
@@ -250,19 +236,15 @@ def benchmark_model(model_name: str,
 class _Row:
     """One row's segmentor, batch and the function that runs it."""
 
-    def __init__(self, name: str, cfg, crop, batch: int,
-                 reuse_in_step: bool = False) -> None:
+    def __init__(self, name: str, cfg, crop, batch: int) -> None:
         self.name = name
         self.strategy, self.lean = parse_row(name)
         torch.manual_seed(0)
         self.model = build_segmentor(cfg)
         self.inputs, self.samples = random_batch(self.model, crop, batch,
                                                  label_block=16)
-        if self.lean is None:
-            self.run = _predict_fn(self.model, self.inputs, self.samples)
-        else:
-            self.run = _step_fn(self.model, self.inputs, self.samples,
-                                reuse_in_step)
+        make = _predict_fn if self.lean is None else _step_fn
+        self.run = make(self.model, self.inputs, self.samples)
 
     def memory(self, crop, batch: int) -> Dict[str, Any]:
         """Peak and saved bytes (measured), and the analytic count for a

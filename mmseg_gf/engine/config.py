@@ -20,7 +20,6 @@ from torch import nn
 from ..accounting.budget import check_budget
 from ..ops import check_radius
 from .budget import choose_layers_by_budget
-from .cpu_memory import reuse_mode
 from .selection import select_layers
 from .state import get_state
 from .surgery import apply_gradient_filter, check_mode
@@ -37,8 +36,9 @@ SETTING_KEYS = ('num_layers', 'layers', 'budget', 'radius', 'mode',
                 'log_frozen_aux_losses', 'reuse_cpu_memory')
 #: Settings that are True or False, with their defaults.
 FLAG_DEFAULTS = dict(train_norm=False, lean=True, keep_frozen_aux_heads=False,
-                     log_frozen_aux_losses=False)
-#: The flags the surgery takes (:func:`apply_gradient_filter`).
+                     log_frozen_aux_losses=False, reuse_cpu_memory=False)
+#: The flags the surgery takes (:func:`apply_gradient_filter`); the others
+#: act on the process (:mod:`mmseg_gf.engine.cpu_memory`).
 SURGERY_FLAGS = ('train_norm', 'lean', 'keep_frozen_aux_heads',
                  'log_frozen_aux_losses')
 DEFAULT_INPUT_SIZE = (512, 512)
@@ -54,8 +54,7 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     Returns:
         dict: a copy with defaults filled (radius 4, mode 'gf',
         train_norm False, lean True, keep_frozen_aux_heads False,
-        log_frozen_aux_losses False, reuse_cpu_memory 'step' (normalised to
-        one of :data:`~mmseg_gf.engine.cpu_memory.REUSE_MODES`), input_size
+        log_frozen_aux_losses False, reuse_cpu_memory False, input_size
         None, budget None).
 
     Raises:
@@ -75,8 +74,7 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError(f'gradient_filter: unknown key(s) {unknown}; '
                          f'allowed: {list(SETTING_KEYS)}')
     out = dict(radius=None, mode='gf', input_size=None, num_layers=None,
-               layers=None, budget=None, reuse_cpu_memory='step',
-               **FLAG_DEFAULTS)
+               layers=None, budget=None, **FLAG_DEFAULTS)
     out.update(settings)
     given = [k for k in ('num_layers', 'layers', 'budget')
              if out[k] is not None]
@@ -150,7 +148,6 @@ def _check_flags(out: Dict[str, Any]) -> None:
         if not isinstance(out[key], bool):
             raise ValueError(f'gradient_filter {key} must be True or False, '
                              f'got {out[key]!r}')
-    out['reuse_cpu_memory'] = reuse_mode(out['reuse_cpu_memory'])
     size = out['input_size']
     if size is not None:
         if isinstance(size, int):
@@ -199,7 +196,7 @@ def build_grad_filter_model(model: dict,
                             data_preprocessor: Optional[dict] = None,
                             keep_frozen_aux_heads: bool = False,
                             log_frozen_aux_losses: bool = False,
-                            reuse_cpu_memory: Any = 'step'
+                            reuse_cpu_memory: bool = False
                             ) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
 
@@ -215,9 +212,8 @@ def build_grad_filter_model(model: dict,
         keep_frozen_aux_heads, log_frozen_aux_losses: see
             :func:`select_layers` and :func:`apply_gradient_filter`.
         reuse_cpu_memory: kept in the segmentor's state for GradFilterHook,
-            which keeps freed CPU memory for reuse within each step
-            (``'step'``), for the whole run (``'run'``) or not (``'off'``)
-            when training on CPU (:mod:`mmseg_gf.engine.cpu_memory`).
+            which keeps freed CPU memory for reuse when training on CPU
+            (:mod:`mmseg_gf.engine.cpu_memory`).
         budget: instead of ``num_layers`` / ``layers`` and ``radius``:
             limits the setting must fit
             (:func:`mmseg_gf.accounting.budget.choose_by_budget`).

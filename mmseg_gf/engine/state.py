@@ -38,9 +38,8 @@ class GradientFilterState:
             without autograd, for the log.
         logged_frozen_aux_heads: paths of the skipped heads already logged
             (each is logged once).
-        reuse_cpu_memory: how long GradFilterHook keeps freed CPU memory
-            for reuse when training on CPU: ``'step'``, ``'run'`` or
-            ``'off'`` (:mod:`~mmseg_gf.engine.cpu_memory`).
+        reuse_cpu_memory: GradFilterHook keeps freed CPU memory for reuse
+            when training on CPU (:mod:`~mmseg_gf.engine.cpu_memory`).
     """
 
     layers: List[Any]
@@ -50,7 +49,7 @@ class GradientFilterState:
     keep_frozen_aux_heads: bool = False
     log_frozen_aux_losses: bool = False
     logged_frozen_aux_heads: Set[str] = field(default_factory=set)
-    reuse_cpu_memory: str = 'step'
+    reuse_cpu_memory: bool = False
 
 
 def get_state(model: nn.Module) -> Optional[GradientFilterState]:

@@ -26,8 +26,7 @@ from ..checkpoint import check_checkpoint_matches
 from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
                       default_batch_size, default_input_size,
                       select_and_apply)
-from ..cpu_memory import (StepMemoryReuse, keep_freed_cpu_memory,
-                          supported)
+from ..cpu_memory import keep_freed_cpu_memory
 from ..ddp import rewrap_ddp
 from ..selection import LayerChoice, trace_convs
 from ..state import get_state
@@ -70,12 +69,10 @@ class GradFilterHook(Hook):
         log_frozen_aux_losses: still log those heads' losses, computed
             without autograd; default False.
         reuse_cpu_memory: when the model trains on CPU, keep freed memory
-            in ``malloc``'s heap for reuse instead of giving it back to the
-            system at once, so tensors skip the page faults of fresh
-            memory (:mod:`mmseg_gf.engine.cpu_memory`): ``'step'`` (the
-            default) within each training step, given back after it;
-            ``'run'`` for the whole run (the process then keeps its peak
-            resident memory); ``'off'``. True / False mean 'run' / 'off'.
+            in ``malloc``'s heap for the next steps instead of giving it
+            back to the system (:mod:`mmseg_gf.engine.cpu_memory`; the step
+            then skips the page faults of fresh memory, and the process
+            keeps its peak resident memory); default False.
         log_table: log the per-layer cost table at train start.
         check_load_from: before the checkpoint is loaded, fail if the
             ``load_from`` (or resumed) checkpoint does not exist or does not
@@ -95,7 +92,7 @@ class GradFilterHook(Hook):
                  input_size: Optional[Sequence[int]] = None,
                  keep_frozen_aux_heads: bool = False,
                  log_frozen_aux_losses: bool = False,
-                 reuse_cpu_memory: Any = 'step',
+                 reuse_cpu_memory: bool = False,
                  log_table: bool = True,
                  check_load_from: bool = True,
                  **unknown) -> None:
@@ -116,7 +113,6 @@ class GradFilterHook(Hook):
         ) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
-        self.step_memory: Optional[StepMemoryReuse] = None
 
     def before_run(self, runner) -> None:
         """Check the checkpoint to be loaded, before anything is trained.
@@ -169,7 +165,7 @@ class GradFilterHook(Hook):
                 'GradFilterHook: the model was already gradient-filtered by '
                 'its config (GradFilterModel); hook settings are ignored')
         set_frozen_norms_eval(model)
-        self.step_memory = _reuse_cpu_memory(runner, model)
+        _reuse_cpu_memory(runner, model)
         budget = get_state(model).budget
         if budget is not None:
             runner.logger.info(f'GradFilterHook: {budget.summary()}')
@@ -200,45 +196,25 @@ class GradFilterHook(Hook):
 
     def before_train_iter(self, runner, batch_idx: int,
                           data_batch: Any = None) -> None:
-        """mmengine loops call ``model.train()``: re-freeze norm stats; keep
-        freed CPU memory for reuse within the step (``'step'``)."""
+        """mmengine loops call ``model.train()``: re-freeze norm stats."""
         set_frozen_norms_eval(runner.model)
-        if self.step_memory is not None:
-            self.step_memory.begin()
-
-    def after_train_iter(self, runner, batch_idx: int,
-                         data_batch: Any = None,
-                         outputs: Optional[dict] = None) -> None:
-        """Give the step's free CPU memory back (``'step'``)."""
-        if self.step_memory is not None:
-            self.step_memory.end()
 
 
-def _reuse_cpu_memory(runner, model: nn.Module
-                      ) -> Optional[StepMemoryReuse]:
-    """Keep freed CPU memory for reuse when the model trains on CPU, as its
-    settings ask, and say so: for the run at once (``'run'``), or the
-    per-step reuse the hook begins and ends (``'step'``, returned)."""
-    mode = get_state(model).reuse_cpu_memory
-    if mode == 'off' or any(p.device.type != 'cpu'
-                            for p in model.parameters()):
-        return None
-    if not supported():
-        runner.logger.info(
-            f'GradFilterHook: reuse_cpu_memory={mode!r} has no effect here '
-            '(the C library has no glibc mallopt)')
-        return None
-    if mode == 'run':
-        keep_freed_cpu_memory()
+def _reuse_cpu_memory(runner, model: nn.Module) -> None:
+    """Keep freed CPU memory for reuse when the model trains on CPU and its
+    settings ask for it, and say so."""
+    if not get_state(model).reuse_cpu_memory or any(
+            p.device.type != 'cpu' for p in model.parameters()):
+        return
+    if keep_freed_cpu_memory():
         runner.logger.info(
             'GradFilterHook: freed CPU memory stays in malloc\'s heap for '
-            'the whole run (no page faults of fresh memory; resident '
+            'the next steps (no page faults of fresh memory; resident '
             'memory stays at its peak)')
-        return None
-    runner.logger.info(
-        'GradFilterHook: freed CPU memory is reused within each training '
-        'step and given back after it (reuse_cpu_memory=\'step\')')
-    return StepMemoryReuse()
+    else:
+        runner.logger.info(
+            'GradFilterHook: reuse_cpu_memory has no effect here (the C '
+            'library has no glibc mallopt)')
 
 
 def _batch_size(runner) -> Optional[int]:
