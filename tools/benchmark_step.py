@@ -195,7 +195,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
               + ('; freed CPU memory reused' if result['reuse_cpu_memory']
                  else '')
               + (f'; resident after them '
-                 f'{fmt_mib(result["resident_bytes"], 0, " MiB")}'
+                 f'{fmt_mib(result["resident_bytes"], 0, " MiB")}, at most '
+                 f'{fmt_mib(result["peak_resident_bytes"], 0, " MiB")}'
                  if result['resident_bytes'] else ''))
         print(step_table(result), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)

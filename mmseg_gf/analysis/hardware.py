@@ -4,7 +4,7 @@ import os
 import platform
 from typing import Optional
 
-__all__ = ['cpu_model', 'resident_bytes']
+__all__ = ['cpu_model', 'resident_bytes', 'peak_resident_bytes']
 
 
 def cpu_model() -> str:
@@ -17,6 +17,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def peak_resident_bytes() -> Optional[int]:
+    """The process's highest resident memory so far (Linux ``VmHWM`` in
+    ``/proc/self/status``; None elsewhere)."""
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmHWM:'):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def resident_bytes() -> Optional[int]:

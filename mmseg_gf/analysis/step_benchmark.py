@@ -38,7 +38,7 @@ from ..accounting.format import fmt_mib, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
-from .hardware import resident_bytes
+from .hardware import peak_resident_bytes, resident_bytes
 
 __all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'parse_row', 'row_settings',
            'set_row_settings', 'row_config', 'benchmark_model', 'step_table', 'plot',
@@ -203,8 +203,9 @@ def benchmark_model(model_name: str,
 
     Returns:
         dict with ``model``, ``label``, ``crop``, ``batch``, ``threads``,
-        ``torch``, ``resident_bytes`` (the process's resident memory after
-        the timed steps; None without them or off Linux) and ``rows`` (one
+        ``torch``, ``resident_bytes`` and ``peak_resident_bytes`` (the
+        process's resident memory after the timed steps, and the most it
+        held until then; None without them or off Linux) and ``rows`` (one
         dict per row, in order, with the ratios filled in).
     """
     crop = tuple(int(v) for v in crop)
@@ -215,8 +216,10 @@ def benchmark_model(model_name: str,
         built.append(_Row(name, cfg, crop, batch))
     times = _time_round_robin(built, repeats, warmup, say)
     # what the process holds after the timed steps (all rows' models and
-    # whatever malloc kept: engine.cpu_memory), before the memory runs
+    # whatever malloc kept: engine.cpu_memory), and the most it held, before
+    # the memory runs
     resident = resident_bytes() if repeats else None
+    peak_resident = peak_resident_bytes() if repeats else None
     measured = []
     for row, row_times in zip(built, times):
         result = {key: statistics.median(v) for key, v in row_times.items()}
@@ -230,7 +233,8 @@ def benchmark_model(model_name: str,
     return dict(model=model_name, label=label or model_name,
                 crop=list(crop), batch=int(batch),
                 threads=torch.get_num_threads(), torch=torch.__version__,
-                resident_bytes=resident, rows=measured)
+                resident_bytes=resident, peak_resident_bytes=peak_resident,
+                rows=measured)
 
 
 class _Row:

@@ -213,3 +213,4 @@ def test_reuse_cpu_memory_is_applied_and_recorded(tmp_path):
     assert result['reuse_cpu_memory'] is True
     # two models and torch: well over 100 MiB, under the machine's memory
     assert 100 * 2**20 < result['resident_bytes'] < 16 * 2**30
+    assert result['resident_bytes'] <= result['peak_resident_bytes']
