@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .native import empty_for_writing
+
 try:
     from .. import _bit_mask as _kernels
 except ImportError:  # not built: PyTorch fallback
@@ -107,7 +109,8 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0,
     """
     flat = _in_memory_order(grad, layout)
     if _native(flat):
-        out = _kernels.apply_mask(flat, bits, float(off_scale))
+        out = _kernels.apply_mask(flat, bits, float(off_scale),
+                                  empty_for_writing(flat.shape, flat))
     else:
         keep = _unpack_flat(bits, flat.shape)
         off = torch.zeros((), dtype=flat.dtype, device=flat.device) \

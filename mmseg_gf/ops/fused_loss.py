@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from .kept_sources import note_sources
+from .native import empty_for_writing
 
 __all__ = ['LogitGradients', 'forward_graph', 'loss_gradients', 'ConvSpec',
            'PrecomputedGradientLossFunction', 'KeptGradientLossFunction',
@@ -401,13 +402,14 @@ def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
         mats = _per_image_weights(weight, channel_scale, n)
         # One product per image, written in place: torch.matmul of a
         # matrix and a batch transposes its result into a copy.
+        # (in recycled memory on CPU: no page faults of a fresh map)
         if layout is torch.channels_last:
-            out = g_z.new_empty((n, shape[2], shape[3], c))
+            out = empty_for_writing((n, shape[2], shape[3], c), g_z)
             rows = out.view(n, -1, c)
             for i in range(n):
                 torch.mm(g[i].t(), mats[i], out=rows[i])
             return out.permute(0, 3, 1, 2)
-        out = g_z.new_empty((n, c, shape[2], shape[3]))
+        out = empty_for_writing((n, c, shape[2], shape[3]), g_z)
         planes = out.view(n, c, -1)
         for i in range(n):
             torch.mm(mats[i].t(), g[i], out=planes[i])

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from . import bit_mask
+from .native import empty_for_writing
 
 __all__ = [
     'FrozenAffineNormFunction', 'MaskedActivationFunction',
@@ -62,6 +63,10 @@ class FrozenAffineNormFunction(Function):
         scale = scale.view(shape)
         if grad.dtype != scale.dtype:
             return (grad.to(scale.dtype) * scale).to(grad.dtype), None, None
+        if grad.is_contiguous() and not torch.is_grad_enabled():
+            # written into recycled memory (no page faults of a fresh map)
+            out = empty_for_writing(grad.shape, grad)
+            return torch.mul(grad, scale, out=out), None, None
         return grad * scale, None, None
 
 

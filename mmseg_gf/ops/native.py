@@ -8,7 +8,8 @@ pure-PyTorch path, which computes the same numbers; the kernels only make
 the patch sums of ``g_y`` / ``x``, the spread of ``g_x`` and (fused) the
 small-layer backward faster on CPU.
 
-Outputs of 128 KiB or more (``g_x``, patch grids) are recycled: when such
+Outputs of 128 KiB or more (``g_x``, patch grids, and the lean region's
+backward outputs through :func:`empty_for_writing`) are recycled: when such
 a tensor dies its memory goes back to a small pool and the next output of
 the same byte size reuses it, so a training step does not pay the page
 faults of fresh memory again (see ``csrc/output_recycler.cpp``).
@@ -34,6 +35,7 @@ __all__ = [
     'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
     'filtered_conv2d', 'fused_backward_calls',
     'recycle_limit', 'recycled_bytes', 'release_recycled', 'recycling_off',
+    'empty_for_writing',
     'onednn_products_preferred', 'set_onednn_products'
 ]
 
@@ -129,6 +131,18 @@ def set_onednn_products(enabled: bool) -> bool:
     """Let large float32 products run on oneDNN (``True``) or always on
     MKL (``False``); returns the previous setting."""
     return _kernels.set_onednn_products(bool(enabled))
+
+
+def empty_for_writing(shape, like: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor of ``shape`` in ``like``'s dtype
+    and device, for an output written in full: on CPU with the kernels
+    built, a recycled block when one of its byte size is kept (no page
+    faults of fresh memory; the lean region's backward outputs use it as
+    the filtered convs' do), else ``torch.empty``."""
+    if _kernels is None or like.device.type != 'cpu' or \
+            os.environ.get('MMSEG_GF_NATIVE', '1') == '0':
+        return like.new_empty(shape)
+    return _kernels.empty_for_writing([int(v) for v in shape], like.dtype)
 
 
 def recycle_limit(limit_bytes: int) -> int:

@@ -8,7 +8,8 @@ when the batch has more than one image, and torch's
 MobileNetV3-LRASPP at 512x512, batch 2, a 64 MiB copy (~29 ms on the 2-core
 benchmark VM) in front of the resize's own backward. One image of that
 slice is contiguous, so :func:`bilinear_resize_backward` runs torch's own
-kernel image by image on it, writing into one gradient tensor: the same
+kernel image by image on it, writing into one gradient tensor (recycled
+memory on CPU, :func:`~.native.empty_for_writing`): the same
 kernel on the same numbers, hence the same gradient bit for bit
 (``tests/test_ops/test_resize.py``), without the copy.
 
@@ -28,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
+
+from .native import empty_for_writing
 
 __all__ = ['BilinearResizeFunction', 'bilinear_resize_backward',
            'strided_gradient_resizes']
@@ -62,7 +65,7 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
             grad[i:i + 1].is_contiguous() for i in range(grad.shape[0])):
         return backward(grad, out_size, list(input_size), align_corners,
                         *scales)
-    result = grad.new_empty(input_size)
+    result = empty_for_writing(input_size, grad)
     for i in range(grad.shape[0]):
         backward.grad_input(grad[i:i + 1], out_size,
                             [1] + list(input_size[1:]), align_corners,

@@ -26,6 +26,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bytes of freed outputs kept for reuse");
   m.def("release_recycled", &gf::release_recycled,
         "free every kept output block");
+  m.def(
+      "empty_for_writing",
+      [](std::vector<int64_t> sizes, at::ScalarType dtype) {
+        return gf::empty_for_writing(sizes, at::TensorOptions().dtype(dtype));
+      },
+      "an uninitialised contiguous CPU tensor, a recycled block when one of "
+      "its byte size is kept");
   m.def("set_onednn_products", &gf::set_onednn_products,
         "let large float32 products run on oneDNN; returns the previous "
         "setting");

@@ -164,14 +164,20 @@ at::Tensor pack_mask(const at::Tensor& x, double lo, double hi, bool nan_bit) {
 }
 
 at::Tensor apply_mask(const at::Tensor& grad, const at::Tensor& bits,
-                      double off_scale) {
+                      double off_scale, c10::optional<at::Tensor> out_memory) {
   check_dense_cpu(grad, "grad");
   check_dense_cpu(bits, "bits");
   TORCH_CHECK(bits.scalar_type() == at::kByte, "bits must be uint8");
   const int64_t n = grad.numel();
   TORCH_CHECK(bits.numel() == (n + 7) / 8, "bits hold ", bits.numel(),
               " bytes, the gradient needs ", (n + 7) / 8);
-  at::Tensor out = at::empty_like(grad);
+  // (out_memory: where to write, e.g. a recycled block; grad's shape and
+  // dtype, contiguous)
+  at::Tensor out = out_memory.has_value() ? *out_memory : at::empty_like(grad);
+  check_dense_cpu(out, "out");
+  TORCH_CHECK(out.sizes() == grad.sizes() &&
+                  out.scalar_type() == grad.scalar_type(),
+              "out must have the gradient's shape and dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, grad.scalar_type(), "apply_mask", [&] {
         apply_bits<scalar_t>(grad.data_ptr<scalar_t>(),
@@ -187,5 +193,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("lo"), py::arg("hi"), py::arg("nan_bit"));
   m.def("apply_mask", &apply_mask,
         "grad where the bit is set, grad * off_scale elsewhere",
-        py::arg("grad"), py::arg("bits"), py::arg("off_scale"));
+        py::arg("grad"), py::arg("bits"), py::arg("off_scale"),
+        py::arg("out") = py::none());
 }
