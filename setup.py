@@ -28,7 +28,8 @@ def native_extension():
                  extra_link_args=['-fopenmp'])
     csrc = 'mmseg_gf/ops/csrc/'
     patch_ops = ('patch_kernels', 'output_recycler', 'cpu_dispatch',
-                 'collapsed_backward', 'filtered_conv_node')
+                 'collapsed_backward', 'filtered_conv_node',
+                 'bilinear_backward')
     exts = [
         CppExtension(
             'mmseg_gf._patch_ops',

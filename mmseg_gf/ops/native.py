@@ -35,7 +35,7 @@ __all__ = [
     'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
     'filtered_conv2d', 'fused_backward_calls',
     'recycle_limit', 'recycled_bytes', 'release_recycled', 'recycling_off',
-    'empty_for_writing',
+    'empty_for_writing', 'bilinear_backward',
     'onednn_products_preferred', 'set_onednn_products'
 ]
 
@@ -143,6 +143,19 @@ def empty_for_writing(shape, like: Tensor) -> Tensor:
             os.environ.get('MMSEG_GF_NATIVE', '1') == '0':
         return like.new_empty(shape)
     return _kernels.empty_for_writing([int(v) for v in shape], like.dtype)
+
+
+def bilinear_backward(grad: Tensor, out: Tensor, align_corners: bool,
+                      scales: Tuple[Optional[float], Optional[float]]
+                      ) -> Tensor:
+    """torch's ``upsample_bilinear2d_backward`` of ``grad`` (each image
+    contiguous, float32 / float64 CPU) into ``out`` (contiguous, the
+    input's shape), one axis at a time (``csrc/bilinear_backward.cpp``: the
+    same terms summed in another order); returns ``out``."""
+    _kernels.bilinear_backward(grad, out, bool(align_corners),
+                               *(-1.0 if s is None else float(s)
+                                 for s in scales))
+    return out
 
 
 def recycle_limit(limit_bytes: int) -> int:

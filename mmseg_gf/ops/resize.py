@@ -7,11 +7,14 @@ when the batch has more than one image, and torch's
 ``upsample_bilinear2d_backward`` copies it to contiguous memory first: on
 MobileNetV3-LRASPP at 512x512, batch 2, a 64 MiB copy (~29 ms on the 2-core
 benchmark VM) in front of the resize's own backward. One image of that
-slice is contiguous, so :func:`bilinear_resize_backward` runs torch's own
-kernel image by image on it, writing into one gradient tensor (recycled
-memory on CPU, :func:`~.native.empty_for_writing`): the same
-kernel on the same numbers, hence the same gradient bit for bit
-(``tests/test_ops/test_resize.py``), without the copy.
+slice is contiguous, so :func:`bilinear_resize_backward` reads it in place,
+writing into one gradient tensor (recycled memory on CPU,
+:func:`~.native.empty_for_writing`): with the compiled kernels one axis at
+a time (``csrc/bilinear_backward.cpp``: torch's indices and weights, the
+terms summed in another order; ~3x faster than torch's kernel, which
+scatters every output pixel's four terms one by one), otherwise torch's
+own kernel image by image, the same gradient bit for bit
+(``tests/test_ops/test_resize.py``).
 
 :func:`strided_gradient_resizes` routes ``torch.nn.functional.interpolate``
 calls (``mode='bilinear'``, 4-d, no antialiasing, on a tensor that needs a
@@ -30,6 +33,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
 
+from . import native
 from .native import empty_for_writing
 
 __all__ = ['BilinearResizeFunction', 'bilinear_resize_backward',
@@ -50,22 +54,38 @@ def _scales(scale_factor, recompute_scale_factor
     return float(scale_factor), float(scale_factor)
 
 
+def _images_contiguous(grad: Tensor) -> bool:
+    """Each image of ``grad`` is contiguous with its plain strides (a
+    channel slice of a contiguous batch is; a tensor with one-pixel axes
+    may have other strides for them, and goes to torch's kernel)."""
+    _, _, h, w = grad.shape
+    return grad.stride()[1:] == (h * w, w, 1)
+
+
+def _compiled(grad: Tensor) -> bool:
+    return (native.available() and grad.device.type == 'cpu'
+            and grad.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling())
+
+
 def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
                              align_corners: bool,
                              scales: Tuple[Optional[float], Optional[float]]
                              ) -> Tensor:
-    """torch's ``upsample_bilinear2d_backward`` of ``grad``; for a gradient
-    that is not contiguous but whose every image is (a channel slice of a
-    batch), image by image into one contiguous result, without copying
-    ``grad`` first."""
+    """The gradient of a bilinear resize w.r.t. its input, read in place
+    where each image of ``grad`` is contiguous (a channel slice of a batch):
+    with the compiled kernels on CPU (float32 / float64) one axis at a
+    time (:func:`~.native.bilinear_backward`, torch's terms in another
+    order), otherwise torch's ``upsample_bilinear2d_backward`` image by
+    image; any other layout goes to torch's kernel, which copies it."""
     out_size = list(grad.shape[2:])
-    backward = torch.ops.aten.upsample_bilinear2d_backward
-    if grad.is_contiguous() or grad.is_contiguous(
-            memory_format=torch.channels_last) or not all(
-            grad[i:i + 1].is_contiguous() for i in range(grad.shape[0])):
-        return backward(grad, out_size, list(input_size), align_corners,
-                        *scales)
+    if not _images_contiguous(grad):
+        return torch.ops.aten.upsample_bilinear2d_backward(
+            grad, out_size, list(input_size), align_corners, *scales)
     result = empty_for_writing(input_size, grad)
+    if _compiled(grad):
+        return native.bilinear_backward(grad, result, align_corners, scales)
+    backward = torch.ops.aten.upsample_bilinear2d_backward
     for i in range(grad.shape[0]):
         backward.grad_input(grad[i:i + 1], out_size,
                             [1] + list(input_size[1:]), align_corners,

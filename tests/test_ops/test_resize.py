@@ -1,11 +1,13 @@
 """mmseg_gf.ops.resize: bilinear resizes under ``strided_gradient_resizes``
-give autograd's outputs and gradients bit for bit, read a channel slice's
-gradient without copying it, and leave every other ``interpolate`` call to
-torch."""
+give autograd's outputs, and its gradients (bit for bit on torch's kernel;
+within float32 rounding on the compiled one-axis-at-a-time kernel), read a
+channel slice's gradient without copying it, and leave every other
+``interpolate`` call to torch."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from mmseg_gf.ops import native
 from mmseg_gf.ops.resize import (BilinearResizeFunction,
                                  bilinear_resize_backward,
                                  strided_gradient_resizes)
@@ -32,10 +34,17 @@ def _head(x, other, **resize):
     return (both * weight).sin().sum(), up
 
 
+KERNELS = ['torch', pytest.param('compiled', marks=pytest.mark.skipif(
+    not native.available(), reason='compiled kernels not built'))]
+
+
+@pytest.mark.parametrize('kernel', KERNELS)
 @pytest.mark.parametrize('resize', RESIZES)
 @pytest.mark.parametrize('layout', [torch.contiguous_format,
                                     torch.channels_last])
-def test_same_outputs_and_gradients_bit_for_bit(resize, layout):
+def test_same_outputs_and_gradients(resize, layout, kernel, monkeypatch):
+    if kernel == 'torch':
+        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(3, 4, 6, 5, generator=gen).contiguous(
         memory_format=layout)
@@ -54,13 +63,18 @@ def test_same_outputs_and_gradients_bit_for_bit(resize, layout):
         loss.backward()
         results.append((up.detach(), x.grad, other.grad))
     for got, want in zip(results[1], results[0]):
-        assert torch.equal(got, want)
+        if kernel == 'torch':
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_channel_slice_gradient_is_not_copied():
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_a_channel_slice_gradient_is_not_copied(kernel, monkeypatch):
     """The gradient of the middle of a concatenation (non-contiguous for a
-    batch) goes to torch's kernel image by image: no copy, the same
-    result as the kernel on a contiguous copy."""
+    batch) is read in place, image by image: no copy, torch's result."""
+    if kernel == 'torch':
+        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
     gen = torch.Generator().manual_seed(1)
     grad = torch.randn(2, 9, 16, 16, generator=gen)[:, 3:7]
     assert not grad.is_contiguous()
@@ -71,7 +85,37 @@ def test_a_channel_slice_gradient_is_not_copied():
     assert not {'aten::contiguous', 'aten::clone', 'aten::copy_'} & set(names)
     want = torch.ops.aten.upsample_bilinear2d_backward(
         grad.contiguous(), [16, 16], [2, 4, 8, 8], False)
-    assert got.is_contiguous() and torch.equal(got, want)
+    assert got.is_contiguous()
+    if kernel == 'torch':
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not native.available(), reason='compiled kernels not '
+                    'built')
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('sizes', [((7, 9), (16, 21)), ((16, 21), (7, 9)),
+                                   ((5, 5), (5, 5)), ((1, 6), (4, 1)),
+                                   ((8, 8), (8, 17))])
+@pytest.mark.parametrize('align_corners', [False, True])
+def test_compiled_backward_equals_torchs_kernel(dtype, sizes, align_corners):
+    """Up, down, the same size (torch copies), one-pixel axes, one axis
+    only; float64 to 1e-12: the same terms, only summed in another
+    order."""
+    (hi, wi), (ho, wo) = sizes
+    gen = torch.Generator().manual_seed(2)
+    grad = torch.randn(3, 4, ho, wo, generator=gen, dtype=dtype)
+    for scales in ((None, None), (ho / hi * 1.01, wo / wi * 0.99)):
+        if align_corners and scales[0] is not None:
+            continue  # torch ignores the scales with align_corners
+        want = torch.ops.aten.upsample_bilinear2d_backward(
+            grad, [ho, wo], [3, 4, hi, wi], align_corners, *scales)
+        got = native.bilinear_backward(
+            grad, torch.empty(3, 4, hi, wi, dtype=dtype), align_corners,
+            scales)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def test_other_interpolations_are_torchs():

@@ -3,13 +3,15 @@
 //
 // What the other files hold, from the bottom up: patch_kernels (the two
 // passes over full-size tensors: pooling and spreading), output_recycler
-// (memory of large outputs kept from one step for the next), cpu_dispatch
+// (memory of large outputs kept from one step for the next),
+// bilinear_backward (a resize's backward, one axis at a time), cpu_dispatch
 // (MKL or oneDNN for the fused backward's products), collapsed_backward
 // (the whole backward of the usual conv in one call) and
 // filtered_conv_node (that conv as a C++ autograd node).
 
 #include <torch/extension.h>
 
+#include "bilinear_backward.h"
 #include "collapsed_backward.h"
 #include "cpu_dispatch.h"
 #include "filtered_conv_node.h"
@@ -26,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bytes of freed outputs kept for reuse");
   m.def("release_recycled", &gf::release_recycled,
         "free every kept output block");
+  m.def("bilinear_backward", &gf::bilinear_backward,
+        "the backward of a bilinear resize into `out`, one axis at a time");
   m.def(
       "empty_for_writing",
       [](std::vector<int64_t> sizes, at::ScalarType dtype) {
