@@ -15,8 +15,8 @@ touched before.
 The price is resident memory: the heap keeps its peak and fragments (a
 freed block split by a small allocation no longer fits the next large
 one). MobileNetV3-LRASPP, GF last 10 at 512x512, batch 2, one thread, AMD
-EPYC Zen 4 VM: 1.18 s per step instead of 1.61 s, 1617 MiB resident after
-12 steps instead of 1102 (docs/benchmarks/README.md, "Freed CPU memory kept
+EPYC Zen 4 VM: 1.05 s per step instead of 1.23 s, 1547 MiB resident after
+12 steps instead of 1069 (docs/benchmarks/README.md, "Freed CPU memory kept
 for reuse"). Memory is what an edge
 device lacks first, so this is opt-in: ``gradient_filter=dict(...,
 reuse_cpu_memory=True)`` (GradFilterHook applies it when the model trains
