@@ -139,8 +139,8 @@ def empty_for_writing(shape, like: Tensor) -> Tensor:
     built, a recycled block when one of its byte size is kept (no page
     faults of fresh memory; the lean region's backward outputs use it as
     the filtered convs' do), else ``torch.empty``."""
-    if _kernels is None or like.device.type != 'cpu' or \
-            os.environ.get('MMSEG_GF_NATIVE', '1') == '0':
+    if not available() or like.device.type != 'cpu' or \
+            torch.compiler.is_compiling():
         return like.new_empty(shape)
     return _kernels.empty_for_writing([int(v) for v in shape], like.dtype)
 

@@ -430,6 +430,30 @@ def test_large_outputs_reuse_freed_memory(recycler):
     assert native.recycled_bytes() == nbytes
 
 
+def test_lean_backward_outputs_reuse_freed_memory(recycler):
+    """The lean region's full-size backward outputs (an activation's
+    masked gradient, a frozen norm's scaled one) take the pool's blocks:
+    the second backward writes into the first one's freed memory, and the
+    gradients stay autograd's."""
+    from mmseg_gf.ops import bit_mask
+    from mmseg_gf.ops.lean import FrozenAffineNormFunction
+    x = torch.randn(2, 16, 64, 64)
+    grad = torch.randn_like(x)
+    scale = torch.rand(16)
+    bits = bit_mask.pack(x)
+    masked = bit_mask.apply(grad, bits)
+    address = masked.data_ptr()
+    assert torch.equal(masked, grad * (x > 0))
+    del masked
+    assert native.recycled_bytes() == grad.nbytes
+    leaf = x.clone().requires_grad_(True)
+    out = FrozenAffineNormFunction.apply(leaf, scale, lambda t: t * 1.0)
+    out.backward(grad)
+    assert leaf.grad.data_ptr() == address
+    torch.testing.assert_close(leaf.grad, grad * scale.view(1, -1, 1, 1),
+                               rtol=0, atol=0)
+
+
 def test_recycling_pool_respects_its_limit(recycler):
     """Least recently returned blocks are freed beyond the limit; a limit
     of 0 keeps nothing; outputs below 128 KiB never enter the pool."""
