@@ -53,15 +53,19 @@ def patches(height: int, width: int, extra: int,
 
 def reference_linear_gradients(x: Tensor, weight: Tensor, grad_out: Tensor,
                                height: int, width: int, extra: int,
-                               layout: str, token_dim: int,
-                               radius: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(g_x, g_W, g_b)`` of the filtered linear layer, float64."""
+                               layout: str, token_dim: int, radius: int,
+                               trailing: int = 0
+                               ) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(g_x, g_W, g_b)`` of the filtered linear layer, float64;
+    ``extra`` leading and ``trailing`` tokens lie on no grid."""
     x, weight, grad_out = x.double(), weight.double(), grad_out.double()
     xr = _to_token_rows(x, layout, token_dim)  # T x M x Ci
     gr = _to_token_rows(grad_out, layout, token_dim)  # T x M x Co
     g_x = torch.zeros_like(xr)
     g_w = torch.zeros_like(weight)
-    for t in range(extra):  # extra tokens: the exact rules
+    no_grid = list(range(extra)) + list(
+        range(extra + height * width, extra + height * width + trailing))
+    for t in no_grid:  # extra tokens: the exact rules
         g_x[t] = gr[t] @ weight
         g_w += gr[t].t() @ xr[t]
     for idx in patches(height, width, extra, radius):
@@ -75,7 +79,8 @@ def reference_linear_gradients(x: Tensor, weight: Tensor, grad_out: Tensor,
 
 
 def patch_average(grad_out: Tensor, height: int, width: int, extra: int,
-                  layout: str, token_dim: int, radius: int) -> Tensor:
+                  layout: str, token_dim: int, radius: int,
+                  trailing: int = 0) -> Tensor:
     """``M g``: every grid token's gradient replaced by its patch's mean,
     extra tokens unchanged (a self-adjoint projection)."""
     gr = _to_token_rows(grad_out.double(), layout, token_dim).clone()

@@ -14,7 +14,7 @@ docs/gradient_filter.md for a ``1 x 1`` kernel, stride 1
 * ``g_x`` is the patch-mean gradient times ``W``, broadcast to every token of
   the patch;
 * ``g_b`` is exact, and so is everything of the extra tokens (a ViT's cls /
-  distillation tokens), which lie on no grid.
+  distillation tokens, Segmenter's class embeddings), which lie on no grid.
 
 Where the tokens lie on the grid is described by :class:`TokenGrid` and a
 token axis; it is never guessed from the token count. The backward runs its
@@ -33,8 +33,8 @@ from torch.autograd.function import once_differentiable
 from .gradient_filter import AxisGeometry, check_radius
 
 #: How the grid's tokens are laid out in a Linear's input (last dim: C).
-#: ``'tokens'``: one token axis of ``extra_tokens + H*W`` tokens, the grid's
-#: row-major (``(B, N, C)``, or ``(N, B, C)`` with the token axis first);
+#: ``'tokens'``: one token axis of ``extra_tokens + H*W + trailing_tokens``
+#: tokens, the grid's row-major (``(B, N, C)``, or ``(N, B, C)`` with the token axis first);
 #: ``'hwc'``: two axes ``H, W`` (``(B, H, W, C)``); ``'windows'``: one token
 #: axis of a ``ws_h x ws_w`` window, windows stacked in the batch
 #: (``(B*nW, ws*ws, C)``, Swin's ``WindowMSA``).
@@ -53,12 +53,15 @@ class TokenGrid:
             before the ``H*W`` grid tokens; their gradients stay exact.
             ``'tokens'`` layout only.
         layout: one of :data:`LAYOUTS`.
+        trailing_tokens: tokens on no grid after the grid's (Segmenter's
+            class embeddings); exact like ``extra_tokens``.
     """
 
     height: int
     width: int
     extra_tokens: int = 0
     layout: str = 'tokens'
+    trailing_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ('height', 'width'):
@@ -67,17 +70,19 @@ class TokenGrid:
                     or value < 1:
                 raise ValueError(
                     f'TokenGrid.{name} must be an int >= 1, got {value!r}')
-        extra = self.extra_tokens
-        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
-            raise ValueError('TokenGrid.extra_tokens must be an int >= 0, '
-                             f'got {extra!r}')
         if self.layout not in LAYOUTS:
             raise ValueError(f'TokenGrid.layout must be one of {LAYOUTS}, '
                              f'got {self.layout!r}')
-        if extra and self.layout != 'tokens':
-            raise ValueError(
-                f'TokenGrid.extra_tokens={extra} needs layout="tokens" '
-                f'(a {self.layout!r} layout holds grid tokens only)')
+        for name in ('extra_tokens', 'trailing_tokens'):
+            extra = getattr(self, name)
+            if isinstance(extra, bool) or not isinstance(extra, int) \
+                    or extra < 0:
+                raise ValueError(f'TokenGrid.{name} must be an int >= 0, '
+                                 f'got {extra!r}')
+            if extra and self.layout != 'tokens':
+                raise ValueError(
+                    f'TokenGrid.{name}={extra} needs layout="tokens" '
+                    f'(a {self.layout!r} layout holds grid tokens only)')
 
     @classmethod
     def windows(cls, window_size: Union[int, Tuple[int, int]]) -> 'TokenGrid':
@@ -90,7 +95,19 @@ class TokenGrid:
     @property
     def num_tokens(self) -> int:
         """Tokens along the token axis (``'tokens'`` / ``'windows'``)."""
-        return self.extra_tokens + self.height * self.width
+        return (self.extra_tokens + self.height * self.width +
+                self.trailing_tokens)
+
+    @property
+    def extra_spans(self) -> Tuple[Tuple[int, int], ...]:
+        """``(start, count)`` of the tokens on no grid, leading first."""
+        spans = []
+        if self.extra_tokens:
+            spans.append((0, self.extra_tokens))
+        if self.trailing_tokens:
+            spans.append((self.extra_tokens + self.height * self.width,
+                          self.trailing_tokens))
+        return tuple(spans)
 
     @property
     def grid_dims(self) -> int:
@@ -128,8 +145,9 @@ class TokenGrid:
         elif shape[dim] != self.num_tokens:
             raise ValueError(
                 f'input of shape {tuple(shape)} has {shape[dim]} tokens on '
-                f'axis {dim}; the token grid has extra_tokens + H*W = '
-                f'{self.extra_tokens} + {self.height}*{self.width} = '
+                f'axis {dim}; the token grid has extra_tokens + H*W + '
+                f'trailing_tokens = {self.extra_tokens} + {self.height}*'
+                f'{self.width} + {self.trailing_tokens} = '
                 f'{self.num_tokens} ({self.layout!r} layout)')
         return dim
 
@@ -175,9 +193,20 @@ class _Layout:
     dim: int  # the token axis (the grid's H axis for 'hwc')
 
     def extra(self, t: Tensor) -> Optional[Tensor]:
-        """The extra tokens of ``t`` (a view), or None."""
-        e = self.grid.extra_tokens
-        return t.narrow(self.dim, 0, e) if e else None
+        """The tokens of ``t`` on no grid (leading, then trailing), or
+        None."""
+        parts = [t.narrow(self.dim, *span) for span in self.grid.extra_spans]
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
+
+    def write_extra(self, out: Tensor, values: Tensor) -> None:
+        """Copy ``values`` (as :meth:`extra` returns them) into ``out``."""
+        done = 0
+        for start, count in self.grid.extra_spans:
+            out.narrow(self.dim, start, count).copy_(
+                values.narrow(self.dim, done, count))
+            done += count
 
     def grid_view(self, t: Tensor) -> Tensor:
         """``t``'s grid tokens as ``(*lead, H, W, C)`` (a view)."""
@@ -298,7 +327,7 @@ class GradientFilterLinearFunction(torch.autograd.Function):
                 layout.spread_into(grad_x,
                                    (means @ w_scaled).to(ctx.input_dtype))
                 if g_extra is not None:
-                    layout.extra(grad_x).copy_(g_extra @ w_acc)
+                    layout.write_extra(grad_x, g_extra @ w_acc)
             if need_w:  # step 4: sum over patches of g~ x~^T
                 grad_w = _rows(means).t() @ _rows(x_sums).to(acc)
                 if scale != 1.0:

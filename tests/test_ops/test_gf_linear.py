@@ -20,6 +20,8 @@ CASES = [
     (TokenGrid.windows(7), (6, 49, 5), 1),
     (TokenGrid(1, 1), (3, 1, 5), 1),
     (TokenGrid(6, 4), (24, 5), 0),  # unbatched
+    (TokenGrid(3, 4, trailing_tokens=3), (2, 15, 5), 1),  # Segmenter's head
+    (TokenGrid(3, 3, 1, trailing_tokens=2), (12, 2, 5), 0),
 ]
 
 
@@ -46,7 +48,7 @@ def test_matches_float64_reference(grid, shape, token_dim, radius):
     got = _filtered_grads(x, w, b, g, grid, radius, token_dim)
     ref = reference_linear_gradients(x, w, g, grid.height, grid.width,
                                      grid.extra_tokens, grid.layout,
-                                     token_dim, radius)
+                                     token_dim, radius, grid.trailing_tokens)
     for a, e in zip(got, ref):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
 
@@ -157,10 +159,10 @@ def test_autocast_bfloat16():
 
 
 @pytest.mark.parametrize('kwargs,shape,token_dim,match', [
-    (dict(height=4, width=4), (2, 17, 3), 1, r'17 tokens on axis 1.*'
-     r'1 \+ 4\*4|17 tokens on axis 1.*0 \+ 4\*4'),
+    (dict(height=4, width=4), (2, 17, 3), 1,
+     r'17 tokens on axis 1.*0 \+ 4\*4 \+ 0 = 16'),
     (dict(height=4, width=4, extra_tokens=1), (2, 16, 3), 1,
-     r'16 tokens.*1 \+ 4\*4 = 17'),
+     r'16 tokens.*1 \+ 4\*4 \+ 0 = 17'),
     (dict(height=3, width=5, layout='hwc'), (2, 5, 3, 3), 1,
      r'H, W = \(5, 3\).*3 x 5'),
     (dict(height=2, width=2), (2, 4, 3), 2, r'token_dim=2 does not fit'),
@@ -181,6 +183,8 @@ def test_grid_mismatch_is_refused(kwargs, shape, token_dim, match):
     (dict(height=2, width=2, layout='nchw'), r"layout must be one of"),
     (dict(height=2, width=2, extra_tokens=1, layout='windows'),
      r'needs layout="tokens"'),
+    (dict(height=2, width=2, layout='hwc', trailing_tokens=2),
+     r'trailing_tokens=2 needs layout="tokens"'),
 ])
 def test_bad_grid_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

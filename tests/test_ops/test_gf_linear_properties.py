@@ -15,7 +15,8 @@ def linear_cases(draw):
     layout = draw(st.sampled_from(['tokens', 'hwc', 'windows']))
     height, width = draw(st.integers(1, 9)), draw(st.integers(1, 9))
     extra = draw(st.integers(0, 3)) if layout == 'tokens' else 0
-    grid = TokenGrid(height, width, extra, layout)
+    trailing = draw(st.integers(0, 2)) if layout == 'tokens' else 0
+    grid = TokenGrid(height, width, extra, layout, trailing)
     grid_axes = ([height, width]
                  if layout == 'hwc' else [grid.num_tokens])
     before = draw(st.lists(st.integers(1, 3), max_size=2))
@@ -54,7 +55,8 @@ def test_random_linear_layers_match_reference(case):
     ref = reference_linear_gradients(xs.detach(), ws.detach(), g.to(dtype),
                                      grid.height, grid.width,
                                      grid.extra_tokens, grid.layout,
-                                     case['token_dim'], case['radius'])
+                                     case['token_dim'], case['radius'],
+                                     grid.trailing_tokens)
     tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(
         rtol=1e-4, atol=1e-4)
     for tensor, want, wanted in ((xs, ref[0], case['input_grad']),
