@@ -87,3 +87,48 @@ def patch_average(grad_out: Tensor, height: int, width: int, extra: int,
     for idx in patches(height, width, extra, radius):
         gr[idx] = gr[idx].mean(dim=0, keepdim=True)
     return _from_token_rows(gr, grad_out, layout, token_dim)
+
+
+def reference_filtered_linear(x: Tensor, weight: Tensor, bias, grid,
+                              token_dim: int, radius: int) -> Tensor:
+    """``F.linear`` whose input and weight gradients are taken at the
+    patch-averaged output gradient (:func:`patch_average`, the loops above)
+    and whose bias gradient at the unfiltered one: the filtered layer's
+    backward written with autograd, for whole-model references. ``grid`` is
+    any object with the ``TokenGrid`` fields."""
+    y = torch.nn.functional.linear(x, weight)
+    if y.requires_grad:
+        y.register_hook(lambda g: patch_average(
+            g, grid.height, grid.width, grid.extra_tokens, grid.layout,
+            token_dim, radius, grid.trailing_tokens).to(g.dtype))
+    return y if bias is None else y + bias
+
+
+def reference_attention(attention, query: Tensor, key: Tensor, value: Tensor,
+                        query_grid, key_grid, radius: int) -> Tensor:
+    """``nn.MultiheadAttention``'s output (no masks, no dropout) with its
+    four projections filtered as :func:`reference_filtered_linear`, the
+    attention itself written out (softmax of scaled dot products)."""
+    if attention.batch_first:
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    e, heads = attention.embed_dim, attention.num_heads
+    d = e // heads
+    ws = attention.in_proj_weight.split(e)
+    b = attention.in_proj_bias
+    bs = (None, ) * 3 if b is None else b.split(e)
+
+    def project(x, i, grid):
+        return reference_filtered_linear(x, ws[i], bs[i], grid, 0, radius)
+
+    q = project(query, 0, query_grid)
+    k = project(key, 1, key_grid)
+    v = project(value, 2, key_grid)
+    tgt, batch, _ = q.shape
+    q, k, v = (t.reshape(t.shape[0], batch * heads, d).transpose(0, 1)
+               for t in (q, k, v))
+    weights = torch.softmax(q @ k.transpose(1, 2) / d**0.5, dim=-1)
+    out = (weights @ v).transpose(0, 1).reshape(tgt, batch, e)
+    out = reference_filtered_linear(out, attention.out_proj.weight,
+                                    attention.out_proj.bias, query_grid, 0,
+                                    radius)
+    return out.transpose(0, 1) if attention.batch_first else out
