@@ -77,6 +77,11 @@ def parse_args():
         help='filtered conv on CUDA without the Triton kernels')
     parser.add_argument('--threads', type=int, default=None,
                         help='torch CPU threads (default: torch\'s choice)')
+    parser.add_argument(
+        '--reuse-cpu-memory', action='store_true',
+        help='keep freed CPU memory for reuse (glibc mallopt, as training '
+        'with gradient_filter reuse_cpu_memory=True): the backward\'s fresh '
+        'outputs then skip the page faults of new memory, for both paths')
     parser.add_argument('--out-dir', default='work_dirs/benchmarks/layers')
     return parser.parse_args()
 
@@ -85,6 +90,12 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.reuse_cpu_memory:
+        # engine imports mmseg: only when asked
+        from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
+        if not keep_freed_cpu_memory():
+            raise SystemExit('--reuse-cpu-memory: the C library has no '
+                             'glibc mallopt')
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     if args.no_triton:
         triton_path.set_enabled(False)
@@ -116,7 +127,8 @@ def main():
                for dev in devices}
     meta = dict(batch=args.batch, threads=torch.get_num_threads(),
                 torch=torch.__version__, repeats=args.repeats,
-                dtype=args.dtype, kinds=args.kinds, clock=args.clock)
+                dtype=args.dtype, kinds=args.kinds, clock=args.clock,
+                reuse_cpu_memory=args.reuse_cpu_memory)
     if 'cuda' in devices:
         meta.update(gpu=torch.cuda.get_device_name(),
                     cudnn_benchmark=args.cudnn_benchmark,

@@ -216,22 +216,39 @@ class _Layout:
                 dim, (g.height, g.width))
         return t.movedim((dim, dim + 1), (-3, -2))
 
-    def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:
-        """Sums of ``t`` over each ``r x r`` patch, ``(L, Ph, Pw, C)``,
-        contiguous, in ``dtype`` (partial patches: over their tokens).
+    def grid_rows(self, t: Tensor) -> Optional[Tensor]:
+        """``t``'s grid tokens as ``(L, H, W, C)``, a view of ``t``; None
+        where the leading axes do not merge without a copy."""
+        view = self.grid_view(t)
+        try:
+            return view.view(-1, *view.shape[-3:])
+        except RuntimeError:
+            return None
+
+    def pool_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """Sums of ``(l, H, W, C)`` tokens over each ``r x r`` patch,
+        ``(l, Ph, Pw, C)``, contiguous, in ``dtype`` (partial patches: over
+        their tokens).
 
         One channels-last ``avg_pool2d`` with a divisor of 1: a single
-        vectorised pass over ``t`` (a strided ``sum`` over the two in-patch
-        axes was 3-8x slower on CPU), exact for the clipped border windows
-        as in ``filter_output_grad`` of the conv.
+        vectorised pass (a strided ``sum`` over the two in-patch axes was
+        3-8x slower on CPU), exact for the clipped border windows as in
+        ``filter_output_grad`` of the conv.
         """
         g, r = self.grid, self.radius
-        view = self.grid_view(t)
-        nchw = view.reshape(-1, g.height, g.width,
-                            view.shape[-1]).permute(0, 3, 1, 2)
-        sums = F.avg_pool2d(nchw, (min(r, g.height), min(r, g.width)),
-                            (r, r), ceil_mode=True, divisor_override=1)
+        sums = F.avg_pool2d(rows.permute(0, 3, 1, 2),
+                            (min(r, g.height), min(r, g.width)), (r, r),
+                            ceil_mode=True, divisor_override=1)
         return sums.permute(0, 2, 3, 1).contiguous().to(dtype)
+
+    def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:
+        """:meth:`pool_rows` of ``t``'s grid tokens, ``(L, Ph, Pw, C)``
+        (the forward's ``x~``)."""
+        rows = self.grid_rows(t)
+        if rows is None:
+            view = self.grid_view(t)
+            rows = view.reshape(-1, *view.shape[-3:])
+        return self.pool_rows(rows, dtype)
 
     def patch_counts(self, sums: Tensor) -> Optional[Tensor]:
         """Tokens per patch, ``(Ph, Pw, 1)`` to divide ``sums``; None when
@@ -246,29 +263,88 @@ class _Layout:
                                                           sums.dtype)
         return counts.unsqueeze(-1)
 
-    def spread_into(self, out: Tensor, pooled: Tensor) -> None:
-        """Write each patch's row of ``pooled`` (``(L, Ph, Pw, C)``) to
-        every grid token of the patch in ``out``
-        (docs/gradient_filter.md#backward, step 3): one broadcasting copy
-        per stretch of equal patches, straight into ``out``."""
-        view = self.grid_view(out)
-        lead = view.shape[:-3]
-        pooled = pooled.reshape(*lead, *pooled.shape[1:])
-        h, w = view.dim() - 3, view.dim() - 2
+    def spread_rows(self, out: Tensor, pooled: Tensor) -> None:
+        """Write each patch's row of ``pooled`` (``(l, Ph, Pw, C)``) to
+        every token of the patch in ``out`` (``(l, H, W, C)``, a view into
+        ``g_x``; docs/gradient_filter.md#backward, step 3): one
+        broadcasting copy per stretch of equal patches."""
         for rows in _segments(self.grid.height, self.radius):
             for cols in _segments(self.grid.width, self.radius):
-                block = view.narrow(h, rows[0], rows[1] * rows[2]).narrow(
-                    w, cols[0], cols[1] * cols[2]).unflatten(
-                        w, cols[1:]).unflatten(h, rows[1:])
-                src = pooled.narrow(h, rows[0] // self.radius,
+                block = out.narrow(1, rows[0], rows[1] * rows[2]).narrow(
+                    2, cols[0], cols[1] * cols[2]).unflatten(
+                        2, cols[1:]).unflatten(1, rows[1:])
+                src = pooled.narrow(1, rows[0] // self.radius,
                                     rows[1]).narrow(
-                                        w, cols[0] // self.radius, cols[1])
-                block.copy_(src.unsqueeze(w + 1).unsqueeze(h + 1))
+                                        2, cols[0] // self.radius, cols[1])
+                block.copy_(src.unsqueeze(3).unsqueeze(2))
 
 
 def _rows(t: Tensor) -> Tensor:
     """``t`` as a matrix of rows (last axis kept)."""
     return t.reshape(-1, t.shape[-1])
+
+
+#: Bytes of ``g_y`` the backward filters at a time (whole leading rows: an
+#: image, or a group of windows). Each chunk's temporaries (patch sums, the
+#: pooled ``g_x``) are then a few MiB that the allocator reuses from chunk to
+#: chunk; one whole-tensor pass allocated them afresh at every step, and on
+#: CPU the page faults of that fresh memory cost as much as the pooling.
+CHUNK_BYTES = 8 << 20
+
+
+def _filtered_backward(layout: _Layout, grad_output: Tensor,
+                       x_sums: Optional[Tensor], weight: Tensor,
+                       grad_x: Optional[Tensor], need_w: bool, need_b: bool,
+                       acc: torch.dtype
+                       ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Steps 1, 3 and 4 on the grid tokens, chunk by chunk of leading rows
+    (docs/gradient_filter.md#linear-layers-on-token-grids).
+
+    Writes ``g_x``'s grid tokens into ``grad_x`` (when given); returns
+    ``(g_W, g_b)`` of the grid tokens in ``acc`` (None where not asked).
+    """
+    g_rows = layout.grid_rows(grad_output)
+    if g_rows is None:
+        view = layout.grid_view(grad_output)
+        g_rows = view.reshape(-1, *view.shape[-3:])
+    out_rows = staging = None
+    if grad_x is not None:
+        out_rows = layout.grid_rows(grad_x)
+        if out_rows is None:  # leading axes that do not merge: stage
+            staging = grad_x.new_empty(*g_rows.shape[:-1], grad_x.shape[-1])
+            out_rows = staging
+    grid, r = layout.grid, layout.radius
+    full = grid.height % r == 0 and grid.width % r == 0
+    counts = None
+    # Full patches fold 1/r^2 into the small products (no pass over the
+    # patch grid); partial ones divide the sums (ours, in place).
+    w_acc = weight.to(acc)
+    scale = 1.0 / r**2 if full else 1.0
+    w_mix = w_acc * scale if full and grad_x is not None else w_acc
+    x_rows = None if x_sums is None else x_sums.to(acc)
+    grad_w = w_acc.new_zeros(w_acc.shape) if need_w else None
+    grad_b = w_acc.new_zeros(w_acc.shape[0]) if need_b else None
+    per_row = max(1, g_rows[0].numel() * g_rows.element_size())
+    step = max(1, CHUNK_BYTES // per_row)
+    for start in range(0, g_rows.shape[0], step):
+        sums = layout.pool_rows(g_rows[start:start + step], acc)  # step 1
+        if need_b:
+            grad_b += _rows(sums).sum(0)
+        if not full:  # partial patches: means by their token counts
+            if counts is None:
+                counts = layout.patch_counts(sums)
+            sums.div_(counts)
+        if out_rows is not None:  # step 3, broadcast
+            pooled = (sums @ w_mix).to(out_rows.dtype)
+            layout.spread_rows(out_rows[start:start + step], pooled)
+        if need_w:  # step 4
+            grad_w.addmm_(_rows(sums).t(), _rows(x_rows[start:start + step]))
+    if need_w and full:
+        grad_w.mul_(scale)
+    if staging is not None:
+        layout.grid_view(grad_x).copy_(
+            staging.view(layout.grid_view(grad_x).shape))
+    return grad_w, grad_b
 
 
 class GradientFilterLinearFunction(torch.autograd.Function):
@@ -303,38 +379,26 @@ class GradientFilterLinearFunction(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_x = grad_w = grad_b = None
         with _autocast_off(grad_output.device.type):
-            sums = layout.patch_sums(grad_output, acc)  # step 1
-            g_extra = layout.extra(grad_output)
-            g_extra = None if g_extra is None else g_extra.to(acc)
-            if need_b:  # exact: the sum of the patch sums
-                grad_b = _rows(sums).sum(0)
-                if g_extra is not None:
-                    grad_b += _rows(g_extra).sum(0)
-                grad_b = grad_b.to(weight.dtype)
-            # Patch means: full patches fold 1/r^2 into the small products
-            # below (no pass over the patch grid); partial ones divide the
-            # sums (ours, in place) by their token counts.
-            counts = layout.patch_counts(sums)
-            if counts is not None:
-                means, scale = sums.div_(counts), 1.0
-            else:
-                means, scale = sums, 1.0 / layout.radius**2
-            w_acc = weight.to(acc)
-            if need_x:  # step 3: W^T g~ per patch, broadcast
+            if need_x:
                 grad_x = grad_output.new_empty(ctx.input_shape,
                                                dtype=ctx.input_dtype)
-                w_scaled = w_acc * scale if scale != 1.0 else w_acc
-                layout.spread_into(grad_x,
-                                   (means @ w_scaled).to(ctx.input_dtype))
-                if g_extra is not None:
-                    layout.write_extra(grad_x, g_extra @ w_acc)
-            if need_w:  # step 4: sum over patches of g~ x~^T
-                grad_w = _rows(means).t() @ _rows(x_sums).to(acc)
-                if scale != 1.0:
-                    grad_w *= scale
-                if g_extra is not None:
+            grad_w, grad_b = _filtered_backward(layout, grad_output, x_sums,
+                                                weight, grad_x, need_w,
+                                                need_b, acc)
+            # tokens on no grid: the exact rules
+            g_extra = layout.extra(grad_output)
+            if g_extra is not None:
+                g_extra = g_extra.to(acc)
+                if need_x:
+                    layout.write_extra(grad_x, g_extra @ weight.to(acc))
+                if need_w:
                     grad_w += _rows(g_extra).t() @ _rows(x_extra).to(acc)
+                if need_b:
+                    grad_b += _rows(g_extra).sum(0)
+            if need_w:
                 grad_w = grad_w.to(weight.dtype)
+            if need_b:
+                grad_b = grad_b.to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
