@@ -18,6 +18,7 @@ heads' channels), at 64x64, float64, eval mode (no dropout / DropPath):
 """
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from mmengine.config import Config  # noqa: E402
 
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.zoo import make_offline, mmseg_config_dir  # noqa: E402
+from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
 from mmseg_gf.models.token_grids import (CLASS_SCORES,  # noqa: E402
                                          bind_token_grids,
                                          discover_token_grids,
@@ -227,13 +229,15 @@ def test_discovery_lists_every_linear_with_its_traced_grid(name):
 
 
 class _ReferenceLinear(nn.Module):
+    """Wraps the layer as its child ``ref`` (``_gradients`` drops the
+    ``.ref`` from parameter names)."""
+
     def __init__(self, linear, site, radius):
         super().__init__()
-        self.linear, self.site, self.radius = linear, site, radius
+        self.ref, self.site, self.radius = linear, site, radius
 
     def forward(self, x):
-        return reference_filtered_linear(x, self.linear.weight,
-                                         self.linear.bias,
+        return reference_filtered_linear(x, self.ref.weight, self.ref.bias,
                                          self.site.source.grid,
                                          self.site.token_dim, self.radius)
 
@@ -241,12 +245,12 @@ class _ReferenceLinear(nn.Module):
 class _ReferenceAttention(nn.Module):
     def __init__(self, attention, site, radius):
         super().__init__()
-        self.attention, self.site, self.radius = attention, site, radius
+        self.ref, self.site, self.radius = attention, site, radius
 
     def forward(self, query, key, value, attn_mask=None,
                 key_padding_mask=None, **kwargs):
         assert attn_mask is None and key_padding_mask is None
-        return reference_attention(self.attention, query, key, value,
+        return reference_attention(self.ref, query, key, value,
                                    self.site.source.grid,
                                    self.site.key_source.grid,
                                    self.radius), None
@@ -272,8 +276,8 @@ def _gradients(model, inputs, grad):
         p.requires_grad_(True)
     out = run_inference_path(model, inputs)
     out.backward(grad)
-    return {n: p.grad.clone() for n, p in model.named_parameters()
-            if p.grad is not None}
+    return {n.replace('.ref.', '.'): p.grad.clone()
+            for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize('name', list(FAMILIES))
@@ -291,7 +295,9 @@ def test_filtered_models_match_plain_at_r1_and_reference_at_r2(name):
         bindings = _swapped(model, lambda module, site: make(
             module, site, radius))
         try:
-            return _gradients(model, inputs, grad)
+            with warnings.catch_warnings():  # every call has its grid
+                warnings.simplefilter('error', GFExactBackwardWarning)
+                return _gradients(model, inputs, grad)
         finally:
             bindings.remove()
 
