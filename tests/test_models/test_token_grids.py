@@ -318,3 +318,35 @@ def test_filtered_models_match_plain_at_r1_and_reference_at_r2(name):
     differs = [k for k in want
                if not torch.allclose(filtered[k], want[k], rtol=1e-6)]
     assert differs
+
+
+@pytest.mark.parametrize('name', ['segformer_b0', 'swin_t', 'deit_s'])
+def test_grids_follow_each_call_non_square_and_resized(name):
+    """One bound model called at two sizes, 96x64 then 64x64: each call's
+    grids come from that call (a transposed or stale grid would differ
+    from the reference, or be refused), and are cleared after it."""
+    model = tiny_model(name)
+    ref_model = tiny_model(name)
+    bindings = _swapped(model, lambda m, site: filtered_module(m, site, 2))
+    ref_bindings = _swapped(
+        ref_model, lambda m, site, r=2: _ReferenceAttention(m, site, r)
+        if site.kind == 'attention' else _ReferenceLinear(m, site, r))
+    gen = torch.Generator().manual_seed(4)
+    for size in ((96, 64), (SIZE, SIZE)):
+        inputs = torch.randn(2, 3, *size, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            out = run_inference_path(model, inputs)
+        grad = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+        got = _gradients(model, inputs, grad)
+        want = _gradients(ref_model, inputs, grad)
+        for key in want:
+            scale = float(want[key].abs().max()) or 1.0
+            torch.testing.assert_close(got[key], want[key], rtol=1e-9,
+                                       atol=1e-9 * scale, msg=key)
+        # per-call grids are cleared after the call (windows are fixed)
+        sources = [src for site in bindings.sites.values()
+                   for src in (site.source, site.key_source)
+                   if src is not None and 'window_size' not in src.name]
+        assert sources and all(src.grid is None for src in sources)
+    bindings.remove()
+    ref_bindings.remove()
