@@ -6,6 +6,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from mmseg_gf.models import (GFLinear, GFMultiheadAttention, TokenGridSource,
@@ -185,3 +187,75 @@ def test_attention_radius_1_is_exact_and_masks_fall_back_with_a_warning():
     with pytest.warns(GFExactBackwardWarning, match='attention masks'):
         out = gf(query, key, value, attn_mask=mask)[0]
     assert torch.equal(out, plain(query, key, value, attn_mask=mask)[0])
+
+
+def test_attention_under_cpu_autocast_matches_torchs_forward():
+    """bf16 autocast: the same forward as nn.MultiheadAttention under
+    autocast, float32 gradients for the float32 parameters."""
+    torch.manual_seed(0)
+    plain = nn.MultiheadAttention(16, 2, batch_first=True)
+    gf = GFMultiheadAttention.from_attention(
+        plain, 2, TokenGridSource(TokenGrid(4, 4)))
+    x = torch.randn(2, 16, 16, requires_grad=True)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = gf(x, x, x)[0]
+        want = plain(x, x, x)[0]
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    out.float().square().sum().backward()
+    assert plain.in_proj_weight.grad.dtype == torch.float32
+    assert x.grad.dtype == torch.float32
+
+
+@settings(max_examples=25, deadline=None)
+@given(heads=st.sampled_from([1, 2]), batch_first=st.booleans(),
+       height=st.integers(1, 5), width=st.integers(1, 5),
+       extra=st.integers(0, 2), reduced=st.booleans(),
+       radius=st.integers(1, 4), batched=st.booleans(),
+       need_weights=st.booleans(), seed=st.integers(0, 2**16))
+def test_random_attention_calls_match_reference(heads, batch_first, height,
+                                                width, extra, reduced,
+                                                radius, batched,
+                                                need_weights, seed):
+    """Random grids (extra tokens, a reduced key grid), batched or not,
+    batch_first or not: torch's forward bit for bit, gradients equal to the
+    autograd-hook reference (tests/gf_linear_reference.py)."""
+    torch.manual_seed(seed)
+    plain = nn.MultiheadAttention(4, heads,
+                                  batch_first=batch_first).double()
+    q_grid = TokenGrid(height, width, extra)
+    k_grid = TokenGrid(max(1, height // 2), max(1, width // 2)) \
+        if reduced else q_grid
+    gf = GFMultiheadAttention.from_attention(plain, radius,
+                                             TokenGridSource(q_grid),
+                                             TokenGridSource(k_grid))
+
+    def tokens(n):
+        shape = (2, n, 4) if batch_first else (n, 2, 4)
+        t = torch.randn(shape, dtype=torch.float64)
+        if not batched:
+            t = t[0] if batch_first else t[:, 0]
+        return t.requires_grad_()
+
+    query = tokens(q_grid.num_tokens)
+    key = tokens(k_grid.num_tokens) if reduced else query
+    out, weights = gf(query, key, key, need_weights=need_weights)
+    want, want_weights = plain(query, key, key, need_weights=need_weights)
+    assert torch.equal(out, want)
+    if need_weights:
+        assert torch.equal(weights, want_weights)
+    grad = torch.randn(out.shape, dtype=torch.float64)
+    leaves = [plain.in_proj_weight, plain.in_proj_bias,
+              plain.out_proj.weight, query] + ([key] if reduced else [])
+    got = _grads(out, leaves, grad)
+    if not batched:  # the reference takes batched (N, B, C) / (B, N, C)
+        query_b = query.unsqueeze(0 if batch_first else 1)
+        key_b = key.unsqueeze(0 if batch_first else 1) if reduced else \
+            query_b
+        ref = reference_attention(plain, query_b, key_b, key_b, q_grid,
+                                  k_grid, radius)
+        ref = ref.squeeze(0 if batch_first else 1)
+    else:
+        ref = reference_attention(plain, query, key, key, q_grid, k_grid,
+                                  radius)
+    for a, b in zip(got, _grads(ref, leaves, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
