@@ -1,4 +1,5 @@
-"""Per-layer timing of the gradient-filtered backward against torch's own.
+"""Per-layer timing of the gradient-filtered backward against torch's own:
+the paper's 3x3 convs and transformer Linears on token grids.
 
 Vanilla and filtered runs of the same layer are measured side by side in one
 process, interleaved repetition by repetition, so that their ratios are
@@ -116,7 +117,7 @@ def _io_floor(grad_out: torch.Tensor, grad_in: torch.Tensor,
 def _measure(layer: str, radius: int, case: str, vanilla, filtered,
              inputs, grad_out: torch.Tensor, io_floor, dev: torch.device,
              dtype: torch.dtype, repeats: int, warmup: int,
-             clock: str = 'wall') -> LayerTiming:
+             clock: str = 'wall', kind: str = 'conv') -> LayerTiming:
     """Median times of one layer, radius and case, vanilla and filtered
     interleaved repetition by repetition."""
     if clock not in CLOCKS:
@@ -145,7 +146,8 @@ def _measure(layer: str, radius: int, case: str, vanilla, filtered,
                        vanilla_backward=med['vb'], gf_backward=med['gb'],
                        grad_clone=med['clone'], io_floor=med['io'],
                        vanilla_saved_bytes=saved_tensor_bytes(vanilla),
-                       gf_saved_bytes=saved_tensor_bytes(filtered))
+                       gf_saved_bytes=saved_tensor_bytes(filtered),
+                       kind=kind)
 
 
 def time_layer(cin: int, cout: int, height: int, width: int,
@@ -283,11 +285,10 @@ def time_linear_layer(shape: LinearShape,
                 return gradient_filtered_linear(x, weight, bias, grid,
                                                 radius)
 
-            row = _measure(layer, radius, case, vanilla, filtered, inputs,
-                           grad_out, io_floor, dev, dtype, repeats, warmup,
-                           clock)
-            row.kind = 'linear'
-            results.append(row)
+            results.append(
+                _measure(layer, radius, case, vanilla, filtered, inputs,
+                         grad_out, io_floor, dev, dtype, repeats, warmup,
+                         clock, 'linear'))
     return results
 
 
