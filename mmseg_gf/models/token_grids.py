@@ -170,7 +170,7 @@ def _key_grid(attention: nn.Module, hw: Tuple[int, int]) -> TokenGrid:
     return TokenGrid(*hw)
 
 
-# -- the rules -----------------------------------------------------------------
+# -- the rules ---------------------------------------------------------------
 def _spatial_reduction_layer(bindings: TokenGridBindings, path: str,
                              layer: nn.Module) -> None:
     """MiT's ``TransformerEncoderLayer`` / Twins' ``GSAEncoderLayer``:
