@@ -35,9 +35,9 @@ from .gradient_filter import AxisGeometry, check_radius
 #: How the grid's tokens are laid out in a Linear's input (last dim: C).
 #: ``'tokens'``: one token axis of ``extra_tokens + H*W + trailing_tokens``
 #: tokens, the grid's row-major (``(B, N, C)``, or ``(N, B, C)`` with the
-#: token axis first); ``'hwc'``: two axes ``H, W`` (``(B, H, W, C)``); ``'windows'``: one token
-#: axis of a ``ws_h x ws_w`` window, windows stacked in the batch
-#: (``(B*nW, ws*ws, C)``, Swin's ``WindowMSA``).
+#: token axis first); ``'hwc'``: two axes ``H, W`` (``(B, H, W, C)``);
+#: ``'windows'``: one token axis of a ``ws_h x ws_w`` window, windows
+#: stacked in the batch (``(B*nW, ws*ws, C)``, Swin's ``WindowMSA``).
 LAYOUTS = ('tokens', 'hwc', 'windows')
 
 
