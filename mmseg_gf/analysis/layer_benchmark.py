@@ -1,4 +1,5 @@
-"""Per-layer timing of the gradient-filtered backward against torch's own.
+"""Per-layer timing of the gradient-filtered backward against torch's own:
+the paper's 3x3 convs and transformer Linears on token grids.
 
 Vanilla and filtered runs of the same layer are measured side by side in one
 process, interleaved repetition by repetition, so that their ratios are
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 
 from ..accounting.format import format_table
 from ..accounting.measured import saved_tensor_bytes
-from ..ops import gradient_filtered_conv2d
+from ..ops import (TokenGrid, gradient_filtered_conv2d,
+                   gradient_filtered_linear)
 
 #: The convs the benchmark times: the paper's Table 10 layers, as
 #: (Cin, Cout, H, W), each 3x3, stride 1, padding 1.
@@ -42,6 +44,7 @@ class LayerTiming:
     io_floor: float  # one read of g_y (+ one write of a g_x with_gx)
     vanilla_saved_bytes: int
     gf_saved_bytes: int
+    kind: str = 'conv'  # 'conv' or 'linear'
 
     @property
     def backward_speedup(self) -> float:
@@ -80,12 +83,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
+#: Clocks a benchmark can read: ``'wall'`` (elapsed time) or ``'thread'``
+#: (CPU time of the calling thread: on a shared machine it leaves out the
+#: time other processes hold the core; meaningful for one CPU thread only).
+CLOCKS: Dict[str, Callable[[], float]] = {
+    'wall': time.perf_counter,
+    'thread': time.thread_time,
+}
+
+
+def _timed(fn: Callable[[], object], device: torch.device,
+           clock: str = 'wall') -> float:
+    now = CLOCKS[clock]
     _sync(device)
-    start = time.perf_counter()
+    start = now()
     fn()
     _sync(device)
-    return time.perf_counter() - start
+    return now() - start
 
 
 def _io_floor(grad_out: torch.Tensor, grad_in: torch.Tensor,
@@ -100,11 +114,48 @@ def _io_floor(grad_out: torch.Tensor, grad_in: torch.Tensor,
     return lambda: (grad_out.sum(), grad_in.zero_())
 
 
+def _measure(layer: str, radius: int, case: str, vanilla, filtered,
+             inputs, grad_out: torch.Tensor, io_floor, dev: torch.device,
+             dtype: torch.dtype, repeats: int, warmup: int,
+             clock: str = 'wall', kind: str = 'conv') -> LayerTiming:
+    """Median times of one layer, radius and case, vanilla and filtered
+    interleaved repetition by repetition."""
+    if clock not in CLOCKS:
+        raise ValueError(f'clock must be one of {sorted(CLOCKS)}, got '
+                         f'{clock!r}')
+    y_v, y_g = vanilla(), filtered()
+    samples = {k: [] for k in ('vf', 'gf', 'vb', 'gb', 'clone', 'io')}
+    for rep in range(warmup + repeats):
+        measured = {
+            'vf': _timed(vanilla, dev, clock),
+            'gf': _timed(filtered, dev, clock),
+            'vb': _timed(lambda: torch.autograd.grad(
+                y_v, inputs, grad_out, retain_graph=True), dev, clock),
+            'gb': _timed(lambda: torch.autograd.grad(
+                y_g, inputs, grad_out, retain_graph=True), dev, clock),
+            'clone': _timed(grad_out.clone, dev, clock),
+            'io': _timed(io_floor, dev, clock),
+        }
+        if rep >= warmup:
+            for key, value in measured.items():
+                samples[key].append(value)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return LayerTiming(layer=layer, radius=radius, case=case,
+                       device=str(dev), dtype=str(dtype).split('.')[-1],
+                       vanilla_forward=med['vf'], gf_forward=med['gf'],
+                       vanilla_backward=med['vb'], gf_backward=med['gb'],
+                       grad_clone=med['clone'], io_floor=med['io'],
+                       vanilla_saved_bytes=saved_tensor_bytes(vanilla),
+                       gf_saved_bytes=saved_tensor_bytes(filtered),
+                       kind=kind)
+
+
 def time_layer(cin: int, cout: int, height: int, width: int,
                radii: Sequence[int] = (2, 4), batch: int = 8,
                repeats: int = 7, warmup: int = 2,
                device: str = 'cpu',
-               dtype: torch.dtype = torch.float32) -> List[LayerTiming]:
+               dtype: torch.dtype = torch.float32,
+               clock: str = 'wall') -> List[LayerTiming]:
     """Time one 3x3 stride-1 layer, vanilla vs GF, for each radius and case.
 
     Backward times are of the backward alone (graph built once, replayed
@@ -138,55 +189,131 @@ def time_layer(cin: int, cout: int, height: int, width: int,
                 return gradient_filtered_conv2d(x, weight, None, 1, 1, 1, 1,
                                                 radius)
 
-            y_v, y_g = vanilla(), filtered()
-            samples = {k: [] for k in ('vf', 'gf', 'vb', 'gb', 'clone', 'io')}
-            for rep in range(warmup + repeats):
-                measured = {
-                    'vf': _timed(vanilla, dev),
-                    'gf': _timed(filtered, dev),
-                    'vb': _timed(lambda: torch.autograd.grad(
-                        y_v, inputs, grad_out, retain_graph=True), dev),
-                    'gb': _timed(lambda: torch.autograd.grad(
-                        y_g, inputs, grad_out, retain_graph=True), dev),
-                    'clone': _timed(grad_out.clone, dev),
-                    'io': _timed(io_floor, dev),
-                }
-                if rep >= warmup:
-                    for key, value in measured.items():
-                        samples[key].append(value)
-            med = {k: statistics.median(v) for k, v in samples.items()}
             results.append(
-                LayerTiming(layer=layer, radius=radius, case=case,
-                            device=str(dev), dtype=str(dtype).split('.')[-1],
-                            vanilla_forward=med['vf'], gf_forward=med['gf'],
-                            vanilla_backward=med['vb'],
-                            gf_backward=med['gb'], grad_clone=med['clone'],
-                            io_floor=med['io'],
-                            vanilla_saved_bytes=saved_tensor_bytes(vanilla),
-                            gf_saved_bytes=saved_tensor_bytes(filtered)))
+                _measure(layer, radius, case, vanilla, filtered, inputs,
+                         grad_out, io_floor, dev, dtype, repeats, warmup,
+                         clock))
+    return results
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One transformer Linear on a token grid.
+
+    Attributes:
+        label: which layer of which model it is.
+        height, width: the token grid (a stage's ``hw_shape``).
+        cin, cout: in / out features.
+        window: Swin's window side (the layer then sees ``(B * windows,
+            ws * ws, C)`` with the map padded to whole windows, as
+            ``ShiftWindowMSA`` pads it), or 0 for ``(B, H*W, C)``.
+    """
+
+    label: str
+    height: int
+    width: int
+    cin: int
+    cout: int
+    window: int = 0
+
+
+#: The Linears the benchmark times, at a 512x512 crop: Segformer-B2's
+#: first stage (128x128 tokens, C = 64; its key/value on the 16x16 grid of
+#: the ``sr`` conv, ratio 8) and an MLP of ratio 4 at that width (Twins'
+#: and ViT's FFNs are Linears); Swin-T's first stage (C = 96, 7x7 windows).
+BENCHMARK_LINEAR_SHAPES: Tuple[LinearShape, ...] = (
+    LinearShape('segformer-b2 s1 q/out', 128, 128, 64, 64),
+    LinearShape('segformer-b2 s1 kv (sr 8)', 16, 16, 64, 128),
+    LinearShape('mlp 4x fc1 (C=64)', 128, 128, 64, 256),
+    LinearShape('mlp 4x fc2 (C=64)', 128, 128, 256, 64),
+    LinearShape('swin-t s1 qkv (7x7 windows)', 128, 128, 96, 288, 7),
+    LinearShape('swin-t s1 proj (7x7 windows)', 128, 128, 96, 96, 7),
+    LinearShape('swin-t s1 fc1', 128, 128, 96, 384),
+    LinearShape('swin-t s1 fc2', 128, 128, 384, 96),
+)
+
+
+def linear_tokens(shape: LinearShape, batch: int) -> Tuple[Tuple[int, ...],
+                                                           TokenGrid]:
+    """The input shape ``(B', N, cin)`` and token grid of a Linear."""
+    if shape.window:
+        ws = shape.window
+        windows = -(-shape.height // ws) * -(-shape.width // ws)
+        return (batch * windows, ws * ws, shape.cin), TokenGrid.windows(ws)
+    return (batch, shape.height * shape.width,
+            shape.cin), TokenGrid(shape.height, shape.width)
+
+
+def time_linear_layer(shape: LinearShape,
+                      radii: Sequence[int] = (2, 4),
+                      batch: int = 8,
+                      repeats: int = 7,
+                      warmup: int = 2,
+                      device: str = 'cpu',
+                      dtype: torch.dtype = torch.float32,
+                      cases: Sequence[str] = ('with_gx', 'weight_only'),
+                      clock: str = 'wall') -> List[LayerTiming]:
+    """Time one Linear on a token grid (with bias), torch's ``F.linear``
+    vs :func:`gradient_filtered_linear`, for each radius and case; the same
+    measurements as :func:`time_layer`."""
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    in_shape, grid = linear_tokens(shape, batch)
+    x_data = torch.randn(in_shape, generator=gen, device=dev, dtype=dtype)
+    weight = torch.nn.Parameter(
+        torch.randn(shape.cout, shape.cin, generator=gen, device=dev,
+                    dtype=dtype) * shape.cin**-0.5)
+    bias = torch.nn.Parameter(torch.zeros(shape.cout, device=dev,
+                                          dtype=dtype))
+    grad_out = torch.randn(*in_shape[:-1], shape.cout, generator=gen,
+                           device=dev, dtype=dtype)
+    grad_in = torch.empty_like(x_data)
+    layer = f'linear {shape.label} {shape.cin}x{shape.cout}'
+    results = []
+    for case in cases:
+        x = x_data.clone().requires_grad_(case == 'with_gx')
+        io_floor = _io_floor(grad_out, grad_in, case == 'with_gx')
+        inputs = ((x, weight, bias) if case == 'with_gx' else
+                  (weight, bias))
+
+        def vanilla():
+            return F.linear(x, weight, bias)
+
+        for radius in radii:
+
+            def filtered(radius=radius):
+                return gradient_filtered_linear(x, weight, bias, grid,
+                                                radius)
+
+            results.append(
+                _measure(layer, radius, case, vanilla, filtered, inputs,
+                         grad_out, io_floor, dev, dtype, repeats, warmup,
+                         clock, 'linear'))
     return results
 
 
 def summarize(rows: Sequence[LayerTiming]) -> Dict[str, Dict[str, float]]:
-    """Medians over layers per (case, radius), plus the worst layer."""
+    """Medians over layers per (kind, case, radius), plus the worst layer;
+    keys ``'{case}/r={r}'`` for convs, ``'linear/{case}/r={r}'`` for
+    Linears."""
     summary = {}
-    for case in sorted({r.case for r in rows}):
-        for radius in sorted({r.radius for r in rows}):
-            sel = [r for r in rows if r.case == case and r.radius == radius]
-            if not sel:
-                continue
-            summary[f'{case}/r={radius}'] = dict(
-                median_backward_speedup=statistics.median(
-                    r.backward_speedup for r in sel),
-                min_backward_speedup=min(r.backward_speedup for r in sel),
-                median_step_speedup=statistics.median(
-                    r.step_speedup for r in sel),
-                max_forward_overhead=max(r.forward_overhead for r in sel),
-                median_forward_overhead=statistics.median(
-                    r.forward_overhead for r in sel),
-                max_saved_ratio=max(r.gf_saved_bytes / r.vanilla_saved_bytes
-                                    for r in sel),
-            )
+    for kind, case, radius in sorted({(r.kind, r.case, r.radius)
+                                      for r in rows}):
+        sel = [r for r in rows
+               if (r.kind, r.case, r.radius) == (kind, case, radius)]
+        prefix = '' if kind == 'conv' else f'{kind}/'
+        summary[f'{prefix}{case}/r={radius}'] = dict(
+            median_backward_speedup=statistics.median(
+                r.backward_speedup for r in sel),
+            min_backward_speedup=min(r.backward_speedup for r in sel),
+            median_step_speedup=statistics.median(
+                r.step_speedup for r in sel),
+            max_forward_overhead=max(r.forward_overhead for r in sel),
+            median_forward_overhead=statistics.median(
+                r.forward_overhead for r in sel),
+            max_saved_ratio=max(r.gf_saved_bytes / r.vanilla_saved_bytes
+                                for r in sel),
+        )
     return summary
 
 

@@ -1,15 +1,23 @@
-"""GFConv2d, registered as ``type='GFConv2d'`` where mm* is installed.
+"""GFConv2d and GFLinear, registered as ``type='GFConv2d'`` /
+``type='GFLinear'`` where mm* is installed.
 
-``gf_conv`` itself is pure PyTorch. When mmseg is present the class is
-registered in mmseg's ``MODELS`` (configs with ``default_scope='mmseg'``)
-and in mmengine's root ``MODELS`` (mmcv's ``build_conv_layer`` outside any
-scope), so ``conv_cfg=dict(type='GFConv2d', radius=4)`` builds it either way.
+``gf_conv``, ``gf_linear`` and ``gf_attention`` themselves are pure
+PyTorch. When mmseg is present the layers are registered in mmseg's
+``MODELS`` (configs with ``default_scope='mmseg'``) and in mmengine's root
+``MODELS`` (mmcv's ``build_conv_layer`` outside any scope), so
+``conv_cfg=dict(type='GFConv2d', radius=4)`` builds it either way; and
+``token_grids`` (the grid rules of mmseg's transformer blocks) is importable.
 """
 from importlib.util import find_spec
 
+from .gf_attention import GFMultiheadAttention, is_filterable_attention
 from .gf_conv import GFConv2d, is_filterable_conv
+from .gf_linear import GFLinear, TokenGridSource, is_filterable_linear
 
-__all__ = ['GFConv2d', 'is_filterable_conv']
+__all__ = [
+    'GFConv2d', 'GFLinear', 'GFMultiheadAttention', 'TokenGridSource',
+    'is_filterable_attention', 'is_filterable_conv', 'is_filterable_linear'
+]
 
 if find_spec('mmseg') is not None:
     from mmengine.registry import MODELS as MMENGINE_MODELS
@@ -17,3 +25,4 @@ if find_spec('mmseg') is not None:
 
     for _registry in (MMSEG_MODELS, MMENGINE_MODELS):
         _registry.register_module(module=GFConv2d)
+        _registry.register_module(module=GFLinear)

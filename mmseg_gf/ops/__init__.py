@@ -4,8 +4,11 @@ plus optional compiled CPU kernels (``native``) and Triton GPU kernels
 from .gradient_filter import (AxisGeometry, GradientFilterConv2dFunction,
                               as_pair, check_radius,
                               gradient_filtered_conv2d)
+from .gradient_filter_linear import (GradientFilterLinearFunction, TokenGrid,
+                                     gradient_filtered_linear)
 
 __all__ = [
     'AxisGeometry', 'GradientFilterConv2dFunction', 'as_pair', 'check_radius',
-    'gradient_filtered_conv2d'
+    'gradient_filtered_conv2d', 'GradientFilterLinearFunction', 'TokenGrid',
+    'gradient_filtered_linear'
 ]

@@ -50,3 +50,39 @@ def test_cli_writes_json_markdown_and_plot(tmp_path):
     assert data['rows'][0]['backward_over_io_floor'] > 0
     assert '| 64x64@56x56 |' in (out / 'layers.md').read_text()
     assert (out / 'layers.png').stat().st_size > 1000
+
+
+def test_time_linear_layer_windows_and_saved_bytes():
+    from mmseg_gf.analysis.layer_benchmark import (LinearShape,
+                                                   time_linear_layer)
+    shape = LinearShape('tiny swin', 8, 8, 4, 6, window=4)  # 4 windows
+    rows = time_linear_layer(shape, radii=(2, 4), batch=2, repeats=1,
+                             warmup=0, clock='thread')
+    assert {(r.case, r.radius, r.kind) for r in rows} == {
+        (c, r, 'linear') for c in ('with_gx', 'weight_only') for r in (2, 4)}
+    x_bytes = 2 * 4 * 16 * 4 * 4  # batch x windows x tokens x C x float32
+    for row in rows:
+        # GF keeps x's patch sums only: 1/r^2 of x (vanilla: x, and W for
+        # g_x, counted or not by the saved-tensor hooks)
+        assert row.gf_saved_bytes == x_bytes // row.radius**2
+        assert row.vanilla_saved_bytes >= x_bytes
+    summary = summarize(rows)
+    assert set(summary) == {'linear/with_gx/r=2', 'linear/with_gx/r=4',
+                            'linear/weight_only/r=2',
+                            'linear/weight_only/r=4'}
+
+
+def test_cli_linear_kind_with_thread_clock(tmp_path):
+    out = tmp_path / 'bench'
+    subprocess.run(
+        [sys.executable, 'tools/benchmark_layers.py', '--kinds', 'linear',
+         '--linear-layers', '1', '--batch', '1', '--repeats', '1',
+         '--warmup', '0', '--radii', '2', '--device', 'cpu', '--threads',
+         '1', '--clock', 'thread', '--out-dir', str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=300)
+    data = json.loads((out / 'layers.json').read_text())
+    assert data['meta']['clock'] == 'thread'
+    assert [r['layer'] for r in data['rows']] == [
+        'linear segformer-b2 s1 kv (sr 8) 64x128'] * 2
+    assert set(data['summary']['cpu']) == {'linear/with_gx/r=2',
+                                           'linear/weight_only/r=2'}

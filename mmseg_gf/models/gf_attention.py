@@ -1,0 +1,228 @@
+"""``GFMultiheadAttention``: ``nn.MultiheadAttention`` whose in- and
+out-projections are gradient-filtered linear layers on token grids
+(docs/gradient_filter.md#linear-layers-on-token-grids).
+
+``nn.MultiheadAttention`` never calls its ``out_proj`` module: its forward
+passes ``in_proj_weight`` (the packed ``3C x C`` q/k/v projection) and
+``out_proj.weight`` to ``F.multi_head_attention_forward``, which calls
+``F.linear`` itself. So the filter cannot be attached to a submodule; this
+class runs the same computation as that function, op for op (the forward is
+bit for bit torch's, checked in tests), with the four projections done by
+``gradient_filtered_linear``: the query's and the output's on the query's
+grid, the key's and the value's on the key's grid (Segformer's and Twins'
+spatially reduced key/value have their own, smaller grid).
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops import check_radius
+from ..ops.gradient_filter_linear import gradient_filtered_linear
+from .gf_linear import TokenGridSource, warn_exact_backward
+
+
+def is_filterable_attention(module: nn.Module) -> bool:
+    """True for ``nn.MultiheadAttention`` itself (and GFMultiheadAttention):
+    a subclass may change the computation this class reproduces."""
+    plain = getattr(type(module), '_plain_class', type(module))
+    return plain is nn.MultiheadAttention or isinstance(
+        module, GFMultiheadAttention)
+
+
+class GFMultiheadAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` with gradient-filtered projections.
+
+    Filters the calls it can reproduce exactly: batched or unbatched
+    inputs, packed projection weights (``kdim == vdim == embed_dim``), no
+    ``bias_k`` / ``bias_v`` / ``add_zero_attn``, no masks (mmseg's MiT,
+    Twins and ViT blocks call it that way). Other calls, and calls whose
+    grids are not known, run ``nn.MultiheadAttention.forward`` with the
+    exact backward and warn once (:class:`GFExactBackwardWarning`).
+
+    Build it with :meth:`from_attention`; it holds no state of its own
+    besides ``radius``, ``enabled`` and the two grid sources, so its
+    ``state_dict`` is ``nn.MultiheadAttention``'s.
+    """
+
+    radius: int
+    enabled: bool
+    query_source: Optional[TokenGridSource]
+    key_source: Optional[TokenGridSource]
+
+    @classmethod
+    def from_attention(cls, attention: nn.MultiheadAttention, radius: int,
+                       query_source: Optional[TokenGridSource],
+                       key_source: Optional[TokenGridSource] = None,
+                       enabled: bool = True) -> 'GFMultiheadAttention':
+        """Wrap an existing attention, **sharing** its Parameters and its
+        ``out_proj`` module.
+
+        Args:
+            attention: the ``nn.MultiheadAttention`` to wrap.
+            radius: patch size ``r >= 1``.
+            query_source: grid of the query tokens (and of the output).
+            key_source: grid of the key / value tokens; default: the
+                query's (self-attention).
+            enabled: ``False`` gives the exact backward.
+        """
+        if not is_filterable_attention(attention):
+            raise TypeError(
+                f'cannot gradient-filter a {type(attention).__module__}.'
+                f'{type(attention).__name__}: only nn.MultiheadAttention\'s '
+                'own forward is reproduced')
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for name, value in vars(attention).items():
+            if not name.startswith('_') or name == '_qkv_same_embed_dim':
+                setattr(new, name, value)
+        for name, param in attention._parameters.items():
+            new.register_parameter(name, param)
+        for name, module in attention._modules.items():
+            new.add_module(name, module)
+        new.radius = check_radius(radius)
+        new.enabled = bool(enabled)
+        new.query_source = query_source
+        new.key_source = query_source if key_source is None else key_source
+        return new
+
+    def _unsupported(self, query: Tensor, key: Tensor, value: Tensor,
+                     key_padding_mask, attn_mask, is_causal) -> Optional[str]:
+        if not self._qkv_same_embed_dim:
+            return 'separate q/k/v projection weights (kdim/vdim)'
+        if self.bias_k is not None or self.add_zero_attn:
+            return 'bias_k / bias_v / add_zero_attn'
+        if attn_mask is not None or key_padding_mask is not None \
+                or is_causal:
+            return 'attention masks'
+        if query.dim() not in (2, 3) or key.shape != value.shape \
+                or key.dim() != query.dim():
+            return 'inputs of unexpected shapes'
+        if self.query_source is None or self.query_source.grid is None \
+                or self.key_source.grid is None:
+            return ('no token grid is known for this call (grid sources '
+                    f'{self.query_source!r}, {self.key_source!r})')
+        return None
+
+    def forward(self,
+                query: Tensor,
+                key: Tensor,
+                value: Tensor,
+                key_padding_mask: Optional[Tensor] = None,
+                need_weights: bool = True,
+                attn_mask: Optional[Tensor] = None,
+                average_attn_weights: bool = True,
+                is_causal: bool = False
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+        args = (query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, is_causal)
+        params = [p for p in self.parameters() if p.requires_grad]
+        if not (self.enabled and torch.is_grad_enabled() and
+                (params or query.requires_grad or key.requires_grad
+                 or value.requires_grad)):
+            return super().forward(*args)
+        reason = self._unsupported(query, key, value, key_padding_mask,
+                                   attn_mask, is_causal)
+        if reason is not None:
+            warn_exact_backward(self, reason)
+            return super().forward(*args)
+        return self._filtered_forward(query, key, value, need_weights,
+                                      average_attn_weights)
+
+    def _project(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 source: TokenGridSource) -> Tensor:
+        """One projection of ``(N, B, C)`` tokens: token axis 0."""
+        return gradient_filtered_linear(x, weight, bias, source.grid,
+                                        self.radius, 0)
+
+    def _in_projection(self, query: Tensor, key: Tensor,
+                       value: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """``F._in_projection_packed``'s three cases, filtered."""
+        w, b, e = self.in_proj_weight, self.in_proj_bias, query.size(-1)
+        qs, ks = self.query_source, self.key_source
+        if key is value:
+            if query is key:  # self-attention: one packed projection
+                proj = self._project(query, w, b, qs)
+                proj = proj.unflatten(-1, (3, e)).unsqueeze(0).transpose(
+                    0, -2).squeeze(-2).contiguous()
+                return proj[0], proj[1], proj[2]
+            w_q, w_kv = w.split([e, e * 2])
+            b_q, b_kv = (None, None) if b is None else b.split([e, e * 2])
+            q = self._project(query, w_q, b_q, qs)
+            kv = self._project(key, w_kv, b_kv, ks)
+            kv = kv.unflatten(-1, (2, e)).unsqueeze(0).transpose(
+                0, -2).squeeze(-2).contiguous()
+            return q, kv[0], kv[1]
+        w_q, w_k, w_v = w.chunk(3)
+        b_q = b_k = b_v = None
+        if b is not None:
+            b_q, b_k, b_v = b.chunk(3)
+        return (self._project(query, w_q, b_q, qs),
+                self._project(key, w_k, b_k, ks),
+                self._project(value, w_v, b_v, ks))
+
+    def _filtered_forward(self, query: Tensor, key: Tensor, value: Tensor,
+                          need_weights: bool, average_attn_weights: bool
+                          ) -> Tuple[Tensor, Optional[Tensor]]:
+        """``nn.MultiheadAttention.forward`` (slow path, no masks) with the
+        projections filtered; op for op torch's, so the output is too."""
+        is_batched = query.dim() == 3
+        if self.batch_first and is_batched:
+            if key is value:
+                if query is key:
+                    query = key = value = query.transpose(1, 0)
+                else:
+                    query, key = (x.transpose(1, 0) for x in (query, key))
+                    value = key
+            else:
+                query, key, value = (x.transpose(1, 0)
+                                     for x in (query, key, value))
+        if not is_batched:
+            query, key, value = (query.unsqueeze(1), key.unsqueeze(1),
+                                 value.unsqueeze(1))
+        tgt_len, bsz, embed_dim = query.shape
+        heads = self.num_heads
+        head_dim = embed_dim // heads
+        q, k, v = self._in_projection(query, key, value)
+        q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+        k = k.view(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        v = v.view(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        src_len = k.size(1)
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            q_scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
+            weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+            weights = F.softmax(weights, dim=-1)
+            if dropout_p > 0.0:
+                weights = F.dropout(weights, p=dropout_p)
+            out = torch.bmm(weights, v)
+            out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+            weights = weights.view(bsz, heads, tgt_len, src_len)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if not is_batched:
+                weights = weights.squeeze(0)
+        else:
+            q = q.view(bsz, heads, tgt_len, head_dim)
+            k = k.view(bsz, heads, src_len, head_dim)
+            v = v.view(bsz, heads, src_len, head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, None, dropout_p,
+                                                 False)
+            out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+        out = self._project(
+            out.view(tgt_len, bsz, embed_dim), self.out_proj.weight,
+            self.out_proj.bias, self.query_source)
+        if not is_batched:
+            out = out.squeeze(1)
+        elif self.batch_first:
+            out = out.transpose(1, 0)
+        return out, weights
+
+    def extra_repr(self) -> str:
+        return (f'embed_dim={self.embed_dim}, num_heads={self.num_heads}, '
+                f'radius={self.radius}'
+                f'{"" if self.enabled else ", enabled=False"}')

@@ -1,0 +1,162 @@
+"""``GFLinear``: an ``nn.Linear`` over tokens on a grid whose backward is the
+gradient filter (docs/gradient_filter.md#linear-layers-on-token-grids).
+
+A Linear sees ``(B, N, C)`` tokens and nothing tells it which grid they lie
+on: a ``64 x 64`` map and a ``32 x 128`` one both give ``N = 4096``, and a
+ViT's cls token makes ``N`` odd. So the grid is never guessed from ``N``: it
+comes from the model, through a :class:`TokenGridSource` that hooks on the
+enclosing block keep current for each call (the ``hw_shape`` mmseg's
+transformer blocks receive; see ``mmseg_gf.models.token_grids``), or that
+holds a fixed grid (a Swin window).
+"""
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops import check_radius
+from ..ops.gradient_filter_linear import TokenGrid, gradient_filtered_linear
+from .gf_conv import GFExactBackwardWarning, with_mmcv_wrapper
+
+
+class TokenGridSource:
+    """Where a filtered layer reads the token grid of its current call.
+
+    Forward hooks of the enclosing block :meth:`set` the grid before the
+    layer runs and :meth:`clear` it after (``mmseg_gf.models.token_grids``);
+    a source built with a grid keeps it (Swin's ``ws x ws`` windows).
+
+    Args:
+        grid: a fixed grid, or None to be set per call.
+        name: what sets it, for messages (e.g. the block's path).
+    """
+
+    def __init__(self, grid: Optional[TokenGrid] = None,
+                 name: str = '') -> None:
+        self.grid = grid
+        self.name = name
+
+    def set(self, grid: Optional[TokenGrid]) -> None:
+        self.grid = grid
+
+    def clear(self) -> None:
+        self.grid = None
+
+    def __repr__(self) -> str:
+        return f'TokenGridSource({self.grid!r}, name={self.name!r})'
+
+
+def _plain_linear_classes() -> tuple:
+    # NonDynamicallyQuantizableLinear: nn.MultiheadAttention's out_proj, a
+    # plain Linear by another name.
+    return with_mmcv_wrapper(nn.Linear) + (
+        nn.modules.linear.NonDynamicallyQuantizableLinear, )
+
+
+def is_filterable_linear(module: nn.Module) -> bool:
+    """True for Linears whose forward is exactly ``F.linear`` (also when
+    the lean region swapped their class: ``_plain_class``)."""
+    plain = getattr(type(module), '_plain_class', type(module))
+    return plain in _plain_linear_classes() or isinstance(module, GFLinear)
+
+
+def warn_exact_backward(module: nn.Module, reason: str) -> None:
+    """Warn once per layer that its backward is the exact one."""
+    if getattr(module, '_warned_exact_backward', False):
+        return
+    module._warned_exact_backward = True
+    warnings.warn(
+        f'{type(module).__name__}({module.extra_repr()}): falling back to '
+        f'the exact backward: {reason}; this layer is trained without the '
+        'gradient filter', GFExactBackwardWarning, stacklevel=3)
+
+
+class GFLinear(nn.Linear):
+    """A drop-in ``nn.Linear``: exact forward, gradient-filtered backward on
+    the token grid its :class:`TokenGridSource` holds for the call.
+
+    A call with no grid known (no source, or its hooks did not run: e.g. a
+    block called outside its parent, or activation checkpointing
+    recomputing the block in the backward) runs the exact backward and warns
+    once per layer (:class:`GFExactBackwardWarning`); training stays correct
+    and the warning names the layer. The selection refuses layers it finds
+    no grid for before training, by name.
+
+    Args:
+        *args, **kwargs: as for ``nn.Linear``.
+        radius (int): patch size ``r >= 1``.
+        enabled (bool): ``False`` gives the exact backward. Default: True.
+        grid_source (TokenGridSource | None): the grid of each call.
+        token_dim (int): the token axis of the input (1 for ``(B, N, C)``;
+            the ``H`` axis for an ``'hwc'`` grid). Default: 1.
+    """
+
+    def __init__(self, *args, radius: int = 4, enabled: bool = True,
+                 grid_source: Optional[TokenGridSource] = None,
+                 token_dim: int = 1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.radius = check_radius(radius)
+        self.enabled = bool(enabled)
+        self.grid_source = grid_source
+        self.token_dim = int(token_dim)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, radius: int,
+                    grid_source: Optional[TokenGridSource],
+                    token_dim: int = 1, enabled: bool = True) -> 'GFLinear':
+        """Wrap an existing Linear, **sharing** its Parameters (optimizers
+        stay valid, ``state_dict`` keys and values are nn.Linear's).
+
+        Raises:
+            TypeError: for a Linear subclass whose forward is not plain
+                ``F.linear`` (filtering would bypass what it adds).
+        """
+        if not is_filterable_linear(linear):
+            raise TypeError(
+                f'cannot gradient-filter a {type(linear).__module__}.'
+                f'{type(linear).__name__}: only nn.Linear (and mmcv\'s '
+                'Linear wrapper, nn.MultiheadAttention\'s out_proj) compute '
+                'a plain F.linear; its forward would be bypassed')
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features = linear.in_features
+        new.out_features = linear.out_features
+        new.training = linear.training
+        new.register_parameter('weight', linear.weight)
+        new.register_parameter('bias', linear.bias)
+        new.radius = check_radius(radius)
+        new.enabled = bool(enabled)
+        new.grid_source = grid_source
+        new.token_dim = int(token_dim)
+        return new
+
+    def current_grid(self) -> Optional[TokenGrid]:
+        """The grid of the call now running, or None."""
+        return None if self.grid_source is None else self.grid_source.grid
+
+    def _filter_active(self, input: Tensor) -> bool:
+        return self.enabled and torch.is_grad_enabled() and (
+            input.requires_grad or self.weight.requires_grad
+            or (self.bias is not None and self.bias.requires_grad))
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self._filter_active(input) or input.numel() == 0:
+            return F.linear(input, self.weight, self.bias)
+        grid = self.current_grid()
+        if grid is None:
+            warn_exact_backward(
+                self, 'no token grid is known for this call (its grid '
+                f'source {self.grid_source!r} was not set by the model)')
+            return F.linear(input, self.weight, self.bias)
+        if input.is_complex() or self.weight.is_complex():
+            warn_exact_backward(self, 'complex-valued tensors')
+            return F.linear(input, self.weight, self.bias)
+        return gradient_filtered_linear(input, self.weight, self.bias, grid,
+                                        self.radius, self.token_dim)
+
+    def extra_repr(self) -> str:
+        return (f'{super().extra_repr()}, radius={self.radius}'
+                f'{"" if self.enabled else ", enabled=False"}')

@@ -1,0 +1,352 @@
+"""Token grids of mmseg's transformer models, found from the traced call, and
+filtered Linears / attentions on them in whole models
+(docs/gradient_filter.md#linear-layers-on-token-grids).
+
+Each family is mmseg 1.2.2's zoo config made offline (SyncBN -> BN, random
+weights) and shrunk (narrow embeddings, one or two blocks per stage, the
+heads' channels), at 64x64, float64, eval mode (no dropout / DropPath):
+
+* discovery lists every Linear and attention of the inference path, in
+  execution order, with the grid of its call (Segformer's reduced keys,
+  Swin's 7x7 windows and merged grids, Twins' locally grouped windows,
+  ViT's cls token, Segmenter's trailing class embeddings and its grid-less
+  class projection);
+* with every gridded layer filtered at r = 1 the model's gradients equal
+  the plain model's; at r = 2 they equal a reference model whose layers
+  filter with autograd hooks and the float64 loops of
+  tests/gf_linear_reference.py, and differ from the plain ones.
+"""
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip('mmseg')
+
+from mmengine.config import Config  # noqa: E402
+
+from mmseg_gf.engine.build import build_segmentor  # noqa: E402
+from mmseg_gf.engine.zoo import make_offline, mmseg_config_dir  # noqa: E402
+from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
+from mmseg_gf.models.token_grids import (CLASS_SCORES,  # noqa: E402
+                                         bind_token_grids,
+                                         discover_token_grids,
+                                         filtered_module, layer_kind,
+                                         run_inference_path)
+from mmseg_gf.ops import TokenGrid  # noqa: E402
+from tests.gf_linear_reference import (reference_attention,  # noqa: E402
+                                       reference_filtered_linear)
+
+SIZE = 64
+
+
+def _segformer(m):
+    m.backbone.update(embed_dims=8, num_layers=[1, 1, 1, 1])
+    m.decode_head.update(in_channels=[8, 16, 40, 64], channels=16)
+
+
+def _swin(m):
+    m.backbone.update(embed_dims=12, depths=[2, 2, 1, 1])
+    m.decode_head.update(in_channels=[12, 24, 48, 96], channels=16)
+    m.auxiliary_head.update(in_channels=48, channels=16)
+
+
+def _pcpvt(m):
+    m.backbone.update(embed_dims=[16, 32, 40, 64], depths=[1, 1, 1, 1])
+    m.decode_head.update(in_channels=[16, 32, 40, 64], channels=16)
+    m.auxiliary_head.update(in_channels=40, channels=16)
+
+
+def _svt(m):
+    m.backbone.update(embed_dims=[16, 32, 64, 128], depths=[2, 2, 2, 2])
+    m.decode_head.update(in_channels=[16, 32, 64, 128], channels=16)
+    m.auxiliary_head.update(in_channels=64, channels=16)
+
+
+def _deit(m):
+    m.backbone.update(embed_dims=32, num_heads=2, num_layers=4,
+                      out_indices=(0, 1, 2, 3), img_size=(SIZE, SIZE))
+    m.decode_head.update(in_channels=[32] * 4, channels=16)
+    m.auxiliary_head.update(in_channels=32, channels=16)
+
+
+def _segmenter(m):
+    m.backbone.update(embed_dims=32, num_heads=2, num_layers=2,
+                      img_size=(SIZE, SIZE))
+    m.decode_head.update(in_channels=32, channels=32, embed_dims=32,
+                         num_heads=2, num_layers=1, num_classes=5)
+
+
+FAMILIES = {
+    'segformer_b0': ('segformer/segformer_mit-b0_8xb2-160k_ade20k-512x512.py',
+                     _segformer),
+    'swin_t': ('swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_'
+               'ade20k-512x512.py', _swin),
+    'twins_pcpvt_s': ('twins/twins_pcpvt-s_uperhead_8xb4-160k_ade20k-'
+                      '512x512.py', _pcpvt),
+    'twins_svt_s': ('twins/twins_svt-s_uperhead_8xb2-160k_ade20k-512x512.py',
+                    _svt),
+    'deit_s': ('vit/vit_deit-s16_upernet_8xb2-80k_ade20k-512x512.py', _deit),
+    'segmenter_vit_t': ('segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-'
+                        '512x512.py', _segmenter),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_model(name: str) -> nn.Module:
+    path, shrink = FAMILIES[name]
+    cfg = make_offline(Config.fromfile(f'{mmseg_config_dir()}/{path}'))
+    model_cfg = Config(dict(model=cfg.model)).model
+    shrink(model_cfg)
+    cfg.model = model_cfg
+    torch.manual_seed(0)
+    model = build_segmentor(cfg).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # no zero-initialised weight hides a gradient
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen,
+                                      dtype=p.dtype))
+    return model
+
+
+def tiny_model(name: str) -> nn.Module:
+    return copy.deepcopy(_tiny_model(name))
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(2, 3, SIZE, SIZE, generator=gen, dtype=torch.float64)
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _by_path(records):
+    return {r.path: r for r in records}
+
+
+def _expect_segformer(records):
+    attn = [r for r in records if r.kind == 'attention']
+    assert [r.path for r in records] == [
+        f'backbone.layers.{i}.1.0.attn.attn' for i in range(4)]
+    # stages at 1/4 .. 1/32 of 64; keys after sr convs of ratio 8, 4, 2, 1
+    assert [(r.grid, r.key_grid) for r in attn] == [
+        (TokenGrid(16, 16), TokenGrid(2, 2)),
+        (TokenGrid(8, 8), TokenGrid(2, 2)),
+        (TokenGrid(4, 4), TokenGrid(2, 2)),
+        (TokenGrid(2, 2), TokenGrid(2, 2))]
+
+
+def _expect_swin(records):
+    rec = _by_path(records)
+    window = TokenGrid.windows(7)
+    assert rec['backbone.stages.0.blocks.0.attn.w_msa.qkv'].grid == window
+    assert rec['backbone.stages.0.blocks.1.attn.w_msa.proj'].grid == window
+    assert rec['backbone.stages.0.blocks.1.attn.w_msa.qkv'].input_shape == (
+        2 * 9, 49, 12)  # 16x16 padded to 21x21: 9 windows per image
+    assert rec['backbone.stages.0.blocks.0.ffn.layers.0.0'].grid == \
+        TokenGrid(16, 16)
+    assert rec['backbone.stages.3.blocks.0.ffn.layers.1'].grid == \
+        TokenGrid(2, 2)
+    merges = [r for r in records if r.path.endswith('downsample.reduction')]
+    assert [r.grid for r in merges] == [
+        TokenGrid(8, 8), TokenGrid(4, 4), TokenGrid(2, 2)]
+
+
+def _expect_pcpvt(records):
+    rec = _by_path(records)
+    assert rec['backbone.layers.0.0.attn.attn'].key_grid == TokenGrid(2, 2)
+    assert rec['backbone.layers.0.0.attn.attn'].grid == TokenGrid(16, 16)
+    assert rec['backbone.layers.1.0.ffn.layers.0.0'].grid == TokenGrid(8, 8)
+
+
+def _expect_svt(records):
+    rec = _by_path(records)
+    qkv = rec['backbone.layers.0.0.attn.qkv']  # locally grouped, 7x7
+    assert qkv.grid == TokenGrid(7, 7, layout='hwc') and qkv.token_dim == 3
+    assert qkv.input_shape == (2, 3, 3, 7, 7, 16)
+    assert rec['backbone.layers.0.0.attn.proj'].grid == TokenGrid(16, 16)
+    gsa = rec['backbone.layers.0.1.attn.attn']  # global sub-sampled
+    assert (gsa.grid, gsa.key_grid) == (TokenGrid(16, 16), TokenGrid(2, 2))
+
+
+def _expect_deit(records):
+    grids = {r.grid for r in records}
+    assert grids == {TokenGrid(4, 4, extra_tokens=1)}  # cls + 64/16 square
+    assert len(records) == 4 * 3  # attention and two FFN Linears per layer
+
+
+def _expect_segmenter(records):
+    rec = _by_path(records)
+    assert rec['backbone.layers.1.attn.attn'].grid == TokenGrid(4, 4, 1)
+    assert rec['decode_head.dec_proj'].grid == TokenGrid(4, 4)
+    assert rec['decode_head.layers.0.attn.attn'].grid == TokenGrid(
+        4, 4, trailing_tokens=5)
+    assert rec['decode_head.patch_proj'].grid == TokenGrid(4, 4)
+    classes = rec['decode_head.classes_proj']
+    assert classes.grid is None and 'class embeddings' in classes.no_grid
+    assert classes.role == rec['decode_head.patch_proj'].role == CLASS_SCORES
+    assert [r.path for r in records if r.grid is None] == [
+        'decode_head.classes_proj']
+
+
+EXPECTATIONS = {
+    'segformer_b0': _expect_segformer,
+    'swin_t': _expect_swin,
+    'twins_pcpvt_s': _expect_pcpvt,
+    'twins_svt_s': _expect_svt,
+    'deit_s': _expect_deit,
+    'segmenter_vit_t': _expect_segmenter,
+}
+
+
+@pytest.mark.parametrize('name', list(FAMILIES))
+def test_discovery_lists_every_linear_with_its_traced_grid(name):
+    model = tiny_model(name)
+    records = discover_token_grids(model, _inputs())
+    EXPECTATIONS[name](records)
+    # every Linear / attention of the inference path, and nothing else
+    on_path = {
+        p for part in ('backbone', 'decode_head')
+        for p, m in getattr(model, part).named_modules(prefix=part)
+        if layer_kind(m) is not None and '.attn.attn.out_proj' not in p
+        and not p.endswith('.out_proj')
+    }
+    assert {r.path for r in records} == on_path
+    for r in records:
+        assert (r.grid is None) == (r.no_grid is not None), r
+    # no hook is left behind
+    assert all(not m._forward_pre_hooks and not m._forward_hooks
+               for m in model.modules())
+
+
+class _ReferenceLinear(nn.Module):
+    """Wraps the layer as its child ``ref`` (``_gradients`` drops the
+    ``.ref`` from parameter names)."""
+
+    def __init__(self, linear, site, radius):
+        super().__init__()
+        self.ref, self.site, self.radius = linear, site, radius
+
+    def forward(self, x):
+        return reference_filtered_linear(x, self.ref.weight, self.ref.bias,
+                                         self.site.source.grid,
+                                         self.site.token_dim, self.radius)
+
+
+class _ReferenceAttention(nn.Module):
+    def __init__(self, attention, site, radius):
+        super().__init__()
+        self.ref, self.site, self.radius = attention, site, radius
+
+    def forward(self, query, key, value, attn_mask=None,
+                key_padding_mask=None, **kwargs):
+        assert attn_mask is None and key_padding_mask is None
+        return reference_attention(self.ref, query, key, value,
+                                   self.site.source.grid,
+                                   self.site.key_source.grid,
+                                   self.radius), None
+
+
+def _swapped(model, make):
+    bindings = bind_token_grids(model)
+    swapped = 0
+    for path, site in bindings.sites.items():
+        if site.no_grid is not None:
+            continue
+        parent, _, name = path.rpartition('.')
+        owner = model.get_submodule(parent)
+        setattr(owner, name, make(getattr(owner, name), site))
+        swapped += 1
+    assert swapped
+    return bindings
+
+
+def _gradients(model, inputs, grad):
+    for p in model.parameters():
+        p.grad = None
+        p.requires_grad_(True)
+    out = run_inference_path(model, inputs)
+    out.backward(grad)
+    return {n.replace('.ref.', '.'): p.grad.clone()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize('name', list(FAMILIES))
+def test_filtered_models_match_plain_at_r1_and_reference_at_r2(name):
+    inputs = _inputs()
+    plain = tiny_model(name)
+    with torch.no_grad():
+        out = run_inference_path(plain, inputs)
+    grad = torch.randn(out.shape, dtype=out.dtype,
+                       generator=torch.Generator().manual_seed(3))
+    want = _gradients(plain, inputs, grad)
+
+    def gradients(radius, make):
+        model = tiny_model(name)
+        bindings = _swapped(model, lambda module, site: make(
+            module, site, radius))
+        try:
+            with warnings.catch_warnings():  # every call has its grid
+                warnings.simplefilter('error', GFExactBackwardWarning)
+                return _gradients(model, inputs, grad)
+        finally:
+            bindings.remove()
+
+    def close(a, b, rtol):
+        assert a.keys() == b.keys()
+        for key in a:
+            scale = float(b[key].abs().max()) or 1.0
+            torch.testing.assert_close(a[key], b[key], rtol=rtol,
+                                       atol=rtol * scale, msg=key)
+
+    close(gradients(1, filtered_module), want, 1e-10)
+    filtered = gradients(2, filtered_module)
+    reference = gradients(2, lambda m, site, r: _ReferenceAttention(
+        m, site, r) if site.kind == 'attention' else _ReferenceLinear(
+            m, site, r))
+    close(filtered, reference, 1e-9)
+    # the filter acted: the first filtered layer's weight gradient moved
+    differs = [k for k in want
+               if not torch.allclose(filtered[k], want[k], rtol=1e-6)]
+    assert differs
+
+
+@pytest.mark.parametrize('name', ['segformer_b0', 'swin_t', 'deit_s'])
+def test_grids_follow_each_call_non_square_and_resized(name):
+    """One bound model called at two sizes, 96x64 then 64x64: each call's
+    grids come from that call (a transposed or stale grid would differ
+    from the reference, or be refused), and are cleared after it."""
+    model = tiny_model(name)
+    ref_model = tiny_model(name)
+    bindings = _swapped(model, lambda m, site: filtered_module(m, site, 2))
+    ref_bindings = _swapped(
+        ref_model, lambda m, site, r=2: _ReferenceAttention(m, site, r)
+        if site.kind == 'attention' else _ReferenceLinear(m, site, r))
+    gen = torch.Generator().manual_seed(4)
+    for size in ((96, 64), (SIZE, SIZE)):
+        inputs = torch.randn(2, 3, *size, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            out = run_inference_path(model, inputs)
+        grad = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+        got = _gradients(model, inputs, grad)
+        want = _gradients(ref_model, inputs, grad)
+        for key in want:
+            scale = float(want[key].abs().max()) or 1.0
+            torch.testing.assert_close(got[key], want[key], rtol=1e-9,
+                                       atol=1e-9 * scale, msg=key)
+        # per-call grids are cleared after the call (windows are fixed)
+        sources = [src for site in bindings.sites.values()
+                   for src in (site.source, site.key_source)
+                   if src is not None and 'window_size' not in src.name]
+        assert sources and all(src.grid is None for src in sources)
+    bindings.remove()
+    ref_bindings.remove()
