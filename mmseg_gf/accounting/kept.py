@@ -58,12 +58,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..models.gf_conv import GFConv2d
+from ..models.layer_kinds import kind_of
 from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
 from ..models.lean_head import (classifier_fused_now, folded_dropout_noise,
                                 loss_gradient_copies)
 from ..models.segmentor import is_head_classifier
-from .conv_cost import ConvGeometry
 from .format import fmt_mib
 
 __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
@@ -196,8 +195,9 @@ def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
     if not any(p.requires_grad for p in conv.parameters()):
         return _frozen_conv_item(path, conv, x)
     eb = x.element_size()
-    if isinstance(conv, GFConv2d) and conv.enabled:
-        cost = ConvGeometry.of(conv, x.shape[1:], out.shape[1:]).cost(
+    kind = kind_of(conv)
+    if kind is not None and kind.is_filtered(conv) and conv.enabled:
+        cost = kind.geometry(conv, (x, ), out).cost(
             conv.radius, need_input_grad=False, elem_bytes=eb)
         return SavedItem(path, 'conv', cost.gf_saved_bytes // eb, eb)
     category = 'classifier' if is_head_classifier(path) else 'conv'

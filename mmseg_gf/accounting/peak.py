@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..models.gf_conv import GFConv2d
+from ..models.layer_kinds import kind_of
 from .measured import live_bytes_by_interval
 
 __all__ = ['Lifetime', 'step_peak', 'scratch_key', 'backward_scratch']
@@ -103,19 +103,20 @@ def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
     return peak
 
 
-def scratch_key(conv: nn.Conv2d, in_shape: Sequence[int], radius: int,
+def scratch_key(layer: nn.Module, in_shape: Sequence[int], radius: int,
                 need_input_grad: bool) -> tuple:
-    """What a filtered conv's backward scratch depends on: its input's
-    shape, the conv's hyper-parameters, the radius and ``g_x``."""
-    return (tuple(in_shape), conv.in_channels, conv.out_channels,
-            conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-            conv.groups, conv.padding_mode, conv.bias is not None, radius,
+    """What a filtered layer's backward scratch depends on: its input's
+    shape, the layer's class and hyper-parameters (its ``extra_repr``: a
+    conv's channels, kernel, stride, padding, dilation, groups, bias and
+    padding mode), the radius and ``g_x``."""
+    return (tuple(in_shape), type(layer), layer.extra_repr(), radius,
             need_input_grad)
 
 
-def backward_scratch(conv: nn.Conv2d, in_shape: Sequence[int], radius: int,
+def backward_scratch(conv: nn.Module, in_shape: Sequence[int], radius: int,
                      need_input_grad: bool, batch: int) -> int:
-    """Peak bytes of one filtered conv's backward beyond its output's
+    """Peak bytes of one filtered layer's backward (a conv's, as its layer
+    kind wraps it) beyond its output's
     gradient ``g_y`` and its results (``g_x``, ``g_W``) all alive at once,
     on random data of the conv's shapes; negative where they are not: the
     filtered backward's weight gradient leaves the conv's node as a
@@ -125,7 +126,7 @@ def backward_scratch(conv: nn.Conv2d, in_shape: Sequence[int], radius: int,
 
     ``g_y`` is made inside the measured step (the gradient of
     ``(y * w).sum()``), so that it is freed as in a training step."""
-    module = GFConv2d.from_conv(copy.deepcopy(conv), radius)
+    module = kind_of(conv).wrap(copy.deepcopy(conv), radius, True)
     for p in module.parameters():
         p.requires_grad_(True)
     x = torch.randn((batch, ) + tuple(in_shape),

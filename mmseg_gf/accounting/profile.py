@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..models.layer_kinds import LayerGeometry, traced_kind_of
 from .batch import random_batch
 from .conv_cost import ConvBackwardCost, ConvGeometry, output_stride
 from .format import MIB
@@ -31,6 +32,16 @@ from .trace import ModuleCall, SavedPack, StepTracer, UnmodelledBytes
 
 __all__ = ['ConvProfile', 'StepCost', 'StepCostProfile',
            'profile_step_costs']
+
+
+def layer_geometry(module: nn.Module, x: torch.Tensor,
+                   out: torch.Tensor) -> LayerGeometry:
+    """A traced layer's geometry at one call, from its layer kind (a
+    classifier not of a registered kind counts as a conv)."""
+    kind = traced_kind_of(module)
+    if kind is None:
+        return ConvGeometry.of(module, x.shape[1:], out.shape[1:])
+    return kind.geometry(module, (x, ), out)
 
 
 @dataclass
@@ -51,7 +62,7 @@ class ConvProfile:
 
     path: str
     module: nn.Module
-    geometry: ConvGeometry
+    geometry: LayerGeometry
     index: int
     upstream: int
     output_stride: int
@@ -166,7 +177,7 @@ class StepCostProfile:
     input_size: Tuple[int, int]
     convs: List[ConvProfile] = field(default_factory=list)
     entries: List[_Entry] = field(default_factory=list)
-    classifiers: List[Tuple[ConvGeometry, int, int]] = field(
+    classifiers: List[Tuple[LayerGeometry, int, int]] = field(
         default_factory=list)
     classifier_params: int = 0
     tensors: List[Lifetime] = field(default_factory=list)
@@ -376,8 +387,7 @@ class _Recorder:
         if all(c.index != i for c in self.profile.convs):
             self.profile.convs.append(ConvProfile(
                 path=call.path, module=call.module,
-                geometry=ConvGeometry.of(call.module, call.x.shape[1:],
-                                         out.shape[1:]),
+                geometry=layer_geometry(call.module, call.x, out),
                 index=i, upstream=upstream,
                 output_stride=output_stride(self.profile.input_size[0],
                                             out.shape[-2]),
@@ -398,7 +408,7 @@ class _Recorder:
             for item in items if not item.estimate)
         if self.is_classifier(call.path) and call.trained:
             self.profile.classifiers.append(
-                (ConvGeometry.of(call.module, x.shape[1:], out.shape[1:]),
+                (layer_geometry(call.module, x, out),
                  upstream, call.seq))
             self.profile.classifier_params += sum(
                 p.numel() for p in call.module.parameters())

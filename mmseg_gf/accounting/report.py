@@ -29,8 +29,8 @@ def chosen_layers_table(model: nn.Module,
     Args:
         model: the (unwrapped) segmentor, for trainable-parameter counts.
         choices: the applied layers (anything with ``path``, ``module``,
-            ``radius``, ``in_shape``, ``out_shape``, ``kernel_size``,
-            ``stride``, ``dilation``, ``groups`` and ``geometry``, as
+            ``radius``, ``in_shape``, ``out_shape`` and ``geometry``, a
+            :class:`~mmseg_gf.models.layer_kinds.LayerGeometry`, as
             :class:`~mmseg_gf.engine.selection.LayerChoice`).
         batch: training batch size.
         mode: 'gf' or 'vanilla' (shown in the title).
@@ -54,8 +54,8 @@ def chosen_layers_table(model: nn.Module,
         tot[2] += cost.vanilla_saved_bytes
         tot[3] += cost.gf_saved_bytes
         rows.append((
-            c.path, f'{c.kernel_size[0]}/{c.stride[0]}/{c.dilation[0]}'
-            f'/{c.groups}', f'{c.in_shape[1]}x{c.in_shape[2]}->'
+            c.path, c.geometry.describe(),
+            f'{c.in_shape[1]}x{c.in_shape[2]}->'
             f'{c.out_shape[1]}x{c.out_shape[2]}', str(c.radius), str(params),
             fmt_flops_short(cost.vanilla_flops),
             fmt_flops_short(cost.gf_flops),

@@ -17,7 +17,7 @@ not counted (the paper's "#Layers" / "Calibration = 0 GFLOPs" convention);
 it is reported apart (:attr:`ModelCost.classifier`).
 
 ``g_x`` is counted where the conv's input needs a gradient in the real
-model, i.e. where a trained parameter lies upstream (``trace_convs(...,
+model, i.e. where a trained parameter lies upstream (``trace_layers(...,
 grad=True)``); autograd computes the full ``g_x`` of a conv even when only
 some of its input channels lead to trained layers (e.g. PSPNet's
 bottleneck after the concat), and so does the count.
@@ -32,10 +32,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..accounting.conv_cost import ConvBackwardCost, ConvGeometry
+from ..accounting.conv_cost import ConvBackwardCost
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
-from ..engine.selection import ConvRecord, trace_convs
+from ..engine.layer_trace import LayerRecord, trace_layers
 from ..engine.state import get_state
 from ..models.segmentor import is_classifier, unwrap_model
 
@@ -170,10 +170,10 @@ class ModelCost:
                         if self.classifier is not None else None))
 
 
-def _layer_cost(rec: ConvRecord, conv: nn.Conv2d, radius: int,
-                need_input_grad: bool, batch: int, elem_bytes: int,
+def _layer_cost(rec: LayerRecord, radius: int, need_input_grad: bool,
+                batch: int, elem_bytes: int,
                 collapse_dilated: bool) -> LayerCost:
-    geometry = ConvGeometry.of(conv, rec.in_shape, rec.out_shape)
+    geometry = rec.geometry
     cost = geometry.cost(radius, batch=batch,
                          need_input_grad=need_input_grad,
                          elem_bytes=elem_bytes,
@@ -192,7 +192,7 @@ def model_backward_cost(model: nn.Module,
                         radius: int = 4,
                         elem_bytes: int = 4,
                         collapse_dilated: bool = False,
-                        records: Optional[List[ConvRecord]] = None
+                        records: Optional[List[LayerRecord]] = None
                         ) -> ModelCost:
     """Trace a built segmentor and cost the backward of its trained convs.
 
@@ -210,7 +210,8 @@ def model_backward_cost(model: nn.Module,
             keeps the taps of dilated convs with ``d // (r*s) >= 1`` on the
             pooled grid (docs/gradient_filter.md#dilated-convolutions).
             Exact (vanilla) counts are unaffected.
-        records: a precomputed ``trace_convs(model, input_size, grad=True)``.
+        records: a precomputed ``trace_layers(model, input_size,
+            grad=True)``.
 
     Returns:
         ModelCost: the counted convs (classifier apart), in execution order.
@@ -218,13 +219,13 @@ def model_backward_cost(model: nn.Module,
     model = unwrap_model(model)
     size = tuple(int(v) for v in input_size)
     if records is None:
-        records = trace_convs(model, size, grad=True)
+        records = trace_layers(model, size, grad=True)
     by_path = {r.path: r for r in records}
     state = get_state(model)
     out = ModelCost(mode='all', input_size=size, batch=int(batch),
                     collapse_dilated=collapse_dilated)
     if state is None:
-        items = [(r, r.module, radius) for r in records
+        items = [(r, radius) for r in records
                  if r.inference and not is_classifier(r.path)]
     else:
         out.mode = state.mode
@@ -235,16 +236,16 @@ def model_backward_cost(model: nn.Module,
                 raise ValueError(
                     f'gradient_filter layer {c.path!r} did not run in a '
                     f'forward pass at input size {size}')
-            items.append((rec, c.module, c.radius))
-    for rec, conv, r in items:
+            items.append((rec, c.radius))
+    for rec, r in items:
         out.layers.append(
-            _layer_cost(rec, conv, r, bool(rec.input_requires_grad),
+            _layer_cost(rec, r, bool(rec.input_requires_grad),
                         out.batch, elem_bytes, collapse_dilated))
     cls = [r for r in records
            if r.inference and is_classifier(r.path)]
     if cls:
         rec = cls[-1]
-        out.classifier = _layer_cost(rec, rec.module, 1,
+        out.classifier = _layer_cost(rec, 1,
                                      bool(rec.input_requires_grad),
                                      out.batch, elem_bytes, collapse_dilated)
     return out

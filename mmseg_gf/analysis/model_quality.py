@@ -5,7 +5,8 @@
 module gets those from a whole segmentor's backward, for every filtered
 conv, and adds the end-to-end view:
 
-* local quality (:func:`~.quality.layer_gradient_quality`, in float64):
+* local quality (the layer kind's ``quality``, for convs
+  :func:`~mmseg_gf.ops.quality.layer_gradient_quality`, in float64):
   with the layer's input ``x`` and the gradient ``g_y`` arriving at its
   output, the SNR (paper Eq. 8) and cosine of the filtered ``g~_y``,
   ``g~_x`` (Eq. 3, and the "propagated" one of Proposition 1) and ``g~_W``
@@ -26,8 +27,8 @@ from ..accounting.batch import random_batch, training_loss
 from ..accounting.format import format_table
 from ..engine.build import build_segmentor
 from ..engine.surgery import get_gradient_filter_layers
-from ..ops.quality import (capture_layer_io, cosine, layer_gradient_quality,
-                           snr)
+from ..models.layer_kinds import kind_of
+from ..ops.quality import capture_layer_io, cosine, snr
 
 __all__ = [
     'dataset_batch', 'measure_model_quality', 'measure_config_quality',
@@ -111,8 +112,8 @@ def measure_model_quality(model: nn.Module, inputs, samples,
         row: Dict[str, Any] = dict(path=name, radius=choice.radius)
         if x is not None and grad_out is not None:
             conv64 = copy.deepcopy(conv).double()
-            q = layer_gradient_quality(conv64, x.double(), grad_out.double(),
-                                       choice.radius)
+            q = kind_of(conv64).quality(conv64, x.double(),
+                                        grad_out.double(), choice.radius)
             row.update(vars(q))
             row['proposition1_holds'] = q.proposition1_holds
         if name in exact_w and name in gf_w:

@@ -13,15 +13,17 @@ from .config import build_grad_filter_model, check_settings, rewrite_config
 from .cpu_distributed import CPUDistributedDataParallel  # noqa: F401
 from .hooks import (CalibrationHook, GradFilterHook, GradientQualityHook,
                     ValMetricsRecorderHook)
+from .layer_trace import LayerRecord, trace_convs, trace_layers
 from .selection import (LayerChoice, auto_radius, resolve_radius,
-                        select_layers, trace_convs)
+                        select_layers)
 from ..models.segmentor import set_frozen_norms_eval
 from .safe_load import allow_mmengine_checkpoints
 from .state import GradientFilterState, get_state
 from .surgery import apply_gradient_filter, get_gradient_filter_layers
 
 __all__ = [
-    'LayerChoice', 'trace_convs', 'select_layers', 'auto_radius',
+    'LayerChoice', 'LayerRecord', 'trace_layers', 'trace_convs',
+    'select_layers', 'auto_radius',
     'resolve_radius', 'apply_gradient_filter', 'set_frozen_norms_eval',
     'get_gradient_filter_layers', 'build_grad_filter_model',
     'check_settings', 'rewrite_config', 'GradFilterHook',

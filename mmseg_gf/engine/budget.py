@@ -16,7 +16,8 @@ from torch import nn
 from ..accounting.budget import BudgetChoice, check_budget, choose_by_budget
 from ..accounting.profile import StepCostProfile, profile_step_costs
 from ..models.segmentor import is_classifier, unwrap_model
-from .selection import select_layers, trace_convs
+from .layer_trace import trace_layers
+from .selection import select_layers
 from .surgery import apply_gradient_filter
 
 __all__ = ['profile_segmentor', 'choose_layers_by_budget']
@@ -37,7 +38,7 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
     """
     model = unwrap_model(model)
     size = (int(input_size[0]), int(input_size[1]))
-    pool = [r for r in trace_convs(model, size) if r.inference
+    pool = [r for r in trace_layers(model, size) if r.inference
             and not is_classifier(r.path) and r.feeds_output]
     if not pool:
         raise ValueError(

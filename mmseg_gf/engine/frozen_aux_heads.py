@@ -37,7 +37,7 @@ from mmseg.utils import add_prefix
 from torch import nn
 
 from ..models.segmentor import unwrap_model
-from .selection import nested_tensors
+from .layer_trace import nested_tensors
 from .state import GradientFilterState, get_state
 
 __all__ = ['aux_heads', 'features_read', 'frozen_head_reason',

@@ -24,9 +24,10 @@ class GradientFilterState:
     """The gradient-filter settings applied to one segmentor.
 
     Attributes:
-        layers: the chosen convs
+        layers: the chosen layers
             (:class:`~mmseg_gf.engine.selection.LayerChoice`, execution
-            order; ``module`` is the GFConv2d).
+            order; ``module`` is the layer kind's filtered module, e.g.
+            the GFConv2d).
         mode: ``'gf'`` (filtered backward) or ``'vanilla'`` (exact).
         lean: whether the lean trained region is on.
         budget: the :class:`~mmseg_gf.accounting.budget.BudgetChoice` when

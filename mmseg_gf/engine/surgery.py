@@ -1,13 +1,15 @@
-"""Swap selected convs for GFConv2d and freeze everything else.
+"""Swap selected layers for their kind's filtered module (a conv for
+GFConv2d) and freeze everything else.
 
-The swap shares Parameters (``GFConv2d.from_conv``), so ``state_dict`` keys
-and values are unchanged and an optimizer built before the swap stays valid.
+The swap shares Parameters (the kind's ``wrap``: ``GFConv2d.from_conv``), so
+``state_dict`` keys and values are unchanged and an optimizer built before
+the swap stays valid.
 """
 from typing import List, Optional, Sequence
 
 from torch import nn
 
-from ..models.gf_conv import GFConv2d
+from ..models.layer_kinds import kind_of, traced_kind_of
 from ..models.segmentor import (classifier_paths, set_frozen_norms_eval,
                                 unwrap_model)
 from .frozen_aux_heads import skip_frozen_aux_heads
@@ -52,7 +54,8 @@ def apply_gradient_filter(model: nn.Module,
                           keep_frozen_aux_heads: bool = False,
                           log_frozen_aux_losses: bool = False
                           ) -> List[LayerChoice]:
-    """Swap the chosen convs to GFConv2d and freeze all other parameters.
+    """Swap the chosen layers to their kind's filtered module (convs to
+    GFConv2d) and freeze all other parameters.
 
     Trainable afterwards: the chosen convs, the decode head's ``conv_seg``
     and, with ``train_norm=True``, the norm layer directly following each
@@ -81,7 +84,7 @@ def apply_gradient_filter(model: nn.Module,
             autograd, are still returned for the log.
 
     Returns:
-        list[LayerChoice]: the choices, ``module`` now the GFConv2d.
+        list[LayerChoice]: the choices, ``module`` now the filtered one.
     """
     check_mode(mode)
     model = unwrap_model(model)
@@ -91,14 +94,17 @@ def apply_gradient_filter(model: nn.Module,
         raise ValueError('gradient_filter: no layer selected')
     enabled = mode == 'gf'
     for choice in choices:
-        conv = model.get_submodule(choice.path)
-        if isinstance(conv, GFConv2d):
-            conv.radius, conv.enabled = choice.radius, enabled
-            gf = conv
-        else:
-            gf = GFConv2d.from_conv(conv, choice.radius, enabled=enabled)
-            _set_submodule(model, choice.path, gf)
-        choice.module = gf
+        layer = model.get_submodule(choice.path)
+        # a traced layer no kind can filter: its kind's wrap says why
+        kind = kind_of(layer) or traced_kind_of(layer)
+        if kind is None:
+            raise TypeError(
+                f'gradient_filter: {choice.path!r} is a '
+                f'{type(layer).__name__}, which no layer kind can filter')
+        filtered = kind.set_filter(layer, choice.radius, enabled)
+        if filtered is not layer:
+            _set_submodule(model, choice.path, filtered)
+        choice.module = filtered
     for p in model.parameters():
         p.requires_grad_(False)
     trained = [c.path for c in choices] + classifier_paths(model)

@@ -1,5 +1,6 @@
 """GFConv2d and GFLinear, registered as ``type='GFConv2d'`` /
-``type='GFLinear'`` where mm* is installed.
+``type='GFLinear'`` where mm* is installed, and the registry of layer kinds
+gradient filtering can train (:mod:`.layer_kinds`).
 
 ``gf_conv``, ``gf_linear`` and ``gf_attention`` themselves are pure
 PyTorch. When mmseg is present the layers are registered in mmseg's
@@ -13,10 +14,12 @@ from importlib.util import find_spec
 from .gf_attention import GFMultiheadAttention, is_filterable_attention
 from .gf_conv import GFConv2d, is_filterable_conv
 from .gf_linear import GFLinear, TokenGridSource, is_filterable_linear
+from .layer_kinds import LayerKind, kind_of, layer_kinds, register_layer_kind
 
 __all__ = [
     'GFConv2d', 'GFLinear', 'GFMultiheadAttention', 'TokenGridSource',
-    'is_filterable_attention', 'is_filterable_conv', 'is_filterable_linear'
+    'is_filterable_attention', 'is_filterable_conv', 'is_filterable_linear',
+    'LayerKind', 'kind_of', 'layer_kinds', 'register_layer_kind'
 ]
 
 if find_spec('mmseg') is not None:

@@ -53,7 +53,8 @@ from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
 from ..ops.lean_pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
                              WindowOffsetMaxPoolFunction)
 from ..ops.resize import strided_gradient_resizes
-from .gf_conv import GFConv2d, is_filterable_conv, with_mmcv_wrapper
+from .gf_conv import is_filterable_conv, with_mmcv_wrapper
+from .layer_kinds import is_filtered
 from .lean_head import (ClassifierCapture, base_decode_head,
                         disable_classifier_fusion, fused_classifier_losses,
                         fusion_blocker, lean_head_losses, log_fallback_once)
@@ -358,7 +359,7 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return 'dropout'
     if isinstance(module, nn.AdaptiveAvgPool2d):
         return 'pool'
-    if is_filterable_conv(module) and not isinstance(module, GFConv2d):
+    if is_filterable_conv(module) and not is_filtered(module):
         return 'frozen_conv'
     if _plain_type(module) in with_mmcv_wrapper(nn.Linear):
         return 'frozen_linear'

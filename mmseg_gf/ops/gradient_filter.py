@@ -23,8 +23,7 @@ backward of that small convolution on the pooled grid, scaled by ``1/s^2``.
 """
 
 import contextlib
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -32,170 +31,12 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import native, triton_path
-
-IntPair = Union[int, Tuple[int, int]]
-
-
-def as_pair(value: IntPair) -> Tuple[int, int]:
-    """``(h, w)`` from an int or a pair (conv hyper-parameters)."""
-    if isinstance(value, int):
-        return value, value
-    return int(value[0]), int(value[1])
-
-
-def check_radius(radius) -> int:
-    """Validate a patch size ``r`` and return it as an ``int``.
-
-    Raises:
-        ValueError: if ``radius`` is not an integer >= 1 (``bool`` is refused
-            too: ``True`` is almost certainly a configuration mistake).
-    """
-    if isinstance(radius, bool) or not isinstance(radius, int) or radius < 1:
-        raise ValueError(
-            f'gradient filter radius must be an int >= 1, got {radius!r}')
-    return radius
-
-
-@dataclass(frozen=True)
-class AxisGeometry:
-    """Where the patches lie along one spatial axis
-    (docs/gradient_filter.md#patch-geometry).
-
-    Attributes:
-        num_patches: ``ceil(out_size / r)`` patches along the axis.
-        out_patch: ``r``, output pixels per patch.
-        in_patch: ``r * s``, input pixels per patch ``Q(P)``.
-        in_start: first input pixel of ``Q(0)``; ``c = ((k-1)*d)//2 - p``,
-            which may be negative or run past the map (zero padding there).
-        pooled_dilation: dilation of the kernel on the pooled grid,
-            ``d // (r*s)``; 0 means every tap stays within one patch, so the
-            kernel is summed over this axis.
-        pooled_centre: index of the kernel tap that reads the patch itself,
-            ``(k-1)//2``, used only when ``pooled_dilation >= 1``.
-    """
-
-    in_size: int
-    out_size: int
-    num_patches: int
-    out_patch: int
-    in_patch: int
-    in_start: int
-    pooled_dilation: int
-    pooled_centre: int
-    kernel: int
-
-    @classmethod
-    def of(cls, in_size: int, out_size: int, kernel: int, stride: int,
-           padding: int, dilation: int, radius: int) -> 'AxisGeometry':
-        return cls(
-            in_size=in_size,
-            out_size=out_size,
-            num_patches=-(-out_size // radius),
-            out_patch=radius,
-            in_patch=radius * stride,
-            in_start=((kernel - 1) * dilation) // 2 - padding,
-            pooled_dilation=dilation // (radius * stride),
-            pooled_centre=(kernel - 1) // 2,
-            kernel=kernel)
-
-    @property
-    def collapsed(self) -> bool:
-        """True when all taps fall in one patch: the kernel is summed here."""
-        return self.pooled_dilation == 0 or self.kernel == 1
-
-    @property
-    def input_patches(self) -> Tuple[int, int, int]:
-        """``(start, size, count)`` of the patches ``Q(P)`` on the input."""
-        return self.in_start, self.in_patch, self.num_patches
-
-    @property
-    def output_patches(self) -> Tuple[int, int, int]:
-        """``(start, size, count)`` of the ``r``-patches on the output."""
-        return 0, self.out_patch, self.num_patches
-
-    @property
-    def pooled_pads(self) -> Tuple[int, int]:
-        """Zero padding (before, after) of the pooled grid for the taps."""
-        if self.collapsed:
-            return 0, 0
-        before = self.pooled_centre * self.pooled_dilation
-        after = (self.kernel - 1 - self.pooled_centre) * self.pooled_dilation
-        return before, after
-
-    @property
-    def input_pads(self) -> Tuple[int, int]:
-        """F.pad amounts (before, after) mapping the input axis onto the
-        ``num_patches * in_patch`` pixels covered by the patches; negative
-        values crop."""
-        covered = self.num_patches * self.in_patch
-        return -self.in_start, self.in_start + covered - self.in_size
-
-
-def _fit_to_patches(t: Tensor, geo_h: AxisGeometry,
-                    geo_w: AxisGeometry) -> Tensor:
-    """Pad (zeros) or crop ``t`` so that it is exactly the patch-covered area.
-
-    Used both ways: on ``x`` before pooling, and (with negated pads) on the
-    spread input gradient to place it back into the input's frame.
-    """
-    top, bottom = geo_h.input_pads
-    left, right = geo_w.input_pads
-    if top == bottom == left == right == 0:
-        return t
-    return F.pad(t, (left, right, top, bottom))
-
-
-def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
-                       geo_w: AxisGeometry) -> Tensor:
-    """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x``
-    (docs/gradient_filter.md#forward).
-
-    Returns a ``N x Ci x ceil(Ho/r) x ceil(Wo/r)`` tensor in ``x``'s dtype
-    (pooling accumulates in float32 for reduced-precision inputs). The
-    compiled kernel lays it out channel-major in memory, ready for the
-    fused backward's weight GEMM.
-    """
-    if native.usable(x):
-        return native.patch_sums(x, geo_h.input_patches, geo_w.input_patches,
-                                 channel_major=True)
-    covered = _fit_to_patches(x, geo_h, geo_w)
-    return F.avg_pool2d(
-        covered, (geo_h.in_patch, geo_w.in_patch), divisor_override=1)
-
-
-def _patch_pixel_counts(geo: AxisGeometry, device, dtype) -> Tensor:
-    """Valid output pixels per patch along one axis (the last may be short)."""
-    starts = torch.arange(geo.num_patches, device=device) * geo.out_patch
-    return (geo.out_size - starts).clamp(max=geo.out_patch).to(dtype)
-
-
-def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
-                       geo_w: AxisGeometry, acc_dtype: torch.dtype,
-                       scale: float = 1.0) -> Tuple[Tensor, Tensor]:
-    """The gradient filter: per-patch sums and means of ``g_y`` (Eq. 2).
-
-    One pass over ``g_y``; partial border patches average over their valid
-    pixels only. Returns ``(sums, scale * means)`` in ``acc_dtype``; the sums
-    also give the exact bias gradient without a second pass.
-    """
-    if native.usable(grad_output):
-        sums = native.patch_sums(grad_output, geo_h.output_patches,
-                                 geo_w.output_patches).to(acc_dtype)
-    else:
-        kernel = (min(geo_h.out_patch, geo_h.out_size),
-                  min(geo_w.out_patch, geo_w.out_size))
-        sums = F.avg_pool2d(
-            grad_output, kernel, (geo_h.out_patch, geo_w.out_patch),
-            ceil_mode=True, divisor_override=1).to(acc_dtype)
-    exact_tiling = (geo_h.out_size % geo_h.out_patch == 0
-                    and geo_w.out_size % geo_w.out_patch == 0)
-    if exact_tiling:
-        means = sums * (scale / (geo_h.out_patch * geo_w.out_patch))
-    else:
-        counts_h = _patch_pixel_counts(geo_h, sums.device, acc_dtype)
-        counts_w = _patch_pixel_counts(geo_w, sums.device, acc_dtype)
-        means = sums * (scale / (counts_h[:, None] * counts_w[None, :]))
-    return sums, means
+# The patch grid's helpers (shared with other filtered layer kinds) live in
+# .patch_grid; importable from here as well.
+from .patch_grid import (AxisGeometry, IntPair, as_pair,  # noqa: F401
+                         check_radius, conv_geometry, filter_output_grad,
+                         pool_input_patches, resolve_padding,
+                         spread_to_input)
 
 
 def pooled_kernel(weight: Tensor, geo_h: AxisGeometry,
@@ -217,30 +58,6 @@ def pooled_kernel(weight: Tensor, geo_h: AxisGeometry,
     return weight.sum(dim=dims, keepdim=True) if dims else weight
 
 
-def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
-                    geo_w: AxisGeometry) -> Tensor:
-    """Broadcast each pooled cell over its input patch ``Q(P)`` (Eq. 3).
-
-    Written in two broadcasts, first along the width (a ``1/r`` sized
-    intermediate), then whole rows along the height: both copies have a
-    contiguous inner dimension, about twice as fast on CPU as one 6-D
-    expand. Pixels outside every ``Q(P)`` get 0.
-    """
-    grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed
-    if native.usable(grid):
-        return native.spread(grid, geo_h.in_size, geo_w.in_size,
-                             geo_h.input_patches, geo_w.input_patches)
-    n, c, ph, pw = grad_pooled.shape
-    ih, iw = geo_h.in_patch, geo_w.in_patch
-    rows = grad_pooled[..., None].expand(n, c, ph, pw, iw).reshape(
-        n, c, ph, 1, pw * iw)
-    spread = rows.expand(n, c, ph, ih, pw * iw).reshape(
-        n, c, ph * ih, pw * iw)
-    top, bottom = geo_h.input_pads
-    left, right = geo_w.input_pads
-    if top == bottom == left == right == 0:
-        return spread
-    return F.pad(spread, (-left, -right, -top, -bottom))
 
 
 def _pad_pooled(t: Tensor, geo_h: AxisGeometry, geo_w: AxisGeometry) -> Tensor:
@@ -384,19 +201,6 @@ def _autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
-def conv_geometry(x: Tensor, weight: Tensor, stride: Tuple[int, int],
-                  padding: Tuple[int, int], dilation: Tuple[int, int],
-                  radius: int) -> Tuple[AxisGeometry, AxisGeometry]:
-    """The patch geometry of ``F.conv2d(x, weight, ...)`` along H and W."""
-    geometry = []
-    for axis in (0, 1):
-        size, kernel = x.shape[2 + axis], weight.shape[2 + axis]
-        out = (size + 2 * padding[axis] - dilation[axis] *
-               (kernel - 1) - 1) // stride[axis] + 1
-        geometry.append(
-            AxisGeometry.of(size, out, kernel, stride[axis], padding[axis],
-                            dilation[axis], radius))
-    return geometry[0], geometry[1]
 
 
 class GradientFilterConv2dFunction(torch.autograd.Function):
@@ -492,30 +296,6 @@ def _stepwise_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
     return grad_x, grad_kernel, grad_b
 
 
-def resolve_padding(padding: Union[str, IntPair], kernel_size: Sequence[int],
-                    dilation: Sequence[int]) -> Tuple[Tuple[int, int],
-                                                      Optional[List[int]]]:
-    """Turn ``nn.Conv2d``'s padding into numbers the Function can use.
-
-    Returns ``(symmetric padding, extra F.pad or None)``: ``'same'`` with an
-    even total is symmetric; an odd total (even kernel) puts the extra pixel
-    after, as ``F.conv2d`` does, via an explicit ``F.pad``.
-    """
-    if not isinstance(padding, str):
-        return as_pair(padding), None
-    if padding == 'valid':
-        return (0, 0), None
-    if padding != 'same':
-        raise ValueError(f'unsupported padding {padding!r}')
-    pads, extra, asymmetric = [], [], False
-    for k, d in zip(kernel_size, dilation):
-        total = d * (k - 1)
-        pads.append(total // 2)
-        extra.append(total - 2 * (total // 2))
-        asymmetric |= bool(total % 2)
-    if not asymmetric:
-        return (pads[0], pads[1]), None
-    return (pads[0], pads[1]), [0, extra[1], 0, extra[0]]
 
 
 def gradient_filtered_conv2d(x: Tensor,

@@ -17,7 +17,7 @@ from mmengine.config import Config
 from ..accounting.format import format_table
 from ..analysis.model_cost import ModelCost, model_backward_cost
 from ..engine.build import build_segmentor
-from ..engine.selection import trace_convs
+from ..engine.layer_trace import trace_layers
 from .experiments import compose_config
 
 __all__ = [
@@ -130,7 +130,7 @@ def compare_with_table3(models: Sequence[str],
             # Layer selection does not depend on the size: select at a small
             # one, cost at the paper's.
             net = build_segmentor(cfg, input_size=(64, 64))
-            records = trace_convs(net, TABLE3_INPUT_SIZE, grad=True)
+            records = trace_layers(net, TABLE3_INPUT_SIZE, grad=True)
             ours = model_backward_cost(net, TABLE3_INPUT_SIZE,
                                        records=records)
             ref_op = model_backward_cost(net, TABLE3_INPUT_SIZE,

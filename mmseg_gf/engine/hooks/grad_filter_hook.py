@@ -28,7 +28,8 @@ from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
                       select_and_apply)
 from ..cpu_memory import keep_freed_cpu_memory
 from ..ddp import rewrap_ddp
-from ..selection import LayerChoice, trace_convs
+from ..layer_trace import trace_layers
+from ..selection import LayerChoice
 from ..state import get_state
 from ..surgery import get_gradient_filter_layers
 
@@ -184,7 +185,7 @@ class GradFilterHook(Hook):
         # that needs a gradient (they compute g_x; the others do not).
         needs = {
             r.path: r.input_requires_grad
-            for r in trace_convs(model, size, grad=True)
+            for r in trace_layers(model, size, grad=True)
         }
         state = get_state(model)
         runner.logger.info('\n' + chosen_layers_table(

@@ -1,7 +1,8 @@
 """``GradientQualityHook``: log how close filtered gradients are to exact.
 
-Every ``interval`` training iterations it records, for each ``GFConv2d`` of
-the model, the layer's input and the gradient arriving at its output, then
+Every ``interval`` training iterations it records, for each enabled
+filtered layer of the model (a layer kind's filtered module, e.g.
+``GFConv2d``), the layer's input and the gradient arriving at its output, then
 compares the filtered gradients with the exact ones (SNR and cosine of
 ``g_y``, ``g_x`` and ``g_W``, paper Section 4.1). Figures go to the message
 hub, hence to mmengine's logger and visualizer backends, as
@@ -13,9 +14,9 @@ from typing import Optional
 from mmengine.hooks import Hook
 from mmseg.registry import HOOKS
 
-from ...models import GFConv2d
+from ...models.layer_kinds import is_filtered, kind_of
 from ...models.segmentor import unwrap_model
-from ...ops.quality import capture_layer_io, layer_gradient_quality
+from ...ops.quality import capture_layer_io
 
 
 @HOOKS.register_module()
@@ -44,7 +45,7 @@ class GradientQualityHook(Hook):
     def _filtered_layers(runner):
         model = unwrap_model(runner.model)
         return [(name, module) for name, module in model.named_modules()
-                if isinstance(module, GFConv2d) and module.enabled]
+                if is_filtered(module) and module.enabled]
 
     def before_train_iter(self, runner, batch_idx, data_batch=None) -> None:
         if not self.every_n_train_iters(runner, self.interval):
@@ -63,8 +64,9 @@ class GradientQualityHook(Hook):
         for name, (x, grad_out) in self._records.items():
             if grad_out is None:
                 continue
-            quality = layer_gradient_quality(modules[name], x, grad_out,
-                                             modules[name].radius)
+            module = modules[name]
+            quality = kind_of(module).quality(module, x, grad_out,
+                                              module.radius)
             for key, value in vars(quality).items():
                 runner.message_hub.update_scalar(
                     f'gf_quality/{name}/{key}', value)

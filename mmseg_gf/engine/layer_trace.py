@@ -1,0 +1,354 @@
+"""The selection trace: which filterable layers a segmentor runs, in which
+order, and which of them a loss gradient reaches.
+
+"The last N layers" has to mean *forward execution order on the inference
+path*: module registration order lies (every mmseg head registers its
+classifier ``conv_seg`` first; UPerHead registers ``lateral_convs`` before
+the PPM ``bottleneck`` it runs earlier). So the segmentor is run once on a
+dummy input with forward hooks on every layer of a registered kind
+(:func:`~mmseg_gf.models.layer_kinds.layer_kinds`: ``nn.Conv2d``, ...),
+through mmseg's own ``encode_decode``: ``extract_feat``, then the decode
+head's ``predict`` (for a ``CascadeEncoderDecoder``: ``forward`` of every
+head but the last, each fed the previous head's output, then ``predict`` of
+the last one, e.g. PointRend's ``PointHead`` with its point subdivision).
+Its result, the segmentation logits, is *the output*. Auxiliary heads are
+run afterwards and marked: they are a training aid, not part of the network
+being finetuned.
+
+The trace records autograd's graph (every parameter temporarily requires a
+gradient; no activation is kept, as nothing is back-propagated), and a
+layer *feeds the output* when the node that computed its output is in the
+graph behind the output. Layers whose result is used under
+``torch.no_grad`` or detached drop out by themselves, without naming them:
+EMANet's ``decode_head.ema_mid_conv`` (which mmseg freezes on purpose; its
+output only drives the EM iterations, run without autograd), or DANet's
+side classifiers ``pam_conv_seg`` / ``cam_conv_seg``, which feed
+training-only losses as an auxiliary head does. Activation checkpointing
+(``with_cp``) is switched off during the trace, since a reentrant checkpoint
+runs its forward without autograd.
+
+What to do with the records (the last N, named paths, radii) is the
+selection's policy, :mod:`.selection`.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..models.layer_kinds import layer_kinds, traced_kind_of
+from ..models.segmentor import NORM_TYPES, unwrap_model
+
+__all__ = ['LayerRecord', 'ConvRecord', 'trace_layers', 'trace_convs',
+           'nested_tensors', 'head_list']
+
+
+@dataclass
+class LayerRecord:
+    """A layer of a registered kind seen during the trace (first call only).
+
+    Attributes:
+        path: dotted module path in the segmentor.
+        module: the layer module.
+        in_shape: input ``(C, H, W)``.
+        out_shape: output ``(C, H, W)``.
+        inference: True if it ran on the inference path (backbone, neck,
+            decode head); False for auxiliary heads.
+        input_requires_grad: whether its input needed a gradient (only
+            meaningful for a trace with ``grad=True``).
+        norm_path: the norm layer that consumed this layer's output
+            immediately after it, if any (``conv -> bn`` in a ConvModule or a
+            ResNet block); with ``train_norm=True`` it is trained too.
+        feeds_output: the output (the segmentation logits of the inference
+            path) depends on this layer's output through autograd, in any of
+            its calls: a gradient of the loss on the output reaches it.
+            None for a trace with ``grad=True`` (not determined there).
+        feeds_heads: some head output depends on it: the output, any output
+            of a decode head's ``forward`` (DANet's side classifiers) or of
+            an auxiliary head; False means no loss gradient reaches it.
+            None for a trace with ``grad=True``.
+        kind: its layer kind's name
+            (:class:`~mmseg_gf.models.layer_kinds.LayerKind`).
+        geometry: the kind's geometry of its first call (for the cost
+            model).
+    """
+
+    path: str
+    module: nn.Module
+    in_shape: Tuple[int, int, int]
+    out_shape: Tuple[int, int, int]
+    inference: bool = True
+    norm_path: Optional[str] = None
+    input_requires_grad: bool = False
+    feeds_output: Optional[bool] = None
+    feeds_heads: Optional[bool] = None
+    kind: str = 'conv2d'
+    geometry: Any = None
+
+
+#: :class:`LayerRecord` under its conv-only name, for callers using it.
+ConvRecord = LayerRecord
+
+
+def nested_tensors(obj) -> List[torch.Tensor]:
+    """The tensors in a (nested) head output: tensor, list, tuple, dict."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in nested_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in nested_tensors(o)]
+    return []
+
+
+def _capture(obj: nn.Module, name: str, sink: List) -> callable:
+    """Record every result of the method ``obj.<name>``, however called.
+
+    mmseg calls heads' ``forward`` directly (``decode_head.forward(x)``,
+    ``self.forward(...)`` inside ``predict``), which module forward hooks do
+    not see; an instance attribute shadowing the method does. Returns the
+    function that undoes it.
+    """
+    had = name in obj.__dict__
+    previous = obj.__dict__.get(name)
+    original = getattr(obj, name)
+
+    def method(*args, **kwargs):
+        out = original(*args, **kwargs)
+        sink.append(out)
+        return out
+
+    setattr(obj, name, method)
+
+    def restore():
+        if had:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
+
+    return restore
+
+
+def head_list(head) -> List[nn.Module]:
+    """A segmentor's head(s) as a list (a cascade's ``ModuleList``, one
+    head, or none)."""
+    if head is None:
+        return []
+    return list(head) if isinstance(head, nn.ModuleList) else [head]
+
+
+def _run_inference_path(model: nn.Module, x: torch.Tensor,
+                        aux_marker: List[bool]):
+    """mmseg's ``encode_decode``, then the auxiliary heads (marked).
+
+    The auxiliary heads get the features ``encode_decode`` extracted. A
+    model without ``encode_decode`` runs ``extract_feat`` and the decode
+    head(s') ``forward``, a cascade feeding each head the previous output.
+
+    Returns:
+        ``(output, side_outputs)``: the segmentation logits, and the
+        auxiliary heads' outputs.
+    """
+    h, w = x.shape[-2:]
+    feats: List = []
+    if hasattr(model, 'encode_decode'):
+        metas = [dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w))]
+        restore = _capture(model, 'extract_feat', feats)
+        try:
+            out = model.encode_decode(x, metas)
+        finally:
+            restore()
+    else:
+        feats.append(model.extract_feat(x))
+        heads = head_list(model.decode_head)
+        out = heads[0].forward(feats[0])
+        for head in heads[1:]:
+            out = head.forward(feats[0], out)
+    side = []
+    aux = head_list(getattr(model, 'auxiliary_head', None))
+    if aux:
+        aux_marker[0] = True
+        x_aux = feats[0] if feats else model.extract_feat(x)
+        for head in aux:
+            side.append(head.forward(x_aux))
+    return out, side
+
+
+def _graph_nodes(roots: Sequence[torch.Tensor], seen: set) -> set:
+    """Add to ``seen`` every autograd node behind ``roots``."""
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+def _drop_saved(tensor):
+    return None
+
+
+def _no_unpack(_):
+    raise RuntimeError('the selection trace keeps no activation for '
+                       'backward')
+
+
+def trace_layers(model: nn.Module,
+                input_size: Sequence[int] = (512, 512),
+                grad: bool = False) -> List[LayerRecord]:
+    """Run the segmentor once and list its layers of a registered kind in
+    execution order.
+
+    The model is run in eval mode (batch 1 is then safe for BN and pooling)
+    with autograd recording but no activation saved for backward (nothing
+    is back-propagated), and its training flags, parameters'
+    ``requires_grad`` and ``with_cp`` flags are restored afterwards, so the
+    trace changes no state (no BN statistics update).
+
+    Args:
+        model: an mmseg segmentor with ``extract_feat`` and ``decode_head``
+            (``EncoderDecoder`` or ``CascadeEncoderDecoder``; see the module
+            docstring for what is run).
+        input_size: ``(H, W)`` of the dummy input; shapes in the records are
+            at this size, so use the training crop.
+        grad: False (default): every parameter requires a gradient during
+            the trace, which records which layers feed the output
+            (``feeds_output``, ``feeds_heads``). True: the parameters keep
+            their own ``requires_grad``, to learn which layers receive an
+            input that needs a gradient (after surgery: which chosen layers
+            must compute ``g_x``; ``input_requires_grad``).
+
+    Returns:
+        One :class:`LayerRecord` per layer of a registered kind that ran
+        (every ``nn.Conv2d``, ...), first call order; inference-path layers
+        first, then auxiliary-head ones.
+    """
+    model = unwrap_model(model)
+    if not (hasattr(model, 'extract_feat') and hasattr(model, 'decode_head')):
+        raise ValueError(
+            'gradient filter layer selection needs an mmseg segmentor with '
+            f'extract_feat and decode_head, got {type(model).__name__}')
+    hooks = _LayerHooks(model, grad)
+    head_outputs: List = []
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device('cpu')
+    h, w = (int(v) for v in input_size)
+    with hooks.installed(), _captured_heads(model, head_outputs), \
+            _trace_state(model, grad), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(_drop_saved,
+                                                     _no_unpack):
+        out, side = _run_inference_path(
+            model, torch.zeros(1, 3, h, w, device=device), hooks.aux_marker)
+    if not grad:
+        behind_output = _graph_nodes(nested_tensors(out), set())
+        behind_heads = _graph_nodes(
+            nested_tensors(head_outputs) + nested_tensors(side),
+            set(behind_output))
+        for module, rec in hooks.records.items():
+            calls = hooks.nodes.get(module, [])
+            rec.feeds_output = any(n in behind_output for n in calls)
+            rec.feeds_heads = any(n in behind_heads for n in calls)
+    return list(hooks.records.values())
+
+
+class _LayerHooks:
+    """Forward hooks of the selection trace: a :class:`LayerRecord` per
+    layer of a registered kind (first call), the autograd node of every
+    call, and which norm layer directly consumes a layer's output."""
+
+    def __init__(self, model: nn.Module, grad: bool) -> None:
+        self.model = model
+        self.grad = grad
+        self.names = {m: n for n, m in model.named_modules()}
+        self.records: Dict[nn.Module, LayerRecord] = {}
+        self.nodes: Dict[nn.Module, list] = {}
+        self.aux_marker = [False]
+        self.last_layer: Optional[Tuple[LayerRecord, torch.Tensor]] = None
+
+    def layer_hook(self, module, inputs, output) -> None:
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            self.nodes.setdefault(module, []).append(output.grad_fn)
+        if module in self.records or not isinstance(output, torch.Tensor):
+            self.last_layer = None
+            return
+        kind = traced_kind_of(module)
+        rec = LayerRecord(self.names[module], module,
+                          tuple(inputs[0].shape[1:]), tuple(output.shape[1:]),
+                          not self.aux_marker[0],
+                          input_requires_grad=bool(self.grad)
+                          and inputs[0].requires_grad,
+                          kind=kind.name,
+                          geometry=kind.geometry(module, inputs, output))
+        self.records[module] = rec
+        self.last_layer = (rec, output)
+
+    def norm_hook(self, module, inputs, output) -> None:
+        # A norm "directly follows" a layer when it consumes that very
+        # tensor.
+        last = self.last_layer
+        if last is not None and inputs and inputs[0] is last[1] and \
+                last[0].norm_path is None:
+            last[0].norm_path = self.names[module]
+        self.last_layer = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        handles = []
+        traced = tuple(k.traced_type for k in layer_kinds())
+        for m in self.model.modules():
+            if isinstance(m, traced):
+                handles.append(m.register_forward_hook(self.layer_hook))
+            elif isinstance(m, NORM_TYPES):
+                handles.append(m.register_forward_hook(self.norm_hook))
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+@contextlib.contextmanager
+def _captured_heads(model: nn.Module, sink: List):
+    """Every decode head's ``forward`` results go to ``sink``."""
+    restores = [_capture(head, 'forward', sink)
+                for head in head_list(model.decode_head)]
+    try:
+        yield sink
+    finally:
+        for restore in restores:
+            restore()
+
+
+@contextlib.contextmanager
+def _trace_state(model: nn.Module, grad: bool):
+    """Eval mode, activation checkpointing off and (``grad=False``) every
+    parameter requiring a gradient for the block; all restored after."""
+    modes = {m: m.training for m in model.modules()}
+    checkpointed = [
+        m for m in model.modules() if getattr(m, 'with_cp', False) is True
+    ]
+    flags = {p: p.requires_grad for p in model.parameters()}
+    try:
+        model.eval()
+        for m in checkpointed:
+            m.with_cp = False
+        if not grad:
+            for p in flags:
+                p.requires_grad_(True)
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+        for m in checkpointed:
+            m.with_cp = True
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+
+
+
+
+#: :func:`trace_layers` under its conv-only name, for callers using it.
+trace_convs = trace_layers

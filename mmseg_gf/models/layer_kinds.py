@@ -1,0 +1,213 @@
+"""The kinds of layer gradient filtering can train, one description each.
+
+A :class:`LayerKind` says everything the rest of the plugin needs to know
+about a kind of layer: which module types the selection trace records
+(``traced_type``), which of them it can replace (``plain_types``), the
+filtered module that replaces them (``filtered_type``, built by ``wrap``,
+sharing the Parameters), and its geometry at one traced call
+(``geometry``), whose ``cost`` method gives the backward FLOPs and the bytes
+kept for backward at a radius (:class:`LayerGeometry`). Selection, surgery,
+the accounting (kept rules, profile, peak model, budget), the hooks and the
+tools go through :func:`layer_kinds` / :func:`kind_of` instead of naming
+``nn.Conv2d``. Each kind's math lives in :mod:`mmseg_gf.ops` (the conv's in
+``ops/gradient_filter.py``, its cost in ``ops/conv_cost.py``, the patch-grid
+helpers the kinds share in ``ops/patch_grid.py``) and its module in
+:mod:`mmseg_gf.models`.
+
+``Conv2d`` (:class:`~.gf_conv.GFConv2d`) is the first kind registered. A
+kind on tokens (e.g. ``nn.Linear`` on a token grid) registers the same way:
+its ``geometry`` reads the grid from the traced call and its cost is a
+1x1-kernel conv's on that grid.
+
+Why a module-level registry and not an mmengine ``Registry``: an mmengine
+registry builds objects from config dicts by name, which no kind needs
+(configs name the filtered *modules*, registered in ``MODELS`` by
+``models/__init__``); the kinds are code-level descriptions that callers
+iterate in a fixed order and look up by module type, and this module, like
+``gf_conv``, stays importable without the OpenMMLab stack.
+"""
+from dataclasses import dataclass
+from typing import (Callable, Dict, List, Optional, Protocol, Sequence,
+                    Tuple)
+
+from torch import Tensor, nn
+
+from ..ops.conv_cost import ConvBackwardCost, ConvGeometry
+from ..ops.quality import GradientQuality, layer_gradient_quality
+from .gf_conv import GFConv2d, with_mmcv_wrapper
+
+__all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
+           'layer_kinds', 'layer_kind', 'kind_of', 'traced_kind_of',
+           'is_filterable', 'is_filtered', 'filterable_names',
+           'traced_type_names']
+
+
+class LayerGeometry(Protocol):
+    """What a layer kind's geometry at one call provides.
+
+    Attributes:
+        in_shape, out_shape: ``(C, H, W)`` of its input and output on the
+            layer's grid (a conv's feature maps; a token layer's grid).
+    """
+
+    in_shape: Tuple[int, int, int]
+    out_shape: Tuple[int, int, int]
+
+    def cost(self, radius: int, batch: int = 1,
+             need_input_grad: bool = True, need_weight_grad: bool = True,
+             elem_bytes: int = 4,
+             collapse_dilated: bool = False) -> ConvBackwardCost:
+        """Backward FLOPs and bytes kept, exact and filtered at ``radius``."""
+
+    def describe(self) -> str:
+        """Its hyper-parameters in a table cell (a conv's ``k/s/d/g``)."""
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """A kind of layer that gradient filtering can train.
+
+    Attributes:
+        name: its name in tables and records (``'conv2d'``).
+        noun: what messages call one layer of it (``'conv'``).
+        traced_type: the selection trace records every instance of it
+            (subclasses too, so that a subclass with its own forward is
+            named in the error that refuses it).
+        plain_types: the exact classes whose forward the filtered module
+            computes (also behind a lean swap's ``_plain_class``).
+        filtered_type: the filtered module class.
+        wrap: ``(module, radius, enabled) -> filtered module`` sharing the
+            module's Parameters (so optimizers and ``state_dict`` stay
+            valid).
+        geometry: ``(module, inputs, output) -> LayerGeometry`` of one call
+            (``inputs``: its positional inputs, as a forward hook gets them).
+        quality: ``(module, x, grad_out, radius) -> GradientQuality``: the
+            filtered gradients against the exact ones at one call
+            (:mod:`mmseg_gf.ops.quality`).
+        allowed: the classes it accepts, for error messages.
+    """
+
+    name: str
+    noun: str
+    traced_type: type
+    plain_types: Tuple[type, ...]
+    filtered_type: type
+    wrap: Callable[[nn.Module, int, bool], nn.Module]
+    geometry: Callable[[nn.Module, Sequence, Tensor], LayerGeometry]
+    quality: Callable[[nn.Module, Tensor, Tensor, int], GradientQuality]
+    allowed: str
+
+    def is_filterable(self, module: nn.Module) -> bool:
+        """Whether this kind can filter ``module`` (plain or filtered)."""
+        plain = getattr(type(module), '_plain_class', type(module))
+        return plain in self.plain_types or isinstance(module,
+                                                       self.filtered_type)
+
+    def is_filtered(self, module: nn.Module) -> bool:
+        """Whether ``module`` is this kind's filtered module."""
+        return isinstance(module, self.filtered_type)
+
+    def set_filter(self, module: nn.Module, radius: int,
+                   enabled: bool) -> nn.Module:
+        """``module`` filtered at ``radius`` (``enabled=False``: the exact
+        backward): a filtered module is updated in place, a plain one
+        wrapped (:attr:`wrap`)."""
+        if self.is_filtered(module):
+            module.radius, module.enabled = radius, enabled
+            return module
+        return self.wrap(module, radius, enabled)
+
+
+_KINDS: Dict[str, LayerKind] = {}
+
+
+def register_layer_kind(kind: LayerKind) -> LayerKind:
+    """Add a kind (after those registered before it).
+
+    Raises:
+        ValueError: a kind of that name, or tracing the same type, exists.
+    """
+    for other in _KINDS.values():
+        if other.name == kind.name or other.traced_type is kind.traced_type:
+            raise ValueError(f'layer kind {kind.name!r} clashes with the '
+                             f'registered kind {other.name!r}')
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def layer_kinds() -> List[LayerKind]:
+    """The registered kinds, in registration order."""
+    return list(_KINDS.values())
+
+
+def layer_kind(name: str) -> LayerKind:
+    """The kind called ``name``.
+
+    Raises:
+        KeyError: no such kind (the message names the registered ones).
+    """
+    if name not in _KINDS:
+        raise KeyError(f'no layer kind {name!r}; registered: {list(_KINDS)}')
+    return _KINDS[name]
+
+
+def traced_kind_of(module: nn.Module) -> Optional[LayerKind]:
+    """The kind whose trace records ``module`` (filterable or not), or
+    None."""
+    for kind in _KINDS.values():
+        if isinstance(module, kind.traced_type):
+            return kind
+    return None
+
+
+def kind_of(module: nn.Module) -> Optional[LayerKind]:
+    """The kind that can filter ``module``, or None."""
+    kind = traced_kind_of(module)
+    return kind if kind is not None and kind.is_filterable(module) else None
+
+
+def is_filterable(module: nn.Module) -> bool:
+    """Whether some kind can filter ``module``."""
+    return kind_of(module) is not None
+
+
+def is_filtered(module: nn.Module) -> bool:
+    """Whether ``module`` is a kind's filtered module (enabled or not)."""
+    return any(k.is_filtered(module) for k in _KINDS.values())
+
+
+def traced_type_names() -> str:
+    """The traced types of every kind (``'nn.Conv2d'``), for messages."""
+    def name(t: type) -> str:
+        torch_nn = t.__module__.startswith('torch.nn')
+        return ('nn.' if torch_nn else '') + t.__name__
+    return ' or '.join(name(k.traced_type) for k in _KINDS.values())
+
+
+def filterable_names() -> str:
+    """What every kind accepts, for error messages."""
+    return '; '.join(k.allowed for k in _KINDS.values())
+
+
+def _conv_geometry(module: nn.Module, inputs: Sequence,
+                   output: Tensor) -> ConvGeometry:
+    return ConvGeometry.of(module, inputs[0].shape[1:], output.shape[1:])
+
+
+def _wrap_conv(module: nn.Module, radius: int, enabled: bool) -> GFConv2d:
+    return GFConv2d.from_conv(module, radius, enabled=enabled)
+
+
+#: ``nn.Conv2d`` (and mmcv's wrapper of it): the paper's layers.
+CONV2D = register_layer_kind(LayerKind(
+    name='conv2d',
+    noun='conv',
+    traced_type=nn.Conv2d,
+    plain_types=with_mmcv_wrapper(nn.Conv2d),
+    filtered_type=GFConv2d,
+    wrap=_wrap_conv,
+    geometry=_conv_geometry,
+    quality=layer_gradient_quality,
+    allowed='nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
+    'DeformConv, ConvTranspose)'))
+

@@ -1,0 +1,34 @@
+"""The layer-kind registry changed no output: for two cheap models, the
+GradFilterHook's tables, ``tools/analyze_cost.py``'s output and the
+budget's choices equal, to the character, the text recorded in
+``tests/golden/layer_kinds.txt`` by the code that named ``nn.Conv2d`` /
+``GFConv2d`` directly (``tests/layer_kinds_golden.py`` writes it; run as a
+script on all 18 models it is the full check, see its docstring)."""
+import os.path as osp
+
+import pytest
+import torch
+
+pytest.importorskip('mmseg')
+
+from tests.layer_kinds_golden import (REPO, golden_text,  # noqa: E402
+                                      split_golden)
+
+GOLDEN = osp.join(REPO, 'tests', 'golden', 'layer_kinds.txt')
+#: Two zoo families that take about 10 s each (their budgets included).
+CHEAP = ('family:segformer_b0', 'family:fast_scnn')
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize('name', CHEAP)
+def test_output_equals_the_recorded_text(name):
+    with open(GOLDEN) as f:
+        want = split_golden(f.read())[name]
+    assert golden_text([name])[name] == want
