@@ -42,7 +42,7 @@ import pickle
 import re
 import reprlib
 import sys
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 from mmengine.logging import HistoryBuffer
@@ -51,7 +51,8 @@ __all__ = [
     'RefusedCheckpointError', 'refusal', 'TRUST_FLAG', 'CheckedDtype',
     'CheckedArray', 'CheckedHistoryBuffer', 'rebuild_dtype',
     'make_rebuild_array', 'make_rebuild_scalar', 'checked_getattr',
-    'HISTORY_BUFFER_NAME', 'PLAIN_DTYPE_KINDS', 'ParentName'
+    'HISTORY_BUFFER_NAME', 'HISTORY_STATISTICS', 'PLAIN_DTYPE_KINDS',
+    'ParentName'
 ]
 
 #: The opt-in named in errors (tools/train.py and tools/test.py).
@@ -65,7 +66,8 @@ HISTORY_BUFFER_NAME = 'mmengine.logging.history_buffer.HistoryBuffer'
 PLAIN_DTYPE_KINDS = 'biufcSU'
 
 _DTYPE_SPEC = re.compile(r'[biufcSU][0-9]{1,6}\Z')
-_STATISTICS = ('min', 'max', 'current', 'mean')
+#: HistoryBuffer's default statistics, as its pickles name them.
+HISTORY_STATISTICS = ('min', 'max', 'current', 'mean')
 _HISTORY_KEYS = ('max_length', '_log_history', '_count_history',
                  'statistics_methods')
 _MULTIARRAY = importlib.import_module(
@@ -484,10 +486,10 @@ def checked_getattr(obj: Any, name: Any) -> Any:
     if type(name) is not str:
         raise refusal(f'getattr{_show((obj, name))}',
                       'an attribute that is not a name')
-    if obj is CheckedHistoryBuffer and name in _STATISTICS:
+    if obj is CheckedHistoryBuffer and name in HISTORY_STATISTICS:
         return f'HistoryBuffer.{name}'
-    if obj is HistoryBuffer and name in _STATISTICS:  # HistoryBuffer trusted
-        return getattr(HistoryBuffer, name)
+    if obj is HistoryBuffer and name in HISTORY_STATISTICS:
+        return getattr(HistoryBuffer, name)  # HistoryBuffer itself trusted
     path = f'{_path_of(obj)}.{name}'
     if path in TRUSTED_NESTED:
         return TRUSTED_NESTED[path]
@@ -503,8 +505,3 @@ def _refuse_attribute(path: str):
     raise refusal(path, 'an attribute the allowed types do not include '
                   '(a nested class or a function reached through getattr)',
                   importable_name(path))
-
-
-def statistics_names() -> Tuple[str, ...]:
-    """HistoryBuffer's statistics that :func:`checked_getattr` answers."""
-    return _STATISTICS

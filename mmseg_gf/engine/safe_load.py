@@ -40,7 +40,7 @@ import torch
 from mmengine.logging import HistoryBuffer
 
 from .checkpoint_data import (ALLOWED_NAMES, HISTORY_BUFFER_NAME,
-                              TRUST_FLAG, TRUSTED_NESTED,
+                              HISTORY_STATISTICS, TRUST_FLAG, TRUSTED_NESTED,
                               CheckedArray, CheckedDtype,
                               CheckedHistoryBuffer, ParentName,
                               RefusedCheckpointError, checked_getattr,
@@ -218,8 +218,7 @@ def _allowed_names() -> set:
     except ImportError:  # pragma: no cover (torch < 2.4)
         defaults = set()
     user = {_entry_name(e) for e in torch.serialization.get_safe_globals()}
-    nested = {f'{HISTORY_BUFFER_NAME}.{s}'
-              for s in ('min', 'max', 'current', 'mean')}
+    nested = {f'{HISTORY_BUFFER_NAME}.{s}' for s in HISTORY_STATISTICS}
     return defaults | user | nested | set(TRUSTED_NESTED)
 
 

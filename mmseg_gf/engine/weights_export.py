@@ -46,6 +46,9 @@ def plain_data(value: Any) -> Any:
     import numpy as np
     if value is None or type(value) in (bool, int, float, str, bytes):
         return value
+    for base in (int, float, str, bytes):  # a subclass: as its base
+        if isinstance(value, base):
+            return base(value)
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
@@ -106,9 +109,11 @@ def _meta(checkpoint: Any) -> Tuple[Dict[str, Any], List[str]]:
                 meta[key] = plain_data(source[key])
             except TypeError:
                 left_out.append(key)
-    meta.update(mmseg_version=mmseg.__version__,
-                mmengine_version=mmengine.__version__,
-                torch_version=torch.__version__)
+    # str(): torch.__version__ is a TorchVersion, a str subclass torch's
+    # allow-list does not name.
+    meta.update(mmseg_version=str(mmseg.__version__),
+                mmengine_version=str(mmengine.__version__),
+                torch_version=str(torch.__version__))
     return meta, left_out
 
 

@@ -15,7 +15,9 @@ def _source_model():
     """PSPNet-R18 as trained on a 19-class dataset, with an FCN auxiliary
     head (mmseg's Cityscapes configs)."""
     from mmengine.config import ConfigDict
+    from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS
+    init_default_scope('mmseg')
     cfg = copy.deepcopy(model_cfg('pspnet_r18'))
     cfg['decode_head']['num_classes'] = 19
     cfg['auxiliary_head'] = dict(
