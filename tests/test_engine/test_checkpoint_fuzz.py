@@ -4,9 +4,10 @@ Hundreds of crafted pickles, each loaded in a child process both by the
 plugin's loader and by plain ``torch.load(weights_only=True)`` after
 ``import mmseg_gf`` (what mmseg's own tools do with the plugin imported):
 
-* every name the plugin allow-lists, called (REDUCE), created (NEWOBJ),
-  given a state (BUILD), reached through ``getattr`` and passed to torch's
-  ``_rebuild_from_type_v2``, with hostile arguments drawn from a pool
+* every name the plugin allow-lists, and torch's own rebuild functions,
+  called (REDUCE), created (NEWOBJ), given a state (BUILD), reached through
+  ``getattr`` and passed to torch's ``_rebuild_from_type_v2``, with hostile
+  arguments drawn from a pool
   (object / void / datetime dtypes, hand-set dtype states, wrong byte
   counts, huge and negative sizes, HistoryBuffer states, payloads that
   would write a marker file if any code ran);
@@ -37,6 +38,17 @@ from tests.test_engine import _crafted_checkpoints as cc
 
 SEED = int(os.environ.get('MMSEG_GF_FUZZ_SEED', '20261126'))
 MARKER = '@MARKER@'
+#: torch's own allow-listed callables that rebuild data: fuzzed with the
+#: plugin's names, since their arguments can be the stand-ins' results.
+TORCH_NAMES = [
+    'torch._utils._rebuild_tensor_v2', 'torch._utils._rebuild_tensor',
+    'torch._utils._rebuild_parameter',
+    'torch._utils._rebuild_parameter_with_state',
+    'torch._utils._rebuild_device_tensor_from_numpy', 'torch.Size',
+    'torch.device', 'torch.FloatStorage', 'torch.serialization._get_layout',
+    'collections.OrderedDict', '_codecs.encode', 'builtins.bytearray',
+    'builtins.set', 'builtins.complex'
+]
 
 _HOSTILE_TEXT = ['O8', 'O', 'V8', 'M8[s]', 'f8', 'i4', 'U0', 'U3', 'S0',
                  'b1', '|O', 'f8,O', 'x' * 300, '', 'register_statistics',
@@ -87,7 +99,7 @@ class _Generator:
     def __init__(self, rng: random.Random):
         self.rng = rng
         self.leaves = _hostile_leaves()
-        self.names = _allowed_names() + [cc.REBUILD_FROM_TYPE]
+        self.names = _allowed_names() + [cc.REBUILD_FROM_TYPE] + TORCH_NAMES
 
     def value(self, depth: int = 0) -> bytes:
         rng = self.rng
@@ -182,8 +194,8 @@ def fuzz_files(tmp_path_factory):
     original = cc.data_pickle(reference)
     names = _allowed_names()
     bodies = []
-    for name in names + [cc.REBUILD_FROM_TYPE]:
-        bodies += [cc.pickle_of(generator.call(name)) for _ in range(20)]
+    for name in names + [cc.REBUILD_FROM_TYPE] + TORCH_NAMES:
+        bodies += [cc.pickle_of(generator.call(name)) for _ in range(16)]
     bodies += [cc.pickle_of(generator.value()) for _ in range(200)]
     bodies += [_mutate(rng, original, names) for _ in range(500)]
     paths = [reference]
@@ -199,7 +211,7 @@ def test_no_crafted_checkpoint_crashes_or_changes_the_process(fuzz_files,
                                                               loader):
     paths, marker = fuzz_files
     records = cc.load_in_child(paths, marker, loader=loader, timeout=300)
-    assert len(records) == len(paths) > 900
+    assert len(records) == len(paths) > 1000
     assert records[0]['outcome'] == 'data', records[0]  # the reference
     bad = [r for r in records
            if r['outcome'] not in ('refused', 'data') or r['marker']
