@@ -2,7 +2,8 @@
 
 Importing this package registers ``GradFilterModel`` (mmseg MODELS), the
 hooks of :mod:`.hooks` (``GradFilterHook``, ``CalibrationHook``,
-``GradientQualityHook``, ``ValMetricsRecorderHook``; mmseg HOOKS),
+``GradientQualityHook``, ``ValMetricsRecorderHook``, ``ExportWeightsHook``;
+mmseg HOOKS),
 ``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS) and
 ``CPUDistributedDataParallel`` (mmengine MODEL_WRAPPERS), and allows the
 data types of mmengine checkpoints in ``torch.load(weights_only=True)``

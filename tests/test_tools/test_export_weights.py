@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from mmseg_gf.engine.pickle_scan import checkpoint_pickle, names_in_pickle
 from mmseg_gf.engine.weights_export import plain_data
-from tests._engine_fixtures import build_model, model_cfg
+from tests._engine_fixtures import (build_model, make_tiny_voc, model_cfg,
+                                    run_training, runner_cfg)
 from tests._tools import load_tool
 
 CLASSES = ('background', 'road', 'car')
@@ -130,3 +132,26 @@ def test_export_refuses_what_is_not_plain(tmp_path):
     with pytest.raises(ValueError, match='holds no state dict'):
         load_tool('export_weights').main([path, str(tmp_path / 'out.pth')])
     assert not osp.exists(tmp_path / 'out.pth')
+
+
+def test_hook_exports_the_runs_last_checkpoint(tmp_path):
+    """``ExportWeightsHook`` after a real Runner's run: the last checkpoint
+    (dataset metainfo from PascalVOCDataset, message hub, optimizer) also
+    as ``iter_N_weights.pth``, naming nothing beyond torch's allow-list."""
+    from mmseg.datasets import PascalVOCDataset
+    from torch._weights_only_unpickler import _get_allowed_globals
+    voc = make_tiny_voc(str(tmp_path / 'data'), num_train=2, num_val=1)
+    cfg = runner_cfg(str(tmp_path / 'work'), voc, max_iters=1)
+    cfg['custom_hooks'] = [dict(type='ExportWeightsHook')]
+    runner = run_training(cfg)
+    exported = str(tmp_path / 'work' / 'iter_1_weights.pth')
+    assert set(names_in_pickle(checkpoint_pickle(exported))) <= set(
+        _get_allowed_globals())
+    saved = torch.load(exported, weights_only=True)
+    classes = PascalVOCDataset.METAINFO['classes']
+    assert tuple(saved['meta']['dataset_meta']['classes']) == classes
+    assert 'cfg' in saved['meta'] and 'message_hub' not in saved
+    state = runner.model.state_dict()
+    assert saved['state_dict'].keys() == state.keys()
+    assert all(torch.equal(saved['state_dict'][k], v)
+               for k, v in state.items())
