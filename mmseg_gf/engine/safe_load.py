@@ -95,9 +95,11 @@ def mmengine_checkpoint_types() -> List:
 
 
 def _entry_name(entry) -> str:
+    """The name an allow-list entry answers to (torch's rule)."""
     if isinstance(entry, tuple):
         return entry[1]
-    return f'{entry.__module__}.{entry.__qualname__}'
+    return (f'{getattr(entry, "__module__", None)}.'
+            f'{getattr(entry, "__qualname__", None)}')
 
 
 def _set_allowed(names_to_drop: Sequence[str], add: List) -> None:
