@@ -2,11 +2,12 @@
 
 Importing this package registers ``GradFilterModel`` (mmseg MODELS), the
 hooks of :mod:`.hooks` (``GradFilterHook``, ``CalibrationHook``,
-``GradientQualityHook``, ``ValMetricsRecorderHook``; mmseg HOOKS),
+``GradientQualityHook``, ``ValMetricsRecorderHook``, ``ExportWeightsHook``;
+mmseg HOOKS),
 ``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS) and
 ``CPUDistributedDataParallel`` (mmengine MODEL_WRAPPERS), and allows the
 data types of mmengine checkpoints in ``torch.load(weights_only=True)``
-(:mod:`.safe_load`).
+through stand-ins that check them (:mod:`.safe_load`).
 """
 from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config

@@ -7,15 +7,14 @@ error (used by GradFilterHook before training and by tools/test.py).
 import logging
 import os.path as osp
 import re
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from mmengine.logging import print_log
-from mmengine.runner import CheckpointLoader
 from torch import nn
 
-from .safe_load import explain_refused_checkpoints
+from .safe_load import load_checkpoint_file
 
-__all__ = ['check_checkpoint_matches', 'CLASSIFIER_KEYS']
+__all__ = ['check_checkpoint_matches', 'load_from_report', 'CLASSIFIER_KEYS']
 
 #: State-dict keys allowed to differ between a ``load_from`` checkpoint and
 #: the model being finetuned: the classifiers, whose shape follows the
@@ -27,6 +26,59 @@ def _listing(items: Sequence[str], limit: int = 8) -> str:
     shown = ', '.join(items[:limit])
     more = f', ... ({len(items) - limit} more)' if len(items) > limit else ''
     return f'[{shown}{more}]'
+
+
+def _by_module(keys: Sequence[str]) -> str:
+    """Every key, grouped by module: ``a.conv.{weight, bias}``."""
+    groups: Dict[str, List[str]] = {}
+    for key in keys:
+        module, _, leaf = key.rpartition('.')
+        groups.setdefault(module, []).append(leaf)
+    return ', '.join(
+        f'{m}.{leaves[0]}' if len(leaves) == 1 else
+        f'{m}.{{{", ".join(leaves)}}}' for m, leaves in groups.items())
+
+
+def _shape_mismatches(state: dict, own: dict) -> List[str]:
+    return [
+        k for k in own if k in state and hasattr(state[k], 'shape')
+        and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
+
+
+def _shape_text(keys: Sequence[str], state: dict, own: dict) -> List[str]:
+    return [f'{k}: checkpoint {tuple(state[k].shape)} vs model '
+            f'{tuple(own[k].shape)}' for k in keys]
+
+
+def load_from_report(setting: str, filename: str, shapes: Sequence[str],
+                     missing: Sequence[str],
+                     dropped: Sequence[str]) -> str:
+    """The warning for a checkpoint that differs in the allowed keys only.
+
+    Shape mismatches first (mmengine skips those keys: the model keeps its
+    initialisation), then the model keys the file lacks (also
+    re-initialised), then the file's keys the model has no place for
+    (dropped); every key is named, grouped by module.
+
+    Args:
+        setting: the config setting that named the file.
+        filename: the checkpoint.
+        shapes: ``'key: checkpoint (..) vs model (..)'`` lines.
+        missing: model keys not in the checkpoint.
+        dropped: checkpoint keys not in the model.
+    """
+    parts = []
+    if shapes:
+        parts.append('re-initialised, shapes differ: ' + '; '.join(shapes))
+    if missing:
+        parts.append('re-initialised, not in the checkpoint: '
+                     + _by_module(missing))
+    if dropped:
+        parts.append('dropped, not in the model: ' + _by_module(dropped))
+    return (f'{setting}: {filename!r} differs from the model in the '
+            f'classifiers only (the model keeps its initialisation where '
+            f'the checkpoint does not fit). ' + '. '.join(parts))
 
 
 def check_checkpoint_matches(model: nn.Module,
@@ -53,7 +105,10 @@ def check_checkpoint_matches(model: nn.Module,
 
     Raises:
         FileNotFoundError: ``filename`` is a local path that does not exist.
-        ValueError: the keys / shapes do not match, listing the mismatches.
+        RefusedCheckpointError: the file holds what a checkpoint may not
+            (see :mod:`.safe_load`).
+        ValueError: the keys / shapes do not match, listing the mismatches
+            (shape mismatches first, all of them).
     """
     if '://' in str(filename):
         return
@@ -61,30 +116,26 @@ def check_checkpoint_matches(model: nn.Module,
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
-    shapes = [
-        f'{k}: checkpoint {tuple(state[k].shape)} vs model '
-        f'{tuple(own[k].shape)}' for k in own
-        if k in state and hasattr(state[k], 'shape')
-        and tuple(state[k].shape) != tuple(own[k].shape)
-    ]
+    shapes = _shape_mismatches(state, own)
     missing, ok_missing = _split(missing, allowed)
     unexpected, ok_unexpected = _split(unexpected, allowed)
     shapes, ok_shapes = _split(shapes, allowed)
     if missing or unexpected or shapes:
+        differences = _mismatches(missing, unexpected,
+                                  _shape_text(shapes, state, own))
         raise ValueError(
             f'{setting}: checkpoint {filename!r} does not match the '
             f'{type(model).__name__} being trained (a checkpoint of a '
-            f'different model?): '
-            f'{_mismatches(missing, unexpected, shapes)}.'
+            f'different model?): {differences}.'
             f'{_ALLOWED_NOTE if allowed == CLASSIFIER_KEYS else ""} '
             'Expected: a checkpoint of this model config (or set '
             'GradFilterHook(check_load_from=False) to load it anyway)')
-    tolerated = ok_missing + ok_unexpected + ok_shapes
-    if tolerated:
+    if ok_missing or ok_unexpected or ok_shapes:
         print_log(
-            f'{setting}: {filename!r} differs from the model in the '
-            f'classifier only, which starts from its initialisation: '
-            f"{_listing(tolerated)}", logger=logger, level=logging.WARNING)
+            load_from_report(setting, filename,
+                             _shape_text(ok_shapes, state, own), ok_missing,
+                             ok_unexpected),
+            logger=logger, level=logging.WARNING)
 
 
 _ALLOWED_NOTE = (' Only the classifiers (decode_head.conv_seg, '
@@ -97,9 +148,7 @@ def _load_state_dict(filename: str, setting: str) -> dict:
         raise FileNotFoundError(
             f'{setting}: checkpoint file {filename!r} does not exist '
             '(allowed: an existing checkpoint file, a URL, or None)')
-    with explain_refused_checkpoints():
-        checkpoint = CheckpointLoader.load_checkpoint(filename,
-                                                      map_location='cpu')
+    checkpoint = load_checkpoint_file(filename, map_location='cpu')
     state = checkpoint.get('state_dict', checkpoint) if isinstance(
         checkpoint, dict) else None
     if not isinstance(state, dict):
@@ -118,13 +167,15 @@ def _split(keys: List[str], allowed: Optional[str]):
 
 def _mismatches(missing: List[str], unexpected: List[str],
                 shapes: List[str]) -> str:
+    """Shape mismatches first, all of them; then missing and unexpected
+    keys (the first few of each, with their count)."""
     parts = []
+    if shapes:
+        parts.append(f'{len(shapes)} shape mismatches [{", ".join(shapes)}]')
     if missing:
         parts.append(f'{len(missing)} model keys missing from it '
                      f'{_listing(missing)}')
     if unexpected:
         parts.append(f'{len(unexpected)} keys the model does not have '
                      f'{_listing(unexpected)}')
-    if shapes:
-        parts.append(f'{len(shapes)} shape mismatches {_listing(shapes)}')
     return '; '.join(parts)

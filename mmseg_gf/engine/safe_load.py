@@ -1,5 +1,5 @@
 """Checkpoints are loaded as data: torch's ``weights_only`` unpickler, with
-exactly the types mmengine checkpoints hold allowed.
+mmengine checkpoints' own types allowed through checking stand-ins.
 
 A checkpoint is a pickle, and a pickle can name any callable to run while it
 loads; ``load_from`` is often a URL of a model zoo. ``torch.load`` with
@@ -8,148 +8,342 @@ loads; ``load_from`` is often a URL of a model zoo. ``torch.load`` with
 containers and plain values only and refuses every other type. mmengine's
 own checkpoints hold a few more, all data:
 
-* ``meta.message_hub``: the logged scalars as mmengine ``HistoryBuffer``
+* ``message_hub``: the logged scalars as mmengine ``HistoryBuffer``
   objects (numpy arrays inside);
-* numpy arrays, scalars and their dtypes (logged values, ``meta`` entries
-  such as ``seed``-derived values and dataset metadata).
+* numpy arrays, scalars and their dtypes.
 
-:func:`allow_mmengine_checkpoints` puts those types on torch's allow-list
-(``torch.serialization.add_safe_globals``); importing :mod:`mmseg_gf.engine`
-calls it, so plain mmseg / mmengine checkpoints and this project's load with
+:func:`allow_mmengine_checkpoints` maps those names, on torch's allow-list
+(``torch.serialization.add_safe_globals``), to the stand-ins of
+:mod:`.checkpoint_data`, which check every argument and state before
+anything is built (plain numeric / bool / str dtypes, arrays and scalars of
+those with exactly their bytes, a HistoryBuffer restored from its data
+without touching the class); importing :mod:`mmseg_gf.engine` calls it, so
+plain mmseg / mmengine checkpoints and this project's load with
 ``weights_only=True`` through mmseg's own tools too. A checkpoint holding
-any other type fails; :func:`explain_refused_checkpoints` turns torch's
-error into one that names the type and the opt-in that trusts it
-(:func:`trust_checkpoint_types`, the tools' ``--trust-checkpoint-type``).
+any other type, or a value of these types that numpy / mmengine never
+write, is refused: :func:`check_checkpoint_types` names everything a file
+holds that is not allowed before loading it, and
+:func:`explain_refused_checkpoints` turns a refusal during a load into a
+:class:`RefusedCheckpointError`. Each names the ``--trust-checkpoint-type``
+value (:func:`trust_checkpoint_types`) that hands the name to its own
+code, for a file whose origin the user trusts.
 """
+import builtins
 import contextlib
 import importlib
 import pickle
 import re
-from typing import Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
 from mmengine.logging import HistoryBuffer
 
+from .checkpoint_data import (ALLOWED_NAMES, HISTORY_BUFFER_NAME,
+                              HISTORY_STATISTICS, TRUST_FLAG, TRUSTED_NESTED,
+                              CheckedArray, CheckedDtype,
+                              CheckedHistoryBuffer, ParentName,
+                              RefusedCheckpointError, checked_getattr,
+                              importable_name, make_rebuild_array,
+                              make_rebuild_scalar, rebuild_dtype, refusal)
+from .pickle_scan import checkpoint_pickle, names_in_pickle
+
 __all__ = [
     'mmengine_checkpoint_types', 'allow_mmengine_checkpoints',
     'trust_checkpoint_types', 'explain_refused_checkpoints',
-    'RefusedCheckpointError'
+    'check_checkpoint_types', 'load_checkpoint_file',
+    'RefusedCheckpointError', 'TRUST_FLAG'
 ]
 
-#: The opt-in named in errors (tools/train.py and tools/test.py).
-TRUST_FLAG = '--trust-checkpoint-type'
+_NUMPY_MODULES = ('numpy._core.multiarray', 'numpy.core.multiarray')
+#: numpy's pickling names (trusted together: see trust_checkpoint_types).
+_NUMPY_NAMES = frozenset(['numpy.dtype', 'numpy.ndarray'] + [
+    f'{m}.{f}' for m in _NUMPY_MODULES for f in ('_reconstruct', 'scalar')])
+#: Modules torch never loads from, allow-listed or not.
+_BLOCKED_MODULES = ('sys', 'os', 'posix', 'nt')
 
 
-class RefusedCheckpointError(pickle.UnpicklingError):
-    """A checkpoint holds a type that is not allowed to load."""
-
-
-def _numpy_globals() -> List:
-    """numpy's array, scalar and dtype constructors, under the names both
-    numpy 1 (``numpy.core``) and numpy 2 (``numpy._core``) pickle them."""
-    multiarray = importlib.import_module(
-        'numpy._core.multiarray' if hasattr(np, '_core') else
-        'numpy.core.multiarray')
-    out: List = [np.ndarray, np.dtype]
-    for name in ('_reconstruct', 'scalar'):
-        func = getattr(multiarray, name)
-        out += [func, (func, f'numpy.core.multiarray.{name}'),
-                (func, f'numpy._core.multiarray.{name}')]
-    dtypes = getattr(np, 'dtypes', None)
-    if dtypes is not None:  # numpy >= 1.25: one class per dtype
-        out += [getattr(dtypes, n) for n in dir(dtypes)
-                if n.endswith('DType') and isinstance(getattr(dtypes, n),
-                                                      type)]
+def _stand_ins() -> Dict[str, Any]:
+    """Name in a checkpoint -> the checking stand-in it resolves to."""
+    out: Dict[str, Any] = {
+        HISTORY_BUFFER_NAME: CheckedHistoryBuffer,
+        'builtins.getattr': checked_getattr,
+        'numpy.dtype': rebuild_dtype,
+        'numpy.ndarray': CheckedArray,
+        # BUILD hands a state only to allow-listed types: the holders
+        # rebuild_dtype / _reconstruct return. Their constructors refuse
+        # every call from a file.
+        'mmseg_gf.engine.checkpoint_data.CheckedDtype': CheckedDtype,
+        'mmseg_gf.engine.checkpoint_data.CheckedArray': CheckedArray,
+    }
+    for module in _NUMPY_MODULES:
+        out[f'{module}._reconstruct'] = make_rebuild_array(
+            f'{module}._reconstruct')
+        out[f'{module}.scalar'] = make_rebuild_scalar(f'{module}.scalar')
     return out
 
 
-def _history_buffer_attribute(obj, name: str):
-    """``getattr`` restricted to what a pickled HistoryBuffer names.
-
-    A HistoryBuffer pickles its ``statistics_methods`` (``min``, ``max``,
-    ``current``, ``mean`` and any registered one) as ``getattr(HistoryBuffer,
-    name)``; allowing Python's ``getattr`` itself would let a checkpoint reach
-    any attribute of any allowed object, so the pickled ``getattr`` resolves
-    to this function, which answers only for HistoryBuffer's functions.
-    """
-    value = getattr(obj, name, None) if obj is HistoryBuffer else None
-    if not callable(value) or name.startswith('_'):
-        raise pickle.UnpicklingError(
-            f'checkpoint refused: getattr({obj!r}, {name!r}) is not a '
-            'HistoryBuffer statistics method')
-    return value
+_STAND_INS = _stand_ins()
+for _name, _obj in _STAND_INS.items():
+    ALLOWED_NAMES.setdefault(id(_obj), _name)
 
 
 def mmengine_checkpoint_types() -> List:
     """What :func:`allow_mmengine_checkpoints` allows (see the module
     docstring), in ``add_safe_globals``'s format."""
-    return [HistoryBuffer,
-            (_history_buffer_attribute, 'builtins.getattr'),
-            (_history_buffer_attribute, '__builtin__.getattr'),
-            ] + _numpy_globals()
+    return [(obj, name) for name, obj in _STAND_INS.items()]
+
+
+def _entry_name(entry) -> str:
+    """The name an allow-list entry answers to (torch's rule)."""
+    if isinstance(entry, tuple):
+        return entry[1]
+    return (f'{getattr(entry, "__module__", None)}.'
+            f'{getattr(entry, "__qualname__", None)}')
+
+
+def _set_allowed(names_to_drop: Sequence[str], add: List) -> None:
+    """Remove the allow-list's entries for ``names_to_drop``, then add."""
+    drop = set(names_to_drop)
+    kept = [e for e in torch.serialization.get_safe_globals()
+            if _entry_name(e) not in drop]
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(kept + add)
 
 
 def allow_mmengine_checkpoints() -> None:
-    """Allow mmengine checkpoints' own types under ``weights_only=True``.
+    """Allow mmengine checkpoints' own types under ``weights_only=True``,
+    through the checking stand-ins of :mod:`.checkpoint_data`.
 
-    Idempotent. ``torch.load`` stays safe: only these data types are added.
+    Idempotent; a name the user trusted keeps its own object. Also
+    registers HistoryBuffer's four default statistics (what constructing
+    any HistoryBuffer does), so that restored buffers answer
+    ``statistics('mean')`` before the process makes a buffer of its own.
     """
-    torch.serialization.add_safe_globals(mmengine_checkpoint_types())
+    HistoryBuffer()
+    present = {_entry_name(e) for e in torch.serialization.get_safe_globals()}
+    torch.serialization.add_safe_globals(
+        [e for e in mmengine_checkpoint_types() if e[1] not in present])
 
 
 def _resolve(name: str):
-    module, _, attr = name.rpartition('.')
-    if not module:
-        raise ValueError(f'{TRUST_FLAG} {name!r}: give the full dotted '
-                         'name, e.g. mypackage.module.ClassName')
-    try:
-        obj = importlib.import_module(module)
-        for part in attr.split('.'):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
+    """The object a dotted name imports to (the longest importable module
+    prefix, then attributes: nested classes included)."""
+    if not isinstance(name, str) or '.' not in name.strip('.'):
         raise ValueError(
-            f'{TRUST_FLAG} {name!r}: no such importable name (allowed: the '
-            'dotted name of a class or function, as a refused checkpoint '
-            'names it)') from None
-    return obj
+            f'{TRUST_FLAG} {name!r}: give the full dotted name as a refused '
+            'checkpoint names it, e.g. mypackage.module.ClassName or '
+            'builtins.slice')
+    parts = name.split('.')
+    if parts[0] in _BLOCKED_MODULES:
+        raise ValueError(f'{TRUST_FLAG} {name!r}: torch never loads names '
+                         f'from the modules {", ".join(_BLOCKED_MODULES)}')
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module('.'.join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[i:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            break
+        return obj, '.'.join(parts[:i])
+    raise ValueError(
+        f'{TRUST_FLAG} {name!r}: no such importable name (allowed: the '
+        'dotted name of a class or function, as a refused checkpoint '
+        'names it)')
 
 
 def trust_checkpoint_types(names: Sequence[str]) -> None:
-    """Allow the given types (dotted names) in checkpoints, explicitly.
+    """Allow the given names (dotted, as a refusal prints them) in
+    checkpoints, explicitly.
 
-    Unpickling one of them runs its construction code: use it only for a
-    checkpoint whose origin you trust, and only for the types its refusal
-    named.
+    Unpickling one of them runs its own construction code: use it only for
+    a checkpoint whose origin you trust, and only for the names its refusal
+    printed. A name the plugin checks through a stand-in then resolves to
+    its own object: mmengine's ``HistoryBuffer`` (its ``__setstate__``
+    updates the class-wide statistics table), ``builtins.getattr``, and
+    numpy's pickling names, which work only together and are trusted as
+    one: any of ``numpy.dtype``, ``numpy.ndarray``, numpy's
+    ``_reconstruct`` / ``scalar`` hands all of them, and the dtypes'
+    ``__setstate__``, back to numpy. A nested class (``module.Outer.Inner``)
+    is trusted without its parent.
 
     Raises:
         ValueError: a name that does not import.
     """
-    objs = [(_resolve(n), n) for n in names]
-    torch.serialization.add_safe_globals(objs)
+    add: List = []
+    for name in names:
+        if name in _NUMPY_NAMES:
+            add += _numpy_own()
+            continue
+        obj, module = _resolve(name)
+        add.append((obj, name))
+        ALLOWED_NAMES[id(obj)] = name
+        qualname = name[len(module) + 1:]
+        if '.' in qualname:  # nested: pickled as getattr(parent, 'attr')
+            TRUSTED_NESTED[name] = obj
+            # The pickle's GLOBAL names the outermost class; getattr walks
+            # down from it (checked_getattr answers for trusted paths).
+            top = f'{module}.{qualname.split(".")[0]}'
+            present = {_entry_name(e)
+                       for e in torch.serialization.get_safe_globals()}
+            present.update(_entry_name(e) for e in add)
+            if top not in present:
+                add.append((ParentName(top), top))
+    _set_allowed([e[1] for e in add if isinstance(e, tuple)], add)
 
 
-_GLOBAL = re.compile(r'GLOBAL ([\w.]+)')
+def _numpy_own() -> List:
+    """numpy's own objects under its pickling names, and its dtype classes
+    (a pickled dtype gets its state by ``__setstate__``)."""
+    multiarray = importlib.import_module(_NUMPY_MODULES[0] if hasattr(
+        np, '_core') else _NUMPY_MODULES[1])
+    own: List = [(np.dtype, 'numpy.dtype'), (np.ndarray, 'numpy.ndarray')]
+    for module in _NUMPY_MODULES:
+        for func in ('_reconstruct', 'scalar'):
+            own.append((getattr(multiarray, func), f'{module}.{func}'))
+    dtypes = getattr(np, 'dtypes', None)
+    if dtypes is not None:  # numpy >= 1.25: one class per dtype
+        own += [getattr(dtypes, n) for n in dir(dtypes)
+                if n.endswith('DType')]
+    for obj, name in own[:2 + 2 * len(_NUMPY_MODULES)]:
+        ALLOWED_NAMES[id(obj)] = name
+    return own
+
+
+def _allowed_names() -> set:
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+        defaults = set(_get_allowed_globals())
+    except ImportError:  # pragma: no cover (torch < 2.4)
+        defaults = set()
+    user = {_entry_name(e) for e in torch.serialization.get_safe_globals()}
+    nested = {f'{HISTORY_BUFFER_NAME}.{s}' for s in HISTORY_STATISTICS}
+    return defaults | user | nested | set(TRUSTED_NESTED)
+
+
+def refused_names(filename: str) -> Optional[List[str]]:
+    """The names a checkpoint file uses that are not allowed, in order of
+    first use; None if the file is not in torch's zip format."""
+    data = checkpoint_pickle(filename)
+    if data is None:
+        return None
+    allowed = _allowed_names()
+    return [n for n in names_in_pickle(data) if n not in allowed]
+
+
+def _names_refusal(names: List[str]) -> RefusedCheckpointError:
+    """The error naming refused names, with the flag values that trust
+    them (none for names that do not exist or cannot be trusted)."""
+    trustable = [n for n in names if importable_name(n) is not None and
+                 n.split('.')[0] not in _BLOCKED_MODULES]
+    flags = ' '.join(f'{TRUST_FLAG} {n}' for n in trustable)
+    shown = ', '.join(names)
+    text = (f'checkpoint refused: it holds {shown}, which '
+            f'{"is" if len(names) == 1 else "are"} not among the data types '
+            'a checkpoint is allowed to hold (tensors, containers, plain '
+            'values, numpy arrays / scalars / dtypes of plain kinds and '
+            'mmengine\'s HistoryBuffer); loading it could run code.')
+    if trustable:
+        them = 'it' if len(names) == 1 else 'them'
+        text += (f' If you trust the file, allow {them} explicitly: '
+                 f'{flags} (tools/train.py, tools/test.py) or '
+                 'mmseg_gf.engine.safe_load.trust_checkpoint_types'
+                 f'({trustable!r})')
+    untrusted = [n for n in names if n not in trustable]
+    if untrusted:
+        text += (f' No trust flag allows {", ".join(untrusted)} (no such '
+                 'name, or a module torch never loads from)')
+    return RefusedCheckpointError(text)
+
+
+def check_checkpoint_types(filename: str) -> None:
+    """Refuse a checkpoint file before anything in it is built if it uses
+    names that are not allowed, naming all of them.
+
+    Files in torch's legacy (non-zip) format are left to the load itself.
+
+    Raises:
+        RefusedCheckpointError: the file uses names that are not allowed.
+    """
+    names = refused_names(filename)
+    if names:
+        raise _names_refusal(names)
+
+
+_OUR_REFUSAL = re.compile(r'checkpoint refused: [^\n]*')
+_TORCH_GLOBAL = re.compile(r'GLOBAL (\S+) was not an allowed global')
+
+
+def _torch_name(name: str) -> str:
+    """A name as torch's error prints it -> as the flag takes it (torch
+    strips ``builtins.``)."""
+    if '.' not in name and hasattr(builtins, name):
+        return f'builtins.{name}'
+    return name
 
 
 @contextlib.contextmanager
-def explain_refused_checkpoints() -> Iterator[None]:
-    """Re-raise torch's ``weights_only`` refusal as a
-    :class:`RefusedCheckpointError` naming the type and the opt-in."""
+def explain_refused_checkpoints(
+        filename: Optional[str] = None) -> Iterator[None]:
+    """Re-raise a ``weights_only`` refusal as a
+    :class:`RefusedCheckpointError` that names what the file holds and the
+    flag value that trusts it.
+
+    Args:
+        filename: the checkpoint loaded inside the block, if known: its
+            refused names are then read from the file, all of them, nested
+            classes by their full name.
+    """
     try:
         yield
-    except pickle.UnpicklingError as err:
-        if isinstance(err, RefusedCheckpointError) or \
-                'weights_only' not in str(err).lower():
+    except RefusedCheckpointError:
+        raise
+    except Exception as err:  # noqa: B902 (re-raised unless a refusal)
+        message = str(err)
+        if not (isinstance(err, pickle.UnpicklingError)
+                and 'weights only' in message.lower().replace('_', ' ')):
             raise
-        found = _GLOBAL.search(str(err))
-        name = found.group(1) if found else '(a type torch did not name)'
-        raise RefusedCheckpointError(
-            f'checkpoint refused: it holds {name}, which is not among the '
-            'data types a checkpoint is allowed to hold (tensors, '
-            'containers, plain values, numpy arrays and mmengine\'s '
-            'HistoryBuffer); loading it could run code. If you trust the '
-            f'file, allow that type explicitly: {TRUST_FLAG} {name} '
-            '(tools/train.py, tools/test.py) or '
-            'mmseg_gf.engine.safe_load.trust_checkpoint_types'
-            f'([{name!r}])') from err
+        ours = _OUR_REFUSAL.search(message)
+        if ours:
+            raise RefusedCheckpointError(ours.group(0)) from err
+        names = refused_names(filename) if filename else None
+        if not names:
+            found = _TORCH_GLOBAL.search(message)
+            names = [_torch_name(found.group(1))] if found else None
+        if names:
+            raise _names_refusal(names) from err
+        reason = message.rsplit('WeightsUnpickler error:', 1)[-1].strip()
+        reason = reason.splitlines()[0] if reason else message[:200]
+        raise refusal(
+            f"a pickle torch's weights_only unpickler refuses ({reason})",
+            'it is not a checkpoint of tensors and plain data') from err
+
+
+def load_checkpoint_file(filename: str, map_location: Any = 'cpu') -> Any:
+    """A local checkpoint file's content, loaded as data.
+
+    :func:`check_checkpoint_types` first; then ``torch.load(...,
+    weights_only=True)``, any failure inside it (a refused value, or a
+    pickle too damaged for the unpickler) raised as a
+    :class:`RefusedCheckpointError`.
+
+    Raises:
+        OSError: the file cannot be read.
+        RefusedCheckpointError: the file holds what is not allowed, or is
+            not a readable checkpoint.
+    """
+    check_checkpoint_types(filename)
+    with explain_refused_checkpoints(filename):
+        try:
+            return torch.load(filename, map_location=map_location,
+                              weights_only=True)
+        except (OSError, pickle.UnpicklingError):
+            raise
+        except Exception as err:  # noqa: B902 (any other: a damaged pickle)
+            raise refusal(
+                f'a pickle torch cannot rebuild ({type(err).__name__}: '
+                f'{str(err)[:200]})', 'it is not a checkpoint of tensors '
+                'and plain data') from err

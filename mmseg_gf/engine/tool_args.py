@@ -15,8 +15,8 @@ from mmengine.config import DictAction
 from .safe_load import TRUST_FLAG, trust_checkpoint_types
 
 __all__ = [
-    'add_common_args', 'apply_common_args', 'export_local_rank',
-    'write_json'
+    'add_common_args', 'add_trust_argument', 'apply_common_args',
+    'export_local_rank', 'write_json'
 ]
 
 
@@ -39,6 +39,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     # torch.distributed.launch passes --local-rank (torch >= 2.0) or
     # --local_rank (older).
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    add_trust_argument(parser)
+
+
+def add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    """``--trust-checkpoint-type``, repeatable, read into
+    ``args.trust_checkpoint_types``."""
     parser.add_argument(
         TRUST_FLAG,
         dest='trust_checkpoint_types',
@@ -47,8 +53,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         metavar='TYPE',
         help='allow this type (dotted name) in checkpoints; checkpoints are '
         'loaded with torch.load(weights_only=True), which refuses types '
-        'that are not data (their loading could run code). Give it only for '
-        'a file you trust, with the name its refusal printed; repeatable')
+        'that are not data (their loading could run code) through the '
+        "plugin's checks. Give it only for a file you trust, with the name "
+        'its refusal printed; repeatable')
 
 
 def apply_common_args(args: argparse.Namespace) -> None:

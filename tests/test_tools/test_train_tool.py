@@ -302,7 +302,7 @@ def test_checkpoint_check_rules(workspace, tmp_path):
     logger.addHandler(Collect(level=logging.WARNING))
     check_checkpoint_matches(model, save('classes.pth', classes),
                              logger=logger)
-    assert 'classifier only' in str(messages) and \
+    assert 'classifiers only' in str(messages) and \
         'decode_head.conv_seg.weight' in str(messages)
     renamed = {k.replace('backbone.', 'encoder.'): v
                for k, v in state.items()}
