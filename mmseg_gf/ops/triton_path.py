@@ -78,14 +78,16 @@ def set_enabled(flag: Optional[bool]) -> Optional[bool]:
 
 
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether this conv may take the Triton path: a non-empty contiguous
-    NCHW float input on CUDA (on CPU only under the interpreter), weight
-    and bias floating point on the same device. The caller checks that the
-    kernel collapses on both axes."""
+    """Whether this conv may take the Triton path: a non-empty float input
+    on CUDA (on CPU only under the interpreter), contiguous NCHW or
+    channels-last, weight and bias floating point on the same device. The
+    caller checks that the kernel collapses on both axes."""
     device = x.device.type
     return (_INSTALLED and (device == 'cuda' or (_ON_CPU and device == 'cpu'))
             and enabled() and x.dim() == 4 and x.numel() > 0
-            and weight.numel() > 0 and x.is_contiguous()
+            and weight.numel() > 0
+            and (x.is_contiguous()
+                 or x.is_contiguous(memory_format=torch.channels_last))
             and x.dtype in _FLOAT_TYPES and weight.dtype in _FLOAT_TYPES
             and weight.device == x.device
             and (bias is None or bias.dtype in _FLOAT_TYPES))
@@ -114,6 +116,30 @@ def _no_autocast(t: Tensor):
     if torch.is_autocast_enabled(t.device.type):
         return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def _tap_sums(weight: Tensor, acc: torch.dtype) -> Tensor:
+    """``W~``: the kernel summed over its taps, ``Co x Ci/groups`` in
+    ``acc``. One kernel launch at most: none for a ``1 x 1`` kernel in
+    ``acc`` already (a view), the cast fused into the sum otherwise."""
+    flat = weight.reshape(weight.shape[0], weight.shape[1], -1)
+    if flat.shape[2] == 1:
+        return flat[..., 0].to(acc)
+    return flat.sum(-1, dtype=acc)
+
+
+def _input_grad_buffer(grad_output: Tensor, channels: int, height: int,
+                       width: int, dtype: torch.dtype) -> Tensor:
+    """The uninitialised ``g_x`` the spread writes in full: channels-last
+    when ``g_y`` is (a channels-last network's gradients stay so), else
+    contiguous NCHW."""
+    fmt = (torch.channels_last if grad_output.dim() == 4
+           and not grad_output.is_contiguous()
+           and grad_output.is_contiguous(memory_format=torch.channels_last)
+           else torch.contiguous_format)
+    return torch.empty((grad_output.shape[0], channels, height, width),
+                       dtype=dtype, device=grad_output.device,
+                       memory_format=fmt)
 
 
 def _patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
@@ -174,8 +200,9 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
         if need_weight:
             pooled = input_pooled.to(acc)
             if co_g == 1 and ci_g == 1:  # depthwise: one dot per channel
-                grad_w = (means.reshape(co, cells) *
-                          pooled.reshape(co, cells)).sum(dim=1, keepdim=True)
+                grad_w = torch.bmm(means.reshape(co, 1, cells),
+                                   pooled.reshape(co, cells, 1)).reshape(
+                                       co, 1)
             else:
                 grad_w = torch.bmm(
                     means.reshape(groups, co_g, cells),
@@ -183,7 +210,7 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                 ).reshape(co, ci_g)
         if need_input:
             # W~ = sum of the taps; g_x~ = W~^T g~ per group, channel-major.
-            kernel = weight.to(acc).reshape(groups, co_g, ci_g, -1).sum(-1)
+            kernel = _tap_sums(weight, acc).reshape(groups, co_g, ci_g)
             if co_g == 1 and ci_g == 1:
                 grid = means * kernel.reshape(co, 1, 1, 1)
             else:
@@ -193,8 +220,8 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
             grid = grid.reshape(groups * ci_g, n, *means.shape[2:])
             grad_x = kernels.spread(
                 grid.permute(1, 0, 2, 3),
-                grad_output.new_empty((n, groups * ci_g, input_height,
-                                       input_width), dtype=input_dtype),
+                _input_grad_buffer(grad_output, groups * ci_g, input_height,
+                                   input_width, input_dtype),
                 tuple(rows), tuple(cols))
     return grad_x, grad_w, grad_b
 
@@ -213,9 +240,8 @@ def _(grad_output, input_pooled, weight, groups, scale, input_height,
     # Three distinct tensors: op outputs must not alias each other.
     grad_x, grad_w, grad_b = (_empty(grad_output) for _ in range(3))
     if need_input:
-        grad_x = grad_output.new_empty(
-            (grad_output.shape[0], groups * ci_g, input_height, input_width),
-            dtype=input_dtype)
+        grad_x = _input_grad_buffer(grad_output, groups * ci_g,
+                                    input_height, input_width, input_dtype)
     if need_weight:
         grad_w = grad_output.new_empty((co, ci_g), dtype=acc)
     if need_bias:
@@ -224,12 +250,22 @@ def _(grad_output, input_pooled, weight, groups, scale, input_height,
 
 
 def _call(op, impl, *args):
-    """Under ``torch.compile`` the registered op, which the compiler traces
-    with its fake implementation; in eager mode the implementation itself,
+    """Under ``torch.compile`` and on fake tensors (``FakeTensorMode``:
+    shape propagation, the suite's device checks) the registered op, whose
+    fake implementation runs; in eager mode the implementation itself,
     without the dispatcher's round trip back into Python."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _is_fake(args[0]):
         return op(*args)
     return impl(*args)
+
+
+def _is_fake(t: Tensor) -> bool:
+    """A ``FakeTensor`` (checked without importing its module for the plain
+    tensors of eager training)."""
+    if type(t) is Tensor:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
 
 
 class TritonFilteredConv2d(torch.autograd.Function):

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
+from tests._devices import needs_cuda
 from tests._tools import REPO  # noqa: E402
 
 ROOT = Path(REPO)
 TRITON = pytest.mark.skipif(
     not triton_path.installed(),
     reason='triton is not installed (requirements/tests.txt pins it)')
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason='no CUDA GPU on this machine')
+CUDA = needs_cuda
 
 
 def _run_cases(interpret: bool, *args: str) -> str:
@@ -50,6 +50,7 @@ def test_kernels_under_the_triton_interpreter():
 
 
 @TRITON
+@pytest.mark.cuda
 @CUDA
 def test_kernels_compiled_on_cuda():
     """The same cases on CUDA tensors, compiled (float16 autocast too)."""
@@ -58,6 +59,7 @@ def test_kernels_compiled_on_cuda():
 
 
 @TRITON
+@pytest.mark.cuda
 @CUDA
 def test_cuda_graphs_reduce_overhead_gives_eager_gradients():
     """``torch.compile(mode='reduce-overhead')``: inductor plus CUDA
@@ -87,7 +89,8 @@ def test_cuda_graphs_reduce_overhead_gives_eager_gradients():
 
 # (kernel, pointer dtypes, constexprs besides the tile sizes, geometry):
 # the forward's x sums (bfloat16, r = 4, stride 2), g_y means with the bias
-# partial sums (float16 g_y, r = 2 on a 160-wide map), float64 at r = 1, and
+# partial sums (float16 g_y, r = 2 on a 160-wide map; float32 channels-last
+# at r = 4), float64 at r = 1, and
 # the spread from a float32 grid into bfloat16 / float64 maps.
 SPECIALIZATIONS = {
     'x_sums_bf16': ('_patch_reduce', dict(src='bf16', dst='bf16',
@@ -102,6 +105,11 @@ SPECIALIZATIONS = {
                                                partial='fp64'),
                          dict(MEAN=True, PARTIAL=True, ACC='fp64'),
                          ((0, 1, 14), (0, 1, 14))),
+    # a channels-last g_y: programs numbered channel first
+    'gy_means_channels_last': ('_patch_reduce', dict(src='fp32', dst='fp32',
+                                                     partial='fp32'),
+                               dict(MEAN=True, PARTIAL=True, ACC='fp32'),
+                               ((0, 4, 30), (0, 4, 40), True)),
     'spread_bf16': ('_spread', dict(grid='fp32', out='bf16'), {}, (120, 160)),
     'spread_fp64': ('_spread', dict(grid='fp64', out='fp64'), {}, (14, 14)),
 }
