@@ -131,7 +131,9 @@ def test_other_ignore_index(kernel):
     assert torch.equal(got.hits, want['hits'])
 
 
-@pytest.mark.parametrize('kernel', PATHS)
+# Not on CUDA: there the check is a device-side assertion (no host sync),
+# which a CUDA context does not survive.
+@pytest.mark.parametrize('kernel', PATHS[:-1])
 def test_label_out_of_range_is_refused(kernel):
     logits, label, _ = _case((1, 3, 4, 4, 8, 8))
     label[0, 5, 5] = 3
