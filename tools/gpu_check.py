@@ -71,9 +71,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('--budget-s', type=float, default=450.0,
                    help='seconds for all stages together (default 450: '
                    'under 8 minutes with the set-up)')
-    p.add_argument('--test-workers', type=int, default=4,
-                   help='pytest-xdist workers for the CUDA tests (0: one '
-                   'process)')
+    p.add_argument('--test-workers', type=int, default=6,
+                   help='pytest-xdist workers for the CUDA tests, tests '
+                   'spread one by one (0: one process)')
     return p.parse_args(argv)
 
 
@@ -89,7 +89,7 @@ def stage_commands(args) -> Dict[str, List[dict]]:
     else:
         tests += ['tests', '-m', 'cuda']
     if args.test_workers > 0:
-        tests += ['-n', str(args.test_workers), '--dist', 'loadfile']
+        tests += ['-n', str(args.test_workers), '--dist', 'load']
     layer_runs = []
     batches = (1, ) if args.quick else (32, 8)
     dtypes = ('float32', ) if args.quick else ('float32', 'bfloat16')

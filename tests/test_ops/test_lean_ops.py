@@ -85,9 +85,10 @@ def test_pack_and_apply_on_cuda_equal_cpu(dtype, layout):
         bits_cuda = bit_mask.pack(x.cuda(), lo, hi, nan_bit, layout=layout)
         assert bits_cuda.is_cuda and torch.equal(bits_cuda.cpu(), bits)
         for off in (0.0, 0.1):
-            got = bit_mask.apply(g.cuda(), bits_cuda, off)
+            got = bit_mask.apply(g.cuda(), bits_cuda, off, layout)
             assert got.is_cuda
-            assert torch.equal(got.cpu(), bit_mask.apply(g, bits, off))
+            assert torch.equal(got.cpu(),
+                               bit_mask.apply(g, bits, off, layout))
 
 
 @pytest.mark.parametrize('name', sorted(ACTIVATIONS))

@@ -31,7 +31,8 @@ def _head(x, other, **resize):
     other = F.interpolate(other, size=up.shape[2:], mode='bilinear',
                           align_corners=False)
     both = torch.cat([other, up, other], 1)
-    weight = torch.arange(both.shape[1], dtype=x.dtype).view(1, -1, 1, 1)
+    weight = torch.arange(both.shape[1], dtype=x.dtype,
+                          device=x.device).view(1, -1, 1, 1)
     return (both * weight).sin().sum(), up
 
 
