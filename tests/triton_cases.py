@@ -23,7 +23,8 @@ from tests.gf_reference import reference_gradients
 
 INTERPRETED = os.environ.get('TRITON_INTERPRET', '0') == '1'
 if not triton_path.installed():
-    pytest.skip('triton is not installed', allow_module_level=True)
+    pytest.skip('triton >= 3.2 is not installed (triton_path.MIN_TRITON)',
+                allow_module_level=True)
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip('neither TRITON_INTERPRET=1 nor a CUDA GPU',
                 allow_module_level=True)

@@ -557,8 +557,8 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
 
     Three autograd nodes compute the same backward. The usual case (a
     kernel that collapses on both axes) takes a fused node where one
-    applies: on a contiguous NCHW CUDA input the Triton one
-    (:func:`triton_path.filtered_conv2d`; on an H100 the step-by-step
+    applies: on a CUDA input (contiguous NCHW or channels-last) the Triton
+    one (:func:`triton_path.filtered_conv2d`; on an H100 the step-by-step
     route's handful of small kernels was slower than cuDNN's exact
     backward);
     on a contiguous NCHW float CPU input with weight and bias of its dtype

@@ -1,8 +1,8 @@
 """The GPU path of the usual filtered conv: Triton kernels as torch ops.
 
 For a conv whose kernel collapses on both axes (every tap within one
-patch: all but the dilated convs), on a contiguous NCHW CUDA input, the
-filtered conv is :class:`TritonFilteredConv2d`:
+patch: all but the dilated convs), on a CUDA input stored contiguous NCHW
+or channels-last, the filtered conv is :class:`TritonFilteredConv2d`:
 
 * forward: ``F.conv2d`` (cuDNN) plus one Triton pass over ``x`` for its
   patch sums (only when the weight needs a gradient);
@@ -19,7 +19,14 @@ calls their implementations directly.) In eager mode the backward runs
 a few lines of Python (the Function, the op, the Triton launchers); Triton
 offers no launch from C++.
 
-Without triton installed, with ``MMSEG_GF_TRITON=0`` in the environment or
+Its backward launches the fewest kernels this design allows: the two
+Triton passes, the two GEMMs, and one small reduction each for the bias
+(its partial sums' total) and for a ``k x k`` kernel's taps when the
+input needs a gradient (``tests/triton_cases.py::
+test_backward_launch_count`` holds the count).
+
+Without triton (:data:`MIN_TRITON` or newer) installed, with
+``MMSEG_GF_TRITON=0`` in the environment or
 after :func:`set_enabled(False) <set_enabled>`, every CUDA conv takes the
 pure-PyTorch Function, which computes the same gradients. CPU tensors take
 this path only under triton's interpreter (``TRITON_INTERPRET=1`` set
@@ -27,8 +34,10 @@ before ``mmseg_gf`` is imported), which is how the kernels are tested on
 machines without a GPU.
 """
 import contextlib
+import importlib.metadata
 import importlib.util
 import os
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -38,14 +47,34 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     'installed', 'enabled', 'set_enabled', 'usable', 'filtered_conv2d',
-    'collapsed_backward', 'patch_sums', 'backward_calls'
+    'collapsed_backward', 'patch_sums', 'backward_calls', 'triton_version',
+    'MIN_TRITON'
 ]
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
+#: The oldest triton the kernels were tested with (the interpreter cases
+#: and an sm_90 compilation: 3.2 through 3.9, requirements/tests.txt); an
+#: older one leaves the path off.
+MIN_TRITON = (3, 2)
+
+
+def triton_version() -> Optional[Tuple[int, ...]]:
+    """The installed triton's ``(major, minor, patch)`` from its package
+    metadata (without importing it), None if it is not installed."""
+    if importlib.util.find_spec('triton') is None:
+        return None
+    try:
+        text = importlib.metadata.version('triton')
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(v) for v in re.findall(r'\d+', text)[:3])
+
+
 # Decided once, at import: dispatch must not import modules or read
 # triton's settings while torch.compile traces it.
-_INSTALLED = importlib.util.find_spec('triton') is not None
+_VERSION = triton_version()
+_INSTALLED = _VERSION is not None and _VERSION >= MIN_TRITON
 _ON_CPU = os.environ.get('TRITON_INTERPRET', '0').lower() in ('1', 'true',
                                                               'on', 'yes')
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -54,7 +83,7 @@ _calls = 0
 
 
 def installed() -> bool:
-    """True if triton can be imported."""
+    """True if triton (:data:`MIN_TRITON` or newer) is installed."""
     return _INSTALLED
 
 
