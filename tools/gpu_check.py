@@ -112,7 +112,8 @@ def stage_commands(args) -> Dict[str, List[dict]]:
     steps = [py, 'tools/benchmark_step.py', '--device', args.device,
              '--out-dir', steps_out]
     if args.quick:
-        steps += ['--models', STEP_MODELS[0], '--crop', '64', '--batch', '1', '--repeats', '1',
+        steps += ['--models', STEP_MODELS[0], '--crop', '64', '--batch',
+                  '1', '--repeats', '1',
                   '--warmup', '0', '--threads', '1', '--rows', 'inference',
                   'vanilla_last5:plain', 'gf_last5_r4:lean']
     else:

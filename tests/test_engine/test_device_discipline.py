@@ -18,14 +18,13 @@ import torch
 pytest.importorskip('mmseg')
 
 from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa: E402
+from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from tests._engine_fixtures import (SMALL_BATCH, SMALL_SIZE,  # noqa: E402
                                     build_model)
 from tests.test_engine.test_realtime_families import (  # noqa: E402
     SIZE, family_cfg)
-
-from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402,E501
 
 
 def _protocol_model():
