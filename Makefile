@@ -13,7 +13,10 @@ PYTEST_ARGS ?=
 # Test workers (pytest-xdist): one per core; 0 runs the suite in one process.
 TEST_WORKERS ?= auto
 
-.PHONY: venv native demo test bench clean
+# Where `make gpu-check` writes its results.
+OUT ?= work_dirs/gpu_check
+
+.PHONY: venv native demo test bench gpu-check clean
 
 venv: $(STAMP) $(NATIVE_STAMP)
 
@@ -49,6 +52,13 @@ test: venv
 
 bench: venv
 	$(BIN)/python tools/benchmark_layers.py
+
+# On a CUDA machine whose $(PYTHON) has the stack (torch, triton, mmcv,
+# mmseg: e.g. after `source .gpu/env.sh`); needs no .venv. About 8 min on
+# one H100: the CUDA tests, the layer and step benchmarks, at most 8 files
+# in $(OUT). Without CUDA it says so and stops (status 3).
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --out-dir $(OUT)
 
 clean:
 	rm -rf $(VENV) work_dirs/demo data/demo build mmseg_gf/_*.so

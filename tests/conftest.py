@@ -1,6 +1,8 @@
 """Shared pytest configuration."""
 import os
 
+import pytest
+
 
 def pytest_configure(config):
     # Multi-process tests (torchrun, gloo on CPU); deselect with -m "not ddp".
@@ -18,3 +20,21 @@ def _share_cores_between_workers():
         return
     import torch
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_on_cuda(request):
+    """CUDA tests compare float32 results with tolerances of float32
+    rounding: TF32 (on by default for cuDNN convolutions) stays off in
+    them, as the CPU computes."""
+    if request.node.get_closest_marker('cuda') is None:
+        yield
+        return
+    import torch
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    previous = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = previous

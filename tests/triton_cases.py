@@ -16,13 +16,15 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
 from tests.gf_reference import reference_gradients
 
 INTERPRETED = os.environ.get('TRITON_INTERPRET', '0') == '1'
 if not triton_path.installed():
-    pytest.skip('triton is not installed', allow_module_level=True)
+    pytest.skip('triton >= 3.2 is not installed (triton_path.MIN_TRITON)',
+                allow_module_level=True)
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip('neither TRITON_INTERPRET=1 nor a CUDA GPU',
                 allow_module_level=True)
@@ -247,3 +249,125 @@ def test_double_backward_raises():
     (gx, ) = torch.autograd.grad((out * out).sum(), (x, ), create_graph=True)
     with pytest.raises(RuntimeError, match='differentiate twice'):
         gx.sum().backward()
+
+
+# ----------------------------------------------------------------------------
+# Kernel launches of one filtered backward, and channels-last inputs
+
+
+class _LaunchCounter(TorchDispatchMode):
+    """What a GPU would launch: the Triton kernels (counted at their launch
+    sites in ``triton_kernels``) and every torch op that runs a kernel
+    (views and allocations do not). Ops run inside a Triton launch (the
+    interpreter's own copies) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.triton, self._inside = [], [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside and not func.is_view and \
+                func.overloadpacket.__name__ not in _NO_KERNEL:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def wrap(self, kernel, name):
+        counter = self
+
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    counter.triton.append(name)
+                    counter._inside += 1
+                    try:
+                        return kernel[grid](*args, **kwargs)
+                    finally:
+                        counter._inside -= 1
+                return launch
+        return Launcher()
+
+    @property
+    def total(self):
+        return len(self.ops) + len(self.triton)
+
+
+# Allocations and dtype arithmetic: no kernel.
+_NO_KERNEL = {'empty', 'empty_strided', 'new_empty', 'new_empty_strided',
+              'empty_like', 'detach', 'lift_fresh', 'promote_types',
+              'result_type'}
+
+
+def _count_backward(monkeypatch, x, w, b, stride, padding, groups, radius,
+                    need):
+    """Launches of one backward (``torch.autograd.grad``) of the Triton
+    path's conv; the forward runs outside the count."""
+    from mmseg_gf.ops import triton_kernels
+    leaves = [t.to(DEVICE).requires_grad_(flag) if t is not None else None
+              for t, flag in zip((x, w, b), need)]
+    out = gradient_filtered_conv2d(leaves[0], leaves[1], leaves[2], stride,
+                                   padding, 1, groups, radius)
+    grad_out = _randn_like(7)(out)
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    counter = _LaunchCounter()
+    for name in ('_patch_reduce', '_spread'):
+        monkeypatch.setattr(triton_kernels, name,
+                            counter.wrap(getattr(triton_kernels, name), name))
+    calls = triton_path.backward_calls()
+    with counter:
+        torch.autograd.grad(out, wanted, grad_out)
+    assert triton_path.backward_calls() == calls + 1
+    return counter
+
+
+# (kind, kernel, bias, need x / w / b) -> (Triton launches, torch kernels).
+# The fewest the design allows: one pass over g_y (patch means and the
+# bias's partial sums), the two products on the patch grid (cuBLAS), one
+# pass writing g_x; plus the bias's final sum and, for a k x k kernel whose
+# input needs a gradient, the sum of its taps (both on tiny tensors).
+LAUNCHES = {
+    ('dense', 1, False, (True, True, False)): (2, 2),
+    ('dense', 1, True, (True, True, True)): (2, 3),
+    ('dense', 3, True, (True, True, True)): (2, 4),
+    ('dense', 3, False, (False, True, False)): (1, 1),
+    ('dense', 3, False, (True, False, False)): (2, 2),
+    ('grouped', 3, True, (True, True, True)): (2, 4),
+    ('depthwise', 3, True, (True, True, True)): (2, 4),
+}
+
+
+@pytest.mark.parametrize('case', sorted(LAUNCHES), ids=str)
+def test_backward_launch_count(case, monkeypatch):
+    """One filtered conv's backward launches exactly :data:`LAUNCHES`'
+    kernels: the Triton passes, the GEMMs, the bias and tap sums, and no
+    cast, copy or contiguous of a full-size tensor."""
+    kind, kernel, bias, need = case
+    x, w, b, padding, groups = _tensors(2, kernel, kind, 2, torch.float32)
+    counter = _count_backward(monkeypatch, x, w, b if bias else None, 2,
+                              padding, groups, 2, need)
+    assert (len(counter.triton), len(counter.ops)) == LAUNCHES[case], (
+        counter.triton, counter.ops)
+
+
+@pytest.mark.parametrize('kind', sorted(CHANNELS))
+def test_channels_last_input_takes_the_triton_path(kind):
+    """A channels-last input and ``g_y`` take the Triton path (read in
+    place, programs ordered channel first), give the pure-PyTorch path's
+    gradients and return ``g_x`` channels-last."""
+    x, w, b, padding, groups = _tensors(2, 3, kind, 2, torch.float32)
+    last = torch.channels_last
+    x = x.contiguous(memory_format=last)
+
+    def grad_fn(out):
+        return _randn_like(5)(out).contiguous(memory_format=last)
+
+    calls = triton_path.backward_calls()
+    _, grad_out, got = _filtered(x, w, b, 2, padding, groups, 2, grad_fn)
+    assert triton_path.backward_calls() == calls + 1
+    assert grad_out.is_contiguous(memory_format=last)
+    assert got[0].is_contiguous(memory_format=last)
+    _, _, want = _pure_torch(x.contiguous(), w, b, 2, padding, groups, 2,
+                             lambda out: grad_out.cpu().contiguous(),
+                             (True, True, True))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-5,
+                                   atol=1e-6 * float(r.abs().max()))

@@ -19,7 +19,9 @@ a CUDA GPU is present (``--devices cpu cuda``; ``--device cuda`` for CUDA
 alone). On CUDA, cuDNN picks its fastest algorithms for vanilla
 (``torch.backends.cudnn.benchmark``, on unless ``--no-cudnn-benchmark``)
 and the filtered conv takes the Triton kernels where triton is installed
-(``--no-triton``: the step-by-step PyTorch route, for comparison)::
+(``--no-triton``: the step-by-step PyTorch route, for comparison). TF32
+follows torch's defaults unless ``--tf32`` / ``--no-tf32`` sets it; the
+setting used is recorded in ``layers.json``::
 
     python tools/benchmark_layers.py --device cuda --dtype bfloat16 \
         --out-dir work_dirs/benchmarks/layers_cuda_bf16
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import os.path as osp
+from typing import List, Optional
 
 import torch
 
@@ -42,7 +45,7 @@ DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
           'float16': torch.float16}
 
 
-def parse_args():
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--batch', type=int, default=8)
     parser.add_argument('--radii', type=int, nargs='+', default=[2, 4])
@@ -75,6 +78,10 @@ def parse_args():
     parser.add_argument(
         '--no-triton', action='store_true',
         help='filtered conv on CUDA without the Triton kernels')
+    parser.add_argument(
+        '--tf32', action=argparse.BooleanOptionalAction, default=None,
+        help='CUDA: allow TF32 in cuDNN convolutions and cuBLAS products '
+        '(default: torch\'s own defaults)')
     parser.add_argument('--threads', type=int, default=None,
                         help='torch CPU threads (default: torch\'s choice)')
     parser.add_argument(
@@ -83,11 +90,18 @@ def parse_args():
         'with gradient_filter reuse_cpu_memory=True): the backward\'s fresh '
         'outputs then skip the page faults of new memory, for both paths')
     parser.add_argument('--out-dir', default='work_dirs/benchmarks/layers')
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    unknown = set(args.devices or ()) - {'cpu', 'cuda'}
+    if unknown:
+        parser.error(f'--devices: {sorted(unknown)}; allowed: cpu, cuda')
+    if 'cuda' in (args.devices or ()) and not torch.cuda.is_available():
+        parser.error('--device cuda: no CUDA GPU is available to this '
+                     f'torch ({torch.__version__})')
+    return args
 
 
-def main():
-    args = parse_args()
+def main(argv: Optional[List[str]] = None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.reuse_cpu_memory:
@@ -99,6 +113,9 @@ def main():
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     if args.no_triton:
         triton_path.set_enabled(False)
+    if args.tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
     devices = args.devices or (['cpu', 'cuda']
                                if torch.cuda.is_available() else ['cpu'])
     if args.clock == 'thread' and (torch.get_num_threads() != 1
@@ -132,7 +149,9 @@ def main():
     if 'cuda' in devices:
         meta.update(gpu=torch.cuda.get_device_name(),
                     cudnn_benchmark=args.cudnn_benchmark,
-                    triton_kernels=triton_path.enabled())
+                    triton_kernels=triton_path.enabled(),
+                    tf32=dict(cudnn=torch.backends.cudnn.allow_tf32,
+                              matmul=torch.backends.cuda.matmul.allow_tf32))
     with open(osp.join(args.out_dir, 'layers.json'), 'w') as f:
         json.dump(dict(meta=meta, summary=summary,
                        rows=[r.as_dict() for r in rows]), f, indent=2)

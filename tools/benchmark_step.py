@@ -18,6 +18,9 @@ Examples::
     # the protocol's models (their own configs, the VOC classes)
     python tools/benchmark_step.py --models pspnet_r18 fcn_r18 \
         --crop 512 512 --batch 8 --out-dir work_dirs/benchmarks/steps
+    # on a CUDA GPU (times synchronised, peak = max_memory_allocated)
+    python tools/benchmark_step.py --models pspnet_r18 --device cuda \
+        --rows inference vanilla_last10:plain gf_last10_r4:lean
 """
 import argparse
 import os
@@ -85,6 +88,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('--no-memory', dest='memory', action='store_false',
                    help='time the rows only (no peak / saved bytes)')
     p.add_argument('--threads', type=int, default=None)
+    p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'],
+                   help="where the rows run ('cuda': the current CUDA "
+                   "device; TF32 as torch's defaults and --tf32 set it)")
+    p.add_argument('--tf32', action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help='CUDA: allow TF32 in cuDNN convolutions and cuBLAS '
+                   'matrix products (default: torch\'s own defaults, '
+                   'recorded in steps.json)')
     p.add_argument('--reuse-cpu-memory', action='store_true',
                    help='keep freed CPU memory for reuse, as training with '
                    'gradient_filter reuse_cpu_memory=True does (every row, '
@@ -119,6 +130,9 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f'--family-crop: {sorted(unknown)} not among --families')
     if args.batch < 1 or args.repeats < 0 or args.warmup < 0:
         p.error('--batch >= 1, --repeats >= 0 and --warmup >= 0')
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        p.error('--device cuda: no CUDA GPU is available to this torch '
+                f'({torch.__version__})')
 
 
 def _family_crop(name: str, args) -> Tuple[int, int]:
@@ -179,18 +193,27 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     if args.reuse_cpu_memory and not keep_freed_cpu_memory():
         raise SystemExit('--reuse-cpu-memory: the C library has no glibc '
                          'mallopt')
+    if args.device == 'cuda' and args.tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
     results = []
     for name, label, crop, rows in _jobs(args):
         result = benchmark_model(
             name, rows, crop, args.batch, args.repeats, args.warmup,
-            args.memory, label=label,
+            args.memory, label=label, device=args.device,
             progress=lambda msg, name=name: print(f'[{name}] {msg}',
                                                   flush=True))
         result['cpu'] = cpu_model()
         result['reuse_cpu_memory'] = cpu_memory_kept()
+        if args.device == 'cuda':
+            result['tf32'] = dict(
+                cudnn=torch.backends.cudnn.allow_tf32,
+                matmul=torch.backends.cuda.matmul.allow_tf32)
         results.append(result)
+        where = (f'{result["gpu"]}' if result['gpu'] else
+                 f'{result["threads"]} threads')
         print(f'\n{label}, crop {crop[0]}x{crop[1]}, batch {args.batch}, '
-              f'{result["threads"]} threads, torch {result["torch"]}; '
+              f'{where}, torch {result["torch"]}; '
               f'median of {args.repeats} steps'
               + ('; freed CPU memory reused' if result['reuse_cpu_memory']
                  else '')

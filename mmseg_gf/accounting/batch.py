@@ -10,7 +10,7 @@ from torch import nn
 
 from ..models.segmentor import set_frozen_norms_eval
 
-__all__ = ['random_batch', 'training_loss']
+__all__ = ['random_batch', 'training_loss', 'model_device']
 
 
 def random_batch(model: nn.Module,
@@ -53,6 +53,16 @@ def random_batch(model: nn.Module,
             dict(img_shape=(h, w), pad_shape=(h, w), ori_shape=(h, w)))
         samples.append(sample)
     return inputs, samples
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: its first parameter's (or buffer's)
+    device; the CPU for a model with neither."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device('cpu')
 
 
 def _label_edges(labels: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..models.segmentor import set_frozen_norms_eval
 from ..ops import kept_sources
-from .batch import random_batch
+from .batch import model_device, random_batch
 from .kept import SavedItem, StepSavedBytes, kept_by_call, measured_item
 from .measured import mark
 
@@ -464,7 +464,8 @@ def _traced_step(model: nn.Module, size: Sequence[int], batch: int
 
     tracer = StepTracer(model, on_call, on_pack=unmodelled.on_pack)
     with tracer.hooked():
-        tracer.step(random_batch(model, size, batch))
+        tracer.step(random_batch(model, size, batch,
+                                 device=model_device(model)))
     return items, unmodelled.by_owner()
 
 

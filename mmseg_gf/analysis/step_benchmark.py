@@ -19,6 +19,11 @@ A row's config is any mmseg config with the row's ``gradient_filter``
 setting (:func:`row_settings`, :func:`row_config`); ``tools/benchmark_step.py``
 composes the protocol models' rows from their strategy files instead.
 
+On CUDA (``device='cuda'``) every timed part ends with a synchronisation
+(the times are the GPU's, not the launches'), the peak is
+``torch.cuda.max_memory_allocated`` above what was allocated before the
+step, and the result names the GPU.
+
 Timed runs go round robin over the rows, so ratios hold under a changing
 machine load. Ratios are taken within the run: each row against inference,
 and each
@@ -131,7 +136,20 @@ def row_config(cfg, row: str, crop: Sequence[int]):
     return cfg
 
 
-def _predict_fn(model, inputs, samples):
+def _clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter`` after the device's queued work has finished
+    (CUDA runs asynchronously: a time read without a sync is a launch's)."""
+    if device.type != 'cuda':
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
+
+
+def _predict_fn(model, inputs, samples, clock):
     model.eval()
 
     def predict():
@@ -142,7 +160,7 @@ def _predict_fn(model, inputs, samples):
     return predict
 
 
-def _step_fn(model, inputs, samples):
+def _step_fn(model, inputs, samples, clock):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4)
 
@@ -150,11 +168,11 @@ def _step_fn(model, inputs, samples):
     # gradients (``set_to_none``), so that a step starts without them and
     # its measured peak holds every gradient it allocates.
     def step():
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = training_loss(model, inputs, samples)
-        t1 = time.perf_counter()
+        t1 = clock()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = clock()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return {'forward': t1 - t0, 'backward': t2 - t1}
@@ -162,10 +180,10 @@ def _step_fn(model, inputs, samples):
     return step
 
 
-def _timed(run) -> Dict[str, float]:
-    t0 = time.perf_counter()
-    parts = run()
-    total = time.perf_counter() - t0
+def _timed(row: '_Row') -> Dict[str, float]:
+    t0 = row.clock()
+    parts = row.run()
+    total = row.clock() - t0
     if not parts:  # inference: everything is forward
         return {'forward': total, 'backward': 0.0, 'step': total}
     return dict(parts, step=total)
@@ -179,7 +197,8 @@ def benchmark_model(model_name: str,
                     warmup: int = 1,
                     memory: bool = True,
                     progress: Optional[Callable[[str], None]] = None,
-                    label: Optional[str] = None) -> Dict:
+                    label: Optional[str] = None,
+                    device='cpu') -> Dict:
     """Measure ``rows`` of one model (see the module docstring).
 
     Every row's segmentor is built first; the timed runs then go round
@@ -200,20 +219,23 @@ def benchmark_model(model_name: str,
             a model whose memory rows are measured in another run).
         progress: called with a short message before each phase.
         label: the model's display name (default ``model_name``).
+        device: where the rows run (``'cpu'`` or ``'cuda'``).
 
     Returns:
         dict with ``model``, ``label``, ``crop``, ``batch``, ``threads``,
-        ``torch``, ``resident_bytes`` and ``peak_resident_bytes`` (the
+        ``torch``, ``device``, ``gpu`` (the CUDA device's name, else None),
+        ``resident_bytes`` and ``peak_resident_bytes`` (the
         process's resident memory after the timed steps, and the most it
         held until then; None without them or off Linux) and ``rows`` (one
         dict per row, in order, with the ratios filled in).
     """
     crop = tuple(int(v) for v in crop)
+    device = torch.device(device)
     say = progress or (lambda message: None)
     built = []
     for name, cfg in rows:
         say(f'build {name}')
-        built.append(_Row(name, cfg, crop, batch))
+        built.append(_Row(name, cfg, crop, batch, device))
     times = _time_round_robin(built, repeats, warmup, say)
     # what the process holds after the timed steps (all rows' models and
     # whatever malloc kept: engine.cpu_memory), and the most it held, before
@@ -233,6 +255,9 @@ def benchmark_model(model_name: str,
     return dict(model=model_name, label=label or model_name,
                 crop=list(crop), batch=int(batch),
                 threads=torch.get_num_threads(), torch=torch.__version__,
+                device=device.type,
+                gpu=(torch.cuda.get_device_name(device)
+                     if device.type == 'cuda' else None),
                 resident_bytes=resident, peak_resident_bytes=peak_resident,
                 rows=measured)
 
@@ -240,15 +265,19 @@ def benchmark_model(model_name: str,
 class _Row:
     """One row's segmentor, batch and the function that runs it."""
 
-    def __init__(self, name: str, cfg, crop, batch: int) -> None:
+    def __init__(self, name: str, cfg, crop, batch: int,
+                 device: torch.device = torch.device('cpu')) -> None:
         self.name = name
+        self.device = device
         self.strategy, self.lean = parse_row(name)
         torch.manual_seed(0)
-        self.model = build_segmentor(cfg)
+        self.model = build_segmentor(cfg).to(device)
         self.inputs, self.samples = random_batch(self.model, crop, batch,
+                                                 device=device,
                                                  label_block=16)
+        self.clock = _clock(device)
         make = _predict_fn if self.lean is None else _step_fn
-        self.run = make(self.model, self.inputs, self.samples)
+        self.run = make(self.model, self.inputs, self.samples, self.clock)
 
     def memory(self, crop, batch: int) -> Dict[str, Any]:
         """Peak and saved bytes (measured), and the analytic count for a
@@ -257,7 +286,8 @@ class _Row:
         # reordered weights, ~20 MiB on STDC1 at 512x512) that later steps
         # reuse; they are not the step's memory.
         self.run()
-        out: Dict[str, Any] = dict(peak_bytes=profiled_peak_bytes(self.run))
+        out: Dict[str, Any] = dict(
+            peak_bytes=profiled_peak_bytes(self.run, self.device))
         if self.lean is None:
             out.update(saved_bytes=0, trainable_params=0)
             return out
@@ -281,7 +311,7 @@ def _time_round_robin(built: Sequence[_Row], repeats: int, warmup: int,
     for i in range(warmup + repeats):
         say(f'{"warm-up" if i < warmup else "timed"} round {i + 1}')
         for k, row in enumerate(built):
-            parts = _timed(row.run)
+            parts = _timed(row)
             if i >= warmup:
                 for key, v in parts.items():
                     times[k].setdefault(key, []).append(v)

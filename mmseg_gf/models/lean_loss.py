@@ -30,7 +30,7 @@ here) and the same accuracy; only the sum over pixels is taken per image
 (in float64 on the softmax path) and then added, which rounds differently
 from one sum (relative differences ~1e-7).
 """
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -158,11 +158,11 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
             ignore_index: int, sigmoid: bool,
             weights: Optional[Tuple[float, ...]],
             sampled: Optional[Tensor]
-            ) -> Tuple[Tensor, Tensor, Tensor, Optional[float]]:
+            ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """The summed (class-weighted, ``sampled``-weighted) cross-entropy,
     its gradient, the hits and the labelled pixels' summed class weight
-    (None without class weights: mmseg's normaliser, which the sampler's
-    weights do not change), by
+    (a 0-d tensor on the device; None without class weights: mmseg's
+    normaliser, which the sampler's weights do not change), by
     :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`."""
     classes = None if weights is None else _class_weight_map(
         logits, label, ignore_index, weights)
@@ -173,7 +173,7 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
                                 sigmoid=sigmoid)
     total = out.loss.sum().to(torch.promote_types(logits.dtype,
                                                   torch.float32))
-    mass = None if classes is None else float(classes.sum())
+    mass = None if classes is None else classes.sum()
     return total, out.grad, out.hits.sum().float(), mass
 
 
@@ -197,12 +197,14 @@ def _sampled_pixels(logits: Tensor, label: Tensor, align_corners: bool,
         probability_selection(prob, valid, kept, thresh), 1.0)
 
 
-def _spec_value(total: Tensor, pixels: float, spec: LossSpec,
-                classes: int) -> Tuple[Tensor, float]:
+def _spec_value(total: Tensor, pixels: Union[int, Tensor], spec: LossSpec,
+                classes: int) -> Tuple[Tensor, Union[float, Tensor]]:
     """One spec's loss from the summed cross-entropy ``total`` and the
     factor of ``total`` in it. ``pixels``: mmseg's mean normaliser, the
     pixel count (a sigmoid loss has ``classes`` terms per pixel) or, with
-    class weights, the labelled pixels' summed class weight."""
+    class weights, the labelled pixels' summed class weight; a count of
+    the labels is a 0-d tensor on their device (reading it on the host
+    would wait for the device every step)."""
     _, weight, reduction, _, sigmoid, _ = spec
     if reduction == 'sum':
         return weight * total, weight
@@ -210,8 +212,8 @@ def _spec_value(total: Tensor, pixels: float, spec: LossSpec,
     return weight * (total / factor), weight / factor
 
 
-def _mean_normaliser(spec: LossSpec, valid: int, pixels: int,
-                     mass: Optional[float]) -> float:
+def _mean_normaliser(spec: LossSpec, valid: Tensor, pixels: int,
+                     mass: Optional[Tensor]) -> Union[int, Tensor]:
     """mmseg's ``avg_factor`` of a mean loss: with class weights the summed
     class weight of the labels (mmseg 1.2.2 raises an IndexError on an
     ignored pixel unless ``avg_non_ignore``; here they weigh 0), else the
@@ -233,7 +235,7 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
     :data:`SamplerSpec`, if any. Runs under the caller's autocast (the
     compiled kernel only without it)."""
     logits = logits.detach()
-    valid = int((label != ignore_index).sum())
+    valid = (label != ignore_index).sum()  # stays on the device: no sync
     sampled = None if sampler is None else _sampled_pixels(
         logits, label, align_corners, ignore_index, sampler)
     groups: Dict[Optional[Tuple[float, ...]], int] = {}

@@ -122,7 +122,7 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0,
 def _unpack_flat(bits: Tensor, shape) -> Tensor:
     numel = math.prod(shape)
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    keep = ((bits.unsqueeze(1) >> shifts) & 1).view(-1)[:numel]
+    keep = ((bits.unsqueeze(1) >> shifts) & 1).view(-1).narrow(0, 0, numel)
     return keep.view(shape).bool()
 
 

@@ -188,8 +188,8 @@ def pooled_conv_backward(
         list(dilation), False, [0, 0], groups,
         [need_input, need_weight, False])
     if grad_input is not None and (top or bottom or left or right):
-        grad_input = grad_input[:, :, top:top + geo_h.num_patches,
-                                left:left + geo_w.num_patches]
+        grad_input = grad_input.narrow(2, top, geo_h.num_patches).narrow(
+            3, left, geo_w.num_patches)
     return grad_input, grad_kernel
 
 
@@ -336,8 +336,8 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
 
     Three autograd nodes compute the same backward. The usual case (a
     kernel that collapses on both axes) takes a fused node where one
-    applies: on a contiguous NCHW CUDA input the Triton one
-    (:func:`triton_path.filtered_conv2d`; on an H100 the step-by-step
+    applies: on a CUDA input (contiguous NCHW or channels-last) the Triton
+    one (:func:`triton_path.filtered_conv2d`; on an H100 the step-by-step
     route's handful of small kernels was slower than cuDNN's exact
     backward);
     on a contiguous NCHW float CPU input with weight and bias of its dtype

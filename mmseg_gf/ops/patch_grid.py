@@ -182,7 +182,7 @@ def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
     else:
         counts_h = _patch_pixel_counts(geo_h, sums.device, acc_dtype)
         counts_w = _patch_pixel_counts(geo_w, sums.device, acc_dtype)
-        means = sums * (scale / (counts_h[:, None] * counts_w[None, :]))
+        means = sums * (scale / (counts_h.unsqueeze(1) * counts_w))
     return sums, means
 
 
@@ -195,13 +195,14 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
     contiguous inner dimension, about twice as fast on CPU as one 6-D
     expand. Pixels outside every ``Q(P)`` get 0.
     """
-    grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed
-    if native.usable(grid):
-        return native.spread(grid, geo_h.in_size, geo_w.in_size,
-                             geo_h.input_patches, geo_w.input_patches)
+    if grad_pooled.device.type == 'cpu':
+        grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed
+        if native.usable(grid):
+            return native.spread(grid, geo_h.in_size, geo_w.in_size,
+                                 geo_h.input_patches, geo_w.input_patches)
     n, c, ph, pw = grad_pooled.shape
     ih, iw = geo_h.in_patch, geo_w.in_patch
-    rows = grad_pooled[..., None].expand(n, c, ph, pw, iw).reshape(
+    rows = grad_pooled.unsqueeze(-1).expand(n, c, ph, pw, iw).reshape(
         n, c, ph, 1, pw * iw)
     spread = rows.expand(n, c, ph, ih, pw * iw).reshape(
         n, c, ph * ih, pw * iw)

@@ -87,9 +87,9 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
         return native.bilinear_backward(grad, result, align_corners, scales)
     backward = torch.ops.aten.upsample_bilinear2d_backward
     for i in range(grad.shape[0]):
-        backward.grad_input(grad[i:i + 1], out_size,
+        backward.grad_input(grad.narrow(0, i, 1), out_size,
                             [1] + list(input_size[1:]), align_corners,
-                            *scales, grad_input=result[i:i + 1])
+                            *scales, grad_input=result.narrow(0, i, 1))
     return result
 
 

@@ -160,7 +160,19 @@ def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
 
 def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
     """Raise ValueError on a label outside ``[0, classes)`` that is not
-    ``ignore_index``."""
+    ``ignore_index``.
+
+    On the CPU at once. On other devices without waiting for them (reading
+    a tensor's value on the host would stall every step): a device-side
+    assertion with the same message, as torch's own ``cross_entropy``
+    asserts on CUDA for a target out of range; it surfaces at the next
+    synchronisation, and a CUDA context does not survive it.
+    """
+    if target.device.type != 'cpu':
+        ok = ((target >= 0) & (target < classes)) | (target == ignore_index)
+        torch._assert_async(ok.all(), f'labels must lie in [0, {classes}) '
+                            f'or be ignore_index={ignore_index}')
+        return
     valid = target[target != ignore_index]
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= classes):
         raise ValueError(f'labels must lie in [0, {classes}) or be '
@@ -187,8 +199,9 @@ def _reference(logits: Tensor, label: Tensor, ignore_index: int,
                want_pixels: bool, sigmoid: bool) -> ResizedCrossEntropy:
     """The PyTorch path: one image's upsampled logits at a time."""
     n, classes = logits.shape[:2]
-    loss = torch.zeros(n, dtype=torch.float64)
-    hits = torch.zeros(n, dtype=torch.int64)
+    check_labels(label, classes, ignore_index)
+    loss = torch.zeros(n, dtype=torch.float64, device=logits.device)
+    hits = torch.zeros(n, dtype=torch.int64, device=logits.device)
     grad = torch.zeros_like(logits) if want_grad else None
     pixel_loss = target_prob = None
     if want_pixels:
@@ -196,7 +209,6 @@ def _reference(logits: Tensor, label: Tensor, ignore_index: int,
         target_prob = None if sigmoid else torch.zeros_like(pixel_loss)
     for i in range(n):
         target = label[i:i + 1]
-        check_labels(target, classes, ignore_index)
         valid = target != ignore_index
         w = valid.to(logits.dtype)
         if weight is not None:

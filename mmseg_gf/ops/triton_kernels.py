@@ -45,17 +45,26 @@ def _patch_reduce(src, dst, partial, channels, height, width,
                   col_start, col_size, col_count, scale,
                   MEAN: tl.constexpr, PARTIAL: tl.constexpr,
                   ACC: tl.constexpr, ROW_SIZE: tl.constexpr,
-                  COL_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+                  COL_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+                  CHANNELS_FAST: tl.constexpr):
     """One program per (image, channel, patch row): sums (or means) of the
     patches of that row, ``BLOCK_P`` patches per ``ROW_SIZE x BLOCK_P x
     COL_SIZE`` tile (sizes padded to powers of two, the padding masked).
-    Each map row of the tile is one contiguous run; pixels outside the map
-    count as 0."""
+    Each map row of the tile is one contiguous run of an NCHW map; pixels
+    outside the map count as 0. ``CHANNELS_FAST`` (a channels-last map,
+    whose rows are strided by the channel count) numbers the programs
+    channel first, so that programs running side by side read the
+    neighbouring channels of the same pixels."""
     pid = tl.program_id(0).to(tl.int64)  # int64: offsets of large maps
-    plane = pid // row_count
-    a = pid % row_count
-    n = plane // channels
-    c = plane % channels
+    if CHANNELS_FAST:
+        c = pid % channels
+        a = (pid // channels) % row_count
+        n = pid // (channels * row_count)
+    else:
+        plane = pid // row_count
+        a = pid % row_count
+        n = plane // channels
+        c = plane % channels
     src_plane = src + n * s_n + c * s_c
     dst_row = dst + n * d_n + c * d_c + a * d_h
     top = row_start + a * row_size
@@ -87,7 +96,8 @@ def _patch_reduce(src, dst, partial, channels, height, width,
         tl.store(dst_row + b * d_w, acc.to(dst.dtype.element_ty),
                  mask=b < col_count)
     if PARTIAL:
-        tl.store(partial + pid, tl.sum(total, axis=0))
+        tl.store(partial + (n * channels + c) * row_count + a,
+                 tl.sum(total, axis=0))
 
 
 @triton.jit
@@ -127,13 +137,16 @@ def _acc(dtype: torch.dtype):
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 
 
-def reduce_meta(rows: Patches, cols: Patches) -> dict:
-    """Tile sizes of :func:`_patch_reduce` for these patches."""
+def reduce_meta(rows: Patches, cols: Patches,
+                channels_fast: bool = False) -> dict:
+    """Tile sizes and program order of :func:`_patch_reduce` for these
+    patches (``channels_fast``: a channels-last source)."""
     row_size = triton.next_power_of_2(rows[1])
     col_size = triton.next_power_of_2(cols[1])
     block_p = max(1, min(triton.next_power_of_2(cols[2]),
                          _REDUCE_TILE // (row_size * col_size)))
-    return dict(ROW_SIZE=row_size, COL_SIZE=col_size, BLOCK_P=block_p)
+    return dict(ROW_SIZE=row_size, COL_SIZE=col_size, BLOCK_P=block_p,
+                CHANNELS_FAST=bool(channels_fast))
 
 
 def spread_meta(height: int, width: int) -> dict:
@@ -148,11 +161,12 @@ def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
             rows: Patches, cols: Patches, scale: float, mean: bool,
             acc: torch.dtype):
     n, c, height, width = src.shape
+    channels_fast = c > 1 and src.stride(1) == 1  # channels-last
     _patch_reduce[(n * c * rows[2], )](
         src, dst_nchw, dst_nchw if partial is None else partial, c, height,
         width, *src.stride(), *dst_nchw.stride(), *rows, *cols, scale,
         MEAN=mean, PARTIAL=partial is not None, ACC=_acc(acc),
-        **reduce_meta(rows, cols), **LAUNCH_OPTIONS)
+        **reduce_meta(rows, cols, channels_fast), **LAUNCH_OPTIONS)
 
 
 def patch_sums(x: Tensor, rows: Patches, cols: Patches) -> Tensor:

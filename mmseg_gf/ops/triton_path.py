@@ -1,8 +1,8 @@
 """The GPU path of the usual filtered conv: Triton kernels as torch ops.
 
 For a conv whose kernel collapses on both axes (every tap within one
-patch: all but the dilated convs), on a contiguous NCHW CUDA input, the
-filtered conv is :class:`TritonFilteredConv2d`:
+patch: all but the dilated convs), on a CUDA input stored contiguous NCHW
+or channels-last, the filtered conv is :class:`TritonFilteredConv2d`:
 
 * forward: ``F.conv2d`` (cuDNN) plus one Triton pass over ``x`` for its
   patch sums (only when the weight needs a gradient);
@@ -19,7 +19,14 @@ calls their implementations directly.) In eager mode the backward runs
 a few lines of Python (the Function, the op, the Triton launchers); Triton
 offers no launch from C++.
 
-Without triton installed, with ``MMSEG_GF_TRITON=0`` in the environment or
+Its backward launches the fewest kernels this design allows: the two
+Triton passes, the two GEMMs, and one small reduction each for the bias
+(its partial sums' total) and for a ``k x k`` kernel's taps when the
+input needs a gradient (``tests/triton_cases.py::
+test_backward_launch_count`` holds the count).
+
+Without triton (:data:`MIN_TRITON` or newer) installed, with
+``MMSEG_GF_TRITON=0`` in the environment or
 after :func:`set_enabled(False) <set_enabled>`, every CUDA conv takes the
 pure-PyTorch Function, which computes the same gradients. CPU tensors take
 this path only under triton's interpreter (``TRITON_INTERPRET=1`` set
@@ -27,8 +34,10 @@ before ``mmseg_gf`` is imported), which is how the kernels are tested on
 machines without a GPU.
 """
 import contextlib
+import importlib.metadata
 import importlib.util
 import os
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -38,14 +47,34 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     'installed', 'enabled', 'set_enabled', 'usable', 'filtered_conv2d',
-    'collapsed_backward', 'patch_sums', 'backward_calls'
+    'collapsed_backward', 'patch_sums', 'backward_calls', 'triton_version',
+    'MIN_TRITON'
 ]
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
+#: The oldest triton the kernels were tested with (the interpreter cases
+#: and an sm_90 compilation: 3.2 through 3.9, requirements/tests.txt); an
+#: older one leaves the path off.
+MIN_TRITON = (3, 2)
+
+
+def triton_version() -> Optional[Tuple[int, ...]]:
+    """The installed triton's ``(major, minor, patch)`` from its package
+    metadata (without importing it), None if it is not installed."""
+    if importlib.util.find_spec('triton') is None:
+        return None
+    try:
+        text = importlib.metadata.version('triton')
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(v) for v in re.findall(r'\d+', text)[:3])
+
+
 # Decided once, at import: dispatch must not import modules or read
 # triton's settings while torch.compile traces it.
-_INSTALLED = importlib.util.find_spec('triton') is not None
+_VERSION = triton_version()
+_INSTALLED = _VERSION is not None and _VERSION >= MIN_TRITON
 _ON_CPU = os.environ.get('TRITON_INTERPRET', '0').lower() in ('1', 'true',
                                                               'on', 'yes')
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -54,7 +83,7 @@ _calls = 0
 
 
 def installed() -> bool:
-    """True if triton can be imported."""
+    """True if triton (:data:`MIN_TRITON` or newer) is installed."""
     return _INSTALLED
 
 
@@ -78,14 +107,16 @@ def set_enabled(flag: Optional[bool]) -> Optional[bool]:
 
 
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether this conv may take the Triton path: a non-empty contiguous
-    NCHW float input on CUDA (on CPU only under the interpreter), weight
-    and bias floating point on the same device. The caller checks that the
-    kernel collapses on both axes."""
+    """Whether this conv may take the Triton path: a non-empty float input
+    on CUDA (on CPU only under the interpreter), contiguous NCHW or
+    channels-last, weight and bias floating point on the same device. The
+    caller checks that the kernel collapses on both axes."""
     device = x.device.type
     return (_INSTALLED and (device == 'cuda' or (_ON_CPU and device == 'cpu'))
             and enabled() and x.dim() == 4 and x.numel() > 0
-            and weight.numel() > 0 and x.is_contiguous()
+            and weight.numel() > 0
+            and (x.is_contiguous()
+                 or x.is_contiguous(memory_format=torch.channels_last))
             and x.dtype in _FLOAT_TYPES and weight.dtype in _FLOAT_TYPES
             and weight.device == x.device
             and (bias is None or bias.dtype in _FLOAT_TYPES))
@@ -114,6 +145,30 @@ def _no_autocast(t: Tensor):
     if torch.is_autocast_enabled(t.device.type):
         return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def _tap_sums(weight: Tensor, acc: torch.dtype) -> Tensor:
+    """``W~``: the kernel summed over its taps, ``Co x Ci/groups`` in
+    ``acc``. One kernel launch at most: none for a ``1 x 1`` kernel in
+    ``acc`` already (a view), the cast fused into the sum otherwise."""
+    flat = weight.reshape(weight.shape[0], weight.shape[1], -1)
+    if flat.shape[2] == 1:
+        return flat[..., 0].to(acc)
+    return flat.sum(-1, dtype=acc)
+
+
+def _input_grad_buffer(grad_output: Tensor, channels: int, height: int,
+                       width: int, dtype: torch.dtype) -> Tensor:
+    """The uninitialised ``g_x`` the spread writes in full: channels-last
+    when ``g_y`` is (a channels-last network's gradients stay so), else
+    contiguous NCHW."""
+    fmt = (torch.channels_last if grad_output.dim() == 4
+           and not grad_output.is_contiguous()
+           and grad_output.is_contiguous(memory_format=torch.channels_last)
+           else torch.contiguous_format)
+    return torch.empty((grad_output.shape[0], channels, height, width),
+                       dtype=dtype, device=grad_output.device,
+                       memory_format=fmt)
 
 
 def _patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
@@ -174,8 +229,9 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
         if need_weight:
             pooled = input_pooled.to(acc)
             if co_g == 1 and ci_g == 1:  # depthwise: one dot per channel
-                grad_w = (means.reshape(co, cells) *
-                          pooled.reshape(co, cells)).sum(dim=1, keepdim=True)
+                grad_w = torch.bmm(means.reshape(co, 1, cells),
+                                   pooled.reshape(co, cells, 1)).reshape(
+                                       co, 1)
             else:
                 grad_w = torch.bmm(
                     means.reshape(groups, co_g, cells),
@@ -183,7 +239,7 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                 ).reshape(co, ci_g)
         if need_input:
             # W~ = sum of the taps; g_x~ = W~^T g~ per group, channel-major.
-            kernel = weight.to(acc).reshape(groups, co_g, ci_g, -1).sum(-1)
+            kernel = _tap_sums(weight, acc).reshape(groups, co_g, ci_g)
             if co_g == 1 and ci_g == 1:
                 grid = means * kernel.reshape(co, 1, 1, 1)
             else:
@@ -193,8 +249,8 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
             grid = grid.reshape(groups * ci_g, n, *means.shape[2:])
             grad_x = kernels.spread(
                 grid.permute(1, 0, 2, 3),
-                grad_output.new_empty((n, groups * ci_g, input_height,
-                                       input_width), dtype=input_dtype),
+                _input_grad_buffer(grad_output, groups * ci_g, input_height,
+                                   input_width, input_dtype),
                 tuple(rows), tuple(cols))
     return grad_x, grad_w, grad_b
 
@@ -213,9 +269,8 @@ def _(grad_output, input_pooled, weight, groups, scale, input_height,
     # Three distinct tensors: op outputs must not alias each other.
     grad_x, grad_w, grad_b = (_empty(grad_output) for _ in range(3))
     if need_input:
-        grad_x = grad_output.new_empty(
-            (grad_output.shape[0], groups * ci_g, input_height, input_width),
-            dtype=input_dtype)
+        grad_x = _input_grad_buffer(grad_output, groups * ci_g,
+                                    input_height, input_width, input_dtype)
     if need_weight:
         grad_w = grad_output.new_empty((co, ci_g), dtype=acc)
     if need_bias:
@@ -224,12 +279,22 @@ def _(grad_output, input_pooled, weight, groups, scale, input_height,
 
 
 def _call(op, impl, *args):
-    """Under ``torch.compile`` the registered op, which the compiler traces
-    with its fake implementation; in eager mode the implementation itself,
+    """Under ``torch.compile`` and on fake tensors (``FakeTensorMode``:
+    shape propagation, the suite's device checks) the registered op, whose
+    fake implementation runs; in eager mode the implementation itself,
     without the dispatcher's round trip back into Python."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _is_fake(args[0]):
         return op(*args)
     return impl(*args)
+
+
+def _is_fake(t: Tensor) -> bool:
+    """A ``FakeTensor`` (checked without importing its module for the plain
+    tensors of eager training)."""
+    if type(t) is Tensor:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
 
 
 class TritonFilteredConv2d(torch.autograd.Function):

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip('mmseg')
 
+from tests._devices import DEVICES  # noqa: E402
 from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
                                     SMALL_SIZE, build_model)
 
@@ -149,11 +150,7 @@ def test_unmeetable_budget_names_the_cheapest_setting():
 PEAK_SIZE = (128, 128)
 
 
-@pytest.mark.parametrize('device', [
-    'cpu',
-    pytest.param('cuda', marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason='no CUDA GPU on this machine'))
-])
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('name', MODELS)
 def test_predicted_peak_holds_for_the_chosen_setting(name, device):
     """A peak budget: the chosen setting's measured step peak is within 10%

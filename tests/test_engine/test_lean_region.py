@@ -11,6 +11,7 @@ pytest.importorskip('mmseg')
 
 from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
                                     SMALL_SIZE, build_model)
+from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
 from tests._loss_checks import assert_same_loss_by_feat  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
@@ -39,12 +40,12 @@ def _calibrated(name):
     return model
 
 
-def _prepared(base, num_layers, mode, lean):
+def _prepared(base, num_layers, mode, lean, device='cpu'):
     model = copy.deepcopy(base)
     choices = select_layers(model, num_layers=num_layers, radius=4,
                             input_size=SIZE)
     apply_gradient_filter(model, choices, mode=mode, lean=lean)
-    return model
+    return model.to(device)
 
 
 def _step(model, inputs, samples):
@@ -61,20 +62,40 @@ def _step(model, inputs, samples):
 
 @pytest.mark.parametrize('name', MODELS)
 def test_lean_step_equals_plain_step(name):
+    _check_lean_step(name, (5, 10))
+
+
+@pytest.mark.parametrize('device_path', DEVICE_PATHS[1:])
+def test_lean_step_equals_plain_step_kernels_off_and_on_cuda(device_path):
+    """A protocol model's lean step on the path CUDA tensors take (the
+    compiled CPU kernels off) and on CUDA itself."""
+    with on_path(device_path) as device:
+        _check_lean_step('pspnet_r18', (5, ), device)
+
+
+def _check_lean_step(name, layer_counts, device='cpu'):
+    """Lean and ``lean=False`` steps of the last N convs of ``name`` on
+    ``device``: the same logits, loss and gradients."""
     base = _calibrated(name)
-    inputs, samples = random_batch(base, SIZE, BATCH, label_block=4)
+    inputs, samples = random_batch(base, SIZE, BATCH, device=device,
+                                   label_block=4)
     for i in range(2):  # an ignored band, so ignore_index is exercised
         samples[i].gt_sem_seg.data[:, :4] = 255
-    for num_layers in (5, 10):
+    for num_layers in layer_counts:
         for mode in ('gf', 'vanilla'):
-            plain = _prepared(base, num_layers, mode, lean=False)
-            lean = _prepared(base, num_layers, mode, lean=True)
+            plain = _prepared(base, num_layers, mode, False, device)
+            lean = _prepared(base, num_layers, mode, True, device)
             counts = lean_counts(lean)
             assert counts['norm'] > 0 and counts['activation'] > 0
             assert counts['loss'] == 1 and not lean_counts(plain)
             want, got = _step(plain, inputs, samples), _step(lean, inputs,
                                                              samples)
-            assert torch.equal(want[0], got[0]), 'forward differs'
+            assert got[0].device.type == device
+            if device == 'cpu':
+                assert torch.equal(want[0], got[0]), 'forward differs'
+            else:  # cuDNN may pick another algorithm for another layout
+                torch.testing.assert_close(got[0], want[0], rtol=1e-6,
+                                           atol=1e-6)
             torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
             assert want[2].keys() == got[2].keys()
             for key, g in want[2].items():

@@ -40,6 +40,7 @@ from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES,  # noqa: E402
                                  family_config, make_offline)
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
+from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
 
 pytestmark = pytest.mark.zoo
 
@@ -138,18 +139,37 @@ def check_terms(got, want, where):
 
 @pytest.mark.parametrize('name', list(REALTIME_FAMILIES))
 def test_lean_step_equals_plain_step(name):
+    check_lean_step(name)
+
+
+#: The family checked on the path CUDA tensors take and on CUDA: BiSeNetV2
+#: (ReLU, max-pool, frozen BN, bilinear resizes, auxiliary heads).
+DEVICE_FAMILY = 'bisenetv2'
+
+
+@pytest.mark.parametrize('device_path', DEVICE_PATHS[1:])
+def test_lean_step_equals_plain_step_kernels_off_and_on_cuda(device_path):
+    """A real-time family's lean step with the compiled CPU kernels off
+    (the path CUDA tensors take) and on CUDA."""
+    with on_path(device_path) as device:
+        check_lean_step(DEVICE_FAMILY, device, modes=('gf', ))
+
+
+def check_lean_step(name, device='cpu', modes=('vanilla', 'gf')):
+    """One family's lean and ``lean=False`` steps on ``device`` for each
+    mode: the same loss terms and gradients."""
     size = max(SIZE, REALTIME_FAMILIES[name].min_crop)
     cfg = family_cfg(name, size)
     plain = plain_model(cfg)
     inputs, samples = random_batch(plain, (size, size), BATCH,
-                                   label_block=4)
+                                   device=device, label_block=4)
     if not has_class_weights(cfg.model):
         for sample in samples:
             sample.gt_sem_seg.data[:, :4] = 255
-    for mode in ('vanilla', 'gf'):
-        reference = filtered_model(cfg, plain, mode, lean=False)
-        lean = filtered_model(cfg, plain, mode, lean=True)
-        where = f'{name} {mode}'
+    for mode in modes:
+        reference = filtered_model(cfg, plain, mode, lean=False).to(device)
+        lean = filtered_model(cfg, plain, mode, lean=True).to(device)
+        where = f'{name} {mode} {device}'
         trainable = {n for n, p in lean.named_parameters() if p.requires_grad}
         assert trainable == {n for n, p in reference.named_parameters()
                              if p.requires_grad}, where

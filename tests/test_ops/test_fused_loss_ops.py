@@ -9,6 +9,7 @@ from mmseg_gf.ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                                      LogitGradients,
                                      PrecomputedGradientLossFunction,
                                      loss_gradients)
+from tests._devices import DEVICES
 
 
 def _losses(*logits):
@@ -39,15 +40,16 @@ CONVS = [
 @pytest.mark.parametrize('conv', CONVS)
 @pytest.mark.parametrize('bias', [True, False])
 @pytest.mark.parametrize('layout', ['nchw', 'channels_last'])
-def test_fused_classifier_equals_autograd(conv, bias, layout):
+@pytest.mark.parametrize('device', DEVICES)
+def test_fused_classifier_equals_autograd(conv, bias, layout, device):
     c, k, kernel, stride, padding, dilation, groups, size = conv
     fmt = torch.channels_last if layout == 'channels_last' else \
         torch.contiguous_format
     gen = torch.Generator().manual_seed(0)
-    x0 = torch.randn((2, c) + size, generator=gen).contiguous(
+    x0 = torch.randn((2, c) + size, generator=gen).to(device).contiguous(
         memory_format=fmt)
     layer = torch.nn.Conv2d(c, k, kernel, stride, padding, dilation, groups,
-                            bias=bias).to(memory_format=fmt)
+                            bias=bias).to(device, memory_format=fmt)
     spec = ConvSpec.of(layer)
     scales = {'loss_a': 3.0, 'loss_b': 0.25}
     results = []
@@ -69,6 +71,7 @@ def test_fused_classifier_equals_autograd(conv, bias, layout):
         results.append((out, x.grad, [p.grad for p in layer.parameters()]))
     (want, want_x, want_p), (got, got_x, got_p) = results
     assert got_x.is_contiguous(memory_format=fmt)
+    assert got_x.device.type == device
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0)
     assert not got['metric'].requires_grad

@@ -9,18 +9,24 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import check_radius, gradient_filtered_conv2d
+from tests._devices import DEVICES
 from tests.gf_reference import exact_gradients, reference_gradients
 
 
 def _run_op(x, weight, bias, grad_out, stride, padding, dilation, groups,
-            radius):
-    x = x.detach().requires_grad_()
-    weight = weight.detach().requires_grad_()
-    bias = None if bias is None else bias.detach().requires_grad_()
+            radius, device='cpu'):
+    """Output and gradients of the filtered conv on ``device``, returned
+    on the CPU. (The kernels-off CPU path is checked against the compiled
+    one in ``test_gf_native.py``.)"""
+    x = x.detach().to(device).requires_grad_()
+    weight = weight.detach().to(device).requires_grad_()
+    bias = None if bias is None else bias.detach().to(device).requires_grad_()
     out = gradient_filtered_conv2d(x, weight, bias, stride, padding,
                                    dilation, groups, radius)
-    out.backward(grad_out)
-    return out, x.grad, weight.grad, None if bias is None else bias.grad
+    assert out.device.type == device
+    out.backward(grad_out.to(device, memory_format=torch.preserve_format))
+    return (out.cpu(), x.grad.cpu(), weight.grad.cpu(),
+            None if bias is None else bias.grad.cpu())
 
 
 def _conv_case(seed, n, cin, cout, size, k, s, d, groups, padding=None):
@@ -43,16 +49,19 @@ GRID = [
 ]
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('stride,kernel,dilation,groups,radius', GRID)
 def test_gradients_match_independent_reference(stride, kernel, dilation,
-                                               groups, radius):
+                                               groups, radius, device):
     cin = cout = 4
     g = 1 if groups == '1' else cin
     x, w, b, gy, s, p, d = _conv_case(stride * 100 + kernel * 10 + radius, 2,
                                       cin, cout, (13, 11), kernel, stride,
                                       dilation, g)
-    out, gx, gw, gb = _run_op(x, w, b, gy, s, p, d, g, radius)
-    assert torch.equal(out, F.conv2d(x, w, b, s, p, d, g))
+    out, gx, gw, gb = _run_op(x, w, b, gy, s, p, d, g, radius, device)
+    torch.testing.assert_close(out, F.conv2d(x, w, b, s, p, d, g),
+                               rtol=0 if device == 'cpu' else 1e-12,
+                               atol=0 if device == 'cpu' else 1e-12)
     ref_x, ref_w, ref_b = reference_gradients(x, w, gy, s, p, d, g, radius)
     torch.testing.assert_close(gx, ref_x, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gw, ref_w, rtol=1e-10, atol=1e-10)
@@ -62,10 +71,11 @@ def test_gradients_match_independent_reference(stride, kernel, dilation,
 @pytest.mark.parametrize('size,padding', [((1, 1), 1), ((2, 3), 3),
                                           ((3, 5), 0), ((9, 7), 0),
                                           ((9, 7), 3)])
-def test_unusual_padding_and_tiny_maps_match_reference(padding, size):
+@pytest.mark.parametrize('device', DEVICES)
+def test_unusual_padding_and_tiny_maps_match_reference(padding, size, device):
     x, w, b, gy, s, p, d = _conv_case(7, 2, 3, 5, size, 3, 1, 1, 1,
                                       padding=padding)
-    out, gx, gw, gb = _run_op(x, w, b, gy, s, p, d, 1, 4)
+    out, gx, gw, gb = _run_op(x, w, b, gy, s, p, d, 1, 4, device)
     ref_x, ref_w, ref_b = reference_gradients(x, w, gy, s, p, d, 1, 4)
     torch.testing.assert_close(gx, ref_x, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gw, ref_w, rtol=1e-10, atol=1e-10)
@@ -223,19 +233,22 @@ def test_frozen_weight_saves_nothing_of_x_and_skips_input_grad():
     assert x.grad.shape == x.shape
 
 
-def test_same_padding_even_kernel_and_channels_last():
+@pytest.mark.parametrize('device', DEVICES)
+def test_same_padding_even_kernel_and_channels_last(device):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, 12, 12, generator=gen)
     w = torch.randn(4, 4, 4, 4, generator=gen)
-    out = gradient_filtered_conv2d(x, w, None, 1, 'same', 1, 1, 2)
-    assert torch.equal(out, F.conv2d(x, w, None, 1, 'same'))
+    x_on, w_on = x.to(device), w.to(device)
+    out = gradient_filtered_conv2d(x_on, w_on, None, 1, 'same', 1, 1, 2)
+    assert torch.equal(out, F.conv2d(x_on, w_on, None, 1, 'same'))
 
     w3 = torch.randn(4, 4, 3, 3, generator=gen)
     gy = torch.randn(2, 4, 12, 12, generator=gen)
-    _, gx, gw, _ = _run_op(x, w3, None, gy, 1, 1, 1, 1, 2)
+    _, gx, gw, _ = _run_op(x, w3, None, gy, 1, 1, 1, 1, 2, device)
     _, gx_cl, gw_cl, _ = _run_op(
         x.contiguous(memory_format=torch.channels_last), w3, None,
-        gy.contiguous(memory_format=torch.channels_last), 1, 1, 1, 1, 2)
+        gy.contiguous(memory_format=torch.channels_last), 1, 1, 1, 1, 2,
+        device)
     torch.testing.assert_close(gx_cl, gx)
     torch.testing.assert_close(gw_cl, gw)
 
@@ -256,9 +269,10 @@ def test_bfloat16_autocast_matches_float32():
     torch.testing.assert_close(wb.grad, gw, rtol=2e-2, atol=5e-2)
 
 
-def test_nan_in_output_grad_propagates():
-    x = torch.randn(1, 2, 8, 8, requires_grad=True)
-    w = torch.randn(2, 2, 3, 3, requires_grad=True)
+@pytest.mark.parametrize('device', DEVICES)
+def test_nan_in_output_grad_propagates(device):
+    x = torch.randn(1, 2, 8, 8, device=device, requires_grad=True)
+    w = torch.randn(2, 2, 3, 3, device=device, requires_grad=True)
     out = gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 4)
     gy = torch.zeros_like(out)
     gy[0, 0, 1, 1] = float('nan')

@@ -5,8 +5,10 @@ import torch
 from mmseg_gf import GFConv2d
 from mmseg_gf.ops import gradient_filtered_conv2d
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason='no CUDA GPU on this machine')
+from tests._devices import needs_cuda
+
+CUDA = needs_cuda
+CUDA_MARKS = [pytest.mark.cuda, needs_cuda]
 
 
 def _grads(x, w, grad_out, **autocast):
@@ -50,6 +52,7 @@ def test_bfloat16_autocast_stated_tolerance():
     assert (bw - gw).abs().max() <= 0.02 * scale_w
 
 
+@pytest.mark.cuda
 @CUDA
 def test_cuda_float32_and_float16_autocast():
     x, w, g = _case('cuda')
@@ -80,6 +83,7 @@ def test_torch_compile_gives_the_same_gradients():
     torch.testing.assert_close(model[0].weight.grad, ref_w)
 
 
+@pytest.mark.cuda
 @CUDA
 def test_cuda_float64_matches_reference_over_the_grid():
     """Same grid as the CPU reference test, op on the GPU (float64)."""
@@ -106,7 +110,7 @@ from torch import nn  # noqa: E402
 
 from tests.gf_reference import reference_gradients  # noqa: E402
 
-DEVICES = ['cpu', pytest.param('cuda', marks=CUDA)]
+DEVICES = ['cpu', pytest.param('cuda', marks=CUDA_MARKS)]
 
 
 def _big_sum_case(dtype, device, low=0.0, gy_scale=1.0):
@@ -124,8 +128,8 @@ def _big_sum_case(dtype, device, low=0.0, gy_scale=1.0):
 
 @pytest.mark.parametrize('device,dtype', [
     ('cpu', torch.bfloat16), ('cpu', torch.float16),
-    pytest.param('cuda', torch.float16, marks=CUDA),
-    pytest.param('cuda', torch.bfloat16, marks=CUDA)
+    pytest.param('cuda', torch.float16, marks=CUDA_MARKS),
+    pytest.param('cuda', torch.bfloat16, marks=CUDA_MARKS)
 ])
 def test_autocast_accumulates_in_float32(device, dtype):
     """Reduced-precision activations and output gradients (what a layer

@@ -69,11 +69,8 @@ from torch import nn  # noqa: E402
 from mmseg_gf import GFConv2d  # noqa: E402
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
 
-DEVICES = [
-    'cpu',
-    pytest.param('cuda', marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason='no CUDA GPU on this machine'))
-]
+from tests._devices import DEVICES  # noqa: E402
+
 PADDING_MODES = ('zeros', 'reflect', 'replicate', 'circular')
 
 

@@ -13,18 +13,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
+from tests._devices import needs_cuda
 from tests._tools import REPO  # noqa: E402
 
 ROOT = Path(REPO)
+_TRITON_VERSION = triton_path.triton_version() or (0, )
+# triton < 3.7's interpreter reads a loop bound with int() of a 1-element
+# array, which numpy >= 2.4 refuses: an interpreter bug, not the kernels'.
+_INTERPRETER_NUMPY = _TRITON_VERSION >= (3, 7) or tuple(
+    int(v) for v in np.__version__.split('.')[:2]) < (2, 4)
+_MIN = '.'.join(map(str, triton_path.MIN_TRITON))
 TRITON = pytest.mark.skipif(
     not triton_path.installed(),
-    reason='triton is not installed (requirements/tests.txt pins it)')
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason='no CUDA GPU on this machine')
+    reason=f'triton >= {_MIN} is not installed (requirements/tests.txt '
+    'pins it)' + ('' if triton_path.triton_version() is None else
+                  f', found {triton_path.triton_version()}'))
+CUDA = needs_cuda
 
 
 def _run_cases(interpret: bool, *args: str) -> str:
@@ -43,6 +52,8 @@ def _run_cases(interpret: bool, *args: str) -> str:
 
 
 @TRITON
+@pytest.mark.skipif(not _INTERPRETER_NUMPY, reason='triton < 3.7\'s '
+                    'interpreter does not run with numpy >= 2.4')
 def test_kernels_under_the_triton_interpreter():
     """Every case of ``triton_cases.py`` on CPU tensors, interpreted."""
     report = _run_cases(True)
@@ -50,6 +61,7 @@ def test_kernels_under_the_triton_interpreter():
 
 
 @TRITON
+@pytest.mark.cuda
 @CUDA
 def test_kernels_compiled_on_cuda():
     """The same cases on CUDA tensors, compiled (float16 autocast too)."""
@@ -58,6 +70,7 @@ def test_kernels_compiled_on_cuda():
 
 
 @TRITON
+@pytest.mark.cuda
 @CUDA
 def test_cuda_graphs_reduce_overhead_gives_eager_gradients():
     """``torch.compile(mode='reduce-overhead')``: inductor plus CUDA
@@ -87,7 +100,8 @@ def test_cuda_graphs_reduce_overhead_gives_eager_gradients():
 
 # (kernel, pointer dtypes, constexprs besides the tile sizes, geometry):
 # the forward's x sums (bfloat16, r = 4, stride 2), g_y means with the bias
-# partial sums (float16 g_y, r = 2 on a 160-wide map), float64 at r = 1, and
+# partial sums (float16 g_y, r = 2 on a 160-wide map; float32 channels-last
+# at r = 4), float64 at r = 1, and
 # the spread from a float32 grid into bfloat16 / float64 maps.
 SPECIALIZATIONS = {
     'x_sums_bf16': ('_patch_reduce', dict(src='bf16', dst='bf16',
@@ -102,6 +116,11 @@ SPECIALIZATIONS = {
                                                partial='fp64'),
                          dict(MEAN=True, PARTIAL=True, ACC='fp64'),
                          ((0, 1, 14), (0, 1, 14))),
+    # a channels-last g_y: programs numbered channel first
+    'gy_means_channels_last': ('_patch_reduce', dict(src='fp32', dst='fp32',
+                                                     partial='fp32'),
+                               dict(MEAN=True, PARTIAL=True, ACC='fp32'),
+                               ((0, 4, 30), (0, 4, 40), True)),
     'spread_bf16': ('_spread', dict(grid='fp32', out='bf16'), {}, (120, 160)),
     'spread_fp64': ('_spread', dict(grid='fp64', out='fp64'), {}, (14, 14)),
 }
@@ -135,10 +154,14 @@ def test_kernels_compile_for_h100(spec):
               'fp32' if arg == 'scale' else 'i32')
         for arg in kernel.arg_names
     }
-    source = ASTSource(kernel, signature, {
-        (kernel.arg_names.index(arg), ): value
-        for arg, value in constexprs.items()
-    })
+    if _TRITON_VERSION >= (3, 3):
+        constants = {(kernel.arg_names.index(arg), ): value
+                     for arg, value in constexprs.items()}
+    else:  # keyed by name, the constexprs left out of the signature
+        constants = dict(constexprs)
+        signature = {arg: kind for arg, kind in signature.items()
+                     if kind != 'constexpr'}
+    source = ASTSource(kernel, signature, constants)
     compiled = triton.compile(source, target=GPUTarget('cuda', 90, 32),
                               options=triton_kernels.LAUNCH_OPTIONS)
     assert len(compiled.asm['cubin']) > 0
@@ -183,3 +206,16 @@ def test_package_runs_without_triton():
     proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr
+
+
+def test_triton_version_from_package_metadata(monkeypatch):
+    """The version that decides whether the path is on (>= MIN_TRITON) is
+    read from the package metadata, local and pre-release tags dropped."""
+    import importlib.metadata
+    import importlib.util
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name: object())
+    for text, want in (('3.6.0', (3, 6, 0)), ('3.2.0+git4f6f7b8', (3, 2, 0)),
+                       ('3.10.0rc1', (3, 10, 0))):
+        monkeypatch.setattr(importlib.metadata, 'version', lambda n, t=text: t)
+        assert triton_path.triton_version() == want
+    assert (3, 1, 9) < triton_path.MIN_TRITON <= (3, 2, 0)

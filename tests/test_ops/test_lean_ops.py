@@ -14,6 +14,7 @@ from torch import nn
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, make_lean, make_plain
 from mmseg_gf.ops import bit_mask
+from tests._devices import DEVICE_PATHS, DEVICES, needs_cuda, on_path
 
 ACTIVATIONS = {
     'relu': lambda inplace: nn.ReLU(inplace=inplace),
@@ -68,19 +69,44 @@ def test_pack_native_equals_fallback(numel, dtype, monkeypatch):
             assert torch.equal(a, b)
 
 
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize('layout', [torch.contiguous_format,
+                                    torch.channels_last])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_pack_and_apply_on_cuda_equal_cpu(dtype, layout):
+    """The PyTorch path on CUDA tensors writes the CPU's bytes and applies
+    them to the CPU's gradient."""
+    x = _special_values((2, 5, 3, 7), seed=3).to(dtype).contiguous(
+        memory_format=layout)
+    g = torch.randn(x.shape).to(dtype).contiguous(memory_format=layout)
+    for lo, hi, nan_bit in [(0.0, None, True), (-0.5, 0.7, False)]:
+        bits = bit_mask.pack(x, lo, hi, nan_bit, layout=layout)
+        bits_cuda = bit_mask.pack(x.cuda(), lo, hi, nan_bit, layout=layout)
+        assert bits_cuda.is_cuda and torch.equal(bits_cuda.cpu(), bits)
+        for off in (0.0, 0.1):
+            got = bit_mask.apply(g.cuda(), bits_cuda, off, layout)
+            assert got.is_cuda
+            assert torch.equal(got.cpu(),
+                               bit_mask.apply(g, bits, off, layout))
+
+
 @pytest.mark.parametrize('name', sorted(ACTIVATIONS))
 @pytest.mark.parametrize('inplace', [False, True])
-@pytest.mark.parametrize('native', [True, False])
-def test_activation_same_forward_and_grad(name, inplace, native,
-                                          monkeypatch):
-    if not native:
-        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+@pytest.mark.parametrize('device_path', DEVICE_PATHS)
+def test_activation_same_forward_and_grad(name, inplace, device_path):
+    with on_path(device_path) as device:
+        _check_activation(name, inplace, device)
+
+
+def _check_activation(name, inplace, device):
     plain = ACTIVATIONS[name](inplace)
     lean = ACTIVATIONS[name](inplace)
     assert make_lean(lean) == 'activation' and is_lean(lean)
     assert isinstance(lean, type(plain))
     x0 = _special_values((2, 3, 5, 7), seed=1)
-    outs, grads = zip(*run_both((plain, lean), x0, torch.randn(2, 3, 5, 7)))
+    outs, grads = zip(*run_both((plain, lean), x0, torch.randn(2, 3, 5, 7),
+                                device=device))
     assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
     assert torch.equal(outs[0].isnan(), outs[1].isnan())
     if name in ('relu6', 'hardtanh'):
@@ -90,20 +116,23 @@ def test_activation_same_forward_and_grad(name, inplace, native,
     assert torch.equal(grads[0].nan_to_num(), grads[1].nan_to_num())
 
 
-@pytest.mark.parametrize('native', [True, False])
+@pytest.mark.parametrize('device_path', DEVICE_PATHS)
 @pytest.mark.parametrize('name', ['relu', 'leaky'])
-def test_activation_of_channels_last_input_copies_nothing(name, native,
-                                                           monkeypatch):
+def test_activation_of_channels_last_input_copies_nothing(name, device_path):
     """A channels-last input (Segformer's maps, say) is masked in its own
     memory order: same gradient as autograd's, given back channels-last,
     and neither pass copies the map."""
-    if not native:
-        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    with on_path(device_path) as device:
+        _check_channels_last_activation(name, device)
+
+
+def _check_channels_last_activation(name, device):
     plain, lean = ACTIVATIONS[name](False), ACTIVATIONS[name](False)
     make_lean(lean)
     x0 = _special_values((2, 6, 5, 7), seed=2).contiguous(
-        memory_format=torch.channels_last)
-    g = torch.randn(2, 6, 5, 7).contiguous(memory_format=torch.channels_last)
+        memory_format=torch.channels_last).to(device)
+    g = torch.randn(2, 6, 5, 7).contiguous(
+        memory_format=torch.channels_last).to(device)
     assert bit_mask.layout_of(x0) is torch.channels_last
     results = []
     for m in (plain, lean):
@@ -136,17 +165,20 @@ def make_lean_copy(module):
     return module
 
 
-def run_both(modules, x0, g, seed=None):
+def run_both(modules, x0, g, seed=None, device='cpu'):
     """Forward ``x0`` (as a non-leaf, as in a network) and backward ``g``
-    through each module; returns ``[(output, input gradient)]``."""
+    through each module on ``device``; returns ``[(output, input
+    gradient)]`` on the CPU."""
     results = []
     for m in modules:
+        m.to(device)
         if seed is not None:
             torch.manual_seed(seed)
-        x = x0.clone().requires_grad_(True)
+        x = x0.to(device).clone().requires_grad_(True)
         y = m(x * 1.0)
-        y.backward(g)
-        results.append((y.detach(), x.grad))
+        assert y.device.type == device
+        y.backward(g.to(device))
+        results.append((y.detach().cpu(), x.grad.cpu()))
     return results
 
 
@@ -162,15 +194,17 @@ def _frozen_bn(channels, seed=0):
     return bn.eval()
 
 
-def test_frozen_norm_same_forward_grad_and_keeps_scale():
+@pytest.mark.parametrize('device', DEVICES)
+def test_frozen_norm_same_forward_grad_and_keeps_scale(device):
     plain = _frozen_bn(6)
     lean = make_lean_copy(plain)
     assert isinstance(lean, nn.BatchNorm2d)
     x0 = torch.randn(3, 6, 9, 11)
-    res = run_both((plain, lean), x0, torch.randn(3, 6, 9, 11))
+    res = run_both((plain, lean), x0, torch.randn(3, 6, 9, 11),
+                   device=device)
     assert torch.equal(res[0][0], res[1][0])
     torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-6, atol=0)
-    x = x0.clone().requires_grad_(True)
+    x = x0.to(device).clone().requires_grad_(True)
     assert saved_tensor_bytes(lambda: lean(x)) == 6 * 4
     assert saved_tensor_bytes(lambda: plain(x)) >= x.numel() * 4
 
@@ -185,17 +219,20 @@ def test_norm_in_train_mode_or_trainable_is_plain():
     assert saved_tensor_bytes(lambda: lean(x)) >= x.numel() * 4
 
 
-def test_dropout_same_draws_grad_and_bits():
-    plain, lean = nn.Dropout(0.3), make_lean_copy(nn.Dropout(0.3))
-    x0 = torch.randn(2, 5, 8, 9)
-    res = run_both((plain, lean), x0, torch.randn(2, 5, 8, 9), seed=7)
-    assert torch.equal(res[0][0], res[1][0])
-    assert torch.equal(res[0][1], res[1][1])
-    x = x0.clone().requires_grad_(True)
-    assert saved_tensor_bytes(lambda: lean(x * 1.0)) == \
-        bit_mask.packed_bytes(x.numel())
-    lean.eval()
-    assert torch.equal(lean(x0), x0)
+@pytest.mark.parametrize('device_path', DEVICE_PATHS)
+def test_dropout_same_draws_grad_and_bits(device_path):
+    with on_path(device_path) as device:
+        plain, lean = nn.Dropout(0.3), make_lean_copy(nn.Dropout(0.3))
+        x0 = torch.randn(2, 5, 8, 9)
+        res = run_both((plain, lean), x0, torch.randn(2, 5, 8, 9), seed=7,
+                       device=device)
+        assert torch.equal(res[0][0], res[1][0])
+        assert torch.equal(res[0][1], res[1][1])
+        x = x0.to(device).clone().requires_grad_(True)
+        assert saved_tensor_bytes(lambda: lean(x * 1.0)) == \
+            bit_mask.packed_bytes(x.numel())
+        lean.eval()
+        assert torch.equal(lean(x), x)
 
 
 @pytest.mark.parametrize('size', [(2, 2), (3, 6), 6, (None, 3)])

@@ -11,6 +11,7 @@ from mmseg_gf.ops import native
 from mmseg_gf.ops.resize import (BilinearResizeFunction,
                                  bilinear_resize_backward,
                                  strided_gradient_resizes)
+from tests._devices import CUDA_AVAILABLE
 
 RESIZES = [
     dict(size=(13, 11), align_corners=False),
@@ -30,12 +31,25 @@ def _head(x, other, **resize):
     other = F.interpolate(other, size=up.shape[2:], mode='bilinear',
                           align_corners=False)
     both = torch.cat([other, up, other], 1)
-    weight = torch.arange(both.shape[1], dtype=x.dtype).view(1, -1, 1, 1)
+    weight = torch.arange(both.shape[1], dtype=x.dtype,
+                          device=x.device).view(1, -1, 1, 1)
     return (both * weight).sin().sum(), up
 
 
+# 'torch': the PyTorch path (kernels off), which 'cuda' tensors take too.
 KERNELS = ['torch', pytest.param('compiled', marks=pytest.mark.skipif(
-    not native.available(), reason='compiled kernels not built'))]
+    not native.available(), reason='compiled kernels not built')),
+           pytest.param('cuda', marks=[pytest.mark.cuda, pytest.mark.skipif(
+               not CUDA_AVAILABLE, reason='no CUDA GPU on this machine')])]
+
+
+def _assert_same(got, want, kernel):
+    """Bit for bit on torch's CPU kernel; within float32 rounding on the
+    compiled one and on CUDA (whose kernel sums with atomics)."""
+    if kernel == 'torch':
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('kernel', KERNELS)
@@ -45,10 +59,11 @@ KERNELS = ['torch', pytest.param('compiled', marks=pytest.mark.skipif(
 def test_same_outputs_and_gradients(resize, layout, kernel, monkeypatch):
     if kernel == 'torch':
         monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    device = 'cuda' if kernel == 'cuda' else 'cpu'
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(3, 4, 6, 5, generator=gen).contiguous(
-        memory_format=layout)
-    other0 = torch.randn(3, 2, 5, 5, generator=gen)
+        memory_format=layout).to(device)
+    other0 = torch.randn(3, 2, 5, 5, generator=gen).to(device)
     results = []
     for routed in (False, True):
         x, other = x0.clone().requires_grad_(True), \
@@ -63,10 +78,8 @@ def test_same_outputs_and_gradients(resize, layout, kernel, monkeypatch):
         loss.backward()
         results.append((up.detach(), x.grad, other.grad))
     for got, want in zip(results[1], results[0]):
-        if kernel == 'torch':
-            assert torch.equal(got, want)
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got.device.type == device
+        _assert_same(got, want, kernel)
 
 
 @pytest.mark.parametrize('kernel', KERNELS)
@@ -76,7 +89,8 @@ def test_a_channel_slice_gradient_is_not_copied(kernel, monkeypatch):
     if kernel == 'torch':
         monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
     gen = torch.Generator().manual_seed(1)
-    grad = torch.randn(2, 9, 16, 16, generator=gen)[:, 3:7]
+    grad = torch.randn(2, 9, 16, 16, generator=gen).to(
+        'cuda' if kernel == 'cuda' else 'cpu')[:, 3:7]
     assert not grad.is_contiguous()
     with torch.profiler.profile() as prof:
         got = bilinear_resize_backward(grad, (2, 4, 8, 8), False,
@@ -85,11 +99,8 @@ def test_a_channel_slice_gradient_is_not_copied(kernel, monkeypatch):
     assert not {'aten::contiguous', 'aten::clone', 'aten::copy_'} & set(names)
     want = torch.ops.aten.upsample_bilinear2d_backward(
         grad.contiguous(), [16, 16], [2, 4, 8, 8], False)
-    assert got.is_contiguous()
-    if kernel == 'torch':
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got.is_contiguous() and got.device == grad.device
+    _assert_same(got, want, kernel)
 
 
 @pytest.mark.skipif(not native.available(), reason='compiled kernels not '

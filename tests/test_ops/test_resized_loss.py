@@ -9,8 +9,25 @@ import torch.nn.functional as F
 
 from mmseg_gf.ops import resized_loss
 from mmseg_gf.ops.resized_loss import resized_cross_entropy
+from tests._devices import needs_cuda
 
-PATHS = [False] + ([True] if resized_loss._kernel is not None else [])
+# use_kernel: False is the PyTorch path, which CUDA tensors take ('cuda').
+PATHS = [False] + ([True] if resized_loss._kernel is not None else []) + [
+    pytest.param('cuda', marks=[pytest.mark.cuda, needs_cuda])]
+
+
+def _run(logits, label, kernel, weight=None, **kwargs):
+    """``resized_cross_entropy`` on one path, its tensors back on the CPU."""
+    device = 'cuda' if kernel == 'cuda' else 'cpu'
+    got = resized_cross_entropy(
+        logits.to(device), label.to(device),
+        weight=None if weight is None else weight.to(device),
+        use_kernel=None if kernel == 'cuda' else kernel, **kwargs)
+    for key, value in vars(got).items():
+        if value is not None:
+            assert value.device.type == device, key
+            setattr(got, key, value.cpu())
+    return got
 
 # (N, C, h, w, H, W): 4x and odd upsampling, same size, downsampling, 1x1
 SHAPES = [(2, 5, 7, 9, 28, 36), (2, 19, 16, 12, 61, 47), (1, 3, 8, 8, 8, 8),
@@ -61,9 +78,8 @@ def _case(shape, seed=0, ignored=True):
 @pytest.mark.parametrize('shape', SHAPES)
 def test_matches_pytorch_float64(kernel, sigmoid, align_corners, shape):
     logits, label, weight = _case(shape)
-    got = resized_cross_entropy(logits, label, align_corners=align_corners,
-                                weight=weight, want_pixels=True,
-                                sigmoid=sigmoid, use_kernel=kernel)
+    got = _run(logits, label, kernel, weight, align_corners=align_corners,
+               want_pixels=True, sigmoid=sigmoid)
     want = _expected(logits, label, weight, 255, align_corners, sigmoid)
     assert got.grad.dtype == torch.float32 and got.loss.dtype == torch.float64
     torch.testing.assert_close(got.loss, want['loss'], rtol=1e-6, atol=0)
@@ -84,9 +100,8 @@ def test_matches_pytorch_float64(kernel, sigmoid, align_corners, shape):
 def test_unweighted_and_without_gradient(kernel):
     logits, label, _ = _case((2, 6, 9, 7, 36, 28), seed=3)
     want = _expected(logits, label, None, 255, False)
-    full = resized_cross_entropy(logits, label, use_kernel=kernel)
-    bare = resized_cross_entropy(logits, label, want_grad=False,
-                                 use_kernel=kernel)
+    full = _run(logits, label, kernel)
+    bare = _run(logits, label, kernel, want_grad=False)
     assert bare.grad is None and bare.pixel_loss is None
     torch.testing.assert_close(full.loss, want['loss'], rtol=1e-6, atol=0)
     torch.testing.assert_close(bare.loss, full.loss, rtol=0, atol=0)
@@ -99,8 +114,7 @@ def test_all_ignored_image_and_zero_weights(kernel):
     logits, label, weight = _case((2, 4, 5, 5, 20, 20), seed=1)
     label[1] = 255
     weight[0, 10:] = 0.0
-    got = resized_cross_entropy(logits, label, weight=weight,
-                                want_pixels=True, use_kernel=kernel)
+    got = _run(logits, label, kernel, weight, want_pixels=True)
     assert float(got.loss[1]) == 0.0 and int(got.hits[1]) == 0
     assert not got.grad[1].any() and not got.pixel_loss[1].any()
     want = _expected(logits, label, weight, 255, False)
@@ -111,19 +125,20 @@ def test_all_ignored_image_and_zero_weights(kernel):
 @pytest.mark.parametrize('kernel', PATHS)
 def test_other_ignore_index(kernel):
     logits, label, _ = _case((1, 5, 6, 6, 12, 12), seed=4, ignored=False)
-    got = resized_cross_entropy(logits, label, ignore_index=2,
-                                use_kernel=kernel)
+    got = _run(logits, label, kernel, ignore_index=2)
     want = _expected(logits, label, None, 2, False)
     torch.testing.assert_close(got.loss, want['loss'], rtol=1e-6, atol=0)
     assert torch.equal(got.hits, want['hits'])
 
 
-@pytest.mark.parametrize('kernel', PATHS)
+# Not on CUDA: there the check is a device-side assertion (no host sync),
+# which a CUDA context does not survive.
+@pytest.mark.parametrize('kernel', PATHS[:-1])
 def test_label_out_of_range_is_refused(kernel):
     logits, label, _ = _case((1, 3, 4, 4, 8, 8))
     label[0, 5, 5] = 3
     with pytest.raises(ValueError, match=r'\[0, 3\)'):
-        resized_cross_entropy(logits, label, use_kernel=kernel)
+        _run(logits, label, kernel)
 
 
 def test_bad_shapes_are_refused():
@@ -161,8 +176,7 @@ def test_large_logits(kernel, sigmoid):
     """Logits of +-100: the softmax's and the softplus' range reduction."""
     logits, label, _ = _case((1, 7, 6, 5, 24, 20), seed=5)
     logits = logits * 30
-    got = resized_cross_entropy(logits, label, sigmoid=sigmoid,
-                                use_kernel=kernel)
+    got = _run(logits, label, kernel, sigmoid=sigmoid)
     want = _expected(logits, label, None, 255, False, sigmoid)
     torch.testing.assert_close(got.loss, want['loss'], rtol=1e-6, atol=0)
     torch.testing.assert_close(got.grad.double(), want['grad'], rtol=1e-5,

@@ -1,0 +1,219 @@
+"""What one GPU check measured, against the targets the GPU path is built
+for: the report ``tools/gpu_check.py`` writes.
+
+The inputs are the files the benchmarks themselves write: one
+``layers.json`` per run of ``tools/benchmark_layers.py`` (a batch, a dtype,
+the Triton kernels on or off) and the ``steps.json`` of
+``tools/benchmark_step.py``. Nothing here measures; every number in the
+report is read from those files, and a target with nothing measured for it
+says so instead of passing.
+
+Targets (the paper's Table 10 layers, vanilla = cuDNN's backward with
+``g_x``; whole steps at the protocol's size):
+
+* layers, batch 32, Triton: the median backward speedup over the layers
+  >= 10x at r = 2 and >= 25x at r = 4;
+* layers, batch 8, Triton: no layer slower than cuDNN (every speedup >= 1);
+* steps: a lean GF step's peak <= 1.5x inference's and its time <= 1.3x
+  inference's forward; never slower than the same layers trained with
+  ``mode='vanilla', lean=False``.
+"""
+import statistics
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from ..accounting.format import format_table
+from .step_benchmark import parse_row, row_settings
+
+__all__ = ['LayerRun', 'TargetCheck', 'layer_checks', 'step_checks',
+           'layer_runs_table', 'summary_markdown', 'plot_layer_runs']
+
+#: (batch, radius) -> least median backward speedup with g_x (Triton).
+MEDIAN_SPEEDUP_TARGETS = {(32, 2): 10.0, (32, 4): 25.0}
+#: Batch at which no layer may be slower than cuDNN (Triton).
+NO_SLOWER_BATCH = 8
+STEP_PEAK_TARGET = 1.5
+STEP_TIME_TARGET = 1.3
+
+
+@dataclass
+class LayerRun:
+    """One run of the layer benchmark: its settings and its json."""
+
+    batch: int
+    dtype: str
+    triton: bool
+    command: str
+    result: Optional[Dict] = None  # layers.json; None: the run failed
+
+    @property
+    def name(self) -> str:
+        return (f"batch {self.batch}, {self.dtype}, "
+                f"{'Triton' if self.triton else 'no Triton'}")
+
+    def speedups(self, case: str, radius: int) -> List[float]:
+        """Backward speedup over vanilla of every layer for a case
+        (``'with_gx'`` / ``'weight_only'``) and radius."""
+        if self.result is None:
+            return []
+        return [row['backward_speedup'] for row in self.result['rows']
+                if row['case'] == case and row['radius'] == radius]
+
+
+@dataclass
+class TargetCheck:
+    """A target, what was measured for it and whether it holds (``None``:
+    nothing measured)."""
+
+    target: str
+    measured: str
+    holds: Optional[bool]
+
+    @property
+    def verdict(self) -> str:
+        return {True: 'holds', False: 'MISSED', None: 'not measured'}[
+            self.holds]
+
+
+def layer_checks(runs: Sequence[LayerRun]) -> List[TargetCheck]:
+    """The layer targets on the Triton runs, one check per dtype."""
+    checks = []
+    for dtype in sorted({run.dtype for run in runs}):
+        for (batch, radius), target in MEDIAN_SPEEDUP_TARGETS.items():
+            values = _triton_speedups(runs, batch, dtype, radius)
+            median = statistics.median(values) if values else None
+            checks.append(TargetCheck(
+                f'batch {batch}, {dtype}, r = {radius}: median backward '
+                f'speedup over cuDNN with g_x >= {target:g}x',
+                '' if median is None else f'{median:.1f}x',
+                None if median is None else median >= target))
+        for radius in sorted({r for _, r in MEDIAN_SPEEDUP_TARGETS}):
+            values = _triton_speedups(runs, NO_SLOWER_BATCH, dtype, radius)
+            worst = min(values) if values else None
+            checks.append(TargetCheck(
+                f'batch {NO_SLOWER_BATCH}, {dtype}, r = {radius}: no layer '
+                'slower than cuDNN (with g_x)',
+                '' if worst is None else f'slowest layer {worst:.2f}x',
+                None if worst is None else worst >= 1.0))
+    return checks
+
+
+def _triton_speedups(runs, batch, dtype, radius) -> List[float]:
+    return [v for run in runs if run.triton and run.batch == batch
+            and run.dtype == dtype for v in run.speedups('with_gx', radius)]
+
+
+def step_checks(results: Sequence[Dict]) -> List[TargetCheck]:
+    """The step targets for every lean GF row of every model in a
+    ``steps.json``."""
+    checks = []
+    for result in results:
+        rows = {row['row']: row for row in result['rows']}
+        for row in result['rows']:
+            strategy, lean = parse_row(row['row'])
+            if not lean or not strategy.startswith('gf_'):
+                continue
+            where = f"{result['label']} {row['row']}"
+            checks.append(_ratio_check(
+                f'{where}: step peak <= {STEP_PEAK_TARGET:g}x inference',
+                row.get('peak_vs_inference'), STEP_PEAK_TARGET))
+            checks.append(_ratio_check(
+                f'{where}: step time <= {STEP_TIME_TARGET:g}x inference',
+                row.get('step_vs_inference'), STEP_TIME_TARGET))
+            vanilla = rows.get(_same_layers_vanilla(row['row']))
+            ratio = (row['step'] / vanilla['step'] if vanilla is not None
+                     and 'step' in row and 'step' in vanilla else None)
+            checks.append(_ratio_check(
+                f'{where}: step time <= vanilla, the same layers, '
+                'lean=False', ratio, 1.0))
+    return checks
+
+
+def _same_layers_vanilla(row: str) -> str:
+    """``'gf_last10_r4:lean'`` -> ``'vanilla_last10:plain'``."""
+    return f"vanilla_last{row_settings(row)['num_layers']}:plain"
+
+
+def _ratio_check(target: str, value: Optional[float],
+                 limit: float) -> TargetCheck:
+    return TargetCheck(target, '' if value is None else f'{value:.2f}x',
+                       None if value is None else value <= limit)
+
+
+def layer_runs_table(runs: Sequence[LayerRun]) -> str:
+    """Per run, the median and the slowest layer's backward speedup over
+    cuDNN with ``g_x`` at each radius (markdown)."""
+    radii = sorted({row['radius'] for run in runs if run.result
+                    for row in run.result['rows']})
+    headers = ['run'] + [f'{kind} r = {r}' for r in radii
+                         for kind in ('median', 'slowest')]
+    table = []
+    for run in runs:
+        cells = [run.name]
+        for radius in radii:
+            values = run.speedups('with_gx', radius)
+            cells += ([f'{statistics.median(values):.1f}x',
+                       f'{min(values):.2f}x'] if values else ['failed'] * 2)
+        table.append(cells)
+    return format_table(headers, table, align='l' + 'r' * (len(headers) - 1))
+
+
+def summary_markdown(environment: Dict[str, str],
+                     checks: Sequence[TargetCheck],
+                     stages: Sequence[Dict]) -> str:
+    """The check's summary: the environment, each stage's outcome and
+    seconds, and every target with its measured value and verdict."""
+    lines = ['# GPU check', '']
+    lines += [f'- {key}: {value}' for key, value in environment.items()]
+    lines += ['', '## Stages', '', format_table(
+        ('stage', 'outcome', 'seconds'),
+        [(s['name'], s['outcome'], f"{s['seconds']:.0f}") for s in stages],
+        align='llr'), '', '## Targets', '']
+    if checks:
+        lines.append(format_table(
+            ('target', 'measured', 'verdict'),
+            [(c.target, c.measured, c.verdict) for c in checks],
+            align='lrl'))
+    else:
+        lines.append('Nothing measured.')
+    return '\n'.join(lines) + '\n'
+
+
+def plot_layer_runs(runs: Sequence[LayerRun], path: str) -> bool:
+    """Backward speedup over cuDNN with ``g_x`` per layer, one panel per
+    radius, one bar per run, log scale (matplotlib, Agg). Returns whether
+    a plot was written."""
+    done = [run for run in runs if run.result is not None]
+    if not done:
+        return False
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    radii = sorted({row['radius'] for run in done
+                    for row in run.result['rows']})
+    layers = list(dict.fromkeys(row['layer'] for run in done
+                                for row in run.result['rows']))
+    fig, axes = plt.subplots(len(radii), 1, squeeze=False,
+                             figsize=(10, 3.2 * len(radii) + 1))
+    width = 0.8 / len(done)
+    for ax, radius in zip(axes[:, 0], radii):
+        for i, run in enumerate(done):
+            values = {row['layer']: row['backward_speedup']
+                      for row in run.result['rows']
+                      if row['case'] == 'with_gx'
+                      and row['radius'] == radius}
+            ax.bar([j + i * width for j in range(len(layers))],
+                   [values.get(layer, float('nan')) for layer in layers],
+                   width, label=run.name)
+        ax.axhline(1.0, color='k', lw=0.8)
+        ax.set_yscale('log')
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))])
+        ax.set_xticklabels(layers, fontsize=7)
+        ax.set_title(f'backward speedup over cuDNN with g_x, r = {radius}',
+                     fontsize=10)
+        ax.grid(axis='y', alpha=0.3)
+    axes[0, 0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,161 @@
+"""Device discipline of every autograd Function of ``mmseg_gf.ops`` without
+a GPU: forward and backward on fake CUDA tensors (``tests/
+_device_discipline.py``) make nothing on the CPU, copy nothing to it and
+read no value on the host; their outputs are CUDA tensors of the right
+shapes.
+
+A CPU-only build cannot record autograd on fake CUDA tensors, so each
+Function's ``forward`` and ``backward`` are called as functions with a
+stand-in for autograd's context. The fused classifier + loss computes its
+gradient with autograd inside its forward: it runs on the ``meta`` device
+with whole training steps instead (``tests/test_engine/
+test_device_discipline.py``).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmseg_gf.ops import triton_path
+from mmseg_gf.ops.gradient_filter import (GradientFilterConv2dFunction,
+                                          conv_geometry)
+from mmseg_gf.ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
+                               FrozenLinearFunction, MaskedActivationFunction,
+                               MaskedDropoutFunction,
+                               ShapeOnlyAdaptiveAvgPoolFunction)
+from mmseg_gf.ops.lean_activation import (PiecewiseLinearActivationFunction,
+                                          hardsigmoid_bits)
+from mmseg_gf.ops.lean_pool import (ShapeOnlyAvgPoolFunction,
+                                    WindowOffsetMaxPoolFunction)
+from mmseg_gf.ops.resize import BilinearResizeFunction
+from tests._device_discipline import HostSyncError, fake_cuda
+
+
+class _Context:
+    """What autograd hands a Function's ``forward`` and ``backward``."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = tuple(needs_input_grad)
+        self.saved_tensors = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+
+def _cuda(*shape):
+    return torch.randn(*shape, device='cuda')
+
+
+def _forward_backward(function, args, needs):
+    """``function``'s forward, then its backward of a random output
+    gradient; both checked to stay on CUDA. Returns the gradients."""
+    ctx = _Context(needs)
+    out = function.forward(ctx, *args)
+    assert out.device.type == 'cuda', function.__name__
+    grads = function.backward(ctx, _cuda(*out.shape))
+    for grad, arg, need in zip(grads, args, needs):
+        if need and grad is not None:
+            assert grad.device.type == 'cuda', function.__name__
+            assert grad.shape == arg.shape, function.__name__
+    return grads
+
+
+# (stride, kernel, dilation, groups, radius, size): usual, strided with
+# partial patches, dilated taps on the patch grid, depthwise, 1x1.
+CONVS = [(1, 3, 1, 1, 4, 16), (2, 3, 1, 1, 2, 13), (1, 3, 8, 1, 2, 24),
+         (1, 3, 1, 4, 2, 10), (1, 1, 1, 1, 4, 9)]
+
+
+@pytest.mark.parametrize('stride,kernel,dilation,groups,radius,size', CONVS)
+@pytest.mark.parametrize('path', ['pytorch', 'triton'])
+def test_filtered_conv_on_fake_cuda(stride, kernel, dilation, groups, radius,
+                                    size, path):
+    """The filtered conv's step-by-step backward (every conv kind) and the
+    Triton path's Python side (its ops through their fake
+    implementations)."""
+    if path == 'triton' and not triton_path.installed():
+        pytest.skip('triton is not installed')
+    padding = dilation * (kernel // 2)
+    with fake_cuda():
+        x, w, b = _cuda(2, 4, size, size), _cuda(4, 4 // groups, kernel,
+                                                 kernel), _cuda(4)
+        args = (x, w, b, (stride, stride), (padding, padding),
+                (dilation, dilation), groups, radius)
+        if path == 'pytorch':
+            _forward_backward(GradientFilterConv2dFunction, args,
+                              (True, True, True))
+            return
+        geo_h, geo_w = conv_geometry(x, w, (stride, stride),
+                                     (padding, padding),
+                                     (dilation, dilation), radius)
+        if not (geo_h.collapsed and geo_w.collapsed):
+            pytest.skip('dilated taps: the step-by-step path only')
+        assert triton_path.usable(x, w, b)
+        _forward_backward(
+            triton_path.TritonFilteredConv2d,
+            args + (geo_h.input_patches, geo_w.input_patches),
+            (True, True, True))
+
+
+def test_lean_functions_on_fake_cuda():
+    """Frozen norm, activations (bit masks), dropout, pools, frozen conv and
+    linear layers, bilinear resize: forward and backward on CUDA."""
+    with fake_cuda():
+        x = _cuda(2, 4, 9, 11)
+        _forward_backward(FrozenAffineNormFunction,
+                          (x, _cuda(4), lambda t: t * 2.0),
+                          (True, False, False))
+        _forward_backward(MaskedActivationFunction,
+                          (x, F.relu, 0.0, None, True, 0.0, False),
+                          (True, ) + (False, ) * 6)
+        _forward_backward(MaskedActivationFunction,
+                          (x, lambda t: F.leaky_relu(t, 0.1), 0.0, None,
+                           False, 0.1, False), (True, ) + (False, ) * 6)
+        _forward_backward(PiecewiseLinearActivationFunction,
+                          (x, F.hardsigmoid, hardsigmoid_bits, None, None,
+                           False), (True, ) + (False, ) * 5)
+        _forward_backward(MaskedDropoutFunction, (x, 0.3), (True, False))
+        _forward_backward(WindowOffsetMaxPoolFunction,
+                          (x, (3, 3), (2, 2), (1, 1), (1, 1), True),
+                          (True, ) + (False, ) * 5)
+        _forward_backward(ShapeOnlyAvgPoolFunction,
+                          (x, (2, 2), (2, 2), (0, 0), True, True, None),
+                          (True, ) + (False, ) * 6)
+        _forward_backward(ShapeOnlyAdaptiveAvgPoolFunction,
+                          (x, lambda t: F.adaptive_avg_pool2d(t, 3)),
+                          (True, False))
+        weight = _cuda(6, 4, 3, 3)
+        _forward_backward(FrozenConvFunction,
+                          (x, weight, lambda t: F.conv2d(t, weight, None, 2,
+                                                         1), (2, 2), (1, 1),
+                           (1, 1), 1), (True, ) + (False, ) * 6)
+        linear = _cuda(5, 11)
+        _forward_backward(FrozenLinearFunction,
+                          (x, linear, lambda t: F.linear(t, linear)),
+                          (True, False, False))
+        _forward_backward(BilinearResizeFunction,
+                          (x, (17, 23), None, False, None),
+                          (True, False, False, False, False))
+
+
+def test_the_checks_catch_what_they_are_for():
+    """A CPU tensor mixed in, a value read and a copy to the host each
+    fail under :func:`fake_cuda` (the test above would otherwise prove
+    nothing)."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               FakeTensorDeviceMismatchError)
+    with fake_cuda():
+        x = _cuda(3)
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            x + torch.ones(3)
+        with pytest.raises((DataDependentOutputException, HostSyncError)):
+            x.sum().item()
+        with pytest.raises(HostSyncError):
+            x.cpu()
+        with pytest.raises(HostSyncError):
+            torch.masked_select(x, x > 0)

@@ -1,0 +1,111 @@
+"""tools/gpu_check.py (``make gpu-check``): without CUDA it stops at once;
+``--dry-run`` lists every command, checked by the tools' own parsers; on
+the CPU with ``--quick`` the whole pipeline runs with tiny settings and
+writes its files; the report reads targets from the benchmarks' files
+(:mod:`mmseg_gf.analysis.gpu_report`)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip('mmseg')
+
+from mmseg_gf.analysis.gpu_report import (LayerRun,  # noqa: E402
+                                          layer_checks, step_checks)
+from tests._tools import REPO, load_tool  # noqa: E402
+
+gpu_check = load_tool('gpu_check')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='a CUDA machine')
+def test_without_cuda_it_says_so_and_stops_at_once(tmp_path):
+    out = tmp_path / 'out'
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, 'tools/gpu_check.py', '--out-dir', str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == gpu_check.NO_CUDA_STATUS, proc.stderr
+    assert 'no CUDA GPU is available' in proc.stderr
+    assert time.monotonic() - start < 60  # an import of torch, no more
+    assert not out.exists()
+
+
+def test_dry_run_lists_every_command(capsys):
+    assert gpu_check.main(['--device', 'cpu', '--dry-run']) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith('[tests]') for line in lines) == 1
+    assert sum(line.startswith('[layers]') for line in lines) == 8
+    assert sum(line.startswith('[steps]') for line in lines) == 1
+    layers = [line for line in lines if line.startswith('[layers]')]
+    assert sum('--no-triton' in line for line in layers) == 4
+    for option in ('--batch 32', '--batch 8', '--dtype bfloat16'):
+        assert any(option in line for line in layers), option
+    steps = next(line for line in lines if line.startswith('[steps]'))
+    for option in ('--crop 512', '--batch 8', 'pspnet_r18', 'bisenetv2',
+                   'vanilla_last10:plain', 'gf_last10_r4:lean'):
+        assert option in steps, option
+
+
+def test_quick_run_on_the_cpu_writes_its_files(tmp_path, capsys):
+    status = gpu_check.main(['--device', 'cpu', '--quick', '--out-dir',
+                             str(tmp_path), '--test-workers', '0'])
+    files = sorted(p.name for p in tmp_path.iterdir())
+    log = (tmp_path / 'gpu_check.log').read_text()
+    assert status == 0, log[-3000:]
+    assert len(files) <= 8
+    assert {'summary.md', 'gpu_check.log', 'layers.json', 'layers.md',
+            'steps.json', 'steps.md'} <= set(files)
+    runs = json.loads((tmp_path / 'layers.json').read_text())['runs']
+    assert [r['triton'] for r in runs] == [True, False]
+    assert all(r['result']['rows'] for r in runs)
+    steps = json.loads((tmp_path / 'steps.json').read_text())
+    assert [s['model'] for s in steps] == ['pspnet_r18']
+    summary = (tmp_path / 'summary.md').read_text()
+    assert '| tests | ok |' in summary and '| steps | ok |' in summary
+    # batch 1 on the CPU: the batch-32 / 8 layer targets have no figure
+    assert 'not measured' in summary
+    assert 'PSPNet-R18 gf_last5_r4:lean: step peak' in summary
+
+
+def _run(batch, triton, speedups, dtype='float32'):
+    rows = [dict(case='with_gx', radius=r, layer=f'L{i}',
+                 backward_speedup=s)
+            for r, values in speedups.items() for i, s in enumerate(values)]
+    return LayerRun(batch, dtype, triton, 'cmd', dict(rows=rows))
+
+
+def test_layer_targets_read_the_triton_runs():
+    runs = [_run(32, True, {2: [9.0, 11.0, 12.0], 4: [30.0, 26.0, 20.0]}),
+            _run(32, False, {2: [1.0] * 3, 4: [1.0] * 3}),
+            _run(8, True, {2: [3.0, 0.9], 4: [2.0, 1.5]}),
+            LayerRun(8, 'bfloat16', True, 'cmd', None)]
+    checks = {c.target: c for c in layer_checks(runs)}
+    r2 = checks['batch 32, float32, r = 2: median backward speedup over '
+                'cuDNN with g_x >= 10x']
+    assert (r2.measured, r2.holds) == ('11.0x', True)
+    r4 = checks['batch 32, float32, r = 4: median backward speedup over '
+                'cuDNN with g_x >= 25x']
+    assert (r4.measured, r4.holds) == ('26.0x', True)
+    slow = checks['batch 8, float32, r = 2: no layer slower than cuDNN '
+                  '(with g_x)']
+    assert (slow.measured, slow.holds) == ('slowest layer 0.90x', False)
+    failed = [c for c in checks.values() if 'bfloat16' in c.target]
+    assert failed and all(c.holds is None for c in failed)
+
+
+def test_step_targets():
+    rows = [dict(row='inference', lean=None, forward=1.0, step=1.0),
+            dict(row='vanilla_last5:plain', lean=False, step=2.0),
+            dict(row='gf_last5_r4:lean', lean=True, step=1.2,
+                 peak_vs_inference=1.6, step_vs_inference=1.2)]
+    checks = step_checks([dict(label='M', rows=rows)])
+    verdicts = {c.target.split(': ', 1)[1]: c.holds for c in checks}
+    assert verdicts == {'step peak <= 1.5x inference': False,
+                        'step time <= 1.3x inference': True,
+                        'step time <= vanilla, the same layers, lean=False':
+                        True}
