@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
-from ..ops.resized_loss import resized_cross_entropy
+from ..ops.resized_loss import check_labels, resized_cross_entropy
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
            'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
@@ -233,6 +233,8 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
     :data:`SamplerSpec`, if any. Runs under the caller's autocast (the
     compiled kernel only without it)."""
     logits = logits.detach()
+    # first: class weights and the sampler index tables by label
+    check_labels(label, logits.shape[1], ignore_index)
     valid = int((label != ignore_index).sum())
     sampled = None if sampler is None else _sampled_pixels(
         logits, label, align_corners, ignore_index, sampler)
