@@ -169,8 +169,10 @@ class GradFilterHook(Hook):
                 'its config (GradFilterModel); hook settings are ignored')
         set_frozen_norms_eval(model)
         _reuse_cpu_memory(runner, model)
-        runner.logger.info(
-            f'GradFilterHook: {precision_summary(runner.optim_wrapper)}')
+        wrapper = getattr(runner, 'optim_wrapper', None)
+        if hasattr(wrapper, 'optim_context'):  # built (Runner.train)
+            runner.logger.info(
+                f'GradFilterHook: {precision_summary(wrapper)}')
         self._peak_memory = _cpu_peak_memory(runner, model)
         budget = get_state(model).budget
         if budget is not None:
