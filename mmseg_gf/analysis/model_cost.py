@@ -256,20 +256,26 @@ def model_backward_cost(model: nn.Module,
     return out
 
 
-#: Layer kinds with weights that ``mode='all'`` does not count.
-_OTHER_KINDS = (nn.Linear, nn.modules.conv._ConvNd)
+#: Layer kinds with weights that ``mode='all'`` does not count, by the
+#: name the summary gives them (subclasses count as their kind).
+_OTHER_KINDS = (('Linear', nn.Linear),
+                ('MultiheadAttention', nn.MultiheadAttention))
 
 
 def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
-    """Trainable layers that are not ``nn.Conv2d`` (Linear, other conv
-    kinds) outside auxiliary heads, by class name."""
+    """Trainable layers that are not ``nn.Conv2d`` (Linear, attention's
+    projections, other conv kinds) outside auxiliary heads, by kind."""
     counts: Dict[str, int] = {}
     for path, module in model.named_modules():
-        if path.startswith('auxiliary_head') or isinstance(
-                module, nn.Conv2d) or not isinstance(module, _OTHER_KINDS):
+        if path.startswith('auxiliary_head') or isinstance(module,
+                                                           nn.Conv2d):
             continue
-        name = type(module).__name__
-        counts[name] = counts.get(name, 0) + 1
+        name = next((n for n, kind in _OTHER_KINDS
+                     if isinstance(module, kind)), None)
+        if name is None and isinstance(module, nn.modules.conv._ConvNd):
+            name = type(module).__name__
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
     return counts
 
 
