@@ -150,6 +150,7 @@ def _class_weight_map(logits: Tensor, label: Tensor, ignore_index: int,
     if table.numel() != logits.shape[1]:
         raise ValueError(f'class_weight has {table.numel()} entries for '
                          f'{logits.shape[1]} classes')
+    check_labels(label, logits.shape[1], ignore_index)  # before indexing
     return selection_weights(label, label != ignore_index, table,
                              torch.float32)
 
@@ -233,8 +234,6 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
     :data:`SamplerSpec`, if any. Runs under the caller's autocast (the
     compiled kernel only without it)."""
     logits = logits.detach()
-    # first: class weights and the sampler index tables by label
-    check_labels(label, logits.shape[1], ignore_index)
     valid = int((label != ignore_index).sum())
     sampled = None if sampler is None else _sampled_pixels(
         logits, label, align_corners, ignore_index, sampler)

@@ -195,12 +195,18 @@ def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
 
 def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
     """Raise :class:`LabelRangeError` on a label outside ``[0, classes)``
-    that is not ``ignore_index``."""
+    that is not ``ignore_index`` (image by image: small temporaries)."""
+    for image in (target if target.dim() > 2 else [target]):
+        _check_image_labels(image, classes, ignore_index)
+
+
+def _check_image_labels(target: Tensor, classes: int,
+                        ignore_index: int) -> None:
     valid = target[target != ignore_index]
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= classes):
         raise LabelRangeError(f'labels must lie in [0, {classes}) or be '
-                         f'ignore_index={ignore_index}; found '
-                         f'{int(valid.min())}..{int(valid.max())}')
+                              f'ignore_index={ignore_index}; found '
+                              f'{int(valid.min())}..{int(valid.max())}')
 
 
 def _pixel_losses(up: Tensor, target: Tensor, ignore_index: int,
