@@ -95,7 +95,8 @@ GRID = (list(itertools.product((1, 2), (1, 3), sorted(CHANNELS), (2, ))) +
 @pytest.mark.parametrize('stride,kernel,kind,radius', GRID)
 def test_float64_matches_independent_reference(stride, kernel, kind, radius):
     """Every stride / kernel / group kind / radius, partial border patches,
-    padding and uncovered pixels: the Triton path gives GF_SPEC's gradients
+    padding and uncovered pixels: the Triton path gives the gradients of
+    docs/gradient_filter.md (#backward, #partial-patches)
     to float64 rounding (``tests/gf_reference.py``, explicit loops). A
     3x3 kernel at ``r * s = 1`` has taps in other patches: it stays on the
     step-by-step route. (One image: the interpreter's time grows with the

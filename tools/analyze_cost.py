@@ -7,8 +7,10 @@ and every trained conv is listed in execution order with its geometry,
 radius, and the backward FLOPs / MACs and saved activation bytes of the
 exact (vanilla) and the gradient-filtered backward, all from the shared
 cost model (``mmseg_gf.accounting.conv_cost.conv_backward_cost``; conventions in
-docs/cost.md). A config without ``gradient_filter`` is "Vanilla BP All":
-every conv on the inference path (GF columns then at ``--radius``).
+docs/cost.md). A config without ``gradient_filter`` takes the settings of a
+``GradFilterHook`` in its ``custom_hooks``; with neither it is "Vanilla BP
+All": every conv on the inference path, convs only (GF columns then at
+``--radius``). The work is done by ``mmseg_gf.analysis.cost_cli``.
 Any mmseg config works: ``--setting`` gives it a gradient-filter setting by
 name, ``--offline`` builds a zoo config as it comes (SyncBN -> BN, no
 pretrained checkpoint).
@@ -37,24 +39,15 @@ import argparse
 import os.path as osp
 from typing import Any, Dict, List, Optional
 
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 
 import mmseg_gf  # noqa: F401  (registers GFConv2d, GradFilterModel, ...)
-from mmseg_gf.accounting.report import step_kept_table
-from mmseg_gf.analysis.cost_report import (cost_summary_lines,
-                                           measured_memory_table,
-                                           model_cost_table)
-from mmseg_gf.analysis.measured_memory import measure_memory
-from mmseg_gf.analysis.model_cost import (config_backward_cost,
-                                          config_step_saved_bytes)
-from mmseg_gf.analysis.budget_sweep import (config_sweep, sweep_markdown,
-                                            sweep_plot)
-from mmseg_gf.analysis.step_benchmark import row_settings, set_row_settings
+from mmseg_gf.analysis.cost_cli import load_config, report_config, sweep
+from mmseg_gf.analysis.step_benchmark import row_settings
 from mmseg_gf.protocol.paper_table3 import (PAPER_TABLE3_GFLOPS, TABLE3_NOTE,
                                             compare_with_table3,
                                             table3_comparison_table)
 from mmseg_gf.engine.tool_args import write_json
-from mmseg_gf.engine.zoo import make_offline
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -115,7 +108,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         '--setting', help="the config's gradient_filter by name, as "
         "tools/benchmark_step.py's rows: vanilla_last<N>, gf_last<N>_r<R>, "
-        'gf_last<N>_auto (optionally :lean / :plain); vanilla_all: none')
+        'gf_last<N>_auto (optionally :lean / :plain); vanilla_all: none. '
+        "Default: the config's gradient_filter, else its GradFilterHook's "
+        'settings')
     parser.add_argument(
         '--offline', action='store_true',
         help='adapt a config of mmseg\'s zoo for one process without '
@@ -150,19 +145,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def load_config(args: argparse.Namespace) -> Config:
-    """The config with ``--cfg-options``, ``--offline`` and
-    ``--setting`` applied, in this order."""
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.offline:
-        make_offline(cfg)
-    if args.setting is not None:
-        set_row_settings(cfg, args.setting)
-    return cfg
-
-
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     out: Dict[str, Any] = {}
@@ -175,64 +157,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         out['paper_table3'] = result
     if args.config:
         cfg = load_config(args)
-        cost = config_backward_cost(cfg, args.shape, args.batch, args.radius,
-                                    args.collapse_dilated)
-        print(f'config: {args.config}')
-        print(model_cost_table(cost))
-        for line in cost_summary_lines(cost):
-            print(line)
-        out.update(config=args.config, cost=cost.as_dict())
-        step = config_step_saved_bytes(cfg, args.shape)
-        if step is not None:
-            print(step.summary(args.batch))
-            print(step_kept_table(step, args.batch))
-            out['step_saved_bytes'] = dict(
-                total=step.total(args.batch),
-                by_category=step.by_category(args.batch),
-                unmodelled=step.unmodelled,
-                unmodelled_measured=step.unmodelled_bytes(args.batch))
-        if args.measure:
-            shape = args.measure_shape or args.shape
-            result = measure_memory(cfg, shape, batch=args.batch,
-                                    device=args.device,
-                                    num_layers=args.measure_layers,
-                                    radius=args.radius)
-            print(f'\nmeasured at {shape[0]}x{shape[1]}, batch '
-                  f'{args.batch}, {args.device} (saved: autograd\'s '
-                  'saved_tensors_hooks; peak: ' +
-                  ('max_memory_allocated' if args.device.startswith('cuda')
-                   else 'torch profiler, live tensor bytes') + ')')
-            print(measured_memory_table(result))
-            out['measured'] = result
-    if args.config and (args.sweep or args.budget):
-        out['sweep'] = sweep(cfg, args)
+        out.update(report_config(cfg, args))
+        if args.sweep or args.budget:
+            out['sweep'] = sweep(cfg, args)
     if args.out:
         write_json(args.out, out)
     return out
-
-
-def sweep(cfg: Config, args: argparse.Namespace) -> Dict[str, Any]:
-    """Print the sweep table (and the budget's choice), plot it."""
-    result = config_sweep(cfg, args.shape, args.batch, args.budget)
-    error = result['error']
-    print(f'\nsettings at {args.shape[0]}x{args.shape[1]}, batch '
-          f'{args.batch} (predicted; docs/budget.md)')
-    print(sweep_markdown(result['rows'], result['choice']))
-    if error:
-        print(error)
-    if args.out:
-        path = osp.splitext(args.out)[0] + '_sweep.png'
-        sweep_plot(result['rows'], path, result['limits'],
-                   title=osp.basename(args.config))
-        print(f'plot: {path}')
-    choice = result['choice']
-    return dict(rows=result['rows'], radii=result['radii'],
-                limits=result['limits'], error=error,
-                choice=None if choice is None else dict(
-                    num_layers=choice.num_layers, radius=choice.radius,
-                    backward_gflops=choice.cost.backward_gflops,
-                    saved_mib=choice.cost.saved_mib,
-                    peak_mib=choice.cost.peak_mib))
 
 
 if __name__ == '__main__':

@@ -4,8 +4,9 @@ For each model (mmseg config files, real-time families of mmseg's zoo by
 name, or the protocol's models), time the rows (inference and settings such
 as ``gf_last5_r4:lean``, ``vanilla_last5:plain``) on one random batch at the
 crop and measure the step's peak live bytes and the bytes kept for backward,
-all in one process; see :mod:`mmseg_gf.analysis.step_benchmark`. Writes
-``steps.json``, ``steps.md`` and ``steps.png`` to ``--out-dir``.
+all in one process; see :mod:`mmseg_gf.analysis.step_benchmark` (the run:
+:mod:`mmseg_gf.analysis.step_jobs`). Writes ``steps.json``, ``steps.md``
+and ``steps.png`` to ``--out-dir``.
 
 Examples::
 
@@ -23,29 +24,20 @@ Examples::
         --rows inference vanilla_last10:plain gf_last10_r4:lean
 """
 import argparse
-import os
 import os.path as osp
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional
 
 import torch
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
-from mmseg_gf.accounting.format import fmt_mib
-from mmseg_gf.analysis.hardware import cpu_model
-from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
-                                              plot, row_config, row_settings,
-                                              step_table)
-from mmseg_gf.engine.config import default_input_size
-from mmseg_gf.engine.cpu_memory import cpu_memory_kept, keep_freed_cpu_memory
-from mmseg_gf.engine.tool_args import write_json
-from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, family_config,
-                                 make_offline)
+from mmseg_gf.analysis.step_benchmark import DEFAULT_ROWS, row_settings
+from mmseg_gf.analysis.step_jobs import (Job, config_jobs, family_jobs,
+                                         run_jobs)
+from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
+from mmseg_gf.engine.zoo import REALTIME_FAMILIES
 from mmseg_gf.protocol import PROTOCOL_MODELS
 from mmseg_gf.protocol.experiments import step_row_config
-
-#: A model to measure: name, label, crop, (row, config) pairs.
-Job = Tuple[str, str, Tuple[int, int], List[Tuple[str, Config]]]
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -135,45 +127,10 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
                 f'({torch.__version__})')
 
 
-def _family_crop(name: str, args) -> Tuple[int, int]:
-    """``--family-crop``, else ``--crop`` raised to the family's minimum
-    side, else its training crop."""
-    family = REALTIME_FAMILIES[name]
-    if name in args.family_crop:
-        side = int(args.family_crop[name])
-        return side, side
-    if args.crop is None:
-        return family.crop
-    crop = tuple(max(int(v), family.min_crop) for v in args.crop)
-    if crop != tuple(args.crop):
-        print(f'[{name}] crop {crop[0]}x{crop[1]}: the smallest it runs at '
-              f'({family.why})')
-    return crop
-
-
-def _rows(cfg: Config, rows: Sequence[str], crop) -> List[Tuple[str, Config]]:
-    return [(row, row_config(cfg, row, crop)) for row in rows]
-
-
 def _jobs(args) -> List[Job]:
-    """Every model's rows, configs composed (nothing built yet)."""
-    jobs: List[Job] = []
-    for path in args.configs:
-        cfg = Config.fromfile(path)
-        if args.cfg_options:
-            cfg.merge_from_dict(args.cfg_options)
-        if args.offline:
-            make_offline(cfg)
-        crop = tuple(args.crop or default_input_size(cfg))
-        name = osp.splitext(osp.basename(path))[0]
-        jobs.append((name, name, crop, _rows(cfg, args.rows, crop)))
-    for name in args.families:
-        cfg = make_offline(family_config(name))
-        if args.cfg_options:
-            cfg.merge_from_dict(args.cfg_options)
-        crop = _family_crop(name, args)
-        jobs.append((name, REALTIME_FAMILIES[name].label, crop,
-                     _rows(cfg, args.rows, crop)))
+    """Every model's rows, configs composed (nothing built yet): CONFIG
+    files, then families, then the protocol's models."""
+    jobs = config_jobs(args) + family_jobs(args)
     for name in args.models:
         crop = tuple(args.crop or (512, 512))
         rows = []
@@ -193,44 +150,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     if args.reuse_cpu_memory and not keep_freed_cpu_memory():
         raise SystemExit('--reuse-cpu-memory: the C library has no glibc '
                          'mallopt')
-    if args.device == 'cuda' and args.tf32 is not None:
-        torch.backends.cuda.matmul.allow_tf32 = args.tf32
-        torch.backends.cudnn.allow_tf32 = args.tf32
-    results = []
-    for name, label, crop, rows in _jobs(args):
-        result = benchmark_model(
-            name, rows, crop, args.batch, args.repeats, args.warmup,
-            args.memory, label=label, device=args.device,
-            progress=lambda msg, name=name: print(f'[{name}] {msg}',
-                                                  flush=True))
-        result['cpu'] = cpu_model()
-        result['reuse_cpu_memory'] = cpu_memory_kept()
-        if args.device == 'cuda':
-            result['tf32'] = dict(
-                cudnn=torch.backends.cudnn.allow_tf32,
-                matmul=torch.backends.cuda.matmul.allow_tf32)
-        results.append(result)
-        where = (f'{result["gpu"]}' if result['gpu'] else
-                 f'{result["threads"]} threads')
-        print(f'\n{label}, crop {crop[0]}x{crop[1]}, batch {args.batch}, '
-              f'{where}, torch {result["torch"]}; '
-              f'median of {args.repeats} steps'
-              + ('; freed CPU memory reused' if result['reuse_cpu_memory']
-                 else '')
-              + (f'; resident after them '
-                 f'{fmt_mib(result["resident_bytes"], 0, " MiB")}, at most '
-                 f'{fmt_mib(result["peak_resident_bytes"], 0, " MiB")}'
-                 if result['resident_bytes'] else ''))
-        print(step_table(result), flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    write_json(osp.join(args.out_dir, 'steps.json'), results)
-    with open(osp.join(args.out_dir, 'steps.md'), 'w') as f:
-        for result in results:
-            f.write(f"## {result['label']}, crop {result['crop'][0]}x"
-                    f"{result['crop'][1]}\n\n{step_table(result)}\n\n")
-    if plot(results, osp.join(args.out_dir, 'steps.png')):
-        print(f"wrote {osp.join(args.out_dir, 'steps.png')}")
-    return results
+    return run_jobs(_jobs(args), args)
 
 
 if __name__ == '__main__':

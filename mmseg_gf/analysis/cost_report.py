@@ -57,8 +57,13 @@ def cost_summary_lines(cost: ModelCost) -> List[str]:
                 'filter would cost on the same layers)')
     else:
         r = cost.layers[0].radius if cost.layers else '-'
+        others = ', '.join(f'{n} {k}' for k, n in
+                           sorted(cost.not_counted.items()))
+        left_out = (f'; not counted: {others} layers' if others else
+                    '; the model has no Linear or other conv kinds')
         what = ('every inference-path conv, exact backward ("Vanilla BP '
-                f'All"; the GF columns: hypothetical, r={r})')
+                f'All", convs only (nn.Conv2d){left_out}; the GF columns: '
+                f'hypothetical, r={r})')
     lines = [
         f'mode: {cost.mode}: {what}',
         f'input {cost.input_size[0]}x{cost.input_size[1]}, batch '

@@ -122,6 +122,9 @@ class ModelCost:
         classifier: the classifier's cost (trained, not counted), if it ran.
         collapse_dilated: GF columns computed as the reference operator
             does, kernel always collapsed (see :func:`model_backward_cost`).
+        not_counted: ``mode='all'``: the model's trainable layers of other
+            kinds than ``nn.Conv2d`` (auxiliary heads aside), by class name,
+            e.g. ``{'Linear': 48}``: the count covers convs only.
     """
 
     mode: str
@@ -130,6 +133,7 @@ class ModelCost:
     layers: List[LayerCost] = field(default_factory=list)
     classifier: Optional[LayerCost] = None
     collapse_dilated: bool = False
+    not_counted: Dict[str, int] = field(default_factory=dict)
 
     def total(self, key: str) -> int:
         """Sum of a :class:`LayerCost` property / cost field over layers."""
@@ -167,7 +171,8 @@ class ModelCost:
             totals=self.totals(),
             layers=[layer.as_dict() for layer in self.layers],
             classifier=(self.classifier.as_dict()
-                        if self.classifier is not None else None))
+                        if self.classifier is not None else None),
+            not_counted=dict(self.not_counted))
 
 
 def _layer_cost(rec: LayerRecord, radius: int, need_input_grad: bool,
@@ -227,6 +232,7 @@ def model_backward_cost(model: nn.Module,
     if state is None:
         items = [(r, radius) for r in records
                  if r.inference and not is_classifier(r.path)]
+        out.not_counted = _other_layer_kinds(model)
     else:
         out.mode = state.mode
         items = []
@@ -249,6 +255,29 @@ def model_backward_cost(model: nn.Module,
                                      bool(rec.input_requires_grad),
                                      out.batch, elem_bytes, collapse_dilated)
     return out
+
+
+#: Layer kinds with weights that ``mode='all'`` does not count, by the
+#: name the summary gives them (subclasses count as their kind).
+_OTHER_KINDS = (('Linear', nn.Linear),
+                ('MultiheadAttention', nn.MultiheadAttention))
+
+
+def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
+    """Trainable layers that are not ``nn.Conv2d`` (Linear, attention's
+    projections, other conv kinds) outside auxiliary heads, by kind."""
+    counts: Dict[str, int] = {}
+    for path, module in model.named_modules():
+        if path.startswith('auxiliary_head') or isinstance(module,
+                                                           nn.Conv2d):
+            continue
+        name = next((n for n, kind in _OTHER_KINDS
+                     if isinstance(module, kind)), None)
+        if name is None and isinstance(module, nn.modules.conv._ConvNd):
+            name = type(module).__name__
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def config_backward_cost(cfg, shape: Sequence[int], batch: int = 1,

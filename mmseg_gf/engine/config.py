@@ -14,12 +14,14 @@ Two equivalent ways to finetune with gradient filtering:
 import copy
 from typing import Any, Dict, Optional, Sequence
 
+import torch
 from mmseg.registry import MODELS
 from torch import nn
 
 from ..accounting.budget import check_budget
 from ..ops import check_radius
 from .budget import choose_layers_by_budget
+from .cpu_distributed import revert_sync_batchnorm_on_cpu
 from .selection import select_layers
 from .state import get_state
 from .surgery import apply_gradient_filter, check_mode
@@ -233,6 +235,10 @@ def build_grad_filter_model(model: dict,
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
     segmentor = MODELS.build(model)
+    if not torch.cuda.is_available():
+        # before the lean region makes its norms lean: a later revert (the
+        # CPU DDP wrapper's, mmengine's in one process) would replace them
+        segmentor = revert_sync_batchnorm_on_cpu(segmentor)
     size = settings['input_size'] or DEFAULT_INPUT_SIZE
     select_and_apply(segmentor, settings, size)
     return segmentor

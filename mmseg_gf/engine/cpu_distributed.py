@@ -7,13 +7,48 @@ and :func:`init_cpu_process_group` for a distributed launch without CUDA.
 from datetime import timedelta
 
 import torch
-from mmengine.model import MMDistributedDataParallel
+from mmengine.logging import print_log
+from mmengine.model import MMDistributedDataParallel, revert_sync_batchnorm
 from mmengine.registry import MODEL_WRAPPERS
+from torch import nn
 
 __all__ = [
     'CPU_DDP_WRAPPER', 'CPUDistributedDataParallel', 'prepare_cpu_distributed',
-    'init_cpu_process_group'
+    'init_cpu_process_group', 'revert_sync_batchnorm_on_cpu'
 ]
+
+
+def _sync_batchnorm_types() -> tuple:
+    types = [nn.SyncBatchNorm]
+    try:
+        from mmcv.ops import SyncBatchNorm
+        types.append(SyncBatchNorm)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def revert_sync_batchnorm_on_cpu(module: nn.Module) -> nn.Module:
+    """``module`` with its SyncBN layers as plain BN (mmengine's
+    ``revert_sync_batchnorm``, Parameters and running statistics shared),
+    logged in one line; unchanged when it has none.
+
+    SyncBN needs CUDA: torch's DDP refuses a CPU module holding one
+    ("SyncBatchNorm layers only work with GPU modules"), and every config
+    of mmseg's zoo uses it. On CPU each process then normalises a training
+    BN with its own batch's statistics; a frozen BN (eval mode, the
+    gradient filter's default) computes the same either way.
+    """
+    count = sum(isinstance(m, _sync_batchnorm_types())
+                for m in module.modules())
+    if not count:
+        return module
+    print_log(
+        f'{count} SyncBatchNorm layers reverted to BatchNorm (mmengine\'s '
+        'revert_sync_batchnorm): SyncBN runs on CUDA only; in a CPU '
+        'distributed run (gloo) each process normalises a training BN with '
+        'its own batch', logger='current')
+    return revert_sync_batchnorm(module)
 
 #: mmengine's Runner always passes ``device_ids=[LOCAL_RANK]`` to a DDP
 #: wrapper, which torch refuses for a CPU module.
@@ -22,10 +57,12 @@ CPU_DDP_WRAPPER = 'CPUDistributedDataParallel'
 
 @MODEL_WRAPPERS.register_module(name=CPU_DDP_WRAPPER, force=True)
 class CPUDistributedDataParallel(MMDistributedDataParallel):
-    """``MMDistributedDataParallel`` for CPU modules: no device ids."""
+    """``MMDistributedDataParallel`` for CPU modules: no device ids, SyncBN
+    reverted to BN (:func:`revert_sync_batchnorm_on_cpu`)."""
 
     def __init__(self, module, device_ids=None, **kwargs):
-        super().__init__(module=module, device_ids=None, **kwargs)
+        super().__init__(module=revert_sync_batchnorm_on_cpu(module),
+                         device_ids=None, **kwargs)
 
 
 def prepare_cpu_distributed(cfg):

@@ -36,7 +36,8 @@ RadiusSetting = Union[int, str, Dict[str, Union[int, str]]]
 
 __all__ = [
     'ConvRecord', 'LayerRecord', 'LayerChoice', 'trace_convs',
-    'trace_layers', 'select_layers', 'auto_radius', 'resolve_radius'
+    'trace_layers', 'select_layers', 'auto_radius', 'resolve_radius',
+    'check_radius_paths'
 ]
 
 
@@ -155,6 +156,31 @@ def resolve_radius(radius: RadiusSetting, path: str,
     return check_radius(radius)
 
 
+def check_radius_paths(model: nn.Module, radius: RadiusSetting) -> None:
+    """Refuse a ``radius`` dict with a key that is no module path of
+    ``model`` (a typo), whatever else it holds: a ``'*'`` fallback would
+    otherwise give the misspelt layers its radius without a word.
+
+    Raises:
+        ValueError: naming the key, close matches and the allowed keys.
+    """
+    if not isinstance(radius, dict):
+        return
+    paths = [n for n, _ in model.named_modules() if n]
+    known = set(paths)
+    for key in radius:
+        if key in ('', '*') or (isinstance(key, str) and key in known):
+            continue
+        close = difflib.get_close_matches(str(key), paths, n=3)
+        hint = f'; did you mean {close}?' if close else ''
+        raise ValueError(
+            f'gradient_filter radius: no module {key!r} in '
+            f'{type(model).__name__}{hint}; allowed keys: \'*\' (the '
+            'fallback) or module paths of the model (a layer or a '
+            'container of layers, e.g. \'decode_head\'), values: an int '
+            '>= 1 or \'auto\'')
+
+
 def _check_filterable(path: str, module: nn.Module) -> None:
     if kind_of(module) is None:
         raise ValueError(
@@ -209,6 +235,7 @@ def select_layers(model: nn.Module,
                          f'and layers, got num_layers={num_layers!r}, '
                          f'layers={layers!r}')
     model = unwrap_model(model)
+    check_radius_paths(model, radius)
     if records is None or any(r.feeds_output is None for r in records):
         records = trace_layers(model, input_size)
     if not records:
@@ -250,7 +277,8 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
             f'path that the output depends on besides its classifiers '
             f'{classifiers}, so num_layers has nothing to choose from '
             '(allowed: a segmentor with nn.Conv2d layers; to train the '
-            "classifier alone, use layers=['decode_head.conv_seg'])")
+            'classifier alone, use CalibrationHook(trainable=[...]) as '
+            'configs/_base_/strategies/classifier_only.py does)')
     if isinstance(num_layers, bool) or not isinstance(
             num_layers, int) or not 1 <= num_layers <= len(pool):
         note = (f'; not counted, as no gradient of the output reaches '
@@ -291,6 +319,14 @@ def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
         hint = f'; did you mean {close}?' if close else ''
         raise ValueError(f'gradient_filter layers: no module {path!r} in '
                          f'{type(model).__name__}{hint}')
+    if is_classifier(path):
+        raise ValueError(
+            f'gradient_filter layers: {path!r} is the decode head\'s '
+            'classifier, which every setting trains with its exact '
+            'gradient (fused with the loss) and never filters; allowed: '
+            'the convs before it. To train the classifier alone, use '
+            'CalibrationHook(trainable=[...]) as '
+            'configs/_base_/strategies/classifier_only.py does')
     mod = modules[path]
     inside = [
         r for r in records

@@ -53,6 +53,7 @@ from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
 from ..ops.lean_pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
                              WindowOffsetMaxPoolFunction)
 from ..ops.resize import strided_gradient_resizes
+from ..ops.resized_loss import LabelRangeError
 from .gf_conv import is_filterable_conv, with_mmcv_wrapper
 from .layer_kinds import is_filtered
 from .lean_head import (ClassifierCapture, base_decode_head,
@@ -281,6 +282,12 @@ class _LeanLossHead:
             if reason is not None:
                 disable_classifier_fusion(self, reason)
             return lean_head_losses(self, seg_logits, batch_data_samples)
+        except LabelRangeError:
+            # Bad data, not a property of the head: this batch runs mmseg's
+            # own loss (its error, or what it does with such labels), the
+            # next batch the lean loss again.
+            torch.set_rng_state(rng)
+            return super().loss_by_feat(seg_logits, batch_data_samples)
         except ValueError as error:  # this loss needs autograd's own path
             self._lean_loss_off = self._fused_classifier_off = str(error)
             log_fallback_once(self, str(error))

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
-from ..ops.resized_loss import resized_cross_entropy
+from ..ops.resized_loss import check_labels, resized_cross_entropy
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
            'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
@@ -150,6 +150,7 @@ def _class_weight_map(logits: Tensor, label: Tensor, ignore_index: int,
     if table.numel() != logits.shape[1]:
         raise ValueError(f'class_weight has {table.numel()} entries for '
                          f'{logits.shape[1]} classes')
+    check_labels(label, logits.shape[1], ignore_index)  # before indexing
     return selection_weights(label, label != ignore_index, table,
                              torch.float32)
 

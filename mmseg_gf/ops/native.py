@@ -49,11 +49,14 @@ def available() -> bool:
 
 
 def usable(t: Tensor) -> bool:
-    """The kernels take contiguous NCHW float32 / float64 CPU tensors, in
-    eager mode (under ``torch.compile`` the traceable PyTorch path runs)."""
+    """The kernels take non-empty contiguous NCHW float32 / float64 CPU
+    tensors, in eager mode (under ``torch.compile`` the traceable PyTorch
+    path runs; every compiled entry point refuses other tensors with a
+    RuntimeError)."""
     return (available() and t.device.type == 'cpu'
             and t.dtype in (torch.float32, torch.float64) and t.dim() == 4
-            and t.is_contiguous() and not torch.compiler.is_compiling())
+            and t.numel() > 0 and t.is_contiguous()
+            and not torch.compiler.is_compiling())
 
 
 def patch_sums(t: Tensor, rows: Patches, cols: Patches,

@@ -148,7 +148,8 @@ def capture_layer_io(layers: List[Tuple[str, nn.Module]]):
     """Context manager recording each layer's input and output gradient.
 
     Use around one forward + backward; afterwards ``records[name]`` holds
-    ``(x, g_y)``. Used by the SNR hook and ``tools/analyze_gradients.py``.
+    ``(x, g_y)``. Used by ``GradientQualityHook`` and by
+    ``mmseg_gf.analysis.model_quality`` (``tools/gradient_quality.py``).
     """
     return _LayerRecorder(layers)
 

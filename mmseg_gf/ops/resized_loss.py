@@ -44,7 +44,13 @@ except ImportError:  # not built: the PyTorch path
     _kernel = None
 
 __all__ = ['ResizedCrossEntropy', 'resized_cross_entropy', 'kernel_usable',
-           'check_labels']
+           'check_labels', 'LabelRangeError']
+
+
+class LabelRangeError(ValueError):
+    """A label outside ``[0, classes)`` that is not ``ignore_index``: bad
+    data of one batch, not a property of the loss (a caller falls back to
+    its plain loss for that batch only)."""
 
 
 @dataclass
@@ -119,9 +125,15 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
             run) or the PyTorch path (False); default: the kernel where
             :func:`kernel_usable`.
 
+    Top-1 hits follow mmseg's ``accuracy`` (``topk(1)`` over the classes of
+    the upsampled logits) also where logits are not finite: a NaN counts as
+    the largest value and, among equals, ``topk`` picks the index it picks
+    (:func:`_topk_hits`).
+
     Raises:
-        ValueError: shapes that do not fit, or a label outside ``[0, C)``
-            that is not ``ignore_index``.
+        ValueError: shapes that do not fit.
+        LabelRangeError: a label outside ``[0, C)`` that is not
+            ``ignore_index``.
     """
     _check(logits, label, weight)
     logits = logits.detach()
@@ -132,10 +144,33 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
                            'run here: it needs mmseg_gf._resized_loss built '
                            'and float32 CPU logits without autocast')
     if use_kernel:
-        return _compiled(logits, label, ignore_index, align_corners, weight,
+        out = _compiled(logits, label, ignore_index, align_corners, weight,
+                        want_grad, want_pixels, sigmoid)
+    else:
+        out = _reference(logits, label, ignore_index, align_corners, weight,
                          want_grad, want_pixels, sigmoid)
-    return _reference(logits, label, ignore_index, align_corners, weight,
-                      want_grad, want_pixels, sigmoid)
+    if not bool(torch.isfinite(logits.sum())):  # one pass, no copy
+        _topk_hits(logits, label, ignore_index, align_corners, out.hits)
+    return out
+
+
+def _topk_hits(logits: Tensor, label: Tensor, ignore_index: int,
+               align_corners: bool, hits: Tensor) -> None:
+    """Recount, in place, the hits of every image whose logits are not all
+    finite as mmseg's ``accuracy`` counts them: ``topk(1)`` over the classes
+    of ``F.interpolate``'s upsampled logits. With NaN or equal infinities
+    ``topk`` and ``argmax`` (or the kernel's running maximum) pick
+    different classes; finite logits keep the fast count (the two agree
+    but for exact ties). One image's upsampled logits at a time."""
+    for i in range(logits.shape[0]):
+        if bool(torch.isfinite(logits[i]).all()):
+            continue
+        target = label[i:i + 1]
+        with torch.no_grad():
+            up = F.interpolate(logits[i:i + 1], size=target.shape[-2:],
+                               mode='bilinear', align_corners=align_corners)
+            top = up.topk(1, dim=1).indices[:, 0]
+        hits[i] = (top.eq(target) & (target != ignore_index)).sum()
 
 
 def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
@@ -150,7 +185,7 @@ def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
                 bool(want_pixels), bool(sigmoid))
     except RuntimeError as error:
         if 'labels must lie' in str(error):
-            raise ValueError(str(error).splitlines()[0]) from None
+            raise LabelRangeError(str(error).splitlines()[0]) from None
         raise
     return ResizedCrossEntropy(
         loss, hits, grad if want_grad else None,
@@ -159,11 +194,12 @@ def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
 
 
 def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
-    """Raise ValueError on a label outside ``[0, classes)`` that is not
-    ``ignore_index``.
+    """Raise :class:`LabelRangeError` on a label outside ``[0, classes)``
+    that is not ``ignore_index``.
 
-    On the CPU at once. On other devices without waiting for them (reading
-    a tensor's value on the host would stall every step): a device-side
+    On the CPU at once, image by image (small temporaries). On other
+    devices without waiting for them (reading a tensor's value on the host
+    would stall every step): a device-side
     assertion with the same message, as torch's own ``cross_entropy``
     asserts on CUDA for a target out of range; it surfaces at the next
     synchronisation, and a CUDA context does not survive it.
@@ -173,11 +209,17 @@ def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
         torch._assert_async(ok.all(), f'labels must lie in [0, {classes}) '
                             f'or be ignore_index={ignore_index}')
         return
+    for image in (target if target.dim() > 2 else [target]):
+        _check_image_labels(image, classes, ignore_index)
+
+
+def _check_image_labels(target: Tensor, classes: int,
+                        ignore_index: int) -> None:
     valid = target[target != ignore_index]
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= classes):
-        raise ValueError(f'labels must lie in [0, {classes}) or be '
-                         f'ignore_index={ignore_index}; found '
-                         f'{int(valid.min())}..{int(valid.max())}')
+        raise LabelRangeError(f'labels must lie in [0, {classes}) or be '
+                              f'ignore_index={ignore_index}; found '
+                              f'{int(valid.min())}..{int(valid.max())}')
 
 
 def _pixel_losses(up: Tensor, target: Tensor, ignore_index: int,

@@ -203,7 +203,8 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                        input_dtype: torch.dtype, need_input: bool,
                        need_weight: bool, need_bias: bool
                        ) -> Tuple[Tensor, Tensor, Tensor]:
-    """GF_SPEC steps 1-5 for a kernel that collapses on both axes.
+    """The backward of docs/gradient_filter.md#backward (steps 1-4 and the
+    bias) for a kernel that collapses on both axes.
 
     ``input_pooled`` is :func:`patch_sums`' output (``None`` unless the
     weight gradient is needed), ``rows`` / ``cols`` the input patches

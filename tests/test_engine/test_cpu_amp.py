@@ -37,3 +37,34 @@ def test_enable_amp_without_cuda():
     bad = Config(dict(optim_wrapper=dict(type='ApexOptimWrapper')))
     with pytest.raises(ValueError, match='only supported when'):
         enable_amp(bad)
+
+
+def test_precision_summary_names_the_autocast_dtype():
+    from mmengine.optim import OptimWrapper
+    from mmseg_gf.engine.train_log import precision_summary
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    amp = CPUAmpOptimWrapper(optimizer=optimizer)
+    assert precision_summary(amp) == (
+        'training precision: AMP on: cpu autocast to bfloat16 '
+        '(CPUAmpOptimWrapper)')
+    assert precision_summary(OptimWrapper(optimizer=optimizer)) == (
+        "training precision: AMP off (parameters' dtype, OptimWrapper)")
+
+
+def test_peak_resident_memory_covers_the_interval_since_reset():
+    """A 64 MiB tensor written after a reset raises the peak by about as
+    much; after it is freed and the peak reset, the peak falls again."""
+    from mmseg_gf.engine.train_log import PeakResidentMemory
+    meter = PeakResidentMemory()
+    if not meter.reset():
+        pytest.skip('no resettable VmHWM here')
+    before = meter.peak_mib()
+    big = torch.ones(16 << 20)  # 64 MiB, written
+    during = meter.peak_mib()
+    del big
+    meter.reset()
+    after = meter.peak_mib()
+    assert during - before > 48, (before, during)
+    from mmseg_gf.engine.cpu_memory import cpu_memory_kept
+    if not cpu_memory_kept():  # else malloc keeps the freed block resident
+        assert after < during - 48, (during, after)

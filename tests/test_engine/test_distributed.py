@@ -102,3 +102,63 @@ def test_ddp_tools_train_matches_single_process(workspace, tmp_path,
     moved = single['decode_head.bottleneck.conv.weight'] - \
         workspace['init_state']['decode_head.bottleneck.conv.weight']
     assert moved.abs().max() > 1e-4
+
+
+#: A config of mmseg's zoo as it comes (SyncBN everywhere, an auxiliary
+#: head, Cityscapes): only the data, the schedule and the downloads change.
+ZOO_CONFIG = 'pspnet/pspnet_r18-d8_4xb2-80k_cityscapes-512x1024.py'
+
+
+def _zoo_config(tmp_path, out):
+    from mmseg_gf.datasets.synthetic import make_cityscapes
+    from mmseg_gf.engine.zoo import mmseg_config_dir
+    base = osp.join(mmseg_config_dir(), ZOO_CONFIG)
+    assert osp.isfile(base), base
+    data = make_cityscapes(str(tmp_path / 'cityscapes'), num_train=2,
+                           num_val=0, size=(64, 64))
+    pipeline = [dict(type='LoadImageFromFile'), dict(type='LoadAnnotations'),
+                dict(type='PackSegInputs')]
+    text = f'''_base_ = [{base!r}]
+custom_imports = dict(imports=['mmseg_gf', 'tests._train_hooks'],
+                      allow_failed_imports=False)
+custom_hooks = [dict(type='GradFilterHook', num_layers=5, radius=4),
+                dict(type='StateDumpHook', out={str(out)!r})]
+model = dict(pretrained=None, data_preprocessor=dict(size=(64, 64)),
+             decode_head=dict(dropout_ratio=0.0))
+train_dataloader = dict(batch_size=1, num_workers=0,
+                        persistent_workers=False,
+                        dataset=dict(data_root={data!r},
+                                     pipeline={pipeline!r}))
+train_cfg = dict(max_iters=2, val_interval=10**6)
+val_cfg = None
+val_dataloader = None
+val_evaluator = None
+test_cfg = None
+test_dataloader = None
+test_evaluator = None
+default_hooks = dict(logger=dict(interval=1),
+                     checkpoint=dict(interval=10**6))
+'''
+    path = tmp_path / 'zoo_hook.py'
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.ddp
+def test_ddp_zoo_config_with_syncbn_and_the_hook(tmp_path):
+    """An unchanged zoo config (SyncBN) plus GradFilterHook, 2 processes
+    on CPU: SyncBN becomes BN (one log line), both ranks train the same
+    last 5 convs and end with identical parameters."""
+    out = tmp_path / 'out'
+    out.mkdir()
+    log = _torchrun(_zoo_config(tmp_path, out), str(tmp_path / 'work'))
+    assert 'SyncBatchNorm layers reverted to BatchNorm' in log
+    assert 'SyncBatchNorm layers only work with GPU modules' not in log
+    ranks = [torch.load(osp.join(out, f'rank{r}.pth')) for r in (0, 1)]
+    for info in ranks:
+        assert info['world_size'] == 2 and info['backend'] == 'gloo'
+        assert info['wrapper'] == 'CPUDistributedDataParallel'
+        assert len(info['gf_paths']) == 5 and info['iter'] == 2
+        assert info['lean']['norm'] > 0
+    for key, value in ranks[0]['state'].items():
+        assert torch.equal(value, ranks[1]['state'][key]), key

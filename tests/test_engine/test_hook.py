@@ -293,3 +293,20 @@ def test_plain_checkpoint_loads_into_gf_model_by_key(workspace, hook_run,
     frozen = [k for k in state if k.rsplit('.', 1)[0] not in PSP5]
     assert len(frozen) > 100
     assert all(torch.equal(state[k], init[k]) for k in frozen)
+
+
+def test_training_log_states_precision_and_cpu_peak_memory(hook_run):
+    """The log names the training precision and, on CPU, every iteration
+    line carries the measured peak resident memory (``peak_rss``, MiB)."""
+    import glob
+    import re
+    from mmseg_gf.engine.train_log import PeakResidentMemory
+    logs = glob.glob(osp.join(hook_run.work_dir, '*', '*.log'))
+    text = open(sorted(logs)[-1]).read()
+    assert 'training precision: AMP off' in text
+    iters = [line for line in text.splitlines() if 'Iter(train)' in line]
+    assert len(iters) == 3
+    if PeakResidentMemory().supported:
+        peaks = [float(re.search(r'peak_rss: ([\d.]+)', line).group(1))
+                 for line in iters]
+        assert all(p > 10 for p in peaks), peaks

@@ -82,13 +82,10 @@ def test_explicit_paths_and_containers():
         'backbone.layer4.1.conv1', 'backbone.layer4.1.conv2',
         'decode_head.bottleneck.conv'
     ]
-    # a container skips the classifier; naming it takes it
+    # a container skips the classifier (always trained, never filtered)
     head = select_layers(model, layers=['decode_head'], radius=4,
                          input_size=(64, 64))
     assert [c.path for c in head] == PSP
-    seg = select_layers(model, layers=['decode_head.conv_seg'], radius=1,
-                        input_size=(64, 64))
-    assert [c.path for c in seg] == ['decode_head.conv_seg']
 
 
 def test_depthwise_selected():
@@ -136,6 +133,18 @@ def test_auto_and_dict_radius():
     (dict(num_layers=2, radius=0), 'radius must be an int >= 1'),
     (dict(num_layers=2, radius='big'), "radius must be an int >= 1, 'auto'"),
     (dict(num_layers=2, radius={'backbone': 2}), 'no key of'),
+    # a typo is an error whatever else the dict holds
+    (dict(num_layers=2, radius={'*': 2, 'decode_head.bottlenek': 8}),
+     "radius: no module 'decode_head.bottlenek'.*did you mean.*"
+     "decode_head.bottleneck.*allowed keys: '\\*'"),
+    (dict(layers=['decode_head'], radius={'decode_head': 2, 'backbon': 8}),
+     "radius: no module 'backbon'.*did you mean.*'backbone'"),
+    # the classifier is trained exactly by every setting, never filtered
+    (dict(layers=['decode_head.conv_seg']),
+     "'decode_head.conv_seg' is the decode head's classifier.*"
+     'CalibrationHook'),
+    (dict(layers=['decode_head.bottleneck', 'decode_head.conv_seg']),
+     'classifier'),
 ])
 def test_bad_selection(kwargs, match):
     model = get_model('pspnet_r18')

@@ -464,3 +464,89 @@ def test_classifier_input_and_logits_are_freed_after_the_loss():
     gc.collect()
     assert losses['loss_ce'].requires_grad
     assert [r() for r in refs] == [None, None]
+
+
+def _outcome(head, inputs, samples):
+    """What ``head.loss`` gives: ``('ok', losses)`` or ``(error type,
+    message)``; no backward."""
+    head.train()
+    torch.manual_seed(3)
+    try:
+        out = head.loss([x.clone().requires_grad_(True) for x in inputs],
+                        samples, None)
+    except Exception as error:  # mmseg's own error is the point
+        return type(error).__name__, str(error)
+    return 'ok', {k: v.detach() for k, v in out.items()}
+
+
+@pytest.mark.parametrize('case', ['ce', 'class_weight', 'sigmoid',
+                                  'ohem_sampler'])
+def test_a_bad_label_fails_its_batch_only(case):
+    """A label outside [0, K) that is not ignored: that batch gets what
+    mmseg's own loss gives (its error, the same type and message), and the
+    next clean batch runs the lean loss again: mmseg's losses and
+    gradients, and no more kept for backward than a lean head that never
+    saw the bad batch."""
+    plain = _fcn_head(case)
+    lean = copy.deepcopy(plain)
+    make_lean(lean)
+    fresh = copy.deepcopy(lean)
+    inputs = _inputs([(2, 4) + LOW], 1)
+    bad = _samples(2, 2)
+    bad[0].gt_sem_seg.data[0, 7, 9] = K
+    want, got = _outcome(plain, inputs, bad), _outcome(lean, inputs, bad)
+    assert got[0] == want[0]
+    if want[0] == 'ok':
+        for key in want[1]:
+            torch.testing.assert_close(got[1][key], want[1][key], rtol=1e-5,
+                                       atol=0, equal_nan=True)
+    else:
+        assert got[1] == want[1]
+    clean = _samples(2, 3, ignore=False)  # mmseg 1.2.2's class weights
+    assert _kept_bytes(lean, inputs, clean) == \
+        _kept_bytes(fresh, inputs, clean)
+    for head in (plain, lean):
+        head.zero_grad(set_to_none=True)
+    _compare(plain, lean, [(inputs, clean, 1.0)])
+
+
+def _nan_input():
+    """One image's input pixel NaN."""
+    inputs = _inputs([(2, 4) + LOW], 1)
+    inputs[0][0, :, 2, 3] = float('nan')
+    return inputs
+
+
+@pytest.mark.parametrize('native', [True, False], ids=['kernel', 'pytorch'])
+@pytest.mark.parametrize('partial', [True, False])
+@pytest.mark.parametrize('case', ['ce', 'sigmoid', 'ohem_sampler'])
+def test_nan_input_gives_mmseg_accuracy(case, partial, native, monkeypatch):
+    """A NaN input pixel: NaN loss on both heads, and the accuracy that
+    mmseg's ``accuracy`` (``topk`` over the upsampled logits) gives, on the
+    compiled kernel's path and on the pure-PyTorch path. ``partial``: norms
+    in eval mode, so NaN reaches the logits near that pixel only
+    (train-mode BN spreads it to every logit of the batch)."""
+    from mmseg_gf.ops import resized_loss
+    if native and resized_loss._kernel is None:
+        pytest.skip('compiled kernel not built')
+    if not native:
+        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    plain = _fcn_head(case)
+    lean = copy.deepcopy(plain)
+    make_lean(lean)
+    inputs, samples = _nan_input(), _samples(2, 2)
+    outs = []
+    for head in (plain, lean):
+        head.train()
+        if partial:
+            for m in head.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        torch.manual_seed(3)
+        outs.append(head.loss([x.clone().requires_grad_(True)
+                               for x in inputs], samples, None))
+    want, got = outs
+    loss = [k for k in want if 'loss' in k]
+    assert all(torch.isnan(want[k]) and torch.isnan(got[k]) for k in loss)
+    assert torch.equal(got['acc_seg'], want['acc_seg']), (
+        got['acc_seg'], want['acc_seg'])

@@ -141,6 +141,45 @@ def test_label_out_of_range_is_refused(kernel):
         _run(logits, label, kernel)
 
 
+@pytest.mark.parametrize('kernel', PATHS)
+def test_label_out_of_range_is_a_label_range_error(kernel):
+    """Bad data has its own error type (a ValueError), which the lean
+    loss tells apart from a loss it cannot mirror."""
+    logits, label, _ = _case((1, 3, 4, 4, 8, 8))
+    label[0, 1, 1] = -1
+    with pytest.raises(resized_loss.LabelRangeError):
+        resized_cross_entropy(logits, label, use_kernel=kernel)
+
+
+def _topk_hits(logits, label, ignore_index, align_corners):
+    """mmseg's ``accuracy`` count: top-1 of ``topk`` (not ``argmax``)
+    over the classes of the upsampled logits."""
+    up = F.interpolate(logits, size=label.shape[-2:], mode='bilinear',
+                       align_corners=align_corners)
+    top = up.topk(1, dim=1).indices[:, 0]
+    return (top.eq(label) & (label != ignore_index)).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize('kernel', PATHS)
+@pytest.mark.parametrize('sigmoid', [False, True])
+def test_non_finite_logits_count_hits_as_mmseg_accuracy(kernel, sigmoid):
+    """NaN in every class, in one class, and equal infinities: the hits
+    are those of mmseg's ``accuracy`` (``topk``), on both paths; an image
+    with finite logits keeps its count."""
+    logits, label, _ = _case((3, 5, 6, 7, 24, 28), seed=6)
+    logits[0, :, 1, 2] = float('nan')
+    logits[0, 3, 4, 5] = float('nan')
+    logits[1, 1:4, 2, 2] = float('inf')
+    out = resized_cross_entropy(logits, label, use_kernel=kernel,
+                                sigmoid=sigmoid, want_grad=False)
+    want = _topk_hits(logits, label, 255, False)
+    assert out.hits.tolist() == want.tolist()
+    # the case differs from argmax's count, else it would prove nothing
+    argmax = (F.interpolate(logits, size=label.shape[-2:], mode='bilinear')
+              .argmax(1).eq(label) & (label != 255)).flatten(1).sum(1)
+    assert argmax[:2].tolist() != want[:2].tolist()
+
+
 def test_bad_shapes_are_refused():
     logits, label, weight = _case((2, 3, 4, 4, 8, 8))
     with pytest.raises(ValueError, match='N x H x W'):

@@ -234,3 +234,43 @@ def test_a_zoo_config_offline_with_a_named_setting(capsys):
     assert all(layer['radius'] == 4 for layer in layers)
     with pytest.raises(SystemExit):
         analyze_cost.main([path, '--setting', 'gf_last5'])
+
+
+def test_a_config_trained_by_the_hook_is_analysed_with_its_settings(
+        tmp_path, capsys):
+    """An unchanged config plus GradFilterHook: without --setting the tool
+    counts what the hook trains (its last 3 convs at r = 2), not every
+    conv."""
+    path = tmp_path / 'fcn_hook.py'
+    path.write_text(
+        f"_base_ = [{osp.join(REPO, 'configs/_base_/models/fcn_r18-d8.py')!r}]"
+        '\nmodel = dict(decode_head=dict(num_classes=5))\n'
+        "custom_imports = dict(imports=['mmseg_gf'], "
+        'allow_failed_imports=False)\n'
+        "custom_hooks = [dict(type='GradFilterHook', num_layers=3, "
+        'radius=2, log_table=False)]\n')
+    result = analyze_cost.main([str(path), '--shape', '64'])
+    printed = capsys.readouterr().out
+    assert "setting: the config's GradFilterHook" in printed
+    cost = result['cost']
+    assert cost['mode'] == 'gf' and cost['num_layers'] == 3
+    assert [layer['radius'] for layer in cost['layers']] == [2, 2, 2]
+    # --setting still wins
+    result = analyze_cost.main([str(path), '--shape', '64', '--setting',
+                                'vanilla_last2'])
+    assert result['cost']['mode'] == 'vanilla'
+    assert result['cost']['num_layers'] == 2
+
+
+def test_vanilla_bp_all_says_it_counts_convs_only(capsys):
+    """"Vanilla BP All" of a model with Linear layers (Segformer-B0's
+    MiT): the summary says the count is of convs only and names what it
+    leaves out."""
+    from mmseg_gf.engine.zoo import REALTIME_FAMILIES
+    result = analyze_cost.main([REALTIME_FAMILIES['segformer_b0'].path,
+                                '--offline', '--shape', '64'])
+    printed = capsys.readouterr().out
+    cost = result['cost']
+    assert cost['mode'] == 'all' and cost['not_counted']['Linear'] > 0
+    assert 'convs only (nn.Conv2d); not counted: ' in printed
+    assert f"{cost['not_counted']['Linear']} Linear" in printed

@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip('mmseg')
 
 from mmseg_gf.analysis.step_benchmark import row_settings  # noqa: E402
+from mmseg_gf.analysis.step_jobs import family_crop  # noqa: E402
 from tests._tools import REPO, load_tool  # noqa: E402
 
 benchmark_step = load_tool('benchmark_step')
@@ -135,12 +136,12 @@ def test_family_crops():
     args = benchmark_step.parse_args([
         '--families', 'lraspp_mv3', 'stdc1', 'cgnet', '--crop', '256',
         '--family-crop', 'cgnet=128'])
-    assert benchmark_step._family_crop('lraspp_mv3', args) == (392, 392)
-    assert benchmark_step._family_crop('stdc1', args) == (256, 256)
-    assert benchmark_step._family_crop('cgnet', args) == (128, 128)
+    assert family_crop('lraspp_mv3', args) == (392, 392)
+    assert family_crop('stdc1', args) == (256, 256)
+    assert family_crop('cgnet', args) == (128, 128)
     args = benchmark_step.parse_args(['--families', 'all'])
     assert len(args.families) == 12
-    assert benchmark_step._family_crop('stdc1', args) == (512, 1024)
+    assert family_crop('stdc1', args) == (512, 1024)
     with pytest.raises(SystemExit):
         benchmark_step.parse_args([])
     with pytest.raises(SystemExit):

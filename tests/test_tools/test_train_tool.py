@@ -180,6 +180,14 @@ BAD = {
                      r"radius must be an int >= 1, 'auto'.*got 2.5"),
     'radius dict': (dict(gf=dict(radius={'decode_head': -1})), ValueError,
                     r'radius must be an int >= 1'),
+    'radius path typo': (
+        dict(gf=dict(radius={'*': 2, 'decode_head.bottlenek': 8})),
+        ValueError, r"radius: no module 'decode_head.bottlenek'.*"
+        r"did you mean.*'decode_head.bottleneck'"),
+    'classifier in layers': (
+        dict(gf=dict(num_layers=None, layers=['decode_head.conv_seg'])),
+        ValueError, r"'decode_head.conv_seg' is the decode head's "
+        r'classifier'),
     'mode': (dict(gf=dict(mode='fast')), ValueError,
              r"mode must be one of \('gf', 'vanilla'\), got 'fast'"),
     'layer path': (dict(gf=dict(num_layers=None,

@@ -32,6 +32,8 @@ from ..layer_trace import trace_layers
 from ..selection import LayerChoice
 from ..state import get_state
 from ..surgery import get_gradient_filter_layers
+from ..train_log import (PEAK_KEY, PeakResidentMemory, logged_now,
+                         precision_summary)
 
 __all__ = ['GradFilterHook']
 
@@ -114,6 +116,7 @@ class GradFilterHook(Hook):
         ) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
+        self._peak_memory: Optional[PeakResidentMemory] = None
 
     def before_run(self, runner) -> None:
         """Check the checkpoint to be loaded, before anything is trained.
@@ -167,6 +170,11 @@ class GradFilterHook(Hook):
                 'its config (GradFilterModel); hook settings are ignored')
         set_frozen_norms_eval(model)
         _reuse_cpu_memory(runner, model)
+        wrapper = getattr(runner, 'optim_wrapper', None)
+        if hasattr(wrapper, 'optim_context'):  # built (Runner.train)
+            runner.logger.info(
+                f'GradFilterHook: {precision_summary(wrapper)}')
+        self._peak_memory = _cpu_peak_memory(runner, model)
         budget = get_state(model).budget
         if budget is not None:
             runner.logger.info(f'GradFilterHook: {budget.summary()}')
@@ -199,6 +207,39 @@ class GradFilterHook(Hook):
                           data_batch: Any = None) -> None:
         """mmengine loops call ``model.train()``: re-freeze norm stats."""
         set_frozen_norms_eval(runner.model)
+
+    def after_train_iter(self, runner, batch_idx: int,
+                         data_batch: Any = None, outputs: Any = None) -> None:
+        """On CPU, put the peak resident memory since the previous log
+        line into the next one (``peak_rss``, MiB; this hook runs before
+        the ``LoggerHook``), and start a new interval once it is logged."""
+        if self._peak_memory is None:
+            return
+        peak = self._peak_memory.peak_mib()
+        if peak is not None:
+            runner.message_hub.update_scalar(f'train/{PEAK_KEY}', peak)
+        if logged_now(runner, batch_idx):
+            self._peak_memory.reset()
+
+
+def _cpu_peak_memory(runner, model: nn.Module
+                     ) -> Optional[PeakResidentMemory]:
+    """A peak-memory meter for a model training on CPU (mmengine logs
+    CUDA's own ``memory``), started now; None on other devices or where
+    the process's peak cannot be read and reset (logged)."""
+    if any(p.device.type != 'cpu' for p in model.parameters()):
+        return None
+    meter = PeakResidentMemory()
+    if not meter.reset():
+        runner.logger.info(
+            'GradFilterHook: the peak memory of CPU steps is not logged '
+            '(no resettable VmHWM in /proc/self on this system)')
+        return None
+    runner.logger.info(
+        f'GradFilterHook: each log line\'s {PEAK_KEY} is the process\'s '
+        'peak resident memory (Linux VmHWM, MiB) over the iterations since '
+        'the previous line')
+    return meter
 
 
 def _reuse_cpu_memory(runner, model: nn.Module) -> None:

@@ -53,6 +53,11 @@ struct AxisTaps {
                           : ratio * (o + static_cast<opmath_t>(0.5)) -
                                 static_cast<opmath_t>(0.5);
       if (!align_corners && real < 0) real = 0;
+      // A scale far from in / out (or NaN) must not overflow the index
+      // below; real >= in gives index in - 1 and lambda 1 either way.
+      if (!(real <= static_cast<opmath_t>(in))) {
+        real = static_cast<opmath_t>(in);
+      }
       const int64_t index =
           std::min(static_cast<int64_t>(std::floor(real)), in - 1);
       const opmath_t lambda = std::min(
@@ -121,6 +126,15 @@ void bilinear_backward(const at::Tensor& grad, at::Tensor& out,
               "bilinear_backward: N x C x H x W gradient and result");
   TORCH_CHECK(grad.scalar_type() == out.scalar_type(),
               "bilinear_backward: one dtype");
+  TORCH_CHECK(grad.scalar_type() == at::kFloat ||
+                  grad.scalar_type() == at::kDouble,
+              "bilinear_backward: float32 or float64, got ",
+              grad.scalar_type());
+  TORCH_CHECK(grad.size(2) > 0 && grad.size(3) > 0 && out.size(2) > 0 &&
+                  out.size(3) > 0,
+              "bilinear_backward: input and output sizes must be > 0, got "
+              "gradient ",
+              grad.sizes(), " and result ", out.sizes());
   TORCH_CHECK(out.is_contiguous(), "bilinear_backward: contiguous result");
   const int64_t ho = grad.size(2), wo = grad.size(3);
   TORCH_CHECK(grad.stride(3) == 1 && grad.stride(2) == wo &&

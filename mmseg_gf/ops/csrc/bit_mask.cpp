@@ -145,6 +145,7 @@ void apply_bits(const scalar_t* g, const uint8_t* bits, scalar_t* out,
 }
 
 void check_dense_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), name, " must be a tensor");
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }

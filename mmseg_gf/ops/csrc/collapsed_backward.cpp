@@ -34,14 +34,25 @@ std::vector<torch::Tensor> collapsed_backward(
     int64_t in_height, int64_t in_width, int64_t in_start_h, int64_t in_size_h,
     int64_t in_start_w, int64_t in_size_w, int64_t radius, bool need_input,
     bool need_weight, bool need_bias) {
-  call_counter().fetch_add(1, std::memory_order_relaxed);
   check_input(grad_output, "grad_output");
+  TORCH_CHECK(grad_output.numel() > 0, "grad_output must not be empty, got ",
+              grad_output.sizes());
+  TORCH_CHECK(weight.defined() && weight.device().is_cpu() &&
+                  weight.dim() == 4 && weight.numel() > 0,
+              "weight must be a non-empty Co x Ci/groups x kh x kw CPU "
+              "tensor");
   TORCH_CHECK(weight.scalar_type() == grad_output.scalar_type(),
               "weight and grad_output must have the same dtype");
+  TORCH_CHECK(groups >= 1, "groups must be >= 1, got ", groups);
+  TORCH_CHECK(radius >= 1, "radius must be >= 1, got ", radius);
+  TORCH_CHECK(in_height >= 1 && in_width >= 1,
+              "the input size must be >= 1 x 1, got ", in_height, " x ",
+              in_width);
   const int64_t N = grad_output.size(0), Co = grad_output.size(1);
   const int64_t ci_g = weight.size(1), co_g = Co / groups, Ci = ci_g * groups;
   TORCH_CHECK(weight.size(0) == Co && co_g * groups == Co,
               "weight does not match grad_output and groups");
+  call_counter().fetch_add(1, std::memory_order_relaxed);
   const int64_t count_h = (grad_output.size(2) + radius - 1) / radius;
   const int64_t count_w = (grad_output.size(3) + radius - 1) / radius;
   const int64_t cells = count_h * count_w;
@@ -64,6 +75,8 @@ std::vector<torch::Tensor> collapsed_backward(
     TORCH_CHECK(input_pooled.has_value() && input_pooled->defined(),
                 "the weight gradient needs the pooled input");
     const torch::Tensor& pooled = *input_pooled;
+    TORCH_CHECK(pooled.device().is_cpu() && pooled.dim() == 4,
+                "pooled input must be an N x Ci x rows x cols CPU tensor");
     TORCH_CHECK(pooled.scalar_type() == grad_output.scalar_type() &&
                     pooled.size(0) == N && pooled.size(1) == Ci &&
                     pooled.size(2) == count_h && pooled.size(3) == count_w,

@@ -114,14 +114,34 @@ torch::Tensor filtered_conv2d(const torch::Tensor& input,
                               int64_t radius, int64_t start_h, int64_t size_h,
                               int64_t start_w, int64_t size_w) {
   check_input(input, "input");
+  TORCH_CHECK(input.numel() > 0, "input must not be empty, got ",
+              input.sizes());
   const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(weight.defined() && weight.device().is_cpu() &&
+                  weight.dim() == 4 && weight.numel() > 0,
+              "weight must be a non-empty Co x Ci/groups x kh x kw CPU "
+              "tensor");
+  TORCH_CHECK(!has_bias || (bias->device().is_cpu() && bias->dim() == 1 &&
+                            bias->size(0) == weight.size(0)),
+              "bias must be a CPU tensor of Co = ", weight.size(0),
+              " elements");
   TORCH_CHECK(weight.scalar_type() == input.scalar_type() &&
                   (!has_bias || bias->scalar_type() == input.scalar_type()),
               "input, weight and bias must have the same dtype");
   TORCH_CHECK(radius >= 1, "radius must be >= 1");
+  TORCH_CHECK(groups >= 1 && input.size(1) == weight.size(1) * groups &&
+                  weight.size(0) % groups == 0,
+              "groups must be >= 1 and divide the channels: input ",
+              input.sizes(), ", weight ", weight.sizes(), ", groups ", groups);
   TORCH_CHECK(
       stride.size() == 2 && padding.size() == 2 && dilation.size() == 2,
       "stride, padding and dilation must be pairs");
+  for (int i = 0; i < 2; ++i) {
+    TORCH_CHECK(stride[i] >= 1 && dilation[i] >= 1 && padding[i] >= 0,
+                "stride and dilation must be >= 1 and padding >= 0");
+  }
+  TORCH_CHECK(size_h >= 1 && size_w >= 1,
+              "input patch sizes must be >= 1, got ", size_h, " x ", size_w);
   const bool records =
       torch::GradMode::is_enabled() &&
       (input.requires_grad() || weight.requires_grad() ||

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include <c10/util/safe_numerics.h>
+
 namespace mmseg_gf {
 namespace {
 
@@ -161,10 +163,24 @@ class OutputRecycler {
 
 torch::Tensor empty_for_writing(at::IntArrayRef sizes,
                                 const at::TensorOptions& options) {
+  int64_t elements = 1;
+  for (const int64_t size : sizes) {
+    TORCH_CHECK(size >= 0, "empty_for_writing: sizes must be >= 0, got ",
+                sizes);
+    TORCH_CHECK(!c10::mul_overflows(elements, size, &elements),
+                "empty_for_writing: ", sizes, " elements overflow int64");
+  }
+  int64_t bytes = 0;
+  TORCH_CHECK(!c10::mul_overflows(
+                  elements, static_cast<int64_t>(options.dtype().itemsize()),
+                  &bytes),
+              "empty_for_writing: ", sizes, " x ", options.dtype().itemsize(),
+              " bytes overflow int64");
   return OutputRecycler::instance().empty(sizes, options);
 }
 
 int64_t set_recycle_limit(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "recycle limit must be >= 0 bytes, got ", bytes);
   return OutputRecycler::instance().set_limit(bytes);
 }
 

@@ -236,9 +236,15 @@ void spread_kernel(const scalar_t* src, scalar_t* dst, int64_t planes,
 }  // namespace
 
 void check_input(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), name, " must be a tensor");
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.dim() == 4, name, " must be N x C x H x W");
+  TORCH_CHECK(t.dim() == 4, name, " must be N x C x H x W, got ", t.dim(),
+              " dimensions");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+              name, " must be float32 or float64, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (NCHW)");
+  TORCH_CHECK(t.size(2) >= 1 && t.size(3) >= 1, name,
+              " must have H, W >= 1, got ", t.sizes());
 }
 
 void sum_patches_into(const torch::Tensor& src, const torch::Tensor& dst,
@@ -297,6 +303,9 @@ torch::Tensor spread(const torch::Tensor& grid, int64_t height, int64_t width,
                      int64_t start_h, int64_t size_h, int64_t start_w,
                      int64_t size_w) {  // grid's H, W are the patch counts
   check_input(grid, "grid");
+  TORCH_CHECK(height >= 1 && width >= 1,
+              "spread: height and width must be >= 1, got ", height, " x ",
+              width);
   const Axis ah = make_axis(height, start_h, size_h, grid.size(2));
   const Axis aw = make_axis(width, start_w, size_w, grid.size(3));
   auto out = empty_for_writing({grid.size(0), grid.size(1), height, width},

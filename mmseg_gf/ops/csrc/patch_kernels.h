@@ -38,12 +38,25 @@ struct Axis {
   int64_t hi(int64_t p) const { return clip(start + (p + 1) * size); }
 };
 
+// Refuses geometries whose arithmetic could overflow, and keeps every
+// visited patch index in [0, count) whatever `start` is (a patch grid that
+// starts past the map visits its patches as clipped border patches).
 inline Axis make_axis(int64_t extent, int64_t start, int64_t size,
                       int64_t count) {
-  TORCH_CHECK(size >= 1 && count >= 1, "patch size and count must be >= 1");
+  TORCH_CHECK(size >= 1 && count >= 1,
+              "patch size and count must be >= 1, got size ", size,
+              " and count ", count);
+  TORCH_CHECK(extent >= 0, "map extent must be >= 0, got ", extent);
+  constexpr int64_t kLimit = int64_t(1) << 40;
+  TORCH_CHECK(size <= kLimit && count <= kLimit && extent <= kLimit &&
+                  start >= -kLimit && start <= kLimit,
+              "patch geometry out of range: extent ", extent, ", start ",
+              start, ", size ", size, ", count ", count);
   const int64_t first = std::max<int64_t>(0, (-start + size - 1) / size);
-  const int64_t last = std::min<int64_t>(
-      count, start + size * count <= extent ? count : (extent - start) / size);
+  const int64_t last = std::max<int64_t>(
+      0, std::min<int64_t>(count, start + size * count <= extent
+                                      ? count
+                                      : (extent - start) / size));
   return Axis{extent, start, size, count, std::min(first, last), last};
 }
 
@@ -71,8 +84,8 @@ inline GridLayout cnhw_layout(int64_t batch, int64_t channels,
   return GridLayout{channels, cells, batch * cells};
 }
 
-// Refuses what the kernels cannot read: a non-CPU, non-4-D or
-// non-contiguous tensor.
+// Refuses what the kernels cannot read: a non-CPU, non-4-D, non-contiguous
+// or non-float32/float64 tensor, or one with an empty map (H or W of 0).
 void check_input(const torch::Tensor& t, const char* name);
 
 // dst (laid out as `layout`) = sums of src over its patches; one plane per

@@ -347,7 +347,9 @@ std::vector<torch::Tensor> resized_cross_entropy(
               "logits' N");
   const bool weighted = weight.has_value() && weight->defined();
   if (weighted) {
-    TORCH_CHECK(weight->scalar_type() == at::kFloat && weight->is_contiguous() &&
+    TORCH_CHECK(weight->device().is_cpu() &&
+                    weight->scalar_type() == at::kFloat &&
+                    weight->is_contiguous() &&
                     weight->sizes() == label.sizes(),
                 "weight must be a contiguous float32 tensor of the label's "
                 "shape");

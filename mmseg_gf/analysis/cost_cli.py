@@ -1,0 +1,122 @@
+"""What ``tools/analyze_cost.py`` does with a config: the setting it
+analyses, the per-layer cost report, the measured memory and the budget
+sweep, printed and returned as the tool's json. The tool itself parses the
+arguments and adds the paper's Table 3 comparison (:mod:`mmseg_gf.protocol`).
+
+The setting analysed is the one that trains: ``--setting`` if given, else
+the config's ``gradient_filter``, else the settings of a ``GradFilterHook``
+in its ``custom_hooks`` (an unchanged mmseg config trained with the hook),
+else none ("Vanilla BP All": every inference-path conv).
+"""
+import argparse
+import os.path as osp
+from typing import Any, Dict, Optional
+
+from mmengine.config import Config
+
+from ..accounting.report import step_kept_table
+from ..engine.config import SETTING_KEYS
+from ..engine.zoo import make_offline
+from .budget_sweep import config_sweep, sweep_markdown, sweep_plot
+from .cost_report import (cost_summary_lines, measured_memory_table,
+                          model_cost_table)
+from .measured_memory import measure_memory
+from .model_cost import config_backward_cost, config_step_saved_bytes
+from .step_benchmark import set_row_settings
+
+__all__ = ['hook_settings', 'load_config', 'report_config', 'sweep']
+
+
+def hook_settings(cfg: Config) -> Optional[Dict[str, Any]]:
+    """The gradient-filter settings of the first ``GradFilterHook`` in
+    ``cfg.custom_hooks`` that has any (its ``num_layers``, ``layers`` or
+    ``budget`` and the other :data:`SETTING_KEYS`), or None."""
+    for hook in cfg.get('custom_hooks') or []:
+        if not isinstance(hook, dict) or hook.get('type') != 'GradFilterHook':
+            continue
+        settings = {k: hook[k] for k in SETTING_KEYS
+                    if hook.get(k) is not None}
+        if any(k in settings for k in ('num_layers', 'layers', 'budget')):
+            return settings
+    return None
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    """The config with ``--cfg-options``, ``--offline`` and
+    ``--setting`` applied, in this order; without ``--setting`` and
+    ``gradient_filter``, a ``GradFilterHook``'s settings become its
+    ``gradient_filter`` (:func:`hook_settings`)."""
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.offline:
+        make_offline(cfg)
+    if args.setting is not None:
+        set_row_settings(cfg, args.setting)
+    elif cfg.get('gradient_filter') is None:
+        settings = hook_settings(cfg)
+        if settings is not None:
+            print(f'setting: the config\'s GradFilterHook {settings}')
+            cfg.gradient_filter = settings
+    return cfg
+
+
+def report_config(cfg: Config, args: argparse.Namespace) -> Dict[str, Any]:
+    """Print the config's per-layer cost table, its summary, the whole
+    step's kept bytes (lean region) and, with ``--measure``, the measured
+    memory; return them for the tool's json."""
+    out: Dict[str, Any] = {}
+    cost = config_backward_cost(cfg, args.shape, args.batch, args.radius,
+                                args.collapse_dilated)
+    print(f'config: {args.config}')
+    print(model_cost_table(cost))
+    for line in cost_summary_lines(cost):
+        print(line)
+    out.update(config=args.config, cost=cost.as_dict())
+    step = config_step_saved_bytes(cfg, args.shape)
+    if step is not None:
+        print(step.summary(args.batch))
+        print(step_kept_table(step, args.batch))
+        out['step_saved_bytes'] = dict(
+            total=step.total(args.batch),
+            by_category=step.by_category(args.batch),
+            unmodelled=step.unmodelled,
+            unmodelled_measured=step.unmodelled_bytes(args.batch))
+    if args.measure:
+        shape = args.measure_shape or args.shape
+        result = measure_memory(cfg, shape, batch=args.batch,
+                                device=args.device,
+                                num_layers=args.measure_layers,
+                                radius=args.radius)
+        print(f'\nmeasured at {shape[0]}x{shape[1]}, batch '
+              f'{args.batch}, {args.device} (saved: autograd\'s '
+              'saved_tensors_hooks; peak: ' +
+              ('max_memory_allocated' if args.device.startswith('cuda')
+               else 'torch profiler, live tensor bytes') + ')')
+        print(measured_memory_table(result))
+        out['measured'] = result
+    return out
+
+
+def sweep(cfg: Config, args: argparse.Namespace) -> Dict[str, Any]:
+    """Print the sweep table (and the budget's choice), plot it."""
+    result = config_sweep(cfg, args.shape, args.batch, args.budget)
+    error = result['error']
+    print(f'\nsettings at {args.shape[0]}x{args.shape[1]}, batch '
+          f'{args.batch} (predicted; docs/budget.md)')
+    print(sweep_markdown(result['rows'], result['choice']))
+    if error:
+        print(error)
+    if args.out:
+        path = osp.splitext(args.out)[0] + '_sweep.png'
+        sweep_plot(result['rows'], path, result['limits'],
+                   title=osp.basename(args.config))
+        print(f'plot: {path}')
+    choice = result['choice']
+    return dict(rows=result['rows'], radii=result['radii'],
+                limits=result['limits'], error=error,
+                choice=None if choice is None else dict(
+                    num_layers=choice.num_layers, radius=choice.radius,
+                    backward_gflops=choice.cost.backward_gflops,
+                    saved_mib=choice.cost.saved_mib,
+                    peak_mib=choice.cost.peak_mib))

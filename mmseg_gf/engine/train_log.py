@@ -1,0 +1,93 @@
+"""What the training log states besides mmengine's own fields: the step's
+precision and, on CPU, the measured peak memory of the logged steps.
+
+mmengine logs ``memory`` (``torch.cuda.max_memory_allocated`` since the
+previous log line) only on CUDA. On CPU, :class:`PeakResidentMemory` gives
+the process's peak resident set size (Linux ``VmHWM``) over the iterations
+since the previous log line: the peak is reset (``/proc/self/clear_refs``,
+value 5) when a logged interval starts, and ``GradFilterHook`` puts it in
+the log line as ``peak_rss`` (MiB). It counts everything the process holds
+(weights, optimizer state, Python, freed memory the C library keeps), not
+only live tensors; dataloader worker processes are not counted.
+"""
+import os
+from typing import Optional
+
+from mmengine.hooks import LoggerHook
+
+__all__ = ['precision_summary', 'PeakResidentMemory', 'logged_now']
+
+#: The log line's key of :class:`PeakResidentMemory`'s peak (MiB).
+PEAK_KEY = 'peak_rss'
+
+
+def precision_summary(optim_wrapper) -> str:
+    """One line naming the training precision: AMP's autocast dtype (and
+    the wrapper doing it) or that AMP is off."""
+    wrappers = getattr(optim_wrapper, 'optim_wrappers', None)
+    items = list(wrappers.values()) if isinstance(wrappers, dict) else [
+        optim_wrapper]
+    parts = []
+    for wrapper in items:
+        name = type(wrapper).__name__
+        if 'Amp' not in name:
+            parts.append(f'AMP off (parameters\' dtype, {name})')
+            continue
+        dtype = getattr(wrapper, 'cast_dtype', None)
+        device = 'cpu' if name.startswith('CPU') else 'cuda'
+        dtype = str(dtype).replace('torch.', '') if dtype is not None else (
+            'float16')
+        parts.append(f'AMP on: {device} autocast to {dtype} ({name})')
+    return 'training precision: ' + '; '.join(dict.fromkeys(parts))
+
+
+def _vm_hwm_bytes() -> Optional[int]:
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmHWM:'):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class PeakResidentMemory:
+    """The process's peak resident memory since the last :meth:`reset`
+    (Linux: ``VmHWM``, which ``/proc/self/clear_refs`` resets to the
+    current resident size). Process-wide: anything else reading ``VmHWM``
+    sees the reset too."""
+
+    def __init__(self) -> None:
+        self.supported = _vm_hwm_bytes() is not None and os.access(
+            '/proc/self/clear_refs', os.W_OK)
+
+    def reset(self) -> bool:
+        """Start a new interval; False where the peak cannot be reset."""
+        if not self.supported:
+            return False
+        try:
+            with open('/proc/self/clear_refs', 'w') as f:
+                f.write('5')
+        except OSError:
+            self.supported = False
+        return self.supported
+
+    def peak_mib(self) -> Optional[float]:
+        """The peak since the last reset, MiB (None where unsupported)."""
+        peak = _vm_hwm_bytes() if self.supported else None
+        return None if peak is None else round(peak / 2**20, 1)
+
+
+def logged_now(runner, batch_idx: int) -> bool:
+    """Whether the runner's ``LoggerHook`` writes a log line after this
+    training iteration (its own rule, mmengine 0.10)."""
+    for hook in runner.hooks:
+        if not isinstance(hook, LoggerHook):
+            continue
+        if hook.every_n_inner_iters(batch_idx, hook.interval):
+            return True
+        loader = runner.train_dataloader
+        return bool(hook.end_of_epoch(loader, batch_idx) and (
+            not hook.ignore_last or len(loader) <= hook.interval))
+    return False
