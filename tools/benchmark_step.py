@@ -36,8 +36,8 @@ from mmseg_gf.analysis.step_benchmark import (DEFAULT_ROWS, benchmark_model,
 from mmseg_gf.engine.config import default_input_size
 from mmseg_gf.engine.cpu_memory import cpu_memory_kept, keep_freed_cpu_memory
 from mmseg_gf.engine.tool_args import write_json
-from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, family_config,
-                                 make_offline)
+from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, ZOO_FAMILIES,
+                                 family_config, make_offline)
 from mmseg_gf.protocol import PROTOCOL_MODELS
 from mmseg_gf.protocol.experiments import step_row_config
 
@@ -50,9 +50,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('configs', nargs='*', metavar='CONFIG',
                    help='mmseg config files (any segmentor)')
     p.add_argument('--families', nargs='+', default=[],
-                   choices=sorted(REALTIME_FAMILIES) + ['all'],
-                   help="real-time families of mmseg's zoo by name "
-                   "(mmseg_gf/engine/zoo.py; 'all': the twelve), offline")
+                   choices=sorted(ZOO_FAMILIES) + ['all'],
+                   help="families of mmseg's zoo by name "
+                   "(mmseg_gf/engine/zoo.py: the twelve real-time ones, "
+                   "'all' of them, and the transformers segformer_b2, "
+                   "twins_pcpvt_s, swin_t), offline")
     p.add_argument('--models', nargs='+', default=[],
                    choices=sorted(PROTOCOL_MODELS),
                    help="the paper protocol's models")
@@ -124,7 +126,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
 def _family_crop(name: str, args) -> Tuple[int, int]:
     """``--family-crop``, else ``--crop`` raised to the family's minimum
     side, else its training crop."""
-    family = REALTIME_FAMILIES[name]
+    family = ZOO_FAMILIES[name]
     if name in args.family_crop:
         side = int(args.family_crop[name])
         return side, side
@@ -158,7 +160,7 @@ def _jobs(args) -> List[Job]:
         if args.cfg_options:
             cfg.merge_from_dict(args.cfg_options)
         crop = _family_crop(name, args)
-        jobs.append((name, REALTIME_FAMILIES[name].label, crop,
+        jobs.append((name, ZOO_FAMILIES[name].label, crop,
                      _rows(cfg, args.rows, crop)))
     for name in args.models:
         crop = tuple(args.crop or (512, 512))

@@ -198,14 +198,18 @@ class StepTracer:
 
     def _owner_hook(self, module, args, kwargs, output) -> None:
         """A module with children whose own code a rule counts (a lean
-        attention): reported as a call, with its first tensor argument
-        (positional or keyword: mmcv passes ``query=``) and its first
-        output (``nn.MultiheadAttention`` returns a pair)."""
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] or [
+        attention): reported as a call, with one tensor argument
+        (positional or keyword: mmcv passes ``query=``) as ``x`` and its
+        first output (``nn.MultiheadAttention`` returns a pair)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
             v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        # the last input needing a gradient (a key made from the query,
+        # MiT's spatially reduced one, comes after it): whether the call
+        # records, and the conv behind it
+        grads = [t for t in tensors if t.requires_grad]
         if isinstance(output, (tuple, list)) and output:
             output = output[0]
-        self._hook(module, tensors[:1], output)
+        self._hook(module, (grads or tensors)[-1:], output)
 
     def _hook(self, module, args, output) -> None:
         seq = self.seq
