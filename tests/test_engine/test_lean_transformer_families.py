@@ -14,8 +14,8 @@ and DropPath lie on the gradient path:
   in another order through SDPA, at every block the gradient crosses);
 * the step trace counts every byte by rule: nothing is "unmodelled", and
   the count equals autograd's saved bytes of a real step;
-* the budget's profile predicts the saved bytes of every other last-N
-  setting within 10%.
+* the budget's profile predicts the saved bytes and the step peak of
+  last 5, 10 and 20 within 10%.
 """
 import copy
 
@@ -28,6 +28,7 @@ from mmseg_gf.accounting.batch import random_batch  # noqa: E402
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.batch import training_loss  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
@@ -128,14 +129,18 @@ def test_every_byte_is_counted_by_rule(name):
 
 
 @pytest.mark.parametrize('name', ('segformer_b0', 'twins_pcpvt_s'))
-def test_budget_profile_predicts_saved_bytes(name):
+def test_budget_profile_predicts_saved_bytes_and_peak(name):
     cfg = tiny_cfg(name)
     plain = plain_model(cfg)
     probe = copy.deepcopy(plain)
-    profile = profile_segmentor(probe, (SIZE, SIZE))
+    profile = profile_segmentor(probe, (SIZE, SIZE), timeline=True)
     assert profile.unmodelled(20) == []
     for layers in (5, 10, 20):
-        predicted = profile.cost(layers, 4, BATCH).saved_bytes
-        measured = _measured(_model(cfg, plain, 'gf', True, layers))
-        assert abs(predicted / measured - 1) <= 0.10, (
-            layers, predicted, measured)
+        cost = profile.cost(layers, 4, BATCH)
+        model = _model(cfg, plain, 'gf', True, layers)
+        measured = _measured(model)
+        assert abs(cost.saved_bytes / measured - 1) <= 0.10, (
+            layers, cost.saved_bytes, measured)
+        peak = measured_step_peak(model, (SIZE, SIZE), BATCH)
+        assert abs(cost.peak_bytes / peak - 1) <= 0.10, (
+            layers, cost.peak_bytes, peak)
