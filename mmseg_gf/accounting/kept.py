@@ -41,6 +41,10 @@ head's loss                 gradient w.r.t. the logits (if the classifier's
                             folded dropout's noise (if the input needs one)
 ==========================  ===============================================
 
+The kinds inside transformer blocks (lean attention, frozen LayerNorm,
+GELU, DropPath) have their rules in :mod:`.kept_transformer`, consulted
+first through :data:`CALL_RULES`.
+
 Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
 measures it, storage by storage, and attributes it to the innermost module
 running when autograd packed it: a leaf no rule covers (a trained norm,

@@ -51,10 +51,12 @@ class ModuleCall:
     """One call of a leaf module during the traced step.
 
     Attributes:
-        seq: position of the call among all leaf calls of the step.
+        seq: position of the call among all reported calls of the step
+            (leaf modules, and lean attentions: :meth:`StepTracer._owner_hook`).
         path: the module's path in the segmentor.
         module: the module.
-        x: its first positional argument when that is a tensor, else None.
+        x: its first positional argument when that is a tensor, else None
+            (a lean attention: its last tensor argument needing a gradient).
         output: what it returned.
         trained: some parameter of it requires a gradient.
         recorded: autograd records the call (grad mode on, and ``x``
