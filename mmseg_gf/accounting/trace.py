@@ -52,7 +52,8 @@ class ModuleCall:
 
     Attributes:
         seq: position of the call among all reported calls of the step
-            (leaf modules, and lean attentions: :meth:`StepTracer._owner_hook`).
+            (leaf modules, and lean attentions:
+            :meth:`StepTracer._owner_hook`).
         path: the module's path in the segmentor.
         module: the module.
         x: its first positional argument when that is a tensor, else None

@@ -149,8 +149,8 @@ class _LeanTorchAttention:
             query, key, value, self.num_heads, q_proj, kv_proj, k_proj,
             v_proj, (self.out_proj.weight, self.out_proj.bias))
         self._lean_call = AttentionCall(
-            query.shape[0], query.shape[0], query.shape[1], key.shape[1], e, self.num_heads,
-            out.element_size(), _stat_bytes(out))
+            query.shape[0], query.shape[0], query.shape[1], key.shape[1], e,
+            self.num_heads, out.element_size(), _stat_bytes(out))
         return (out if self.batch_first else out.transpose(0, 1)), None
 
 
@@ -229,7 +229,8 @@ class _LeanWindowMSA:
         out = _sdpa_windows(q, k, v, bias, mask, self.scale)
         n_win = 1 if mask is None else mask.shape[0]
         self._lean_call = AttentionCall(
-            b, None if mask is None else b // mask.shape[0], n, n, c, h, out.element_size(), _stat_bytes(out),
+            b, None if mask is None else b // n_win, n, n, c, h,
+            out.element_size(), _stat_bytes(out),
             mask_elements=n_win * h * n * n, mask_bytes=bias.element_size())
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))

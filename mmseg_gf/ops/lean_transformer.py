@@ -40,7 +40,7 @@ __all__ = ['FrozenLayerNormFunction', 'BitMaskDropPathFunction',
            'multihead_attention', 'attention_kept_elements']
 
 
-def _check_version(ctx, tensor: Optional[Tensor], version: int) -> None:
+def _check_version(tensor: Optional[Tensor], version: int) -> None:
     if tensor is not None and tensor._version != version:
         raise RuntimeError(
             'a frozen parameter of a lean layer was modified in place '
@@ -63,8 +63,9 @@ class FrozenLayerNormFunction(Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, shape: Sequence[int], weight: Optional[Tensor],
-                bias: Optional[Tensor], eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, shape: Sequence[int],
+                weight: Optional[Tensor], bias: Optional[Tensor],
+                eps: float) -> Tensor:
         out, _, rstd = torch.native_layer_norm(x, list(shape), weight, bias,
                                                eps)
         ctx.save_for_backward(x, rstd)
@@ -79,7 +80,7 @@ class FrozenLayerNormFunction(Function):
         x, rstd = ctx.saved_tensors
         weight, bias = ctx.params
         for param, version in zip(ctx.params, ctx.versions):
-            _check_version(ctx, param, version)
+            _check_version(param, version)
         dims = tuple(range(x.dim() - len(ctx.shape), x.dim()))
         mean = x.to(rstd.dtype).mean(dims, keepdim=True)
         g_x = torch.ops.aten.native_layer_norm_backward(
