@@ -341,8 +341,15 @@ def _mixins() -> Tuple[Tuple[type, type, str], ...]:
 
 
 def _entry(cls: type) -> Optional[Tuple[type, type, str]]:
+    """The table's entry for ``cls``: its own class, or a subclass that
+    keeps the plain class's ``forward`` (a lean mixin replaces the
+    forward, which would bypass a subclass's own); mmcv's attention
+    wrapper only marks its inner attention, so its subclasses (MiT's and
+    Twins' attentions, with their own forward) take it too."""
     for entry in _mixins():
-        if issubclass(cls, entry[0]):
+        base, mixin = entry[0], entry[1]
+        if issubclass(cls, base) and (
+                mixin is _LeanMmcvAttention or cls.forward is base.forward):
             return entry
     return None
 

@@ -268,3 +268,18 @@ def test_twins_lsa_through_sdpa():
         torch.testing.assert_close(got, want, **TOL)
         torch.testing.assert_close(g_got, g_want, **TOL)
         assert kept < kept_plain
+
+
+def test_subclass_with_its_own_forward_stays_plain():
+    """A lean mixin replaces ``forward``: a subclass with a forward of its
+    own (a channels-first LayerNorm) is left as it is."""
+
+    class ChannelsFirstNorm(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    class PlainSubclass(nn.LayerNorm):
+        pass
+
+    assert lean_kind(ChannelsFirstNorm(4)) is None
+    assert lean_kind(PlainSubclass(4)) == 'layer_norm'
