@@ -35,7 +35,7 @@ from mmseg_gf.analysis.step_benchmark import DEFAULT_ROWS, row_settings
 from mmseg_gf.analysis.step_jobs import (Job, config_jobs, family_jobs,
                                          run_jobs)
 from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
-from mmseg_gf.engine.zoo import REALTIME_FAMILIES
+from mmseg_gf.engine.zoo import REALTIME_FAMILIES, ZOO_FAMILIES
 from mmseg_gf.protocol import PROTOCOL_MODELS
 from mmseg_gf.protocol.experiments import step_row_config
 
@@ -45,9 +45,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('configs', nargs='*', metavar='CONFIG',
                    help='mmseg config files (any segmentor)')
     p.add_argument('--families', nargs='+', default=[],
-                   choices=sorted(REALTIME_FAMILIES) + ['all'],
-                   help="real-time families of mmseg's zoo by name "
-                   "(mmseg_gf/engine/zoo.py; 'all': the twelve), offline")
+                   choices=sorted(ZOO_FAMILIES) + ['all'],
+                   help="families of mmseg's zoo by name "
+                   "(mmseg_gf/engine/zoo.py: the twelve real-time ones, "
+                   "'all' of them, and the transformers segformer_b2, "
+                   "twins_pcpvt_s, swin_t), offline")
     p.add_argument('--models', nargs='+', default=[],
                    choices=sorted(PROTOCOL_MODELS),
                    help="the paper protocol's models")

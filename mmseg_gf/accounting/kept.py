@@ -41,6 +41,10 @@ head's loss                 gradient w.r.t. the logits (if the classifier's
                             folded dropout's noise (if the input needs one)
 ==========================  ===============================================
 
+The kinds inside transformer blocks (lean attention, frozen LayerNorm,
+GELU, DropPath) have their rules in :mod:`.kept_transformer`, consulted
+first through :data:`CALL_RULES`.
+
 Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
 measures it, storage by storage, and attributes it to the innermost module
 running when autograd packed it: a leaf no rule covers (a trained norm,
@@ -53,7 +57,7 @@ Concatenations, additions and bilinear resizes keep nothing.
 tensors.
 """
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -67,11 +71,26 @@ from .format import fmt_mib
 
 __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
            'kept_by_call', 'is_head_lean', 'measured_item',
-           'unmodelled_by_kind', 'describe_unmodelled']
+           'unmodelled_by_kind', 'describe_unmodelled', 'CALL_RULES',
+           'register_call_rule']
 
 #: Categories of :class:`SavedItem`, in table order.
 CATEGORIES = ('conv', 'classifier', 'norm', 'activation', 'dropout',
-              'pool', 'logits', 'unmodelled')
+              'pool', 'logits', 'attention', 'unmodelled')
+
+#: Rules consulted before :func:`item_for_module`, each
+#: ``rule(path, module, x, out, shared)`` -> a list of items, or None when
+#: the module is not its kind (raising ``LookupError`` for one of its kinds
+#: that it does not model): kinds whose rules live in their own module
+#: (:mod:`.kept_transformer`), registered by it.
+CALL_RULES: List[Callable] = []
+
+
+def register_call_rule(rule: Callable) -> Callable:
+    """Add ``rule`` to :data:`CALL_RULES` (once); returns it."""
+    if rule not in CALL_RULES:
+        CALL_RULES.append(rule)
+    return rule
 
 
 @dataclass
@@ -331,7 +350,14 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
     items: List[SavedItem] = []
     modelled = True
     try:
-        item = item_for_module(path, module, x, out, shared)
+        item = None
+        for rule in CALL_RULES:
+            found = rule(path, module, x, out, shared)
+            if found is not None:
+                items.extend(found)
+                break
+        else:
+            item = item_for_module(path, module, x, out, shared)
     except LookupError:
         item, modelled = None, False
     if item is not None:

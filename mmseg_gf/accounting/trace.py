@@ -15,7 +15,10 @@ What no rule of :mod:`.kept` covers is measured in the same step: a
 that moment (module pre- and post-hooks on every module keep the stack), so
 functional code inside a module (an SE gate's ``x * gate``) is attributed
 to that module. :class:`UnmodelledBytes` turns the packs of the calls no
-rule covered into measured items, each storage counted once.
+rule covered into measured items, each storage counted once. A module with
+children whose own code a rule counts (a lean attention's SDPA call,
+:func:`~mmseg_gf.models.lean_transformer.is_rule_owner`) is reported as a
+call too, after its children's calls.
 """
 import contextlib
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..models.lean_transformer import is_rule_owner
 from ..models.segmentor import set_frozen_norms_eval
 from ..ops import kept_sources
 from .batch import model_device, random_batch
@@ -47,10 +51,13 @@ class ModuleCall:
     """One call of a leaf module during the traced step.
 
     Attributes:
-        seq: position of the call among all leaf calls of the step.
+        seq: position of the call among all reported calls of the step
+            (leaf modules, and lean attentions:
+            :meth:`StepTracer._owner_hook`).
         path: the module's path in the segmentor.
         module: the module.
-        x: its first positional argument when that is a tensor, else None.
+        x: its first positional argument when that is a tensor, else None
+            (a lean attention: its last tensor argument needing a gradient).
         output: what it returned.
         trained: some parameter of it requires a gradient.
         recorded: autograd records the call (grad mode on, and ``x``
@@ -192,6 +199,21 @@ class StepTracer:
         self._paths = {m: n for n, m in model.named_modules()}
         self._stack: List[tuple] = []
 
+    def _owner_hook(self, module, args, kwargs, output) -> None:
+        """A module with children whose own code a rule counts (a lean
+        attention): reported as a call, with one tensor argument
+        (positional or keyword: mmcv passes ``query=``) as ``x`` and its
+        first output (``nn.MultiheadAttention`` returns a pair)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+            v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        # the last input needing a gradient (a key made from the query,
+        # MiT's spatially reduced one, comes after it): whether the call
+        # records, and the conv behind it
+        grads = [t for t in tensors if t.requires_grad]
+        if isinstance(output, (tuple, list)) and output:
+            output = output[0]
+        self._hook(module, (grads or tensors)[-1:], output)
+
     def _hook(self, module, args, output) -> None:
         seq = self.seq
         self.seq += 1
@@ -262,6 +284,10 @@ class StepTracer:
         handles = [
             m.register_forward_hook(self._hook) for m in self.model.modules()
             if not any(True for _ in m.children())
+        ] + [
+            m.register_forward_hook(self._owner_hook, with_kwargs=True)
+            for m in self.model.modules()
+            if any(True for _ in m.children()) and is_rule_owner(m)
         ]
         heads = []
         if self.on_pack is not None:
@@ -384,6 +410,7 @@ class UnmodelledBytes:
     resident_storages: Set[int] = field(default_factory=set)
     parameter_gradients: Set[int] = field(default_factory=set)
     counted_losses: Set[str] = field(default_factory=set)
+    modelled_owners: Set[str] = field(default_factory=set)
 
     @classmethod
     def of(cls, model: nn.Module) -> 'UnmodelledBytes':
@@ -404,6 +431,8 @@ class UnmodelledBytes:
         """What a rule said about call ``seq`` of module ``path``."""
         if modelled:
             self.modelled_calls.add(seq)
+            # a module with children whose own code a rule counts
+            self.modelled_owners.add(path)
         self.counted_storages.update(i.storage for i in items
                                      if i.storage is not None)
         self.counted_losses.update(i.path for i in items
@@ -411,6 +440,9 @@ class UnmodelledBytes:
 
     def covered(self, pack: SavedPack) -> bool:
         if pack.leaf and pack.seq in self.modelled_calls:
+            return True
+        if not pack.leaf and pack.owner in self.modelled_owners \
+                and not pack.kind.endswith(LOSS_PART):
             return True
         return pack.kind.endswith(LOSS_PART) and \
             pack.owner in self.counted_losses

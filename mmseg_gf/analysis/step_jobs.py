@@ -16,7 +16,7 @@ from ..accounting.format import fmt_mib
 from ..engine.config import default_input_size
 from ..engine.cpu_memory import cpu_memory_kept
 from ..engine.tool_args import write_json
-from ..engine.zoo import REALTIME_FAMILIES, family_config, make_offline
+from ..engine.zoo import ZOO_FAMILIES, family_config, make_offline
 from .hardware import cpu_model
 from .step_benchmark import benchmark_model, plot, row_config, step_table
 
@@ -29,7 +29,7 @@ Job = Tuple[str, str, Tuple[int, int], List[Tuple[str, Config]]]
 def family_crop(name: str, args: argparse.Namespace) -> Tuple[int, int]:
     """``--family-crop``, else ``--crop`` raised to the family's minimum
     side, else its training crop."""
-    family = REALTIME_FAMILIES[name]
+    family = ZOO_FAMILIES[name]
     if name in args.family_crop:
         side = int(args.family_crop[name])
         return side, side
@@ -69,7 +69,7 @@ def family_jobs(args: argparse.Namespace) -> List[Job]:
         if args.cfg_options:
             cfg.merge_from_dict(args.cfg_options)
         crop = family_crop(name, args)
-        jobs.append((name, REALTIME_FAMILIES[name].label, crop,
+        jobs.append((name, ZOO_FAMILIES[name].label, crop,
                      _rows(cfg, args.rows, crop)))
     return jobs
 

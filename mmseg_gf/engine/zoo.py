@@ -14,7 +14,8 @@ from typing import Any, Dict, Tuple
 import mmseg
 from mmengine.config import Config
 
-__all__ = ['ZooFamily', 'REALTIME_FAMILIES', 'mmseg_config_dir',
+__all__ = ['ZooFamily', 'REALTIME_FAMILIES', 'TRANSFORMER_FAMILIES',
+           'ZOO_FAMILIES', 'mmseg_config_dir',
            'family_config', 'make_offline', 'offline_model_config']
 
 
@@ -95,16 +96,41 @@ REALTIME_FAMILIES: Dict[str, ZooFamily] = {
 }
 
 
+#: Transformer segmentors of mmseg 1.2.2's zoo beside Segformer-B0 (one of
+#: the real-time families): their blocks' attention, LayerNorm, GELU and
+#: DropPath are the lean region's transformer kinds
+#: (``tools/benchmark_step.py --families``).
+TRANSFORMER_FAMILIES: Dict[str, ZooFamily] = {
+    'segformer_b2': ZooFamily(
+        'Segformer-B2',
+        'segformer/segformer_mit-b2_8xb2-160k_ade20k-512x512.py',
+        (512, 512)),
+    'twins_pcpvt_s': ZooFamily(
+        'Twins-PCPVT-S UPerNet',
+        'twins/twins_pcpvt-s_uperhead_8xb4-160k_ade20k-512x512.py',
+        (512, 512)),
+    'swin_t': ZooFamily(
+        'Swin-T UPerNet',
+        'swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_'
+        'ade20k-512x512.py', (512, 512)),
+}
+
+#: Every family by short name: :data:`REALTIME_FAMILIES` and
+#: :data:`TRANSFORMER_FAMILIES`.
+ZOO_FAMILIES: Dict[str, ZooFamily] = {**REALTIME_FAMILIES,
+                                      **TRANSFORMER_FAMILIES}
+
+
 def family_config(name: str) -> Config:
-    """The zoo config of a :data:`REALTIME_FAMILIES` entry, unchanged.
+    """The zoo config of a :data:`ZOO_FAMILIES` entry, unchanged.
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
-    if name not in REALTIME_FAMILIES:
+    if name not in ZOO_FAMILIES:
         raise ValueError(f'unknown family {name!r}; one of '
-                         f'{sorted(REALTIME_FAMILIES)}')
-    return Config.fromfile(REALTIME_FAMILIES[name].path)
+                         f'{sorted(ZOO_FAMILIES)}')
+    return Config.fromfile(ZOO_FAMILIES[name].path)
 
 
 def _walk_dicts(obj: Any, fn) -> None:

@@ -31,8 +31,15 @@ What becomes lean:
   zero padding of integer sizes: keep nothing (the weight is a live
   Parameter); ``nn.Linear`` (and mmcv's) while frozen: keep nothing.
 
-Everything else keeps autograd's default (GroupNorm / LayerNorm, whose
-backward needs their input; GELU, Sigmoid, HSwish and other smooth
+* Inside transformer blocks (:mod:`.lean_transformer`): attention with
+  frozen projections through SDPA (``nn.MultiheadAttention`` under mmcv's
+  wrapper, Swin's ``WindowMSA``, Twins' LSA): q, k, v, the output and a
+  logsumexp, not the probabilities; a frozen ``LayerNorm``: its input and
+  a per-token ``rstd``; mmcv's ``DropPath``: 1 bit per sample; mmcv's
+  ``Dropout``: as ``nn.Dropout``.
+
+Everything else keeps autograd's default (GroupNorm, whose
+backward needs its input; GELU, Sigmoid, HSwish and other smooth
 activations, a trained PReLU; ``Dropout2d``, whose noise is already one
 value per channel).
 """
@@ -56,6 +63,8 @@ from ..ops.resize import strided_gradient_resizes
 from ..ops.resized_loss import LabelRangeError
 from .gf_conv import is_filterable_conv, with_mmcv_wrapper
 from .layer_kinds import is_filtered
+from .lean_transformer import (TRANSFORMER_KINDS, mmcv_dropout_class,
+                               transformer_kind, transformer_mixin)
 from .lean_head import (ClassifierCapture, base_decode_head,
                         disable_classifier_fusion, fused_classifier_losses,
                         fusion_blocker, lean_head_losses, log_fallback_once)
@@ -72,7 +81,7 @@ __all__ = [
 
 #: What :func:`lean_kind` returns for a module that has a lean variant.
 LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss',
-              'frozen_conv', 'frozen_linear')
+              'frozen_conv', 'frozen_linear') + TRANSFORMER_KINDS
 
 
 def _recording(x: Tensor) -> bool:
@@ -362,8 +371,11 @@ def lean_kind(module: nn.Module) -> Optional[str]:
     plain = _plain_type(module)
     if plain in _CLASS_MIXINS:
         return 'pool' if plain in _POOLS else 'activation'
-    if type(module) is nn.Dropout or isinstance(module, _LeanDropout):
+    if plain in (nn.Dropout, mmcv_dropout_class()):
         return 'dropout'
+    kind = transformer_kind(plain)
+    if kind is not None:
+        return kind
     if isinstance(module, nn.AdaptiveAvgPool2d):
         return 'pool'
     if is_filterable_conv(module) and not is_filtered(module):
@@ -384,7 +396,8 @@ def is_lean(module: nn.Module) -> bool:
 def _lean_class(cls: Type[nn.Module], kind: str) -> Type[nn.Module]:
     lean = _CLASSES.get(cls)
     if lean is None:
-        mixin = _CLASS_MIXINS.get(cls, _MIXINS[kind])
+        mixin = _CLASS_MIXINS.get(cls) or transformer_mixin(cls) or \
+            _MIXINS[kind]
         lean = type(f'Lean{cls.__name__}', (mixin, cls),
                     {'_plain_class': cls, '__module__': cls.__module__})
         _CLASSES[cls] = lean

@@ -1,0 +1,109 @@
+"""What the lean layers inside transformer blocks keep for backward.
+
+The rules of :mod:`.kept` for the kinds of
+:mod:`mmseg_gf.models.lean_transformer` (and GELU), per image, from the
+shapes of the traced call:
+
+==========================  ===============================================
+module                      kept for backward
+==========================  ===============================================
+lean attention (SDPA)       q, k, v and the output, ``(L + 2 S + L) E``
+                            elements in their dtype, a float32 logsumexp
+                            per query and head (``heads L``), and an
+                            additive mask once at any batch (Swin's bias
+                            ``heads N N``, plus its shift mask: ``nW heads
+                            N N``; Twins LSA's padding mask)
+lean frozen ``LayerNorm``   its input (shared with any rule keeping the
+                            same tensor) and a float32 ``rstd`` per token
+GELU                        its input (autograd's own rule, the minimum of
+                            an exact backward; shared likewise)
+lean ``DropPath``           1 bit per sample
+==========================  ===============================================
+
+A window attention without a per-window mask (Swin's unshifted blocks)
+runs on ``images x windows`` sequences: its call is counted as one image,
+which the step tracer's batch-1 trace is.
+"""
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..models.lean import is_lean, lean_kind
+from ..models.lean_transformer import is_rule_owner
+from .kept import SavedItem, register_call_rule
+
+__all__ = ['transformer_items', 'attention_items']
+
+
+def attention_items(path: str, module: nn.Module) -> List[SavedItem]:
+    """What the last call of a lean attention kept (its ``_lean_call``).
+
+    Raises:
+        LookupError: its last call ran the plain forward (measured).
+    """
+    call = getattr(module, '_lean_call', None)
+    if call is None:
+        raise LookupError(path)
+    images = call.images or 1
+    tokens = call.batch * (2 * call.q_len + 2 * call.kv_len)
+    items = [SavedItem(path, 'attention', tokens * call.dim // images,
+                       call.elem_bytes),
+             SavedItem(path, 'attention',
+                       call.batch * call.num_heads * call.q_len // images,
+                       call.stat_bytes)]
+    if call.mask_elements:
+        items.append(SavedItem(path, 'attention', call.mask_elements,
+                               call.mask_bytes, 'const'))
+    return items
+
+
+def _input_item(path: str, category: str, x: torch.Tensor,
+                shared: Dict[int, Tuple[str, Any]]) -> Optional[SavedItem]:
+    """``x`` itself, once per tensor (another rule may keep it too)."""
+    storage = x.untyped_storage()
+    if storage.data_ptr() in shared:
+        return None
+    shared[storage.data_ptr()] = (path, storage)
+    return SavedItem(path, category, x[0].numel(), x.element_size(),
+                     storage=storage.data_ptr())
+
+
+def transformer_items(path: str, module: nn.Module, x: torch.Tensor,
+                      out: torch.Tensor,
+                      shared: Dict[int, Tuple[str, Any]]
+                      ) -> Optional[List[SavedItem]]:
+    """The items of one recorded call of a transformer kind, or None when
+    ``module`` is none of them (the rules of :mod:`.kept` decide).
+
+    Raises:
+        LookupError: a transformer kind that ran its plain path.
+    """
+    if is_rule_owner(module):
+        return attention_items(path, module)
+    trained = any(p.requires_grad for p in module.parameters())
+    kind = lean_kind(module) if is_lean(module) else None
+    if kind == 'layer_norm' and not trained:
+        tokens = x[0].numel() // _normalized(module)
+        rstd_bytes = 8 if x.dtype == torch.float64 else 4
+        items = [SavedItem(path, 'norm', tokens, rstd_bytes)]
+        kept = _input_item(path, 'norm', x, shared)
+        return items + ([kept] if kept is not None else [])
+    if kind == 'drop_path':
+        if not module.training or module.drop_prob == 0:
+            return []
+        return [SavedItem(path, 'dropout', 1, rule='bits')]
+    if type(module) is nn.GELU:
+        kept = _input_item(path, 'activation', x, shared)
+        return [kept] if kept is not None else []
+    return None
+
+
+def _normalized(norm: nn.Module) -> int:
+    size = 1
+    for s in norm.normalized_shape:
+        size *= int(s)
+    return size
+
+
+register_call_rule(transformer_items)

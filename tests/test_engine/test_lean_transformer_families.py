@@ -1,0 +1,146 @@
+"""The lean region inside transformer blocks, on mmseg's own configs.
+
+Segformer (MiT), Twins-PCPVT UPerNet and Swin UPerNet from mmseg 1.2.2's
+zoo (:data:`mmseg_gf.engine.zoo.ZOO_FAMILIES`), offline, shrunk to a few
+channels and one or two blocks per stage (:func:`tiny_cfg`), at 64x64,
+batch 2, with their DropPath rates as configured. GF last 20 (Swin: every
+conv it has, the head's and the patch embedding's) reaches convs inside
+(or, Swin, before) the blocks, so the frozen attention, LayerNorm, GELU
+and DropPath lie on the gradient path:
+
+* a step with ``lean=True`` equals the same step with ``lean=False``
+  (``vanilla`` and ``gf``): loss terms within rtol 1e-5, every gradient
+  within rtol 1e-4, atol 1e-5 of its largest element (the attention sums
+  in another order through SDPA, at every block the gradient crosses);
+* the step trace counts every byte by rule: nothing is "unmodelled", and
+  the count equals autograd's saved bytes of a real step;
+* the budget's profile predicts the saved bytes and the step peak of
+  last 5, 10 and 20 within 10%.
+"""
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip('mmseg')
+
+from mmseg_gf.accounting.batch import random_batch  # noqa: E402
+from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
+from mmseg_gf.accounting.batch import training_loss  # noqa: E402
+from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
+from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
+from mmseg_gf.engine.build import build_segmentor  # noqa: E402
+from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
+from mmseg_gf.engine.zoo import family_config, make_offline  # noqa: E402
+from tests.test_engine.test_realtime_families import (  # noqa: E402,F401
+    check_terms, filtered_model, one_step, one_thread, plain_model)
+
+pytestmark = pytest.mark.zoo
+
+SIZE = 64
+BATCH = 2
+CLASSES = 5
+FAMILIES = ('segformer_b0', 'twins_pcpvt_s', 'swin_t')
+
+
+def tiny_cfg(name: str):
+    """The family's zoo config, offline, shrunk, at 64x64."""
+    cfg = make_offline(family_config(name))
+    model = cfg.model
+    model.data_preprocessor['size'] = (SIZE, SIZE)
+    cfg.crop_size = (SIZE, SIZE)
+    model.test_cfg = dict(mode='whole')
+    backbone, head = model.backbone, model.decode_head
+    if name.startswith('segformer'):
+        backbone.update(embed_dims=8, num_heads=[1, 2, 2, 4],
+                        num_layers=[1, 1, 1, 1] if name == 'segformer_b0'
+                        else [2, 1, 2, 1])
+        head.update(in_channels=[8, 16, 16, 32], channels=16)
+    elif name.startswith('twins'):
+        backbone.update(embed_dims=[8, 16, 16, 32], num_heads=[1, 2, 2, 4],
+                        mlp_ratios=[2, 2, 2, 2], depths=[1, 1, 1, 1])
+        head.update(in_channels=[8, 16, 16, 32], channels=16)
+        model.auxiliary_head.update(in_channels=16, channels=8)
+    elif name.startswith('swin'):
+        backbone.update(embed_dims=8, depths=[2, 2, 2, 2],
+                        num_heads=[1, 2, 2, 4], window_size=4)
+        head.update(in_channels=[8, 16, 32, 64], channels=16)
+        model.auxiliary_head.update(in_channels=32, channels=8)
+    head.num_classes = CLASSES
+    if 'auxiliary_head' in model and model.auxiliary_head is not None:
+        model.auxiliary_head.num_classes = CLASSES
+    return cfg
+
+
+def _layers(name: str) -> int:
+    # Swin has 13 convs (the head's 12 and the patch embedding)
+    return 13 if name.startswith('swin') else 20
+
+
+def _model(cfg, plain, mode, lean, layers):
+    cfg = cfg.copy()
+    cfg.gradient_filter = dict(num_layers=layers, radius=4, mode=mode,
+                               lean=lean)
+    model = build_segmentor(cfg)
+    model.load_state_dict(plain.state_dict())
+    return model
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_lean_step_equals_plain_step(name):
+    cfg = tiny_cfg(name)
+    plain = plain_model(cfg)
+    inputs, samples = random_batch(plain, (SIZE, SIZE), BATCH,
+                                   label_block=4)
+    for sample in samples:
+        sample.gt_sem_seg.data[:, :4] = 255
+    for mode in ('vanilla', 'gf'):
+        reference = _model(cfg, plain, mode, False, _layers(name))
+        lean = _model(cfg, plain, mode, True, _layers(name))
+        where = f'{name} {mode}'
+        counts = lean_counts(lean)
+        assert counts.get('attention') and counts.get('layer_norm'), counts
+        want_terms, want = one_step(reference, inputs, samples)
+        got_terms, got = one_step(lean, inputs, samples)
+        check_terms(got_terms, want_terms, where)
+        assert set(got) == set(want) and want, where
+        for key, g in want.items():
+            torch.testing.assert_close(
+                got[key], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
+                msg=lambda m: f'{where} {key}: {m}')
+
+
+def _measured(model, batch=BATCH):
+    inputs, samples = random_batch(model, (SIZE, SIZE), batch)
+    return saved_tensor_bytes(lambda: training_loss(model, inputs, samples))
+
+
+@pytest.mark.parametrize('name', FAMILIES + ('segformer_b2', ))
+def test_every_byte_is_counted_by_rule(name):
+    cfg = tiny_cfg(name)
+    plain = plain_model(cfg)
+    model = _model(cfg, plain, 'gf', True, _layers(name))
+    counted = trace_step_saved_bytes(model, (SIZE, SIZE))
+    assert counted.unmodelled_bytes(BATCH) == {}, counted.summary(BATCH)
+    by_category = counted.by_category(BATCH)
+    assert by_category['attention'] > 0 and by_category['norm'] > 0
+    assert counted.total(BATCH) == _measured(model), counted.summary(BATCH)
+
+
+@pytest.mark.parametrize('name', ('segformer_b0', 'twins_pcpvt_s'))
+def test_budget_profile_predicts_saved_bytes_and_peak(name):
+    cfg = tiny_cfg(name)
+    plain = plain_model(cfg)
+    probe = copy.deepcopy(plain)
+    profile = profile_segmentor(probe, (SIZE, SIZE), timeline=True)
+    assert profile.unmodelled(20) == []
+    for layers in (5, 10, 20):
+        cost = profile.cost(layers, 4, BATCH)
+        model = _model(cfg, plain, 'gf', True, layers)
+        measured = _measured(model)
+        assert abs(cost.saved_bytes / measured - 1) <= 0.10, (
+            layers, cost.saved_bytes, measured)
+        peak = measured_step_peak(model, (SIZE, SIZE), BATCH)
+        assert abs(cost.peak_bytes / peak - 1) <= 0.10, (
+            layers, cost.peak_bytes, peak)
