@@ -29,7 +29,7 @@ def native_extension():
     csrc = 'mmseg_gf/ops/csrc/'
     patch_ops = ('patch_kernels', 'output_recycler', 'cpu_dispatch',
                  'collapsed_backward', 'filtered_conv_node',
-                 'bilinear_backward')
+                 'bilinear_backward', 'token_grid_backward')
     exts = [
         CppExtension(
             'mmseg_gf._patch_ops',
