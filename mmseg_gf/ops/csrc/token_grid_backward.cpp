@@ -164,22 +164,61 @@ inline void store_fence() {
 }
 
 // Every token of patch row P of image l in dst = its patch's C-vector of
-// `cells` (Pw x C, contiguous).
+// `cells` (Pw x C, contiguous): the first token row is expanded from the
+// cells, the patch row's other token rows are copies of it (one long copy
+// each where a token row is contiguous, as in every layout but an (N, B, C)
+// input's).
 template <typename scalar_t>
-MMSEG_GF_VECTOR_CLONES void spread_patch_row(const scalar_t* cells, scalar_t* dst,
-                      const RowStrides& s, const Geometry& g, int64_t C,
-                      int64_t l, int64_t P, bool stream) {
-  const size_t bytes = sizeof(scalar_t) * C;
+MMSEG_GF_VECTOR_CLONES void spread_patch_row(const scalar_t* cells,
+                                             scalar_t* dst,
+                                             const RowStrides& s,
+                                             const Geometry& g, int64_t C,
+                                             int64_t l, int64_t P,
+                                             bool stream) {
   const int64_t h0 = P * g.r, h1 = h0 + g.rows_of(P);
-  for (int64_t h = h0; h < h1; ++h) {
+  scalar_t* first = dst + s.token(l, h0, 0);
+  for (int64_t q = 0; q < g.Pw; ++q) {
+    const scalar_t* __restrict__ cell = cells + q * C;
+    const int64_t w0 = q * g.r, w1 = w0 + g.cols_of(q);
+    for (int64_t w = w0; w < w1; ++w) {
+      scalar_t* __restrict__ token = first + w * s.w;
+      for (int64_t c = 0; c < C; ++c) token[c] = cell[c];
+    }
+  }
+  const bool dense_rows = s.w == C;
+  for (int64_t h = h0 + 1; h < h1; ++h) {
     scalar_t* row = dst + s.token(l, h, 0);
-    for (int64_t q = 0; q < g.Pw; ++q) {
-      const scalar_t* cell = cells + q * C;
-      const int64_t w0 = q * g.r, w1 = w0 + g.cols_of(q);
-      for (int64_t w = w0; w < w1; ++w) {
-        copy_channels(row + w * s.w, cell, bytes, stream);
+    if (dense_rows) {
+      copy_channels(row, first, sizeof(scalar_t) * g.W * C, stream);
+    } else {
+      for (int64_t w = 0; w < g.W; ++w) {
+        copy_channels(row + w * s.w, first + w * s.w, sizeof(scalar_t) * C,
+                      stream);
       }
     }
+  }
+}
+
+// The means of a pooled patch row (Pw x C cells, their sums): `part` (C)
+// receives the row's total over its cells first (its share of g_b), then
+// every cell is scaled by 1 / (its tokens).
+template <typename scalar_t>
+MMSEG_GF_VECTOR_CLONES void means_of_patch_row(scalar_t* __restrict__ out,
+                                               const Geometry& g, int64_t C,
+                                               int64_t P,
+                                               scalar_t* __restrict__ part) {
+  if (part) {
+    for (int64_t c = 0; c < C; ++c) part[c] = out[c];
+    for (int64_t q = 1; q < g.Pw; ++q) {
+      const scalar_t* __restrict__ cell = out + q * C;
+      for (int64_t c = 0; c < C; ++c) part[c] += cell[c];
+    }
+  }
+  for (int64_t q = 0; q < g.Pw; ++q) {
+    const scalar_t inv =
+        scalar_t(1) / static_cast<scalar_t>(g.rows_of(P) * g.cols_of(q));
+    scalar_t* __restrict__ cell = out + q * C;
+    for (int64_t c = 0; c < C; ++c) cell[c] *= inv;
   }
 }
 
@@ -240,19 +279,10 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
         const int64_t u = u0 + i, P = u % g.Ph;
         scalar_t* out = means + i * g.Pw * Co;
         pool_patch_row(src, s_in, g, Co, u / g.Ph, P, out);
+        means_of_patch_row(out, g, Co, P,
+                           bias_totals ? part.data() : nullptr);
         if (bias_totals) {
-          std::copy(out, out + Co, part.begin());
-          for (int64_t q = 1; q < g.Pw; ++q) {
-            const scalar_t* cell = out + q * Co;
-            for (int64_t c = 0; c < Co; ++c) part[c] += cell[c];
-          }
           for (int64_t c = 0; c < Co; ++c) totals[c] += part[c];
-        }
-        for (int64_t q = 0; q < g.Pw; ++q) {
-          const scalar_t count =
-              static_cast<scalar_t>(g.rows_of(P) * g.cols_of(q));
-          scalar_t* cell = out + q * Co;
-          for (int64_t c = 0; c < Co; ++c) cell[c] /= count;
         }
       }
       if (bias_totals) {
