@@ -40,7 +40,8 @@ torch::Tensor token_patch_sums(const torch::Tensor& rows, int64_t radius);
 // stores skip reading each line before writing it).
 std::vector<torch::Tensor> token_filtered_backward(
     const torch::Tensor& grad_rows, const c10::optional<torch::Tensor>& x_sums,
-    const torch::Tensor& weight, const c10::optional<torch::Tensor>& grad_x_rows,
+    const torch::Tensor& weight,
+    const c10::optional<torch::Tensor>& grad_x_rows,
     int64_t radius, bool need_weight, bool need_bias, int64_t chunk_bytes,
     int64_t stream_bytes);
 
