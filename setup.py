@@ -2,7 +2,8 @@
 
 If torch is importable at install time (``pip install --no-build-isolation``,
 as the Makefile does), the optional CPU kernels ``mmseg_gf._patch_ops``
-(patch sums, spreading, the fused backward) and ``mmseg_gf._bit_mask``
+(patch sums, spreading, the fused backward, the filtered Linear's
+backward on token grids) and ``mmseg_gf._bit_mask``
 (activation bit masks of the lean trained region) and
 ``mmseg_gf._resized_loss`` (the cross-entropy of upsampled logits without
 the upsampled logits) are compiled too;
@@ -29,7 +30,7 @@ def native_extension():
     csrc = 'mmseg_gf/ops/csrc/'
     patch_ops = ('patch_kernels', 'output_recycler', 'cpu_dispatch',
                  'collapsed_backward', 'filtered_conv_node',
-                 'bilinear_backward')
+                 'bilinear_backward', 'token_grid_backward')
     exts = [
         CppExtension(
             'mmseg_gf._patch_ops',

@@ -18,7 +18,12 @@ docs/gradient_filter.md for a ``1 x 1`` kernel, stride 1
 
 Where the tokens lie on the grid is described by :class:`TokenGrid` and a
 token axis; it is never guessed from the token count. The backward runs its
-two GEMMs on ``N / r^2`` rows. Pure PyTorch, no mmseg import.
+two GEMMs on ``N / r^2`` rows. On CPU with the compiled kernels
+(``native``: float32 / float64, channels with stride 1) the patch sums of
+``x`` and the whole backward of the grid tokens run in C++
+(``csrc/token_grid_backward.cpp``: one read of ``g_y``, one write of
+``g_x``, into recycled memory); the pure-PyTorch path here is the reference
+and the fallback (``MMSEG_GF_NATIVE=0``). No mmseg import.
 """
 
 import contextlib
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import native
 from .gradient_filter import AxisGeometry, check_radius
 
 #: How the grid's tokens are laid out in a Linear's input (last dim: C).
@@ -243,11 +249,14 @@ class _Layout:
 
     def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:
         """:meth:`pool_rows` of ``t``'s grid tokens, ``(L, Ph, Pw, C)``
-        (the forward's ``x~``)."""
+        (the forward's ``x~``); the compiled kernel where it applies (one
+        read of ``t``, the same sums in another order)."""
         rows = self.grid_rows(t)
         if rows is None:
             view = self.grid_view(t)
             rows = view.reshape(-1, *view.shape[-3:])
+        if dtype == t.dtype and native.token_rows_usable(rows):
+            return native.token_patch_sums(rows, self.radius)
         return self.pool_rows(rows, dtype)
 
     def patch_counts(self, sums: Tensor) -> Optional[Tensor]:
@@ -313,6 +322,28 @@ def _filtered_backward(layout: _Layout, grad_output: Tensor,
         if out_rows is None:  # leading axes that do not merge: stage
             staging = grad_x.new_empty(*g_rows.shape[:-1], grad_x.shape[-1])
             out_rows = staging
+    if g_rows.dtype == acc and native.token_rows_usable(
+            g_rows, out_rows, weight, x_sums if need_w else None):
+        grad_w, grad_b = native.token_filtered_backward(
+            g_rows, x_sums if need_w else None, weight, out_rows,
+            layout.radius, need_w, need_b)
+    else:
+        grad_w, grad_b = _filtered_backward_torch(layout, g_rows, x_sums,
+                                                  weight, out_rows, need_w,
+                                                  need_b, acc)
+    if staging is not None:
+        layout.grid_view(grad_x).copy_(
+            staging.view(layout.grid_view(grad_x).shape))
+    return grad_w, grad_b
+
+
+def _filtered_backward_torch(layout: _Layout, g_rows: Tensor,
+                             x_sums: Optional[Tensor], weight: Tensor,
+                             out_rows: Optional[Tensor], need_w: bool,
+                             need_b: bool, acc: torch.dtype
+                             ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """:func:`_filtered_backward` in PyTorch ops (the reference), on the
+    ``(L, H, W, C)`` rows of ``g_y`` and ``g_x``, chunk by chunk."""
     grid, r = layout.grid, layout.radius
     full = grid.height % r == 0 and grid.width % r == 0
     counts = None
@@ -320,7 +351,7 @@ def _filtered_backward(layout: _Layout, grad_output: Tensor,
     # patch grid); partial ones divide the sums (ours, in place).
     w_acc = weight.to(acc)
     scale = 1.0 / r**2 if full else 1.0
-    w_mix = w_acc * scale if full and grad_x is not None else w_acc
+    w_mix = w_acc * scale if full and out_rows is not None else w_acc
     x_rows = None if x_sums is None else x_sums.to(acc)
     grad_w = w_acc.new_zeros(w_acc.shape) if need_w else None
     grad_b = w_acc.new_zeros(w_acc.shape[0]) if need_b else None
@@ -341,10 +372,19 @@ def _filtered_backward(layout: _Layout, grad_output: Tensor,
             grad_w.addmm_(_rows(sums).t(), _rows(x_rows[start:start + step]))
     if need_w and full:
         grad_w.mul_(scale)
-    if staging is not None:
-        layout.grid_view(grad_x).copy_(
-            staging.view(layout.grid_view(grad_x).shape))
     return grad_w, grad_b
+
+
+def _empty_grad_input(grad_output: Tensor, shape: torch.Size,
+                      dtype: torch.dtype) -> Tensor:
+    """Memory for ``g_x``, which the backward writes in full (grid tokens
+    and extra tokens): a recycled block of its byte size where the compiled
+    kernels keep one (:func:`native.empty_for_writing`, as the filtered
+    conv's ``g_x``), so that a step does not pay the page faults of fresh
+    memory again; else ``torch.empty``."""
+    if grad_output.dtype == dtype:
+        return native.empty_for_writing(shape, grad_output)
+    return grad_output.new_empty(shape, dtype=dtype)
 
 
 class GradientFilterLinearFunction(torch.autograd.Function):
@@ -380,8 +420,8 @@ class GradientFilterLinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         with _autocast_off(grad_output.device.type):
             if need_x:
-                grad_x = grad_output.new_empty(ctx.input_shape,
-                                               dtype=ctx.input_dtype)
+                grad_x = _empty_grad_input(grad_output, ctx.input_shape,
+                                           ctx.input_dtype)
             grad_w, grad_b = _filtered_backward(layout, grad_output, x_sums,
                                                 weight, grad_x, need_w,
                                                 need_b, acc)

@@ -7,7 +7,8 @@
 // bilinear_backward (a resize's backward, one axis at a time), cpu_dispatch
 // (MKL or oneDNN for the fused backward's products), collapsed_backward
 // (the whole backward of the usual conv in one call) and
-// filtered_conv_node (that conv as a C++ autograd node).
+// filtered_conv_node (that conv as a C++ autograd node); token_grid_backward
+// (the filtered backward of a Linear on a token grid).
 
 #include <torch/extension.h>
 
@@ -17,6 +18,7 @@
 #include "filtered_conv_node.h"
 #include "output_recycler.h"
 #include "patch_kernels.h"
+#include "token_grid_backward.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace gf = mmseg_gf;
@@ -50,4 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "how many backward calls took the fused compiled path");
   m.def("collapsed_backward", &gf::collapsed_backward,
         "fused gradient-filter backward for kernels collapsed on both axes");
+  m.def("token_patch_sums", &gf::token_patch_sums,
+        "sums of L x H x W x C token rows over r x r patches");
+  m.def("token_filtered_backward", &gf::token_filtered_backward,
+        "gradient-filter backward of a Linear on token rows: {g_W, g_b}, "
+        "g_x written into grad_x_rows");
 }
