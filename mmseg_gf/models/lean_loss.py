@@ -260,8 +260,10 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
         result.values[name] = result.values[name] + value \
             if name in result.values else value
         result.mix.setdefault(name, []).append((groups[key], factor))
+    # mmseg's factor 100 / pixels is a Python float (double): divide in
+    # float64 on the device, then scale the float32 hits by it.
     result.values['acc_seg'] = (correct.reshape(1) + _EPS).mul_(
-        100.0 / (valid + _EPS))
+        100.0 / (valid.to(torch.float64) + _EPS))
     return result
 
 

@@ -126,9 +126,9 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
             :func:`kernel_usable`.
 
     Top-1 hits follow mmseg's ``accuracy`` (``topk(1)`` over the classes of
-    the upsampled logits) also where logits are not finite: a NaN counts as
-    the largest value and, among equals, ``topk`` picks the index it picks
-    (:func:`_topk_hits`).
+    the upsampled logits) also where CPU logits are not finite: a NaN counts
+    as the largest value and, among equals, ``topk`` picks the index it
+    picks (:func:`_topk_hits`).
 
     Raises:
         ValueError: shapes that do not fit.
@@ -149,7 +149,11 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
     else:
         out = _reference(logits, label, ignore_index, align_corners, weight,
                          want_grad, want_pixels, sigmoid)
-    if not bool(torch.isfinite(logits.sum())):  # one pass, no copy
+    # One pass, no copy; on the CPU only: reading the flag on the host would
+    # wait for another device every step (there, the PyTorch path's argmax
+    # also ranks NaN first; only ties among equal values may differ).
+    if logits.device.type == 'cpu' and \
+            not bool(torch.isfinite(logits.sum())):
         _topk_hits(logits, label, ignore_index, align_corners, out.hits)
     return out
 
