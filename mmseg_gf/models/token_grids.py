@@ -29,6 +29,7 @@ recomputed by activation checkpointing in the backward finds no grid
 (exact backward, with a warning), so ``with_cp`` blocks are not filtered.
 """
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -87,10 +88,24 @@ class TokenGridBindings:
         self._handles: List = []
 
     def remove(self) -> None:
-        """Remove every hook (the sources then stay empty)."""
+        """Remove every hook (the sources then stay empty) and forget the
+        modules' sites (:func:`site_of`)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module, (owner, _) in list(_SITE_OF.items()):
+            if owner is self:
+                del _SITE_OF[module]
+
+    def publish(self) -> None:
+        """Make each bound module's site known to :func:`site_of` (the
+        layer kinds' geometry and wrap read it)."""
+        for path, site in self.sites.items():
+            try:
+                module = self.model.get_submodule(path)
+            except AttributeError:
+                continue
+            _SITE_OF[module] = (self, site)
 
     # -- used by the rules ---------------------------------------------------
     def set_around(self, block: nn.Module,
@@ -337,6 +352,43 @@ GRID_RULES: Tuple[Tuple[tuple, Callable], ...] = (
 )
 
 
+#: module -> (bindings, site) of the bindings installed last on its model.
+_SITE_OF: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+
+#: Attribute of a segmentor holding its installed bindings
+#: (:func:`install_token_grids`); a plain attribute, not in ``state_dict``.
+BINDINGS_ATTR = '_gf_token_grids'
+
+
+def site_of(module: nn.Module) -> Optional[LinearSite]:
+    """The site of a Linear / attention of a model whose token grids are
+    bound (:func:`bind_token_grids` or :func:`install_token_grids`), or
+    None."""
+    entry = _SITE_OF.get(module)
+    return None if entry is None else entry[1]
+
+
+def install_token_grids(model: nn.Module) -> Optional[TokenGridBindings]:
+    """Bind ``model``'s token grids for good (kept on the model, so that
+    its filtered Linears find their grids in every training step).
+
+    Idempotent: returns None when bindings are installed already, else the
+    new bindings (``uninstall_token_grids`` takes them off).
+    """
+    if model.__dict__.get(BINDINGS_ATTR) is not None:
+        return None
+    bindings = bind_token_grids(model)
+    model.__dict__[BINDINGS_ATTR] = bindings
+    return bindings
+
+
+def uninstall_token_grids(model: nn.Module) -> None:
+    """Remove what :func:`install_token_grids` installed, if anything."""
+    bindings = model.__dict__.pop(BINDINGS_ATTR, None)
+    if bindings is not None:
+        bindings.remove()
+
+
 def bind_token_grids(model: nn.Module) -> TokenGridBindings:
     """Hook ``model``'s blocks so that every covered Linear / attention has
     its grid at call time; describe every Linear / attention of the model.
@@ -364,6 +416,7 @@ def bind_token_grids(model: nn.Module) -> TokenGridBindings:
             f'{type(parent).__name__}); known blocks: ' + ', '.join(
                 cls.__name__ for classes, _ in GRID_RULES
                 for cls in classes))
+    bindings.publish()
     return bindings
 
 
