@@ -166,3 +166,32 @@ def test_segmenter_class_scores_are_its_classifier():
         select_layers(tiny_model('segmenter_vit_t'),
                       layers=['decode_head.classes_proj'],
                       input_size=(SIZE, SIZE))
+
+
+class _Logger:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg):
+        self.lines.append(str(msg))
+
+
+class _Runner:
+    cfg = None
+
+    def __init__(self):
+        self.logger = _Logger()
+
+
+def test_hook_table_names_kinds_and_grids_and_state_dict_stays_plain():
+    from mmseg_gf.engine.hooks.grad_filter_hook import GradFilterHook
+    from mmseg_gf.engine.surgery import get_gradient_filter_layers
+    plain_keys = list(tiny_model('swin_t').state_dict())
+    model, _ = _filtered('swin_t', torch.float32, radius=4)
+    runner = _Runner()
+    GradFilterHook._log_cost(runner, model, get_gradient_filter_layers(model))
+    text = '\n'.join(runner.logger.lines)
+    assert 'linear 7x7 win' in text, text
+    assert 'backbone.stages.3.blocks.0.ffn.layers.1' in text, text
+    # the grid hooks are no state: checkpoints keep plain mmseg keys
+    assert list(model.state_dict()) == plain_keys
