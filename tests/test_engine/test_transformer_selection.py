@@ -195,3 +195,21 @@ def test_hook_table_names_kinds_and_grids_and_state_dict_stays_plain():
     assert 'backbone.stages.3.blocks.0.ffn.layers.1' in text, text
     # the grid hooks are no state: checkpoints keep plain mmseg keys
     assert list(model.state_dict()) == plain_keys
+
+
+def test_a_deep_copy_filters_with_its_own_grids():
+    """``copy.deepcopy`` (mmengine's EMA, tools copying a model) copies the
+    grid hooks with the filtered layers: the copy's step filters (no
+    exact-backward warning) and equals the original's."""
+    import copy
+    import warnings
+
+    from mmseg_gf.models.gf_conv import GFExactBackwardWarning
+    model, _ = _filtered('deit_s', torch.float64, radius=2, lean=False)
+    twin = copy.deepcopy(model)
+    inputs, samples = _batch(model, torch.float64)
+    want = _step(model, inputs, samples)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', GFExactBackwardWarning)
+        got = _step(twin, inputs, samples)
+    _close(got, want, 'deepcopy', 1e-12, 1e-14)
