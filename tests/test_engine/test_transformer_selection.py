@@ -213,3 +213,11 @@ def test_a_deep_copy_filters_with_its_own_grids():
         warnings.simplefilter('error', GFExactBackwardWarning)
         got = _step(twin, inputs, samples)
     _close(got, want, 'deepcopy', 1e-12, 1e-14)
+
+
+def test_a_budget_counts_convs_only():
+    assert check_settings(dict(budget=dict(saved_mib=1)))['layer_kinds'] == \
+        ['conv2d']
+    with pytest.raises(ValueError, match=r"budget chooses among convs only"):
+        check_settings(dict(budget=dict(saved_mib=1),
+                            layer_kinds=['conv2d', 'linear']))
