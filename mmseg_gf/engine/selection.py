@@ -21,8 +21,11 @@ classifier feeds the output (SAN's CLIP head).
 Which kinds count is the ``layer_kinds`` setting: by default every
 registered kind (convs, then ``nn.Linear`` and ``nn.MultiheadAttention`` on
 token grids, :mod:`mmseg_gf.models.linear_kinds`); ``['conv2d']`` counts
-convs only, as the paper does. A Linear whose tokens lie on no grid is
-refused by name when the selection reaches it.
+convs only, as the paper does. A Linear whose tokens lie on no grid
+(CGNet's global-context FCs on pooled features, Segmenter's class
+embeddings) is not counted by ``num_layers`` and stays frozen, is skipped
+in a ``layers`` container, and is refused by name when ``layers`` names
+it.
 """
 import difflib
 from dataclasses import dataclass, field
@@ -285,6 +288,10 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
             "frozen. Allowed: a segmentor whose decode heads end in mmseg's "
             'conv_seg or class-score projections')
     ran = [r for r in records if r.inference and not is_classifier(r.path)]
+    # Linears on no token grid (CGNet's global-context FCs on pooled
+    # features, SE blocks) are not counted and stay frozen
+    gridless = [r.path for r in ran if not _has_grid(r)]
+    ran = [r for r in ran if _has_grid(r)]
     pool = [r for r in ran if r.feeds_output]
     unreached = [r.path for r in ran if not r.feeds_output]
     if not pool:
@@ -298,15 +305,16 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
             num_layers, int) or not 1 <= num_layers <= len(pool):
         note = (f'; not counted, as no gradient of the output reaches '
                 f'them: {_listing(unreached)}' if unreached else '')
+        if gridless:
+            note += ('; not counted, as their tokens lie on no grid: '
+                     f'{_listing(gridless)}')
         raise ValueError(
             f'gradient_filter num_layers must be an int in '
             f'[1, {len(pool)}] ({name} runs {len(pool)} {_nouns(pool)} '
             'besides '
             f'the classifier that the output depends on{note}), got '
             f'{num_layers!r}')
-    chosen = pool[-num_layers:]
-    _refuse_no_grid([r for r in chosen if not _has_grid(r)], 'num_layers')
-    return chosen
+    return pool[-num_layers:]
 
 
 def _nouns(recs: Sequence[LayerRecord]) -> str:
@@ -326,8 +334,8 @@ def _refuse_no_grid(recs: Sequence[LayerRecord], setting: str) -> None:
         raise ValueError(
             f'gradient_filter {setting}: {_listing([r.path for r in recs])} '
             f'take tokens on no spatial grid ({why}), so they cannot be '
-            'gradient-filtered; allowed: fewer layers, layers= without them, '
-            "or layer_kinds=['conv2d']")
+            "gradient-filtered; allowed: a layer on a grid or a container "
+            '(which skips them)')
 
 
 def _named_layers(model: nn.Module, records: List[LayerRecord],
@@ -341,11 +349,14 @@ def _named_layers(model: nn.Module, records: List[LayerRecord],
     modules = dict(model.named_modules())
     chosen: List[LayerRecord] = []
     for path in layers:
-        for rec in _convs_reached_in(model, modules, records, path):
-            if rec not in chosen:
+        reached = _convs_reached_in(model, modules, records, path)
+        named = [r for r in reached if r.path == path]
+        # a Linear on no grid: refused when named, skipped in a container
+        _refuse_no_grid([r for r in named if not _has_grid(r)], 'layers')
+        for rec in reached:
+            if rec not in chosen and _has_grid(rec):
                 chosen.append(rec)
     order = {id(r): i for i, r in enumerate(records)}
-    _refuse_no_grid([r for r in chosen if not _has_grid(r)], 'layers')
     return sorted(chosen, key=lambda r: order[id(r)])
 
 
