@@ -10,7 +10,9 @@ four budgets, the step-peak model included. Run as a script it writes the
 text of every model (or of the models named) to stdout or ``--out``;
 ``tests/golden/layer_kinds.txt`` holds the text written by commit e0138fd,
 whose selection, surgery and accounting named ``nn.Conv2d`` / ``GFConv2d``
-directly, and ``tests/test_engine/test_layer_kinds_golden.py`` compares two
+directly (the budgets and the hook's model here count convs only,
+``layer_kinds=['conv2d']``: Segformer-B0's attentions are a kind of their
+own, counted by default; its last 5 layers are convs either way), and ``tests/test_engine/test_layer_kinds_golden.py`` compares two
 cheap models against it. This script on all models against that file is the
 full check: 3.6 min alone on this 2-core VM (one thread), up to 7 min with
 other work running::

@@ -194,10 +194,12 @@ def resolve_radius(radius: RadiusSetting, path: str,
 
 def _check_filterable(path: str, module: nn.Module) -> None:
     if kind_of(module) is None:
+        traced = traced_kind_of(module)
+        allowed = filterable_names() if traced is None else traced.allowed
         raise ValueError(
             f'gradient_filter layers: {path!r} is a '
             f'{type(module).__name__}, which cannot be gradient-filtered; '
-            f'allowed: {filterable_names()}')
+            f'allowed: {allowed}')
 
 
 def _listing(paths: Sequence[str], limit: int = 6) -> str:
