@@ -21,8 +21,12 @@ its classifier), and:
 
 Also: ``layer_kinds=['conv2d']`` keeps the conv-only count, a bad
 ``layer_kinds`` is refused naming the allowed values, containers and
-Linear paths are accepted by ``layers=``, and Segmenter's class-score
-Linears are its classifier (always trained, not counted).
+Linear paths are accepted by ``layers=``, Segmenter's class-score
+Linears are its classifier (always trained, not counted), Linears on no
+grid (CGNet's global-context FCs) are not counted and refused when named,
+the hook's table shows each layer's kind cell, ``state_dict`` keeps plain
+keys, a deep copy filters with its own grids, and a budget counts convs
+only.
 """
 import pytest
 import torch
@@ -221,3 +225,17 @@ def test_a_budget_counts_convs_only():
     with pytest.raises(ValueError, match=r"budget chooses among convs only"):
         check_settings(dict(budget=dict(saved_mib=1),
                             layer_kinds=['conv2d', 'linear']))
+
+
+def test_linears_on_no_grid_are_not_counted_and_refused_by_name():
+    """CGNet's global-context FCs act on pooled features: no token grid.
+    ``num_layers`` counts around them (they stay frozen); naming one is
+    refused by name."""
+    from mmseg_gf.engine.build import build_segmentor
+    from mmseg_gf.engine.zoo import family_config, make_offline
+    model = build_segmentor(make_offline(family_config('cgnet')))
+    choices = select_layers(model, num_layers=5, input_size=(SIZE, SIZE))
+    assert {c.kind for c in choices} == {'conv2d'}
+    with pytest.raises(ValueError, match=r'f_glo\.fc\.0.*no spatial grid'):
+        select_layers(model, layers=['backbone.level2.20.f_glo.fc.0'],
+                      input_size=(SIZE, SIZE))
