@@ -223,8 +223,9 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
                                                      profile.max_layers)
         cost = profile.cost(n, radius, batch)
         built = copy.deepcopy(model)
+        # the profile prices convs only (profile_segmentor's pool)
         choices = select_layers(built, num_layers=n, radius=radius,
-                                input_size=size)
+                                input_size=size, layer_kinds=['conv2d'])
         apply_gradient_filter(built, choices, mode='gf', lean=True)
         inputs, samples = random_batch(built, size, batch)
         kept = saved_tensor_bytes(

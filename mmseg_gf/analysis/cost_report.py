@@ -17,17 +17,20 @@ __all__ = ['model_cost_table', 'cost_summary_lines', 'measured_memory_table']
 
 
 def model_cost_table(cost: ModelCost) -> str:
-    """Every counted conv of a :class:`ModelCost` with its geometry and its
-    vanilla / GF FLOPs, MACs and saved bytes, then the totals."""
-    header = ('path', 'k/s/d/g', 'in -> out (CxHxW)', 'r', 'g_x',
+    """Every counted layer of a :class:`ModelCost` with its geometry (its
+    kind's ``describe()``: a conv's ``k/s/d/g``, a Linear's token grid) and
+    its vanilla / GF FLOPs, MACs and saved bytes, then the totals."""
+    convs_only = all(layer.kind == 'conv2d' for layer in cost.layers)
+    header = ('path', 'k/s/d/g' if convs_only else 'k/s/d/g or grid',
+              'in -> out (CxHxW)', 'r', 'g_x',
               'FLOPs vanilla', 'FLOPs GF', 'MACs vanilla', 'MACs GF',
               'saved vanilla', 'saved GF')
     rows = []
     for layer in cost.layers:
         c = layer.cost
         rows.append((
-            layer.path, f'{layer.kernel_size[0]}/{layer.stride[0]}/'
-            f'{layer.dilation[0]}/{layer.groups}',
+            layer.path, layer.describe or f'{layer.kernel_size[0]}/'
+            f'{layer.stride[0]}/{layer.dilation[0]}/{layer.groups}',
             '{}x{}x{} -> {}x{}x{}'.format(*layer.in_shape, *layer.out_shape),
             str(layer.radius), 'yes' if layer.need_input_grad else 'no',
             fmt_flops(c.vanilla_flops), fmt_flops(c.gf_flops),

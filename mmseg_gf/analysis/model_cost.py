@@ -58,6 +58,9 @@ class LayerCost:
         need_input_grad: whether ``g_x`` is computed (its input depends on
             a trained parameter).
         cost: the cost model's counts for the whole batch.
+        describe: the layer kind's table cell (a conv's ``k/s/d/g``, a
+            Linear's grid, e.g. ``linear 7x7 win``).
+        kind: its layer kind's name.
     """
 
     path: str
@@ -70,6 +73,8 @@ class LayerCost:
     radius: int
     need_input_grad: bool
     cost: ConvBackwardCost
+    describe: str = ''
+    kind: str = 'conv2d'
 
     @property
     def vanilla_macs(self) -> int:
@@ -183,12 +188,15 @@ def _layer_cost(rec: LayerRecord, radius: int, need_input_grad: bool,
                          need_input_grad=need_input_grad,
                          elem_bytes=elem_bytes,
                          collapse_dilated=collapse_dilated)
+    # a layer on tokens is a 1x1 conv on its grid
     return LayerCost(
-        path=rec.path, kernel_size=geometry.kernel_size,
-        stride=geometry.stride, dilation=geometry.dilation,
-        groups=geometry.groups,
+        path=rec.path, kernel_size=getattr(geometry, 'kernel_size', (1, 1)),
+        stride=getattr(geometry, 'stride', (1, 1)),
+        dilation=getattr(geometry, 'dilation', (1, 1)),
+        groups=getattr(geometry, 'groups', 1),
         in_shape=tuple(rec.in_shape), out_shape=tuple(rec.out_shape),
-        radius=radius, need_input_grad=need_input_grad, cost=cost)
+        radius=radius, need_input_grad=need_input_grad, cost=cost,
+        describe=geometry.describe(), kind=rec.kind)
 
 
 def model_backward_cost(model: nn.Module,

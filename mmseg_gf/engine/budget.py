@@ -17,14 +17,16 @@ from ..accounting.budget import BudgetChoice, check_budget, choose_by_budget
 from ..accounting.profile import StepCostProfile, profile_step_costs
 from ..models.segmentor import is_classifier, unwrap_model
 from .layer_trace import trace_layers
-from .selection import select_layers
+from .selection import check_layer_kinds, select_layers
 from .surgery import apply_gradient_filter
 
 __all__ = ['profile_segmentor', 'choose_layers_by_budget']
 
 
 def profile_segmentor(model: nn.Module, input_size: Sequence[int],
-                      timeline: bool = False) -> StepCostProfile:
+                      timeline: bool = False,
+                      layer_kinds: Optional[Sequence[str]] = None
+                      ) -> StepCostProfile:
     """Profile a plain segmentor for the costs of every last-N setting.
 
     The model itself is not changed: a copy is prepared as gradient
@@ -35,18 +37,22 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
         model: an mmseg segmentor (plain, not yet gradient-filtered).
         input_size: ``(H, W)`` (the training crop).
         timeline: also profile live bytes per call, for the step peak.
+        layer_kinds: the kinds of the pool (:func:`select_layers`);
+            default: convs only (what the step profile prices).
     """
     model = unwrap_model(model)
     size = (int(input_size[0]), int(input_size[1]))
+    kinds = check_layer_kinds(layer_kinds or ['conv2d'])
     pool = [r for r in trace_layers(model, size) if r.inference
-            and not is_classifier(r.path) and r.feeds_output]
+            and not is_classifier(r.path) and r.feeds_output
+            and r.kind in kinds]
     if not pool:
         raise ValueError(
             f'gradient_filter budget: {type(model).__name__} runs no conv '
             'that the output depends on besides its classifier')
     probe = copy.deepcopy(model)
     choices = select_layers(probe, num_layers=len(pool), radius=1,
-                            input_size=size)
+                            input_size=size, layer_kinds=kinds)
     apply_gradient_filter(probe, choices, mode='vanilla', lean=True)
     return profile_step_costs(probe, [c.module for c in choices], size,
                               is_classifier, timeline=timeline)
@@ -54,7 +60,9 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
 
 def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
                             input_size: Sequence[int],
-                            batch: Optional[int] = None) -> BudgetChoice:
+                            batch: Optional[int] = None,
+                            layer_kinds: Optional[Sequence[str]] = None
+                            ) -> BudgetChoice:
     """Profile ``segmentor`` and choose the setting that fits ``budget``.
 
     Args:
@@ -62,9 +70,12 @@ def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
         budget: see :func:`~mmseg_gf.accounting.budget.check_budget`.
         input_size: the training crop.
         batch: images per step, unless the budget names it (default 1).
+        layer_kinds: the kinds the budget chooses among (default: convs
+            only).
     """
     budget = check_budget(budget)
     batch = budget['batch'] or batch or 1
     profile = profile_segmentor(segmentor, input_size,
-                                timeline=budget['peak_mib'] is not None)
+                                timeline=budget['peak_mib'] is not None,
+                                layer_kinds=layer_kinds)
     return choose_by_budget(profile, budget, batch)

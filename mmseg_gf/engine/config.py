@@ -22,7 +22,7 @@ from ..accounting.budget import check_budget
 from ..ops import check_radius
 from .budget import choose_layers_by_budget
 from .cpu_distributed import revert_sync_batchnorm_on_cpu
-from .selection import select_layers
+from .selection import check_layer_kinds, select_layers
 from .state import get_state
 from .surgery import apply_gradient_filter, check_mode
 
@@ -35,7 +35,7 @@ __all__ = [
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
 SETTING_KEYS = ('num_layers', 'layers', 'budget', 'radius', 'mode',
                 'train_norm', 'lean', 'input_size', 'keep_frozen_aux_heads',
-                'log_frozen_aux_losses', 'reuse_cpu_memory')
+                'log_frozen_aux_losses', 'reuse_cpu_memory', 'layer_kinds')
 #: Settings that are True or False, with their defaults.
 FLAG_DEFAULTS = dict(train_norm=False, lean=True, keep_frozen_aux_heads=False,
                      log_frozen_aux_losses=False, reuse_cpu_memory=False)
@@ -76,8 +76,10 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError(f'gradient_filter: unknown key(s) {unknown}; '
                          f'allowed: {list(SETTING_KEYS)}')
     out = dict(radius=None, mode='gf', input_size=None, num_layers=None,
-               layers=None, budget=None, **FLAG_DEFAULTS)
+               layers=None, budget=None, layer_kinds=None, **FLAG_DEFAULTS)
     out.update(settings)
+    if out['layer_kinds'] is not None:
+        out['layer_kinds'] = list(check_layer_kinds(out['layer_kinds']))
     given = [k for k in ('num_layers', 'layers', 'budget')
              if out[k] is not None]
     if len(given) != 1:
@@ -99,6 +101,15 @@ def _check_budget_settings(out: Dict[str, Any]) -> None:
     """A budget chooses layers and radii itself, for filtered convs with
     frozen norms; then the flags (normalised in place)."""
     out['budget'] = check_budget(out['budget'])
+    # the step profile prices convs only (the peak model's backward scratch
+    # of a Linear on tokens is not modelled)
+    if out['layer_kinds'] is None:
+        out['layer_kinds'] = ['conv2d']
+    elif out['layer_kinds'] != ['conv2d']:
+        raise ValueError(
+            'gradient_filter budget chooses among convs only; allowed: '
+            "layer_kinds=None or ['conv2d'], got "
+            f'{out["layer_kinds"]!r}')
     if out['radius'] is not None:
         raise ValueError(
             'gradient_filter: a budget chooses the radii itself; give '
@@ -198,7 +209,8 @@ def build_grad_filter_model(model: dict,
                             data_preprocessor: Optional[dict] = None,
                             keep_frozen_aux_heads: bool = False,
                             log_frozen_aux_losses: bool = False,
-                            reuse_cpu_memory: bool = False
+                            reuse_cpu_memory: bool = False,
+                            layer_kinds: Optional[Sequence[str]] = None
                             ) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
 
@@ -211,7 +223,7 @@ def build_grad_filter_model(model: dict,
     Args:
         model: the segmentor config.
         num_layers, layers, radius, mode, train_norm, lean,
-        keep_frozen_aux_heads, log_frozen_aux_losses: see
+        keep_frozen_aux_heads, log_frozen_aux_losses, layer_kinds: see
             :func:`select_layers` and :func:`apply_gradient_filter`.
         reuse_cpu_memory: kept in the segmentor's state for GradFilterHook,
             which keeps freed CPU memory for reuse when training on CPU
@@ -230,7 +242,7 @@ def build_grad_filter_model(model: dict,
              input_size=input_size,
              keep_frozen_aux_heads=keep_frozen_aux_heads,
              log_frozen_aux_losses=log_frozen_aux_losses,
-             reuse_cpu_memory=reuse_cpu_memory))
+             reuse_cpu_memory=reuse_cpu_memory, layer_kinds=layer_kinds))
     model = copy.deepcopy(model)
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
@@ -259,13 +271,15 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
     num_layers, radius = settings['num_layers'], settings['radius']
     if settings['budget'] is not None:
         choice = choose_layers_by_budget(segmentor, settings['budget'],
-                                         input_size, batch)
+                                         input_size, batch,
+                                         settings.get('layer_kinds'))
         num_layers, radius = choice.num_layers, choice.radius
     else:
         choice = None
     choices = select_layers(segmentor, num_layers=num_layers,
                             layers=settings['layers'], radius=radius,
-                            input_size=input_size)
+                            input_size=input_size,
+                            layer_kinds=settings.get('layer_kinds'))
     choices = apply_gradient_filter(
         segmentor, choices, mode=settings['mode'],
         **{k: settings[k] for k in SURGERY_FLAGS})

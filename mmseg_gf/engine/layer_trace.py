@@ -235,13 +235,16 @@ def trace_layers(model: nn.Module,
     head_outputs: List = []
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device('cpu')
+    dtype = param.dtype if param is not None and \
+        param.dtype.is_floating_point else torch.float32
     h, w = (int(v) for v in input_size)
     with hooks.installed(), _captured_heads(model, head_outputs), \
             _trace_state(model, grad), torch.enable_grad(), \
             torch.autograd.graph.saved_tensors_hooks(_drop_saved,
                                                      _no_unpack):
         out, side = _run_inference_path(
-            model, torch.zeros(1, 3, h, w, device=device), hooks.aux_marker)
+            model, torch.zeros(1, 3, h, w, device=device, dtype=dtype),
+            hooks.aux_marker)
     if not grad:
         behind_output = _graph_nodes(nested_tensors(out), set())
         behind_heads = _graph_nodes(
@@ -268,20 +271,28 @@ class _LayerHooks:
         self.aux_marker = [False]
         self.last_layer: Optional[Tuple[LayerRecord, torch.Tensor]] = None
 
-    def layer_hook(self, module, inputs, output) -> None:
+    def layer_hook(self, module, inputs, kwargs, output) -> None:
+        if not inputs:  # called with keywords (mmcv's attention wrapper)
+            inputs = tuple(v for v in kwargs.values()
+                           if isinstance(v, torch.Tensor))
+        if isinstance(output, tuple) and output and \
+                isinstance(output[0], torch.Tensor):
+            output = output[0]  # nn.MultiheadAttention: (out, weights)
         if isinstance(output, torch.Tensor) and output.grad_fn is not None:
             self.nodes.setdefault(module, []).append(output.grad_fn)
-        if module in self.records or not isinstance(output, torch.Tensor):
+        if module in self.records or not isinstance(output, torch.Tensor) \
+                or not inputs:
             self.last_layer = None
             return
         kind = traced_kind_of(module)
+        geometry = kind.geometry(module, inputs, output)
         rec = LayerRecord(self.names[module], module,
-                          tuple(inputs[0].shape[1:]), tuple(output.shape[1:]),
+                          tuple(geometry.in_shape),
+                          tuple(geometry.out_shape),
                           not self.aux_marker[0],
                           input_requires_grad=bool(self.grad)
                           and inputs[0].requires_grad,
-                          kind=kind.name,
-                          geometry=kind.geometry(module, inputs, output))
+                          kind=kind.name, geometry=geometry)
         self.records[module] = rec
         self.last_layer = (rec, output)
 
@@ -300,14 +311,20 @@ class _LayerHooks:
         traced = tuple(k.traced_type for k in layer_kinds())
         for m in self.model.modules():
             if isinstance(m, traced):
-                handles.append(m.register_forward_hook(self.layer_hook))
+                handles.append(m.register_forward_hook(self.layer_hook,
+                                                       with_kwargs=True))
             elif isinstance(m, NORM_TYPES):
                 handles.append(m.register_forward_hook(self.norm_hook))
+        undos = [k.prepare(self.model) for k in layer_kinds()
+                 if k.prepare is not None]
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
+            for undo in undos:
+                if undo is not None:
+                    undo()
 
 
 @contextlib.contextmanager

@@ -12,10 +12,20 @@ mmseg ``BaseDecodeHead`` (``decode_head.conv_seg``, or
 ``FCNHead`` and ``OCRHead``) and ``fc_seg`` of PointRend's ``PointHead``
 (a ``Conv1d``; its point MLP ``fcs`` is made of ``Conv1d`` layers too, which
 are not convs here and stay frozen). Classifiers are always trained and
-never counted among the N layers unless named explicitly; ``num_layers``
-refuses a segmentor where no classifier conv feeds the output (Segmenter's
-mask transformer head and SAN's CLIP head compute class scores from class
-embeddings).
+never counted among the N layers unless named explicitly. Segmenter's mask
+transformer head computes its class scores as the product of two Linears
+(``patch_proj`` on the patches, ``classes_proj`` on the class embeddings):
+they are its classifier. ``num_layers`` refuses a segmentor where no
+classifier feeds the output (SAN's CLIP head).
+
+Which kinds count is the ``layer_kinds`` setting: by default every
+registered kind (convs, then ``nn.Linear`` and ``nn.MultiheadAttention`` on
+token grids, :mod:`mmseg_gf.models.linear_kinds`); ``['conv2d']`` counts
+convs only, as the paper does. A Linear whose tokens lie on no grid
+(CGNet's global-context FCs on pooled features, Segmenter's class
+embeddings) is not counted by ``num_layers`` and stays frozen, is skipped
+in a ``layers`` container, and is refused by name when ``layers`` names
+it.
 """
 import difflib
 from dataclasses import dataclass, field
@@ -24,9 +34,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from torch import nn
 
 from ..accounting.conv_cost import ConvGeometry, output_stride
-from ..models.layer_kinds import (filterable_names, kind_of,
+from ..models.layer_kinds import (filterable_names, kind_names, kind_of,
                                    traced_kind_of, traced_type_names)
-from ..models.segmentor import CLASSIFIER_NAMES, is_classifier, unwrap_model
+from ..models.segmentor import (CLASSIFIER_NAMES, is_class_score_layer,
+                                is_classifier, unwrap_model)
 from ..ops import as_pair, check_radius
 # The tracer's names, importable from here too.
 from .layer_trace import (ConvRecord, LayerRecord, head_list,  # noqa: F401
@@ -37,8 +48,33 @@ RadiusSetting = Union[int, str, Dict[str, Union[int, str]]]
 __all__ = [
     'ConvRecord', 'LayerRecord', 'LayerChoice', 'trace_convs',
     'trace_layers', 'select_layers', 'auto_radius', 'resolve_radius',
-    'check_radius_paths'
+    'check_radius_paths', 'check_layer_kinds'
 ]
+
+
+def check_layer_kinds(layer_kinds) -> Tuple[str, ...]:
+    """Validate the ``layer_kinds`` setting: None (every registered kind)
+    or a non-empty list of registered kind names.
+
+    Returns:
+        the kind names, in registration order.
+
+    Raises:
+        ValueError: naming the allowed values.
+    """
+    allowed = kind_names()
+    if layer_kinds is None:
+        return allowed
+    if isinstance(layer_kinds, str):
+        layer_kinds = (layer_kinds, )
+    names = list(layer_kinds) if isinstance(layer_kinds,
+                                            (list, tuple)) else None
+    if not names or any(n not in allowed for n in names):
+        raise ValueError(
+            'gradient_filter layer_kinds must be None (every kind) or a '
+            f'non-empty list of {list(allowed)} (e.g. [\'conv2d\']: the '
+            f'paper\'s conv-only count), got {layer_kinds!r}')
+    return tuple(n for n in allowed if n in names)
 
 
 @dataclass
@@ -183,10 +219,12 @@ def check_radius_paths(model: nn.Module, radius: RadiusSetting) -> None:
 
 def _check_filterable(path: str, module: nn.Module) -> None:
     if kind_of(module) is None:
+        traced = traced_kind_of(module)
+        allowed = filterable_names() if traced is None else traced.allowed
         raise ValueError(
             f'gradient_filter layers: {path!r} is a '
             f'{type(module).__name__}, which cannot be gradient-filtered; '
-            f'allowed: {filterable_names()}')
+            f'allowed: {allowed}')
 
 
 def _listing(paths: Sequence[str], limit: int = 6) -> str:
@@ -199,9 +237,10 @@ def select_layers(model: nn.Module,
                   layers: Optional[Sequence[str]] = None,
                   radius: RadiusSetting = 4,
                   input_size: Sequence[int] = (512, 512),
-                  records: Optional[List[LayerRecord]] = None
+                  records: Optional[List[LayerRecord]] = None,
+                  layer_kinds: Optional[Sequence[str]] = None
                   ) -> List[LayerChoice]:
-    """Choose the convs to gradient-filter.
+    """Choose the layers to gradient-filter.
 
     Exactly one of ``num_layers`` / ``layers`` must be given.
 
@@ -220,6 +259,11 @@ def select_layers(model: nn.Module,
         input_size: ``(H, W)`` of the trace.
         records: a precomputed :func:`trace_layers` result (of a trace with
             ``grad=False``; otherwise the model is traced again).
+        layer_kinds: the kinds ``num_layers`` counts and ``layers``
+            containers take (:func:`check_layer_kinds`); None: every
+            registered kind (convs, Linears and attentions on token grids);
+            ``['conv2d']``: convs only, the paper's count. Classifiers are
+            found among every kind (Segmenter's class-score Linears).
 
     Returns:
         list[LayerChoice]: in execution order.
@@ -234,10 +278,12 @@ def select_layers(model: nn.Module,
         raise ValueError('gradient_filter: give exactly one of num_layers '
                          f'and layers, got num_layers={num_layers!r}, '
                          f'layers={layers!r}')
+    kinds = check_layer_kinds(layer_kinds)
     model = unwrap_model(model)
     check_radius_paths(model, radius)
     if records is None or any(r.feeds_output is None for r in records):
         records = trace_layers(model, input_size)
+    records = [r for r in records if r.kind in kinds or is_classifier(r.path)]
     if not records:
         raise ValueError(
             f'gradient_filter: {type(model).__name__} ran no '
@@ -263,12 +309,17 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
         heads = [type(m).__name__ for m in head_list(model.decode_head)]
         raise ValueError(
             f'gradient_filter: the decode head of {name} ({heads}) has '
-            'no classifier conv (conv_seg) that the output depends on; '
-            'gradient filtering always trains it: its class scores come '
-            'from layers that num_layers cannot select (not nn.Conv2d, '
-            'e.g. class embeddings), so they would stay frozen. Allowed: '
-            "a segmentor whose decode heads end in mmseg's conv_seg")
+            'no classifier (conv_seg, fc_seg, or Segmenter\'s class-score '
+            'Linears patch_proj / classes_proj) that the output depends '
+            'on; gradient filtering always trains it: its class scores come '
+            'from layers that num_layers cannot select, so they would stay '
+            "frozen. Allowed: a segmentor whose decode heads end in mmseg's "
+            'conv_seg or class-score projections')
     ran = [r for r in records if r.inference and not is_classifier(r.path)]
+    # Linears on no token grid (CGNet's global-context FCs on pooled
+    # features, SE blocks) are not counted and stay frozen
+    gridless = [r.path for r in ran if not _has_grid(r)]
+    ran = [r for r in ran if _has_grid(r)]
     pool = [r for r in ran if r.feeds_output]
     unreached = [r.path for r in ran if not r.feeds_output]
     if not pool:
@@ -283,12 +334,37 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
             num_layers, int) or not 1 <= num_layers <= len(pool):
         note = (f'; not counted, as no gradient of the output reaches '
                 f'them: {_listing(unreached)}' if unreached else '')
+        if gridless:
+            note += ('; not counted, as their tokens lie on no grid: '
+                     f'{_listing(gridless)}')
         raise ValueError(
             f'gradient_filter num_layers must be an int in '
-            f'[1, {len(pool)}] ({name} runs {len(pool)} convs besides '
+            f'[1, {len(pool)}] ({name} runs {len(pool)} {_nouns(pool)} '
+            'besides '
             f'the classifier that the output depends on{note}), got '
             f'{num_layers!r}')
     return pool[-num_layers:]
+
+
+def _nouns(recs: Sequence[LayerRecord]) -> str:
+    """``'convs'`` when every record is a conv, else ``'layers'``."""
+    return 'convs' if all(r.kind == 'conv2d' for r in recs) else 'layers'
+
+
+def _has_grid(rec: LayerRecord) -> bool:
+    """Whether a traced layer can be filtered at its traced call: a conv,
+    or tokens on a grid."""
+    return getattr(rec.geometry, 'grid', True) is not None
+
+
+def _refuse_no_grid(recs: Sequence[LayerRecord], setting: str) -> None:
+    if recs:
+        why = getattr(recs[0].geometry, 'no_grid', None)
+        raise ValueError(
+            f'gradient_filter {setting}: {_listing([r.path for r in recs])} '
+            f'take tokens on no spatial grid ({why}), so they cannot be '
+            "gradient-filtered; allowed: a layer on a grid or a container "
+            '(which skips them)')
 
 
 def _named_layers(model: nn.Module, records: List[LayerRecord],
@@ -302,8 +378,12 @@ def _named_layers(model: nn.Module, records: List[LayerRecord],
     modules = dict(model.named_modules())
     chosen: List[LayerRecord] = []
     for path in layers:
-        for rec in _convs_reached_in(model, modules, records, path):
-            if rec not in chosen:
+        reached = _convs_reached_in(model, modules, records, path)
+        named = [r for r in reached if r.path == path]
+        # a Linear on no grid: refused when named, skipped in a container
+        _refuse_no_grid([r for r in named if not _has_grid(r)], 'layers')
+        for rec in reached:
+            if rec not in chosen and _has_grid(rec):
                 chosen.append(rec)
     order = {id(r): i for i, r in enumerate(records)}
     return sorted(chosen, key=lambda r: order[id(r)])
@@ -331,7 +411,8 @@ def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
     inside = [
         r for r in records
         if r.path == path or (r.path.startswith(path + '.') and
-                              r.path.split('.')[-1] not in CLASSIFIER_NAMES)
+                              r.path.split('.')[-1] not in CLASSIFIER_NAMES
+                              and not is_class_score_layer(r.path))
     ]
     if not inside:
         kind = traced_kind_of(mod)
@@ -340,8 +421,9 @@ def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
                              'never runs in the forward pass')
         raise ValueError(
             f'gradient_filter layers: {path!r} ({type(mod).__name__}) '
-            'contains no conv that runs in the forward pass; allowed: a '
-            'conv or a container of convs')
+            f'contains no layer of the kinds {list(kind_names())} that '
+            'runs in the forward pass; allowed: such a layer or a '
+            'container of them')
     reached = [r for r in inside if r.feeds_heads]
     if not reached:
         raise ValueError(
@@ -357,19 +439,20 @@ def _layer_choice(rec: LayerRecord, radius: RadiusSetting,
                   input_size: Sequence[int]) -> LayerChoice:
     """A traced layer as a :class:`LayerChoice` with its radius resolved."""
     _check_filterable(rec.path, rec.module)
-    conv = rec.module
+    layer = rec.module
     h, w = int(input_size[0]), int(input_size[1])
     return LayerChoice(
         path=rec.path,
-        module=conv,
+        module=layer,
         radius=resolve_radius(radius, rec.path,
                               output_stride(h, rec.out_shape[1])),
         in_shape=rec.in_shape,
         out_shape=rec.out_shape,
-        kernel_size=as_pair(conv.kernel_size),
-        stride=as_pair(conv.stride),
-        dilation=as_pair(conv.dilation),
-        groups=conv.groups,
+        # a layer on tokens is a 1x1 conv on its grid
+        kernel_size=as_pair(getattr(layer, 'kernel_size', 1)),
+        stride=as_pair(getattr(layer, 'stride', 1)),
+        dilation=as_pair(getattr(layer, 'dilation', 1)),
+        groups=getattr(layer, 'groups', 1),
         norm_path=rec.norm_path,
         input_hw=(h, w),
         kind=rec.kind,

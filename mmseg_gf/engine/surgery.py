@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 
 from torch import nn
 
-from ..models.layer_kinds import kind_of, traced_kind_of
+from ..models.layer_kinds import kind_of, layer_kinds, traced_kind_of
 from ..models.segmentor import (classifier_paths, set_frozen_norms_eval,
                                 unwrap_model)
 from .frozen_aux_heads import skip_frozen_aux_heads
@@ -93,6 +93,12 @@ def apply_gradient_filter(model: nn.Module,
     if not choices:
         raise ValueError('gradient_filter: no layer selected')
     enabled = mode == 'gf'
+    chosen_kinds = {c.kind for c in choices}
+    for kind in layer_kinds():
+        # what the kinds' filtered modules read in every step (the Linear
+        # kinds: the hooks keeping their token grids current)
+        if kind.install is not None and kind.name in chosen_kinds:
+            kind.install(model)
     for choice in choices:
         layer = model.get_submodule(choice.path)
         # a traced layer no kind can filter: its kind's wrap says why

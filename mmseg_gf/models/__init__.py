@@ -29,3 +29,6 @@ if find_spec('mmseg') is not None:
     for _registry in (MMSEG_MODELS, MMENGINE_MODELS):
         _registry.register_module(module=GFConv2d)
         _registry.register_module(module=GFLinear)
+
+    # the Linear / attention kinds: their grid rules need mmseg's blocks
+    from . import linear_kinds  # noqa: F401,E402

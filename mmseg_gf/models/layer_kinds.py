@@ -39,7 +39,7 @@ from .gf_conv import GFConv2d, with_mmcv_wrapper
 __all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
            'layer_kinds', 'layer_kind', 'kind_of', 'traced_kind_of',
            'is_filterable', 'is_filtered', 'filterable_names',
-           'traced_type_names']
+           'traced_type_names', 'kind_names']
 
 
 class LayerGeometry(Protocol):
@@ -85,6 +85,12 @@ class LayerKind:
             filtered gradients against the exact ones at one call
             (:mod:`mmseg_gf.ops.quality`).
         allowed: the classes it accepts, for error messages.
+        prepare: ``(model) -> undo or None``: installs on the segmentor what
+            ``geometry`` and ``wrap`` need during the selection's trace (the
+            Linear kinds: the token-grid hooks); None when nothing is needed
+            or it is installed already.
+        install: ``(model) -> None``: installs it for training (the
+            surgery calls it before ``wrap``); idempotent.
     """
 
     name: str
@@ -96,6 +102,9 @@ class LayerKind:
     geometry: Callable[[nn.Module, Sequence, Tensor], LayerGeometry]
     quality: Callable[[nn.Module, Tensor, Tensor, int], GradientQuality]
     allowed: str
+    prepare: Optional[Callable[[nn.Module], Optional[Callable[[], None]]]] \
+        = None
+    install: Optional[Callable[[nn.Module], None]] = None
 
     def is_filterable(self, module: nn.Module) -> bool:
         """Whether this kind can filter ``module`` (plain or filtered)."""
@@ -174,6 +183,11 @@ def is_filterable(module: nn.Module) -> bool:
 def is_filtered(module: nn.Module) -> bool:
     """Whether ``module`` is a kind's filtered module (enabled or not)."""
     return any(k.is_filtered(module) for k in _KINDS.values())
+
+
+def kind_names() -> Tuple[str, ...]:
+    """The registered kinds' names, in registration order."""
+    return tuple(_KINDS)
 
 
 def traced_type_names() -> str:

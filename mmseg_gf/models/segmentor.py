@@ -14,7 +14,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 __all__ = [
-    'CLASSIFIER_NAMES', 'NORM_TYPES', 'unwrap_model', 'is_classifier',
+    'CLASSIFIER_NAMES', 'CLASS_SCORE_NAMES', 'NORM_TYPES', 'unwrap_model',
+    'is_classifier', 'is_class_score_layer',
     'is_head_classifier', 'classifier_paths', 'set_frozen_norms_eval'
 ]
 
@@ -22,6 +23,10 @@ __all__ = [
 #: ``BaseDecodeHead``, ``fc_seg`` of PointRend's ``PointHead`` (which
 #: deletes its ``conv_seg``).
 CLASSIFIER_NAMES = ('conv_seg', 'fc_seg')
+#: Segmenter's mask transformer head has no ``conv_seg``: its class scores
+#: are the product of ``patch_proj`` (patches) and ``classes_proj`` (class
+#: embeddings); both are its classifier.
+CLASS_SCORE_NAMES = ('patch_proj', 'classes_proj')
 #: Norm layers: frozen ones are kept in eval mode during training.
 NORM_TYPES = (_BatchNorm, _InstanceNorm, nn.GroupNorm, nn.LayerNorm)
 
@@ -37,17 +42,27 @@ def _in_head(path: str, head: str) -> bool:
         path.split('.')[-1] in CLASSIFIER_NAMES
 
 
+def is_class_score_layer(path: str) -> bool:
+    """One of the Linear layers whose product gives a decode head's class
+    scores (Segmenter's ``patch_proj`` / ``classes_proj``, directly under
+    ``decode_head[.i]``)."""
+    head, _, name = path.rpartition('.')
+    return name in CLASS_SCORE_NAMES and (
+        head == 'decode_head' or (head.startswith('decode_head.')
+                                  and head.count('.') == 1))
+
+
 def is_classifier(path: str) -> bool:
-    """A decode head's classifier (``decode_head[.i].conv_seg``, or
-    PointHead's ``fc_seg``): trained by every strategy, counted by no
-    ``num_layers``."""
-    return _in_head(path, 'decode_head')
+    """A decode head's classifier (``decode_head[.i].conv_seg``,
+    PointHead's ``fc_seg``, or Segmenter's class-score Linears): trained by
+    every strategy, counted by no ``num_layers``."""
+    return _in_head(path, 'decode_head') or is_class_score_layer(path)
 
 
 def is_head_classifier(path: str) -> bool:
     """The classifier of any head, decode or auxiliary: the layer whose
     output a head's loss reads (the lean loss then keeps those logits)."""
-    return is_classifier(path) or _in_head(path, 'auxiliary_head')
+    return _in_head(path, 'decode_head') or _in_head(path, 'auxiliary_head')
 
 
 def classifier_paths(model: nn.Module) -> List[str]:

@@ -23,12 +23,19 @@ DPT) and ``SegmenterMaskTransformerHead``. A Linear that no rule covers is
 reported with ``grid=None`` and the reason.
 
 Hooks sit on blocks (layers, patch embeddings, heads), never on the Linears,
-convs or attentions a surgery may replace, so they survive the swap. The
+convs or attentions a surgery may replace, so they survive the swap. They
+are objects holding their sources (rules hold none), so ``copy.deepcopy``
+of a model gives a copy whose hooks set the copy's sources, those its
+filtered layers read; nothing of them is in ``state_dict``. The surgery
+installs them on the segmentor (:func:`install_token_grids`), so a DDP
+wrapper, which runs the same module, runs them too. The
 grids are set by the forward of the block and cleared after it: a block
 recomputed by activation checkpointing in the backward finds no grid
 (exact backward, with a warning), so ``with_cp`` blocks are not filtered.
 """
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -78,6 +85,34 @@ class LinearSite:
     role: Optional[str] = None
 
 
+class _SetGrids:
+    """A hook setting grid sources from a rule. An object, not a closure,
+    so that ``copy.deepcopy`` of a model copies its sources along with the
+    filtered layers reading them (the copy's hooks set the copy's
+    sources); ``rule`` holds no source."""
+
+    def __init__(self, rule: Callable, sources: Sequence[TokenGridSource]
+                 ) -> None:
+        self.rule = rule
+        self.sources = tuple(sources)
+
+    def __call__(self, module, args, *rest) -> None:
+        for source, grid in zip(self.sources, self.rule(module, args,
+                                                        *rest)):
+            source.set(grid)
+
+
+class _ClearGrids:
+    """A forward hook clearing grid sources after the block's call."""
+
+    def __init__(self, sources: Sequence[TokenGridSource]) -> None:
+        self.sources = tuple(sources)
+
+    def __call__(self, module, args, kwargs, output) -> None:
+        for source in self.sources:
+            source.clear()
+
+
 class TokenGridBindings:
     """The hooks that keep a model's grid sources current, and its sites."""
 
@@ -87,30 +122,45 @@ class TokenGridBindings:
         self._handles: List = []
 
     def remove(self) -> None:
-        """Remove every hook (the sources then stay empty)."""
+        """Remove every hook (the sources then stay empty) and forget the
+        modules' sites (:func:`site_of`)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module, (owner, _) in list(_SITE_OF.items()):
+            if owner is self:
+                del _SITE_OF[module]
+
+    def publish(self) -> None:
+        """Make each bound module's site known to :func:`site_of` (the
+        layer kinds' geometry and wrap read it)."""
+        for path, site in self.sites.items():
+            try:
+                module = self.model.get_submodule(path)
+            except AttributeError:
+                continue
+            _SITE_OF[module] = (self, site)
 
     # -- used by the rules ---------------------------------------------------
     def set_around(self, block: nn.Module,
-                   setter: Callable[[nn.Module, tuple, dict], None],
+                   rule: Callable[[nn.Module, tuple, dict], tuple],
                    sources: Sequence[TokenGridSource]) -> None:
-        """Call ``setter(block, args, kwargs)`` before every call of
-        ``block`` and clear ``sources`` after it."""
-
-        def before(module, args, kwargs):
-            setter(module, args, kwargs)
-
-        def after(module, args, kwargs, output):
-            for source in sources:
-                source.clear()
-
+        """Before every call of ``block`` set ``sources`` to the grids
+        ``rule(block, args, kwargs)`` gives; clear them after it."""
         self._handles.append(
-            block.register_forward_pre_hook(before, with_kwargs=True))
+            block.register_forward_pre_hook(_SetGrids(rule, sources),
+                                            with_kwargs=True))
         self._handles.append(
-            block.register_forward_hook(after, with_kwargs=True,
-                                        always_call=True))
+            block.register_forward_hook(_ClearGrids(sources),
+                                        with_kwargs=True, always_call=True))
+
+    def set_after(self, module: nn.Module,
+                  rule: Callable[[nn.Module, tuple, object], tuple],
+                  sources: Sequence[TokenGridSource]) -> None:
+        """After every call of ``module`` set ``sources`` to the grids
+        ``rule(module, args, output)`` gives."""
+        self._handles.append(
+            module.register_forward_hook(_SetGrids(rule, sources)))
 
     def bind(self, site: LinearSite) -> None:
         if site.path not in self.sites:  # the innermost rule wins
@@ -171,6 +221,15 @@ def _key_grid(attention: nn.Module, hw: Tuple[int, int]) -> TokenGrid:
 
 
 # -- the rules ---------------------------------------------------------------
+def _reduced_grids(module, args, kwargs) -> tuple:
+    hw = _hw(args, kwargs, 'hw_shape', 1)
+    return TokenGrid(*hw), _key_grid(module.attn, hw)
+
+
+def _hw_grid(module, args, kwargs) -> tuple:
+    return (TokenGrid(*_hw(args, kwargs, 'hw_shape', 1)), )
+
+
 def _spatial_reduction_layer(bindings: TokenGridBindings, path: str,
                              layer: nn.Module) -> None:
     """MiT's ``TransformerEncoderLayer`` / Twins' ``GSAEncoderLayer``:
@@ -179,12 +238,7 @@ def _spatial_reduction_layer(bindings: TokenGridBindings, path: str,
     tokens = TokenGridSource(name=path)
     keys = TokenGridSource(name=f'{path}.attn.sr')
 
-    def setter(module, args, kwargs):
-        hw = _hw(args, kwargs, 'hw_shape', 1)
-        tokens.set(TokenGrid(*hw))
-        keys.set(_key_grid(module.attn, hw))
-
-    bindings.set_around(layer, setter, (tokens, keys))
+    bindings.set_around(layer, _reduced_grids, (tokens, keys))
     bindings.bind(
         LinearSite(f'{path}.attn.attn', 'attention', tokens, keys, 1, rule))
     bindings.bind_all(layer, path, tokens, rule)
@@ -196,9 +250,7 @@ def _hw_shape_layer(bindings: TokenGridBindings, path: str,
     ``forward(x, hw_shape)``; windowed attention on fixed window grids."""
     rule = type(layer).__name__
     tokens = TokenGridSource(name=path)
-    bindings.set_around(
-        layer, lambda m, a, k: tokens.set(TokenGrid(*_hw(a, k, 'hw_shape',
-                                                         1))), (tokens, ))
+    bindings.set_around(layer, _hw_grid, (tokens, ))
     if isinstance(layer, SwinBlock):
         # WindowMSA: (B * windows, ws * ws, C), the window's grid
         w_msa = layer.attn.w_msa
@@ -218,33 +270,41 @@ def _hw_shape_layer(bindings: TokenGridBindings, path: str,
     bindings.bind_all(layer, path, tokens, rule)
 
 
+def _merged_grid(module, args, kwargs) -> tuple:
+    h, w = _hw(args, kwargs, 'input_size', 1)
+    if module.adap_padding:
+        pad_h, pad_w = module.adap_padding.get_pad_shape((h, w))
+        h, w = h + pad_h, w + pad_w
+    sampler = module.sampler
+    sizes = []
+    for axis, size in enumerate((h, w)):
+        k, s = _pair(sampler.kernel_size)[axis], _pair(sampler.stride)[axis]
+        p, d = _pair(sampler.padding)[axis], _pair(sampler.dilation)[axis]
+        sizes.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
+    return (TokenGrid(*sizes), )
+
+
 def _patch_merging(bindings: TokenGridBindings, path: str,
                    merging: nn.Module) -> None:
     """``PatchMerging(x, input_size)``: ``reduction`` on the merged grid
     (adaptive padding, then the ``nn.Unfold`` sampler's output size)."""
     tokens = TokenGridSource(name=path)
 
-    def setter(module, args, kwargs):
-        h, w = _hw(args, kwargs, 'input_size', 1)
-        if module.adap_padding:
-            pad_h, pad_w = module.adap_padding.get_pad_shape((h, w))
-            h, w = h + pad_h, w + pad_w
-        sampler = module.sampler
-        sizes = []
-        for axis, size in enumerate((h, w)):
-            k, s = _pair(sampler.kernel_size)[axis], _pair(
-                sampler.stride)[axis]
-            p, d = _pair(sampler.padding)[axis], _pair(
-                sampler.dilation)[axis]
-            sizes.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
-        tokens.set(TokenGrid(*sizes))
-
-    bindings.set_around(merging, setter, (tokens, ))
+    bindings.set_around(merging, _merged_grid, (tokens, ))
     bindings.bind_all(merging, path, tokens, type(merging).__name__)
 
 
 def _pair(value) -> Tuple[int, int]:
     return (value, value) if isinstance(value, int) else tuple(value)
+
+
+def _embedded_grid(extra: int, module, args, output) -> tuple:
+    _, hw = output
+    return (TokenGrid(int(hw[0]), int(hw[1]), extra_tokens=extra), )
+
+
+def _no_grid(module, args, kwargs) -> tuple:
+    return (None, )
 
 
 def _vision_transformer(bindings: TokenGridBindings, path: str,
@@ -254,14 +314,10 @@ def _vision_transformer(bindings: TokenGridBindings, path: str,
     rule = type(vit).__name__
     tokens = TokenGridSource(name=f'{path}.patch_embed')
 
-    def after_embed(module, args, output):
-        _, hw = output
-        extra = 1 if vit.with_cls_token else 0
-        tokens.set(TokenGrid(int(hw[0]), int(hw[1]), extra_tokens=extra))
-
-    bindings._handles.append(
-        vit.patch_embed.register_forward_hook(after_embed))
-    bindings.set_around(vit, lambda m, a, k: tokens.clear(), (tokens, ))
+    extra = 1 if vit.with_cls_token else 0
+    bindings.set_after(vit.patch_embed,
+                       functools.partial(_embedded_grid, extra), (tokens, ))
+    bindings.set_around(vit, _no_grid, (tokens, ))
     bindings.bind_all(vit.layers, _join(path, 'layers'), tokens, rule)
 
 
@@ -292,12 +348,11 @@ def _segmenter_head(bindings: TokenGridBindings, path: str,
                 bindings.bind(LinearSite(name, kind, rule=rule, no_grid=why))
         return
 
-    def after_features(module, args, output):
-        h, w = _head_input_hw(head, output)
-        patches.set(TokenGrid(h, w))
-        layers.set(TokenGrid(h, w, trailing_tokens=head.num_classes))
-
-    bindings._handles.append(producer.register_forward_hook(after_features))
+    bindings.set_after(
+        producer,
+        functools.partial(_segmenter_grids, head.input_transform,
+                          head.in_index, head.num_classes),
+        (patches, layers))
     bindings.bind(LinearSite(_join(path, 'dec_proj'), 'linear', patches, None,
                              1, rule))
     bindings.bind(LinearSite(_join(path, 'patch_proj'), 'linear', patches,
@@ -309,16 +364,22 @@ def _segmenter_head(bindings: TokenGridBindings, path: str,
     bindings.bind_all(head.layers, _join(path, 'layers'), layers, rule)
 
 
-def _head_input_hw(head: nn.Module, inputs) -> Tuple[int, int]:
-    """``(H, W)`` of the map ``head._transform_inputs(inputs)`` returns,
-    from the shapes alone (no resize run)."""
-    if head.input_transform == 'resize_concat':
-        shape = inputs[head.in_index[0]].shape
-    elif head.input_transform == 'multiple_select':
+def _segmenter_grids(input_transform, in_index, num_classes, module, args,
+                     output) -> tuple:
+    h, w = _head_input_hw(input_transform, in_index, output)
+    return TokenGrid(h, w), TokenGrid(h, w, trailing_tokens=num_classes)
+
+
+def _head_input_hw(input_transform, in_index, inputs) -> Tuple[int, int]:
+    """``(H, W)`` of the map a head's ``_transform_inputs(inputs)``
+    returns, from the shapes alone (no resize run)."""
+    if input_transform == 'resize_concat':
+        shape = inputs[in_index[0]].shape
+    elif input_transform == 'multiple_select':
         raise ValueError('SegmenterMaskTransformerHead with '
                          "input_transform='multiple_select' has no one grid")
     else:
-        shape = inputs[head.in_index].shape
+        shape = inputs[in_index].shape
     return int(shape[-2]), int(shape[-1])
 
 
@@ -335,6 +396,43 @@ GRID_RULES: Tuple[Tuple[tuple, Callable], ...] = (
     ((VisionTransformer, ), _vision_transformer),
     ((SegmenterMaskTransformerHead, ), _segmenter_head),
 )
+
+
+#: module -> (bindings, site) of the bindings installed last on its model.
+_SITE_OF: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+
+#: Attribute of a segmentor holding its installed bindings
+#: (:func:`install_token_grids`); a plain attribute, not in ``state_dict``.
+BINDINGS_ATTR = '_gf_token_grids'
+
+
+def site_of(module: nn.Module) -> Optional[LinearSite]:
+    """The site of a Linear / attention of a model whose token grids are
+    bound (:func:`bind_token_grids` or :func:`install_token_grids`), or
+    None."""
+    entry = _SITE_OF.get(module)
+    return None if entry is None else entry[1]
+
+
+def install_token_grids(model: nn.Module) -> Optional[TokenGridBindings]:
+    """Bind ``model``'s token grids for good (kept on the model, so that
+    its filtered Linears find their grids in every training step).
+
+    Idempotent: returns None when bindings are installed already, else the
+    new bindings (``uninstall_token_grids`` takes them off).
+    """
+    if model.__dict__.get(BINDINGS_ATTR) is not None:
+        return None
+    bindings = bind_token_grids(model)
+    model.__dict__[BINDINGS_ATTR] = bindings
+    return bindings
+
+
+def uninstall_token_grids(model: nn.Module) -> None:
+    """Remove what :func:`install_token_grids` installed, if anything."""
+    bindings = model.__dict__.pop(BINDINGS_ATTR, None)
+    if bindings is not None:
+        bindings.remove()
 
 
 def bind_token_grids(model: nn.Module) -> TokenGridBindings:
@@ -364,6 +462,7 @@ def bind_token_grids(model: nn.Module) -> TokenGridBindings:
             f'{type(parent).__name__}); known blocks: ' + ', '.join(
                 cls.__name__ for classes, _ in GRID_RULES
                 for cls in classes))
+    bindings.publish()
     return bindings
 
 

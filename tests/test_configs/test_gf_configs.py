@@ -29,8 +29,10 @@ SHORT_NAMES = {
 }
 #: The finetuning strategies every model and target has a config for.
 COMMON = {
-    'gf_last5_r4': dict(num_layers=5, radius=4, mode='gf'),
-    'vanilla_last5': dict(num_layers=5, mode='vanilla'),
+    'gf_last5_r4': dict(num_layers=5, radius=4, mode='gf',
+                        layer_kinds=['conv2d']),
+    'vanilla_last5': dict(num_layers=5, mode='vanilla',
+                          layer_kinds=['conv2d']),
 }
 #: target -> (classes, training crop (H, W)).
 TARGETS = {'voc': (21, (512, 512)), 'cityscapes': (19, (512, 1024))}

@@ -47,7 +47,7 @@ def test_defaults_filled():
                      mode='gf', train_norm=False, lean=True,
                      input_size=(64, 64), budget=None,
                      keep_frozen_aux_heads=False, log_frozen_aux_losses=False,
-                     reuse_cpu_memory=False)
+                     reuse_cpu_memory=False, layer_kinds=None)
     # radius=None is the default too (GradFilterHook passes it)
     assert check_settings(dict(num_layers=2, radius=None))['radius'] == 4
 

@@ -126,7 +126,7 @@ def test_auto_and_dict_radius():
     (dict(layers=['decode_head.botleneck']),
      "no module 'decode_head.botleneck'.*did you mean.*"
      'decode_head.bottleneck'),
-    (dict(layers=['decode_head.dropout']), 'contains no conv'),
+    (dict(layers=['decode_head.dropout']), 'contains no layer of'),
     (dict(layers=[]), 'non-empty list'),
     (dict(num_layers=2, layers=['decode_head']), 'exactly one of'),
     (dict(), 'exactly one of'),

@@ -47,8 +47,12 @@ heads initialise a scale to 0 (DANet's ``gamma``, GCNet's last
 ``channel_add_conv``), which would make upstream gradients exactly zero at
 step 0 although they are reached.
 
-Families refused before training, with the message tested: Segmenter's mask
-transformer head (no classifier conv). Families not run here (see
+The sweep counts convs only (``layer_kinds=['conv2d']``, the paper's
+count; transformer Linears are checked by
+tests/test_engine/test_transformer_selection.py). Segmenter's mask
+transformer head has no classifier conv: its class-score Linears
+(``patch_proj``, ``classes_proj``) are its classifier, trained with the
+last conv (the patch embedding). Families not run here (see
 ``NOT_RUN``): MaskFormer and Mask2Former (their heads are mmdet's, not
 installed), SAN (too heavy to build here), VPD (needs Stable Diffusion's
 ldm). All of it is marked ``zoo`` (``-m "not zoo"`` deselects it).
@@ -294,7 +298,7 @@ CASES = [
     Case('SegmenterMaskTransformerHead',
          'segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py',
          shrink='ViT-T 12 layers -> 2, mask transformer 2 layers -> 1: speed',
-         edit=_segmenter_mask, refuse=r'no classifier conv'),
+         edit=_segmenter_mask, num_layers=1),  # its only conv: patch_embed
 ]
 
 NOT_RUN = [
@@ -307,8 +311,8 @@ NOT_RUN = [
     ('SideAdapterCLIPHead (SAN)', 'san/san-vit-b16_voc12aug-640x640.py',
      'CLIP ViT-B image + text encoders (~150M parameters, ~1 min to build '
      'and trace on 2 cores; their layer indices are wired into the head, '
-     'so no quick shrink); num_layers refuses it as it does Segmenter\'s '
-     'mask head: no classifier conv feeds its output'),
+     'so no quick shrink); num_layers refuses it: no classifier feeds its '
+     'output'),
     ('VPDDepthHead', 'vpd/vpd_sd_4xb8-25k_nyu-512x512.py',
      'depth estimation on Stable Diffusion: needs ldm and its checkpoint'),
 ]
@@ -442,7 +446,8 @@ def test_zoo_config(case):
     model_cfg = load_model_cfg(case)
     cfg = Config(dict(model=copy.deepcopy(model_cfg), crop_size=(size, size),
                       gradient_filter=dict(num_layers=case.num_layers,
-                                           radius=2)))
+                                           radius=2,
+                                           layer_kinds=['conv2d'])))
     rewrite_config(cfg)
     if case.refuse is not None:
         with pytest.raises(ValueError, match=case.refuse):
@@ -454,7 +459,8 @@ def test_zoo_config(case):
     plain = build(model_cfg)
     perturb(plain)
     plain.eval()
-    records = trace_convs(plain, (size, size))
+    records = [r for r in trace_convs(plain, (size, size))
+               if r.kind == 'conv2d' or is_classifier(r.path)]
     check_reachability_against_backward(plain, records, size)
 
     # 2. the rewrite's model picks the last N convs that feed the output
@@ -462,8 +468,8 @@ def test_zoo_config(case):
     gf.load_state_dict(plain.state_dict())
     choices = get_gradient_filter_layers(gf)
     pool = [
-        r.path for r in records
-        if r.inference and r.feeds_output and not is_classifier(r.path)
+        r.path for r in records if r.inference and r.feeds_output
+        and not is_classifier(r.path) and r.kind == 'conv2d'
     ]
     assert len(choices) == case.num_layers
     assert [c.path for c in choices] == pool[-case.num_layers:]

@@ -4,4 +4,5 @@
 # budget_like in mmseg_gf/protocol/experiments.py); used on its own, give it
 # a value, e.g. --cfg-options gradient_filter.budget.backward_gflops=0.5.
 _base_ = ['../schedules/finetune_20k_ref.py']
-gradient_filter = dict(budget=dict(backward_gflops=None, radii=[8]))
+gradient_filter = dict(budget=dict(backward_gflops=None, radii=[8]),
+                       layer_kinds=['conv2d'])

@@ -51,7 +51,7 @@ class GradFilterHook(Hook):
     needed.
 
     Args:
-        num_layers: train the last N convs (execution order).
+        num_layers: train the last N layers (execution order).
         layers: or explicit module paths.
         budget: or limits the choice of N and radii must fit, e.g.
             ``dict(saved_mib=300, backward_gflops=1)`` (see
@@ -76,6 +76,10 @@ class GradFilterHook(Hook):
             back to the system (:mod:`mmseg_gf.engine.cpu_memory`; the step
             then skips the page faults of fresh memory, and the process
             keeps its peak resident memory); default False.
+        layer_kinds: the kinds of layer ``num_layers`` / ``layers`` / the
+            budget count (``['conv2d']``: convs only, the paper's count);
+            default None: every registered kind (convs, Linears and
+            attentions on token grids).
         log_table: log the per-layer cost table at train start.
         check_load_from: before the checkpoint is loaded, fail if the
             ``load_from`` (or resumed) checkpoint does not exist or does not
@@ -96,6 +100,7 @@ class GradFilterHook(Hook):
                  keep_frozen_aux_heads: bool = False,
                  log_frozen_aux_losses: bool = False,
                  reuse_cpu_memory: bool = False,
+                 layer_kinds: Optional[Sequence[str]] = None,
                  log_table: bool = True,
                  check_load_from: bool = True,
                  **unknown) -> None:
@@ -112,7 +117,7 @@ class GradFilterHook(Hook):
                  input_size=input_size,
                  keep_frozen_aux_heads=keep_frozen_aux_heads,
                  log_frozen_aux_losses=log_frozen_aux_losses,
-                 reuse_cpu_memory=reuse_cpu_memory)
+                 reuse_cpu_memory=reuse_cpu_memory, layer_kinds=layer_kinds)
         ) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
