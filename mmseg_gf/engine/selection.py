@@ -401,10 +401,11 @@ def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
                          f'{type(model).__name__}{hint}')
     if is_classifier(path):
         raise ValueError(
-            f'gradient_filter layers: {path!r} is the decode head\'s '
-            'classifier, which every setting trains with its exact '
-            'gradient (fused with the loss) and never filters; allowed: '
-            'the convs before it. To train the classifier alone, use '
+            f'gradient_filter layers: {path!r} is a decode head\'s '
+            'classifier (class scores), which every setting trains with '
+            'its exact gradient and never filters; allowed: the layers '
+            'before it. '
+            'To train the classifier alone, use '
             'CalibrationHook(trainable=[...]) as '
             'configs/_base_/strategies/classifier_only.py does')
     mod = modules[path]

@@ -3,9 +3,9 @@
 Segformer (MiT), Twins-PCPVT UPerNet and Swin UPerNet from mmseg 1.2.2's
 zoo (:data:`mmseg_gf.engine.zoo.ZOO_FAMILIES`), offline, shrunk to a few
 channels and one or two blocks per stage (:func:`tiny_cfg`), at 64x64,
-batch 2, with their DropPath rates as configured. GF last 20 (Swin: every
-conv it has, the head's and the patch embedding's) reaches convs inside
-(or, Swin, before) the blocks, so the frozen attention, LayerNorm, GELU
+batch 2, with their DropPath rates as configured. GF last 20 convs
+(``layer_kinds=['conv2d']``; Swin: every conv it has, the head's and the
+patch embedding's) reaches convs inside (or, Swin, before) the blocks, so the frozen attention, LayerNorm, GELU
 and DropPath lie on the gradient path:
 
 * a step with ``lean=True`` equals the same step with ``lean=False``
@@ -80,8 +80,10 @@ def _layers(name: str) -> int:
 
 def _model(cfg, plain, mode, lean, layers):
     cfg = cfg.copy()
+    # convs only: the frozen blocks' attention, LayerNorm and GELU stay on
+    # the gradient path (and the budget's profile prices convs only)
     cfg.gradient_filter = dict(num_layers=layers, radius=4, mode=mode,
-                               lean=lean)
+                               lean=lean, layer_kinds=['conv2d'])
     model = build_segmentor(cfg)
     model.load_state_dict(plain.state_dict())
     return model

@@ -141,7 +141,7 @@ def test_auto_and_dict_radius():
      "radius: no module 'backbon'.*did you mean.*'backbone'"),
     # the classifier is trained exactly by every setting, never filtered
     (dict(layers=['decode_head.conv_seg']),
-     "'decode_head.conv_seg' is the decode head's classifier.*"
+     "'decode_head.conv_seg' is a decode head's classifier.*"
      'CalibrationHook'),
     (dict(layers=['decode_head.bottleneck', 'decode_head.conv_seg']),
      'classifier'),

@@ -165,8 +165,9 @@ def test_segmenter_class_scores_are_its_classifier():
     trained = {n.rsplit('.', 1)[0] for n, p in model.named_parameters()
                if p.requires_grad}
     assert {'decode_head.patch_proj', 'decode_head.classes_proj'} <= trained
-    # the class projection has no grid: naming it alone is refused by name
-    with pytest.raises(ValueError, match='classes_proj.*no spatial grid'):
+    # a class-score layer is the classifier: naming it is refused by name
+    with pytest.raises(ValueError, match="classes_proj' is a decode head's "
+                       r'classifier \(class scores\)'):
         select_layers(tiny_model('segmenter_vit_t'),
                       layers=['decode_head.classes_proj'],
                       input_size=(SIZE, SIZE))

@@ -186,7 +186,7 @@ BAD = {
         r"did you mean.*'decode_head.bottleneck'"),
     'classifier in layers': (
         dict(gf=dict(num_layers=None, layers=['decode_head.conv_seg'])),
-        ValueError, r"'decode_head.conv_seg' is the decode head's "
+        ValueError, r"'decode_head.conv_seg' is a decode head's "
         r'classifier'),
     'mode': (dict(gf=dict(mode='fast')), ValueError,
              r"mode must be one of \('gf', 'vanilla'\), got 'fast'"),
