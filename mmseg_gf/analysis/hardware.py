@@ -4,6 +4,8 @@ import os
 import platform
 from typing import Optional
 
+from ..engine.train_log import peak_resident_bytes
+
 __all__ = ['cpu_model', 'resident_bytes', 'peak_resident_bytes']
 
 
@@ -17,19 +19,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def peak_resident_bytes() -> Optional[int]:
-    """The process's highest resident memory so far (Linux ``VmHWM`` in
-    ``/proc/self/status``; None elsewhere)."""
-    try:
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith('VmHWM:'):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def resident_bytes() -> Optional[int]:

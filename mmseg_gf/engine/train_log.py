@@ -15,7 +15,8 @@ from typing import Optional
 
 from mmengine.hooks import LoggerHook
 
-__all__ = ['precision_summary', 'PeakResidentMemory', 'logged_now']
+__all__ = ['precision_summary', 'PeakResidentMemory', 'logged_now',
+           'peak_resident_bytes']
 
 #: The log line's key of :class:`PeakResidentMemory`'s peak (MiB).
 PEAK_KEY = 'peak_rss'
@@ -41,7 +42,9 @@ def precision_summary(optim_wrapper) -> str:
     return 'training precision: ' + '; '.join(dict.fromkeys(parts))
 
 
-def _vm_hwm_bytes() -> Optional[int]:
+def peak_resident_bytes() -> Optional[int]:
+    """The process's highest resident memory so far (Linux ``VmHWM`` in
+    ``/proc/self/status``; None elsewhere)."""
     try:
         with open('/proc/self/status') as f:
             for line in f:
@@ -59,7 +62,7 @@ class PeakResidentMemory:
     sees the reset too."""
 
     def __init__(self) -> None:
-        self.supported = _vm_hwm_bytes() is not None and os.access(
+        self.supported = peak_resident_bytes() is not None and os.access(
             '/proc/self/clear_refs', os.W_OK)
 
     def reset(self) -> bool:
@@ -75,7 +78,7 @@ class PeakResidentMemory:
 
     def peak_mib(self) -> Optional[float]:
         """The peak since the last reset, MiB (None where unsupported)."""
-        peak = _vm_hwm_bytes() if self.supported else None
+        peak = peak_resident_bytes() if self.supported else None
         return None if peak is None else round(peak / 2**20, 1)
 
 
