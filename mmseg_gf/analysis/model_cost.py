@@ -91,7 +91,8 @@ class LayerCost:
     def as_dict(self) -> Dict[str, Any]:
         c = self.cost
         return dict(
-            path=self.path, kernel_size=list(self.kernel_size),
+            path=self.path, kind=self.kind,
+            kernel_size=list(self.kernel_size),
             stride=list(self.stride), dilation=list(self.dilation),
             groups=self.groups, in_shape=list(self.in_shape),
             out_shape=list(self.out_shape), radius=self.radius,
@@ -238,8 +239,11 @@ def model_backward_cost(model: nn.Module,
     out = ModelCost(mode='all', input_size=size, batch=int(batch),
                     collapse_dilated=collapse_dilated)
     if state is None:
+        # the paper's "Vanilla BP All": convs (nn.Conv2d) only, the other
+        # kinds named in ``not_counted``
         items = [(r, radius) for r in records
-                 if r.inference and not is_classifier(r.path)]
+                 if r.inference and not is_classifier(r.path)
+                 and r.kind == 'conv2d']
         out.not_counted = _other_layer_kinds(model)
     else:
         out.mode = state.mode

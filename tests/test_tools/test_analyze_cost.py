@@ -272,5 +272,7 @@ def test_vanilla_bp_all_says_it_counts_convs_only(capsys):
     printed = capsys.readouterr().out
     cost = result['cost']
     assert cost['mode'] == 'all' and cost['not_counted']['Linear'] > 0
+    assert cost['layers'] and {
+        layer['kind'] for layer in cost['layers']} == {'conv2d'}
     assert 'convs only (nn.Conv2d); not counted: ' in printed
     assert f"{cost['not_counted']['Linear']} Linear" in printed
