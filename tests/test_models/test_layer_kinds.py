@@ -39,9 +39,11 @@ def test_which_modules_the_conv_kind_takes():
     # traced (so that selection can name it) but not filterable
     ws = _ConvWS(3, 4, 3)
     assert traced_kind_of(ws) is CONV2D and kind_of(ws) is None
-    for other in (nn.Linear(3, 4), nn.ConvTranspose2d(3, 4, 3),
-                  nn.Conv1d(3, 4, 3)):
+    for other in (nn.ConvTranspose2d(3, 4, 3), nn.Conv1d(3, 4, 3)):
         assert traced_kind_of(other) is None and kind_of(other) is None
+    # a Linear is the next kind's, not the conv's
+    linear = nn.Linear(3, 4)
+    assert kind_of(linear) is layer_kind('linear') is not CONV2D
 
 
 def test_wrap_and_set_filter_share_parameters():
