@@ -38,3 +38,17 @@ def _exact_float32_on_cuda(request):
         yield
     finally:
         matmul.allow_tf32, cudnn.allow_tf32 = previous
+
+
+@pytest.fixture(scope='module')
+def one_thread():
+    """One intra-op thread for a module's tests (``pytestmark =
+    pytest.mark.usefixtures('one_thread')``): tiny zoo models gain little
+    from a second thread, and on a busy 2-core machine waiting OpenMP
+    threads spin (the zoo sweep took 6 min of CPU with 2 threads, 24 s with
+    one, under a load of 10)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -7,7 +7,6 @@ script on all 18 models it is the full check, see its docstring)."""
 import os.path as osp
 
 import pytest
-import torch
 
 pytest.importorskip('mmseg')
 
@@ -19,12 +18,7 @@ GOLDEN = osp.join(REPO, 'tests', 'golden', 'layer_kinds.txt')
 CHEAP = ('family:segformer_b0', 'family:fast_scnn')
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 @pytest.mark.parametrize('name', CHEAP)

@@ -42,20 +42,11 @@ from mmseg_gf.engine.zoo import (REALTIME_FAMILIES,  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
 from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
 
-pytestmark = pytest.mark.zoo
+pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures('one_thread')]
 
 #: Input side, raised to a family's minimum (``ZooFamily.min_crop``).
 SIZE = 64
 BATCH = 2
-
-
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models, a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def family_cfg(name: str, size: int):

@@ -54,12 +54,7 @@ LAST_BLOCK = {
 }
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def _filtered(name, dtype, **settings):

@@ -71,19 +71,7 @@ pytest.importorskip('mmseg')
 from mmseg_gf.engine.zoo import (mmseg_config_dir,  # noqa: E402
                                  offline_model_config)
 
-pytestmark = pytest.mark.zoo
-
-
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """One intra-op thread: these models are small enough that a second
-    thread gains little, and on a busy 2-core machine waiting OpenMP
-    threads spin (the sweep took 6 min of CPU with 2 threads, 24 s with
-    one, under a load of 10)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures('one_thread')]
 
 SIZE = 64
 NUM_LAYERS = 5

@@ -121,12 +121,7 @@ def _inputs():
     return torch.randn(2, 3, SIZE, SIZE, generator=gen, dtype=torch.float64)
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def _by_path(records):

@@ -13,26 +13,16 @@ import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, native
 from mmseg_gf.ops.gradient_filter_linear import _Layout
+from tests.gf_linear_cases import LAYOUT_CASES
 
 pytestmark = pytest.mark.skipif(
     not native.available() or
     not hasattr(native._kernels, 'token_filtered_backward'),
     reason='compiled kernels not built (pip install --no-build-isolation -e .)')
 
-# (grid, input shape, token_dim): the layouts of test_gf_linear.py, with
-# partial border patches at r = 2, 3, 4 on most of them.
-CASES = [
-    (TokenGrid(4, 6), (2, 24, 5), 1),
-    (TokenGrid(5, 7, extra_tokens=2), (2, 37, 5), 1),
-    (TokenGrid(5, 3, extra_tokens=1), (16, 3, 5), 0),  # (N, B, C)
-    (TokenGrid(3, 5, layout='hwc'), (2, 3, 5, 5), 1),
-    (TokenGrid(3, 2, layout='hwc'), (2, 2, 2, 3, 2, 5), 3),  # Twins' LSA
-    (TokenGrid.windows(7), (6, 49, 5), 1),
-    (TokenGrid(1, 1), (3, 1, 5), 1),
-    (TokenGrid(6, 4), (24, 5), 0),  # unbatched
-    (TokenGrid(3, 4, trailing_tokens=3), (2, 15, 5), 1),  # Segmenter's head
-    (TokenGrid(3, 3, 1, trailing_tokens=2), (12, 2, 5), 0),
-]
+# the layouts of test_gf_linear.py, with partial border patches at
+# r = 2, 3, 4 on most of them
+CASES = LAYOUT_CASES
 
 
 def _inputs(shape, cout, dtype, seed=0):
