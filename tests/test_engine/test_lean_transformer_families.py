@@ -33,10 +33,10 @@ from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.zoo import family_config, make_offline  # noqa: E402
-from tests.test_engine.test_realtime_families import (  # noqa: E402,F401
-    check_terms, filtered_model, one_step, one_thread, plain_model)
+from tests.test_engine.test_realtime_families import (  # noqa: E402
+    check_terms, one_step, plain_model)
 
-pytestmark = pytest.mark.zoo
+pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures('one_thread')]
 
 SIZE = 64
 BATCH = 2
