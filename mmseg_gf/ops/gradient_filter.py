@@ -22,7 +22,6 @@ the pooled grid with dilation ``d // (r*s)``. The backward is then the exact
 backward of that small convolution on the pooled grid, scaled by ``1/s^2``.
 """
 
-import contextlib
 from typing import Optional, Tuple, Union
 
 import torch
@@ -34,6 +33,7 @@ from . import native, triton_path
 # The patch grid's helpers (shared with other filtered layer kinds) live in
 # .patch_grid; importable from here as well.
 from .patch_grid import (AxisGeometry, IntPair, as_pair,  # noqa: F401
+                         autocast_off,
                          check_radius, conv_geometry, filter_output_grad,
                          pool_input_patches, resolve_padding,
                          spread_to_input)
@@ -193,14 +193,6 @@ def pooled_conv_backward(
     return grad_input, grad_kernel
 
 
-def _autocast_off(device_type: str):
-    """Disable autocast in the backward (accumulation stays float32);
-    a no-op context on devices autocast does not know (e.g. ``meta``)."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 
 
 class GradientFilterConv2dFunction(torch.autograd.Function):
@@ -272,7 +264,7 @@ def _stepwise_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
     geo_h, geo_w = ctx.geometry
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-    with _autocast_off(grad_output.device.type):
+    with autocast_off(grad_output.device.type):
         # 1/s^2 keeps the filtered gradients unbiased for strided convs
         # (docs/gradient_filter.md#stride-normalisation).
         sums, means = filter_output_grad(grad_output, geo_h, geo_w,

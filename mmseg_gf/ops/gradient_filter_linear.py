@@ -26,7 +26,6 @@ two GEMMs on ``N / r^2`` rows. On CPU with the compiled kernels
 and the fallback (``MMSEG_GF_NATIVE=0``). No mmseg import.
 """
 
-import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
@@ -36,7 +35,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import native
-from .gradient_filter import AxisGeometry, check_radius
+from .patch_grid import AxisGeometry, autocast_off, check_radius
 
 #: How the grid's tokens are laid out in a Linear's input (last dim: C).
 #: ``'tokens'``: one token axis of ``extra_tokens + H*W + trailing_tokens``
@@ -156,13 +155,6 @@ class TokenGrid:
                 f'{self.width} + {self.trailing_tokens} = '
                 f'{self.num_tokens} ({self.layout!r} layout)')
         return dim
-
-
-def _autocast_off(device_type: str):
-    """Disable autocast in the backward (accumulation stays float32)."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 # (start, patches, tokens per patch) of one stretch of equal patches.
@@ -418,7 +410,7 @@ class GradientFilterLinearFunction(torch.autograd.Function):
         layout = ctx.layout
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_x = grad_w = grad_b = None
-        with _autocast_off(grad_output.device.type):
+        with autocast_off(grad_output.device.type):
             if need_x:
                 grad_x = _empty_grad_input(grad_output, ctx.input_shape,
                                            ctx.input_dtype)

@@ -12,6 +12,7 @@ for a convolution :func:`conv_geometry`, its padding from
 kernel with stride 1 on it. Pure PyTorch, plus the optional compiled CPU
 kernels (:mod:`.native`).
 """
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -252,3 +253,12 @@ def resolve_padding(padding: Union[str, IntPair], kernel_size: Sequence[int],
     if not asymmetric:
         return (pads[0], pads[1]), None
     return (pads[0], pads[1]), [0, extra[1], 0, extra[0]]
+
+
+def autocast_off(device_type: str):
+    """Disable autocast in a filtered layer's backward (accumulation stays
+    float32); a no-op context on devices autocast does not know (e.g.
+    ``meta``)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
