@@ -30,7 +30,10 @@ Examples::
     # step peak, marking what a budget allows (docs/budget.md)
     python tools/analyze_cost.py configs/gf/pspnet_r18_voc_r4.py --sweep \
         --batch 8 --budget saved_mib=60 peak_mib=600 --out work_dirs/cost/sweep.json
-    # a config of mmseg's zoo as it comes, GF on its last 10 convs at r = 4
+    # a family of mmseg's zoo by name: Swin-T UPerNet, GF on its last 20
+    # layers (convs, Linears and attentions) at r = 4
+    python tools/analyze_cost.py --family swin_t --setting gf_last20_r4
+    # a config of mmseg's zoo as it comes, GF on its last 10 layers at r = 4
     # ($MMSEG: mmseg's package directory, where it installs its configs)
     python tools/analyze_cost.py --offline --setting gf_last10_r4 \
         $MMSEG/.mim/configs/stdc/stdc1_4xb12-80k_cityscapes-512x1024.py
@@ -48,6 +51,7 @@ from mmseg_gf.protocol.paper_table3 import (PAPER_TABLE3_GFLOPS, TABLE3_NOTE,
                                             compare_with_table3,
                                             table3_comparison_table)
 from mmseg_gf.engine.tool_args import write_json
+from mmseg_gf.engine.zoo import ZOO_FAMILIES
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -55,6 +59,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         description='Backward FLOPs / MACs / saved bytes of the layers a '
         'config trains, exact vs gradient filter')
     parser.add_argument('config', nargs='?', help='config file path')
+    parser.add_argument(
+        '--family', choices=sorted(ZOO_FAMILIES),
+        help="a family of mmseg's zoo by name instead of a config file "
+        '(mmseg_gf/engine/zoo.py: the real-time and transformer '
+        'families), built as with --offline')
     parser.add_argument('--shape', type=int, nargs='+', default=[512, 512],
                         help='input image size: H [W] (default 512 512)')
     parser.add_argument('--batch', type=int, default=1,
@@ -116,8 +125,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help='adapt a config of mmseg\'s zoo for one process without '
         'downloads: SyncBN -> BN, pretrained / init_cfg checkpoints removed')
     args = parser.parse_args(argv)
+    if args.family is not None:
+        if args.config:
+            parser.error('give a config file or --family, not both')
+        args.config, args.offline = ZOO_FAMILIES[args.family].path, True
     if not args.paper_table3 and not args.config:
-        parser.error('give a config file, or --paper-table3')
+        parser.error('give a config file, --family, or --paper-table3')
     if args.config and not osp.isfile(args.config):
         parser.error(f'config: file {args.config!r} does not exist')
     for name in ('shape', 'measure_shape'):

@@ -35,7 +35,8 @@ from mmseg_gf.analysis.step_benchmark import DEFAULT_ROWS, row_settings
 from mmseg_gf.analysis.step_jobs import (Job, config_jobs, family_jobs,
                                          run_jobs)
 from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
-from mmseg_gf.engine.zoo import REALTIME_FAMILIES, ZOO_FAMILIES
+from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, TRANSFORMER_FAMILIES,
+                                 ZOO_FAMILIES)
 from mmseg_gf.protocol import PROTOCOL_MODELS
 from mmseg_gf.protocol.experiments import step_row_config
 
@@ -45,11 +46,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('configs', nargs='*', metavar='CONFIG',
                    help='mmseg config files (any segmentor)')
     p.add_argument('--families', nargs='+', default=[],
-                   choices=sorted(ZOO_FAMILIES) + ['all'],
+                   choices=sorted(ZOO_FAMILIES) + ['all', 'transformers'],
                    help="families of mmseg's zoo by name "
                    "(mmseg_gf/engine/zoo.py: the twelve real-time ones, "
                    "'all' of them, and the transformers segformer_b2, "
-                   "twins_pcpvt_s, swin_t), offline")
+                   "twins_pcpvt_s, swin_t, deit_s, segmenter_vit_t; "
+                   "'transformers': those and segformer_b0), offline")
     p.add_argument('--models', nargs='+', default=[],
                    choices=sorted(PROTOCOL_MODELS),
                    help="the paper protocol's models")
@@ -104,6 +106,8 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     """Every bad setting is refused before any model is built."""
     if 'all' in args.families:
         args.families = list(REALTIME_FAMILIES)
+    elif 'transformers' in args.families:
+        args.families = ['segformer_b0', *TRANSFORMER_FAMILIES]
     if not (args.configs or args.families or args.models):
         p.error('give CONFIG files, --families or --models')
     for path in args.configs:

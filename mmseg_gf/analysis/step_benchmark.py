@@ -46,7 +46,8 @@ from ..engine.build import build_segmentor
 from .hardware import peak_resident_bytes, resident_bytes
 
 __all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'parse_row', 'row_settings',
-           'set_row_settings', 'row_config', 'benchmark_model', 'step_table', 'plot',
+           'set_row_settings', 'row_config', 'benchmark_model', 'step_table',
+           'kept_by_kind_table', 'plot',
            'FINETUNE_ITERS']
 
 #: The protocol's finetuning length, for the "20k steps" column.
@@ -374,6 +375,23 @@ def step_table(result: Dict) -> str:
     return format_table([headers[i] for i in keep],
                         [[row[i] for i in keep] for row in rows],
                         align='l' + 'r' * (len(keep) - 1))
+
+
+def kept_by_kind_table(result: Dict) -> str:
+    """The lean rows' bytes kept for backward by kind (MiB, the analytic
+    count's categories, :data:`~mmseg_gf.accounting.kept.CATEGORIES`), the
+    kinds that keep nothing in every row left out; '' when no row has the
+    count (a ``--no-memory`` run, no lean row)."""
+    rows = [r for r in result['rows'] if r.get('analytic_by_category')]
+    if not rows:
+        return ''
+    kinds = [k for k in rows[0]['analytic_by_category']
+             if any(r['analytic_by_category'].get(k) for r in rows)]
+    body = [[r['row'], _mib(r['analytic_saved_bytes'])] +
+            [_mib(r['analytic_by_category'].get(k, 0)) for k in kinds]
+            for r in rows]
+    return format_table(['row (kept MiB)', 'total'] + kinds, body,
+                        align='l' + 'r' * (len(kinds) + 1))
 
 
 def _seconds(v: Optional[float]) -> str:

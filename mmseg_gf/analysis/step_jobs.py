@@ -18,7 +18,8 @@ from ..engine.cpu_memory import cpu_memory_kept
 from ..engine.tool_args import write_json
 from ..engine.zoo import ZOO_FAMILIES, family_config, make_offline
 from .hardware import cpu_model
-from .step_benchmark import benchmark_model, plot, row_config, step_table
+from .step_benchmark import (benchmark_model, kept_by_kind_table, plot,
+                             row_config, step_table)
 
 __all__ = ['Job', 'family_crop', 'config_jobs', 'family_jobs', 'run_jobs']
 
@@ -107,12 +108,19 @@ def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
                  f'{fmt_mib(result["peak_resident_bytes"], 0, " MiB")}'
                  if result['resident_bytes'] else ''))
         print(step_table(result), flush=True)
+        by_kind = kept_by_kind_table(result)
+        if by_kind:
+            print(f'\n{by_kind}', flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     write_json(osp.join(args.out_dir, 'steps.json'), results)
     with open(osp.join(args.out_dir, 'steps.md'), 'w') as f:
         for result in results:
             f.write(f"## {result['label']}, crop {result['crop'][0]}x"
                     f"{result['crop'][1]}\n\n{step_table(result)}\n\n")
+            by_kind = kept_by_kind_table(result)
+            if by_kind:
+                f.write(f'Kept for backward by kind (analytic count):\n\n'
+                        f'{by_kind}\n\n')
     if plot(results, osp.join(args.out_dir, 'steps.png')):
         print(f"wrote {osp.join(args.out_dir, 'steps.png')}")
     return results

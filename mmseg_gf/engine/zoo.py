@@ -113,6 +113,13 @@ TRANSFORMER_FAMILIES: Dict[str, ZooFamily] = {
         'Swin-T UPerNet',
         'swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_'
         'ade20k-512x512.py', (512, 512)),
+    'deit_s': ZooFamily(
+        'DeiT-S UPerNet',
+        'vit/vit_deit-s16_upernet_8xb2-80k_ade20k-512x512.py', (512, 512)),
+    'segmenter_vit_t': ZooFamily(
+        'Segmenter ViT-T',
+        'segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py',
+        (512, 512)),
 }
 
 #: Every family by short name: :data:`REALTIME_FAMILIES` and

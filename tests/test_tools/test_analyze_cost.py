@@ -276,3 +276,21 @@ def test_vanilla_bp_all_says_it_counts_convs_only(capsys):
         layer['kind'] for layer in cost['layers']} == {'conv2d'}
     assert 'convs only (nn.Conv2d); not counted: ' in printed
     assert f"{cost['not_counted']['Linear']} Linear" in printed
+
+
+def test_a_transformer_family_by_name_counts_its_linear_layers(capsys):
+    """``--family swin_t``: mmseg's Swin-T UPerNet config as it comes
+    (offline); its last 20 layers reach the backbone's last stage, whose
+    Linears and window grids are listed as the engine selects them."""
+    result = analyze_cost.main(['--family', 'swin_t', '--setting',
+                                'gf_last20_r4', '--shape', '64'])
+    printed = capsys.readouterr().out
+    layers = result['cost']['layers']
+    assert len(layers) == 20 and 'total (20 layers)' in printed
+    kinds = {layer['kind'] for layer in layers}
+    assert kinds == {'conv2d', 'linear'}
+    linear = [layer['path'] for layer in layers if layer['kind'] == 'linear']
+    assert linear and all(p.startswith('backbone.stages.3.') for p in linear)
+    assert 'linear 7x7 win' in printed or 'linear 2x2' in printed
+    with pytest.raises(SystemExit):
+        analyze_cost.main([PSP, '--family', 'swin_t'])

@@ -104,8 +104,39 @@ def test_a_family_by_name_memory_only(tmp_path, capsys):
     lean = result['rows'][1]
     assert 'step' not in lean and lean['peak_vs_inference'] > 0
     assert lean['saved_bytes'] == lean['analytic_saved_bytes']
-    assert '## Fast-SCNN, crop 64x64' in (tmp_path / 'steps.md').read_text()
+    text = (tmp_path / 'steps.md').read_text()
+    assert '## Fast-SCNN, crop 64x64' in text
+    # the lean row's kept bytes by kind, which add up to its total
+    assert sum(lean['analytic_by_category'].values()) == \
+        lean['analytic_saved_bytes']
+    assert 'Kept for backward by kind' in text
+    assert '| gf_last5_r4:lean | ' in text.split('by kind')[1]
     assert (tmp_path / 'steps.png').stat().st_size > 0
+
+
+def test_kept_by_kind_table_lists_the_kinds_that_keep_bytes():
+    from mmseg_gf.analysis.step_benchmark import kept_by_kind_table
+    mib = 2**20
+    result = dict(rows=[
+        dict(row='inference'),
+        dict(row='gf_last5_r4:lean', analytic_saved_bytes=3 * mib,
+             analytic_by_category=dict(conv=mib, norm=0, attention=2 * mib)),
+        dict(row='gf_last9_r4:lean', analytic_saved_bytes=mib,
+             analytic_by_category=dict(conv=mib, norm=0, attention=0))])
+    lines = kept_by_kind_table(result).splitlines()
+    assert lines[0].split('|')[1:-1] == [
+        ' row (kept MiB) ', ' total ', ' conv ', ' attention ']
+    assert [c.strip() for c in lines[2].split('|')[1:-1]] == [
+        'gf_last5_r4:lean', '3.0', '1.0', '2.0']
+    assert len(lines) == 4
+    assert kept_by_kind_table(dict(rows=[dict(row='inference')])) == ''
+
+
+def test_transformers_names_the_transformer_families():
+    from mmseg_gf.engine.zoo import TRANSFORMER_FAMILIES
+    args = benchmark_step.parse_args(['--families', 'transformers'])
+    assert args.families == ['segformer_b0', *TRANSFORMER_FAMILIES]
+    assert {'swin_t', 'deit_s', 'segmenter_vit_t'} <= set(args.families)
 
 
 @pytest.mark.parametrize('row, settings', [
