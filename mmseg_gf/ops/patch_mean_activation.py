@@ -169,6 +169,7 @@ class PatchMeanGeluFunction(torch.autograd.Function):
         del slope
         ctx.save_for_backward(means.to(x.dtype).contiguous(), extra)
         ctx.partition = partition
+        ctx.input_dtype = x.dtype
         return out
 
     @staticmethod
@@ -177,8 +178,10 @@ class PatchMeanGeluFunction(torch.autograd.Function):
         means, extra = ctx.saved_tensors
         partition = ctx.partition
         if partition.grid is None:
-            return _map_backward(grad, means, partition), None, None
-        return _token_backward(grad, means, extra, partition), None, None
+            g_x = _map_backward(grad, means, partition)
+        else:
+            g_x = _token_backward(grad, means, extra, partition)
+        return g_x.to(ctx.input_dtype), None, None
 
 
 def _map_backward(grad: Tensor, means: Tensor,

@@ -210,6 +210,11 @@ class GradFilterHook(Hook):
         state = get_state(model)
         runner.logger.info('\n' + chosen_layers_table(
             model, choices, batch, state.mode, needs))
+        if state.patch_mean_gelus:
+            runner.logger.info(
+                f'{len(state.patch_mean_gelus)} GELU(s) between two filtered '
+                'layers keep the patch means of their derivative: ' +
+                ', '.join(state.patch_mean_gelus))
         if state.lean:
             step = trace_step_saved_bytes(model, size)
             runner.logger.info(step.summary(batch))
