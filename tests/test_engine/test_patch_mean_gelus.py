@@ -7,8 +7,8 @@ Tiny zoo models (tests/test_models/test_token_grids.py), 64x64, batch 2,
 (``check_settings`` -> ``select_and_apply``):
 
 * the rule is installed on exactly the GELUs of the MLPs whose two filtered
-  neighbours were chosen (Segformer's Mix-FFN, Swin's and DeiT's FFN), and
-  runs there in a step;
+  neighbours were chosen (Segformer's Mix-FFN; Swin's, Twins' and DeiT's
+  FFN, DeiT's with its cls token), and runs there in a step;
 * it is not installed where a premise fails: the layer before the GELU
   frozen (``num_layers=19`` on DeiT leaves its first chosen MLP's fc1 out),
   a dropout with ``p > 0`` between the GELU and the layer after it;
@@ -49,6 +49,8 @@ EXPECTED = {
     'swin_t': [f'backbone.stages.{i}.blocks.0.ffn.layers.0.1'
                for i in (2, 3)],
     'deit_s': [f'backbone.layers.{i}.ffn.layers.0.1' for i in (1, 2, 3)],
+    'twins_pcpvt_s': [f'backbone.layers.{i}.0.ffn.layers.0.1'
+                      for i in (2, 3)],
 }
 
 
