@@ -178,7 +178,9 @@ class PatchMeanGeluFunction(torch.autograd.Function):
             means = means.div_(partition.radius ** 2 if counts is None
                                else counts)
             extra = layout.extra(slope)
-            extra = None if extra is None else extra.to(x.dtype).contiguous()
+            if extra is not None:  # its own storage, never a view of slope
+                extra = extra.to(x.dtype, memory_format=torch.contiguous_format,
+                                 copy=True)
         del slope
         ctx.save_for_backward(means.to(x.dtype).contiguous(), extra)
         ctx.partition = partition

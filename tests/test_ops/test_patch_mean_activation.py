@@ -232,12 +232,16 @@ def test_kept_elements_and_what_is_saved():
         x.shape, part) == 2 * 3 * 3 * 2
     assert all(t.dtype == x.dtype for t in saved)
     grid = TokenGrid(5, 4, extra_tokens=1)
-    x = torch.randn(2, 21, 6, requires_grad=True)
     part = PatchPartition.tokens(grid, 2, 1)
-    y = patch_mean_gelu(x, 'none', part)
-    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
-    assert sum(t.numel() for t in saved) == patch_mean_kept_elements(
-        x.shape, part) == 2 * 6 * (3 * 2 + 1)
+    for batch in (1, 2):
+        x = torch.randn(batch, 21, 6, requires_grad=True)
+        y = patch_mean_gelu(x, 'none', part)
+        saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+        # storages of their own (no view of a full-size temporary)
+        assert sum(t.untyped_storage().nbytes() for t in saved) == 4 * sum(
+            t.numel() for t in saved)
+        assert sum(t.numel() for t in saved) == patch_mean_kept_elements(
+            x.shape, part) == batch * 6 * (3 * 2 + 1)
 
 
 def test_tags_and_shape_checks():
