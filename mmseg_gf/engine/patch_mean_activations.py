@@ -20,12 +20,16 @@ filtered gradients when, in the training step's graph:
 * every call of the module satisfies this on the same partition.
 
 Elsewhere the GELU stays plain (autograd keeps its input). The trace runs
-``model.loss`` once on a random batch of one image at the training size,
+``model.loss`` once on a random batch of two images at the training size,
 in training mode with frozen norms in eval mode; training flags, buffers
-(BN statistics of trained norms) and the random number generators are
-restored afterwards.
+(BN statistics of trained norms), the random number generators and the
+record of frozen auxiliary heads already logged are restored afterwards.
+It runs after the selection (``select_and_apply``, the path of the config
+rewrite and of GradFilterHook), not in
+:func:`~mmseg_gf.engine.surgery.apply_gradient_filter` alone.
 """
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -39,6 +43,7 @@ from ..models.lean import make_plain
 from ..models.patch_mean_gelu import is_patch_mean_gelu, make_patch_mean_gelu
 from ..models.segmentor import unwrap_model
 from ..ops.patch_mean_activation import PatchPartition, tagged_partition
+from .state import get_state
 
 __all__ = ['find_patch_mean_gelus', 'install_patch_mean_gelus',
            'remove_patch_mean_gelus']
@@ -61,8 +66,11 @@ def _plain_gelus(model: nn.Module) -> Dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def _restored(model: nn.Module):
-    """Training flags, buffers and the random number generators as they
-    were, after the block."""
+    """Training flags, buffers, the random number generators and the
+    frozen auxiliary heads logged (the first training step logs them) as
+    they were, after the block."""
+    state = get_state(model)
+    logged = None if state is None else set(state.logged_frozen_aux_heads)
     modes = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     device = model_device(model)
@@ -76,6 +84,8 @@ def _restored(model: nn.Module):
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
+        if logged is not None:
+            state.logged_frozen_aux_heads = logged
 
 
 def _graph_consumers(root) -> Dict[object, List[object]]:
@@ -94,6 +104,19 @@ def _graph_consumers(root) -> Dict[object, List[object]]:
                 consumers.setdefault(child, []).append(node)
                 stack.append(child)
     return consumers
+
+
+def _traced_step_graph(model: nn.Module, input_size):
+    """The consumers of every node of one training step's graph (two
+    images: a trained norm on pooled 1x1 maps needs more than one value
+    per channel)."""
+    param = next((p for p in model.parameters()
+                  if p.dtype.is_floating_point), None)
+    inputs, samples = random_batch(model, input_size, 2,
+                                   device=model_device(model))
+    if param is not None:
+        inputs = inputs.to(param.dtype)
+    return _graph_consumers(training_loss(model, inputs, samples).grad_fn)
 
 
 def find_patch_mean_gelus(model: nn.Module, input_size
@@ -138,14 +161,14 @@ def find_patch_mean_gelus(model: nn.Module, input_size
     handles += [m.register_forward_hook(on_filtered) for m in filtered]
     try:
         with _restored(model), torch.enable_grad():
-            param = next((p for p in model.parameters()
-                          if p.dtype.is_floating_point), None)
-            inputs, samples = random_batch(model, input_size, 1,
-                                           device=model_device(model))
-            if param is not None:
-                inputs = inputs.to(param.dtype)
-            loss = training_loss(model, inputs, samples)
-            graph = _graph_consumers(loss.grad_fn)
+            graph = _traced_step_graph(model, input_size)
+    except Exception as error:  # noqa: BLE001 - the rule is an option
+        warnings.warn(
+            'gradient_filter: the training step traced to find GELUs '
+            f'between filtered layers failed ({type(error).__name__}: '
+            f'{error}); every GELU keeps its input '
+            '(patch_mean_activations has no effect)')
+        return {}
     finally:
         for handle in handles:
             handle.remove()

@@ -135,3 +135,29 @@ def test_saved_bytes_drop_by_the_gelus_inputs_less_their_patch_means(name):
     # equal to autograd's bytes with these GELUs on)
     counted_off = trace_step_saved_bytes(off, (SIZE, SIZE))
     assert counted_off.total(2) - counted.total(2) == drop
+
+
+def test_the_traced_step_leaves_no_trace():
+    """Training flags, BN statistics of trained norms (with
+    ``train_norm``), the random number generator and the record of frozen
+    auxiliary heads logged are as they were after the traced step."""
+    tiny_model('swin_t')  # built (and seeded) once, before the check
+    rng = torch.get_rng_state()
+    on = _model('swin_t', torch.float64, train_norm=True)
+    assert torch.equal(torch.get_rng_state(), rng)
+    off = _model('swin_t', torch.float64, train_norm=True,
+                 patch_mean_activations=False)
+    assert _gelus(on)
+    assert [m.training for m in on.modules()] == [
+        m.training for m in off.modules()]
+    buffers = dict(off.named_buffers())
+    for name, buffer in on.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    # the head's 12 convs: the frozen FCN auxiliary head is skipped in
+    # steps and logged at the first one, not by the trace
+    head_only = _model('swin_t', torch.float64, num_layers=12)
+    assert get_state(head_only).logged_frozen_aux_heads == set()
+    inputs, samples = _batch(head_only, torch.float64)
+    _step(head_only, inputs, samples)
+    assert get_state(head_only).logged_frozen_aux_heads == {
+        'auxiliary_head'}
