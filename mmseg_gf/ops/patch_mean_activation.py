@@ -179,8 +179,8 @@ class PatchMeanGeluFunction(torch.autograd.Function):
                                else counts)
             extra = layout.extra(slope)
             if extra is not None:  # its own storage, never a view of slope
-                extra = extra.to(x.dtype, memory_format=torch.contiguous_format,
-                                 copy=True)
+                extra = extra.to(x.dtype, copy=True,
+                                 memory_format=torch.contiguous_format)
         del slope
         ctx.save_for_backward(means.to(x.dtype).contiguous(), extra)
         ctx.partition = partition
