@@ -3,12 +3,14 @@ derivative where the traced training step shows it exact
 (docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
 
 Tiny zoo models (tests/test_models/test_token_grids.py), 64x64, batch 2,
-``num_layers=20`` (Linears counted), r = 4, through the config path
+``num_layers=20`` (Linears counted; 10 on the tiny Segmenter), r = 4,
+through the config path
 (``check_settings`` -> ``select_and_apply``):
 
 * the rule is installed on exactly the GELUs of the MLPs whose two filtered
-  neighbours were chosen (Segformer's Mix-FFN; Swin's, Twins' and DeiT's
-  FFN, DeiT's with its cls token), and runs there in a step;
+  neighbours were chosen (Segformer's Mix-FFN; Swin's, Twins', DeiT's and
+  Segmenter's FFN, with a cls token or trailing class embeddings), and
+  runs there in a step;
 * it is not installed where a premise fails: the layer before the GELU
   frozen (``num_layers=19`` on DeiT leaves its first chosen MLP's fc1 out),
   a dropout with ``p > 0`` between the GELU and the layer after it;
@@ -51,10 +53,17 @@ EXPECTED = {
     'deit_s': [f'backbone.layers.{i}.ffn.layers.0.1' for i in (1, 2, 3)],
     'twins_pcpvt_s': [f'backbone.layers.{i}.0.ffn.layers.0.1'
                       for i in (2, 3)],
+    # the mask head's FFN too: its tokens end with the class embeddings
+    'segmenter_vit_t': ['backbone.layers.0.ffn.layers.0.1',
+                        'backbone.layers.1.ffn.layers.0.1',
+                        'decode_head.layers.0.ffn.layers.0.1'],
 }
+#: layers counted (the tiny Segmenter has 11 besides its classifier).
+NUM_LAYERS = dict(segmenter_vit_t=10)
 
 
-def _model(name, dtype, num_layers=20, edit=None, **settings):
+def _model(name, dtype, num_layers=None, edit=None, **settings):
+    num_layers = num_layers or NUM_LAYERS.get(name, 20)
     model = tiny_model(name).to(dtype)
     if edit is not None:
         edit(model)
@@ -107,7 +116,7 @@ def test_not_installed_where_a_premise_fails():
     assert _gelus(_model('deit_s', torch.float64, mode='vanilla')) == []
 
 
-@pytest.mark.parametrize('name', ['segformer_b0', 'deit_s'])
+@pytest.mark.parametrize('name', ['segformer_b0', 'deit_s', 'segmenter_vit_t'])
 def test_saved_bytes_drop_by_the_gelus_inputs_less_their_patch_means(name):
     on = _model(name, torch.float32)
     off = _model(name, torch.float32, patch_mean_activations=False)
