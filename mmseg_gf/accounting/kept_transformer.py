@@ -17,6 +17,9 @@ lean frozen ``LayerNorm``   its input (shared with any rule keeping the
                             same tensor) and a float32 ``rstd`` per token
 GELU                        its input (autograd's own rule, the minimum of
                             an exact backward; shared likewise)
+GELU between two filtered   the patch means of its derivative, one per
+layers (patch-mean rule)    ``r x r`` patch and channel, plus ``f'`` of
+                            the tokens on no grid, in its input's dtype
 lean ``DropPath``           1 bit per sample
 ==========================  ===============================================
 
@@ -31,6 +34,8 @@ from torch import nn
 
 from ..models.lean import is_lean, lean_kind
 from ..models.lean_transformer import is_rule_owner
+from ..models.patch_mean_gelu import patch_mean_partition
+from ..ops.patch_mean_activation import patch_mean_kept_elements
 from .kept import SavedItem, register_call_rule
 
 __all__ = ['transformer_items', 'attention_items']
@@ -93,7 +98,15 @@ def transformer_items(path: str, module: nn.Module, x: torch.Tensor,
         if not module.training or module.drop_prob == 0:
             return []
         return [SavedItem(path, 'dropout', 1, rule='bits')]
-    if type(module) is nn.GELU:
+    if isinstance(module, nn.GELU) and getattr(module, '_patch_mean_call',
+                                               None) is not None:
+        partition = patch_mean_partition(module)
+        # batch-first shapes only (the engine installs no other)
+        elements = patch_mean_kept_elements(module._patch_mean_call,
+                                            partition)
+        return [SavedItem(path, 'activation', elements // x.shape[0],
+                          x.element_size())]
+    if getattr(type(module), '_plain_class', type(module)) is nn.GELU:
         kept = _input_item(path, 'activation', x, shared)
         return [kept] if kept is not None else []
     return None

@@ -22,6 +22,7 @@ from ..accounting.budget import check_budget
 from ..ops import check_radius
 from .budget import choose_layers_by_budget
 from .cpu_distributed import revert_sync_batchnorm_on_cpu
+from .patch_mean_activations import install_patch_mean_gelus
 from .selection import check_layer_kinds, select_layers
 from .state import get_state
 from .surgery import apply_gradient_filter, check_mode
@@ -35,12 +36,16 @@ __all__ = [
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
 SETTING_KEYS = ('num_layers', 'layers', 'budget', 'radius', 'mode',
                 'train_norm', 'lean', 'input_size', 'keep_frozen_aux_heads',
-                'log_frozen_aux_losses', 'reuse_cpu_memory', 'layer_kinds')
+                'log_frozen_aux_losses', 'reuse_cpu_memory', 'layer_kinds',
+                'patch_mean_activations')
 #: Settings that are True or False, with their defaults.
 FLAG_DEFAULTS = dict(train_norm=False, lean=True, keep_frozen_aux_heads=False,
-                     log_frozen_aux_losses=False, reuse_cpu_memory=False)
+                     log_frozen_aux_losses=False, reuse_cpu_memory=False,
+                     patch_mean_activations=True)
 #: The flags the surgery takes (:func:`apply_gradient_filter`); the others
-#: act on the process (:mod:`mmseg_gf.engine.cpu_memory`).
+#: act on the process (:mod:`mmseg_gf.engine.cpu_memory`) or on the lean
+#: region after it (``patch_mean_activations``:
+#: :mod:`mmseg_gf.engine.patch_mean_activations`).
 SURGERY_FLAGS = ('train_norm', 'lean', 'keep_frozen_aux_heads',
                  'log_frozen_aux_losses')
 DEFAULT_INPUT_SIZE = (512, 512)
@@ -56,8 +61,8 @@ def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     Returns:
         dict: a copy with defaults filled (radius 4, mode 'gf',
         train_norm False, lean True, keep_frozen_aux_heads False,
-        log_frozen_aux_losses False, reuse_cpu_memory False, input_size
-        None, budget None).
+        log_frozen_aux_losses False, reuse_cpu_memory False,
+        patch_mean_activations True, input_size None, budget None).
 
     Raises:
         ValueError: not a dict, unknown key, not exactly one of
@@ -210,7 +215,8 @@ def build_grad_filter_model(model: dict,
                             keep_frozen_aux_heads: bool = False,
                             log_frozen_aux_losses: bool = False,
                             reuse_cpu_memory: bool = False,
-                            layer_kinds: Optional[Sequence[str]] = None
+                            layer_kinds: Optional[Sequence[str]] = None,
+                            patch_mean_activations: bool = True
                             ) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
 
@@ -225,6 +231,10 @@ def build_grad_filter_model(model: dict,
         num_layers, layers, radius, mode, train_norm, lean,
         keep_frozen_aux_heads, log_frozen_aux_losses, layer_kinds: see
             :func:`select_layers` and :func:`apply_gradient_filter`.
+        patch_mean_activations: with ``lean`` and ``mode='gf'``, a GELU
+            between two filtered layers on one patch partition keeps the
+            patch means of its derivative where the traced training step
+            shows that exact (:mod:`~.patch_mean_activations`).
         reuse_cpu_memory: kept in the segmentor's state for GradFilterHook,
             which keeps freed CPU memory for reuse when training on CPU
             (:mod:`mmseg_gf.engine.cpu_memory`).
@@ -242,7 +252,8 @@ def build_grad_filter_model(model: dict,
              input_size=input_size,
              keep_frozen_aux_heads=keep_frozen_aux_heads,
              log_frozen_aux_losses=log_frozen_aux_losses,
-             reuse_cpu_memory=reuse_cpu_memory, layer_kinds=layer_kinds))
+             reuse_cpu_memory=reuse_cpu_memory, layer_kinds=layer_kinds,
+             patch_mean_activations=patch_mean_activations))
     model = copy.deepcopy(model)
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
@@ -285,6 +296,10 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
         **{k: settings[k] for k in SURGERY_FLAGS})
     state = get_state(segmentor)
     state.reuse_cpu_memory = settings['reuse_cpu_memory']
+    if (state.lean and state.mode == 'gf'
+            and settings.get('patch_mean_activations', True)):
+        state.patch_mean_gelus = sorted(
+            install_patch_mean_gelus(segmentor, input_size))
     if choice is not None:
         state.budget = choice
     return choices

@@ -41,6 +41,8 @@ class GradientFilterState:
             (each is logged once).
         reuse_cpu_memory: GradFilterHook keeps freed CPU memory for reuse
             when training on CPU (:mod:`~mmseg_gf.engine.cpu_memory`).
+        patch_mean_gelus: paths of the GELUs keeping the patch means of
+            their derivative (:mod:`~mmseg_gf.engine.patch_mean_activations`).
     """
 
     layers: List[Any]
@@ -51,6 +53,7 @@ class GradientFilterState:
     log_frozen_aux_losses: bool = False
     logged_frozen_aux_heads: Set[str] = field(default_factory=set)
     reuse_cpu_memory: bool = False
+    patch_mean_gelus: List[str] = field(default_factory=list)
 
 
 def get_state(model: nn.Module) -> Optional[GradientFilterState]:

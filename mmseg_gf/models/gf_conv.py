@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
-from ..ops.gradient_filter import filtered_conv, resolve_padding
+from ..ops.gradient_filter import (conv_geometry, filtered_conv,
+                                   resolve_padding)
+from ..ops.patch_mean_activation import PatchPartition, tag_output
 
 
 _CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
@@ -138,7 +140,26 @@ class GFConv2d(nn.Conv2d):
         if input.dim() == 3:  # unbatched (C, H, W), as nn.Conv2d accepts
             return self._filtered_conv(input.unsqueeze(0), weight,
                                        bias).squeeze(0)
-        return self._filtered_conv(input, weight, bias)
+        out = self._filtered_conv(input, weight, bias)
+        # what an elementwise op after it may rely on (its g_y is read as
+        # patch means on these patches; ops.patch_mean_activation)
+        return tag_output(out, PatchPartition.conv_map(self.radius,
+                                                       *out.shape[-2:]))
+
+    def input_partition(self, input: Tensor) -> Optional[PatchPartition]:
+        """The patches on which this layer's filtered ``g_x`` is constant,
+        when they are the ``r x r`` tiles of ``input``'s map from 0 (stride
+        1, ``c = 0``, output as large as the input, zero padding of
+        numbers); else None (docs/gradient_filter.md#patch-geometry)."""
+        if (input.dim() != 4 or self.padding_mode != 'zeros'
+                or isinstance(self.padding, str)):
+            return None
+        geometry = conv_geometry(input, self.weight, self.stride,
+                                 self.padding, self.dilation, self.radius)
+        if not all(g.in_start == 0 and g.in_patch == self.radius
+                   and g.out_size == g.in_size for g in geometry):
+            return None
+        return PatchPartition.conv_map(self.radius, *input.shape[-2:])
 
     def _warn_exact_backward(self, reason: str) -> None:
         """Warn once per layer that its backward is the exact one."""

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..ops import check_radius
 from ..ops.gradient_filter_linear import TokenGrid, gradient_filtered_linear
+from ..ops.patch_mean_activation import PatchPartition, tag_output
 from .gf_conv import GFExactBackwardWarning, with_mmcv_wrapper
 
 
@@ -154,8 +155,27 @@ class GFLinear(nn.Linear):
         if input.is_complex() or self.weight.is_complex():
             warn_exact_backward(self, 'complex-valued tensors')
             return F.linear(input, self.weight, self.bias)
-        return gradient_filtered_linear(input, self.weight, self.bias, grid,
-                                        self.radius, self.token_dim)
+        out = gradient_filtered_linear(input, self.weight, self.bias, grid,
+                                       self.radius, self.token_dim)
+        # what an elementwise op after it may rely on (its g_y is read as
+        # patch means on these patches; ops.patch_mean_activation)
+        return tag_output(out, self._partition(grid, out))
+
+    def _partition(self, grid: TokenGrid, t: Tensor) -> PatchPartition:
+        return PatchPartition.tokens(grid, self.radius,
+                                     grid.token_axis(t.shape, self.token_dim))
+
+    def input_partition(self, input: Tensor) -> Optional[PatchPartition]:
+        """The patches on which this layer's filtered ``g_x`` is constant
+        (those of its grid: a ``1 x 1`` kernel, stride 1), for a call on
+        ``input`` now; None when it has no grid."""
+        grid = self.current_grid()
+        if grid is None:
+            return None
+        try:
+            return self._partition(grid, input)
+        except ValueError:
+            return None
 
     def extra_repr(self) -> str:
         return (f'{super().extra_repr()}, radius={self.radius}'

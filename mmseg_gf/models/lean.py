@@ -38,8 +38,12 @@ What becomes lean:
   a per-token ``rstd``; mmcv's ``DropPath``: 1 bit per sample; mmcv's
   ``Dropout``: as ``nn.Dropout``.
 
+* A GELU between two filtered layers on one patch partition, where the
+  engine's traced step shows it (:mod:`.patch_mean_gelu`; not by
+  :func:`make_lean`): the patch means of its derivative.
+
 Everything else keeps autograd's default (GroupNorm, whose
-backward needs its input; GELU, Sigmoid, HSwish and other smooth
+backward needs its input; any other GELU, Sigmoid, HSwish and other smooth
 activations, a trained PReLU; ``Dropout2d``, whose noise is already one
 value per channel).
 """
@@ -65,6 +69,7 @@ from .gf_conv import is_filterable_conv, with_mmcv_wrapper
 from .layer_kinds import is_filtered
 from .lean_transformer import (TRANSFORMER_KINDS, mmcv_dropout_class,
                                transformer_kind, transformer_mixin)
+from .patch_mean_gelu import is_patch_mean_gelu
 from .lean_head import (ClassifierCapture, base_decode_head,
                         disable_classifier_fusion, fused_classifier_losses,
                         fusion_blocker, lean_head_losses, log_fallback_once)
@@ -81,7 +86,8 @@ __all__ = [
 
 #: What :func:`lean_kind` returns for a module that has a lean variant.
 LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss',
-              'frozen_conv', 'frozen_linear') + TRANSFORMER_KINDS
+              'frozen_conv', 'frozen_linear') + TRANSFORMER_KINDS + (
+                  'patch_mean_gelu', )
 
 
 def _recording(x: Tensor) -> bool:
@@ -365,6 +371,10 @@ def lean_kind(module: nn.Module) -> Optional[str]:
     None. Already-lean modules report their kind too."""
     if isinstance(module, _BatchNorm):
         return 'norm'
+    if is_patch_mean_gelu(module):
+        # installed by the engine where the trace shows it exact, never
+        # by make_lean
+        return 'patch_mean_gelu'
     if type(module) in (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU) or (
             is_lean(module) and isinstance(module, _LeanActivation)):
         return 'activation'

@@ -22,7 +22,8 @@ defaults keep full-size tensors for each:
 GELU's derivative is a smooth function of its input: autograd keeps the
 input, once, which is the minimum of an exact rule (no function here; the
 accounting counts it and shares it with another rule keeping the same
-tensor). Pure PyTorch, no mmseg import: the modules are wired in by
+tensor). Between two filtered layers on one patch partition the patch
+means of the derivative suffice (:mod:`.patch_mean_activation`). Pure PyTorch, no mmseg import: the modules are wired in by
 :mod:`mmseg_gf.models.lean_transformer`.
 """
 from typing import Optional, Sequence

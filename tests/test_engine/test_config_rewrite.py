@@ -34,6 +34,8 @@ PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
     (dict(num_layers=5, input_size=(64, )), 'input_size must be'),
     (dict(num_layers=5, train_norm='yes'), 'train_norm must be'),
     (dict(num_layers=5, lean=1), 'lean must be True or False'),
+    (dict(num_layers=5, patch_mean_activations='no'),
+     'patch_mean_activations must be True or False'),
     (dict(num_layers=5, leen=True), r"unknown key\(s\) \['leen'\]"),
 ])
 def test_bad_settings(settings, match):
@@ -47,7 +49,8 @@ def test_defaults_filled():
                      mode='gf', train_norm=False, lean=True,
                      input_size=(64, 64), budget=None,
                      keep_frozen_aux_heads=False, log_frozen_aux_losses=False,
-                     reuse_cpu_memory=False, layer_kinds=None)
+                     reuse_cpu_memory=False, layer_kinds=None,
+                     patch_mean_activations=True)
     # radius=None is the default too (GradFilterHook passes it)
     assert check_settings(dict(num_layers=2, radius=None))['radius'] == 4
 

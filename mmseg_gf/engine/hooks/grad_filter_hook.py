@@ -80,6 +80,11 @@ class GradFilterHook(Hook):
             budget count (``['conv2d']``: convs only, the paper's count);
             default None: every registered kind (convs, Linears and
             attentions on token grids).
+        patch_mean_activations: with the lean region and ``mode='gf'``, a
+            GELU between two filtered layers on one patch partition keeps
+            the patch means of its derivative where the traced training
+            step shows that exact
+            (:mod:`mmseg_gf.engine.patch_mean_activations`); default True.
         log_table: log the per-layer cost table at train start.
         check_load_from: before the checkpoint is loaded, fail if the
             ``load_from`` (or resumed) checkpoint does not exist or does not
@@ -101,6 +106,7 @@ class GradFilterHook(Hook):
                  log_frozen_aux_losses: bool = False,
                  reuse_cpu_memory: bool = False,
                  layer_kinds: Optional[Sequence[str]] = None,
+                 patch_mean_activations: bool = True,
                  log_table: bool = True,
                  check_load_from: bool = True,
                  **unknown) -> None:
@@ -117,7 +123,8 @@ class GradFilterHook(Hook):
                  input_size=input_size,
                  keep_frozen_aux_heads=keep_frozen_aux_heads,
                  log_frozen_aux_losses=log_frozen_aux_losses,
-                 reuse_cpu_memory=reuse_cpu_memory, layer_kinds=layer_kinds)
+                 reuse_cpu_memory=reuse_cpu_memory, layer_kinds=layer_kinds,
+                 patch_mean_activations=patch_mean_activations)
         ) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
@@ -203,6 +210,11 @@ class GradFilterHook(Hook):
         state = get_state(model)
         runner.logger.info('\n' + chosen_layers_table(
             model, choices, batch, state.mode, needs))
+        if state.patch_mean_gelus:
+            runner.logger.info(
+                f'{len(state.patch_mean_gelus)} GELU(s) between two filtered '
+                'layers keep the patch means of their derivative: ' +
+                ', '.join(state.patch_mean_gelus))
         if state.lean:
             step = trace_step_saved_bytes(model, size)
             runner.logger.info(step.summary(batch))

@@ -1,0 +1,214 @@
+"""Where a GELU may keep only the patch means of its derivative, decided
+from the autograd graph of one traced training step
+(docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
+
+The rule (:mod:`mmseg_gf.ops.patch_mean_activation`) is exact for the
+filtered gradients when, in the training step's graph:
+
+* the GELU's input is the output of a filtered layer ``U`` that ran its
+  filtered backward (the tensor itself, unchanged: the mark
+  :func:`~mmseg_gf.ops.patch_mean_activation.tag_output` put on it), so
+  ``U`` reads only patch means of the gradient it receives;
+* every node that consumes the GELU's output is the filtered node of a
+  filtered layer ``D`` called on that very tensor (an identity dropout,
+  ``p = 0`` or eval mode, returns it unchanged and adds no node; anything
+  else in between, a dropout with ``p > 0`` included, adds a node and
+  disqualifies the GELU), and each ``D``'s input patches are ``U``'s output
+  patches (:meth:`~mmseg_gf.models.gf_conv.GFConv2d.input_partition`,
+  :meth:`~mmseg_gf.models.gf_linear.GFLinear.input_partition`: same map or
+  token grid, same ``r``, tiles from 0);
+* every call of the module satisfies this on the same partition.
+
+Elsewhere the GELU stays plain (autograd keeps its input). The trace runs
+``model.loss`` once on a random batch of two images at the training size,
+in training mode with frozen norms in eval mode; training flags, buffers
+(BN statistics of trained norms), the random number generators and the
+record of frozen auxiliary heads already logged are restored afterwards.
+It runs after the selection (``select_and_apply``, the path of the config
+rewrite and of GradFilterHook), not in
+:func:`~mmseg_gf.engine.surgery.apply_gradient_filter` alone.
+"""
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..accounting.batch import model_device, random_batch, training_loss
+from ..models.gf_conv import GFConv2d
+from ..models.gf_linear import GFLinear
+from ..models.lean import make_plain
+from ..models.patch_mean_gelu import is_patch_mean_gelu, make_patch_mean_gelu
+from ..models.segmentor import unwrap_model
+from ..ops.patch_mean_activation import PatchPartition, tagged_partition
+from .state import get_state
+
+__all__ = ['find_patch_mean_gelus', 'install_patch_mean_gelus',
+           'remove_patch_mean_gelus']
+
+
+@dataclass
+class _Consumer:
+    """A filtered layer's call: the node of its input and the patches its
+    ``g_x`` is constant on."""
+
+    input_node: object
+    partition: Optional[PatchPartition]
+
+
+def _plain_gelus(model: nn.Module) -> Dict[str, nn.Module]:
+    return {path: m for path, m in model.named_modules()
+            if isinstance(m, nn.GELU) and (
+                is_patch_mean_gelu(m) or type(m).forward is nn.GELU.forward)}
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module):
+    """Training flags, buffers, the random number generators and the
+    frozen auxiliary heads logged (the first training step logs them) as
+    they were, after the block."""
+    state = get_state(model)
+    logged = None if state is None else set(state.logged_frozen_aux_heads)
+    modes = {m: m.training for m in model.modules()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    device = model_device(model)
+    devices = [device] if device.type == 'cuda' else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        if logged is not None:
+            state.logged_frozen_aux_heads = logged
+
+
+def _graph_consumers(root) -> Dict[object, List[object]]:
+    """node -> the nodes that take its output, over the graph behind
+    ``root``."""
+    consumers: Dict[object, List[object]] = {}
+    seen = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                consumers.setdefault(child, []).append(node)
+                stack.append(child)
+    return consumers
+
+
+def _traced_step_graph(model: nn.Module, input_size):
+    """The consumers of every node of one training step's graph (two
+    images: a trained norm on pooled 1x1 maps needs more than one value
+    per channel)."""
+    param = next((p for p in model.parameters()
+                  if p.dtype.is_floating_point), None)
+    inputs, samples = random_batch(model, input_size, 2,
+                                   device=model_device(model))
+    if param is not None:
+        inputs = inputs.to(param.dtype)
+    return _graph_consumers(training_loss(model, inputs, samples).grad_fn)
+
+
+def find_patch_mean_gelus(model: nn.Module, input_size
+                          ) -> Dict[str, PatchPartition]:
+    """The GELUs of ``model`` (by path) where the patch-mean rule is exact,
+    with the partition each relies on, from one traced training step.
+
+    Args:
+        model: a gradient-filtered segmentor (wrapped or not).
+        input_size: ``(H, W)`` of the traced batch (the training crop: the
+            partitions hold the map sizes).
+    """
+    model = unwrap_model(model)
+    gelus = _plain_gelus(model)
+    filtered = [m for m in model.modules()
+                if isinstance(m, (GFConv2d, GFLinear)) and m.enabled]
+    if not gelus or not filtered:
+        return {}
+    for module in gelus.values():  # traced as autograd's GELU
+        make_plain(module)
+    calls: Dict[str, List[tuple]] = {path: [] for path in gelus}
+    consumers: Dict[object, _Consumer] = {}
+
+    def on_gelu(path):
+        def hook(module, args, out):
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and out.grad_fn is not None:
+                calls[path].append((tagged_partition(x), out.grad_fn))
+            else:
+                calls[path].append((None, None))
+        return hook
+
+    def on_filtered(module, args, out):
+        x = args[0] if args else None
+        if (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)
+                and out.grad_fn is not None
+                and tagged_partition(out) is not None):
+            consumers[out.grad_fn] = _Consumer(x.grad_fn,
+                                               module.input_partition(x))
+
+    handles = [m.register_forward_hook(on_gelu(p)) for p, m in gelus.items()]
+    handles += [m.register_forward_hook(on_filtered) for m in filtered]
+    try:
+        with _restored(model), torch.enable_grad():
+            graph = _traced_step_graph(model, input_size)
+    except Exception as error:  # noqa: BLE001 - the rule is an option
+        warnings.warn(
+            'gradient_filter: the training step traced to find GELUs '
+            f'between filtered layers failed ({type(error).__name__}: '
+            f'{error}); every GELU keeps its input '
+            '(patch_mean_activations has no effect)')
+        return {}
+    finally:
+        for handle in handles:
+            handle.remove()
+    found = {}
+    for path, records in calls.items():
+        partitions = {part for part, _ in records}
+        if not records or len(partitions) != 1 or None in partitions:
+            continue
+        part = partitions.pop()
+        if part.grid is not None and (
+                part.grid.layout not in ('tokens', 'hwc')
+                or part.token_dim == 0):
+            continue  # images first only (what the accounting counts)
+        if all(_only_filtered_consumers(node, part, graph, consumers)
+               for _, node in records):
+            found[path] = part
+    return found
+
+
+def _only_filtered_consumers(node, part: PatchPartition, graph,
+                             consumers: Dict[object, _Consumer]) -> bool:
+    users = graph.get(node, [])
+    return bool(users) and all(
+        user in consumers and consumers[user].input_node is node
+        and consumers[user].partition == part for user in users)
+
+
+def install_patch_mean_gelus(model: nn.Module,
+                             input_size) -> Dict[str, PatchPartition]:
+    """Make the GELUs :func:`find_patch_mean_gelus` finds keep the patch
+    means of their derivative; the others plain. Returns path ->
+    partition."""
+    model = unwrap_model(model)
+    found = find_patch_mean_gelus(model, input_size)
+    for path, partition in found.items():
+        make_patch_mean_gelu(model.get_submodule(path), partition)
+    return found
+
+
+def remove_patch_mean_gelus(model: nn.Module) -> int:
+    """Swap every patch-mean GELU back to plain; returns how many."""
+    return sum(make_plain(m) for m in unwrap_model(model).modules()
+               if is_patch_mean_gelu(m))
