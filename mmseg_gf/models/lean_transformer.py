@@ -65,6 +65,9 @@ class AttentionCall:
         mask_elements: elements of the additive mask SDPA keeps (0: none);
             the same at any batch.
         mask_bytes: bytes per element of that mask.
+        output_storage: address of the storage of SDPA's output (0:
+            unknown), which the out-projection may read as a view: an
+            exact (trained) one keeps it too, and it is counted once.
     """
 
     batch: int
@@ -77,6 +80,7 @@ class AttentionCall:
     stat_bytes: int = 4
     mask_elements: int = 0
     mask_bytes: int = 4
+    output_storage: int = 0
 
 
 def _recording(*tensors: Optional[Tensor]) -> bool:
@@ -231,7 +235,8 @@ class _LeanWindowMSA:
         self._lean_call = AttentionCall(
             b, None if mask is None else b // n_win, n, n, c, h,
             out.element_size(), _stat_bytes(out),
-            mask_elements=n_win * h * n * n, mask_bytes=bias.element_size())
+            mask_elements=n_win * h * n * n, mask_bytes=bias.element_size(),
+            output_storage=out.untyped_storage().data_ptr())
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
@@ -278,7 +283,8 @@ class _LeanLocallyGroupedAttention:
             b * gh * gw, b, ws * ws, ws * ws, c, heads, out.element_size(),
             _stat_bytes(out),
             mask_elements=gh * gw * heads * ws ** 4 if masked else 0,
-            mask_bytes=q.element_size())
+            mask_bytes=q.element_size(),
+            output_storage=out.untyped_storage().data_ptr())
         out = out.transpose(1, 2).reshape(b, gh, gw, ws, ws, c)
         x = out.transpose(2, 3).reshape(b, gh * ws, gw * ws, c)
         if pad_r > 0 or pad_b > 0:
