@@ -55,7 +55,8 @@ from ..ops.gradient_filter_linear import TokenGrid
 from .kept import SavedItem, register_call_rule
 from .kept_transformer import attention_items
 
-__all__ = ['token_items', 'patch_sum_elements', 'filtered_weight_views']
+__all__ = ['token_items', 'patch_sum_elements', 'filtered_weight_views',
+           'candidate_extra_items']
 
 
 def patch_sum_elements(grid: TokenGrid, radius: int, numel: int,
@@ -182,6 +183,29 @@ def filtered_weight_views(path: str, module: GFMultiheadAttention,
     if not module.enabled or module._packing in (None, 'qkv'):
         return []
     return _weight_view(path, module.in_proj_weight, shared)
+
+
+def candidate_extra_items(path: str, module: nn.Module,
+                          shared: Dict[int, Tuple[str, Any]]
+                          ) -> List[SavedItem]:
+    """What a budget candidate keeps beyond its layer kind's cost (the
+    patch sums of its projections' inputs), the same filtered or exact: for
+    a ``GFMultiheadAttention`` its attention's (SDPA's) tensors and the
+    view of ``in_proj_weight`` its filtered projections keep when the keys
+    are projected apart; nothing for other layers.
+
+    Raises:
+        LookupError: the attention ran a path the rules do not model.
+    """
+    if not isinstance(module, GFMultiheadAttention):
+        return []
+    views = [] if module._packing in (None, 'qkv') else _weight_view(
+        path, module.in_proj_weight, shared)
+    if module._lean_call is not None:
+        return attention_items(path, module) + views
+    if module._probabilities_call is not None:
+        return _probability_items(path, module) + views
+    raise LookupError(path)
 
 
 def _probability_items(path: str, module: GFMultiheadAttention

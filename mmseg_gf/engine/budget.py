@@ -38,11 +38,11 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
         input_size: ``(H, W)`` (the training crop).
         timeline: also profile live bytes per call, for the step peak.
         layer_kinds: the kinds of the pool (:func:`select_layers`);
-            default: convs only (what the step profile prices).
+            default: every registered kind.
     """
     model = unwrap_model(model)
     size = (int(input_size[0]), int(input_size[1]))
-    kinds = check_layer_kinds(layer_kinds or ['conv2d'])
+    kinds = check_layer_kinds(layer_kinds)
     pool = [r for r in trace_layers(model, size) if r.inference
             and not is_classifier(r.path) and r.feeds_output
             and r.kind in kinds]
@@ -70,8 +70,8 @@ def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
         budget: see :func:`~mmseg_gf.accounting.budget.check_budget`.
         input_size: the training crop.
         batch: images per step, unless the budget names it (default 1).
-        layer_kinds: the kinds the budget chooses among (default: convs
-            only).
+        layer_kinds: the kinds the budget chooses among (default: every
+            registered kind).
     """
     budget = check_budget(budget)
     batch = budget['batch'] or batch or 1
