@@ -25,23 +25,31 @@ trained                     its projections: filtered, the patch sums of
 ``GFMultiheadAttention``    the query and of the key (when it differs) on
                             their grids and of the attention output on the
                             query's grid (and a view of ``in_proj_weight``
-                            where keys are projected apart); exact, the query, the key and
-                            value (when they differ) and the attention
-                            output (the storage of SDPA's output where it
-                            holds its rows in order), plus views of ``in_proj_weight`` and
+                            where keys are projected apart); exact, the
+                            query, the key and value (when they differ)
+                            and the attention output (none where SDPA's
+                            output, kept anyway, holds its rows in order),
+                            views of ``in_proj_weight`` and
                             ``out_proj.weight``; and its attention: through
                             SDPA what
                             :func:`~.kept_transformer.attention_items`
                             counts for a lean attention (q, k, v, the
                             output, a logsumexp); through ``bmm`` (the
                             weights asked for), the scaled queries, the
-                            packed projection holding k and v, and the
+                            projection holding k and v, and the
                             ``heads L S`` probabilities
 ==========================  ===============================================
 
-A filtered attention with dropout on its probabilities (torch's
-``need_weights=True`` path in training) and an exact one asked for its
-weights (torch's own forward) are not modelled: the tracer measures them.
+Not modelled (the tracer measures them): an attention with dropout on its
+probabilities (the ``bmm`` path in training), and one running torch's own
+forward (masks, ``kdim`` / ``vdim``: the cases
+:class:`~mmseg_gf.models.gf_attention.GFMultiheadAttention` does not
+reproduce).
+
+``tests/test_models/test_gf_attention_sdpa.py`` checks the rules against
+autograd's saved tensors layer by layer,
+``tests/test_engine/test_token_kinds_accounting.py`` on whole transformer
+segmentors.
 """
 from typing import Any, Dict, List, Optional, Tuple
 

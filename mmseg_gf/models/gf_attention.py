@@ -11,6 +11,22 @@ bit for bit torch's, checked in tests), with the four projections done by
 ``gradient_filtered_linear``: the query's and the output's on the query's
 grid, the key's and the value's on the key's grid (Segformer's and Twins'
 spatially reduced key/value have their own, smaller grid).
+
+Asked for its weights (``need_weights=True``, the default, which mmcv's
+``MultiheadAttention`` wrapper passes and then discards) it runs torch's
+``bmm`` + softmax path and keeps the ``L x S`` probabilities per head.
+When they are unused (``need_weights=False``, or ``_lean_weights_unused``,
+which the lean region's mmcv wrapper sets around its call,
+:mod:`.lean_transformer`) and no dropout acts on them, the attention runs
+through ``scaled_dot_product_attention`` (torch's own ``need_weights=False``
+path) and keeps q, k, v, its output and a logsumexp instead; the output
+then equals torch's up to the order of the sums. The exact module
+(``enabled=False``, ``mode='vanilla'``) runs the same code with
+``F.linear`` projections (their inputs read in the order they are stored,
+so that what ``F.linear`` keeps is a view at any batch), so the lean region
+spares the probabilities of a trained exact attention too. What each call
+kept is noted for the accounting (``_lean_call``, ``_probabilities_call``,
+``_exact_inputs``: :mod:`mmseg_gf.accounting.kept_tokens`).
 """
 
 import math
@@ -103,7 +119,8 @@ class GFMultiheadAttention(nn.MultiheadAttention):
     ``bias_k`` / ``bias_v`` / ``add_zero_attn``, no masks (mmseg's MiT,
     Twins and ViT blocks call it that way). Other calls, and calls whose
     grids are not known, run ``nn.MultiheadAttention.forward`` with the
-    exact backward and warn once (:class:`GFExactBackwardWarning`).
+    exact backward and warn once (:class:`GFExactBackwardWarning`); with
+    ``enabled=False`` other calls run it without a warning.
 
     Build it with :meth:`from_attention`; it holds no state of its own
     besides ``radius``, ``enabled`` and the two grid sources, so its
