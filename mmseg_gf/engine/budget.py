@@ -17,7 +17,7 @@ from ..accounting.budget import BudgetChoice, check_budget, choose_by_budget
 from ..accounting.profile import StepCostProfile, profile_step_costs
 from ..models.segmentor import is_classifier, unwrap_model
 from .layer_trace import trace_layers
-from .selection import check_layer_kinds, select_layers
+from .selection import check_layer_kinds, has_grid, select_layers
 from .surgery import apply_gradient_filter
 
 __all__ = ['profile_segmentor', 'choose_layers_by_budget']
@@ -43,9 +43,10 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
     model = unwrap_model(model)
     size = (int(input_size[0]), int(input_size[1]))
     kinds = check_layer_kinds(layer_kinds)
+    # what num_layers counts (layers on no token grid are not)
     pool = [r for r in trace_layers(model, size) if r.inference
             and not is_classifier(r.path) and r.feeds_output
-            and r.kind in kinds]
+            and r.kind in kinds and has_grid(r)]
     if not pool:
         raise ValueError(
             f'gradient_filter budget: {type(model).__name__} runs no conv '
