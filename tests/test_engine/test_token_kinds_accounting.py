@@ -87,6 +87,12 @@ def test_every_byte_of_trained_token_layers_is_counted(name, mode):
     model = _model(name, mode, True)
     assert _token_layers(model), 'the selection trains no Linear'
     counted = trace_step_saved_bytes(model, (SIZE, SIZE))
+    # the trained attentions ran SDPA (mmcv's lean wrapper discards their
+    # weights): no probabilities kept
+    for m in _token_layers(model):
+        if isinstance(m, GFMultiheadAttention):
+            assert m._lean_call is not None and \
+                m._probabilities_call is None, m
     unmodelled = counted.unmodelled_bytes(BATCH)
     allowed = HEAD_CODE if name.startswith('segmenter') else set()
     assert set(unmodelled) <= allowed, counted.summary(BATCH)
