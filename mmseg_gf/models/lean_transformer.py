@@ -88,6 +88,14 @@ def _recording(*tensors: Optional[Tensor]) -> bool:
         t is not None and t.requires_grad for t in tensors)
 
 
+def _core_recorded(attention: nn.Module, x: Tensor) -> bool:
+    """Whether autograd records a window attention's own code: its input
+    needs a gradient, or its trained ``qkv`` projection (the first trained
+    layer of the step may be that projection) makes q, k and v need one."""
+    return _recording(x) or (torch.is_grad_enabled() and any(
+        p.requires_grad for p in attention.qkv.parameters()))
+
+
 def _frozen(module: nn.Module) -> bool:
     return not any(p.requires_grad for p in module.parameters())
 
@@ -216,7 +224,7 @@ class _LeanWindowMSA:
     (frozen) and the shift mask are the additive mask."""
 
     def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        if (not _recording(x) or self.relative_position_bias_table
+        if (not _core_recorded(self, x) or self.relative_position_bias_table
                 .requires_grad or (self.training and self.attn_drop.p > 0)
                 or x.dim() != 3 or (mask is not None
                                     and x.shape[0] % mask.shape[0])):
@@ -247,7 +255,8 @@ class _LeanLocallyGroupedAttention:
     one per window, kept once."""
 
     def forward(self, x: Tensor, hw_shape) -> Tensor:
-        if (not _recording(x) or (self.training and self.attn_drop.p > 0)
+        if (not _core_recorded(self, x)
+                or (self.training and self.attn_drop.p > 0)
                 or x.dim() != 3):
             self._lean_call = None
             return super().forward(x, hw_shape)

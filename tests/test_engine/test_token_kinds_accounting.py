@@ -32,6 +32,7 @@ from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
+from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.engine.zoo import make_offline, mmseg_config_dir  # noqa: E402
 from mmseg_gf.models.gf_attention import GFMultiheadAttention  # noqa: E402
 from mmseg_gf.models.gf_linear import GFLinear  # noqa: E402
@@ -126,3 +127,33 @@ def test_budget_over_all_kinds_predicts_saved_bytes(name):
         measured = _measured(model)
         assert abs(cost.saved_bytes / measured - 1) <= 0.10, (
             layers, cost.saved_bytes, measured)
+
+
+@pytest.mark.parametrize('layers', [16, 26])
+def test_a_window_attention_whose_qkv_trains_first_is_lean(layers):
+    """Swin's first trained layer is a block's ``qkv`` (16: an unshifted
+    block, 26: a shifted one): the block's input needs no gradient, yet its
+    attention is recorded, and runs lean (SDPA, nothing unmodelled) with
+    the plain step's gradients (float32, rtol 1e-4, atol 1e-5 of the
+    largest element)."""
+    model = _model('swin_t', 'gf', True, layers)
+    assert get_state(model).layers[0].path.endswith('attn.w_msa.qkv')
+    counted = trace_step_saved_bytes(model, (SIZE, SIZE))
+    assert counted.unmodelled_bytes(BATCH) == {}, counted.summary(BATCH)
+    assert counted.total(BATCH) == _measured(model)
+    plain = _model('swin_t', 'gf', False, layers)
+    inputs, samples = random_batch(model, (SIZE, SIZE), BATCH)
+    got, want = (_gradients(m, inputs, samples) for m in (model, plain))
+    assert set(got) == set(want) and want
+    for key, g in want.items():
+        torch.testing.assert_close(got[key], g, rtol=1e-4,
+                                   atol=1e-5 * float(g.abs().max()),
+                                   msg=lambda m: f'{key}: {m}')
+
+
+def _gradients(model, inputs, samples):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    training_loss(model, inputs, samples).backward()
+    return {n: p.grad for n, p in model.named_parameters()
+            if p.grad is not None}
