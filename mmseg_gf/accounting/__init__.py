@@ -3,12 +3,14 @@
 Below the engine (which imports it) and above the models (whose lean
 modules it knows): the cost formula of a conv's backward
 (:mod:`.conv_cost`), the rules of what each kind of module keeps for
-backward (:mod:`.kept`; transformer kinds: :mod:`.kept_transformer`), the one step tracer (:mod:`.trace`), the profile of
+backward (:mod:`.kept`; transformer kinds: :mod:`.kept_transformer`; trained
+Linears and attentions on tokens: :mod:`.kept_tokens`), the one step tracer (:mod:`.trace`), the profile of
 every "last N, radii" setting (:mod:`.profile`), the peak model
 (:mod:`.peak`), the budget's choice (:mod:`.budget`), the measured
 counterparts the tests check them against (:mod:`.measured`), and how all
 of it is written (:mod:`.format`, :mod:`.report`).
 """
+from . import kept_tokens  # noqa: F401  (registers its rules)
 from . import kept_transformer  # noqa: F401  (registers its rules)
 from .conv_cost import ConvBackwardCost, ConvGeometry, conv_backward_cost
 

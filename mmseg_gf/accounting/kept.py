@@ -42,8 +42,9 @@ head's loss                 gradient w.r.t. the logits (if the classifier's
 ==========================  ===============================================
 
 The kinds inside transformer blocks (lean attention, frozen LayerNorm,
-GELU, DropPath) have their rules in :mod:`.kept_transformer`, consulted
-first through :data:`CALL_RULES`.
+GELU, DropPath) have their rules in :mod:`.kept_transformer`, trained (and
+plain frozen) Linears and ``GFMultiheadAttention`` in :mod:`.kept_tokens`,
+consulted first through :data:`CALL_RULES`.
 
 Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
 measures it, storage by storage, and attributes it to the innermost module
@@ -82,7 +83,7 @@ CATEGORIES = ('conv', 'classifier', 'norm', 'activation', 'dropout',
 #: ``rule(path, module, x, out, shared)`` -> a list of items, or None when
 #: the module is not its kind (raising ``LookupError`` for one of its kinds
 #: that it does not model): kinds whose rules live in their own module
-#: (:mod:`.kept_transformer`), registered by it.
+#: (:mod:`.kept_transformer`, :mod:`.kept_tokens`), registered by it.
 CALL_RULES: List[Callable] = []
 
 

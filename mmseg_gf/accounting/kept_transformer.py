@@ -8,6 +8,8 @@ shapes of the traced call:
 module                      kept for backward
 ==========================  ===============================================
 lean attention (SDPA)       q, k, v and the output, ``(L + 2 S + L) E``
+                            (the output once: a trained exact
+                            out-projection reading it counts it)
                             elements in their dtype, a float32 logsumexp
                             per query and head (``heads L``), and an
                             additive mask once at any batch (Swin's bias
@@ -41,8 +43,16 @@ from .kept import SavedItem, register_call_rule
 __all__ = ['transformer_items', 'attention_items']
 
 
-def attention_items(path: str, module: nn.Module) -> List[SavedItem]:
+def attention_items(path: str, module: nn.Module,
+                    shared: Optional[Dict[int, Tuple[str, Any]]] = None
+                    ) -> List[SavedItem]:
     """What the last call of a lean attention kept (its ``_lean_call``).
+
+    Args:
+        shared: the storages counted so far (:func:`~.kept.item_for_module`):
+            SDPA's output is left out when an exact out-projection, called
+            inside the attention before it is reported, counted it as its
+            input.
 
     Raises:
         LookupError: its last call ran the plain forward (measured).
@@ -51,7 +61,9 @@ def attention_items(path: str, module: nn.Module) -> List[SavedItem]:
     if call is None:
         raise LookupError(path)
     images = call.images or 1
-    tokens = call.batch * (2 * call.q_len + 2 * call.kv_len)
+    outputs = 0 if (shared is not None and call.output_storage
+                    and call.output_storage in shared) else 1
+    tokens = call.batch * (call.q_len * (1 + outputs) + 2 * call.kv_len)
     items = [SavedItem(path, 'attention', tokens * call.dim // images,
                        call.elem_bytes),
              SavedItem(path, 'attention',
@@ -85,7 +97,7 @@ def transformer_items(path: str, module: nn.Module, x: torch.Tensor,
         LookupError: a transformer kind that ran its plain path.
     """
     if is_rule_owner(module):
-        return attention_items(path, module)
+        return attention_items(path, module, shared)
     trained = any(p.requires_grad for p in module.parameters())
     kind = lean_kind(module) if is_lean(module) else None
     if kind == 'layer_norm' and not trained:

@@ -26,6 +26,7 @@ from .batch import random_batch
 from .conv_cost import ConvBackwardCost, ConvGeometry, output_stride
 from .format import MIB
 from .kept import SavedItem, kept_by_call, measured_item
+from .kept_tokens import candidate_extra_items
 from .measured import live_bytes_by_interval
 from .peak import Lifetime, backward_scratch, scratch_key, step_peak
 from .trace import ModuleCall, SavedPack, StepTracer, UnmodelledBytes
@@ -243,6 +244,12 @@ class StepCostProfile:
         from runs at batch 1 and 2 of the conv alone (measured once per
         conv geometry and radius: convs of one shape, as in a ResNet
         stage, share it)."""
+        if not isinstance(conv.geometry, ConvGeometry):
+            # a layer on tokens: its backward's scratch (patch sums of g_y
+            # on 1/r^2 of the rows, the pooled g_x) is not measured; the
+            # step peak of the tiny transformer families stays within 10%
+            # without it (tests/test_engine/test_token_kinds_accounting.py)
+            return 0
         in_shape = conv.geometry.in_shape
         key = scratch_key(conv.module, in_shape, radius, need_input_grad)
         if key not in self.workspaces:
@@ -327,6 +334,9 @@ class _Recorder:
         self.pack_upstream: Dict[int, Tuple[int, bool]] = {}
         self.pack_freed: Dict[int, int] = {}
         self.by_storage: Dict[int, List[Lifetime]] = {}
+        #: path -> the last candidate behind what a module's own code saved
+        #: in its current call
+        self.own_code_upstream: Dict[str, int] = {}
 
     def upstream(self, tensor: torch.Tensor) -> int:
         return _max_upstream(tensor, self.tags, self.memo)
@@ -384,6 +394,20 @@ class _Recorder:
         self.use([call.x], call.seq)
         self.tags[out.grad_fn] = i
         self.track(out, call.seq, i)
+        # what a trained attention's own code keeps besides its
+        # projections (the profile skips the candidates' saved tensors)
+        try:
+            extra = candidate_extra_items(call.path, call.module,
+                                          self.shared)
+        except LookupError:
+            raise ValueError(
+                f'gradient_filter budget: what {call.path!r} keeps is not '
+                'modelled (an attention whose probabilities dropout acts '
+                'on in training); set its attention dropout to 0, or '
+                "layer_kinds=['conv2d']") from None
+        self.profile.entries.extend(
+            _Entry(item, max(upstream, i), False, call.path, call.seq)
+            for item in extra)
         if all(c.index != i for c in self.profile.convs):
             self.profile.convs.append(ConvProfile(
                 path=call.path, module=call.module,
@@ -403,8 +427,9 @@ class _Recorder:
         items, modelled = kept_by_call(self.probe, call.path, call.module, x,
                                        out, self.shared)
         self.unmodelled.note_call(call.seq, call.path, items, modelled)
+        upstream, trained = self._owner_upstream(call, upstream)
         self.profile.entries.extend(
-            _Entry(item, upstream, call.trained, call.path, call.seq)
+            _Entry(item, upstream, trained, call.path, call.seq)
             for item in items if not item.estimate)
         if self.is_classifier(call.path) and call.trained:
             self.profile.classifiers.append(
@@ -413,6 +438,22 @@ class _Recorder:
             self.profile.classifier_params += sum(
                 p.numel() for p in call.module.parameters())
 
+
+    def _owner_upstream(self, call: ModuleCall,
+                        upstream: int) -> Tuple[int, bool]:
+        """``(upstream, trained)`` of a call: for a module with children
+        reported as a call (a lean attention), what its own code saved
+        depends on the candidates behind the operation's inputs (Swin's
+        ``qkv`` before its SDPA, not the ``proj`` after it:
+        :meth:`on_pack` notes them), and it is trained by the parameters
+        of its own and of its children that are no candidates."""
+        if not any(True for _ in call.module.children()):
+            return upstream, call.trained
+        own = self.own_code_upstream.pop(call.path, None)
+        trained = any(p.requires_grad for m in call.module.modules()
+                      if m not in self.index
+                      for p in m.parameters(recurse=False))
+        return (upstream if own is None else own), trained
 
     def on_pack(self, pack: SavedPack) -> None:
         """A saved tensor: held (unless a candidate saved it) with the last
@@ -432,6 +473,10 @@ class _Recorder:
                   and t.untyped_storage().data_ptr() != pack.ptr]
         upstream = max(self.upstream(t) for t in (others or inputs))
         trained = any(t.requires_grad and t.grad_fn is None for t in inputs)
+        if not pack.leaf and pack.module is not None:
+            # a module's own code (a lean attention's SDPA call)
+            self.own_code_upstream[pack.owner] = max(
+                upstream, self.own_code_upstream.get(pack.owner, -1))
         kept = self.unmodelled.on_pack(pack)
         self.pack_upstream[id(kept)] = (upstream, trained)
         # when the trace frees the saved tensor (it keeps nothing itself):

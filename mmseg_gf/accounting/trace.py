@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..models.gf_attention import GFMultiheadAttention
 from ..models.lean_transformer import is_rule_owner
 from ..models.segmentor import set_frozen_norms_eval
 from ..ops import kept_sources
@@ -149,6 +150,14 @@ class _OperationInputs(TorchFunctionMode):
             return []
         flat, _ = torch.utils._pytree.tree_flatten(self.current)
         return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _reports_own_call(module: nn.Module) -> bool:
+    """A module with children reported as a call: a lean attention
+    (:func:`~mmseg_gf.models.lean_transformer.is_rule_owner`) or a
+    ``GFMultiheadAttention``, whose own code runs its projections and its
+    attention (:mod:`.kept_tokens`)."""
+    return is_rule_owner(module) or isinstance(module, GFMultiheadAttention)
 
 
 def _drop(_):
@@ -287,7 +296,7 @@ class StepTracer:
         ] + [
             m.register_forward_hook(self._owner_hook, with_kwargs=True)
             for m in self.model.modules()
-            if any(True for _ in m.children()) and is_rule_owner(m)
+            if any(True for _ in m.children()) and _reports_own_call(m)
         ]
         heads = []
         if self.on_pack is not None:

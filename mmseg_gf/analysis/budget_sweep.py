@@ -152,7 +152,9 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
     # mmseg_gf.engine.build.build_segmentor)
     model_cfg.setdefault('_scope_', cfg.get('default_scope') or 'mmseg')
     segmentor = MODELS.build(model_cfg)
-    profile = profile_segmentor(segmentor, input_size, timeline=True)
+    kinds = (cfg.get('gradient_filter') or {}).get('layer_kinds')
+    profile = profile_segmentor(segmentor, input_size, timeline=True,
+                                layer_kinds=kinds)
     rows = sweep_rows(profile, radii, batch, checked)
     choice = error = None
     if checked is not None:

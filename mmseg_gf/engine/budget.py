@@ -17,7 +17,7 @@ from ..accounting.budget import BudgetChoice, check_budget, choose_by_budget
 from ..accounting.profile import StepCostProfile, profile_step_costs
 from ..models.segmentor import is_classifier, unwrap_model
 from .layer_trace import trace_layers
-from .selection import check_layer_kinds, select_layers
+from .selection import check_layer_kinds, has_grid, select_layers
 from .surgery import apply_gradient_filter
 
 __all__ = ['profile_segmentor', 'choose_layers_by_budget']
@@ -38,14 +38,15 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
         input_size: ``(H, W)`` (the training crop).
         timeline: also profile live bytes per call, for the step peak.
         layer_kinds: the kinds of the pool (:func:`select_layers`);
-            default: convs only (what the step profile prices).
+            default: every registered kind.
     """
     model = unwrap_model(model)
     size = (int(input_size[0]), int(input_size[1]))
-    kinds = check_layer_kinds(layer_kinds or ['conv2d'])
+    kinds = check_layer_kinds(layer_kinds)
+    # what num_layers counts (layers on no token grid are not)
     pool = [r for r in trace_layers(model, size) if r.inference
             and not is_classifier(r.path) and r.feeds_output
-            and r.kind in kinds]
+            and r.kind in kinds and has_grid(r)]
     if not pool:
         raise ValueError(
             f'gradient_filter budget: {type(model).__name__} runs no conv '
@@ -70,8 +71,8 @@ def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
         budget: see :func:`~mmseg_gf.accounting.budget.check_budget`.
         input_size: the training crop.
         batch: images per step, unless the budget names it (default 1).
-        layer_kinds: the kinds the budget chooses among (default: convs
-            only).
+        layer_kinds: the kinds the budget chooses among (default: every
+            registered kind).
     """
     budget = check_budget(budget)
     batch = budget['batch'] or batch or 1

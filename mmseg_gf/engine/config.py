@@ -106,15 +106,6 @@ def _check_budget_settings(out: Dict[str, Any]) -> None:
     """A budget chooses layers and radii itself, for filtered convs with
     frozen norms; then the flags (normalised in place)."""
     out['budget'] = check_budget(out['budget'])
-    # the step profile prices convs only (the peak model's backward scratch
-    # of a Linear on tokens is not modelled)
-    if out['layer_kinds'] is None:
-        out['layer_kinds'] = ['conv2d']
-    elif out['layer_kinds'] != ['conv2d']:
-        raise ValueError(
-            'gradient_filter budget chooses among convs only; allowed: '
-            "layer_kinds=None or ['conv2d'], got "
-            f'{out["layer_kinds"]!r}')
     if out['radius'] is not None:
         raise ValueError(
             'gradient_filter: a budget chooses the radii itself; give '

@@ -48,7 +48,7 @@ RadiusSetting = Union[int, str, Dict[str, Union[int, str]]]
 __all__ = [
     'ConvRecord', 'LayerRecord', 'LayerChoice', 'trace_convs',
     'trace_layers', 'select_layers', 'auto_radius', 'resolve_radius',
-    'check_radius_paths', 'check_layer_kinds'
+    'check_radius_paths', 'check_layer_kinds', 'has_grid'
 ]
 
 
@@ -318,8 +318,8 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
     ran = [r for r in records if r.inference and not is_classifier(r.path)]
     # Linears on no token grid (CGNet's global-context FCs on pooled
     # features, SE blocks) are not counted and stay frozen
-    gridless = [r.path for r in ran if not _has_grid(r)]
-    ran = [r for r in ran if _has_grid(r)]
+    gridless = [r.path for r in ran if not has_grid(r)]
+    ran = [r for r in ran if has_grid(r)]
     pool = [r for r in ran if r.feeds_output]
     unreached = [r.path for r in ran if not r.feeds_output]
     if not pool:
@@ -351,7 +351,7 @@ def _nouns(recs: Sequence[LayerRecord]) -> str:
     return 'convs' if all(r.kind == 'conv2d' for r in recs) else 'layers'
 
 
-def _has_grid(rec: LayerRecord) -> bool:
+def has_grid(rec: LayerRecord) -> bool:
     """Whether a traced layer can be filtered at its traced call: a conv,
     or tokens on a grid."""
     return getattr(rec.geometry, 'grid', True) is not None
@@ -381,9 +381,9 @@ def _named_layers(model: nn.Module, records: List[LayerRecord],
         reached = _convs_reached_in(model, modules, records, path)
         named = [r for r in reached if r.path == path]
         # a Linear on no grid: refused when named, skipped in a container
-        _refuse_no_grid([r for r in named if not _has_grid(r)], 'layers')
+        _refuse_no_grid([r for r in named if not has_grid(r)], 'layers')
         for rec in reached:
-            if rec not in chosen and _has_grid(rec):
+            if rec not in chosen and has_grid(rec):
                 chosen.append(rec)
     order = {id(r): i for i, r in enumerate(records)}
     return sorted(chosen, key=lambda r: order[id(r)])

@@ -11,9 +11,26 @@ bit for bit torch's, checked in tests), with the four projections done by
 ``gradient_filtered_linear``: the query's and the output's on the query's
 grid, the key's and the value's on the key's grid (Segformer's and Twins'
 spatially reduced key/value have their own, smaller grid).
+
+Asked for its weights (``need_weights=True``, the default, which mmcv's
+``MultiheadAttention`` wrapper passes and then discards) it runs torch's
+``bmm`` + softmax path and keeps the ``L x S`` probabilities per head.
+When they are unused (``need_weights=False``, or ``_lean_weights_unused``,
+which the lean region's mmcv wrapper sets around its call,
+:mod:`.lean_transformer`) and no dropout acts on them, the attention runs
+through ``scaled_dot_product_attention`` (torch's own ``need_weights=False``
+path) and keeps q, k, v, its output and a logsumexp instead; the output
+then equals torch's up to the order of the sums. The exact module
+(``enabled=False``, ``mode='vanilla'``) runs the same code with
+``F.linear`` projections (their inputs read in the order they are stored,
+so that what ``F.linear`` keeps is a view at any batch), so the lean region
+spares the probabilities of a trained exact attention too. What each call
+kept is noted for the accounting (``_lean_call``, ``_probabilities_call``,
+``_exact_inputs``: :mod:`mmseg_gf.accounting.kept_tokens`).
 """
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -23,6 +40,32 @@ from torch import Tensor, nn
 from ..ops import check_radius
 from ..ops.gradient_filter_linear import gradient_filtered_linear
 from .gf_linear import TokenGridSource, warn_exact_backward
+from .lean_transformer import AttentionCall
+
+
+@dataclass(frozen=True)
+class ProbabilitiesCall:
+    """What a call through the ``bmm`` path (torch's ``need_weights=True``
+    computation) kept besides its projections, as shapes: the scaled
+    queries and keys of ``q k^T``, the ``L x S`` probabilities per head
+    (for the softmax and for ``p v``), the values, and a dropout mask.
+
+    Attributes:
+        batch: sequences (images).
+        num_heads: heads.
+        q_len, kv_len: query / key tokens.
+        dim: embedding dimension.
+        elem_bytes: bytes per element.
+        dropout: dropout acted on the probabilities.
+    """
+
+    batch: int
+    num_heads: int
+    q_len: int
+    kv_len: int
+    dim: int
+    elem_bytes: int
+    dropout: bool
 
 
 def is_filterable_attention(module: nn.Module) -> bool:
@@ -33,6 +76,41 @@ def is_filterable_attention(module: nn.Module) -> bool:
         module, GFMultiheadAttention)
 
 
+def _stored_rows(t: Tensor) -> Optional[Tensor]:
+    """``t`` (``(N, B, C)``) in the order its storage holds it, as a view
+    that ``F.linear`` reads as rows without a copy: ``t`` itself, or its
+    batch-first transpose (mmcv's wrapper hands the inner attention a
+    transposed ``(B, N, C)`` tensor); None when neither is."""
+    for view in (t, t.transpose(0, 1)):
+        try:
+            view.view(-1, view.shape[-1])
+            return view
+        except RuntimeError:
+            continue
+    return None
+
+
+def _exact_inputs(*tensors: Tensor
+                  ) -> Tuple[Tuple[int, int, bool, bool], ...]:
+    """``(storage address, bytes, shared, requires_grad)`` of each distinct
+    input of the exact projections: what ``F.linear`` keeps of it (a view
+    of its storage where its tokens merge into rows without a copy,
+    ``shared``; else a copy of its elements). Addresses and sizes only: the
+    accounting reads them after the call, and holding the tensors would
+    keep them alive after the step."""
+    out, seen = [], set()
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        storage = t.untyped_storage()
+        shared = _stored_rows(t) is not None
+        out.append((storage.data_ptr(),
+                    storage.nbytes() if shared else t.numel() *
+                    t.element_size(), shared, t.requires_grad))
+    return tuple(out)
+
+
 class GFMultiheadAttention(nn.MultiheadAttention):
     """``nn.MultiheadAttention`` with gradient-filtered projections.
 
@@ -41,7 +119,8 @@ class GFMultiheadAttention(nn.MultiheadAttention):
     ``bias_k`` / ``bias_v`` / ``add_zero_attn``, no masks (mmseg's MiT,
     Twins and ViT blocks call it that way). Other calls, and calls whose
     grids are not known, run ``nn.MultiheadAttention.forward`` with the
-    exact backward and warn once (:class:`GFExactBackwardWarning`).
+    exact backward and warn once (:class:`GFExactBackwardWarning`); with
+    ``enabled=False`` other calls run it without a warning.
 
     Build it with :meth:`from_attention`; it holds no state of its own
     besides ``radius``, ``enabled`` and the two grid sources, so its
@@ -101,8 +180,9 @@ class GFMultiheadAttention(nn.MultiheadAttention):
         if query.dim() not in (2, 3) or key.shape != value.shape \
                 or key.dim() != query.dim():
             return 'inputs of unexpected shapes'
-        if self.query_source is None or self.query_source.grid is None \
-                or self.key_source.grid is None:
+        if self.enabled and (self.query_source is None
+                             or self.query_source.grid is None
+                             or self.key_source.grid is None):
             return ('no token grid is known for this call (grid sources '
                     f'{self.query_source!r}, {self.key_source!r})')
         return None
@@ -119,22 +199,49 @@ class GFMultiheadAttention(nn.MultiheadAttention):
                 ) -> Tuple[Tensor, Optional[Tensor]]:
         args = (query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal)
+        self._lean_call = self._probabilities_call = None
+        self._exact_inputs = ()
+        self._packing = None
+        self._out_rows_copied = True
         params = [p for p in self.parameters() if p.requires_grad]
-        if not (self.enabled and torch.is_grad_enabled() and
+        if not (torch.is_grad_enabled() and
                 (params or query.requires_grad or key.requires_grad
                  or value.requires_grad)):
             return super().forward(*args)
         reason = self._unsupported(query, key, value, key_padding_mask,
                                    attn_mask, is_causal)
+        sdpa = self._sdpa_applies(need_weights)
+        if not self.enabled and reason is not None:
+            return super().forward(*args)  # exact: torch's own computation
         if reason is not None:
             warn_exact_backward(self, reason)
             return super().forward(*args)
         return self._filtered_forward(query, key, value, need_weights,
-                                      average_attn_weights)
+                                      average_attn_weights, sdpa)
+
+    def _sdpa_applies(self, need_weights: bool) -> bool:
+        """Attention through ``scaled_dot_product_attention`` (no ``L x S``
+        probabilities kept): when the weights are not asked for, as torch
+        does, or when mmcv's wrapper, made lean, discards them
+        (``_lean_weights_unused``, :mod:`.lean_transformer`) and no dropout
+        acts on them (torch's ``need_weights=True`` path draws it on the
+        probabilities themselves)."""
+        if not need_weights:
+            return True
+        return bool(getattr(self, '_lean_weights_unused', False)) and (
+            self.dropout == 0 or not self.training)
 
     def _project(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                  source: TokenGridSource) -> Tensor:
-        """One projection of ``(N, B, C)`` tokens: token axis 0."""
+        """One projection of ``(N, B, C)`` tokens: token axis 0 (exact
+        with ``enabled=False``)."""
+        if not self.enabled:
+            # the rows in their stored order: F.linear then keeps a view of
+            # the input at any batch, not a copy at some batches only
+            rows = _stored_rows(x)
+            if rows is not None and rows is not x:
+                return F.linear(rows, weight, bias).transpose(0, 1)
+            return F.linear(x, weight, bias)
         return gradient_filtered_linear(x, weight, bias, source.grid,
                                         self.radius, 0)
 
@@ -165,10 +272,19 @@ class GFMultiheadAttention(nn.MultiheadAttention):
                 self._project(value, w_v, b_v, ks))
 
     def _filtered_forward(self, query: Tensor, key: Tensor, value: Tensor,
-                          need_weights: bool, average_attn_weights: bool
+                          need_weights: bool, average_attn_weights: bool,
+                          sdpa: bool = False
                           ) -> Tuple[Tensor, Optional[Tensor]]:
         """``nn.MultiheadAttention.forward`` (slow path, no masks) with the
-        projections filtered; op for op torch's, so the output is too."""
+        projections filtered; op for op torch's, so the output is too.
+
+        ``sdpa``: the attention through ``scaled_dot_product_attention``
+        and no weights returned (:meth:`_sdpa_applies`); torch's own
+        ``need_weights=False`` path, so with ``need_weights=True`` the
+        output equals torch's up to the order of the sums. What the call
+        kept is noted for the accounting: ``_lean_call``
+        (:class:`~.lean_transformer.AttentionCall`) after SDPA,
+        ``_probabilities_call`` after the ``bmm`` path."""
         is_batched = query.dim() == 3
         if self.batch_first and is_batched:
             if key is value:
@@ -184,16 +300,22 @@ class GFMultiheadAttention(nn.MultiheadAttention):
             query, key, value = (query.unsqueeze(1), key.unsqueeze(1),
                                  value.unsqueeze(1))
         tgt_len, bsz, embed_dim = query.shape
+        self._packing = ('qkv' if query is key and key is value else
+                         'kv' if key is value else 'separate')
+        if not self.enabled:
+            self._exact_inputs = _exact_inputs(query, key, value)
         heads = self.num_heads
         head_dim = embed_dim // heads
         q, k, v = self._in_projection(query, key, value)
-        q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
-        k = k.view(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
-        v = v.view(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        # (torch's views; a copy where an exact projection returned
+        # batch-first rows)
+        q = q.reshape(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+        k = k.reshape(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        v = v.reshape(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
         src_len = k.size(1)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
-        if need_weights:
+        if not sdpa:
             q_scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
             weights = torch.bmm(q_scaled, k.transpose(-2, -1))
             weights = F.softmax(weights, dim=-1)
@@ -201,6 +323,9 @@ class GFMultiheadAttention(nn.MultiheadAttention):
                 weights = F.dropout(weights, p=dropout_p)
             out = torch.bmm(weights, v)
             out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+            self._probabilities_call = ProbabilitiesCall(
+                bsz, heads, tgt_len, src_len, embed_dim,
+                q.element_size(), dropout_p > 0.0)
             weights = weights.view(bsz, heads, tgt_len, src_len)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
@@ -212,7 +337,21 @@ class GFMultiheadAttention(nn.MultiheadAttention):
             v = v.view(bsz, heads, src_len, head_dim)
             out = F.scaled_dot_product_attention(q, k, v, None, dropout_p,
                                                  False)
-            out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+            self._lean_call = AttentionCall(
+                bsz, bsz, tgt_len, src_len, embed_dim, heads,
+                out.element_size(), 8 if out.dtype == torch.float64 else 4)
+            if self.enabled:  # torch's order of rows (op for op)
+                out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len,
+                                                      embed_dim)
+            else:
+                # batch-first rows, a view of SDPA's output where it holds
+                # them in that order (the exact out-projection then keeps
+                # the storage SDPA keeps), whatever the batch
+                rows = out.transpose(1, 2).reshape(bsz, tgt_len, embed_dim)
+                self._out_rows_copied = (
+                    rows.untyped_storage().data_ptr() !=
+                    out.untyped_storage().data_ptr())
+                out = rows.transpose(0, 1)
         out = self._project(
             out.view(tgt_len, bsz, embed_dim), self.out_proj.weight,
             self.out_proj.bias, self.query_source)

@@ -65,6 +65,9 @@ class AttentionCall:
         mask_elements: elements of the additive mask SDPA keeps (0: none);
             the same at any batch.
         mask_bytes: bytes per element of that mask.
+        output_storage: address of the storage of SDPA's output (0:
+            unknown), which the out-projection may read as a view: an
+            exact (trained) one keeps it too, and it is counted once.
     """
 
     batch: int
@@ -77,11 +80,20 @@ class AttentionCall:
     stat_bytes: int = 4
     mask_elements: int = 0
     mask_bytes: int = 4
+    output_storage: int = 0
 
 
 def _recording(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in tensors)
+
+
+def _core_recorded(attention: nn.Module, x: Tensor) -> bool:
+    """Whether autograd records a window attention's own code: its input
+    needs a gradient, or its trained ``qkv`` projection (the first trained
+    layer of the step may be that projection) makes q, k and v need one."""
+    return _recording(x) or (torch.is_grad_enabled() and any(
+        p.requires_grad for p in attention.qkv.parameters()))
 
 
 def _frozen(module: nn.Module) -> bool:
@@ -212,7 +224,7 @@ class _LeanWindowMSA:
     (frozen) and the shift mask are the additive mask."""
 
     def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        if (not _recording(x) or self.relative_position_bias_table
+        if (not _core_recorded(self, x) or self.relative_position_bias_table
                 .requires_grad or (self.training and self.attn_drop.p > 0)
                 or x.dim() != 3 or (mask is not None
                                     and x.shape[0] % mask.shape[0])):
@@ -231,7 +243,8 @@ class _LeanWindowMSA:
         self._lean_call = AttentionCall(
             b, None if mask is None else b // n_win, n, n, c, h,
             out.element_size(), _stat_bytes(out),
-            mask_elements=n_win * h * n * n, mask_bytes=bias.element_size())
+            mask_elements=n_win * h * n * n, mask_bytes=bias.element_size(),
+            output_storage=out.untyped_storage().data_ptr())
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
@@ -242,7 +255,8 @@ class _LeanLocallyGroupedAttention:
     one per window, kept once."""
 
     def forward(self, x: Tensor, hw_shape) -> Tensor:
-        if (not _recording(x) or (self.training and self.attn_drop.p > 0)
+        if (not _core_recorded(self, x)
+                or (self.training and self.attn_drop.p > 0)
                 or x.dim() != 3):
             self._lean_call = None
             return super().forward(x, hw_shape)
@@ -278,7 +292,8 @@ class _LeanLocallyGroupedAttention:
             b * gh * gw, b, ws * ws, ws * ws, c, heads, out.element_size(),
             _stat_bytes(out),
             mask_elements=gh * gw * heads * ws ** 4 if masked else 0,
-            mask_bytes=q.element_size())
+            mask_bytes=q.element_size(),
+            output_storage=out.untyped_storage().data_ptr())
         out = out.transpose(1, 2).reshape(b, gh, gw, ws, ws, c)
         x = out.transpose(2, 3).reshape(b, gh * ws, gw * ws, c)
         if pad_r > 0 or pad_b > 0:

@@ -379,6 +379,16 @@ def _empty_grad_input(grad_output: Tensor, shape: torch.Size,
     return grad_output.new_empty(shape, dtype=dtype)
 
 
+def _own_copy(part: Tensor, x: Tensor) -> Tensor:
+    """``part`` of ``x`` (its extra tokens) as a contiguous tensor of its
+    own: a contiguous narrow (the token axis first, or one image) is a view
+    of ``x``, and saving it would keep all of ``x``'s storage."""
+    part = part.contiguous()
+    if part.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        part = part.clone()
+    return part
+
+
 class GradientFilterLinearFunction(torch.autograd.Function):
     """Autograd Function: ``F.linear`` forward, gradient-filter backward on
     a token grid (docs/gradient_filter.md#linear-layers-on-token-grids)."""
@@ -395,7 +405,7 @@ class GradientFilterLinearFunction(torch.autograd.Function):
             x_sums = layout.patch_sums(
                 x, torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
             extra = layout.extra(x)
-            x_extra = None if extra is None else extra.contiguous()
+            x_extra = None if extra is None else _own_copy(extra, x)
         ctx.save_for_backward(x_sums, x_extra, weight)
         ctx.layout = layout
         ctx.input_shape = x.shape

@@ -297,7 +297,9 @@ def fill_budget(cfg: Config, strategy: str, model: str,
     like = Config.fromfile(strategy_file(spec.budget_like, model, config_dir))
     setting = like.gradient_filter
     segmentor = SEGMENTORS.build(cfg.model)
-    profile = profile_segmentor(segmentor, default_input_size(cfg))
+    profile = profile_segmentor(
+        segmentor, default_input_size(cfg),
+        layer_kinds=(cfg.get('gradient_filter') or {}).get('layer_kinds'))
     gflops = profile.cost(setting['num_layers'], setting['radius'],
                           1).backward_gflops
     budget = dict(cfg.gradient_filter.budget)

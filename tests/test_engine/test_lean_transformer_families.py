@@ -85,7 +85,7 @@ def _layers(name: str) -> int:
 def _model(cfg, plain, mode, lean, layers, patch_mean_activations=True):
     cfg = cfg.copy()
     # convs only: the frozen blocks' attention, LayerNorm and GELU stay on
-    # the gradient path (and the budget's profile prices convs only)
+    # the gradient path (every kind: test_token_kinds_accounting.py)
     cfg.gradient_filter = dict(num_layers=layers, radius=4, mode=mode,
                                lean=lean, layer_kinds=['conv2d'],
                                patch_mean_activations=patch_mean_activations)
@@ -142,7 +142,8 @@ def test_budget_profile_predicts_saved_bytes_and_peak(name):
     cfg = tiny_cfg(name)
     plain = plain_model(cfg)
     probe = copy.deepcopy(plain)
-    profile = profile_segmentor(probe, (SIZE, SIZE), timeline=True)
+    profile = profile_segmentor(probe, (SIZE, SIZE), timeline=True,
+                                layer_kinds=['conv2d'])
     assert profile.unmodelled(20) == []
     for layers in (5, 10, 20):
         cost = profile.cost(layers, 4, BATCH)

@@ -16,8 +16,10 @@ its classifier), and:
   filter with a kernel larger than 1x1 is not exact at r = 1), float64,
   rtol 1e-10;
 * the lean region changes nothing: at r = 4, ``lean=True`` equals
-  ``lean=False`` (float32; loss rtol 1e-5, gradients rtol 1e-5 and atol
-  1e-6 of the largest element, as tests/test_engine/test_realtime_families.py).
+  ``lean=False`` (float32; loss and gradients rtol 1e-4, gradients atol
+  1e-5 of the largest element, as
+  tests/test_engine/test_lean_transformer_families.py: the lean step's
+  attentions, filtered ones included, sum through SDPA in another order).
 
 Also: ``layer_kinds=['conv2d']`` keeps the conv-only count, a bad
 ``layer_kinds`` is refused naming the allowed values, containers and
@@ -25,8 +27,8 @@ Linear paths are accepted by ``layers=``, Segmenter's class-score
 Linears are its classifier (always trained, not counted), Linears on no
 grid (CGNet's global-context FCs) are not counted and refused when named,
 the hook's table shows each layer's kind cell, ``state_dict`` keeps plain
-keys, a deep copy filters with its own grids, and a budget counts convs
-only.
+keys, a deep copy filters with its own grids, and a budget chooses among
+every kind unless ``layer_kinds`` narrows it.
 """
 import pytest
 import torch
@@ -120,7 +122,9 @@ def test_last_20_layers_reach_the_last_block_and_train_exactly(name):
     lean, _ = _filtered(name, torch.float32, radius=4, lean=True)
     inputs = inputs.float()
     want = _step(plain, inputs, samples)
-    _close(_step(lean, inputs, samples), want, f'{name} lean', 1e-5, 1e-6)
+    # (lean: the filtered attentions through SDPA, which sums in another
+    # order than the bmm path torch's need_weights=True call runs)
+    _close(_step(lean, inputs, samples), want, f'{name} lean', 1e-4, 1e-5)
     # the filter acts: r = 4 differs from the exact gradients
     exact32, _ = _filtered(name, torch.float32, radius=4, lean=False,
                            mode='vanilla')
@@ -215,12 +219,20 @@ def test_a_deep_copy_filters_with_its_own_grids():
     _close(got, want, 'deepcopy', 1e-12, 1e-14)
 
 
-def test_a_budget_counts_convs_only():
-    assert check_settings(dict(budget=dict(saved_mib=1)))['layer_kinds'] == \
+def test_a_budget_chooses_among_the_kinds_it_is_given():
+    """A budget's pool is what ``num_layers`` counts: every kind by default
+    (its predictions: tests/test_engine/test_token_kinds_accounting.py),
+    the paper's convs with ``['conv2d']``; a bad kind fails by name."""
+    assert check_settings(dict(budget=dict(saved_mib=1)))['layer_kinds'] \
+        is None
+    assert check_settings(dict(budget=dict(saved_mib=1),
+                               layer_kinds=['conv2d', 'linear'])
+                          )['layer_kinds'] == ['conv2d', 'linear']
+    assert check_settings(dict(budget=dict(saved_mib=1),
+                               layer_kinds=['conv2d']))['layer_kinds'] == \
         ['conv2d']
-    with pytest.raises(ValueError, match=r"budget chooses among convs only"):
-        check_settings(dict(budget=dict(saved_mib=1),
-                            layer_kinds=['conv2d', 'linear']))
+    with pytest.raises(ValueError, match=r"layer_kinds must be None"):
+        check_settings(dict(budget=dict(saved_mib=1), layer_kinds=['fc']))
 
 
 def test_linears_on_no_grid_are_not_counted_and_refused_by_name():
