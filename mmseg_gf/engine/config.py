@@ -258,6 +258,14 @@ def build_grad_filter_model(model: dict,
     return segmentor
 
 
+def _patch_means_on(settings: Dict[str, Any]) -> bool:
+    """Whether the trained step applies the patch-mean GELU rule (lean,
+    ``mode='gf'``, ``patch_mean_activations``): what the budget's profile
+    models too."""
+    return bool(settings.get('lean', True) and settings['mode'] == 'gf'
+                and settings.get('patch_mean_activations', True))
+
+
 def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
                      input_size: Sequence[int],
                      batch: Optional[int] = None) -> list:
@@ -272,9 +280,10 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
     """
     num_layers, radius = settings['num_layers'], settings['radius']
     if settings['budget'] is not None:
-        choice = choose_layers_by_budget(segmentor, settings['budget'],
-                                         input_size, batch,
-                                         settings.get('layer_kinds'))
+        choice = choose_layers_by_budget(
+            segmentor, settings['budget'], input_size, batch,
+            settings.get('layer_kinds'),
+            patch_mean_activations=_patch_means_on(settings))
         num_layers, radius = choice.num_layers, choice.radius
     else:
         choice = None
@@ -288,7 +297,7 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
     state = get_state(segmentor)
     state.reuse_cpu_memory = settings['reuse_cpu_memory']
     if (state.lean and state.mode == 'gf'
-            and settings.get('patch_mean_activations', True)):
+            and _patch_means_on(settings)):
         state.patch_mean_gelus = sorted(
             install_patch_mean_gelus(segmentor, input_size))
     if choice is not None:

@@ -15,9 +15,11 @@ through the config path
   frozen (``num_layers=19`` on DeiT leaves its first chosen MLP's fc1 out),
   a dropout with ``p > 0`` between the GELU and the layer after it;
 * the step with the rule equals the step without it (float64, rtol 1e-10)
-  and the step with ``lean=False`` (float32; loss rtol 1e-5, gradients rtol
-  1e-5 and atol 1e-6 of the largest element, as
-  tests/test_engine/test_transformer_selection.py);
+  and the step with ``lean=False`` (float32; loss and gradients rtol 1e-4,
+  gradients atol 1e-5 of the largest element, as
+  tests/test_engine/test_transformer_selection.py: the lean step's
+  attentions, filtered ones included, sum through SDPA in another order
+  than the plain step's ``bmm``);
 * autograd's saved bytes drop by what the GELUs' inputs held less their
   patch means, and the step trace counts the GELUs by rule (none
   unmodelled) and drops by as much.
@@ -97,8 +99,11 @@ def test_rule_fires_on_the_last_mlps_and_changes_no_gradient(name):
     plain = _model(name, torch.float32, lean=False)
     assert _gelus(lean) == EXPECTED[name] and _gelus(plain) == []
     inputs = inputs.float()
+    # (lean: the trained attentions run SDPA, which sums in another order
+    # than the bmm path of lean=False: float32 rounding, not the rule,
+    # which the float64 comparison above checks to 1e-10)
     _close(_step(lean, inputs, samples), _step(plain, inputs, samples),
-           f'{name} lean', 1e-5, 1e-6)
+           f'{name} lean', 1e-4, 1e-5)
 
 
 def test_not_installed_where_a_premise_fails():
