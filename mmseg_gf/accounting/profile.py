@@ -201,19 +201,18 @@ class _GeluCall:
     node: Any = field(default=None, repr=False)
 
     def rule_partition(self, first: int, radii: Dict[str, int],
-                       convs: List['ConvProfile']
-                       ) -> Optional[PatchPartition]:
+                       paths: Dict[int, str]) -> Optional[PatchPartition]:
         """The partition the rule keeps this call on when the candidates
         from ``first`` on are trained at ``radii`` (None: it does not
         fire): its producer and consumers trained at one radius, their
-        patches the same."""
+        patches the same (``paths``: candidate index -> path)."""
         if self.producer < first or not self.users or \
                 self.partition is None:
             return None
         layers = [self.producer] + [u.layer for u in self.users]
         if min(layers) < first:
             return None
-        radius = {radii[convs[i].path] for i in layers}
+        radius = {radii[paths[i]] for i in layers}
         if len(radius) != 1 or any(u.partition != self.partition
                                    for u in self.users):
             return None
@@ -294,9 +293,10 @@ class StepCostProfile:
     def _patch_mean_gelus(self, first: int, radii: Dict[str, int]
                           ) -> Dict[str, PatchPartition]:
         parts: Dict[str, set] = {}
+        paths = {c.index: c.path for c in self.convs}
         for call in self.gelu_calls:
             parts.setdefault(call.path, set()).add(
-                call.rule_partition(first, radii, self.convs))
+                call.rule_partition(first, radii, paths))
         return {path: next(iter(p)) for path, p in parts.items()
                 if len(p) == 1 and None not in p}
 

@@ -30,7 +30,7 @@ from .surgery import apply_gradient_filter, check_mode
 __all__ = [
     'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
     'rewrite_config', 'add_custom_hook', 'add_custom_imports',
-    'default_input_size', 'default_batch_size'
+    'default_input_size', 'default_batch_size', 'patch_means_on'
 ]
 
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
@@ -258,12 +258,16 @@ def build_grad_filter_model(model: dict,
     return segmentor
 
 
-def _patch_means_on(settings: Dict[str, Any]) -> bool:
-    """Whether the trained step applies the patch-mean GELU rule (lean,
-    ``mode='gf'``, ``patch_mean_activations``): what the budget's profile
-    models too."""
-    return bool(settings.get('lean', True) and settings['mode'] == 'gf'
-                and settings.get('patch_mean_activations', True))
+def patch_means_on(settings: Optional[Dict[str, Any]]) -> bool:
+    """Whether a step trained with ``settings`` (a ``gradient_filter``
+    dict, checked or not; None: the defaults) applies the patch-mean GELU
+    rule (lean, ``mode='gf'``, ``patch_mean_activations``): what the
+    budget's profile models too."""
+    settings = settings or {}
+    return bool(settings.get('lean', FLAG_DEFAULTS['lean'])
+                and settings.get('mode', 'gf') == 'gf'
+                and settings.get('patch_mean_activations',
+                                 FLAG_DEFAULTS['patch_mean_activations']))
 
 
 def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
@@ -283,7 +287,7 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
         choice = choose_layers_by_budget(
             segmentor, settings['budget'], input_size, batch,
             settings.get('layer_kinds'),
-            patch_mean_activations=_patch_means_on(settings))
+            patch_mean_activations=patch_means_on(settings))
         num_layers, radius = choice.num_layers, choice.radius
     else:
         choice = None
@@ -297,7 +301,7 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
     state = get_state(segmentor)
     state.reuse_cpu_memory = settings['reuse_cpu_memory']
     if (state.lean and state.mode == 'gf'
-            and _patch_means_on(settings)):
+            and patch_means_on(settings)):
         state.patch_mean_gelus = sorted(
             install_patch_mean_gelus(segmentor, input_size))
     if choice is not None:

@@ -33,7 +33,7 @@ from mmseg_gf.accounting.batch import training_loss  # noqa: E402
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.config import (check_settings,  # noqa: E402
-                                    select_and_apply)
+                                    patch_means_on, select_and_apply)
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.models.patch_mean_gelu import (  # noqa: E402
@@ -175,3 +175,14 @@ def test_the_traced_step_leaves_no_trace():
     _step(head_only, inputs, samples)
     assert get_state(head_only).logged_frozen_aux_heads == {
         'auxiliary_head'}
+
+
+def test_the_budget_models_the_rule_where_the_settings_apply_it():
+    """The budget's profile models the rule exactly when the trained step
+    applies it: lean, ``mode='gf'``, ``patch_mean_activations``."""
+    assert patch_means_on(None) and patch_means_on({})
+    assert patch_means_on(dict(lean=True, mode='gf',
+                               patch_mean_activations=True))
+    assert not patch_means_on(dict(patch_mean_activations=False))
+    assert not patch_means_on(dict(lean=False))
+    assert not patch_means_on(dict(mode='vanilla'))

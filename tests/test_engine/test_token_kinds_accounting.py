@@ -164,3 +164,29 @@ def _gradients(model, inputs, samples):
     training_loss(model, inputs, samples).backward()
     return {n: p.grad for n, p in model.named_parameters()
             if p.grad is not None}
+
+
+def test_budget_takes_no_gelu_whose_neighbours_differ_in_radius():
+    """The patch-mean rule needs the GELU's producer and consumers at one
+    radius: with a mixed-radius setting the profile counts that GELU by
+    its input again (and the others by their patch means)."""
+    torch.manual_seed(0)
+    profile = profile_segmentor(build_segmentor(_cfg('segformer_b0')),
+                                (SIZE, SIZE))
+    most = min(20, profile.max_layers)
+    taken = profile.patch_mean_gelus(most, 4)
+    assert taken
+    path = sorted(taken)[0]
+    paths = {c.index: c.path for c in profile.convs}
+    producer = next(c.producer for c in profile.gelu_calls
+                    if c.path == path)
+    radii = dict(profile.radii_for(most, 4))
+    radii[paths[producer]] = 2
+    mixed = profile.patch_mean_gelus(most, radii)
+    assert path not in mixed and set(mixed) == set(taken) - {path}
+    # the rule off: every GELU by its input
+    off = profile_segmentor(build_segmentor(_cfg('segformer_b0')),
+                            (SIZE, SIZE), patch_mean_activations=False)
+    assert off.patch_mean_gelus(most, 4) == {}
+    assert off.cost(most, 4, BATCH).saved_bytes > \
+        profile.cost(most, 4, BATCH).saved_bytes
