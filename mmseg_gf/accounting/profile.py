@@ -284,8 +284,9 @@ class StepCostProfile:
         the last ``num_layers`` are trained at ``radius`` (``mode='gf'``,
         lean, ``patch_mean_activations``), with their partitions: where
         every call of the GELU meets the rule's premises on one partition,
-        as :func:`~mmseg_gf.engine.patch_mean_activations.find_patch_mean_gelus`
-        decides on the model trained that way."""
+        as ``find_patch_mean_gelus``
+        (:mod:`mmseg_gf.engine.patch_mean_activations`) decides on the
+        model trained that way."""
         first = self.first_index(num_layers)
         return self._patch_mean_gelus(first,
                                       self.radii_for(num_layers, radius))
