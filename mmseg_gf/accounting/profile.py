@@ -13,7 +13,18 @@ a step that trains the last ``N`` convs are a sum over the profile for every
 that way (tested), which itself equals autograd's saved bytes. Backward
 FLOPs are the single cost model's (:mod:`.conv_cost`); the step's peak is
 the peak model's (:mod:`.peak`).
+
+With ``patch_mean_activations`` the profile also models the patch-mean
+GELU rule (:mod:`mmseg_gf.engine.patch_mean_activations`): the trace
+records, for each GELU call, the candidate whose output it reads unchanged
+and the candidate calls consuming its output (the graph premises of
+:mod:`mmseg_gf.models.patch_mean_graph`), with their partitions; a setting
+counts a GELU by the patch means of ``f'`` (plus the tokens on no grid)
+exactly where the rule would fire in the step trained that way: its
+producer and all its consumers among the trained layers, at one radius, on
+one partition (:meth:`StepCostProfile.patch_mean_gelus`).
 """
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -22,6 +33,11 @@ import torch
 from torch import nn
 
 from ..models.layer_kinds import LayerGeometry, traced_kind_of
+from ..models.patch_mean_graph import (LayerCall, filtered_users,
+                                       graph_consumers, is_counted_partition,
+                                       is_filtered_layer, is_plain_gelu)
+from ..ops.patch_mean_activation import (PatchPartition,
+                                         patch_mean_kept_elements)
 from .batch import random_batch
 from .conv_cost import ConvBackwardCost, ConvGeometry, output_stride
 from .format import MIB
@@ -156,6 +172,55 @@ class _Entry:
 
 
 @dataclass
+class _GeluCall:
+    """A GELU call of the probe the patch-mean rule may take.
+
+    Attributes:
+        path: the GELU's module path.
+        entries: the entries of what its plain rule keeps (replaced by the
+            patch means where the rule fires).
+        shape: its input's shape (one image).
+        elem_bytes: its input's element size.
+        seq: its call's position.
+        producer: the candidate whose output it reads unchanged (-1: none,
+            or one whose filtered call would run the exact backward).
+        partition: that output's patches at the probe's radius.
+        users: the candidate calls consuming its output, when every node
+            consuming it is one (None: the rule never fires).
+        node: its output's autograd node (only during the trace).
+    """
+
+    path: str
+    entries: List['_Entry']
+    shape: Tuple[int, ...]
+    elem_bytes: int
+    seq: int
+    producer: int = -1
+    partition: Optional[PatchPartition] = None
+    users: Optional[List[LayerCall]] = None
+    node: Any = field(default=None, repr=False)
+
+    def rule_partition(self, first: int, radii: Dict[str, int],
+                       paths: Dict[int, str]) -> Optional[PatchPartition]:
+        """The partition the rule keeps this call on when the candidates
+        from ``first`` on are trained at ``radii`` (None: it does not
+        fire): its producer and consumers trained at one radius, their
+        patches the same (``paths``: candidate index -> path)."""
+        if self.producer < first or not self.users or \
+                self.partition is None:
+            return None
+        layers = [self.producer] + [u.layer for u in self.users]
+        if min(layers) < first:
+            return None
+        radius = {radii[paths[i]] for i in layers}
+        if len(radius) != 1 or any(u.partition != self.partition
+                                   for u in self.users):
+            return None
+        part = dataclasses.replace(self.partition, radius=radius.pop())
+        return part if is_counted_partition(part) else None
+
+
+@dataclass
 class StepCostProfile:
     """The costs of every "last N, radii" setting of one segmentor.
 
@@ -173,6 +238,8 @@ class StepCostProfile:
             backward) during each module call, ``(batch 1, batch 2)`` pairs
             in call order, plus what follows the last call; None when the
             profile was made without ``timeline``.
+        gelu_calls: the GELU calls the patch-mean rule may take (empty
+            without ``patch_mean_activations``).
     """
 
     input_size: Tuple[int, int]
@@ -185,6 +252,7 @@ class StepCostProfile:
     workspaces: Dict[tuple, Tuple[int, int]] = field(default_factory=dict,
                                                      repr=False)
     live: Optional[List[Tuple[int, int]]] = None
+    gelu_calls: List[_GeluCall] = field(default_factory=list)
 
     @property
     def max_layers(self) -> int:
@@ -210,6 +278,46 @@ class StepCostProfile:
             return {c.path: int(radius[c.path]) for c in convs}
         return {c.path: int(radius) for c in convs}
 
+    def patch_mean_gelus(self, num_layers: int,
+                         radius: Any) -> Dict[str, PatchPartition]:
+        """The GELUs (by path) that keep the patch means of ``f'`` when
+        the last ``num_layers`` are trained at ``radius`` (``mode='gf'``,
+        lean, ``patch_mean_activations``), with their partitions: where
+        every call of the GELU meets the rule's premises on one partition,
+        as ``find_patch_mean_gelus``
+        (:mod:`mmseg_gf.engine.patch_mean_activations`) decides on the
+        model trained that way."""
+        first = self.first_index(num_layers)
+        return self._patch_mean_gelus(first,
+                                      self.radii_for(num_layers, radius))
+
+    def _patch_mean_gelus(self, first: int, radii: Dict[str, int]
+                          ) -> Dict[str, PatchPartition]:
+        parts: Dict[str, set] = {}
+        paths = {c.index: c.path for c in self.convs}
+        for call in self.gelu_calls:
+            parts.setdefault(call.path, set()).add(
+                call.rule_partition(first, radii, paths))
+        return {path: next(iter(p)) for path, p in parts.items()
+                if len(p) == 1 and None not in p}
+
+    def _gelu_bytes(self, first: int, radii: Dict[str, int], batch: int
+                    ) -> Tuple[set, List[Tuple[int, int]]]:
+        """``(entries replaced, [(seq, bytes)] of the patch means)`` of
+        the GELU calls the rule takes in this setting."""
+        found = self._patch_mean_gelus(first, radii)
+        replaced, means = set(), []
+        for call in self.gelu_calls:
+            part = found.get(call.path)
+            if part is None:
+                continue
+            replaced.update(id(e) for e in call.entries)
+            item = SavedItem(call.path, 'activation',
+                             patch_mean_kept_elements(call.shape, part)
+                             // call.shape[0], call.elem_bytes)
+            means.append((call.seq, item.nbytes(batch)))
+        return replaced, means
+
     def cost(self, num_layers: int, radius: Any, batch: int = 1) -> StepCost:
         """The step cost of training the last ``num_layers`` convs.
 
@@ -225,8 +333,10 @@ class StepCostProfile:
             c = conv.cost(radii[conv.path], first)
             saved += c.gf_saved_bytes * batch
             flops += c.gf_flops
+        replaced, means = self._gelu_bytes(first, radii, batch)
         saved += sum(e.item.nbytes(batch) for e in self.entries
-                     if e.counted(first))
+                     if e.counted(first) and id(e) not in replaced)
+        saved += sum(nbytes for _, nbytes in means)
         for geometry, upstream, _ in self.classifiers:
             flops += geometry.cost(
                 1, need_input_grad=upstream >= first).vanilla_flops
@@ -272,12 +382,17 @@ class StepCostProfile:
             grads[conv.seq] += 4 * conv.params
             scratch[conv.seq] = self.workspace(conv, r, conv.upstream >= first,
                                                batch)
+        replaced, means = self._gelu_bytes(first, radii, batch)
         for e in self.entries:
-            if e.counted(first) and not e.resident:
+            if e.counted(first) and not e.resident and \
+                    id(e) not in replaced:
                 kept[e.seq] += e.item.nbytes(batch)
                 at = e.forward_seq()
                 if at is not None and at < n:
                     forward_kept[at] += e.item.nbytes(batch)
+        for seq, nbytes in means:  # made by the GELU's call
+            kept[seq] += nbytes
+            forward_kept[seq] += nbytes
         for _, _, seq in self.classifiers:
             grads[seq] += 4 * self.classifier_params // len(self.classifiers)
         return step_peak(self.live, kept, grads, scratch, self.tensors, first,
@@ -311,17 +426,65 @@ def _max_upstream(tensor: torch.Tensor, tags: Dict[Any, int],
     return memo[root]
 
 
+#: the attribute the probe's candidate outputs carry for the patch-mean
+#: rule: ``(index, version, partition)``
+_PRODUCER_ATTR = '_gf_profile_producer'
+
+
+def _nodes_reading(root, node) -> List[Any]:
+    """The nodes behind ``root`` made after ``node`` (one layer call's,
+    when ``node`` is its input's) that take ``node``'s output."""
+    after = node._sequence_nr()
+    readers, seen, stack = [], set(), [root]
+    while stack:
+        current = stack.pop()
+        if current is None or current is node or current in seen:
+            continue
+        seen.add(current)
+        if current._sequence_nr() <= after:
+            continue
+        for child, _ in current.next_functions:
+            if child is node:
+                readers.append(current)
+            else:
+                stack.append(child)
+    return readers
+
+
+def _loss_nodes(losses: Any) -> List[Any]:
+    """The autograd nodes of the tensors in a ``model.loss`` result."""
+    nodes, stack = [], [losses]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.grad_fn is not None:
+                nodes.append(value.grad_fn)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return nodes
+
+
 class _Recorder:
     """Fills a :class:`StepCostProfile` from the calls of the batch-1 trace.
 
     Candidate convs run with the exact backward, their outputs' autograd
     nodes tagged with their index; any other call's input is walked back to
-    the last tagged node (:func:`_max_upstream`).
+    the last tagged node (:func:`_max_upstream`). With ``patch_means``, the
+    GELU calls and the filtered candidates' calls around them are noted for
+    the patch-mean rule (:class:`_GeluCall`).
     """
 
     def __init__(self, probe: nn.Module, candidates: Sequence[nn.Module],
-                 profile: StepCostProfile, is_classifier) -> None:
+                 profile: StepCostProfile, is_classifier,
+                 patch_means: bool = False) -> None:
         self.probe = probe
+        self.patch_means = patch_means
+        #: node -> the GELU call whose output it is
+        self.gelu_nodes: Dict[Any, _GeluCall] = {}
+        #: node -> the filtered candidate call reading a GELU's output
+        self.layer_calls: Dict[Any, LayerCall] = {}
         self.index = {m: i for i, m in enumerate(candidates)}
         self.profile = profile
         self.is_classifier = is_classifier
@@ -394,6 +557,8 @@ class _Recorder:
         self.use([call.x], call.seq)
         self.tags[out.grad_fn] = i
         self.track(out, call.seq, i)
+        if self.patch_means and is_filtered_layer(call.module):
+            self.note_filtered_call(call, i)
         # what a trained attention's own code keeps besides its
         # projections (the profile skips the candidates' saved tensors)
         try:
@@ -428,9 +593,12 @@ class _Recorder:
                                        out, self.shared)
         self.unmodelled.note_call(call.seq, call.path, items, modelled)
         upstream, trained = self._owner_upstream(call, upstream)
-        self.profile.entries.extend(
-            _Entry(item, upstream, trained, call.path, call.seq)
-            for item in items if not item.estimate)
+        entries = [_Entry(item, upstream, trained, call.path, call.seq)
+                   for item in items if not item.estimate]
+        self.profile.entries.extend(entries)
+        if self.patch_means and is_plain_gelu(call.module) and \
+                out.grad_fn is not None:
+            self.note_gelu(call, entries)
         if self.is_classifier(call.path) and call.trained:
             self.profile.classifiers.append(
                 (layer_geometry(call.module, x, out),
@@ -438,6 +606,50 @@ class _Recorder:
             self.profile.classifier_params += sum(
                 p.numel() for p in call.module.parameters())
 
+
+    def note_filtered_call(self, call: ModuleCall, index: int) -> None:
+        """A filtered candidate's call: mark its output with the patches
+        its filtered call would tag it with (a GELU reading it keeps patch
+        means of its derivative there), and, when it reads a GELU's
+        output, note its nodes reading it as that GELU's consumer."""
+        x, out = call.x, call.output
+        part = call.module.output_partition(x, out)
+        if part is None:  # its filtered call runs the exact backward
+            return
+        setattr(out, _PRODUCER_ATTR, (index, out._version, part))
+        node = x.grad_fn
+        if node is None or node not in self.gelu_nodes:
+            return
+        consumer = LayerCall(node, call.module.input_partition(x), index)
+        for reader in _nodes_reading(out.grad_fn, node):
+            self.layer_calls[reader] = consumer
+
+    def note_gelu(self, call: ModuleCall, entries: List[_Entry]) -> None:
+        """A plain GELU's call: what its rule kept and the candidate whose
+        output (unchanged) it read."""
+        x = call.x
+        record = _GeluCall(call.path, entries, tuple(x.shape),
+                           x.element_size(), call.seq,
+                           node=call.output.grad_fn)
+        tag = getattr(x, _PRODUCER_ATTR, None)
+        if tag is not None and tag[1] == x._version:
+            record.producer, record.partition = tag[0], tag[2]
+        self.profile.gelu_calls.append(record)
+        self.gelu_nodes[record.node] = record
+
+    def resolve_gelus(self, losses: Any) -> None:
+        """After the step: each GELU call's consumers, from the graph of
+        ``losses`` (:func:`~mmseg_gf.models.patch_mean_graph.filtered_users`),
+        and the graph's nodes let go."""
+        if self.gelu_nodes:
+            graph = graph_consumers(_loss_nodes(losses))
+            for record in self.profile.gelu_calls:
+                record.users = filtered_users(record.node, graph,
+                                              self.layer_calls)
+        for record in self.profile.gelu_calls:
+            record.node = None
+        self.gelu_nodes.clear()
+        self.layer_calls.clear()
 
     def _owner_upstream(self, call: ModuleCall,
                         upstream: int) -> Tuple[int, bool]:
@@ -512,7 +724,9 @@ class _Recorder:
 
 def profile_step_costs(probe: nn.Module, candidates: Sequence[nn.Module],
                        input_size: Sequence[int], is_classifier,
-                       timeline: bool = False) -> StepCostProfile:
+                       timeline: bool = False,
+                       patch_mean_activations: bool = False
+                       ) -> StepCostProfile:
     """Profile a prepared segmentor for the costs of every last-N setting.
 
     Args:
@@ -530,16 +744,23 @@ def profile_step_costs(probe: nn.Module, candidates: Sequence[nn.Module],
             profiler, recording live tensor bytes per module call, for the
             step peak (:attr:`StepCost.peak_bytes`); three traces instead
             of one.
+        patch_mean_activations: model the patch-mean GELU rule (the
+            setting of the trained model: lean, ``mode='gf'``): each
+            setting counts the GELUs the rule takes by their patch means
+            (:meth:`StepCostProfile.patch_mean_gelus`).
     """
     size = (int(input_size[0]), int(input_size[1]))
     profile = StepCostProfile(input_size=size)
-    recorder = _Recorder(probe, candidates, profile, is_classifier)
+    recorder = _Recorder(probe, candidates, profile, is_classifier,
+                         patch_means=patch_mean_activations)
     tracer = StepTracer(probe, recorder, marks=True,
                         on_pack=recorder.on_pack, operations=True)
     recorder.tracer = tracer
     tracer.operations.on_use = recorder.use
     with tracer.hooked():
-        tracer.step(random_batch(probe, size, 1), keep_saved=False)
+        losses = tracer.step(random_batch(probe, size, 1), keep_saved=False)
+        recorder.resolve_gelus(losses)
+        del losses
         tracer.recording = False
         profile.entries.extend(recorder.measured_entries())
         recorder.unmodelled = UnmodelledBytes.of(probe)

@@ -26,6 +26,8 @@ from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.profile import StepCostProfile
 from ..engine.budget import profile_segmentor
 from ..engine.build import build_segmentor
+from ..engine.config import patch_means_on
+from ..engine.patch_mean_activations import install_patch_mean_gelus
 from ..engine.selection import select_layers
 from ..engine.surgery import apply_gradient_filter
 from ..engine.zoo import REALTIME_FAMILIES, family_config, make_offline
@@ -152,9 +154,11 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
     # mmseg_gf.engine.build.build_segmentor)
     model_cfg.setdefault('_scope_', cfg.get('default_scope') or 'mmseg')
     segmentor = MODELS.build(model_cfg)
-    kinds = (cfg.get('gradient_filter') or {}).get('layer_kinds')
-    profile = profile_segmentor(segmentor, input_size, timeline=True,
-                                layer_kinds=kinds)
+    settings = cfg.get('gradient_filter') or {}
+    profile = profile_segmentor(
+        segmentor, input_size, timeline=True,
+        layer_kinds=settings.get('layer_kinds'),
+        patch_mean_activations=patch_means_on(settings))
     rows = sweep_rows(profile, radii, batch, checked)
     choice = error = None
     if checked is not None:
@@ -196,10 +200,12 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
     """The budget's predictions of "last N convs at ``radius``" next to
     the model built that way.
 
-    Predicted: ``profile_segmentor(model, input_size,
-    timeline=True).cost(N, radius, batch)``. Measured: a copy of ``model``
-    with its last N convs gradient-filtered (lean region on, as
-    ``gradient_filter=dict(num_layers=N, radius=radius)`` builds it): the
+    Predicted: ``profile_segmentor(model, input_size, timeline=True,
+    layer_kinds=['conv2d']).cost(N, radius, batch)``. Measured: a copy of
+    ``model`` with its last N convs gradient-filtered (lean region on, GELUs
+    between two filtered convs keeping patch means, as
+    ``gradient_filter=dict(num_layers=N, radius=radius,
+    layer_kinds=['conv2d'])`` builds it): the
     bytes autograd saves in one step's forward
     (:func:`~mmseg_gf.accounting.measured.saved_tensor_bytes`) and the
     step's peak (:func:`measured_step_peak`).
@@ -218,7 +224,9 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
         ``measured_peak`` (bytes).
     """
     size = tuple(int(v) for v in input_size)
-    profile = profile_segmentor(model, size, timeline=True)
+    # the conv-only pool, as the model built below
+    profile = profile_segmentor(model, size, timeline=True,
+                                layer_kinds=['conv2d'])
     rows = []
     for n in settings:
         n = profile.max_layers if n is None else min(int(n),
@@ -229,6 +237,7 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
         choices = select_layers(built, num_layers=n, radius=radius,
                                 input_size=size, layer_kinds=['conv2d'])
         apply_gradient_filter(built, choices, mode='gf', lean=True)
+        install_patch_mean_gelus(built, size)
         inputs, samples = random_batch(built, size, batch)
         kept = saved_tensor_bytes(
             lambda: training_loss(built, inputs, samples))

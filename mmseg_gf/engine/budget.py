@@ -25,7 +25,8 @@ __all__ = ['profile_segmentor', 'choose_layers_by_budget']
 
 def profile_segmentor(model: nn.Module, input_size: Sequence[int],
                       timeline: bool = False,
-                      layer_kinds: Optional[Sequence[str]] = None
+                      layer_kinds: Optional[Sequence[str]] = None,
+                      patch_mean_activations: bool = True
                       ) -> StepCostProfile:
     """Profile a plain segmentor for the costs of every last-N setting.
 
@@ -39,6 +40,12 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
         timeline: also profile live bytes per call, for the step peak.
         layer_kinds: the kinds of the pool (:func:`select_layers`);
             default: every registered kind.
+        patch_mean_activations: the trained model's setting (with the lean
+            region and ``mode='gf'``): a setting counts a GELU between two
+            of its filtered layers by the patch means of its derivative
+            where the rule would take it
+            (:mod:`~mmseg_gf.engine.patch_mean_activations`); False: by
+            its input.
     """
     model = unwrap_model(model)
     size = (int(input_size[0]), int(input_size[1]))
@@ -55,14 +62,16 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
     choices = select_layers(probe, num_layers=len(pool), radius=1,
                             input_size=size, layer_kinds=kinds)
     apply_gradient_filter(probe, choices, mode='vanilla', lean=True)
-    return profile_step_costs(probe, [c.module for c in choices], size,
-                              is_classifier, timeline=timeline)
+    return profile_step_costs(
+        probe, [c.module for c in choices], size, is_classifier,
+        timeline=timeline, patch_mean_activations=patch_mean_activations)
 
 
 def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
                             input_size: Sequence[int],
                             batch: Optional[int] = None,
-                            layer_kinds: Optional[Sequence[str]] = None
+                            layer_kinds: Optional[Sequence[str]] = None,
+                            patch_mean_activations: bool = True
                             ) -> BudgetChoice:
     """Profile ``segmentor`` and choose the setting that fits ``budget``.
 
@@ -73,10 +82,13 @@ def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
         batch: images per step, unless the budget names it (default 1).
         layer_kinds: the kinds the budget chooses among (default: every
             registered kind).
+        patch_mean_activations: whether the trained step applies the
+            patch-mean GELU rule (:func:`profile_segmentor`).
     """
     budget = check_budget(budget)
     batch = budget['batch'] or batch or 1
     profile = profile_segmentor(segmentor, input_size,
                                 timeline=budget['peak_mib'] is not None,
-                                layer_kinds=layer_kinds)
+                                layer_kinds=layer_kinds,
+                                patch_mean_activations=patch_mean_activations)
     return choose_by_budget(profile, budget, batch)

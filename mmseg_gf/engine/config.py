@@ -30,7 +30,7 @@ from .surgery import apply_gradient_filter, check_mode
 __all__ = [
     'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
     'rewrite_config', 'add_custom_hook', 'add_custom_imports',
-    'default_input_size', 'default_batch_size'
+    'default_input_size', 'default_batch_size', 'patch_means_on'
 ]
 
 #: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
@@ -258,6 +258,18 @@ def build_grad_filter_model(model: dict,
     return segmentor
 
 
+def patch_means_on(settings: Optional[Dict[str, Any]]) -> bool:
+    """Whether a step trained with ``settings`` (a ``gradient_filter``
+    dict, checked or not; None: the defaults) applies the patch-mean GELU
+    rule (lean, ``mode='gf'``, ``patch_mean_activations``): what the
+    budget's profile models too."""
+    settings = settings or {}
+    return bool(settings.get('lean', FLAG_DEFAULTS['lean'])
+                and settings.get('mode', 'gf') == 'gf'
+                and settings.get('patch_mean_activations',
+                                 FLAG_DEFAULTS['patch_mean_activations']))
+
+
 def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
                      input_size: Sequence[int],
                      batch: Optional[int] = None) -> list:
@@ -272,9 +284,10 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
     """
     num_layers, radius = settings['num_layers'], settings['radius']
     if settings['budget'] is not None:
-        choice = choose_layers_by_budget(segmentor, settings['budget'],
-                                         input_size, batch,
-                                         settings.get('layer_kinds'))
+        choice = choose_layers_by_budget(
+            segmentor, settings['budget'], input_size, batch,
+            settings.get('layer_kinds'),
+            patch_mean_activations=patch_means_on(settings))
         num_layers, radius = choice.num_layers, choice.radius
     else:
         choice = None
@@ -288,7 +301,7 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
     state = get_state(segmentor)
     state.reuse_cpu_memory = settings['reuse_cpu_memory']
     if (state.lean and state.mode == 'gf'
-            and settings.get('patch_mean_activations', True)):
+            and patch_means_on(settings)):
         state.patch_mean_gelus = sorted(
             install_patch_mean_gelus(segmentor, input_size))
     if choice is not None:

@@ -30,17 +30,17 @@ rewrite and of GradFilterHook), not in
 """
 import contextlib
 import warnings
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch import nn
 
 from ..accounting.batch import model_device, random_batch, training_loss
-from ..models.gf_conv import GFConv2d
-from ..models.gf_linear import GFLinear
 from ..models.lean import make_plain
 from ..models.patch_mean_gelu import is_patch_mean_gelu, make_patch_mean_gelu
+from ..models.patch_mean_graph import (LayerCall, filtered_users,
+                                       graph_consumers, is_counted_partition,
+                                       is_filtered_layer, is_plain_gelu)
 from ..models.segmentor import unwrap_model
 from ..ops.patch_mean_activation import PatchPartition, tagged_partition
 from .state import get_state
@@ -49,19 +49,9 @@ __all__ = ['find_patch_mean_gelus', 'install_patch_mean_gelus',
            'remove_patch_mean_gelus']
 
 
-@dataclass
-class _Consumer:
-    """A filtered layer's call: the node of its input and the patches its
-    ``g_x`` is constant on."""
-
-    input_node: object
-    partition: Optional[PatchPartition]
-
-
 def _plain_gelus(model: nn.Module) -> Dict[str, nn.Module]:
     return {path: m for path, m in model.named_modules()
-            if isinstance(m, nn.GELU) and (
-                is_patch_mean_gelu(m) or type(m).forward is nn.GELU.forward)}
+            if is_plain_gelu(m)}
 
 
 @contextlib.contextmanager
@@ -88,24 +78,6 @@ def _restored(model: nn.Module):
             state.logged_frozen_aux_heads = logged
 
 
-def _graph_consumers(root) -> Dict[object, List[object]]:
-    """node -> the nodes that take its output, over the graph behind
-    ``root``."""
-    consumers: Dict[object, List[object]] = {}
-    seen = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for child, _ in node.next_functions:
-            if child is not None:
-                consumers.setdefault(child, []).append(node)
-                stack.append(child)
-    return consumers
-
-
 def _traced_step_graph(model: nn.Module, input_size):
     """The consumers of every node of one training step's graph (two
     images: a trained norm on pooled 1x1 maps needs more than one value
@@ -116,7 +88,7 @@ def _traced_step_graph(model: nn.Module, input_size):
                                    device=model_device(model))
     if param is not None:
         inputs = inputs.to(param.dtype)
-    return _graph_consumers(training_loss(model, inputs, samples).grad_fn)
+    return graph_consumers([training_loss(model, inputs, samples).grad_fn])
 
 
 def find_patch_mean_gelus(model: nn.Module, input_size
@@ -132,13 +104,13 @@ def find_patch_mean_gelus(model: nn.Module, input_size
     model = unwrap_model(model)
     gelus = _plain_gelus(model)
     filtered = [m for m in model.modules()
-                if isinstance(m, (GFConv2d, GFLinear)) and m.enabled]
+                if is_filtered_layer(m) and m.enabled]
     if not gelus or not filtered:
         return {}
     for module in gelus.values():  # traced as autograd's GELU
         make_plain(module)
     calls: Dict[str, List[tuple]] = {path: [] for path in gelus}
-    consumers: Dict[object, _Consumer] = {}
+    consumers: Dict[object, LayerCall] = {}
 
     def on_gelu(path):
         def hook(module, args, out):
@@ -154,7 +126,7 @@ def find_patch_mean_gelus(model: nn.Module, input_size
         if (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)
                 and out.grad_fn is not None
                 and tagged_partition(out) is not None):
-            consumers[out.grad_fn] = _Consumer(x.grad_fn,
+            consumers[out.grad_fn] = LayerCall(x.grad_fn,
                                                module.input_partition(x))
 
     handles = [m.register_forward_hook(on_gelu(p)) for p, m in gelus.items()]
@@ -178,9 +150,7 @@ def find_patch_mean_gelus(model: nn.Module, input_size
         if not records or len(partitions) != 1 or None in partitions:
             continue
         part = partitions.pop()
-        if part.grid is not None and (
-                part.grid.layout not in ('tokens', 'hwc')
-                or part.token_dim == 0):
+        if not is_counted_partition(part):
             continue  # images first only (what the accounting counts)
         if all(_only_filtered_consumers(node, part, graph, consumers)
                for _, node in records):
@@ -189,11 +159,9 @@ def find_patch_mean_gelus(model: nn.Module, input_size
 
 
 def _only_filtered_consumers(node, part: PatchPartition, graph,
-                             consumers: Dict[object, _Consumer]) -> bool:
-    users = graph.get(node, [])
-    return bool(users) and all(
-        user in consumers and consumers[user].input_node is node
-        and consumers[user].partition == part for user in users)
+                             consumers: Dict[object, LayerCall]) -> bool:
+    users = filtered_users(node, graph, consumers)
+    return users is not None and all(u.partition == part for u in users)
 
 
 def install_patch_mean_gelus(model: nn.Module,

@@ -146,6 +146,18 @@ class GFConv2d(nn.Conv2d):
         return tag_output(out, PatchPartition.conv_map(self.radius,
                                                        *out.shape[-2:]))
 
+    def output_partition(self, input: Tensor,
+                         output: Tensor) -> Optional[PatchPartition]:
+        """The patches a filtered call on ``input`` tags its ``output``
+        with, whether or not this call ran filtered (the budget's probe
+        runs the exact backward; :mod:`mmseg_gf.accounting.profile`); None
+        where a filtered call would run the exact backward (an unbatched
+        input, or one of :func:`exact_backward_reason`'s cases)."""
+        if (input.dim() != 4 or input.numel() == 0
+                or exact_backward_reason(input, self.weight) is not None):
+            return None
+        return PatchPartition.conv_map(self.radius, *output.shape[-2:])
+
     def input_partition(self, input: Tensor) -> Optional[PatchPartition]:
         """The patches on which this layer's filtered ``g_x`` is constant,
         when they are the ``r x r`` tiles of ``input``'s map from 0 (stride

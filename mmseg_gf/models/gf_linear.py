@@ -165,6 +165,22 @@ class GFLinear(nn.Linear):
         return PatchPartition.tokens(grid, self.radius,
                                      grid.token_axis(t.shape, self.token_dim))
 
+    def output_partition(self, input: Tensor,
+                         output: Tensor) -> Optional[PatchPartition]:
+        """The patches a filtered call on ``input`` tags its ``output``
+        with, whether or not this call ran filtered (the budget's probe
+        runs the exact backward; :mod:`mmseg_gf.accounting.profile`); None
+        where a filtered call would run the exact backward (no grid,
+        complex values)."""
+        grid = self.current_grid()
+        if (grid is None or input.is_complex()
+                or self.weight.is_complex()):
+            return None
+        try:
+            return self._partition(grid, output)
+        except ValueError:
+            return None
+
     def input_partition(self, input: Tensor) -> Optional[PatchPartition]:
         """The patches on which this layer's filtered ``g_x`` is constant
         (those of its grid: a ``1 x 1`` kernel, stride 1), for a call on

@@ -27,7 +27,7 @@ from mmseg.utils import register_all_modules
 
 from ..engine.budget import profile_segmentor
 from ..engine.config import (add_custom_hook, add_custom_imports,
-                             default_input_size)
+                             default_input_size, patch_means_on)
 
 __all__ = [
     'CONFIG_DIR', 'ModelSpec', 'DatasetSpec', 'StrategySpec',
@@ -297,9 +297,11 @@ def fill_budget(cfg: Config, strategy: str, model: str,
     like = Config.fromfile(strategy_file(spec.budget_like, model, config_dir))
     setting = like.gradient_filter
     segmentor = SEGMENTORS.build(cfg.model)
+    settings = cfg.get('gradient_filter') or {}
     profile = profile_segmentor(
         segmentor, default_input_size(cfg),
-        layer_kinds=(cfg.get('gradient_filter') or {}).get('layer_kinds'))
+        layer_kinds=settings.get('layer_kinds'),
+        patch_mean_activations=patch_means_on(settings))
     gflops = profile.cost(setting['num_layers'], setting['radius'],
                           1).backward_gflops
     budget = dict(cfg.gradient_filter.budget)
