@@ -12,6 +12,7 @@ of it is written (:mod:`.format`, :mod:`.report`).
 """
 from . import kept_tokens  # noqa: F401  (registers its rules)
 from . import kept_transformer  # noqa: F401  (registers its rules)
+from . import kept_mask_head  # noqa: F401  (registers its rules)
 from .conv_cost import ConvBackwardCost, ConvGeometry, conv_backward_cost
 
 __all__ = ['ConvBackwardCost', 'ConvGeometry', 'conv_backward_cost']

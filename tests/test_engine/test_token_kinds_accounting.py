@@ -7,10 +7,10 @@ tests/test_models/test_token_grids.py, at 64x64, float32, GF last 20
 layers (Segmenter: 10), r = 4:
 
 * lean on, ``gf`` and ``vanilla``: the step trace models every byte of the
-  backbones and the UPerNet / Segformer heads (Segmenter's mask head keeps
-  what its own code computes, measured: the only "unmodelled" bytes), and
-  the analytic total equals autograd's saved bytes of a real step at
-  batch 2;
+  backbones and the heads (Segmenter's mask head's own code, its class
+  masks' norms and product, and its loss's logits included: nothing is
+  "unmodelled"), and the analytic total equals autograd's saved bytes of a
+  real step at batch 2 (Segmenter also at last 3: its head alone);
 * ``vanilla`` with ``lean=False``: the trained Linears and attentions are
   modelled (what stays unmodelled is the frozen norms, activations and
   losses, as for convs);
@@ -44,10 +44,6 @@ SIZE = 64
 BATCH = 2
 NAMES = ('segformer_b0', 'swin_t', 'twins_pcpvt_s', 'deit_s',
          'segmenter_vit_t')
-#: what Segmenter's mask head computes in its own code (the class masks'
-#: products and norms) and its loss: measured, not a layer kind's
-HEAD_CODE = {'SegmenterMaskTransformerHead (functional)',
-             'SegmenterMaskTransformerHead (loss)'}
 
 
 def _cfg(name, **settings):
@@ -94,10 +90,20 @@ def test_every_byte_of_trained_token_layers_is_counted(name, mode):
         if isinstance(m, GFMultiheadAttention):
             assert m._lean_call is not None and \
                 m._probabilities_call is None, m
-    unmodelled = counted.unmodelled_bytes(BATCH)
-    allowed = HEAD_CODE if name.startswith('segmenter') else set()
-    assert set(unmodelled) <= allowed, counted.summary(BATCH)
+    assert counted.unmodelled_bytes(BATCH) == {}, counted.summary(BATCH)
     assert counted.by_category(BATCH)['attention'] > 0
+    assert counted.total(BATCH) == _measured(model), counted.summary(BATCH)
+
+
+@pytest.mark.parametrize('mode', ['gf', 'vanilla'])
+def test_segmenter_head_alone_is_counted(mode):
+    """Last 3: Segmenter's mask head's last layer alone trains; its own
+    code (class masks) and loss (logits) are counted, nothing measured."""
+    model = _model('segmenter_vit_t', mode, True, 3)
+    counted = trace_step_saved_bytes(model, (SIZE, SIZE))
+    assert counted.unmodelled_bytes(BATCH) == {}, counted.summary(BATCH)
+    by_category = counted.by_category(BATCH)
+    assert by_category['classifier'] > 0 and by_category['logits'] > 0
     assert counted.total(BATCH) == _measured(model), counted.summary(BATCH)
 
 
