@@ -4,7 +4,9 @@ Below the engine (which imports it) and above the models (whose lean
 modules it knows): the cost formula of a conv's backward
 (:mod:`.conv_cost`), the rules of what each kind of module keeps for
 backward (:mod:`.kept`; transformer kinds: :mod:`.kept_transformer`; trained
-Linears and attentions on tokens: :mod:`.kept_tokens`), the one step tracer (:mod:`.trace`), the profile of
+Linears and attentions on tokens: :mod:`.kept_tokens`; Segmenter's mask
+head's own code and loss: :mod:`.kept_mask_head`), the one step tracer
+(:mod:`.trace`), the profile of
 every "last N, radii" setting (:mod:`.profile`), the peak model
 (:mod:`.peak`), the budget's choice (:mod:`.budget`), the measured
 counterparts the tests check them against (:mod:`.measured`), and how all

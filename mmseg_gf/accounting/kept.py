@@ -77,9 +77,13 @@ __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
            'register_call_rule', 'CALL_OWNERS', 'register_call_owner',
            'is_call_owner']
 
-#: Categories of :class:`SavedItem`, in table order.
-CATEGORIES = ('conv', 'classifier', 'norm', 'activation', 'dropout',
-              'pool', 'logits', 'attention', 'unmodelled')
+#: Categories of :class:`SavedItem`, in table order: ``'conv'`` for convs,
+#: ``'linear'`` for Linear projections on tokens (:mod:`.kept_tokens`),
+#: ``'classifier'`` for a head's classifier (``conv_seg``, Segmenter's
+#: class-score Linears and class masks), ``'attention'`` for what an
+#: attention itself keeps (SDPA's q, k, v, output).
+CATEGORIES = ('conv', 'linear', 'classifier', 'norm', 'activation',
+              'dropout', 'pool', 'logits', 'attention', 'unmodelled')
 
 #: Rules consulted before :func:`item_for_module`, each
 #: ``rule(path, module, x, out, shared)`` -> a list of items, or None when

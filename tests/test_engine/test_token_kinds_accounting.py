@@ -10,7 +10,8 @@ layers (Segmenter: 10), r = 4:
   backbones and the heads (Segmenter's mask head's own code, its class
   masks' norms and product, and its loss's logits included: nothing is
   "unmodelled"), and the analytic total equals autograd's saved bytes of a
-  real step at batch 2 (Segmenter also at last 3: its head alone);
+  real step at batch 2 (Segmenter also at last 3: its head alone); the
+  Linears' bytes are ``'linear'``, not ``'conv'``;
 * ``vanilla`` with ``lean=False``: the trained Linears and attentions are
   modelled (what stays unmodelled is the frozen norms, activations and
   losses, as for convs);
@@ -92,6 +93,13 @@ def test_every_byte_of_trained_token_layers_is_counted(name, mode):
                 m._probabilities_call is None, m
     assert counted.unmodelled_bytes(BATCH) == {}, counted.summary(BATCH)
     assert counted.by_category(BATCH)['attention'] > 0
+    assert counted.by_category(BATCH)['linear'] > 0
+    # Linears and attentions keep 'linear' (class scores: 'classifier'),
+    # SDPA's tensors 'attention': never 'conv'
+    linears = {n for n, m in model.named_modules()
+               if isinstance(m, (torch.nn.Linear, GFMultiheadAttention))}
+    assert not [i for i in counted.items
+                if i.path in linears and i.category == 'conv']
     assert counted.total(BATCH) == _measured(model), counted.summary(BATCH)
 
 
