@@ -117,15 +117,29 @@ def _input_rows(path: str, x: torch.Tensor,
                 shared: Dict[int, Tuple[str, Any]]) -> List[SavedItem]:
     """What ``F.linear`` keeps of its input for ``g_W``: a view of its
     storage where its tokens merge into rows (once per storage), else a
-    copy of its elements."""
+    copy of its elements (also where only one image's do: the trace's
+    batch-1 slice of a longer sequence, Segmenter's class embeddings
+    ``x[:, -K:]``, merges at batch 1 but not at batch 2)."""
     eb = x.element_size()
     try:
         x.view(-1, x.shape[-1])
     except RuntimeError:
         return [SavedItem(path, _category(path), x.numel(), eb)]
+    if not _images_merge(x):
+        return [SavedItem(path, _category(path), x.numel(), eb)]
     storage = x.untyped_storage()
     return _once(path, _category(path), storage.data_ptr(), storage.nbytes(),
                  eb, shared, storage)
+
+
+def _images_merge(x: torch.Tensor) -> bool:
+    """Whether the images of ``x`` (its first axis) would merge into rows
+    with the rest at any batch (the rest merging, as at batch 1): the first
+    axis's stride continues the second's (a batch-1 trace's tensor may be
+    contiguous as a slice that is not at batch 2)."""
+    if x.dim() < 3 or x.shape[0] != 1 or x.shape[1] == 1:
+        return True
+    return x.stride(0) == x.shape[1] * x.stride(1)
 
 
 def _filter_ran(module: GFLinear, x: torch.Tensor) -> bool:

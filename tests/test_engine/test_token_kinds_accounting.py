@@ -171,3 +171,18 @@ def _gradients(model, inputs, samples):
     training_loss(model, inputs, samples).backward()
     return {n: p.grad for n, p in model.named_parameters()
             if p.grad is not None}
+
+
+@pytest.mark.parametrize('trained', ['patch_proj', 'classes_proj'])
+def test_segmenter_one_class_score_side_is_counted(trained):
+    """Only one of Segmenter's class-score Linears trained (the rest
+    frozen): only its side of the class masks needs a gradient, so the
+    head's own code keeps one normalisation and the other side's operand
+    of the product; ``classes_proj`` reads a slice of the tokens that is
+    contiguous at batch 1 but copied at batch 2. Counted to the byte."""
+    model = _model('segmenter_vit_t', 'gf', True, 3)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith(f'decode_head.{trained}.'))
+    counted = trace_step_saved_bytes(model, (SIZE, SIZE))
+    assert counted.unmodelled_bytes(BATCH) == {}, counted.summary(BATCH)
+    assert counted.total(BATCH) == _measured(model), counted.summary(BATCH)
