@@ -8,7 +8,8 @@ mmseg's twelve real-time families (zoo configs offline, setting
 1, 5 and all candidate layers at r = 4 and the choice (or the refusal) of
 four budgets, the step-peak model included. Run as a script it writes the
 text of every model (or of the models named) to stdout or ``--out``;
-``tests/golden/layer_kinds.txt`` holds the text written by commit e0138fd,
+``tests/golden/layer_kinds.txt`` holds the text written by commit e0138fd
+(plus the step line's ``linear`` category, 0.00 on these models),
 whose selection, surgery and accounting named ``nn.Conv2d`` / ``GFConv2d``
 directly (the budgets and the hook's model here count convs only,
 ``layer_kinds=['conv2d']``: Segformer-B0's attentions are a kind of their

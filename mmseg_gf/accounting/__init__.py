@@ -4,7 +4,9 @@ Below the engine (which imports it) and above the models (whose lean
 modules it knows): the cost formula of a conv's backward
 (:mod:`.conv_cost`), the rules of what each kind of module keeps for
 backward (:mod:`.kept`; transformer kinds: :mod:`.kept_transformer`; trained
-Linears and attentions on tokens: :mod:`.kept_tokens`), the one step tracer (:mod:`.trace`), the profile of
+Linears and attentions on tokens: :mod:`.kept_tokens`; Segmenter's mask
+head's own code and loss: :mod:`.kept_mask_head`), the one step tracer
+(:mod:`.trace`), the profile of
 every "last N, radii" setting (:mod:`.profile`), the peak model
 (:mod:`.peak`), the budget's choice (:mod:`.budget`), the measured
 counterparts the tests check them against (:mod:`.measured`), and how all
@@ -12,6 +14,7 @@ of it is written (:mod:`.format`, :mod:`.report`).
 """
 from . import kept_tokens  # noqa: F401  (registers its rules)
 from . import kept_transformer  # noqa: F401  (registers its rules)
+from . import kept_mask_head  # noqa: F401  (registers its rules)
 from .conv_cost import ConvBackwardCost, ConvGeometry, conv_backward_cost
 
 __all__ = ['ConvBackwardCost', 'ConvGeometry', 'conv_backward_cost']

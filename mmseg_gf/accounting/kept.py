@@ -44,6 +44,7 @@ head's loss                 gradient w.r.t. the logits (if the classifier's
 The kinds inside transformer blocks (lean attention, frozen LayerNorm,
 GELU, DropPath) have their rules in :mod:`.kept_transformer`, trained (and
 plain frozen) Linears and ``GFMultiheadAttention`` in :mod:`.kept_tokens`,
+Segmenter's mask head's own code and loss in :mod:`.kept_mask_head`,
 consulted first through :data:`CALL_RULES`.
 
 Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
@@ -73,11 +74,16 @@ from .format import fmt_mib
 __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
            'kept_by_call', 'is_head_lean', 'measured_item',
            'unmodelled_by_kind', 'describe_unmodelled', 'CALL_RULES',
-           'register_call_rule']
+           'register_call_rule', 'CALL_OWNERS', 'register_call_owner',
+           'is_call_owner']
 
-#: Categories of :class:`SavedItem`, in table order.
-CATEGORIES = ('conv', 'classifier', 'norm', 'activation', 'dropout',
-              'pool', 'logits', 'attention', 'unmodelled')
+#: Categories of :class:`SavedItem`, in table order: ``'conv'`` for convs,
+#: ``'linear'`` for Linear projections on tokens (:mod:`.kept_tokens`),
+#: ``'classifier'`` for a head's classifier (``conv_seg``, Segmenter's
+#: class-score Linears and class masks), ``'attention'`` for what an
+#: attention itself keeps (SDPA's q, k, v, output).
+CATEGORIES = ('conv', 'linear', 'classifier', 'norm', 'activation',
+              'dropout', 'pool', 'logits', 'attention', 'unmodelled')
 
 #: Rules consulted before :func:`item_for_module`, each
 #: ``rule(path, module, x, out, shared)`` -> a list of items, or None when
@@ -92,6 +98,24 @@ def register_call_rule(rule: Callable) -> Callable:
     if rule not in CALL_RULES:
         CALL_RULES.append(rule)
     return rule
+
+
+#: Predicates ``owner(module) -> bool`` naming modules with children whose
+#: own code (not their children's) a rule of :data:`CALL_RULES` counts: the
+#: step tracer reports their calls (:mod:`.kept_mask_head`).
+CALL_OWNERS: List[Callable[[nn.Module], bool]] = []
+
+
+def register_call_owner(owner: Callable[[nn.Module], bool]) -> Callable:
+    """Add ``owner`` to :data:`CALL_OWNERS` (once); returns it."""
+    if owner not in CALL_OWNERS:
+        CALL_OWNERS.append(owner)
+    return owner
+
+
+def is_call_owner(module: nn.Module) -> bool:
+    """Some registered rule counts ``module``'s own code."""
+    return any(owner(module) for owner in CALL_OWNERS)
 
 
 @dataclass

@@ -46,6 +46,12 @@ forward (masks, ``kdim`` / ``vdim``: the cases
 :class:`~mmseg_gf.models.gf_attention.GFMultiheadAttention` does not
 reproduce).
 
+Categories: what a Linear projection keeps (its input, its patch sums, a
+view of its weight; an attention's four projections) is ``'linear'``,
+Segmenter's class-score Linears' ``'classifier'``
+(:func:`~mmseg_gf.models.segmentor.is_class_score_layer`), an attention's
+own tensors (SDPA's, the probabilities) ``'attention'``.
+
 ``tests/test_models/test_gf_attention_sdpa.py`` checks the rules against
 autograd's saved tensors layer by layer,
 ``tests/test_engine/test_token_kinds_accounting.py`` on whole transformer
@@ -59,6 +65,7 @@ from torch import nn
 from ..models.gf_attention import GFMultiheadAttention
 from ..models.gf_linear import GFLinear, is_filterable_linear
 from ..models.lean import is_lean, lean_kind
+from ..models.segmentor import is_class_score_layer
 from ..ops.gradient_filter_linear import TokenGrid
 from .kept import SavedItem, register_call_rule
 from .kept_transformer import attention_items
@@ -80,6 +87,12 @@ def patch_sum_elements(grid: TokenGrid, radius: int, numel: int,
     return lead * (ph * pw + extra) * channels
 
 
+def _category(path: str) -> str:
+    """``'classifier'`` for Segmenter's class-score Linears, else
+    ``'linear'``."""
+    return 'classifier' if is_class_score_layer(path) else 'linear'
+
+
 def _once(path: str, category: str, ptr: int, nbytes: int, eb: int,
           shared: Dict[int, Tuple[str, Any]],
           storage: Any = None, rule: str = 'linear') -> List[SavedItem]:
@@ -95,23 +108,38 @@ def _weight_view(path: str, weight: torch.Tensor,
     """A view of ``weight`` that ``F.linear`` keeps for ``g_x`` (a
     Parameter's storage: the same bytes at any batch)."""
     storage = weight.untyped_storage()
-    return _once(path, 'conv', storage.data_ptr(), storage.nbytes(),
-                 weight.element_size(), shared, storage, 'const')
+    return _once(path, _category(path), storage.data_ptr(),
+                 storage.nbytes(), weight.element_size(), shared, storage,
+                 'const')
 
 
 def _input_rows(path: str, x: torch.Tensor,
                 shared: Dict[int, Tuple[str, Any]]) -> List[SavedItem]:
     """What ``F.linear`` keeps of its input for ``g_W``: a view of its
     storage where its tokens merge into rows (once per storage), else a
-    copy of its elements."""
+    copy of its elements (also where only one image's do: the trace's
+    batch-1 slice of a longer sequence, Segmenter's class embeddings
+    ``x[:, -K:]``, merges at batch 1 but not at batch 2)."""
     eb = x.element_size()
     try:
         x.view(-1, x.shape[-1])
     except RuntimeError:
-        return [SavedItem(path, 'conv', x.numel(), eb)]
+        return [SavedItem(path, _category(path), x.numel(), eb)]
+    if not _images_merge(x):
+        return [SavedItem(path, _category(path), x.numel(), eb)]
     storage = x.untyped_storage()
-    return _once(path, 'conv', storage.data_ptr(), storage.nbytes(), eb,
-                 shared, storage)
+    return _once(path, _category(path), storage.data_ptr(), storage.nbytes(),
+                 eb, shared, storage)
+
+
+def _images_merge(x: torch.Tensor) -> bool:
+    """Whether the images of ``x`` (its first axis) would merge into rows
+    with the rest at any batch (the rest merging, as at batch 1): the first
+    axis's stride continues the second's (a batch-1 trace's tensor may be
+    contiguous as a slice that is not at batch 2)."""
+    if x.dim() < 3 or x.shape[0] != 1 or x.shape[1] == 1:
+        return True
+    return x.stride(0) == x.shape[1] * x.stride(1)
 
 
 def _filter_ran(module: GFLinear, x: torch.Tensor) -> bool:
@@ -132,7 +160,8 @@ def _linear_items(path: str, module: nn.Module, x: torch.Tensor,
             return []
         elements = patch_sum_elements(module.current_grid(), module.radius,
                                       x.numel(), x.shape[-1])
-        return [SavedItem(path, 'conv', elements, x.element_size())]
+        return [SavedItem(path, _category(path), elements,
+                          x.element_size())]
     if not trained and is_lean(module) and \
             lean_kind(module) == 'frozen_linear':
         return []  # keeps nothing (FrozenLinearFunction)
@@ -156,14 +185,14 @@ def _projection_items(path: str, module: GFMultiheadAttention,
         for ptr, nbytes, view, grad in module._exact_inputs:
             needs_grad = needs_grad or grad
             if view:
-                items += _once(path, 'conv', ptr, nbytes, eb, shared)
+                items += _once(path, 'linear', ptr, nbytes, eb, shared)
             else:
-                items.append(SavedItem(path, 'conv', nbytes // eb, eb))
+                items.append(SavedItem(path, 'linear', nbytes // eb, eb))
         # the attention output's rows (unless SDPA's output, kept already,
         # holds them), and views of the weights (of the in-projection's
         # where an input needs a gradient)
         if module._out_rows_copied:
-            items.append(SavedItem(path, 'conv',
+            items.append(SavedItem(path, 'linear',
                                    call.batch * call.q_len * e, eb))
         weights = [module.out_proj.weight]
         if needs_grad:
@@ -177,7 +206,7 @@ def _projection_items(path: str, module: GFMultiheadAttention,
     keys = {'qkv': 0, 'kv': 1, 'separate': 2}[module._packing]
     elements += keys * patch_sum_elements(k_grid, module.radius,
                                           call.batch * call.kv_len * e, e)
-    return [SavedItem(path, 'conv', elements, eb)] + \
+    return [SavedItem(path, 'linear', elements, eb)] + \
         filtered_weight_views(path, module, shared)
 
 

@@ -34,7 +34,8 @@ from ..models.lean_transformer import is_rule_owner
 from ..models.segmentor import set_frozen_norms_eval
 from ..ops import kept_sources
 from .batch import model_device, random_batch
-from .kept import SavedItem, StepSavedBytes, kept_by_call, measured_item
+from .kept import (SavedItem, StepSavedBytes, is_call_owner, kept_by_call,
+                   measured_item)
 from .measured import mark
 
 __all__ = ['ModuleCall', 'SavedPack', 'StepTracer', 'UnmodelledBytes',
@@ -154,10 +155,32 @@ class _OperationInputs(TorchFunctionMode):
 
 def _reports_own_call(module: nn.Module) -> bool:
     """A module with children reported as a call: a lean attention
-    (:func:`~mmseg_gf.models.lean_transformer.is_rule_owner`) or a
+    (:func:`~mmseg_gf.models.lean_transformer.is_rule_owner`), a
     ``GFMultiheadAttention``, whose own code runs its projections and its
-    attention (:mod:`.kept_tokens`)."""
-    return is_rule_owner(module) or isinstance(module, GFMultiheadAttention)
+    attention (:mod:`.kept_tokens`), or a module a rule registered with
+    :func:`~.kept.register_call_owner` (Segmenter's mask head,
+    :mod:`.kept_mask_head`)."""
+    return (is_rule_owner(module) or isinstance(module, GFMultiheadAttention)
+            or is_call_owner(module))
+
+
+def _tensor_arguments(values) -> List[torch.Tensor]:
+    """The tensors among ``values``, and those in lists or tuples among
+    them (a decode head's input is a list of feature maps)."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
+
+
+def _wraps_head(module: nn.Module) -> bool:
+    """A decode head whose ``forward`` and ``loss_by_feat`` mmseg calls
+    directly (from ``loss``), bypassing its module hooks."""
+    return hasattr(module, 'loss_by_feat') and not {
+        'forward', 'loss_by_feat'} & set(vars(module))
 
 
 def _drop(_):
@@ -212,16 +235,21 @@ class StepTracer:
         """A module with children whose own code a rule counts (a lean
         attention): reported as a call, with one tensor argument
         (positional or keyword: mmcv passes ``query=``) as ``x`` and its
-        first output (``nn.MultiheadAttention`` returns a pair)."""
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
-            v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        first output (``nn.MultiheadAttention`` returns a pair). No tensor
+        argument: not recorded (``x`` None)."""
+        tensors = _tensor_arguments(args) + _tensor_arguments(
+            kwargs.values())
         # the last input needing a gradient (a key made from the query,
         # MiT's spatially reduced one, comes after it): whether the call
         # records, and the conv behind it
         grads = [t for t in tensors if t.requires_grad]
         if isinstance(output, (tuple, list)) and output:
             output = output[0]
-        self._hook(module, (grads or tensors)[-1:], output)
+        x = (grads or tensors)[-1:]
+        if not x:
+            # no tensor argument: nothing to tell whether it records
+            x = [None]
+        self._hook(module, x, output)
 
     def _hook(self, module, args, output) -> None:
         seq = self.seq
@@ -289,7 +317,11 @@ class StepTracer:
     @contextlib.contextmanager
     def hooked(self):
         """Hooks on every leaf module for the duration of the block (and,
-        with :attr:`on_pack`, the module stack's hooks on every module)."""
+        with :attr:`on_pack`, the module stack's hooks on every module).
+        A decode head reporting its own call (:func:`_reports_own_call`)
+        reports it from its wrapped ``forward`` (:meth:`_stacked`)."""
+        heads = [m for m in self.model.modules() if _wraps_head(m) and (
+            self.on_pack is not None or _reports_own_call(m))]
         handles = [
             m.register_forward_hook(self._hook) for m in self.model.modules()
             if not any(True for _ in m.children())
@@ -297,19 +329,16 @@ class StepTracer:
             m.register_forward_hook(self._owner_hook, with_kwargs=True)
             for m in self.model.modules()
             if any(True for _ in m.children()) and _reports_own_call(m)
+            and m not in heads
         ]
-        heads = []
         if self.on_pack is not None:
             for m in self.model.modules():
                 handles.append(m.register_forward_pre_hook(self._enter))
                 handles.append(m.register_forward_hook(self._leave,
                                                        always_call=True))
-                if hasattr(m, 'loss_by_feat') and not {
-                        'forward', 'loss_by_feat'} & set(vars(m)):
-                    m.forward = self._stacked(m, m.forward, '')
-                    m.loss_by_feat = self._stacked(m, m.loss_by_feat,
-                                                   LOSS_PART)
-                    heads.append(m)
+        for m in heads:
+            m.forward = self._stacked(m, m.forward, '')
+            m.loss_by_feat = self._stacked(m, m.loss_by_feat, LOSS_PART)
         try:
             yield self
         finally:
@@ -322,14 +351,19 @@ class StepTracer:
                  part: str) -> Callable:
         """``method`` on the module stack: mmseg's heads call
         ``self.forward`` and ``self.loss_by_feat`` from ``loss``, bypassing
-        the module hooks; what the loss saves is told apart (``part``)."""
+        the module hooks; what the loss saves is told apart (``part``).
+        A head reporting its own call reports its ``forward`` here."""
+        report = part == '' and _reports_own_call(module)
 
         def run(*args, **kwargs):
             self._enter(module, args, part)
             try:
-                return method(*args, **kwargs)
+                output = method(*args, **kwargs)
             finally:
                 self._stack.pop()
+            if report:
+                self._owner_hook(module, args, kwargs, output)
+            return output
 
         return run
 
@@ -444,8 +478,11 @@ class UnmodelledBytes:
             self.modelled_owners.add(path)
         self.counted_storages.update(i.storage for i in items
                                      if i.storage is not None)
-        self.counted_losses.update(i.path for i in items
-                                   if i.path != path and not i.estimate)
+        # a head's loss: items of the head made at its classifier's call,
+        # or the logits of a head reporting its own call
+        self.counted_losses.update(
+            i.path for i in items if not i.estimate and (
+                i.path != path or i.category == 'logits'))
 
     def covered(self, pack: SavedPack) -> bool:
         if pack.leaf and pack.seq in self.modelled_calls:
