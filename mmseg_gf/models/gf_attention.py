@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from ..ops import check_radius
 from ..ops.gradient_filter_linear import gradient_filtered_linear
-from .gf_linear import TokenGridSource, warn_exact_backward
+from .gf_conv import warn_exact_backward
+from .gf_linear import TokenGridSource
 from .lean_transformer import AttentionCall
 
 

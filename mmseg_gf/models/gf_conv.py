@@ -20,7 +20,22 @@ _CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
 
 
 class GFExactBackwardWarning(UserWarning):
-    """A GFConv2d call ran with the exact backward: the filter cannot apply."""
+    """A filtered layer's call ran with the exact backward: the filter
+    cannot apply."""
+
+
+def warn_exact_backward(module: nn.Module, reason: str) -> None:
+    """Warn once per layer that a call runs the exact backward, for
+    ``reason`` (a call its filter does not cover); every filtered layer
+    kind uses it, so the message names the layer the same way."""
+    if getattr(module, '_warned_exact_backward', False):
+        return
+    module._warned_exact_backward = True
+    name = getattr(type(module), '_plain_class', type(module)).__name__
+    warnings.warn(
+        f'{name}({module.extra_repr()}): falling back to the exact backward '
+        f'for {reason}; this layer is trained without the gradient filter',
+        GFExactBackwardWarning, stacklevel=3)
 
 
 def exact_backward_reason(input: Tensor, weight: Tensor) -> Optional[str]:
@@ -135,7 +150,7 @@ class GFConv2d(nn.Conv2d):
             return super()._conv_forward(input, weight, bias)
         reason = exact_backward_reason(input, weight)
         if reason is not None:
-            self._warn_exact_backward(reason)
+            warn_exact_backward(self, reason)
             return super()._conv_forward(input, weight, bias)
         if input.dim() == 3:  # unbatched (C, H, W), as nn.Conv2d accepts
             return self._filtered_conv(input.unsqueeze(0), weight,
@@ -172,16 +187,6 @@ class GFConv2d(nn.Conv2d):
                    and g.out_size == g.in_size for g in geometry):
             return None
         return PatchPartition.conv_map(self.radius, *input.shape[-2:])
-
-    def _warn_exact_backward(self, reason: str) -> None:
-        """Warn once per layer that its backward is the exact one."""
-        if getattr(self, '_warned_exact_backward', False):
-            return
-        self._warned_exact_backward = True
-        warnings.warn(
-            f'GFConv2d({self.extra_repr()}): falling back to the exact '
-            f'backward for {reason}; this layer is trained without the '
-            'gradient filter', GFExactBackwardWarning, stacklevel=3)
 
     def _filtered_conv(self, input: Tensor, weight: Tensor,
                        bias: Optional[Tensor]) -> Tensor:

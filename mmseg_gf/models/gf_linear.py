@@ -10,7 +10,6 @@ transformer blocks receive; see ``mmseg_gf.models.token_grids``), or that
 holds a fixed grid (a Swin window).
 """
 
-import warnings
 from typing import Optional
 
 import torch
@@ -20,7 +19,7 @@ from torch import Tensor, nn
 from ..ops import check_radius
 from ..ops.gradient_filter_linear import TokenGrid, gradient_filtered_linear
 from ..ops.patch_mean_activation import PatchPartition, tag_output
-from .gf_conv import GFExactBackwardWarning, with_mmcv_wrapper
+from .gf_conv import warn_exact_backward, with_mmcv_wrapper
 
 
 class TokenGridSource:
@@ -62,17 +61,6 @@ def is_filterable_linear(module: nn.Module) -> bool:
     the lean region swapped their class: ``_plain_class``)."""
     plain = getattr(type(module), '_plain_class', type(module))
     return plain in _plain_linear_classes() or isinstance(module, GFLinear)
-
-
-def warn_exact_backward(module: nn.Module, reason: str) -> None:
-    """Warn once per layer that its backward is the exact one."""
-    if getattr(module, '_warned_exact_backward', False):
-        return
-    module._warned_exact_backward = True
-    warnings.warn(
-        f'{type(module).__name__}({module.extra_repr()}): falling back to '
-        f'the exact backward: {reason}; this layer is trained without the '
-        'gradient filter', GFExactBackwardWarning, stacklevel=3)
 
 
 class GFLinear(nn.Linear):
