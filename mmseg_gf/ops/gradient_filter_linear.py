@@ -175,7 +175,7 @@ def _segments(size: int, radius: int) -> List[_Segment]:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class TokenLayout:
     """An input's grid, token axis and patch size, resolved for one call.
 
     Every tensor of the call is seen through :meth:`grid_view`: its grid
@@ -293,7 +293,7 @@ def _rows(t: Tensor) -> Tensor:
 CHUNK_BYTES = 8 << 20
 
 
-def _filtered_backward(layout: _Layout, grad_output: Tensor,
+def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
                        x_sums: Optional[Tensor], weight: Tensor,
                        grad_x: Optional[Tensor], need_w: bool, need_b: bool,
                        acc: torch.dtype
@@ -329,7 +329,7 @@ def _filtered_backward(layout: _Layout, grad_output: Tensor,
     return grad_w, grad_b
 
 
-def _filtered_backward_torch(layout: _Layout, g_rows: Tensor,
+def _filtered_backward_torch(layout: TokenLayout, g_rows: Tensor,
                              x_sums: Optional[Tensor], weight: Tensor,
                              out_rows: Optional[Tensor], need_w: bool,
                              need_b: bool, acc: torch.dtype
@@ -397,7 +397,7 @@ class GradientFilterLinearFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                 grid: TokenGrid, radius: int, token_dim: int) -> Tensor:
         out = F.linear(x, weight, bias)
-        layout = _Layout(grid, radius, grid.token_axis(x.shape, token_dim))
+        layout = TokenLayout(grid, radius, grid.token_axis(x.shape, token_dim))
         x_sums = x_extra = None
         if ctx.needs_input_grad[1]:
             # Never save x: its patch sums (accumulated in float32 for

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import native
-from .gradient_filter_linear import TokenGrid, _Layout
+from .gradient_filter_linear import TokenGrid, TokenLayout
 from .patch_grid import AxisGeometry, check_radius, filter_output_grad
 
 __all__ = ['PatchPartition', 'PatchMeanGeluFunction', 'patch_mean_gelu',
@@ -133,8 +133,8 @@ def _slope(x: Tensor, approximate: str) -> Tensor:
         one, x, approximate=approximate, grad_input=out)
 
 
-def _token_layout(partition: PatchPartition) -> _Layout:
-    return _Layout(partition.grid, partition.radius, partition.token_dim)
+def _token_layout(partition: PatchPartition) -> TokenLayout:
+    return TokenLayout(partition.grid, partition.radius, partition.token_dim)
 
 
 def patch_mean_kept_elements(shape: Tuple[int, ...],
@@ -222,7 +222,7 @@ def _map_backward(grad: Tensor, means: Tensor,
     return out
 
 
-def _tile_product(layout: _Layout, out: Tensor, grad: Tensor,
+def _tile_product(layout: TokenLayout, out: Tensor, grad: Tensor,
                   means: Tensor) -> bool:
     """The grid tokens of ``out`` = those of ``grad`` times their patch's
     row of ``means``, in one broadcast product, where every patch is full

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, native
-from mmseg_gf.ops.gradient_filter_linear import _Layout
+from mmseg_gf.ops.gradient_filter_linear import TokenLayout
 from tests.gf_linear_cases import LAYOUT_CASES
 
 pytestmark = pytest.mark.skipif(
@@ -124,7 +124,7 @@ def test_patch_sums_match_avg_pool(grid, shape, token_dim, radius):
     """The forward's patch sums of x (on strided views: extra tokens,
     (N, B, C)) equal the channels-last avg_pool2d of the PyTorch path."""
     x = torch.randn(shape, dtype=torch.float64)
-    layout = _Layout(grid, radius, grid.token_axis(x.shape, token_dim))
+    layout = TokenLayout(grid, radius, grid.token_axis(x.shape, token_dim))
     rows = layout.grid_view(x)
     rows = rows.reshape(-1, *rows.shape[-3:])
     got = native.token_patch_sums(rows, radius)
