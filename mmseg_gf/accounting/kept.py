@@ -72,7 +72,7 @@ from ..models.segmentor import is_head_classifier
 from .format import fmt_mib
 
 __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
-           'kept_by_call', 'is_head_lean', 'measured_item',
+           'count_once', 'kept_by_call', 'is_head_lean', 'measured_item',
            'unmodelled_by_kind', 'describe_unmodelled', 'CALL_RULES',
            'register_call_rule', 'CALL_OWNERS', 'register_call_owner',
            'is_call_owner']
@@ -214,6 +214,18 @@ def describe_unmodelled(by_kind: Dict[str, int], batch: int) -> str:
     return f'unmodelled: {parts}'
 
 
+def count_once(shared: Dict[int, Tuple[str, Any]], path: str, ptr: int,
+               storage: Any = None) -> bool:
+    """Claim storage ``ptr`` for ``path``'s item: False when another item
+    counts it already (what several modules keep of one tensor is kept
+    once). ``storage``, held in ``shared``, keeps its address from being
+    reused by a later tensor while the trace runs."""
+    if ptr in shared:
+        return False
+    shared[ptr] = (path, storage)
+    return True
+
+
 def measured_item(path: str, kind: str, nbytes: int,
                   constant: bool = False) -> SavedItem:
     """An ``'unmodelled'`` item: ``nbytes`` measured per image (``constant``:
@@ -272,9 +284,8 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
         if item is not None and item.elements == x[0].numel():
             # exact convs keep their input tensor itself: once per tensor
             storage = x.untyped_storage()
-            if storage.data_ptr() in shared:
+            if not count_once(shared, path, storage.data_ptr(), storage):
                 return None
-            shared[storage.data_ptr()] = (path, storage)
         return item
     kind = lean_kind(module) if is_lean(module) else None
     trained = any(p.requires_grad for p in module.parameters())

@@ -67,7 +67,7 @@ from ..models.gf_linear import GFLinear, is_filterable_linear
 from ..models.lean import is_lean, lean_kind
 from ..models.segmentor import is_class_score_layer
 from ..ops.gradient_filter_linear import TokenGrid
-from .kept import SavedItem, register_call_rule
+from .kept import SavedItem, count_once, register_call_rule
 from .kept_transformer import attention_items
 
 __all__ = ['token_items', 'patch_sum_elements', 'filtered_weight_views',
@@ -97,9 +97,8 @@ def _once(path: str, category: str, ptr: int, nbytes: int, eb: int,
           shared: Dict[int, Tuple[str, Any]],
           storage: Any = None, rule: str = 'linear') -> List[SavedItem]:
     """One item of ``nbytes`` for storage ``ptr``, unless counted."""
-    if ptr in shared:
+    if not count_once(shared, path, ptr, storage):
         return []
-    shared[ptr] = (path, storage)
     return [SavedItem(path, category, nbytes // eb, eb, rule, storage=ptr)]
 
 

@@ -38,7 +38,7 @@ from ..models.lean import is_lean, lean_kind
 from ..models.lean_transformer import is_rule_owner
 from ..models.patch_mean_gelu import patch_mean_partition
 from ..ops.patch_mean_activation import patch_mean_kept_elements
-from .kept import SavedItem, register_call_rule
+from .kept import SavedItem, count_once, register_call_rule
 
 __all__ = ['transformer_items', 'attention_items']
 
@@ -79,9 +79,8 @@ def _input_item(path: str, category: str, x: torch.Tensor,
                 shared: Dict[int, Tuple[str, Any]]) -> Optional[SavedItem]:
     """``x`` itself, once per tensor (another rule may keep it too)."""
     storage = x.untyped_storage()
-    if storage.data_ptr() in shared:
+    if not count_once(shared, path, storage.data_ptr(), storage):
         return None
-    shared[storage.data_ptr()] = (path, storage)
     return SavedItem(path, category, x[0].numel(), x.element_size(),
                      storage=storage.data_ptr())
 
