@@ -38,7 +38,7 @@ from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, TRANSFORMER_FAMILIES,
                                  ZOO_FAMILIES)
 from mmseg_gf.protocol import PROTOCOL_MODELS
-from mmseg_gf.protocol.experiments import step_row_config
+from mmseg_gf.protocol.experiments import step_row_config, strategy_file
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -116,6 +116,9 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     for row in args.rows:
         try:
             row_settings(row)
+            if row != 'inference':  # the protocol's models: its strategies
+                for model in args.models:
+                    strategy_file(row.partition(':')[0], model)
         except ValueError as e:
             p.error(f'--rows: {e}')
     if args.crop is not None:

@@ -3,14 +3,17 @@
 Runs, each in its own process, within a time budget:
 
 1. the CUDA tests (``pytest -m cuda``: every test's CUDA variant, the
-   Triton kernels compiled, CUDA graphs);
-2. ``tools/benchmark_layers.py --device cuda`` at batch 32 and 8, float32
-   and bfloat16, with the Triton kernels and with ``--no-triton`` (each
-   against cuDNN's backward, ``cudnn.benchmark`` on, TF32 as torch's
-   defaults, recorded);
-3. ``tools/benchmark_step.py --device cuda`` for two protocol models and
-   two real-time families at 512x512, batch 8: inference, vanilla last N
-   ``lean=False`` and GF last N lean (time, ``max_memory_allocated``);
+   Triton kernels compiled, CUDA graphs, the filtered Linear and the
+   transformer blocks' lean modules);
+2. ``tools/benchmark_layers.py --device cuda`` at batch 32 and 8: the
+   paper's 3x3 convs (float32 and bfloat16, with the Triton kernels and
+   with ``--no-triton``, each against cuDNN's backward, ``cudnn.benchmark``
+   on) and, in the Triton runs, the transformer Linears on token grids
+   (against cuBLAS); TF32 as torch's defaults, recorded;
+3. ``tools/benchmark_step.py --device cuda`` for one protocol model, one
+   real-time family and two transformer families at 512x512, batch 8:
+   inference, vanilla last N ``lean=False`` and GF last N lean (time,
+   ``max_memory_allocated``);
 
 then writes at most 8 files to ``--out-dir``: ``summary.md`` (the stack,
 each stage's outcome, every target with what was measured),
@@ -48,12 +51,28 @@ import torch
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 NO_CUDA_STATUS = 3
 
-#: The step benchmark's models: two protocol models, two real-time
-#: families, and the rows compared.
-STEP_MODELS = ('pspnet_r18', 'deeplabv3_r18')
-STEP_FAMILIES = ('segformer_b0', 'bisenetv2')
-STEP_ROWS = ('inference', 'vanilla_last5:plain', 'gf_last5_r4:lean',
-             'vanilla_last10:plain', 'gf_last10_r4:lean')
+#: The step benchmark's runs: a protocol model with the protocol's
+#: strategies, then a real-time family and two transformer families
+#: (Segformer-B0 is both), whose GF rows count conv and Linear layers (at
+#: N = 20 Swin-T's last blocks are trained).
+STEP_MODELS = ('pspnet_r18', )
+STEP_MODEL_ROWS = ('inference', 'vanilla_last5:plain', 'gf_last5_r4:lean',
+                   'vanilla_last10:plain', 'gf_last10_r4:lean')
+STEP_FAMILIES = ('bisenetv2', 'segformer_b0', 'swin_t')
+STEP_FAMILY_ROWS = ('inference', 'vanilla_last10:plain',
+                    'gf_last10_r4:lean', 'vanilla_last20:plain',
+                    'gf_last20_r4:lean')
+#: The layer runs: (batch, dtype, Triton kernels, layer kinds). The
+#: Linear layers take no Triton kernel, so they run once per batch and
+#: dtype, in the Triton runs.
+LAYER_RUNS = ((32, 'float32', True, ('conv', 'linear')),
+              (32, 'float32', False, ('conv', )),
+              (8, 'float32', True, ('conv', 'linear')),
+              (8, 'float32', False, ('conv', )),
+              (32, 'bfloat16', True, ('conv', 'linear')),
+              (8, 'bfloat16', True, ('conv', )))
+QUICK_LAYER_RUNS = ((1, 'float32', True, ('conv', 'linear')),
+                    (1, 'float32', False, ('conv', )))
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -91,37 +110,36 @@ def stage_commands(args) -> Dict[str, List[dict]]:
     if args.test_workers > 0:
         tests += ['-n', str(args.test_workers), '--dist', 'load']
     layer_runs = []
-    batches = (1, ) if args.quick else (32, 8)
-    dtypes = ('float32', ) if args.quick else ('float32', 'bfloat16')
-    for batch in batches:
-        for dtype in dtypes:
-            for triton in (True, False):
-                out = osp.join(work, f'layers_b{batch}_{dtype}_'
-                               f"{'triton' if triton else 'no_triton'}")
-                argv = [py, 'tools/benchmark_layers.py', '--devices',
-                        args.device, '--batch', str(batch), '--dtype', dtype,
-                        '--out-dir', out]
-                if args.quick:
-                    argv += ['--layers', '4', '--repeats', '1', '--warmup',
-                             '0', '--threads', '1']
-                if not triton:
-                    argv.append('--no-triton')
-                layer_runs.append(dict(argv=argv, batch=batch, dtype=dtype,
-                                       triton=triton, out=out))
-    steps_out = osp.join(work, 'steps')
-    steps = [py, 'tools/benchmark_step.py', '--device', args.device,
-             '--out-dir', steps_out]
-    if args.quick:
-        steps += ['--models', STEP_MODELS[0], '--crop', '64', '--batch',
-                  '1', '--repeats', '1',
-                  '--warmup', '0', '--threads', '1', '--rows', 'inference',
-                  'vanilla_last5:plain', 'gf_last5_r4:lean']
-    else:
-        steps += ['--models', *STEP_MODELS, '--families', *STEP_FAMILIES,
-                  '--crop', '512', '--batch', '8', '--repeats', '3',
-                  '--warmup', '1', '--rows', *STEP_ROWS]
-    return dict(tests=[dict(argv=tests)], layers=layer_runs,
-                steps=[dict(argv=steps, out=steps_out)])
+    for batch, dtype, triton, kinds in (QUICK_LAYER_RUNS if args.quick
+                                        else LAYER_RUNS):
+        out = osp.join(work, f'layers_b{batch}_{dtype}_'
+                       f"{'triton' if triton else 'no_triton'}")
+        argv = [py, 'tools/benchmark_layers.py', '--devices', args.device,
+                '--batch', str(batch), '--dtype', dtype, '--kinds', *kinds,
+                '--out-dir', out]
+        if args.quick:
+            argv += ['--layers', '4', '--linear-layers', '1', '--repeats',
+                     '1', '--warmup', '0', '--threads', '1']
+        if not triton:
+            argv.append('--no-triton')
+        layer_runs.append(dict(argv=argv, batch=batch, dtype=dtype,
+                               triton=triton, out=out))
+    steps = []
+    for which, names, rows in (('models', STEP_MODELS, STEP_MODEL_ROWS),
+                               ('families', STEP_FAMILIES,
+                                STEP_FAMILY_ROWS)):
+        out = osp.join(work, f'steps_{which}')
+        argv = [py, 'tools/benchmark_step.py', '--device', args.device,
+                '--out-dir', out, f'--{which}']
+        if args.quick:
+            argv += [names[0], '--crop', '64', '--batch', '1', '--repeats',
+                     '1', '--warmup', '0', '--threads', '1', '--rows',
+                     *rows[:3]]
+        else:
+            argv += [*names, '--crop', '512', '--batch', '8', '--repeats',
+                     '3', '--warmup', '1', '--rows', *rows]
+        steps.append(dict(argv=argv, out=out, name=f'steps ({which})'))
+    return dict(tests=[dict(argv=tests)], layers=layer_runs, steps=steps)
 
 
 def _load_tool(name: str):
@@ -232,6 +250,7 @@ def write_results(out_dir: str, commands: Dict[str, List[dict]],
                                               layer_runs_table,
                                               plot_layer_runs, step_checks,
                                               summary_markdown)
+    from mmseg_gf.analysis.step_benchmark import plot
     runs = [LayerRun(c['batch'], c['dtype'], c['triton'],
                      ' '.join(c['argv'][1:]),
                      _read_json(osp.join(c['out'], 'layers.json')))
@@ -249,7 +268,8 @@ def write_results(out_dir: str, commands: Dict[str, List[dict]],
                   f, indent=2)
     with open(path('layers.md'), 'w') as f:
         f.write('# Layer benchmark runs\n\nBackward speedup over vanilla '
-                '(cuDNN on CUDA) with g_x, per run:\n\n'
+                '(cuDNN\'s conv, cuBLAS\'s Linear on CUDA) with g_x, per '
+                'run and layer kind:\n\n'
                 f'{layer_runs_table(runs)}\n')
         for c, run in zip(commands['layers'], runs):
             table = _read_text(osp.join(c['out'], 'layers.md'))
@@ -257,12 +277,22 @@ def write_results(out_dir: str, commands: Dict[str, List[dict]],
                     f'{table or "(no result)"}\n')
     if not plot_layer_runs(runs, path('layers.png')):
         written.pop()
-    steps = commands['steps'][0]['out']
-    for name in ('steps.json', 'steps.md', 'steps.png'):
-        if osp.isfile(osp.join(steps, name)):
-            shutil.copy(osp.join(steps, name), path(name))
-    checks = layer_checks(runs) + step_checks(
-        _read_json(osp.join(steps, 'steps.json')) or [])
+    step_results, step_tables = [], []
+    for command in commands['steps']:
+        step_results += _read_json(osp.join(command['out'],
+                                            'steps.json')) or []
+        step_tables.append(_read_text(osp.join(command['out'], 'steps.md'))
+                           or f"(no result: `{' '.join(command['argv'][1:])}`)")
+    if step_results:
+        with open(path('steps.json'), 'w') as f:
+            json.dump(step_results, f, indent=2)
+        if not plot(step_results, path('steps.png')):
+            written.pop()
+    with open(path('steps.md'), 'w') as f:
+        f.write('# Step benchmark runs\n\n' + '\n\n'.join(
+            f"`{' '.join(c['argv'][1:])}`\n\n{table}"
+            for c, table in zip(commands['steps'], step_tables)) + '\n')
+    checks = layer_checks(runs) + step_checks(step_results)
     with open(path('summary.md'), 'w') as f:
         f.write(summary_markdown(env, checks, runner.stages))
     return written
@@ -316,7 +346,10 @@ def _run(args, commands) -> int:
         # the layer runs share half of what is left; the steps the rest
         ok &= runner.run(name, command['argv'],
                          share=0.5 / (len(layers) - i))
-    ok &= runner.run('steps', commands['steps'][0]['argv'])
+    steps = commands['steps']
+    for i, command in enumerate(steps):
+        ok &= runner.run(command['name'], command['argv'],
+                         share=1.0 / (len(steps) - i))
     written = write_results(args.out_dir, commands, runner, env)
     print(f'[gpu-check] wrote {", ".join(sorted(written + [log_path]))}')
     print(_read_text(osp.join(args.out_dir, 'summary.md')))

@@ -161,6 +161,19 @@ def test_bad_rows_are_refused_before_building(row, capsys):
     assert '--rows' in capsys.readouterr().err
 
 
+def test_a_row_the_protocol_has_no_strategy_for_is_refused(capsys):
+    """The protocol's models take its built-in strategies only (a family
+    takes any N): refused while parsing, the strategies named."""
+    with pytest.raises(SystemExit):
+        benchmark_step.parse_args(['--models', 'pspnet_r18', '--rows',
+                                   'inference', 'gf_last20_r4:lean'])
+    err = capsys.readouterr().err
+    assert "--rows: unknown strategy 'gf_last20_r4'" in err
+    assert 'gf_last10_r4' in err
+    benchmark_step.parse_args(['--families', 'stdc1', '--rows',
+                               'gf_last20_r4:lean'])
+
+
 def test_family_crops():
     """--crop is raised to a family's minimum side; --family-crop sets
     one family's crop; without either, the config's training crop."""

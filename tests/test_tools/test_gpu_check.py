@@ -15,7 +15,8 @@ import torch
 pytest.importorskip('mmseg')
 
 from mmseg_gf.analysis.gpu_report import (LayerRun,  # noqa: E402
-                                          layer_checks, step_checks)
+                                          layer_checks, layer_runs_table,
+                                          step_checks)
 from tests._tools import REPO, load_tool  # noqa: E402
 
 gpu_check = load_tool('gpu_check')
@@ -39,16 +40,25 @@ def test_dry_run_lists_every_command(capsys):
     assert gpu_check.main(['--device', 'cpu', '--dry-run']) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sum(line.startswith('[tests]') for line in lines) == 1
-    assert sum(line.startswith('[layers]') for line in lines) == 8
-    assert sum(line.startswith('[steps]') for line in lines) == 1
+    assert sum(line.startswith('[layers]') for line in lines) == 6
     layers = [line for line in lines if line.startswith('[layers]')]
-    assert sum('--no-triton' in line for line in layers) == 4
+    assert sum('--no-triton' in line for line in layers) == 2
     for option in ('--batch 32', '--batch 8', '--dtype bfloat16'):
         assert any(option in line for line in layers), option
-    steps = next(line for line in lines if line.startswith('[steps]'))
-    for option in ('--crop 512', '--batch 8', 'pspnet_r18', 'bisenetv2',
-                   'vanilla_last10:plain', 'gf_last10_r4:lean'):
-        assert option in steps, option
+    # the Linears (no Triton kernel) run in Triton runs only
+    linear = [line for line in layers if '--kinds conv linear' in line]
+    assert len(linear) == 3
+    assert not any('--no-triton' in line for line in linear)
+    models, families = [line for line in lines
+                        if line.startswith('[steps]')]
+    for option in ('--crop 512', '--batch 8', '--models pspnet_r18',
+                   'gf_last5_r4:lean', 'gf_last10_r4:lean'):
+        assert option in models, option
+    # families: any N, Linear layers counted (Swin-T's last blocks at 20)
+    for option in ('--crop 512', '--batch 8',
+                   '--families bisenetv2 segformer_b0 swin_t',
+                   'vanilla_last20:plain', 'gf_last20_r4:lean'):
+        assert option in families, option
 
 
 def test_quick_run_on_the_cpu_writes_its_files(tmp_path, capsys):
@@ -63,20 +73,46 @@ def test_quick_run_on_the_cpu_writes_its_files(tmp_path, capsys):
     runs = json.loads((tmp_path / 'layers.json').read_text())['runs']
     assert [r['triton'] for r in runs] == [True, False]
     assert all(r['result']['rows'] for r in runs)
+    kinds = [{row['kind'] for row in r['result']['rows']} for r in runs]
+    assert kinds == [{'conv', 'linear'}, {'conv'}]
+    table = (tmp_path / 'layers.md').read_text()
+    assert '| linear |' in table and '| conv |' in table
     steps = json.loads((tmp_path / 'steps.json').read_text())
-    assert [s['model'] for s in steps] == ['pspnet_r18']
+    assert [s['model'] for s in steps] == ['pspnet_r18', 'bisenetv2']
     summary = (tmp_path / 'summary.md').read_text()
-    assert '| tests | ok |' in summary and '| steps | ok |' in summary
+    for stage in ('tests', 'steps (models)', 'steps (families)'):
+        assert f'| {stage} | ok |' in summary, stage
     # batch 1 on the CPU: the batch-32 / 8 layer targets have no figure
     assert 'not measured' in summary
     assert 'PSPNet-R18 gf_last5_r4:lean: step peak' in summary
 
 
-def _run(batch, triton, speedups, dtype='float32'):
-    rows = [dict(case='with_gx', radius=r, layer=f'L{i}',
+def _run(batch, triton, speedups, dtype='float32', linear=None):
+    rows = [dict(case='with_gx', radius=r, layer=f'L{i}', kind='conv',
                  backward_speedup=s)
             for r, values in speedups.items() for i, s in enumerate(values)]
+    rows += [dict(case='with_gx', radius=r, layer=f'linear L{i}',
+                  kind='linear', backward_speedup=s)
+             for r, values in (linear or {}).items()
+             for i, s in enumerate(values)]
     return LayerRun(batch, dtype, triton, 'cmd', dict(rows=rows))
+
+
+def test_linear_rows_stay_out_of_the_conv_targets():
+    """The conv targets read the conv rows alone; the table gives each
+    kind its own line."""
+    run = _run(32, True, {2: [9.0, 11.0, 12.0]},
+               linear={2: [0.5, 0.5, 0.5, 0.5]})
+    checks = {c.target: c for c in layer_checks([run])}
+    r2 = checks['batch 32, float32, r = 2: median backward speedup over '
+                'cuDNN with g_x >= 10x']
+    assert (r2.measured, r2.holds) == ('11.0x', True)
+    assert run.kinds() == ['conv', 'linear']
+    lines = layer_runs_table([run]).splitlines()
+    conv = next(line for line in lines if '| conv |' in line)
+    linear = next(line for line in lines if '| linear |' in line)
+    assert '11.0x' in conv and '9.00x' in conv
+    assert '0.5x' in linear and '0.50x' in linear
 
 
 def test_layer_targets_read_the_triton_runs():
