@@ -202,11 +202,14 @@ class Runner:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def run(self, name: str, argv: Sequence[str], share: float = 1.0
-            ) -> bool:
-        """Run ``argv`` with at most ``share`` of the remaining time;
-        record the outcome. Returns whether it exited with status 0."""
+    def run(self, name: str, argv: Sequence[str], share: float = 1.0,
+            seconds: Optional[float] = None) -> bool:
+        """Run ``argv`` with at most ``share`` of the remaining time (or
+        ``seconds``, within it); record the outcome. Returns whether it
+        exited with status 0."""
         limit = self.remaining() * share
+        if seconds is not None:
+            limit = min(limit, seconds)
         if limit < 5:
             self.stages.append(dict(name=name, outcome='not run: no time '
                                     'left', seconds=0.0))
@@ -339,13 +342,18 @@ def _run(args, commands) -> int:
           flush=True)
     runner = Runner(log_path, args.budget_s)
     ok = runner.run('tests', commands['tests'][0]['argv'], share=0.35)
+    # The layer runs share half of what is left, the steps the rest. Each
+    # layer run may take half of what the layer runs have left (the last
+    # one all of it): the first one compiles the Triton kernels, the
+    # others find them in Triton's cache.
     layers = commands['layers']
+    layers_end = time.monotonic() + 0.5 * runner.remaining()
     for i, command in enumerate(layers):
         name = (f"layers batch {command['batch']} {command['dtype']} "
                 f"{'triton' if command['triton'] else 'no-triton'}")
-        # the layer runs share half of what is left; the steps the rest
-        ok &= runner.run(name, command['argv'],
-                         share=0.5 / (len(layers) - i))
+        left = layers_end - time.monotonic()
+        ok &= runner.run(name, command['argv'], seconds=left if i == len(
+            layers) - 1 else 0.5 * left)
     steps = commands['steps']
     for i, command in enumerate(steps):
         ok &= runner.run(command['name'], command['argv'],
