@@ -27,13 +27,13 @@ from mmseg_gf.ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
                                ShapeOnlyAdaptiveAvgPoolFunction)
 from mmseg_gf.ops.lean_activation import (PiecewiseLinearActivationFunction,
                                           hardsigmoid_bits)
+from mmseg_gf.ops.lean_pool import (ShapeOnlyAvgPoolFunction,
+                                    WindowOffsetMaxPoolFunction)
 from mmseg_gf.ops.lean_transformer import (BitMaskDropPathFunction,
                                            FrozenLayerNormFunction,
                                            multihead_attention)
 from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
                                                 patch_mean_gelu)
-from mmseg_gf.ops.lean_pool import (ShapeOnlyAvgPoolFunction,
-                                    WindowOffsetMaxPoolFunction)
 from mmseg_gf.ops.resize import BilinearResizeFunction
 from tests._device_discipline import HostSyncError, fake_cuda
 
