@@ -258,10 +258,11 @@ class TokenLayout:
         if g.height % r == 0 and g.width % r == 0:
             return None
         ph, pw = g.patch_grid(r)
-        count_h = (g.height - torch.arange(ph) * r).clamp(max=r)
-        count_w = (g.width - torch.arange(pw) * r).clamp(max=r)
-        counts = (count_h[:, None] * count_w[None, :]).to(sums.device,
-                                                          sums.dtype)
+        count_h = (g.height - torch.arange(ph, device=sums.device) *
+                   r).clamp(max=r)
+        count_w = (g.width - torch.arange(pw, device=sums.device) *
+                   r).clamp(max=r)
+        counts = (count_h[:, None] * count_w[None, :]).to(sums.dtype)
         return counts.unsqueeze(-1)
 
     def spread_rows(self, out: Tensor, pooled: Tensor) -> None:

@@ -19,7 +19,12 @@ and DropPath lie on the gradient path:
   last 5, 10 and 20 within 10% with the patch-mean GELU rule on (it picks
   the very GELUs the trained model's traced step does), and the saved
   bytes of last 20 within 10% with the rule off
-  (``patch_mean_activations=False``: every GELU keeps its input).
+  (``patch_mean_activations=False``: every GELU keeps its input);
+* with every layer kind trained (``layer_kinds=None``: the filtered
+  Linears, attentions and patch-mean GELUs beside the convs), Segformer's
+  and Swin's ``gf`` lean step equals its ``lean=False`` step with the
+  compiled CPU kernels off (the path CUDA tensors take) and on CUDA
+  (``pytest -m cuda``), float32, the tolerances above.
 """
 import copy
 
@@ -38,6 +43,7 @@ from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.engine.zoo import family_config, make_offline  # noqa: E402
+from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
 from tests.test_engine.test_realtime_families import (  # noqa: E402
     check_terms, one_step, plain_model)
 
@@ -83,13 +89,15 @@ def _layers(name: str) -> int:
     return 13 if name.startswith('swin') else 20
 
 
-def _model(cfg, plain, mode, lean, layers, patch_mean_activations=True):
+def _model(cfg, plain, mode, lean, layers, patch_mean_activations=True,
+           layer_kinds=('conv2d', )):
     cfg = cfg.copy()
     # convs only: the frozen blocks' attention, LayerNorm and GELU stay on
     # the gradient path (every kind: test_token_kinds_accounting.py)
-    cfg.gradient_filter = dict(num_layers=layers, radius=4, mode=mode,
-                               lean=lean, layer_kinds=['conv2d'],
-                               patch_mean_activations=patch_mean_activations)
+    cfg.gradient_filter = dict(
+        num_layers=layers, radius=4, mode=mode, lean=lean,
+        layer_kinds=None if layer_kinds is None else list(layer_kinds),
+        patch_mean_activations=patch_mean_activations)
     model = build_segmentor(cfg)
     model.load_state_dict(plain.state_dict())
     return model
@@ -97,18 +105,46 @@ def _model(cfg, plain, mode, lean, layers, patch_mean_activations=True):
 
 @pytest.mark.parametrize('name', FAMILIES)
 def test_lean_step_equals_plain_step(name):
+    check_lean_step(name)
+
+
+#: The families checked with every layer kind trained, on the path CUDA
+#: tensors take and on CUDA.
+DEVICE_FAMILIES = ('segformer_b0', 'swin_t')
+
+
+@pytest.mark.parametrize('device_path', DEVICE_PATHS[1:])
+@pytest.mark.parametrize('name', DEVICE_FAMILIES)
+def test_lean_step_equals_plain_step_kernels_off_and_on_cuda(name,
+                                                             device_path):
+    """Filtered Linears and attentions, patch-mean GELUs, the lean
+    LayerNorm / SDPA / DropPath: the compiled CPU kernels off, and CUDA."""
+    with on_path(device_path) as device:
+        check_lean_step(name, device, modes=('gf', ), layer_kinds=None)
+
+
+def check_lean_step(name, device='cpu', modes=('vanilla', 'gf'),
+                    layer_kinds=('conv2d', )):
+    """One family's lean and ``lean=False`` steps on ``device`` for each
+    mode: the same loss terms and gradients."""
     cfg = tiny_cfg(name)
     plain = plain_model(cfg)
     inputs, samples = random_batch(plain, (SIZE, SIZE), BATCH,
-                                   label_block=4)
+                                   device=device, label_block=4)
     for sample in samples:
         sample.gt_sem_seg.data[:, :4] = 255
-    for mode in ('vanilla', 'gf'):
-        reference = _model(cfg, plain, mode, False, _layers(name))
-        lean = _model(cfg, plain, mode, True, _layers(name))
-        where = f'{name} {mode}'
+    # every kind: Swin's last 20 reach the MLPs of its last two stages
+    layers = 20 if layer_kinds is None else _layers(name)
+    for mode in modes:
+        reference = _model(cfg, plain, mode, False, layers,
+                           layer_kinds=layer_kinds).to(device)
+        lean = _model(cfg, plain, mode, True, layers,
+                      layer_kinds=layer_kinds).to(device)
+        where = f'{name} {mode} {device}'
         counts = lean_counts(lean)
         assert counts.get('attention') and counts.get('layer_norm'), counts
+        if layer_kinds is None and mode == 'gf':
+            assert counts.get('patch_mean_gelu'), counts
         want_terms, want = one_step(reference, inputs, samples)
         got_terms, got = one_step(lean, inputs, samples)
         check_terms(got_terms, want_terms, where)

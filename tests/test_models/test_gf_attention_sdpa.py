@@ -9,7 +9,10 @@ lean, sets around its call (it discards the weights). Then the filtered
 ``need_weights=True`` call within 1e-12 (float64; SDPA sums in another
 order), the gradients equal the same module's ``bmm`` path within 1e-10,
 and no ``L x S`` tensor is kept. With dropout on the probabilities in
-training the ``bmm`` path runs (torch's draws).
+training the ``bmm`` path runs (torch's draws). The SDPA-versus-``bmm``
+test also runs on CUDA tensors (``pytest -m cuda``): there float64 SDPA
+runs PyTorch's math backend, which keeps the probabilities, so only the
+numbers and the ``bmm`` path's kept probabilities are checked on CUDA.
 """
 import pytest
 import torch
@@ -19,18 +22,19 @@ from mmseg_gf.accounting.kept_tokens import patch_sum_elements, token_items
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models import GFLinear, GFMultiheadAttention, TokenGridSource
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
+from tests._devices import DEVICES
 
 Q_GRID = TokenGrid(4, 4, 1)
 K_GRID = TokenGrid(2, 3)  # S = 6: no (L, S) shape is (L, head dim)
 
 
-def _inputs(mode, batch_first, batch=2):
+def _inputs(mode, batch_first, batch=2, device='cpu'):
     gen = torch.Generator().manual_seed(1)
 
     def tokens(n):
         shape = (batch, n, 8) if batch_first else (n, batch, 8)
         return torch.randn(shape, generator=gen,
-                           dtype=torch.float64).requires_grad_()
+                           dtype=torch.float64).to(device).requires_grad_()
 
     query = tokens(Q_GRID.num_tokens)
     if mode == 'self':
@@ -42,10 +46,11 @@ def _inputs(mode, batch_first, batch=2):
     return query, key, tokens(Q_GRID.num_tokens)
 
 
-def _attention(mode, batch_first, enabled, radius=2, dropout=0.0):
+def _attention(mode, batch_first, enabled, radius=2, dropout=0.0,
+               device='cpu'):
     torch.manual_seed(0)
     plain = nn.MultiheadAttention(8, 2, dropout=dropout,
-                                  batch_first=batch_first).double()
+                                  batch_first=batch_first).double().to(device)
     key_grid = K_GRID if mode == 'reduced' else Q_GRID
     gf = GFMultiheadAttention.from_attention(
         plain, radius, TokenGridSource(Q_GRID), TokenGridSource(key_grid),
@@ -57,13 +62,14 @@ def _grads(out, leaves, grad):
     return torch.autograd.grad(out, leaves, grad)
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('enabled', [True, False])
 @pytest.mark.parametrize('mode', ['self', 'reduced', 'distinct'])
 @pytest.mark.parametrize('batch_first', [False, True])
 def test_unused_weights_run_sdpa_with_the_bmm_paths_numbers(
-        mode, batch_first, enabled):
-    plain, gf = _attention(mode, batch_first, enabled)
-    query, key, value = _inputs(mode, batch_first)
+        mode, batch_first, enabled, device):
+    plain, gf = _attention(mode, batch_first, enabled, device=device)
+    query, key, value = _inputs(mode, batch_first, device=device)
     leaves = [plain.in_proj_weight, plain.in_proj_bias,
               plain.out_proj.weight, plain.out_proj.bias, query]
     if key is not query:
@@ -75,13 +81,17 @@ def test_unused_weights_run_sdpa_with_the_bmm_paths_numbers(
     assert none is None and gf._lean_call is not None
     want = plain(query, key, value)[0]
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
-    grad = torch.randn(out.shape, dtype=torch.float64)
+    grad = torch.randn(out.shape, dtype=torch.float64).to(device)
     for a, b in zip(_grads(out, leaves, grad),
                     _grads(out_bmm, leaves, grad)):
+        assert a.device == b.device == out.device
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-    # no L x S tensor is kept (the bmm path keeps the probabilities)
+    # no L x S tensor is kept (the bmm path keeps the probabilities); CUDA's
+    # float64 SDPA is the math backend, which keeps them
     probabilities = (Q_GRID.num_tokens, key.shape[1 if batch_first else 0])
-    assert probabilities not in _saved_shapes(lambda: gf(query, key, value))
+    if device == 'cpu':
+        assert probabilities not in _saved_shapes(
+            lambda: gf(query, key, value))
     gf._lean_weights_unused = False
     assert probabilities in _saved_shapes(lambda: gf(query, key, value))
 

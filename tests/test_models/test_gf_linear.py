@@ -1,6 +1,7 @@
 """GFLinear and GFMultiheadAttention: drop-in modules sharing Parameters,
 exact forwards, the filtered backward on the grid of their source
-(docs/gradient_filter.md#linear-layers-on-token-grids)."""
+(docs/gradient_filter.md#linear-layers-on-token-grids). The tests that
+take ``device`` also run on CUDA tensors (``pytest -m cuda``)."""
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from mmseg_gf.models import (GFLinear, GFMultiheadAttention, TokenGridSource,
                              is_filterable_linear)
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
+from tests._devices import DEVICES
 from tests.gf_linear_reference import reference_attention
 
 
@@ -30,13 +32,15 @@ def test_from_linear_shares_parameters_and_keeps_state_dict_keys():
     assert list(built.state_dict()) == ['weight'] and built.radius == 3
 
 
-def test_filters_on_its_source_grid_and_is_exact_forward():
+@pytest.mark.parametrize('device', DEVICES)
+def test_filters_on_its_source_grid_and_is_exact_forward(device):
     torch.manual_seed(0)
-    plain = nn.Linear(6, 4).double()
+    plain = nn.Linear(6, 4).double().to(device)
     source = TokenGridSource()
     gf = GFLinear.from_linear(plain, 2, source)
-    x = torch.randn(2, 13, 6, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(2, 13, 4, dtype=torch.float64)
+    x = torch.randn(2, 13, 6, dtype=torch.float64, device=device,
+                    requires_grad=True)
+    g = torch.randn(2, 13, 4, dtype=torch.float64, device=device)
     source.set(TokenGrid(3, 4, extra_tokens=1))
     out = gf(x)
     assert torch.equal(out, plain(x))
@@ -109,14 +113,15 @@ def test_registered_in_mmseg_models():
 # ----------------------------------------------------------------------------
 # nn.MultiheadAttention: packed in-projection, out-projection
 
-def _attention_inputs(mode, batch_first, seed=0):
+def _attention_inputs(mode, batch_first, seed=0, device='cpu'):
     """(query, key, value) as mmseg calls the attention: self-attention
     (one tensor), a reduced key/value (MiT, Twins), three distinct tensors
     (mmcv's wrapper transposes each)."""
     gen = torch.Generator().manual_seed(seed)
 
     def tokens(n):
-        t = torch.randn(2, n, 8, generator=gen, dtype=torch.float64)
+        t = torch.randn(2, n, 8, generator=gen,
+                        dtype=torch.float64).to(device)
         return t if batch_first else t.transpose(0, 1)
 
     query = tokens(1 + 16).requires_grad_()
@@ -136,13 +141,15 @@ GRIDS = {
 }
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('mode', ['self', 'reduced', 'distinct'])
 @pytest.mark.parametrize('batch_first', [False, True])
 @pytest.mark.parametrize('need_weights', [True, False])
 def test_attention_forward_is_torchs_and_gradients_match_reference(
-        mode, batch_first, need_weights):
+        mode, batch_first, need_weights, device):
     torch.manual_seed(0)
     plain = nn.MultiheadAttention(8, 2, batch_first=batch_first).double()
+    plain = plain.to(device)
     q_grid, k_grid = GRIDS[mode]
     gf = GFMultiheadAttention.from_attention(
         plain, 2, TokenGridSource(q_grid),
@@ -150,14 +157,14 @@ def test_attention_forward_is_torchs_and_gradients_match_reference(
     assert list(gf.state_dict()) == list(plain.state_dict())
     assert gf.in_proj_weight is plain.in_proj_weight
     assert gf.out_proj is plain.out_proj
-    query, key, value = _attention_inputs(mode, batch_first)
+    query, key, value = _attention_inputs(mode, batch_first, device=device)
     out, weights = gf(query, key, value, need_weights=need_weights)
     want, want_weights = plain(query, key, value, need_weights=need_weights)
     assert torch.equal(out, want)  # op for op torch's forward
     assert (weights is None) == (want_weights is None)
     if weights is not None:
         assert torch.equal(weights, want_weights)
-    grad = torch.randn(out.shape, dtype=torch.float64)
+    grad = torch.randn(out.shape, dtype=torch.float64).to(device)
     leaves = [plain.in_proj_weight, plain.in_proj_bias,
               plain.out_proj.weight, plain.out_proj.bias, query]
     if key is not query:

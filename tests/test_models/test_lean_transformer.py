@@ -7,6 +7,11 @@ w.r.t. its inputs (float32; attention through SDPA sums in another order:
 bit for bit), and what autograd keeps for backward
 (:func:`~mmseg_gf.accounting.measured.saved_tensor_bytes`) against the
 bytes the accounting's rules give.
+
+The tests that take ``device`` also run on CUDA tensors (``pytest -m
+cuda``): forward and gradients as on the CPU; the kept bytes of attention
+are checked on the CPU only (the accounting's rule is that of PyTorch's
+CPU flash kernel; CUDA's SDPA backends keep other statistics).
 """
 import copy
 
@@ -17,6 +22,7 @@ from torch import nn
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, lean_kind, make_lean, make_plain
 from mmseg_gf.ops.lean_transformer import attention_kept_elements
+from tests._devices import DEVICES
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -45,25 +51,28 @@ def _grads(fn, inputs, seed=3):
     kept = saved_tensor_bytes(forward)
     out = holder['out']
     out = out[0] if isinstance(out, tuple) else out
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    g = torch.randn(out.shape,
+                    generator=torch.Generator().manual_seed(seed)).to(
+                        out.device, out.dtype)
     grads = torch.autograd.grad(out, inputs, g)
     return out.detach(), grads, kept
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('affine', [True, False])
 @pytest.mark.parametrize('contiguous', [True, False])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
-def test_layer_norm_keeps_input_and_rstd(affine, contiguous, dtype):
+def test_layer_norm_keeps_input_and_rstd(affine, contiguous, dtype, device):
     torch.manual_seed(0)
     plain = _frozen(nn.LayerNorm(24, eps=1e-6, elementwise_affine=affine))
     if affine:
         with torch.no_grad():
             plain.weight.normal_()
             plain.bias.normal_()
-    plain = plain.to(dtype)
+    plain = plain.to(device, dtype)
     lean = _lean_copy(plain)
     assert is_lean(lean) and lean_kind(lean) == 'layer_norm'
-    base = torch.randn(2, 24, 35, dtype=dtype) * 3 + 1
+    base = torch.randn(2, 24, 35, dtype=dtype).to(device) * 3 + 1
     x = (base if not contiguous else base.transpose(1, 2).contiguous())
     x = x.transpose(1, 2) if not contiguous else x
     x.requires_grad_(True)
@@ -107,20 +116,22 @@ def _attention(embed, heads, bias, batch_first, kdim=None):
     return _frozen(module)
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('batch_first', [True, False])
 @pytest.mark.parametrize('case', ['self', 'reduced_kv', 'separate_kv',
                                   'no_bias', 'kdim'])
-def test_multihead_attention_through_sdpa(batch_first, case):
+def test_multihead_attention_through_sdpa(batch_first, case, device):
     embed, heads, q_len, kv_len, batch = 16, 2, 20, 6, 2
     kdim = 12 if case == 'kdim' else None
-    plain = _attention(embed, heads, case != 'no_bias', batch_first, kdim)
+    plain = _attention(embed, heads, case != 'no_bias', batch_first,
+                       kdim).to(device)
     lean = _lean_copy(plain)
     assert lean_kind(lean) == 'attention'
 
     def seq(n, dim, seed):
         shape = (batch, n, dim) if batch_first else (n, batch, dim)
         gen = torch.Generator().manual_seed(seed)
-        return torch.randn(shape, generator=gen).requires_grad_(True)
+        return torch.randn(shape, generator=gen).to(device).requires_grad_()
 
     query = seq(q_len, embed, 2)
     if case == 'self':
@@ -139,11 +150,13 @@ def test_multihead_attention_through_sdpa(batch_first, case):
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, **TOL)
     s = q_len if case == 'self' else kv_len
-    elems = attention_kept_elements(batch, q_len, s, embed, heads)
-    assert kept == 4 * sum(elems.values())
     assert lean._lean_call.batch == batch and lean._lean_call.kv_len == s
-    # torch's own SDPA path also keeps its weight views (whole Parameters)
-    assert kept < kept_plain
+    if device == 'cpu':
+        elems = attention_kept_elements(batch, q_len, s, embed, heads)
+        assert kept == 4 * sum(elems.values())
+        # torch's own SDPA path also keeps its weight views (whole
+        # Parameters)
+        assert kept < kept_plain
 
 
 def test_multihead_attention_weights_asked_run_plain():
@@ -194,13 +207,14 @@ def test_mmcv_wrapper_marks_weights_unused():
     assert kept == 4 * sum(elems.values()) < kept_plain
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('drop_prob', [0.0, 0.3])
-def test_drop_path_keeps_a_bit_per_sample(drop_prob):
+def test_drop_path_keeps_a_bit_per_sample(drop_prob, device):
     drop = pytest.importorskip('mmcv.cnn.bricks.drop')
     plain = drop.DropPath(drop_prob)
     lean = _lean_copy(plain)
     assert lean_kind(lean) == 'drop_path'
-    x = torch.randn(9, 5, 4, requires_grad=True)
+    x = torch.randn(9, 5, 4, device=device, requires_grad=True)
     torch.manual_seed(7)
     want, (g_want, ), kept_plain = _grads(lambda: plain(x), [x])
     torch.manual_seed(7)
@@ -223,31 +237,35 @@ def test_mmcv_dropout_is_lean_as_torch_dropout():
     assert torch.equal(lean(x), want) and kept == 4 * 64 // 8
 
 
-def _swin_window(shifted: bool):
+def _swin_window(shifted: bool, device='cpu'):
     swin = pytest.importorskip('mmseg.models.backbones.swin')
     torch.manual_seed(0)
     module = swin.WindowMSA(16, 2, (4, 4))
     with torch.no_grad():
         module.relative_position_bias_table.normal_()
-    return _frozen(module), swin
+    return _frozen(module).to(device), swin
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('shifted', [False, True])
-def test_swin_window_attention_through_sdpa(shifted):
-    plain, _ = _swin_window(shifted)
+def test_swin_window_attention_through_sdpa(shifted, device):
+    plain, _ = _swin_window(shifted, device)
     lean = _lean_copy(plain)
     assert lean_kind(lean) == 'attention'
     n_win, images, n = 3, 2, 16
-    x = torch.randn(images * n_win, n, 16, requires_grad=True)
+    x = torch.randn(images * n_win, n, 16, device=device, requires_grad=True)
     mask = None
     if shifted:
-        mask = torch.zeros(n_win, n, n)
+        mask = torch.zeros(n_win, n, n, device=device)
         mask[1, :8, 8:] = mask[1, 8:, :8] = -100.0
     want, (g_want, ), kept_plain = _grads(lambda: plain(x, mask), [x])
     got, (g_got, ), kept = _grads(lambda: lean(x, mask), [x])
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(g_got, g_want, **TOL)
     call = lean._lean_call
+    if device != 'cpu':
+        assert call is not None
+        return
     tokens = images * n_win * n
     per_call = 4 * (4 * tokens * 16 + tokens * 2)
     mask_bytes = 4 * (n_win if shifted else 1) * 2 * n * n
@@ -256,18 +274,22 @@ def test_swin_window_attention_through_sdpa(shifted):
     assert kept < kept_plain
 
 
-def test_twins_lsa_through_sdpa():
+@pytest.mark.parametrize('device', DEVICES)
+def test_twins_lsa_through_sdpa(device):
     twins = pytest.importorskip('mmseg.models.backbones.twins')
     torch.manual_seed(0)
     plain = _frozen(twins.LocallyGroupedSelfAttention(16, 2, window_size=4))
+    plain = plain.to(device)
     lean = _lean_copy(plain)
     for hw in ((8, 8), (6, 7)):  # no padding; padding on both sides
-        x = torch.randn(2, hw[0] * hw[1], 16, requires_grad=True)
+        x = torch.randn(2, hw[0] * hw[1], 16, device=device,
+                        requires_grad=True)
         want, (g_want, ), kept_plain = _grads(lambda: plain(x, hw), [x])
         got, (g_got, ), kept = _grads(lambda: lean(x, hw), [x])
         torch.testing.assert_close(got, want, **TOL)
         torch.testing.assert_close(g_got, g_want, **TOL)
-        assert kept < kept_plain
+        assert lean._lean_call is not None
+        assert kept < kept_plain or device != 'cpu'
 
 
 def test_subclass_with_its_own_forward_stays_plain():

@@ -5,7 +5,8 @@
   which input patches its ``g_x`` is constant (None where those are not
   the map's ``r x r`` tiles from 0: stride 2, no padding, reflect padding);
 * a patch-mean GELU runs the rule only on an unchanged, marked input on its
-  own partition, else autograd's GELU; ``make_plain`` swaps it back.
+  own partition, else autograd's GELU; ``make_plain`` swaps it back; on
+  CUDA tensors too (``pytest -m cuda``), its input gradient the patch rule's.
 """
 import pytest
 import torch
@@ -19,11 +20,12 @@ from mmseg_gf.models.patch_mean_gelu import (is_patch_mean_gelu,
 from mmseg_gf.ops import TokenGrid
 from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
                                                 tagged_partition)
+from tests._devices import DEVICES
 
 
-def _linear(radius, grid):
+def _linear(radius, grid, device='cpu'):
     return GFLinear.from_linear(nn.Linear(4, 6), radius,
-                                TokenGridSource(grid))
+                                TokenGridSource(grid)).to(device)
 
 
 def test_filtered_layers_mark_their_output_and_report_input_patches():
@@ -49,10 +51,11 @@ def test_filtered_layers_mark_their_output_and_report_input_patches():
     assert _linear(2, None).input_partition(tokens) is None
 
 
-def test_the_rule_runs_only_on_its_partitions_unchanged_output():
+@pytest.mark.parametrize('device', DEVICES)
+def test_the_rule_runs_only_on_its_partitions_unchanged_output(device):
     grid = TokenGrid(4, 4)
-    x = torch.randn(2, 16, 4, requires_grad=True)
-    up = _linear(2, grid)
+    x = torch.randn(2, 16, 4, device=device, requires_grad=True)
+    up = _linear(2, grid, device)
     gelu = nn.GELU()
     make_patch_mean_gelu(gelu, PatchPartition.tokens(grid, 2, 1))
     assert is_patch_mean_gelu(gelu) and isinstance(gelu, nn.GELU)
@@ -65,11 +68,20 @@ def test_the_rule_runs_only_on_its_partitions_unchanged_output():
     assert gelu._patch_mean_call == (2, 16, 6)
     assert node(up(x) + 0) == 'GeluBackward0'  # not the layer's output
     assert gelu._patch_mean_call is None
-    assert node(_linear(4, grid)(x)) == 'GeluBackward0'  # another r
-    conv = GFConv2d(3, 3, 1, radius=2)
+    assert node(_linear(4, grid, device)(x)) == 'GeluBackward0'  # another r
+    # the rule's input gradient: g_y times the patch means of GELU'
+    u = up(x)
+    g = torch.randn(u.shape, device=device)
+    got, = torch.autograd.grad(gelu(u), u, g)
+    slope = torch.ops.aten.gelu_backward(torch.ones_like(u), u.detach())
+    means = slope.view(2, 2, 2, 2, 2, 6).mean(dim=(2, 4), keepdim=True)
+    want = g * means.expand(2, 2, 2, 2, 2, 6).reshape(u.shape)
+    assert got.device == u.device
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    conv = GFConv2d(3, 3, 1, radius=2).to(device)
     gelu_map = nn.GELU(approximate='tanh')
     make_patch_mean_gelu(gelu_map, PatchPartition.conv_map(2, 4, 4))
-    maps = torch.randn(1, 3, 4, 4, requires_grad=True)
+    maps = torch.randn(1, 3, 4, 4, device=device, requires_grad=True)
     assert type(gelu_map(conv(maps)).grad_fn).__name__ == \
         'PatchMeanGeluFunctionBackward'
     changed = conv(maps)

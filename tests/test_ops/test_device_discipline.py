@@ -6,7 +6,10 @@ shapes.
 
 A CPU-only build cannot record autograd on fake CUDA tensors, so each
 Function's ``forward`` and ``backward`` are called as functions with a
-stand-in for autograd's context. The fused classifier + loss computes its
+stand-in for autograd's context. The token-grid Functions (the filtered
+Linear, the patch-mean GELU) and the transformer blocks' lean ones run
+with autograd on the ``meta`` device instead (see
+:func:`test_token_functions_on_meta`). The fused classifier + loss computes its
 gradient with autograd inside its forward: it runs on the ``meta`` device
 with whole training steps instead (``tests/test_engine/
 test_device_discipline.py``).
@@ -15,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops import triton_path
+from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, triton_path
 from mmseg_gf.ops.gradient_filter import (GradientFilterConv2dFunction,
                                           conv_geometry)
 from mmseg_gf.ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
@@ -26,6 +29,11 @@ from mmseg_gf.ops.lean_activation import (PiecewiseLinearActivationFunction,
                                           hardsigmoid_bits)
 from mmseg_gf.ops.lean_pool import (ShapeOnlyAvgPoolFunction,
                                     WindowOffsetMaxPoolFunction)
+from mmseg_gf.ops.lean_transformer import (BitMaskDropPathFunction,
+                                           FrozenLayerNormFunction,
+                                           multihead_attention)
+from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
+                                                patch_mean_gelu)
 from mmseg_gf.ops.resize import BilinearResizeFunction
 from tests._device_discipline import HostSyncError, fake_cuda
 
@@ -159,3 +167,76 @@ def test_the_checks_catch_what_they_are_for():
             x.cpu()
         with pytest.raises(HostSyncError):
             torch.masked_select(x, x > 0)
+
+
+# (grid, input shape, token_dim): tokens with a cls token and partial
+# patches, (N, B, C), 'hwc', Swin's windows, trailing tokens.
+TOKEN_CASES = [
+    (TokenGrid(5, 7, extra_tokens=1), (2, 36, 6), 1),
+    (TokenGrid(4, 4, extra_tokens=1), (17, 2, 6), 0),
+    (TokenGrid(6, 5, layout='hwc'), (2, 6, 5, 6), 1),
+    (TokenGrid.windows(4), (6, 16, 6), 1),
+    (TokenGrid(3, 4, trailing_tokens=3), (2, 15, 6), 1),
+]
+
+
+def _meta(*shape, grad=True):
+    return torch.randn(*shape, device='meta', requires_grad=grad)
+
+
+def _backward_on_meta(out, leaves):
+    """Autograd's backward of ``out`` on the ``meta`` device (a CPU tensor
+    mixed in, a value read or a copy to the host fails there); every
+    leaf's gradient a meta tensor of its shape."""
+    assert out.device.type == 'meta'
+    grads = torch.autograd.grad(out, leaves, torch.randn_like(out))
+    for grad, leaf in zip(grads, leaves):
+        assert grad.device.type == 'meta' and grad.shape == leaf.shape
+
+
+@pytest.mark.parametrize('grid,shape,token_dim', TOKEN_CASES)
+def test_token_functions_on_meta(grid, shape, token_dim):
+    """The filtered Linear (trained and frozen weight) and the patch-mean
+    GELU on a token grid, forward and backward through autograd on the
+    ``meta`` device: fake CUDA tensors cannot run their Python-side
+    indexing (``Tensor.__getitem__`` and ``contiguous`` need the CUDA
+    runtime in a CPU-only build), meta tensors can."""
+    x = _meta(*shape)
+    weight, bias = _meta(4, shape[-1]), _meta(4)
+    _backward_on_meta(gradient_filtered_linear(x, weight, bias, grid, 2,
+                                               token_dim), [x, weight, bias])
+    frozen = _meta(4, shape[-1], grad=False)
+    _backward_on_meta(gradient_filtered_linear(x, frozen, None, grid, 3,
+                                               token_dim), [x])
+    if grid.layout != 'windows':
+        part = PatchPartition.tokens(grid, 2,
+                                     grid.token_axis(shape, token_dim))
+        _backward_on_meta(patch_mean_gelu(x, 'none', part), [x])
+
+
+def test_transformer_functions_on_meta():
+    """The patch-mean GELU on a conv map, the frozen LayerNorm, the
+    bit-mask DropPath and the frozen attention through SDPA."""
+    x = _meta(2, 4, 9, 11)
+    _backward_on_meta(patch_mean_gelu(x, 'tanh',
+                                      PatchPartition.conv_map(4, 9, 11)),
+                      [x])
+    tokens = _meta(2, 12, 8)
+    _backward_on_meta(FrozenLayerNormFunction.apply(
+        tokens, (8, ), _meta(8, grad=False), _meta(8, grad=False), 1e-6),
+        [tokens])
+    _backward_on_meta(BitMaskDropPathFunction.apply(tokens, 0.3), [tokens])
+    proj = [(_meta(8, 8, grad=False), _meta(8, grad=False))
+            for _ in range(4)]
+    _backward_on_meta(multihead_attention(tokens, tokens, tokens, 2,
+                                          proj[0], None, proj[1], proj[2],
+                                          proj[3]), [tokens])
+
+
+def test_meta_catches_a_cpu_tensor_and_a_value_read():
+    """The meta checks above would otherwise prove nothing."""
+    x = _meta(3)
+    with pytest.raises(RuntimeError):
+        x + torch.ones(3)
+    with pytest.raises(RuntimeError):
+        x.sum().item()

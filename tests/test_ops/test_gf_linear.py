@@ -1,11 +1,16 @@
 """The gradient-filtered linear layer against its float64 reference
 (tests/gf_linear_reference.py) and the exact limits of
-docs/gradient_filter.md#linear-layers-on-token-grids."""
+docs/gradient_filter.md#linear-layers-on-token-grids.
+
+The tests that take ``device`` also run on CUDA tensors (``pytest -m
+cuda``); their CPU path with the compiled kernels off is the one
+tests/test_ops/test_gf_linear_native.py compares with the kernels."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
+from tests._devices import DEVICES
 from tests.gf_linear_cases import LAYOUT_CASES as CASES
 from tests.gf_linear_reference import (patch_average,
                                        reference_linear_gradients)
@@ -20,11 +25,16 @@ def _inputs(shape, cout=4, seed=0, dtype=torch.float64):
     return x, w, b, g
 
 
-def _filtered_grads(x, w, b, g, grid, radius, token_dim):
-    x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
+def _filtered_grads(x, w, b, g, grid, radius, token_dim, device='cpu'):
+    """The filtered layer's gradients computed on ``device``, returned on
+    the CPU."""
+    x, w, b = (t.clone().to(device).requires_grad_() for t in (x, w, b))
     y = gradient_filtered_linear(x, w, b, grid, radius, token_dim)
     assert torch.equal(y, F.linear(x, w, b))  # the forward is exact
-    return torch.autograd.grad(y, (x, w, b), g)
+    grads = torch.autograd.grad(y, (x, w, b), g.to(device))
+    for got, wrt in zip(grads, (x, w, b)):
+        assert got.device == wrt.device and got.dtype == wrt.dtype
+    return tuple(t.cpu() for t in grads)
 
 
 @pytest.mark.parametrize('grid,shape,token_dim', CASES)
@@ -49,15 +59,17 @@ def test_radius_1_is_the_exact_backward(grid, shape, token_dim):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('grid,shape,token_dim', CASES)
 @pytest.mark.parametrize('radius', [2, 3])
 def test_filtered_backward_is_the_exact_backward_of_patch_averaged_g(
-        grid, shape, token_dim, radius):
+        grid, shape, token_dim, radius, device):
     """Gradcheck-style identity: ``g_x`` and ``g_W`` are the exact vector-
     Jacobian products of ``F.linear`` at ``M g_y`` (``M``: patch means,
-    extra tokens unchanged), ``g_b`` the exact one at ``g_y``."""
+    extra tokens unchanged), ``g_b`` the exact one at ``g_y``; float64 on
+    ``device``, the identity's side on the CPU."""
     x, w, b, g = _inputs(shape, seed=2)
-    got = _filtered_grads(x, w, b, g, grid, radius, token_dim)
+    got = _filtered_grads(x, w, b, g, grid, radius, token_dim, device)
     mg = patch_average(g, grid.height, grid.width, grid.extra_tokens,
                        grid.layout, token_dim, radius)
     x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
@@ -68,13 +80,14 @@ def test_filtered_backward_is_the_exact_backward_of_patch_averaged_g(
                                rtol=1e-12, atol=1e-12)
 
 
-def test_patch_constant_gradient_is_exact():
+@pytest.mark.parametrize('device', DEVICES)
+def test_patch_constant_gradient_is_exact(device):
     """Exact limit: a ``g_y`` constant on every patch (and any extra-token
     gradient) gives the exact ``g_x``, ``g_W`` and ``g_b``."""
     grid, r = TokenGrid(6, 4, extra_tokens=1), 2
     x, w, b, g = _inputs((3, 25, 5), seed=3)
     g = patch_average(g, 6, 4, 1, 'tokens', 1, r)
-    got = _filtered_grads(x, w, b, g, grid, r, 1)
+    got = _filtered_grads(x, w, b, g, grid, r, 1, device)
     x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
     exact = torch.autograd.grad(F.linear(x, w, b), (x, w, b), g)
     for a, e in zip(got, exact):
@@ -107,40 +120,43 @@ def test_forward_keeps_patch_sums_and_extra_tokens_only():
     assert saved == [w.numel()]
 
 
-def test_noncontiguous_input_and_gradient():
+@pytest.mark.parametrize('device', DEVICES)
+def test_noncontiguous_input_and_gradient(device):
     """(B, N, C) transposed to (N, B, C), as nn.MultiheadAttention does."""
     grid = TokenGrid(5, 4, extra_tokens=1)
     x, w, b, g = _inputs((3, 21, 6))
     xt, gt = x.transpose(0, 1), g.transpose(0, 1)
     assert not xt.is_contiguous()
-    got = _filtered_grads(xt, w, b, gt, grid, 2, 0)
+    got = _filtered_grads(xt, w, b, gt, grid, 2, 0, device)
     ref = reference_linear_gradients(x, w, g, 5, 4, 1, 'tokens', 1, 2)
     torch.testing.assert_close(got[0], ref[0].transpose(0, 1), rtol=1e-10,
                                atol=1e-10)
     torch.testing.assert_close(got[1], ref[1], rtol=1e-10, atol=1e-10)
 
 
-def test_autocast_bfloat16():
-    """Under CPU autocast the forward is autocast's ``F.linear`` (bf16) and
+@pytest.mark.parametrize('device', DEVICES)
+def test_autocast_bfloat16(device):
+    """Under autocast the forward is autocast's ``F.linear`` (bf16) and
     the backward accumulates in float32: the gradients keep the float32
     parameters' and input's dtypes and match the reference taken on the
     bf16-rounded operands."""
     grid, r = TokenGrid(8, 8, extra_tokens=1), 4
     x, w, b, _ = _inputs((2, 65, 16), cout=8, dtype=torch.float32)
-    x, w, b = (t.requires_grad_() for t in (x, w, b))
-    with torch.autocast('cpu', dtype=torch.bfloat16):
+    x, w, b = (t.to(device).requires_grad_() for t in (x, w, b))
+    with torch.autocast(device, dtype=torch.bfloat16):
         y = gradient_filtered_linear(x, w, b, grid, r)
         expected = F.linear(x, w, b)
     assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
     g = torch.randn(y.shape).to(torch.bfloat16)
-    y.backward(g)
+    y.backward(g.to(device))
     assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
+    assert x.grad.device == w.grad.device == b.grad.device == y.device
     ref = reference_linear_gradients(
-        x.detach().to(torch.bfloat16), w.detach().to(torch.bfloat16), g, 8,
-        8, 1, 'tokens', 1, r)
+        x.detach().cpu().to(torch.bfloat16),
+        w.detach().cpu().to(torch.bfloat16), g, 8, 8, 1, 'tokens', 1, r)
     for got, want in zip((x.grad, w.grad, b.grad), ref):
         scale = float(want.abs().max())
-        torch.testing.assert_close(got.double(), want, rtol=2e-2,
+        torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2,
                                    atol=2e-2 * scale)
 
 

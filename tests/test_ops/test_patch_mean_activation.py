@@ -13,6 +13,10 @@ layers (docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
   over sizes and radii;
 * the op keeps ``1/r^2`` of the input's elements (plus the extra tokens),
   and its forward is ``F.gelu``'s bit for bit.
+
+The op's tests and the token chain's take ``device_path``: the compiled
+patch sums on the CPU, the PyTorch path CUDA tensors take on the CPU, and
+CUDA tensors (``pytest -m cuda``).
 """
 import pytest
 import torch
@@ -28,6 +32,7 @@ from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
                                                 patch_mean_gelu,
                                                 patch_mean_kept_elements,
                                                 tag_output, tagged_partition)
+from tests._devices import DEVICE_PATHS, on_path
 
 D64 = torch.float64
 
@@ -60,34 +65,45 @@ def _reference_token_grad(x, g, grid, r, approximate):
     return out
 
 
+def _leaf(t, device):
+    return t.to(device).requires_grad_(True)
+
+
+@pytest.mark.parametrize('device_path', DEVICE_PATHS)
 @pytest.mark.parametrize('approximate', ['none', 'tanh'])
 @pytest.mark.parametrize('size', [(8, 8), (7, 10)])
-def test_map_op_matches_the_loop_reference(approximate, size):
+def test_map_op_matches_the_loop_reference(approximate, size, device_path):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, *size, dtype=D64, generator=gen,
-                    requires_grad=True)
+    x0 = torch.randn(2, 3, *size, dtype=D64, generator=gen)
     g = torch.randn(2, 3, *size, dtype=D64, generator=gen)
     part = PatchPartition.conv_map(4, *size)
-    y = patch_mean_gelu(x, approximate, part)
-    assert torch.equal(y, F.gelu(x, approximate=approximate))
-    y.backward(g)
+    with on_path(device_path) as device:
+        x = _leaf(x0, device)
+        y = patch_mean_gelu(x, approximate, part)
+        assert torch.equal(y, F.gelu(x, approximate=approximate))
+        y.backward(g.to(device))
+    assert x.grad.device == x.device
     torch.testing.assert_close(
-        x.grad, _reference_map_grad(x.detach(), g, 4, approximate),
+        x.grad.cpu(), _reference_map_grad(x0, g, 4, approximate),
         rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize('device_path', DEVICE_PATHS)
 @pytest.mark.parametrize('grid', [TokenGrid(5, 6, extra_tokens=1),
                                   TokenGrid(4, 4, trailing_tokens=2),
                                   TokenGrid(3, 7)])
-def test_token_op_matches_the_loop_reference(grid):
+def test_token_op_matches_the_loop_reference(grid, device_path):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, grid.num_tokens, 5, dtype=D64, generator=gen,
-                    requires_grad=True)
-    g = torch.randn(x.shape, dtype=D64, generator=gen)
-    y = patch_mean_gelu(x, 'none', PatchPartition.tokens(grid, 2, 1))
-    y.backward(g)
+    x0 = torch.randn(2, grid.num_tokens, 5, dtype=D64, generator=gen)
+    g = torch.randn(x0.shape, dtype=D64, generator=gen)
+    with on_path(device_path) as device:
+        x = _leaf(x0, device)
+        y = patch_mean_gelu(x, 'none', PatchPartition.tokens(grid, 2, 1))
+        assert torch.equal(y, F.gelu(x))
+        y.backward(g.to(device))
+    assert x.grad.device == x.device
     torch.testing.assert_close(
-        x.grad, _reference_token_grad(x.detach(), g, grid, 2, 'none'),
+        x.grad.cpu(), _reference_token_grad(x0, g, grid, 2, 'none'),
         rtol=1e-12, atol=1e-14)
 
 
@@ -168,7 +184,7 @@ def test_conv_chain_property(h, w, r, up, down, tanh, seed):
                       'tanh' if tanh else 'none')
 
 
-def _check_chain_tokens(grid, r, token_dim, seed=0):
+def _check_chain_tokens(grid, r, token_dim, seed=0, device='cpu'):
     gen = torch.Generator().manual_seed(seed)
     c = 5
     batch = 2
@@ -178,14 +194,13 @@ def _check_chain_tokens(grid, r, token_dim, seed=0):
         shape = (grid.num_tokens, batch, c)
     else:
         shape = (batch, grid.num_tokens, c)
-    x = torch.randn(shape, dtype=D64, generator=gen, requires_grad=True)
-    params = [torch.randn(6, c, dtype=D64, generator=gen),
-              torch.randn(6, dtype=D64, generator=gen),
-              torch.randn(3, 6, dtype=D64, generator=gen),
-              torch.randn(3, dtype=D64, generator=gen)]
-    for p in params:
-        p.requires_grad_(True)
-    g = torch.randn(*shape[:-1], 3, dtype=D64, generator=gen)
+    x = _leaf(torch.randn(shape, dtype=D64, generator=gen), device)
+    params = [_leaf(p, device) for p in (
+        torch.randn(6, c, dtype=D64, generator=gen),
+        torch.randn(6, dtype=D64, generator=gen),
+        torch.randn(3, 6, dtype=D64, generator=gen),
+        torch.randn(3, dtype=D64, generator=gen))]
+    g = torch.randn(*shape[:-1], 3, dtype=D64, generator=gen).to(device)
     part = PatchPartition.tokens(grid, r, token_dim)
 
     def chain(gelu):
@@ -203,6 +218,7 @@ def _check_chain_tokens(grid, r, token_dim, seed=0):
                                    msg=lambda m: f'{name}: {m}')
 
 
+@pytest.mark.parametrize('device_path', DEVICE_PATHS)
 @pytest.mark.parametrize('grid,token_dim', [
     (TokenGrid(8, 8), 1),
     (TokenGrid(5, 7, extra_tokens=1), 1),  # cls token, partial patches
@@ -210,8 +226,10 @@ def _check_chain_tokens(grid, r, token_dim, seed=0):
     (TokenGrid(5, 6, extra_tokens=1), 0),  # (N, B, C)
     (TokenGrid(6, 7, layout='hwc'), 1),
 ])
-def test_token_chain_gradients_equal_the_exact_gelus(grid, token_dim):
-    _check_chain_tokens(grid, 4, token_dim)
+def test_token_chain_gradients_equal_the_exact_gelus(grid, token_dim,
+                                                     device_path):
+    with on_path(device_path) as device:
+        _check_chain_tokens(grid, 4, token_dim, device=device)
 
 
 @settings(max_examples=15, deadline=None)
