@@ -216,7 +216,9 @@ def _sdpa_windows(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     out = F.scaled_dot_product_attention(
         by_image(q), by_image(k), by_image(v),
         attn_mask=attn_mask.reshape(1, n_win * h, n, n), scale=scale)
-    return out.view(b, h, n, d)
+    # CUDA's SDPA kernels may return the heads axis inner (a transposed
+    # layout), which no view splits back into windows: reshape copies then.
+    return out.reshape(b, h, n, d)
 
 
 class _LeanWindowMSA:
