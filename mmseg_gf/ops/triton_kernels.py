@@ -190,8 +190,13 @@ def output_grad_means(grad_output: Tensor, radius: int, scale: float,
     cols = (0, radius, -(-width // radius))
     means = grad_output.new_empty((c, n, rows[2], cols[2]), dtype=acc)
     partial = grad_output.new_empty((n, c, rows[2]), dtype=acc)
+    # A float scalar reaches a kernel as float32 (1/3 off by 2^-25): a
+    # float64 reduction is scaled afterwards, in float64.
+    late = acc == torch.float64 and scale != 1.0
     _reduce(grad_output, means.permute(1, 0, 2, 3), partial, rows, cols,
-            scale, True, acc)
+            1.0 if late else scale, True, acc)
+    if late:
+        means.mul_(scale)
     return means, partial
 
 
