@@ -83,26 +83,6 @@ def test_torch_compile_gives_the_same_gradients():
     torch.testing.assert_close(model[0].weight.grad, ref_w)
 
 
-@pytest.mark.cuda
-@CUDA
-def test_cuda_float64_matches_reference_over_the_grid():
-    """Same grid as the CPU reference test, op on the GPU (float64)."""
-    from tests.gf_reference import reference_gradients
-    from tests.test_gf_op import GRID, _conv_case, _run_op
-    for stride, kernel, dilation, groups, radius in GRID:
-        g = 1 if groups == '1' else 4
-        x, w, b, gy, s, p, d = _conv_case(radius, 2, 4, 4, (13, 11), kernel,
-                                          stride, dilation, g)
-        out, gx, gw, gb = _run_op(x.cuda(), w.cuda(), b.cuda(), gy.cuda(), s,
-                                  p, d, g, radius)
-        assert gx.is_cuda and gw.is_cuda and gb.is_cuda
-        ref_x, ref_w, ref_b = reference_gradients(x, w, gy, s, p, d, g,
-                                                  radius)
-        torch.testing.assert_close(gx.cpu(), ref_x, rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(gw.cpu(), ref_w, rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(gb.cpu(), ref_b, rtol=1e-9, atol=1e-9)
-
-
 # ----------------------------------------------------------------------------
 # Accumulation in float32, non-finite gradients, channels_last, compile
 

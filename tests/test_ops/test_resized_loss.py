@@ -16,13 +16,18 @@ PATHS = [False] + ([True] if resized_loss._kernel is not None else []) + [
     pytest.param('cuda', marks=[pytest.mark.cuda, needs_cuda])]
 
 
+def _on(kernel):
+    """``(device, use_kernel)`` of a path of :data:`PATHS`."""
+    return ('cuda', None) if kernel == 'cuda' else ('cpu', kernel)
+
+
 def _run(logits, label, kernel, weight=None, **kwargs):
     """``resized_cross_entropy`` on one path, its tensors back on the CPU."""
-    device = 'cuda' if kernel == 'cuda' else 'cpu'
+    device, use_kernel = _on(kernel)
     got = resized_cross_entropy(
         logits.to(device), label.to(device),
         weight=None if weight is None else weight.to(device),
-        use_kernel=None if kernel == 'cuda' else kernel, **kwargs)
+        use_kernel=use_kernel, **kwargs)
     for key, value in vars(got).items():
         if value is not None:
             assert value.device.type == device, key
@@ -147,8 +152,10 @@ def test_label_out_of_range_is_a_label_range_error(kernel):
     loss tells apart from a loss it cannot mirror."""
     logits, label, _ = _case((1, 3, 4, 4, 8, 8))
     label[0, 1, 1] = -1
+    device, use_kernel = _on(kernel)
     with pytest.raises(resized_loss.LabelRangeError):
-        resized_cross_entropy(logits, label, use_kernel=kernel)
+        resized_cross_entropy(logits.to(device), label.to(device),
+                              use_kernel=use_kernel)
 
 
 def _topk_hits(logits, label, ignore_index, align_corners):
@@ -164,13 +171,15 @@ def _topk_hits(logits, label, ignore_index, align_corners):
 @pytest.mark.parametrize('sigmoid', [False, True])
 def test_non_finite_logits_count_hits_as_mmseg_accuracy(kernel, sigmoid):
     """NaN in every class, in one class, and equal infinities: the hits
-    are those of mmseg's ``accuracy`` (``topk``), on both paths; an image
-    with finite logits keeps its count."""
+    are those of mmseg's ``accuracy`` (``topk`` on the logits' device), on
+    every path; an image with finite logits keeps its count."""
     logits, label, _ = _case((3, 5, 6, 7, 24, 28), seed=6)
     logits[0, :, 1, 2] = float('nan')
     logits[0, 3, 4, 5] = float('nan')
     logits[1, 1:4, 2, 2] = float('inf')
-    out = resized_cross_entropy(logits, label, use_kernel=kernel,
+    device, use_kernel = _on(kernel)
+    logits, label = logits.to(device), label.to(device)
+    out = resized_cross_entropy(logits, label, use_kernel=use_kernel,
                                 sigmoid=sigmoid, want_grad=False)
     want = _topk_hits(logits, label, 255, False)
     assert out.hits.tolist() == want.tolist()
