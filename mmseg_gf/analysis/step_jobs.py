@@ -77,7 +77,9 @@ def family_jobs(args: argparse.Namespace) -> List[Job]:
 
 def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
     """Measure every job's rows, print each model's table and write
-    ``steps.json``, ``steps.md`` and ``steps.png`` to ``--out-dir``."""
+    ``steps.json``, ``steps.md`` and ``steps.png`` to ``--out-dir`` (again
+    after each model, so that the models measured before a failure keep
+    their results)."""
     device = getattr(args, 'device', 'cpu')
     if device == 'cuda' and getattr(args, 'tf32', None) is not None:
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -111,9 +113,17 @@ def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
         by_kind = kept_by_kind_table(result)
         if by_kind:
             print(f'\n{by_kind}', flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    write_json(osp.join(args.out_dir, 'steps.json'), results)
-    with open(osp.join(args.out_dir, 'steps.md'), 'w') as f:
+        # after every model: a later model's failure keeps these
+        _write_results(results, args.out_dir)
+    return results
+
+
+def _write_results(results: Sequence[dict], out_dir: str) -> None:
+    """``steps.json``, ``steps.md`` and ``steps.png`` of the models
+    measured so far."""
+    os.makedirs(out_dir, exist_ok=True)
+    write_json(osp.join(out_dir, 'steps.json'), results)
+    with open(osp.join(out_dir, 'steps.md'), 'w') as f:
         for result in results:
             f.write(f"## {result['label']}, crop {result['crop'][0]}x"
                     f"{result['crop'][1]}\n\n{step_table(result)}\n\n")
@@ -121,6 +131,5 @@ def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
             if by_kind:
                 f.write(f'Kept for backward by kind (analytic count):\n\n'
                         f'{by_kind}\n\n')
-    if plot(results, osp.join(args.out_dir, 'steps.png')):
-        print(f"wrote {osp.join(args.out_dir, 'steps.png')}")
-    return results
+    if plot(results, osp.join(out_dir, 'steps.png')):
+        print(f"wrote {osp.join(out_dir, 'steps.png')}")
