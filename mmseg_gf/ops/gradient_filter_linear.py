@@ -22,8 +22,11 @@ two GEMMs on ``N / r^2`` rows. On CPU with the compiled kernels
 (``native``: float32 / float64, channels with stride 1) the patch sums of
 ``x`` and the whole backward of the grid tokens run in C++
 (``csrc/token_grid_backward.cpp``: one read of ``g_y``, one write of
-``g_x``, into recycled memory); the pure-PyTorch path here is the reference
-and the fallback (``MMSEG_GF_NATIVE=0``). No mmseg import.
+``g_x``, into recycled memory); on CUDA the conv's Triton kernels do the
+same on the token rows seen as a channels-last map (``triton_linear``;
+off with ``MMSEG_GF_TRITON=0`` or ``triton_path.set_enabled(False)``); the
+pure-PyTorch path here is the reference and the fallback
+(``MMSEG_GF_NATIVE=0``). No mmseg import.
 """
 
 from dataclasses import dataclass
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import native
+from . import native, triton_linear
 from .patch_grid import AxisGeometry, autocast_off, check_radius
 
 #: How the grid's tokens are laid out in a Linear's input (last dim: C).
@@ -241,12 +244,15 @@ class TokenLayout:
 
     def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:
         """:meth:`pool_rows` of ``t``'s grid tokens, ``(L, Ph, Pw, C)``
-        (the forward's ``x~``); the compiled kernel where it applies (one
-        read of ``t``, the same sums in another order)."""
+        (the forward's ``x~``); one read of ``t`` where a kernel applies
+        (Triton on CUDA: :func:`triton_linear.patch_sums`; the compiled
+        CPU kernel), the same sums in another order."""
         rows = self.grid_rows(t)
         if rows is None:
             view = self.grid_view(t)
             rows = view.reshape(-1, *view.shape[-3:])
+        if triton_linear.usable(rows):
+            return triton_linear.patch_sums(rows, self.radius, dtype)
         if dtype == t.dtype and native.token_rows_usable(rows):
             return native.token_patch_sums(rows, self.radius)
         return self.pool_rows(rows, dtype)
@@ -299,8 +305,10 @@ def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
                        grad_x: Optional[Tensor], need_w: bool, need_b: bool,
                        acc: torch.dtype
                        ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Steps 1, 3 and 4 on the grid tokens, chunk by chunk of leading rows
-    (docs/gradient_filter.md#linear-layers-on-token-grids).
+    """Steps 1, 3 and 4 on the grid tokens
+    (docs/gradient_filter.md#linear-layers-on-token-grids): the Triton
+    kernels on CUDA (:func:`triton_linear.filtered_backward`), the compiled
+    kernel on CPU, else PyTorch ops chunk by chunk of leading rows.
 
     Writes ``g_x``'s grid tokens into ``grad_x`` (when given); returns
     ``(g_W, g_b)`` of the grid tokens in ``acc`` (None where not asked).
@@ -315,7 +323,12 @@ def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
         if out_rows is None:  # leading axes that do not merge: stage
             staging = grad_x.new_empty(*g_rows.shape[:-1], grad_x.shape[-1])
             out_rows = staging
-    if g_rows.dtype == acc and native.token_rows_usable(
+    if triton_linear.usable(g_rows, out_rows, weight,
+                            x_sums if need_w else None):
+        grad_w, grad_b = triton_linear.filtered_backward(
+            g_rows, x_sums if need_w else None, weight, out_rows,
+            layout.radius, need_w, need_b, acc)
+    elif g_rows.dtype == acc and native.token_rows_usable(
             g_rows, out_rows, weight, x_sums if need_w else None):
         grad_w, grad_b = native.token_filtered_backward(
             g_rows, x_sums if need_w else None, weight, out_rows,

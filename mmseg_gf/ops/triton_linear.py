@@ -1,0 +1,126 @@
+"""The GPU path of the filtered Linear on a token grid: the conv's Triton
+kernels on token rows.
+
+A Linear's grid tokens, seen as ``(L, H, W, C)`` rows (channel stride 1,
+other strides free: what ``TokenLayout.grid_rows`` gives), are a
+channels-last ``L x C x H x W`` map: ``rows.permute(0, 3, 1, 2)`` is a view
+the kernels of :mod:`triton_kernels` read and write in place. So the
+filtered Linear (docs/gradient_filter.md#linear-layers-on-token-grids) is
+the conv's backward on a ``1 x 1`` kernel:
+
+* forward: the patch sums of ``x`` in one Triton pass over ``x``
+  (:func:`patch_sums`, ``(L, ph, pw, C)`` as the PyTorch path keeps them);
+* backward (:func:`filtered_backward`): one Triton pass over ``g_y`` (patch
+  means, partial border patches over the tokens they have, and the bias
+  gradient's partial sums), the two channel-mixing products on the
+  ``L * ph * pw`` patch rows as GEMMs, one Triton pass writing ``g_x``'s
+  grid tokens.
+
+CUDA tensors take it while :func:`triton_path.enabled` (triton installed,
+``MMSEG_GF_TRITON`` not ``0``, :func:`triton_path.set_enabled`); CPU tensors
+only under triton's interpreter (``TRITON_INTERPRET=1`` before import: the
+tests). Under ``torch.compile`` and on fake or meta tensors the PyTorch
+path runs instead (these kernels are not registered as torch ops).
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import triton_path
+from .triton_path import _FLOAT_TYPES, _kernels, _on_device
+
+__all__ = ['usable', 'patch_sums', 'filtered_backward', 'backward_calls']
+
+_calls = 0
+
+
+def usable(*tensors: Optional[Tensor]) -> bool:
+    """Whether these tensors (``None`` skipped; the first not ``None`` and
+    non-empty) may take the Triton path: the path enabled, plain float
+    tensors on one CUDA device (CPU only under the interpreter), not
+    while ``torch.compile`` traces."""
+    first = tensors[0]
+    device = first.device.type
+    if not (triton_path.enabled() and first.numel() > 0
+            and (device == 'cuda' or
+                 (device == 'cpu' and triton_path._ON_CPU))
+            and not torch.compiler.is_compiling()):
+        return False
+    return all(
+        t is None or (type(t) in (Tensor, torch.nn.Parameter)
+                      and t.device == first.device and t.dtype in _FLOAT_TYPES)
+        for t in tensors)
+
+
+def backward_calls() -> int:
+    """How many backward calls of the filtered Linear ran the Triton
+    kernels in this process (a diagnostic)."""
+    return _calls
+
+
+def _patches(size: int, radius: int) -> Tuple[int, int, int]:
+    """``(start, size, count)`` of the ``r``-token patches along one axis
+    (the last one may be short: the kernels clip it to the map)."""
+    return 0, radius, -(-size // radius)
+
+
+def patch_sums(rows: Tensor, radius: int, dtype: torch.dtype) -> Tensor:
+    """Sums of ``(L, H, W, C)`` token rows over each ``r x r`` patch as a
+    contiguous ``(L, ph, pw, C)`` tensor in ``dtype`` (partial patches:
+    over their tokens), in one pass over ``rows``; accumulated in float32
+    (float64 for a float64 ``dtype``)."""
+    n, height, width, channels = rows.shape
+    out = rows.new_empty((n, -(-height // radius), -(-width // radius),
+                          channels), dtype=dtype)
+    with _on_device(rows):
+        _kernels().patch_sums_into(rows.permute(0, 3, 1, 2),
+                                   out.permute(0, 3, 1, 2),
+                                   _patches(height, radius),
+                                   _patches(width, radius))
+    return out
+
+
+def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
+                      weight: Tensor, out_rows: Optional[Tensor], radius: int,
+                      need_w: bool, need_b: bool, acc: torch.dtype
+                      ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Steps 1, 3 and 4 of the filtered Linear on the grid tokens
+    (``_filtered_backward_torch``'s contract).
+
+    Args:
+        g_rows: ``g_y``'s grid tokens, ``(L, H, W, Co)``, any strides.
+        x_sums: the forward's patch sums ``(L, ph, pw, Ci)`` (contiguous),
+            or None when ``g_W`` is not needed.
+        weight: ``Co x Ci``.
+        out_rows: ``g_x``'s grid tokens ``(L, H, W, Ci)`` (a view into
+            ``g_x``, written in full), or None.
+        radius: the patch size ``r``.
+        need_w, need_b: whether ``g_W`` / ``g_b`` are wanted.
+        acc: the accumulation dtype (float32, float64 for float64).
+
+    Returns:
+        ``(g_W, g_b)`` of the grid tokens in ``acc`` (None where not
+        asked).
+    """
+    global _calls
+    _calls += 1
+    kernels = _kernels()
+    n, height, width, _ = g_rows.shape
+    rows, cols = _patches(height, radius), _patches(width, radius)
+    grad_w = grad_b = None
+    with _on_device(g_rows):
+        # Scale 1: the means are plain patch means (a float scale would
+        # reach the kernel as float32).
+        means, partial = kernels.output_grad_means(
+            g_rows.permute(0, 3, 1, 2), radius, 1.0, acc)
+        flat = means.view(means.shape[0], -1)  # Co x (L ph pw)
+        if need_b:
+            grad_b = partial.sum(dim=(0, 2))
+        if need_w:
+            grad_w = flat @ x_sums.reshape(-1, x_sums.shape[-1]).to(acc)
+        if out_rows is not None:
+            grid = (flat.t() @ weight.to(acc)).view(n, rows[2], cols[2], -1)
+            kernels.spread(grid.permute(0, 3, 1, 2),
+                           out_rows.permute(0, 3, 1, 2), rows, cols)
+    return grad_w, grad_b

@@ -1,0 +1,113 @@
+"""The filtered Linear's Triton path (``mmseg_gf.ops.triton_linear``).
+
+Its cases (``tests/triton_linear_cases.py``) run in a subprocess: under
+triton's interpreter on CPU tensors (every machine with triton) and
+compiled on CUDA where there is a GPU (``TRITON_INTERPRET`` must stay off
+in this process; see tests/test_ops/test_gf_triton.py). The tests here
+also cover the switch and, on CUDA, the path in this process.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mmseg_gf.ops import (TokenGrid, gradient_filtered_linear, triton_linear,
+                          triton_path)
+from tests._devices import DEVICES, needs_cuda
+from tests._tools import REPO
+from tests.gf_linear_reference import reference_linear_gradients
+
+ROOT = Path(REPO)
+_VERSION = triton_path.triton_version() or (0, )
+TRITON = pytest.mark.skipif(not triton_path.installed(),
+                            reason='triton >= 3.2 is not installed '
+                            '(requirements/tests.txt pins it)')
+# triton < 3.7's interpreter does not run with numpy >= 2.4 (see
+# test_gf_triton.py).
+INTERPRETER = pytest.mark.skipif(
+    _VERSION < (3, 7) and tuple(
+        int(v) for v in np.__version__.split('.')[:2]) >= (2, 4),
+    reason="triton < 3.7's interpreter does not run with numpy >= 2.4")
+
+
+def _run_cases(interpret: bool) -> str:
+    env = dict(os.environ, TRITON_INTERPRET='1' if interpret else '0')
+    env.pop('MMSEG_GF_TRITON', None)
+    env['PYTHONPATH'] = os.pathsep.join(
+        p for p in (str(ROOT), env.get('PYTHONPATH')) if p)
+    proc = subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
+         '-rs', str(ROOT / 'tests' / 'triton_linear_cases.py')],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    report = proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, report
+    assert ' passed' in report and ' failed' not in report, report
+    assert 'skipped' not in report, report
+    return report
+
+
+@TRITON
+@INTERPRETER
+def test_cases_under_the_triton_interpreter():
+    """Every case of ``triton_linear_cases.py`` on CPU tensors,
+    interpreted."""
+    _run_cases(True)
+
+
+@TRITON
+@pytest.mark.cuda
+@needs_cuda
+def test_cases_compiled_on_cuda():
+    """The same cases on CUDA tensors, compiled."""
+    _run_cases(False)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('radius', [2, 3])
+def test_cuda_tensors_take_the_triton_path(device, radius):
+    """In this process (interpreter off): CUDA tensors take the Triton
+    backward where triton is installed, CPU tensors never; both give the
+    float64 reference's gradients (cls token, partial patches)."""
+    grid, shape = TokenGrid(5, 7, extra_tokens=2), (2, 37, 6)
+    gen = torch.Generator().manual_seed(0)
+    x, g = (torch.randn(*shape[:-1], c, generator=gen, dtype=torch.float64)
+            for c in (6, 4))
+    w = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    b = torch.randn(4, generator=gen, dtype=torch.float64)
+    leaves = [t.to(device).requires_grad_() for t in (x, w, b)]
+    calls = triton_linear.backward_calls()
+    y = gradient_filtered_linear(*leaves, grid, radius, 1)
+    got = torch.autograd.grad(y, leaves, g.to(device))
+    expected = int(device == 'cuda' and triton_path.enabled())
+    assert triton_linear.backward_calls() - calls == expected
+    ref = reference_linear_gradients(x, w, g, 5, 7, 2, 'tokens', 1, radius)
+    for a, e in zip(got, ref):
+        assert a.device.type == device
+        torch.testing.assert_close(a.cpu(), e, rtol=1e-10, atol=1e-10)
+
+
+def test_switch_decides_usable(monkeypatch):
+    """The Linear follows the conv's switch: ``set_enabled`` over
+    ``MMSEG_GF_TRITON``; CPU tensors only under the interpreter (faked
+    here: the predicate alone, no kernel runs)."""
+    x = torch.zeros(2, 3, 3, 4)
+    assert not triton_linear.usable(x)  # interpreter off in this process
+    monkeypatch.setattr(triton_path, '_ON_CPU', True)
+    monkeypatch.delenv('MMSEG_GF_TRITON', raising=False)
+    previous = triton_path.set_enabled(None)
+    try:
+        assert triton_linear.usable(x) == triton_path.installed()
+        assert not triton_linear.usable(x.int())
+        assert not triton_linear.usable(x[:0])
+        triton_path.set_enabled(False)
+        assert not triton_linear.usable(x)
+        triton_path.set_enabled(None)
+        monkeypatch.setenv('MMSEG_GF_TRITON', '0')
+        assert not triton_linear.usable(x)
+        assert not triton_linear.usable(x.to('meta'))
+    finally:
+        triton_path.set_enabled(previous)

@@ -1,0 +1,215 @@
+"""Cases of the filtered Linear's Triton path (``mmseg_gf.ops.triton_linear``);
+run by ``tests/test_ops/test_gf_linear_triton.py`` in a subprocess.
+
+Not collected on its own, for the reason given in ``tests/triton_cases.py``
+(``TRITON_INTERPRET`` is read when triton is imported). Run directly::
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/triton_linear_cases.py  # CPU
+    python -m pytest -q tests/triton_linear_cases.py                     # CUDA
+
+Under the interpreter the tensors are CPU tensors and the shapes tiny; on a
+GPU the same cases run compiled.
+"""
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmseg_gf.ops import (TokenGrid, gradient_filtered_linear, triton_linear,
+                          triton_path)
+from mmseg_gf.ops.gradient_filter_linear import TokenLayout
+from tests.gf_linear_cases import LAYOUT_CASES
+from tests.gf_linear_reference import reference_linear_gradients
+
+INTERPRETED = os.environ.get('TRITON_INTERPRET', '0') == '1'
+if not triton_path.installed():
+    pytest.skip('triton >= 3.2 is not installed (triton_path.MIN_TRITON)',
+                allow_module_level=True)
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip('neither TRITON_INTERPRET=1 nor a CUDA GPU',
+                allow_module_level=True)
+DEVICE = 'cpu' if INTERPRETED else 'cuda'
+
+# Every layout of the op's tests, plus a grid whose leading axes do not
+# merge into one (g_x staged, g_y copied): 'hwc' with the batch before and
+# a head axis after the grid.
+CASES = LAYOUT_CASES + [(TokenGrid(3, 2, layout='hwc'), (2, 3, 2, 2, 5), 1)]
+IDS = [f'{g.layout}{g.height}x{g.width}+{g.extra_tokens}+'
+       f'{g.trailing_tokens}-{"x".join(map(str, s))}-d{d}'
+       for g, s, d in CASES]
+
+
+def _inputs(shape, dtype, cout=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=dtype)
+    w = torch.randn(cout, shape[-1], generator=gen, dtype=dtype)
+    b = torch.randn(cout, generator=gen, dtype=dtype)
+    g = torch.randn(*shape[:-1], cout, generator=gen, dtype=dtype)
+    return x, w, b, g
+
+
+def _grads(x, w, b, g, grid, radius, token_dim, need=(True, True, True),
+           device=None):
+    """Forward and backward on ``device`` (DEVICE); the gradients asked
+    for (None for the others) on the CPU, and whether the Triton backward
+    ran."""
+    device = device or DEVICE
+    leaves = [None if t is None else t.to(device).requires_grad_(flag)
+              for t, flag in zip((x, w, b), need)]
+    calls = triton_linear.backward_calls()
+    y = gradient_filtered_linear(leaves[0], leaves[1], leaves[2], grid,
+                                 radius, token_dim)
+    assert torch.equal(y, F.linear(*leaves))  # the forward is exact
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    got = iter(torch.autograd.grad(y, wanted, g.to(device)))
+    ran = triton_linear.backward_calls() - calls
+    return [next(got).cpu() if t is not None and t.requires_grad else None
+            for t in leaves], ran
+
+
+@contextlib.contextmanager
+def _torch_path():
+    """The pure-PyTorch path: Triton and the compiled CPU kernels off."""
+    previous = triton_path.set_enabled(False)
+    native = os.environ.get('MMSEG_GF_NATIVE')
+    os.environ['MMSEG_GF_NATIVE'] = '0'
+    try:
+        yield
+    finally:
+        triton_path.set_enabled(previous)
+        if native is None:
+            del os.environ['MMSEG_GF_NATIVE']
+        else:
+            os.environ['MMSEG_GF_NATIVE'] = native
+
+
+@pytest.mark.parametrize('radius', [2, 3])
+@pytest.mark.parametrize('grid,shape,token_dim', CASES, ids=IDS)
+def test_float64_matches_independent_reference(grid, shape, token_dim,
+                                               radius):
+    """Every layout (extra and trailing tokens, (N, B, C), 'hwc', windows,
+    unbatched, partial border patches at r = 2 and 3): the Triton path's
+    gradients are those of tests/gf_linear_reference.py (explicit loops)
+    to float64 rounding."""
+    x, w, b, g = _inputs(shape, torch.float64)
+    (gx, gw, gb), ran = _grads(x, w, b, g, grid, radius, token_dim)
+    assert ran == 1
+    ref = reference_linear_gradients(x, w, g, grid.height, grid.width,
+                                     grid.extra_tokens, grid.layout,
+                                     token_dim, radius, grid.trailing_tokens)
+    for got, want in zip((gx, gw, gb), ref):
+        assert got.dtype == torch.float64 and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+# (need x, need W, bias present and needed): weight only, with and without
+# bias; g_x only; everything without a bias.
+NEEDS = [(False, True, False), (False, True, True), (True, False, False),
+         (True, True, False)]
+
+
+@pytest.mark.parametrize('need', NEEDS, ids=str)
+@pytest.mark.parametrize('case', [1, 4, 5], ids=lambda i: IDS[i])
+def test_float32_needed_gradients_match_the_torch_path(case, need):
+    """Weight only, input only, with and without bias (cls tokens, 'hwc',
+    windows, r = 3): float32 gradients equal the pure-PyTorch path's to
+    float32 rounding; gradients not asked for are None."""
+    grid, shape, token_dim = CASES[case]
+    x, w, b, g = _inputs(shape, torch.float32, seed=1)
+    if not need[2]:
+        b = None
+    got, ran = _grads(x, w, b, g, grid, 3, token_dim, need)
+    assert ran == 1
+    with _torch_path():
+        want, ran = _grads(x, w, b, g, grid, 3, token_dim, need, 'cpu')
+    assert ran == 0
+    for flag, a, e in zip(need, got, want):
+        if not flag:
+            assert a is None and e is None
+            continue
+        torch.testing.assert_close(a, e, rtol=1e-5,
+                                   atol=1e-6 * float(e.abs().max()))
+
+
+def test_non_contiguous_output_gradient():
+    """``g_y`` of any strides is read in place: a transposed copy and the
+    expanded constant of ``y.sum()``."""
+    grid, shape, token_dim = CASES[1]
+    x, w, b, g = _inputs(shape, torch.float32, seed=2)
+    for grad in (g.transpose(0, 1).contiguous().transpose(0, 1),
+                 torch.ones(()).expand_as(g)):
+        assert not grad.is_contiguous()
+        got, ran = _grads(x, w, b, grad, grid, 2, token_dim)
+        assert ran == 1
+        with _torch_path():
+            want, _ = _grads(x, w, b, grad, grid, 2, token_dim, device='cpu')
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, rtol=1e-5,
+                                       atol=1e-6 * float(e.abs().max()))
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_forward_patch_sums(dtype):
+    """The forward's ``x~`` from one Triton pass equals the pooled sums
+    (partial patches included), accumulated in float32 and rounded once
+    to the dtype asked for."""
+    grid, shape, token_dim = CASES[5]  # 7 x 7 windows, r = 4: partial
+    x = _inputs(shape, torch.float32)[0].to(dtype)
+    layout = TokenLayout(grid, 4, grid.token_axis(x.shape, token_dim))
+    for out_dtype in (dtype, torch.float32):
+        got = layout.patch_sums(x.to(DEVICE), out_dtype)
+        assert got.dtype == out_dtype and got.is_contiguous()
+        want = layout.pool_rows(layout.grid_rows(x.double()), torch.float64)
+        torch.testing.assert_close(got.cpu().double(), want,
+                                   rtol=1e-2 if out_dtype != torch.float32
+                                   else 1e-6, atol=1e-5)
+
+
+def test_autocast_bfloat16_gradient():
+    """Under autocast ``g_y`` is bfloat16: its patch means and the products
+    run in float32; the gradients come back in the leaves' float32 and
+    equal the float32 path's on the rounded ``g_y``."""
+    grid, shape, token_dim = CASES[1]
+    x, w, b, g = _inputs(shape, torch.float32, seed=3)
+    leaves = [t.to(DEVICE).requires_grad_() for t in (x, w, b)]
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = gradient_filtered_linear(*leaves, grid, 2, token_dim)
+    assert y.dtype == torch.bfloat16
+    grad = g.to(torch.bfloat16)
+    got = torch.autograd.grad(y, leaves, grad.to(DEVICE))
+    with _torch_path():
+        want, _ = _grads(x, w, b, grad.float(), grid, 2, token_dim,
+                         device='cpu')
+    for a, e in zip(got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.cpu(), e, rtol=1e-5,
+                                   atol=1e-5 * float(e.abs().max()))
+
+
+def test_switch_turns_the_path_off(monkeypatch):
+    """``set_enabled(False)`` and ``MMSEG_GF_TRITON=0`` (the conv's switch,
+    ``tools/benchmark_layers.py --no-triton``) send the Linear to the
+    PyTorch path: the Triton backward does not run, the gradients are the
+    same."""
+    grid, shape, token_dim = CASES[0]
+    x, w, b, g = _inputs(shape, torch.float64, seed=4)
+    on, ran = _grads(x, w, b, g, grid, 2, token_dim)
+    assert ran == 1
+    previous = triton_path.set_enabled(False)
+    try:
+        off, ran = _grads(x, w, b, g, grid, 2, token_dim)
+    finally:
+        triton_path.set_enabled(previous)
+    assert ran == 0
+    monkeypatch.setenv('MMSEG_GF_TRITON', '0')
+    previous = triton_path.set_enabled(None)
+    try:
+        env_off, ran = _grads(x, w, b, g, grid, 2, token_dim)
+    finally:
+        triton_path.set_enabled(previous)
+    assert ran == 0
+    for a, e, f in zip(on, off, env_off):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(f, e, rtol=0, atol=0)
