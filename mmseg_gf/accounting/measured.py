@@ -112,19 +112,6 @@ def saved_bytes_by_module(
              for name, v in per_module.items()}, sum(everything.values()))
 
 
-def tensor_peak_bytes(step: Callable[[], object],
-                      device: Optional[torch.device] = None) -> int:
-    """Peak live tensor bytes of what ``step()`` allocates on ``device``,
-    at operator granularity (:func:`live_bytes_by_interval`), on any
-    device: what a cost model of tensors predicts. On CUDA this leaves out
-    what libraries allocate and free inside one operator (cuDNN's
-    workspace, which cuDNN sizes to the memory it finds free and which
-    ``max_memory_allocated`` includes: :func:`profiled_peak_bytes`)."""
-    device = torch.device('cpu') if device is None else torch.device(device)
-    return max(live_bytes_by_interval(step, marker=None,
-                                      device_type=device.type))
-
-
 def profiled_peak_bytes(step: Callable[[], object],
                         device: Optional[torch.device] = None) -> int:
     """Peak memory of what ``step()`` allocates.
@@ -172,11 +159,11 @@ def _walk(nodes) -> Iterator:
         stack.extend(reversed(node.children))
 
 
-def _memory_changes(prof, marker: Optional[str], device_type: str = 'cpu'
+def _memory_changes(prof, marker: Optional[str]
                     ) -> Tuple[List[Tuple[int, int]], List[int]]:
-    """``(time ns, bytes)`` of the allocations (+) and frees (-) on
-    ``device_type`` of blocks the run allocated, and the start times of the
-    ranges named ``marker`` (none for None).
+    """``(time ns, bytes)`` of the CPU allocations (+) and frees (-) of
+    blocks the run allocated, and the start times of the ranges named
+    ``marker`` (none for None).
 
     An operator call's own changes (``aten::softmax``, not those of the
     operators it calls) are netted and placed at its start if the net is
@@ -204,7 +191,7 @@ def _memory_changes(prof, marker: Optional[str], device_type: str = 'cpu'
             if marker is not None and node.name == marker:
                 cuts.append(node.start_time_ns)
             continue
-        if fields.device.type != device_type:
+        if fields.device.type != 'cpu':
             continue
         size, ptr = fields.alloc_size, fields.ptr
         if size > 0:
@@ -227,12 +214,10 @@ def _memory_changes(prof, marker: Optional[str], device_type: str = 'cpu'
 
 def live_bytes_by_interval(run: Callable[[], object],
                            marker: Optional[str] = MARKER,
-                           collect: bool = True,
-                           device_type: str = 'cpu') -> list:
-    """Peak live tensor bytes on ``device_type`` of ``run()`` between
-    consecutive markers.
+                           collect: bool = True) -> list:
+    """Peak live tensor bytes of ``run()`` between consecutive markers.
 
-    The profiler's allocation and free events are summed in time order
+    The CPU profiler's allocation and free events are summed in time order
     (allocations at the start of the operator making them, frees at its
     end, as in :func:`profiled_peak_bytes`; those outside any operator at
     their own time: :func:`_memory_changes`), starting from 0 at the call;
@@ -265,7 +250,7 @@ def live_bytes_by_interval(run: Callable[[], object],
     finally:
         if was_enabled:
             gc.enable()
-    changes, cuts = _memory_changes(prof, marker, device_type)
+    changes, cuts = _memory_changes(prof, marker)
     changes.sort(key=lambda c: (c[0], -c[1]))
     peaks = [0] * (len(cuts) + 1)
     live = interval = 0

@@ -22,7 +22,7 @@ from ..accounting.budget import (DEFAULT_RADII, LIMIT_KEYS, BudgetChoice,
                                  check_budget, choose_by_budget, fits)
 from ..accounting.batch import random_batch, training_loss
 from ..accounting.format import MIB, format_table
-from ..accounting.measured import saved_tensor_bytes, tensor_peak_bytes
+from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.profile import StepCostProfile
 from ..engine.budget import profile_segmentor
 from ..engine.build import build_segmentor
@@ -176,12 +176,9 @@ def measured_step_peak(model, input_size: Sequence[int], batch: int,
                        device: str = 'cpu') -> int:
     """The measured peak of live tensor bytes of one training step
     (forward and backward) after a warm-up step, the parameter gradients
-    released before it as ``zero_grad(set_to_none=True)`` does: the
-    profiler's allocation events on the model's device
-    (:func:`~mmseg_gf.accounting.measured.tensor_peak_bytes`), what the
-    budget predicts. On CUDA ``max_memory_allocated`` adds cuDNN's
-    workspace, which the budget does not model (cuDNN sizes it to the free
-    memory it finds)."""
+    released before it as ``zero_grad(set_to_none=True)`` does (CPU: the
+    profiler's live bytes; CUDA: ``max_memory_allocated`` above what was
+    allocated before the step)."""
     params = [p for p in model.parameters() if p.requires_grad]
     inputs, samples = random_batch(model, input_size, batch, device=device)
 
@@ -191,7 +188,7 @@ def measured_step_peak(model, input_size: Sequence[int], batch: int,
     step()  # warm-up: lazy allocations, kernel choice
     for p in params:
         p.grad = None
-    peak = tensor_peak_bytes(step, device)
+    peak = profiled_peak_bytes(step, device)
     for p in params:
         p.grad = None
     return peak

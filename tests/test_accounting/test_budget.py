@@ -154,10 +154,8 @@ PEAK_SIZE = (128, 128)
 @pytest.mark.parametrize('name', MODELS)
 def test_predicted_peak_holds_for_the_chosen_setting(name, device):
     """A peak budget: the chosen setting's measured step peak is within 10%
-    of the prediction and within the budget (live tensor bytes from the
-    profiler's allocation events on either device: cuDNN's workspace,
-    which ``max_memory_allocated`` adds on CUDA, is no tensor the budget
-    models)."""
+    of the prediction and within the budget (CPU: live tensor bytes from
+    the profiler; CUDA: ``max_memory_allocated``)."""
     torch.manual_seed(0)
     base = build_model(name)
     profile = profile_segmentor(base, PEAK_SIZE, timeline=True)

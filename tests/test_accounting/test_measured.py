@@ -1,13 +1,9 @@
-"""Live tensor bytes measured with torch's profiler
-(:func:`mmseg_gf.accounting.measured.live_bytes_by_interval`, on the CPU
-and, :func:`~mmseg_gf.accounting.measured.tensor_peak_bytes`, on CUDA)."""
-import pytest
+"""Live tensor bytes measured with torch's CPU profiler
+(:func:`mmseg_gf.accounting.measured.live_bytes_by_interval`)."""
 import torch
 from torch.autograd import Function
 
-from mmseg_gf.accounting.measured import (live_bytes_by_interval, mark,
-                                          tensor_peak_bytes)
-from tests._devices import DEVICES
+from mmseg_gf.accounting.measured import live_bytes_by_interval, mark
 
 MIB = 2 ** 20
 
@@ -70,21 +66,3 @@ def test_freeing_memory_from_an_earlier_profiled_run_lowers_nothing():
 
     assert live_bytes_by_interval(run, marker=None) == [MIB]
 
-
-
-@pytest.mark.parametrize('device', DEVICES)
-def test_tensor_peak_counts_the_device_s_tensors_alone(device):
-    """The step's peak of live tensors on its device: 1 MiB kept while a
-    2 MiB tensor is made and dropped, 3 MiB; a CPU tensor made meanwhile
-    is not on a CUDA step's device (and the CUDA one not on a CPU's)."""
-    other = 'cpu' if device == 'cuda' else None
-
-    def step():
-        kept = torch.ones(MIB // 4, device=device)
-        temporary = torch.ones(MIB // 2, device=device)
-        del temporary
-        if other:
-            torch.ones(4 * MIB, device=other).sum()
-        return kept
-
-    assert tensor_peak_bytes(step, torch.device(device)) == 3 * MIB
