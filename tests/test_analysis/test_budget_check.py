@@ -6,6 +6,7 @@ forward still holds when it is saved (a GroupNorm's input), and a wide
 filtered conv whose weight gradient is made full-size after its output's
 gradient is freed."""
 import pytest
+import torch
 from torch import nn
 
 pytest.importorskip('mmseg')
@@ -79,3 +80,23 @@ def test_own_loss_heads_kept_bytes_predicted_exactly(family):
         assert row['predicted_kept'] == row['measured_kept'], row
         assert abs(row['predicted_peak'] / row['measured_peak'] - 1) \
             <= 0.10, row
+
+
+def test_the_step_peak_is_measured_with_cudnn_benchmark_off(monkeypatch):
+    """cuDNN's benchmark mode (on in any process that built an mmengine
+    Runner from mmseg's default_runtime) may pick algorithms with workspaces
+    of GBs, which CUDA's peak counts and the budget does not model: the
+    measurement turns it off for its steps and restores it."""
+    from mmseg_gf.analysis import budget_sweep
+    seen = []
+
+    def peak(step, device):
+        seen.append(torch.backends.cudnn.benchmark)
+        step()
+        return 1
+
+    monkeypatch.setattr(budget_sweep, 'profiled_peak_bytes', peak)
+    monkeypatch.setattr(torch.backends.cudnn, 'benchmark', True)
+    assert budget_sweep.measured_step_peak(_model(), SIZE, BATCH) == 1
+    assert seen == [False]
+    assert torch.backends.cudnn.benchmark is True
