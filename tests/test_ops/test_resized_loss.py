@@ -146,7 +146,7 @@ def test_label_out_of_range_is_refused(kernel):
         _run(logits, label, kernel)
 
 
-@pytest.mark.parametrize('kernel', PATHS)
+@pytest.mark.parametrize('kernel', PATHS[:-1])  # not on CUDA: see above
 def test_label_out_of_range_is_a_label_range_error(kernel):
     """Bad data has its own error type (a ValueError), which the lean
     loss tells apart from a loss it cannot mirror."""
@@ -183,10 +183,13 @@ def test_non_finite_logits_count_hits_as_mmseg_accuracy(kernel, sigmoid):
                                 sigmoid=sigmoid, want_grad=False)
     want = _topk_hits(logits, label, 255, False)
     assert out.hits.tolist() == want.tolist()
-    # the case differs from argmax's count, else it would prove nothing
-    argmax = (F.interpolate(logits, size=label.shape[-2:], mode='bilinear')
-              .argmax(1).eq(label) & (label != 255)).flatten(1).sum(1)
-    assert argmax[:2].tolist() != want[:2].tolist()
+    if device == 'cpu':
+        # the case differs from the CPU's argmax count, else it would prove
+        # nothing (CUDA's argmax and topk agree on NaN)
+        argmax = (F.interpolate(logits, size=label.shape[-2:],
+                                mode='bilinear').argmax(1).eq(label)
+                  & (label != 255)).flatten(1).sum(1)
+        assert argmax[:2].tolist() != want[:2].tolist()
 
 
 def test_bad_shapes_are_refused():
