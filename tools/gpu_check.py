@@ -183,7 +183,7 @@ def environment(device: str) -> Dict[str, str]:
             cudnn_benchmark='on in the layer benchmark (vanilla)')
     try:
         env['commit'] = subprocess.run(
-            ['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO,
+            ['git', 'describe', '--always', '--dirty'], cwd=REPO,
             capture_output=True, text=True, timeout=10).stdout.strip() or '?'
     except (OSError, subprocess.SubprocessError):
         env['commit'] = '?'
