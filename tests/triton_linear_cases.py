@@ -150,23 +150,6 @@ def test_non_contiguous_output_gradient():
                                        atol=1e-6 * float(e.abs().max()))
 
 
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-def test_forward_patch_sums(dtype):
-    """The forward's ``x~`` from one Triton pass equals the pooled sums
-    (partial patches included), accumulated in float32 and rounded once
-    to the dtype asked for."""
-    grid, shape, token_dim = CASES[5]  # 7 x 7 windows, r = 4: partial
-    x = _inputs(shape, torch.float32)[0].to(dtype)
-    layout = TokenLayout(grid, 4, grid.token_axis(x.shape, token_dim))
-    for out_dtype in (dtype, torch.float32):
-        got = layout.patch_sums(x.to(DEVICE), out_dtype)
-        assert got.dtype == out_dtype and got.is_contiguous()
-        want = layout.pool_rows(layout.grid_rows(x.double()), torch.float64)
-        torch.testing.assert_close(got.cpu().double(), want,
-                                   rtol=1e-2 if out_dtype != torch.float32
-                                   else 1e-6, atol=1e-5)
-
-
 def test_autocast_bfloat16_gradient():
     """Under autocast ``g_y`` is bfloat16: its patch means and the products
     run in float32; the gradients come back in the leaves' float32 and

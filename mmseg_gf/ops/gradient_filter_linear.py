@@ -244,15 +244,14 @@ class TokenLayout:
 
     def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:
         """:meth:`pool_rows` of ``t``'s grid tokens, ``(L, Ph, Pw, C)``
-        (the forward's ``x~``); one read of ``t`` where a kernel applies
-        (Triton on CUDA: :func:`triton_linear.patch_sums`; the compiled
-        CPU kernel), the same sums in another order."""
+        (the forward's ``x~``); one read of ``t`` where the compiled CPU
+        kernel applies, the same sums in another order. (On CUDA the
+        PyTorch pooling is kept: on an H100 a Triton pass made the filtered
+        Linear's forward 1.2-4.6x slower than it, docs/benchmarks.)"""
         rows = self.grid_rows(t)
         if rows is None:
             view = self.grid_view(t)
             rows = view.reshape(-1, *view.shape[-3:])
-        if triton_linear.usable(rows):
-            return triton_linear.patch_sums(rows, self.radius, dtype)
         if dtype == t.dtype and native.token_rows_usable(rows):
             return native.token_patch_sums(rows, self.radius)
         return self.pool_rows(rows, dtype)

@@ -211,13 +211,3 @@ def spread(grid_nchw: Tensor, out: Tensor, rows: Patches,
     _spread[launch](grid_nchw, out, c, height, width, *grid_nchw.stride(),
                     *out.stride(), *rows, *cols, **meta, **LAUNCH_OPTIONS)
     return out
-
-
-def patch_sums_into(x: Tensor, out: Tensor, rows: Patches,
-                    cols: Patches) -> Tensor:
-    """Write the sums of ``x`` (``N x C x H x W``, any strides) over its
-    patches into ``out`` (``N x C x ph x pw``, any strides and float
-    dtype: e.g. a channels-last view of token rows), accumulated in
-    float32 (float64 when ``out`` is float64), rounded once."""
-    _reduce(x, out, None, rows, cols, 1.0, False, out.dtype)
-    return out

@@ -6,10 +6,10 @@ other strides free: what ``TokenLayout.grid_rows`` gives), are a
 channels-last ``L x C x H x W`` map: ``rows.permute(0, 3, 1, 2)`` is a view
 the kernels of :mod:`triton_kernels` read and write in place. So the
 filtered Linear (docs/gradient_filter.md#linear-layers-on-token-grids) is
-the conv's backward on a ``1 x 1`` kernel:
+the conv's backward on a ``1 x 1`` kernel. (The forward's patch sums of
+``x`` stay on the PyTorch path: on an H100 a Triton pass over ``x`` was
+slower than its pooling.)
 
-* forward: the patch sums of ``x`` in one Triton pass over ``x``
-  (:func:`patch_sums`, ``(L, ph, pw, C)`` as the PyTorch path keeps them);
 * backward (:func:`filtered_backward`): one Triton pass over ``g_y`` (patch
   means, partial border patches over the tokens they have, and the bias
   gradient's partial sums), the two channel-mixing products on the
@@ -30,7 +30,7 @@ from torch import Tensor
 from . import triton_path
 from .triton_path import _FLOAT_TYPES, _kernels, _on_device
 
-__all__ = ['usable', 'patch_sums', 'filtered_backward', 'backward_calls']
+__all__ = ['usable', 'filtered_backward', 'backward_calls']
 
 _calls = 0
 
@@ -63,22 +63,6 @@ def _patches(size: int, radius: int) -> Tuple[int, int, int]:
     """``(start, size, count)`` of the ``r``-token patches along one axis
     (the last one may be short: the kernels clip it to the map)."""
     return 0, radius, -(-size // radius)
-
-
-def patch_sums(rows: Tensor, radius: int, dtype: torch.dtype) -> Tensor:
-    """Sums of ``(L, H, W, C)`` token rows over each ``r x r`` patch as a
-    contiguous ``(L, ph, pw, C)`` tensor in ``dtype`` (partial patches:
-    over their tokens), in one pass over ``rows``; accumulated in float32
-    (float64 for a float64 ``dtype``)."""
-    n, height, width, channels = rows.shape
-    out = rows.new_empty((n, -(-height // radius), -(-width // radius),
-                          channels), dtype=dtype)
-    with _on_device(rows):
-        _kernels().patch_sums_into(rows.permute(0, 3, 1, 2),
-                                   out.permute(0, 3, 1, 2),
-                                   _patches(height, radius),
-                                   _patches(width, radius))
-    return out
 
 
 def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
