@@ -33,9 +33,6 @@ except ImportError:  # not built: PyTorch fallback
 __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
            'layout_of']
 
-_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
 def native_available() -> bool:
     """True if the compiled kernels are built and not switched off."""
     return _kernels is not None and os.environ.get('MMSEG_GF_NATIVE',
@@ -95,8 +92,11 @@ def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
     pad = (-bits.numel()) % 8
     if pad:
         bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=x.device)
-    return (bits.view(-1, 8).to(torch.uint8) * weights).sum(
+    # Bit j of a byte from element j, shifts made on the device: a weight
+    # tensor copied from the host would wait for the device's queue on
+    # every call (a CUDA copy from pageable memory synchronises).
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+    return (bits.view(-1, 8).to(torch.uint8) << shifts).sum(
         1, dtype=torch.uint8)
 
 
