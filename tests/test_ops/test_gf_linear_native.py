@@ -190,3 +190,43 @@ def test_forward_is_exact_and_grad_input_is_fully_written():
 def test_kernels_refuse_bad_input(call, match):
     with pytest.raises(RuntimeError, match=match):
         call()
+
+
+AVX512_CASES = [
+    (TokenGrid(9, 10, extra_tokens=1), (2, 91, 48), 1, 37),
+    (TokenGrid(6, 5, extra_tokens=1), (31, 2, 32), 0, 16),  # (N, B, C)
+    (TokenGrid.windows(7), (3, 49, 96), 1, 40),
+    (TokenGrid(4, 5, layout='hwc'), (2, 4, 5, 19), 1, 64),
+]
+
+
+@pytest.mark.skipif(
+    not native.available() or
+    not hasattr(native._kernels, 'token_rows_avx512_enabled') or
+    not native.token_rows_avx512_enabled(),
+    reason='no AVX-512 token-row passes on this CPU / build')
+@pytest.mark.parametrize('grid,shape,token_dim,cout', AVX512_CASES)
+@pytest.mark.parametrize('radius', [1, 2, 3, 4, 8])
+@pytest.mark.parametrize('stream_bytes', [0, 1 << 40])
+def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
+                                          token_dim, cout, radius,
+                                          stream_bytes):
+    """float32: the AVX-512 pooling and spread (csrc/token_rows_avx512.cpp)
+    add the same tokens in the same order as the portable loops, so every
+    gradient and the forward's patch sums are bit for bit the same; whole
+    16-channel blocks and tails, strided token rows, partial patches,
+    streaming and plain stores."""
+    monkeypatch.setattr(native, 'TOKEN_STREAM_BYTES', stream_bytes)
+    x, w, b, g = _inputs(shape, cout, torch.float32, seed=4)
+    layout = TokenLayout(grid, radius, grid.token_axis(x.shape, token_dim))
+    results = {}
+    try:
+        for vector in (True, False):
+            native.set_token_rows_avx512(vector)
+            results[vector] = (
+                _grads(x, w, b, g, grid, radius, token_dim) +
+                (layout.patch_sums(x, torch.float32), ))
+    finally:
+        native.set_token_rows_avx512(True)
+    for a, e in zip(results[True], results[False]):
+        assert torch.equal(a, e)

@@ -17,12 +17,14 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
 #include "output_recycler.h"
+#include "token_rows_avx512.h"
 
 namespace mmseg_gf {
 namespace {
@@ -222,6 +224,50 @@ MMSEG_GF_VECTOR_CLONES void means_of_patch_row(scalar_t* __restrict__ out,
   }
 }
 
+// Whether the AVX-512 passes (token_rows_avx512.h) take scalar_t's rows:
+// float32 on a CPU with AVX-512F, unless switched off.
+template <typename scalar_t>
+bool avx512_rows() {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return token_rows_avx512_enabled();
+  } else {
+    return false;
+  }
+}
+
+// pool_patch_row (then, where `means`, means_of_patch_row) on either path:
+// the same sums, added in the same order.
+template <typename scalar_t>
+void pool_cells(const scalar_t* src, const RowStrides& s, const Geometry& g,
+                int64_t C, int64_t l, int64_t P, bool means, bool vector,
+                scalar_t* __restrict__ out, scalar_t* __restrict__ part) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (vector) {
+      if (part) std::fill(part, part + C, 0.0f);
+      pool_patch_row_avx512(src + s.token(l, P * g.r, 0), s.h, s.w, g.W,
+                            g.r, g.rows_of(P), C, means, out, part);
+      return;
+    }
+  }
+  pool_patch_row(src, s, g, C, l, P, out);
+  if (means) means_of_patch_row(out, g, C, P, part);
+}
+
+template <typename scalar_t>
+void spread_cells(const scalar_t* cells, scalar_t* dst, const RowStrides& s,
+                  const Geometry& g, int64_t C, int64_t l, int64_t P,
+                  bool stream, bool vector) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (vector) {
+      spread_patch_row_avx512(cells, dst + s.token(l, P * g.r, 0), s.h, s.w,
+                              g.W, g.r, g.rows_of(P), C, stream);
+      return;
+    }
+  }
+  spread_patch_row(cells, dst, s, g, C, l, P, stream);
+  if (stream) store_fence();
+}
+
 template <typename scalar_t>
 void pool_all(const torch::Tensor& rows, const Geometry& g,
               const torch::Tensor& out) {
@@ -229,9 +275,11 @@ void pool_all(const torch::Tensor& rows, const Geometry& g,
   scalar_t* dst = out.data_ptr<scalar_t>();
   const RowStrides s = RowStrides::of(rows);
   const int64_t C = rows.size(3);
+  const bool vector = avx512_rows<scalar_t>();
   at::parallel_for(0, g.L * g.Ph, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      pool_patch_row(src, s, g, C, u / g.Ph, u % g.Ph, dst + u * g.Pw * C);
+      pool_cells<scalar_t>(src, s, g, C, u / g.Ph, u % g.Ph, false, vector,
+                           dst + u * g.Pw * C, nullptr);
     }
   });
 }
@@ -267,6 +315,7 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
   const bool stream =
       need_input && static_cast<int64_t>(sizeof(scalar_t)) * g.L * g.H *
                             g.W * Ci >= stream_bytes;
+  const bool vector = avx512_rows<scalar_t>();
   std::mutex totals_lock;
 
   for (int64_t u0 = 0; u0 < units; u0 += chunk) {
@@ -278,9 +327,8 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
       for (int64_t i = begin; i < end; ++i) {
         const int64_t u = u0 + i, P = u % g.Ph;
         scalar_t* out = means + i * g.Pw * Co;
-        pool_patch_row(src, s_in, g, Co, u / g.Ph, P, out);
-        means_of_patch_row(out, g, Co, P,
-                           bias_totals ? part.data() : nullptr);
+        pool_cells<scalar_t>(src, s_in, g, Co, u / g.Ph, P, true, vector,
+                             out, bias_totals ? part.data() : nullptr);
         if (bias_totals) {
           for (int64_t c = 0; c < Co; ++c) totals[c] += part[c];
         }
@@ -302,10 +350,9 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const int64_t u = u0 + i;
-          spread_patch_row(cells + i * g.Pw * Ci, dst, s_out, g, Ci,
-                           u / g.Ph, u % g.Ph, stream);
+          spread_cells<scalar_t>(cells + i * g.Pw * Ci, dst, s_out, g, Ci,
+                                 u / g.Ph, u % g.Ph, stream, vector);
         }
-        if (stream) store_fence();
       });
     }
   }
