@@ -230,3 +230,29 @@ def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
         native.set_token_rows_avx512(True)
     for a, e in zip(results[True], results[False]):
         assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize('shape,cout,radius,onednn', [
+    ((2, 1024, 64), 80, 2, True),  # 512 patch cells x 80 x 64: oneDNN
+    ((2, 1024, 64), 80, 2, False),  # MKL only
+    ((2, 1024, 8), 8, 2, False),  # 512 x 8 x 8: too small for oneDNN
+])
+def test_input_gradient_product_on_onednn_only_when_large(
+        monkeypatch, shape, cout, radius, onednn):
+    """float32 input-gradient products of 2^21 multiply-adds or more run on
+    oneDNN's inner product where large products may take the oneDNN route
+    (csrc/cpu_dispatch.cpp: rows_times_matrix), else on MKL; every
+    gradient matches the pure-PyTorch path to float32 rounding."""
+    grid = TokenGrid(32, 32)
+    x, w, b, g = _inputs(shape, cout, torch.float32, seed=5)
+    large = (shape[0] * 32 * 32 // radius**2) * shape[-1] * cout >= 1 << 21
+    previous = native.set_onednn_products(onednn)
+    try:
+        with torch.profiler.profile() as prof:
+            fast, slow = _both_paths(monkeypatch, x, w, b, g, grid, radius, 1)
+    finally:
+        native.set_onednn_products(previous)
+    names = {event.name for event in prof.events()}
+    assert ('mkldnn::_linear_pointwise' in names) == (onednn and large)
+    for a, e in zip(fast, slow):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@
 #include <emmintrin.h>
 #endif
 
+#include "cpu_dispatch.h"
 #include "output_recycler.h"
 #include "token_rows_avx512.h"
 
@@ -303,6 +304,9 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
   const torch::Tensor means_buf = torch::empty({chunk * g.Pw, Co}, options);
   const torch::Tensor mixed_buf =
       need_input ? torch::empty({chunk * g.Pw, Ci}, options) : torch::Tensor();
+  // W^T as oneDNN's inner product takes its weight (rows_times_matrix)
+  const torch::Tensor weight_t =
+      need_input ? weight.t().contiguous() : torch::Tensor();
   const torch::Tensor x_cells =
       need_weight ? x_sums.view({units * g.Pw, Ci}) : torch::Tensor();
 
@@ -344,8 +348,8 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
                          x_cells.narrow(0, u0 * g.Pw, n * g.Pw));
     }
     if (need_input) {  // Step 3: g_x~ = means W, spread over the patches
-      torch::Tensor mixed = mixed_buf.narrow(0, 0, n * g.Pw);
-      at::mm_out(mixed, chunk_means, weight);
+      const torch::Tensor mixed = rows_times_matrix(
+          chunk_means, weight, weight_t, mixed_buf.narrow(0, 0, n * g.Pw));
       const scalar_t* cells = mixed.data_ptr<scalar_t>();
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
