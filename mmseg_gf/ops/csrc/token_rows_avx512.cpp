@@ -46,39 +46,23 @@ __attribute__((target("avx512f"))) inline __m512 load(const float* p,
   }
 }
 
-// The sum of nr x nc tokens (row-major within the patch, the portable
-// loops' order) for channels [c, c + 16) masked by m.
-template <bool kTail>
+// The sum of a patch's rows x cols tokens (row-major within the patch, the
+// portable loops' order) for channels [c, c + 16) masked by m: NR x NC
+// known at compile time (the loads unrolled), or 0 x 0 for nr x nc.
+template <int NR, int NC, bool kTail>
 __attribute__((target("avx512f"))) inline __m512 patch_sum(
     const float* t, int64_t sh, int64_t sw, int64_t nr, int64_t nc,
     __mmask16 m) {
-  __m512 acc = load<kTail>(t, m);
-  for (int64_t j = 1; j < nc; ++j) {
-    acc = _mm512_add_ps(acc, load<kTail>(t + j * sw, m));
-  }
-  for (int64_t i = 1; i < nr; ++i) {
-    const float* row = t + i * sh;
-    for (int64_t j = 0; j < nc; ++j) {
-      acc = _mm512_add_ps(acc, load<kTail>(row + j * sw, m));
-    }
-  }
-  return acc;
-}
-
-// patch_sum with nr = nc = N known at compile time (whole patches of
-// r = 2, 4): the loads unrolled.
-template <int N, bool kTail>
-__attribute__((target("avx512f"))) inline __m512 whole_patch_sum(
-    const float* t, int64_t sh, int64_t sw, __mmask16 m) {
+  const int64_t rows = NR > 0 ? NR : nr, cols = NC > 0 ? NC : nc;
   __m512 acc = load<kTail>(t, m);
 #pragma GCC unroll 8
-  for (int j = 1; j < N; ++j) {
+  for (int64_t j = 1; j < cols; ++j) {
     acc = _mm512_add_ps(acc, load<kTail>(t + j * sw, m));
   }
 #pragma GCC unroll 8
-  for (int i = 1; i < N; ++i) {
+  for (int64_t i = 1; i < rows; ++i) {
 #pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) {
+    for (int64_t j = 0; j < cols; ++j) {
       acc = _mm512_add_ps(acc, load<kTail>(t + i * sh + j * sw, m));
     }
   }
@@ -86,43 +70,58 @@ __attribute__((target("avx512f"))) inline __m512 whole_patch_sum(
 }
 
 // The cell of one patch, channels [c, c + 16) (lanes m where kTail).
-template <int N, bool kTail>
+template <int NR, int NC, bool kTail>
 __attribute__((target("avx512f"))) inline void pool_block(
-    const float* t, int64_t sh, int64_t sw, int64_t rows, int64_t cols,
-    bool whole, bool means, __m512 vinv, __mmask16 m, float* cell,
-    float* part) {
-  const __m512 sum = whole ? whole_patch_sum<N, kTail>(t, sh, sw, m)
-                           : patch_sum<kTail>(t, sh, sw, rows, cols, m);
+    const float* t, int64_t sh, int64_t sw, int64_t nr, int64_t nc,
+    bool means, __m512 vinv, __mmask16 m, float* cell, float* part) {
+  const __m512 sum = patch_sum<NR, NC, kTail>(t, sh, sw, nr, nc, m);
   if (part) {
     _mm512_mask_storeu_ps(part, m, _mm512_add_ps(load<kTail>(part, m), sum));
   }
   _mm512_mask_storeu_ps(cell, m, means ? _mm512_mul_ps(sum, vinv) : sum);
 }
 
-template <int N>
-__attribute__((target("avx512f"))) void pool_row(
-    const float* first, int64_t sh, int64_t sw, int64_t W, int64_t r,
-    int64_t rows, int64_t C, bool means, float* out, float* part) {
-  const int64_t Pw = (W + r - 1) / r;
-  for (int64_t q = 0; q < Pw; ++q) {
-    const int64_t cols = W - q * r < r ? W - q * r : r;
-    const bool whole = N > 0 && rows == N && cols == N;
-    const float inv =
-        means ? 1.0f / static_cast<float>(rows * cols) : 1.0f;
-    const __m512 vinv = _mm512_set1_ps(inv);
-    const float* t = first + q * r * sw;
-    float* cell = out + q * C;
-    float* bias = part;
-    int64_t c = 0;
-    for (; c + 16 <= C; c += 16) {
-      pool_block<N, false>(t + c, sh, sw, rows, cols, whole, means, vinv,
-                           lanes(16), cell + c, bias ? bias + c : nullptr);
-    }
-    if (c < C) {
-      pool_block<N, true>(t + c, sh, sw, rows, cols, whole, means, vinv,
-                          lanes(C - c), cell + c, bias ? bias + c : nullptr);
-    }
+// The cell of the patch of nr x nc tokens from t (its C channels).
+template <int NR, int NC>
+__attribute__((target("avx512f"))) void pool_patch(
+    const float* t, int64_t sh, int64_t sw, int64_t nr, int64_t nc,
+    int64_t C, bool means, float* cell, float* part) {
+  const __m512 vinv =
+      _mm512_set1_ps(means ? 1.0f / static_cast<float>(nr * nc) : 1.0f);
+  int64_t c = 0;
+  for (; c + 16 <= C; c += 16) {
+    pool_block<NR, NC, false>(t + c, sh, sw, nr, nc, means, vinv, lanes(16),
+                              cell + c, part ? part + c : nullptr);
   }
+  if (c < C) {
+    pool_block<NR, NC, true>(t + c, sh, sw, nr, nc, means, vinv,
+                             lanes(C - c), cell + c,
+                             part ? part + c : nullptr);
+  }
+}
+
+using PoolPatch = void (*)(const float*, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, bool, float*, float*);
+
+// pool_patch unrolled for patches of up to 4 x 4 tokens (whole and
+// partial patches of r <= 4: Swin's 7 x 7 windows at r = 4 hold 4 x 4,
+// 4 x 3, 3 x 4 and 3 x 3 ones) and whole 8 x 8 ones; loops otherwise.
+PoolPatch pool_patch_for(int64_t nr, int64_t nc) {
+#define MMSEG_GF_PATCH(a, b) \
+  if (nr == a && nc == b) return &pool_patch<a, b>;
+#define MMSEG_GF_PATCH_ROW(a) \
+  MMSEG_GF_PATCH(a, 1)        \
+  MMSEG_GF_PATCH(a, 2)        \
+  MMSEG_GF_PATCH(a, 3)        \
+  MMSEG_GF_PATCH(a, 4)
+  MMSEG_GF_PATCH_ROW(1)
+  MMSEG_GF_PATCH_ROW(2)
+  MMSEG_GF_PATCH_ROW(3)
+  MMSEG_GF_PATCH_ROW(4)
+  MMSEG_GF_PATCH(8, 8)
+#undef MMSEG_GF_PATCH_ROW
+#undef MMSEG_GF_PATCH
+  return &pool_patch<0, 0>;
 }
 
 template <bool kStream>
@@ -164,10 +163,11 @@ __attribute__((target("avx512f"))) void spread_row(
 void pool_patch_row_avx512(const float* first, int64_t sh, int64_t sw,
                            int64_t W, int64_t r, int64_t rows, int64_t C,
                            bool means, float* out, float* part) {
-  switch (r) {
-    case 2: pool_row<2>(first, sh, sw, W, r, rows, C, means, out, part); break;
-    case 4: pool_row<4>(first, sh, sw, W, r, rows, C, means, out, part); break;
-    default: pool_row<0>(first, sh, sw, W, r, rows, C, means, out, part);
+  const int64_t Pw = (W + r - 1) / r;
+  for (int64_t q = 0; q < Pw; ++q) {
+    const int64_t cols = W - q * r < r ? W - q * r : r;
+    pool_patch_for(rows, cols)(first + q * r * sw, sh, sw, rows, cols, C,
+                               means, out + q * C, part);
   }
 }
 
