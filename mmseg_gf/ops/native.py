@@ -134,7 +134,11 @@ def onednn_products_preferred() -> bool:
 
 def set_onednn_products(enabled: bool) -> bool:
     """Let large float32 products run on oneDNN (``True``) or always on
-    MKL (``False``); returns the previous setting."""
+    MKL (``False``); returns the previous setting. The filtered Linear's
+    CPU backward follows it too: its input-gradient product on oneDNN's
+    inner product, its weight-gradient product in its own AVX-512 code
+    (``csrc/token_rows_avx512.cpp``, with :func:`set_token_rows_avx512`
+    on)."""
     return _kernels.set_onednn_products(bool(enabled))
 
 

@@ -220,6 +220,9 @@ def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
     x, w, b, g = _inputs(shape, cout, torch.float32, seed=4)
     layout = TokenLayout(grid, radius, grid.token_axis(x.shape, token_dim))
     results = {}
+    # products on MKL for both: the AVX-512 weight-gradient product sums in
+    # another order (test_products_on_avx512_only_where_allowed)
+    products = native.set_onednn_products(False)
     try:
         for vector in (True, False):
             native.set_token_rows_avx512(vector)
@@ -228,6 +231,7 @@ def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
                 (layout.patch_sums(x, torch.float32), ))
     finally:
         native.set_token_rows_avx512(True)
+        native.set_onednn_products(products)
     for a, e in zip(results[True], results[False]):
         assert torch.equal(a, e)
 
@@ -235,24 +239,37 @@ def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
 @pytest.mark.parametrize('shape,cout,radius,onednn', [
     ((2, 1024, 64), 80, 2, True),  # 512 patch cells x 80 x 64: oneDNN
     ((2, 1024, 64), 80, 2, False),  # MKL only
-    ((2, 1024, 8), 8, 2, False),  # 512 x 8 x 8: too small for oneDNN
+    ((2, 1024, 8), 8, 2, True),  # 512 x 8 x 8: too small for oneDNN
+    ((2, 1024, 45), 83, 2, True),  # 8 x 32 blocks of g_W and their tails
 ])
-def test_input_gradient_product_on_onednn_only_when_large(
-        monkeypatch, shape, cout, radius, onednn):
-    """float32 input-gradient products of 2^21 multiply-adds or more run on
-    oneDNN's inner product where large products may take the oneDNN route
-    (csrc/cpu_dispatch.cpp: rows_times_matrix), else on MKL; every
-    gradient matches the pure-PyTorch path to float32 rounding."""
+def test_products_on_avx512_only_where_allowed(monkeypatch, shape, cout,
+                                               radius, onednn):
+    """Where float32 products may leave MKL (``set_onednn_products``), the
+    input-gradient product runs on oneDNN's inner product from 2^21
+    multiply-adds (csrc/cpu_dispatch.cpp: rows_times_matrix) and, with the
+    AVX-512 token-row passes, the weight-gradient product on the kernel's
+    own (csrc/token_rows_avx512.cpp); else both on MKL. Every float32
+    gradient is within 2e-6 of its largest entry of the float64 pure-PyTorch
+    gradients (512 patch cells summed: the float32 pure-PyTorch path itself
+    is 3-4e-7 off)."""
     grid = TokenGrid(32, 32)
-    x, w, b, g = _inputs(shape, cout, torch.float32, seed=5)
+    x, w, b, g = _inputs(shape, cout, torch.float64, seed=5)
     large = (shape[0] * 32 * 32 // radius**2) * shape[-1] * cout >= 1 << 21
     previous = native.set_onednn_products(onednn)
     try:
         with torch.profiler.profile() as prof:
-            fast, slow = _both_paths(monkeypatch, x, w, b, g, grid, radius, 1)
+            fast, slow = _both_paths(monkeypatch,
+                                     *(t.float() for t in (x, w, b, g)),
+                                     grid, radius, 1)
     finally:
         native.set_onednn_products(previous)
     names = {event.name for event in prof.events()}
     assert ('mkldnn::_linear_pointwise' in names) == (onednn and large)
-    for a, e in zip(fast, slow):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    with monkeypatch.context() as m:
+        m.setenv('MMSEG_GF_NATIVE', '0')
+        exact = _grads(x, w, b, g, grid, radius, 1)
+    for got in (fast, slow):
+        for a, e in zip(got, exact):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a.double(), e, rtol=0,
+                                       atol=2e-6 * e.abs().max().item())

@@ -75,6 +75,8 @@ bool set_onednn_products(bool enabled) {
   return onednn_products().exchange(enabled);
 }
 
+bool onednn_products_enabled() { return onednn_products().load(); }
+
 // A 1x1 convolution is the same product as a GEMM (b as K input channels
 // over S pixels, a as M filters of K weights), and at::conv2d runs it on
 // oneDNN's forward convolution (its weight-gradient primitive is no

@@ -17,6 +17,11 @@ bool amd_cpu_with_full_width_avx512();
 // MKL (false); returns the previous setting.
 bool set_onednn_products(bool enabled);
 
+// The current setting: whether float32 products may leave MKL for AVX-512
+// code (oneDNN here, or the token-grid kernel's own weight-gradient
+// product, token_rows_avx512.h).
+bool onednn_products_enabled();
+
 // out[g] = a[g] b[g] per group, for groups x M x K and groups x K x S
 // operands of any strides; out is groups x M x S, contiguous.
 torch::Tensor grouped_matmul(const torch::Tensor& a, const torch::Tensor& b);

@@ -320,6 +320,9 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
       need_input && static_cast<int64_t>(sizeof(scalar_t)) * g.L * g.H *
                             g.W * Ci >= stream_bytes;
   const bool vector = avx512_rows<scalar_t>();
+  // g_W's product in AVX-512 (token_rows_avx512.h) where products may leave
+  // MKL (cpu_dispatch.h); x_sums and g_W are contiguous (checked)
+  const bool own_product = vector && onednn_products_enabled();
   std::mutex totals_lock;
 
   for (int64_t u0 = 0; u0 < units; u0 += chunk) {
@@ -344,8 +347,18 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
     });
     const torch::Tensor chunk_means = means_buf.narrow(0, 0, n * g.Pw);
     if (need_weight) {  // Step 4: g_W += means^T x~
-      grad_weight.addmm_(chunk_means.t(),
-                         x_cells.narrow(0, u0 * g.Pw, n * g.Pw));
+      const torch::Tensor cells = x_cells.narrow(0, u0 * g.Pw, n * g.Pw);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (own_product) {
+          add_transposed_product_avx512(means, cells.data_ptr<float>(),
+                                        grad_weight.data_ptr<float>(),
+                                        n * g.Pw, Co, Ci);
+        } else {
+          grad_weight.addmm_(chunk_means.t(), cells);
+        }
+      } else {
+        grad_weight.addmm_(chunk_means.t(), cells);
+      }
     }
     if (need_input) {  // Step 3: g_x~ = means W, spread over the patches
       const torch::Tensor mixed = rows_times_matrix(

@@ -158,7 +158,82 @@ __attribute__((target("avx512f"))) void spread_row(
   if (kStream) _mm_sfence();
 }
 
+// Rows summed in registers before their sum is added to c: the rounding
+// error then grows with kProductRows + n / kProductRows, not with n (with
+// one register sum over all n rows it was twice MKL's).
+constexpr int64_t kProductRows = 64;
+
+// c[i0:i0+MR, j0:j0+32) += a[k0:k1, i0:i0+MR]^T b[k0:k1, j0:j0+32) (lanes
+// m0, m1 of the two 16-float halves where kTail).
+template <int MR, bool kTail>
+__attribute__((target("avx512f"))) void product_block(
+    const float* a, const float* b, float* c, int64_t k0, int64_t k1,
+    int64_t Co, int64_t Ci, __mmask16 m0, __mmask16 m1) {
+  __m512 lo[MR], hi[MR];
+  for (int i = 0; i < MR; ++i) {
+    lo[i] = _mm512_setzero_ps();
+    hi[i] = _mm512_setzero_ps();
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* row = b + k * Ci;
+    const __m512 b0 = load<kTail>(row, m0);
+    const __m512 b1 = load<kTail>(row + 16, m1);
+    const float* col = a + k * Co;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 ai = _mm512_set1_ps(col[i]);
+      lo[i] = _mm512_fmadd_ps(ai, b0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(ai, b1, hi[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* out = c + i * Ci;
+    _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(load<kTail>(out, m0), lo[i]));
+    _mm512_mask_storeu_ps(out + 16, m1,
+                          _mm512_add_ps(load<kTail>(out + 16, m1), hi[i]));
+  }
+}
+
+template <int MR>
+__attribute__((target("avx512f"))) void product_rows(
+    const float* a, const float* b, float* c, int64_t n, int64_t Co,
+    int64_t Ci) {
+  for (int64_t k0 = 0; k0 < n; k0 += kProductRows) {
+    const int64_t k1 = k0 + kProductRows < n ? k0 + kProductRows : n;
+    int64_t j = 0;
+    for (; j + 32 <= Ci; j += 32) {
+      product_block<MR, false>(a, b + j, c + j, k0, k1, Co, Ci, lanes(16),
+                               lanes(16));
+    }
+    if (j < Ci) {
+      product_block<MR, true>(a, b + j, c + j, k0, k1, Co, Ci, lanes(Ci - j),
+                              lanes(Ci - j - 16 > 0 ? Ci - j - 16 : 0));
+    }
+  }
+}
+
 }  // namespace
+
+void add_transposed_product_avx512(const float* a, const float* b, float* c,
+                                   int64_t n, int64_t Co, int64_t Ci) {
+  constexpr int kRows = 8;
+  int64_t i = 0;
+  for (; i + kRows <= Co; i += kRows) {
+    product_rows<kRows>(a + i, b, c + i * Ci, n, Co, Ci);
+  }
+  const float* at = a + i;
+  float* ct = c + i * Ci;
+  switch (Co - i) {  // the last Co % 8 rows of c
+    case 1: product_rows<1>(at, b, ct, n, Co, Ci); break;
+    case 2: product_rows<2>(at, b, ct, n, Co, Ci); break;
+    case 3: product_rows<3>(at, b, ct, n, Co, Ci); break;
+    case 4: product_rows<4>(at, b, ct, n, Co, Ci); break;
+    case 5: product_rows<5>(at, b, ct, n, Co, Ci); break;
+    case 6: product_rows<6>(at, b, ct, n, Co, Ci); break;
+    case 7: product_rows<7>(at, b, ct, n, Co, Ci); break;
+    default: break;
+  }
+}
 
 void pool_patch_row_avx512(const float* first, int64_t sh, int64_t sw,
                            int64_t W, int64_t r, int64_t rows, int64_t C,
@@ -194,6 +269,11 @@ void pool_patch_row_avx512(const float*, int64_t, int64_t, int64_t, int64_t,
 
 void spread_patch_row_avx512(const float*, float*, int64_t, int64_t, int64_t,
                              int64_t, int64_t, int64_t, bool) {
+  std::abort();
+}
+
+void add_transposed_product_avx512(const float*, const float*, float*,
+                                   int64_t, int64_t, int64_t) {
   std::abort();
 }
 
