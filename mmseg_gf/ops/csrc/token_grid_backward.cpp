@@ -349,10 +349,14 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
     if (need_weight) {  // Step 4: g_W += means^T x~
       const torch::Tensor cells = x_cells.narrow(0, u0 * g.Pw, n * g.Pw);
       if constexpr (std::is_same_v<scalar_t, float>) {
-        if (own_product) {
-          add_transposed_product_avx512(means, cells.data_ptr<float>(),
-                                        grad_weight.data_ptr<float>(),
-                                        n * g.Pw, Co, Ci);
+        if (own_product) {  // threads take disjoint blocks of 8 rows
+          const float* b = cells.data_ptr<float>();
+          float* c = grad_weight.data_ptr<float>();
+          at::parallel_for(0, (Co + 7) / 8, 1, [&](int64_t i0, int64_t i1) {
+            const int64_t r0 = i0 * 8, r1 = std::min(i1 * 8, Co);
+            add_transposed_product_avx512(means + r0, Co, b, c + r0 * Ci,
+                                          n * g.Pw, r1 - r0, Ci);
+          });
         } else {
           grad_weight.addmm_(chunk_means.t(), cells);
         }

@@ -214,16 +214,18 @@ __attribute__((target("avx512f"))) void product_rows(
 
 }  // namespace
 
-void add_transposed_product_avx512(const float* a, const float* b, float* c,
-                                   int64_t n, int64_t Co, int64_t Ci) {
+void add_transposed_product_avx512(const float* a, int64_t lda,
+                                   const float* b, float* c, int64_t n,
+                                   int64_t rows, int64_t Ci) {
   constexpr int kRows = 8;
+  const int64_t Co = lda;  // a's row stride
   int64_t i = 0;
-  for (; i + kRows <= Co; i += kRows) {
+  for (; i + kRows <= rows; i += kRows) {
     product_rows<kRows>(a + i, b, c + i * Ci, n, Co, Ci);
   }
   const float* at = a + i;
   float* ct = c + i * Ci;
-  switch (Co - i) {  // the last Co % 8 rows of c
+  switch (rows - i) {  // the last rows % 8 rows of c
     case 1: product_rows<1>(at, b, ct, n, Co, Ci); break;
     case 2: product_rows<2>(at, b, ct, n, Co, Ci); break;
     case 3: product_rows<3>(at, b, ct, n, Co, Ci); break;
@@ -272,8 +274,8 @@ void spread_patch_row_avx512(const float*, float*, int64_t, int64_t, int64_t,
   std::abort();
 }
 
-void add_transposed_product_avx512(const float*, const float*, float*,
-                                   int64_t, int64_t, int64_t) {
+void add_transposed_product_avx512(const float*, int64_t, const float*,
+                                   float*, int64_t, int64_t, int64_t) {
   std::abort();
 }
 

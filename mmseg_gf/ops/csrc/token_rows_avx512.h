@@ -48,14 +48,16 @@ void spread_patch_row_avx512(const float* cells, float* first, int64_t sh,
                              int64_t sw, int64_t W, int64_t r, int64_t rows,
                              int64_t C, bool stream);
 
-// c (Co x Ci, contiguous) += a^T b for a (n x Co) and b (n x Ci), both
-// contiguous: the weight gradient of a chunk of patch cells (means^T x~).
+// c (rows x Ci, contiguous) += a^T b for a (n x rows, row stride lda) and
+// b (n x Ci, contiguous): the weight gradient of a chunk of patch cells
+// (means^T x~), or `rows` of its rows.
 // Each 8 x 32 block of c is summed over the n rows in 16 registers, one
 // fused multiply-add per row and 16 outputs; about 250 GFLOP/s on one Zen 5
 // core for the chunks of the layer benchmark, against MKL's ~100 (AVX2 on
 // AMD CPUs). The sums run over the rows in order, in float32 (MKL's order
 // differs: the same products to float32 rounding).
-void add_transposed_product_avx512(const float* a, const float* b, float* c,
-                                   int64_t n, int64_t Co, int64_t Ci);
+void add_transposed_product_avx512(const float* a, int64_t lda,
+                                   const float* b, float* c, int64_t n,
+                                   int64_t rows, int64_t Ci);
 
 }  // namespace mmseg_gf
