@@ -30,7 +30,8 @@ def native_extension():
     csrc = 'mmseg_gf/ops/csrc/'
     patch_ops = ('patch_kernels', 'output_recycler', 'cpu_dispatch',
                  'collapsed_backward', 'filtered_conv_node',
-                 'bilinear_backward', 'token_grid_backward')
+                 'bilinear_backward', 'token_grid_backward',
+                 'token_rows_avx512')
     exts = [
         CppExtension(
             'mmseg_gf._patch_ops',

@@ -37,6 +37,7 @@ __all__ = [
     'recycle_limit', 'recycled_bytes', 'release_recycled', 'recycling_off',
     'empty_for_writing', 'bilinear_backward', 'token_rows_usable',
     'token_patch_sums', 'token_filtered_backward',
+    'token_rows_avx512_enabled', 'set_token_rows_avx512',
     'onednn_products_preferred', 'set_onednn_products'
 ]
 
@@ -133,7 +134,11 @@ def onednn_products_preferred() -> bool:
 
 def set_onednn_products(enabled: bool) -> bool:
     """Let large float32 products run on oneDNN (``True``) or always on
-    MKL (``False``); returns the previous setting."""
+    MKL (``False``); returns the previous setting. The filtered Linear's
+    CPU backward follows it too: its input-gradient product on oneDNN's
+    inner product, its weight-gradient product in its own AVX-512 code
+    (``csrc/token_rows_avx512.cpp``, with :func:`set_token_rows_avx512`
+    on)."""
     return _kernels.set_onednn_products(bool(enabled))
 
 
@@ -213,6 +218,20 @@ def token_filtered_backward(grad_rows: Tensor, x_sums: Optional[Tensor],
         bool(need_weight), bool(need_bias), int(TOKEN_CHUNK_BYTES),
         int(TOKEN_STREAM_BYTES))
     return grad_w, grad_b
+
+
+def token_rows_avx512_enabled() -> bool:
+    """Whether the token-grid kernels pool ``g_y`` and spread ``g_x`` of
+    float32 rows with AVX-512 (``csrc/token_rows_avx512.cpp``: the same
+    sums as the portable loops, about one read of ``g_y`` instead of two to
+    three at 128+ channels): CPUs with AVX-512F, unless switched off."""
+    return _kernels.token_rows_avx512_enabled()
+
+
+def set_token_rows_avx512(enabled: bool) -> bool:
+    """Switch the AVX-512 token-row passes off (``False``: the portable
+    loops) or back on; returns the previous setting."""
+    return _kernels.set_token_rows_avx512(bool(enabled))
 
 
 def recycle_limit(limit_bytes: int) -> int:

@@ -190,3 +190,86 @@ def test_forward_is_exact_and_grad_input_is_fully_written():
 def test_kernels_refuse_bad_input(call, match):
     with pytest.raises(RuntimeError, match=match):
         call()
+
+
+AVX512_CASES = [
+    (TokenGrid(9, 10, extra_tokens=1), (2, 91, 48), 1, 37),
+    (TokenGrid(6, 5, extra_tokens=1), (31, 2, 32), 0, 16),  # (N, B, C)
+    (TokenGrid.windows(7), (3, 49, 96), 1, 40),
+    (TokenGrid(4, 5, layout='hwc'), (2, 4, 5, 19), 1, 64),
+]
+
+
+@pytest.mark.skipif(
+    not native.available() or
+    not hasattr(native._kernels, 'token_rows_avx512_enabled') or
+    not native.token_rows_avx512_enabled(),
+    reason='no AVX-512 token-row passes on this CPU / build')
+@pytest.mark.parametrize('grid,shape,token_dim,cout', AVX512_CASES)
+@pytest.mark.parametrize('radius', [1, 2, 3, 4, 8])
+@pytest.mark.parametrize('stream_bytes', [0, 1 << 40])
+def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
+                                          token_dim, cout, radius,
+                                          stream_bytes):
+    """float32: the AVX-512 pooling and spread (csrc/token_rows_avx512.cpp)
+    add the same tokens in the same order as the portable loops, so every
+    gradient and the forward's patch sums are bit for bit the same; whole
+    16-channel blocks and tails, strided token rows, partial patches,
+    streaming and plain stores."""
+    monkeypatch.setattr(native, 'TOKEN_STREAM_BYTES', stream_bytes)
+    x, w, b, g = _inputs(shape, cout, torch.float32, seed=4)
+    layout = TokenLayout(grid, radius, grid.token_axis(x.shape, token_dim))
+    results = {}
+    # products on MKL for both: the AVX-512 weight-gradient product sums in
+    # another order (test_products_on_avx512_only_where_allowed)
+    products = native.set_onednn_products(False)
+    try:
+        for vector in (True, False):
+            native.set_token_rows_avx512(vector)
+            results[vector] = (
+                _grads(x, w, b, g, grid, radius, token_dim) +
+                (layout.patch_sums(x, torch.float32), ))
+    finally:
+        native.set_token_rows_avx512(True)
+        native.set_onednn_products(products)
+    for a, e in zip(results[True], results[False]):
+        assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize('shape,cout,radius,onednn', [
+    ((2, 1024, 64), 80, 2, True),  # 512 patch cells x 80 x 64: oneDNN
+    ((2, 1024, 64), 80, 2, False),  # MKL only
+    ((2, 1024, 8), 8, 2, True),  # 512 x 8 x 8: too small for oneDNN
+    ((2, 1024, 45), 83, 2, True),  # 8 x 32 blocks of g_W and their tails
+])
+def test_products_on_avx512_only_where_allowed(monkeypatch, shape, cout,
+                                               radius, onednn):
+    """Where float32 products may leave MKL (``set_onednn_products``), the
+    input-gradient product runs on oneDNN's inner product from 2^21
+    multiply-adds (csrc/cpu_dispatch.cpp: rows_times_matrix) and, with the
+    AVX-512 token-row passes, the weight-gradient product on the kernel's
+    own (csrc/token_rows_avx512.cpp); else both on MKL. Every float32
+    gradient is within 2e-6 of its largest entry of the float64 pure-PyTorch
+    gradients (512 patch cells summed: the float32 pure-PyTorch path itself
+    is 3-4e-7 off)."""
+    grid = TokenGrid(32, 32)
+    x, w, b, g = _inputs(shape, cout, torch.float64, seed=5)
+    large = (shape[0] * 32 * 32 // radius**2) * shape[-1] * cout >= 1 << 21
+    previous = native.set_onednn_products(onednn)
+    try:
+        with torch.profiler.profile() as prof:
+            fast, slow = _both_paths(monkeypatch,
+                                     *(t.float() for t in (x, w, b, g)),
+                                     grid, radius, 1)
+    finally:
+        native.set_onednn_products(previous)
+    names = {event.name for event in prof.events()}
+    assert ('mkldnn::_linear_pointwise' in names) == (onednn and large)
+    with monkeypatch.context() as m:
+        m.setenv('MMSEG_GF_NATIVE', '0')
+        exact = _grads(x, w, b, g, grid, radius, 1)
+    for got in (fast, slow):
+        for a, e in zip(got, exact):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a.double(), e, rtol=0,
+                                       atol=2e-6 * e.abs().max().item())

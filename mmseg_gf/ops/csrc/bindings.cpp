@@ -8,7 +8,8 @@
 // (MKL or oneDNN for the fused backward's products), collapsed_backward
 // (the whole backward of the usual conv in one call) and
 // filtered_conv_node (that conv as a C++ autograd node); token_grid_backward
-// (the filtered backward of a Linear on a token grid).
+// (the filtered backward of a Linear on a token grid) and token_rows_avx512
+// (its full-size passes over float32 tokens with AVX-512).
 
 #include <torch/extension.h>
 
@@ -19,6 +20,7 @@
 #include "output_recycler.h"
 #include "patch_kernels.h"
 #include "token_grid_backward.h"
+#include "token_rows_avx512.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace gf = mmseg_gf;
@@ -57,4 +59,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("token_filtered_backward", &gf::token_filtered_backward,
         "gradient-filter backward of a Linear on token rows: {g_W, g_b}, "
         "g_x written into grad_x_rows");
+  m.def("token_rows_avx512_enabled", &gf::token_rows_avx512_enabled,
+        "whether the token-grid kernels pass over float32 rows with "
+        "AVX-512");
+  m.def("set_token_rows_avx512", &gf::set_token_rows_avx512,
+        "switch the AVX-512 token-row passes off (false) or on; returns the "
+        "previous setting");
 }

@@ -17,12 +17,15 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
+#include "cpu_dispatch.h"
 #include "output_recycler.h"
+#include "token_rows_avx512.h"
 
 namespace mmseg_gf {
 namespace {
@@ -222,6 +225,50 @@ MMSEG_GF_VECTOR_CLONES void means_of_patch_row(scalar_t* __restrict__ out,
   }
 }
 
+// Whether the AVX-512 passes (token_rows_avx512.h) take scalar_t's rows:
+// float32 on a CPU with AVX-512F, unless switched off.
+template <typename scalar_t>
+bool avx512_rows() {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return token_rows_avx512_enabled();
+  } else {
+    return false;
+  }
+}
+
+// pool_patch_row (then, where `means`, means_of_patch_row) on either path:
+// the same sums, added in the same order.
+template <typename scalar_t>
+void pool_cells(const scalar_t* src, const RowStrides& s, const Geometry& g,
+                int64_t C, int64_t l, int64_t P, bool means, bool vector,
+                scalar_t* __restrict__ out, scalar_t* __restrict__ part) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (vector) {
+      if (part) std::fill(part, part + C, 0.0f);
+      pool_patch_row_avx512(src + s.token(l, P * g.r, 0), s.h, s.w, g.W,
+                            g.r, g.rows_of(P), C, means, out, part);
+      return;
+    }
+  }
+  pool_patch_row(src, s, g, C, l, P, out);
+  if (means) means_of_patch_row(out, g, C, P, part);
+}
+
+template <typename scalar_t>
+void spread_cells(const scalar_t* cells, scalar_t* dst, const RowStrides& s,
+                  const Geometry& g, int64_t C, int64_t l, int64_t P,
+                  bool stream, bool vector) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (vector) {
+      spread_patch_row_avx512(cells, dst + s.token(l, P * g.r, 0), s.h, s.w,
+                              g.W, g.r, g.rows_of(P), C, stream);
+      return;
+    }
+  }
+  spread_patch_row(cells, dst, s, g, C, l, P, stream);
+  if (stream) store_fence();
+}
+
 template <typename scalar_t>
 void pool_all(const torch::Tensor& rows, const Geometry& g,
               const torch::Tensor& out) {
@@ -229,9 +276,11 @@ void pool_all(const torch::Tensor& rows, const Geometry& g,
   scalar_t* dst = out.data_ptr<scalar_t>();
   const RowStrides s = RowStrides::of(rows);
   const int64_t C = rows.size(3);
+  const bool vector = avx512_rows<scalar_t>();
   at::parallel_for(0, g.L * g.Ph, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      pool_patch_row(src, s, g, C, u / g.Ph, u % g.Ph, dst + u * g.Pw * C);
+      pool_cells<scalar_t>(src, s, g, C, u / g.Ph, u % g.Ph, false, vector,
+                           dst + u * g.Pw * C, nullptr);
     }
   });
 }
@@ -255,6 +304,9 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
   const torch::Tensor means_buf = torch::empty({chunk * g.Pw, Co}, options);
   const torch::Tensor mixed_buf =
       need_input ? torch::empty({chunk * g.Pw, Ci}, options) : torch::Tensor();
+  // W^T as oneDNN's inner product takes its weight (rows_times_matrix)
+  const torch::Tensor weight_t =
+      need_input ? weight.t().contiguous() : torch::Tensor();
   const torch::Tensor x_cells =
       need_weight ? x_sums.view({units * g.Pw, Ci}) : torch::Tensor();
 
@@ -267,6 +319,10 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
   const bool stream =
       need_input && static_cast<int64_t>(sizeof(scalar_t)) * g.L * g.H *
                             g.W * Ci >= stream_bytes;
+  const bool vector = avx512_rows<scalar_t>();
+  // g_W's product in AVX-512 (token_rows_avx512.h) where products may leave
+  // MKL (cpu_dispatch.h); x_sums and g_W are contiguous (checked)
+  const bool own_product = vector && onednn_products_enabled();
   std::mutex totals_lock;
 
   for (int64_t u0 = 0; u0 < units; u0 += chunk) {
@@ -278,9 +334,8 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
       for (int64_t i = begin; i < end; ++i) {
         const int64_t u = u0 + i, P = u % g.Ph;
         scalar_t* out = means + i * g.Pw * Co;
-        pool_patch_row(src, s_in, g, Co, u / g.Ph, P, out);
-        means_of_patch_row(out, g, Co, P,
-                           bias_totals ? part.data() : nullptr);
+        pool_cells<scalar_t>(src, s_in, g, Co, u / g.Ph, P, true, vector,
+                             out, bias_totals ? part.data() : nullptr);
         if (bias_totals) {
           for (int64_t c = 0; c < Co; ++c) totals[c] += part[c];
         }
@@ -292,20 +347,33 @@ void backward_kernel(const torch::Tensor& grad_rows, const Geometry& g,
     });
     const torch::Tensor chunk_means = means_buf.narrow(0, 0, n * g.Pw);
     if (need_weight) {  // Step 4: g_W += means^T x~
-      grad_weight.addmm_(chunk_means.t(),
-                         x_cells.narrow(0, u0 * g.Pw, n * g.Pw));
+      const torch::Tensor cells = x_cells.narrow(0, u0 * g.Pw, n * g.Pw);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (own_product) {  // threads take disjoint blocks of 8 rows
+          const float* b = cells.data_ptr<float>();
+          float* c = grad_weight.data_ptr<float>();
+          at::parallel_for(0, (Co + 7) / 8, 1, [&](int64_t i0, int64_t i1) {
+            const int64_t r0 = i0 * 8, r1 = std::min(i1 * 8, Co);
+            add_transposed_product_avx512(means + r0, Co, b, c + r0 * Ci,
+                                          n * g.Pw, r1 - r0, Ci);
+          });
+        } else {
+          grad_weight.addmm_(chunk_means.t(), cells);
+        }
+      } else {
+        grad_weight.addmm_(chunk_means.t(), cells);
+      }
     }
     if (need_input) {  // Step 3: g_x~ = means W, spread over the patches
-      torch::Tensor mixed = mixed_buf.narrow(0, 0, n * g.Pw);
-      at::mm_out(mixed, chunk_means, weight);
+      const torch::Tensor mixed = rows_times_matrix(
+          chunk_means, weight, weight_t, mixed_buf.narrow(0, 0, n * g.Pw));
       const scalar_t* cells = mixed.data_ptr<scalar_t>();
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const int64_t u = u0 + i;
-          spread_patch_row(cells + i * g.Pw * Ci, dst, s_out, g, Ci,
-                           u / g.Ph, u % g.Ph, stream);
+          spread_cells<scalar_t>(cells + i * g.Pw * Ci, dst, s_out, g, Ci,
+                                 u / g.Ph, u % g.Ph, stream, vector);
         }
-        if (stream) store_fence();
       });
     }
   }
