@@ -91,6 +91,12 @@ class LayerKind:
             or it is installed already.
         install: ``(model) -> None``: installs it for training (the
             surgery calls it before ``wrap``); idempotent.
+        patch_partitioned: its filtered call tags its output with the
+            ``r x r`` patch partition of its grid and its ``g_x`` is
+            constant on those patches, so an elementwise op between two
+            such layers may keep patch means of its derivative
+            (:mod:`.patch_mean_graph`; docs/gradient_filter.md
+            #elementwise-ops-between-filtered-layers).
     """
 
     name: str
@@ -105,6 +111,7 @@ class LayerKind:
     prepare: Optional[Callable[[nn.Module], Optional[Callable[[], None]]]] \
         = None
     install: Optional[Callable[[nn.Module], None]] = None
+    patch_partitioned: bool = False
 
     def is_filterable(self, module: nn.Module) -> bool:
         """Whether this kind can filter ``module`` (plain or filtered)."""
@@ -223,5 +230,6 @@ CONV2D = register_layer_kind(LayerKind(
     geometry=_conv_geometry,
     quality=layer_gradient_quality,
     allowed='nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
-    'DeformConv, ConvTranspose)'))
+    'DeformConv, ConvTranspose)',
+    patch_partitioned=True))
 

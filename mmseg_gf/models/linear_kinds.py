@@ -252,7 +252,8 @@ LINEAR = register_layer_kind(LayerKind(
     quality=_no_quality,
     allowed='nn.Linear on a token grid (GFLinear)',
     prepare=prepare_token_grids,
-    install=install_for_training))
+    install=install_for_training,
+    patch_partitioned=True))
 
 #: ``nn.MultiheadAttention``: packed in-projection and out-projection.
 ATTENTION = register_layer_kind(LayerKind(

@@ -19,8 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional
 from torch import nn
 
 from ..ops.patch_mean_activation import PatchPartition
-from .gf_conv import GFConv2d
-from .gf_linear import GFLinear
+from .layer_kinds import layer_kinds
 from .patch_mean_gelu import is_patch_mean_gelu
 
 __all__ = ['LayerCall', 'graph_consumers', 'filtered_users',
@@ -53,8 +52,10 @@ def is_plain_gelu(module: nn.Module) -> bool:
 
 def is_filtered_layer(module: nn.Module) -> bool:
     """A layer whose filtered call tags its output and whose ``g_x`` is
-    patch-constant (:class:`GFConv2d`, :class:`GFLinear`)."""
-    return isinstance(module, (GFConv2d, GFLinear))
+    patch-constant: the filtered module of a registered kind that says so
+    (:attr:`LayerKind.patch_partitioned`: the conv's and the Linear's)."""
+    return any(kind.patch_partitioned and kind.is_filtered(module)
+               for kind in layer_kinds())
 
 
 def graph_consumers(roots: Iterable) -> Dict[object, List[object]]:

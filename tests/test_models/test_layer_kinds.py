@@ -91,3 +91,23 @@ def test_patch_grid_names_stay_importable_from_the_operator():
                  'resolve_padding', 'filter_output_grad',
                  'pool_input_patches', 'spread_to_input'):
         assert getattr(gradient_filter, name) is getattr(patch_grid, name)
+
+
+def test_patch_partitioned_kinds_are_the_patch_mean_rules_layers():
+    """The patch-mean GELU's producers and consumers are the filtered
+    modules of the kinds that say their ``g_x`` is patch-constant (conv,
+    Linear), read from the registry: the attention's output mixes tokens
+    across patches, so it is neither."""
+    pytest.importorskip('mmseg')
+    from mmseg_gf.models import GFLinear, layer_kinds
+    from mmseg_gf.models.gf_attention import GFMultiheadAttention
+    from mmseg_gf.models.patch_mean_graph import is_filtered_layer
+    flags = {kind.name: kind.patch_partitioned for kind in layer_kinds()}
+    assert flags == {'conv2d': True, 'linear': True, 'attention': False}
+    conv = CONV2D.wrap(nn.Conv2d(2, 2, 1), 2, True)
+    linear = GFLinear(2, 2, radius=2)
+    attention = GFMultiheadAttention.from_attention(
+        nn.MultiheadAttention(4, 2), 2, None)
+    assert is_filtered_layer(conv) and is_filtered_layer(linear)
+    assert not is_filtered_layer(attention)
+    assert not is_filtered_layer(nn.Conv2d(2, 2, 1))
