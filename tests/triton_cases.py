@@ -12,23 +12,16 @@ Under the interpreter the tensors are CPU tensors and the shapes tiny (it
 runs every program in Python); on a GPU the same cases run compiled.
 """
 import itertools
-import os
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
+from tests._triton import case_device, pytorch_path
 from tests.gf_reference import reference_gradients
 
-INTERPRETED = os.environ.get('TRITON_INTERPRET', '0') == '1'
-if not triton_path.installed():
-    pytest.skip('triton >= 3.2 is not installed (triton_path.MIN_TRITON)',
-                allow_module_level=True)
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip('neither TRITON_INTERPRET=1 nor a CUDA GPU',
-                allow_module_level=True)
-DEVICE = 'cpu' if INTERPRETED else 'cuda'
+DEVICE = case_device()
 
 # (name, groups, in channels, out channels)
 CHANNELS = {'dense': (1, 2, 3), 'grouped': (2, 4, 2), 'depthwise': (2, 2, 2)}
@@ -119,17 +112,14 @@ def test_float64_matches_independent_reference(stride, kernel, kind, radius):
 
 def _pure_torch(x, w, b, stride, padding, groups, radius, grad_fn, need):
     """The same conv on the CPU's pure-PyTorch Function."""
-    previous = triton_path.set_enabled(False)
-    os.environ['MMSEG_GF_NATIVE'] = '0'
+    global DEVICE
+    device, DEVICE = DEVICE, 'cpu'
     try:
-        global DEVICE
-        device, DEVICE = DEVICE, 'cpu'
-        return _filtered(x, w, b, stride, padding, groups, radius, grad_fn,
-                         need)
+        with pytorch_path():
+            return _filtered(x, w, b, stride, padding, groups, radius,
+                             grad_fn, need)
     finally:
         DEVICE = device
-        del os.environ['MMSEG_GF_NATIVE']
-        triton_path.set_enabled(previous)
 
 
 # All but (False, False, False): with nothing to differentiate autograd

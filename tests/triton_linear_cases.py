@@ -10,27 +10,16 @@ Not collected on its own, for the reason given in ``tests/triton_cases.py``
 Under the interpreter the tensors are CPU tensors and the shapes tiny; on a
 GPU the same cases run compiled.
 """
-import contextlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops import (TokenGrid, gradient_filtered_linear, triton_linear,
-                          triton_path)
-from mmseg_gf.ops.gradient_filter_linear import TokenLayout
-from tests.gf_linear_cases import LAYOUT_CASES
+from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, triton_linear
+from tests._triton import case_device, pytorch_path, triton_enabled
+from tests.gf_linear_cases import LAYOUT_CASES, linear_inputs
 from tests.gf_linear_reference import reference_linear_gradients
 
-INTERPRETED = os.environ.get('TRITON_INTERPRET', '0') == '1'
-if not triton_path.installed():
-    pytest.skip('triton >= 3.2 is not installed (triton_path.MIN_TRITON)',
-                allow_module_level=True)
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip('neither TRITON_INTERPRET=1 nor a CUDA GPU',
-                allow_module_level=True)
-DEVICE = 'cpu' if INTERPRETED else 'cuda'
+DEVICE = case_device()
 
 # Every layout of the op's tests, plus a grid whose leading axes do not
 # merge into one (g_x staged, g_y copied): 'hwc' with the batch before and
@@ -39,15 +28,6 @@ CASES = LAYOUT_CASES + [(TokenGrid(3, 2, layout='hwc'), (2, 3, 2, 2, 5), 1)]
 IDS = [f'{g.layout}{g.height}x{g.width}+{g.extra_tokens}+'
        f'{g.trailing_tokens}-{"x".join(map(str, s))}-d{d}'
        for g, s, d in CASES]
-
-
-def _inputs(shape, dtype, cout=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen, dtype=dtype)
-    w = torch.randn(cout, shape[-1], generator=gen, dtype=dtype)
-    b = torch.randn(cout, generator=gen, dtype=dtype)
-    g = torch.randn(*shape[:-1], cout, generator=gen, dtype=dtype)
-    return x, w, b, g
 
 
 def _grads(x, w, b, g, grid, radius, token_dim, need=(True, True, True),
@@ -69,22 +49,6 @@ def _grads(x, w, b, g, grid, radius, token_dim, need=(True, True, True),
             for t in leaves], ran
 
 
-@contextlib.contextmanager
-def _torch_path():
-    """The pure-PyTorch path: Triton and the compiled CPU kernels off."""
-    previous = triton_path.set_enabled(False)
-    native = os.environ.get('MMSEG_GF_NATIVE')
-    os.environ['MMSEG_GF_NATIVE'] = '0'
-    try:
-        yield
-    finally:
-        triton_path.set_enabled(previous)
-        if native is None:
-            del os.environ['MMSEG_GF_NATIVE']
-        else:
-            os.environ['MMSEG_GF_NATIVE'] = native
-
-
 @pytest.mark.parametrize('radius', [2, 3])
 @pytest.mark.parametrize('grid,shape,token_dim', CASES, ids=IDS)
 def test_float64_matches_independent_reference(grid, shape, token_dim,
@@ -93,7 +57,7 @@ def test_float64_matches_independent_reference(grid, shape, token_dim,
     unbatched, partial border patches at r = 2 and 3): the Triton path's
     gradients are those of tests/gf_linear_reference.py (explicit loops)
     to float64 rounding."""
-    x, w, b, g = _inputs(shape, torch.float64)
+    x, w, b, g = linear_inputs(shape, dtype=torch.float64)
     (gx, gw, gb), ran = _grads(x, w, b, g, grid, radius, token_dim)
     assert ran == 1
     ref = reference_linear_gradients(x, w, g, grid.height, grid.width,
@@ -117,12 +81,12 @@ def test_float32_needed_gradients_match_the_torch_path(case, need):
     windows, r = 3): float32 gradients equal the pure-PyTorch path's to
     float32 rounding; gradients not asked for are None."""
     grid, shape, token_dim = CASES[case]
-    x, w, b, g = _inputs(shape, torch.float32, seed=1)
+    x, w, b, g = linear_inputs(shape, seed=1, dtype=torch.float32)
     if not need[2]:
         b = None
     got, ran = _grads(x, w, b, g, grid, 3, token_dim, need)
     assert ran == 1
-    with _torch_path():
+    with pytorch_path():
         want, ran = _grads(x, w, b, g, grid, 3, token_dim, need, 'cpu')
     assert ran == 0
     for flag, a, e in zip(need, got, want):
@@ -137,13 +101,13 @@ def test_non_contiguous_output_gradient():
     """``g_y`` of any strides is read in place: a transposed copy and the
     expanded constant of ``y.sum()``."""
     grid, shape, token_dim = CASES[1]
-    x, w, b, g = _inputs(shape, torch.float32, seed=2)
+    x, w, b, g = linear_inputs(shape, seed=2, dtype=torch.float32)
     for grad in (g.transpose(0, 1).contiguous().transpose(0, 1),
                  torch.ones(()).expand_as(g)):
         assert not grad.is_contiguous()
         got, ran = _grads(x, w, b, grad, grid, 2, token_dim)
         assert ran == 1
-        with _torch_path():
+        with pytorch_path():
             want, _ = _grads(x, w, b, grad, grid, 2, token_dim, device='cpu')
         for a, e in zip(got, want):
             torch.testing.assert_close(a, e, rtol=1e-5,
@@ -155,14 +119,14 @@ def test_autocast_bfloat16_gradient():
     run in float32; the gradients come back in the leaves' float32 and
     equal the float32 path's on the rounded ``g_y``."""
     grid, shape, token_dim = CASES[1]
-    x, w, b, g = _inputs(shape, torch.float32, seed=3)
+    x, w, b, g = linear_inputs(shape, seed=3, dtype=torch.float32)
     leaves = [t.to(DEVICE).requires_grad_() for t in (x, w, b)]
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         y = gradient_filtered_linear(*leaves, grid, 2, token_dim)
     assert y.dtype == torch.bfloat16
     grad = g.to(torch.bfloat16)
     got = torch.autograd.grad(y, leaves, grad.to(DEVICE))
-    with _torch_path():
+    with pytorch_path():
         want, _ = _grads(x, w, b, grad.float(), grid, 2, token_dim,
                          device='cpu')
     for a, e in zip(got, want):
@@ -177,21 +141,15 @@ def test_switch_turns_the_path_off(monkeypatch):
     PyTorch path: the Triton backward does not run, the gradients are the
     same."""
     grid, shape, token_dim = CASES[0]
-    x, w, b, g = _inputs(shape, torch.float64, seed=4)
+    x, w, b, g = linear_inputs(shape, seed=4, dtype=torch.float64)
     on, ran = _grads(x, w, b, g, grid, 2, token_dim)
     assert ran == 1
-    previous = triton_path.set_enabled(False)
-    try:
+    with triton_enabled(False):
         off, ran = _grads(x, w, b, g, grid, 2, token_dim)
-    finally:
-        triton_path.set_enabled(previous)
     assert ran == 0
     monkeypatch.setenv('MMSEG_GF_TRITON', '0')
-    previous = triton_path.set_enabled(None)
-    try:
+    with triton_enabled(None):
         env_off, ran = _grads(x, w, b, g, grid, 2, token_dim)
-    finally:
-        triton_path.set_enabled(previous)
     assert ran == 0
     for a, e, f in zip(on, off, env_off):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)

@@ -12,17 +12,9 @@ import torch.nn.functional as F
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
 from tests._devices import DEVICES
 from tests.gf_linear_cases import LAYOUT_CASES as CASES
+from tests.gf_linear_cases import linear_inputs as _inputs
 from tests.gf_linear_reference import (patch_average,
                                        reference_linear_gradients)
-
-
-def _inputs(shape, cout=4, seed=0, dtype=torch.float64):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen, dtype=dtype)
-    w = torch.randn(cout, shape[-1], generator=gen, dtype=dtype)
-    b = torch.randn(cout, generator=gen, dtype=dtype)
-    g = torch.randn(*shape[:-1], cout, generator=gen, dtype=dtype)
-    return x, w, b, g
 
 
 def _filtered_grads(x, w, b, g, grid, radius, token_dim, device='cpu'):

@@ -6,48 +6,19 @@ compiled on CUDA where there is a GPU (``TRITON_INTERPRET`` must stay off
 in this process; see tests/test_ops/test_gf_triton.py). The tests here
 also cover the switch and, on CUDA, the path in this process.
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 
 from mmseg_gf.ops import (TokenGrid, gradient_filtered_linear, triton_linear,
                           triton_path)
 from tests._devices import DEVICES, needs_cuda
-from tests._tools import REPO
+from tests._triton import INTERPRETER, TRITON, run_case_file
 from tests.gf_linear_reference import reference_linear_gradients
 
-ROOT = Path(REPO)
-_VERSION = triton_path.triton_version() or (0, )
-TRITON = pytest.mark.skipif(not triton_path.installed(),
-                            reason='triton >= 3.2 is not installed '
-                            '(requirements/tests.txt pins it)')
-# triton < 3.7's interpreter does not run with numpy >= 2.4 (see
-# test_gf_triton.py).
-INTERPRETER = pytest.mark.skipif(
-    _VERSION < (3, 7) and tuple(
-        int(v) for v in np.__version__.split('.')[:2]) >= (2, 4),
-    reason="triton < 3.7's interpreter does not run with numpy >= 2.4")
 
-
-def _run_cases(interpret: bool) -> str:
-    env = dict(os.environ, TRITON_INTERPRET='1' if interpret else '0')
-    env.pop('MMSEG_GF_TRITON', None)
-    env['PYTHONPATH'] = os.pathsep.join(
-        p for p in (str(ROOT), env.get('PYTHONPATH')) if p)
-    proc = subprocess.run(
-        [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
-         '-rs', str(ROOT / 'tests' / 'triton_linear_cases.py')],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    report = proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, report
-    assert ' passed' in report and ' failed' not in report, report
+def _run_cases(interpret: bool) -> None:
+    report = run_case_file('triton_linear_cases.py', interpret)
     assert 'skipped' not in report, report
-    return report
 
 
 @TRITON

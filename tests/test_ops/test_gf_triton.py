@@ -11,52 +11,23 @@ triton.
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
 from tests._devices import needs_cuda
-from tests._tools import REPO  # noqa: E402
+from tests._triton import (INTERPRETER, ROOT, TRITON, TRITON_VERSION,
+                           run_case_file)
 
-ROOT = Path(REPO)
-_TRITON_VERSION = triton_path.triton_version() or (0, )
-# triton < 3.7's interpreter reads a loop bound with int() of a 1-element
-# array, which numpy >= 2.4 refuses: an interpreter bug, not the kernels'.
-_INTERPRETER_NUMPY = _TRITON_VERSION >= (3, 7) or tuple(
-    int(v) for v in np.__version__.split('.')[:2]) < (2, 4)
-_MIN = '.'.join(map(str, triton_path.MIN_TRITON))
-TRITON = pytest.mark.skipif(
-    not triton_path.installed(),
-    reason=f'triton >= {_MIN} is not installed (requirements/tests.txt '
-    'pins it)' + ('' if triton_path.triton_version() is None else
-                  f', found {triton_path.triton_version()}'))
 CUDA = needs_cuda
 
 
-def _run_cases(interpret: bool, *args: str) -> str:
-    env = dict(os.environ, TRITON_INTERPRET='1' if interpret else '0')
-    env.pop('MMSEG_GF_TRITON', None)
-    env['PYTHONPATH'] = os.pathsep.join(
-        p for p in (str(ROOT), env.get('PYTHONPATH')) if p)
-    proc = subprocess.run(
-        [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
-         '-rs', str(ROOT / 'tests' / 'triton_cases.py'), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    report = proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, report
-    assert ' passed' in report and ' failed' not in report, report
-    return report
-
-
 @TRITON
-@pytest.mark.skipif(not _INTERPRETER_NUMPY, reason='triton < 3.7\'s '
-                    'interpreter does not run with numpy >= 2.4')
+@INTERPRETER
 def test_kernels_under_the_triton_interpreter():
     """Every case of ``triton_cases.py`` on CPU tensors, interpreted."""
-    report = _run_cases(True)
+    report = run_case_file('triton_cases.py', True)
     assert 'skipped' not in report, report
 
 
@@ -65,7 +36,7 @@ def test_kernels_under_the_triton_interpreter():
 @CUDA
 def test_kernels_compiled_on_cuda():
     """The same cases on CUDA tensors, compiled (float16 autocast too)."""
-    report = _run_cases(False)
+    report = run_case_file('triton_cases.py', False)
     assert 'skipped' not in report, report
 
 
@@ -154,7 +125,7 @@ def test_kernels_compile_for_h100(spec):
               'fp32' if arg == 'scale' else 'i32')
         for arg in kernel.arg_names
     }
-    if _TRITON_VERSION >= (3, 3):
+    if TRITON_VERSION >= (3, 3):
         constants = {(kernel.arg_names.index(arg), ): value
                      for arg, value in constexprs.items()}
     else:  # keyed by name, the constexprs left out of the signature
