@@ -226,6 +226,15 @@ class TokenLayout:
         except RuntimeError:
             return None
 
+    def rows_to_read(self, t: Tensor) -> Tensor:
+        """``t``'s grid tokens as ``(L, H, W, C)`` to read: the view of
+        :meth:`grid_rows`, or a copy where the leading axes do not merge."""
+        rows = self.grid_rows(t)
+        if rows is None:
+            view = self.grid_view(t)
+            rows = view.reshape(-1, *view.shape[-3:])
+        return rows
+
     def pool_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Sums of ``(l, H, W, C)`` tokens over each ``r x r`` patch,
         ``(l, Ph, Pw, C)``, contiguous, in ``dtype`` (partial patches: over
@@ -248,10 +257,7 @@ class TokenLayout:
         kernel applies, the same sums in another order. (On CUDA the
         PyTorch pooling is kept: on an H100 a Triton pass made the filtered
         Linear's forward 1.2-4.6x slower than it, docs/benchmarks.)"""
-        rows = self.grid_rows(t)
-        if rows is None:
-            view = self.grid_view(t)
-            rows = view.reshape(-1, *view.shape[-3:])
+        rows = self.rows_to_read(t)
         if dtype == t.dtype and native.token_rows_usable(rows):
             return native.token_patch_sums(rows, self.radius)
         return self.pool_rows(rows, dtype)
@@ -312,26 +318,22 @@ def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
     Writes ``g_x``'s grid tokens into ``grad_x`` (when given); returns
     ``(g_W, g_b)`` of the grid tokens in ``acc`` (None where not asked).
     """
-    g_rows = layout.grid_rows(grad_output)
-    if g_rows is None:
-        view = layout.grid_view(grad_output)
-        g_rows = view.reshape(-1, *view.shape[-3:])
+    g_rows = layout.rows_to_read(grad_output)
+    sums = x_sums if need_w else None
     out_rows = staging = None
     if grad_x is not None:
         out_rows = layout.grid_rows(grad_x)
         if out_rows is None:  # leading axes that do not merge: stage
             staging = grad_x.new_empty(*g_rows.shape[:-1], grad_x.shape[-1])
             out_rows = staging
-    if triton_linear.usable(g_rows, out_rows, weight,
-                            x_sums if need_w else None):
+    if triton_linear.usable(g_rows, out_rows, weight, sums):
         grad_w, grad_b = triton_linear.filtered_backward(
-            g_rows, x_sums if need_w else None, weight, out_rows,
-            layout.radius, need_w, need_b, acc)
+            g_rows, sums, weight, out_rows, layout.radius, need_w, need_b,
+            acc)
     elif g_rows.dtype == acc and native.token_rows_usable(
-            g_rows, out_rows, weight, x_sums if need_w else None):
+            g_rows, out_rows, weight, sums):
         grad_w, grad_b = native.token_filtered_backward(
-            g_rows, x_sums if need_w else None, weight, out_rows,
-            layout.radius, need_w, need_b)
+            g_rows, sums, weight, out_rows, layout.radius, need_w, need_b)
     else:
         grad_w, grad_b = _filtered_backward_torch(layout, g_rows, x_sums,
                                                   weight, out_rows, need_w,

@@ -157,6 +157,12 @@ def spread_meta(height: int, width: int) -> dict:
     return dict(BLOCK_H=block_h, BLOCK_W=block_w)
 
 
+def radius_patches(size: int, radius: int) -> Patches:
+    """The ``r``-element patches tiling an axis of ``size`` from 0 (the
+    last one may be short: the kernels clip it to the map)."""
+    return 0, radius, -(-size // radius)
+
+
 def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
             rows: Patches, cols: Patches, scale: float, mean: bool,
             acc: torch.dtype):
@@ -186,8 +192,7 @@ def output_grad_means(grad_output: Tensor, radius: int, scale: float,
     add up to the exact bias gradient (``sum over dims 0 and 2``) in a fixed
     order, so the result is deterministic."""
     n, c, height, width = grad_output.shape
-    rows = (0, radius, -(-height // radius))
-    cols = (0, radius, -(-width // radius))
+    rows, cols = radius_patches(height, radius), radius_patches(width, radius)
     means = grad_output.new_empty((c, n, rows[2], cols[2]), dtype=acc)
     partial = grad_output.new_empty((n, c, rows[2]), dtype=acc)
     # A float scalar reaches a kernel as float32 (1/3 off by 2^-25): a

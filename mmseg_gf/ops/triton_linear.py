@@ -59,12 +59,6 @@ def backward_calls() -> int:
     return _calls
 
 
-def _patches(size: int, radius: int) -> Tuple[int, int, int]:
-    """``(start, size, count)`` of the ``r``-token patches along one axis
-    (the last one may be short: the kernels clip it to the map)."""
-    return 0, radius, -(-size // radius)
-
-
 def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
                       weight: Tensor, out_rows: Optional[Tensor], radius: int,
                       need_w: bool, need_b: bool, acc: torch.dtype
@@ -91,11 +85,11 @@ def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
     _calls += 1
     kernels = _kernels()
     n, height, width, _ = g_rows.shape
-    rows, cols = _patches(height, radius), _patches(width, radius)
+    rows = kernels.radius_patches(height, radius)
+    cols = kernels.radius_patches(width, radius)
     grad_w = grad_b = None
     with _on_device(g_rows):
-        # Scale 1: the means are plain patch means (a float scale would
-        # reach the kernel as float32).
+        # scale 1: plain patch means
         means, partial = kernels.output_grad_means(
             g_rows.permute(0, 3, 1, 2), radius, 1.0, acc)
         flat = means.view(means.shape[0], -1)  # Co x (L ph pw)
