@@ -453,7 +453,7 @@ class ProtocolRun:
             f'- batch {int(calib.cfg.train_dataloader.batch_size)}, crop '
             f'{crop[0]}x{crop[1]}, seeds {" ".join(map(str, o.seeds))}',
             '- GFLOPs: backward of the trained convs per image at the crop '
-            'size (classifier not counted), from mmseg_gf.accounting.conv_cost',
+            'size (classifier not counted), from mmseg_gf.protocol.flops',
             '- mIoU / mAcc: final iteration; best mIoU: best validation '
             '(mAcc of that validation); mean [sample std] over seeds',
         ]
