@@ -117,12 +117,16 @@ class _LeanActivation:
             return super().forward(x)
         if isinstance(self, nn.LeakyReLU):
             args = (0.0, None, False, float(self.negative_slope))
+            formula = 'scale'
         elif isinstance(self, nn.Hardtanh):
             args = (float(self.min_val), float(self.max_val), True, 0.0)
+            formula = 'clamp'
         else:
             args = (0.0, None, True, 0.0)
+            formula = 'clamp'
+        # formula: on the Triton path the output and the mask in one pass
         return MaskedActivationFunction.apply(x, super().forward, *args,
-                                              bool(self.inplace))
+                                              bool(self.inplace), formula)
 
 
 class _LeanHardsigmoid:

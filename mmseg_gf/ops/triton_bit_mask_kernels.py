@@ -1,0 +1,107 @@
+"""Triton kernels of the bit masks (:mod:`.bit_mask`): one pass each.
+
+* ``_pack`` reads a tensor once and writes its packed bits (element ``i``
+  is bit ``i % 8`` of byte ``i // 8``, unused bits of the last byte 0: the
+  PyTorch path's layout) and, for the activations whose output the mask's
+  bounds describe (:data:`CLAMP`: ReLU, Hardtanh / ReLU6; :data:`SCALE`:
+  LeakyReLU), the activation's output too, in the same pass (in place when
+  the output is the input);
+* ``_apply`` reads the gradient and the bits once and writes
+  ``bit ? g : g * off_scale`` (an exact 0 where ``off_scale`` is 0).
+
+Each program handles ``BLOCK`` bytes of the mask, i.e. ``8 * BLOCK``
+consecutive elements in memory order, as a ``BLOCK x 8`` tile. Comparisons
+and products are made in float32, as the compiled CPU kernels and the
+PyTorch path make them for float32 / float16 / bfloat16 (the only dtypes
+sent here: a float scalar reaches a kernel as float32).
+
+Importing this module imports ``triton``: :mod:`.triton_bit_mask` imports
+it lazily, where triton is installed.
+"""
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .triton_kernels import LAUNCH_OPTIONS
+
+#: ``act`` of :func:`pack`: no output (the bits only).
+NONE = 0
+#: ``y = clamp(x, lo, hi)`` (ReLU: ``lo = 0``, no ``hi``), NaN kept, ``x``
+#: itself on a bound (``relu(-0.0)`` is ``-0.0``, as torch's).
+CLAMP = 1
+#: ``y = x`` where ``x > lo``, else ``x * off_scale`` (LeakyReLU).
+SCALE = 2
+
+# Mask bytes per program (8x as many elements). A heuristic, not tuned on
+# a GPU: 1024 elements, as the conv path's tiles.
+_BLOCK = 128
+
+
+@triton.jit
+def _pack(x, y, bits, numel, lo, hi, off_scale, BOUNDED: tl.constexpr,
+          NAN_BIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k = tl.arange(0, 8)
+    idx = byte[:, None] * 8 + k[None, :]
+    inside = idx < numel
+    v = tl.load(x + idx, mask=inside, other=0.)
+    f = v.to(tl.float32)
+    bit = f > lo
+    if BOUNDED:
+        bit = bit & (f < hi)
+    if NAN_BIT:
+        bit = bit | (f != f)
+    bit = bit & inside
+    packed = tl.sum(bit.to(tl.int32) << k[None, :], axis=1)
+    tl.store(bits + byte, packed.to(tl.uint8), mask=byte * 8 < numel)
+    if ACT == 1:  # CLAMP: NaN and the bounds themselves (-0.0) pass as is
+        out = tl.where(f < lo, (tl.zeros_like(f) + lo).to(v.dtype), v)
+        if BOUNDED:
+            out = tl.where(f > hi, (tl.zeros_like(f) + hi).to(v.dtype), out)
+        tl.store(y + idx, out, mask=inside)
+    if ACT == 2:  # SCALE: NaN has no bit and stays NaN through the product
+        out = tl.where(bit, v, (f * off_scale).to(v.dtype))
+        tl.store(y + idx, out, mask=inside)
+
+
+@triton.jit
+def _apply(g, bits, out, numel, off_scale, ZERO_OFF: tl.constexpr,
+           BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k = tl.arange(0, 8)
+    idx = byte[:, None] * 8 + k[None, :]
+    inside = idx < numel
+    packed = tl.load(bits + byte, mask=byte * 8 < numel, other=0)
+    keep = ((packed.to(tl.int32)[:, None] >> k[None, :]) & 1) != 0
+    v = tl.load(g + idx, mask=inside, other=0.)
+    if ZERO_OFF:
+        off = tl.zeros_like(v)
+    else:
+        off = (v.to(tl.float32) * off_scale).to(v.dtype)
+    tl.store(out + idx, tl.where(keep, v, off), mask=inside)
+
+
+def _programs(numel: int) -> tuple:
+    return (triton.cdiv(triton.cdiv(numel, 8), _BLOCK), )
+
+
+def pack(x: Tensor, bits: Tensor, lo: float, hi: float, nan_bit: bool,
+         act: int = NONE, y: Tensor = None, off_scale: float = 0.0) -> None:
+    """Write the bits of ``lo < x < hi`` (``hi`` infinite: unbounded; NaN:
+    ``nan_bit``) of the contiguous ``x`` into ``bits``; with ``act``, the
+    activation's output into the contiguous ``y`` too (may be ``x``)."""
+    numel = x.numel()
+    bounded = hi != float('inf')
+    _pack[_programs(numel)](
+        x, x if y is None else y, bits, numel, float(lo),
+        float(hi) if bounded else 0.0, float(off_scale), BOUNDED=bounded,
+        NAN_BIT=bool(nan_bit), ACT=int(act), BLOCK=_BLOCK, **LAUNCH_OPTIONS)
+
+
+def apply(grad: Tensor, bits: Tensor, off_scale: float, out: Tensor) -> None:
+    """Write ``bit ? grad : grad * off_scale`` of the contiguous ``grad``
+    into the contiguous ``out``."""
+    numel = grad.numel()
+    _apply[_programs(numel)](grad, bits, out, numel, float(off_scale),
+                             ZERO_OFF=off_scale == 0, BLOCK=_BLOCK,
+                             **LAUNCH_OPTIONS)
