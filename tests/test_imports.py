@@ -87,6 +87,8 @@ FUNCTION_LEVEL_ALLOWED = {
     'use, so mmseg_gf.ops imports without triton',
     ('mmseg_gf.ops.triton_bit_mask', 'mmseg_gf.ops.triton_bit_mask_kernels'):
     'the kernels import triton: loaded on first GPU-path use',
+    ('mmseg_gf.ops.triton_norm', 'mmseg_gf.ops.triton_norm_kernels'):
+    'the kernels import triton: loaded on first GPU-path use',
 }
 
 RANK = {layer: i for i, layer in enumerate(LAYERS)}

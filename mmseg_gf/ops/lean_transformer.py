@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
-from . import bit_mask
+from . import bit_mask, triton_norm
 from .lean import FrozenLinearFunction
 
 __all__ = ['FrozenLayerNormFunction', 'BitMaskDropPathFunction',
@@ -60,7 +60,9 @@ class FrozenLayerNormFunction(Function):
     gradient only): the gradient is autograd's up to the rounding of the
     recomputed mean (~1 ulp). The weight and bias are referenced, not
     saved (live Parameters); an in-place change between forward and
-    backward is an error, as autograd reports for a saved tensor.
+    backward is an error, as autograd reports for a saved tensor. On the
+    Triton path (:func:`triton_norm.layer_norm_usable`) the backward is
+    one launch (:func:`triton_norm.frozen_layer_norm_backward`).
     """
 
     @staticmethod
@@ -82,6 +84,10 @@ class FrozenLayerNormFunction(Function):
         weight, bias = ctx.params
         for param, version in zip(ctx.params, ctx.versions):
             _check_version(param, version)
+        if triton_norm.layer_norm_usable(x, len(ctx.shape)):
+            return (triton_norm.frozen_layer_norm_backward(
+                grad, x, rstd, weight, len(ctx.shape)), None, None, None,
+                None)
         dims = tuple(range(x.dim() - len(ctx.shape), x.dim()))
         mean = x.to(rstd.dtype).mean(dims, keepdim=True)
         g_x = torch.ops.aten.native_layer_norm_backward(
