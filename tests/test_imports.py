@@ -89,6 +89,8 @@ FUNCTION_LEVEL_ALLOWED = {
     'the kernels import triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.triton_norm', 'mmseg_gf.ops.triton_norm_kernels'):
     'the kernels import triton: loaded on first GPU-path use',
+    ('mmseg_gf.ops.resized_loss', 'mmseg_gf.ops.triton_loss_kernels'):
+    'the kernel imports triton: loaded on first GPU-path use',
 }
 
 RANK = {layer: i for i, layer in enumerate(LAYERS)}

@@ -10,11 +10,12 @@ that CPU tensors outside the interpreter never take them.
 import pytest
 import torch
 
-from mmseg_gf.ops import bit_mask, triton_bit_mask, triton_norm
+from mmseg_gf.ops import bit_mask, resized_loss, triton_bit_mask, triton_norm
 from tests._devices import needs_cuda
 from tests._triton import INTERPRETER, TRITON, run_case_file
 
-CASE_FILES = ['triton_bit_mask_cases.py', 'triton_norm_cases.py']
+CASE_FILES = ['triton_bit_mask_cases.py', 'triton_norm_cases.py',
+              'triton_loss_cases.py']
 
 
 @TRITON
@@ -37,5 +38,6 @@ def test_kernels_compiled_on_cuda(name):
 def test_cpu_tensors_take_the_cpu_paths():
     x = torch.randn(2, 4, 3, 3)
     assert not triton_bit_mask.usable(x) and not triton_norm.usable(x)
+    assert not resized_loss.triton_usable(x)
     assert bit_mask.activate_and_pack(x, 'clamp', 0.0, None, True, 0.0,
                                       False) is None
