@@ -19,6 +19,7 @@ from torch import nn
 
 from mmseg_gf.models.lean import make_lean
 from mmseg_gf.ops import bit_mask, triton_bit_mask_kernels
+from mmseg_gf.ops.lean_transformer import BitMaskDropPathFunction
 from tests._triton import case_device, pytorch_path, triton_enabled
 from tests.triton_cases import _LaunchCounter
 
@@ -182,3 +183,28 @@ def _forward_backward(module, x0, g, count=False, counted=()):
                       *counted)
     forward.result = (forward.result.detach(), backward.result[0])
     return forward, backward
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_drop_path_backward_equals_the_pytorch_path(dtype):
+    """DropPath's backward ``g.div(p) * keep`` from one bit per sample:
+    one launch, the PyTorch path's numbers bit for bit (inf / NaN in
+    ``g`` included), the same draws in the forward."""
+    x0 = _values((6, 3, 2, 5), dtype, seed=7)
+    g = _values((6, 3, 2, 5), dtype, seed=8)
+
+    def drop_path(x):
+        torch.manual_seed(0)  # samples 1 and 5 kept
+        return BitMaskDropPathFunction.apply(x, 0.5)
+
+    with pytorch_path():
+        want = _forward_backward(drop_path, x0, g)
+    kept = want[1].nan_to_num().flatten(1).abs().sum(1) > 0
+    assert kept.any() and not kept.all()  # both kinds of sample
+    forward, backward = _forward_backward(
+        drop_path, x0.to(DEVICE), g.to(DEVICE), count=True,
+        counted=(triton_bit_mask_kernels, ('_pack', '_apply_per_sample')))
+    for a, b in zip(forward.result, want):
+        _assert_equal(a.cpu(), b)
+    assert forward.triton == ['_pack']
+    assert backward.triton == ['_apply_per_sample'] and backward.ops == []

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
-from . import bit_mask, triton_norm
+from . import bit_mask, triton_bit_mask, triton_norm
 from .lean import FrozenLinearFunction
 
 __all__ = ['FrozenLayerNormFunction', 'BitMaskDropPathFunction',
@@ -103,7 +103,8 @@ class BitMaskDropPathFunction(Function):
     ...))`` in ``x``'s dtype, the same random numbers) and the output is
     computed by the same operations (``x.div(keep_prob) * noise``), so the
     forward is mmcv's bit for bit; the backward ``g.div(keep_prob) * noise``
-    is rebuilt from the bits (autograd keeps the float noise).
+    is rebuilt from the bits (autograd keeps the float noise); on the
+    Triton path in one launch (:func:`triton_bit_mask.apply_per_sample`).
     """
 
     @staticmethod
@@ -120,6 +121,9 @@ class BitMaskDropPathFunction(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         bits, = ctx.saved_tensors
+        if triton_bit_mask.usable(grad):  # the same numbers, one launch
+            return triton_bit_mask.apply_per_sample(grad, bits,
+                                                    ctx.keep_prob), None
         keep = bit_mask.unpack(bits, ctx.noise_shape).to(grad.dtype)
         return grad.div(ctx.keep_prob) * keep, None
 

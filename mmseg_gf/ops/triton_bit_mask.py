@@ -23,7 +23,8 @@ from torch import Tensor
 from . import triton_path
 from .triton_path import _is_fake, _on_device
 
-__all__ = ['usable', 'pack', 'apply', 'activate_and_pack', 'FORMULAS']
+__all__ = ['usable', 'pack', 'apply', 'activate_and_pack', 'FORMULAS',
+           'apply_per_sample']
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,3 +87,15 @@ def activate_and_pack(x: Tensor, y: Tensor, formula: str, lo: float,
         kernels.pack(x, bits, lo, hi, nan_bit, act, y, off_scale)
     return bits
 
+
+
+def apply_per_sample(grad: Tensor, bits: Tensor, keep_prob: float) -> Tensor:
+    """``grad.div(keep_prob) * keep`` of a :func:`usable` ``grad``, ``keep``
+    each sample's bit (dim 0) of ``bits``: DropPath's backward, the same
+    numbers as those torch ops on ``grad``'s device, in one launch."""
+    if bits.device != grad.device or not bits.is_contiguous():
+        bits = bits.to(grad.device).contiguous()
+    out = torch.empty_like(grad)
+    with _on_device(grad):
+        _kernels().apply_per_sample(grad, bits, keep_prob, out)
+    return out

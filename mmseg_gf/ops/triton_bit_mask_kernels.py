@@ -7,7 +7,9 @@
   LeakyReLU), the activation's output too, in the same pass (in place when
   the output is the input);
 * ``_apply`` reads the gradient and the bits once and writes
-  ``bit ? g : g * off_scale`` (an exact 0 where ``off_scale`` is 0).
+  ``bit ? g : g * off_scale`` (an exact 0 where ``off_scale`` is 0);
+* ``_apply_per_sample`` writes DropPath's backward ``g.div(p) * keep``
+  with one bit per sample.
 
 Each program handles ``BLOCK`` bytes of the mask, i.e. ``8 * BLOCK``
 consecutive elements in memory order, as a ``BLOCK x 8`` tile. Comparisons
@@ -18,6 +20,7 @@ sent here: a float scalar reaches a kernel as float32).
 Importing this module imports ``triton``: :mod:`.triton_bit_mask` imports
 it lazily, where triton is installed.
 """
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -105,3 +108,36 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float, out: Tensor) -> None:
     _apply[_programs(numel)](grad, bits, out, numel, float(off_scale),
                              ZERO_OFF=off_scale == 0, BLOCK=_BLOCK,
                              **LAUNCH_OPTIONS)
+
+
+@triton.jit
+def _apply_per_sample(g, bits, out, numel, per_sample, keep_prob,
+                      RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < numel
+    n = i // per_sample
+    packed = tl.load(bits + n // 8, mask=inside, other=0).to(tl.int32)
+    keep = ((packed >> (n % 8).to(tl.int32)) & 1).to(tl.float32)
+    v = tl.load(g + i, mask=inside, other=0.)
+    if RECIPROCAL:  # keep_prob holds 1 / keep_prob, rounded on the host
+        scaled = v.to(tl.float32) * keep_prob
+    else:
+        scaled = v.to(tl.float32) / keep_prob
+    scaled = scaled.to(v.dtype).to(tl.float32)  # g.div(p), in g's dtype
+    tl.store(out + i, (scaled * keep).to(v.dtype), mask=inside)
+
+
+def apply_per_sample(grad: Tensor, bits: Tensor, keep_prob: float,
+                     out: Tensor) -> None:
+    """Write ``grad.div(keep_prob) * keep`` of the contiguous ``grad`` into
+    ``out``, ``keep`` sample ``n``'s bit (``grad.shape[0]`` samples). On
+    CUDA the division is a product with the float32 reciprocal, as torch's
+    CUDA kernel divides by a scalar; on CPU (the interpreter) a division,
+    as torch's CPU kernel does."""
+    numel = grad.numel()
+    reciprocal = grad.is_cuda
+    scalar = float(torch.tensor(1.0) / torch.tensor(float(keep_prob))) \
+        if reciprocal else float(keep_prob)
+    _apply_per_sample[(triton.cdiv(numel, _BLOCK * 8), )](
+        grad, bits, out, numel, numel // grad.shape[0], scalar,
+        RECIPROCAL=reciprocal, BLOCK=_BLOCK * 8, **LAUNCH_OPTIONS)
