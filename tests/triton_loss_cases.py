@@ -30,10 +30,11 @@ def _case(n, c, h, w, size, seed=0):
     return logits, label, weight
 
 
-# (sigmoid, align_corners, weighted, channels-last logits)
-CASES = {'softmax': (False, False, True, False),
-         'softmax_aligned_channels_last': (False, True, False, True),
-         'sigmoid': (True, False, True, False)}
+# (sigmoid, align_corners, weighted, channels-last logits, classes)
+CASES = {'softmax': (False, False, True, False, 5),
+         'softmax_aligned_channels_last': (False, True, False, True, 5),
+         'sigmoid': (True, False, True, False, 5),
+         'softmax_150_classes': (False, False, True, False, 150)}
 
 
 def _on_device(*tensors):
@@ -42,8 +43,8 @@ def _on_device(*tensors):
 
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_matches_the_pytorch_path(case):
-    sigmoid, align_corners, weighted, channels_last = CASES[case]
-    logits, label, weight = _case(2, 5, 4, 3, (9, 7))
+    sigmoid, align_corners, weighted, channels_last, classes = CASES[case]
+    logits, label, weight = _case(2, classes, 4, 3, (9, 7))
     if channels_last:
         logits = logits.contiguous(memory_format=torch.channels_last)
     weight = weight if weighted else None

@@ -31,8 +31,9 @@ from .triton_kernels import LAUNCH_OPTIONS
 MAX_CLASSES = 2048
 
 # Elements per program tile. A heuristic, not tuned on a GPU: pixels are
-# the fast axis (contiguous in an NCHW map), at least 16 per program.
-_TILE = 8192
+# the fast axis (contiguous in an NCHW map), at least 16 per program; 8
+# warps for a full tile (several tile-sized values are live at once).
+_TILE = 4096
 
 
 @triton.jit
@@ -129,4 +130,5 @@ def pixel_cross_entropy(up: Tensor, label: Tensor, weight, grad, loss_part,
         up.stride(1), up.stride(3), int(ignore_index),
         SIGMOID=bool(sigmoid), HAS_WEIGHT=weight is not None,
         WANT_GRAD=grad is not None, WANT_PIXELS=pixel_loss is not None,
+        num_warps=8 if meta['BLOCK_C'] * meta['BLOCK_P'] >= _TILE else 4,
         **meta, **LAUNCH_OPTIONS)
