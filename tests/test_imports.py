@@ -85,6 +85,12 @@ FUNCTION_LEVEL_ALLOWED = {
     ('mmseg_gf.ops.triton_path', 'mmseg_gf.ops.triton_kernels'):
     'triton_kernels imports triton at module level: loaded on first GPU-path '
     'use, so mmseg_gf.ops imports without triton',
+    ('mmseg_gf.ops.triton_bit_mask', 'mmseg_gf.ops.triton_bit_mask_kernels'):
+    'the kernels import triton: loaded on first GPU-path use',
+    ('mmseg_gf.ops.triton_norm', 'mmseg_gf.ops.triton_norm_kernels'):
+    'the kernels import triton: loaded on first GPU-path use',
+    ('mmseg_gf.ops.resized_loss', 'mmseg_gf.ops.triton_loss_kernels'):
+    'the kernel imports triton: loaded on first GPU-path use',
 }
 
 RANK = {layer: i for i, layer in enumerate(LAYERS)}

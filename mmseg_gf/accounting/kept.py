@@ -69,6 +69,7 @@ from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
 from ..models.lean_head import (classifier_fused_now, folded_dropout_noise,
                                 loss_gradient_copies)
 from ..models.segmentor import is_head_classifier
+from ..ops import triton_norm
 from .format import fmt_mib
 
 __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
@@ -292,6 +293,8 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
     if kind == 'frozen_linear' and not trained:
         return None
     if kind == 'norm' and not trained and not module.training:
+        if triton_norm.usable(x):  # keeps nothing: the factor is recomputed
+            return None
         return SavedItem(path, 'norm', x.shape[1], 4, 'const')
     if kind == 'activation' and not trained and not (
             getattr(module, 'inplace', False) and x._is_view()):

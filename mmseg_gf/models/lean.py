@@ -53,7 +53,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops import bit_mask
+from ..ops import bit_mask, triton_norm
 from ..ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
                         FrozenLinearFunction, MaskedActivationFunction,
                         MaskedDropoutFunction,
@@ -64,6 +64,7 @@ from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
 from ..ops.lean_pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
                              WindowOffsetMaxPoolFunction)
 from ..ops.resize import strided_gradient_resizes
+from ..ops.triton_norm import FrozenBatchNormFunction
 from ..ops.resized_loss import LabelRangeError
 from .gf_conv import is_filterable_conv, with_mmcv_wrapper
 from .layer_kinds import is_filtered
@@ -101,6 +102,10 @@ class _LeanFrozenNorm:
         if (not _recording(x) or self.training or self.running_var is None
                 or any(p.requires_grad for p in self.parameters())):
             return super().forward(x)
+        if triton_norm.usable(x):  # the factor is taken in the backward
+            return FrozenBatchNormFunction.apply(
+                x, self.running_var, self.weight, float(self.eps),
+                super().forward)
         var = self.running_var.float()
         scale = torch.rsqrt(var + self.eps)
         if self.weight is not None:
@@ -117,12 +122,16 @@ class _LeanActivation:
             return super().forward(x)
         if isinstance(self, nn.LeakyReLU):
             args = (0.0, None, False, float(self.negative_slope))
+            formula = 'scale'
         elif isinstance(self, nn.Hardtanh):
             args = (float(self.min_val), float(self.max_val), True, 0.0)
+            formula = 'clamp'
         else:
             args = (0.0, None, True, 0.0)
+            formula = 'clamp'
+        # formula: on the Triton path the output and the mask in one pass
         return MaskedActivationFunction.apply(x, super().forward, *args,
-                                              bool(self.inplace))
+                                              bool(self.inplace), formula)
 
 
 class _LeanHardsigmoid:

@@ -12,17 +12,21 @@ for a channels-last 4-d tensor (:func:`layout_of`), ``torch.channels_last``
 (NHWC), so that packing and applying the mask of such a tensor copies
 nothing. The compiled kernels
 (``mmseg_gf._bit_mask``, built with the package) serve contiguous CPU
-tensors; everything else (other devices, strided tensors, ``MMSEG_GF_NATIVE
-=0``, ``torch.compile``) runs the PyTorch fallback, which writes the same
-bytes and the same gradients.
+tensors, the Triton kernels (:mod:`.triton_bit_mask`: one launch each, and
+:func:`activate_and_pack`'s activation in the same pass) float32 / float16
+/ bfloat16 CUDA tensors; everything else (float64 CUDA tensors,
+``MMSEG_GF_NATIVE=0`` on CPU, ``MMSEG_GF_TRITON=0`` on CUDA,
+``torch.compile``) runs the PyTorch fallback, which writes the same bytes
+and the same gradients.
 """
 import math
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import triton_bit_mask
 from .native import empty_for_writing
 
 try:
@@ -31,7 +35,7 @@ except ImportError:  # not built: PyTorch fallback
     _kernels = None
 
 __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
-           'layout_of']
+           'layout_of', 'activate_and_pack']
 
 def native_available() -> bool:
     """True if the compiled kernels are built and not switched off."""
@@ -78,6 +82,8 @@ def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
     """
     upper = math.inf if hi is None else float(hi)
     x = _in_memory_order(x, layout)
+    if triton_bit_mask.usable(x):
+        return triton_bit_mask.pack(x, float(lo), upper, bool(nan_bit))
     if _native(x):
         return _kernels.pack_mask(x, float(lo), upper, bool(nan_bit))
     flat = x.detach().reshape(-1) if x.is_contiguous() else \
@@ -108,7 +114,9 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0,
     ``layout`` too.
     """
     flat = _in_memory_order(grad, layout)
-    if _native(flat):
+    if triton_bit_mask.usable(flat):
+        out = triton_bit_mask.apply(flat, bits, float(off_scale))
+    elif _native(flat):
         out = _kernels.apply_mask(flat, bits, float(off_scale),
                                   empty_for_writing(flat.shape, flat))
     else:
@@ -117,6 +125,35 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0,
             if off_scale == 0 else flat * off_scale
         out = torch.where(keep, flat, off)
     return out.permute(0, 3, 1, 2) if layout is torch.channels_last else out
+
+
+def activate_and_pack(x: Tensor, formula: str, lo: float,
+                      hi: Optional[float], nan_bit: bool, off_scale: float,
+                      inplace: bool,
+                      layout: torch.memory_format = torch.contiguous_format
+                      ) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(activation of x, pack(x, lo, hi, nan_bit, layout))`` in one pass
+    over ``x`` where the Triton path takes ``x`` (stored contiguous in
+    ``layout``), else None (the caller packs and activates itself).
+
+    ``formula`` names the activation (``triton_bit_mask.FORMULAS``:
+    ``'clamp'``, ``clamp(x, lo, hi)``, for ReLU and Hardtanh / ReLU6;
+    ``'scale'``, ``x if x > lo else x * off_scale``, for LeakyReLU); with
+    ``inplace`` the output is written into ``x``, which is returned.
+    """
+    if not x.is_contiguous(memory_format=layout):
+        return None  # (the plain activation's output keeps x's strides)
+    flat = _in_memory_order(x, layout)
+    if not triton_bit_mask.usable(flat):
+        return None
+    y = x if inplace else torch.empty_like(x, memory_format=layout)
+    upper = math.inf if hi is None else float(hi)
+    bits = triton_bit_mask.activate_and_pack(
+        flat, _in_memory_order(y, layout), formula, float(lo), upper,
+        bool(nan_bit), float(off_scale))
+    if inplace:  # written outside autograd's view: as an in-place op does
+        torch.autograd.graph.increment_version(x)
+    return y, bits
 
 
 def _unpack_flat(bits: Tensor, shape) -> Tensor:

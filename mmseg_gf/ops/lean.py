@@ -79,17 +79,29 @@ class MaskedActivationFunction(Function):
     LeakyReLU ``(0, None, False, slope)``, as their autograd formulas read.
     The mask is taken from the input before ``activate`` runs, so in-place
     activations (``inplace=True``, marked dirty) work too.
+
+    ``formula`` (None, ``'clamp'`` or ``'scale'``: see
+    :func:`bit_mask.activate_and_pack`) says that ``activate`` computes
+    that formula of the mask's bounds; where the Triton path takes ``x``,
+    the output and the mask are then written in one pass, without calling
+    ``activate``.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, activate: Callable[[Tensor], Tensor],
                 lo: float, hi: Optional[float], nan_bit: bool,
-                off_scale: float, inplace: bool) -> Tensor:
+                off_scale: float, inplace: bool,
+                formula: Optional[str] = None) -> Tensor:
         # The mask in x's memory order: no copy of a channels-last x, and
         # the gradient comes back in x's layout.
         ctx.layout = bit_mask.layout_of(x)
-        bits = bit_mask.pack(x, lo, hi, nan_bit, ctx.layout)
-        y = activate(x)
+        fused = None if formula is None else bit_mask.activate_and_pack(
+            x, formula, lo, hi, nan_bit, off_scale, inplace, ctx.layout)
+        if fused is None:
+            bits = bit_mask.pack(x, lo, hi, nan_bit, ctx.layout)
+            y = activate(x)
+        else:
+            y, bits = fused
         if inplace:
             ctx.mark_dirty(x)
         ctx.save_for_backward(bits)
@@ -100,7 +112,7 @@ class MaskedActivationFunction(Function):
     def backward(ctx, grad: Tensor):
         bits, = ctx.saved_tensors
         return (bit_mask.apply(grad, bits, ctx.off_scale, ctx.layout), None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 class MaskedDropoutFunction(Function):

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
-from . import bit_mask
+from . import bit_mask, triton_bit_mask, triton_norm
 from .lean import FrozenLinearFunction
 
 __all__ = ['FrozenLayerNormFunction', 'BitMaskDropPathFunction',
@@ -60,7 +60,9 @@ class FrozenLayerNormFunction(Function):
     gradient only): the gradient is autograd's up to the rounding of the
     recomputed mean (~1 ulp). The weight and bias are referenced, not
     saved (live Parameters); an in-place change between forward and
-    backward is an error, as autograd reports for a saved tensor.
+    backward is an error, as autograd reports for a saved tensor. On the
+    Triton path (:func:`triton_norm.layer_norm_usable`) the backward is
+    one launch (:func:`triton_norm.frozen_layer_norm_backward`).
     """
 
     @staticmethod
@@ -82,6 +84,10 @@ class FrozenLayerNormFunction(Function):
         weight, bias = ctx.params
         for param, version in zip(ctx.params, ctx.versions):
             _check_version(param, version)
+        if triton_norm.layer_norm_usable(x, len(ctx.shape)):
+            return (triton_norm.frozen_layer_norm_backward(
+                grad, x, rstd, weight, len(ctx.shape)), None, None, None,
+                None)
         dims = tuple(range(x.dim() - len(ctx.shape), x.dim()))
         mean = x.to(rstd.dtype).mean(dims, keepdim=True)
         g_x = torch.ops.aten.native_layer_norm_backward(
@@ -97,7 +103,8 @@ class BitMaskDropPathFunction(Function):
     ...))`` in ``x``'s dtype, the same random numbers) and the output is
     computed by the same operations (``x.div(keep_prob) * noise``), so the
     forward is mmcv's bit for bit; the backward ``g.div(keep_prob) * noise``
-    is rebuilt from the bits (autograd keeps the float noise).
+    is rebuilt from the bits (autograd keeps the float noise); on the
+    Triton path in one launch (:func:`triton_bit_mask.apply_per_sample`).
     """
 
     @staticmethod
@@ -114,6 +121,9 @@ class BitMaskDropPathFunction(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         bits, = ctx.saved_tensors
+        if triton_bit_mask.usable(grad):  # the same numbers, one launch
+            return triton_bit_mask.apply_per_sample(grad, bits,
+                                                    ctx.keep_prob), None
         keep = bit_mask.unpack(bits, ctx.noise_shape).to(grad.dtype)
         return grad.div(ctx.keep_prob) * keep, None
 

@@ -46,9 +46,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 __all__ = [
-    'installed', 'enabled', 'set_enabled', 'usable', 'filtered_conv2d',
-    'collapsed_backward', 'patch_sums', 'backward_calls', 'triton_version',
-    'MIN_TRITON'
+    'installed', 'enabled', 'set_enabled', 'takes_device', 'usable',
+    'filtered_conv2d', 'collapsed_backward', 'patch_sums', 'backward_calls',
+    'triton_version', 'MIN_TRITON'
 ]
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
@@ -104,6 +104,15 @@ def set_enabled(flag: Optional[bool]) -> Optional[bool]:
     global _switch
     previous, _switch = _switch, None if flag is None else bool(flag)
     return previous
+
+
+def takes_device(t: Tensor) -> bool:
+    """Whether a tensor on ``t``'s device may take a Triton path at all:
+    triton installed and switched on, ``t`` on CUDA (on CPU only under the
+    interpreter). Each path adds its own conditions (:func:`usable`)."""
+    device = t.device.type
+    return (_INSTALLED and (device == 'cuda' or (_ON_CPU and device == 'cpu'))
+            and enabled())
 
 
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

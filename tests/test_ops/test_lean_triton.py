@@ -1,0 +1,43 @@
+"""The lean region's Triton kernels: bit masks and masked activations
+(``mmseg_gf.ops.triton_bit_mask``), the frozen batch norm's backward
+(``triton_norm``) and the resized cross-entropy (``resized_loss``'s
+Triton path).
+
+Their cases run in a subprocess (see ``tests/_triton.py``): under triton's
+interpreter on CPU tensors, compiled on CUDA where there is a GPU. Here:
+that CPU tensors outside the interpreter never take them.
+"""
+import pytest
+import torch
+
+from mmseg_gf.ops import bit_mask, resized_loss, triton_bit_mask, triton_norm
+from tests._devices import needs_cuda
+from tests._triton import INTERPRETER, TRITON, run_case_file
+
+CASE_FILES = ['triton_bit_mask_cases.py', 'triton_norm_cases.py',
+              'triton_loss_cases.py']
+
+
+@TRITON
+@INTERPRETER
+@pytest.mark.parametrize('name', CASE_FILES)
+def test_kernels_under_the_triton_interpreter(name):
+    report = run_case_file(name, True)
+    assert 'skipped' not in report, report
+
+
+@TRITON
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize('name', CASE_FILES)
+def test_kernels_compiled_on_cuda(name):
+    report = run_case_file(name, False)
+    assert 'skipped' not in report, report
+
+
+def test_cpu_tensors_take_the_cpu_paths():
+    x = torch.randn(2, 4, 3, 3)
+    assert not triton_bit_mask.usable(x) and not triton_norm.usable(x)
+    assert not resized_loss.triton_usable(x)
+    assert bit_mask.activate_and_pack(x, 'clamp', 0.0, None, True, 0.0,
+                                      False) is None

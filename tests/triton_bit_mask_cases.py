@@ -1,0 +1,210 @@
+"""Cases of the bit masks' Triton path (``mmseg_gf.ops.triton_bit_mask``);
+run by ``tests/test_ops/test_bit_mask_triton.py`` in a subprocess.
+
+Not collected on its own (see ``tests/triton_cases.py``). Run directly::
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/triton_bit_mask_cases.py
+
+Each case compares the Triton path with the PyTorch path
+(``tests._triton.pytorch_path``) and with an independent reference (numpy's
+``packbits``, plain autograd modules): bytes and gradients bit for bit.
+Tiny tensors: the interpreter runs every program in Python.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mmseg_gf.models.lean import make_lean
+from mmseg_gf.ops import bit_mask, triton_bit_mask_kernels
+from mmseg_gf.ops.lean_transformer import BitMaskDropPathFunction
+from tests._triton import case_device, pytorch_path, triton_enabled
+from tests.triton_cases import _LaunchCounter
+
+DEVICE = case_device()
+
+# (lo, hi, nan_bit): ReLU, ReLU6, LeakyReLU / PReLU, Hardsigmoid
+BOUNDS = [(0.0, None, True), (0.0, 6.0, True), (0.0, None, False),
+          (-3.0, 3.0, False)]
+
+
+def _values(shape, dtype=torch.float32, seed=0):
+    """Random values with the bounds, +-0, +-inf and NaN mixed in; a size
+    that is not a multiple of 8 leaves the last byte part-used."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * 4
+    flat = x.view(-1)
+    specials = torch.tensor([0.0, -0.0, 3.0, -3.0, 6.0, 1e-30, float('inf'),
+                             -float('inf'), float('nan')])
+    flat[torch.randperm(flat.numel(), generator=gen)[:9]] = specials
+    return x.to(dtype)
+
+
+def _reference_bits(x, lo, hi, nan_bit):
+    v = x.detach().float().cpu().numpy().reshape(-1)
+    with np.errstate(invalid='ignore'):
+        bit = (v > lo) & (True if hi is None else v < hi)
+    bit = np.where(np.isnan(v), nan_bit, bit)
+    return torch.from_numpy(np.packbits(bit, bitorder='little'))
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16,
+                                   torch.bfloat16])
+@pytest.mark.parametrize('bounds', BOUNDS, ids=str)
+def test_pack_writes_the_reference_bytes(bounds, dtype):
+    x = _values((3, 5, 7), dtype)
+    want = _reference_bits(x, *bounds)
+    counter = _count(lambda: bit_mask.pack(x.to(DEVICE), *bounds))
+    assert torch.equal(counter.result.cpu(), want)
+    assert counter.triton == ['_pack'] and counter.ops == []
+    with pytorch_path():
+        assert torch.equal(bit_mask.pack(x, *bounds), want)
+
+
+@pytest.mark.parametrize('off_scale', [0.0, 0.01])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_apply_equals_the_pytorch_path(off_scale, dtype):
+    """Gradients with inf / NaN: an exact 0 where the bit is off and the
+    scale 0, ``g * scale`` (rounded once) otherwise."""
+    x, g = _values((2, 3, 5, 7), seed=1), _values((2, 3, 5, 7), dtype, 2)
+    bits = bit_mask.pack(x, 0.0)
+    with pytorch_path():
+        want = bit_mask.apply(g, bits, off_scale)
+    counter = _count(lambda: bit_mask.apply(g.to(DEVICE), bits.to(DEVICE),
+                                            off_scale))
+    assert counter.triton == ['_apply'] and counter.ops == []
+    _assert_equal(counter.result.cpu(), want)
+
+
+ACTIVATIONS = {
+    'relu': lambda: nn.ReLU(),
+    'relu_inplace': lambda: nn.ReLU(inplace=True),
+    'relu6': lambda: nn.ReLU6(),
+    'hardtanh': lambda: nn.Hardtanh(-1.5, 2.0),
+    'leaky_relu': lambda: nn.LeakyReLU(0.1),
+    'hardsigmoid': lambda: nn.Hardsigmoid(),
+}
+
+
+@pytest.mark.parametrize('channels_last', [False, True])
+@pytest.mark.parametrize('name', sorted(ACTIVATIONS))
+def test_lean_activation_equals_plain(name, channels_last):
+    """The lean module on the Triton path: the plain module's output and
+    input gradient bit for bit, in the input's layout; ReLU / ReLU6 /
+    Hardtanh / LeakyReLU in one launch each way (output and bits in one
+    pass), the others one launch more (the activation, torch's own)."""
+    plain = ACTIVATIONS[name]()
+    lean = _lean(plain)
+    x0 = _values((2, 3, 4, 5), seed=3)
+    g = _values((2, 3, 4, 5), seed=4)
+    if channels_last:
+        x0, g = (t.contiguous(memory_format=torch.channels_last)
+                 for t in (x0, g))
+    with pytorch_path():
+        want = _forward_backward(_lean(plain), x0, g)
+    forward, backward = _forward_backward(lean, x0.to(DEVICE), g.to(DEVICE),
+                                          count=True)
+    for a, b in zip(forward.result, want):
+        _assert_equal(a.cpu(), b)
+    assert forward.result[0].stride() == want[0].stride()
+    # autograd's own: torch's vectorised CPU hardtanh_backward zeroes the
+    # gradient of a NaN, its scalar loop and CUDA's pass it (as the lean
+    # rule does): compared where x is not NaN
+    number = ~x0.isnan()
+    for a, b in zip(forward.result, _forward_backward(plain, x0, g)):
+        _assert_equal(a.cpu()[number], b[number])
+    # Hardsigmoid: the activation and the 1/6 are torch ops; its bits are
+    # in NCHW order (a copy of a channels-last x and g)
+    extra = 0 if name != 'hardsigmoid' else 1 + channels_last
+    assert forward.triton == ['_pack'], forward.triton
+    assert len(forward.ops) == extra, forward.ops
+    assert backward.triton == ['_apply'], backward.triton
+    assert len(backward.ops) == extra, backward.ops
+
+
+def test_switched_off_runs_the_pytorch_path():
+    x0, g = _values((2, 3, 4, 5), seed=5), _values((2, 3, 4, 5), seed=6)
+    lean = _lean(nn.ReLU())
+    with triton_enabled(False):
+        forward, backward = _forward_backward(lean, x0.to(DEVICE),
+                                              g.to(DEVICE), count=True)
+    assert forward.triton == backward.triton == []
+    want = _forward_backward(nn.ReLU(), x0, g)
+    for a, b in zip(forward.result, want):
+        _assert_equal(a.cpu(), b)
+
+
+def _assert_equal(a, b):
+    """Equal bit for bit but for NaN payloads (the sign of zeros too)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.isnan(), b.isnan())
+    assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert torch.equal(a.signbit() & ~a.isnan(), b.signbit() & ~b.isnan())
+
+
+def _lean(module):
+    """A lean copy of ``module``."""
+    module = copy.deepcopy(module)
+    assert make_lean(module) is not None
+    return module
+
+
+def _count(fn, kernels=triton_bit_mask_kernels, names=('_pack', '_apply')):
+    """``fn()``'s launches: ``kernels``' Triton kernels ``names`` and the
+    torch ops that run a kernel (``.result``: what ``fn`` returned)."""
+    counter = _LaunchCounter()
+    mp = pytest.MonkeyPatch()
+    for name in names:
+        mp.setattr(kernels, name, counter.wrap(getattr(kernels, name), name))
+    try:
+        with counter:
+            counter.result = fn()
+    finally:
+        mp.undo()
+    return counter
+
+
+def _forward_backward(module, x0, g, count=False, counted=()):
+    """Output and input gradient of ``module`` on a non-leaf copy of
+    ``x0`` (a clone, whose backward launches nothing); with ``count``, the
+    launches of the forward and the backward (``(forward, backward)``
+    counters of :func:`_count` with ``counted``, the output and the
+    gradient as the forward's ``.result``)."""
+    x = x0.clone().requires_grad_(True)
+    h = x.clone()
+    if not count:
+        y = module(h)
+        y.backward(g)
+        return y.detach(), x.grad
+    forward = _count(lambda: module(h), *counted)
+    backward = _count(lambda: torch.autograd.grad(forward.result, x, g),
+                      *counted)
+    forward.result = (forward.result.detach(), backward.result[0])
+    return forward, backward
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_drop_path_backward_equals_the_pytorch_path(dtype):
+    """DropPath's backward ``g.div(p) * keep`` from one bit per sample:
+    one launch, the PyTorch path's numbers bit for bit (inf / NaN in
+    ``g`` included), the same draws in the forward."""
+    x0 = _values((6, 3, 2, 5), dtype, seed=7)
+    g = _values((6, 3, 2, 5), dtype, seed=8)
+
+    def drop_path(x):
+        torch.manual_seed(0)  # samples 1 and 5 kept
+        return BitMaskDropPathFunction.apply(x, 0.5)
+
+    with pytorch_path():
+        want = _forward_backward(drop_path, x0, g)
+    kept = want[1].nan_to_num().flatten(1).abs().sum(1) > 0
+    assert kept.any() and not kept.all()  # both kinds of sample
+    forward, backward = _forward_backward(
+        drop_path, x0.to(DEVICE), g.to(DEVICE), count=True,
+        counted=(triton_bit_mask_kernels, ('_pack', '_apply_per_sample')))
+    for a, b in zip(forward.result, want):
+        _assert_equal(a.cpu(), b)
+    assert forward.triton == ['_pack']
+    assert backward.triton == ['_apply_per_sample'] and backward.ops == []
