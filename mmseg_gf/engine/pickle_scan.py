@@ -291,70 +291,88 @@ class _Walk:
         else:
             self.stack.append(None)
 
-    def step(self, name: str, arg: Any) -> bool:
-        """One opcode; False where the walk ends."""
-        stack = self.stack
-        if name == 'GLOBAL':
-            path = _global_name(arg)
-            self.use(path)
-            stack.append(_Name(path))
-        elif name == 'REDUCE':
-            self.reduce()
-        elif name == 'NEWOBJ':
-            args, cls = stack.pop(), stack.pop()
-            self.push(self.call(cls, args))
-        elif name == 'MARK':
-            self.marks.append(stack)
-            self.stack = []
-        elif name == 'TUPLE':
-            items = self.pop_mark()
-            self.push(tuple(items), SLOT_BYTES * len(items))
-        elif name in ('TUPLE1', 'TUPLE2', 'TUPLE3'):
-            n = int(name[-1])
-            items = tuple(stack[-n:])
-            del stack[-n:]
-            self.push(items, SLOT_BYTES * n)
-        else:
-            return self.step_containers(name, arg)
-        return True
+    # One handler per opcode torch's unpickler reads (``handlers``).
+    def op_global(self, arg: str) -> None:
+        path = _global_name(arg)
+        self.use(path)
+        self.stack.append(_Name(path))
 
-    def step_containers(self, name: str, arg: Any) -> bool:
+    def op_newobj(self, arg: Any) -> None:
+        args, cls = self.stack.pop(), self.stack.pop()
+        self.push(self.call(cls, args))
+
+    def op_mark(self, arg: Any) -> None:
+        self.marks.append(self.stack)
+        self.stack = []
+
+    def op_tuple(self, arg: Any) -> None:
+        items = self.pop_mark()
+        self.push(tuple(items), SLOT_BYTES * len(items))
+
+    def op_tuple_n(self, n: int, arg: Any) -> None:
         stack = self.stack
-        if name in ('APPENDS', 'SETITEMS'):
-            items = self.pop_mark()
-            self.scan.built_bytes += SLOT_BYTES * 2 * len(items)
-            if name == 'APPENDS' and isinstance(self.stack[-1], _List):
-                self.stack[-1].extend(items)
-        elif name == 'APPEND':
-            item = stack.pop()
-            self.scan.built_bytes += SLOT_BYTES * 2
-            if isinstance(stack[-1], _List):
-                stack[-1].append(item)
-        elif name == 'SETITEM':
-            del stack[-2:]
-            self.scan.built_bytes += SLOT_BYTES * 2
-        elif name == 'BUILD':
-            stack.pop()
-        elif name == 'BINPERSID':
-            self.persistent()
-        elif name in ('BINPUT', 'LONG_BINPUT'):
-            self.memo[arg] = stack[-1]
-        elif name in ('BINGET', 'LONG_BINGET'):
-            stack.append(self.memo[arg])
-        elif name in ('BINUNICODE', 'SHORT_BINSTRING'):
-            self.push(arg, len(arg))
-        elif name in ('BININT', 'BININT1', 'BININT2', 'BINFLOAT', 'LONG1'):
-            self.push(arg)
-        elif name == 'EMPTY_LIST':
-            self.push(_List())
-        elif name == 'EMPTY_TUPLE':
-            self.push(())
-        elif name in ('NONE', 'NEWFALSE', 'NEWTRUE', 'EMPTY_DICT',
-                      'EMPTY_SET'):
-            self.push(None)
-        elif name not in ('PROTO', 'STOP'):
-            return False
-        return True
+        items = tuple(stack[-n:])
+        del stack[-n:]
+        self.push(items, SLOT_BYTES * n)
+
+    def op_appends(self, arg: Any) -> None:
+        items = self.pop_mark()
+        self.scan.built_bytes += SLOT_BYTES * 2 * len(items)
+        if isinstance(self.stack[-1], _List):
+            self.stack[-1].extend(items)
+
+    def op_setitems(self, arg: Any) -> None:
+        self.scan.built_bytes += SLOT_BYTES * 2 * len(self.pop_mark())
+
+    def op_append(self, arg: Any) -> None:
+        stack = self.stack
+        item = stack.pop()
+        self.scan.built_bytes += SLOT_BYTES * 2
+        if isinstance(stack[-1], _List):
+            stack[-1].append(item)
+
+    def op_setitem(self, arg: Any) -> None:
+        del self.stack[-2:]
+        self.scan.built_bytes += SLOT_BYTES * 2
+
+    def op_put(self, arg: Any) -> None:
+        self.memo[arg] = self.stack[-1]
+
+    def op_get(self, arg: Any) -> None:
+        self.stack.append(self.memo[arg])
+
+    def op_text(self, arg: Any) -> None:
+        self.push(arg, len(arg))
+
+    def op_value(self, arg: Any) -> None:
+        self.push(arg)
+
+    def handlers(self) -> Dict[str, Any]:
+        """Opcode name -> handler; an opcode not here ends the walk."""
+        table = {
+            'GLOBAL': self.op_global, 'REDUCE': lambda arg: self.reduce(),
+            'NEWOBJ': self.op_newobj, 'MARK': self.op_mark,
+            'TUPLE': self.op_tuple, 'APPENDS': self.op_appends,
+            'SETITEMS': self.op_setitems, 'APPEND': self.op_append,
+            'SETITEM': self.op_setitem,
+            'BUILD': lambda arg: self.stack.pop(),
+            'BINPERSID': lambda arg: self.persistent(),
+            'EMPTY_LIST': lambda arg: self.push(_List()),
+            'EMPTY_TUPLE': lambda arg: self.push(()),
+            'PROTO': lambda arg: None, 'STOP': lambda arg: None,
+        }
+        for n in (1, 2, 3):
+            table[f'TUPLE{n}'] = functools.partial(self.op_tuple_n, n)
+        for names, handler in (
+                (('BINPUT', 'LONG_BINPUT'), self.op_put),
+                (('BINGET', 'LONG_BINGET'), self.op_get),
+                (('BINUNICODE', 'SHORT_BINSTRING'), self.op_text),
+                (('BININT', 'BININT1', 'BININT2', 'BINFLOAT', 'LONG1'),
+                 self.op_value),
+                (('NONE', 'NEWFALSE', 'NEWTRUE', 'EMPTY_DICT', 'EMPTY_SET'),
+                 lambda arg: self.push(None))):
+            table.update(dict.fromkeys(names, handler))
+        return table
 
 
 def scan_pickle(data: Union[bytes, BinaryIO]) -> PickleScan:
@@ -365,10 +383,13 @@ def scan_pickle(data: Union[bytes, BinaryIO]) -> PickleScan:
     after it is built). A file object is read up to the pickle's ``STOP``.
     """
     walk = _Walk()
+    handlers = walk.handlers()
     try:
         for op, arg, _ in pickletools.genops(data):
-            if not walk.step(op.name, arg):
+            handler = handlers.get(op.name)
+            if handler is None:
                 break
+            handler(arg)
     except (IndexError, KeyError, ValueError, TypeError):
         pass  # a malformed stream: torch refuses it when it gets there
     # A name used only as getattr's first argument is not needed itself.
