@@ -19,11 +19,11 @@ from mmseg.registry import MODELS
 from torch import nn
 
 from ..accounting.budget import check_budget
-from ..ops import check_radius
+from ..ops import MAX_RADIUS, check_radius
 from .budget import choose_layers_by_budget
 from .cpu_distributed import revert_sync_batchnorm_on_cpu
 from .patch_mean_activations import install_patch_mean_gelus
-from .selection import check_layer_kinds, select_layers
+from .selection import check_input_size, check_layer_kinds, select_layers
 from .state import get_state
 from .surgery import apply_gradient_filter, check_mode
 
@@ -146,8 +146,8 @@ def _check_layer_settings(out: Dict[str, Any]) -> None:
             except ValueError:
                 raise ValueError(
                     "gradient_filter radius must be an int >= 1, 'auto' or "
-                    'a dict {module path: int or "auto"}, got '
-                    f'{radius!r}') from None
+                    'a dict {module path: int or "auto"} (ints at most '
+                    f'{MAX_RADIUS}), got {radius!r}') from None
 
 
 def _check_flags(out: Dict[str, Any]) -> None:
@@ -157,15 +157,8 @@ def _check_flags(out: Dict[str, Any]) -> None:
         if not isinstance(out[key], bool):
             raise ValueError(f'gradient_filter {key} must be True or False, '
                              f'got {out[key]!r}')
-    size = out['input_size']
-    if size is not None:
-        if isinstance(size, int):
-            size = (size, size)
-        if len(size) != 2 or not all(
-                isinstance(v, int) and v > 0 for v in size):
-            raise ValueError('gradient_filter input_size must be (H, W) '
-                             f'positive ints, got {out["input_size"]!r}')
-        out['input_size'] = tuple(size)
+    if out['input_size'] is not None:
+        out['input_size'] = check_input_size(out['input_size'])
 
 
 def default_input_size(cfg) -> Sequence[int]:

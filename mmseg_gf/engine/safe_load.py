@@ -46,12 +46,12 @@ from .checkpoint_data import (ALLOWED_NAMES, HISTORY_BUFFER_NAME,
                               RefusedCheckpointError, checked_getattr,
                               importable_name, make_rebuild_array,
                               make_rebuild_scalar, rebuild_dtype, refusal)
-from .pickle_scan import checkpoint_pickle, names_in_pickle
+from .load_bounds import check_cost, scan_checkpoint
 
 __all__ = [
     'mmengine_checkpoint_types', 'allow_mmengine_checkpoints',
     'trust_checkpoint_types', 'explain_refused_checkpoints',
-    'check_checkpoint_types', 'load_checkpoint_file',
+    'check_checkpoint_types', 'check_checkpoint_file', 'load_checkpoint_file',
     'RefusedCheckpointError', 'TRUST_FLAG'
 ]
 
@@ -61,6 +61,24 @@ _NUMPY_NAMES = frozenset(['numpy.dtype', 'numpy.ndarray'] + [
     f'{m}.{f}' for m in _NUMPY_MODULES for f in ('_reconstruct', 'scalar')])
 #: Modules torch never loads from, allow-listed or not.
 _BLOCKED_MODULES = ('sys', 'os', 'posix', 'nt')
+#: Names that run code, read files or import whatever their argument names:
+#: no trust flag is suggested for, or accepts, them or anything in these
+#: modules (a trusted name is called with the file's arguments).
+_RUNS_CODE_MODULES = _BLOCKED_MODULES + (
+    'subprocess', 'shutil', 'importlib', 'runpy', 'pickle', '_pickle',
+    'marshal', 'ctypes', 'code', 'codeop', 'pty', 'socket', 'pdb', 'bdb',
+    'multiprocessing', 'webbrowser', 'pydoc', 'dill', 'cloudpickle',
+    'joblib', 'timeit', 'profile', 'cProfile', 'trace', 'threading',
+    '_thread', 'signal', 'operator', 'functools', 'io', '_io',
+    'pathlib', 'tempfile', 'zipimport', 'pkgutil', 'inspect')
+_RUNS_CODE_NAMES = frozenset(
+    [f'builtins.{n}' for n in (
+        'exec', 'eval', 'compile', '__import__', 'open', 'input',
+        'breakpoint', 'setattr', 'delattr', 'globals', 'locals', 'vars',
+        'exit', 'quit', 'help', 'memoryview', '__build_class__')]
+    + ['torch.load', 'torch.jit.load', 'torch.hub.load', 'torch.package',
+       'numpy.load', 'numpy.loads', 'numpy.fromfile', 'numpy.memmap',
+       'torch.serialization.load', 'torch.from_file'])
 
 
 def _stand_ins() -> Dict[str, Any]:
@@ -126,6 +144,15 @@ def allow_mmengine_checkpoints() -> None:
         [e for e in mmengine_checkpoint_types() if e[1] not in present])
 
 
+def runs_code(name: str) -> bool:
+    """Whether ``name`` runs code, reads files or imports by its
+    arguments (no trust flag is suggested for or accepts it)."""
+    parts = name.split('.')
+    return parts[0] in _RUNS_CODE_MODULES or any(
+        '.'.join(parts[:i]) in _RUNS_CODE_NAMES
+        for i in range(2, len(parts) + 1))
+
+
 def _resolve(name: str):
     """The object a dotted name imports to (the longest importable module
     prefix, then attributes: nested classes included)."""
@@ -138,6 +165,11 @@ def _resolve(name: str):
     if parts[0] in _BLOCKED_MODULES:
         raise ValueError(f'{TRUST_FLAG} {name!r}: torch never loads names '
                          f'from the modules {", ".join(_BLOCKED_MODULES)}')
+    if runs_code(name):
+        raise ValueError(
+            f'{TRUST_FLAG} {name!r}: it runs code, reads files or imports '
+            'what its arguments name, and a trusted name is called with the '
+            "file's arguments; allowed: the data classes a refusal names")
     for i in range(len(parts) - 1, 0, -1):
         try:
             obj = importlib.import_module('.'.join(parts[:i]))
@@ -226,21 +258,30 @@ def _allowed_names() -> set:
 
 def refused_names(filename: str) -> Optional[List[str]]:
     """The names a checkpoint file uses that are not allowed, in order of
-    first use; None if the file is not in torch's zip format."""
-    data = checkpoint_pickle(filename)
-    if data is None:
+    first use; None if the file is in neither of torch's formats (zip,
+    legacy)."""
+    scanned = scan_checkpoint(filename)
+    if scanned is None:
         return None
     allowed = _allowed_names()
-    return [n for n in names_in_pickle(data) if n not in allowed]
+    return [n for n in scanned[0].names if n not in allowed]
+
+
+#: Names a refusal lists at most (a crafted file can hold thousands).
+MAX_NAMES_SHOWN = 20
 
 
 def _names_refusal(names: List[str]) -> RefusedCheckpointError:
-    """The error naming refused names, with the flag values that trust
-    them (none for names that do not exist or cannot be trusted)."""
+    """The error naming refused names (the first
+    :data:`MAX_NAMES_SHOWN`), with the flag values that trust them (none
+    for names that do not exist, run code or cannot be trusted)."""
+    more = len(names) - MAX_NAMES_SHOWN
+    names = names[:MAX_NAMES_SHOWN]
     trustable = [n for n in names if importable_name(n) is not None and
-                 n.split('.')[0] not in _BLOCKED_MODULES]
+                 not runs_code(n)]
     flags = ' '.join(f'{TRUST_FLAG} {n}' for n in trustable)
-    shown = ', '.join(names)
+    shown = ', '.join(names) + (f' and {more} more names' if more > 0
+                                else '')
     text = (f'checkpoint refused: it holds {shown}, which '
             f'{"is" if len(names) == 1 else "are"} not among the data types '
             'a checkpoint is allowed to hold (tensors, containers, plain '
@@ -252,10 +293,12 @@ def _names_refusal(names: List[str]) -> RefusedCheckpointError:
                  f'{flags} (tools/train.py, tools/test.py) or '
                  'mmseg_gf.engine.safe_load.trust_checkpoint_types'
                  f'({trustable!r})')
-    untrusted = [n for n in names if n not in trustable]
+    trusted = set(trustable)
+    untrusted = [n for n in names if n not in trusted]
     if untrusted:
         text += (f' No trust flag allows {", ".join(untrusted)} (no such '
-                 'name, or a module torch never loads from)')
+                 'name, or one that runs code, reads files or imports what '
+                 'its arguments name)')
     return RefusedCheckpointError(text)
 
 
@@ -263,7 +306,8 @@ def check_checkpoint_types(filename: str) -> None:
     """Refuse a checkpoint file before anything in it is built if it uses
     names that are not allowed, naming all of them.
 
-    Files in torch's legacy (non-zip) format are left to the load itself.
+    Files in neither of torch's formats (zip, legacy) are left to the load
+    itself.
 
     Raises:
         RefusedCheckpointError: the file uses names that are not allowed.
@@ -271,6 +315,28 @@ def check_checkpoint_types(filename: str) -> None:
     names = refused_names(filename)
     if names:
         raise _names_refusal(names)
+
+
+def check_checkpoint_file(filename: str) -> None:
+    """Everything the loader checks before anything in a file is built:
+    the names it uses (as :func:`check_checkpoint_types`), then what it
+    declares against the cap of :mod:`.load_bounds` (records, tensors,
+    bytearrays, objects). One read of the zip directory and one walk of the
+    pickle (torch's legacy format: of its data pickle); a file in neither
+    format is left to the load.
+
+    Raises:
+        RefusedCheckpointError: naming the names, or what costs how much.
+    """
+    scanned = scan_checkpoint(filename)
+    if scanned is None:
+        return
+    scan, infos = scanned
+    allowed = _allowed_names()
+    names = [n for n in scan.names if n not in allowed]
+    if names:
+        raise _names_refusal(names)
+    check_cost(filename, scan, infos)
 
 
 _OUR_REFUSAL = re.compile(r'checkpoint refused: [^\n]*')
@@ -325,9 +391,11 @@ def explain_refused_checkpoints(
 def load_checkpoint_file(filename: str, map_location: Any = 'cpu') -> Any:
     """A local checkpoint file's content, loaded as data.
 
-    :func:`check_checkpoint_types` first; then ``torch.load(...,
-    weights_only=True)``, any failure inside it (a refused value, or a
-    pickle too damaged for the unpickler) raised as a
+    :func:`check_checkpoint_file` first (names and declared costs); then
+    ``torch.load(..., weights_only=True)`` with sparse tensors' invariants
+    checked (torch checks them only when asked: an index out of range
+    would crash a later ``to_dense``), any failure inside it (a refused
+    value, a pickle too damaged for the unpickler, memory) raised as a
     :class:`RefusedCheckpointError`.
 
     Raises:
@@ -335,13 +403,17 @@ def load_checkpoint_file(filename: str, map_location: Any = 'cpu') -> Any:
         RefusedCheckpointError: the file holds what is not allowed, or is
             not a readable checkpoint.
     """
-    check_checkpoint_types(filename)
+    check_checkpoint_file(filename)
     with explain_refused_checkpoints(filename):
         try:
-            return torch.load(filename, map_location=map_location,
-                              weights_only=True)
+            with torch.sparse.check_sparse_tensor_invariants(enable=True):
+                return torch.load(filename, map_location=map_location,
+                                  weights_only=True)
         except (OSError, pickle.UnpicklingError):
             raise
+        except MemoryError:
+            raise refusal('more than fits in memory', 'it is not a '
+                          'checkpoint of tensors and plain data') from None
         except Exception as err:  # noqa: B902 (any other: a damaged pickle)
             raise refusal(
                 f'a pickle torch cannot rebuild ({type(err).__name__}: '

@@ -37,8 +37,9 @@ from ..accounting.conv_cost import ConvGeometry, output_stride
 from ..models.layer_kinds import (filterable_names, kind_names, kind_of,
                                    traced_kind_of, traced_type_names)
 from ..models.segmentor import (CLASSIFIER_NAMES, is_class_score_layer,
-                                is_classifier, unwrap_model)
-from ..ops import as_pair, check_radius
+                                is_classifier, is_head_classifier,
+                                unwrap_model)
+from ..ops import MAX_RADIUS, as_pair, check_radius
 # The tracer's names, importable from here too.
 from .layer_trace import (ConvRecord, LayerRecord, head_list,  # noqa: F401
                           nested_tensors, trace_convs, trace_layers)
@@ -48,7 +49,8 @@ RadiusSetting = Union[int, str, Dict[str, Union[int, str]]]
 __all__ = [
     'ConvRecord', 'LayerRecord', 'LayerChoice', 'trace_convs',
     'trace_layers', 'select_layers', 'auto_radius', 'resolve_radius',
-    'check_radius_paths', 'check_layer_kinds', 'has_grid'
+    'check_radius_paths', 'check_layer_kinds', 'has_grid',
+    'check_input_size', 'MAX_INPUT_SIDE'
 ]
 
 
@@ -75,6 +77,30 @@ def check_layer_kinds(layer_kinds) -> Tuple[str, ...]:
             f'non-empty list of {list(allowed)} (e.g. [\'conv2d\']: the '
             f'paper\'s conv-only count), got {layer_kinds!r}')
     return tuple(n for n in allowed if n in names)
+
+
+#: The largest side of the selection trace's input (``input_size``): the
+#: trace runs the segmentor once at that size, so a size past any image a
+#: segmentor is trained on would only reach the allocator.
+MAX_INPUT_SIDE = 8192
+
+
+def check_input_size(size) -> Tuple[int, int]:
+    """Validate ``input_size``: an int or an ``(H, W)`` pair of ints in
+    ``[1, MAX_INPUT_SIDE]``.
+
+    Raises:
+        ValueError: naming the setting, the value and the range.
+    """
+    pair = (size, size) if isinstance(size, int) else size
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool)
+            and 1 <= v <= MAX_INPUT_SIDE for v in pair):
+        raise ValueError(
+            'gradient_filter input_size must be (H, W) ints in '
+            f'[1, {MAX_INPUT_SIDE}] (the size of the selection trace), got '
+            f'{size!r}')
+    return int(pair[0]), int(pair[1])
 
 
 @dataclass
@@ -188,7 +214,8 @@ def resolve_radius(radius: RadiusSetting, path: str,
     if isinstance(radius, str):
         raise ValueError(
             "gradient_filter radius must be an int >= 1, 'auto' or a dict "
-            f'{{path: int or "auto"}}, got {radius!r}')
+            f'{{path: int or "auto"}} (ints at most {MAX_RADIUS}), got '
+            f'{radius!r}')
     return check_radius(radius)
 
 
@@ -279,10 +306,14 @@ def select_layers(model: nn.Module,
                          f'and layers, got num_layers={num_layers!r}, '
                          f'layers={layers!r}')
     kinds = check_layer_kinds(layer_kinds)
+    input_size = check_input_size(input_size)
     model = unwrap_model(model)
     check_radius_paths(model, radius)
     if records is None or any(r.feeds_output is None for r in records):
         records = trace_layers(model, input_size)
+    ran_kinds = sorted({r.kind for r in records if r.inference and
+                        has_grid(r) and not is_classifier(r.path)},
+                       key=list(kind_names()).index)
     records = [r for r in records if r.kind in kinds or is_classifier(r.path)]
     if not records:
         raise ValueError(
@@ -290,14 +321,61 @@ def select_layers(model: nn.Module,
             f'{traced_type_names()} on its inference path; nothing can be '
             'gradient-filtered')
     if num_layers is not None:
-        chosen = _last_n_layers(model, records, num_layers)
+        chosen = _last_n_layers(model, records, num_layers,
+                                _KindNote(kinds, ran_kinds))
     else:
-        chosen = _named_layers(model, records, layers)
-    return [_layer_choice(rec, radius, input_size) for rec in chosen]
+        chosen = _named_layers(model, records, layers,
+                               _KindNote(kinds, ran_kinds))
+    choices = [_layer_choice(rec, radius, input_size) for rec in chosen]
+    check_radius_keys_used(radius, [c.path for c in choices])
+    return choices
+
+
+@dataclass
+class _KindNote:
+    """The ``layer_kinds`` setting and the kinds the model runs, for the
+    errors of an empty choice."""
+
+    kinds: Tuple[str, ...]
+    ran: List[str]
+
+    def nouns(self) -> str:
+        return f'layer of the kinds {list(self.kinds)}'
+
+    def text(self) -> str:
+        return (f'layer_kinds={list(self.kinds)}; the kinds it runs besides '
+                f'its classifiers: {self.ran}; allowed: layer_kinds among '
+                'those, or None for every kind')
+
+
+def check_radius_keys_used(radius: RadiusSetting,
+                           paths: Sequence[str]) -> None:
+    """Refuse a ``radius`` dict key (other than ``'*'``) that matches no
+    selected layer: it would be ignored without a word (a layer left out
+    of the selection, or a part of a selected layer such as an attention's
+    ``out_proj``, whose radius is the whole layer's).
+
+    Raises:
+        ValueError: naming the key and the selected layers.
+    """
+    if not isinstance(radius, dict):
+        return
+    for key in radius:
+        if key in ('', '*') or any(_prefix_match(p, key) for p in paths):
+            continue
+        inside = [p for p in paths if str(key).startswith(p + '.')]
+        why = (f'it is a part of the selected layer {inside[0]!r}, whose '
+               f'radius applies to the whole layer; use the key '
+               f'{inside[0]!r}' if inside else
+               'it names no selected layer and no container of one')
+        raise ValueError(
+            f'gradient_filter radius: key {key!r} would be ignored: {why}. '
+            f'Selected layers: {_listing(list(paths))}; allowed keys: \'*\' '
+            'or a prefix of a selected layer\'s path')
 
 
 def _last_n_layers(model: nn.Module, records: List[LayerRecord],
-                   num_layers) -> List[LayerRecord]:
+                   num_layers, note: '_KindNote') -> List[LayerRecord]:
     """The last ``num_layers`` inference-path convs that feed the output,
     classifiers excluded (see :func:`select_layers`)."""
     name = type(model).__name__
@@ -324,11 +402,11 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
     unreached = [r.path for r in ran if not r.feeds_output]
     if not pool:
         raise ValueError(
-            f'gradient_filter: {name} runs no conv on its inference '
-            f'path that the output depends on besides its classifiers '
-            f'{classifiers}, so num_layers has nothing to choose from '
-            '(allowed: a segmentor with nn.Conv2d layers; to train the '
-            'classifier alone, use CalibrationHook(trainable=[...]) as '
+            f'gradient_filter: {name} runs no {note.nouns()} on its '
+            'inference path that the output depends on besides its '
+            f'classifiers {classifiers}, so num_layers has nothing to choose '
+            f'from ({note.text()}; to train the classifier alone, use '
+            'CalibrationHook(trainable=[...]) as '
             'configs/_base_/strategies/classifier_only.py does)')
     if isinstance(num_layers, bool) or not isinstance(
             num_layers, int) or not 1 <= num_layers <= len(pool):
@@ -368,7 +446,7 @@ def _refuse_no_grid(recs: Sequence[LayerRecord], setting: str) -> None:
 
 
 def _named_layers(model: nn.Module, records: List[LayerRecord],
-                  layers) -> List[LayerRecord]:
+                  layers, note: _KindNote) -> List[LayerRecord]:
     """The convs that ``layers`` (module paths) name, in execution order."""
     if isinstance(layers, str):
         layers = [layers]
@@ -378,7 +456,13 @@ def _named_layers(model: nn.Module, records: List[LayerRecord],
     modules = dict(model.named_modules())
     chosen: List[LayerRecord] = []
     for path in layers:
-        reached = _convs_reached_in(model, modules, records, path)
+        if not isinstance(path, str) or not path.strip('.'):
+            raise ValueError(
+                f'gradient_filter layers: {path!r} is no module path '
+                '(allowed: dotted paths of modules of the segmentor, e.g. '
+                "'backbone.layer4' or 'decode_head'; the whole segmentor is "
+                'not a choice: use num_layers)')
+        reached = _convs_reached_in(model, modules, records, path, note)
         named = [r for r in reached if r.path == path]
         # a Linear on no grid: refused when named, skipped in a container
         _refuse_no_grid([r for r in named if not has_grid(r)], 'layers')
@@ -390,8 +474,8 @@ def _named_layers(model: nn.Module, records: List[LayerRecord],
 
 
 def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
-                      records: List[LayerRecord],
-                      path: str) -> List[LayerRecord]:
+                      records: List[LayerRecord], path: str,
+                      note: _KindNote) -> List[LayerRecord]:
     """The convs at or inside ``path`` that some loss gradient reaches (a
     head's classifier only when named itself); errors name the path."""
     if path not in modules:
@@ -399,12 +483,13 @@ def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
         hint = f'; did you mean {close}?' if close else ''
         raise ValueError(f'gradient_filter layers: no module {path!r} in '
                          f'{type(model).__name__}{hint}')
-    if is_classifier(path):
+    if is_classifier(path) or is_head_classifier(path):
+        which = 'a decode' if is_classifier(path) else 'an auxiliary'
         raise ValueError(
-            f'gradient_filter layers: {path!r} is a decode head\'s '
-            'classifier (class scores), which every setting trains with '
-            'its exact gradient and never filters; allowed: the layers '
-            'before it. '
+            f'gradient_filter layers: {path!r} is {which} head\'s '
+            'classifier (class scores); no head\'s classifier is ever '
+            'gradient-filtered (a decode head\'s is trained with its exact '
+            'gradient by every setting); allowed: the layers before it. '
             'To train the classifier alone, use '
             'CalibrationHook(trainable=[...]) as '
             'configs/_base_/strategies/classifier_only.py does')
@@ -422,9 +507,9 @@ def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
                              'never runs in the forward pass')
         raise ValueError(
             f'gradient_filter layers: {path!r} ({type(mod).__name__}) '
-            f'contains no layer of the kinds {list(kind_names())} that '
-            'runs in the forward pass; allowed: such a layer or a '
-            'container of them')
+            f'contains no {note.nouns()} that runs in the forward pass '
+            f'({note.text()}); allowed: such a layer or a container of '
+            'them')
     reached = [r for r in inside if r.feeds_heads]
     if not reached:
         raise ValueError(

@@ -18,8 +18,13 @@ model needs and nothing else:
   wrote the file.
 
 Every value is converted to plain Python (numpy scalars and arrays to
-numbers and lists); the written file is then checked to use no name
-beyond torch's own ``weights_only`` allow-list.
+numbers and lists); a value that is not plain data (or nested past
+Python's recursion limit) is left out and named. The state dict holds
+dense tensors only: a sparse, quantized, meta or subclassed tensor is
+refused by its key (the source is read by the loader, which checks sparse
+tensors' indices and bounds what the file declares: :mod:`.load_bounds`).
+The written file is then checked to use no name beyond torch's own
+``weights_only`` allow-list.
 """
 import collections
 import re
@@ -71,6 +76,8 @@ def _state_dict(checkpoint: Any, filename: str) -> 'collections.OrderedDict':
             f'{filename!r} holds no state dict (expected a dict of tensors, '
             "or a dict with one under 'state_dict'; got "
             f'{type(checkpoint).__name__} with keys {keys})')
+    for key, value in state.items():
+        _check_dense(key, value, filename)
     out = collections.OrderedDict(
         (re.sub(r'^module\.', '', k), v.detach().cpu().clone())
         for k, v in state.items())
@@ -80,9 +87,27 @@ def _state_dict(checkpoint: Any, filename: str) -> 'collections.OrderedDict':
             out._metadata = {
                 re.sub(r'^module(\.|$)', '', str(k)): plain_data(v)
                 for k, v in metadata.items()}
-        except TypeError:
+        except (TypeError, RecursionError):
             pass  # torch then loads every module as its current version
     return out
+
+
+def _check_dense(key: Any, value: torch.Tensor, filename: str) -> None:
+    """A state-dict entry plain mmseg can load: a dense tensor of data."""
+    problem = None
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):
+        problem = f'a {type(value).__qualname__}'
+    elif value.layout != torch.strided:
+        problem = f'a {value.layout} tensor'
+    elif value.is_quantized:
+        problem = 'a quantized tensor'
+    elif value.is_meta:
+        problem = 'a meta tensor (no data)'
+    if problem is not None:
+        raise ValueError(
+            f'{filename!r}: state_dict[{str(key)[:100]!r}] is {problem}; '
+            'exported weights hold dense tensors only (allowed: strided '
+            'tensors with data, as a model\'s state_dict holds)')
 
 
 def _meta(checkpoint: Any) -> Tuple[Dict[str, Any], List[str]]:
@@ -101,13 +126,13 @@ def _meta(checkpoint: Any) -> Tuple[Dict[str, Any], List[str]]:
         for key, value in dataset_meta.items():
             try:
                 meta['dataset_meta'][key] = plain_data(value)
-            except TypeError:
+            except (TypeError, RecursionError):
                 left_out.append(f'dataset_meta.{key}')
     for key in _META_KEYS:
         if key in source:
             try:
                 meta[key] = plain_data(source[key])
-            except TypeError:
+            except (TypeError, RecursionError):
                 left_out.append(key)
     # str(): torch.__version__ is a TorchVersion, a str subclass torch's
     # allow-list does not name.
@@ -145,7 +170,8 @@ def export_weights(checkpoint: str, out: str,
 
     Raises:
         RefusedCheckpointError: ``checkpoint`` holds what is not allowed.
-        ValueError: it holds no state dict of tensors.
+        ValueError: it holds no state dict of tensors, or one that is not
+            dense (named).
     """
     trust_checkpoint_types(list(trust))
     source = load_checkpoint_file(checkpoint, map_location='cpu')

@@ -132,7 +132,10 @@ class GFLinear(nn.Linear):
             or (self.bias is not None and self.bias.requires_grad))
 
     def forward(self, input: Tensor) -> Tensor:
-        if not self._filter_active(input) or input.numel() == 0:
+        if not self._filter_active(input) or input.numel() == 0 or \
+                self.weight.numel() == 0:
+            # nothing to filter (an empty output or weight): the exact
+            # backward, zero-sized or zero gradients, as nn.Linear gives
             return F.linear(input, self.weight, self.bias)
         grid = self.current_grid()
         if grid is None:

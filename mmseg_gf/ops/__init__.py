@@ -6,9 +6,10 @@ from .gradient_filter import (AxisGeometry, GradientFilterConv2dFunction,
                               gradient_filtered_conv2d)
 from .gradient_filter_linear import (GradientFilterLinearFunction, TokenGrid,
                                      gradient_filtered_linear)
+from .patch_grid import MAX_RADIUS
 
 __all__ = [
     'AxisGeometry', 'GradientFilterConv2dFunction', 'as_pair', 'check_radius',
     'gradient_filtered_conv2d', 'GradientFilterLinearFunction', 'TokenGrid',
-    'gradient_filtered_linear'
+    'gradient_filtered_linear', 'MAX_RADIUS'
 ]

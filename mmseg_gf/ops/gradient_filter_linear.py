@@ -488,5 +488,9 @@ def gradient_filtered_linear(x: Tensor,
     if not isinstance(grid, TokenGrid):
         raise TypeError(f'grid must be a TokenGrid, got {type(grid).__name__}')
     grid.token_axis(x.shape, token_dim)
+    if x.numel() == 0 or weight.numel() == 0:
+        # no token or no channel: nothing to filter, the exact (empty or
+        # zero) gradients
+        return F.linear(x, weight, bias)
     return GradientFilterLinearFunction.apply(x, weight, bias, grid, radius,
                                               token_dim)

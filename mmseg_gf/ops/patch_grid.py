@@ -32,16 +32,27 @@ def as_pair(value: IntPair) -> Tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
+#: The largest patch size ``r``: a patch of 65536 x 65536 pixels covers
+#: any feature map a segmentor filters, and every index the kernels compute
+#: from it (``H + r``, ``r * stride``, ``r * r``) stays far inside int64
+#: (the compiled kernels check the same bound: ``csrc/patch_kernels.h``).
+MAX_RADIUS = 1 << 16
+
+
 def check_radius(radius) -> int:
     """Validate a patch size ``r`` and return it as an ``int``.
 
     Raises:
-        ValueError: if ``radius`` is not an integer >= 1 (``bool`` is refused
-            too: ``True`` is almost certainly a configuration mistake).
+        ValueError: if ``radius`` is not an integer in
+            ``[1, MAX_RADIUS]`` (``bool`` is refused too: ``True`` is almost
+            certainly a configuration mistake).
     """
-    if isinstance(radius, bool) or not isinstance(radius, int) or radius < 1:
+    if isinstance(radius, bool) or not isinstance(radius, int) or \
+            not 1 <= radius <= MAX_RADIUS:
         raise ValueError(
-            f'gradient filter radius must be an int >= 1, got {radius!r}')
+            f'gradient filter radius must be an int >= 1 and <= '
+            f'{MAX_RADIUS} (a patch side; larger than any feature map), '
+            f'got {radius!r}')
     return radius
 
 

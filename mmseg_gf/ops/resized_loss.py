@@ -107,6 +107,11 @@ def _check(logits: Tensor, label: Tensor, weight: Optional[Tensor]) -> None:
     if logits.dim() != 4:
         raise ValueError(f'logits must be N x C x h x w, got shape '
                          f'{tuple(logits.shape)}')
+    if label.dtype != torch.int64:
+        raise ValueError(
+            'label must hold int64 class indices (what mmseg\'s '
+            'PackSegInputs gives and F.cross_entropy takes), got '
+            f'{label.dtype} of shape {tuple(label.shape)}')
     if label.dim() != 3 or label.shape[0] != logits.shape[0]:
         raise ValueError(f'label must be N x H x W with N = '
                          f'{logits.shape[0]}, got shape {tuple(label.shape)}')

@@ -171,7 +171,10 @@ def test_forward_is_exact_and_grad_input_is_fully_written():
         torch.randn(1, 2, 2, 3, dtype=torch.float16), 2),
      'float32 or float64'),
     (lambda: native._kernels.token_patch_sums(torch.randn(1, 2, 2, 3), 0),
-     'radius must be >= 1'),
+     r'radius must be in \[1, 65536\], got 0'),
+    (lambda: native._kernels.token_patch_sums(torch.randn(1, 2, 2, 3),
+                                              2**63 - 1),
+     r'radius must be in \[1, 65536\], got 9223372036854775807'),
     (lambda: native._kernels.token_filtered_backward(
         torch.randn(1, 4, 4, 3), None, torch.randn(5, 3), None, 2, False,
         True, 1 << 20, 0), 'Co = 3'),

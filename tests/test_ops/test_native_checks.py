@@ -130,6 +130,24 @@ REFUSED = {
     'filtered_conv2d radius 0':
         'P.filtered_conv2d(z(1, 2, 4, 4), z(2, 2, 1, 1), None, [1, 1], '
         '[0, 0], [1, 1], 1, 0, 0, 2, 0, 2)',
+    'filtered_conv2d radius past the maximum':
+        'P.filtered_conv2d(z(1, 2, 4, 4, requires_grad=True), '
+        'z(2, 2, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, (1 << 63) - 1, 0, '
+        '2, 0, 2)',
+    'collapsed radius past the maximum':
+        'P.collapsed_backward(z(1, 2, 4, 4), None, z(2, 2, 1, 1), 1, 1., 4, '
+        '4, 0, 2, 0, 2, (1 << 16) + 1, True, False, False)',
+    # token_patch_sums(rows, radius); token_filtered_backward(grad_rows,
+    #   x_sums, weight, grad_x_rows, radius, need_weight, need_bias,
+    #   chunk_bytes, stream_bytes)
+    'token_patch_sums radius past the maximum':
+        'P.token_patch_sums(z(1, 3, 5, 4), (1 << 16) + 1)',
+    'token_filtered_backward radius 2**63 - 1 (H + r - 1 overflows)':
+        'P.token_filtered_backward(z(1, 3, 5, 3), z(1, 1, 1, 4), z(3, 4), '
+        'e(1, 3, 5, 4), (1 << 63) - 1, True, True, 1 << 20, 0)',
+    'token_filtered_backward radius 0':
+        'P.token_filtered_backward(z(1, 3, 5, 3), None, z(3, 4), '
+        'e(1, 3, 5, 4), 0, False, True, 1 << 20, 0)',
     'filtered_conv2d 1-d weight':
         'P.filtered_conv2d(z(1, 2, 4, 4), z(2), None, [1, 1], [0, 0], '
         '[1, 1], 1, 2, 0, 2, 0, 2)',

@@ -206,8 +206,9 @@ BAD = {
     'model without conv': (
         dict(model=_conv_free_model(), gf=dict(num_layers=1),
              load_from=None), ValueError,
-        r"runs no conv on its inference path that the output depends on "
-        r"besides its classifiers \['decode_head.conv_seg'\]"),
+        r"runs no layer of the kinds \['conv2d', 'linear', 'attention'\] on "
+        r"its inference path that the output depends on besides its "
+        r"classifiers \['decode_head.conv_seg'\]"),
 }
 
 

@@ -44,7 +44,7 @@ std::vector<torch::Tensor> collapsed_backward(
   TORCH_CHECK(weight.scalar_type() == grad_output.scalar_type(),
               "weight and grad_output must have the same dtype");
   TORCH_CHECK(groups >= 1, "groups must be >= 1, got ", groups);
-  TORCH_CHECK(radius >= 1, "radius must be >= 1, got ", radius);
+  check_radius(radius);
   TORCH_CHECK(in_height >= 1 && in_width >= 1,
               "the input size must be >= 1 x 1, got ", in_height, " x ",
               in_width);

@@ -128,7 +128,7 @@ torch::Tensor filtered_conv2d(const torch::Tensor& input,
   TORCH_CHECK(weight.scalar_type() == input.scalar_type() &&
                   (!has_bias || bias->scalar_type() == input.scalar_type()),
               "input, weight and bias must have the same dtype");
-  TORCH_CHECK(radius >= 1, "radius must be >= 1");
+  check_radius(radius);
   TORCH_CHECK(groups >= 1 && input.size(1) == weight.size(1) * groups &&
                   weight.size(0) % groups == 0,
               "groups must be >= 1 and divide the channels: input ",

@@ -38,6 +38,15 @@ struct Axis {
   int64_t hi(int64_t p) const { return clip(start + (p + 1) * size); }
 };
 
+// The largest patch size r (mmseg_gf/ops/patch_grid.py MAX_RADIUS): every
+// index computed from it (H + r - 1, r * stride) stays far inside int64.
+constexpr int64_t kMaxRadius = int64_t(1) << 16;
+
+inline void check_radius(int64_t radius) {
+  TORCH_CHECK(radius >= 1 && radius <= kMaxRadius, "radius must be in [1, ",
+              kMaxRadius, "], got ", radius);
+}
+
 // Refuses geometries whose arithmetic could overflow, and keeps every
 // visited patch index in [0, count) whatever `start` is (a patch grid that
 // starts past the map visits its patches as clipped border patches).

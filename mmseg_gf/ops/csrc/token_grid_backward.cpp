@@ -25,6 +25,7 @@
 
 #include "cpu_dispatch.h"
 #include "output_recycler.h"
+#include "patch_kernels.h"
 #include "token_rows_avx512.h"
 
 namespace mmseg_gf {
@@ -61,7 +62,7 @@ void check_rows(const torch::Tensor& t, const char* name) {
 }
 
 Geometry geometry_of(const torch::Tensor& rows, int64_t radius) {
-  TORCH_CHECK(radius >= 1, "radius must be >= 1, got ", radius);
+  check_radius(radius);
   const int64_t H = rows.size(1), W = rows.size(2);
   return Geometry{rows.size(0), H, W, radius, (H + radius - 1) / radius,
                   (W + radius - 1) / radius};

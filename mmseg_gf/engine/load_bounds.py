@@ -1,0 +1,238 @@
+"""What loading a checkpoint file may cost, bounded before anything is
+built.
+
+torch's ``weights_only`` unpickler runs only allow-listed names, but those
+names can still be told to build a lot from a few bytes: ``bytearray(2**31)``
+(then ``collections.Counter`` of it: minutes and gigabytes from a 670-byte
+file), a tensor view of a 1-element storage with a size of billions, a
+storage or ``data.pkl`` record deflated 1000:1 in the zip. The loader
+(:func:`.safe_load.load_checkpoint_file`) therefore reads the zip's
+directory and walks the pickle (:mod:`.pickle_scan`) first and refuses a
+file whose declared contents exceed a cap:
+
+* every record's uncompressed size (storages, ``data.pkl``), as the zip
+  declares it, read before any record is decompressed;
+* every tensor a rebuild function makes (``numel`` x element size), every
+  ``bytearray(n)`` and sized constructor, every element ``Counter``,
+  ``set`` and the like iterate over, and an estimate of the Python
+  objects and container slots the pickle creates;
+* each storage's declared bytes must fit in its record;
+* in torch's legacy (non-zip) format, which torch reads by allocating each
+  storage at its declared size: the storages the pickle declares;
+
+summed, against the cap: the larger of ``factor`` x the file's size
+(default 4) and ``floor`` bytes (default 64 MiB). A checkpoint written by
+``torch.save`` declares about its own size (its records are stored
+uncompressed; tensors count once as records, once as views), so it passes
+with room to spare. :func:`set_load_limit` (or the environment variable
+``MMSEG_GF_CHECKPOINT_COST_FACTOR``) changes the factor and the floor.
+"""
+import os
+import pickletools
+import zipfile
+import zlib
+from typing import List, Optional, Tuple
+
+from .checkpoint_data import RefusedCheckpointError, refusal
+from .pickle_scan import PickleScan, data_pickle_info, scan_pickle
+
+__all__ = ['set_load_limit', 'load_cap', 'read_checkpoint', 'check_cost',
+           'scan_checkpoint',
+           'DEFAULT_FACTOR', 'DEFAULT_FLOOR_BYTES', 'FACTOR_ENV']
+
+DEFAULT_FACTOR = 4.0
+DEFAULT_FLOOR_BYTES = 64 << 20
+FACTOR_ENV = 'MMSEG_GF_CHECKPOINT_COST_FACTOR'
+#: Record compressions torch's zip reader reads.
+_READABLE = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
+
+_limit = {'factor': None, 'floor': DEFAULT_FLOOR_BYTES}
+
+
+def set_load_limit(factor: Optional[float] = None,
+                   floor_bytes: Optional[int] = None) -> Tuple[float, int]:
+    """Set what a checkpoint may declare: the larger of ``factor`` x its
+    file size and ``floor_bytes``. None keeps a value.
+
+    Returns:
+        the previous ``(factor, floor_bytes)``.
+
+    Raises:
+        ValueError: a factor < 1 or a floor < 0 (named).
+    """
+    previous = (_factor(), _limit['floor'])
+    if factor is not None:
+        if isinstance(factor, bool) or not isinstance(
+                factor, (int, float)) or not factor >= 1:
+            raise ValueError('checkpoint load limit factor must be a number '
+                             f'>= 1 (times the file size), got {factor!r}')
+        _limit['factor'] = float(factor)
+    if floor_bytes is not None:
+        if isinstance(floor_bytes, bool) or not isinstance(
+                floor_bytes, int) or floor_bytes < 0:
+            raise ValueError('checkpoint load limit floor_bytes must be an '
+                             f'int >= 0, got {floor_bytes!r}')
+        _limit['floor'] = floor_bytes
+    return previous
+
+
+def _factor() -> float:
+    if _limit['factor'] is not None:
+        return _limit['factor']
+    text = os.environ.get(FACTOR_ENV)
+    if not text:
+        return DEFAULT_FACTOR
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value >= 1:
+        raise ValueError(f'{FACTOR_ENV} must be a number >= 1 (times the '
+                         f'file size), got {text!r}')
+    return value
+
+
+def load_cap(file_size: int) -> int:
+    """The most a file of ``file_size`` bytes may declare."""
+    return max(int(_factor() * file_size), _limit['floor'])
+
+
+def _mib(n: int) -> str:
+    return f'{n / 2**20:.1f} MiB'
+
+
+def _too_costly(what: str, cost: int, file_size: int,
+                cap: int) -> RefusedCheckpointError:
+    return RefusedCheckpointError(
+        f'checkpoint refused: it declares {what} of {_mib(cost)} in a file '
+        f'of {_mib(file_size)}, more than the loader\'s cap of {_mib(cap)} '
+        f'(the larger of {_factor():g} x the file size and '
+        f'{_mib(_limit["floor"])}; allowed: a checkpoint as torch.save '
+        'writes it, which declares about its own size). For a file you '
+        'trust, raise the cap: mmseg_gf.engine.load_bounds.set_load_limit('
+        f'factor=..., floor_bytes=...) or {FACTOR_ENV}=...')
+
+
+def _check_records(infos: List[zipfile.ZipInfo], file_size: int,
+                   cap: int) -> int:
+    """The records' total uncompressed size, refused past the cap or in a
+    compression torch does not read."""
+    for info in infos:
+        if info.compress_type not in _READABLE:
+            raise refusal(
+                f'a zip record {info.filename!r} compressed with method '
+                f'{info.compress_type}', "torch's zip reader reads stored "
+                'and deflated records only')
+    total = sum(info.file_size for info in infos)
+    if total > cap:
+        raise _too_costly('zip records', total, file_size, cap)
+    return total
+
+
+def read_checkpoint(filename: str
+                    ) -> Optional[Tuple[bytes, List[zipfile.ZipInfo]]]:
+    """The pickle and record list of a checkpoint in torch's zip format,
+    the records' declared sizes checked against the cap before any is
+    decompressed; None for another format (left to torch).
+
+    Raises:
+        OSError: the file cannot be read.
+        RefusedCheckpointError: records past the cap, a damaged archive,
+            or a pickle that does not fit in memory.
+    """
+    if not zipfile.is_zipfile(filename):
+        return None
+    file_size = os.path.getsize(filename)
+    try:
+        with zipfile.ZipFile(filename) as archive:
+            infos = archive.infolist()
+            _check_records(infos, file_size, load_cap(file_size))
+            info = data_pickle_info(archive)
+            if info is None:
+                return None
+            return archive.read(info), infos
+    except (zipfile.BadZipFile, zlib.error, EOFError,
+            NotImplementedError) as err:
+        raise refusal(f'a damaged zip archive ({type(err).__name__}: '
+                      f'{str(err)[:200]})',
+                      'it is not a readable checkpoint') from None
+    except MemoryError:
+        raise refusal('a pickle that does not fit in memory',
+                      'it is not a checkpoint of tensors and plain '
+                      'data') from None
+
+
+def check_cost(filename: str, scan: PickleScan,
+               infos: Optional[List[zipfile.ZipInfo]]) -> None:
+    """Refuse a file whose pickle declares more than the cap (with its
+    zip records; in the legacy format, with the storages it declares,
+    which torch allocates at their declared size), a storage larger than
+    its record, or a tensor whose size is not given as numbers.
+
+    Raises:
+        RefusedCheckpointError: naming what and how much.
+    """
+    if scan.problem is not None:
+        raise refusal(scan.problem, 'torch.save writes every size as '
+                      'numbers')
+    if infos is None:  # legacy format
+        records = sum(scan.storages.values())
+    else:
+        sizes = {info.filename: info.file_size for info in infos}
+        prefix = next(iter(sizes)).split('/')[0] + '/' if sizes else ''
+        for key, nbytes in scan.storages.items():
+            record = sizes.get(f'{prefix}data/{key}')
+            if record is not None and nbytes > record:
+                raise refusal(
+                    f'a storage {key!r} declared as {nbytes} bytes whose '
+                    f'record holds {record}', 'a storage must fit in its '
+                    'record')
+        records = sum(sizes.values())
+    file_size = os.path.getsize(filename)
+    cost = records + scan.built_bytes
+    cap = load_cap(file_size)
+    if cost > cap:
+        raise _too_costly('contents (storages, tensors, bytearrays and '
+                          'objects)', cost, file_size, cap)
+
+
+def _scan(data) -> PickleScan:
+    try:
+        return scan_pickle(data)
+    except MemoryError:
+        raise refusal('a pickle that does not fit in memory',
+                      'it is not a checkpoint of tensors and plain '
+                      'data') from None
+
+
+def _scan_legacy(filename: str) -> Optional[PickleScan]:
+    """The data pickle of a file in torch's legacy format (four pickles:
+    magic number, protocol, system info, the data; then the storages),
+    scanned; None if the file does not start as one (left to torch)."""
+    with open(filename, 'rb') as f:
+        if f.read(1) != b'\x80':
+            return None
+        f.seek(0)
+        try:
+            for _ in range(3):
+                for _ in pickletools.genops(f):
+                    pass
+        except (ValueError, EOFError):
+            return None
+        return _scan(f)
+
+
+def scan_checkpoint(filename: str
+                    ) -> Optional[Tuple[PickleScan,
+                                        Optional[List[zipfile.ZipInfo]]]]:
+    """The file's data pickle scanned (:func:`.pickle_scan.scan_pickle`),
+    with the zip's records (None for torch's legacy format), read within
+    the cap (:func:`read_checkpoint`); None for a file in neither format.
+    """
+    read = read_checkpoint(filename)
+    if read is not None:
+        return _scan(read[0]), read[1]
+    if zipfile.is_zipfile(filename):
+        return None
+    legacy = _scan_legacy(filename)
+    return None if legacy is None else (legacy, None)
