@@ -14,7 +14,8 @@ from torch import nn
 
 from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import is_lean, make_lean
-from mmseg_gf.ops import gradient_filtered_conv2d, native, resized_loss
+from mmseg_gf.ops import (TokenGrid, gradient_filtered_conv2d,
+                          gradient_filtered_linear, native, resized_loss)
 from mmseg_gf.ops.resize import strided_gradient_resizes
 
 KERNELS = pytest.mark.skipif(not native.available(),
@@ -55,21 +56,23 @@ def _token_chain() -> nn.Sequential:
                  nn.GELU(), nn.Dropout(0.2), _frozen(nn.Linear(5, 4)))
 
 
-def _step(fn, x: torch.Tensor):
-    """``fn(x)`` and the gradient of a weighted sum of it w.r.t. ``x``,
-    with the random draws seeded (``aot_eager`` draws what eager draws)."""
+def _step(fn, x: torch.Tensor, params=()):
+    """``fn(x)`` and the gradients of a weighted sum of it w.r.t. ``x`` and
+    ``params``, with the random draws seeded (``aot_eager`` draws what
+    eager draws)."""
     x = x.detach().clone().requires_grad_()
     torch.manual_seed(3)
     out = fn(x)
     weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
-    grad, = torch.autograd.grad((out * weights).sum(), x)
-    return out.detach(), grad
+    grads = torch.autograd.grad((out * weights).sum(), [x, *params])
+    return (out.detach(), *grads)
 
 
-def _check_compiled(fn, x: torch.Tensor) -> None:
+def _check_compiled(fn, x: torch.Tensor, params=()) -> None:
     torch._dynamo.reset()
-    want = _step(fn, x)
-    got = _step(torch.compile(fn, backend='aot_eager', fullgraph=True), x)
+    want = _step(fn, x, params)
+    got = _step(torch.compile(fn, backend='aot_eager', fullgraph=True), x,
+                params)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
@@ -101,7 +104,7 @@ def test_filtered_conv_traces_on_the_kernels(dilation):
     conv = GFConv2d(4, 5, 3, padding=dilation, dilation=dilation, radius=2)
     x = torch.randn(2, 4, 10, 9)
     calls = native.fused_backward_calls() if native.available() else 0
-    _check_compiled(conv, x)
+    _check_compiled(conv, x, list(conv.parameters()))
     if native.available() and dilation == 1:
         # eager's C++ node and the compiled graph's operator: one each
         assert native.fused_backward_calls() == calls + 2
@@ -163,7 +166,23 @@ def test_gf_conv_op_compiles_with_string_padding():
     """The functional entry point (``'same'`` padding) under
     ``fullgraph=True``."""
     torch.manual_seed(0)
-    weight = torch.randn(3, 2, 3, 3)
+    weight = torch.randn(3, 2, 3, 3, requires_grad=True)
     _check_compiled(
         lambda x: gradient_filtered_conv2d(x, weight, None, padding='same',
-                                           radius=2), torch.randn(1, 2, 7, 8))
+                                           radius=2), torch.randn(1, 2, 7, 8),
+        [weight])
+
+
+@pytest.mark.parametrize('layout, shape', [('tokens', (2, 1 + 6 * 5, 4)),
+                                           ('windows', (3, 3 * 4, 4))])
+def test_filtered_linear_traces(layout, shape):
+    """The filtered Linear on a token grid under ``fullgraph=True`` (its
+    PyTorch path: the token-row kernels are not operators)."""
+    torch.manual_seed(0)
+    grid = TokenGrid(6, 5, extra_tokens=1) if layout == 'tokens' else \
+        TokenGrid(3, 4, layout='windows')
+    weight = torch.randn(3, 4, requires_grad=True)
+    bias = torch.randn(3, requires_grad=True)
+    _check_compiled(
+        lambda x: gradient_filtered_linear(x, weight, bias, grid, radius=2),
+        torch.randn(shape), [weight, bias])
