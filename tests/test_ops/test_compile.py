@@ -14,7 +14,7 @@ from torch import nn
 
 from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import is_lean, make_lean
-from mmseg_gf.ops import (TokenGrid, gradient_filtered_conv2d,
+from mmseg_gf.ops import (TokenGrid, bit_mask, gradient_filtered_conv2d,
                           gradient_filtered_linear, native, resized_loss)
 from mmseg_gf.ops.resize import strided_gradient_resizes
 
@@ -130,6 +130,17 @@ def test_native_operators_pass_opcheck():
             (grad, pooled, weight, 1, 1.0, [9, 7], rows, cols, 4, *needs))
 
 
+@pytest.mark.skipif(not bit_mask.native_available(),
+                    reason='compiled bit-mask kernels not built')
+def test_bit_mask_operators_pass_opcheck():
+    x = torch.randn(3, 5, 7)
+    torch.library.opcheck(torch.ops.mmseg_gf.pack_mask,
+                          (x, 0.0, 6.0, True))
+    bits = bit_mask.pack(x, 0.0)
+    torch.library.opcheck(torch.ops.mmseg_gf.apply_mask,
+                          (torch.randn(3, 5, 7), bits, 0.1))
+
+
 @LOSS_KERNEL
 @pytest.mark.parametrize('sigmoid', [False, True])
 def test_resized_loss_operator(sigmoid):
@@ -186,3 +197,14 @@ def test_filtered_linear_traces(layout, shape):
     _check_compiled(
         lambda x: gradient_filtered_linear(x, weight, bias, grid, radius=2),
         torch.randn(shape), [weight, bias])
+
+
+def test_lean_attention_traces():
+    """A frozen ``nn.MultiheadAttention`` through SDPA (its lean kind)."""
+    torch.manual_seed(0)
+    attention = _frozen(nn.MultiheadAttention(8, 2, batch_first=True))
+    make_lean(attention)
+    assert is_lean(attention)
+    key = torch.randn(2, 5, 8)
+    _check_compiled(lambda q: attention(q, key, key, need_weights=False)[0],
+                    torch.randn(2, 7, 8))
