@@ -27,7 +27,7 @@ import torch
 from mmengine.logging import print_log
 from torch import Tensor, nn
 
-from ..ops.resized_loss import kernel_usable
+from ..ops.resized_loss import operator_usable
 from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                               LogitGradients,
                               PrecomputedGradientLossFunction,
@@ -386,12 +386,12 @@ def traced_head_losses(head: nn.Module, seg_logits,
     (``mmseg_gf::resized_cross_entropy``), keeping the loss's gradient
     w.r.t. the logits, where :func:`chunkable_losses` allows, without a
     pixel sampler, on logits the kernel takes
-    (:func:`~mmseg_gf.ops.resized_loss.kernel_usable`); otherwise the
+    (:func:`~mmseg_gf.ops.resized_loss.operator_usable`); otherwise the
     head's own ``loss_by_feat``, as the plain model traces it."""
     specs = chunkable_losses(head) if _has_base_loss(head) else None
     if (specs is None or ohem_sampler_spec(head) is not None
             or not isinstance(seg_logits, Tensor)
-            or not kernel_usable(seg_logits)):
+            or not operator_usable(seg_logits)):
         return _plain_loss_by_feat(head)(seg_logits, batch_data_samples)
     return chunked_cross_entropy_losses(head, seg_logits, batch_data_samples,
                                         specs)

@@ -44,7 +44,8 @@ except ImportError:  # not built: the PyTorch path
     _kernel = None
 
 __all__ = ['ResizedCrossEntropy', 'resized_cross_entropy', 'kernel_usable',
-           'check_labels', 'LabelRangeError', 'traced_resized_cross_entropy']
+           'check_labels', 'LabelRangeError', 'traced_resized_cross_entropy',
+           'operator_usable']
 
 
 class LabelRangeError(ValueError):
@@ -79,12 +80,18 @@ def kernel_usable(logits: Tensor) -> bool:
     """Whether the compiled kernel takes ``logits``: built, not switched
     off (``MMSEG_GF_NATIVE=0``), float32 on the CPU, eager mode, no
     autocast (under autocast the PyTorch path runs, as mmseg's loss does)."""
+    return operator_usable(logits) and not torch.compiler.is_compiling()
+
+
+def operator_usable(logits: Tensor) -> bool:
+    """Whether :func:`traced_resized_cross_entropy` (the kernel as an
+    operator, also under ``torch.compile``) takes ``logits``: as
+    :func:`kernel_usable`, in eager mode or traced."""
     return (_kernel is not None
             and os.environ.get('MMSEG_GF_NATIVE', '1') != '0'
             and logits.device.type == 'cpu'
             and logits.dtype == torch.float32
-            and not torch.is_autocast_enabled('cpu')
-            and not torch.compiler.is_compiling())
+            and not torch.is_autocast_enabled('cpu'))
 
 
 def _check(logits: Tensor, label: Tensor, weight: Optional[Tensor]) -> None:
@@ -291,7 +298,7 @@ def _resized_cross_entropy_op(logits: Tensor, label: Tensor,
     calls, so no upsampled logits exist there either. The kernel only (an
     operator's kernel runs with autograd's dispatch keys excluded, so the
     PyTorch path's ``autograd.grad`` cannot run inside it): callers check
-    :func:`kernel_usable` first."""
+    :func:`operator_usable` first."""
     out = resized_cross_entropy(logits, label, ignore_index=ignore_index,
                                 align_corners=align_corners, weight=weight,
                                 sigmoid=sigmoid, use_kernel=True)
@@ -330,7 +337,7 @@ def traced_resized_cross_entropy(logits: Tensor, label: Tensor, *,
                                  sigmoid: bool = False
                                  ) -> Tuple[Tensor, Tensor]:
     """``(loss, hits)`` of :func:`resized_cross_entropy` by the compiled
-    kernel (:func:`kernel_usable` must hold), ``loss`` differentiable
+    kernel (:func:`operator_usable` must hold), ``loss`` differentiable
     w.r.t. ``logits``: its backward scales the gradient the forward kept
     (the logits' size). The form ``torch.compile`` traces
     (``mmseg_gf::resized_cross_entropy``); the same numbers."""

@@ -21,7 +21,7 @@ from mmseg_gf.ops.resize import strided_gradient_resizes
 KERNELS = pytest.mark.skipif(not native.available(),
                              reason='compiled CPU kernels not built')
 LOSS_KERNEL = pytest.mark.skipif(
-    not resized_loss.kernel_usable(torch.zeros(1)),
+    not resized_loss.operator_usable(torch.zeros(1)),
     reason='compiled resized-loss kernel not built')
 
 
