@@ -1,5 +1,5 @@
 """``torch.compile`` of a lean GF training step (PSPNet-R18, last 5 convs,
-r = 4): no graph break of the plugin's own (the plain model's come from
+r = 4; a tiny Segformer-B0 with every layer kind): no graph break of the plugin's own (the plain model's come from
 mmseg's dynamic-shape code), the eager loss and gradients, and mmengine's
 ``compile=True`` training the demo's setting through the hook and the
 config rewrite (docs/lean_region.md#torchcompile).
@@ -101,6 +101,37 @@ def test_compiled_lean_step_equals_eager(models, backend):
         torch.testing.assert_close(
             got_grads[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
             msg=lambda m: f'{backend} {name}: {m}')
+
+
+def test_lean_segformer_traces_and_equals_eager():
+    """A tiny Segformer-B0 with every layer kind filtered (Linears and
+    attentions on token grids, patch-mean GELUs): no graph break of the
+    plugin's own, no more than the plain model's, eager's loss and
+    gradients under ``aot_eager``."""
+    from tests.test_engine.test_lean_transformer_families import (
+        BATCH, SIZE, _model, tiny_cfg)
+    from tests.test_engine.test_realtime_families import plain_model
+    cfg = tiny_cfg('segformer_b0')
+    plain = plain_model(cfg)
+    lean = _model(cfg, plain, 'gf', True, 20, layer_kinds=None)
+    inputs, samples = random_batch(plain, (SIZE, SIZE), BATCH,
+                                   label_block=4)
+    torch._dynamo.reset()
+    want = torch._dynamo.explain(_training(plain).loss)(inputs, samples)
+    torch._dynamo.reset()
+    got = torch._dynamo.explain(_training(lean).loss)(inputs, samples)
+    assert not _own_breaks(got), _own_breaks(got)
+    assert got.graph_break_count <= want.graph_break_count
+    want, want_grads = _loss_and_grads(lean, lean.loss, inputs, samples)
+    torch._dynamo.reset()
+    got, got_grads = _loss_and_grads(
+        lean, torch.compile(lean.loss, backend='aot_eager'), inputs, samples)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert set(got_grads) == set(want_grads) and want_grads
+    for name, g in want_grads.items():
+        torch.testing.assert_close(
+            got_grads[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
+            msg=lambda m: f'{name}: {m}')
 
 
 @pytest.mark.parametrize('way', ['rewrite', 'hook'])
