@@ -1,6 +1,7 @@
 """``torch.compile`` of a lean GF training step (PSPNet-R18, last 5 convs,
-r = 4; a tiny Segformer-B0 with every layer kind): no graph break of the plugin's own (the plain model's come from
-mmseg's dynamic-shape code), the eager loss and gradients, and mmengine's
+r = 4; a tiny Segformer-B0 with every layer kind): no graph break of the
+plugin's own (the plain model's come from mmseg's dynamic-shape code), the
+eager loss and gradients, and mmengine's
 ``compile=True`` training the demo's setting through the hook and the
 config rewrite (docs/lean_region.md#torchcompile).
 

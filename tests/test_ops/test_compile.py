@@ -165,8 +165,8 @@ def test_resized_loss_operator(sigmoid):
     grad, = torch.autograd.grad(got.sum(), logits)
     ref = resized_loss.resized_cross_entropy(logits, label, weight=weight,
                                              sigmoid=sigmoid)
-    torch.testing.assert_close(got, ref.loss * torch.tensor([1.0, 3.0],
-                                                            dtype=torch.float64))
+    scale = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    torch.testing.assert_close(got, ref.loss * scale)
     assert torch.equal(hits, ref.hits)
     # image 1's gradient scaled by 3: the loss is per image
     want = ref.grad * torch.tensor([1.0, 3.0]).view(2, 1, 1, 1)
