@@ -73,7 +73,8 @@ from .lean_transformer import (TRANSFORMER_KINDS, mmcv_dropout_class,
 from .patch_mean_gelu import is_patch_mean_gelu
 from .lean_head import (ClassifierCapture, base_decode_head,
                         disable_classifier_fusion, fused_classifier_losses,
-                        fusion_blocker, lean_head_losses, log_fallback_once)
+                        fusion_blocker, lean_head_losses, log_fallback_once,
+                        traced_head_losses)
 
 try:
     from mmcv.cnn.bricks.hsigmoid import HSigmoid
@@ -117,8 +118,9 @@ class _LeanActivation:
     """ReLU / Hardtanh (ReLU6) / LeakyReLU keeping a bit mask."""
 
     def forward(self, x: Tensor) -> Tensor:
-        # A view modified in place needs autograd's own view bookkeeping.
-        if not _recording(x) or (self.inplace and x._is_view()):
+        # A view modified in place needs autograd's own view bookkeeping
+        # (a view has a _base: what _is_view() says, in a form Dynamo traces).
+        if not _recording(x) or (self.inplace and x._base is not None):
             return super().forward(x)
         if isinstance(self, nn.LeakyReLU):
             args = (0.0, None, False, float(self.negative_slope))
@@ -139,7 +141,7 @@ class _LeanHardsigmoid:
     gradient times 1/6, as ``hardsigmoid_backward``."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not _recording(x) or (self.inplace and x._is_view()):
+        if not _recording(x) or (self.inplace and x._base is not None):
             return super().forward(x)
         return PiecewiseLinearActivationFunction.apply(
             x, super().forward, hardsigmoid_bits, None, _times_one_sixth,
@@ -274,6 +276,10 @@ class _LeanLossHead:
     :class:`~mmseg_gf.ops.resize.BilinearResizeFunction`."""
 
     def loss(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # traced: no classifier capture, no resize mode (the compiled
+            # backward reads the gradient as the graph lays it out)
+            return super().loss(*args, **kwargs)
         # its bilinear resizes read a concatenation's channel slice of
         # their gradient in place (ops.resize)
         with strided_gradient_resizes():
@@ -296,6 +302,8 @@ class _LeanLossHead:
                 self, '_lean_loss_off', None):
             return super().loss_by_feat(seg_logits, batch_data_samples,
                                         *args, **kwargs)
+        if torch.compiler.is_compiling():
+            return traced_head_losses(self, seg_logits, batch_data_samples)
         capture = getattr(self, '_classifier_capture', None)
         reason = None if capture is None else capture.mismatch(seg_logits)
         rng = torch.get_rng_state()

@@ -27,6 +27,7 @@ import torch
 from mmengine.logging import print_log
 from torch import Tensor, nn
 
+from ..ops.resized_loss import operator_usable
 from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                               LogitGradients,
                               PrecomputedGradientLossFunction,
@@ -43,7 +44,7 @@ __all__ = ['base_decode_head', 'ClassifierCapture', 'fusion_blocker',
            'fused_classifier_losses', 'lean_head_losses',
            'log_fallback_once', 'loss_gradient_copies',
            'disable_classifier_fusion', 'classifier_fused_now',
-           'folded_dropout_noise']
+           'folded_dropout_noise', 'traced_head_losses']
 
 
 def base_decode_head():
@@ -375,6 +376,25 @@ def lean_head_losses(head: nn.Module, seg_logits,
                                                    _trainable(head),
                                                    *tensors)
     return dict(zip(keys, values))
+
+
+def traced_head_losses(head: nn.Module, seg_logits,
+                       batch_data_samples) -> Dict[str, Tensor]:
+    """``head.loss_by_feat`` as ``torch.compile`` traces it (no classifier
+    fusion: its saved-tensor hooks and patched forwards do not trace).
+    mmseg's cross-entropy by the compiled kernel's operator
+    (``mmseg_gf::resized_cross_entropy``), keeping the loss's gradient
+    w.r.t. the logits, where :func:`chunkable_losses` allows, without a
+    pixel sampler, on logits the kernel takes
+    (:func:`~mmseg_gf.ops.resized_loss.operator_usable`); otherwise the
+    head's own ``loss_by_feat``, as the plain model traces it."""
+    specs = chunkable_losses(head) if _has_base_loss(head) else None
+    if (specs is None or ohem_sampler_spec(head) is not None
+            or not isinstance(seg_logits, Tensor)
+            or not operator_usable(seg_logits)):
+        return _plain_loss_by_feat(head)(seg_logits, batch_data_samples)
+    return chunked_cross_entropy_losses(head, seg_logits, batch_data_samples,
+                                        specs)
 
 
 def loss_gradient_copies(head: nn.Module) -> Optional[int]:

@@ -36,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
-from ..ops.resized_loss import check_labels, resized_cross_entropy
+from ..ops.resized_loss import (check_labels, resized_cross_entropy,
+                                traced_resized_cross_entropy)
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
            'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
@@ -158,24 +159,30 @@ def _class_weight_map(logits: Tensor, label: Tensor, ignore_index: int,
 def _totals(logits: Tensor, label: Tensor, align_corners: bool,
             ignore_index: int, sigmoid: bool,
             weights: Optional[Tuple[float, ...]],
-            sampled: Optional[Tensor]
-            ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+            sampled: Optional[Tensor], traced: bool = False
+            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]:
     """The summed (class-weighted, ``sampled``-weighted) cross-entropy,
     its gradient, the hits and the labelled pixels' summed class weight
     (a 0-d tensor on the device; None without class weights: mmseg's
     normaliser, which the sampler's weights do not change), by
-    :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`."""
+    :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`. ``traced``:
+    by its operator form instead (the sum differentiable w.r.t.
+    ``logits``, no gradient returned)."""
     classes = None if weights is None else _class_weight_map(
         logits, label, ignore_index, weights)
     weight = classes if sampled is None else (
         sampled if classes is None else sampled * classes)
+    mass = None if classes is None else classes.sum()
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    if traced:
+        loss, hits = traced_resized_cross_entropy(
+            logits, label, ignore_index=ignore_index,
+            align_corners=align_corners, weight=weight, sigmoid=sigmoid)
+        return loss.sum().to(dtype), None, hits.sum().float(), mass
     out = resized_cross_entropy(logits, label, ignore_index=ignore_index,
                                 align_corners=align_corners, weight=weight,
                                 sigmoid=sigmoid)
-    total = out.loss.sum().to(torch.promote_types(logits.dtype,
-                                                  torch.float32))
-    mass = None if classes is None else classes.sum()
-    return total, out.grad, out.hits.sum().float(), mass
+    return out.loss.sum().to(dtype), out.grad, out.hits.sum().float(), mass
 
 
 def _sampled_pixels(logits: Tensor, label: Tensor, align_corners: bool,
@@ -227,15 +234,18 @@ def _mean_normaliser(spec: LossSpec, valid: Tensor, pixels: int,
 def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
                                     align_corners: bool, ignore_index: int,
                                     specs: Sequence[LossSpec],
-                                    sampler: Optional[SamplerSpec] = None
+                                    sampler: Optional[SamplerSpec] = None,
+                                    traced: bool = False
                                     ) -> LogitGradients:
     """The chunked losses and accuracy of ``logits`` (detached) with their
     gradient w.r.t. ``logits``. Specs with the same class weights share one
     gradient basis (a loss name's gradient is a multiple of it), so one
     summed cross-entropy serves them all. ``sampler``: the head's
     :data:`SamplerSpec`, if any. Runs under the caller's autocast (the
-    compiled kernel only without it)."""
-    logits = logits.detach()
+    compiled kernel only without it). ``traced`` (``torch.compile``, the
+    kernel usable, no sampler): the values are differentiable w.r.t.
+    ``logits`` through the kernel's operator form, no bases are returned."""
+    logits = logits if traced else logits.detach()
     valid = (label != ignore_index).sum()  # stays on the device: no sync
     sampled = None if sampler is None else _sampled_pixels(
         logits, label, align_corners, ignore_index, sampler)
@@ -248,7 +258,7 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
         if key not in groups:
             total, grad, hits, mass = _totals(logits, label, align_corners,
                                               ignore_index, spec[4], key,
-                                              sampled)
+                                              sampled, traced)
             groups[key] = len(totals)
             totals.append((total, mass))
             result.bases.append(grad)
@@ -276,6 +286,12 @@ def chunked_cross_entropy_losses(head: nn.Module, seg_logits: Tensor,
     backward (:class:`~mmseg_gf.ops.fused_loss.KeptGradientLossFunction`):
     the same keys and values."""
     label = head._stack_batch_gt(batch_data_samples).squeeze(1)
+    if torch.compiler.is_compiling():
+        # the traced form: the kernel's operator, differentiated by
+        # autograd (what lean_head.traced_head_losses allows)
+        return dict(chunked_cross_entropy_gradients(
+            seg_logits, label, head.align_corners, head.ignore_index, specs,
+            traced=True).values)
 
     def gradients(z: Tensor) -> LogitGradients:
         return chunked_cross_entropy_gradients(

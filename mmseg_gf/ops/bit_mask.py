@@ -12,12 +12,14 @@ for a channels-last 4-d tensor (:func:`layout_of`), ``torch.channels_last``
 (NHWC), so that packing and applying the mask of such a tensor copies
 nothing. The compiled kernels
 (``mmseg_gf._bit_mask``, built with the package) serve contiguous CPU
-tensors, the Triton kernels (:mod:`.triton_bit_mask`: one launch each, and
+tensors (under ``torch.compile`` as registered operators,
+``mmseg_gf::pack_mask`` / ``apply_mask``, with fake implementations), the
+Triton kernels (:mod:`.triton_bit_mask`: one launch each, and
 :func:`activate_and_pack`'s activation in the same pass) float32 / float16
-/ bfloat16 CUDA tensors; everything else (float64 CUDA tensors,
-``MMSEG_GF_NATIVE=0`` on CPU, ``MMSEG_GF_TRITON=0`` on CUDA,
-``torch.compile``) runs the PyTorch fallback, which writes the same bytes
-and the same gradients.
+/ bfloat16 CUDA tensors in eager mode; everything else (float64 CUDA
+tensors, strided tensors, ``MMSEG_GF_NATIVE=0`` on CPU,
+``MMSEG_GF_TRITON=0`` on CUDA, CUDA under ``torch.compile``) runs the
+PyTorch fallback, which writes the same bytes and the same gradients.
 """
 import math
 import os
@@ -45,8 +47,32 @@ def native_available() -> bool:
 
 def _native(t: Tensor) -> bool:
     return (native_available() and t.device.type == 'cpu'
-            and t.is_contiguous() and t.is_floating_point()
-            and not torch.compiler.is_compiling())
+            and t.is_contiguous() and t.is_floating_point())
+
+
+@torch.library.custom_op('mmseg_gf::pack_mask', mutates_args=())
+def _pack_op(x: Tensor, lo: float, hi: float, nan_bit: bool) -> Tensor:
+    return _kernels.pack_mask(x, lo, hi, nan_bit)
+
+
+@_pack_op.register_fake
+def _(x, lo, hi, nan_bit):
+    return x.new_empty(((x.numel() + 7) // 8, ), dtype=torch.uint8)
+
+
+def _apply_native(grad: Tensor, bits: Tensor, off_scale: float) -> Tensor:
+    return _kernels.apply_mask(grad, bits, off_scale,
+                               empty_for_writing(grad.shape, grad))
+
+
+@torch.library.custom_op('mmseg_gf::apply_mask', mutates_args=())
+def _apply_op(grad: Tensor, bits: Tensor, off_scale: float) -> Tensor:
+    return _apply_native(grad, bits, off_scale)
+
+
+@_apply_op.register_fake
+def _(grad, bits, off_scale):
+    return grad.new_empty(grad.shape)
 
 
 def layout_of(x: Tensor) -> torch.memory_format:
@@ -85,6 +111,8 @@ def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
     if triton_bit_mask.usable(x):
         return triton_bit_mask.pack(x, float(lo), upper, bool(nan_bit))
     if _native(x):
+        if torch.compiler.is_compiling():  # the operator: no autograd
+            return _pack_op(x.detach(), float(lo), upper, bool(nan_bit))
         return _kernels.pack_mask(x, float(lo), upper, bool(nan_bit))
     flat = x.detach().reshape(-1) if x.is_contiguous() else \
         x.detach().contiguous().reshape(-1)
@@ -117,8 +145,9 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0,
     if triton_bit_mask.usable(flat):
         out = triton_bit_mask.apply(flat, bits, float(off_scale))
     elif _native(flat):
-        out = _kernels.apply_mask(flat, bits, float(off_scale),
-                                  empty_for_writing(flat.shape, flat))
+        apply_mask = _apply_op if torch.compiler.is_compiling() else \
+            _apply_native
+        out = apply_mask(flat, bits, float(off_scale))
     else:
         keep = _unpack_flat(bits, flat.shape)
         off = torch.zeros((), dtype=flat.dtype, device=flat.device) \

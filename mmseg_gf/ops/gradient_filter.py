@@ -337,13 +337,16 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     on small layers the Python Function's own overhead was ~10% of the
     backward). Everything else (other layouts and dtypes, dilated taps,
     CPU autocast, ``torch.compile`` on CPU, machines without the kernels)
-    takes :class:`GradientFilterConv2dFunction`, the reference.
+    takes :class:`GradientFilterConv2dFunction`, the reference (under
+    ``torch.compile`` on CPU it calls the same compiled kernels as
+    operators: the same numbers as the C++ node).
     """
     if triton_path.usable(x, weight, bias):
         fused = triton_path
     elif (native.usable(x) and weight.dtype == x.dtype
           and (bias is None or bias.dtype == x.dtype)
-          and not torch.is_autocast_enabled('cpu')):
+          and not torch.is_autocast_enabled('cpu')
+          and not torch.compiler.is_compiling()):
         fused = native
     else:
         fused = None

@@ -397,7 +397,11 @@ def _empty_grad_input(grad_output: Tensor, shape: torch.Size,
 def _own_copy(part: Tensor, x: Tensor) -> Tensor:
     """``part`` of ``x`` (its extra tokens) as a contiguous tensor of its
     own: a contiguous narrow (the token axis first, or one image) is a view
-    of ``x``, and saving it would keep all of ``x``'s storage."""
+    of ``x``, and saving it would keep all of ``x``'s storage. Under
+    ``torch.compile`` (no storage to compare) always a copy: these are a
+    few tokens per image."""
+    if torch.compiler.is_compiling():
+        return part.clone(memory_format=torch.contiguous_format)
     part = part.contiguous()
     if part.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         part = part.clone()

@@ -103,7 +103,10 @@ class MaskedActivationFunction(Function):
         else:
             y, bits = fused
         if inplace:
+            # x itself is returned (activate returned it): Dynamo traces
+            # mark_dirty only on an input the forward returns
             ctx.mark_dirty(x)
+            y = x
         ctx.save_for_backward(bits)
         ctx.off_scale = off_scale
         return y
@@ -170,14 +173,19 @@ def _frozen_weight(ctx, weight: Tensor) -> None:
     """Keep a reference to a frozen layer's weight (a live Parameter: no
     byte is kept) and its version, checked as autograd checks a saved
     tensor: an in-place change between forward and backward is an error,
-    not a silently different gradient."""
+    not a silently different gradient. Under ``torch.compile`` the version
+    is not read (a data-dependent value to Dynamo): the compiled graph's
+    own autograd node saves the weight its backward reads, and autograd
+    checks that saved tensor's version."""
     ctx.weight = weight
-    ctx.weight_version = weight._version
+    ctx.weight_version = None if torch.compiler.is_compiling() else \
+        weight._version
 
 
 def _weight_for_backward(ctx, dtype: torch.dtype) -> Tensor:
     weight = ctx.weight
-    if weight._version != ctx.weight_version:
+    if ctx.weight_version is not None and \
+            weight._version != ctx.weight_version:
         raise RuntimeError(
             'the weight of a frozen layer was modified in place between its '
             'forward and backward (version '

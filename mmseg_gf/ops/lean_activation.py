@@ -69,7 +69,10 @@ class PiecewiseLinearActivationFunction(Function):
         bits = bits_of(x)
         y = activate(x)
         if inplace:
+            # x itself is returned (activate returned it): Dynamo traces
+            # mark_dirty only on an input the forward returns
             ctx.mark_dirty(x)
+            y = x
         if slope is None:
             ctx.save_for_backward(bits)
         else:

@@ -42,7 +42,10 @@ __all__ = ['FrozenLayerNormFunction', 'BitMaskDropPathFunction',
 
 
 def _check_version(tensor: Optional[Tensor], version: int) -> None:
-    if tensor is not None and tensor._version != version:
+    # version -1: not recorded (torch.compile, where the compiled graph's
+    # autograd node saves the parameters its backward reads, and autograd
+    # checks those)
+    if tensor is not None and version != -1 and tensor._version != version:
         raise RuntimeError(
             'a frozen parameter of a lean layer was modified in place '
             f'between its forward and backward (version {version} -> '
@@ -74,8 +77,9 @@ class FrozenLayerNormFunction(Function):
         ctx.save_for_backward(x, rstd)
         ctx.shape = list(shape)
         ctx.params = (weight, bias)
-        ctx.versions = tuple(-1 if p is None else p._version
-                             for p in (weight, bias))
+        ctx.versions = tuple(
+            -1 if p is None or torch.compiler.is_compiling() else p._version
+            for p in (weight, bias))
         return out
 
     @staticmethod

@@ -18,10 +18,16 @@ turns it off); :func:`release_recycled` empties it.
 
 Patches along an axis: patch ``P`` covers pixels ``[start + P*size,
 start + (P+1)*size)`` clipped to the map; pixels outside count as zeros.
+
+Under ``torch.compile`` the filtered conv's kernels (:func:`patch_sums`,
+:func:`spread`, :func:`collapsed_backward`) are called as registered
+operators (``torch.library``, with fake implementations), so the compiled
+graph runs them as eager mode does; in eager mode they are called
+directly, without the dispatcher's round trip.
 """
 import contextlib
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -52,13 +58,65 @@ def available() -> bool:
 
 def usable(t: Tensor) -> bool:
     """The kernels take non-empty contiguous NCHW float32 / float64 CPU
-    tensors, in eager mode (under ``torch.compile`` the traceable PyTorch
-    path runs; every compiled entry point refuses other tensors with a
-    RuntimeError)."""
+    tensors (every compiled entry point refuses other tensors with a
+    RuntimeError); under ``torch.compile`` through their operators."""
     return (available() and t.device.type == 'cpu'
             and t.dtype in (torch.float32, torch.float64) and t.dim() == 4
-            and t.numel() > 0 and t.is_contiguous()
-            and not torch.compiler.is_compiling())
+            and t.numel() > 0 and t.is_contiguous())
+
+
+@torch.library.custom_op('mmseg_gf::native_patch_sums', mutates_args=())
+def _patch_sums_op(t: Tensor, rows: List[int], cols: List[int],
+                   channel_major: bool) -> Tensor:
+    return _kernels.patch_sums(t, *rows, *cols, channel_major)
+
+
+@_patch_sums_op.register_fake
+def _(t, rows, cols, channel_major):
+    n, c = t.shape[:2]
+    if channel_major:
+        return t.new_empty((c, n, rows[2], cols[2])).permute(1, 0, 2, 3)
+    return t.new_empty((n, c, rows[2], cols[2]))
+
+
+@torch.library.custom_op('mmseg_gf::native_spread', mutates_args=())
+def _spread_op(grid: Tensor, height: int, width: int, rows: List[int],
+               cols: List[int]) -> Tensor:
+    return _kernels.spread(grid, height, width, rows[0], rows[1], cols[0],
+                           cols[1])
+
+
+@_spread_op.register_fake
+def _(grid, height, width, rows, cols):
+    return grid.new_empty((grid.shape[0], grid.shape[1], height, width))
+
+
+@torch.library.custom_op('mmseg_gf::native_collapsed_backward',
+                         mutates_args=())
+def _collapsed_backward_op(grad_output: Tensor, input_pooled: Optional[Tensor],
+                           weight: Tensor, groups: int, scale: float,
+                           input_size: List[int], rows: List[int],
+                           cols: List[int], radius: int, need_input: bool,
+                           need_weight: bool, need_bias: bool
+                           ) -> Tuple[Tensor, Tensor, Tensor]:
+    # an operator returns no None: an empty tensor stands for each
+    # gradient not asked for
+    return tuple(grad_output.new_empty(0) if g is None else g
+                 for g in _kernels.collapsed_backward(
+                     grad_output, input_pooled, weight, groups, scale,
+                     *input_size, rows[0], rows[1], cols[0], cols[1],
+                     radius, need_input, need_weight, need_bias))
+
+
+@_collapsed_backward_op.register_fake
+def _(grad_output, input_pooled, weight, groups, scale, input_size, rows,
+      cols, radius, need_input, need_weight, need_bias):
+    co, ci_g = weight.shape[:2]
+    n = grad_output.shape[0]
+    shapes = ((n, ci_g * groups, *input_size), (co, ci_g, 1, 1), (co, ))
+    return tuple(grad_output.new_empty(shape if need else (0, ))
+                 for shape, need in zip(shapes, (need_input, need_weight,
+                                                 need_bias)))
 
 
 def patch_sums(t: Tensor, rows: Patches, cols: Patches,
@@ -69,6 +127,8 @@ def patch_sums(t: Tensor, rows: Patches, cols: Patches,
     permuted view): the layout :func:`collapsed_backward` multiplies
     without a copy.
     """
+    if torch.compiler.is_compiling():
+        return _patch_sums_op(t, list(rows), list(cols), channel_major)
     return _kernels.patch_sums(t, *rows, *cols, channel_major)
 
 
@@ -76,6 +136,8 @@ def spread(grid: Tensor, height: int, width: int, rows: Patches,
            cols: Patches) -> Tensor:
     """Each cell of ``grid`` broadcast over its patch of a ``height x
     width`` map (zeros outside every patch)."""
+    if torch.compiler.is_compiling():
+        return _spread_op(grid, height, width, list(rows), list(cols))
     return _kernels.spread(grid, height, width, rows[0], rows[1], cols[0],
                            cols[1])
 
@@ -94,6 +156,13 @@ def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
     g_W, g_b)``, ``None`` where not asked for; ``g_W`` is on the pooled
     ``Co x Ci/groups x 1 x 1`` kernel.
     """
+    if torch.compiler.is_compiling():
+        grads = _collapsed_backward_op(
+            grad_output, input_pooled, weight, groups, scale,
+            list(input_size), list(rows), list(cols), radius, need_input,
+            need_weight, need_bias)
+        return tuple(g if need else None for g, need in
+                     zip(grads, (need_input, need_weight, need_bias)))
     return tuple(
         _kernels.collapsed_backward(grad_output, input_pooled, weight, groups,
                                     scale, *input_size, rows[0], rows[1],

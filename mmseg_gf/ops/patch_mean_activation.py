@@ -96,13 +96,20 @@ class PatchPartition:
 
 def tag_output(out: Tensor, partition: PatchPartition) -> Tensor:
     """Mark ``out`` as a filtered layer's output on ``partition``; the mark
-    holds the tensor's version, so an in-place change voids it."""
-    setattr(out, TAG_ATTR, (partition, out._version))
+    holds the tensor's version, so an in-place change voids it. Not under
+    ``torch.compile`` (a traced tensor carries no attributes, and its
+    version is no Python int): a GELU after it then runs torch's exact
+    rule, whose gradient the patch-mean rule equals."""
+    if not torch.compiler.is_compiling():
+        setattr(out, TAG_ATTR, (partition, out._version))
     return out
 
 
 def tagged_partition(x: Tensor) -> Optional[PatchPartition]:
-    """The partition ``x`` was tagged with, if it is unchanged since."""
+    """The partition ``x`` was tagged with, if it is unchanged since (None
+    under ``torch.compile``: :func:`tag_output`)."""
+    if torch.compiler.is_compiling():
+        return None
     tag = getattr(x, TAG_ATTR, None)
     if tag is None or tag[1] != x._version:
         return None

@@ -77,9 +77,10 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
     with the compiled kernels on CPU (float32 / float64) one axis at a
     time (:func:`~.native.bilinear_backward`, torch's terms in another
     order), otherwise torch's ``upsample_bilinear2d_backward`` image by
-    image; any other layout goes to torch's kernel, which copies it."""
+    image; any other layout (and ``torch.compile``, whose graph lays the
+    gradient out itself) goes to torch's kernel, which copies it."""
     out_size = list(grad.shape[2:])
-    if not _images_contiguous(grad):
+    if not _images_contiguous(grad) or torch.compiler.is_compiling():
         return torch.ops.aten.upsample_bilinear2d_backward(
             grad, out_size, list(input_size), align_corners, *scales)
     result = empty_for_writing(input_size, grad)

@@ -30,7 +30,7 @@ No mmseg import.
 """
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,8 @@ except ImportError:  # not built: the PyTorch path
     _kernel = None
 
 __all__ = ['ResizedCrossEntropy', 'resized_cross_entropy', 'kernel_usable',
-           'triton_usable', 'check_labels', 'LabelRangeError']
+           'triton_usable', 'check_labels', 'LabelRangeError',
+           'traced_resized_cross_entropy', 'operator_usable']
 
 #: ``triton_loss_kernels.MAX_CLASSES`` (not imported: it imports triton).
 _MAX_CLASSES = 2048
@@ -84,12 +85,18 @@ def kernel_usable(logits: Tensor) -> bool:
     """Whether the compiled kernel takes ``logits``: built, not switched
     off (``MMSEG_GF_NATIVE=0``), float32 on the CPU, eager mode, no
     autocast (under autocast the PyTorch path runs, as mmseg's loss does)."""
+    return operator_usable(logits) and not torch.compiler.is_compiling()
+
+
+def operator_usable(logits: Tensor) -> bool:
+    """Whether :func:`traced_resized_cross_entropy` (the kernel as an
+    operator, also under ``torch.compile``) takes ``logits``: as
+    :func:`kernel_usable`, in eager mode or traced."""
     return (_kernel is not None
             and os.environ.get('MMSEG_GF_NATIVE', '1') != '0'
             and logits.device.type == 'cpu'
             and logits.dtype == torch.float32
-            and not torch.is_autocast_enabled('cpu')
-            and not torch.compiler.is_compiling())
+            and not torch.is_autocast_enabled('cpu'))
 
 
 def triton_usable(logits: Tensor) -> bool:
@@ -363,3 +370,63 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
     return ResizedCrossEntropy(loss_part.sum(1, dtype=torch.float64),
                                hits_part.sum(1, dtype=torch.int64), grad,
                                pixel_loss, target_prob)
+
+
+@torch.library.custom_op('mmseg_gf::resized_cross_entropy', mutates_args=())
+def _resized_cross_entropy_op(logits: Tensor, label: Tensor,
+                              weight: Optional[Tensor], ignore_index: int,
+                              align_corners: bool,
+                              sigmoid: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """The compiled kernel's ``(loss, hits, grad)`` as one operator, opaque
+    to ``torch.compile``: the compiled step calls the kernel eager mode
+    calls, so no upsampled logits exist there either. The kernel only (an
+    operator's kernel runs with autograd's dispatch keys excluded, so the
+    PyTorch path's ``autograd.grad`` cannot run inside it): callers check
+    :func:`operator_usable` first."""
+    out = resized_cross_entropy(logits, label, ignore_index=ignore_index,
+                                align_corners=align_corners, weight=weight,
+                                sigmoid=sigmoid, use_kernel=True)
+    return out.loss, out.hits, out.grad
+
+
+@_resized_cross_entropy_op.register_fake
+def _(logits, label, weight, ignore_index, align_corners, sigmoid):
+    _check(logits, label, weight)
+    n = logits.shape[0]
+    return (logits.new_empty(n, dtype=torch.float64),
+            logits.new_empty(n, dtype=torch.int64),
+            logits.new_empty(logits.shape))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[2])
+
+
+def _backward(ctx, grad_loss, grad_hits, grad_grad):
+    # Image i's loss depends on image i's logits only: its gradient is
+    # image i of the kept gradient, times the incoming one.
+    kept, = ctx.saved_tensors
+    scale = grad_loss.to(kept.dtype).reshape(-1, *([1] * (kept.dim() - 1)))
+    return kept * scale, None, None, None, None, None
+
+
+_resized_cross_entropy_op.register_autograd(_backward,
+                                            setup_context=_setup_context)
+
+
+def traced_resized_cross_entropy(logits: Tensor, label: Tensor, *,
+                                 ignore_index: int = 255,
+                                 align_corners: bool = False,
+                                 weight: Optional[Tensor] = None,
+                                 sigmoid: bool = False
+                                 ) -> Tuple[Tensor, Tensor]:
+    """``(loss, hits)`` of :func:`resized_cross_entropy` by the compiled
+    kernel (:func:`operator_usable` must hold), ``loss`` differentiable
+    w.r.t. ``logits``: its backward scales the gradient the forward kept
+    (the logits' size). The form ``torch.compile`` traces
+    (``mmseg_gf::resized_cross_entropy``); the same numbers."""
+    loss, hits, _ = _resized_cross_entropy_op(logits, label, weight,
+                                              int(ignore_index),
+                                              bool(align_corners),
+                                              bool(sigmoid))
+    return loss, hits
