@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .device_path import host_checks
 from .fused_loss import forward_graph
 
 try:
@@ -152,8 +153,7 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
     # One pass, no copy; on the CPU only: reading the flag on the host would
     # wait for another device every step (there, the PyTorch path's argmax
     # also ranks NaN first; only ties among equal values may differ).
-    if logits.device.type == 'cpu' and \
-            not bool(torch.isfinite(logits.sum())):
+    if host_checks(logits) and not bool(torch.isfinite(logits.sum())):
         _topk_hits(logits, label, ignore_index, align_corners, out.hits)
     return out
 
@@ -208,7 +208,7 @@ def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
     asserts on CUDA for a target out of range; it surfaces at the next
     synchronisation, and a CUDA context does not survive it.
     """
-    if target.device.type != 'cpu':
+    if not host_checks(target):
         ok = ((target >= 0) & (target < classes)) | (target == ignore_index)
         torch._assert_async(ok.all(), f'labels must lie in [0, {classes}) '
                             f'or be ignore_index={ignore_index}')
