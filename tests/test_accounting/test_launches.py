@@ -193,3 +193,20 @@ def test_module_kinds_are_the_same_lean_or_plain():
     assert module_kind(GFConv2d(3, 3, 1, radius=2)) == 'filtered_conv'
     assert module_kind(GFConv2d(3, 3, 1, radius=2, enabled=False)) == 'conv'
     assert module_kind(nn.Sequential()) is None
+
+
+def test_a_kernel_counted_without_running_it():
+    """``run_kernels=False``: the launch is recorded with its bytes, its
+    outputs zeroed, and a value read on the host after it is refused (what
+    follows could depend on the output it did not compute)."""
+    counter = LaunchCounter(run_kernels=False)
+    src, out = torch.ones(2), torch.ones(3)
+    with counter:
+        counter.triton_launch('_kernel', [src], [out],
+                              lambda: pytest.fail('the kernel ran'))
+        with pytest.raises(RuntimeError, match='run_kernels=True'):
+            float(out.sum())
+    (launch, _) = counter.result.launches
+    assert (launch.op, launch.read, launch.written) == (
+        'triton:_kernel', 2 * F32, 3 * F32)
+    assert torch.equal(out, torch.zeros(3))
