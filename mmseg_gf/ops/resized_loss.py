@@ -202,7 +202,8 @@ def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
     that is not ``ignore_index``.
 
     On the CPU at once, image by image (small temporaries). On other
-    devices without waiting for them (reading a tensor's value on the host
+    devices (and CPU tensors inside :func:`.device_path.as_on_cuda`)
+    without waiting for them (reading a tensor's value on the host
     would stall every step): a device-side
     assertion with the same message, as torch's own ``cross_entropy``
     asserts on CUDA for a target out of range; it surfaces at the next
