@@ -15,8 +15,8 @@ import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmseg_gf.accounting.launches import LaunchCounter, counting
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
 from tests._triton import case_device, pytorch_path
 from tests.gf_reference import reference_gradients
@@ -247,68 +247,22 @@ def test_double_backward_raises():
 # Kernel launches of one filtered backward, and channels-last inputs
 
 
-class _LaunchCounter(TorchDispatchMode):
-    """What a GPU would launch: the Triton kernels (counted at their launch
-    sites in ``triton_kernels``) and every torch op that runs a kernel
-    (views and allocations do not). Ops run inside a Triton launch (the
-    interpreter's own copies) are not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.triton, self._inside = [], [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self._inside and not func.is_view and \
-                func.overloadpacket.__name__ not in _NO_KERNEL:
-            self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-    def wrap(self, kernel, name):
-        counter = self
-
-        class Launcher:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    counter.triton.append(name)
-                    counter._inside += 1
-                    try:
-                        return kernel[grid](*args, **kwargs)
-                    finally:
-                        counter._inside -= 1
-                return launch
-        return Launcher()
-
-    @property
-    def total(self):
-        return len(self.ops) + len(self.triton)
-
-
-# Allocations and dtype arithmetic: no kernel.
-_NO_KERNEL = {'empty', 'empty_strided', 'new_empty', 'new_empty_strided',
-              'empty_like', 'detach', 'lift_fresh', 'promote_types',
-              'result_type'}
-
-
-def _count_backward(monkeypatch, x, w, b, stride, padding, groups, radius,
-                    need):
+def _count_backward(x, w, b, stride, padding, groups, radius, need):
     """Launches of one backward (``torch.autograd.grad``) of the Triton
     path's conv; the forward runs outside the count."""
-    from mmseg_gf.ops import triton_kernels
     leaves = [t.to(DEVICE).requires_grad_(flag) if t is not None else None
               for t, flag in zip((x, w, b), need)]
     out = gradient_filtered_conv2d(leaves[0], leaves[1], leaves[2], stride,
                                    padding, 1, groups, radius)
     grad_out = _randn_like(7)(out)
     wanted = [t for t in leaves if t is not None and t.requires_grad]
-    counter = _LaunchCounter()
-    for name in ('_patch_reduce', '_spread'):
-        monkeypatch.setattr(triton_kernels, name,
-                            counter.wrap(getattr(triton_kernels, name), name))
+    counter = LaunchCounter()
+    counter.phase('backward')
     calls = triton_path.backward_calls()
-    with counter:
+    with counting(counter):
         torch.autograd.grad(out, wanted, grad_out)
     assert triton_path.backward_calls() == calls + 1
-    return counter
+    return counter.result
 
 
 # (kind, kernel, bias, need x / w / b) -> (Triton launches, torch kernels).
@@ -328,16 +282,17 @@ LAUNCHES = {
 
 
 @pytest.mark.parametrize('case', sorted(LAUNCHES), ids=str)
-def test_backward_launch_count(case, monkeypatch):
+def test_backward_launch_count(case):
     """One filtered conv's backward launches exactly :data:`LAUNCHES`'
     kernels: the Triton passes, the GEMMs, the bias and tap sums, and no
     cast, copy or contiguous of a full-size tensor."""
     kind, kernel, bias, need = case
     x, w, b, padding, groups = _tensors(2, kernel, kind, 2, torch.float32)
-    counter = _count_backward(monkeypatch, x, w, b if bias else None, 2,
-                              padding, groups, 2, need)
-    assert (len(counter.triton), len(counter.ops)) == LAUNCHES[case], (
-        counter.triton, counter.ops)
+    counted = _count_backward(x, w, b if bias else None, 2, padding, groups,
+                              2, need)
+    triton = counted.triton()
+    assert (triton, counted.count() - triton) == LAUNCHES[case], \
+        counted.by_op()
 
 
 @pytest.mark.parametrize('kind', sorted(CHANNELS))

@@ -38,7 +38,7 @@ from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, TRANSFORMER_FAMILIES,
                                  ZOO_FAMILIES)
 from mmseg_gf.protocol import PROTOCOL_MODELS
-from mmseg_gf.protocol.experiments import step_row_config, strategy_file
+from mmseg_gf.protocol.experiments import step_jobs, strategy_file
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -139,17 +139,9 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
 def _jobs(args) -> List[Job]:
     """Every model's rows, configs composed (nothing built yet): CONFIG
     files, then families, then the protocol's models."""
-    jobs = config_jobs(args) + family_jobs(args)
-    for name in args.models:
-        crop = tuple(args.crop or (512, 512))
-        rows = []
-        for row in args.rows:
-            cfg = step_row_config(name, args.dataset, row, crop)
-            if args.cfg_options:
-                cfg.merge_from_dict(args.cfg_options)
-            rows.append((row, cfg))
-        jobs.append((name, PROTOCOL_MODELS[name].label, crop, rows))
-    return jobs
+    return config_jobs(args) + family_jobs(args) + step_jobs(
+        args.models, args.dataset, args.rows, args.crop or (512, 512),
+        args.cfg_options)
 
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:

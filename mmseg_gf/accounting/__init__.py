@@ -9,8 +9,10 @@ head's own code and loss: :mod:`.kept_mask_head`), the one step tracer
 (:mod:`.trace`), the profile of
 every "last N, radii" setting (:mod:`.profile`), the peak model
 (:mod:`.peak`), the budget's choice (:mod:`.budget`), the measured
-counterparts the tests check them against (:mod:`.measured`), and how all
-of it is written (:mod:`.format`, :mod:`.report`).
+counterparts the tests check them against (:mod:`.measured`), the kernel
+launches and bytes of a step on the CUDA path, counted on a CPU
+(:mod:`.launches`), and how all of it is written (:mod:`.format`,
+:mod:`.report`).
 """
 from . import kept_tokens  # noqa: F401  (registers its rules)
 from . import kept_transformer  # noqa: F401  (registers its rules)

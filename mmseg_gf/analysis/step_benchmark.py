@@ -47,7 +47,7 @@ from .hardware import peak_resident_bytes, resident_bytes
 
 __all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'parse_row', 'row_settings',
            'set_row_settings', 'row_config', 'benchmark_model', 'step_table',
-           'kept_by_kind_table', 'plot',
+           'kept_by_kind_table', 'plot', 'same_layers_vanilla',
            'FINETUNE_ITERS']
 
 #: The protocol's finetuning length, for the "20k steps" column.
@@ -319,7 +319,7 @@ def _time_round_robin(built: Sequence[_Row], repeats: int, warmup: int,
     return times
 
 
-def _same_layers_vanilla_plain(strategy: str) -> str:
+def same_layers_vanilla(strategy: str) -> str:
     """``gf_last5_r4`` -> ``vanilla_last5`` (the strategy's layers, exact)."""
     if not strategy.startswith('gf_'):
         return strategy
@@ -337,7 +337,7 @@ def _add_ratios(rows: List[Dict]) -> None:
                                           inference['peak_bytes'])
             if timed:
                 r['step_vs_inference'] = r['step'] / inference['forward']
-        ref = plain.get(_same_layers_vanilla_plain(r['strategy']))
+        ref = plain.get(same_layers_vanilla(r['strategy']))
         if ref is not None and r['lean'] is not None and ref['saved_bytes']:
             r['saved_vs_vanilla_plain'] = r['saved_bytes'] / \
                 ref['saved_bytes']

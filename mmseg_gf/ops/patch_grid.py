@@ -207,7 +207,7 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
     contiguous inner dimension, about twice as fast on CPU as one 6-D
     expand. Pixels outside every ``Q(P)`` get 0.
     """
-    if grad_pooled.device.type == 'cpu':
+    if grad_pooled.device.type == 'cpu' and native.available():
         grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed
         if native.usable(grid):
             return native.spread(grid, geo_h.in_size, geo_w.in_size,

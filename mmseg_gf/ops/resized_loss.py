@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import triton_path
+from .device_path import host_checks
 from .fused_loss import forward_graph
 from .triton_path import _is_fake
 
@@ -185,8 +186,7 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
     # One pass, no copy; on the CPU only: reading the flag on the host would
     # wait for another device every step (there, the PyTorch path's argmax
     # also ranks NaN first; only ties among equal values may differ).
-    if logits.device.type == 'cpu' and \
-            not bool(torch.isfinite(logits.sum())):
+    if host_checks(logits) and not bool(torch.isfinite(logits.sum())):
         _topk_hits(logits, label, ignore_index, align_corners, out.hits)
     return out
 
@@ -235,13 +235,14 @@ def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
     that is not ``ignore_index``.
 
     On the CPU at once, image by image (small temporaries). On other
-    devices without waiting for them (reading a tensor's value on the host
+    devices (and CPU tensors inside :func:`.device_path.as_on_cuda`)
+    without waiting for them (reading a tensor's value on the host
     would stall every step): a device-side
     assertion with the same message, as torch's own ``cross_entropy``
     asserts on CUDA for a target out of range; it surfaces at the next
     synchronisation, and a CUDA context does not survive it.
     """
-    if target.device.type != 'cpu':
+    if not host_checks(target):
         ok = ((target >= 0) & (target < classes)) | (target == ignore_index)
         torch._assert_async(ok.all(), f'labels must lie in [0, {classes}) '
                             f'or be ignore_index={ignore_index}')
@@ -325,13 +326,14 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
     per image, 2 sums for the batch, where the PyTorch path takes ~20 per
     image. One image's upsampled logits and their gradient exist at a
     time, as on the PyTorch path. Labels out of range: on the CPU (the
-    interpreter) :func:`check_labels` raises at once; on a GPU the kernel
+    interpreter) :func:`check_labels` raises at once; on a GPU (and under
+    :func:`~.device_path.as_on_cuda`) the kernel
     counts them and one device-side assertion reads the count (one pass
     over the labels instead of check_labels' five)."""
     from . import triton_loss_kernels as kernels  # imports triton
     n, classes, h, w = logits.shape
-    on_cpu = logits.device.type == 'cpu'
-    if on_cpu:
+    on_host = host_checks(logits)
+    if on_host:
         check_labels(label, classes, ignore_index)
     size = [int(v) for v in label.shape[-2:]]
     parts = kernels.programs(classes, size[0] * size[1])
@@ -363,7 +365,7 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
                 torch.ops.aten.upsample_bilinear2d_backward.grad_input(
                     grad_up, size, [1, classes, h, w], align_corners, None,
                     None, grad_input=grad[i:i + 1])
-    if not on_cpu:
+    if not on_host:
         torch._assert_async((bad_part == 0).all(),
                             f'labels must lie in [0, {classes}) or be '
                             f'ignore_index={ignore_index}')

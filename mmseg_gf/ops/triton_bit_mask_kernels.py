@@ -40,6 +40,12 @@ SCALE = 2
 _BLOCK = 128
 
 
+#: The tensor arguments each kernel writes (the others it reads): the
+#: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
+KERNEL_OUTPUTS = {'_pack': ('y', 'bits'), '_apply': ('out', ),
+                  '_apply_per_sample': ('out', )}
+
+
 @triton.jit
 def _pack(x, y, bits, numel, lo, hi, off_scale, BOUNDED: tl.constexpr,
           NAN_BIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):

@@ -37,6 +37,10 @@ Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 _REDUCE_TILE = 1024
 _SPREAD_TILE = 1024
 
+#: The tensor arguments each kernel writes (the others it reads): the
+#: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
+KERNEL_OUTPUTS = {'_patch_reduce': ('dst', 'partial'), '_spread': ('out', )}
+
 
 @triton.jit
 def _patch_reduce(src, dst, partial, channels, height, width,

@@ -36,6 +36,13 @@ MAX_CLASSES = 2048
 _TILE = 4096
 
 
+#: The tensor arguments each kernel writes (the others it reads): the
+#: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
+KERNEL_OUTPUTS = {'_pixel_cross_entropy': ('grad', 'loss_part', 'hits_part',
+                                           'bad_part', 'pixel_loss',
+                                           'target_prob')}
+
+
 @triton.jit
 def _pixel_cross_entropy(up, label, weight, grad, loss_part, hits_part,
                          bad_part, pixel_loss, target_prob, classes, pixels,

@@ -29,6 +29,12 @@ from .triton_kernels import LAUNCH_OPTIONS
 _BLOCK = 1024
 
 
+#: The tensor arguments each kernel writes (the others it reads): the
+#: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
+KERNEL_OUTPUTS = {'_frozen_norm_backward': ('out', ),
+                  '_frozen_layer_norm_backward': ('out', )}
+
+
 @triton.jit
 def _frozen_norm_backward(g, var, weight, out, numel, inner, channels, eps,
                           HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):

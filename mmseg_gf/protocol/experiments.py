@@ -32,7 +32,7 @@ from ..engine.config import (add_custom_hook, add_custom_imports,
 __all__ = [
     'CONFIG_DIR', 'ModelSpec', 'DatasetSpec', 'StrategySpec',
     'PROTOCOL_MODELS', 'PROTOCOL_DATASETS', 'TRANSFERS', 'STRATEGIES',
-    'PAPER_STRATEGIES', 'fill_budget', 'step_row_config',
+    'PAPER_STRATEGIES', 'fill_budget', 'step_row_config', 'step_jobs',
     'strategy_names', 'strategy_file', 'compose_config', 'adapt_config',
     'set_data', 'rescale_schedule'
 ]
@@ -470,3 +470,22 @@ def step_row_config(model: str, dataset: str, row: str,
         cfg.gradient_filter = dict(cfg.gradient_filter,
                                    lean=variant != 'plain')
     return cfg
+
+
+def step_jobs(models: Sequence[str], dataset: str, rows: Sequence[str],
+              crop: Sequence[int], cfg_options: Optional[dict] = None
+              ) -> List[Tuple[str, str, Tuple[int, int], List]]:
+    """The protocol models' jobs for the step tools
+    (:data:`mmseg_gf.analysis.step_jobs.Job`): each model's name, label,
+    ``crop`` and :func:`step_row_config` per row, ``cfg_options`` merged."""
+    jobs = []
+    for name in models:
+        configs = []
+        for row in rows:
+            cfg = step_row_config(name, dataset, row, crop)
+            if cfg_options:
+                cfg.merge_from_dict(cfg_options)
+            configs.append((row, cfg))
+        jobs.append((name, PROTOCOL_MODELS[name].label, tuple(crop),
+                     configs))
+    return jobs

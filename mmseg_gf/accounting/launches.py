@@ -1,0 +1,568 @@
+"""Kernel launches of one training step on the path CUDA tensors take,
+counted on a CPU.
+
+On a GPU every operator that does work is a kernel launch and a pass over
+its operands' memory, so how many a step launches, and how many bytes they
+move, bound its time at small sizes whatever the hardware. Both are counted
+here without a GPU, on CPU tensors taking CUDA's code paths
+(:func:`cuda_path`):
+
+* the compiled CPU kernels are off (``MMSEG_GF_NATIVE=0``): the ops run
+  their pure-PyTorch path, as CUDA tensors do (``mmseg_gf.ops.native``,
+  ``bit_mask``, ``resized_loss``, ``resize`` and ``patch_grid`` ask for the
+  CPU and the kernels at every call);
+* the Triton path is on and runs in triton's interpreter
+  (``TRITON_INTERPRET=1`` set before ``mmseg_gf`` is imported): the filtered
+  conv's and Linear's ``usable`` checks accept CPU tensors there, as they
+  accept CUDA ones;
+* :func:`mmseg_gf.ops.device_path.as_on_cuda`: the host checks only CPU
+  tensors get (the resized loss's recount of non-finite logits, the
+  label-range check image by image) take CUDA's side (one device-side
+  assertion);
+* ``F.dropout`` in training with ``0 < p < 1``, not in place, runs
+  ``native_dropout``, the one fused kernel ATen picks for CUDA tensors
+  (``is_fused_kernel_acceptable``); the CPU takes three;
+* the optimizer's update runs its ``foreach`` ops, torch's default for
+  CUDA parameters (a per-parameter loop on the CPU).
+
+What counts as a launch (:class:`LaunchCounter`): every ATen operator that
+reaches the backend (a ``TorchDispatchMode`` sees it below autograd and
+below the composite operators that decompose into others) except views
+(``func.is_view``) and the operators that launch nothing on a GPU
+(allocations, metadata: :data:`NO_KERNEL`); plus each Triton kernel, at
+its launch (the interpreter's own tensor operations inside a launch are
+not counted). ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``: a
+copy to the host that waits for the device) is counted apart, as a host
+read. The composite operators' choices agree between the CPU and CUDA on
+the models counted here but for two, stated: eval-mode batch norm (one op
+either way, ``cudnn_batch_norm`` on CUDA) and scaled-dot-product attention
+(one fused op either way where CUDA's fused kernels take the inputs).
+
+Bytes: an operator reads each distinct tensor it is given, once and in
+full, except its ``out=`` arguments, and writes each distinct tensor it
+returns or its schema marks as written, once and in full (an in-place op,
+``foreach`` ones included, reads and writes its ``self``);
+a Triton kernel reads its tensor arguments and writes those its module's
+``KERNEL_OUTPUTS`` names. ``numel x element size`` each: the traffic of an
+op with no reuse of cached data, a lower bound for ops that read twice.
+
+Attribution, per phase (forward, backward, optimizer) and kind
+(:data:`KINDS`): in the forward, the innermost classified module being
+called (:func:`module_kind`), or the lean loss function running; in a
+filtered layer's forward, the ops that do not read its weight or bias are
+its input's patch sums (``patch_sums``). In the backward, the autograd
+node running (``torch._C._current_autograd_node``) goes to the kind whose
+forward created it (nodes carry their creation's sequence number; each
+module call covers a range of them). Gradients of a tensor used twice are
+summed by autograd after the node whose gradient arrives second, and go to
+it; the gradient of the loss (``ones_like``) and parameters' gradient
+accumulation to ``other``.
+"""
+import contextlib
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..models import lean as lean_models
+from ..models.gf_conv import GFConv2d
+from ..models.gf_linear import GFLinear
+from ..models.lean import lean_kind
+from ..models.lean_head import base_decode_head
+from ..ops import triton_path
+from ..ops.device_path import as_on_cuda
+
+__all__ = ['PHASES', 'KINDS', 'NO_KERNEL', 'Launch', 'LaunchCount',
+           'LaunchCounter', 'module_kind', 'cuda_path', 'counting',
+           'count_step']
+
+PHASES = ('forward', 'backward', 'optimizer')
+#: What a launch is attributed to; ``patch_sums``: a filtered layer's
+#: forward pooling of its input; ``fused_loss``: the classifier fused with
+#: its loss; ``resized_loss``: a lean head's loss without that fusion;
+#: ``loss``: the rest of a head's ``loss_by_feat``.
+KINDS = ('activation', 'norm', 'patch_sums', 'fused_loss', 'resized_loss',
+         'loss', 'filtered_conv', 'filtered_linear', 'conv', 'linear',
+         'attention', 'dropout', 'pool', 'optimizer', 'other')
+#: Operators that launch no kernel: allocations (uninitialised memory),
+#: views the schema does not flag, metadata and dtype arithmetic.
+NO_KERNEL = frozenset((
+    'empty', 'empty_strided', 'empty_permuted', 'new_empty',
+    'new_empty_strided', 'empty_like', 'detach', 'lift_fresh', 'alias',
+    '_unsafe_view', '_reshape_alias', 'set_', 'resize_', 'sym_size',
+    'sym_stride', 'sym_numel', 'sym_storage_offset', 'is_same_size',
+    'promote_types', 'result_type', '_has_compatible_shallow_copy_type',
+    '_fused_sdp_choice', 'record_stream', '_record_function_enter_new',
+    '_record_function_exit'))
+_HOST_READ = '_local_scalar_dense'
+
+_LEAN_KINDS = {'norm': 'norm', 'layer_norm': 'norm', 'activation':
+               'activation', 'patch_mean_gelu': 'activation', 'dropout':
+               'dropout', 'drop_path': 'dropout', 'pool': 'pool',
+               'attention': 'attention', 'frozen_conv': 'conv',
+               'frozen_linear': 'linear'}
+#: In ``torch.nn.modules.activation`` but an attention's parts (a softmax
+#: goes to the module around it: the attention) or an attention.
+_NOT_ACTIVATIONS = (nn.MultiheadAttention, nn.Softmax, nn.Softmin,
+                    nn.LogSoftmax, nn.Softmax2d)
+_TYPES = ((nn.modules.conv._ConvNd, 'conv'), (nn.Linear, 'linear'),
+          (nn.modules.batchnorm._NormBase, 'norm'),
+          ((nn.GroupNorm, nn.LayerNorm), 'norm'),
+          (nn.modules.dropout._DropoutNd, 'dropout'),
+          (nn.MultiheadAttention, 'attention'))
+
+
+def module_kind(module: nn.Module) -> Optional[str]:
+    """The kind (:data:`KINDS`) a module's launches go to, None for a
+    container (its children's kinds, or ``other``). The same for a lean
+    module and its plain counterpart, so lean and vanilla steps compare
+    kind by kind."""
+    if isinstance(module, GFConv2d):
+        return 'filtered_conv' if module.enabled else 'conv'
+    if isinstance(module, GFLinear):
+        return 'filtered_linear' if module.enabled else 'linear'
+    kind = _LEAN_KINDS.get(lean_kind(module))
+    if kind is not None:
+        return kind
+    if type(module).__module__ == 'torch.nn.modules.activation' and \
+            not isinstance(module, _NOT_ACTIVATIONS):
+        return 'activation'
+    for types, name in _TYPES:
+        if isinstance(module, types):
+            return name
+    return None
+
+
+@dataclass
+class Launch:
+    """One launch: its phase and kind, the operator (``aten.add.Tensor``,
+    ``triton:_spread``), bytes read and written."""
+
+    phase: str
+    kind: str
+    op: str
+    read: int
+    written: int
+
+
+@dataclass
+class LaunchCount:
+    """Every launch of one counted step, in order, and the host reads
+    (``.item()`` and the like) per phase."""
+
+    launches: List[Launch] = field(default_factory=list)
+    host_reads: Dict[str, int] = field(default_factory=dict)
+
+    def select(self, phase: Optional[str] = None,
+               kind: Optional[str] = None) -> List[Launch]:
+        return [x for x in self.launches
+                if phase in (None, x.phase) and kind in (None, x.kind)]
+
+    def count(self, phase: Optional[str] = None,
+              kind: Optional[str] = None) -> int:
+        return len(self.select(phase, kind))
+
+    def triton(self, phase: Optional[str] = None) -> int:
+        return sum(x.op.startswith('triton:') for x in self.select(phase))
+
+    def bytes_moved(self, phase: Optional[str] = None) -> int:
+        return sum(x.read + x.written for x in self.select(phase))
+
+    def by_kind(self, phase: Optional[str] = None) -> Dict[str, int]:
+        """Launches per kind, in :data:`KINDS` order, kinds with none left
+        out."""
+        counts = Counter(x.kind for x in self.select(phase))
+        return {k: counts[k] for k in KINDS if counts[k]}
+
+    def bytes_by_kind(self, phase: Optional[str] = None) -> Dict[str, int]:
+        """Bytes read and written per kind, as :meth:`by_kind`."""
+        moved: Counter = Counter()
+        for x in self.select(phase):
+            moved[x.kind] += x.read + x.written
+        return {k: moved[k] for k in self.by_kind(phase)}
+
+    def by_op(self, phase: Optional[str] = None) -> Dict[str, int]:
+        """Launches per operator, the most frequent first."""
+        return dict(Counter(x.op for x in self.select(phase)).most_common())
+
+    def summary(self) -> Dict:
+        """Per phase and for the whole step: launches, Triton launches,
+        bytes read and written, host reads, launches and bytes per kind,
+        launches per operator (JSON-able)."""
+        out = {}
+        for phase in PHASES + (None, ):
+            chosen = self.select(phase)
+            out[phase or 'step'] = dict(
+                launches=len(chosen), triton=self.triton(phase),
+                read_bytes=sum(x.read for x in chosen),
+                written_bytes=sum(x.written for x in chosen),
+                host_reads=(sum(self.host_reads.values()) if phase is None
+                            else self.host_reads.get(phase, 0)),
+                by_kind=self.by_kind(phase),
+                bytes_by_kind=self.bytes_by_kind(phase),
+                by_op=self.by_op(phase))
+        return out
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _operands(func, args, kwargs) -> Tuple[list, list]:
+    """The tensors ``func`` reads (every argument but its ``out=`` ones)
+    and the arguments it writes in place (``self`` of an in-place op, a
+    ``foreach`` op's list, ``out=``), from its schema."""
+    read, written = [], []
+    schema = func._schema.arguments
+    given = list(zip(schema, args)) + [(a, kwargs[a.name]) for a in schema
+                                       if a.name in kwargs]
+    for arg, value in given:
+        writes = arg.alias_info is not None and arg.alias_info.is_write
+        if writes:
+            written.append(value)
+        if not (writes and arg.kwarg_only):
+            read.append(value)
+    return tree_leaves(read), tree_leaves(written)
+
+
+def _storages(module: nn.Module) -> frozenset:
+    return frozenset(p.untyped_storage().data_ptr()
+                     for p in (module.weight, getattr(module, 'bias', None))
+                     if p is not None)
+
+
+def _reads_any(tensors, storages: frozenset) -> bool:
+    return any(isinstance(t, Tensor) and t.untyped_storage().data_ptr()
+               in storages for t in tensors)
+
+
+class _Scopes:
+    """The kinds being run: a stack of ``(kind, first sequence number,
+    parameter storages)``, and, once closed, each call's range of autograd
+    sequence numbers with its depth."""
+
+    def __init__(self) -> None:
+        self.stack: List[Tuple[str, int, frozenset]] = []
+        self.ranges: List[Tuple[int, int, int, str]] = []
+        self._by_seq: Optional[Dict[int, str]] = None
+
+    def enter(self, kind: str, storages: frozenset = frozenset()) -> None:
+        self.stack.append(
+            (kind, torch._C._autograd._get_sequence_nr(), storages))
+
+    def exit(self) -> None:
+        kind, start, _ = self.stack.pop()
+        end = torch._C._autograd._get_sequence_nr()
+        if end > start:
+            self.ranges.append((start, end, len(self.stack), kind))
+
+    def forward_kind(self, operands) -> str:
+        if not self.stack:
+            return 'other'
+        kind, _, storages = self.stack[-1]
+        if kind in ('filtered_conv', 'filtered_linear') and \
+                not _reads_any(operands, storages):
+            return 'patch_sums'
+        return kind
+
+    def backward_kind(self) -> str:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return 'other'
+        if self._by_seq is None:  # innermost call wins: paint outer first
+            self._by_seq = {}
+            for start, end, _, kind in sorted(self.ranges,
+                                              key=lambda r: r[2]):
+                self._by_seq.update(dict.fromkeys(range(start, end), kind))
+        return self._by_seq.get(node._sequence_nr(), 'other')
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Records :class:`Launch` es while active (see the module docstring);
+    :meth:`phase` sets what the next ones belong to; Triton launches come
+    through :meth:`triton_launch` (:func:`counting`), run in the
+    interpreter or, with ``run_kernels=False``, counted only (see
+    :func:`count_step`)."""
+
+    def __init__(self, run_kernels: bool = True) -> None:
+        super().__init__()
+        self.result = LaunchCount()
+        self.scopes = _Scopes()
+        self.run_kernels = bool(run_kernels)
+        self._phase = 'forward'
+        self._inside_triton = 0
+        self._skipped: Optional[str] = None
+
+    def phase(self, name: str) -> None:
+        if name not in PHASES:
+            raise ValueError(f'phase must be one of {PHASES}, got {name!r}')
+        self._phase = name
+
+    def _kind(self, operands) -> str:
+        if self._phase == 'optimizer':
+            return 'optimizer'
+        if self._phase == 'backward':
+            return self.scopes.backward_kind()
+        return self.scopes.forward_kind(operands)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if self._inside_triton or func.is_view or name in NO_KERNEL:
+            return out
+        if name == _HOST_READ:
+            if self._skipped is not None:
+                raise RuntimeError(
+                    'launch accounting: a value is read on the host after '
+                    f'the Triton kernel {self._skipped} was counted without '
+                    'running it (run_kernels=False); what follows may '
+                    'depend on its output: count with run_kernels=True')
+            reads = self.result.host_reads
+            reads[self._phase] = reads.get(self._phase, 0) + 1
+            return out
+        inputs, mutated = _operands(func, args, kwargs)
+        self.result.launches.append(Launch(
+            self._phase, self._kind(inputs), str(func), _bytes(inputs),
+            _bytes(mutated + tree_leaves(out))))
+        return out
+
+    def triton_launch(self, name: str, inputs: Sequence,
+                      outputs: Sequence, launch: Callable):
+        """Record one Triton launch and run it (its own tensor operations
+        uncounted); with ``run_kernels=False`` zero its outputs instead."""
+        self.result.launches.append(Launch(
+            self._phase, self._kind(inputs), f'triton:{name}',
+            _bytes(inputs), _bytes(outputs)))
+        self._inside_triton += 1
+        try:
+            if self.run_kernels:
+                return launch()
+            self._skipped = name
+            for t in outputs:
+                t.zero_()
+            return None
+        finally:
+            self._inside_triton -= 1
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+class _FusedDropout(TorchFunctionMode):
+    """``F.dropout`` as CUDA tensors run it: ``native_dropout`` where ATen
+    fuses it for them (training, ``0 < p < 1``, not in place, not empty)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (F.dropout, torch.dropout):
+            x, p, train, inplace = _dropout_arguments(func, args, kwargs)
+            if train and 0 < p < 1 and not inplace and x.numel() > 0:
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
+
+
+def _dropout_arguments(func, args, kwargs):
+    names = ('input', 'p', 'training' if func is F.dropout else 'train',
+             'inplace')
+    defaults = (None, 0.5, True, False)
+    values = dict(zip(names, defaults))
+    values.update(zip(names, args))
+    values.update(kwargs)
+    return tuple(values[n] for n in names)
+
+
+@contextlib.contextmanager
+def cuda_path(triton: bool = True) -> Iterator[None]:
+    """CPU tensors take the code paths of CUDA tensors in the block (the
+    module docstring's list), with the Triton path (``triton=True``, needs
+    ``TRITON_INTERPRET=1`` before ``mmseg_gf`` was imported and triton
+    installed) or without it (``False``: CUDA with ``MMSEG_GF_TRITON=0``).
+
+    Raises:
+        RuntimeError: ``triton=True`` where triton's interpreter cannot
+            run the kernels on CPU tensors.
+    """
+    if triton and not (triton_path.installed() and triton_path._ON_CPU):
+        raise RuntimeError(
+            'counting the Triton path on a CPU needs triton >= '
+            f'{".".join(map(str, triton_path.MIN_TRITON))} installed and '
+            'TRITON_INTERPRET=1 in the environment before mmseg_gf is '
+            'imported (found triton '
+            f'{triton_path.triton_version()}, TRITON_INTERPRET='
+            f'{os.environ.get("TRITON_INTERPRET")!r}); or count without '
+            'it (triton=False)')
+    previous = triton_path.set_enabled(triton)
+    try:
+        with _env('MMSEG_GF_NATIVE', '0'), as_on_cuda(), _FusedDropout():
+            yield
+    finally:
+        triton_path.set_enabled(previous)
+
+
+@contextlib.contextmanager
+def _counting_triton(counter: LaunchCounter) -> Iterator[None]:
+    """Every Triton launch goes through ``counter`` (the interpreter's
+    ``GridExecutor``: each launch, autotuned or not, runs one). A kernel's
+    module names the arguments it writes in ``KERNEL_OUTPUTS``."""
+    try:
+        from triton.runtime.interpreter import GridExecutor
+    except ImportError:  # no triton: nothing launches one
+        yield
+        return
+    run = GridExecutor.__call__
+
+    def launch(self, *args, **kwargs):
+        fn = self.fn
+        written = _kernel_outputs(fn)
+        named = dict(zip(self.arg_names, args), **kwargs)
+        tensors = {k: v for k, v in named.items() if isinstance(v, Tensor)}
+        return counter.triton_launch(
+            fn.__name__, [v for k, v in tensors.items() if k not in written],
+            [v for k, v in tensors.items() if k in written],
+            lambda: run(self, *args, **kwargs))
+
+    GridExecutor.__call__ = launch
+    try:
+        yield
+    finally:
+        GridExecutor.__call__ = run
+
+
+def _kernel_outputs(fn) -> Tuple[str, ...]:
+    table = getattr(sys.modules.get(fn.__module__), 'KERNEL_OUTPUTS', {})
+    if fn.__name__ not in table:
+        raise RuntimeError(
+            f'Triton kernel {fn.__module__}.{fn.__name__}: its module must '
+            "name the arguments it writes in KERNEL_OUTPUTS (the launch "
+            "accounting's bytes)")
+    return tuple(table[fn.__name__])
+
+
+@contextlib.contextmanager
+def _scoped(model: nn.Module, scopes: _Scopes) -> Iterator[None]:
+    """Module calls of ``model`` and the lean heads' loss functions open
+    and close their kinds' scopes in the block."""
+    kinds = {id(m): (k, _storages(m) if k.startswith('filtered') else
+                     frozenset())
+             for m in model.modules() for k in [module_kind(m)] if k}
+
+    def pre(module, args):
+        entry = kinds.get(id(module))
+        if entry is not None:
+            scopes.enter(*entry)
+
+    def post(module, args, output):
+        if id(module) in kinds:
+            scopes.exit()
+
+    hooks = [nn.modules.module.register_module_forward_pre_hook(pre),
+             nn.modules.module.register_module_forward_hook(post)]
+    with contextlib.ExitStack() as stack:
+        for name, kind in (('fused_classifier_losses', 'fused_loss'),
+                           ('lean_head_losses', 'resized_loss')):
+            stack.enter_context(_wrapped(lean_models, name, kind, scopes))
+        base = base_decode_head()
+        for head in model.modules():
+            if base is not None and isinstance(head, base):
+                stack.enter_context(
+                    _wrapped(head, 'loss_by_feat', 'loss', scopes))
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+
+@contextlib.contextmanager
+def _wrapped(owner, name: str, kind: str, scopes: _Scopes) -> Iterator[None]:
+    """``owner.name`` runs in a ``kind`` scope in the block (an instance
+    attribute over a method, removed after; a module's function put back).
+    """
+    original = getattr(owner, name)
+    had_own = name in vars(owner)
+
+    def scoped(*args, **kwargs):
+        scopes.enter(kind)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            scopes.exit()
+
+    setattr(owner, name, scoped)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+
+@contextlib.contextmanager
+def counting(counter: LaunchCounter,
+             model: Optional[nn.Module] = None) -> Iterator[LaunchCounter]:
+    """``counter`` records the block's launches, Triton's included, by the
+    kinds of ``model``'s modules (without a model: the kind ``other``).
+    The block runs on whatever path its tensors take (:func:`cuda_path`
+    chooses CUDA's)."""
+    with contextlib.ExitStack() as stack:
+        if model is not None:
+            stack.enter_context(_scoped(model, counter.scopes))
+        stack.enter_context(_counting_triton(counter))
+        stack.enter_context(counter)
+        yield counter
+
+
+def count_step(model: nn.Module, step: Callable[[Callable[[str], None]],
+                                                None],
+               warmup: int = 1, triton: bool = True,
+               run_kernels: bool = True) -> LaunchCount:
+    """The launches of one ``step(phase)`` of ``model`` on the CUDA path
+    (:func:`cuda_path`), after ``warmup`` uncounted ones (first calls
+    create optimizer state and caches that later steps reuse; they take
+    the pure-PyTorch path, which leaves the same state without the
+    interpreter's time).
+
+    ``step`` runs one training step and calls ``phase('backward')`` and
+    ``phase('optimizer')`` as it reaches them. ``run_kernels=False``
+    counts each Triton launch without interpreting it (its outputs zeroed:
+    the interpreter runs every program in Python, minutes per step of a
+    zoo model); the counts are the same unless a later launch depends on
+    the values, which only a read on the host could make it (refused:
+    :class:`LaunchCounter`).
+    """
+    with cuda_path(triton=False):
+        for _ in range(warmup):
+            step(lambda name: None)
+    with cuda_path(triton):
+        counter = LaunchCounter(run_kernels)
+        with counting(counter, model):
+            step(counter.phase)
+    if counter.scopes.stack:
+        raise RuntimeError('launch accounting: a scope was left open '
+                           f'({counter.scopes.stack[-1][0]})')
+    return counter.result

@@ -1,0 +1,198 @@
+"""Kernel launches and bytes moved by training steps, lean GF against
+vanilla-same-layers, on the path CUDA tensors take, counted on a CPU.
+
+For each model (any mmseg config; the rows' configs composed as
+:mod:`.step_jobs` composes them for ``tools/benchmark_step.py``), each row
+(``gf_last10_r4:lean``, ``vanilla_last10:plain``, ...) builds the
+segmentor, takes one random batch at the crop and counts one SGD step after
+an uncounted one (:func:`~mmseg_gf.accounting.launches.count_step`):
+launches and bytes per phase and kind. Each lean row is compared with the
+row training the same layers with ``mode='vanilla', lean=False``
+(:func:`~.step_benchmark.same_layers_vanilla`), against the targets
+:data:`TARGETS`. The counts depend on the code and the shapes, not on the
+machine.
+"""
+import os
+import os.path as osp
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..accounting.batch import random_batch, training_loss
+from ..accounting.format import MIB, format_table
+from ..accounting.launches import KINDS, LaunchCount, count_step
+from ..engine.build import build_segmentor
+from ..engine.tool_args import write_json
+from ..ops import triton_path
+from .step_benchmark import parse_row, same_layers_vanilla
+from .step_jobs import Job
+
+__all__ = ['TARGETS', 'count_row', 'count_model', 'compare', 'summary_table',
+           'kind_table', 'write_results', 'run_jobs']
+
+#: Lean GF over vanilla-same-layers, at most: forward launches, whole-step
+#: launches (forward, backward, update), bytes the whole step moves.
+TARGETS = dict(forward=1.1, step=1.0, bytes=1.0)
+
+
+def count_row(cfg, crop: Sequence[int], batch: int = 1, warmup: int = 1,
+              triton: bool = True, run_kernels: bool = False) -> LaunchCount:
+    """One row's counted step: ``cfg``'s segmentor (its
+    ``gradient_filter`` setting applied) on a random batch, SGD with
+    momentum and weight decay over its trainable parameters; Triton
+    kernels counted at their launches, run in the interpreter only with
+    ``run_kernels`` (see :func:`~mmseg_gf.accounting.launches.count_step`).
+    """
+    torch.manual_seed(0)
+    model = build_segmentor(cfg)
+    inputs, samples = random_batch(model, crop, batch, label_block=16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4,
+                          foreach=True)
+
+    def step(phase) -> None:
+        loss = training_loss(model, inputs, samples)
+        phase('backward')
+        loss.backward()
+        phase('optimizer')
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return count_step(model, step, warmup=warmup, triton=triton,
+                      run_kernels=run_kernels)
+
+
+def count_model(job: Job, batch: int = 1, triton: bool = True,
+                run_kernels: bool = False, progress=None) -> Dict:
+    """Every row of one model counted, and each lean row compared with its
+    vanilla-same-layers row (:func:`compare`)."""
+    name, label, crop, rows = job
+    say = progress or (lambda message: None)
+    counted = []
+    for row, cfg in rows:
+        say(f'[{name}] count {row}')
+        strategy, lean = parse_row(row)
+        if lean is None:
+            raise ValueError(f'row {row!r}: the launch count needs a '
+                             'training row (a gradient-filter setting)')
+        counted.append(dict(row=row, strategy=strategy, lean=lean,
+                            **count_row(cfg, crop, batch, triton=triton,
+                                        run_kernels=run_kernels).summary()))
+    return dict(model=name, label=label, crop=list(crop), batch=int(batch),
+                torch=torch.__version__,
+                triton=('.'.join(map(str, triton_path.triton_version()))
+                        if triton else None),
+                kernels_run=bool(triton and run_kernels),
+                rows=counted, comparisons=compare(counted))
+
+
+def _ratio(a: int, b: int) -> Optional[float]:
+    return a / b if b else None
+
+
+def compare(rows: Sequence[Dict]) -> List[Dict]:
+    """Each lean row against the plain row of the same layers in vanilla
+    mode: launch ratios (forward, backward, step), the step's bytes ratio,
+    and whether each of :data:`TARGETS` is met."""
+    plain = {r['strategy']: r for r in rows if not r['lean']}
+    out = []
+    for r in rows:
+        ref = plain.get(same_layers_vanilla(r['strategy']))
+        if not r['lean'] or ref is None:
+            continue
+        ratios = {phase: _ratio(r[phase]['launches'], ref[phase]['launches'])
+                  for phase in ('forward', 'backward', 'step')}
+        ratios['bytes'] = _ratio(_moved(r['step']), _moved(ref['step']))
+        out.append(dict(lean=r['row'], vanilla=ref['row'], ratios=ratios,
+                        met={k: ratios[k] is not None and ratios[k] <= limit
+                             for k, limit in TARGETS.items()}))
+    return out
+
+
+def _moved(phase: Dict) -> int:
+    return phase['read_bytes'] + phase['written_bytes']
+
+
+def _row(result: Dict, name: str) -> Dict:
+    return next(r for r in result['rows'] if r['row'] == name)
+
+
+def _cell(ratio: Optional[float], met: bool) -> str:
+    return '' if ratio is None else f"{ratio:.2f}{'' if met else ' (no)'}"
+
+
+def summary_table(results: Sequence[Dict]) -> str:
+    """One line per lean row of every model: launches (forward, backward,
+    whole step) and MiB moved, lean / vanilla-same-layers, and the ratios
+    against :data:`TARGETS` ('(no)': missed)."""
+    headers = ('model', 'lean row', 'fwd', 'bwd', 'step', 'MiB moved',
+               f"fwd ratio (<= {TARGETS['forward']})",
+               f"step ratio (<= {TARGETS['step']})",
+               f"bytes ratio (<= {TARGETS['bytes']})")
+    body = []
+    for res in results:
+        for c in res['comparisons']:
+            lean, ref = _row(res, c['lean']), _row(res, c['vanilla'])
+            pair = ['{} / {}'.format(lean[p]['launches'], ref[p]['launches'])
+                    for p in ('forward', 'backward', 'step')]
+            body.append([res['label'], c['lean'], *pair,
+                         f"{_moved(lean['step']) / MIB:.1f} / "
+                         f"{_moved(ref['step']) / MIB:.1f}",
+                         _cell(c['ratios']['forward'], c['met']['forward']),
+                         _cell(c['ratios']['step'], c['met']['step']),
+                         _cell(c['ratios']['bytes'], c['met']['bytes'])])
+    return format_table(headers, body, align='ll' + 'r' * 7)
+
+
+def kind_table(result: Dict) -> str:
+    """One model's launches per kind, forward and backward, of every row
+    (kinds no row launches left out); the optimizer's update on its own
+    line."""
+    rows = result['rows']
+    kinds = [k for k in KINDS if any(
+        r[p]['by_kind'].get(k) for r in rows for p in ('forward', 'backward'))]
+    headers = ['kind'] + [f"{r['row']} {p}" for r in rows
+                          for p in ('fwd', 'bwd')]
+    body = [[k] + [r[p]['by_kind'].get(k, 0) for r in rows
+                   for p in ('forward', 'backward')] for k in kinds]
+    body.append(['optimizer'] + [v for r in rows
+                                 for v in (r['optimizer']['launches'], '')])
+    body.append(['total'] + [r[p]['launches'] for r in rows
+                             for p in ('forward', 'backward')])
+    return format_table(headers, body, align='l' + 'r' * (len(headers) - 1))
+
+
+def write_results(results: Sequence[Dict], out_dir: str) -> None:
+    """``launches.json`` and ``launches.md`` (the summary, then each
+    model's kinds) in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    write_json(osp.join(out_dir, 'launches.json'), list(results))
+    with open(osp.join(out_dir, 'launches.md'), 'w') as f:
+        f.write(_markdown(results))
+
+
+def _markdown(results: Sequence[Dict]) -> str:
+    first = results[0]
+    text = [f"Launches on the CUDA path (counted on a CPU), lean / "
+            f"vanilla-same-layers; crop {first['crop'][0]}x"
+            f"{first['crop'][1]}, batch {first['batch']}, torch "
+            f"{first['torch']}, triton {first['triton']}\n",
+            summary_table(results), '']
+    for res in results:
+        text += [f"## {res['label']}: launches per kind\n", kind_table(res),
+                 '']
+    return '\n'.join(text) + '\n'
+
+
+def run_jobs(jobs: Sequence[Job], batch: int, out_dir: str,
+             triton: bool = True, run_kernels: bool = False) -> List[Dict]:
+    """Count every job's rows, print the tables and write the results
+    (after each model, so that a later failure keeps the earlier ones)."""
+    results = []
+    for job in jobs:
+        results.append(count_model(job, batch, triton, run_kernels,
+                                   progress=lambda m: print(m, flush=True)))
+        print(f"\n{kind_table(results[-1])}\n", flush=True)
+        write_results(results, out_dir)
+    print(summary_table(results))
+    return results
