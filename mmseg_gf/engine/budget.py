@@ -16,6 +16,7 @@ from torch import nn
 from ..accounting.budget import BudgetChoice, check_budget, choose_by_budget
 from ..accounting.profile import StepCostProfile, profile_step_costs
 from ..models.segmentor import is_classifier, unwrap_model
+from .frozen_aux_heads import unlogged_aux_heads
 from .layer_trace import trace_layers
 from .selection import check_layer_kinds, has_grid, select_layers
 from .surgery import apply_gradient_filter
@@ -62,9 +63,13 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
     choices = select_layers(probe, num_layers=len(pool), radius=1,
                             input_size=size, layer_kinds=kinds)
     apply_gradient_filter(probe, choices, mode='vanilla', lean=True)
-    return profile_step_costs(
-        probe, [c.module for c in choices], size, is_classifier,
-        timeline=timeline, patch_mean_activations=patch_mean_activations)
+    # its auxiliary heads are left out as the trained model's are; the
+    # trained model logs that, not the probe
+    with unlogged_aux_heads(probe):
+        return profile_step_costs(
+            probe, [c.module for c in choices], size, is_classifier,
+            timeline=timeline,
+            patch_mean_activations=patch_mean_activations)
 
 
 def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
