@@ -1,4 +1,5 @@
 """Shared pytest configuration."""
+import logging
 import os
 
 import pytest
@@ -52,3 +53,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class _Records(logging.Handler):
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def log_records():
+    """The messages logged to mmengine's current logger during a test
+    (INFO and above; print_log's records do not reach pytest's caplog)."""
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_current_instance()
+    handler = _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)

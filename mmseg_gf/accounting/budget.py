@@ -1,9 +1,12 @@
 """The ``budget`` gradient-filter setting: its limits, and the choice.
 
-``gradient_filter=dict(budget=dict(saved_mib=300, peak_mib=..., backward_gflops=1))``
+``gradient_filter=dict(budget=dict(saved_mib=300, peak_mib=...,
+process_mib=..., backward_gflops=1))``
 (any subset of the limits; ``radii``: the candidate radii, default
 {2, 4, 8}; ``batch``: images per step, default the config's train batch
-size) replaces ``num_layers`` / ``layers`` and ``radius``.
+size; ``optimizer``: the optimizer config whose state the peaks count,
+default the config's ``optim_wrapper.optimizer``) replaces ``num_layers``
+/ ``layers`` and ``radius``.
 :func:`check_budget` validates the setting, so that bad input fails before
 anything is built; :func:`choose_by_budget` picks, from a profile
 (:mod:`.profile`), the largest number of last convs, then the finest radii,
@@ -25,13 +28,16 @@ from typing import Any, Dict, List, Optional
 from ..ops import check_radius
 from .profile import ConvProfile, StepCost, StepCostProfile
 
-__all__ = ['LIMIT_KEYS', 'BUDGET_KEYS', 'DEFAULT_RADII', 'PEAK_HEADROOM',
+__all__ = ['LIMIT_KEYS', 'PEAK_KEYS', 'BUDGET_KEYS', 'DEFAULT_RADII',
+           'PEAK_HEADROOM',
            'check_budget', 'fits', 'BudgetChoice', 'choose_by_budget']
 
 #: Limits a budget may give (any subset, at least one).
-LIMIT_KEYS = ('saved_mib', 'peak_mib', 'backward_gflops')
+LIMIT_KEYS = ('saved_mib', 'peak_mib', 'process_mib', 'backward_gflops')
+#: Limits on a predicted peak, met with :data:`PEAK_HEADROOM` to spare.
+PEAK_KEYS = ('peak_mib', 'process_mib')
 #: Keys of ``gradient_filter=dict(budget=dict(...))``.
-BUDGET_KEYS = LIMIT_KEYS + ('radii', 'batch')
+BUDGET_KEYS = LIMIT_KEYS + ('radii', 'batch', 'optimizer')
 #: Candidate radii when a budget names none.
 DEFAULT_RADII = (2, 4, 8)
 #: A setting fits a ``peak_mib`` limit when its predicted peak is at most
@@ -86,6 +92,13 @@ def check_budget(budget: Any) -> Dict[str, Any]:
         raise ValueError('gradient_filter budget radii must be a non-empty '
                          f'list of ints >= 1, got {out["radii"]!r}')
     out['radii'] = radii
+    optimizer = out['optimizer']
+    if optimizer is not None and (not isinstance(optimizer, dict)
+                                  or 'type' not in optimizer):
+        raise ValueError('gradient_filter budget optimizer must be an '
+                         "optimizer config with a 'type', e.g. "
+                         "dict(type='AdamW', lr=6e-5), got "
+                         f'{optimizer!r}')
     batch = out['batch']
     if batch is not None and (isinstance(batch, bool)
                               or not isinstance(batch, int) or batch < 1):
@@ -95,11 +108,11 @@ def check_budget(budget: Any) -> Dict[str, Any]:
 
 
 def fits(cost: StepCost, limits: Dict[str, Optional[float]]) -> bool:
-    """Every given limit holds; the predicted peak with
-    :data:`PEAK_HEADROOM` to spare (its tested accuracy)."""
+    """Every given limit holds; the predicted peaks with
+    :data:`PEAK_HEADROOM` to spare (their tested accuracy)."""
     return all(
         limit is None or cost.value(key) <= limit *
-        (PEAK_HEADROOM if key == 'peak_mib' else 1)
+        (PEAK_HEADROOM if key in PEAK_KEYS else 1)
         for key, limit in limits.items())
 
 
@@ -129,8 +142,9 @@ class BudgetChoice:
         given = ', '.join(f'{k} <= {v:g}' for k, v in self.limits.items()
                           if v is not None)
         radii = sorted(set(self.cost.radii.values()))
-        return (f'budget ({given}): the last {self.num_layers} convs, radii '
-                f'{radii}; predicted {self.cost.describe()}')
+        return (f'budget ({given}): the last {self.num_layers} '
+                f'{self.cost.layer_noun}, radii {radii}; predicted '
+                f'{self.cost.describe()}')
 
 
 def _refine_order(profile: StepCostProfile,
@@ -165,9 +179,16 @@ def choose_by_budget(profile: StepCostProfile,
     """
     budget = check_budget(budget)
     limits = {k: budget[k] for k in LIMIT_KEYS}
-    if limits['peak_mib'] is not None and profile.live is None:
-        raise ValueError('gradient_filter budget peak_mib needs a profile '
-                         'made with timeline=True')
+    for key in PEAK_KEYS:
+        if limits[key] is not None and profile.live is None:
+            raise ValueError(f'gradient_filter budget {key} needs a '
+                             'profile made with timeline=True')
+    if limits['process_mib'] is not None and \
+            profile.process_base_bytes is None:
+        raise ValueError('gradient_filter budget process_mib needs the '
+                         'process\'s resident memory (Linux: '
+                         '/proc/self/status) or CUDA; the profile has no '
+                         'process_base_bytes')
     radii = budget['radii']
     coarsest = radii[-1]
     smallest = profile.cost(1, coarsest, batch)
@@ -177,7 +198,8 @@ def choose_by_budget(profile: StepCostProfile,
                           if v is not None)
         raise ValueError(
             f'gradient_filter budget ({given}) cannot be met: the cheapest '
-            f'setting, the last conv alone at radius {coarsest}, needs '
+            f'setting, the last {smallest.layer_noun[:-1]} alone at radius '
+            f'{coarsest}, needs '
             f'{smallest.describe()}; raise the limits or add a coarser '
             f'radius to budget radii (now {list(radii)})')
     current = dict(best.radii)

@@ -61,6 +61,13 @@ def layer_geometry(module: nn.Module, x: torch.Tensor,
     return kind.geometry(module, (x, ), out)
 
 
+def _kind_name(module: nn.Module) -> str:
+    """A candidate's layer kind (a module of no registered kind: a conv,
+    as :func:`layer_geometry` counts it)."""
+    kind = traced_kind_of(module)
+    return 'conv2d' if kind is None else kind.name
+
+
 @dataclass
 class ConvProfile:
     """A candidate conv (one of the last-``N`` pool).
@@ -104,8 +111,15 @@ class StepCost:
         saved_bytes: bytes kept for backward by the whole step.
         backward_flops: backward FLOPs per image, trained convs and
             classifier.
-        peak_bytes: predicted peak of live tensor bytes during the step
-            (None when the profile has no peak model).
+        peak_bytes: predicted peak of live tensor bytes during the step,
+            the optimizer's state included (None when the profile has no
+            peak model).
+        optimizer_bytes: the optimizer's state for the trained parameters
+            (:mod:`.optimizer_state`; 0 when no optimizer was given).
+        process_bytes: predicted peak of the process: what it held when
+            the profile was made (``StepCostProfile.process_base_bytes``)
+            plus ``peak_bytes``; None without a base or a peak model.
+        kinds: the layer kinds of the trained layers.
     """
 
     num_layers: int
@@ -114,6 +128,9 @@ class StepCost:
     saved_bytes: int
     backward_flops: int
     peak_bytes: Optional[int] = None
+    optimizer_bytes: int = 0
+    process_bytes: Optional[int] = None
+    kinds: Tuple[str, ...] = ()
 
     @property
     def saved_mib(self) -> float:
@@ -124,16 +141,32 @@ class StepCost:
         return None if self.peak_bytes is None else self.peak_bytes / MIB
 
     @property
+    def process_mib(self) -> Optional[float]:
+        return None if self.process_bytes is None else \
+            self.process_bytes / MIB
+
+    @property
     def backward_gflops(self) -> float:
         return self.backward_flops / 1e9
+
+    @property
+    def layer_noun(self) -> str:
+        """``'convs'`` when every trained layer is a conv, else
+        ``'layers'``."""
+        return 'convs' if set(self.kinds) <= {'conv2d'} else 'layers'
 
     def value(self, key: str) -> Optional[float]:
         """A limit key's figure (MiB, GFLOPs per image)."""
         return getattr(self, key)
 
     def describe(self) -> str:
-        peak = ('' if self.peak_bytes is None else
-                f', step peak {self.peak_mib:.1f} MiB')
+        peak = ''
+        if self.peak_bytes is not None:
+            state = (f' with {self.optimizer_bytes / MIB:.1f} MiB of '
+                     'optimizer state' if self.optimizer_bytes else '')
+            peak = f', step peak {self.peak_mib:.1f} MiB{state}'
+        if self.process_bytes is not None:
+            peak += f', process peak {self.process_mib:.1f} MiB'
         return (f'{self.backward_gflops:.3f} backward GFLOPs per image, '
                 f'{self.saved_mib:.1f} MiB kept for backward{peak} '
                 f'(batch {self.batch})')
@@ -240,6 +273,13 @@ class StepCostProfile:
             profile was made without ``timeline``.
         gelu_calls: the GELU calls the patch-mean rule may take (empty
             without ``patch_mean_activations``).
+        optimizer_state_ratio: bytes of optimizer state per byte of
+            trained parameter (measured by
+            :func:`.optimizer_state.optimizer_state_ratio`), counted in
+            the step peak; 0: none counted.
+        process_base_bytes: what the process held before the step (its
+            resident memory, or on CUDA the model's parameters and
+            buffers), for the process peak; None: not predicted.
     """
 
     input_size: Tuple[int, int]
@@ -253,6 +293,8 @@ class StepCostProfile:
                                                      repr=False)
     live: Optional[List[Tuple[int, int]]] = None
     gelu_calls: List[_GeluCall] = field(default_factory=list)
+    optimizer_state_ratio: float = 0.0
+    process_base_bytes: Optional[int] = None
 
     @property
     def max_layers(self) -> int:
@@ -340,10 +382,19 @@ class StepCostProfile:
         for geometry, upstream, _ in self.classifiers:
             flops += geometry.cost(
                 1, need_input_grad=upstream >= first).vanilla_flops
-        result = StepCost(num_layers=num_layers, radii=radii, batch=batch,
-                          saved_bytes=saved, backward_flops=flops)
+        trained = self.convs[first:]
+        result = StepCost(
+            num_layers=num_layers, radii=radii, batch=batch,
+            saved_bytes=saved, backward_flops=flops,
+            optimizer_bytes=round(self.optimizer_state_ratio * 4 * (
+                sum(c.params for c in trained) + self.classifier_params)),
+            kinds=tuple(sorted({_kind_name(c.module) for c in trained})))
         if self.live is not None:
-            result.peak_bytes = self._peak(first, radii, batch)
+            result.peak_bytes = self._peak(first, radii, batch) + \
+                result.optimizer_bytes
+            if self.process_base_bytes is not None:
+                result.process_bytes = self.process_base_bytes + \
+                    result.peak_bytes
         return result
 
     def workspace(self, conv: ConvProfile, radius: int,

@@ -66,9 +66,11 @@ def chosen_layers_table(model: nn.Module,
                  str(trainable), fmt_flops_short(tot[0]),
                  fmt_flops_short(tot[1]), _log_mib(tot[2]),
                  _log_mib(tot[3])))
+    noun = 'convs' if all(getattr(c, 'kind', 'conv2d') == 'conv2d'
+                          for c in choices) else 'layers'
     title = (f'Gradient filter ({mode}): {len(choices)} layers, batch '
              f'{batch}, backward FLOPs / saved activations of the chosen '
-             'convs')
+             f'{noun}')
     return title + '\n' + format_table(header, rows, style='text',
                                        rule=False)
 

@@ -113,7 +113,7 @@ def sweep_plot(rows: List[dict], path: str,
         if limits and limits.get(key) is not None:
             ax.axhline(limits[key], color='k', ls='--', lw=0.8,
                        label='budget')
-        ax.set_xlabel('N (last convs trained)')
+        ax.set_xlabel('N (last layers trained)')
         ax.set_title(COLUMNS[key])
         ax.set_yscale('log')
         ax.legend(fontsize=7)

@@ -106,7 +106,7 @@ def measured_memory_table(result: Dict[str, Any]) -> str:
             x = result[m]['layers'][i]
             row += [fmt_bytes(x['measured']), fmt_bytes(x['analytic'])]
         rows.append(row)
-    row = ['trained convs, total', '']
+    row = ['trained layers, total', '']
     for m in modes:
         row += [fmt_bytes(result[m]['trained_saved_bytes']),
                 fmt_bytes(result[m]['analytic_saved_bytes'])]

@@ -9,18 +9,26 @@ and the probe is a copy of the segmentor with every candidate trained
 (:func:`apply_gradient_filter`, exact backward, lean region on).
 """
 import copy
+import gc
 from typing import Any, Dict, Optional, Sequence
 
+import torch
 from torch import nn
 
-from ..accounting.budget import BudgetChoice, check_budget, choose_by_budget
+from ..accounting.budget import (PEAK_KEYS, BudgetChoice, check_budget,
+                                 choose_by_budget)
+from ..accounting.optimizer_state import optimizer_state_ratio
 from ..accounting.profile import StepCostProfile, profile_step_costs
 from ..models.segmentor import is_classifier, unwrap_model
+from .cpu_memory import return_freed_cpu_memory
+from .frozen_aux_heads import unlogged_aux_heads
 from .layer_trace import trace_layers
 from .selection import check_layer_kinds, has_grid, select_layers
 from .surgery import apply_gradient_filter
+from .train_log import resident_bytes
 
-__all__ = ['profile_segmentor', 'choose_layers_by_budget']
+__all__ = ['profile_segmentor', 'choose_layers_by_budget',
+           'process_base_bytes']
 
 
 def profile_segmentor(model: nn.Module, input_size: Sequence[int],
@@ -62,16 +70,21 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
     choices = select_layers(probe, num_layers=len(pool), radius=1,
                             input_size=size, layer_kinds=kinds)
     apply_gradient_filter(probe, choices, mode='vanilla', lean=True)
-    return profile_step_costs(
-        probe, [c.module for c in choices], size, is_classifier,
-        timeline=timeline, patch_mean_activations=patch_mean_activations)
+    # its auxiliary heads are left out as the trained model's are; the
+    # trained model logs that, not the probe
+    with unlogged_aux_heads(probe):
+        return profile_step_costs(
+            probe, [c.module for c in choices], size, is_classifier,
+            timeline=timeline,
+            patch_mean_activations=patch_mean_activations)
 
 
 def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
                             input_size: Sequence[int],
                             batch: Optional[int] = None,
                             layer_kinds: Optional[Sequence[str]] = None,
-                            patch_mean_activations: bool = True
+                            patch_mean_activations: bool = True,
+                            optimizer: Optional[dict] = None
                             ) -> BudgetChoice:
     """Profile ``segmentor`` and choose the setting that fits ``budget``.
 
@@ -84,11 +97,46 @@ def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
             registered kind).
         patch_mean_activations: whether the trained step applies the
             patch-mean GELU rule (:func:`profile_segmentor`).
+        optimizer: the optimizer config whose state the peaks count,
+            unless the budget names one (None: no state counted).
     """
     budget = check_budget(budget)
     batch = budget['batch'] or batch or 1
+    on_cpu = not torch.cuda.is_available()
+    if budget['process_mib'] is not None and on_cpu:
+        return_freed_cpu_memory()
     profile = profile_segmentor(segmentor, input_size,
-                                timeline=budget['peak_mib'] is not None,
+                                timeline=any(budget[k] is not None
+                                             for k in PEAK_KEYS),
                                 layer_kinds=layer_kinds,
                                 patch_mean_activations=patch_mean_activations)
-    return choose_by_budget(profile, budget, batch)
+    profile.optimizer_state_ratio = optimizer_state_ratio(
+        budget['optimizer'] or optimizer)
+    profile.process_base_bytes = process_base_bytes(segmentor)
+    choice = choose_by_budget(profile, budget, batch)
+    del profile
+    gc.collect()  # the probe (its hooks make cycles) goes now
+    return choice
+
+
+def process_base_bytes(segmentor: nn.Module) -> Optional[int]:
+    """What the training process holds besides a step, against which a
+    ``process_mib`` limit is measured; called with the budget's probe (a
+    copy of ``segmentor``) alive, after the profile ran.
+
+    With CUDA, the bytes of the model's parameters and buffers (what
+    ``torch.cuda.max_memory_allocated`` counts once the runner moved the
+    model there). On CPU, the process's resident memory now (``VmRSS``:
+    the interpreter, the libraries warmed up by the profile's traced
+    steps, the model's parameters and buffers, whatever else the process
+    holds), less the probe's parameters and buffers, which go with it; the
+    measure of the limit is the process's peak, ``VmHWM``. None where the
+    resident memory cannot be read (not Linux).
+    """
+    model = unwrap_model(segmentor)
+    tensors = sum(t.numel() * t.element_size() for t in
+                  list(model.parameters()) + list(model.buffers()))
+    if torch.cuda.is_available():
+        return tensors
+    resident = resident_bytes()
+    return None if resident is None else resident - tensors

@@ -118,6 +118,11 @@ def _check_budget_settings(out: Dict[str, Any]) -> None:
             'train_norm=False (the costs it fits are those of filtered '
             f'convs with frozen norms), got mode={out["mode"]!r}, '
             f'train_norm={out["train_norm"]!r}')
+    if out['budget']['process_mib'] is not None and out['reuse_cpu_memory']:
+        raise ValueError(
+            'gradient_filter budget process_mib bounds the resident memory, '
+            'which reuse_cpu_memory=True lets grow to keep freed memory: '
+            'give one of them')
 
 
 def _check_layer_settings(out: Dict[str, Any]) -> None:
@@ -184,6 +189,19 @@ def default_batch_size(cfg) -> Optional[int]:
         return int(cfg.train_dataloader.batch_size)
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
+
+
+def default_optimizer(cfg) -> Optional[dict]:
+    """The config's ``optim_wrapper.optimizer`` as a plain dict (None if
+    it has none), whose state a budget's peaks count."""
+    try:
+        optimizer = cfg.optim_wrapper.optimizer
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if not isinstance(optimizer, dict) or 'type' not in optimizer:
+        return None
+    to_dict = getattr(optimizer, 'to_dict', None)
+    return to_dict() if to_dict is not None else dict(optimizer)
 
 
 def build_grad_filter_model(model: dict,
@@ -265,12 +283,14 @@ def patch_means_on(settings: Optional[Dict[str, Any]]) -> bool:
 
 def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
                      input_size: Sequence[int],
-                     batch: Optional[int] = None) -> list:
+                     batch: Optional[int] = None,
+                     optimizer: Optional[dict] = None) -> list:
     """Choose the layers of checked ``settings`` and apply them.
 
     With a budget, :func:`~mmseg_gf.engine.budget.choose_layers_by_budget`
     decides ``num_layers`` and the radii (its choice is kept in the
-    segmentor's state); ``batch`` is used when the budget names none.
+    segmentor's state); ``batch`` and ``optimizer`` (an optimizer config)
+    are used when the budget names none.
 
     Returns:
         list[LayerChoice]: the applied layers.
@@ -280,7 +300,8 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
         choice = choose_layers_by_budget(
             segmentor, settings['budget'], input_size, batch,
             settings.get('layer_kinds'),
-            patch_mean_activations=patch_means_on(settings))
+            patch_mean_activations=patch_means_on(settings),
+            optimizer=optimizer)
         num_layers, radius = choice.num_layers, choice.radius
     else:
         choice = None
@@ -342,6 +363,10 @@ def rewrite_config(cfg):
     if settings['budget'] is not None and settings['budget']['batch'] is None:
         settings['budget'] = dict(settings['budget'],
                                   batch=default_batch_size(cfg))
+    if settings['budget'] is not None and \
+            settings['budget']['optimizer'] is None:
+        settings['budget'] = dict(settings['budget'],
+                                  optimizer=default_optimizer(cfg))
     cfg.model = dict(type='GradFilterModel', model=cfg.model, **settings)
     add_custom_hook(cfg, 'GradFilterHook')
     add_custom_imports(cfg, 'mmseg_gf')
@@ -366,9 +391,10 @@ def _check_rewritten_agrees(settings: Dict[str, Any], model) -> None:
         given, has = plain(settings[key]), plain(built[key])
         if key == 'input_size' and given is None:
             continue
-        if key == 'budget' and given is not None and has is not None \
-                and given.get('batch') is None:
-            has = dict(has, batch=None)
+        if key == 'budget' and given is not None and has is not None:
+            # what the rewrite fills in, where gradient_filter has none
+            has = dict(has, **{k: None for k in ('batch', 'optimizer')
+                               if given.get(k) is None})
         if given != has:
             differ.append(f'{key}: gradient_filter {given!r}, '
                           f'model {has!r}')

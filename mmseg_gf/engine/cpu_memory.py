@@ -26,10 +26,12 @@ import ctypes
 import ctypes.util
 from typing import Callable, Optional
 
-__all__ = ['keep_freed_cpu_memory', 'cpu_memory_kept', 'supported']
+__all__ = ['keep_freed_cpu_memory', 'cpu_memory_kept', 'supported',
+           'return_freed_cpu_memory']
 
 # glibc's <malloc.h>
 _M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _KEEP = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1}
 # glibc's defaults (its dynamic mmap threshold, switched off by setting
@@ -82,3 +84,25 @@ def keep_freed_cpu_memory(keep: bool = True) -> bool:
 def cpu_memory_kept() -> bool:
     """Whether :func:`keep_freed_cpu_memory` is in effect."""
     return _kept
+
+
+def return_freed_cpu_memory() -> bool:
+    """Have ``malloc`` give every block of 128 KiB or more back to the
+    system when it is freed (glibc's static default threshold, its dynamic
+    raise switched off): the process's resident memory then follows its
+    live tensors instead of keeping what earlier, larger steps (a budget's
+    profile) freed, which a ``process_mib`` budget needs. Process-wide.
+
+    Returns:
+        bool: whether the C library took the setting.
+    """
+    global _kept
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    values = {**_RELEASE, _M_MMAP_THRESHOLD: 128 * 1024}
+    if not all(mallopt(option, value) == 1
+               for option, value in values.items()):
+        return False
+    _kept = False
+    return True

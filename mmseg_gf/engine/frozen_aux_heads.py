@@ -1,31 +1,42 @@
-"""Frozen auxiliary heads that train nothing are not run in training.
+"""Frozen auxiliary heads are not run in training: none steers the
+trained parameters.
 
 mmseg's ``EncoderDecoder.loss`` adds each auxiliary head's loss
-(``_auxiliary_head_forward_train``). When every parameter of a head is
-frozen and none of the features it reads (its ``in_index`` selection)
-requires a gradient, that loss is a constant in the trained parameters: its
-backward reaches nothing that is trained, and running the head costs a
-forward, its loss and the memory of both for nothing. On mmseg's real-time
-families finetuned on their last convs (Fast-SCNN, STDC1, BiSeNet, ICNet),
-where auxiliary heads read early features, that is a large part of a step.
+(``_auxiliary_head_forward_train``). A head whose parameters are all frozen
+(its classifier ``conv_seg`` included) is in one of two cases, decided from
+the features it reads (its ``in_index`` selection):
+
+* they need no gradient: its loss is a constant in the trained parameters;
+  running it costs a forward, its loss and the memory of both for nothing
+  (mmseg's real-time families finetuned on their last convs: Fast-SCNN,
+  STDC1, BiSeNet, ICNet, whose heads read early features);
+* they carry a gradient (the trained layers reach the head's input, as a
+  budget reaching Swin's ``stages.2`` under UPerNet's FCN head on
+  ``in_index=2``): its loss would train those layers through a head that
+  is itself never trained. After a class-count change its classifier is
+  random, so its loss steers the backbone towards noise; even a pretrained
+  head pulls the trained layers towards the features it was trained on.
+  The rule: **a frozen head is cut off from the backbone**, which, as its
+  loss is then a constant, is the first case.
 
 :func:`skip_frozen_aux_heads` swaps the segmentor's class for a subclass of
 its own class (as the lean region does with its modules: ``isinstance``,
 ``state_dict`` keys and checkpoints are unchanged) whose
-``_auxiliary_head_forward_train`` decides head by head, at every call, from
-the tensors it is given: a head with a trained parameter or a gradient-
-carrying input always runs. A skipped head is logged once, with the reason.
-Its loss is left out of the returned dict, or, with
-``log_frozen_aux_losses=True``, computed under ``torch.no_grad`` and
-returned detached (mmengine's ``parse_losses`` adds it to the logged total;
-a detached term changes no gradient). The segmentor's
+``_auxiliary_head_forward_train`` decides head by head, at every call: a
+head with a trained parameter runs, a frozen one does not. A head left out
+is logged once, in one line, with the reason. Its loss is left out of the
+returned dict, or, with ``log_frozen_aux_losses=True``, computed under
+``torch.no_grad`` and returned detached (mmengine's ``parse_losses`` adds it
+to the logged total; a detached term changes no gradient). The segmentor's
 :class:`~.state.GradientFilterState` holds both switches
-(``keep_frozen_aux_heads=True`` runs every head, as mmseg does).
+(``keep_frozen_aux_heads=True`` runs every head, as mmseg does, frozen
+heads on trained features then training the backbone).
 
 A skipped head draws no random numbers: the heads after it in the same
 step and later steps draw other dropout masks than with it run (from the
 same distribution), unless its loss is logged.
 """
+import contextlib
 import logging
 from typing import Dict, List, Optional, Tuple
 
@@ -42,7 +53,7 @@ from .state import GradientFilterState, get_state
 
 __all__ = ['aux_heads', 'features_read', 'frozen_head_reason',
            'skip_frozen_aux_heads', 'run_frozen_aux_heads',
-           'skips_frozen_aux_heads']
+           'skips_frozen_aux_heads', 'unlogged_aux_heads']
 
 
 def aux_heads(segmentor: nn.Module) -> List[Tuple[str, str, nn.Module]]:
@@ -74,14 +85,19 @@ def features_read(head: nn.Module, inputs) -> List[torch.Tensor]:
 
 
 def frozen_head_reason(head: nn.Module, inputs) -> Optional[str]:
-    """Why ``head``'s loss trains nothing, or None when it must run (a
-    trained parameter, or a read feature that requires a gradient)."""
+    """Why ``head`` is not run in training, or None when it runs (a
+    trained parameter). A frozen head reading features that carry a
+    gradient is cut off from the backbone (the module docstring)."""
     if any(p.requires_grad for p in head.parameters()):
-        return None
-    if any(t.requires_grad for t in features_read(head, inputs)):
         return None
     index = getattr(head, 'in_index', None)
     read = 'its input' if index is None else f'its input (in_index {index})'
+    if any(t.requires_grad for t in features_read(head, inputs)):
+        return (f'all its parameters (its classifier too) are frozen and '
+                f'{read} comes from trained layers: it is cut off from the '
+                'backbone, as a loss through a head that is never trained '
+                '(after a class-count change, a random classifier) would '
+                'steer them')
     return (f'all its parameters are frozen and {read} needs no gradient, '
             'so its loss is constant in the trained parameters')
 
@@ -97,8 +113,26 @@ def _log_skipped_once(state: GradientFilterState, path: str,
     name = getattr(type(head), '_plain_class', type(head)).__name__
     print_log(
         f'gradient_filter: {path} ({name}) is not run in '
-        f'training: {reason}; {losses}; keep_frozen_aux_heads=True runs it',
-        logger='current', level=logging.INFO)
+        f'training: {reason}; {losses}; keep_frozen_aux_heads=True runs '
+        'it as mmseg does', logger='current', level=logging.INFO)
+
+
+@contextlib.contextmanager
+def unlogged_aux_heads(segmentor: nn.Module):
+    """Within the block, heads left out are not logged: for steps traced
+    on the way to training (the GELU detection, the budget's probe), so
+    that the first training step logs each head once."""
+    state = get_state(segmentor)
+    if state is None:
+        yield
+        return
+    logged = set(state.logged_frozen_aux_heads)
+    state.logged_frozen_aux_heads.update(
+        path for _, path, _ in aux_heads(unwrap_model(segmentor)))
+    try:
+        yield
+    finally:
+        state.logged_frozen_aux_heads = logged
 
 
 def _constant_losses(head: nn.Module, inputs, data_samples,
@@ -111,8 +145,8 @@ def _constant_losses(head: nn.Module, inputs, data_samples,
 
 
 class _SkipsFrozenAuxHeads:
-    """``_auxiliary_head_forward_train`` leaving out heads that train
-    nothing (see the module docstring); as mmseg's otherwise."""
+    """``_auxiliary_head_forward_train`` leaving out frozen heads (see the
+    module docstring); as mmseg's otherwise."""
 
     def _auxiliary_head_forward_train(self, inputs, data_samples) -> dict:
         state = get_state(self)
@@ -152,8 +186,8 @@ def _skip_class(cls: type) -> type:
 
 
 def skip_frozen_aux_heads(segmentor: nn.Module) -> bool:
-    """Let ``segmentor`` (wrapped or not) leave out, in training, auxiliary
-    heads whose loss trains nothing. Only for segmentors whose auxiliary
+    """Let ``segmentor`` (wrapped or not) leave out, in training, frozen
+    auxiliary heads (the module docstring). Only for segmentors whose auxiliary
     losses are mmseg's ``EncoderDecoder._auxiliary_head_forward_train``
     (``EncoderDecoder``, ``CascadeEncoderDecoder``); idempotent.
 

@@ -43,7 +43,7 @@ from ..models.patch_mean_graph import (LayerCall, filtered_users,
                                        is_filtered_layer, is_plain_gelu)
 from ..models.segmentor import unwrap_model
 from ..ops.patch_mean_activation import PatchPartition, tagged_partition
-from .state import get_state
+from .frozen_aux_heads import unlogged_aux_heads
 
 __all__ = ['find_patch_mean_gelus', 'install_patch_mean_gelus',
            'remove_patch_mean_gelus']
@@ -56,17 +56,16 @@ def _plain_gelus(model: nn.Module) -> Dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def _restored(model: nn.Module):
-    """Training flags, buffers, the random number generators and the
-    frozen auxiliary heads logged (the first training step logs them) as
-    they were, after the block."""
-    state = get_state(model)
-    logged = None if state is None else set(state.logged_frozen_aux_heads)
+    """Training flags, buffers and the random number generators as they
+    were, after the block; no auxiliary head logged in it (the first
+    training step logs them)."""
     modes = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     device = model_device(model)
     devices = [device] if device.type == 'cuda' else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), \
+                unlogged_aux_heads(model):
             yield
     finally:
         for m, mode in modes.items():
@@ -74,8 +73,6 @@ def _restored(model: nn.Module):
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-        if logged is not None:
-            state.logged_frozen_aux_heads = logged
 
 
 def _traced_step_graph(model: nn.Module, input_size):

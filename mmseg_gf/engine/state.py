@@ -33,8 +33,8 @@ class GradientFilterState:
         budget: the :class:`~mmseg_gf.accounting.budget.BudgetChoice` when
             the layers came from a ``budget`` setting, else None.
         keep_frozen_aux_heads: run every auxiliary head in training, also
-            those whose loss trains nothing
-            (:mod:`~mmseg_gf.engine.frozen_aux_heads`); False skips them.
+            the frozen ones (:mod:`~mmseg_gf.engine.frozen_aux_heads`);
+            False leaves frozen heads out.
         log_frozen_aux_losses: return a skipped head's losses, computed
             without autograd, for the log.
         logged_frozen_aux_heads: paths of the skipped heads already logged

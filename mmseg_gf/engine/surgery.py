@@ -76,10 +76,10 @@ def apply_gradient_filter(model: nn.Module,
             head's loss for variants that keep only what their backward
             needs (:mod:`mmseg_gf.engine.lean_region`); same forward, same
             gradients.
-        keep_frozen_aux_heads: run auxiliary heads whose loss trains
-            nothing (frozen, reading features that need no gradient);
-            False leaves them out of training steps
-            (:mod:`mmseg_gf.engine.frozen_aux_heads`).
+        keep_frozen_aux_heads: run frozen auxiliary heads, as mmseg
+            does; False leaves them out of training steps: a head on
+            frozen features trains nothing, one on trained features is cut
+            off from the backbone (:mod:`mmseg_gf.engine.frozen_aux_heads`).
         log_frozen_aux_losses: the left-out heads' losses, computed without
             autograd, are still returned for the log.
 

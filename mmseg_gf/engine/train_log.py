@@ -16,7 +16,7 @@ from typing import Optional
 from mmengine.hooks import LoggerHook
 
 __all__ = ['precision_summary', 'PeakResidentMemory', 'logged_now',
-           'peak_resident_bytes']
+           'peak_resident_bytes', 'resident_bytes']
 
 #: The log line's key of :class:`PeakResidentMemory`'s peak (MiB).
 PEAK_KEY = 'peak_rss'
@@ -42,17 +42,29 @@ def precision_summary(optim_wrapper) -> str:
     return 'training precision: ' + '; '.join(dict.fromkeys(parts))
 
 
-def peak_resident_bytes() -> Optional[int]:
-    """The process's highest resident memory so far (Linux ``VmHWM`` in
-    ``/proc/self/status``; None elsewhere)."""
+def _status_bytes(key: str) -> Optional[int]:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (None where there
+    is none: not Linux)."""
     try:
         with open('/proc/self/status') as f:
             for line in f:
-                if line.startswith('VmHWM:'):
+                if line.startswith(key + ':'):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def peak_resident_bytes() -> Optional[int]:
+    """The process's highest resident memory so far (Linux ``VmHWM`` in
+    ``/proc/self/status``; None elsewhere)."""
+    return _status_bytes('VmHWM')
+
+
+def resident_bytes() -> Optional[int]:
+    """The process's resident memory now (Linux ``VmRSS``; None
+    elsewhere)."""
+    return _status_bytes('VmRSS')
 
 
 class PeakResidentMemory:

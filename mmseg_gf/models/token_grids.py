@@ -29,9 +29,18 @@ of a model gives a copy whose hooks set the copy's sources, those its
 filtered layers read; nothing of them is in ``state_dict``. The surgery
 installs them on the segmentor (:func:`install_token_grids`), so a DDP
 wrapper, which runs the same module, runs them too. The
-grids are set by the forward of the block and cleared after it: a block
-recomputed by activation checkpointing in the backward finds no grid
-(exact backward, with a warning), so ``with_cp`` blocks are not filtered.
+grids are set by the forward of the block and cleared after it.
+
+A block built with ``with_cp=True`` (Swin's, MiT's and ViT's layers) runs
+``torch.utils.checkpoint.checkpoint(_inner_forward, x)``: the backward
+recomputes ``_inner_forward`` without the block's hooks, so its Linears
+would find their grids cleared, or set by another call. The bindings give
+such a block a forward of their own (:class:`_CheckpointWithGrids`) that
+takes the checkpoint in its place, on a function that first sets the
+grids of the call being recomputed: every filtered Linear in it gets its
+true grid in the recompute. A ``with_cp`` module of another class holding
+a bound Linear has its Linears described with ``no_grid`` (refused by the
+selection, with the reason).
 """
 
 import functools
@@ -40,10 +49,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from mmseg.models.backbones.mit import \
     TransformerEncoderLayer as MiTEncoderLayer
 from mmseg.models.backbones.swin import SwinBlock
 from mmseg.models.backbones.twins import GSAEncoderLayer, LSAEncoderLayer
+from mmseg.models.backbones.vit import \
+    TransformerEncoderLayer as ViTEncoderLayer
 from mmseg.models.backbones.vit import VisionTransformer
 from mmseg.models.decode_heads.segmenter_mask_head import \
     SegmenterMaskTransformerHead
@@ -113,6 +125,49 @@ class _ClearGrids:
             source.clear()
 
 
+class _CheckpointWithGrids:
+    """The forward of a block that mmseg checkpoints with ``with_cp=True``,
+    installed as the block's instance attribute ``forward``.
+
+    mmseg's block (e.g. ``SwinBlock.forward``) checkpoints its inner
+    forward when ``self.with_cp and x.requires_grad``, with torch's default
+    (reentrant) checkpoint. This forward takes the same checkpoint under the
+    same condition, of a function that sets the grids the block's Linears
+    read to those of this call (captured now), runs the block's own forward
+    with ``with_cp`` off, and restores the grids it found: the recompute in
+    the backward runs that function too, so it reads this call's grids,
+    whichever call ran last. Otherwise it is the block's own forward. An
+    object, as :class:`_SetGrids`, so that ``copy.deepcopy`` of a model
+    gives the copy's block and sources.
+    """
+
+    def __init__(self, block: nn.Module,
+                 sources: Sequence[TokenGridSource]) -> None:
+        self.block = block
+        self.sources = tuple(sources)
+
+    def __call__(self, x, *args, **kwargs):
+        block = self.block
+        forward = type(block).forward
+        if not (block.with_cp and x.requires_grad):
+            return forward(block, x, *args, **kwargs)
+        grids = tuple(source.grid for source in self.sources)
+
+        def recomputable(x):
+            found = tuple(source.grid for source in self.sources)
+            for source, grid in zip(self.sources, grids):
+                source.set(grid)
+            block.with_cp = False
+            try:
+                return forward(block, x, *args, **kwargs)
+            finally:
+                block.with_cp = True
+                for source, grid in zip(self.sources, found):
+                    source.set(grid)
+
+        return checkpoint(recomputable, x, use_reentrant=True)
+
+
 class TokenGridBindings:
     """The hooks that keep a model's grid sources current, and its sites."""
 
@@ -120,6 +175,7 @@ class TokenGridBindings:
         self.model = model
         self.sites: Dict[str, LinearSite] = {}
         self._handles: List = []
+        self._checkpointed: List[nn.Module] = []
 
     def remove(self) -> None:
         """Remove every hook (the sources then stay empty) and forget the
@@ -127,6 +183,11 @@ class TokenGridBindings:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for block in self._checkpointed:
+            if isinstance(block.__dict__.get('forward'),
+                          _CheckpointWithGrids):
+                del block.__dict__['forward']
+        self._checkpointed.clear()
         for module, (owner, _) in list(_SITE_OF.items()):
             if owner is self:
                 del _SITE_OF[module]
@@ -162,6 +223,23 @@ class TokenGridBindings:
         self._handles.append(
             module.register_forward_hook(_SetGrids(rule, sources)))
 
+    def recompute_with_grids(self, block: nn.Module, prefix: str) -> None:
+        """Give ``block`` (a :data:`CHECKPOINTED_BLOCKS` instance) the
+        forward that checkpoints it with the grids of each call
+        (:class:`_CheckpointWithGrids`), for the sources its Linears
+        read."""
+        sources = []
+        for path, site in self.sites.items():
+            if not _under(path, prefix):
+                continue
+            for source in (site.source, site.key_source):
+                if source is not None and all(source is not s
+                                              for s in sources):
+                    sources.append(source)
+        if sources:
+            block.forward = _CheckpointWithGrids(block, sources)
+            self._checkpointed.append(block)
+
     def bind(self, site: LinearSite) -> None:
         if site.path not in self.sites:  # the innermost rule wins
             self.sites[site.path] = site
@@ -184,6 +262,10 @@ def layer_kind(module: nn.Module) -> Optional[str]:
     if isinstance(module, nn.Linear):
         return 'linear'
     return None
+
+
+def _under(path: str, prefix: str) -> bool:
+    return not prefix or path == prefix or path.startswith(prefix + '.')
 
 
 def _inside_attention(root: nn.Module, prefix: str, path: str) -> bool:
@@ -398,6 +480,12 @@ GRID_RULES: Tuple[Tuple[tuple, Callable], ...] = (
 )
 
 
+#: Blocks whose ``forward`` checkpoints its whole inner forward from its
+#: first argument when ``with_cp`` is on (``cp.checkpoint(_inner_forward,
+#: x)`` in mmseg 1.2.2), which :class:`_CheckpointWithGrids` replaces.
+CHECKPOINTED_BLOCKS = (SwinBlock, MiTEncoderLayer, ViTEncoderLayer)
+
+
 #: module -> (bindings, site) of the bindings installed last on its model.
 _SITE_OF: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
 
@@ -450,6 +538,7 @@ def bind_token_grids(model: nn.Module) -> TokenGridBindings:
         for path, module in modules:
             if isinstance(module, classes):
                 rule(bindings, path, module)
+    _bind_checkpointed(bindings, modules)
     for path, module in modules:
         kind = layer_kind(module)
         if kind is None or path in bindings.sites or _inside_attention(
@@ -464,6 +553,27 @@ def bind_token_grids(model: nn.Module) -> TokenGridBindings:
                 for cls in classes))
     bindings.publish()
     return bindings
+
+
+def _bind_checkpointed(bindings: TokenGridBindings, modules) -> None:
+    """Recompute :data:`CHECKPOINTED_BLOCKS` with their grids; describe the
+    Linears of other modules built with ``with_cp=True`` as on no grid,
+    unless the module only passes the flag on to such blocks (mmseg's
+    ``MixVisionTransformer`` and ``VisionTransformer`` keep it too)."""
+    for path, module in modules:
+        if isinstance(module, CHECKPOINTED_BLOCKS):
+            bindings.recompute_with_grids(module, path)
+        elif getattr(module, 'with_cp', False) is True and not any(
+                isinstance(m, CHECKPOINTED_BLOCKS) for m in module.modules()):
+            why = (f'it is inside {path or "the model"} '
+                   f'({type(module).__name__}), built with with_cp=True, '
+                   'whose recompute in the backward would not set its '
+                   'grid; build it with with_cp=False')
+            for name, site in bindings.sites.items():
+                if _under(name, path) and site.no_grid is None:
+                    bindings.sites[name] = LinearSite(
+                        name, site.kind, token_dim=site.token_dim,
+                        rule=site.rule, no_grid=why, role=site.role)
 
 
 @dataclass

@@ -7,7 +7,9 @@ import torch
 from mmengine.config import Config
 from mmseg.registry import OPTIM_WRAPPERS
 
-from mmseg_gf.engine.cpu_amp import CPUAmpOptimWrapper, enable_amp
+from mmseg_gf.engine import cpu_amp
+from mmseg_gf.engine.cpu_amp import (CPUAmpOptimWrapper, cpu_flags,
+                                     enable_amp, native_cpu_dtype)
 
 
 def test_wrapper_autocasts_forward_to_bfloat16():
@@ -26,6 +28,53 @@ def test_wrapper_autocasts_forward_to_bfloat16():
     assert not torch.equal(before, model.weight)
     with pytest.raises(ValueError, match="dtype must be one of"):
         CPUAmpOptimWrapper(dtype='float64', optimizer=wrapper.optimizer)
+
+
+def _flags(monkeypatch, flags):
+    monkeypatch.setattr(cpu_amp, 'cpu_flags', lambda: flags)
+
+
+def _build(dtype='bfloat16'):
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    return CPUAmpOptimWrapper(dtype=dtype, optimizer=optimizer)
+
+
+def test_emulated_bfloat16_is_warned_with_the_slowdown(monkeypatch,
+                                                       log_records):
+    _flags(monkeypatch, frozenset({'avx2', 'avx512f', 'fma'}))
+    assert native_cpu_dtype('bfloat16') is False
+    _build()
+    warned = [m for m in log_records if 'no native bfloat16' in m]
+    assert len(warned) == 1, log_records
+    assert '5-10x slower' in warned[0] and 'without --amp' in warned[0]
+    assert 'avx512_bf16' in warned[0]
+
+
+@pytest.mark.parametrize('flags', [{'avx512_bf16'}, {'amx_bf16', 'avx2'},
+                                   {'bf16', 'asimd'}, None])
+def test_native_or_unknown_bfloat16_is_not_warned(monkeypatch, log_records,
+                                                  flags):
+    _flags(monkeypatch, None if flags is None else frozenset(flags))
+    _build()
+    assert not [m for m in log_records if 'no native' in m], log_records
+
+
+def test_float16_reads_its_own_flags(monkeypatch, log_records):
+    _flags(monkeypatch, frozenset({'avx512_bf16'}))
+    assert native_cpu_dtype('float16') is False
+    _build('float16')
+    assert [m for m in log_records if 'no native float16' in m]
+
+
+def test_cpu_flags_reads_x86_and_arm_lines(tmp_path):
+    x86 = tmp_path / 'x86'
+    x86.write_text('processor\t: 0\nflags\t\t: fpu AVX512_BF16 sse\n\n'
+                   'processor\t: 1\nflags\t\t: fpu avx512_bf16 sse\n')
+    arm = tmp_path / 'arm'
+    arm.write_text('Features\t: fp asimd bf16 i8mm\n')
+    assert cpu_flags(str(x86)) == {'fpu', 'avx512_bf16', 'sse'}
+    assert 'bf16' in cpu_flags(str(arm))
+    assert cpu_flags(str(tmp_path / 'none')) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA machine')

@@ -1,14 +1,17 @@
-"""Frozen auxiliary heads whose loss trains nothing are left out of a step.
+"""Frozen auxiliary heads are left out of a step: those on frozen features
+train nothing, those on trained features are cut off from the backbone.
 
 A tiny FCN-R18 (``tests/_engine_fixtures.py``) with FCN auxiliary heads,
 last 5 convs trained (``backbone.layer4.1`` and the decode head): a head on
 ``layer3`` (``in_index=2``) reads features that need no gradient, a head on
 ``layer4`` (``in_index=3``) reads trained ones. References are the same
 model with every head run (``keep_frozen_aux_heads=True``, mmseg's own
-``_auxiliary_head_forward_train``).
+``_auxiliary_head_forward_train``), its gradients those of every loss (a
+head on frozen features) or of the decode head's alone (trained features).
+The zoo models after a class-count change:
+``test_frozen_aux_heads_transfer.py``.
 """
 import copy
-import logging
 
 import pytest
 import torch
@@ -107,29 +110,6 @@ def _assert_same_tensors(got, want):
         torch.testing.assert_close(got[key], g, rtol=1e-5, atol=0, msg=key)
 
 
-class _Records(logging.Handler):
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def log_records():
-    from mmengine.logging import MMLogger
-    logger = MMLogger.get_current_instance()
-    handler = _Records()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
-
 def test_frozen_head_on_frozen_features_is_skipped(log_records):
     base = _base(_aux(2))
     batch = random_batch(base, SIZE, 2, label_block=4)
@@ -197,7 +177,21 @@ def test_mmengine_parse_losses_and_update_with_logged_losses():
     _assert_same_tensors(got, want)
 
 
-def test_heads_reading_trained_features_or_trained_run():
+def _main_losses_step(model, batch):
+    """:func:`_step` with the auxiliary heads' losses left out of the
+    backward: the reference of a step whose frozen heads are cut off."""
+    model.zero_grad(set_to_none=True)
+    model.train()
+    set_frozen_norms_eval(model)
+    torch.manual_seed(3)
+    losses = model.loss(*batch)
+    sum(v for k, v in losses.items()
+        if 'loss' in k and not k.startswith('aux')).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()
+            if p.requires_grad}
+
+
+def test_frozen_heads_on_trained_features_are_cut_off(log_records):
     # no dropout: a skipped head draws no mask, so a later head's masks
     # would differ from the run with every head
     base = _base([_aux(2, dropout=0.0), _aux(3, dropout=0.0)])
@@ -205,14 +199,22 @@ def test_heads_reading_trained_features_or_trained_run():
     kept = _prepared(base, keep_frozen_aux_heads=True)
     skipping = _prepared(base)
     calls = _count_calls(skipping)
-    want_losses, want = _step(kept, batch)
+    want_losses, with_aux = _step(kept, batch)
+    want = _main_losses_step(kept, batch)
     got_losses, got = _step(skipping, batch)
     _assert_same_tensors(got, want)
+    # the head on layer4 reads trained features: run, it trains them
+    diff = with_aux['backbone.layer4.1.conv2.weight'] - \
+        want['backbone.layer4.1.conv2.weight']
+    assert diff.abs().max() > 1e-4
     assert calls == {'auxiliary_head.0.conv_seg': 0,
-                     'auxiliary_head.1.conv_seg': 1}
-    assert 'aux_0.loss_ce' not in got_losses
-    torch.testing.assert_close(got_losses['aux_1.loss_ce'],
-                               want_losses['aux_1.loss_ce'], rtol=0, atol=0)
+                     'auxiliary_head.1.conv_seg': 0}
+    assert not any(k.startswith('aux') for k in got_losses)
+    torch.testing.assert_close(got_losses['decode.loss_ce'],
+                               want_losses['decode.loss_ce'], rtol=0, atol=0)
+    cut = [m for m in log_records if 'auxiliary_head.1 ' in m]
+    assert len(cut) == 1 and 'cut off from the backbone' in cut[0]
+    assert 'in_index 3' in cut[0] and '\n' not in cut[0]
     # a trained parameter in the head: it runs (decided at every call)
     for model in (kept, skipping):
         model.auxiliary_head[0].conv_seg.requires_grad_(True)
@@ -220,7 +222,11 @@ def test_heads_reading_trained_features_or_trained_run():
     got_losses, got = _step(skipping, batch)
     assert calls['auxiliary_head.0.conv_seg'] == 1
     assert 'auxiliary_head.0.conv_seg.weight' in got
-    _assert_same_tensors(got, want)
+    assert 'aux_0.loss_ce' in got_losses
+    # the reference runs the frozen head on layer4 as well
+    assert 'auxiliary_head.1.conv_seg.weight' not in got
+    assert 'aux_1.loss_ce' in want_losses and 'aux_1.loss_ce' not in \
+        got_losses
 
 
 def test_frozen_head_reason_reads_the_in_index_selection():
@@ -230,9 +236,12 @@ def test_frozen_head_reason_reads_the_in_index_selection():
     head2, head3 = base.auxiliary_head
     for p in base.parameters():
         p.requires_grad_(False)
-    assert 'in_index 2' in frozen_head_reason(head2, feats)
-    assert frozen_head_reason(head3, feats) is None
+    assert 'in_index 2) needs no gradient' in frozen_head_reason(head2,
+                                                                  feats)
+    assert 'cut off' in frozen_head_reason(head3, feats)
     head2.in_index = [1, 3]
+    assert 'cut off' in frozen_head_reason(head2, feats)
+    head2.conv_seg.weight.requires_grad_(True)
     assert frozen_head_reason(head2, feats) is None
 
 
@@ -275,7 +284,8 @@ def test_frozen_head_on_trained_features_keeps_what_is_counted():
     inputs, samples = random_batch(base, SIZE, 2, label_block=4)
     kept = {}
     for lean in (True, False):
-        model = _prepared(base, lean=lean)
+        # run as mmseg does (a frozen head on trained features is cut off)
+        model = _prepared(base, lean=lean, keep_frozen_aux_heads=True)
         kept[lean] = saved_tensor_bytes(
             lambda: training_loss(model, inputs, samples))
         if lean:

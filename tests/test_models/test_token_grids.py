@@ -96,11 +96,13 @@ FAMILIES = {
 
 
 @functools.lru_cache(maxsize=None)
-def _tiny_model(name: str) -> nn.Module:
+def _tiny_model(name: str, with_cp: bool = False) -> nn.Module:
     path, shrink = FAMILIES[name]
     cfg = make_offline(Config.fromfile(f'{mmseg_config_dir()}/{path}'))
     model_cfg = Config(dict(model=cfg.model)).model
     shrink(model_cfg)
+    if with_cp:  # activation checkpointing (the weights are the same)
+        model_cfg.backbone.with_cp = True
     cfg.model = model_cfg
     torch.manual_seed(0)
     model = build_segmentor(cfg).double().eval()
@@ -112,8 +114,8 @@ def _tiny_model(name: str) -> nn.Module:
     return model
 
 
-def tiny_model(name: str) -> nn.Module:
-    return copy.deepcopy(_tiny_model(name))
+def tiny_model(name: str, with_cp: bool = False) -> nn.Module:
+    return copy.deepcopy(_tiny_model(name, with_cp))
 
 
 def _inputs():

@@ -25,7 +25,7 @@ from ...models.segmentor import set_frozen_norms_eval, unwrap_model
 from ..checkpoint import check_checkpoint_matches
 from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
                       default_batch_size, default_input_size,
-                      select_and_apply)
+                      default_optimizer, select_and_apply)
 from ..cpu_memory import keep_freed_cpu_memory
 from ..ddp import rewrap_ddp
 from ..layer_trace import trace_layers
@@ -172,8 +172,10 @@ class GradFilterHook(Hook):
             size = s['input_size'] or (
                 default_input_size(runner.cfg)
                 if runner.cfg is not None else DEFAULT_INPUT_SIZE)
-            choices = select_and_apply(model, s, size,
-                                       batch=_batch_size(runner))
+            choices = select_and_apply(
+                model, s, size, batch=_batch_size(runner),
+                optimizer=None if runner.cfg is None else
+                default_optimizer(runner.cfg))
             if is_model_wrapper(runner.model):
                 rewrap_ddp(runner, model)
         elif self.configured:

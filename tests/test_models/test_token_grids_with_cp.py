@@ -1,0 +1,125 @@
+"""Filtered Linears inside blocks built with ``with_cp=True``.
+
+mmseg's Swin, MiT (Segformer) and ViT (DeiT) layers checkpoint their inner
+forward; the backward recomputes it without the blocks' hooks. The
+bindings checkpoint those blocks themselves, setting the grids of the call
+being recomputed (``mmseg_gf.models.token_grids._CheckpointWithGrids``).
+Each family as in ``test_token_grids.py`` (shrunk, float64, every layer on
+a grid filtered at r = 2, every parameter requiring a gradient, so every
+block's input does and every block is checkpointed): the gradients with
+``with_cp=True`` equal those with ``with_cp=False``, no layer falls back to
+the exact backward, and the recompute did run.
+"""
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip('mmseg')
+
+from mmseg.models.backbones.mit import \
+    TransformerEncoderLayer as MiTLayer  # noqa: E402
+from mmseg.models.backbones.swin import SwinBlock  # noqa: E402
+from mmseg.models.backbones.vit import \
+    TransformerEncoderLayer as ViTLayer  # noqa: E402
+
+from mmseg_gf.models import token_grids  # noqa: E402
+from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
+from mmseg_gf.models.token_grids import (filtered_module,  # noqa: E402
+                                         run_inference_path)
+from tests.test_models.test_token_grids import (_gradients,  # noqa: E402
+                                                _inputs, _swapped,
+                                                tiny_model)
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+
+
+def _filtered_gradients(model, inputs, grad):
+    bindings = _swapped(model, lambda m, site: filtered_module(m, site, 2))
+    try:
+        with warnings.catch_warnings():  # every call has its grid
+            warnings.simplefilter('error', GFExactBackwardWarning)
+            return _gradients(model, inputs, grad)
+    finally:
+        bindings.remove()
+
+
+@pytest.mark.parametrize('name', ['swin_t', 'segformer_b0', 'deit_s'])
+def test_checkpointed_blocks_recompute_with_their_grids(name, monkeypatch):
+    inputs = _inputs()
+    plain = tiny_model(name)
+    with torch.no_grad():
+        out = run_inference_path(plain, inputs)
+    grad = torch.randn(out.shape, dtype=out.dtype,
+                       generator=torch.Generator().manual_seed(3))
+    want = _filtered_gradients(plain, inputs, grad)
+    model = tiny_model(name, with_cp=True)
+    blocks = [m for m in model.modules()
+              if isinstance(m, (SwinBlock, MiTLayer, ViTLayer))]
+    assert blocks and all(m.with_cp for m in blocks)
+    recomputed = []
+
+    def counting(function, *args, **kwargs):
+        def run(*a):
+            recomputed.append(torch.is_grad_enabled())
+            return function(*a)
+        return torch.utils.checkpoint.checkpoint(run, *args, **kwargs)
+
+    monkeypatch.setattr(token_grids, 'checkpoint', counting, raising=False)
+    got = _filtered_gradients(model, inputs, grad)
+    # each block: a forward without autograd, a recompute with it
+    assert recomputed.count(False) == len(blocks)
+    assert recomputed.count(True) == len(blocks)
+    assert got.keys() == want.keys()
+    for key in want:
+        scale = float(want[key].abs().max()) or 1.0
+        torch.testing.assert_close(got[key], want[key], rtol=1e-9,
+                                   atol=1e-9 * scale, msg=key)
+    assert all(m.with_cp for m in blocks)
+    assert all('forward' not in m.__dict__ for m in blocks)
+
+
+def test_built_swin_with_cp_trains_as_without(monkeypatch):
+    """The whole path (selection, surgery, lean region, GELU rule) on Swin
+    UPerNet built with ``with_cp=True``: the last 20 layers' gradients of
+    one training step equal those built with ``with_cp=False``, with no
+    fallback to the exact backward."""
+    from mmengine.registry import init_default_scope
+
+    from mmseg_gf.accounting.batch import random_batch
+    from mmseg_gf.engine.config import build_grad_filter_model
+    from mmseg_gf.models.segmentor import set_frozen_norms_eval
+    from tests.test_engine.test_lean_transformer_families import tiny_cfg
+    init_default_scope('mmseg')
+    checkpointed = []
+
+    def counting(function, *args, **kwargs):
+        checkpointed.append(function)
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(token_grids, 'checkpoint', counting, raising=False)
+    grads = {}
+    for with_cp in (False, True):
+        model_cfg = tiny_cfg('swin_t').model
+        model_cfg.backbone.update(with_cp=with_cp, drop_path_rate=0.0)
+        torch.manual_seed(0)
+        model = build_grad_filter_model(model_cfg, num_layers=20, radius=4,
+                                        input_size=(64, 64))
+        if with_cp:
+            model.load_state_dict(plain_state)
+        plain_state = model.state_dict()
+        batch = random_batch(model, (64, 64), 2, label_block=4)
+        model.train()
+        set_frozen_norms_eval(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', GFExactBackwardWarning)
+            torch.manual_seed(3)
+            losses = model.loss(*batch)
+            sum(v for k, v in losses.items() if 'loss' in k).backward()
+        grads[with_cp] = {n: p.grad for n, p in model.named_parameters()
+                          if p.requires_grad}
+    assert any('.blocks.' in n for n in grads[True]) and checkpointed
+    assert grads[True].keys() == grads[False].keys()
+    for key, want in grads[False].items():
+        torch.testing.assert_close(grads[True][key], want, rtol=1e-4,
+                                   atol=1e-6, msg=key)
