@@ -60,6 +60,7 @@ def test_config_file_is_built_plain_and_profiler_quiet(capfd):
     assert 'fcn_r18-d8_gf-last5-r4_1xb8-20k_voc12aug-512x512 |' in out
 
 
+@pytest.mark.zoo
 def test_transformer_family_over_every_kind(capfd):
     result, = check_budget.main([
         '--families', 'segformer_b0', '--layer-kinds', 'all', '--shape',
