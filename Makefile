@@ -6,6 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 JOBS ?= 2
+# Where torch comes from, e.g. --index-url https://download.pytorch.org/whl/cpu
+# on aarch64 (PyPI's aarch64 torch is a CUDA build; see README).
+TORCH_INDEX ?=
 STAMP := $(VENV)/.mmseg_gf-installed
 NATIVE_STAMP := $(VENV)/.mmseg_gf-native
 NATIVE_SOURCES := $(wildcard mmseg_gf/ops/csrc/*.cpp mmseg_gf/ops/csrc/*.h)
@@ -16,14 +19,14 @@ TEST_WORKERS ?= auto
 # Where `make gpu-check` writes its results.
 OUT ?= work_dirs/gpu_check
 
-.PHONY: venv native demo test bench gpu-check clean
+.PHONY: venv native demo test bench gpu-check arm-check clean
 
 venv: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	# 1. torch first, pinned: a bare `torch` requirement pulls a CUDA build.
-	$(PIP) install torch==2.13.0
+	$(PIP) install torch==2.13.0 $(TORCH_INDEX)
 	# 2. mmcv 2.1.0's setup.py needs pkg_resources (setuptools < 81).
 	$(PIP) install "setuptools<76" wheel ninja packaging
 	$(PIP) install -r requirements/runtime.txt
@@ -53,12 +56,23 @@ test: venv
 bench: venv
 	$(BIN)/python tools/benchmark_layers.py
 
-# On a CUDA machine whose $(PYTHON) has the stack (torch, triton, mmcv,
-# mmseg: e.g. after `source .gpu/env.sh`); needs no .venv. About 8 min on
-# one H100: the CUDA tests, the layer and step benchmarks, at most 8 files
-# in $(OUT). Without CUDA it says so and stops (status 3).
+# On a CUDA machine with the stack (torch, triton, mmcv, mmseg): runs
+# $(PYTHON) when given (`make gpu-check PYTHON=...`, e.g. after
+# `source .gpu/env.sh`), else .venv's interpreter where .venv exists, else
+# python3. About 8 min on one H100: the CUDA tests, the layer and step
+# benchmarks, at most 8 files in $(OUT). Without CUDA it says so and stops
+# (status 3).
+GPU_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)))
 gpu-check:
-	$(PYTHON) tools/gpu_check.py --out-dir $(OUT)
+	$(GPU_PYTHON) tools/gpu_check.py --out-dir $(OUT)
+
+# aarch64 (Raspberry Pi 5, Jetson) from an x86-64 Debian 12 machine: the
+# CPU kernels cross-compiled, the op tests (tests/test_ops) on an emulated
+# Cortex-A76 with PyPI's aarch64 torch; see .ci/arm_check.sh. The first run
+# installs qemu-user-static and g++-aarch64-linux-gnu (apt, as root) and
+# fills .arm/ (about 1 GB). ARM_TESTS: other pytest arguments.
+arm-check:
+	JOBS=$(JOBS) .ci/arm_check.sh $(ARM_TESTS)
 
 clean:
-	rm -rf $(VENV) work_dirs/demo data/demo build mmseg_gf/_*.so
+	rm -rf $(VENV) work_dirs/demo data/demo build .arm/build mmseg_gf/_*.so

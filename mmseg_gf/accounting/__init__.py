@@ -14,9 +14,14 @@ launches and bytes of a step on the CUDA path, counted on a CPU
 (:mod:`.launches`), and how all of it is written (:mod:`.format`,
 :mod:`.report`).
 """
+from importlib.util import find_spec
+
 from . import kept_tokens  # noqa: F401  (registers its rules)
 from . import kept_transformer  # noqa: F401  (registers its rules)
-from . import kept_mask_head  # noqa: F401  (registers its rules)
 from .conv_cost import ConvBackwardCost, ConvGeometry, conv_backward_cost
+
+if find_spec('mmseg') is not None:  # the head is mmseg's (without it, the
+    # modules below mmseg, e.g. .measured, still import)
+    from . import kept_mask_head  # noqa: F401  (registers its rules)
 
 __all__ = ['ConvBackwardCost', 'ConvGeometry', 'conv_backward_cost']

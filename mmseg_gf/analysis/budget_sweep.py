@@ -15,6 +15,7 @@ import os.path as osp
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from mmengine.config import Config
 from mmseg.registry import MODELS
 from mmseg.utils import register_all_modules
 
@@ -30,12 +31,12 @@ from ..engine.config import patch_means_on
 from ..engine.patch_mean_activations import install_patch_mean_gelus
 from ..engine.selection import select_layers
 from ..engine.surgery import apply_gradient_filter
-from ..engine.zoo import REALTIME_FAMILIES, family_config, make_offline
+from ..engine.zoo import ZOO_FAMILIES, family_config, make_offline
 
 __all__ = ['config_sweep', 'sweep_rows', 'sweep_markdown', 'sweep_plot',
            'measured_step_peak', 'predicted_vs_measured',
            'config_predicted_vs_measured', 'family_predicted_vs_measured',
-           'families_markdown']
+           'file_predicted_vs_measured', 'families_markdown']
 
 #: Table / json columns: limit key -> header.
 COLUMNS = {'backward_gflops': 'backward GFLOPs / image',
@@ -208,16 +209,18 @@ def measured_step_peak(model, input_size: Sequence[int], batch: int,
 
 def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
                           settings: Sequence[Optional[int]],
-                          radius: int = 4) -> List[dict]:
+                          radius: int = 4,
+                          layer_kinds: Optional[Sequence[str]] = ('conv2d', )
+                          ) -> List[dict]:
     """The budget's predictions of "last N convs at ``radius``" next to
     the model built that way.
 
     Predicted: ``profile_segmentor(model, input_size, timeline=True,
-    layer_kinds=['conv2d']).cost(N, radius, batch)``. Measured: a copy of
-    ``model`` with its last N convs gradient-filtered (lean region on, GELUs
-    between two filtered convs keeping patch means, as
+    layer_kinds=layer_kinds).cost(N, radius, batch)``. Measured: a copy of
+    ``model`` with its last N layers of those kinds gradient-filtered (lean
+    region on, GELUs between two filtered layers keeping patch means, as
     ``gradient_filter=dict(num_layers=N, radius=radius,
-    layer_kinds=['conv2d'])`` builds it): the
+    layer_kinds=layer_kinds)`` builds it): the
     bytes autograd saves in one step's forward
     (:func:`~mmseg_gf.accounting.measured.saved_tensor_bytes`) and the
     step's peak (:func:`measured_step_peak`).
@@ -229,6 +232,9 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
         settings: values of N; None (or more than there are) for every
             candidate conv.
         radius: of every trained conv.
+        layer_kinds: the kinds N counts (default: convs, the paper's
+            count); None: every kind (on transformers also the Linears and
+            attentions on token grids).
 
     Returns:
         list[dict]: per setting ``num_layers``, ``all`` (every conv),
@@ -236,18 +242,19 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
         ``measured_peak`` (bytes).
     """
     size = tuple(int(v) for v in input_size)
-    # the conv-only pool, as the model built below
+    kinds = None if layer_kinds is None else list(layer_kinds)
+    # the pool of the model built below
     profile = profile_segmentor(model, size, timeline=True,
-                                layer_kinds=['conv2d'])
+                                layer_kinds=kinds)
     rows = []
     for n in settings:
         n = profile.max_layers if n is None else min(int(n),
                                                      profile.max_layers)
         cost = profile.cost(n, radius, batch)
         built = copy.deepcopy(model)
-        # the profile prices convs only (profile_segmentor's pool)
+        # the kinds the profile prices (profile_segmentor's pool)
         choices = select_layers(built, num_layers=n, radius=radius,
-                                input_size=size, layer_kinds=['conv2d'])
+                                input_size=size, layer_kinds=kinds)
         apply_gradient_filter(built, choices, mode='gf', lean=True)
         install_patch_mean_gelus(built, size)
         inputs, samples = random_batch(built, size, batch)
@@ -267,21 +274,27 @@ def config_predicted_vs_measured(cfg, label: str,
                                  batch: int = 2, radius: int = 4,
                                  settings: Sequence[Optional[int]] = (10,
                                                                       None),
-                                 seed: int = 0) -> Dict[str, Any]:
+                                 seed: int = 0, *,
+                                 layer_kinds: Optional[Sequence[str]] = (
+                                     'conv2d', )) -> Dict[str, Any]:
     """:func:`predicted_vs_measured` on the segmentor of a (plain) config,
     its weights drawn from ``seed``, for each of ``settings`` (N of "last N
-    convs"; None: all of them).
+    convs", or of the last N layers of ``layer_kinds``; None: all of them).
 
     Returns:
-        dict: ``label``, ``input_size``, ``batch``, ``radius``, ``rows``
-        (one per setting, in order).
+        dict: ``label``, ``input_size``, ``batch``, ``radius``,
+        ``layer_kinds`` (None: every kind), ``rows`` (one per setting, in
+        order).
     """
     size = tuple(int(v) for v in input_size)
     torch.manual_seed(seed)
     model = build_segmentor(cfg)
-    rows = predicted_vs_measured(model, size, batch, list(settings), radius)
+    rows = predicted_vs_measured(model, size, batch, list(settings), radius,
+                                 layer_kinds)
     return dict(label=label, input_size=list(size), batch=batch,
-                radius=radius, rows=rows)
+                radius=radius, rows=rows,
+                layer_kinds=None if layer_kinds is None else
+                list(layer_kinds))
 
 
 def family_predicted_vs_measured(name: str,
@@ -289,15 +302,42 @@ def family_predicted_vs_measured(name: str,
                                  batch: int = 2, radius: int = 4,
                                  settings: Sequence[Optional[int]] = (10,
                                                                       None),
-                                 seed: int = 0) -> Dict[str, Any]:
-    """:func:`config_predicted_vs_measured` on a real-time family of
-    mmseg's zoo (:data:`~mmseg_gf.engine.zoo.REALTIME_FAMILIES`, built
-    offline: SyncBN -> BN, random weights), with ``family`` added."""
+                                 seed: int = 0, **kwargs) -> Dict[str, Any]:
+    """:func:`config_predicted_vs_measured` (``kwargs``: ``layer_kinds``)
+    on a family of mmseg's zoo (:data:`~mmseg_gf.engine.zoo.ZOO_FAMILIES`:
+    the real-time and transformer ones, built offline: SyncBN -> BN, random
+    weights), with ``family`` added."""
     cfg = make_offline(family_config(name))
     cfg.model.data_preprocessor['size'] = tuple(int(v) for v in input_size)
     return dict(family=name, **config_predicted_vs_measured(
-        cfg, REALTIME_FAMILIES[name].label, input_size, batch, radius,
-        settings, seed))
+        cfg, ZOO_FAMILIES[name].label, input_size, batch, radius, settings,
+        seed, **kwargs))
+
+
+def file_predicted_vs_measured(path: str, input_size: Sequence[int] = (128,
+                                                                       128),
+                               batch: int = 2, radius: int = 4,
+                               settings: Sequence[Optional[int]] = (10, None),
+                               seed: int = 0, offline: bool = False,
+                               **kwargs) -> Dict[str, Any]:
+    """:func:`config_predicted_vs_measured` (``kwargs``: ``layer_kinds``)
+    on the segmentor of any mmseg config file, with ``config`` (the path)
+    added. The model is built plain: the rows set what is trained, so a
+    ``gradient_filter`` setting of the config is left out.
+    ``offline``: SyncBN -> BN, no pretrained checkpoint
+    (:func:`~mmseg_gf.engine.zoo.make_offline`), for a zoo config as it
+    comes; the data preprocessor's fixed size, if any, becomes
+    ``input_size``."""
+    cfg = Config.fromfile(path)
+    if offline:
+        make_offline(cfg)
+    cfg.pop('gradient_filter', None)
+    preprocessor = cfg.model.get('data_preprocessor')
+    if preprocessor is not None and preprocessor.get('size') is not None:
+        preprocessor['size'] = tuple(int(v) for v in input_size)
+    label = osp.splitext(osp.basename(path))[0]
+    return dict(config=path, **config_predicted_vs_measured(
+        cfg, label, input_size, batch, radius, settings, seed, **kwargs))
 
 
 def _off(row: dict, key: str) -> float:
@@ -312,8 +352,10 @@ def families_markdown(results: Sequence[Dict[str, Any]]) -> str:
     of its peaks (prediction over measurement, minus 1)."""
     header = ['model']
     first = results[0]['rows']
+    convs = results[0].get('layer_kinds', ['conv2d']) == ['conv2d']
     for row in first:
-        what = 'all convs' if row['all'] else f'last {row["num_layers"]}'
+        what = ('all convs' if convs else 'all layers') if row['all'] \
+            else f'last {row["num_layers"]}'
         header += [f'{what}: kept', f'{what}: peak']
     header += ['kept off by', 'peak off by']
     body = []

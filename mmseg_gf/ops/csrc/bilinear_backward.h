@@ -1,7 +1,7 @@
 // The backward of a bilinear resize, separably (see bilinear_backward.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 namespace mmseg_gf {
 

@@ -5,7 +5,7 @@
 
 #pragma once
 
-#include <torch/all.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <vector>

@@ -4,7 +4,7 @@
 
 #pragma once
 
-#include <torch/all.h>
+#include <torch/types.h>
 
 namespace mmseg_gf {
 

@@ -2,6 +2,7 @@
 
 #include "filtered_conv_node.h"
 
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 
 #include <utility>

@@ -11,7 +11,7 @@
 
 #pragma once
 
-#include <torch/all.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -14,14 +14,18 @@
 // row's w columns (the horizontal half of the upsampling's adjoint) into
 // the low-resolution gradient. Everything a pixel needs is in cache; the
 // inner loops run over contiguous W-long rows, so the compiler vectorises
-// them (an AVX2+FMA copy is chosen at run time where the CPU has it).
+// them (an AVX2+FMA copy is chosen at run time where an x86-64 CPU has it;
+// elsewhere, e.g. on aarch64, the portable copy is NEON code at -O3).
 //
 // The interpolation's source indices and weights follow PyTorch's
 // upsample_bilinear2d on the CPU (float arithmetic, same clamping), so the
 // upsampled logits are PyTorch's up to the rounding of the blend.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+// torch/extension.h without the C++ frontend (nn, optim, ...): tensors
+// and their pybind11 conversions parse in 60% of its time.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <atomic>
@@ -322,6 +326,7 @@ ImageResult image_loss_generic(const Image& im, const AxisWeights& ay,
   return image_loss_impl(im, ay, ax);
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 __attribute__((target("avx2,fma"))) ImageResult image_loss_avx2(
     const Image& im, const AxisWeights& ay, const AxisWeights& ax) {
   return image_loss_impl(im, ay, ax);
@@ -332,6 +337,18 @@ bool has_avx2_fma() {
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 }
+
+ImageResult image_loss(const Image& im, const AxisWeights& ay,
+                       const AxisWeights& ax) {
+  return has_avx2_fma() ? image_loss_avx2(im, ay, ax)
+                        : image_loss_generic(im, ay, ax);
+}
+#else  // no run-time choice: the portable copy, vectorised for the target
+ImageResult image_loss(const Image& im, const AxisWeights& ay,
+                       const AxisWeights& ax) {
+  return image_loss_generic(im, ay, ax);
+}
+#endif
 
 std::vector<torch::Tensor> resized_cross_entropy(
     const torch::Tensor& logits, const torch::Tensor& label,
@@ -368,7 +385,6 @@ std::vector<torch::Tensor> resized_cross_entropy(
                          : torch::Tensor();
   const AxisWeights ay = axis_weights(h, H, align_corners);
   const AxisWeights ax = axis_weights(w, W, align_corners);
-  const bool avx2 = has_avx2_fma();
   std::atomic<bool> bad_label{false};
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -382,8 +398,7 @@ std::vector<torch::Tensor> resized_cross_entropy(
                    ? target_prob.data_ptr<float>() + n * H * W
                    : nullptr,
                C, h, w, H, W, ignore_index, sigmoid};
-      const ImageResult r =
-          avx2 ? image_loss_avx2(im, ay, ax) : image_loss_generic(im, ay, ax);
+      const ImageResult r = image_loss(im, ay, ax);
       loss.data_ptr<double>()[n] = r.loss;
       hits.data_ptr<int64_t>()[n] = r.hits;
       if (r.bad_label) bad_label = true;

@@ -10,7 +10,7 @@
 
 #pragma once
 
-#include <torch/all.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <vector>
