@@ -21,7 +21,7 @@ from mmseg_gf.models.lean import make_lean
 from mmseg_gf.ops import bit_mask, triton_bit_mask_kernels
 from mmseg_gf.ops.lean_transformer import BitMaskDropPathFunction
 from tests._triton import case_device, pytorch_path, triton_enabled
-from tests.triton_cases import _LaunchCounter
+from mmseg_gf.accounting.launches import LaunchCounter
 
 DEVICE = case_device()
 
@@ -151,19 +151,52 @@ def _lean(module):
     return module
 
 
+class _Counted:
+    """What :func:`_count` saw: the Triton kernels launched (``triton``),
+    the torch operators that run a kernel (``ops``) and ``fn``'s result."""
+
+    def __init__(self):
+        self.triton, self.ops, self.result = [], [], None
+
+
+class _Launcher:
+    """``kernel[grid](...)`` recorded under ``name``; the torch operators
+    Triton runs inside (the interpreter's copies) are not counted. Works on
+    a GPU too, where no interpreter runs the launch."""
+
+    def __init__(self, kernel, name, counter, launched):
+        self.kernel, self.name = kernel, name
+        self.counter, self.launched = counter, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append(self.name)
+            self.counter._inside_triton += 1
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                self.counter._inside_triton -= 1
+        return launch
+
+
 def _count(fn, kernels=triton_bit_mask_kernels, names=('_pack', '_apply')):
     """``fn()``'s launches: ``kernels``' Triton kernels ``names`` and the
-    torch ops that run a kernel (``.result``: what ``fn`` returned)."""
-    counter = _LaunchCounter()
+    torch ops that run a kernel, as :class:`LaunchCounter` counts them
+    (``.result``: what ``fn`` returned)."""
+    counter, counted = LaunchCounter(), _Counted()
     mp = pytest.MonkeyPatch()
     for name in names:
-        mp.setattr(kernels, name, counter.wrap(getattr(kernels, name), name))
+        mp.setattr(kernels, name, _Launcher(getattr(kernels, name), name,
+                                            counter, counted.triton))
     try:
         with counter:
-            counter.result = fn()
+            counted.result = fn()
     finally:
         mp.undo()
-    return counter
+    # 'aten.sum.dim_IntList' -> 'sum': the operators' names, as the cases
+    # list them
+    counted.ops = [x.op.split('.')[1] for x in counter.result.launches]
+    return counted
 
 
 def _forward_backward(module, x0, g, count=False, counted=()):

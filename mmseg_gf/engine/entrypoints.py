@@ -23,7 +23,7 @@ from .checkpoint import check_checkpoint_matches
 from .config import rewrite_config
 from .cpu_amp import enable_amp
 from .cpu_distributed import init_cpu_process_group, prepare_cpu_distributed
-from .safe_load import explain_refused_checkpoints
+from .safe_load import check_checkpoint_file, explain_refused_checkpoints
 
 __all__ = [
     'load_config', 'resolve_resume', 'build_train_config', 'build_runner',
@@ -67,13 +67,17 @@ def resolve_resume(cfg: Config, resume: bool) -> Config:
     model, so that would restart from it, or, with its ``meta`` iteration
     count (e.g. 80k of the original training), end at once. Here the latest
     checkpoint of this run wins; without one the run starts from
-    ``load_from`` as a fresh run would.
+    ``load_from`` as a fresh run would. The checkpoint resumed from passes
+    the loader's checks (names and declared costs,
+    :func:`.safe_load.check_checkpoint_file`) before mmengine's
+    ``torch.load`` reads it, as ``load_from`` does.
     """
     cfg.resume = False
     if not resume:
         return cfg
     latest = find_latest_checkpoint(cfg.work_dir)
     if latest is not None:
+        check_checkpoint_file(latest)
         cfg.load_from = latest
         cfg.resume = True
     else:

@@ -119,7 +119,17 @@ import torch
 from mmseg_gf.engine.safe_load import (load_checkpoint_file,
                                        trust_checkpoint_types)
 from mmseg_gf.engine.weights_export import export_weights
+from mmengine.config import Config
+from mmseg_gf.engine.entrypoints import resolve_resume
 OUT = FILES['out']
+
+
+def resume_from(path):
+    import os, tempfile
+    work_dir = tempfile.mkdtemp()
+    with open(os.path.join(work_dir, 'last_checkpoint'), 'w') as f:
+        f.write(path)
+    resolve_resume(Config(dict(work_dir=work_dir)), True)
 '''
 REFUSED = r'RefusedCheckpointError: checkpoint refused: '
 TOO_COSTLY = REFUSED + r'it declares {} of {} MiB in a file of .*cap of 64.0'
@@ -142,6 +152,9 @@ LOADER_CASES = [
     # 2 GiB of bytearray, then 8 bytes per element iterated
     Case('Counter(bytearray(2**31))',
          "load_checkpoint_file(FILES['counter'])",
+         TOO_COSTLY.format(r'contents \(.*\)', '18432.0')),
+    Case('Counter(bytearray(2**31)), the checkpoint --resume finds',
+         "resume_from(FILES['counter'])",
          TOO_COSTLY.format(r'contents \(.*\)', '18432.0')),
     Case('three bytearray(1 << 30) in meta, exported',
          "export_weights(FILES['meta_bytearrays'], OUT)",
