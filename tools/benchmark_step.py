@@ -32,7 +32,8 @@ from mmengine.config import DictAction
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
 from mmseg_gf.analysis.step_benchmark import DEFAULT_ROWS, row_settings
-from mmseg_gf.analysis.step_jobs import (Job, config_jobs, family_jobs,
+from mmseg_gf.analysis.step_jobs import (Job, add_model_arguments,
+                                         config_jobs, family_jobs,
                                          run_jobs)
 from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, TRANSFORMER_FAMILIES,
@@ -43,27 +44,12 @@ from mmseg_gf.protocol.experiments import step_jobs, strategy_file
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('configs', nargs='*', metavar='CONFIG',
-                   help='mmseg config files (any segmentor)')
-    p.add_argument('--families', nargs='+', default=[],
-                   choices=sorted(ZOO_FAMILIES) + ['all', 'transformers'],
-                   help="families of mmseg's zoo by name "
-                   "(mmseg_gf/engine/zoo.py: the twelve real-time ones, "
-                   "'all' of them, and the transformers segformer_b2, "
-                   "twins_pcpvt_s, swin_t, deit_s, segmenter_vit_t; "
-                   "'transformers': those and segformer_b0), offline")
-    p.add_argument('--models', nargs='+', default=[],
-                   choices=sorted(PROTOCOL_MODELS),
-                   help="the paper protocol's models")
-    p.add_argument('--dataset', default='voc',
-                   help='--models: target dataset of the configs (classes)')
-    p.add_argument('--offline', action='store_true',
-                   help='adapt CONFIGs for one process without downloads: '
-                   'SyncBN -> BN, pretrained / init_cfg checkpoints removed '
-                   '(random weights)')
-    p.add_argument('--cfg-options', nargs='+', action=DictAction,
-                   help='xxx=yyy settings merged into every CONFIG, family '
-                   'and --models config')
+    add_model_arguments(
+        p, list(ZOO_FAMILIES) + ['all', 'transformers'],
+        "families of mmseg's zoo by name (mmseg_gf/engine/zoo.py: the twelve "
+        "real-time ones, 'all' of them, and the transformers segformer_b2, "
+        "twins_pcpvt_s, swin_t, deit_s, segmenter_vit_t; 'transformers': "
+        "those and segformer_b0), offline", PROTOCOL_MODELS)
     p.add_argument('--rows', nargs='+', default=list(DEFAULT_ROWS),
                    help="'inference' and gradient-filter settings: "
                    "vanilla_all, vanilla_last<N>, gf_last<N>_r<R>, "

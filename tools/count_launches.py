@@ -31,13 +31,13 @@ import os.path as osp  # noqa: E402
 from typing import List, Optional  # noqa: E402
 
 import torch  # noqa: E402
-from mmengine.config import DictAction  # noqa: E402
 
 import mmseg_gf  # noqa: F401,E402  (registers the plugin's modules)
 from mmseg_gf.analysis.launch_count import run_jobs  # noqa: E402
 from mmseg_gf.analysis.step_benchmark import (parse_row,  # noqa: E402
                                               row_settings)
-from mmseg_gf.analysis.step_jobs import config_jobs, family_jobs  # noqa
+from mmseg_gf.analysis.step_jobs import (add_model_arguments,  # noqa: E402
+                                         config_jobs, family_jobs)
 from mmseg_gf.engine.zoo import ZOO_FAMILIES  # noqa: E402
 from mmseg_gf.protocol import PROTOCOL_MODELS  # noqa: E402
 from mmseg_gf.protocol.experiments import (step_jobs,  # noqa: E402
@@ -48,22 +48,9 @@ DEFAULT_ROWS = ('gf_last10_r4:lean', 'vanilla_last10:plain')
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('configs', nargs='*', metavar='CONFIG',
-                   help='mmseg config files (any segmentor)')
-    p.add_argument('--families', nargs='+', default=[],
-                   choices=sorted(ZOO_FAMILIES),
-                   help="families of mmseg's zoo by name "
-                   '(mmseg_gf/engine/zoo.py), offline')
-    p.add_argument('--models', nargs='+', default=[],
-                   choices=sorted(PROTOCOL_MODELS),
-                   help="the paper protocol's models")
-    p.add_argument('--dataset', default='voc',
-                   help='--models: target dataset of the configs (classes)')
-    p.add_argument('--offline', action='store_true',
-                   help='adapt CONFIGs for one process without downloads: '
-                   'SyncBN -> BN, pretrained / init_cfg checkpoints removed')
-    p.add_argument('--cfg-options', nargs='+', action=DictAction,
-                   help='xxx=yyy settings merged into every config')
+    add_model_arguments(
+        p, ZOO_FAMILIES, "families of mmseg's zoo by name "
+        '(mmseg_gf/engine/zoo.py), offline', PROTOCOL_MODELS)
     p.add_argument('--rows', nargs='+', default=list(DEFAULT_ROWS),
                    help="training rows: vanilla_last<N>, gf_last<N>_r<R>, "
                    "suffixed :lean (default) or :plain; each lean row is "

@@ -21,10 +21,38 @@ from .hardware import cpu_model
 from .step_benchmark import (benchmark_model, kept_by_kind_table, plot,
                              row_config, step_table)
 
-__all__ = ['Job', 'family_crop', 'config_jobs', 'family_jobs', 'run_jobs']
+__all__ = ['Job', 'add_model_arguments', 'family_crop', 'config_jobs', 'family_jobs', 'run_jobs']
 
 #: A model to measure: name, label, crop, (row, config) pairs.
 Job = Tuple[str, str, Tuple[int, int], List[Tuple[str, Config]]]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser,
+                        families: Sequence[str], family_help: str,
+                        models: Sequence[str]) -> None:
+    """The models a step tool takes, the same in every one: mmseg CONFIG
+    files, ``--families`` of mmseg's zoo (``families``, described by
+    ``family_help``), the protocol's ``--models`` (``models``: the tool
+    passes them, analysis does not import the protocol), ``--dataset``,
+    ``--offline`` and ``--cfg-options``."""
+    from mmengine.config import DictAction
+    parser.add_argument('configs', nargs='*', metavar='CONFIG',
+                        help='mmseg config files (any segmentor)')
+    parser.add_argument('--families', nargs='+', default=[],
+                        choices=sorted(families), help=family_help)
+    parser.add_argument('--models', nargs='+', default=[],
+                        choices=sorted(models),
+                        help="the paper protocol's models")
+    parser.add_argument('--dataset', default='voc',
+                        help='--models: target dataset of the configs '
+                        '(classes)')
+    parser.add_argument('--offline', action='store_true',
+                        help='adapt CONFIGs for one process without '
+                        'downloads: SyncBN -> BN, pretrained / init_cfg '
+                        'checkpoints removed (random weights)')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='xxx=yyy settings merged into every CONFIG, '
+                        'family and --models config')
 
 
 def family_crop(name: str, args: argparse.Namespace) -> Tuple[int, int]:
