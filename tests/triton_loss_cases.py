@@ -11,7 +11,6 @@ both against a float64 reference, and its CUDA variants take this path.
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mmseg_gf.ops import resized_loss, triton_loss_kernels
 from mmseg_gf.ops.resized_loss import resized_cross_entropy

@@ -11,8 +11,8 @@ from torch import nn
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.ops import triton_norm_kernels
 from tests._triton import case_device, pytorch_path
-from tests.triton_bit_mask_cases import (_assert_equal, _count,
-                                         _forward_backward, _lean)
+from tests.triton_bit_mask_cases import (_assert_equal, _forward_backward,
+                                         _lean)
 
 DEVICE = case_device()
 
@@ -80,7 +80,6 @@ def test_running_variance_changed_in_place_is_an_error():
     lean.running_var.mul_(2.0)
     with pytest.raises(RuntimeError, match='modified in place'):
         y.sum().backward()
-
 
 
 @pytest.mark.parametrize('affine', [True, False])

@@ -21,7 +21,8 @@ from .hardware import cpu_model
 from .step_benchmark import (benchmark_model, kept_by_kind_table, plot,
                              row_config, step_table)
 
-__all__ = ['Job', 'add_model_arguments', 'family_crop', 'config_jobs', 'family_jobs', 'run_jobs']
+__all__ = ['Job', 'add_model_arguments', 'family_crop', 'config_jobs',
+           'family_jobs', 'run_jobs']
 
 #: A model to measure: name, label, crop, (row, config) pairs.
 Job = Tuple[str, str, Tuple[int, int], List[Tuple[str, Config]]]

@@ -39,6 +39,7 @@ except ImportError:  # not built: PyTorch fallback
 __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
            'layout_of', 'activate_and_pack']
 
+
 def native_available() -> bool:
     """True if the compiled kernels are built and not switched off."""
     return _kernels is not None and os.environ.get('MMSEG_GF_NATIVE',

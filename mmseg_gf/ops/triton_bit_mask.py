@@ -88,7 +88,6 @@ def activate_and_pack(x: Tensor, y: Tensor, formula: str, lo: float,
     return bits
 
 
-
 def apply_per_sample(grad: Tensor, bits: Tensor, keep_prob: float) -> Tensor:
     """``grad.div(keep_prob) * keep`` of a :func:`usable` ``grad``, ``keep``
     each sample's bit (dim 0) of ``bits``: DropPath's backward, the same

@@ -236,8 +236,8 @@ def test_frozen_head_reason_reads_the_in_index_selection():
     head2, head3 = base.auxiliary_head
     for p in base.parameters():
         p.requires_grad_(False)
-    assert 'in_index 2) needs no gradient' in frozen_head_reason(head2,
-                                                                  feats)
+    assert 'in_index 2) needs no gradient' in frozen_head_reason(
+        head2, feats)
     assert 'cut off' in frozen_head_reason(head3, feats)
     head2.in_index = [1, 3]
     assert 'cut off' in frozen_head_reason(head2, feats)

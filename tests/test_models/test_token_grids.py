@@ -277,14 +277,21 @@ def _gradients(model, inputs, grad):
             for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize('name', list(FAMILIES))
-def test_filtered_models_match_plain_at_r1_and_reference_at_r2(name):
+def plain_model_and_grad(name: str):
+    """``(inputs, plain tiny model, a random gradient of its output)``:
+    the fixed starting point of the gradient comparisons."""
     inputs = _inputs()
     plain = tiny_model(name)
     with torch.no_grad():
         out = run_inference_path(plain, inputs)
     grad = torch.randn(out.shape, dtype=out.dtype,
                        generator=torch.Generator().manual_seed(3))
+    return inputs, plain, grad
+
+
+@pytest.mark.parametrize('name', list(FAMILIES))
+def test_filtered_models_match_plain_at_r1_and_reference_at_r2(name):
+    inputs, plain, grad = plain_model_and_grad(name)
     want = _gradients(plain, inputs, grad)
 
     def gradients(radius, make):

@@ -25,11 +25,9 @@ from mmseg.models.backbones.vit import \
 
 from mmseg_gf.models import token_grids  # noqa: E402
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
-from mmseg_gf.models.token_grids import (filtered_module,  # noqa: E402
-                                         run_inference_path)
-from tests.test_models.test_token_grids import (_gradients,  # noqa: E402
-                                                _inputs, _swapped,
-                                                tiny_model)
+from mmseg_gf.models.token_grids import filtered_module  # noqa: E402
+from tests.test_models.test_token_grids import (  # noqa: E402
+    _gradients, _swapped, plain_model_and_grad, tiny_model)
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -46,12 +44,7 @@ def _filtered_gradients(model, inputs, grad):
 
 @pytest.mark.parametrize('name', ['swin_t', 'segformer_b0', 'deit_s'])
 def test_checkpointed_blocks_recompute_with_their_grids(name, monkeypatch):
-    inputs = _inputs()
-    plain = tiny_model(name)
-    with torch.no_grad():
-        out = run_inference_path(plain, inputs)
-    grad = torch.randn(out.shape, dtype=out.dtype,
-                       generator=torch.Generator().manual_seed(3))
+    inputs, plain, grad = plain_model_and_grad(name)
     want = _filtered_gradients(plain, inputs, grad)
     model = tiny_model(name, with_cp=True)
     blocks = [m for m in model.modules()
@@ -98,7 +91,7 @@ def test_built_swin_with_cp_trains_as_without(monkeypatch):
         return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
 
     monkeypatch.setattr(token_grids, 'checkpoint', counting, raising=False)
-    grads = {}
+    grads, plain_state = {}, None
     for with_cp in (False, True):
         model_cfg = tiny_cfg('swin_t').model
         model_cfg.backbone.update(with_cp=with_cp, drop_path_rate=0.0)
