@@ -24,7 +24,6 @@ Examples::
         --rows inference vanilla_last10:plain gf_last10_r4:lean
 """
 import argparse
-import os.path as osp
 from typing import List, Optional
 
 import torch
@@ -33,6 +32,7 @@ from mmengine.config import DictAction
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
 from mmseg_gf.analysis.step_benchmark import DEFAULT_ROWS, row_settings
 from mmseg_gf.analysis.step_jobs import (Job, add_model_arguments,
+                                         check_model_arguments,
                                          config_jobs, family_jobs,
                                          run_jobs)
 from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
@@ -94,11 +94,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         args.families = list(REALTIME_FAMILIES)
     elif 'transformers' in args.families:
         args.families = ['segformer_b0', *TRANSFORMER_FAMILIES]
-    if not (args.configs or args.families or args.models):
-        p.error('give CONFIG files, --families or --models')
-    for path in args.configs:
-        if not osp.isfile(path):
-            p.error(f'config: file {path!r} does not exist')
+    check_model_arguments(p, args)
     for row in args.rows:
         try:
             row_settings(row)

@@ -27,7 +27,6 @@ if __name__ == '__main__' and '--no-triton' not in sys.argv[1:]:
     os.environ['TRITON_INTERPRET'] = '1'
 
 import argparse  # noqa: E402
-import os.path as osp  # noqa: E402
 from typing import List, Optional  # noqa: E402
 
 import torch  # noqa: E402
@@ -37,6 +36,7 @@ from mmseg_gf.analysis.launch_count import run_jobs  # noqa: E402
 from mmseg_gf.analysis.step_benchmark import (parse_row,  # noqa: E402
                                               row_settings)
 from mmseg_gf.analysis.step_jobs import (add_model_arguments,  # noqa: E402
+                                         check_model_arguments,
                                          config_jobs, family_jobs)
 from mmseg_gf.engine.zoo import ZOO_FAMILIES  # noqa: E402
 from mmseg_gf.protocol import PROTOCOL_MODELS  # noqa: E402
@@ -79,11 +79,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
     """Every bad setting is refused before any model is built."""
-    if not (args.configs or args.families or args.models):
-        p.error('give CONFIG files, --families or --models')
-    for path in args.configs:
-        if not osp.isfile(path):
-            p.error(f'config: file {path!r} does not exist')
+    check_model_arguments(p, args)
     for row in args.rows:
         try:
             if row_settings(row) is None or parse_row(row)[1] is None:

@@ -21,7 +21,8 @@ from .hardware import cpu_model
 from .step_benchmark import (benchmark_model, kept_by_kind_table, plot,
                              row_config, step_table)
 
-__all__ = ['Job', 'add_model_arguments', 'family_crop', 'config_jobs',
+__all__ = ['Job', 'add_model_arguments', 'check_model_arguments',
+           'family_crop', 'config_jobs',
            'family_jobs', 'run_jobs']
 
 #: A model to measure: name, label, crop, (row, config) pairs.
@@ -54,6 +55,17 @@ def add_model_arguments(parser: argparse.ArgumentParser,
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='xxx=yyy settings merged into every CONFIG, '
                         'family and --models config')
+
+
+def check_model_arguments(parser: argparse.ArgumentParser,
+                          args: argparse.Namespace) -> None:
+    """Refuse, through ``parser``, :func:`add_model_arguments`' settings
+    that name no model or a CONFIG file that does not exist."""
+    if not (args.configs or args.families or args.models):
+        parser.error('give CONFIG files, --families or --models')
+    for path in args.configs:
+        if not osp.isfile(path):
+            parser.error(f'config: file {path!r} does not exist')
 
 
 def family_crop(name: str, args: argparse.Namespace) -> Tuple[int, int]:

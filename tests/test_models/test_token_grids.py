@@ -277,6 +277,18 @@ def _gradients(model, inputs, grad):
             for n, p in model.named_parameters() if p.grad is not None}
 
 
+def swapped_gradients(model, inputs, grad, make):
+    """The gradients of ``model`` with each gridded Linear swapped by
+    ``make(module, site)``; a call without its grid fails the test."""
+    bindings = _swapped(model, make)
+    try:
+        with warnings.catch_warnings():  # every call has its grid
+            warnings.simplefilter('error', GFExactBackwardWarning)
+            return _gradients(model, inputs, grad)
+    finally:
+        bindings.remove()
+
+
 def plain_model_and_grad(name: str):
     """``(inputs, plain tiny model, a random gradient of its output)``:
     the fixed starting point of the gradient comparisons."""
@@ -295,15 +307,9 @@ def test_filtered_models_match_plain_at_r1_and_reference_at_r2(name):
     want = _gradients(plain, inputs, grad)
 
     def gradients(radius, make):
-        model = tiny_model(name)
-        bindings = _swapped(model, lambda module, site: make(
-            module, site, radius))
-        try:
-            with warnings.catch_warnings():  # every call has its grid
-                warnings.simplefilter('error', GFExactBackwardWarning)
-                return _gradients(model, inputs, grad)
-        finally:
-            bindings.remove()
+        return swapped_gradients(tiny_model(name), inputs, grad,
+                                 lambda module, site: make(module, site,
+                                                           radius))
 
     def close(a, b, rtol):
         assert a.keys() == b.keys()

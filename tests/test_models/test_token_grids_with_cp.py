@@ -27,19 +27,14 @@ from mmseg_gf.models import token_grids  # noqa: E402
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
 from mmseg_gf.models.token_grids import filtered_module  # noqa: E402
 from tests.test_models.test_token_grids import (  # noqa: E402
-    _gradients, _swapped, plain_model_and_grad, tiny_model)
+    plain_model_and_grad, swapped_gradients, tiny_model)
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def _filtered_gradients(model, inputs, grad):
-    bindings = _swapped(model, lambda m, site: filtered_module(m, site, 2))
-    try:
-        with warnings.catch_warnings():  # every call has its grid
-            warnings.simplefilter('error', GFExactBackwardWarning)
-            return _gradients(model, inputs, grad)
-    finally:
-        bindings.remove()
+    return swapped_gradients(model, inputs, grad,
+                             lambda m, site: filtered_module(m, site, 2))
 
 
 @pytest.mark.parametrize('name', ['swin_t', 'segformer_b0', 'deit_s'])
