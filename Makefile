@@ -59,8 +59,9 @@ bench: venv
 # On a CUDA machine with the stack (torch, triton, mmcv, mmseg): runs
 # $(PYTHON) when given (`make gpu-check PYTHON=...`, e.g. after
 # `source .gpu/env.sh`), else .venv's interpreter where .venv exists, else
-# python3. About 8 min on one H100: the CUDA tests, the layer and step
-# benchmarks, at most 8 files in $(OUT). Without CUDA it says so and stops
+# python3. About 7 min on one H100 / H200: the CUDA tests, the step
+# benchmark, the kernels per step, the compiled step and the layer
+# benchmark; 8 files in $(OUT). Without CUDA it says so and stops
 # (status 3).
 GPU_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)))
 gpu-check:

@@ -22,6 +22,10 @@ Examples::
     # on a CUDA GPU (times synchronised, peak = max_memory_allocated)
     python tools/benchmark_step.py --models pspnet_r18 --device cuda \
         --rows inference vanilla_last10:plain gf_last10_r4:lean
+    # the training rows compiled, CUDA graphs replayed
+    python tools/benchmark_step.py --models pspnet_r18 --device cuda \
+        --compile reduce-overhead --warmup 2 --no-memory \
+        --rows inference vanilla_last10:plain gf_last10_r4:lean
 """
 import argparse
 from typing import List, Optional
@@ -30,7 +34,8 @@ import torch
 from mmengine.config import DictAction
 
 import mmseg_gf  # noqa: F401  (registers the plugin's modules)
-from mmseg_gf.analysis.step_benchmark import DEFAULT_ROWS, row_settings
+from mmseg_gf.analysis.step_benchmark import (COMPILE_MODES, DEFAULT_ROWS,
+                                              row_settings)
 from mmseg_gf.analysis.step_jobs import (Job, add_model_arguments,
                                          check_model_arguments,
                                          config_jobs, family_jobs,
@@ -78,6 +83,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help='CUDA: allow TF32 in cuDNN convolutions and cuBLAS '
                    'matrix products (default: torch\'s own defaults, '
                    'recorded in steps.json)')
+    p.add_argument('--compile', dest='compile_mode', default=None,
+                   choices=COMPILE_MODES,
+                   help="the training rows' model.loss compiled with this "
+                   "torch.compile mode ('reduce-overhead': CUDA graphs on a "
+                   'GPU; compiled in the warm-up rounds: give --warmup 2); '
+                   'inference stays eager')
     p.add_argument('--reuse-cpu-memory', action='store_true',
                    help='keep freed CPU memory for reuse, as training with '
                    'gradient_filter reuse_cpu_memory=True does (every row, '

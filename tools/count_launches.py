@@ -16,14 +16,20 @@ Examples::
     python tools/count_launches.py --families bisenetv2 segformer_b0 swin_t \
         --rows gf_last20_r4:lean vanilla_last20:plain --input-size 64
     python tools/count_launches.py my_config.py --offline --batch 2
+    # on a GPU: the kernels each step launches there, recorded
+    python tools/count_launches.py --models pspnet_r18 --device cuda \
+        --rows gf_last10_r4:lean vanilla_last10:plain
 """
 import os
 import sys
 
 # Triton decides at import whether it interprets: set before mmseg_gf is
-# imported (the CPU tensors' launches are the interpreter's); run as a
-# script only, never when a test loads this file.
-if __name__ == '__main__' and '--no-triton' not in sys.argv[1:]:
+# imported (the CPU tensors' launches are the interpreter's; on the GPU,
+# --device cuda, its kernels compile); run as a script only, never when a
+# test loads this file.
+_ARGS = ' '.join(sys.argv[1:]).replace('=', ' ').split()
+if __name__ == '__main__' and '--no-triton' not in _ARGS and 'cuda' not in [
+        b for a, b in zip(_ARGS, _ARGS[1:]) if a == '--device']:
     os.environ['TRITON_INTERPRET'] = '1'
 
 import argparse  # noqa: E402
@@ -69,6 +75,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    '(minutes per step; the default counts their launches '
                    'and zeroes their outputs, the same counts unless a '
                    'value read on the host follows, which is refused)')
+    p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'],
+                   help="'cuda': run each step on the GPU and record the "
+                   'kernels it launches (torch.profiler), the measurement '
+                   'the CPU count predicts')
     p.add_argument('--threads', type=int, default=None)
     p.add_argument('--out-dir', default='work_dirs/benchmarks/launches')
     args = p.parse_args(argv)
@@ -95,6 +105,12 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error('--input-size: H [W], positive')
     if args.batch < 1:
         p.error('--batch: at least 1')
+    if args.device == 'cuda' and not torch.cuda.is_available():
+        p.error('--device cuda: no CUDA GPU is available to this torch '
+                f'({torch.__version__})')
+    if args.device == 'cuda' and args.run_kernels:
+        p.error('--run-kernels: the interpreter runs on the CPU only; on '
+                '--device cuda the kernels run compiled')
 
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:
@@ -104,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     jobs = config_jobs(args) + family_jobs(args) + step_jobs(
         args.models, args.dataset, args.rows, args.crop, args.cfg_options)
     return run_jobs(jobs, args.batch, args.out_dir, triton=args.triton,
-                    run_kernels=args.run_kernels)
+                    run_kernels=args.run_kernels, device=args.device)
 
 
 if __name__ == '__main__':

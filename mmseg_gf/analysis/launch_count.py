@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..accounting.batch import random_batch, training_loss
+from ..accounting.cuda_kernels import record_step_kernels
 from ..accounting.format import MIB, format_table
 from ..accounting.launches import KINDS, LaunchCount, count_step
 from ..engine.build import build_segmentor
@@ -36,16 +37,24 @@ TARGETS = dict(forward=1.1, step=1.0, bytes=1.0)
 
 
 def count_row(cfg, crop: Sequence[int], batch: int = 1, warmup: int = 1,
-              triton: bool = True, run_kernels: bool = False) -> LaunchCount:
-    """One row's counted step: ``cfg``'s segmentor (its
-    ``gradient_filter`` setting applied) on a random batch, SGD with
-    momentum and weight decay over its trainable parameters; Triton
-    kernels counted at their launches, run in the interpreter only with
-    ``run_kernels`` (see :func:`~mmseg_gf.accounting.launches.count_step`).
+              triton: bool = True, run_kernels: bool = False,
+              device: str = 'cpu') -> Dict:
+    """One row's counted step (its :meth:`LaunchCount.summary`):
+    ``cfg``'s segmentor (its ``gradient_filter`` setting applied) on a
+    random batch, SGD with momentum and weight decay over its trainable
+    parameters; Triton kernels counted at their launches, run in the
+    interpreter only with ``run_kernels`` (see
+    :func:`~mmseg_gf.accounting.launches.count_step`).
+
+    ``device='cuda'`` runs the step on the GPU instead and records the
+    kernels it launches there
+    (:func:`~mmseg_gf.accounting.cuda_kernels.record_step_kernels`): per
+    phase ``launches`` and ``by_name``, no bytes (zero) and no kinds.
     """
     torch.manual_seed(0)
-    model = build_segmentor(cfg)
-    inputs, samples = random_batch(model, crop, batch, label_block=16)
+    model = build_segmentor(cfg).to(device)
+    inputs, samples = random_batch(model, crop, batch, label_block=16,
+                                   device=device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4,
                           foreach=True)
@@ -58,12 +67,25 @@ def count_row(cfg, crop: Sequence[int], batch: int = 1, warmup: int = 1,
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    if torch.device(device).type == 'cuda':
+        return _as_summary(record_step_kernels(step, device,
+                                               warmup=warmup + 1))
     return count_step(model, step, warmup=warmup, triton=triton,
-                      run_kernels=run_kernels)
+                      run_kernels=run_kernels).summary()
+
+
+def _as_summary(recorded: Dict) -> Dict:
+    """Recorded CUDA kernels in :meth:`LaunchCount.summary`'s form (the
+    kernels' names as its operators; bytes and kinds not recorded)."""
+    return {phase: dict(launches=v['launches'], triton=0, read_bytes=0,
+                        written_bytes=0, host_reads=0, by_kind={},
+                        bytes_by_kind={}, by_op=v['by_name'])
+            for phase, v in recorded.items() if phase != 'unassigned'}
 
 
 def count_model(job: Job, batch: int = 1, triton: bool = True,
-                run_kernels: bool = False, progress=None) -> Dict:
+                run_kernels: bool = False, progress=None,
+                device: str = 'cpu') -> Dict:
     """Every row of one model counted, and each lean row compared with its
     vanilla-same-layers row (:func:`compare`)."""
     name, label, crop, rows = job
@@ -77,7 +99,8 @@ def count_model(job: Job, batch: int = 1, triton: bool = True,
                              'training row (a gradient-filter setting)')
         counted.append(dict(row=row, strategy=strategy, lean=lean,
                             **count_row(cfg, crop, batch, triton=triton,
-                                        run_kernels=run_kernels).summary()))
+                                        run_kernels=run_kernels,
+                                        device=device)))
     return dict(model=name, label=label, crop=list(crop), batch=int(batch),
                 torch=torch.__version__,
                 triton=('.'.join(map(str, triton_path.triton_version()))
@@ -173,7 +196,9 @@ def write_results(results: Sequence[Dict], out_dir: str) -> None:
 
 def _markdown(results: Sequence[Dict]) -> str:
     first = results[0]
-    text = [f"Launches on the CUDA path (counted on a CPU), lean / "
+    where = (f"recorded on {first['gpu']} by torch.profiler (bytes not "
+             "recorded)" if first.get('gpu') else 'counted on a CPU')
+    text = [f"Launches on the CUDA path ({where}), lean / "
             f"vanilla-same-layers; crop {first['crop'][0]}x"
             f"{first['crop'][1]}, batch {first['batch']}, torch "
             f"{first['torch']}, triton {first['triton']}\n",
@@ -185,13 +210,18 @@ def _markdown(results: Sequence[Dict]) -> str:
 
 
 def run_jobs(jobs: Sequence[Job], batch: int, out_dir: str,
-             triton: bool = True, run_kernels: bool = False) -> List[Dict]:
-    """Count every job's rows, print the tables and write the results
-    (after each model, so that a later failure keeps the earlier ones)."""
+             triton: bool = True, run_kernels: bool = False,
+             device: str = 'cpu') -> List[Dict]:
+    """Count every job's rows (``device='cuda'``: record their kernels on
+    the GPU), print the tables and write the results (after each model, so
+    that a later failure keeps the earlier ones)."""
     results = []
     for job in jobs:
         results.append(count_model(job, batch, triton, run_kernels,
-                                   progress=lambda m: print(m, flush=True)))
+                                   progress=lambda m: print(m, flush=True),
+                                   device=device))
+        if torch.device(device).type == 'cuda':
+            results[-1]['gpu'] = torch.cuda.get_device_name(device)
         print(f"\n{kind_table(results[-1])}\n", flush=True)
         write_results(results, out_dir)
     print(summary_table(results))

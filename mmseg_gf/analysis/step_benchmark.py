@@ -34,6 +34,7 @@ import copy
 import re
 import statistics
 import time
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,9 +44,11 @@ from ..accounting.format import fmt_mib, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
+from ..models.segmentor import set_frozen_norms_eval
 from .hardware import peak_resident_bytes, resident_bytes
 
-__all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'parse_row', 'row_settings',
+__all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'COMPILE_MODES', 'parse_row',
+           'row_settings', 'compiled_loss',
            'set_row_settings', 'row_config', 'benchmark_model', 'step_table',
            'kept_by_kind_table', 'plot', 'same_layers_vanilla',
            'FINETUNE_ITERS']
@@ -56,6 +59,8 @@ FINETUNE_ITERS = 20000
 DEFAULT_ROWS = ('inference', 'vanilla_last5:plain', 'gf_last5_r4:plain',
                 'gf_last5_r4:lean', 'vanilla_last10:plain',
                 'gf_last10_r4:plain', 'gf_last10_r4:lean')
+#: ``torch.compile`` modes a benchmark's training rows may take.
+COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune')
 #: What a row may be (the error message of :func:`row_settings`).
 ROW_FORMS = ("'inference', 'vanilla_all', 'vanilla_last<N>', "
              "'gf_last<N>_r<R>' or 'gf_last<N>_auto', the last two "
@@ -161,16 +166,35 @@ def _predict_fn(model, inputs, samples, clock):
     return predict
 
 
-def _step_fn(model, inputs, samples, clock):
+def compiled_loss(model, mode: str) -> Callable:
+    """``training_loss`` with ``model.loss`` compiled by
+    ``torch.compile`` (``mode``: ``'default'``, ``'reduce-overhead'``
+    (CUDA graphs on a GPU) or ``'max-autotune'``). The modes are set once,
+    outside the compiled code, as ``training_loss`` sets them."""
+    model.train()
+    set_frozen_norms_eval(model)
+    loss = torch.compile(model.loss,
+                         mode=None if mode == 'default' else mode)
+
+    def total(inputs, samples):
+        terms = loss(inputs, samples)
+        return sum(v.sum() for k, v in terms.items() if 'loss' in k)
+
+    return total
+
+
+def _step_fn(model, inputs, samples, clock, compile_mode=None):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4)
+    loss_fn = (partial(training_loss, model) if compile_mode is None else
+               compiled_loss(model, compile_mode))
 
     # mmengine's OptimWrapper order: backward, update, then release the
     # gradients (``set_to_none``), so that a step starts without them and
     # its measured peak holds every gradient it allocates.
     def step():
         t0 = clock()
-        loss = training_loss(model, inputs, samples)
+        loss = loss_fn(inputs, samples)
         t1 = clock()
         loss.backward()
         t2 = clock()
@@ -199,7 +223,8 @@ def benchmark_model(model_name: str,
                     memory: bool = True,
                     progress: Optional[Callable[[str], None]] = None,
                     label: Optional[str] = None,
-                    device='cpu') -> Dict:
+                    device='cpu',
+                    compile_mode: Optional[str] = None) -> Dict:
     """Measure ``rows`` of one model (see the module docstring).
 
     Every row's segmentor is built first; the timed runs then go round
@@ -221,6 +246,11 @@ def benchmark_model(model_name: str,
         progress: called with a short message before each phase.
         label: the model's display name (default ``model_name``).
         device: where the rows run (``'cpu'`` or ``'cuda'``).
+        compile_mode: the training rows' ``model.loss`` compiled with
+            this ``torch.compile`` mode (:func:`compiled_loss`; the
+            compilation happens in the warm-up rounds, which need to be
+            at least 2 for ``'reduce-overhead'``'s CUDA graphs to be
+            recorded before the timed ones); inference stays eager.
 
     Returns:
         dict with ``model``, ``label``, ``crop``, ``batch``, ``threads``,
@@ -236,7 +266,7 @@ def benchmark_model(model_name: str,
     built = []
     for name, cfg in rows:
         say(f'build {name}')
-        built.append(_Row(name, cfg, crop, batch, device))
+        built.append(_Row(name, cfg, crop, batch, device, compile_mode))
     times = _time_round_robin(built, repeats, warmup, say)
     # what the process holds after the timed steps (all rows' models and
     # whatever malloc kept: engine.cpu_memory), and the most it held, before
@@ -253,10 +283,13 @@ def benchmark_model(model_name: str,
             result.update(row.memory(crop, batch))
         measured.append(result)
     _add_ratios(measured)
-    return dict(model=model_name, label=label or model_name,
+    label = label or model_name
+    if compile_mode is not None:
+        label = f'{label}, compiled ({compile_mode})'
+    return dict(model=model_name, label=label,
                 crop=list(crop), batch=int(batch),
                 threads=torch.get_num_threads(), torch=torch.__version__,
-                device=device.type,
+                device=device.type, compile=compile_mode,
                 gpu=(torch.cuda.get_device_name(device)
                      if device.type == 'cuda' else None),
                 resident_bytes=resident, peak_resident_bytes=peak_resident,
@@ -267,7 +300,8 @@ class _Row:
     """One row's segmentor, batch and the function that runs it."""
 
     def __init__(self, name: str, cfg, crop, batch: int,
-                 device: torch.device = torch.device('cpu')) -> None:
+                 device: torch.device = torch.device('cpu'),
+                 compile_mode: Optional[str] = None) -> None:
         self.name = name
         self.device = device
         self.strategy, self.lean = parse_row(name)
@@ -277,8 +311,12 @@ class _Row:
                                                  device=device,
                                                  label_block=16)
         self.clock = _clock(device)
-        make = _predict_fn if self.lean is None else _step_fn
-        self.run = make(self.model, self.inputs, self.samples, self.clock)
+        if self.lean is None:
+            self.run = _predict_fn(self.model, self.inputs, self.samples,
+                                   self.clock)
+        else:
+            self.run = _step_fn(self.model, self.inputs, self.samples,
+                                self.clock, compile_mode)
 
     def memory(self, crop, batch: int) -> Dict[str, Any]:
         """Peak and saved bytes (measured), and the analytic count for a

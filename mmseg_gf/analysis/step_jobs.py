@@ -130,6 +130,7 @@ def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
         result = benchmark_model(
             name, rows, crop, args.batch, args.repeats, args.warmup,
             args.memory, label=label, device=device,
+            compile_mode=getattr(args, 'compile_mode', None),
             progress=lambda msg, name=name: print(f'[{name}] {msg}',
                                                   flush=True))
         result['cpu'] = cpu_model()
@@ -143,6 +144,8 @@ def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
                  f'{result["threads"]} threads')
         print(f'\n{label}, crop {crop[0]}x{crop[1]}, batch {args.batch}, '
               f'{where}, torch {result["torch"]}; '
+              + (f'training rows compiled ({result["compile"]}); '
+                 if result.get('compile') else '') +
               f'median of {args.repeats} steps'
               + ('; freed CPU memory reused' if result['reuse_cpu_memory']
                  else '')

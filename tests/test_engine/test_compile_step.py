@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip('mmseg')
 
+from tests._devices import needs_cuda  # noqa: E402
 from tests._engine_fixtures import (SMALL_BATCH, SMALL_SIZE,  # noqa: E402
                                     build_model, prepare_workspace,
                                     run_training, tool_cfg)
@@ -158,3 +159,25 @@ def test_runner_compile_trains_like_eager(tmp_path, way):
     for key in eager:
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4,
                                    atol=1e-6, msg=lambda m: f'{key}: {m}')
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_compiled_lean_step_equals_eager_on_cuda(models):
+    """Inductor's CUDA backend (Triton code generated around the plugin's
+    operators) gives eager's loss and gradients."""
+    _, lean, inputs, samples = models
+    lean = copy.deepcopy(lean).cuda()
+    inputs = inputs.cuda()
+    samples = [s.to('cuda') for s in samples]
+    want, want_grads = _loss_and_grads(lean, lean.loss, inputs, samples)
+    torch._dynamo.reset()
+    with mock.patch.object(torch._inductor.config, 'fallback_random', True):
+        got, got_grads = _loss_and_grads(
+            lean, torch.compile(lean.loss), inputs, samples)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert set(got_grads) == set(want_grads) and want_grads
+    for name, g in want_grads.items():
+        torch.testing.assert_close(
+            got_grads[name], g, rtol=1e-3, atol=1e-4 * float(g.abs().max()),
+            msg=lambda m: f'{name}: {m}')

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip('mmseg')
 
 from mmseg_gf.analysis.gpu_report import (LayerRun,  # noqa: E402
+                                          launch_checks, launch_table,
                                           layer_checks, layer_runs_table,
                                           step_checks)
 from tests._tools import REPO, load_tool  # noqa: E402
@@ -39,37 +40,43 @@ def test_without_cuda_it_says_so_and_stops_at_once(tmp_path):
 def test_dry_run_lists_every_command(capsys):
     assert gpu_check.main(['--device', 'cpu', '--dry-run']) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert sum(line.startswith('[tests]') for line in lines) == 1
-    assert sum(line.startswith('[layers]') for line in lines) == 6
+    stages = [line.split(']')[0][1:] for line in lines]
+    assert stages == ['tests', 'steps', 'steps', 'launches', 'launches',
+                      'compiled', 'layers', 'layers', 'layers']
+    assert '-m cuda' in lines[0]
     layers = [line for line in lines if line.startswith('[layers]')]
-    assert sum('--no-triton' in line for line in layers) == 2
-    for option in ('--batch 32', '--batch 8', '--dtype bfloat16'):
+    assert sum('--no-triton' in line for line in layers) == 1
+    assert sum('--kinds conv linear' in line for line in layers) == 2
+    for option in ('--batch 32', '--batch 8'):
         assert any(option in line for line in layers), option
-    # the Linears (no Triton kernel) run in Triton runs only
-    linear = [line for line in layers if '--kinds conv linear' in line]
-    assert len(linear) == 3
-    assert not any('--no-triton' in line for line in linear)
     models, families = [line for line in lines
                         if line.startswith('[steps]')]
     for option in ('--crop 512', '--batch 8', '--models pspnet_r18',
-                   'gf_last5_r4:lean', 'gf_last10_r4:lean'):
+                   'vanilla_last10:plain', 'gf_last10_r4:lean'):
         assert option in models, option
-    # families: any N, Linear layers counted (Swin-T's last blocks at 20)
     for option in ('--crop 512', '--batch 8',
                    '--families bisenetv2 segformer_b0 swin_t',
                    'vanilla_last20:plain', 'gf_last20_r4:lean'):
         assert option in families, option
+    # the launch rows are the golden file's (64x64, batch 1)
+    launches = [line for line in lines if line.startswith('[launches]')]
+    assert all('--input-size 64 --batch 1' in line for line in launches)
+    assert 'inference' not in ' '.join(launches)
+    compiled = next(line for line in lines if line.startswith('[compiled]'))
+    assert '--compile reduce-overhead' in compiled
+    assert '--warmup 2' in compiled
 
 
 def test_quick_run_on_the_cpu_writes_its_files(tmp_path, capsys):
     status = gpu_check.main(['--device', 'cpu', '--quick', '--out-dir',
-                             str(tmp_path), '--test-workers', '0'])
+                             str(tmp_path), '--test-workers', '0',
+                             '--budget-s', '900'])
     files = sorted(p.name for p in tmp_path.iterdir())
     log = (tmp_path / 'gpu_check.log').read_text()
     assert status == 0, log[-3000:]
-    assert len(files) <= 8
-    assert {'summary.md', 'gpu_check.log', 'layers.json', 'layers.md',
-            'steps.json', 'steps.md'} <= set(files)
+    assert files == sorted(['summary.md', 'gpu_check.log', 'layers.json',
+                            'layers.md', 'steps.json', 'steps.md',
+                            'launches.json', 'launches.md'])
     runs = json.loads((tmp_path / 'layers.json').read_text())['runs']
     assert [r['triton'] for r in runs] == [True, False]
     assert all(r['result']['rows'] for r in runs)
@@ -78,13 +85,21 @@ def test_quick_run_on_the_cpu_writes_its_files(tmp_path, capsys):
     table = (tmp_path / 'layers.md').read_text()
     assert '| linear |' in table and '| conv |' in table
     steps = json.loads((tmp_path / 'steps.json').read_text())
-    assert [s['model'] for s in steps] == ['pspnet_r18', 'bisenetv2']
+    assert [(s['model'], s['compile']) for s in steps] == [
+        ('pspnet_r18', None)]
+    launches = json.loads((tmp_path / 'launches.json').read_text())
+    assert [r['model'] for r in launches] == ['pspnet_r18']
     summary = (tmp_path / 'summary.md').read_text()
-    for stage in ('tests', 'steps (models)', 'steps (families)'):
+    for stage in ('tests', 'steps (models)', 'launches (models)'):
         assert f'| {stage} | ok |' in summary, stage
     # batch 1 on the CPU: the batch-32 / 8 layer targets have no figure
     assert 'not measured' in summary
-    assert 'PSPNet-R18 gf_last5_r4:lean: step peak' in summary
+    assert 'PSPNet-R18 gf_last10_r4:lean: step peak' in summary
+    assert 'PSPNet-R18 gf_last10_r4:lean, kernels recorded: forward' \
+        in summary
+    # the CPU's count (kernels off, --no-triton) against the golden file's
+    # Triton count: the vanilla rows are the same operators
+    assert '| PSPNet-R18 | vanilla_last10:plain | 119 / 119 |' in summary
 
 
 def _run(batch, triton, speedups, dtype='float32', linear=None):
@@ -105,8 +120,11 @@ def test_linear_rows_stay_out_of_the_conv_targets():
                linear={2: [0.5, 0.5, 0.5, 0.5]})
     checks = {c.target: c for c in layer_checks([run])}
     r2 = checks['batch 32, float32, r = 2: median backward speedup over '
-                'cuDNN with g_x >= 10x']
+                'cuDNN with g_x >= 2x']
     assert (r2.measured, r2.holds) == ('11.0x', True)
+    linear = checks['batch 32, float32, r = 4: every Linear >= 1.5x cuBLAS '
+                    '(with g_x)']
+    assert linear.holds is None  # no Linear measured at r = 4
     assert run.kinds() == ['conv', 'linear']
     lines = layer_runs_table([run]).splitlines()
     conv = next(line for line in lines if '| conv |' in line)
@@ -116,17 +134,24 @@ def test_linear_rows_stay_out_of_the_conv_targets():
 
 
 def test_layer_targets_read_the_triton_runs():
-    runs = [_run(32, True, {2: [9.0, 11.0, 12.0], 4: [30.0, 26.0, 20.0]}),
-            _run(32, False, {2: [1.0] * 3, 4: [1.0] * 3}),
+    runs = [_run(32, True, {2: [1.0, 2.5, 12.0], 4: [30.0, 2.6, 2.0]},
+                 linear={4: [1.6, 1.4]}),
+            _run(32, False, {2: [9.0] * 3, 4: [9.0] * 3}),
             _run(8, True, {2: [3.0, 0.9], 4: [2.0, 1.5]}),
             LayerRun(8, 'bfloat16', True, 'cmd', None)]
     checks = {c.target: c for c in layer_checks(runs)}
     r2 = checks['batch 32, float32, r = 2: median backward speedup over '
-                'cuDNN with g_x >= 10x']
-    assert (r2.measured, r2.holds) == ('11.0x', True)
+                'cuDNN with g_x >= 2x']
+    assert (r2.measured, r2.holds) == ('2.5x', True)
     r4 = checks['batch 32, float32, r = 4: median backward speedup over '
-                'cuDNN with g_x >= 25x']
-    assert (r4.measured, r4.holds) == ('26.0x', True)
+                'cuDNN with g_x >= 3x']
+    assert (r4.measured, r4.holds) == ('2.6x', False)
+    linear = checks['batch 32, float32, r = 4: every Linear >= 1.5x cuBLAS '
+                    '(with g_x)']
+    assert (linear.measured, linear.holds) == ('slowest layer 1.40x', False)
+    weight = checks['batch 32, float32, r = 2: median weight-only backward '
+                    'speedup over cuDNN >= 10x']
+    assert weight.holds is None  # no weight-only row here
     slow = checks['batch 8, float32, r = 2: no layer slower than cuDNN '
                   '(with g_x)']
     assert (slow.measured, slow.holds) == ('slowest layer 0.90x', False)
@@ -145,3 +170,30 @@ def test_step_targets():
                         'step time <= 1.3x inference': True,
                         'step time <= vanilla, the same layers, lean=False':
                         True}
+
+
+def _counted(label, model, lean, vanilla):
+    def row(name, counts):
+        return dict(row=name, **{p: dict(launches=n) for p, n in zip(
+            ('forward', 'backward', 'optimizer', 'step'), counts)})
+    return dict(label=label, model=model,
+                rows=[row('vanilla_last5:plain', vanilla),
+                      row('gf_last5_r4:lean', lean)],
+                comparisons=[dict(lean='gf_last5_r4:lean',
+                                  vanilla='vanilla_last5:plain',
+                                  ratios=dict(forward=lean[0] / vanilla[0],
+                                              step=lean[3] / vanilla[3]))])
+
+
+def test_launch_targets_and_the_cpu_count_beside_them():
+    recorded = [_counted('M', 'm', (11, 8, 2, 21), (10, 10, 2, 22))]
+    golden = {'m': {'gf_last5_r4:lean': {'forward': {'launches': 9}}}}
+    checks = {c.target: c for c in launch_checks(recorded, golden)}
+    forward = checks['M gf_last5_r4:lean, kernels recorded: forward <= '
+                     '1.1x vanilla-same-layers']
+    step = checks['M gf_last5_r4:lean, kernels recorded: step <= 1x '
+                  'vanilla-same-layers']
+    assert (forward.measured, forward.holds) == ('1.10x', True)
+    assert (step.measured, step.holds) == ('0.95x', True)
+    table = launch_table(recorded, golden)
+    assert '| M | gf_last5_r4:lean | 11 / 9 | 8 / ? |' in table
