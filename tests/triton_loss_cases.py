@@ -53,9 +53,10 @@ def test_matches_the_pytorch_path(case):
         want = resized_cross_entropy(logits, label, weight=weight,
                                      use_kernel=False, **kwargs)
     counted = (triton_loss_kernels, ('_pixel_cross_entropy', ))
+    on_device = _on_device(logits, label)  # the copies are not counted
+    weight_on = _on_device(weight)[0]
     run = _count(lambda: resized_cross_entropy(
-        *_on_device(logits, label), weight=_on_device(weight)[0],
-        **kwargs), *counted)
+        *on_device, weight=weight_on, **kwargs), *counted)
     got = run.result
     assert run.triton == ['_pixel_cross_entropy'] * 2
     torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-6, atol=0)
@@ -82,8 +83,9 @@ def test_launches_per_image(monkeypatch):
     if DEVICE == 'cpu':
         monkeypatch.setattr(resized_loss, 'check_labels',
                             lambda *args: None)
+    on_device = _on_device(logits, label)  # the copies are not counted
     run = _count(lambda: resized_loss._per_image_triton(
-        *_on_device(logits, label), 255, False, None, True, False, False),
+        *on_device, 255, False, None, True, False, False),
         triton_loss_kernels, ('_pixel_cross_entropy', ))
     per_image = ['upsample_bilinear2d', 'upsample_bilinear2d_backward']
     tail = ['sum', 'sum'] + ([] if DEVICE == 'cpu' else

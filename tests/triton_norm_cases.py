@@ -47,10 +47,21 @@ CASES = {
 }
 
 
+def _assert_same(a, b):
+    if DEVICE == 'cpu':
+        _assert_equal(a, b)
+        return
+    eps = torch.finfo(a.dtype).eps
+    torch.testing.assert_close(a, b, rtol=2 * eps, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_frozen_norm_gradient_equals_the_pytorch_path(case):
     """The lean norm on the Triton path: the plain forward (one op), the
-    PyTorch path's gradient bit for bit in one launch, nothing kept."""
+    PyTorch path's gradient in one launch, nothing kept. Bit for bit under
+    the interpreter; on a GPU against the PyTorch path on the same GPU, to
+    rounding (its kernels round the scale's ``rsqrt`` and the product
+    their own way: within 2 ulp)."""
     affine, dtype, channels_last = CASES[case]
     plain = _frozen_bn(6, affine, dtype)
     lean = _lean(plain).to(DEVICE)
@@ -61,10 +72,10 @@ def test_frozen_norm_gradient_equals_the_pytorch_path(case):
         x0, g = (t.contiguous(memory_format=torch.channels_last)
                  for t in (x0, g))
     with pytorch_path():
-        want = _run(_lean(plain), x0, g)
+        want = _run(_lean(plain).to(DEVICE), x0.to(DEVICE), g.to(DEVICE))
     forward, backward = _run(lean, x0.to(DEVICE), g.to(DEVICE))
     for a, b in zip(forward.result, want[0].result):
-        _assert_equal(a.cpu(), b)
+        _assert_same(a.cpu(), b.cpu())
     assert forward.result[1].stride() == g.stride()
     assert forward.triton == [] and len(forward.ops) == 1, forward.ops
     assert backward.triton == ['_frozen_norm_backward']
@@ -96,11 +107,11 @@ def test_frozen_layer_norm_gradient_equals_the_pytorch_path(affine):
     x0 = torch.randn(2, 5, 24, generator=gen) * 3 + 1
     g = torch.randn(2, 5, 24, generator=gen)
     with pytorch_path():
-        want = _run(_lean(plain), x0, g)
+        want = _run(_lean(plain).to(DEVICE), x0.to(DEVICE), g.to(DEVICE))
     forward, backward = _run(_lean(plain).to(DEVICE), x0.to(DEVICE),
                              g.to(DEVICE))
-    _assert_equal(forward.result[0].cpu(), want[0].result[0])
+    _assert_same(forward.result[0].cpu(), want[0].result[0].cpu())
     assert backward.triton == ['_frozen_layer_norm_backward']
     assert backward.ops == [], backward.ops
-    torch.testing.assert_close(forward.result[1].cpu(), want[0].result[1],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(forward.result[1].cpu(),
+                               want[0].result[1].cpu(), rtol=1e-5, atol=1e-5)

@@ -425,31 +425,44 @@ def cuda_path(triton: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _counting_triton(counter: LaunchCounter) -> Iterator[None]:
-    """Every Triton launch goes through ``counter`` (the interpreter's
-    ``GridExecutor``: each launch, autotuned or not, runs one). A kernel's
-    module names the arguments it writes in ``KERNEL_OUTPUTS``."""
+    """Every Triton launch goes through ``counter``: under the interpreter
+    its ``GridExecutor`` (each launch, autotuned or not, runs one), on a
+    GPU ``JITFunction.run`` with ``warmup=False`` (what ``kernel[grid]``
+    and an autotuner's chosen launch call). A kernel's module names the
+    arguments it writes in ``KERNEL_OUTPUTS``."""
     try:
         from triton.runtime.interpreter import GridExecutor
+        from triton.runtime.jit import JITFunction
     except ImportError:  # no triton: nothing launches one
         yield
         return
-    run = GridExecutor.__call__
+    interpreted, compiled = GridExecutor.__call__, JITFunction.run
 
-    def launch(self, *args, **kwargs):
-        fn = self.fn
+    def _launch(fn, arg_names, args, kwargs, run):
         written = _kernel_outputs(fn)
-        named = dict(zip(self.arg_names, args), **kwargs)
+        named = dict(zip(arg_names, args), **kwargs)
         tensors = {k: v for k, v in named.items() if isinstance(v, Tensor)}
         return counter.triton_launch(
             fn.__name__, [v for k, v in tensors.items() if k not in written],
-            [v for k, v in tensors.items() if k in written],
-            lambda: run(self, *args, **kwargs))
+            [v for k, v in tensors.items() if k in written], run)
 
-    GridExecutor.__call__ = launch
+    def launch_interpreted(self, *args, **kwargs):
+        return _launch(self.fn, self.arg_names, args, kwargs,
+                       lambda: interpreted(self, *args, **kwargs))
+
+    def launch_compiled(self, *args, grid, warmup, **kwargs):
+        def run():
+            return compiled(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if warmup:
+            return run()
+        return _launch(self.fn, self.arg_names, args, kwargs, run)
+
+    GridExecutor.__call__, JITFunction.run = (launch_interpreted,
+                                              launch_compiled)
     try:
         yield
     finally:
-        GridExecutor.__call__ = run
+        GridExecutor.__call__, JITFunction.run = interpreted, compiled
 
 
 def _kernel_outputs(fn) -> Tuple[str, ...]:
