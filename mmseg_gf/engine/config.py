@@ -73,6 +73,7 @@ def default_optimizer(cfg) -> Optional[dict]:
 
 
 def build_grad_filter_model(model: dict,
+                            *,
                             data_preprocessor: Optional[dict] = None,
                             **settings: Any) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
