@@ -9,6 +9,11 @@ backward on token grids) and ``mmseg_gf._bit_mask``
 the upsampled logits) are compiled too;
 ``MMSEG_GF_BUILD_NATIVE=0`` skips them. Without them the pure-PyTorch path
 runs (same results, slower on CPU).
+
+The build switches (``MMSEG_GF_BUILD_NATIVE``, ``MMSEG_GF_UNITY_BUILD``)
+are declared with the package's others in ``mmseg_gf/ops/switches.py``
+(docs/switches.md); this file reads them from the environment itself, since
+it runs before the package and torch can be imported.
 """
 import os
 

@@ -19,11 +19,12 @@ Tests whose kernels-off variant is covered elsewhere take ``device``
 same path twice.
 """
 import contextlib
-import os
 from typing import Iterator
 
 import pytest
 import torch
+
+from mmseg_gf.ops import switches
 
 __all__ = ['CUDA_AVAILABLE', 'needs_cuda', 'DEVICES', 'DEVICE_PATHS',
            'kernels_off', 'on_path']
@@ -43,17 +44,11 @@ DEVICE_PATHS = ['cpu', 'cpu-kernels-off', _CUDA]
 
 @contextlib.contextmanager
 def kernels_off() -> Iterator[None]:
-    """The compiled CPU kernels switched off (``MMSEG_GF_NATIVE=0``, read
-    at every call) inside the block; the previous setting restored."""
-    previous = os.environ.get('MMSEG_GF_NATIVE')
-    os.environ['MMSEG_GF_NATIVE'] = '0'
-    try:
+    """The compiled CPU kernels switched off (``MMSEG_GF_NATIVE`` off
+    through :func:`mmseg_gf.ops.switches.override`) inside the block; the
+    previous setting restored."""
+    with switches.override(MMSEG_GF_NATIVE=False):
         yield
-    finally:
-        if previous is None:
-            del os.environ['MMSEG_GF_NATIVE']
-        else:
-            os.environ['MMSEG_GF_NATIVE'] = previous
 
 
 @contextlib.contextmanager

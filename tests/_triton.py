@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import numpy as np
 import pytest
 
-from mmseg_gf.ops import triton_path
+from mmseg_gf.ops import switches, triton_path
 from tests._devices import kernels_off
 from tests._tools import REPO
 
@@ -66,7 +66,7 @@ def case_device() -> str:
     if not triton_path.installed():
         pytest.skip(f'triton >= {_MIN} is not installed '
                     '(triton_path.MIN_TRITON)', allow_module_level=True)
-    if os.environ.get('TRITON_INTERPRET', '0') == '1':
+    if switches.value('TRITON_INTERPRET'):
         return 'cpu'
     import torch
     if not torch.cuda.is_available():

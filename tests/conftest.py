@@ -1,4 +1,5 @@
 """Shared pytest configuration."""
+import contextlib
 import logging
 import os
 
@@ -39,6 +40,18 @@ def _exact_float32_on_cuda(request):
         yield
     finally:
         matmul.allow_tf32, cudnn.allow_tf32 = previous
+
+
+@pytest.fixture
+def switch_override():
+    """``switch_override(MMSEG_GF_NATIVE=False)`` holds
+    :func:`mmseg_gf.ops.switches.override` until the test ends (calls
+    nest; each is undone in reverse order), as ``monkeypatch.setenv`` would
+    for a variable read at every call."""
+    from mmseg_gf.ops import switches
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(
+            switches.override(**values))
 
 
 @pytest.fixture(scope='module')

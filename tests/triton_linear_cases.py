@@ -135,7 +135,7 @@ def test_autocast_bfloat16_gradient():
                                    atol=1e-5 * float(e.abs().max()))
 
 
-def test_switch_turns_the_path_off(monkeypatch):
+def test_switch_turns_the_path_off(switch_override):
     """``set_enabled(False)`` and ``MMSEG_GF_TRITON=0`` (the conv's switch,
     ``tools/benchmark_layers.py --no-triton``) send the Linear to the
     PyTorch path: the Triton backward does not run, the gradients are the
@@ -147,7 +147,7 @@ def test_switch_turns_the_path_off(monkeypatch):
     with triton_enabled(False):
         off, ran = _grads(x, w, b, g, grid, 2, token_dim)
     assert ran == 0
-    monkeypatch.setenv('MMSEG_GF_TRITON', '0')
+    switch_override(MMSEG_GF_TRITON=False)
     with triton_enabled(None):
         env_off, ran = _grads(x, w, b, g, grid, 2, token_dim)
     assert ran == 0

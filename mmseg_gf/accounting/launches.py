@@ -59,7 +59,6 @@ it; the gradient of the loss (``ones_like``) and parameters' gradient
 accumulation to ``other``.
 """
 import contextlib
-import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -77,7 +76,7 @@ from ..models.gf_conv import GFConv2d
 from ..models.gf_linear import GFLinear
 from ..models.lean import lean_kind
 from ..models.lean_head import base_decode_head
-from ..ops import triton_path
+from ..ops import switches, triton_path
 from ..ops.device_path import as_on_cuda
 
 __all__ = ['PHASES', 'KINDS', 'NO_KERNEL', 'Launch', 'LaunchCount',
@@ -359,19 +358,6 @@ class LaunchCounter(TorchDispatchMode):
             self._inside_triton -= 1
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
-
-
 class _FusedDropout(TorchFunctionMode):
     """``F.dropout`` as CUDA tensors run it: ``native_dropout`` where ATen
     fuses it for them (training, ``0 < p < 1``, not in place, not empty)."""
@@ -412,12 +398,13 @@ def cuda_path(triton: bool = True) -> Iterator[None]:
             f'{".".join(map(str, triton_path.MIN_TRITON))} installed and '
             'TRITON_INTERPRET=1 in the environment before mmseg_gf is '
             'imported (found triton '
-            f'{triton_path.triton_version()}, TRITON_INTERPRET='
-            f'{os.environ.get("TRITON_INTERPRET")!r}); or count without '
+            f'{triton_path.triton_version()}, the interpreter '
+            f'{"on" if triton_path._ON_CPU else "off"}); or count without '
             'it (triton=False)')
     previous = triton_path.set_enabled(triton)
     try:
-        with _env('MMSEG_GF_NATIVE', '0'), as_on_cuda(), _FusedDropout():
+        with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
+                _FusedDropout():
             yield
     finally:
         triton_path.set_enabled(previous)

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from mmengine.config import Config
 
 from ..accounting.report import step_kept_table
-from ..engine.config import SETTING_KEYS
+from ..engine.settings import CHOICE_KEYS, SETTING_KEYS
 from ..engine.zoo import make_offline
 from .budget_sweep import config_sweep, sweep_markdown, sweep_plot
 from .cost_report import (cost_summary_lines, measured_memory_table,
@@ -36,7 +36,7 @@ def hook_settings(cfg: Config) -> Optional[Dict[str, Any]]:
             continue
         settings = {k: hook[k] for k in SETTING_KEYS
                     if hook.get(k) is not None}
-        if any(k in settings for k in ('num_layers', 'layers', 'budget')):
+        if any(k in settings for k in CHOICE_KEYS):
             return settings
     return None
 

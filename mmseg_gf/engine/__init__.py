@@ -19,6 +19,7 @@ from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers)
 from ..models.segmentor import set_frozen_norms_eval
 from .safe_load import allow_mmengine_checkpoints
+from .settings import GradientFilterSettings
 from .state import GradientFilterState, get_state
 from .surgery import apply_gradient_filter, get_gradient_filter_layers
 
@@ -27,7 +28,8 @@ __all__ = [
     'select_layers', 'auto_radius',
     'resolve_radius', 'apply_gradient_filter', 'set_frozen_norms_eval',
     'get_gradient_filter_layers', 'build_grad_filter_model',
-    'check_settings', 'rewrite_config', 'GradFilterHook',
+    'check_settings', 'GradientFilterSettings', 'rewrite_config',
+    'GradFilterHook',
     'GradientQualityHook', 'CalibrationHook', 'ValMetricsRecorderHook',
     'CPUAmpOptimWrapper', 'enable_amp', 'GradientFilterState', 'get_state'
 ]

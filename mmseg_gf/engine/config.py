@@ -18,152 +18,20 @@ import torch
 from mmseg.registry import MODELS
 from torch import nn
 
-from ..accounting.budget import check_budget
-from ..ops import MAX_RADIUS, check_radius
 from .budget import choose_layers_by_budget
 from .cpu_distributed import revert_sync_batchnorm_on_cpu
 from .patch_mean_activations import install_patch_mean_gelus
-from .selection import check_input_size, check_layer_kinds, select_layers
+from .selection import select_layers
+from .settings import (DEFAULT_INPUT_SIZE, DEFAULTS, SETTING_KEYS,
+                       SURGERY_FLAGS, check_settings)
 from .state import get_state
-from .surgery import apply_gradient_filter, check_mode
+from .surgery import apply_gradient_filter
 
 __all__ = [
     'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
     'rewrite_config', 'add_custom_hook', 'add_custom_imports',
     'default_input_size', 'default_batch_size', 'patch_means_on'
 ]
-
-#: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
-SETTING_KEYS = ('num_layers', 'layers', 'budget', 'radius', 'mode',
-                'train_norm', 'lean', 'input_size', 'keep_frozen_aux_heads',
-                'log_frozen_aux_losses', 'reuse_cpu_memory', 'layer_kinds',
-                'patch_mean_activations')
-#: Settings that are True or False, with their defaults.
-FLAG_DEFAULTS = dict(train_norm=False, lean=True, keep_frozen_aux_heads=False,
-                     log_frozen_aux_losses=False, reuse_cpu_memory=False,
-                     patch_mean_activations=True)
-#: The flags the surgery takes (:func:`apply_gradient_filter`); the others
-#: act on the process (:mod:`mmseg_gf.engine.cpu_memory`) or on the lean
-#: region after it (``patch_mean_activations``:
-#: :mod:`mmseg_gf.engine.patch_mean_activations`).
-SURGERY_FLAGS = ('train_norm', 'lean', 'keep_frozen_aux_heads',
-                 'log_frozen_aux_losses')
-DEFAULT_INPUT_SIZE = (512, 512)
-DEFAULT_RADIUS = 4
-
-
-def check_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
-    """Validate gradient-filter settings before any model is built.
-
-    Args:
-        settings: a dict with keys among :data:`SETTING_KEYS`.
-
-    Returns:
-        dict: a copy with defaults filled (radius 4, mode 'gf',
-        train_norm False, lean True, keep_frozen_aux_heads False,
-        log_frozen_aux_losses False, reuse_cpu_memory False,
-        patch_mean_activations True, input_size None, budget None).
-
-    Raises:
-        ValueError: not a dict, unknown key, not exactly one of
-            num_layers / layers / budget, a budget with a radius (its
-            candidates go in ``budget['radii']``), with ``mode`` other than
-            'gf' or with ``train_norm``, bad mode, radius, budget or
-            input_size. Errors say what is allowed.
-    """
-    if not isinstance(settings, dict):
-        raise ValueError(
-            'gradient_filter must be a dict, e.g. dict(num_layers=5, '
-            f'radius=4), with keys among {list(SETTING_KEYS)}; got '
-            f'{settings!r}')
-    unknown = sorted(set(settings) - set(SETTING_KEYS))
-    if unknown:
-        raise ValueError(f'gradient_filter: unknown key(s) {unknown}; '
-                         f'allowed: {list(SETTING_KEYS)}')
-    out = dict(radius=None, mode='gf', input_size=None, num_layers=None,
-               layers=None, budget=None, layer_kinds=None, **FLAG_DEFAULTS)
-    out.update(settings)
-    if out['layer_kinds'] is not None:
-        out['layer_kinds'] = list(check_layer_kinds(out['layer_kinds']))
-    given = [k for k in ('num_layers', 'layers', 'budget')
-             if out[k] is not None]
-    if len(given) != 1:
-        raise ValueError('gradient_filter: give exactly one of num_layers '
-                         '(the last N convs), layers (module paths) and '
-                         'budget (limits the choice must fit), got '
-                         f'num_layers={out["num_layers"]!r}, '
-                         f'layers={out["layers"]!r}, '
-                         f'budget={out["budget"]!r}')
-    if out['budget'] is not None:
-        _check_budget_settings(out)
-    else:
-        _check_layer_settings(out)
-        _check_flags(out)
-    return out
-
-
-def _check_budget_settings(out: Dict[str, Any]) -> None:
-    """A budget chooses layers and radii itself, for filtered convs with
-    frozen norms; then the flags (normalised in place)."""
-    out['budget'] = check_budget(out['budget'])
-    if out['radius'] is not None:
-        raise ValueError(
-            'gradient_filter: a budget chooses the radii itself; give '
-            'the candidates as budget=dict(..., radii=[2, 4, 8]) instead '
-            f'of radius={out["radius"]!r}')
-    _check_flags(out)
-    if out['mode'] != 'gf' or out['train_norm']:
-        raise ValueError(
-            "gradient_filter budget needs mode='gf' and "
-            'train_norm=False (the costs it fits are those of filtered '
-            f'convs with frozen norms), got mode={out["mode"]!r}, '
-            f'train_norm={out["train_norm"]!r}')
-    if out['budget']['process_mib'] is not None and out['reuse_cpu_memory']:
-        raise ValueError(
-            'gradient_filter budget process_mib bounds the resident memory, '
-            'which reuse_cpu_memory=True lets grow to keep freed memory: '
-            'give one of them')
-
-
-def _check_layer_settings(out: Dict[str, Any]) -> None:
-    """num_layers or layers, and radius (normalised in place)."""
-    if out['radius'] is None:
-        out['radius'] = DEFAULT_RADIUS
-    n = out['num_layers']
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int)
-                          or n < 1):
-        raise ValueError(
-            f'gradient_filter num_layers must be an int >= 1, got {n!r}')
-    if out['layers'] is not None:
-        layers = out['layers']
-        if isinstance(layers, str):
-            layers = [layers]
-        if not layers or not all(isinstance(p, str) for p in layers):
-            raise ValueError('gradient_filter layers must be a non-empty '
-                             f'list of module paths, got {layers!r}')
-        out['layers'] = list(layers)
-    radius = out['radius']
-    values = radius.values() if isinstance(radius, dict) else [radius]
-    for r in values:
-        if r != 'auto':
-            try:
-                check_radius(r)
-            except ValueError:
-                raise ValueError(
-                    "gradient_filter radius must be an int >= 1, 'auto' or "
-                    'a dict {module path: int or "auto"} (ints at most '
-                    f'{MAX_RADIUS}), got {radius!r}') from None
-
-
-def _check_flags(out: Dict[str, Any]) -> None:
-    """mode, the flags and input_size (normalised in place)."""
-    check_mode(out['mode'])
-    for key in FLAG_DEFAULTS:
-        if not isinstance(out[key], bool):
-            raise ValueError(f'gradient_filter {key} must be True or False, '
-                             f'got {out[key]!r}')
-    if out['input_size'] is not None:
-        out['input_size'] = check_input_size(out['input_size'])
 
 
 def default_input_size(cfg) -> Sequence[int]:
@@ -205,21 +73,9 @@ def default_optimizer(cfg) -> Optional[dict]:
 
 
 def build_grad_filter_model(model: dict,
-                            num_layers: Optional[int] = None,
-                            layers: Optional[Sequence[str]] = None,
-                            budget: Optional[dict] = None,
-                            radius: Any = None,
-                            mode: str = 'gf',
-                            train_norm: bool = False,
-                            lean: bool = True,
-                            input_size: Optional[Sequence[int]] = None,
+                            *,
                             data_preprocessor: Optional[dict] = None,
-                            keep_frozen_aux_heads: bool = False,
-                            log_frozen_aux_losses: bool = False,
-                            reuse_cpu_memory: bool = False,
-                            layer_kinds: Optional[Sequence[str]] = None,
-                            patch_mean_activations: bool = True
-                            ) -> nn.Module:
+                            **settings: Any) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
 
     Registered in mmseg's ``MODELS`` as ``GradFilterModel``. Returns the
@@ -230,32 +86,24 @@ def build_grad_filter_model(model: dict,
 
     Args:
         model: the segmentor config.
-        num_layers, layers, radius, mode, train_norm, lean,
-        keep_frozen_aux_heads, log_frozen_aux_losses, layer_kinds: see
-            :func:`select_layers` and :func:`apply_gradient_filter`.
-        patch_mean_activations: with ``lean`` and ``mode='gf'``, a GELU
-            between two filtered layers on one patch partition keeps the
-            patch means of its derivative where the traced training step
-            shows that exact (:mod:`~.patch_mean_activations`).
-        reuse_cpu_memory: kept in the segmentor's state for GradFilterHook,
-            which keeps freed CPU memory for reuse when training on CPU
-            (:mod:`mmseg_gf.engine.cpu_memory`).
-        budget: instead of ``num_layers`` / ``layers`` and ``radius``:
-            limits the setting must fit
-            (:func:`mmseg_gf.accounting.budget.choose_by_budget`).
-        input_size: ``(H, W)`` of the selection trace (default 512).
         data_preprocessor: mmengine's Runner injects the config's top-level
             ``data_preprocessor`` into the model dict; it is forwarded to
             the segmentor config if that has none.
+        **settings: the gradient-filter settings
+            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings`: each
+            field's doc; :func:`select_layers` and
+            :func:`apply_gradient_filter` for the layers and the surgery,
+            :mod:`~.patch_mean_activations` for the GELUs).
+            ``reuse_cpu_memory`` is kept in the segmentor's state for
+            GradFilterHook, which applies it when training on CPU; a
+            ``budget`` chooses ``num_layers`` and the radii
+            (:func:`mmseg_gf.accounting.budget.choose_by_budget`);
+            ``input_size`` defaults to 512.
+
+    Raises:
+        ValueError: a setting :func:`check_settings` refuses.
     """
-    settings = check_settings(
-        dict(num_layers=num_layers, layers=layers, budget=budget,
-             radius=radius, mode=mode, train_norm=train_norm, lean=lean,
-             input_size=input_size,
-             keep_frozen_aux_heads=keep_frozen_aux_heads,
-             log_frozen_aux_losses=log_frozen_aux_losses,
-             reuse_cpu_memory=reuse_cpu_memory, layer_kinds=layer_kinds,
-             patch_mean_activations=patch_mean_activations))
+    settings = check_settings(settings)
     model = copy.deepcopy(model)
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
@@ -275,10 +123,10 @@ def patch_means_on(settings: Optional[Dict[str, Any]]) -> bool:
     rule (lean, ``mode='gf'``, ``patch_mean_activations``): what the
     budget's profile models too."""
     settings = settings or {}
-    return bool(settings.get('lean', FLAG_DEFAULTS['lean'])
-                and settings.get('mode', 'gf') == 'gf'
+    return bool(settings.get('lean', DEFAULTS['lean'])
+                and settings.get('mode', DEFAULTS['mode']) == 'gf'
                 and settings.get('patch_mean_activations',
-                                 FLAG_DEFAULTS['patch_mean_activations']))
+                                 DEFAULTS['patch_mean_activations']))
 
 
 def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],

@@ -33,6 +33,7 @@ import zipfile
 import zlib
 from typing import List, Optional, Tuple
 
+from ..ops import switches
 from .checkpoint_data import RefusedCheckpointError, refusal
 from .pickle_scan import PickleScan, data_pickle_info, scan_pickle
 
@@ -40,13 +41,12 @@ __all__ = ['set_load_limit', 'load_cap', 'read_checkpoint', 'check_cost',
            'scan_checkpoint',
            'DEFAULT_FACTOR', 'DEFAULT_FLOOR_BYTES', 'FACTOR_ENV']
 
-DEFAULT_FACTOR = 4.0
-DEFAULT_FLOOR_BYTES = 64 << 20
 FACTOR_ENV = 'MMSEG_GF_CHECKPOINT_COST_FACTOR'
+_FLOOR = 'checkpoint_floor_bytes'
+DEFAULT_FACTOR = switches.SWITCHES[FACTOR_ENV].default
+DEFAULT_FLOOR_BYTES = switches.SWITCHES[_FLOOR].default
 #: Record compressions torch's zip reader reads.
 _READABLE = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
-
-_limit = {'factor': None, 'floor': DEFAULT_FLOOR_BYTES}
 
 
 def set_load_limit(factor: Optional[float] = None,
@@ -60,41 +60,35 @@ def set_load_limit(factor: Optional[float] = None,
     Raises:
         ValueError: a factor < 1 or a floor < 0 (named).
     """
-    previous = (_factor(), _limit['floor'])
+    previous = (_factor(), _floor())
     if factor is not None:
         if isinstance(factor, bool) or not isinstance(
                 factor, (int, float)) or not factor >= 1:
             raise ValueError('checkpoint load limit factor must be a number '
                              f'>= 1 (times the file size), got {factor!r}')
-        _limit['factor'] = float(factor)
+        switches.set_value(FACTOR_ENV, float(factor))
     if floor_bytes is not None:
         if isinstance(floor_bytes, bool) or not isinstance(
                 floor_bytes, int) or floor_bytes < 0:
             raise ValueError('checkpoint load limit floor_bytes must be an '
                              f'int >= 0, got {floor_bytes!r}')
-        _limit['floor'] = floor_bytes
+        switches.set_value(_FLOOR, floor_bytes)
     return previous
 
 
 def _factor() -> float:
-    if _limit['factor'] is not None:
-        return _limit['factor']
-    text = os.environ.get(FACTOR_ENV)
-    if not text:
-        return DEFAULT_FACTOR
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value >= 1:
-        raise ValueError(f'{FACTOR_ENV} must be a number >= 1 (times the '
-                         f'file size), got {text!r}')
-    return value
+    """The factor set at run time, else the environment's (a bad value
+    there raises ValueError, naming the variable), else 4."""
+    return switches.value(FACTOR_ENV)
+
+
+def _floor() -> int:
+    return switches.value(_FLOOR)
 
 
 def load_cap(file_size: int) -> int:
     """The most a file of ``file_size`` bytes may declare."""
-    return max(int(_factor() * file_size), _limit['floor'])
+    return max(int(_factor() * file_size), _floor())
 
 
 def _mib(n: int) -> str:
@@ -107,7 +101,7 @@ def _too_costly(what: str, cost: int, file_size: int,
         f'checkpoint refused: it declares {what} of {_mib(cost)} in a file '
         f'of {_mib(file_size)}, more than the loader\'s cap of {_mib(cap)} '
         f'(the larger of {_factor():g} x the file size and '
-        f'{_mib(_limit["floor"])}; allowed: a checkpoint as torch.save '
+        f'{_mib(_floor())}; allowed: a checkpoint as torch.save '
         'writes it, which declares about its own size). For a file you '
         'trust, raise the cap: mmseg_gf.engine.load_bounds.set_load_limit('
         f'factor=..., floor_bytes=...) or {FACTOR_ENV}=...')

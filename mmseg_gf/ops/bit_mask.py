@@ -22,13 +22,12 @@ tensors, strided tensors, ``MMSEG_GF_NATIVE=0`` on CPU,
 PyTorch fallback, which writes the same bytes and the same gradients.
 """
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import triton_bit_mask
+from . import switches, triton_bit_mask
 from .native import empty_for_writing
 
 try:
@@ -42,8 +41,7 @@ __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
 
 def native_available() -> bool:
     """True if the compiled kernels are built and not switched off."""
-    return _kernels is not None and os.environ.get('MMSEG_GF_NATIVE',
-                                                   '1') != '0'
+    return _kernels is not None and switches.value('MMSEG_GF_NATIVE')
 
 
 def _native(t: Tensor) -> bool:

@@ -26,11 +26,12 @@ graph runs them as eager mode does; in eager mode they are called
 directly, without the dispatcher's round trip.
 """
 import contextlib
-import os
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from . import switches
 
 try:
     from .. import _patch_ops as _kernels
@@ -52,8 +53,7 @@ Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
 def available() -> bool:
     """True if the compiled kernels are built and not switched off."""
-    return _kernels is not None and os.environ.get('MMSEG_GF_NATIVE',
-                                                   '1') != '0'
+    return _kernels is not None and switches.value('MMSEG_GF_NATIVE')
 
 
 def usable(t: Tensor) -> bool:

@@ -28,7 +28,6 @@ loss here is a plain weighted sum, in float64.
 
 No mmseg import.
 """
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import triton_path
+from . import switches, triton_path
 from .device_path import host_checks
 from .fused_loss import forward_graph
 from .triton_path import _is_fake
@@ -94,7 +93,7 @@ def operator_usable(logits: Tensor) -> bool:
     operator, also under ``torch.compile``) takes ``logits``: as
     :func:`kernel_usable`, in eager mode or traced."""
     return (_kernel is not None
-            and os.environ.get('MMSEG_GF_NATIVE', '1') != '0'
+            and switches.value('MMSEG_GF_NATIVE')
             and logits.device.type == 'cpu'
             and logits.dtype == torch.float32
             and not torch.is_autocast_enabled('cpu'))

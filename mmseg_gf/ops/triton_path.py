@@ -36,7 +36,6 @@ machines without a GPU.
 import contextlib
 import importlib.metadata
 import importlib.util
-import os
 import re
 from typing import List, Optional, Tuple
 
@@ -44,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from . import switches
 
 __all__ = [
     'installed', 'enabled', 'set_enabled', 'takes_device', 'usable',
@@ -75,10 +76,8 @@ def triton_version() -> Optional[Tuple[int, ...]]:
 # triton's settings while torch.compile traces it.
 _VERSION = triton_version()
 _INSTALLED = _VERSION is not None and _VERSION >= MIN_TRITON
-_ON_CPU = os.environ.get('TRITON_INTERPRET', '0').lower() in ('1', 'true',
-                                                              'on', 'yes')
+_ON_CPU = switches.value('TRITON_INTERPRET')
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_switch: Optional[bool] = None  # set_enabled's override of the env var
 _calls = 0
 
 
@@ -90,20 +89,15 @@ def installed() -> bool:
 def enabled() -> bool:
     """True if triton is installed and the GPU path is switched on
     (``MMSEG_GF_TRITON`` not ``0``, or :func:`set_enabled(True)`)."""
-    if not _INSTALLED:
-        return False
-    if _switch is not None:
-        return _switch
-    return os.environ.get('MMSEG_GF_TRITON', '1') != '0'
+    return _INSTALLED and switches.value('MMSEG_GF_TRITON')
 
 
 def set_enabled(flag: Optional[bool]) -> Optional[bool]:
     """Switch the Triton path on (``True``) or off (``False``) for this
     process, whatever ``MMSEG_GF_TRITON`` says; ``None`` goes back to the
     env var. Returns the previous override."""
-    global _switch
-    previous, _switch = _switch, None if flag is None else bool(flag)
-    return previous
+    return switches.set_value('MMSEG_GF_TRITON',
+                              None if flag is None else bool(flag))
 
 
 def takes_device(t: Tensor) -> bool:

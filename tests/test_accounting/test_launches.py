@@ -2,7 +2,6 @@
 it gives each, the switches that put CPU tensors on CUDA's path, and the
 attribution by phase and kind, on small graphs whose launches are known
 operator by operator (the four models' counts: test_launch_count.py)."""
-import os
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from mmseg_gf.accounting.launches import (KINDS, LaunchCounter, count_step,
 from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import make_lean
 from mmseg_gf.ops import bit_mask, device_path, native, resized_loss
-from mmseg_gf.ops import triton_path
+from mmseg_gf.ops import switches, triton_path
 
 F32 = 4
 
@@ -57,18 +56,18 @@ def test_host_reads_are_counted_apart():
     assert result.host_reads == {'forward': 1}
 
 
-def test_cuda_path_switches_and_restores(monkeypatch):
-    monkeypatch.delenv('MMSEG_GF_NATIVE', raising=False)
+def test_cuda_path_switches_and_restores(switch_override):
+    switch_override(MMSEG_GF_NATIVE=True)
     t = torch.zeros(2, 3, 4, 4)
     assert device_path.host_checks(t)
     with cuda_path(triton=False):
-        assert os.environ['MMSEG_GF_NATIVE'] == '0'
+        assert switches.value('MMSEG_GF_NATIVE') is False
         assert not native.available() and not native.usable(t)
         assert not bit_mask.native_available()
         assert not resized_loss.kernel_usable(t)
         assert not device_path.host_checks(t)
         assert not triton_path.enabled()
-    assert 'MMSEG_GF_NATIVE' not in os.environ
+    assert switches.value('MMSEG_GF_NATIVE') is True
     assert device_path.host_checks(t)
 
 

@@ -26,7 +26,6 @@ dtypes, HistoryBuffers holding those), which is then printed in full.
 Seeded: ``MMSEG_GF_FUZZ_SEED`` picks another seed; a failure names the
 file, and the same seed rebuilds it.
 """
-import os
 import pickletools
 import random
 from typing import List
@@ -34,9 +33,10 @@ from typing import List
 import pytest
 
 from mmseg_gf.engine.safe_load import mmengine_checkpoint_types
+from mmseg_gf.ops import switches
 from tests.test_engine import _crafted_checkpoints as cc
 
-SEED = int(os.environ.get('MMSEG_GF_FUZZ_SEED', '20261126'))
+SEED = switches.value('MMSEG_GF_FUZZ_SEED')
 MARKER = '@MARKER@'
 #: torch's own allow-listed callables that rebuild data: fuzzed with the
 #: plugin's names, since their arguments can be the stand-ins' results.

@@ -520,7 +520,8 @@ def _nan_input():
 @pytest.mark.parametrize('native', [True, False], ids=['kernel', 'pytorch'])
 @pytest.mark.parametrize('partial', [True, False])
 @pytest.mark.parametrize('case', ['ce', 'sigmoid', 'ohem_sampler'])
-def test_nan_input_gives_mmseg_accuracy(case, partial, native, monkeypatch):
+def test_nan_input_gives_mmseg_accuracy(case, partial, native,
+                                       switch_override):
     """A NaN input pixel: NaN loss on both heads, and the accuracy that
     mmseg's ``accuracy`` (``topk`` over the upsampled logits) gives, on the
     compiled kernel's path and on the pure-PyTorch path. ``partial``: norms
@@ -530,7 +531,7 @@ def test_nan_input_gives_mmseg_accuracy(case, partial, native, monkeypatch):
     if native and resized_loss._kernel is None:
         pytest.skip('compiled kernel not built')
     if not native:
-        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+        switch_override(MMSEG_GF_NATIVE=False)
     plain = _fcn_head(case)
     lean = copy.deepcopy(plain)
     make_lean(lean)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, native
 from mmseg_gf.ops.gradient_filter_linear import TokenLayout
+from tests._devices import kernels_off
 from tests.gf_linear_cases import LAYOUT_CASES
 
 pytestmark = pytest.mark.skipif(
@@ -57,8 +58,7 @@ def _both_paths(monkeypatch, *args, **kwargs):
         m.setattr(native, 'token_filtered_backward', spy)
         fast = _grads(*args, **kwargs)
     assert calls, 'the compiled backward did not run'
-    with monkeypatch.context() as m:
-        m.setenv('MMSEG_GF_NATIVE', '0')
+    with monkeypatch.context() as m, kernels_off():
         m.setattr(native, 'token_filtered_backward', spy)
         calls.clear()
         slow = _grads(*args, **kwargs)
@@ -268,8 +268,7 @@ def test_products_on_avx512_only_where_allowed(monkeypatch, shape, cout,
         native.set_onednn_products(previous)
     names = {event.name for event in prof.events()}
     assert ('mkldnn::_linear_pointwise' in names) == (onednn and large)
-    with monkeypatch.context() as m:
-        m.setenv('MMSEG_GF_NATIVE', '0')
+    with kernels_off():
         exact = _grads(x, w, b, g, grid, radius, 1)
     for got in (fast, slow):
         for a, e in zip(got, exact):

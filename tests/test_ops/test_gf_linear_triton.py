@@ -61,14 +61,14 @@ def test_cuda_tensors_take_the_triton_path(device, radius):
         torch.testing.assert_close(a.cpu(), e, rtol=1e-10, atol=1e-10)
 
 
-def test_switch_decides_usable(monkeypatch):
+def test_switch_decides_usable(monkeypatch, switch_override):
     """The Linear follows the conv's switch: ``set_enabled`` over
     ``MMSEG_GF_TRITON``; CPU tensors only under the interpreter (faked
     here: the predicate alone, no kernel runs)."""
     x = torch.zeros(2, 3, 3, 4)
     assert not triton_linear.usable(x)  # interpreter off in this process
     monkeypatch.setattr(triton_path, '_ON_CPU', True)
-    monkeypatch.delenv('MMSEG_GF_TRITON', raising=False)
+    switch_override(MMSEG_GF_TRITON=True)
     previous = triton_path.set_enabled(None)
     try:
         assert triton_linear.usable(x) == triton_path.installed()
@@ -77,7 +77,7 @@ def test_switch_decides_usable(monkeypatch):
         triton_path.set_enabled(False)
         assert not triton_linear.usable(x)
         triton_path.set_enabled(None)
-        monkeypatch.setenv('MMSEG_GF_TRITON', '0')
+        switch_override(MMSEG_GF_TRITON=False)
         assert not triton_linear.usable(x)
         assert not triton_linear.usable(x.to('meta'))
     finally:

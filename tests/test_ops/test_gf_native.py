@@ -38,7 +38,7 @@ CASES = [
 
 
 @pytest.mark.parametrize('s,k,p,d,r,size', CASES)
-def test_pooling_and_spread_match_pure_torch(monkeypatch, s, k, p, d, r,
+def test_pooling_and_spread_match_pure_torch(switch_override, s, k, p, d, r,
                                              size):
     geo_h, geo_w = (
         AxisGeometry.of(v, o, k, s, p, d, r)
@@ -52,7 +52,7 @@ def test_pooling_and_spread_match_pure_torch(monkeypatch, s, k, p, d, r,
     fast = (pool_input_patches(x, geo_h, geo_w),
             filter_output_grad(g, geo_h, geo_w, torch.float64),
             spread_to_input(grid, geo_h, geo_w))
-    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    switch_override(MMSEG_GF_NATIVE=False)
     slow = (pool_input_patches(x, geo_h, geo_w),
             filter_output_grad(g, geo_h, geo_w, torch.float64),
             spread_to_input(grid, geo_h, geo_w))
@@ -62,7 +62,7 @@ def test_pooling_and_spread_match_pure_torch(monkeypatch, s, k, p, d, r,
     assert fast[2].shape == x.shape
 
 
-def test_whole_operator_float32_matches_pure_torch(monkeypatch):
+def test_whole_operator_float32_matches_pure_torch(switch_override):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 8, 30, 41, generator=gen)
     w = torch.randn(6, 8, 3, 3, generator=gen)
@@ -75,7 +75,7 @@ def test_whole_operator_float32_matches_pure_torch(monkeypatch):
         return xs.grad, ws.grad, bs.grad
 
     fast = grads()
-    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    switch_override(MMSEG_GF_NATIVE=False)
     slow = grads()
     for a, b_ in zip(fast, slow):
         torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
@@ -132,8 +132,9 @@ FUSED_CASES = [
 @pytest.mark.parametrize('needs', [(True, True, True), (False, True, False),
                                    (True, False, True), (True, True, False)])
 @pytest.mark.parametrize('s,k,p,groups,r,size', FUSED_CASES)
-def test_fused_backward_matches_stepwise_path(monkeypatch, fused_calls, s, k,
-                                              p, groups, r, size, needs):
+def test_fused_backward_matches_stepwise_path(switch_override, fused_calls,
+                                              s, k, p, groups, r, size,
+                                              needs):
     gen = torch.Generator().manual_seed(s * 100 + k * 10 + r)
     x = torch.randn(3, 4, *size, generator=gen, dtype=torch.float64)
     out_channels = 4 if groups == 4 else 6
@@ -146,7 +147,7 @@ def test_fused_backward_matches_stepwise_path(monkeypatch, fused_calls, s, k,
     conv_args = (s, p, 1, groups, r)
     fused = _gradients(x, w, b, g, conv_args, needs)
     assert len(fused_calls) == 1
-    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    switch_override(MMSEG_GF_NATIVE=False)
     stepwise = _gradients(x, w, b, g, conv_args, needs)
     assert len(fused_calls) == 1
     for a, ref in zip(fused, stepwise):
@@ -248,11 +249,11 @@ def test_cpp_node_non_contiguous_grad_and_double_backward():
 
 
 @pytest.mark.parametrize('node', ['C++', 'Python'])
-def test_forward_mode_and_func_transforms_raise(monkeypatch, node):
+def test_forward_mode_and_func_transforms_raise(switch_override, node):
     """Neither node defines forward-mode AD or functorch rules: both raise
     (docs/reliability.md) rather than give a wrong derivative."""
     if node == 'Python':
-        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+        switch_override(MMSEG_GF_NATIVE=False)
     x = torch.randn(2, 3, 8, 8)
     w = torch.randn(4, 3, 3, 3, requires_grad=True)
     assert _node_kind(gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1,
@@ -270,7 +271,7 @@ def test_forward_mode_and_func_transforms_raise(monkeypatch, node):
         torch.func.vmap(lambda xi: filtered(xi, w))(x[:, None])
 
 
-def test_fused_backward_float32_large_map(fused_calls, monkeypatch):
+def test_fused_backward_float32_large_map(fused_calls, switch_override):
     """Large enough (8 MiB g_x) for the huge-page-advised outputs."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 8, 384, 384, generator=gen)
@@ -279,7 +280,7 @@ def test_fused_backward_float32_large_map(fused_calls, monkeypatch):
     g = torch.randn(2, 8, 384, 384, generator=gen)
     fused = _gradients(x, w, b, g, (1, 1, 1, 1, 4), (True, True, True))
     assert len(fused_calls) == 1
-    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    switch_override(MMSEG_GF_NATIVE=False)
     stepwise = _gradients(x, w, b, g, (1, 1, 1, 1, 4), (True, True, True))
     for a, ref in zip(fused, stepwise):
         torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-4)
@@ -313,7 +314,7 @@ def onednn_products():
     (True, 512, 5, 64, True, True),  # 512 x 512 x 5120: x~^T (10 MB) not copied
     (False, 512, 2, 32, False, True),  # MKL only
 ])
-def test_fused_gemms_on_onednn_only_when_large(monkeypatch, fused_calls,
+def test_fused_gemms_on_onednn_only_when_large(switch_override, fused_calls,
                                                onednn_products, allowed,
                                                channels, batch, size, convs,
                                                gemms):
@@ -337,7 +338,7 @@ def test_fused_gemms_on_onednn_only_when_large(monkeypatch, fused_calls,
     with torch.autocast('cpu', dtype=torch.bfloat16):
         under_autocast = torch.autograd.grad(out, (x, w), g,
                                              retain_graph=True)
-    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    switch_override(MMSEG_GF_NATIVE=False)
     stepwise = torch.autograd.grad(
         gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2), (x, w), g)
     for a, auto, ref in zip(fused, under_autocast, stepwise):
@@ -480,7 +481,7 @@ def test_recycling_pool_respects_its_limit(recycler):
     assert native.recycled_bytes() == 0
 
 
-def test_fused_backward_gradients_survive_recycling(recycler, monkeypatch):
+def test_fused_backward_gradients_survive_recycling(recycler, switch_override):
     """Two backward calls in a row: the second reuses the first's freed
     g_x memory and both match the step-by-step path."""
     gen = torch.Generator().manual_seed(3)
@@ -496,7 +497,7 @@ def test_fused_backward_gradients_survive_recycling(recycler, monkeypatch):
     assert grad_x.data_ptr() == address
     assert torch.equal(grad_x, reference[0])
     assert torch.equal(grad_w, reference[1])
-    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    switch_override(MMSEG_GF_NATIVE=False)
     stepwise = _gradients(x, w, None, g, (1, 1, 1, 1, 4), needs)
     torch.testing.assert_close(grad_x, stepwise[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grad_w, stepwise[1], rtol=1e-4, atol=1e-4)

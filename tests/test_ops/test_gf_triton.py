@@ -139,19 +139,19 @@ def test_kernels_compile_for_h100(spec):
     assert f'.entry {name}(' in compiled.asm['ptx']
 
 
-def test_switch_and_cpu_tensors_without_the_interpreter(monkeypatch):
+def test_switch_and_cpu_tensors_without_the_interpreter(switch_override):
     """``set_enabled`` overrides ``MMSEG_GF_TRITON``; CPU tensors never take
     the Triton path unless the interpreter was on at import."""
     x, w = torch.zeros(1, 2, 4, 4), torch.zeros(2, 2, 3, 3)
     assert not triton_path.usable(x, w, None)
-    monkeypatch.setenv('MMSEG_GF_TRITON', '0')
+    switch_override(MMSEG_GF_TRITON=False)
     assert not triton_path.enabled()
     previous = triton_path.set_enabled(True)
     try:
         assert triton_path.enabled() == triton_path.installed()
         triton_path.set_enabled(None)
         assert not triton_path.enabled()
-        monkeypatch.setenv('MMSEG_GF_TRITON', '1')
+        switch_override(MMSEG_GF_TRITON=True)
         assert triton_path.enabled() == triton_path.installed()
     finally:
         triton_path.set_enabled(previous)

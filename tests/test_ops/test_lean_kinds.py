@@ -85,9 +85,9 @@ ACTIVATIONS = {
 @pytest.mark.parametrize('native', [True, False])
 @pytest.mark.parametrize('name', sorted(ACTIVATIONS))
 def test_piecewise_activation_same_forward_grad_and_keeps_bits(
-        name, native, monkeypatch):
+        name, native, switch_override):
     if not native:
-        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+        switch_override(MMSEG_GF_NATIVE=False)
     plain = ACTIVATIONS[name]()
     lean = _lean_copy(plain)
     assert lean_kind(lean) == 'activation' and isinstance(lean, type(plain))

@@ -14,7 +14,8 @@ from torch import nn
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, make_lean, make_plain
 from mmseg_gf.ops import bit_mask, triton_norm
-from tests._devices import DEVICE_PATHS, DEVICES, needs_cuda, on_path
+from tests._devices import (DEVICE_PATHS, DEVICES, kernels_off, needs_cuda,
+                            on_path)
 
 ACTIVATIONS = {
     'relu': lambda inplace: nn.ReLU(inplace=inplace),
@@ -39,16 +40,15 @@ def _special_values(shape, seed=0):
 @pytest.mark.parametrize('numel', [1, 7, 8, 9, 64, 1001])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64,
                                    torch.bfloat16])
-def test_pack_native_equals_fallback(numel, dtype, monkeypatch):
+def test_pack_native_equals_fallback(numel, dtype):
     if not bit_mask.native_available():
         pytest.skip('compiled bit-mask kernels not built')
     x = _special_values((numel, ), seed=numel).to(dtype)
     for lo, hi, nan_bit in [(0.0, None, True), (0.0, 6.0, True),
                             (0.0, None, False), (-0.5, 0.7, True)]:
         native = bit_mask.pack(x, lo, hi, nan_bit)
-        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
-        fallback = bit_mask.pack(x, lo, hi, nan_bit)
-        monkeypatch.delenv('MMSEG_GF_NATIVE')
+        with kernels_off():
+            fallback = bit_mask.pack(x, lo, hi, nan_bit)
         assert native.dtype == torch.uint8
         assert native.numel() == bit_mask.packed_bytes(numel)
         assert torch.equal(native, fallback)
@@ -63,9 +63,8 @@ def test_pack_native_equals_fallback(numel, dtype, monkeypatch):
         g = torch.randn(numel).to(dtype)
         for off in (0.0, 0.1):
             a = bit_mask.apply(g, native, off)
-            monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
-            b = bit_mask.apply(g, native, off)
-            monkeypatch.delenv('MMSEG_GF_NATIVE')
+            with kernels_off():
+                b = bit_mask.apply(g, native, off)
             assert torch.equal(a, b)
 
 

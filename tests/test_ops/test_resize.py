@@ -56,9 +56,9 @@ def _assert_same(got, want, kernel):
 @pytest.mark.parametrize('resize', RESIZES)
 @pytest.mark.parametrize('layout', [torch.contiguous_format,
                                     torch.channels_last])
-def test_same_outputs_and_gradients(resize, layout, kernel, monkeypatch):
+def test_same_outputs_and_gradients(resize, layout, kernel, switch_override):
     if kernel == 'torch':
-        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+        switch_override(MMSEG_GF_NATIVE=False)
     device = 'cuda' if kernel == 'cuda' else 'cpu'
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(3, 4, 6, 5, generator=gen).contiguous(
@@ -83,11 +83,11 @@ def test_same_outputs_and_gradients(resize, layout, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize('kernel', KERNELS)
-def test_a_channel_slice_gradient_is_not_copied(kernel, monkeypatch):
+def test_a_channel_slice_gradient_is_not_copied(kernel, switch_override):
     """The gradient of the middle of a concatenation (non-contiguous for a
     batch) is read in place, image by image: no copy, torch's result."""
     if kernel == 'torch':
-        monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+        switch_override(MMSEG_GF_NATIVE=False)
     gen = torch.Generator().manual_seed(1)
     grad = torch.randn(2, 9, 16, 16, generator=gen).to(
         'cuda' if kernel == 'cuda' else 'cpu')[:, 3:7]

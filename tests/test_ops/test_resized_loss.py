@@ -214,10 +214,10 @@ def test_kernel_propagates_nan_and_falls_back_off_float32():
 
 @pytest.mark.skipif(resized_loss._kernel is None,
                     reason='compiled kernel not built')
-def test_kernel_switched_off_by_environment(monkeypatch):
+def test_kernel_switched_off_by_environment(switch_override):
     logits, label, _ = _case((1, 3, 4, 4, 8, 8))
     assert resized_loss.kernel_usable(logits)
-    monkeypatch.setenv('MMSEG_GF_NATIVE', '0')
+    switch_override(MMSEG_GF_NATIVE=False)
     assert not resized_loss.kernel_usable(logits)
 
 

@@ -23,13 +23,14 @@ from ...accounting.report import chosen_layers_table, step_kept_table
 from ...accounting.trace import trace_step_saved_bytes
 from ...models.segmentor import set_frozen_norms_eval, unwrap_model
 from ..checkpoint import check_checkpoint_matches
-from ..config import (DEFAULT_INPUT_SIZE, SETTING_KEYS, check_settings,
-                      default_batch_size, default_input_size,
+from ..config import (default_batch_size, default_input_size,
                       default_optimizer, select_and_apply)
 from ..cpu_memory import keep_freed_cpu_memory
 from ..ddp import rewrap_ddp
 from ..layer_trace import trace_layers
 from ..selection import LayerChoice
+from ..settings import (CHOICE_KEYS, DEFAULT_INPUT_SIZE, SETTING_KEYS,
+                        check_settings)
 from ..state import get_state
 from ..surgery import get_gradient_filter_layers
 from ..train_log import (PEAK_KEY, PeakResidentMemory, logged_now,
@@ -51,40 +52,14 @@ class GradFilterHook(Hook):
     needed.
 
     Args:
-        num_layers: train the last N layers (execution order).
-        layers: or explicit module paths.
-        budget: or limits the choice of N and radii must fit, e.g.
-            ``dict(saved_mib=300, backward_gflops=1)`` (see
-            :mod:`mmseg_gf.accounting.budget`), at the training crop and the
-            train dataloader's batch size.
-        radius: int, 'auto' or {path prefix: int|'auto'} (default 4; not
-            with a budget).
-        mode: 'gf' or 'vanilla' (same layers, exact backward).
-        train_norm: also train the norms following the chosen convs.
-        lean: keep only what each backward needs around the trained convs
-            (frozen norms, activations, dropout, the loss); default True.
-        input_size: (H, W) of the selection trace; default: the config's
-            data_preprocessor size / crop_size, else 512.
-        keep_frozen_aux_heads: run auxiliary heads whose loss trains
-            nothing (all parameters frozen, input needing no gradient);
-            default False: they are left out of training steps, logged once
-            (:mod:`mmseg_gf.engine.frozen_aux_heads`).
-        log_frozen_aux_losses: still log those heads' losses, computed
-            without autograd; default False.
-        reuse_cpu_memory: when the model trains on CPU, keep freed memory
-            in ``malloc``'s heap for the next steps instead of giving it
-            back to the system (:mod:`mmseg_gf.engine.cpu_memory`; the step
-            then skips the page faults of fresh memory, and the process
-            keeps its peak resident memory); default False.
-        layer_kinds: the kinds of layer ``num_layers`` / ``layers`` / the
-            budget count (``['conv2d']``: convs only, the paper's count);
-            default None: every registered kind (convs, Linears and
-            attentions on token grids).
-        patch_mean_activations: with the lean region and ``mode='gf'``, a
-            GELU between two filtered layers on one patch partition keeps
-            the patch means of its derivative where the traced training
-            step shows that exact
-            (:mod:`mmseg_gf.engine.patch_mean_activations`); default True.
+        **settings: the gradient-filter settings, as a config's
+            ``gradient_filter`` takes them
+            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings`: each
+            field's default and doc). ``input_size`` defaults to the
+            config's data_preprocessor size / crop_size, else 512; a
+            ``budget`` is fitted at the training crop and the train
+            dataloader's batch size; ``reuse_cpu_memory`` applies when the
+            model trains on CPU (:mod:`mmseg_gf.engine.cpu_memory`).
         log_table: log the per-layer cost table at train start.
         check_load_from: before the checkpoint is loaded, fail if the
             ``load_from`` (or resumed) checkpoint does not exist or does not
@@ -94,38 +69,20 @@ class GradFilterHook(Hook):
     priority = 'ABOVE_NORMAL'
 
     def __init__(self,
-                 num_layers: Optional[int] = None,
-                 layers: Optional[Sequence[str]] = None,
-                 budget: Optional[dict] = None,
-                 radius: Any = None,
-                 mode: str = 'gf',
-                 train_norm: bool = False,
-                 lean: bool = True,
-                 input_size: Optional[Sequence[int]] = None,
-                 keep_frozen_aux_heads: bool = False,
-                 log_frozen_aux_losses: bool = False,
-                 reuse_cpu_memory: bool = False,
-                 layer_kinds: Optional[Sequence[str]] = None,
-                 patch_mean_activations: bool = True,
+                 *,
                  log_table: bool = True,
                  check_load_from: bool = True,
-                 **unknown) -> None:
+                 **settings: Any) -> None:
+        unknown = sorted(set(settings) - set(SETTING_KEYS))
         if unknown:
             allowed = list(SETTING_KEYS) + ['log_table', 'check_load_from']
             raise ValueError(
-                f'GradFilterHook: unknown argument(s) {sorted(unknown)}; '
+                f'GradFilterHook: unknown argument(s) {unknown}; '
                 f'allowed: {allowed}')
         self.configured = any(
-            v is not None for v in (num_layers, layers, budget))
+            settings.get(k) is not None for k in CHOICE_KEYS)
         self.settings = check_settings(
-            dict(num_layers=num_layers, layers=layers, budget=budget,
-                 radius=radius, mode=mode, train_norm=train_norm, lean=lean,
-                 input_size=input_size,
-                 keep_frozen_aux_heads=keep_frozen_aux_heads,
-                 log_frozen_aux_losses=log_frozen_aux_losses,
-                 reuse_cpu_memory=reuse_cpu_memory, layer_kinds=layer_kinds,
-                 patch_mean_activations=patch_mean_activations)
-        ) if self.configured else None
+            settings) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
         self._peak_memory: Optional[PeakResidentMemory] = None

@@ -1,0 +1,247 @@
+"""The gradient-filter settings, declared once.
+
+A config's ``gradient_filter=dict(...)`` (:func:`.config.rewrite_config`),
+the ``GradFilterModel`` builder, ``GradFilterHook``'s arguments and what
+the tools read of a config (``tools/analyze_cost.py``: a hook's settings)
+all take the same settings. Each is one field of
+:class:`GradientFilterSettings`, with its default, its check and its doc;
+the key lists (:data:`SETTING_KEYS`, :data:`FLAGS`, :data:`SURGERY_FLAGS`)
+and the defaults (:data:`DEFAULTS`) are read off the fields, so a new
+setting is one field here (and a row of README's Settings table, which a
+test holds to the field list).
+
+Every error names the setting, its value and what is allowed, and comes
+before any model is built.
+"""
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..accounting.budget import check_budget
+from ..ops import MAX_RADIUS, check_radius
+from .selection import check_input_size, check_layer_kinds
+from .surgery import check_mode
+
+__all__ = [
+    'GradientFilterSettings', 'check_settings', 'SETTING_KEYS', 'FLAGS',
+    'SURGERY_FLAGS', 'CHOICE_KEYS', 'DEFAULTS', 'DEFAULT_RADIUS',
+    'DEFAULT_INPUT_SIZE'
+]
+
+DEFAULT_RADIUS = 4
+DEFAULT_INPUT_SIZE = (512, 512)
+#: The settings that choose the layers: exactly one is given.
+CHOICE_KEYS = ('num_layers', 'layers', 'budget')
+
+
+def _num_layers(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(
+            f'gradient_filter num_layers must be an int >= 1, got {n!r}')
+    return n
+
+
+def _layers(layers: Any) -> List[str]:
+    paths = [layers] if isinstance(layers, str) else layers
+    if not paths or not all(isinstance(p, str) for p in paths):
+        raise ValueError('gradient_filter layers must be a non-empty '
+                         f'list of module paths, got {layers!r}')
+    return list(paths)
+
+
+def _radius(radius: Any) -> Any:
+    values = radius.values() if isinstance(radius, dict) else [radius]
+    for r in values:
+        if r != 'auto':
+            try:
+                check_radius(r)
+            except ValueError:
+                raise ValueError(
+                    "gradient_filter radius must be an int >= 1, 'auto' or "
+                    'a dict {module path: int or "auto"} (ints at most '
+                    f'{MAX_RADIUS}), got {radius!r}') from None
+    return radius
+
+
+def _layer_kinds(kinds: Any) -> List[str]:
+    return list(check_layer_kinds(kinds))
+
+
+def _setting(default: Any, doc: str,
+             check: Optional[Callable[[Any], Any]] = None,
+             surgery: bool = False):
+    """A field: its default, its doc and the check that returns its
+    normalised value (None skips the check of a setting whose default is
+    None). ``surgery``: a flag :func:`.surgery.apply_gradient_filter`
+    takes."""
+    return field(default=default,
+                 metadata=dict(doc=doc, check=check, surgery=surgery))
+
+
+@dataclass
+class GradientFilterSettings:
+    """Which layers gradient filtering trains and how; checked (and
+    normalised) when made. :meth:`from_dict` makes one from a config's
+    dict, refusing unknown keys by name."""
+    num_layers: Optional[int] = _setting(
+        None, 'train the last N layers of `layer_kinds` (execution order)',
+        _num_layers)
+    layers: Optional[List[str]] = _setting(
+        None, 'or these module paths (a container: every layer inside)',
+        _layers)
+    budget: Optional[Dict[str, Any]] = _setting(
+        None, 'or limits the choice of N and radii must fit, e.g. '
+        'dict(saved_mib=300) (mmseg_gf.accounting.budget)', check_budget)
+    radius: Any = _setting(
+        None, "int, 'auto' or {path prefix: int | 'auto'}; default 4 (not "
+        'with a budget: its radii)', _radius)
+    mode: str = _setting(
+        'gf', "'gf' or 'vanilla' (the same layers, exact backward)",
+        check_mode)
+    train_norm: bool = _setting(
+        False, 'also train the norms following the chosen layers',
+        surgery=True)
+    lean: bool = _setting(
+        True, 'keep only what each backward needs around the trained '
+        'layers (docs/lean_region.md)', surgery=True)
+    input_size: Optional[Tuple[int, int]] = _setting(
+        None, '(H, W) of the selection trace; default: the config\'s '
+        'data_preprocessor size / crop_size, else 512', check_input_size)
+    keep_frozen_aux_heads: bool = _setting(
+        False, 'run auxiliary heads whose loss trains nothing (default: '
+        'left out of training steps)', surgery=True)
+    log_frozen_aux_losses: bool = _setting(
+        False, 'still log those heads\' losses, computed without autograd',
+        surgery=True)
+    reuse_cpu_memory: bool = _setting(
+        False, 'training on CPU: keep freed memory in malloc\'s heap for '
+        'the next steps (mmseg_gf.engine.cpu_memory)')
+    layer_kinds: Optional[List[str]] = _setting(
+        None, "the kinds of layer counted (['conv2d']: the paper's count); "
+        'default: every registered kind', _layer_kinds)
+    patch_mean_activations: bool = _setting(
+        True, 'with lean and mode=\'gf\': a GELU between two filtered '
+        'layers on one patch partition keeps the patch means of its '
+        'derivative where the traced step shows that exact')
+
+    def __post_init__(self) -> None:
+        out = self.as_dict()
+        _check_all(out)
+        for key, value in out.items():
+            setattr(self, key, value)
+
+    @classmethod
+    def from_dict(cls, settings: Any) -> 'GradientFilterSettings':
+        """Checked settings from a dict with keys among
+        :data:`SETTING_KEYS` (the others take their defaults).
+
+        Raises:
+            ValueError: not a dict, an unknown key, or a setting
+                :func:`check_settings` refuses; the message says what is
+                allowed.
+        """
+        if not isinstance(settings, dict):
+            raise ValueError(
+                'gradient_filter must be a dict, e.g. dict(num_layers=5, '
+                f'radius=4), with keys among {list(SETTING_KEYS)}; got '
+                f'{settings!r}')
+        unknown = sorted(set(settings) - set(SETTING_KEYS))
+        if unknown:
+            raise ValueError(f'gradient_filter: unknown key(s) {unknown}; '
+                             f'allowed: {list(SETTING_KEYS)}')
+        return cls(**settings)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Every setting by name (the values themselves, not copies)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_FIELDS = {f.name: f for f in fields(GradientFilterSettings)}
+#: Keys accepted in ``gradient_filter=dict(...)`` and by GradFilterHook.
+SETTING_KEYS: Tuple[str, ...] = tuple(_FIELDS)
+#: Every setting's default.
+DEFAULTS: Dict[str, Any] = {k: f.default for k, f in _FIELDS.items()}
+#: The settings that are True or False.
+FLAGS: Tuple[str, ...] = tuple(k for k, f in _FIELDS.items()
+                               if f.type in (bool, 'bool'))
+#: The flags the surgery takes (:func:`.surgery.apply_gradient_filter`);
+#: the others act on the process (:mod:`.cpu_memory`) or on the lean region
+#: after it (``patch_mean_activations``: :mod:`.patch_mean_activations`).
+SURGERY_FLAGS: Tuple[str, ...] = tuple(k for k, f in _FIELDS.items()
+                                       if f.metadata['surgery'])
+
+
+def _check(out: Dict[str, Any], keys: Sequence[str]) -> None:
+    """Check (and normalise in place) ``keys``, in this order: a flag is
+    True or False; a setting whose default is None is checked when given."""
+    for key in keys:
+        value, f = out[key], _FIELDS[key]
+        if key in FLAGS:
+            if not isinstance(value, bool):
+                raise ValueError(f'gradient_filter {key} must be True or '
+                                 f'False, got {value!r}')
+        elif value is not None or f.default is not None:
+            out[key] = f.metadata['check'](value)
+
+
+def _check_all(out: Dict[str, Any]) -> None:
+    """Every rule, in the order whose first failure is reported: the layer
+    kinds, one choice of layers, then the budget's rules or the layers'
+    and radius', then mode, the flags and input_size."""
+    _check(out, ('layer_kinds', ))
+    if sum(out[k] is not None for k in CHOICE_KEYS) != 1:
+        raise ValueError('gradient_filter: give exactly one of num_layers '
+                         '(the last N convs), layers (module paths) and '
+                         'budget (limits the choice must fit), got '
+                         f'num_layers={out["num_layers"]!r}, '
+                         f'layers={out["layers"]!r}, '
+                         f'budget={out["budget"]!r}')
+    late = ('mode', ) + FLAGS + ('input_size', )
+    if out['budget'] is not None:
+        _check_budget_settings(out, late)
+    else:
+        if out['radius'] is None:
+            out['radius'] = DEFAULT_RADIUS
+        _check(out, ('num_layers', 'layers', 'radius') + late)
+
+
+def _check_budget_settings(out: Dict[str, Any], late: Sequence[str]) -> None:
+    """A budget chooses layers and radii itself, for filtered convs with
+    frozen norms."""
+    _check(out, ('budget', ))
+    if out['radius'] is not None:
+        raise ValueError(
+            'gradient_filter: a budget chooses the radii itself; give '
+            'the candidates as budget=dict(..., radii=[2, 4, 8]) instead '
+            f'of radius={out["radius"]!r}')
+    _check(out, late)
+    if out['mode'] != 'gf' or out['train_norm']:
+        raise ValueError(
+            "gradient_filter budget needs mode='gf' and "
+            'train_norm=False (the costs it fits are those of filtered '
+            f'convs with frozen norms), got mode={out["mode"]!r}, '
+            f'train_norm={out["train_norm"]!r}')
+    if out['budget']['process_mib'] is not None and out['reuse_cpu_memory']:
+        raise ValueError(
+            'gradient_filter budget process_mib bounds the resident memory, '
+            'which reuse_cpu_memory=True lets grow to keep freed memory: '
+            'give one of them')
+
+
+def check_settings(settings: Any) -> Dict[str, Any]:
+    """Validate gradient-filter settings before any model is built.
+
+    Args:
+        settings: a dict with keys among :data:`SETTING_KEYS`.
+
+    Returns:
+        dict: every setting, the defaults filled (:data:`DEFAULTS`; radius
+        4 unless a budget chooses the radii).
+
+    Raises:
+        ValueError: not a dict, unknown key, not exactly one of
+            num_layers / layers / budget, a budget with a radius (its
+            candidates go in ``budget['radii']``), with ``mode`` other than
+            'gf' or with ``train_norm``, bad mode, radius, budget or
+            input_size. Errors say what is allowed.
+    """
+    return GradientFilterSettings.from_dict(settings).as_dict()

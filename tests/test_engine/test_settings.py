@@ -1,0 +1,78 @@
+"""mmseg_gf.engine.settings: one declaration of each gradient-filter
+setting, which the config rewrite, the model builder, GradFilterHook, the
+cost tool's reading of a hook and README's Settings table all follow."""
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip('mmseg')
+
+from mmengine.config import Config  # noqa: E402
+
+from mmseg_gf.analysis.cost_cli import hook_settings  # noqa: E402
+from mmseg_gf.engine import GradFilterHook  # noqa: E402
+from mmseg_gf.engine.settings import (DEFAULTS, FLAGS,  # noqa: E402
+                                      SETTING_KEYS, SURGERY_FLAGS,
+                                      GradientFilterSettings,
+                                      check_settings)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_keys_flags_and_defaults_come_from_the_fields():
+    assert SETTING_KEYS == (
+        'num_layers', 'layers', 'budget', 'radius', 'mode', 'train_norm',
+        'lean', 'input_size', 'keep_frozen_aux_heads',
+        'log_frozen_aux_losses', 'reuse_cpu_memory', 'layer_kinds',
+        'patch_mean_activations')
+    assert {k: DEFAULTS[k] for k in FLAGS} == dict(
+        train_norm=False, lean=True, keep_frozen_aux_heads=False,
+        log_frozen_aux_losses=False, reuse_cpu_memory=False,
+        patch_mean_activations=True)
+    assert SURGERY_FLAGS == ('train_norm', 'lean', 'keep_frozen_aux_heads',
+                             'log_frozen_aux_losses')
+
+
+def test_every_setting_has_a_doc_and_a_readme_row():
+    fields = GradientFilterSettings.__dataclass_fields__
+    assert all(f.metadata['doc'] for f in fields.values())
+    readme = (REPO / 'README.md').read_text()
+    table = readme.split('### Settings', 1)[1].split('\n## ', 1)[0]
+    rows = re.findall(r'^\| `(\w+)` \|', table, flags=re.M)
+    assert sorted(rows) == sorted(SETTING_KEYS)
+
+
+def test_the_dataclass_checks_and_normalises_when_made():
+    s = GradientFilterSettings(layers='decode_head', input_size=64)
+    assert (s.layers, s.input_size, s.radius) == (['decode_head'],
+                                                  (64, 64), 4)
+    assert check_settings(dict(layers='decode_head',
+                               input_size=64)) == s.as_dict()
+    with pytest.raises(ValueError, match='lean must be True or False'):
+        GradientFilterSettings(num_layers=2, lean='yes')
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['leen'\]"):
+        GradientFilterSettings.from_dict(dict(num_layers=2, leen=True))
+
+
+@pytest.mark.parametrize('key', [k for k in SETTING_KEYS
+                                 if k not in ('layers', 'budget')])
+def test_the_hook_takes_every_setting(key):
+    given = dict(num_layers=2)
+    given.setdefault(key, DEFAULTS[key])
+    hook = GradFilterHook(**given, log_table=False)
+    assert hook.settings == check_settings(dict(num_layers=2))
+
+
+def test_the_hook_names_an_unknown_argument_and_what_is_allowed():
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) "
+                       r"\['radus'\]; allowed: \['num_layers'.*"
+                       r"'log_table', 'check_load_from'\]"):
+        GradFilterHook(num_layers=2, radus=4)
+
+
+def test_the_cost_tool_reads_every_setting_of_a_hook():
+    given = {k: v for k, v in DEFAULTS.items() if v is not None}
+    cfg = Config(dict(custom_hooks=[
+        dict(type='GradFilterHook', num_layers=3, **given)]))
+    assert hook_settings(cfg) == dict(given, num_layers=3)
