@@ -59,7 +59,7 @@ bench: venv
 # On a CUDA machine with the stack (torch, triton, mmcv, mmseg): runs
 # $(PYTHON) when given (`make gpu-check PYTHON=...`, e.g. after
 # `source .gpu/env.sh`), else .venv's interpreter where .venv exists, else
-# python3. About 7 min on one H100 / H200: the CUDA tests, the step
+# python3. About 10 min on one H200: the CUDA tests, the step
 # benchmark, the kernels per step, the compiled step and the layer
 # benchmark; 8 files in $(OUT). Without CUDA it says so and stops
 # (status 3).
