@@ -38,6 +38,7 @@ from ..models.lean import is_lean, lean_kind
 from ..models.lean_transformer import is_rule_owner
 from ..models.patch_mean_gelu import patch_mean_partition
 from ..ops.patch_mean_activation import patch_mean_kept_elements
+from ..ops.patching import plain_class
 from .kept import SavedItem, count_once, register_call_rule
 
 __all__ = ['transformer_items', 'attention_items']
@@ -117,7 +118,7 @@ def transformer_items(path: str, module: nn.Module, x: torch.Tensor,
                                             partition)
         return [SavedItem(path, 'activation', elements // x.shape[0],
                           x.element_size())]
-    if getattr(type(module), '_plain_class', type(module)) is nn.GELU:
+    if plain_class(module) is nn.GELU:
         kept = _input_item(path, 'activation', x, shared)
         return [kept] if kept is not None else []
     return None

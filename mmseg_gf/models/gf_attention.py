@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from ..ops import check_radius
 from ..ops.gradient_filter_linear import gradient_filtered_linear
+from ..ops.patching import plain_class
 from .gf_conv import warn_exact_backward
 from .gf_linear import TokenGridSource
 from .lean_transformer import AttentionCall
@@ -72,7 +73,7 @@ class ProbabilitiesCall:
 def is_filterable_attention(module: nn.Module) -> bool:
     """True for ``nn.MultiheadAttention`` itself (and GFMultiheadAttention):
     a subclass may change the computation this class reproduces."""
-    plain = getattr(type(module), '_plain_class', type(module))
+    plain = plain_class(module)
     return plain is nn.MultiheadAttention or isinstance(
         module, GFMultiheadAttention)
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..ops.patch_mean_activation import (PatchMeanGeluFunction,
                                          PatchPartition, tagged_partition)
+from ..ops.patching import swap_class
 
 __all__ = ['make_patch_mean_gelu', 'is_patch_mean_gelu',
            'patch_mean_partition']
@@ -44,7 +45,9 @@ class _PatchMeanGELU:
         return PatchMeanGeluFunction.apply(x, self.approximate, partition)
 
 
-_CLASSES = {}
+#: The owner of the lean region's class swaps (:mod:`.lean` and these
+#: GELUs): :func:`~.lean.make_plain` undoes both.
+LEAN_OWNER = 'lean'
 
 
 def is_patch_mean_gelu(module: nn.Module) -> bool:
@@ -71,11 +74,7 @@ def make_patch_mean_gelu(module: nn.Module,
         if not issubclass(cls, nn.GELU) or cls.forward is not nn.GELU.forward:
             raise TypeError(f'{cls.__name__} is not an nn.GELU with torch\'s '
                             'forward')
-        lean = _CLASSES.get(cls)
-        if lean is None:
-            lean = type(f'PatchMean{cls.__name__}', (_PatchMeanGELU, cls),
-                        {'_plain_class': cls, '__module__': cls.__module__})
-            _CLASSES[cls] = lean
-        module.__class__ = lean
+        swap_class(module, _PatchMeanGELU, LEAN_OWNER,
+                   f'PatchMean{cls.__name__}')
     module._patch_mean_partition = partition
     module._patch_mean_call = None
