@@ -29,9 +29,9 @@ def warn_exact_backward(module: nn.Module, reason: str) -> None:
     """Warn once per layer that a call runs the exact backward, for
     ``reason`` (a call its filter does not cover); every filtered layer
     kind uses it, so the message names the layer the same way."""
-    if getattr(module, '_warned_exact_backward', False):
+    if getattr(module, '_gf_warned_exact_backward', False):
         return
-    module._warned_exact_backward = True
+    module._gf_warned_exact_backward = True
     name = plain_class(module).__name__
     warnings.warn(
         f'{name}({module.extra_repr()}): falling back to the exact backward '

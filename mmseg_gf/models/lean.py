@@ -286,26 +286,26 @@ class _LeanLossHead:
         with strided_gradient_resizes():
             if fusion_blocker(self) is not None:
                 return super().loss(*args, **kwargs)
-            self._classifier_capture = ClassifierCapture()
+            self._gf_classifier_capture = ClassifierCapture()
             try:
                 return super().loss(*args, **kwargs)
             finally:
-                self._classifier_capture = None
+                self._gf_classifier_capture = None
 
     def cls_seg(self, feat: Tensor) -> Tensor:
-        capture = getattr(self, '_classifier_capture', None)
+        capture = getattr(self, '_gf_classifier_capture', None)
         if capture is None:
             return super().cls_seg(feat)
         return capture.classify(self, feat)
 
     def loss_by_feat(self, seg_logits, batch_data_samples, *args, **kwargs):
         if args or kwargs or not _recording_any(seg_logits) or getattr(
-                self, '_lean_loss_off', None):
+                self, '_gf_lean_loss_off', None):
             return super().loss_by_feat(seg_logits, batch_data_samples,
                                         *args, **kwargs)
         if torch.compiler.is_compiling():
             return traced_head_losses(self, seg_logits, batch_data_samples)
-        capture = getattr(self, '_classifier_capture', None)
+        capture = getattr(self, '_gf_classifier_capture', None)
         reason = None if capture is None else capture.mismatch(seg_logits)
         rng = torch.get_rng_state()
         try:
@@ -322,7 +322,7 @@ class _LeanLossHead:
             torch.set_rng_state(rng)
             return super().loss_by_feat(seg_logits, batch_data_samples)
         except ValueError as error:  # this loss needs autograd's own path
-            self._lean_loss_off = self._fused_classifier_off = str(error)
+            self._gf_lean_loss_off = self._gf_fused_classifier_off = str(error)
             log_fallback_once(self, str(error))
             torch.set_rng_state(rng)  # the plain loss draws what it drew
         return super().loss_by_feat(seg_logits, batch_data_samples)

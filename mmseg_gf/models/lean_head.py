@@ -106,7 +106,7 @@ def fusion_blocker(head: nn.Module) -> Optional[str]:
     convolution while trained). (Whether its forward returns the
     classifier's output, alone or in a tuple, is seen in the forward:
     :meth:`ClassifierCapture.mismatch`.)"""
-    reason = getattr(head, '_fused_classifier_off', None)
+    reason = getattr(head, '_gf_fused_classifier_off', None)
     base = base_decode_head()
     plain = plain_class(head)
     if reason is not None:
@@ -408,7 +408,7 @@ def disable_classifier_fusion(head: nn.Module, reason: str) -> None:
     logits): for comparing the
     two, or for a head whose forward reads its classifier's output in a way
     the fusion does not see. ``reason`` is logged once."""
-    head._fused_classifier_off = reason
+    head._gf_fused_classifier_off = reason
     log_fallback_once(head, reason)
 
 
@@ -416,11 +416,11 @@ def folded_dropout_noise(head: nn.Module) -> Optional[Tensor]:
     """The noise of the ``Dropout2d`` folded into ``head``'s classifier
     call running now (what a step tracer asks at the classifier's call: the
     fused loss keeps it for ``g_x``), or None."""
-    capture = getattr(head, '_classifier_capture', None)
+    capture = getattr(head, '_gf_classifier_capture', None)
     return None if capture is None else capture.scale
 
 
 def classifier_fused_now(head: nn.Module) -> bool:
     """Whether ``head`` is in a ``loss`` call that fuses its classifier
     with the loss (what a step tracer asks at the classifier's call)."""
-    return getattr(head, '_classifier_capture', None) is not None
+    return getattr(head, '_gf_classifier_capture', None) is not None

@@ -28,20 +28,20 @@ __all__ = ['make_patch_mean_gelu', 'is_patch_mean_gelu',
 class _PatchMeanGELU:
     """``nn.GELU`` keeping ``mean_P f'(x)`` on its partition.
 
-    After a call, ``_patch_mean_call`` is the input's shape when the rule
+    After a call, ``_gf_patch_mean_call`` is the input's shape when the rule
     ran, None when the plain GELU did (for the accounting).
     """
 
-    _patch_mean_partition: Optional[PatchPartition] = None
-    _patch_mean_call = None
+    _gf_patch_mean_partition: Optional[PatchPartition] = None
+    _gf_patch_mean_call = None
 
     def forward(self, x: Tensor) -> Tensor:
-        partition = self._patch_mean_partition
+        partition = self._gf_patch_mean_partition
         if (partition is None or not torch.is_grad_enabled()
                 or not x.requires_grad or tagged_partition(x) != partition):
-            self._patch_mean_call = None
+            self._gf_patch_mean_call = None
             return super().forward(x)
-        self._patch_mean_call = tuple(x.shape)
+        self._gf_patch_mean_call = tuple(x.shape)
         return PatchMeanGeluFunction.apply(x, self.approximate, partition)
 
 
@@ -57,7 +57,7 @@ def is_patch_mean_gelu(module: nn.Module) -> bool:
 
 def patch_mean_partition(module: nn.Module) -> Optional[PatchPartition]:
     """The partition a patch-mean GELU relies on (None: not one)."""
-    return module._patch_mean_partition if is_patch_mean_gelu(
+    return module._gf_patch_mean_partition if is_patch_mean_gelu(
         module) else None
 
 
@@ -76,5 +76,5 @@ def make_patch_mean_gelu(module: nn.Module,
                             'forward')
         swap_class(module, _PatchMeanGELU, LEAN_OWNER,
                    f'PatchMean{cls.__name__}')
-    module._patch_mean_partition = partition
-    module._patch_mean_call = None
+    module._gf_patch_mean_partition = partition
+    module._gf_patch_mean_call = None

@@ -127,7 +127,8 @@ def test_hooks_are_removed_exactly():
     lasting = conv.register_forward_hook(lambda m, a, o: None)
     before = _state(conv)
     calls = []
-    hooks = Hooks([conv.register_forward_hook(lambda m, a, o: calls.append(1))])
+    hooks = Hooks([conv.register_forward_hook(
+        lambda m, a, o: calls.append(1))])
     hooks.add(conv.register_forward_pre_hook(lambda m, a: calls.append(0)))
     with hooks.removed_after():
         conv(torch.ones(1, 1, 2, 2))
