@@ -1,4 +1,4 @@
-"""Fuzz test of the checkpoint loader (``mmseg_gf/engine/safe_load.py``).
+"""Fuzz test of the checkpoint loader (``mmseg_gf/engine/checkpoint/safe_load.py``).
 
 Hundreds of crafted pickles, each loaded in a child process both by the
 plugin's loader and by plain ``torch.load(weights_only=True)`` after
@@ -33,7 +33,7 @@ from typing import List
 
 import pytest
 
-from mmseg_gf.engine.safe_load import mmengine_checkpoint_types
+from mmseg_gf.engine.checkpoint.safe_load import mmengine_checkpoint_types
 from tests.test_engine import _crafted_checkpoints as cc
 
 SEED = int(os.environ.get('MMSEG_GF_FUZZ_SEED', '20261126'))

@@ -116,9 +116,9 @@ def check(record: dict, case: Case) -> None:
 # ------------------------------------------------------------ checkpoints
 LOADER_PRELUDE = '''
 import torch
-from mmseg_gf.engine.safe_load import (load_checkpoint_file,
+from mmseg_gf.engine.checkpoint.safe_load import (load_checkpoint_file,
                                        trust_checkpoint_types)
-from mmseg_gf.engine.weights_export import export_weights
+from mmseg_gf.engine.checkpoint.weights_export import export_weights
 from mmengine.config import Config
 from mmseg_gf.engine.entrypoints import resolve_resume
 OUT = FILES['out']

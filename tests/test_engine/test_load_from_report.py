@@ -1,5 +1,5 @@
 """The ``load_from`` report of a source model with another class count
-(``mmseg_gf/engine/checkpoint.py``): shape mismatches first, re-initialised
+(``mmseg_gf/engine/checkpoint/matching.py``): shape mismatches first, re-initialised
 keys apart from dropped ones, no mismatch hidden under "(N more)"."""
 import copy
 import logging

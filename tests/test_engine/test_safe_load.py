@@ -2,7 +2,7 @@
 through checking stand-ins, a crafted file neither crashes the process nor
 changes its state, a pickle that would run code is refused with what it
 holds named, and the trust flag accepts exactly the names refusals print
-(``mmseg_gf/engine/safe_load.py``, ``mmseg_gf/engine/checkpoint_data.py``).
+(``mmseg_gf/engine/checkpoint/safe_load.py``, ``mmseg_gf/engine/checkpoint/data.py``).
 
 Crafted files are loaded in a child process (``_crafted_checkpoints``): a
 crash must show as a signal there, not kill the test run.
@@ -18,7 +18,7 @@ import torch
 from mmengine.logging import HistoryBuffer
 
 from mmseg_gf.engine.checkpoint import check_checkpoint_matches
-from mmseg_gf.engine.safe_load import (RefusedCheckpointError,
+from mmseg_gf.engine.checkpoint.safe_load import (RefusedCheckpointError,
                                        explain_refused_checkpoints,
                                        load_checkpoint_file,
                                        trust_checkpoint_types)
@@ -61,7 +61,7 @@ class Outer:
 @pytest.fixture
 def allow_list():
     """torch's allow-list, restored after the test."""
-    from mmseg_gf.engine import checkpoint_data
+    from mmseg_gf.engine.checkpoint import data as checkpoint_data
     before = list(torch.serialization.get_safe_globals())
     nested = dict(checkpoint_data.TRUSTED_NESTED)
     yield

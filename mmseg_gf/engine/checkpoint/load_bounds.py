@@ -33,7 +33,7 @@ import zipfile
 import zlib
 from typing import List, Optional, Tuple
 
-from .checkpoint_data import RefusedCheckpointError, refusal
+from .data import RefusedCheckpointError, refusal
 from .pickle_scan import PickleScan, data_pickle_info, scan_pickle
 
 __all__ = ['set_load_limit', 'load_cap', 'read_checkpoint', 'check_cost',
@@ -109,7 +109,8 @@ def _too_costly(what: str, cost: int, file_size: int,
         f'(the larger of {_factor():g} x the file size and '
         f'{_mib(_limit["floor"])}; allowed: a checkpoint as torch.save '
         'writes it, which declares about its own size). For a file you '
-        'trust, raise the cap: mmseg_gf.engine.load_bounds.set_load_limit('
+        'trust, raise the cap: '
+        'mmseg_gf.engine.checkpoint.load_bounds.set_load_limit('
         f'factor=..., floor_bytes=...) or {FACTOR_ENV}=...')
 
 
