@@ -31,8 +31,11 @@ from mmseg_gf.engine.config import (build_grad_filter_model,  # noqa: E402
 from mmseg_gf.engine.frozen_aux_heads import (  # noqa: E402
     frozen_head_reason, run_frozen_aux_heads, skips_frozen_aux_heads)
 from mmseg_gf.engine.hooks import GradFilterHook  # noqa: E402
+from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
+                                         remove_lean_region)
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
+from mmseg_gf.ops.patching import plain_class  # noqa: E402
 
 SIZE = (64, 64)
 CHANNELS = {2: 256, 3: 512}  # ResNet-18 layer3, layer4
@@ -330,3 +333,18 @@ def test_settings_reach_the_built_model():
         assert state.keep_frozen_aux_heads == keep
         assert state.log_frozen_aux_losses
         assert skips_frozen_aux_heads(model) == (not keep)
+
+
+def test_removing_the_lean_region_keeps_the_segmentors_swap():
+    """Each owner of class swaps undoes its own: the lean region's removal
+    gives every lean module its plain class and leaves the segmentor's;
+    running the frozen heads again gives the segmentor its plain class."""
+    base = _base(_aux(2))
+    model = _prepared(base, lean=True)
+    assert skips_frozen_aux_heads(model) and lean_counts(model)
+    assert remove_lean_region(model) > 0 and not lean_counts(model)
+    assert skips_frozen_aux_heads(model)
+    plain = dict(base.named_modules())
+    assert all(type(m) is type(plain[p]) for p, m in model.named_modules()
+               if p and p in plain and plain_class(m) is type(plain[p]))
+    assert run_frozen_aux_heads(model) and type(model) is type(base)
