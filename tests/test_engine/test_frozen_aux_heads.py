@@ -11,21 +11,19 @@ head on frozen features) or of the decode head's alone (trained features).
 The zoo models after a class-count change:
 ``test_frozen_aux_heads_transfer.py``.
 """
-import copy
-
 import pytest
 import torch
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import NORM, model_cfg  # noqa: E402
+from tests._engine_fixtures import (NORM, filtered_copy,  # noqa: E402
+                                    model_cfg)
 
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.trace import (StepTracer,  # noqa: E402
                                        trace_step_saved_bytes)
-from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.config import (build_grad_filter_model,  # noqa: E402
                                     check_settings)
 from mmseg_gf.engine.frozen_aux_heads import (  # noqa: E402
@@ -75,10 +73,7 @@ def _base(aux, cascade=False):
 
 
 def _prepared(base, **flags):
-    model = copy.deepcopy(base)
-    choices = select_layers(model, num_layers=5, radius=4, input_size=SIZE)
-    apply_gradient_filter(model, choices, **flags)
-    return model
+    return filtered_copy(base, 5, 4, SIZE, **flags)
 
 
 def _count_calls(model):

@@ -34,8 +34,6 @@ import torch
 pytest.importorskip('mmseg')
 
 from mmseg_gf.accounting.batch import random_batch  # noqa: E402
-from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from mmseg_gf.accounting.batch import training_loss  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
@@ -44,6 +42,7 @@ from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.engine.zoo import family_config, make_offline  # noqa: E402
 from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests._engine_fixtures import step_saved_bytes  # noqa: E402
 from tests.test_engine.test_realtime_families import (  # noqa: E402
     check_terms, one_step, plain_model)
 
@@ -156,8 +155,7 @@ def check_lean_step(name, device='cpu', modes=('vanilla', 'gf'),
 
 
 def _measured(model, batch=BATCH):
-    inputs, samples = random_batch(model, (SIZE, SIZE), batch)
-    return saved_tensor_bytes(lambda: training_loss(model, inputs, samples))
+    return step_saved_bytes(model, (SIZE, SIZE), batch)
 
 
 @pytest.mark.parametrize('name', FAMILIES + ('segformer_b2', ))

@@ -1,28 +1,21 @@
 """What gradient filtering leaves on mmseg's objects after a training
 step: attributes of its own only under the ``_gf_`` prefix
 (docs/patching.md)."""
-import copy
-
 import pytest
 import torch
 
 pytest.importorskip('mmseg')
 
 from tests._engine_fixtures import (SMALL_BATCH, SMALL_SIZE,  # noqa: E402
-                                    build_model)
+                                    build_model, filtered_copy)
 
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)
-from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.ops.patching import PRIVATE_PREFIX, plain_class  # noqa: E402
 
 
 def _filtered(base):
-    model = copy.deepcopy(base)
-    choices = select_layers(model, num_layers=5, radius=4,
-                            input_size=SMALL_SIZE)
-    apply_gradient_filter(model, choices, mode='gf', lean=True)
-    return model
+    return filtered_copy(base, 5, 4, SMALL_SIZE, mode='gf', lean=True)
 
 
 @pytest.fixture(scope='module')
