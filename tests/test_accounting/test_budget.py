@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip('mmseg')
 
-from tests._devices import DEVICES  # noqa: E402
-from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
-                                    SMALL_SIZE, build_model, filtered_copy,
-                                    step_saved_bytes)
+from tests.helpers.devices import DEVICES  # noqa: E402
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SIX_MODELS, SMALL_BATCH, SMALL_SIZE, build_model, filtered_copy,
+    step_saved_bytes)
 
 from mmseg_gf.accounting.budget import (DEFAULT_RADII,  # noqa: E402
                                         PEAK_HEADROOM, check_budget,
@@ -149,7 +149,7 @@ def test_predicted_peak_holds_for_the_chosen_setting(name, device):
     assert choice.num_layers >= n
     predicted = choice.cost.peak_bytes
     model = filtered_copy(base, choice.num_layers, choice.radius,
-                   PEAK_SIZE).to(device)
+                          PEAK_SIZE).to(device)
     measured = measured_step_peak(model, PEAK_SIZE, BATCH, device)
     assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
     assert measured / 2**20 <= limit, (measured, limit)
@@ -161,7 +161,7 @@ def test_predicted_peak_holds_for_the_chosen_setting(name, device):
 
 @pytest.fixture(scope='module')
 def workspace(tmp_path_factory):
-    from tests._engine_fixtures import prepare_workspace
+    from tests.helpers.engine_fixtures import prepare_workspace
     return prepare_workspace(str(tmp_path_factory.mktemp('gf_budget')))
 
 
@@ -173,8 +173,8 @@ def test_budget_runs_train_the_chosen_layers(workspace, way):
     import os.path as osp
 
     from mmseg_gf.models import GFConv2d
-    from tests._engine_fixtures import (changed_modules, run_training,
-                                        tool_cfg)
+    from tests.helpers.engine_fixtures import (
+        changed_modules, run_training, tool_cfg)
     batch = 2
     torch.manual_seed(0)
     profile = profile_segmentor(build_model('pspnet_r18'), SIZE)

@@ -24,9 +24,10 @@ from mmseg_gf.accounting.budget import choose_by_budget  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
-from tests._engine_fixtures import (filtered_copy,  # noqa: E402
-                                    step_saved_bytes)
-from tests._tiny_segmentors import BN, fcn_head, tiny_segmentor  # noqa: E402
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    filtered_copy, step_saved_bytes)
+from tests.helpers.tiny_segmentors import (  # noqa: E402
+    BN, fcn_head, tiny_segmentor)
 
 SIZE = (32, 32)
 BATCH = 2

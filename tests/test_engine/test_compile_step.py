@@ -17,9 +17,9 @@ import torch
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import (SMALL_BATCH, SMALL_SIZE,  # noqa: E402
-                                    build_model, prepare_workspace,
-                                    run_training, tool_cfg)
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SMALL_BATCH, SMALL_SIZE, build_model, prepare_workspace, run_training,
+    tool_cfg)
 
 from mmseg_gf.accounting.batch import random_batch  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402

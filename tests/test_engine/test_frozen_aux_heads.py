@@ -1,7 +1,7 @@
 """Frozen auxiliary heads are left out of a step: those on frozen features
 train nothing, those on trained features are cut off from the backbone.
 
-A tiny FCN-R18 (``tests/_engine_fixtures.py``) with FCN auxiliary heads,
+A tiny FCN-R18 (``tests/helpers/engine_fixtures.py``) with FCN auxiliary heads,
 last 5 convs trained (``backbone.layer4.1`` and the decode head): a head on
 ``layer3`` (``in_index=2``) reads features that need no gradient, a head on
 ``layer4`` (``in_index=3``) reads trained ones. References are the same
@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import (NORM, filtered_copy,  # noqa: E402
-                                    model_cfg)
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    NORM, filtered_copy, model_cfg)
 
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)

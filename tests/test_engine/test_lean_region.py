@@ -9,10 +9,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
-                                    SMALL_SIZE, build_model, filtered_copy)
-from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
-from tests._loss_checks import assert_same_loss_by_feat  # noqa: E402
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SIX_MODELS, SMALL_BATCH, SMALL_SIZE, build_model, filtered_copy)
+from tests.helpers.devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests.helpers.loss_checks import assert_same_loss_by_feat  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402

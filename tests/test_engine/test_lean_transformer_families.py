@@ -41,8 +41,8 @@ from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.engine.zoo import family_config, make_offline  # noqa: E402
-from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
-from tests._engine_fixtures import step_saved_bytes  # noqa: E402
+from tests.helpers.devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests.helpers.engine_fixtures import step_saved_bytes  # noqa: E402
 from tests.test_engine.test_realtime_families import (  # noqa: E402
     check_terms, one_step, plain_model)
 

@@ -6,8 +6,8 @@ import torch
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import (SMALL_BATCH, SMALL_SIZE,  # noqa: E402
-                                    build_model, filtered_copy)
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SMALL_BATCH, SMALL_SIZE, build_model, filtered_copy)
 
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)

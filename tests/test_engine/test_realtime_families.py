@@ -40,7 +40,7 @@ from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES,  # noqa: E402
                                  family_config, make_offline)
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
-from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests.helpers.devices import DEVICE_PATHS, on_path  # noqa: E402
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures('one_thread')]
 

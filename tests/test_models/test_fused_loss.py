@@ -14,7 +14,7 @@ pytest.importorskip('mmseg')
 from mmseg.models.decode_heads import FCNHead  # noqa: E402
 from mmseg.registry import MODELS  # noqa: E402
 from mmseg.utils import register_all_modules  # noqa: E402
-from tests._loss_checks import pid_head, seg_samples  # noqa: E402
+from tests.helpers.loss_checks import pid_head, seg_samples  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.models import lean_head  # noqa: E402

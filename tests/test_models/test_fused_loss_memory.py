@@ -15,7 +15,7 @@ import torch
 pytest.importorskip('mmseg')
 
 from mmseg.utils import register_all_modules  # noqa: E402
-from tests._loss_checks import pid_head, seg_samples  # noqa: E402
+from tests.helpers.loss_checks import pid_head, seg_samples  # noqa: E402
 
 from mmseg_gf.accounting.measured import (live_bytes_by_interval,  # noqa: E402
                                           mark)

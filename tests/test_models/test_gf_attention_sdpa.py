@@ -22,7 +22,7 @@ from mmseg_gf.accounting.kept_tokens import patch_sum_elements, token_items
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models import GFLinear, GFMultiheadAttention, TokenGridSource
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from tests._devices import DEVICES
+from tests.helpers.devices import DEVICES
 
 Q_GRID = TokenGrid(4, 4, 1)
 K_GRID = TokenGrid(2, 3)  # S = 6: no (L, S) shape is (L, head dim)

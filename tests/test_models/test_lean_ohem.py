@@ -10,7 +10,7 @@ pytest.importorskip('mmseg')
 
 from mmseg.models.decode_heads import DDRHead, PIDHead  # noqa: E402
 from mmseg.models.losses import OhemCrossEntropy  # noqa: E402
-from tests._loss_checks import seg_samples  # noqa: E402
+from tests.helpers.loss_checks import seg_samples  # noqa: E402
 
 from mmseg_gf.models.lean_head import (fused_classifier_losses,  # noqa: E402
                                        lean_head_losses)

@@ -12,8 +12,8 @@ pytest.importorskip('mmseg')
 from mmseg.registry import MODELS  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from tests._loss_checks import (assert_same_loss_by_feat,  # noqa: E402
-                                seg_samples)
+from tests.helpers.loss_checks import (  # noqa: E402
+    assert_same_loss_by_feat, seg_samples)
 from mmseg_gf.models.lean import make_lean  # noqa: E402
 from mmseg_gf.models.lean_loss import (chunkable_losses,  # noqa: E402
                                        ohem_sampler_spec)

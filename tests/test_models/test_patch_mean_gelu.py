@@ -20,7 +20,7 @@ from mmseg_gf.models.patch_mean_gelu import (is_patch_mean_gelu,
 from mmseg_gf.ops import TokenGrid
 from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
                                                 tagged_partition)
-from tests._devices import DEVICES
+from tests.helpers.devices import DEVICES
 
 
 def _linear(radius, grid, device='cpu'):

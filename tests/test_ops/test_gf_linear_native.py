@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, native
 from mmseg_gf.ops.gradient_filter_linear import TokenLayout
-from tests.gf_linear_cases import LAYOUT_CASES
+from tests.helpers.gf_linear_cases import LAYOUT_CASES
 
 pytestmark = pytest.mark.skipif(
     not native.available() or

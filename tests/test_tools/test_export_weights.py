@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from mmseg_gf.engine.checkpoint.pickle_scan import checkpoint_pickle, names_in_pickle
+from mmseg_gf.engine.checkpoint.pickle_scan import (checkpoint_pickle,
+                                                    names_in_pickle)
 from mmseg_gf.engine.checkpoint.weights_export import plain_data
-from tests._engine_fixtures import (build_model, make_tiny_voc, model_cfg,
-                                    run_training, runner_cfg)
-from tests._tools import load_tool
+from tests.helpers.engine_fixtures import (
+    build_model, make_tiny_voc, model_cfg, run_training, runner_cfg)
+from tests.helpers.tools import load_tool
 
 CLASSES = ('background', 'road', 'car')
 PALETTE = [[0, 0, 0], [128, 64, 128], [0, 0, 142]]

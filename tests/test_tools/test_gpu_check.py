@@ -17,7 +17,7 @@ pytest.importorskip('mmseg')
 from mmseg_gf.analysis.gpu_report import (LayerRun,  # noqa: E402
                                           layer_checks, layer_runs_table,
                                           step_checks)
-from tests._tools import REPO, load_tool  # noqa: E402
+from tests.helpers.tools import REPO, load_tool  # noqa: E402
 
 gpu_check = load_tool('gpu_check')
 

@@ -306,8 +306,9 @@ def tool_cfg(work_dir: str, voc_root: str, init: str, way: str = 'rewrite',
                      batch_size=batch_size)
     cfg['model']['decode_head']['dropout_ratio'] = 0.0
     cfg['train_dataloader']['sampler']['seed'] = 0
-    cfg['custom_imports'] = dict(imports=['mmseg_gf', 'tests._train_hooks'],
-                                 allow_failed_imports=False)
+    cfg['custom_imports'] = dict(
+        imports=['mmseg_gf', 'tests.helpers.train_hooks'],
+        allow_failed_imports=False)
     cfg['load_from'] = init
     settings = dict(dict(num_layers=5, radius=4), **hook_args)
     if way == 'rewrite':

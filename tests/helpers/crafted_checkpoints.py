@@ -269,7 +269,8 @@ def load_in_child(paths: Sequence[str], marker: str,
         paths: the files.
         marker: the file a crafted payload would create if code ran.
         trust: names given to ``trust_checkpoint_types`` first.
-        loader: 'plugin': ``mmseg_gf.engine.checkpoint.safe_load.load_checkpoint_file``;
+        loader: 'plugin':
+            ``mmseg_gf.engine.checkpoint.safe_load.load_checkpoint_file``;
             'torch': plain ``torch.load(weights_only=True)`` after
             ``import mmseg_gf`` (what mmseg's own tools do with the plugin
             imported).
@@ -287,7 +288,7 @@ def load_in_child(paths: Sequence[str], marker: str,
     todo = list(paths)
     while todo:
         proc = subprocess.run(
-            [sys.executable, '-m', 'tests.test_engine._crafted_checkpoints',
+            [sys.executable, '-m', 'tests.helpers.crafted_checkpoints',
              marker, json.dumps(list(trust)), loader],
             input='\n'.join(todo), capture_output=True, text=True, env=env,
             cwd=REPO, timeout=timeout)
