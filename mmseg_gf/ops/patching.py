@@ -26,8 +26,9 @@ import contextlib
 from typing import (Callable, Dict, Iterable, Iterator, List, NamedTuple,
                     Optional, Tuple)
 
-__all__ = ['PRIVATE_PREFIX', 'SwappedFrom', 'swap_class', 'unswap_class',
-           'plain_class', 'is_swapped', 'override', 'overridden', 'Hooks']
+__all__ = ['PRIVATE_PREFIX', 'SWAP_MARKER', 'SwappedFrom', 'swapped_class',
+           'swap_class', 'unswap_class', 'plain_class', 'is_swapped',
+           'override', 'overridden', 'Hooks']
 
 #: Every attribute this package sets on another library's object starts
 #: with it, so that none can clash with mmseg's or torch's own.

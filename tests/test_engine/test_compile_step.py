@@ -111,7 +111,7 @@ def test_lean_segformer_traces_and_equals_eager():
     gradients under ``aot_eager``."""
     from tests.test_engine.test_lean_transformer_families import (
         BATCH, SIZE, _model, tiny_cfg)
-    from tests.test_engine.test_realtime_families import plain_model
+    from tests.helpers.lean_steps import plain_model
     cfg = tiny_cfg('segformer_b0')
     plain = plain_model(cfg)
     lean = _model(cfg, plain, 'gf', True, 20, layer_kinds=None)
