@@ -7,7 +7,7 @@ checkpoint holds it, the mmseg / mmengine / torch versions). mmseg's own
 torch's default ``weights_only=True``) load it without this plugin, which a
 Runner's training checkpoint (holding mmengine's ``HistoryBuffer``) needs on
 torch >= 2.6. The logic is
-:func:`mmseg_gf.engine.weights_export.export_weights`.
+:func:`mmseg_gf.engine.checkpoint.weights_export.export_weights`.
 
 Example::
 
@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import mmseg_gf  # noqa: F401  (allow-lists mmengine checkpoints' types)
 from mmseg_gf.engine.tool_args import add_trust_argument
-from mmseg_gf.engine.weights_export import export_weights
+from mmseg_gf.engine.checkpoint.weights_export import export_weights
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

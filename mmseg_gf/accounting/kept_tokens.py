@@ -176,7 +176,7 @@ def _projection_items(path: str, module: GFMultiheadAttention,
                       shared: Dict[int, Tuple[str, Any]]
                       ) -> List[SavedItem]:
     """What the four projections of the last call kept."""
-    call = module._lean_call or module._probabilities_call
+    call = module._gf_lean_call or module._gf_probabilities_call
     e, eb = call.dim, call.elem_bytes
     items = []
     if not module.enabled:
@@ -237,9 +237,9 @@ def candidate_extra_items(path: str, module: nn.Module,
         return []
     views = [] if module._packing in (None, 'qkv') else _weight_view(
         path, module.in_proj_weight, shared)
-    if module._lean_call is not None:
+    if module._gf_lean_call is not None:
         return attention_items(path, module) + views
-    if module._probabilities_call is not None:
+    if module._gf_probabilities_call is not None:
         return _probability_items(path, module) + views
     raise LookupError(path)
 
@@ -249,7 +249,7 @@ def _probability_items(path: str, module: GFMultiheadAttention
     """The ``bmm`` path: ``q * scale``, the projection holding k and v
     (the packed ``3 L E`` one for self-attention, ``2 S E`` for a shared
     key/value, two ``S E`` ones otherwise) and the probabilities."""
-    call = module._probabilities_call
+    call = module._gf_probabilities_call
     if call.dropout:
         raise LookupError(path)
     b, e = call.batch, call.dim
@@ -265,9 +265,9 @@ def _probability_items(path: str, module: GFMultiheadAttention
 def _attention_call_items(path: str, module: GFMultiheadAttention,
                           shared: Dict[int, Tuple[str, Any]]
                           ) -> List[SavedItem]:
-    if module._lean_call is not None:
+    if module._gf_lean_call is not None:
         core = attention_items(path, module)
-    elif module._probabilities_call is not None:
+    elif module._gf_probabilities_call is not None:
         core = _probability_items(path, module)
     else:  # torch's own forward ran
         raise LookupError(path)

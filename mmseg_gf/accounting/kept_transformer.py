@@ -38,6 +38,7 @@ from ..models.lean import is_lean, lean_kind
 from ..models.lean_transformer import is_rule_owner
 from ..models.patch_mean_gelu import patch_mean_partition
 from ..ops.patch_mean_activation import patch_mean_kept_elements
+from ..ops.patching import plain_class
 from .kept import SavedItem, count_once, register_call_rule
 
 __all__ = ['transformer_items', 'attention_items']
@@ -46,7 +47,7 @@ __all__ = ['transformer_items', 'attention_items']
 def attention_items(path: str, module: nn.Module,
                     shared: Optional[Dict[int, Tuple[str, Any]]] = None
                     ) -> List[SavedItem]:
-    """What the last call of a lean attention kept (its ``_lean_call``).
+    """What the last call of a lean attention kept (its ``_gf_lean_call``).
 
     Args:
         shared: the storages counted so far (:func:`~.kept.item_for_module`):
@@ -57,7 +58,7 @@ def attention_items(path: str, module: nn.Module,
     Raises:
         LookupError: its last call ran the plain forward (measured).
     """
-    call = getattr(module, '_lean_call', None)
+    call = getattr(module, '_gf_lean_call', None)
     if call is None:
         raise LookupError(path)
     images = call.images or 1
@@ -109,15 +110,15 @@ def transformer_items(path: str, module: nn.Module, x: torch.Tensor,
         if not module.training or module.drop_prob == 0:
             return []
         return [SavedItem(path, 'dropout', 1, rule='bits')]
-    if isinstance(module, nn.GELU) and getattr(module, '_patch_mean_call',
+    if isinstance(module, nn.GELU) and getattr(module, '_gf_patch_mean_call',
                                                None) is not None:
         partition = patch_mean_partition(module)
         # batch-first shapes only (the engine installs no other)
-        elements = patch_mean_kept_elements(module._patch_mean_call,
+        elements = patch_mean_kept_elements(module._gf_patch_mean_call,
                                             partition)
         return [SavedItem(path, 'activation', elements // x.shape[0],
                           x.element_size())]
-    if getattr(type(module), '_plain_class', type(module)) is nn.GELU:
+    if plain_class(module) is nn.GELU:
         kept = _input_item(path, 'activation', x, shared)
         return [kept] if kept is not None else []
     return None

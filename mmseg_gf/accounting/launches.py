@@ -78,6 +78,7 @@ from ..models.lean import lean_kind
 from ..models.lean_head import base_decode_head
 from ..ops import switches, triton_path
 from ..ops.device_path import as_on_cuda
+from ..ops.patching import Hooks, overridden
 
 __all__ = ['PHASES', 'KINDS', 'NO_KERNEL', 'Launch', 'LaunchCount',
            'LaunchCounter', 'module_kind', 'cuda_path', 'counting',
@@ -479,9 +480,9 @@ def _scoped(model: nn.Module, scopes: _Scopes) -> Iterator[None]:
         if id(module) in kinds:
             scopes.exit()
 
-    hooks = [nn.modules.module.register_module_forward_pre_hook(pre),
-             nn.modules.module.register_module_forward_hook(post)]
-    with contextlib.ExitStack() as stack:
+    hooks = Hooks([nn.modules.module.register_module_forward_pre_hook(pre),
+                   nn.modules.module.register_module_forward_hook(post)])
+    with hooks.removed_after(), contextlib.ExitStack() as stack:
         for name, kind in (('fused_classifier_losses', 'fused_loss'),
                            ('lean_head_losses', 'resized_loss')):
             stack.enter_context(_wrapped(lean_models, name, kind, scopes))
@@ -490,20 +491,13 @@ def _scoped(model: nn.Module, scopes: _Scopes) -> Iterator[None]:
             if base is not None and isinstance(head, base):
                 stack.enter_context(
                     _wrapped(head, 'loss_by_feat', 'loss', scopes))
-        try:
-            yield
-        finally:
-            for hook in hooks:
-                hook.remove()
+        yield
 
 
-@contextlib.contextmanager
-def _wrapped(owner, name: str, kind: str, scopes: _Scopes) -> Iterator[None]:
+def _wrapped(owner, name: str, kind: str, scopes: _Scopes):
     """``owner.name`` runs in a ``kind`` scope in the block (an instance
-    attribute over a method, removed after; a module's function put back).
-    """
+    attribute over a method, or a module's function, put back after)."""
     original = getattr(owner, name)
-    had_own = name in vars(owner)
 
     def scoped(*args, **kwargs):
         scopes.enter(kind)
@@ -512,14 +506,7 @@ def _wrapped(owner, name: str, kind: str, scopes: _Scopes) -> Iterator[None]:
         finally:
             scopes.exit()
 
-    setattr(owner, name, scoped)
-    try:
-        yield
-    finally:
-        if had_own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
+    return overridden(owner, name, scoped)
 
 
 @contextlib.contextmanager

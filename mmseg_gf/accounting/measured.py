@@ -18,6 +18,7 @@ from torch._C._profiler import _EventType
 from torch.autograd import profiler
 
 from ..ops import native
+from ..ops.patching import Hooks
 
 
 def saved_tensor_bytes(forward: Callable[[], object]) -> int:
@@ -98,16 +99,13 @@ def saved_bytes_by_module(
     def leave(module, args, output):
         stack.pop()
 
-    handles = []
+    hooks = Hooks()
     for name, module in modules.items():
-        handles.append(module.register_forward_pre_hook(enter(name)))
-        handles.append(module.register_forward_hook(leave))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward()
-    finally:
-        for handle in handles:
-            handle.remove()
+        hooks.add(module.register_forward_pre_hook(enter(name)))
+        hooks.add(module.register_forward_hook(leave))
+    with hooks.removed_after(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
     return ({name: sum(v.values())
              for name, v in per_module.items()}, sum(everything.values()))
 

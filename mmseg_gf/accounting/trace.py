@@ -33,6 +33,7 @@ from ..models.gf_attention import GFMultiheadAttention
 from ..models.lean_transformer import is_rule_owner
 from ..models.segmentor import set_frozen_norms_eval
 from ..ops import kept_sources
+from ..ops.patching import Hooks, override, plain_class
 from .batch import model_device, random_batch
 from .kept import (SavedItem, StepSavedBytes, is_call_owner, kept_by_call,
                    measured_item)
@@ -297,7 +298,7 @@ class StepTracer:
             module, args, part = self._stack[-1]
             leaf = not any(True for _ in module.children())
             owner = self._paths.get(module, type(module).__name__)
-            plain = getattr(type(module), '_plain_class', type(module))
+            plain = plain_class(module)
             kind = plain.__name__ + (part or ('' if leaf else
                                               ' (functional)'))
         else:
@@ -322,7 +323,7 @@ class StepTracer:
         reports it from its wrapped ``forward`` (:meth:`_stacked`)."""
         heads = [m for m in self.model.modules() if _wraps_head(m) and (
             self.on_pack is not None or _reports_own_call(m))]
-        handles = [
+        hooks = Hooks([
             m.register_forward_hook(self._hook) for m in self.model.modules()
             if not any(True for _ in m.children())
         ] + [
@@ -330,22 +331,24 @@ class StepTracer:
             for m in self.model.modules()
             if any(True for _ in m.children()) and _reports_own_call(m)
             and m not in heads
-        ]
+        ])
         if self.on_pack is not None:
             for m in self.model.modules():
-                handles.append(m.register_forward_pre_hook(self._enter))
-                handles.append(m.register_forward_hook(self._leave,
-                                                       always_call=True))
-        for m in heads:
-            m.forward = self._stacked(m, m.forward, '')
-            m.loss_by_feat = self._stacked(m, m.loss_by_feat, LOSS_PART)
+                hooks.add(m.register_forward_pre_hook(self._enter))
+                hooks.add(m.register_forward_hook(self._leave,
+                                                  always_call=True))
+        undo = []
+        for m in heads:  # each undo puts back an earlier instance method
+            undo.append(override(m, 'forward',
+                                 self._stacked(m, m.forward, '')))
+            undo.append(override(m, 'loss_by_feat', self._stacked(
+                m, m.loss_by_feat, LOSS_PART)))
         try:
-            yield self
+            with hooks.removed_after():
+                yield self
         finally:
-            for h in handles:
-                h.remove()
-            for m in heads:
-                del m.forward, m.loss_by_feat
+            for u in reversed(undo):
+                u()
 
     def _stacked(self, module: nn.Module, method: Callable,
                  part: str) -> Callable:

@@ -7,7 +7,7 @@ mmseg HOOKS),
 ``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS) and
 ``CPUDistributedDataParallel`` (mmengine MODEL_WRAPPERS), and allows the
 data types of mmengine checkpoints in ``torch.load(weights_only=True)``
-through stand-ins that check them (:mod:`.safe_load`).
+through stand-ins that check them (:mod:`.checkpoint.safe_load`).
 """
 from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config
@@ -18,7 +18,7 @@ from .layer_trace import LayerRecord, trace_convs, trace_layers
 from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers)
 from ..models.segmentor import set_frozen_norms_eval
-from .safe_load import allow_mmengine_checkpoints
+from .checkpoint.safe_load import allow_mmengine_checkpoints
 from .settings import GradientFilterSettings
 from .state import GradientFilterState, get_state
 from .surgery import apply_gradient_filter, get_gradient_filter_layers

@@ -23,7 +23,8 @@ from .checkpoint import check_checkpoint_matches
 from .config import rewrite_config
 from .cpu_amp import enable_amp
 from .cpu_distributed import init_cpu_process_group, prepare_cpu_distributed
-from .safe_load import check_checkpoint_file, explain_refused_checkpoints
+from .checkpoint.safe_load import (check_checkpoint_file,
+                                   explain_refused_checkpoints)
 
 __all__ = [
     'load_config', 'resolve_resume', 'build_train_config', 'build_runner',
@@ -69,7 +70,7 @@ def resolve_resume(cfg: Config, resume: bool) -> Config:
     checkpoint of this run wins; without one the run starts from
     ``load_from`` as a fresh run would. The checkpoint resumed from passes
     the loader's checks (names and declared costs,
-    :func:`.safe_load.check_checkpoint_file`) before mmengine's
+    :func:`.checkpoint.safe_load.check_checkpoint_file`) before mmengine's
     ``torch.load`` reads it, as ``load_from`` does.
     """
     cfg.resume = False

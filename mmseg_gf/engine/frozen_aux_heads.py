@@ -38,7 +38,7 @@ same distribution), unless its loss is logged.
 """
 import contextlib
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from mmengine.logging import print_log
@@ -48,6 +48,7 @@ from mmseg.utils import add_prefix
 from torch import nn
 
 from ..models.segmentor import unwrap_model
+from ..ops.patching import is_swapped, plain_class, swap_class, unswap_class
 from .layer_trace import nested_tensors
 from .state import GradientFilterState, get_state
 
@@ -110,7 +111,7 @@ def _log_skipped_once(state: GradientFilterState, path: str,
     losses = ('its loss is computed without autograd for the log'
               if state.log_frozen_aux_losses else
               'its loss is not logged (log_frozen_aux_losses=True logs it)')
-    name = getattr(type(head), '_plain_class', type(head)).__name__
+    name = plain_class(head).__name__
     print_log(
         f'gradient_filter: {path} ({name}) is not run in '
         f'training: {reason}; {losses}; keep_frozen_aux_heads=True runs '
@@ -167,22 +168,13 @@ class _SkipsFrozenAuxHeads:
         return losses
 
 
+#: The owner of this module's class swaps (:mod:`mmseg_gf.ops.patching`).
+SWAP_OWNER = 'frozen_aux_heads'
+
+
 def skips_frozen_aux_heads(segmentor: nn.Module) -> bool:
     """Whether :func:`skip_frozen_aux_heads` swapped ``segmentor``."""
-    return '_plain_segmentor_class' in type(unwrap_model(segmentor)).__dict__
-
-
-_CLASSES: Dict[type, type] = {}
-
-
-def _skip_class(cls: type) -> type:
-    """The subclass of segmentor class ``cls`` that skips (one per class,
-    named as ``cls``)."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (_SkipsFrozenAuxHeads, cls),
-                             {'_plain_segmentor_class': cls,
-                              '__module__': cls.__module__})
-    return _CLASSES[cls]
+    return is_swapped(unwrap_model(segmentor), SWAP_OWNER)
 
 
 def skip_frozen_aux_heads(segmentor: nn.Module) -> bool:
@@ -202,15 +194,11 @@ def skip_frozen_aux_heads(segmentor: nn.Module) -> bool:
     if not aux_heads(model) or \
             own is not EncoderDecoder._auxiliary_head_forward_train:
         return False
-    model.__class__ = _skip_class(type(model))
+    swap_class(model, _SkipsFrozenAuxHeads, SWAP_OWNER)
     return True
 
 
 def run_frozen_aux_heads(segmentor: nn.Module) -> bool:
     """Undo :func:`skip_frozen_aux_heads`; returns whether it was done."""
-    model = unwrap_model(segmentor)
-    if not skips_frozen_aux_heads(model):
-        return False
-    model.__class__ = type(model).__dict__['_plain_segmentor_class']
-    return True
+    return unswap_class(unwrap_model(segmentor), SWAP_OWNER)
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..models.layer_kinds import layer_kinds, traced_kind_of
 from ..models.segmentor import NORM_TYPES, unwrap_model
+from ..ops.patching import Hooks, override
 
 __all__ = ['LayerRecord', 'ConvRecord', 'trace_layers', 'trace_convs',
            'nested_tensors', 'head_list']
@@ -110,8 +111,6 @@ def _capture(obj: nn.Module, name: str, sink: List) -> callable:
     not see; an instance attribute shadowing the method does. Returns the
     function that undoes it.
     """
-    had = name in obj.__dict__
-    previous = obj.__dict__.get(name)
     original = getattr(obj, name)
 
     def method(*args, **kwargs):
@@ -119,15 +118,7 @@ def _capture(obj: nn.Module, name: str, sink: List) -> callable:
         sink.append(out)
         return out
 
-    setattr(obj, name, method)
-
-    def restore():
-        if had:
-            setattr(obj, name, previous)
-        else:
-            delattr(obj, name)
-
-    return restore
+    return override(obj, name, method)
 
 
 def head_list(head) -> List[nn.Module]:
@@ -307,21 +298,20 @@ class _LayerHooks:
 
     @contextlib.contextmanager
     def installed(self):
-        handles = []
+        hooks = Hooks()
         traced = tuple(k.traced_type for k in layer_kinds())
         for m in self.model.modules():
             if isinstance(m, traced):
-                handles.append(m.register_forward_hook(self.layer_hook,
-                                                       with_kwargs=True))
+                hooks.add(m.register_forward_hook(self.layer_hook,
+                                                  with_kwargs=True))
             elif isinstance(m, NORM_TYPES):
-                handles.append(m.register_forward_hook(self.norm_hook))
+                hooks.add(m.register_forward_hook(self.norm_hook))
         undos = [k.prepare(self.model) for k in layer_kinds()
                  if k.prepare is not None]
         try:
             yield self
         finally:
-            for handle in handles:
-                handle.remove()
+            hooks.remove()
             for undo in undos:
                 if undo is not None:
                     undo()

@@ -43,6 +43,7 @@ from ..models.patch_mean_graph import (LayerCall, filtered_users,
                                        is_filtered_layer, is_plain_gelu)
 from ..models.segmentor import unwrap_model
 from ..ops.patch_mean_activation import PatchPartition, tagged_partition
+from ..ops.patching import Hooks
 from .frozen_aux_heads import unlogged_aux_heads
 
 __all__ = ['find_patch_mean_gelus', 'install_patch_mean_gelus',
@@ -126,10 +127,11 @@ def find_patch_mean_gelus(model: nn.Module, input_size
             consumers[out.grad_fn] = LayerCall(x.grad_fn,
                                                module.input_partition(x))
 
-    handles = [m.register_forward_hook(on_gelu(p)) for p, m in gelus.items()]
-    handles += [m.register_forward_hook(on_filtered) for m in filtered]
+    hooks = Hooks(m.register_forward_hook(on_gelu(p))
+                  for p, m in gelus.items())
+    hooks.extend(m.register_forward_hook(on_filtered) for m in filtered)
     try:
-        with _restored(model), torch.enable_grad():
+        with hooks.removed_after(), _restored(model), torch.enable_grad():
             graph = _traced_step_graph(model, input_size)
     except Exception as error:  # noqa: BLE001 - the rule is an option
         warnings.warn(
@@ -138,9 +140,6 @@ def find_patch_mean_gelus(model: nn.Module, input_size
             f'{error}); every GELU keeps its input '
             '(patch_mean_activations has no effect)')
         return {}
-    finally:
-        for handle in handles:
-            handle.remove()
     found = {}
     for path, records in calls.items():
         partitions = {part for part, _ in records}

@@ -16,7 +16,7 @@ from ..models.segmentor import unwrap_model
 __all__ = ['GradientFilterState', 'STATE_ATTR', 'get_state', 'set_state']
 
 #: The segmentor attribute holding its :class:`GradientFilterState`.
-STATE_ATTR = 'gradient_filter_state'
+STATE_ATTR = '_gf_state'
 
 
 @dataclass

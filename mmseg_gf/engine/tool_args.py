@@ -12,7 +12,7 @@ import os.path as osp
 
 from mmengine.config import DictAction
 
-from .safe_load import TRUST_FLAG, trust_checkpoint_types
+from .checkpoint.safe_load import TRUST_FLAG, trust_checkpoint_types
 
 __all__ = [
     'add_common_args', 'add_trust_argument', 'apply_common_args',

@@ -15,7 +15,7 @@ spatially reduced key/value have their own, smaller grid).
 Asked for its weights (``need_weights=True``, the default, which mmcv's
 ``MultiheadAttention`` wrapper passes and then discards) it runs torch's
 ``bmm`` + softmax path and keeps the ``L x S`` probabilities per head.
-When they are unused (``need_weights=False``, or ``_lean_weights_unused``,
+When they are unused (``need_weights=False``, or ``_gf_lean_weights_unused``,
 which the lean region's mmcv wrapper sets around its call,
 :mod:`.lean_transformer`) and no dropout acts on them, the attention runs
 through ``scaled_dot_product_attention`` (torch's own ``need_weights=False``
@@ -25,8 +25,9 @@ then equals torch's up to the order of the sums. The exact module
 ``F.linear`` projections (their inputs read in the order they are stored,
 so that what ``F.linear`` keeps is a view at any batch), so the lean region
 spares the probabilities of a trained exact attention too. What each call
-kept is noted for the accounting (``_lean_call``, ``_probabilities_call``,
-``_exact_inputs``: :mod:`mmseg_gf.accounting.kept_tokens`).
+kept is noted for the accounting (``_gf_lean_call``,
+``_gf_probabilities_call``, ``_exact_inputs``:
+:mod:`mmseg_gf.accounting.kept_tokens`).
 """
 
 import math
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 
 from ..ops import check_radius
 from ..ops.gradient_filter_linear import gradient_filtered_linear
+from ..ops.patching import plain_class
 from .gf_conv import warn_exact_backward
 from .gf_linear import TokenGridSource
 from .lean_transformer import AttentionCall
@@ -72,7 +74,7 @@ class ProbabilitiesCall:
 def is_filterable_attention(module: nn.Module) -> bool:
     """True for ``nn.MultiheadAttention`` itself (and GFMultiheadAttention):
     a subclass may change the computation this class reproduces."""
-    plain = getattr(type(module), '_plain_class', type(module))
+    plain = plain_class(module)
     return plain is nn.MultiheadAttention or isinstance(
         module, GFMultiheadAttention)
 
@@ -200,7 +202,7 @@ class GFMultiheadAttention(nn.MultiheadAttention):
                 ) -> Tuple[Tensor, Optional[Tensor]]:
         args = (query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal)
-        self._lean_call = self._probabilities_call = None
+        self._gf_lean_call = self._gf_probabilities_call = None
         self._exact_inputs = ()
         self._packing = None
         self._out_rows_copied = True
@@ -224,12 +226,12 @@ class GFMultiheadAttention(nn.MultiheadAttention):
         """Attention through ``scaled_dot_product_attention`` (no ``L x S``
         probabilities kept): when the weights are not asked for, as torch
         does, or when mmcv's wrapper, made lean, discards them
-        (``_lean_weights_unused``, :mod:`.lean_transformer`) and no dropout
+        (``_gf_lean_weights_unused``, :mod:`.lean_transformer`) and no dropout
         acts on them (torch's ``need_weights=True`` path draws it on the
         probabilities themselves)."""
         if not need_weights:
             return True
-        return bool(getattr(self, '_lean_weights_unused', False)) and (
+        return bool(getattr(self, '_gf_lean_weights_unused', False)) and (
             self.dropout == 0 or not self.training)
 
     def _project(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -283,9 +285,9 @@ class GFMultiheadAttention(nn.MultiheadAttention):
         and no weights returned (:meth:`_sdpa_applies`); torch's own
         ``need_weights=False`` path, so with ``need_weights=True`` the
         output equals torch's up to the order of the sums. What the call
-        kept is noted for the accounting: ``_lean_call``
+        kept is noted for the accounting: ``_gf_lean_call``
         (:class:`~.lean_transformer.AttentionCall`) after SDPA,
-        ``_probabilities_call`` after the ``bmm`` path."""
+        ``_gf_probabilities_call`` after the ``bmm`` path."""
         is_batched = query.dim() == 3
         if self.batch_first and is_batched:
             if key is value:
@@ -324,7 +326,7 @@ class GFMultiheadAttention(nn.MultiheadAttention):
                 weights = F.dropout(weights, p=dropout_p)
             out = torch.bmm(weights, v)
             out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
-            self._probabilities_call = ProbabilitiesCall(
+            self._gf_probabilities_call = ProbabilitiesCall(
                 bsz, heads, tgt_len, src_len, embed_dim,
                 q.element_size(), dropout_p > 0.0)
             weights = weights.view(bsz, heads, tgt_len, src_len)
@@ -338,7 +340,7 @@ class GFMultiheadAttention(nn.MultiheadAttention):
             v = v.view(bsz, heads, src_len, head_dim)
             out = F.scaled_dot_product_attention(q, k, v, None, dropout_p,
                                                  False)
-            self._lean_call = AttentionCall(
+            self._gf_lean_call = AttentionCall(
                 bsz, bsz, tgt_len, src_len, embed_dim, heads,
                 out.element_size(), 8 if out.dtype == torch.float64 else 4)
             if self.enabled:  # torch's order of rows (op for op)

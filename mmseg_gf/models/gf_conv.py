@@ -11,6 +11,7 @@ from ..ops import check_radius
 from ..ops.gradient_filter import (conv_geometry, filtered_conv,
                                    resolve_padding)
 from ..ops.patch_mean_activation import PatchPartition, tag_output
+from ..ops.patching import plain_class
 
 
 _CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
@@ -28,10 +29,10 @@ def warn_exact_backward(module: nn.Module, reason: str) -> None:
     """Warn once per layer that a call runs the exact backward, for
     ``reason`` (a call its filter does not cover); every filtered layer
     kind uses it, so the message names the layer the same way."""
-    if getattr(module, '_warned_exact_backward', False):
+    if getattr(module, '_gf_warned_exact_backward', False):
         return
-    module._warned_exact_backward = True
-    name = getattr(type(module), '_plain_class', type(module)).__name__
+    module._gf_warned_exact_backward = True
+    name = plain_class(module).__name__
     warnings.warn(
         f'{name}({module.extra_repr()}): falling back to the exact backward '
         f'for {reason}; this layer is trained without the gradient filter',
@@ -73,8 +74,8 @@ def _plain_conv_classes() -> tuple:
 
 def is_filterable_conv(module: nn.Module) -> bool:
     """True for convs whose forward is exactly ``nn.Conv2d``'s convolution
-    (also when :mod:`.lean` swapped their class: ``_plain_class``)."""
-    plain = getattr(type(module), '_plain_class', type(module))
+    (also when :mod:`.lean` swapped their class: ``plain_class``)."""
+    plain = plain_class(module)
     return plain in _plain_conv_classes() or isinstance(module, GFConv2d)
 
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from ..ops import check_radius
 from ..ops.gradient_filter_linear import TokenGrid, gradient_filtered_linear
 from ..ops.patch_mean_activation import PatchPartition, tag_output
+from ..ops.patching import plain_class
 from .gf_conv import warn_exact_backward, with_mmcv_wrapper
 
 
@@ -58,8 +59,8 @@ def _plain_linear_classes() -> tuple:
 
 def is_filterable_linear(module: nn.Module) -> bool:
     """True for Linears whose forward is exactly ``F.linear`` (also when
-    the lean region swapped their class: ``_plain_class``)."""
-    plain = getattr(type(module), '_plain_class', type(module))
+    the lean region swapped their class: ``plain_class``)."""
+    plain = plain_class(module)
     return plain in _plain_linear_classes() or isinstance(module, GFLinear)
 
 

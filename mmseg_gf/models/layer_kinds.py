@@ -33,6 +33,7 @@ from typing import (Callable, Dict, List, Optional, Protocol, Sequence,
 from torch import Tensor, nn
 
 from ..ops.conv_cost import ConvBackwardCost, ConvGeometry
+from ..ops.patching import plain_class
 from ..ops.quality import GradientQuality, layer_gradient_quality
 from .gf_conv import GFConv2d, with_mmcv_wrapper
 
@@ -74,7 +75,7 @@ class LayerKind:
             (subclasses too, so that a subclass with its own forward is
             named in the error that refuses it).
         plain_types: the exact classes whose forward the filtered module
-            computes (also behind a lean swap's ``_plain_class``).
+            computes (also behind a lean swap: ``plain_class``).
         filtered_type: the filtered module class.
         wrap: ``(module, radius, enabled) -> filtered module`` sharing the
             module's Parameters (so optimizers and ``state_dict`` stay
@@ -115,7 +116,7 @@ class LayerKind:
 
     def is_filterable(self, module: nn.Module) -> bool:
         """Whether this kind can filter ``module`` (plain or filtered)."""
-        plain = getattr(type(module), '_plain_class', type(module))
+        plain = plain_class(module)
         return plain in self.plain_types or isinstance(module,
                                                        self.filtered_type)
 

@@ -47,7 +47,7 @@ backward needs its input; any other GELU, Sigmoid, HSwish and other smooth
 activations, a trained PReLU; ``Dropout2d``, whose noise is already one
 value per channel).
 """
-from typing import Dict, Optional, Type
+from typing import Optional, Type
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +63,7 @@ from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
                                    clamp_bits, hardsigmoid_bits)
 from ..ops.lean_pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
                              WindowOffsetMaxPoolFunction)
+from ..ops.patching import is_swapped, plain_class, swap_class, unswap_class
 from ..ops.resize import strided_gradient_resizes
 from ..ops.triton_norm import FrozenBatchNormFunction
 from ..ops.resized_loss import LabelRangeError
@@ -70,7 +71,7 @@ from .gf_conv import is_filterable_conv, with_mmcv_wrapper
 from .layer_kinds import is_filtered
 from .lean_transformer import (TRANSFORMER_KINDS, mmcv_dropout_class,
                                transformer_kind, transformer_mixin)
-from .patch_mean_gelu import is_patch_mean_gelu
+from .patch_mean_gelu import LEAN_OWNER, is_patch_mean_gelu
 from .lean_head import (ClassifierCapture, base_decode_head,
                         disable_classifier_fusion, fused_classifier_losses,
                         fusion_blocker, lean_head_losses, log_fallback_once,
@@ -285,26 +286,26 @@ class _LeanLossHead:
         with strided_gradient_resizes():
             if fusion_blocker(self) is not None:
                 return super().loss(*args, **kwargs)
-            self._classifier_capture = ClassifierCapture()
+            self._gf_classifier_capture = ClassifierCapture()
             try:
                 return super().loss(*args, **kwargs)
             finally:
-                self._classifier_capture = None
+                self._gf_classifier_capture = None
 
     def cls_seg(self, feat: Tensor) -> Tensor:
-        capture = getattr(self, '_classifier_capture', None)
+        capture = getattr(self, '_gf_classifier_capture', None)
         if capture is None:
             return super().cls_seg(feat)
         return capture.classify(self, feat)
 
     def loss_by_feat(self, seg_logits, batch_data_samples, *args, **kwargs):
         if args or kwargs or not _recording_any(seg_logits) or getattr(
-                self, '_lean_loss_off', None):
+                self, '_gf_lean_loss_off', None):
             return super().loss_by_feat(seg_logits, batch_data_samples,
                                         *args, **kwargs)
         if torch.compiler.is_compiling():
             return traced_head_losses(self, seg_logits, batch_data_samples)
-        capture = getattr(self, '_classifier_capture', None)
+        capture = getattr(self, '_gf_classifier_capture', None)
         reason = None if capture is None else capture.mismatch(seg_logits)
         rng = torch.get_rng_state()
         try:
@@ -321,7 +322,7 @@ class _LeanLossHead:
             torch.set_rng_state(rng)
             return super().loss_by_feat(seg_logits, batch_data_samples)
         except ValueError as error:  # this loss needs autograd's own path
-            self._lean_loss_off = self._fused_classifier_off = str(error)
+            self._gf_lean_loss_off = self._gf_fused_classifier_off = str(error)
             log_fallback_once(self, str(error))
             torch.set_rng_state(rng)  # the plain loss draws what it drew
         return super().loss_by_feat(seg_logits, batch_data_samples)
@@ -365,16 +366,10 @@ class _LeanFrozenLinear:
         return FrozenLinearFunction.apply(x, self.weight, super().forward)
 
 
-def _plain_type(module: nn.Module) -> type:
-    """The class of ``module`` before :func:`make_lean`."""
-    return getattr(type(module), '_plain_class', type(module))
-
-
 _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
            'dropout': _LeanDropout, 'pool': _LeanAdaptiveAvgPool,
            'loss': _LeanLossHead, 'frozen_conv': _LeanFrozenConv,
            'frozen_linear': _LeanFrozenLinear}
-_CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
 #: Lean variants chosen by class rather than by kind.
 _CLASS_MIXINS = {nn.Hardsigmoid: _LeanHardsigmoid, nn.PReLU: _LeanPReLU,
                  nn.MaxPool2d: _LeanMaxPool, nn.AvgPool2d: _LeanAvgPool}
@@ -395,7 +390,7 @@ def lean_kind(module: nn.Module) -> Optional[str]:
     if type(module) in (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU) or (
             is_lean(module) and isinstance(module, _LeanActivation)):
         return 'activation'
-    plain = _plain_type(module)
+    plain = plain_class(module)
     if plain in _CLASS_MIXINS:
         return 'pool' if plain in _POOLS else 'activation'
     if plain in (nn.Dropout, mmcv_dropout_class()):
@@ -407,7 +402,7 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return 'pool'
     if is_filterable_conv(module) and not is_filtered(module):
         return 'frozen_conv'
-    if _plain_type(module) in with_mmcv_wrapper(nn.Linear):
+    if plain_class(module) in with_mmcv_wrapper(nn.Linear):
         return 'frozen_linear'
     base = base_decode_head()
     if base is not None and isinstance(module, base):
@@ -416,19 +411,14 @@ def lean_kind(module: nn.Module) -> Optional[str]:
 
 
 def is_lean(module: nn.Module) -> bool:
-    """True if :func:`make_lean` swapped ``module``'s class."""
-    return '_plain_class' in type(module).__dict__
+    """True if :func:`make_lean` (or
+    :func:`~.patch_mean_gelu.make_patch_mean_gelu`) swapped ``module``'s
+    class."""
+    return is_swapped(module, LEAN_OWNER)
 
 
-def _lean_class(cls: Type[nn.Module], kind: str) -> Type[nn.Module]:
-    lean = _CLASSES.get(cls)
-    if lean is None:
-        mixin = _CLASS_MIXINS.get(cls) or transformer_mixin(cls) or \
-            _MIXINS[kind]
-        lean = type(f'Lean{cls.__name__}', (mixin, cls),
-                    {'_plain_class': cls, '__module__': cls.__module__})
-        _CLASSES[cls] = lean
-    return lean
+def _lean_mixin(cls: Type[nn.Module], kind: str) -> type:
+    return _CLASS_MIXINS.get(cls) or transformer_mixin(cls) or _MIXINS[kind]
 
 
 def make_lean(module: nn.Module) -> Optional[str]:
@@ -439,13 +429,12 @@ def make_lean(module: nn.Module) -> Optional[str]:
     """
     kind = lean_kind(module)
     if kind is not None and not is_lean(module):
-        module.__class__ = _lean_class(type(module), kind)
+        cls = type(module)
+        swap_class(module, _lean_mixin(cls, kind), LEAN_OWNER,
+                   f'Lean{cls.__name__}')
     return kind
 
 
 def make_plain(module: nn.Module) -> bool:
     """Undo :func:`make_lean` on ``module``; returns whether it was lean."""
-    if not is_lean(module):
-        return False
-    module.__class__ = type(module).__dict__['_plain_class']
-    return True
+    return unswap_class(module, LEAN_OWNER)

@@ -19,7 +19,6 @@ them (:func:`~.lean_ohem.own_loss_producer`). Why a head is not fused is logged
 once (mmengine's current logger). :func:`loss_gradient_copies` and
 :func:`classifier_fused_now` answer the accounting's questions.
 """
-import contextlib
 import functools
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -27,6 +26,7 @@ import torch
 from mmengine.logging import print_log
 from torch import Tensor, nn
 
+from ..ops.patching import overridden, plain_class
 from ..ops.resized_loss import operator_usable
 from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                               LogitGradients,
@@ -56,25 +56,21 @@ def base_decode_head():
     return BaseDecodeHead
 
 
-def _plain_class(head: nn.Module) -> type:
-    return getattr(type(head), '_plain_class', type(head))
-
-
 def _has_base_loss(head: nn.Module) -> bool:
     base = base_decode_head()
     return base is not None and \
-        _plain_class(head).loss_by_feat is base.loss_by_feat
+        plain_class(head).loss_by_feat is base.loss_by_feat
 
 
 def _plain_loss_by_feat(head: nn.Module) -> Callable:
-    return functools.partial(_plain_class(head).loss_by_feat, head)
+    return functools.partial(plain_class(head).loss_by_feat, head)
 
 
 _LOGGED: Set[Tuple[str, str]] = set()
 
 
 def _log_once(head: nn.Module, what: str, reason: str) -> None:
-    key = (_plain_class(head).__name__, what + reason)
+    key = (plain_class(head).__name__, what + reason)
     if key not in _LOGGED:
         _LOGGED.add(key)
         print_log(f'lean loss: {key[0]} {what}: {reason}', logger='current')
@@ -110,14 +106,14 @@ def fusion_blocker(head: nn.Module) -> Optional[str]:
     convolution while trained). (Whether its forward returns the
     classifier's output, alone or in a tuple, is seen in the forward:
     :meth:`ClassifierCapture.mismatch`.)"""
-    reason = getattr(head, '_fused_classifier_off', None)
+    reason = getattr(head, '_gf_fused_classifier_off', None)
     base = base_decode_head()
-    plain = _plain_class(head)
+    plain = plain_class(head)
     if reason is not None:
         return reason
     if plain.cls_seg is not base.cls_seg:
         reason = 'its class overrides cls_seg'
-    elif _plain_class(getattr(head, 'conv_seg', None)) is not nn.Conv2d \
+    elif plain_class(getattr(head, 'conv_seg', None)) is not nn.Conv2d \
             or head.conv_seg.padding_mode != 'zeros':
         reason = 'conv_seg is not a zero-padded torch.nn.Conv2d'
     if reason is not None:
@@ -132,22 +128,11 @@ def folds_into_classifier(dropout: Optional[nn.Module], feat: Tensor,
     classifier: ``0 < p < 1``, not in place, on a 4-d ``feat``, before a
     1x1 classifier (:func:`~mmseg_gf.ops.fused_loss.channel_scaled_classifier`)
     whose calls nothing else redirects."""
-    return (dropout is not None and _plain_class(dropout) is nn.Dropout2d
+    return (dropout is not None and plain_class(dropout) is nn.Dropout2d
             and dropout.training and 0 < dropout.p < 1
             and not dropout.inplace and feat.dim() == 4
             and is_pointwise(conv.weight, ConvSpec.of(conv))
             and not {'forward'} & (set(vars(dropout)) | set(vars(conv))))
-
-
-@contextlib.contextmanager
-def _running_as(module: nn.Module, forward: Callable[[Tensor], Tensor]):
-    """``module(x)`` runs ``forward(x)`` inside the block: its hooks still
-    run, so a step tracer sees the call as it sees any other."""
-    module.forward = forward
-    try:
-        yield
-    finally:
-        del module.forward
 
 
 def feature_noise(feat: Tensor, p: float) -> Tensor:
@@ -215,7 +200,9 @@ class ClassifierCapture:
                 noise.append(feature_noise(x, head.dropout.p))
                 return x
 
-            with _running_as(head.dropout, draw):
+            # through the module, not around it: its hooks still run, so
+            # a step tracer sees the call as it sees any other
+            with overridden(head.dropout, 'forward', draw):
                 feat = head.dropout(feat)
         elif head.dropout is not None:
             feat = head.dropout(feat)
@@ -226,9 +213,9 @@ class ClassifierCapture:
                 if scale is None:
                     logits = conv(feat)
                 else:
-                    with _running_as(conv,
-                                     lambda x: channel_scaled_classifier(
-                                         x, conv.weight, conv.bias, scale)):
+                    with overridden(conv, 'forward',
+                                    lambda x: channel_scaled_classifier(
+                                        x, conv.weight, conv.bias, scale)):
                         logits = conv(feat)
         finally:
             self.scale = None
@@ -313,7 +300,7 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
         others = [t for i, t in enumerate(seg_logits) if i != position]
     specs = _chunked_specs(head) if position is None else None
     own = None if _has_base_loss(head) else own_loss_producer(
-        head, _plain_class(head), seg_logits, batch_data_samples)
+        head, plain_class(head), seg_logits, batch_data_samples)
     if specs is not None:
         label = head._stack_batch_gt(batch_data_samples).squeeze(1)
 
@@ -360,7 +347,7 @@ def lean_head_losses(head: nn.Module, seg_logits,
     tensors = tuple(seg_logits) if isinstance(seg_logits, (tuple, list)) \
         else (seg_logits, )
     own = None if _has_base_loss(head) else own_loss_producer(
-        head, _plain_class(head), seg_logits, batch_data_samples)
+        head, plain_class(head), seg_logits, batch_data_samples)
     keys: List[str] = []
     if own is not None:
         values = HeadGradientsLossFunction.apply(own, keys, *tensors)
@@ -421,7 +408,7 @@ def disable_classifier_fusion(head: nn.Module, reason: str) -> None:
     logits): for comparing the
     two, or for a head whose forward reads its classifier's output in a way
     the fusion does not see. ``reason`` is logged once."""
-    head._fused_classifier_off = reason
+    head._gf_fused_classifier_off = reason
     log_fallback_once(head, reason)
 
 
@@ -429,11 +416,11 @@ def folded_dropout_noise(head: nn.Module) -> Optional[Tensor]:
     """The noise of the ``Dropout2d`` folded into ``head``'s classifier
     call running now (what a step tracer asks at the classifier's call: the
     fused loss keeps it for ``g_x``), or None."""
-    capture = getattr(head, '_classifier_capture', None)
+    capture = getattr(head, '_gf_classifier_capture', None)
     return None if capture is None else capture.scale
 
 
 def classifier_fused_now(head: nn.Module) -> bool:
     """Whether ``head`` is in a ``loss`` call that fuses its classifier
     with the loss (what a step tracer asks at the classifier's call)."""
-    return getattr(head, '_classifier_capture', None) is not None
+    return getattr(head, '_gf_classifier_capture', None) is not None

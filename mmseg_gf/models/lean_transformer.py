@@ -25,7 +25,7 @@ Mixins that :mod:`.lean` puts in front of a module's own class (so
 Each runs the plain forward whenever autograd does not record it, or a
 condition above does not hold (trained parameters, masks,
 dropout on the probabilities, unbatched inputs). After a lean attention call,
-``_lean_call`` holds its geometry for the accounting
+``_gf_lean_call`` holds its geometry for the accounting
 (:mod:`mmseg_gf.accounting.kept_transformer`); None after a plain one.
 """
 import functools
@@ -113,7 +113,7 @@ class _LeanTorchAttention:
                       need_weights, attn_mask, is_causal) -> bool:
         return (_recording(query, key, value) and _frozen(self)
                 and (not need_weights
-                     or getattr(self, '_lean_weights_unused', False))
+                     or getattr(self, '_gf_lean_weights_unused', False))
                 and key_padding_mask is None and attn_mask is None
                 and not is_causal and self.bias_k is None
                 and self.bias_v is None and not self.add_zero_attn
@@ -128,7 +128,7 @@ class _LeanTorchAttention:
                 is_causal: bool = False) -> Tuple[Tensor, None]:
         if not self._lean_applies(query, key, value, key_padding_mask,
                                   need_weights, attn_mask, is_causal):
-            self._lean_call = None
+            self._gf_lean_call = None
             return super().forward(
                 query, key, value, key_padding_mask=key_padding_mask,
                 need_weights=need_weights, attn_mask=attn_mask,
@@ -160,7 +160,7 @@ class _LeanTorchAttention:
         out = multihead_attention(
             query, key, value, self.num_heads, q_proj, kv_proj, k_proj,
             v_proj, (self.out_proj.weight, self.out_proj.bias))
-        self._lean_call = AttentionCall(
+        self._gf_lean_call = AttentionCall(
             query.shape[0], query.shape[0], query.shape[1], key.shape[1], e,
             self.num_heads, out.element_size(), _stat_bytes(out))
         return (out if self.batch_first else out.transpose(0, 1)), None
@@ -176,11 +176,11 @@ class _LeanMmcvAttention:
         attn = getattr(self, 'attn', None)
         if not isinstance(attn, nn.MultiheadAttention):
             return super().forward(*args, **kwargs)
-        attn._lean_weights_unused = True
+        attn._gf_lean_weights_unused = True
         try:
             return super().forward(*args, **kwargs)
         finally:
-            attn._lean_weights_unused = False
+            attn._gf_lean_weights_unused = False
 
 
 def _sdpa_windows(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
@@ -230,7 +230,7 @@ class _LeanWindowMSA:
                 .requires_grad or (self.training and self.attn_drop.p > 0)
                 or x.dim() != 3 or (mask is not None
                                     and x.shape[0] % mask.shape[0])):
-            self._lean_call = None
+            self._gf_lean_call = None
             return super().forward(x, mask)
         b, n, c = x.shape
         h = self.num_heads
@@ -242,7 +242,7 @@ class _LeanWindowMSA:
         bias = bias.permute(2, 0, 1).contiguous().to(q.dtype)
         out = _sdpa_windows(q, k, v, bias, mask, self.scale)
         n_win = 1 if mask is None else mask.shape[0]
-        self._lean_call = AttentionCall(
+        self._gf_lean_call = AttentionCall(
             b, None if mask is None else b // n_win, n, n, c, h,
             out.element_size(), _stat_bytes(out),
             mask_elements=n_win * h * n * n, mask_bytes=bias.element_size(),
@@ -260,7 +260,7 @@ class _LeanLocallyGroupedAttention:
         if (not _core_recorded(self, x)
                 or (self.training and self.attn_drop.p > 0)
                 or x.dim() != 3):
-            self._lean_call = None
+            self._gf_lean_call = None
             return super().forward(x, hw_shape)
         b, n, c = x.shape
         h, w = hw_shape
@@ -290,7 +290,7 @@ class _LeanLocallyGroupedAttention:
         out = _sdpa_windows(q, k, v, None,
                             attn_mask.to(q.dtype) if masked else None,
                             self.scale)
-        self._lean_call = AttentionCall(
+        self._gf_lean_call = AttentionCall(
             b * gh * gw, b, ws * ws, ws * ws, c, heads, out.element_size(),
             _stat_bytes(out),
             mask_elements=gh * gw * heads * ws ** 4 if masked else 0,

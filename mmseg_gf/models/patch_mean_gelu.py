@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..ops.patch_mean_activation import (PatchMeanGeluFunction,
                                          PatchPartition, tagged_partition)
+from ..ops.patching import swap_class
 
 __all__ = ['make_patch_mean_gelu', 'is_patch_mean_gelu',
            'patch_mean_partition']
@@ -27,24 +28,26 @@ __all__ = ['make_patch_mean_gelu', 'is_patch_mean_gelu',
 class _PatchMeanGELU:
     """``nn.GELU`` keeping ``mean_P f'(x)`` on its partition.
 
-    After a call, ``_patch_mean_call`` is the input's shape when the rule
+    After a call, ``_gf_patch_mean_call`` is the input's shape when the rule
     ran, None when the plain GELU did (for the accounting).
     """
 
-    _patch_mean_partition: Optional[PatchPartition] = None
-    _patch_mean_call = None
+    _gf_patch_mean_partition: Optional[PatchPartition] = None
+    _gf_patch_mean_call = None
 
     def forward(self, x: Tensor) -> Tensor:
-        partition = self._patch_mean_partition
+        partition = self._gf_patch_mean_partition
         if (partition is None or not torch.is_grad_enabled()
                 or not x.requires_grad or tagged_partition(x) != partition):
-            self._patch_mean_call = None
+            self._gf_patch_mean_call = None
             return super().forward(x)
-        self._patch_mean_call = tuple(x.shape)
+        self._gf_patch_mean_call = tuple(x.shape)
         return PatchMeanGeluFunction.apply(x, self.approximate, partition)
 
 
-_CLASSES = {}
+#: The owner of the lean region's class swaps (:mod:`.lean` and these
+#: GELUs): :func:`~.lean.make_plain` undoes both.
+LEAN_OWNER = 'lean'
 
 
 def is_patch_mean_gelu(module: nn.Module) -> bool:
@@ -54,7 +57,7 @@ def is_patch_mean_gelu(module: nn.Module) -> bool:
 
 def patch_mean_partition(module: nn.Module) -> Optional[PatchPartition]:
     """The partition a patch-mean GELU relies on (None: not one)."""
-    return module._patch_mean_partition if is_patch_mean_gelu(
+    return module._gf_patch_mean_partition if is_patch_mean_gelu(
         module) else None
 
 
@@ -71,11 +74,7 @@ def make_patch_mean_gelu(module: nn.Module,
         if not issubclass(cls, nn.GELU) or cls.forward is not nn.GELU.forward:
             raise TypeError(f'{cls.__name__} is not an nn.GELU with torch\'s '
                             'forward')
-        lean = _CLASSES.get(cls)
-        if lean is None:
-            lean = type(f'PatchMean{cls.__name__}', (_PatchMeanGELU, cls),
-                        {'_plain_class': cls, '__module__': cls.__module__})
-            _CLASSES[cls] = lean
-        module.__class__ = lean
-    module._patch_mean_partition = partition
-    module._patch_mean_call = None
+        swap_class(module, _PatchMeanGELU, LEAN_OWNER,
+                   f'PatchMean{cls.__name__}')
+    module._gf_patch_mean_partition = partition
+    module._gf_patch_mean_call = None

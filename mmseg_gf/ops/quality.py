@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .gradient_filter import gradient_filtered_conv2d
+from .patching import Hooks
 
 
 def snr(target: Tensor, approx: Tensor) -> float:
@@ -159,11 +160,11 @@ class _LayerRecorder:
     def __init__(self, layers):
         self.layers = layers
         self.records: Dict[str, List[Tensor]] = {}
-        self._handles = []
+        self._hooks = Hooks()
 
     def __enter__(self):
         for name, module in self.layers:
-            self._handles.append(
+            self._hooks.add(
                 module.register_forward_hook(self._make_hook(name)))
         return self.records
 
@@ -182,6 +183,5 @@ class _LayerRecorder:
         return hook
 
     def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
+        self._hooks.remove()
         return False

@@ -22,7 +22,7 @@ offers no launch from C++.
 Its backward launches the fewest kernels this design allows: the two
 Triton passes, the two GEMMs, and one small reduction each for the bias
 (its partial sums' total) and for a ``k x k`` kernel's taps when the
-input needs a gradient (``tests/triton_cases.py::
+input needs a gradient (``tests/helpers/triton_cases.py::
 test_backward_launch_count`` holds the count).
 
 Without triton (:data:`MIN_TRITON` or newer) installed, with

@@ -4,26 +4,22 @@ The profile's costs are checked against independent counts of the model
 actually built with each setting: the lean step's saved bytes as autograd
 keeps them, and the backward FLOPs of the cost model over the traced convs.
 """
-import copy
-
 import pytest
 import torch
 
 pytest.importorskip('mmseg')
 
-from tests._devices import DEVICES  # noqa: E402
-from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
-                                    SMALL_SIZE, build_model)
+from tests.helpers.devices import DEVICES  # noqa: E402
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SIX_MODELS, SMALL_BATCH, SMALL_SIZE, build_model, filtered_copy,
+    step_saved_bytes)
 
-from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa: E402
 from mmseg_gf.accounting.budget import (DEFAULT_RADII,  # noqa: E402
                                         PEAK_HEADROOM, check_budget,
                                         choose_by_budget)
-from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
 from mmseg_gf.analysis.model_cost import model_backward_cost  # noqa: E402
-from mmseg_gf.engine import (apply_gradient_filter, get_state,  # noqa: E402
-                             select_layers)
+from mmseg_gf.engine import get_state  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.engine.config import check_settings  # noqa: E402
 
@@ -66,19 +62,6 @@ def test_settings_with_a_budget_are_checked(settings, match):
     assert ok['radius'] is None and ok['budget']['saved_mib'] == 1
 
 
-def _built(base, num_layers, radius, size=SIZE):
-    model = copy.deepcopy(base)
-    choices = select_layers(model, num_layers=num_layers, radius=radius,
-                            input_size=size)
-    apply_gradient_filter(model, choices, mode='gf', lean=True)
-    return model
-
-
-def _measured_saved(model):
-    inputs, samples = random_batch(model, SIZE, BATCH)
-    return saved_tensor_bytes(lambda: training_loss(model, inputs, samples))
-
-
 def _flops_per_image(model):
     cost = model_backward_cost(model, SIZE, batch=1)
     return cost.flops + cost.classifier.cost.vanilla_flops
@@ -102,8 +85,9 @@ def test_profile_costs_equal_the_built_models(name):
                                for i, p in enumerate(paths)}))
     for n, radius in settings:
         predicted = profile.cost(n, radius, BATCH)
-        model = _built(base, n, radius)
-        assert predicted.saved_bytes == _measured_saved(model), (n, radius)
+        model = filtered_copy(base, n, radius, SIZE)
+        measured = step_saved_bytes(model, SIZE, BATCH)
+        assert predicted.saved_bytes == measured, (n, radius)
         assert predicted.backward_flops == _flops_per_image(model), (n,
                                                                      radius)
         assert profile.unmodelled(n) == []
@@ -164,8 +148,8 @@ def test_predicted_peak_holds_for_the_chosen_setting(name, device):
     choice = choose_by_budget(profile, dict(peak_mib=limit), BATCH)
     assert choice.num_layers >= n
     predicted = choice.cost.peak_bytes
-    model = _built(base, choice.num_layers, choice.radius,
-                   PEAK_SIZE).to(device)
+    model = filtered_copy(base, choice.num_layers, choice.radius,
+                          PEAK_SIZE).to(device)
     measured = measured_step_peak(model, PEAK_SIZE, BATCH, device)
     assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)
     assert measured / 2**20 <= limit, (measured, limit)
@@ -177,7 +161,7 @@ def test_predicted_peak_holds_for_the_chosen_setting(name, device):
 
 @pytest.fixture(scope='module')
 def workspace(tmp_path_factory):
-    from tests._engine_fixtures import prepare_workspace
+    from tests.helpers.engine_fixtures import prepare_workspace
     return prepare_workspace(str(tmp_path_factory.mktemp('gf_budget')))
 
 
@@ -189,8 +173,8 @@ def test_budget_runs_train_the_chosen_layers(workspace, way):
     import os.path as osp
 
     from mmseg_gf.models import GFConv2d
-    from tests._engine_fixtures import (changed_modules, run_training,
-                                        tool_cfg)
+    from tests.helpers.engine_fixtures import (
+        changed_modules, run_training, tool_cfg)
     batch = 2
     torch.manual_seed(0)
     profile = profile_segmentor(build_model('pspnet_r18'), SIZE)

@@ -10,8 +10,8 @@ pytest.importorskip('mmseg')
 
 from mmseg_gf.analysis.launch_count import count_model  # noqa: E402
 from mmseg_gf.protocol.experiments import step_jobs  # noqa: E402
-from tests._devices import needs_cuda  # noqa: E402
-from tests._tools import load_tool  # noqa: E402
+from tests.helpers.devices import needs_cuda  # noqa: E402
+from tests.helpers.tools import load_tool  # noqa: E402
 
 
 ROWS = ('vanilla_last10:plain', 'gf_last10_r4:lean')

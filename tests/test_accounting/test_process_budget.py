@@ -21,8 +21,8 @@ from mmseg_gf.engine.budget import (choose_layers_by_budget,  # noqa: E402
 from mmseg_gf.engine.config import (check_settings,  # noqa: E402
                                     rewrite_config)
 from mmseg_gf.engine.train_log import resident_bytes  # noqa: E402
-from tests._engine_fixtures import (SMALL_BATCH, SMALL_SIZE,  # noqa: E402
-                                    build_model, model_cfg)
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SMALL_BATCH, SMALL_SIZE, build_model, model_cfg)
 
 SGD = dict(type='SGD', lr=0.01, momentum=0.9, weight_decay=5e-4)
 ADAMW = dict(type='AdamW', lr=6e-5, betas=(0.9, 0.999), weight_decay=0.01)

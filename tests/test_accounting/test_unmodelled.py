@@ -7,8 +7,6 @@ real step at batch 2, the unmodelled kinds are named with their bytes, and
 the budget's profile predicts every last-N setting's saved bytes. Then the
 selection reaching the stem of PSPNet-R18 (max-pool included).
 """
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -22,14 +20,14 @@ from mmcv.cnn import ConvModule  # noqa: E402
 from mmseg.models.utils import SELayer  # noqa: E402
 from mmseg.registry import MODELS  # noqa: E402
 
-from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa: E402
 from mmseg_gf.accounting.budget import choose_by_budget  # noqa: E402
-from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
-from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
-from tests._tiny_segmentors import BN, fcn_head, tiny_segmentor  # noqa: E402
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    filtered_copy, step_saved_bytes)
+from tests.helpers.tiny_segmentors import (  # noqa: E402
+    BN, fcn_head, tiny_segmentor)
 
 SIZE = (32, 32)
 BATCH = 2
@@ -81,27 +79,14 @@ def _gated_model():
                           fcn_head(16, 8, loss_weight=0.4))
 
 
-def _built(base, num_layers, radius, size):
-    model = copy.deepcopy(base)
-    choices = select_layers(model, num_layers=num_layers, radius=radius,
-                            input_size=size)
-    apply_gradient_filter(model, choices, mode='gf', lean=True)
-    return model
-
-
-def _measured(model, size, batch=BATCH):
-    inputs, samples = random_batch(model, size, batch)
-    return saved_tensor_bytes(lambda: training_loss(model, inputs, samples))
-
-
 def test_trace_measures_the_se_gate_and_matches_a_real_step():
     base = _gated_model()
-    model = _built(base, 7, 2, SIZE)  # every conv but the classifier
+    model = filtered_copy(base, 7, 2, SIZE)  # every conv but the classifier
     for m in model.modules():
         if isinstance(m, nn.PReLU):
             assert not m.weight.requires_grad
     counted = trace_step_saved_bytes(model, SIZE)
-    assert counted.total(BATCH) == _measured(model, SIZE)
+    assert counted.total(BATCH) == step_saved_bytes(model, SIZE, BATCH)
     unmodelled = counted.unmodelled_bytes(BATCH)
     # Sigmoid keeps its output, the gate products x and the gate: 16
     # channels at 8x8 (the gates 16 x 1 x 1), float32, batch 2
@@ -132,7 +117,8 @@ def test_profile_predicts_every_setting_with_measured_bytes():
     assert profile.max_layers == 7
     for n in range(1, profile.max_layers + 1):
         predicted = profile.cost(n, 2, BATCH).saved_bytes
-        assert predicted == _measured(_built(base, n, 2, SIZE), SIZE), n
+        model = filtered_copy(base, n, 2, SIZE)
+        assert predicted == step_saved_bytes(model, SIZE, BATCH), n
     assert 'backbone.se' in profile.unmodelled(profile.max_layers)
 
 
@@ -162,8 +148,8 @@ def test_budget_reaching_the_stem_predicts_kept_bytes_and_peak():
                               BATCH)
     assert choice.num_layers == profile.max_layers
     assert 'backbone.stem.0' in choice.radius
-    model = _built(base, choice.num_layers, choice.radius, STEM_SIZE)
-    measured = _measured(model, STEM_SIZE)
+    model = filtered_copy(base, choice.num_layers, choice.radius, STEM_SIZE)
+    measured = step_saved_bytes(model, STEM_SIZE, BATCH)
     predicted = choice.cost.saved_bytes
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
     assert predicted == measured
@@ -175,7 +161,7 @@ def test_budget_reaching_the_stem_predicts_kept_bytes_and_peak():
 
 def test_kept_table_names_each_unmodelled_kind():
     from mmseg_gf.accounting.report import step_kept_table
-    model = _built(_gated_model(), 7, 2, SIZE)
+    model = filtered_copy(_gated_model(), 7, 2, SIZE)
     table = step_kept_table(trace_step_saved_bytes(model, SIZE), BATCH)
     lines = table.splitlines()
     assert lines[0] == f'Kept for backward by the whole step, batch {BATCH}'
@@ -205,7 +191,7 @@ def test_own_loss_heads_are_measured(family):
     counted = trace_step_saved_bytes(model, (128, 128))
     head = type(model.decode_head).__name__.replace('Lean', '', 1)
     assert f'{head} (loss)' in counted.unmodelled_bytes(BATCH)
-    measured = _measured(model, (128, 128))
+    measured = step_saved_bytes(model, (128, 128), BATCH)
     assert abs(counted.total(BATCH) / measured - 1) <= 0.03, (
         counted.total(BATCH), measured)
 
@@ -242,7 +228,7 @@ def test_traced_model_and_graph_are_freed():
     from mmseg_gf.engine.zoo import family_config, make_offline
     cfg = make_offline(family_config('bisenetv1_r18'))
     cfg.model.data_preprocessor['size'] = SIZE
-    model = _built(build_segmentor(cfg), 5, 2, SIZE)
+    model = filtered_copy(build_segmentor(cfg), 5, 2, SIZE)
     trace_step_saved_bytes(model, SIZE)
     alive = weakref.ref(model)
     del model

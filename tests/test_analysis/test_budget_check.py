@@ -17,7 +17,8 @@ from mmseg.registry import MODELS  # noqa: E402
 
 from mmseg_gf.analysis.budget_sweep import (families_markdown,  # noqa: E402
                                             predicted_vs_measured)
-from tests._tiny_segmentors import BN, fcn_head, tiny_segmentor  # noqa: E402
+from tests.helpers.tiny_segmentors import (  # noqa: E402
+    BN, fcn_head, tiny_segmentor)
 
 SIZE = (32, 32)
 BATCH = 2

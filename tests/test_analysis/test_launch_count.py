@@ -1,13 +1,13 @@
 """``tools/count_launches.py`` on the four models of the launch targets
-(64x64, batch 1; ``tests/launches_golden.py``): the counts are those of
+(64x64, batch 1; ``tests/helpers/launches_golden.py``): the counts are those of
 ``tests/golden/launches_64.json``, every launch has one phase and one kind,
 and the lean and vanilla rows differ where they must."""
 import pytest
 
 pytest.importorskip('mmseg')
 
-from tests import launches_golden as golden  # noqa: E402
-from tests._triton import INTERPRETER, TRITON  # noqa: E402
+from tests.helpers import launches_golden as golden  # noqa: E402
+from tests.helpers.triton_runs import INTERPRETER, TRITON  # noqa: E402
 
 pytestmark = [TRITON, INTERPRETER]
 

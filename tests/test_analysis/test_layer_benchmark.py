@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from mmseg_gf.analysis.layer_benchmark import summarize, time_layer
-from tests._tools import REPO  # noqa: E402
+from tests.helpers.tools import REPO  # noqa: E402
 
 ROOT = Path(REPO)
 

@@ -1,5 +1,6 @@
 """The concrete configs: every file under configs/gf and configs/calib is
-named by mmseg's scheme (tests/_config_names.py), loads with mmengine, holds
+named by mmseg's scheme (tests/helpers/config_names.py), loads with
+mmengine, holds
 what its name says, and the common cases are all there; a representative
 subset of configs/gf builds with its gradient_filter setting applied."""
 import copy
@@ -11,9 +12,9 @@ import torch
 from mmengine.config import Config
 
 from mmseg_gf.protocol.experiments import PROTOCOL_MODELS, strategy_file
-from tests._config_names import config_name, parse_config_name
-from tests._engine_fixtures import EXPECTED, gf_paths
-from tests._tools import REPO  # noqa: E402
+from tests.helpers.config_names import config_name, parse_config_name
+from tests.helpers.engine_fixtures import EXPECTED, gf_paths
+from tests.helpers.tools import REPO  # noqa: E402
 
 GF_DIR = osp.join(REPO, 'configs', 'gf')
 CALIB_DIR = osp.join(REPO, 'configs', 'calib')

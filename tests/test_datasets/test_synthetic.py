@@ -12,7 +12,7 @@ from mmseg_gf.datasets import (class_appearance, make_ade20k, make_cityscapes,
 pytest.importorskip('mmseg')
 from mmengine.config import Config  # noqa: E402
 from mmengine.registry import init_default_scope  # noqa: E402
-from tests._tools import REPO  # noqa: E402
+from tests.helpers.tools import REPO  # noqa: E402
 
 VOC_CFG = osp.join(REPO, 'configs', '_base_', 'datasets', 'voc12aug.py')
 MMSEG_DATASETS = osp.join(

@@ -1,4 +1,5 @@
-"""Fuzz test of the checkpoint loader (``mmseg_gf/engine/safe_load.py``).
+"""Fuzz test of the checkpoint loader
+(``mmseg_gf/engine/checkpoint/safe_load.py``).
 
 Hundreds of crafted pickles, each loaded in a child process both by the
 plugin's loader and by plain ``torch.load(weights_only=True)`` after
@@ -32,9 +33,9 @@ from typing import List
 
 import pytest
 
-from mmseg_gf.engine.safe_load import mmengine_checkpoint_types
+from mmseg_gf.engine.checkpoint.safe_load import mmengine_checkpoint_types
 from mmseg_gf.ops import switches
-from tests.test_engine import _crafted_checkpoints as cc
+from tests.helpers import crafted_checkpoints as cc
 
 SEED = switches.value('MMSEG_GF_FUZZ_SEED')
 MARKER = '@MARKER@'
@@ -84,7 +85,7 @@ def _hostile_leaves() -> List[bytes]:
         cc.dict_({'statistics_methods': cc.dict_(
             {'mean': cc.history_attribute('max')})}),
         cc.call('builtins.open', cc.text(MARKER), cc.text('w')),
-        cc.call('tests.test_engine._crafted_checkpoints.touch_marker',
+        cc.call('tests.helpers.crafted_checkpoints.touch_marker',
                 cc.text(MARKER)),
     ] + [cc.text(t) for t in _HOSTILE_TEXT]
 
@@ -167,7 +168,7 @@ def _mutate(rng: random.Random, data: bytes, names: List[str]) -> bytes:
             elif how == 4:
                 chunks[k] = cc.glob(rng.choice(names + [
                     'builtins.open',
-                    'tests.test_engine._crafted_checkpoints.touch_marker']))
+                    'tests.helpers.crafted_checkpoints.touch_marker']))
             else:
                 chunks[k] = cc.integer(rng.choice(
                     [0, 1, 2, 7, 63, 255, 2**31 - 1, -1]))

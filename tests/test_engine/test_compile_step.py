@@ -17,10 +17,10 @@ import torch
 
 pytest.importorskip('mmseg')
 
-from tests._devices import needs_cuda  # noqa: E402
-from tests._engine_fixtures import (SMALL_BATCH, SMALL_SIZE,  # noqa: E402
-                                    build_model, prepare_workspace,
-                                    run_training, tool_cfg)
+from tests.helpers.devices import needs_cuda  # noqa: E402
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SMALL_BATCH, SMALL_SIZE, build_model, prepare_workspace, run_training,
+    tool_cfg)
 
 from mmseg_gf.accounting.batch import random_batch  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
@@ -112,7 +112,7 @@ def test_lean_segformer_traces_and_equals_eager():
     gradients under ``aot_eager``."""
     from tests.test_engine.test_lean_transformer_families import (
         BATCH, SIZE, _model, tiny_cfg)
-    from tests.test_engine.test_realtime_families import plain_model
+    from tests.helpers.lean_steps import plain_model
     cfg = tiny_cfg('segformer_b0')
     plain = plain_model(cfg)
     lean = _model(cfg, plain, 'gf', True, 20, layer_kinds=None)

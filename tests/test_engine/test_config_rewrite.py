@@ -9,9 +9,9 @@ from mmengine.config import Config, ConfigDict
 
 from mmseg_gf.engine import check_settings, rewrite_config
 from mmseg_gf.models import GFConv2d
-from tests._engine_fixtures import (EXPECTED, build_model, changed_modules,
-                                    gf_paths, model_cfg, prepare_workspace,
-                                    run_training, runner_cfg)
+from tests.helpers.engine_fixtures import (
+    EXPECTED, build_model, changed_modules, gf_paths, model_cfg,
+    prepare_workspace, run_training, runner_cfg)
 
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
 

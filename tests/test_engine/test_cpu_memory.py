@@ -12,7 +12,7 @@ from mmengine.logging import MMLogger
 from mmseg_gf.engine import GradFilterHook
 from mmseg_gf.engine.cpu_memory import (cpu_memory_kept,
                                         keep_freed_cpu_memory, supported)
-from tests._engine_fixtures import build_model
+from tests.helpers.engine_fixtures import build_model
 
 # Minor page faults of making (and filling) a 64 MiB tensor 16 times after a
 # first one, in a fresh process: argv[1] 'keep', 'release' or 'default'.

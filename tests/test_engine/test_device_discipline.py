@@ -8,8 +8,8 @@ GELUs, the lean LayerNorm / SDPA / DropPath) of tiny Segformer-B0 and
 Swin-T UPerNet (tests/test_engine/test_lean_transformer_families.py).
 
 Meta tensors have shapes, dtypes and a device but no data, so everything
-that would break or stall on CUDA fails here (``tests/
-_device_discipline.py``): a tensor made on the CPU and mixed in, a value
+that would break or stall on CUDA fails here (``tests/helpers/
+device_discipline.py``): a tensor made on the CPU and mixed in, a value
 read on the host (``.item()``, ``bool(t)``, data-dependent shapes such as
 ``nonzero`` or boolean-mask indexing), a copy to the CPU, an op with a CPU
 kernel only. The ops' Functions on fake CUDA tensors:
@@ -24,8 +24,8 @@ from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
-from tests._engine_fixtures import (SMALL_BATCH, SMALL_SIZE,  # noqa: E402
-                                    build_model)
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SMALL_BATCH, SMALL_SIZE, build_model)
 from tests.test_engine.test_lean_transformer_families import (  # noqa
     SIZE as TOKEN_SIZE, tiny_cfg)
 from tests.test_engine.test_realtime_families import (  # noqa: E402

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from tests._engine_fixtures import (EXPECTED, changed_modules,
-                                    prepare_workspace, tool_cfg, write_cfg)
-from tests._tools import REPO, load_tool
+from tests.helpers.engine_fixtures import (
+    EXPECTED, changed_modules, prepare_workspace, tool_cfg, write_cfg)
+from tests.helpers.tools import REPO, load_tool
 
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
 ITERS = 3
@@ -119,7 +119,7 @@ def _zoo_config(tmp_path, out):
     pipeline = [dict(type='LoadImageFromFile'), dict(type='LoadAnnotations'),
                 dict(type='PackSegInputs')]
     text = f'''_base_ = [{base!r}]
-custom_imports = dict(imports=['mmseg_gf', 'tests._train_hooks'],
+custom_imports = dict(imports=['mmseg_gf', 'tests.helpers.train_hooks'],
                       allow_failed_imports=False)
 custom_hooks = [dict(type='GradFilterHook', num_layers=5, radius=4),
                 dict(type='StateDumpHook', out={str(out)!r})]

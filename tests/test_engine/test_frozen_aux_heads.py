@@ -1,7 +1,7 @@
 """Frozen auxiliary heads are left out of a step: those on frozen features
 train nothing, those on trained features are cut off from the backbone.
 
-A tiny FCN-R18 (``tests/_engine_fixtures.py``) with FCN auxiliary heads,
+A tiny FCN-R18 (``tests/helpers/engine_fixtures.py``) with FCN auxiliary heads,
 last 5 convs trained (``backbone.layer4.1`` and the decode head): a head on
 ``layer3`` (``in_index=2``) reads features that need no gradient, a head on
 ``layer4`` (``in_index=3``) reads trained ones. References are the same
@@ -11,28 +11,29 @@ head on frozen features) or of the decode head's alone (trained features).
 The zoo models after a class-count change:
 ``test_frozen_aux_heads_transfer.py``.
 """
-import copy
-
 import pytest
 import torch
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import NORM, model_cfg  # noqa: E402
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    NORM, filtered_copy, model_cfg)
 
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.trace import (StepTracer,  # noqa: E402
                                        trace_step_saved_bytes)
-from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.config import (build_grad_filter_model,  # noqa: E402
                                     check_settings)
 from mmseg_gf.engine.frozen_aux_heads import (  # noqa: E402
     frozen_head_reason, run_frozen_aux_heads, skips_frozen_aux_heads)
 from mmseg_gf.engine.hooks import GradFilterHook  # noqa: E402
+from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
+                                         remove_lean_region)
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
+from mmseg_gf.ops.patching import plain_class  # noqa: E402
 
 SIZE = (64, 64)
 CHANNELS = {2: 256, 3: 512}  # ResNet-18 layer3, layer4
@@ -72,10 +73,7 @@ def _base(aux, cascade=False):
 
 
 def _prepared(base, **flags):
-    model = copy.deepcopy(base)
-    choices = select_layers(model, num_layers=5, radius=4, input_size=SIZE)
-    apply_gradient_filter(model, choices, **flags)
-    return model
+    return filtered_copy(base, 5, 4, SIZE, **flags)
 
 
 def _count_calls(model):
@@ -330,3 +328,18 @@ def test_settings_reach_the_built_model():
         assert state.keep_frozen_aux_heads == keep
         assert state.log_frozen_aux_losses
         assert skips_frozen_aux_heads(model) == (not keep)
+
+
+def test_removing_the_lean_region_keeps_the_segmentors_swap():
+    """Each owner of class swaps undoes its own: the lean region's removal
+    gives every lean module its plain class and leaves the segmentor's;
+    running the frozen heads again gives the segmentor its plain class."""
+    base = _base(_aux(2))
+    model = _prepared(base, lean=True)
+    assert skips_frozen_aux_heads(model) and lean_counts(model)
+    assert remove_lean_region(model) > 0 and not lean_counts(model)
+    assert skips_frozen_aux_heads(model)
+    plain = dict(base.named_modules())
+    assert all(type(m) is type(plain[p]) for p, m in model.named_modules()
+               if p and p in plain and plain_class(m) is type(plain[p]))
+    assert run_frozen_aux_heads(model) and type(model) is type(base)

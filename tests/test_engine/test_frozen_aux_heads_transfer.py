@@ -24,7 +24,7 @@ from mmengine.runner.checkpoint import load_state_dict  # noqa: E402
 from mmseg_gf.accounting.batch import random_batch  # noqa: E402
 from mmseg_gf.engine.config import build_grad_filter_model  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
-from tests._engine_fixtures import NORM, model_cfg  # noqa: E402
+from tests.helpers.engine_fixtures import NORM, model_cfg  # noqa: E402
 from tests.test_engine.test_lean_transformer_families import \
     tiny_cfg  # noqa: E402
 

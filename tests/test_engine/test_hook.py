@@ -17,10 +17,10 @@ from mmseg_gf.accounting.report import chosen_layers_table
 from mmseg_gf.engine import (GradFilterHook, apply_gradient_filter,
                              select_layers, trace_convs)
 from mmseg_gf.models import GFConv2d
-from tests._engine_fixtures import (EXPECTED, build_model, changed_modules,
-                                    gf_paths, prepare_workspace, run_training,
-                                    runner_cfg)
-from tests._tools import REPO
+from tests.helpers.engine_fixtures import (
+    EXPECTED, build_model, changed_modules, gf_paths, prepare_workspace,
+    run_training, runner_cfg)
+from tests.helpers.tools import REPO
 
 INPUT = (64, 64)
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
@@ -219,7 +219,7 @@ from mmengine.registry import init_default_scope
 from mmseg.registry import MODELS
 from mmseg.utils import register_all_modules
 
-from tests._engine_fixtures import model_cfg
+from tests.helpers.engine_fixtures import model_cfg
 
 ckpt_path, inputs_path, out_path = sys.argv[1:4]
 register_all_modules()

@@ -27,7 +27,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import pytest
 
-from tests.test_engine import _crafted_checkpoints as cc
+from tests.helpers import crafted_checkpoints as cc
 
 pytest.importorskip('mmseg')
 
@@ -116,9 +116,9 @@ def check(record: dict, case: Case) -> None:
 # ------------------------------------------------------------ checkpoints
 LOADER_PRELUDE = '''
 import torch
-from mmseg_gf.engine.safe_load import (load_checkpoint_file,
-                                       trust_checkpoint_types)
-from mmseg_gf.engine.weights_export import export_weights
+from mmseg_gf.engine.checkpoint.safe_load import (
+    load_checkpoint_file, trust_checkpoint_types)
+from mmseg_gf.engine.checkpoint.weights_export import export_weights
 from mmengine.config import Config
 from mmseg_gf.engine.entrypoints import resolve_resume
 OUT = FILES['out']
@@ -358,7 +358,7 @@ from torch import nn
 from mmseg_gf.engine.config import check_settings
 from mmseg_gf.engine.hooks import GradFilterHook
 from mmseg_gf.engine.selection import select_layers
-from tests._engine_fixtures import build_model, model_cfg
+from tests.helpers.engine_fixtures import build_model, model_cfg
 SMALL = (64, 64)
 
 

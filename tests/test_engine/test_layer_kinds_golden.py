@@ -2,7 +2,8 @@
 GradFilterHook's tables, ``tools/analyze_cost.py``'s output and the
 budget's choices equal, to the character, the text recorded in
 ``tests/golden/layer_kinds.txt`` by the code that named ``nn.Conv2d`` /
-``GFConv2d`` directly (``tests/layer_kinds_golden.py`` writes it; run as a
+``GFConv2d`` directly (``tests/helpers/layer_kinds_golden.py`` writes it;
+run as a
 script on all 18 models it is the full check, see its docstring)."""
 import os.path as osp
 
@@ -10,8 +11,8 @@ import pytest
 
 pytest.importorskip('mmseg')
 
-from tests.layer_kinds_golden import (REPO, golden_text,  # noqa: E402
-                                      split_golden)
+from tests.helpers.layer_kinds_golden import (  # noqa: E402
+    REPO, golden_text, split_golden)
 
 GOLDEN = osp.join(REPO, 'tests', 'golden', 'layer_kinds.txt')
 #: Two zoo families that take about 10 s each (their budgets included).

@@ -9,16 +9,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import (SIX_MODELS, SMALL_BATCH,  # noqa: E402
-                                    SMALL_SIZE, build_model)
-from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
-from tests._loss_checks import assert_same_loss_by_feat  # noqa: E402
+from tests.helpers.engine_fixtures import (  # noqa: E402
+    SIX_MODELS, SMALL_BATCH, SMALL_SIZE, build_model, filtered_copy)
+from tests.helpers.devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests.helpers.loss_checks import assert_same_loss_by_feat  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
-from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
 from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
                                          remove_lean_region)
 from mmseg_gf.models.lean_head import (  # noqa: E402
@@ -41,11 +40,8 @@ def _calibrated(name):
 
 
 def _prepared(base, num_layers, mode, lean, device='cpu'):
-    model = copy.deepcopy(base)
-    choices = select_layers(model, num_layers=num_layers, radius=4,
-                            input_size=SIZE)
-    apply_gradient_filter(model, choices, mode=mode, lean=lean)
-    return model.to(device)
+    return filtered_copy(base, num_layers, 4, SIZE, mode=mode,
+                         lean=lean).to(device)
 
 
 def _step(model, inputs, samples):

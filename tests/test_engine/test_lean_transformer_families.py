@@ -29,13 +29,10 @@ and DropPath lie on the gradient path:
 import copy
 
 import pytest
-import torch
 
 pytest.importorskip('mmseg')
 
 from mmseg_gf.accounting.batch import random_batch  # noqa: E402
-from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from mmseg_gf.accounting.batch import training_loss  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
@@ -43,9 +40,10 @@ from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.engine.zoo import family_config, make_offline  # noqa: E402
-from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
-from tests.test_engine.test_realtime_families import (  # noqa: E402
-    check_terms, one_step, plain_model)
+from tests.helpers.devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests.helpers.engine_fixtures import step_saved_bytes  # noqa: E402
+from tests.helpers.lean_steps import (assert_same_step,  # noqa: E402
+                                      plain_model)
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures('one_thread')]
 
@@ -145,19 +143,12 @@ def check_lean_step(name, device='cpu', modes=('vanilla', 'gf'),
         assert counts.get('attention') and counts.get('layer_norm'), counts
         if layer_kinds is None and mode == 'gf':
             assert counts.get('patch_mean_gelu'), counts
-        want_terms, want = one_step(reference, inputs, samples)
-        got_terms, got = one_step(lean, inputs, samples)
-        check_terms(got_terms, want_terms, where)
-        assert set(got) == set(want) and want, where
-        for key, g in want.items():
-            torch.testing.assert_close(
-                got[key], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
-                msg=lambda m: f'{where} {key}: {m}')
+        assert_same_step(reference, lean, inputs, samples, where,
+                         rtol=1e-4, atol_scale=1e-5)
 
 
 def _measured(model, batch=BATCH):
-    inputs, samples = random_batch(model, (SIZE, SIZE), batch)
-    return saved_tensor_bytes(lambda: training_loss(model, inputs, samples))
+    return step_saved_bytes(model, (SIZE, SIZE), batch)
 
 
 @pytest.mark.parametrize('name', FAMILIES + ('segformer_b2', ))

@@ -1,5 +1,6 @@
 """The ``load_from`` report of a source model with another class count
-(``mmseg_gf/engine/checkpoint.py``): shape mismatches first, re-initialised
+(``mmseg_gf/engine/checkpoint/matching.py``): shape mismatches first,
+re-initialised
 keys apart from dropped ones, no mismatch hidden under "(N more)"."""
 import copy
 import logging
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from mmseg_gf.engine.checkpoint import check_checkpoint_matches
-from tests._engine_fixtures import build_model, model_cfg
+from tests.helpers.engine_fixtures import build_model, model_cfg
 
 
 def _source_model():

@@ -91,7 +91,7 @@ def test_rule_fires_on_the_last_mlps_and_changes_no_gradient(name):
     inputs, samples = _batch(on, torch.float64)
     got = _step(on, inputs, samples)
     for path in EXPECTED[name]:  # the rule ran in that step
-        assert on.get_submodule(path)._patch_mean_call is not None, path
+        assert on.get_submodule(path)._gf_patch_mean_call is not None, path
     _close(got, _step(off, inputs, samples), f'{name} rule off', 1e-10,
            1e-12)
 
@@ -133,7 +133,7 @@ def test_saved_bytes_drop_by_the_gelus_inputs_less_their_patch_means(name):
     drop = 0
     for path in EXPECTED[name]:
         gelu = on.get_submodule(path)
-        shape = gelu._patch_mean_call
+        shape = gelu._gf_patch_mean_call
         kept = patch_mean_kept_elements(shape, patch_mean_partition(gelu))
         numel = 1
         for s in shape:

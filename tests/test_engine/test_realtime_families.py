@@ -29,8 +29,6 @@ random NMF bases):
 Marked ``zoo`` like ``test_zoo_sweep.py`` (``-m "not zoo"`` deselects it).
 """
 import pytest
-import torch
-from torch.nn.modules.batchnorm import _BatchNorm
 
 pytest.importorskip('mmseg')
 
@@ -39,8 +37,9 @@ from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES,  # noqa: E402
                                  family_config, make_offline)
-from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
-from tests._devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests.helpers.devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests.helpers.lean_steps import (assert_same_step,  # noqa: E402
+                                      plain_model)
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures('one_thread')]
 
@@ -71,24 +70,6 @@ def has_class_weights(obj) -> bool:
     return False
 
 
-def plain_model(cfg):
-    """The family's plain segmentor: seeded init, perturbed, BN running
-    statistics random."""
-    torch.manual_seed(0)
-    model = build_segmentor(cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=gen))
-        for m in model.modules():
-            if isinstance(m, _BatchNorm) and m.running_mean is not None:
-                m.running_mean.copy_(
-                    0.1 * torch.randn(m.num_features, generator=gen))
-                m.running_var.copy_(
-                    torch.rand(m.num_features, generator=gen) + 0.5)
-    return model
-
-
 def filtered_model(cfg, plain, mode: str, lean: bool):
     """The config with ``gradient_filter`` built as training builds it,
     holding the plain model's weights and statistics."""
@@ -97,35 +78,6 @@ def filtered_model(cfg, plain, mode: str, lean: bool):
     model = build_segmentor(cfg)
     model.load_state_dict(plain.state_dict())
     return model
-
-
-def one_step(model, inputs, samples):
-    """Loss terms and the gradient of every parameter that gets one (in
-    training mode with frozen norms in eval mode, as GradFilterHook runs
-    a step)."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)  # dropout, SegNeXt's NMF: the same draws
-    model.train()
-    set_frozen_norms_eval(model)
-    losses = model.loss(inputs, samples)
-    terms = {k: v.sum() for k, v in losses.items() if 'loss' in k}
-    sum(terms.values()).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    return {k: v.detach() for k, v in terms.items()}, grads
-
-
-def check_terms(got, want, where):
-    """Every lean term equals the reference's; a term the lean step leaves
-    out may only be an auxiliary head's (a frozen head's loss trains
-    nothing; the gradients check that)."""
-    missing = [k for k in want if k not in got]
-    assert set(got) <= set(want), f'{where}: terms {set(got) - set(want)}'
-    assert all(k.startswith('aux') for k in missing), (
-        f'{where}: lean step lacks {missing}')
-    for key, value in got.items():
-        torch.testing.assert_close(value, want[key], rtol=1e-5, atol=0,
-                                   msg=lambda m: f'{where} {key}: {m}')
 
 
 @pytest.mark.parametrize('name', list(REALTIME_FAMILIES))
@@ -166,17 +118,9 @@ def check_lean_step(name, device='cpu', modes=('vanilla', 'gf')):
                              if p.requires_grad}, where
         assert sum(lean_counts(lean).values()) > 0, where
         assert not lean_counts(reference), where
-        want_terms, want = one_step(reference, inputs, samples)
-        got_terms, got = one_step(lean, inputs, samples)
-        check_terms(got_terms, want_terms, where)
-        assert set(got) == set(want), (
-            f'{where}: gradient only with lean {sorted(set(got) - set(want))}'
-            f', only without {sorted(set(want) - set(got))}')
-        assert want and set(want) <= trainable, where
-        for key, g in want.items():
-            torch.testing.assert_close(
-                got[key], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()),
-                msg=lambda m: f'{where} {key}: {m}')
+        want = assert_same_step(reference, lean, inputs, samples, where,
+                                rtol=1e-5, atol_scale=1e-6)
+        assert set(want) <= trainable, where
 
 
 def test_registry_names_each_configs_own_crop():

@@ -2,9 +2,11 @@
 through checking stand-ins, a crafted file neither crashes the process nor
 changes its state, a pickle that would run code is refused with what it
 holds named, and the trust flag accepts exactly the names refusals print
-(``mmseg_gf/engine/safe_load.py``, ``mmseg_gf/engine/checkpoint_data.py``).
+(``mmseg_gf/engine/checkpoint/safe_load.py``,
+``mmseg_gf/engine/checkpoint/data.py``).
 
-Crafted files are loaded in a child process (``_crafted_checkpoints``): a
+Crafted files are loaded in a child process
+(``tests/helpers/crafted_checkpoints.py``): a
 crash must show as a signal there, not kill the test run.
 """
 import os.path as osp
@@ -18,13 +20,12 @@ import torch
 from mmengine.logging import HistoryBuffer
 
 from mmseg_gf.engine.checkpoint import check_checkpoint_matches
-from mmseg_gf.engine.safe_load import (RefusedCheckpointError,
-                                       explain_refused_checkpoints,
-                                       load_checkpoint_file,
-                                       trust_checkpoint_types)
-from tests._engine_fixtures import build_model
-from tests._tools import load_tool
-from tests.test_engine import _crafted_checkpoints as cc
+from mmseg_gf.engine.checkpoint.safe_load import (
+    RefusedCheckpointError, explain_refused_checkpoints, load_checkpoint_file,
+    trust_checkpoint_types)
+from tests.helpers.engine_fixtures import build_model
+from tests.helpers.tools import load_tool
+from tests.helpers import crafted_checkpoints as cc
 
 
 def _touch(path):
@@ -61,7 +62,7 @@ class Outer:
 @pytest.fixture
 def allow_list():
     """torch's allow-list, restored after the test."""
-    from mmseg_gf.engine import checkpoint_data
+    from mmseg_gf.engine.checkpoint import data as checkpoint_data
     before = list(torch.serialization.get_safe_globals())
     nested = dict(checkpoint_data.TRUSTED_NESTED)
     yield
@@ -163,7 +164,7 @@ CRAFTED = {
     # the unknown global after it makes the load fail afterwards
     'history buffer statistics': cc.dict_({
         'hub': cc.history_buffer(_EVIL_STATISTICS),
-        'then': cc.call('tests.test_engine._crafted_checkpoints.'
+        'then': cc.call('tests.helpers.crafted_checkpoints.'
                         'touch_marker', cc.text('MARKER'))}),
     # torch's _rebuild_from_type_v2 calls what getattr resolved
     'register_statistics': cc.call(

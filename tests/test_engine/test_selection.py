@@ -16,7 +16,7 @@ from torch import nn
 
 from mmseg_gf.engine import (auto_radius, resolve_radius, select_layers,
                              trace_convs)
-from tests._engine_fixtures import EXPECTED, PSP, build_model
+from tests.helpers.engine_fixtures import EXPECTED, PSP, build_model
 
 _MODELS = {}
 
@@ -182,7 +182,7 @@ def test_auxiliary_head_not_counted_but_nameable():
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS
 
-    from tests._engine_fixtures import NORM, model_cfg
+    from tests.helpers.engine_fixtures import NORM, model_cfg
     init_default_scope('mmseg')
     cfg = model_cfg('pspnet_r18')
     cfg['auxiliary_head'] = dict(

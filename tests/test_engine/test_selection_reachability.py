@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmseg_gf.engine import select_layers, trace_convs
-from tests._engine_fixtures import EXPECTED, model_cfg
+from tests.helpers.engine_fixtures import EXPECTED, model_cfg
 
 
 def _register_head():

@@ -10,7 +10,7 @@ from mmseg_gf.engine import (apply_gradient_filter, get_gradient_filter_layers,
                              select_layers, set_frozen_norms_eval)
 from mmseg_gf.models import GFConv2d
 from mmseg_gf.ops import gradient_filtered_conv2d
-from tests._engine_fixtures import EXPECTED, build_model
+from tests.helpers.engine_fixtures import EXPECTED, build_model
 
 INPUT = (64, 64)
 

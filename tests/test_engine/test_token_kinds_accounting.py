@@ -91,8 +91,8 @@ def test_every_byte_of_trained_token_layers_is_counted(name, mode):
     # weights): no probabilities kept
     for m in _token_layers(model):
         if isinstance(m, GFMultiheadAttention):
-            assert m._lean_call is not None and \
-                m._probabilities_call is None, m
+            assert m._gf_lean_call is not None and \
+                m._gf_probabilities_call is None, m
     assert counted.unmodelled_bytes(BATCH) == {}, counted.summary(BATCH)
     assert counted.by_category(BATCH)['attention'] > 0
     assert counted.by_category(BATCH)['linear'] > 0

@@ -41,7 +41,7 @@ from mmseg_gf.engine.config import (check_settings,  # noqa: E402
 from mmseg_gf.engine.selection import select_layers  # noqa: E402
 from mmseg_gf.models.gf_attention import GFMultiheadAttention  # noqa: E402
 from mmseg_gf.models.gf_linear import GFLinear  # noqa: E402
-from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
+from tests.helpers.lean_steps import one_step  # noqa: E402
 from tests.test_models.test_token_grids import SIZE, tiny_model  # noqa: E402
 
 #: layers counted by the tests (the tiny Segmenter has 11).
@@ -68,16 +68,9 @@ def _filtered(name, dtype, **settings):
 
 
 def _step(model, inputs, samples):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)
-    model.train()
-    set_frozen_norms_eval(model)
-    losses = model.loss(inputs, samples)
-    loss = sum(v.sum() for k, v in losses.items() if 'loss' in k)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone()
-                           for n, p in model.named_parameters()
-                           if p.grad is not None}
+    """The step's total loss and gradients (:func:`one_step`)."""
+    terms, grads = one_step(model, inputs, samples)
+    return sum(terms.values()), grads
 
 
 def _batch(model, dtype):

@@ -537,7 +537,7 @@ def test_zoo_hook_runner(config, tmp_path):
 
     from mmseg_gf.engine import get_gradient_filter_layers
     from mmseg_gf.models.segmentor import is_classifier
-    from tests._engine_fixtures import make_tiny_voc, runner_cfg
+    from tests.helpers.engine_fixtures import make_tiny_voc, runner_cfg
     case = next(c for c in CASES if c.config == config)
     voc = make_tiny_voc(str(tmp_path / 'data'), num_train=4, num_val=2,
                         size=SIZE)

@@ -11,11 +11,10 @@ from torch import nn
 
 pytest.importorskip('mmseg')
 
-from mmengine.structures import PixelData  # noqa: E402
 from mmseg.models.decode_heads import FCNHead  # noqa: E402
 from mmseg.registry import MODELS  # noqa: E402
-from mmseg.structures import SegDataSample  # noqa: E402
 from mmseg.utils import register_all_modules  # noqa: E402
+from tests.helpers.loss_checks import pid_head, seg_samples  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.models import lean_head  # noqa: E402
@@ -66,20 +65,17 @@ def _fcn_head(case):
 
 def _samples(n, seed, ignore=True, edge=False):
     gen = torch.Generator().manual_seed(seed)
-    samples = []
+    labels, edges = [], []
     for i in range(n):
         label = torch.randint(0, K, (1, ) + HIGH, generator=gen)
         if ignore:  # an ignored band, and one image with no label at all
             label[:, :4] = 255
             if i == n - 1 and n > 2:
                 label[:] = 255
-        sample = SegDataSample()
-        sample.gt_sem_seg = PixelData(data=label)
+        labels.append(label)
         if edge:
-            sample.gt_edge_map = PixelData(
-                data=torch.randint(0, 2, (1, ) + HIGH, generator=gen))
-        samples.append(sample)
-    return samples
+            edges.append(torch.randint(0, 2, (1, ) + HIGH, generator=gen))
+    return seg_samples(labels, edges if edge else None)
 
 
 def _inputs(shapes, seed):
@@ -278,14 +274,7 @@ def test_classifier_only_training_keeps_no_logits_gradient():
 
 
 def _pid_head():
-    torch.manual_seed(0)
-    ohem = dict(type='OhemCrossEntropy', thres=0.9, min_kept=50,
-                class_weight=[0.8, 1.0, 1.2])
-    return MODELS.build(dict(
-        type='PIDHead', in_channels=8, channels=4, num_classes=K,
-        align_corners=True, loss_decode=[
-            dict(type='CrossEntropyLoss', loss_weight=0.4), ohem,
-            dict(type='BoundaryLoss', loss_weight=20.0), ohem]))
+    return pid_head(K, 50, [0.8, 1.0, 1.2])
 
 
 def _ddr_head():

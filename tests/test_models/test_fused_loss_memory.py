@@ -14,10 +14,8 @@ import torch
 
 pytest.importorskip('mmseg')
 
-from mmengine.structures import PixelData  # noqa: E402
-from mmseg.registry import MODELS  # noqa: E402
-from mmseg.structures import SegDataSample  # noqa: E402
 from mmseg.utils import register_all_modules  # noqa: E402
+from tests.helpers.loss_checks import pid_head, seg_samples  # noqa: E402
 
 from mmseg_gf.accounting.measured import (live_bytes_by_interval,  # noqa: E402
                                           mark)
@@ -30,27 +28,16 @@ LOW, HIGH = (16, 16), (128, 128)  # logits' and labels' sizes (x 8)
 
 
 def _pid_head():
-    torch.manual_seed(0)
-    ohem = dict(type='OhemCrossEntropy', thres=0.9, min_kept=2000,
-                class_weight=[0.8, 1.0, 1.2, 1.0, 0.9])
-    return MODELS.build(dict(
-        type='PIDHead', in_channels=8, channels=4, num_classes=K,
-        align_corners=True, loss_decode=[
-            dict(type='CrossEntropyLoss', loss_weight=0.4), ohem,
-            dict(type='BoundaryLoss', loss_weight=20.0), ohem]))
+    return pid_head(K, 2000, [0.8, 1.0, 1.2, 1.0, 0.9])
 
 
 def _samples(n):
     gen = torch.Generator().manual_seed(2)
-    samples = []
+    labels, edges = [], []
     for _ in range(n):
-        sample = SegDataSample()
-        sample.gt_sem_seg = PixelData(
-            data=torch.randint(0, K, (1, ) + HIGH, generator=gen))
-        sample.gt_edge_map = PixelData(
-            data=torch.randint(0, 2, (1, ) + HIGH, generator=gen))
-        samples.append(sample)
-    return samples
+        labels.append(torch.randint(0, K, (1, ) + HIGH, generator=gen))
+        edges.append(torch.randint(0, 2, (1, ) + HIGH, generator=gen))
+    return seg_samples(labels, edges)
 
 
 def _freeze_side_branches(head):

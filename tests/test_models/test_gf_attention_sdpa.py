@@ -2,7 +2,7 @@
 trained token layer keeps for backward, against autograd's saved tensors
 (mmseg_gf/accounting/kept_tokens.py).
 
-``_lean_weights_unused`` is what mmcv's MultiheadAttention wrapper, made
+``_gf_lean_weights_unused`` is what mmcv's MultiheadAttention wrapper, made
 lean, sets around its call (it discards the weights). Then the filtered
 (and the exact, ``enabled=False``) attention runs
 ``scaled_dot_product_attention``: the output equals torch's
@@ -22,7 +22,7 @@ from mmseg_gf.accounting.kept_tokens import patch_sum_elements, token_items
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models import GFLinear, GFMultiheadAttention, TokenGridSource
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from tests._devices import DEVICES
+from tests.helpers.devices import DEVICES
 
 Q_GRID = TokenGrid(4, 4, 1)
 K_GRID = TokenGrid(2, 3)  # S = 6: no (L, S) shape is (L, head dim)
@@ -75,10 +75,10 @@ def test_unused_weights_run_sdpa_with_the_bmm_paths_numbers(
     if key is not query:
         leaves.append(key)
     out_bmm, weights = gf(query, key, value)
-    assert weights is not None and gf._lean_call is None
-    gf._lean_weights_unused = True
+    assert weights is not None and gf._gf_lean_call is None
+    gf._gf_lean_weights_unused = True
     out, none = gf(query, key, value)
-    assert none is None and gf._lean_call is not None
+    assert none is None and gf._gf_lean_call is not None
     want = plain(query, key, value)[0]
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     grad = torch.randn(out.shape, dtype=torch.float64).to(device)
@@ -92,7 +92,7 @@ def test_unused_weights_run_sdpa_with_the_bmm_paths_numbers(
     if device == 'cpu':
         assert probabilities not in _saved_shapes(
             lambda: gf(query, key, value))
-    gf._lean_weights_unused = False
+    gf._gf_lean_weights_unused = False
     assert probabilities in _saved_shapes(lambda: gf(query, key, value))
 
 
@@ -112,13 +112,13 @@ def _saved_shapes(forward):
 def test_dropout_on_the_probabilities_keeps_torchs_draws():
     plain, gf = _attention('self', False, True, radius=1, dropout=0.5)
     gf.train()
-    gf._lean_weights_unused = True
+    gf._gf_lean_weights_unused = True
     query, key, value = _inputs('self', False)
     torch.manual_seed(3)
     out, weights = gf(query, key, value)
     torch.manual_seed(3)
     want, want_weights = plain(query, key, value)
-    assert gf._lean_call is None and gf._probabilities_call.dropout
+    assert gf._gf_lean_call is None and gf._gf_probabilities_call.dropout
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=0)
 
@@ -171,7 +171,7 @@ def test_the_rule_of_a_trained_attention_is_what_autograd_keeps(mode,
     plain, gf = _attention(mode, True, enabled)
     query, key, value = _inputs(mode, True, batch=1)
     for unused in (True, False):
-        gf._lean_weights_unused = unused
+        gf._gf_lean_weights_unused = unused
         out = gf(query, key, value)[0]
         kept = saved_tensor_bytes(lambda: gf(query, key, value))
         assert _rule_bytes('attn', gf, query, out, 1) == kept, (mode,

@@ -14,8 +14,8 @@ from mmseg_gf.models import (GFLinear, GFMultiheadAttention, TokenGridSource,
                              is_filterable_linear)
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from tests._devices import DEVICES
-from tests.gf_linear_reference import reference_attention
+from tests.helpers.devices import DEVICES
+from tests.helpers.gf_linear_reference import reference_attention
 
 
 def _grads(out, tensors, grad):
@@ -224,7 +224,7 @@ def test_random_attention_calls_match_reference(heads, batch_first, height,
                                                 need_weights, seed):
     """Random grids (extra tokens, a reduced key grid), batched or not,
     batch_first or not: torch's forward bit for bit, gradients equal to the
-    autograd-hook reference (tests/gf_linear_reference.py)."""
+    autograd-hook reference (tests/helpers/gf_linear_reference.py)."""
     torch.manual_seed(seed)
     plain = nn.MultiheadAttention(4, heads,
                                   batch_first=batch_first).double()

@@ -8,10 +8,9 @@ import torch.nn.functional as F
 
 pytest.importorskip('mmseg')
 
-from mmengine.structures import PixelData  # noqa: E402
 from mmseg.models.decode_heads import DDRHead, PIDHead  # noqa: E402
 from mmseg.models.losses import OhemCrossEntropy  # noqa: E402
-from mmseg.structures import SegDataSample  # noqa: E402
+from tests.helpers.loss_checks import seg_samples  # noqa: E402
 
 from mmseg_gf.models.lean_head import (fused_classifier_losses,  # noqa: E402
                                        lean_head_losses)
@@ -121,13 +120,8 @@ def _samples(ignored=0.0, seed=1):
     label = _label(seed, ignored)
     gen = torch.Generator().manual_seed(seed + 7)
     edges = torch.randint(0, 2, label.shape, generator=gen)
-    samples = []
-    for i in range(label.shape[0]):
-        sample = SegDataSample()
-        sample.gt_sem_seg = PixelData(data=label[i:i + 1])
-        sample.gt_edge_map = PixelData(data=edges[i:i + 1])
-        samples.append(sample)
-    return samples
+    return seg_samples([label[i:i + 1] for i in range(label.shape[0])],
+                       [edges[i:i + 1] for i in range(label.shape[0])])
 
 
 def _ohem_cfg(weight, class_weight, min_kept=150):

@@ -10,11 +10,10 @@ import torch
 pytest.importorskip('mmseg')
 
 from mmseg.registry import MODELS  # noqa: E402
-from mmseg.structures import SegDataSample  # noqa: E402
-from mmengine.structures import PixelData  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from tests._loss_checks import assert_same_loss_by_feat  # noqa: E402
+from tests.helpers.loss_checks import (  # noqa: E402
+    assert_same_loss_by_feat, seg_samples)
 from mmseg_gf.models.lean import make_lean  # noqa: E402
 from mmseg_gf.models.lean_loss import (chunkable_losses,  # noqa: E402
                                        ohem_sampler_spec)
@@ -31,15 +30,13 @@ def _head(sampler, **loss):
 
 def _samples(n, size, seed, ignored):
     g = torch.Generator().manual_seed(seed)
-    samples = []
+    labels = []
     for i in range(n):
         label = torch.randint(0, CLASSES, (1, ) + size, generator=g)
         if ignored:
             label[:, :size[0] // 3] = 255
-        sample = SegDataSample()
-        sample.gt_sem_seg = PixelData(data=label)
-        samples.append(sample)
-    return samples
+        labels.append(label)
+    return seg_samples(labels)
 
 
 def _compare(head, samples, seed=0):

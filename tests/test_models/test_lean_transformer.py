@@ -22,7 +22,7 @@ from torch import nn
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, lean_kind, make_lean, make_plain
 from mmseg_gf.ops.lean_transformer import attention_kept_elements
-from tests._devices import DEVICES
+from tests.helpers.devices import DEVICES
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -150,7 +150,7 @@ def test_multihead_attention_through_sdpa(batch_first, case, device):
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, **TOL)
     s = q_len if case == 'self' else kv_len
-    assert lean._lean_call.batch == batch and lean._lean_call.kv_len == s
+    assert lean._gf_lean_call.batch == batch and lean._gf_lean_call.kv_len == s
     if device == 'cpu':
         elems = attention_kept_elements(batch, q_len, s, embed, heads)
         assert kept == 4 * sum(elems.values())
@@ -164,13 +164,13 @@ def test_multihead_attention_weights_asked_run_plain():
     lean = _lean_copy(plain)
     x = torch.randn(2, 10, 16, requires_grad=True)
     out, weights = lean(x, x, x)
-    assert weights is not None and lean._lean_call is None
+    assert weights is not None and lean._gf_lean_call is None
     want, _ = plain(x, x, x)
     assert torch.equal(out, want)
     # asked by mmcv's wrapper (below) or need_weights=False: lean
-    lean._lean_weights_unused = True
+    lean._gf_lean_weights_unused = True
     out, weights = lean(x, x, x)
-    assert weights is None and lean._lean_call is not None
+    assert weights is None and lean._gf_lean_call is not None
     torch.testing.assert_close(out, want, **TOL)
 
 
@@ -180,7 +180,7 @@ def test_multihead_attention_versus_probabilities():
     probabilities."""
     plain = _attention(16, 2, True, True)
     lean = _lean_copy(plain)
-    lean._lean_weights_unused = True
+    lean._gf_lean_weights_unused = True
     x = torch.randn(2, 512, 16, requires_grad=True)
     want, g_want, kept_plain = _grads(lambda: plain(x, x, x), [x])
     got, g_got, kept = _grads(lambda: lean(x, x, x), [x])
@@ -201,8 +201,8 @@ def test_mmcv_wrapper_marks_weights_unused():
     got, (g_got, ), kept = _grads(lambda: lean(x), [x])
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(g_got, g_want, **TOL)
-    assert lean.attn._lean_call is not None
-    assert not lean.attn._lean_weights_unused
+    assert lean.attn._gf_lean_call is not None
+    assert not lean.attn._gf_lean_weights_unused
     elems = attention_kept_elements(2, 12, 12, 16, 2)
     assert kept == 4 * sum(elems.values()) < kept_plain
 
@@ -262,7 +262,7 @@ def test_swin_window_attention_through_sdpa(shifted, device):
     got, (g_got, ), kept = _grads(lambda: lean(x, mask), [x])
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(g_got, g_want, **TOL)
-    call = lean._lean_call
+    call = lean._gf_lean_call
     if device != 'cpu':
         assert call is not None
         return
@@ -288,7 +288,7 @@ def test_twins_lsa_through_sdpa(device):
         got, (g_got, ), kept = _grads(lambda: lean(x, hw), [x])
         torch.testing.assert_close(got, want, **TOL)
         torch.testing.assert_close(g_got, g_want, **TOL)
-        assert lean._lean_call is not None
+        assert lean._gf_lean_call is not None
         assert kept < kept_plain or device != 'cpu'
 
 

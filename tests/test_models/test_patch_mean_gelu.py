@@ -20,7 +20,7 @@ from mmseg_gf.models.patch_mean_gelu import (is_patch_mean_gelu,
 from mmseg_gf.ops import TokenGrid
 from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
                                                 tagged_partition)
-from tests._devices import DEVICES
+from tests.helpers.devices import DEVICES
 
 
 def _linear(radius, grid, device='cpu'):
@@ -65,9 +65,9 @@ def test_the_rule_runs_only_on_its_partitions_unchanged_output(device):
         return type(gelu(t).grad_fn).__name__
 
     assert node(up(x)) == 'PatchMeanGeluFunctionBackward'
-    assert gelu._patch_mean_call == (2, 16, 6)
+    assert gelu._gf_patch_mean_call == (2, 16, 6)
     assert node(up(x) + 0) == 'GeluBackward0'  # not the layer's output
-    assert gelu._patch_mean_call is None
+    assert gelu._gf_patch_mean_call is None
     assert node(_linear(4, grid, device)(x)) == 'GeluBackward0'  # another r
     # the rule's input gradient: g_y times the patch means of GELU'
     u = up(x)

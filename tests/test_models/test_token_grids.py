@@ -14,7 +14,7 @@ heads' channels), at 64x64, float64, eval mode (no dropout / DropPath):
 * with every gridded layer filtered at r = 1 the model's gradients equal
   the plain model's; at r = 2 they equal a reference model whose layers
   filter with autograd hooks and the float64 loops of
-  tests/gf_linear_reference.py, and differ from the plain ones.
+  tests/helpers/gf_linear_reference.py, and differ from the plain ones.
 """
 import copy
 import functools
@@ -37,8 +37,8 @@ from mmseg_gf.models.token_grids import (CLASS_SCORES,  # noqa: E402
                                          filtered_module, layer_kind,
                                          run_inference_path)
 from mmseg_gf.ops import TokenGrid  # noqa: E402
-from tests.gf_linear_reference import (reference_attention,  # noqa: E402
-                                       reference_filtered_linear)
+from tests.helpers.gf_linear_reference import (  # noqa: E402
+    reference_attention, reference_filtered_linear)
 
 SIZE = 64
 

@@ -1,6 +1,6 @@
 """Device discipline of every autograd Function of ``mmseg_gf.ops`` without
-a GPU: forward and backward on fake CUDA tensors (``tests/
-_device_discipline.py``) make nothing on the CPU, copy nothing to it and
+a GPU: forward and backward on fake CUDA tensors (``tests/helpers/
+device_discipline.py``) make nothing on the CPU, copy nothing to it and
 read no value on the host; their outputs are CUDA tensors of the right
 shapes.
 
@@ -35,7 +35,7 @@ from mmseg_gf.ops.lean_transformer import (BitMaskDropPathFunction,
 from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
                                                 patch_mean_gelu)
 from mmseg_gf.ops.resize import BilinearResizeFunction
-from tests._device_discipline import HostSyncError, fake_cuda
+from tests.helpers.device_discipline import HostSyncError, fake_cuda
 
 
 class _Context:

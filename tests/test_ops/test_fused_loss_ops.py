@@ -9,7 +9,7 @@ from mmseg_gf.ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
                                      LogitGradients,
                                      PrecomputedGradientLossFunction,
                                      loss_gradients)
-from tests._devices import DEVICES
+from tests.helpers.devices import DEVICES
 
 
 def _losses(*logits):

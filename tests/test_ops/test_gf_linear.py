@@ -1,5 +1,5 @@
 """The gradient-filtered linear layer against its float64 reference
-(tests/gf_linear_reference.py) and the exact limits of
+(tests/helpers/gf_linear_reference.py) and the exact limits of
 docs/gradient_filter.md#linear-layers-on-token-grids.
 
 The tests that take ``device`` also run on CUDA tensors (``pytest -m
@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from tests._devices import DEVICES
-from tests.gf_linear_cases import LAYOUT_CASES as CASES
-from tests.gf_linear_cases import linear_inputs as _inputs
-from tests.gf_linear_reference import (patch_average,
-                                       reference_linear_gradients)
+from tests.helpers.devices import DEVICES
+from tests.helpers.gf_linear_cases import LAYOUT_CASES as CASES
+from tests.helpers.gf_linear_cases import linear_inputs as _inputs
+from tests.helpers.gf_linear_reference import (
+    patch_average, reference_linear_gradients)
 
 
 def _filtered_grads(x, w, b, g, grid, radius, token_dim, device='cpu'):

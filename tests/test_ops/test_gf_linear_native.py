@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, native
 from mmseg_gf.ops.gradient_filter_linear import TokenLayout
-from tests._devices import kernels_off
-from tests.gf_linear_cases import LAYOUT_CASES
+from tests.helpers.devices import kernels_off
+from tests.helpers.gf_linear_cases import LAYOUT_CASES
 
 pytestmark = pytest.mark.skipif(
     not native.available() or

@@ -1,13 +1,13 @@
 """Property-based tests of the gradient-filtered linear layer over random
 token grids, layouts, token axes, radii and trained parameters, against the
-float64 reference (tests/gf_linear_reference.py)."""
+float64 reference (tests/helpers/gf_linear_reference.py)."""
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from tests.gf_linear_reference import reference_linear_gradients
+from tests.helpers.gf_linear_reference import reference_linear_gradients
 
 
 @st.composite

@@ -1,6 +1,6 @@
 """The filtered Linear's Triton path (``mmseg_gf.ops.triton_linear``).
 
-Its cases (``tests/triton_linear_cases.py``) run in a subprocess: under
+Its cases (``tests/helpers/triton_linear_cases.py``) run in a subprocess: under
 triton's interpreter on CPU tensors (every machine with triton) and
 compiled on CUDA where there is a GPU (``TRITON_INTERPRET`` must stay off
 in this process; see tests/test_ops/test_gf_triton.py). The tests here
@@ -11,9 +11,9 @@ import torch
 
 from mmseg_gf.ops import (TokenGrid, gradient_filtered_linear, triton_linear,
                           triton_path)
-from tests._devices import DEVICES, needs_cuda
-from tests._triton import INTERPRETER, TRITON, run_case_file
-from tests.gf_linear_reference import reference_linear_gradients
+from tests.helpers.devices import DEVICES, needs_cuda
+from tests.helpers.triton_runs import INTERPRETER, TRITON, run_case_file
+from tests.helpers.gf_linear_reference import reference_linear_gradients
 
 
 def _run_cases(interpret: bool) -> None:

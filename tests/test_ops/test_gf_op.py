@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import check_radius, gradient_filtered_conv2d
-from tests._devices import DEVICES
-from tests.gf_reference import exact_gradients, reference_gradients
+from tests.helpers.devices import DEVICES
+from tests.helpers.gf_reference import exact_gradients, reference_gradients
 
 
 def _run_op(x, weight, bias, grad_out, stride, padding, dilation, groups,

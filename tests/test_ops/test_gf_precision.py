@@ -5,7 +5,7 @@ import torch
 from mmseg_gf import GFConv2d
 from mmseg_gf.ops import gradient_filtered_conv2d
 
-from tests._devices import needs_cuda
+from tests.helpers.devices import needs_cuda
 
 CUDA = needs_cuda
 CUDA_MARKS = [pytest.mark.cuda, needs_cuda]
@@ -88,7 +88,7 @@ def test_torch_compile_gives_the_same_gradients():
 
 from torch import nn  # noqa: E402
 
-from tests.gf_reference import reference_gradients  # noqa: E402
+from tests.helpers.gf_reference import reference_gradients  # noqa: E402
 
 DEVICES = ['cpu', pytest.param('cuda', marks=CUDA_MARKS)]
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmseg_gf.ops import gradient_filtered_conv2d
-from tests.gf_reference import reference_gradients
+from tests.helpers.gf_reference import reference_gradients
 
 
 def draw_channels_and_kernel(draw):
@@ -69,7 +69,7 @@ from torch import nn  # noqa: E402
 from mmseg_gf import GFConv2d  # noqa: E402
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
 
-from tests._devices import DEVICES  # noqa: E402
+from tests.helpers.devices import DEVICES  # noqa: E402
 
 PADDING_MODES = ('zeros', 'reflect', 'replicate', 'circular')
 
@@ -220,7 +220,7 @@ def _check_module(cfg, device, dtype):
 def test_gfconv2d_any_valid_conv(device, cfg, dtype):
     """Every nn.Conv2d setting and input: same output as nn.Conv2d (bit for
     bit), gradients with the parameters' shapes / dtypes / devices and equal
-    to the float64 reference (tests/gf_reference.py); what nn.Conv2d
+    to the float64 reference (tests/helpers/gf_reference.py); what nn.Conv2d
     refuses GFConv2d refuses too; no exact-backward fallback for any real
     conv."""
     _check_module(cfg, device, dtype)

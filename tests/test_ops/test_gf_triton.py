@@ -1,6 +1,6 @@
 """The Triton GPU path (``mmseg_gf.ops.triton_path``).
 
-Its kernels are checked by ``tests/triton_cases.py`` in a subprocess:
+Its kernels are checked by ``tests/helpers/triton_cases.py`` in a subprocess:
 under triton's interpreter on CPU tensors (every machine with triton, no
 GPU needed) and compiled on CUDA where there is a GPU. ``TRITON_INTERPRET``
 only takes effect before triton is imported, and in this process it must
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
-from tests._devices import needs_cuda
-from tests._triton import (INTERPRETER, ROOT, TRITON, TRITON_VERSION,
-                           run_case_file)
+from tests.helpers.devices import needs_cuda
+from tests.helpers.triton_runs import (
+    INTERPRETER, ROOT, TRITON, TRITON_VERSION, run_case_file)
 
 CUDA = needs_cuda
 

@@ -3,7 +3,8 @@
 (``triton_norm``) and the resized cross-entropy (``resized_loss``'s
 Triton path).
 
-Their cases run in a subprocess (see ``tests/_triton.py``): under triton's
+Their cases run in a subprocess (see ``tests/helpers/triton_runs.py``):
+under triton's
 interpreter on CPU tensors, compiled on CUDA where there is a GPU. Here:
 that CPU tensors outside the interpreter never take them.
 """
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 from mmseg_gf.ops import bit_mask, resized_loss, triton_bit_mask, triton_norm
-from tests._devices import needs_cuda
-from tests._triton import INTERPRETER, TRITON, run_case_file
+from tests.helpers.devices import needs_cuda
+from tests.helpers.triton_runs import INTERPRETER, TRITON, run_case_file
 
 CASE_FILES = ['triton_bit_mask_cases.py', 'triton_norm_cases.py',
               'triton_loss_cases.py']

@@ -32,7 +32,7 @@ from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
                                                 patch_mean_gelu,
                                                 patch_mean_kept_elements,
                                                 tag_output, tagged_partition)
-from tests._devices import DEVICE_PATHS, on_path
+from tests.helpers.devices import DEVICE_PATHS, on_path
 
 D64 = torch.float64
 

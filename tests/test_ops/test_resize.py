@@ -11,7 +11,7 @@ from mmseg_gf.ops import native
 from mmseg_gf.ops.resize import (BilinearResizeFunction,
                                  bilinear_resize_backward,
                                  strided_gradient_resizes)
-from tests._devices import CUDA_AVAILABLE
+from tests.helpers.devices import CUDA_AVAILABLE
 
 RESIZES = [
     dict(size=(13, 11), align_corners=False),

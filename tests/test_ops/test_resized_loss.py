@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mmseg_gf.ops import resized_loss
 from mmseg_gf.ops.resized_loss import resized_cross_entropy
-from tests._devices import needs_cuda
+from tests.helpers.devices import needs_cuda
 
 # use_kernel: False is the PyTorch path, which CUDA tensors take ('cuda').
 PATHS = [False] + ([True] if resized_loss._kernel is not None else []) + [

@@ -18,7 +18,7 @@ torch = pytest.importorskip('torch')
 
 from mmengine.config import Config  # noqa: E402
 
-from tests._tools import REPO, load_tool  # noqa: E402
+from tests.helpers.tools import REPO, load_tool  # noqa: E402
 
 TOOL = osp.join(REPO, 'tools', 'run_protocol.py')
 run_protocol = load_tool('run_protocol')
@@ -324,9 +324,10 @@ def test_rescale_schedule_keeps_shape():
 
 def _concrete(path):
     """(model, target, strategy) of a configs/{calib,gf} file, from its
-    name (tests/_config_names.py); pspnet_r18_voc_r4.py is the short name
+    name (tests/helpers/config_names.py); pspnet_r18_voc_r4.py is the short
+    name
     of pspnet_r18-d8_gf-last5-r4_1xb8-20k_voc12aug-512x512.py."""
-    from tests._config_names import parse_config_name
+    from tests.helpers.config_names import parse_config_name
     if osp.basename(path) == 'pspnet_r18_voc_r4.py':
         return 'pspnet_r18', 'voc', 'gf_last5_r4'
     model, target, strategy, _ = parse_config_name(path)

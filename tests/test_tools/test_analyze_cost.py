@@ -20,7 +20,7 @@ from mmseg_gf.engine.surgery import get_gradient_filter_layers  # noqa: E402
 
 from mmseg_gf.analysis.model_cost import config_backward_cost  # noqa: E402
 from mmseg_gf.protocol.paper_table3 import PAPER_TABLE3_GFLOPS  # noqa: E402
-from tests._tools import REPO, load_tool  # noqa: E402
+from tests.helpers.tools import REPO, load_tool  # noqa: E402
 
 TOOL = osp.join(REPO, 'tools', 'analyze_cost.py')
 analyze_cost = load_tool('analyze_cost')

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip('mmseg')
 
-from tests._engine_fixtures import model_cfg, write_cfg  # noqa: E402
-from tests._tools import load_tool  # noqa: E402
+from tests.helpers.engine_fixtures import model_cfg, write_cfg  # noqa: E402
+from tests.helpers.tools import load_tool  # noqa: E402
 
 benchmark_fused_loss = load_tool('benchmark_fused_loss')
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mmseg_gf.ops import resized_loss
-from tests._tools import load_tool
+from tests.helpers.tools import load_tool
 
 benchmark_loss = load_tool('benchmark_loss')
 

@@ -9,7 +9,7 @@ pytest.importorskip('mmseg')
 
 from mmseg_gf.analysis.step_benchmark import row_settings  # noqa: E402
 from mmseg_gf.analysis.step_jobs import family_crop  # noqa: E402
-from tests._tools import REPO, load_tool  # noqa: E402
+from tests.helpers.tools import REPO, load_tool  # noqa: E402
 
 benchmark_step = load_tool('benchmark_step')
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip('mmseg')
 
-from tests._tools import load_tool  # noqa: E402
+from tests.helpers.tools import load_tool  # noqa: E402
 
 check_budget = load_tool('check_budget')
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from tests._tools import REPO  # noqa: E402
+from tests.helpers.tools import REPO  # noqa: E402
 
 pytest.importorskip('mmseg')
 

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip('mmseg')
 
-from tests._tools import load_tool  # noqa: E402
+from tests.helpers.tools import load_tool  # noqa: E402
 
 count_launches = load_tool('count_launches')
 

@@ -3,7 +3,7 @@ HistoryBuffers, numpy values, optimizer state) becomes a file of tensors
 and plain data that mmseg's own ``init_model`` loads, with torch's default
 ``weights_only=True``, in a process that cannot import the plugin, and
 predicts as the original model does
-(``mmseg_gf/engine/weights_export.py``)."""
+(``mmseg_gf/engine/checkpoint/weights_export.py``)."""
 import collections
 import json
 import os.path as osp
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from mmseg_gf.engine.pickle_scan import checkpoint_pickle, names_in_pickle
-from mmseg_gf.engine.weights_export import plain_data
-from tests._engine_fixtures import (build_model, make_tiny_voc, model_cfg,
-                                    run_training, runner_cfg)
-from tests._tools import load_tool
+from mmseg_gf.engine.checkpoint.pickle_scan import (checkpoint_pickle,
+                                                    names_in_pickle)
+from mmseg_gf.engine.checkpoint.weights_export import plain_data
+from tests.helpers.engine_fixtures import (
+    build_model, make_tiny_voc, model_cfg, run_training, runner_cfg)
+from tests.helpers.tools import load_tool
 
 CLASSES = ('background', 'road', 'car')
 PALETTE = [[0, 0, 0], [128, 64, 128], [0, 0, 142]]

@@ -18,7 +18,7 @@ from mmseg_gf.analysis.gpu_report import (LayerRun,  # noqa: E402
                                           launch_checks, launch_table,
                                           layer_checks, layer_runs_table,
                                           step_checks)
-from tests._tools import REPO, load_tool  # noqa: E402
+from tests.helpers.tools import REPO, load_tool  # noqa: E402
 
 gpu_check = load_tool('gpu_check')
 

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip('mmseg')
 pytest.importorskip('torch')
 
-from tests._tools import REPO, load_tool  # noqa: E402
+from tests.helpers.tools import REPO, load_tool  # noqa: E402
 
 gradient_quality = load_tool('gradient_quality')
 

@@ -13,11 +13,11 @@ from mmengine.hooks import Hook
 from mmseg.registry import HOOKS
 
 from mmseg_gf.engine.checkpoint import check_checkpoint_matches
-from tests._engine_fixtures import (EXPECTED, NORM, build_model,
-                                    changed_modules, gf_paths, model_cfg,
-                                    prepare_workspace, tool_cfg, write_cfg)
-from tests._tools import REPO, load_tool
-from tests._train_hooks import SimulatedInterrupt
+from tests.helpers.engine_fixtures import (
+    EXPECTED, NORM, build_model, changed_modules, gf_paths, model_cfg,
+    prepare_workspace, tool_cfg, write_cfg)
+from tests.helpers.tools import REPO, load_tool
+from tests.helpers.train_hooks import SimulatedInterrupt
 
 PSP5 = set(EXPECTED['pspnet_r18'][5]) | {'decode_head.conv_seg'}
 

@@ -10,7 +10,7 @@ from mmengine.logging import print_log
 from mmengine.runner import find_latest_checkpoint
 from mmseg.registry import HOOKS
 
-from ..weights_export import export_weights
+from ..checkpoint.weights_export import export_weights
 
 __all__ = ['ExportWeightsHook']
 
@@ -25,7 +25,7 @@ class ExportWeightsHook(Hook):
     ``torch.load(weights_only=True)`` (torch >= 2.6) refuses without this
     plugin; the exported file holds tensors and plain data only, so mmseg's
     ``init_model`` and ``tools/test.py`` load it anywhere
-    (:mod:`mmseg_gf.engine.weights_export`).
+    (:mod:`mmseg_gf.engine.checkpoint.weights_export`).
 
     Args:
         out: the file to write instead (relative paths: in ``work_dir``).

@@ -14,7 +14,7 @@ own checkpoints hold a few more, all data:
 
 :func:`allow_mmengine_checkpoints` maps those names, on torch's allow-list
 (``torch.serialization.add_safe_globals``), to the stand-ins of
-:mod:`.checkpoint_data`, which check every argument and state before
+:mod:`.data`, which check every argument and state before
 anything is built (plain numeric / bool / str dtypes, arrays and scalars of
 those with exactly their bytes, a HistoryBuffer restored from its data
 without touching the class); importing :mod:`mmseg_gf.engine` calls it, so
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from mmengine.logging import HistoryBuffer
 
-from .checkpoint_data import (ALLOWED_NAMES, HISTORY_BUFFER_NAME,
+from .data import (ALLOWED_NAMES, HISTORY_BUFFER_NAME,
                               HISTORY_STATISTICS, TRUST_FLAG, TRUSTED_NESTED,
                               CheckedArray, CheckedDtype,
                               CheckedHistoryBuffer, ParentName,
@@ -81,6 +81,11 @@ _RUNS_CODE_NAMES = frozenset(
        'torch.serialization.load', 'torch.from_file'])
 
 
+def _qualified_name(cls: type) -> str:
+    """The name torch's ``weights_only`` unpickler knows ``cls`` by."""
+    return f'{cls.__module__}.{cls.__qualname__}'
+
+
 def _stand_ins() -> Dict[str, Any]:
     """Name in a checkpoint -> the checking stand-in it resolves to."""
     out: Dict[str, Any] = {
@@ -91,8 +96,8 @@ def _stand_ins() -> Dict[str, Any]:
         # BUILD hands a state only to allow-listed types: the holders
         # rebuild_dtype / _reconstruct return. Their constructors refuse
         # every call from a file.
-        'mmseg_gf.engine.checkpoint_data.CheckedDtype': CheckedDtype,
-        'mmseg_gf.engine.checkpoint_data.CheckedArray': CheckedArray,
+        _qualified_name(CheckedDtype): CheckedDtype,
+        _qualified_name(CheckedArray): CheckedArray,
     }
     for module in _NUMPY_MODULES:
         out[f'{module}._reconstruct'] = make_rebuild_array(
@@ -131,7 +136,7 @@ def _set_allowed(names_to_drop: Sequence[str], add: List) -> None:
 
 def allow_mmengine_checkpoints() -> None:
     """Allow mmengine checkpoints' own types under ``weights_only=True``,
-    through the checking stand-ins of :mod:`.checkpoint_data`.
+    through the checking stand-ins of :mod:`.data`.
 
     Idempotent; a name the user trusted keeps its own object. Also
     registers HistoryBuffer's four default statistics (what constructing
@@ -291,7 +296,7 @@ def _names_refusal(names: List[str]) -> RefusedCheckpointError:
         them = 'it' if len(names) == 1 else 'them'
         text += (f' If you trust the file, allow {them} explicitly: '
                  f'{flags} (tools/train.py, tools/test.py) or '
-                 'mmseg_gf.engine.safe_load.trust_checkpoint_types'
+                 'mmseg_gf.engine.checkpoint.safe_load.trust_checkpoint_types'
                  f'({trustable!r})')
     trusted = set(trustable)
     untrusted = [n for n in names if n not in trusted]

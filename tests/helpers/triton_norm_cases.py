@@ -1,8 +1,8 @@
 """Cases of the frozen norms' Triton backward (batch norm, layer norm:
 (``mmseg_gf.ops.triton_norm``); run by ``tests/test_ops/test_lean_triton.py``
-in a subprocess (see ``tests/triton_cases.py``). Run directly::
+in a subprocess (see ``tests/helpers/triton_cases.py``). Run directly::
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/triton_norm_cases.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/helpers/triton_norm_cases.py
 """
 import pytest
 import torch
@@ -10,9 +10,9 @@ from torch import nn
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.ops import triton_norm_kernels
-from tests._triton import case_device, pytorch_path
-from tests.triton_bit_mask_cases import (_assert_equal, _forward_backward,
-                                         _lean)
+from tests.helpers.triton_runs import case_device, pytorch_path
+from tests.helpers.triton_bit_mask_cases import (
+    _assert_equal, _forward_backward, _lean)
 
 DEVICE = case_device()
 

@@ -5,8 +5,8 @@ decides at import whether its kernels run compiled or interpreted, from
 ``TRITON_INTERPRET``, and that setting must not leak into the rest of the
 suite (every CPU conv would then take the interpreter). Run directly::
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/triton_cases.py   # CPU
-    python -m pytest -q tests/triton_cases.py                      # CUDA
+    TRITON_INTERPRET=1 python -m pytest -q tests/helpers/triton_cases.py
+    python -m pytest -q tests/helpers/triton_cases.py  # CUDA
 
 Under the interpreter the tensors are CPU tensors and the shapes tiny (it
 runs every program in Python); on a GPU the same cases run compiled.
@@ -18,8 +18,8 @@ import torch
 
 from mmseg_gf.accounting.launches import LaunchCounter, counting
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
-from tests._triton import case_device, pytorch_path
-from tests.gf_reference import reference_gradients
+from tests.helpers.triton_runs import case_device, pytorch_path
+from tests.helpers.gf_reference import reference_gradients
 
 DEVICE = case_device()
 
@@ -91,7 +91,7 @@ def test_float64_matches_independent_reference(stride, kernel, kind, radius):
     """Every stride / kernel / group kind / radius, partial border patches,
     padding and uncovered pixels: the Triton path gives the gradients of
     docs/gradient_filter.md (#backward, #partial-patches)
-    to float64 rounding (``tests/gf_reference.py``, explicit loops). A
+    to float64 rounding (``tests/helpers/gf_reference.py``, explicit loops). A
     3x3 kernel at ``r * s = 1`` has taps in other patches: it stays on the
     step-by-step route. (One image: the interpreter's time grows with the
     number of programs; the other tests cover batches.)"""

@@ -1,11 +1,13 @@
 """Cases of the filtered Linear's Triton path (``mmseg_gf.ops.triton_linear``);
 run by ``tests/test_ops/test_gf_linear_triton.py`` in a subprocess.
 
-Not collected on its own, for the reason given in ``tests/triton_cases.py``
-(``TRITON_INTERPRET`` is read when triton is imported). Run directly::
+Not collected on its own, for the reason given in
+``tests/helpers/triton_cases.py`` (``TRITON_INTERPRET`` is read when
+triton is imported). Run directly::
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/triton_linear_cases.py  # CPU
-    python -m pytest -q tests/triton_linear_cases.py                     # CUDA
+    TRITON_INTERPRET=1 python -m pytest -q \
+        tests/helpers/triton_linear_cases.py
+    python -m pytest -q tests/helpers/triton_linear_cases.py  # CUDA
 
 Under the interpreter the tensors are CPU tensors and the shapes tiny; on a
 GPU the same cases run compiled.
@@ -15,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, triton_linear
-from tests._triton import case_device, pytorch_path, triton_enabled
-from tests.gf_linear_cases import LAYOUT_CASES, linear_inputs
-from tests.gf_linear_reference import reference_linear_gradients
+from tests.helpers.triton_runs import case_device, pytorch_path, triton_enabled
+from tests.helpers.gf_linear_cases import LAYOUT_CASES, linear_inputs
+from tests.helpers.gf_linear_reference import reference_linear_gradients
 
 DEVICE = case_device()
 
@@ -55,7 +57,8 @@ def test_float64_matches_independent_reference(grid, shape, token_dim,
                                                radius):
     """Every layout (extra and trailing tokens, (N, B, C), 'hwc', windows,
     unbatched, partial border patches at r = 2 and 3): the Triton path's
-    gradients are those of tests/gf_linear_reference.py (explicit loops)
+    gradients are those of tests/helpers/gf_linear_reference.py (explicit
+    loops)
     to float64 rounding."""
     x, w, b, g = linear_inputs(shape, dtype=torch.float64)
     (gx, gw, gb), ran = _grads(x, w, b, g, grid, radius, token_dim)

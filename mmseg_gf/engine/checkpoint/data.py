@@ -100,7 +100,7 @@ def refusal(holds: str, why: str,
     return RefusedCheckpointError(
         text + ' If you trust the file, run that name\'s own code '
         f'explicitly: {TRUST_FLAG} {trust} (tools/train.py, tools/test.py) '
-        'or mmseg_gf.engine.safe_load.trust_checkpoint_types'
+        'or mmseg_gf.engine.checkpoint.safe_load.trust_checkpoint_types'
         f'([{trust!r}])')
 
 

@@ -9,7 +9,7 @@ launches per kind.
 launches (fewer launches is the point of the lean region's kernels)
 rewrites it, and the diff shows the change::
 
-    python tests/launches_golden.py --write       # all four, ~2-4 min
+    python tests/helpers/launches_golden.py --write       # all four, ~2-4 min
     git diff tests/golden/launches_64.json
 """
 import argparse
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from typing import Dict, List
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 GOLDEN = osp.join(REPO, 'tests', 'golden', 'launches_64.json')
 _LAST10 = ['--rows', 'gf_last10_r4:lean', 'vanilla_last10:plain']
 _LAST20 = ['--rows', 'gf_last20_r4:lean', 'vanilla_last20:plain']

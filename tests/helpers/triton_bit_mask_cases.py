@@ -1,13 +1,16 @@
 """Cases of the bit masks' Triton path (``mmseg_gf.ops.triton_bit_mask``);
 run by ``tests/test_ops/test_bit_mask_triton.py`` in a subprocess.
 
-Not collected on its own (see ``tests/triton_cases.py``). Run directly::
+Not collected on its own (see ``tests/helpers/triton_cases.py``). Run
+directly::
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/triton_bit_mask_cases.py
+    TRITON_INTERPRET=1 python -m pytest -q \
+        tests/helpers/triton_bit_mask_cases.py
 
 Each case compares the Triton path with the PyTorch path
-(``tests._triton.pytorch_path``) and with an independent reference (numpy's
-``packbits``, plain autograd modules): bytes and gradients bit for bit.
+(``tests.helpers.triton_runs.pytorch_path``) and with an independent
+reference (numpy's ``packbits``, plain autograd modules): bytes and
+gradients bit for bit.
 Tiny tensors: the interpreter runs every program in Python.
 """
 import copy
@@ -20,7 +23,7 @@ from torch import nn
 from mmseg_gf.models.lean import make_lean
 from mmseg_gf.ops import bit_mask, triton_bit_mask_kernels
 from mmseg_gf.ops.lean_transformer import BitMaskDropPathFunction
-from tests._triton import case_device, pytorch_path, triton_enabled
+from tests.helpers.triton_runs import case_device, pytorch_path, triton_enabled
 from mmseg_gf.accounting.launches import LaunchCounter
 
 DEVICE = case_device()

@@ -33,8 +33,8 @@ import zipfile
 import zlib
 from typing import List, Optional, Tuple
 
-from ..ops import switches
-from .checkpoint_data import RefusedCheckpointError, refusal
+from ...ops import switches
+from .data import RefusedCheckpointError, refusal
 from .pickle_scan import PickleScan, data_pickle_info, scan_pickle
 
 __all__ = ['set_load_limit', 'load_cap', 'read_checkpoint', 'check_cost',
@@ -103,7 +103,8 @@ def _too_costly(what: str, cost: int, file_size: int,
         f'(the larger of {_factor():g} x the file size and '
         f'{_mib(_floor())}; allowed: a checkpoint as torch.save '
         'writes it, which declares about its own size). For a file you '
-        'trust, raise the cap: mmseg_gf.engine.load_bounds.set_load_limit('
+        'trust, raise the cap: '
+        'mmseg_gf.engine.checkpoint.load_bounds.set_load_limit('
         f'factor=..., floor_bytes=...) or {FACTOR_ENV}=...')
 
 

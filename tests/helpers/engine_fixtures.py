@@ -1,4 +1,6 @@
-"""Tiny mmseg model configs and a tiny VOC dataset for the engine tests.
+"""Tiny mmseg model configs and a tiny VOC dataset for the engine tests,
+and the gradient-filtered copy of a model and its step's saved bytes, which
+the engine and accounting tests build alike.
 
 Models follow mmseg's ``*_r18-d8`` / ``upernet_r18`` / ``mobilenet-v2-d8``
 configs (same module structure, hence same module paths), with plain BN,
@@ -304,8 +306,9 @@ def tool_cfg(work_dir: str, voc_root: str, init: str, way: str = 'rewrite',
                      batch_size=batch_size)
     cfg['model']['decode_head']['dropout_ratio'] = 0.0
     cfg['train_dataloader']['sampler']['seed'] = 0
-    cfg['custom_imports'] = dict(imports=['mmseg_gf', 'tests._train_hooks'],
-                                 allow_failed_imports=False)
+    cfg['custom_imports'] = dict(
+        imports=['mmseg_gf', 'tests.helpers.train_hooks'],
+        allow_failed_imports=False)
     cfg['load_from'] = init
     settings = dict(dict(num_layers=5, radius=4), **hook_args)
     if way == 'rewrite':
@@ -349,3 +352,24 @@ def changed_modules(state: dict, init_state: dict) -> set:
         k.rsplit('.', 1)[0]
         for k, v in state.items() if not torch.equal(v, init_state[k])
     }
+
+
+def filtered_copy(base, num_layers: int, radius, size, **flags):
+    """A copy of ``base`` with its last ``num_layers`` layers filtered at
+    ``radius`` (selected on a ``size`` input); ``flags`` go to
+    ``apply_gradient_filter`` (``mode``, ``lean``, ...)."""
+    from mmseg_gf.engine import apply_gradient_filter, select_layers
+    model = copy.deepcopy(base)
+    choices = select_layers(model, num_layers=num_layers, radius=radius,
+                            input_size=size)
+    apply_gradient_filter(model, choices, **flags)
+    return model
+
+
+def step_saved_bytes(model, size, batch: int) -> int:
+    """What autograd saves in one training step of ``model`` on a random
+    ``batch x size`` batch."""
+    from mmseg_gf.accounting.batch import random_batch, training_loss
+    from mmseg_gf.accounting.measured import saved_tensor_bytes
+    inputs, samples = random_batch(model, size, batch)
+    return saved_tensor_bytes(lambda: training_loss(model, inputs, samples))

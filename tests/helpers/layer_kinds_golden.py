@@ -13,12 +13,13 @@ text of every model (or of the models named) to stdout or ``--out``;
 whose selection, surgery and accounting named ``nn.Conv2d`` / ``GFConv2d``
 directly (the budgets and the hook's model here count convs only,
 ``layer_kinds=['conv2d']``: Segformer-B0's attentions are a kind of their
-own, counted by default; its last 5 layers are convs either way), and ``tests/test_engine/test_layer_kinds_golden.py`` compares two
-cheap models against it. This script on all models against that file is the
-full check: 3.6 min alone on this 2-core VM (one thread), up to 7 min with
+own, counted by default; its last 5 layers are convs either way), and
+``tests/test_engine/test_layer_kinds_golden.py`` compares two cheap models
+against it. This script on all models against that file is the full
+check: 3.6 min alone on this 2-core VM (one thread), up to 7 min with
 other work running::
 
-    python tests/layer_kinds_golden.py --out /tmp/now.txt
+    python tests/helpers/layer_kinds_golden.py --out /tmp/now.txt
     diff tests/golden/layer_kinds.txt /tmp/now.txt && echo identical
 """
 import argparse
@@ -29,7 +30,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
@@ -63,7 +64,7 @@ def _argv_and_cfg(name: str):
     """``tools/analyze_cost.py``'s arguments for a model, its loaded config
     and its input side."""
     from mmseg_gf.engine.zoo import REALTIME_FAMILIES
-    from tests._config_names import config_name
+    from tests.helpers.config_names import config_name
     group, key = name.split(':')
     if group == 'protocol':
         path = osp.join(REPO, 'configs', 'gf',
@@ -159,7 +160,7 @@ def model_text(name: str, analyze_cost) -> str:
 
 def golden_text(names: Optional[List[str]] = None) -> Dict[str, str]:
     """Model name -> its text, for ``names`` (default: all)."""
-    from tests._tools import load_tool
+    from tests.helpers.tools import load_tool
     analyze_cost = load_tool('analyze_cost')
     texts = {}
     for name in names or model_names():

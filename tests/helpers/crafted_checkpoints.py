@@ -1,5 +1,5 @@
 """Crafted checkpoints for the loader's tests, and a child process that
-loads them (``mmseg_gf/engine/safe_load.py``).
+loads them (``mmseg_gf/engine/checkpoint/safe_load.py``).
 
 A crafted pickle is written opcode by opcode (protocol 2, the opcodes
 torch's ``weights_only`` unpickler reads) into torch's zip layout, so any
@@ -269,7 +269,8 @@ def load_in_child(paths: Sequence[str], marker: str,
         paths: the files.
         marker: the file a crafted payload would create if code ran.
         trust: names given to ``trust_checkpoint_types`` first.
-        loader: 'plugin': ``mmseg_gf.engine.safe_load.load_checkpoint_file``;
+        loader: 'plugin':
+            ``mmseg_gf.engine.checkpoint.safe_load.load_checkpoint_file``;
             'torch': plain ``torch.load(weights_only=True)`` after
             ``import mmseg_gf`` (what mmseg's own tools do with the plugin
             imported).
@@ -287,7 +288,7 @@ def load_in_child(paths: Sequence[str], marker: str,
     todo = list(paths)
     while todo:
         proc = subprocess.run(
-            [sys.executable, '-m', 'tests.test_engine._crafted_checkpoints',
+            [sys.executable, '-m', 'tests.helpers.crafted_checkpoints',
              marker, json.dumps(list(trust)), loader],
             input='\n'.join(todo), capture_output=True, text=True, env=env,
             cwd=REPO, timeout=timeout)
@@ -329,7 +330,7 @@ def _plain_problem(obj, seen=None) -> Optional[str]:
     from mmengine.logging import HistoryBuffer
 
     try:
-        from mmseg_gf.engine.checkpoint_data import CheckedDtype
+        from mmseg_gf.engine.checkpoint.data import CheckedDtype
     except ImportError:  # a version of the plugin without it
         CheckedDtype = np.dtype
     seen = set() if seen is None else seen
@@ -392,7 +393,7 @@ def _child_main(marker: str, trust: List[str], loader: str) -> None:
     import torch
 
     import mmseg_gf  # noqa: F401  (allow-lists what it allows)
-    from mmseg_gf.engine import safe_load
+    from mmseg_gf.engine.checkpoint import safe_load
     if trust:
         safe_load.trust_checkpoint_types(trust)
     before = _class_state()
@@ -414,7 +415,7 @@ def _child_main(marker: str, trust: List[str], loader: str) -> None:
             # Our own checks must refuse, never fail on their own.
             frames = traceback.extract_tb(cause.__traceback__) if cause \
                 else []
-            own = [f for f in frames if 'checkpoint_data.py' in f.filename]
+            own = [f for f in frames if 'checkpoint/data.py' in f.filename]
             ours_broke = cause is not None and own and not isinstance(
                 cause, safe_load.RefusedCheckpointError) and \
                 not isinstance(cause.__cause__ or cause.__context__,

@@ -2,8 +2,9 @@
 
 Triton decides when it is imported whether its kernels run compiled or in
 its interpreter (``TRITON_INTERPRET``), so the kernel cases live in case
-files (``tests/triton_cases.py``, ``tests/triton_linear_cases.py``) that the
-test modules run in a subprocess (:func:`run_case_file`); a case file asks
+files (``tests/helpers/triton_cases.py``,
+``tests/helpers/triton_linear_cases.py``) that the test modules run in a
+subprocess (:func:`run_case_file`); a case file asks
 :func:`case_device` where its tensors go. :func:`pytorch_path` switches the
 Triton path and the compiled CPU kernels off, for a reference run.
 """
@@ -18,8 +19,8 @@ import numpy as np
 import pytest
 
 from mmseg_gf.ops import switches, triton_path
-from tests._devices import kernels_off
-from tests._tools import REPO
+from tests.helpers.devices import kernels_off
+from tests.helpers.tools import REPO
 
 __all__ = ['ROOT', 'TRITON_VERSION', 'TRITON', 'INTERPRETER',
            'run_case_file', 'case_device', 'triton_enabled', 'pytorch_path']
@@ -43,15 +44,16 @@ INTERPRETER = pytest.mark.skipif(
 
 
 def run_case_file(name: str, interpret: bool, *args: str) -> str:
-    """``pytest tests/<name>`` in a subprocess, interpreted (CPU tensors)
-    or compiled (CUDA); asserts that it passed and returns its report."""
+    """``pytest tests/helpers/<name>`` in a subprocess, interpreted (CPU
+    tensors) or compiled (CUDA); asserts that it passed and returns its
+    report."""
     env = dict(os.environ, TRITON_INTERPRET='1' if interpret else '0')
     env.pop('MMSEG_GF_TRITON', None)
     env['PYTHONPATH'] = os.pathsep.join(
         p for p in (str(ROOT), env.get('PYTHONPATH')) if p)
     proc = subprocess.run(
         [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
-         '-rs', str(ROOT / 'tests' / name), *args],
+         '-rs', str(ROOT / 'tests' / 'helpers' / name), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     report = proc.stdout[-8000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, report

@@ -1,9 +1,9 @@
 """Cases of the resized cross-entropy's Triton path
 (``mmseg_gf.ops.resized_loss`` with ``triton_loss_kernels``); run by
 ``tests/test_ops/test_lean_triton.py`` in a subprocess (see
-``tests/triton_cases.py``). Run directly::
+``tests/helpers/triton_cases.py``). Run directly::
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/triton_loss_cases.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/helpers/triton_loss_cases.py
 
 Compared with the PyTorch path (``use_kernel=False``): loss and gradient
 to rounding, hits exactly. ``tests/test_ops/test_resized_loss.py`` holds
@@ -14,8 +14,8 @@ import torch
 
 from mmseg_gf.ops import resized_loss, triton_loss_kernels
 from mmseg_gf.ops.resized_loss import resized_cross_entropy
-from tests._triton import case_device, pytorch_path
-from tests.triton_bit_mask_cases import _count
+from tests.helpers.triton_runs import case_device, pytorch_path
+from tests.helpers.triton_bit_mask_cases import _count
 
 DEVICE = case_device()
 

@@ -5,7 +5,7 @@ not put on ``sys.path``."""
 import importlib.util
 import os.path as osp
 
-REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOLS_DIR = osp.join(REPO, 'tools')
 
 

@@ -1,0 +1,165 @@
+"""The one place that changes other libraries' objects in place: class
+swaps, instance overrides of a method, forward hooks, and the prefix of
+private attributes (docs/patching.md lists every mechanism the package
+uses, what it touches in mmseg and how it is undone).
+
+Why these and not subclasses built by a config: the segmentors, heads and
+layers are built by mmseg from a user's config before this package sees
+them, and checkpoints, ``isinstance`` checks and ``state_dict`` keys must
+stay mmseg's. Each mechanism here therefore changes an existing object and
+keeps what undoes it exactly:
+
+* :func:`swap_class` gives a module a subclass of its own class with a
+  mixin in front (torch.nn.utils.parametrize swaps classes the same way);
+  :func:`unswap_class` gives the class back, :func:`plain_class` is the
+  class a module had before (the one lookup every kind test uses);
+* :func:`override` shadows a method (or a module-level function) with an
+  attribute of the owner; its undo puts back what the owner's own
+  ``__dict__`` held, so an earlier instance override survives;
+* :class:`Hooks` holds hook handles (lasting: removed by the owner's
+  ``remove``; temporary: :meth:`Hooks.removed_after` removes them when the
+  block ends, also on an error).
+
+Torch only, no mmseg: the lowest layer its users (ops included) allow.
+"""
+import contextlib
+from typing import (Callable, Dict, Iterable, Iterator, List, NamedTuple,
+                    Optional, Tuple)
+
+__all__ = ['PRIVATE_PREFIX', 'SWAP_MARKER', 'SwappedFrom', 'swapped_class',
+           'swap_class', 'unswap_class', 'plain_class', 'is_swapped',
+           'override', 'overridden', 'Hooks']
+
+#: Every attribute this package sets on another library's object starts
+#: with it, so that none can clash with mmseg's or torch's own.
+PRIVATE_PREFIX = '_gf_'
+#: The one marker in a swapped class's ``__dict__``.
+SWAP_MARKER = PRIVATE_PREFIX + 'swapped_from'
+
+
+class SwappedFrom(NamedTuple):
+    """What :func:`swap_class` records in the class it made."""
+    #: the class the module had before the swap
+    plain: type
+    #: who swapped it (``'lean'``, ``'frozen_aux_heads'``): each owner
+    #: undoes its own swaps only
+    owner: str
+
+
+_SWAPPED: Dict[Tuple[type, type, str, str], type] = {}
+
+
+def swapped_class(cls: type, mixin: type, owner: str,
+                  name: Optional[str] = None) -> type:
+    """The subclass ``(mixin, cls)`` that :func:`swap_class` installs, made
+    once per ``(cls, mixin, owner, name)``; named ``name`` (default:
+    ``cls``'s name), in ``cls``'s module (reprs and logs read as mmseg's)."""
+    name = cls.__name__ if name is None else name
+    key = (cls, mixin, owner, name)
+    if key not in _SWAPPED:
+        _SWAPPED[key] = type(name, (mixin, cls), {
+            SWAP_MARKER: SwappedFrom(cls, owner),
+            '__module__': cls.__module__})
+    return _SWAPPED[key]
+
+
+def swap_class(module, mixin: type, owner: str,
+               name: Optional[str] = None) -> None:
+    """Put ``mixin`` in front of ``module``'s class (its ``__dict__``,
+    parameters, buffers and hooks are untouched); see
+    :func:`swapped_class` for ``name``.
+
+    Raises:
+        ValueError: ``module`` is swapped already (swaps do not nest: the
+            undo gives back the plain class).
+    """
+    if is_swapped(module):
+        raise ValueError(f'{type(module).__name__} is swapped already')
+    module.__class__ = swapped_class(type(module), mixin, owner, name)
+
+
+def is_swapped(module, owner: Optional[str] = None) -> bool:
+    """Whether :func:`swap_class` swapped ``module`` (by ``owner``, if
+    given)."""
+    record = type(module).__dict__.get(SWAP_MARKER)
+    return record is not None and owner in (None, record.owner)
+
+
+def unswap_class(module, owner: Optional[str] = None) -> bool:
+    """Give ``module`` back the class it had before :func:`swap_class`
+    (only a swap by ``owner``, if given); returns whether it did."""
+    if not is_swapped(module, owner):
+        return False
+    module.__class__ = type(module).__dict__[SWAP_MARKER].plain
+    return True
+
+
+def plain_class(module) -> type:
+    """The class ``module`` had before :func:`swap_class` (its own class if
+    it is not swapped): what kind tests and reports name."""
+    record = getattr(type(module), SWAP_MARKER, None)
+    return type(module) if record is None else record.plain
+
+
+_MISSING = object()
+
+
+def override(owner, name: str, value) -> Callable[[], None]:
+    """Set ``owner.<name>`` (an instance attribute shadowing a method, or a
+    Python module's function) to ``value``; returns its undo.
+
+    mmseg calls heads' ``forward`` and ``loss_by_feat`` directly
+    (``self.forward(...)``), which module hooks do not see; an attribute of
+    the instance does. The undo puts back what ``vars(owner)`` held before
+    (an earlier override included) or removes the attribute; undo in the
+    reverse order of the overrides.
+    """
+    previous = vars(owner).get(name, _MISSING)
+    setattr(owner, name, value)
+
+    def undo() -> None:
+        if previous is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+
+    return undo
+
+
+@contextlib.contextmanager
+def overridden(owner, name: str, value) -> Iterator[None]:
+    """:func:`override` for the block."""
+    undo = override(owner, name, value)
+    try:
+        yield
+    finally:
+        undo()
+
+
+class Hooks:
+    """Hook handles removed together (torch's ``RemovableHandle``s, or any
+    object with ``remove()``)."""
+
+    def __init__(self, handles: Iterable = ()) -> None:
+        self.handles: List = list(handles)
+
+    def add(self, handle):
+        """Keep ``handle``; returns it."""
+        self.handles.append(handle)
+        return handle
+
+    def extend(self, handles: Iterable) -> None:
+        self.handles.extend(handles)
+
+    def remove(self) -> None:
+        """Remove every hook (last added first) and forget them."""
+        while self.handles:
+            self.handles.pop().remove()
+
+    @contextlib.contextmanager
+    def removed_after(self) -> Iterator['Hooks']:
+        """The hooks last for the block (removed also on an error)."""
+        try:
+            yield self
+        finally:
+            self.remove()

@@ -1,0 +1,76 @@
+"""One training step of a segmentor with the lean region against the same
+step with ``lean=False``, as the zoo families' tests compare them: the
+same loss terms (an auxiliary head's may be left out) and the same
+gradients."""
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mmseg_gf.engine.build import build_segmentor
+from mmseg_gf.models.segmentor import set_frozen_norms_eval
+
+
+def plain_model(cfg):
+    """The family's plain segmentor: seeded init, perturbed, BN running
+    statistics random."""
+    torch.manual_seed(0)
+    model = build_segmentor(cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        for m in model.modules():
+            if isinstance(m, _BatchNorm) and m.running_mean is not None:
+                m.running_mean.copy_(
+                    0.1 * torch.randn(m.num_features, generator=gen))
+                m.running_var.copy_(
+                    torch.rand(m.num_features, generator=gen) + 0.5)
+    return model
+
+
+def one_step(model, inputs, samples):
+    """Loss terms and the gradient of every parameter that gets one (in
+    training mode with frozen norms in eval mode, as GradFilterHook runs
+    a step)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # dropout, SegNeXt's NMF: the same draws
+    model.train()
+    set_frozen_norms_eval(model)
+    losses = model.loss(inputs, samples)
+    terms = {k: v.sum() for k, v in losses.items() if 'loss' in k}
+    sum(terms.values()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    return {k: v.detach() for k, v in terms.items()}, grads
+
+
+def check_terms(got, want, where):
+    """Every lean term equals the reference's; a term the lean step leaves
+    out may only be an auxiliary head's (a frozen head's loss trains
+    nothing; the gradients check that)."""
+    missing = [k for k in want if k not in got]
+    assert set(got) <= set(want), f'{where}: terms {set(got) - set(want)}'
+    assert all(k.startswith('aux') for k in missing), (
+        f'{where}: lean step lacks {missing}')
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], rtol=1e-5, atol=0,
+                                   msg=lambda m: f'{where} {key}: {m}')
+
+
+def assert_same_step(reference, lean, inputs, samples, where: str,
+                     rtol: float, atol_scale: float) -> dict:
+    """One step of each on the same batch and random state: the same loss
+    terms (:func:`check_terms`), the same parameters with a gradient, each
+    gradient equal (``rtol``, ``atol_scale`` x its largest element).
+    Returns the reference's gradients."""
+    want_terms, want = one_step(reference, inputs, samples)
+    got_terms, got = one_step(lean, inputs, samples)
+    check_terms(got_terms, want_terms, where)
+    assert set(got) == set(want), (
+        f'{where}: gradient only with lean {sorted(set(got) - set(want))}'
+        f', only without {sorted(set(want) - set(got))}')
+    assert want, where
+    for key, g in want.items():
+        torch.testing.assert_close(
+            got[key], g, rtol=rtol, atol=atol_scale * float(g.abs().max()),
+            msg=lambda m: f'{where} {key}: {m}')
+    return want
