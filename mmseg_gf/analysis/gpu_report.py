@@ -104,13 +104,10 @@ def layer_checks(runs: Sequence[LayerRun]) -> List[TargetCheck]:
     checks = []
     for dtype in sorted({run.dtype for run in runs}):
         for (batch, radius), target in MEDIAN_SPEEDUP_TARGETS.items():
-            values = _triton_speedups(runs, batch, dtype, radius)
-            median = statistics.median(values) if values else None
-            checks.append(TargetCheck(
+            checks.append(_median_check(
                 f'batch {batch}, {dtype}, r = {radius}: median backward '
                 f'speedup over cuDNN with g_x >= {target:g}x',
-                '' if median is None else f'{median:.1f}x',
-                None if median is None else median >= target))
+                _triton_speedups(runs, batch, dtype, radius), target))
         for radius in sorted({r for _, r in MEDIAN_SPEEDUP_TARGETS}):
             values = _triton_speedups(runs, NO_SLOWER_BATCH, dtype, radius)
             worst = min(values) if values else None
@@ -127,14 +124,19 @@ def layer_checks(runs: Sequence[LayerRun]) -> List[TargetCheck]:
 def _weight_only_checks(runs, dtype) -> List[TargetCheck]:
     checks = []
     for radius in sorted({r for _, r in MEDIAN_SPEEDUP_TARGETS}):
-        values = _triton_speedups(runs, 32, dtype, radius, 'weight_only')
-        median = statistics.median(values) if values else None
-        checks.append(TargetCheck(
+        checks.append(_median_check(
             f'batch 32, {dtype}, r = {radius}: median weight-only backward '
             f'speedup over cuDNN >= {WEIGHT_ONLY_TARGET:g}x',
-            '' if median is None else f'{median:.1f}x',
-            None if median is None else median >= WEIGHT_ONLY_TARGET))
+            _triton_speedups(runs, 32, dtype, radius, 'weight_only'),
+            WEIGHT_ONLY_TARGET))
     return checks
+
+
+def _median_check(target: str, values: Sequence[float],
+                  least: float) -> TargetCheck:
+    median = statistics.median(values) if values else None
+    return TargetCheck(target, '' if median is None else f'{median:.1f}x',
+                       None if median is None else median >= least)
 
 
 def _linear_checks(runs, dtype) -> List[TargetCheck]:

@@ -99,10 +99,10 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch('MMSEG_GF_CHECKPOINT_COST_FACTOR', 4.0, float,
            'What a checkpoint file may declare, times its size, before '
            'the loader refuses it.', cost_factor,
-           setter='mmseg_gf.engine.load_bounds.set_load_limit'),
+           setter='mmseg_gf.engine.checkpoint.load_bounds.set_load_limit'),
     Switch('checkpoint_floor_bytes', 64 << 20, int,
            'What any checkpoint may declare, whatever its size.',
-           setter='mmseg_gf.engine.load_bounds.set_load_limit'),
+           setter='mmseg_gf.engine.checkpoint.load_bounds.set_load_limit'),
     Switch('MMSEG_GF_BUILD_NATIVE', True, bool,
            'Build the compiled CPU kernels at install (`0`: skip them).',
            on_unless_zero, reader='setup.py'),

@@ -83,6 +83,18 @@ def _loss_and_grads(model, loss, inputs, samples):
                             if p.requires_grad}
 
 
+def _assert_close_step(got, got_grads, want, want_grads, rtol, label):
+    """Loss within ``rtol``, every gradient within ``10 * rtol`` (and
+    ``rtol`` of its largest entry)."""
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol / 10)
+    assert set(got_grads) == set(want_grads) and want_grads
+    for name, g in want_grads.items():
+        torch.testing.assert_close(
+            got_grads[name], g, rtol=10 * rtol,
+            atol=rtol * float(g.abs().max()),
+            msg=lambda m: f'{label} {name}: {m}')
+
+
 @pytest.mark.parametrize('backend', ['aot_eager', 'inductor'])
 def test_compiled_lean_step_equals_eager(models, backend):
     """Inductor draws its own random numbers unless told to fall back to
@@ -97,12 +109,7 @@ def test_compiled_lean_step_equals_eager(models, backend):
         got, got_grads = _loss_and_grads(
             lean, torch.compile(lean.loss, backend=backend), inputs,
             samples)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert set(got_grads) == set(want_grads) and want_grads
-    for name, g in want_grads.items():
-        torch.testing.assert_close(
-            got_grads[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
-            msg=lambda m: f'{backend} {name}: {m}')
+    _assert_close_step(got, got_grads, want, want_grads, 1e-5, backend)
 
 
 def test_lean_segformer_traces_and_equals_eager():
@@ -128,12 +135,7 @@ def test_lean_segformer_traces_and_equals_eager():
     torch._dynamo.reset()
     got, got_grads = _loss_and_grads(
         lean, torch.compile(lean.loss, backend='aot_eager'), inputs, samples)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert set(got_grads) == set(want_grads) and want_grads
-    for name, g in want_grads.items():
-        torch.testing.assert_close(
-            got_grads[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
-            msg=lambda m: f'{name}: {m}')
+    _assert_close_step(got, got_grads, want, want_grads, 1e-5, 'segformer')
 
 
 @pytest.mark.parametrize('way', ['rewrite', 'hook'])
@@ -175,9 +177,5 @@ def test_compiled_lean_step_equals_eager_on_cuda(models):
     with mock.patch.object(torch._inductor.config, 'fallback_random', True):
         got, got_grads = _loss_and_grads(
             lean, torch.compile(lean.loss), inputs, samples)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert set(got_grads) == set(want_grads) and want_grads
-    for name, g in want_grads.items():
-        torch.testing.assert_close(
-            got_grads[name], g, rtol=1e-3, atol=1e-4 * float(g.abs().max()),
-            msg=lambda m: f'{name}: {m}')
+    # Inductor's generated CUDA kernels round their fused sums their own way
+    _assert_close_step(got, got_grads, want, want_grads, 1e-4, 'cuda')
