@@ -169,9 +169,14 @@ def _read(switch: Switch) -> Any:
 
 def value(name: str) -> Any:
     """The switch's value: set at run time, else the environment's (read
-    at the first call, or the :func:`override` in force), else its
-    default. A variable that does not parse raises ValueError, naming it,
-    at every call until it is fixed (and :func:`reread`)."""
+    when this module is imported, or the :func:`override` in force), else
+    its default. A variable that does not parse raises ValueError, naming
+    it, at every call until it is fixed (and :func:`reread`).
+
+    Reading at import rather than at the first call keeps this function
+    free of side effects: ``torch.compile`` traces it inside autograd
+    Functions and checkpointed blocks, where a write to this module's
+    cache is a graph break ("unsafe side effect")."""
     found = _runtime.get(name, _UNREAD)
     if found is not _UNREAD:
         return found
@@ -214,10 +219,16 @@ def override(**values: Any) -> Iterator[None]:
 
 
 def reread(*names: str) -> None:
-    """Forget what was read of the environment for ``names`` (all switches
-    when none are given): the next :func:`value` reads it again."""
-    for name in names or list(_environment):
+    """Read the environment again for ``names`` (every switch read here
+    when none are given); a value that does not parse is left unread, and
+    :func:`value` refuses it at each call."""
+    for name in names or [s.name for s in SWITCHES.values()
+                          if s.reader == PYTHON]:
         _environment.pop(name, None)
+        try:
+            _environment[name] = _read(_declared(name))
+        except ValueError:
+            pass
 
 
 def markdown() -> str:
@@ -230,3 +241,6 @@ def markdown() -> str:
         rows.append(f'| `{s.name}` | {default} | {s.kind.__name__} | '
                     f'{s.reader} | {setter} | {s.doc} |')
     return '\n'.join(rows) + '\n'
+
+
+reread()

@@ -19,12 +19,28 @@ NAME = re.compile(r'\bMMSEG_GF_[A-Z0-9_]*[A-Z0-9]\b')
 GETENV = re.compile(r'getenv\("([A-Z0-9_]+)"\)')
 
 
+class _Environment:
+    """``monkeypatch``'s setenv / delenv, each followed by the reread that
+    a process started with that environment does at import."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.monkeypatch = monkeypatch
+
+    def setenv(self, name: str, text: str, reread: bool = True) -> None:
+        self.monkeypatch.setenv(name, text)
+        if reread:
+            switches.reread(name)
+
+    def delenv(self, name: str, raising: bool = True) -> None:
+        self.monkeypatch.delenv(name, raising=raising)
+        switches.reread(name)
+
+
 @pytest.fixture
 def fresh(monkeypatch):
-    """The environment of the test, read afresh; what was read before the
-    test is read again after it."""
-    switches.reread()
-    yield monkeypatch
+    """The environment of the test, read as at import; what was read
+    before the test is read again after it."""
+    yield _Environment(monkeypatch)
     monkeypatch.undo()
     switches.reread()
 
@@ -32,7 +48,7 @@ def fresh(monkeypatch):
 def test_the_environment_is_read_once_until_reread(fresh):
     fresh.setenv('MMSEG_GF_FUZZ_SEED', '7')
     assert switches.value('MMSEG_GF_FUZZ_SEED') == 7
-    fresh.setenv('MMSEG_GF_FUZZ_SEED', '8')
+    fresh.setenv('MMSEG_GF_FUZZ_SEED', '8', reread=False)
     assert switches.value('MMSEG_GF_FUZZ_SEED') == 7
     switches.reread('MMSEG_GF_FUZZ_SEED')
     assert switches.value('MMSEG_GF_FUZZ_SEED') == 8
@@ -81,11 +97,22 @@ def test_override_nests_and_restores():
     assert switches.value('MMSEG_GF_NATIVE') is before
 
 
-def test_override_of_a_switch_not_yet_read_leaves_it_unread(fresh):
+def test_override_restores_what_the_environment_gave(fresh):
+    fresh.setenv('MMSEG_GF_FUZZ_SEED', '5')
     with switches.override(MMSEG_GF_FUZZ_SEED=3):
         assert switches.value('MMSEG_GF_FUZZ_SEED') == 3
-    fresh.setenv('MMSEG_GF_FUZZ_SEED', '5')
     assert switches.value('MMSEG_GF_FUZZ_SEED') == 5
+
+
+def test_reading_a_switch_writes_nothing(fresh):
+    """``value`` has no side effect once the module is imported (what
+    ``torch.compile`` needs inside autograd Functions)."""
+    fresh.setenv('MMSEG_GF_TRITON', '0')
+    state = dict(switches._environment), dict(switches._runtime)
+    for name, switch in switches.SWITCHES.items():
+        if switch.reader == switches.PYTHON:
+            switches.value(name)
+    assert (dict(switches._environment), dict(switches._runtime)) == state
 
 
 def test_a_value_set_at_run_time_wins_until_set_back():
