@@ -7,7 +7,8 @@ PyTorch. When mmseg is present the layers are registered in mmseg's
 ``MODELS`` (configs with ``default_scope='mmseg'``) and in mmengine's root
 ``MODELS`` (mmcv's ``build_conv_layer`` outside any scope), so
 ``conv_cfg=dict(type='GFConv2d', radius=4)`` builds it either way; and
-``token_grids`` (the grid rules of mmseg's transformer blocks) is importable.
+``token_grids`` (the grid rules of mmseg's transformer blocks, one file per
+family) is importable.
 """
 from importlib.util import find_spec
 

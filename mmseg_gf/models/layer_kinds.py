@@ -97,6 +97,12 @@ class LayerKind:
             such layers may keep patch means of its derivative
             (:mod:`.patch_mean_graph`; docs/gradient_filter.md
             #elementwise-ops-between-filtered-layers).
+        call_grids: a kind on tokens: ``(module, site, args, kwargs) ->
+            ((grid, input shape, token axis), ...)``, the grids one call of
+            ``module`` reads (the query's first, an attention's keys
+            second; a grid is None where its site's source holds none).
+            Its layers are those the token-grid bindings describe
+            (:mod:`.token_grids`); None for a kind on feature maps.
     """
 
     name: str
@@ -112,6 +118,7 @@ class LayerKind:
         = None
     install: Optional[Callable[[nn.Module], None]] = None
     patch_partitioned: bool = False
+    call_grids: Optional[Callable[..., tuple]] = None
 
     def is_filterable(self, module: nn.Module) -> bool:
         """Whether this kind can filter ``module`` (plain or filtered)."""
@@ -232,4 +239,3 @@ CONV2D = register_layer_kind(LayerKind(
     allowed='nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
     'DeformConv, ConvTranspose)',
     patch_partitioned=True))
-
