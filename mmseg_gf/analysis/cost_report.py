@@ -29,8 +29,7 @@ def model_cost_table(cost: ModelCost) -> str:
     for layer in cost.layers:
         c = layer.cost
         rows.append((
-            layer.path, layer.describe or f'{layer.kernel_size[0]}/'
-            f'{layer.stride[0]}/{layer.dilation[0]}/{layer.groups}',
+            layer.path, layer.describe,
             '{}x{}x{} -> {}x{}x{}'.format(*layer.in_shape, *layer.out_shape),
             str(layer.radius), 'yes' if layer.need_input_grad else 'no',
             fmt_flops(c.vanilla_flops), fmt_flops(c.gf_flops),

@@ -47,34 +47,51 @@ __all__ = [
 
 @dataclass
 class LayerCost:
-    """One trained conv and its backward cost (a :class:`ConvBackwardCost`).
+    """One trained layer and its backward cost (a :class:`ConvBackwardCost`).
 
     Attributes:
         path: module path in the segmentor.
-        kernel_size, stride, dilation: ``(h, w)`` pairs.
-        groups: conv groups.
+        geometry: its layer kind's geometry at the analysed input size
+            (:class:`~mmseg_gf.models.layer_kinds.LayerGeometry`).
         in_shape, out_shape: ``(C, H, W)`` at the analysed input size.
         radius: the patch size the GF columns are computed with.
         need_input_grad: whether ``g_x`` is computed (its input depends on
             a trained parameter).
         cost: the cost model's counts for the whole batch.
-        describe: the layer kind's table cell (a conv's ``k/s/d/g``, a
-            Linear's grid, e.g. ``linear 7x7 win``).
         kind: its layer kind's name.
     """
 
     path: str
-    kernel_size: Tuple[int, int]
-    stride: Tuple[int, int]
-    dilation: Tuple[int, int]
-    groups: int
+    geometry: Any
     in_shape: Tuple[int, int, int]
     out_shape: Tuple[int, int, int]
     radius: int
     need_input_grad: bool
     cost: ConvBackwardCost
-    describe: str = ''
     kind: str = 'conv2d'
+
+    @property
+    def describe(self) -> str:
+        """The layer kind's table cell (a conv's ``k/s/d/g``, a Linear's
+        grid, e.g. ``linear 7x7 win``)."""
+        return self.geometry.describe()
+
+    # a layer on tokens is a 1x1 conv on its grid
+    @property
+    def kernel_size(self) -> Tuple[int, int]:
+        return getattr(self.geometry, 'kernel_size', (1, 1))
+
+    @property
+    def stride(self) -> Tuple[int, int]:
+        return getattr(self.geometry, 'stride', (1, 1))
+
+    @property
+    def dilation(self) -> Tuple[int, int]:
+        return getattr(self.geometry, 'dilation', (1, 1))
+
+    @property
+    def groups(self) -> int:
+        return getattr(self.geometry, 'groups', 1)
 
     @property
     def vanilla_macs(self) -> int:
@@ -189,15 +206,10 @@ def _layer_cost(rec: LayerRecord, radius: int, need_input_grad: bool,
                          need_input_grad=need_input_grad,
                          elem_bytes=elem_bytes,
                          collapse_dilated=collapse_dilated)
-    # a layer on tokens is a 1x1 conv on its grid
     return LayerCost(
-        path=rec.path, kernel_size=getattr(geometry, 'kernel_size', (1, 1)),
-        stride=getattr(geometry, 'stride', (1, 1)),
-        dilation=getattr(geometry, 'dilation', (1, 1)),
-        groups=getattr(geometry, 'groups', 1),
-        in_shape=tuple(rec.in_shape), out_shape=tuple(rec.out_shape),
-        radius=radius, need_input_grad=need_input_grad, cost=cost,
-        describe=geometry.describe(), kind=rec.kind)
+        path=rec.path, geometry=geometry, in_shape=tuple(rec.in_shape),
+        out_shape=tuple(rec.out_shape), radius=radius,
+        need_input_grad=need_input_grad, cost=cost, kind=rec.kind)
 
 
 def model_backward_cost(model: nn.Module,
@@ -317,5 +329,3 @@ def config_step_saved_bytes(cfg, shape: Sequence[int]):
         return None
     return trace_step_saved_bytes(build_segmentor(cfg, input_size=shape),
                                   shape)
-
-
