@@ -28,7 +28,7 @@ iterate in a fixed order and look up by module type, and this module, like
 """
 from dataclasses import dataclass
 from typing import (Callable, Dict, List, Optional, Protocol, Sequence,
-                    Tuple)
+                    Tuple, Union)
 
 from torch import Tensor, nn
 
@@ -105,6 +105,11 @@ class LayerKind:
             second; a grid is None where its site's source holds none).
             Its layers are those the token-grid bindings describe
             (:mod:`.token_grids`); None for a kind on feature maps.
+        kept_rule: what one call of its layers keeps for backward
+            (``rule(path, module, x, out, shared) -> items, or None`` when
+            another rule decides, :mod:`mmseg_gf.accounting.kept`): a
+            function, or its ``'package.module:function'`` name where the
+            rule lies in the accounting, a layer above the models.
         claims: ``(module) -> bool`` for a kind narrower than its traced
             type (depthwise convs as a kind of their own beside
             ``conv2d``): it takes the instances of ``traced_type`` it
@@ -125,6 +130,7 @@ class LayerKind:
     install: Optional[Callable[[nn.Module], None]] = None
     patch_partitioned: bool = False
     call_grids: Optional[Callable[..., tuple]] = None
+    kept_rule: Union[str, Callable, None] = None
     claims: Optional[Callable[[nn.Module], bool]] = None
 
     def traces(self, module: nn.Module) -> bool:
@@ -263,4 +269,5 @@ CONV2D = register_layer_kind(LayerKind(
     quality=layer_gradient_quality,
     allowed='nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
     'DeformConv, ConvTranspose)',
-    patch_partitioned=True))
+    patch_partitioned=True,
+    kept_rule='mmseg_gf.accounting.kept:conv_items'))

@@ -249,6 +249,10 @@ def _attention_call_grids(module: nn.Module, site: LinearSite, args: tuple,
             (_grid(site.key_source), tuple(key.shape), axis))
 
 
+#: What a call of a Linear / attention keeps (:mod:`mmseg_gf.accounting`).
+_TOKEN_KEPT_RULE = 'mmseg_gf.accounting.kept_tokens:token_items'
+
+
 def prepare_token_grids(model: nn.Module) -> Optional[Callable[[], None]]:
     """Bind ``model``'s token grids for a trace; returns the undo, or None
     when the model has them installed already (by the surgery)."""
@@ -275,6 +279,7 @@ LINEAR = register_layer_kind(LayerKind(
     allowed='nn.Linear on a token grid (GFLinear)',
     prepare=prepare_token_grids,
     install=install_for_training,
+    kept_rule=_TOKEN_KEPT_RULE,
     patch_partitioned=True,
     call_grids=_linear_call_grids))
 
@@ -291,4 +296,5 @@ ATTENTION = register_layer_kind(LayerKind(
     allowed='nn.MultiheadAttention on token grids (GFMultiheadAttention)',
     prepare=prepare_token_grids,
     install=install_for_training,
+    kept_rule=_TOKEN_KEPT_RULE,
     call_grids=_attention_call_grids))

@@ -58,7 +58,8 @@ KIND = LayerKind(
     plain_types=CONV2D.plain_types, filtered_type=GFDepthwiseConv2d,
     wrap=_wrap, geometry=CONV2D.geometry, quality=CONV2D.quality,
     allowed='a depthwise nn.Conv2d (GFDepthwiseConv2d)',
-    patch_partitioned=True, claims=_is_depthwise)
+    patch_partitioned=True, kept_rule=CONV2D.kept_rule,
+    claims=_is_depthwise)
 
 
 @pytest.fixture
