@@ -11,6 +11,7 @@ import math
 from typing import Any, Dict, List
 
 from ..accounting.format import fmt_bytes, fmt_flops, format_table
+from ..models.layer_kinds import layers_noun
 from .model_cost import ModelCost
 
 __all__ = ['model_cost_table', 'cost_summary_lines', 'measured_memory_table']
@@ -20,7 +21,7 @@ def model_cost_table(cost: ModelCost) -> str:
     """Every counted layer of a :class:`ModelCost` with its geometry (its
     kind's ``describe()``: a conv's ``k/s/d/g``, a Linear's token grid) and
     its vanilla / GF FLOPs, MACs and saved bytes, then the totals."""
-    convs_only = all(layer.kind == 'conv2d' for layer in cost.layers)
+    convs_only = layers_noun(layer.kind for layer in cost.layers) == 'convs'
     header = ('path', 'k/s/d/g' if convs_only else 'k/s/d/g or grid',
               'in -> out (CxHxW)', 'r', 'g_x',
               'FLOPs vanilla', 'FLOPs GF', 'MACs vanilla', 'MACs GF',

@@ -37,6 +37,7 @@ from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
 from ..engine.layer_trace import LayerRecord, trace_layers
 from ..engine.state import get_state
+from ..models.layer_kinds import CONV2D, layer_kinds
 from ..models.segmentor import is_classifier, unwrap_model
 
 __all__ = [
@@ -68,7 +69,7 @@ class LayerCost:
     radius: int
     need_input_grad: bool
     cost: ConvBackwardCost
-    kind: str = 'conv2d'
+    kind: str = CONV2D.name
 
     @property
     def describe(self) -> str:
@@ -255,7 +256,7 @@ def model_backward_cost(model: nn.Module,
         # kinds named in ``not_counted``
         items = [(r, radius) for r in records
                  if r.inference and not is_classifier(r.path)
-                 and r.kind == 'conv2d']
+                 and r.kind == CONV2D.name]
         out.not_counted = _other_layer_kinds(model)
     else:
         out.mode = state.mode
@@ -281,22 +282,20 @@ def model_backward_cost(model: nn.Module,
     return out
 
 
-#: Layer kinds with weights that ``mode='all'`` does not count, by the
-#: name the summary gives them (subclasses count as their kind).
-_OTHER_KINDS = (('Linear', nn.Linear),
-                ('MultiheadAttention', nn.MultiheadAttention))
-
-
 def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
-    """Trainable layers that are not ``nn.Conv2d`` (Linear, attention's
-    projections, other conv kinds) outside auxiliary heads, by kind."""
+    """Trainable layers that ``mode='all'`` does not count, outside
+    auxiliary heads, by the name of their layer kind's traced type
+    (``Linear``, ``MultiheadAttention``: subclasses count as their kind)
+    or, for convs of no kind (transposed, 1-D, ...), by class name."""
+    others = [k for k in layer_kinds() if k.traced_type is not
+              CONV2D.traced_type]
     counts: Dict[str, int] = {}
     for path, module in model.named_modules():
-        if path.startswith('auxiliary_head') or isinstance(module,
-                                                           nn.Conv2d):
+        if path.startswith('auxiliary_head') or isinstance(
+                module, CONV2D.traced_type):
             continue
-        name = next((n for n, kind in _OTHER_KINDS
-                     if isinstance(module, kind)), None)
+        name = next((k.traced_type.__name__ for k in others
+                     if k.traces(module)), None)
         if name is None and isinstance(module, nn.modules.conv._ConvNd):
             name = type(module).__name__
         if name is not None:

@@ -34,8 +34,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from torch import nn
 
 from ..accounting.conv_cost import output_stride
-from ..models.layer_kinds import (filterable_names, kind_names, kind_of,
-                                   traced_kind_of, traced_type_names)
+from ..models.layer_kinds import (CONV2D, filterable_names, kind_names,
+                                  kind_of, layers_noun, traced_kind_of,
+                                  traced_type_names)
 from ..models.segmentor import (CLASSIFIER_NAMES, is_class_score_layer,
                                 is_classifier, is_head_classifier,
                                 unwrap_model)
@@ -129,7 +130,7 @@ class LayerChoice:
     geometry: Any
     norm_path: Optional[str] = None
     input_hw: Tuple[int, int] = field(default=(0, 0))
-    kind: str = 'conv2d'
+    kind: str = CONV2D.name
 
     @property
     def output_stride(self) -> int:
@@ -411,7 +412,7 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
 
 def _nouns(recs: Sequence[LayerRecord]) -> str:
     """``'convs'`` when every record is a conv, else ``'layers'``."""
-    return 'convs' if all(r.kind == 'conv2d' for r in recs) else 'layers'
+    return layers_noun(r.kind for r in recs)
 
 
 def has_grid(rec: LayerRecord) -> bool:

@@ -27,8 +27,8 @@ iterate in a fixed order and look up by module type, and this module, like
 ``gf_conv``, stays importable without the OpenMMLab stack.
 """
 from dataclasses import dataclass
-from typing import (Callable, Dict, List, Optional, Protocol, Sequence,
-                    Tuple, Union)
+from typing import (Callable, Dict, Iterable, List, Optional, Protocol,
+                    Sequence, Tuple, Union)
 
 from torch import Tensor, nn
 
@@ -39,7 +39,8 @@ from .gf_conv import GFConv2d, with_mmcv_wrapper
 __all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
            'unregister_layer_kind', 'layer_kinds', 'layer_kind', 'kind_of',
            'traced_kind_of', 'is_filterable', 'is_filtered',
-           'filterable_names', 'traced_type_names', 'kind_names']
+           'filterable_names', 'traced_type_names', 'kind_names',
+           'layers_noun']
 
 
 class LayerGeometry(Protocol):
@@ -241,6 +242,13 @@ def traced_type_names() -> str:
         return ('nn.' if torch_nn else '') + t.__name__
     types = dict.fromkeys(k.traced_type for k in _KINDS.values())
     return ' or '.join(name(t) for t in types)
+
+
+def layers_noun(kinds: Iterable[str]) -> str:
+    """What messages call layers of the kinds named ``kinds``: ``'convs'``
+    when every one is a conv (:data:`CONV2D`, the paper's layers; none
+    given too), else ``'layers'``."""
+    return 'convs' if set(kinds) <= {CONV2D.name} else 'layers'
 
 
 def filterable_names() -> str:
