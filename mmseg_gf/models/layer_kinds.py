@@ -111,6 +111,10 @@ class LayerKind:
             another rule decides, :mod:`mmseg_gf.accounting.kept`): a
             function, or its ``'package.module:function'`` name where the
             rule lies in the accounting, a layer above the models.
+        frozen_lean: the lean variant (:data:`mmseg_gf.models.lean.LEAN_KINDS`)
+            its plain layers take while frozen in the lean region
+            (``'frozen_conv'``: keeps nothing when its input needs no
+            gradient), or None.
         claims: ``(module) -> bool`` for a kind narrower than its traced
             type (depthwise convs as a kind of their own beside
             ``conv2d``): it takes the instances of ``traced_type`` it
@@ -132,6 +136,7 @@ class LayerKind:
     patch_partitioned: bool = False
     call_grids: Optional[Callable[..., tuple]] = None
     kept_rule: Union[str, Callable, None] = None
+    frozen_lean: Optional[str] = None
     claims: Optional[Callable[[nn.Module], bool]] = None
 
     def traces(self, module: nn.Module) -> bool:
@@ -278,4 +283,5 @@ CONV2D = register_layer_kind(LayerKind(
     allowed='nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
     'DeformConv, ConvTranspose)',
     patch_partitioned=True,
-    kept_rule='mmseg_gf.accounting.kept:conv_items'))
+    kept_rule='mmseg_gf.accounting.kept:conv_items',
+    frozen_lean='frozen_conv'))

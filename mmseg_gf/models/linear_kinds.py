@@ -280,6 +280,7 @@ LINEAR = register_layer_kind(LayerKind(
     prepare=prepare_token_grids,
     install=install_for_training,
     kept_rule=_TOKEN_KEPT_RULE,
+    frozen_lean='frozen_linear',
     patch_partitioned=True,
     call_grids=_linear_call_grids))
 

@@ -59,7 +59,7 @@ KIND = LayerKind(
     wrap=_wrap, geometry=CONV2D.geometry, quality=CONV2D.quality,
     allowed='a depthwise nn.Conv2d (GFDepthwiseConv2d)',
     patch_partitioned=True, kept_rule=CONV2D.kept_rule,
-    claims=_is_depthwise)
+    frozen_lean=CONV2D.frozen_lean, claims=_is_depthwise)
 
 
 @pytest.fixture
