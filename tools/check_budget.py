@@ -45,7 +45,7 @@ from mmseg_gf.analysis.hardware import cpu_model
 from mmseg_gf.engine.tool_args import write_json
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, TRANSFORMER_FAMILIES,
                                  ZOO_FAMILIES)
-from mmseg_gf.models.layer_kinds import kind_names
+from mmseg_gf.models.layer_kinds import CONV2D, kind_names
 from mmseg_gf.protocol import PROTOCOL_MODELS
 from mmseg_gf.protocol.experiments import step_row_config
 
@@ -74,7 +74,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument('--radius', type=int, default=4)
     p.add_argument('--last', type=int, nargs='+', default=[10],
                    help='N of the "last N layers" rows (default 10)')
-    p.add_argument('--layer-kinds', nargs='+', default=['conv2d'],
+    p.add_argument('--layer-kinds', nargs='+', default=[CONV2D.name],
                    choices=list(kind_names()) + ['all'],
                    help="the kinds N counts (default conv2d, the paper's "
                    "count); 'all': every kind, as gradient_filter's "

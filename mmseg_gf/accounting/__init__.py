@@ -16,7 +16,6 @@ launches and bytes of a step on the CUDA path, counted on a CPU
 """
 from importlib.util import find_spec
 
-from . import kept_tokens  # noqa: F401  (registers its rules)
 from . import kept_transformer  # noqa: F401  (registers its rules)
 from .conv_cost import ConvBackwardCost, ConvGeometry, conv_backward_cost
 

@@ -41,11 +41,14 @@ head's loss                 gradient w.r.t. the logits (if the classifier's
                             folded dropout's noise (if the input needs one)
 ==========================  ===============================================
 
-The kinds inside transformer blocks (lean attention, frozen LayerNorm,
-GELU, DropPath) have their rules in :mod:`.kept_transformer`, trained (and
-plain frozen) Linears and ``GFMultiheadAttention`` in :mod:`.kept_tokens`,
-Segmenter's mask head's own code and loss in :mod:`.kept_mask_head`,
-consulted first through :data:`CALL_RULES`.
+A layer kind names its own rule
+(:attr:`~mmseg_gf.models.layer_kinds.LayerKind.kept_rule`, consulted
+first: the conv's is :func:`conv_items`, the Linear's and the attention's
+trained (and plain frozen) layers' are in :mod:`.kept_tokens`). The
+modules inside transformer blocks (lean attention, frozen LayerNorm, GELU,
+DropPath) have their rules in :mod:`.kept_transformer`, Segmenter's mask
+head's own code and loss in :mod:`.kept_mask_head`, consulted next
+through :data:`CALL_RULES`.
 
 Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
 measures it, storage by storage, and attributes it to the innermost module
@@ -58,13 +61,15 @@ Concatenations, additions and bilinear resizes keep nothing.
 ``tests/test_accounting`` checks the rules against autograd's saved
 tensors.
 """
+import functools
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..models.layer_kinds import kind_of
+from ..models.layer_kinds import kind_of, traced_kind_of
 from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
 from ..models.lean_head import (classifier_fused_now, folded_dropout_noise,
                                 loss_gradient_copies)
@@ -76,7 +81,7 @@ __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
            'count_once', 'kept_by_call', 'is_head_lean', 'measured_item',
            'unmodelled_by_kind', 'describe_unmodelled', 'CALL_RULES',
            'register_call_rule', 'CALL_OWNERS', 'register_call_owner',
-           'is_call_owner']
+           'is_call_owner', 'conv_items', 'kind_rule']
 
 #: Categories of :class:`SavedItem`, in table order: ``'conv'`` for convs,
 #: ``'linear'`` for Linear projections on tokens (:mod:`.kept_tokens`),
@@ -86,11 +91,13 @@ __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
 CATEGORIES = ('conv', 'linear', 'classifier', 'norm', 'activation',
               'dropout', 'pool', 'logits', 'attention', 'unmodelled')
 
-#: Rules consulted before :func:`item_for_module`, each
+#: Rules consulted after the module's layer kind's own
+#: (:func:`kind_rule`) and before :func:`item_for_module`, each
 #: ``rule(path, module, x, out, shared)`` -> a list of items, or None when
 #: the module is not its kind (raising ``LookupError`` for one of its kinds
-#: that it does not model): kinds whose rules live in their own module
-#: (:mod:`.kept_transformer`, :mod:`.kept_tokens`), registered by it.
+#: that it does not model): modules of no layer kind whose rules live in
+#: their own module (:mod:`.kept_transformer`, :mod:`.kept_mask_head`),
+#: registered by it.
 CALL_RULES: List[Callable] = []
 
 
@@ -262,6 +269,44 @@ def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
                      storage=x.untyped_storage().data_ptr())
 
 
+def conv_items(path: str, module: nn.Module, x: torch.Tensor,
+               out: torch.Tensor, shared: Dict[int, Tuple[str, Any]]
+               ) -> List[SavedItem]:
+    """The kept rule of the ``conv2d`` kind (its
+    :attr:`~mmseg_gf.models.layer_kinds.LayerKind.kept_rule`): a filtered
+    conv keeps the patch sums of its input, an exact one its input (once
+    per tensor: convs sharing an input keep it once), a frozen one nothing
+    when lean, else its input.
+
+    Raises:
+        LookupError: a call it does not model (measured).
+    """
+    item = _conv_item(path, module, x, out)
+    if item is not None and item.elements == x[0].numel():
+        storage = x.untyped_storage()
+        if not count_once(shared, path, storage.data_ptr(), storage):
+            return []
+    return [] if item is None else [item]
+
+
+def kind_rule(module: nn.Module) -> Optional[Callable]:
+    """The kept rule of ``module``'s layer kind, or None (no kind, or a
+    kind with none): its ``kept_rule``, a function or the
+    ``'package.module:function'`` name the kind declares where the
+    accounting lies above it."""
+    kind = traced_kind_of(module)
+    rule = None if kind is None else kind.kept_rule
+    if isinstance(rule, str):
+        rule = _named_rule(rule)
+    return rule
+
+
+@functools.lru_cache(maxsize=None)
+def _named_rule(name: str) -> Callable:
+    module, _, function = name.partition(':')
+    return getattr(importlib.import_module(module), function)
+
+
 def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
                     out: torch.Tensor,
                     shared: Dict[int, Tuple[str, Any]]
@@ -280,14 +325,6 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
     Raises:
         LookupError: no rule covers this module.
     """
-    if isinstance(module, nn.Conv2d):
-        item = _conv_item(path, module, x, out)
-        if item is not None and item.elements == x[0].numel():
-            # exact convs keep their input tensor itself: once per tensor
-            storage = x.untyped_storage()
-            if not count_once(shared, path, storage.data_ptr(), storage):
-                return None
-        return item
     kind = lean_kind(module) if is_lean(module) else None
     trained = any(p.requires_grad for p in module.parameters())
     if kind == 'frozen_linear' and not trained:
@@ -390,7 +427,8 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
     modelled = True
     try:
         item = None
-        for rule in CALL_RULES:
+        own = kind_rule(module)
+        for rule in ([own] if own is not None else []) + CALL_RULES:
             found = rule(path, module, x, out, shared)
             if found is not None:
                 items.extend(found)

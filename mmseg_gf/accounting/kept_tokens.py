@@ -67,7 +67,7 @@ from ..models.gf_linear import GFLinear, is_filterable_linear
 from ..models.lean import is_lean, lean_kind
 from ..models.segmentor import is_class_score_layer
 from ..ops.gradient_filter_linear import TokenGrid
-from .kept import SavedItem, count_once, register_call_rule
+from .kept import SavedItem, count_once
 from .kept_transformer import attention_items
 
 __all__ = ['token_items', 'patch_sum_elements', 'filtered_weight_views',
@@ -278,8 +278,10 @@ def token_items(path: str, module: nn.Module, x: torch.Tensor,
                 out: torch.Tensor,
                 shared: Dict[int, Tuple[str, Any]]
                 ) -> Optional[List[SavedItem]]:
-    """The items of one recorded call of a Linear or a
-    ``GFMultiheadAttention``, or None for any other module (the other rules
+    """The kept rule of the ``linear`` and ``attention`` kinds (their
+    :attr:`~mmseg_gf.models.layer_kinds.LayerKind.kept_rule`): the items of
+    one recorded call of a Linear or a ``GFMultiheadAttention``, or None
+    for any other module (a lean frozen attention: the other rules
     decide).
 
     Raises:
@@ -290,6 +292,3 @@ def token_items(path: str, module: nn.Module, x: torch.Tensor,
     if isinstance(module, nn.Linear) and is_filterable_linear(module):
         return _linear_items(path, module, x, shared)
     return None
-
-
-register_call_rule(token_items)

@@ -72,8 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..models import lean as lean_models
-from ..models.gf_conv import GFConv2d
-from ..models.gf_linear import GFLinear
+from ..models.layer_kinds import kind_of
 from ..models.lean import lean_kind
 from ..models.lean_head import base_decode_head
 from ..ops import switches, triton_path
@@ -125,10 +124,13 @@ def module_kind(module: nn.Module) -> Optional[str]:
     container (its children's kinds, or ``other``). The same for a lean
     module and its plain counterpart, so lean and vanilla steps compare
     kind by kind."""
-    if isinstance(module, GFConv2d):
-        return 'filtered_conv' if module.enabled else 'conv'
-    if isinstance(module, GFLinear):
-        return 'filtered_linear' if module.enabled else 'linear'
+    layer = kind_of(module)
+    if layer is not None and layer.is_filtered(module) and \
+            layer.frozen_lean is not None:
+        # a kind's filtered module: its layers' kind (that of their frozen
+        # lean variant), ``filtered_`` while it filters
+        plain = _LEAN_KINDS[layer.frozen_lean]
+        return f'filtered_{plain}' if module.enabled else plain
     kind = _LEAN_KINDS.get(lean_kind(module))
     if kind is not None:
         return kind

@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..models.layer_kinds import LayerGeometry, traced_kind_of
+from ..models.layer_kinds import (CONV2D, LayerGeometry, layers_noun,
+                                  traced_kind_of)
 from ..models.patch_mean_graph import (LayerCall, filtered_users,
                                        graph_consumers, is_counted_partition,
                                        is_filtered_layer, is_plain_gelu)
@@ -55,9 +56,7 @@ def layer_geometry(module: nn.Module, x: torch.Tensor,
                    out: torch.Tensor) -> LayerGeometry:
     """A traced layer's geometry at one call, from its layer kind (a
     classifier not of a registered kind counts as a conv)."""
-    kind = traced_kind_of(module)
-    if kind is None:
-        return ConvGeometry.of(module, x.shape[1:], out.shape[1:])
+    kind = traced_kind_of(module) or CONV2D
     return kind.geometry(module, (x, ), out)
 
 
@@ -65,7 +64,7 @@ def _kind_name(module: nn.Module) -> str:
     """A candidate's layer kind (a module of no registered kind: a conv,
     as :func:`layer_geometry` counts it)."""
     kind = traced_kind_of(module)
-    return 'conv2d' if kind is None else kind.name
+    return CONV2D.name if kind is None else kind.name
 
 
 @dataclass
@@ -153,7 +152,7 @@ class StepCost:
     def layer_noun(self) -> str:
         """``'convs'`` when every trained layer is a conv, else
         ``'layers'``."""
-        return 'convs' if set(self.kinds) <= {'conv2d'} else 'layers'
+        return layers_noun(self.kinds)
 
     def value(self, key: str) -> Optional[float]:
         """A limit key's figure (MiB, GFLOPs per image)."""

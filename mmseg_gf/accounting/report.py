@@ -8,6 +8,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch import nn
 
+from ..models.layer_kinds import CONV2D, layers_noun
+
 from .format import fmt_flops_short, fmt_mib, format_table
 from .kept import StepSavedBytes
 
@@ -66,8 +68,7 @@ def chosen_layers_table(model: nn.Module,
                  str(trainable), fmt_flops_short(tot[0]),
                  fmt_flops_short(tot[1]), _log_mib(tot[2]),
                  _log_mib(tot[3])))
-    noun = 'convs' if all(getattr(c, 'kind', 'conv2d') == 'conv2d'
-                          for c in choices) else 'layers'
+    noun = layers_noun(getattr(c, 'kind', CONV2D.name) for c in choices)
     title = (f'Gradient filter ({mode}): {len(choices)} layers, batch '
              f'{batch}, backward FLOPs / saved activations of the chosen '
              f'{noun}')

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..models.gf_attention import GFMultiheadAttention
+from ..models.layer_kinds import is_filtered
 from ..models.lean_transformer import is_rule_owner
 from ..models.segmentor import set_frozen_norms_eval
 from ..ops import kept_sources
@@ -156,12 +156,13 @@ class _OperationInputs(TorchFunctionMode):
 
 def _reports_own_call(module: nn.Module) -> bool:
     """A module with children reported as a call: a lean attention
-    (:func:`~mmseg_gf.models.lean_transformer.is_rule_owner`), a
-    ``GFMultiheadAttention``, whose own code runs its projections and its
-    attention (:mod:`.kept_tokens`), or a module a rule registered with
+    (:func:`~mmseg_gf.models.lean_transformer.is_rule_owner`), a layer
+    kind's filtered module (with children: ``GFMultiheadAttention``, whose
+    own code runs its projections and its attention, counted by its kind's
+    kept rule), or a module a rule registered with
     :func:`~.kept.register_call_owner` (Segmenter's mask head,
     :mod:`.kept_mask_head`)."""
-    return (is_rule_owner(module) or isinstance(module, GFMultiheadAttention)
+    return (is_rule_owner(module) or is_filtered(module)
             or is_call_owner(module))
 
 

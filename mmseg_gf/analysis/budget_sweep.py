@@ -32,6 +32,7 @@ from ..engine.patch_mean_activations import install_patch_mean_gelus
 from ..engine.selection import select_layers
 from ..engine.surgery import apply_gradient_filter
 from ..engine.zoo import ZOO_FAMILIES, family_config, make_offline
+from ..models.layer_kinds import CONV2D
 
 __all__ = ['config_sweep', 'sweep_rows', 'sweep_markdown', 'sweep_plot',
            'measured_step_peak', 'predicted_vs_measured',
@@ -210,8 +211,8 @@ def measured_step_peak(model, input_size: Sequence[int], batch: int,
 def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
                           settings: Sequence[Optional[int]],
                           radius: int = 4,
-                          layer_kinds: Optional[Sequence[str]] = ('conv2d', )
-                          ) -> List[dict]:
+                          layer_kinds: Optional[Sequence[str]] = (
+                              CONV2D.name, )) -> List[dict]:
     """The budget's predictions of "last N convs at ``radius``" next to
     the model built that way.
 
@@ -276,7 +277,7 @@ def config_predicted_vs_measured(cfg, label: str,
                                                                       None),
                                  seed: int = 0, *,
                                  layer_kinds: Optional[Sequence[str]] = (
-                                     'conv2d', )) -> Dict[str, Any]:
+                                     CONV2D.name, )) -> Dict[str, Any]:
     """:func:`predicted_vs_measured` on the segmentor of a (plain) config,
     its weights drawn from ``seed``, for each of ``settings`` (N of "last N
     convs", or of the last N layers of ``layer_kinds``; None: all of them).
@@ -352,7 +353,7 @@ def families_markdown(results: Sequence[Dict[str, Any]]) -> str:
     of its peaks (prediction over measurement, minus 1)."""
     header = ['model']
     first = results[0]['rows']
-    convs = results[0].get('layer_kinds', ['conv2d']) == ['conv2d']
+    convs = results[0].get('layer_kinds', [CONV2D.name]) == [CONV2D.name]
     for row in first:
         what = ('all convs' if convs else 'all layers') if row['all'] \
             else f'last {row["num_layers"]}'

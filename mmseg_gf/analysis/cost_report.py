@@ -11,6 +11,7 @@ import math
 from typing import Any, Dict, List
 
 from ..accounting.format import fmt_bytes, fmt_flops, format_table
+from ..models.layer_kinds import layers_noun
 from .model_cost import ModelCost
 
 __all__ = ['model_cost_table', 'cost_summary_lines', 'measured_memory_table']
@@ -20,7 +21,7 @@ def model_cost_table(cost: ModelCost) -> str:
     """Every counted layer of a :class:`ModelCost` with its geometry (its
     kind's ``describe()``: a conv's ``k/s/d/g``, a Linear's token grid) and
     its vanilla / GF FLOPs, MACs and saved bytes, then the totals."""
-    convs_only = all(layer.kind == 'conv2d' for layer in cost.layers)
+    convs_only = layers_noun(layer.kind for layer in cost.layers) == 'convs'
     header = ('path', 'k/s/d/g' if convs_only else 'k/s/d/g or grid',
               'in -> out (CxHxW)', 'r', 'g_x',
               'FLOPs vanilla', 'FLOPs GF', 'MACs vanilla', 'MACs GF',
@@ -29,8 +30,7 @@ def model_cost_table(cost: ModelCost) -> str:
     for layer in cost.layers:
         c = layer.cost
         rows.append((
-            layer.path, layer.describe or f'{layer.kernel_size[0]}/'
-            f'{layer.stride[0]}/{layer.dilation[0]}/{layer.groups}',
+            layer.path, layer.describe,
             '{}x{}x{} -> {}x{}x{}'.format(*layer.in_shape, *layer.out_shape),
             str(layer.radius), 'yes' if layer.need_input_grad else 'no',
             fmt_flops(c.vanilla_flops), fmt_flops(c.gf_flops),

@@ -21,7 +21,7 @@ import torch
 from ..accounting.batch import random_batch, training_loss
 from ..accounting.cuda_kernels import record_step_kernels
 from ..accounting.format import MIB, format_table
-from ..accounting.launches import KINDS, LaunchCount, count_step
+from ..accounting.launches import KINDS, count_step
 from ..engine.build import build_segmentor
 from ..engine.tool_args import write_json
 from ..ops import triton_path

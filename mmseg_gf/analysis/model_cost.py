@@ -37,6 +37,7 @@ from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
 from ..engine.layer_trace import LayerRecord, trace_layers
 from ..engine.state import get_state
+from ..models.layer_kinds import CONV2D, layer_kinds
 from ..models.segmentor import is_classifier, unwrap_model
 
 __all__ = [
@@ -47,34 +48,51 @@ __all__ = [
 
 @dataclass
 class LayerCost:
-    """One trained conv and its backward cost (a :class:`ConvBackwardCost`).
+    """One trained layer and its backward cost (a :class:`ConvBackwardCost`).
 
     Attributes:
         path: module path in the segmentor.
-        kernel_size, stride, dilation: ``(h, w)`` pairs.
-        groups: conv groups.
+        geometry: its layer kind's geometry at the analysed input size
+            (:class:`~mmseg_gf.models.layer_kinds.LayerGeometry`).
         in_shape, out_shape: ``(C, H, W)`` at the analysed input size.
         radius: the patch size the GF columns are computed with.
         need_input_grad: whether ``g_x`` is computed (its input depends on
             a trained parameter).
         cost: the cost model's counts for the whole batch.
-        describe: the layer kind's table cell (a conv's ``k/s/d/g``, a
-            Linear's grid, e.g. ``linear 7x7 win``).
         kind: its layer kind's name.
     """
 
     path: str
-    kernel_size: Tuple[int, int]
-    stride: Tuple[int, int]
-    dilation: Tuple[int, int]
-    groups: int
+    geometry: Any
     in_shape: Tuple[int, int, int]
     out_shape: Tuple[int, int, int]
     radius: int
     need_input_grad: bool
     cost: ConvBackwardCost
-    describe: str = ''
-    kind: str = 'conv2d'
+    kind: str = CONV2D.name
+
+    @property
+    def describe(self) -> str:
+        """The layer kind's table cell (a conv's ``k/s/d/g``, a Linear's
+        grid, e.g. ``linear 7x7 win``)."""
+        return self.geometry.describe()
+
+    # a layer on tokens is a 1x1 conv on its grid
+    @property
+    def kernel_size(self) -> Tuple[int, int]:
+        return getattr(self.geometry, 'kernel_size', (1, 1))
+
+    @property
+    def stride(self) -> Tuple[int, int]:
+        return getattr(self.geometry, 'stride', (1, 1))
+
+    @property
+    def dilation(self) -> Tuple[int, int]:
+        return getattr(self.geometry, 'dilation', (1, 1))
+
+    @property
+    def groups(self) -> int:
+        return getattr(self.geometry, 'groups', 1)
 
     @property
     def vanilla_macs(self) -> int:
@@ -189,15 +207,10 @@ def _layer_cost(rec: LayerRecord, radius: int, need_input_grad: bool,
                          need_input_grad=need_input_grad,
                          elem_bytes=elem_bytes,
                          collapse_dilated=collapse_dilated)
-    # a layer on tokens is a 1x1 conv on its grid
     return LayerCost(
-        path=rec.path, kernel_size=getattr(geometry, 'kernel_size', (1, 1)),
-        stride=getattr(geometry, 'stride', (1, 1)),
-        dilation=getattr(geometry, 'dilation', (1, 1)),
-        groups=getattr(geometry, 'groups', 1),
-        in_shape=tuple(rec.in_shape), out_shape=tuple(rec.out_shape),
-        radius=radius, need_input_grad=need_input_grad, cost=cost,
-        describe=geometry.describe(), kind=rec.kind)
+        path=rec.path, geometry=geometry, in_shape=tuple(rec.in_shape),
+        out_shape=tuple(rec.out_shape), radius=radius,
+        need_input_grad=need_input_grad, cost=cost, kind=rec.kind)
 
 
 def model_backward_cost(model: nn.Module,
@@ -243,7 +256,7 @@ def model_backward_cost(model: nn.Module,
         # kinds named in ``not_counted``
         items = [(r, radius) for r in records
                  if r.inference and not is_classifier(r.path)
-                 and r.kind == 'conv2d']
+                 and r.kind == CONV2D.name]
         out.not_counted = _other_layer_kinds(model)
     else:
         out.mode = state.mode
@@ -269,22 +282,20 @@ def model_backward_cost(model: nn.Module,
     return out
 
 
-#: Layer kinds with weights that ``mode='all'`` does not count, by the
-#: name the summary gives them (subclasses count as their kind).
-_OTHER_KINDS = (('Linear', nn.Linear),
-                ('MultiheadAttention', nn.MultiheadAttention))
-
-
 def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
-    """Trainable layers that are not ``nn.Conv2d`` (Linear, attention's
-    projections, other conv kinds) outside auxiliary heads, by kind."""
+    """Trainable layers that ``mode='all'`` does not count, outside
+    auxiliary heads, by the name of their layer kind's traced type
+    (``Linear``, ``MultiheadAttention``: subclasses count as their kind)
+    or, for convs of no kind (transposed, 1-D, ...), by class name."""
+    others = [k for k in layer_kinds() if k.traced_type is not
+              CONV2D.traced_type]
     counts: Dict[str, int] = {}
     for path, module in model.named_modules():
-        if path.startswith('auxiliary_head') or isinstance(module,
-                                                           nn.Conv2d):
+        if path.startswith('auxiliary_head') or isinstance(
+                module, CONV2D.traced_type):
             continue
-        name = next((n for n, kind in _OTHER_KINDS
-                     if isinstance(module, kind)), None)
+        name = next((k.traced_type.__name__ for k in others
+                     if k.traces(module)), None)
         if name is None and isinstance(module, nn.modules.conv._ConvNd):
             name = type(module).__name__
         if name is not None:
@@ -317,5 +328,3 @@ def config_step_saved_bytes(cfg, shape: Sequence[int]):
         return None
     return trace_step_saved_bytes(build_segmentor(cfg, input_size=shape),
                                   shape)
-
-

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..models.layer_kinds import layer_kinds, traced_kind_of
+from ..models.layer_kinds import CONV2D, layer_kinds, traced_kind_of
 from ..models.segmentor import NORM_TYPES, unwrap_model
 from ..ops.patching import Hooks, override
 
@@ -84,7 +84,7 @@ class LayerRecord:
     input_requires_grad: bool = False
     feeds_output: Optional[bool] = None
     feeds_heads: Optional[bool] = None
-    kind: str = 'conv2d'
+    kind: str = CONV2D.name
     geometry: Any = None
 
 

@@ -14,9 +14,9 @@ filtered gradients when, in the training step's graph:
   ``p = 0`` or eval mode, returns it unchanged and adds no node; anything
   else in between, a dropout with ``p > 0`` included, adds a node and
   disqualifies the GELU), and each ``D``'s input patches are ``U``'s output
-  patches (:meth:`~mmseg_gf.models.gf_conv.GFConv2d.input_partition`,
-  :meth:`~mmseg_gf.models.gf_linear.GFLinear.input_partition`: same map or
-  token grid, same ``r``, tiles from 0);
+  patches (the ``input_partition`` of the conv's and the Linear's filtered
+  modules, :class:`~mmseg_gf.models.filtered_layer.FilteredLayer`: same
+  map or token grid, same ``r``, tiles from 0);
 * every call of the module satisfies this on the same partition.
 
 Elsewhere the GELU stays plain (autograd keeps its input). The trace runs

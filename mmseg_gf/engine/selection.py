@@ -33,13 +33,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from ..accounting.conv_cost import ConvGeometry, output_stride
-from ..models.layer_kinds import (filterable_names, kind_names, kind_of,
-                                   traced_kind_of, traced_type_names)
+from ..accounting.conv_cost import output_stride
+from ..models.layer_kinds import (CONV2D, filterable_names, kind_names,
+                                  kind_of, layers_noun, traced_kind_of,
+                                  traced_type_names)
 from ..models.segmentor import (CLASSIFIER_NAMES, is_class_score_layer,
                                 is_classifier, is_head_classifier,
                                 unwrap_model)
-from ..ops import MAX_RADIUS, as_pair, check_radius
+from ..ops import MAX_RADIUS, check_radius
 # The tracer's names, importable from here too.
 from .layer_trace import (ConvRecord, LayerRecord, head_list,  # noqa: F401
                           nested_tensors, trace_convs, trace_layers)
@@ -113,13 +114,12 @@ class LayerChoice:
             module, e.g. the GFConv2d).
         radius: patch size ``r``.
         in_shape, out_shape: ``(C, H, W)`` at the trace's input size.
-        kernel_size, stride, dilation: ``(h, w)`` pairs.
-        groups: conv groups.
+        geometry: its kind's geometry at the traced call (its shapes and
+            hyper-parameters, for the cost model: the kind's
+            :class:`~mmseg_gf.models.layer_kinds.LayerGeometry`).
         norm_path: norm layer directly following the conv, if any.
         input_hw: the trace's input size (to rescale costs if needed).
         kind: its layer kind's name.
-        layer_geometry: the kind's geometry from the trace; None: a conv's,
-            from the fields above.
     """
 
     path: str
@@ -127,29 +127,15 @@ class LayerChoice:
     radius: int
     in_shape: Tuple[int, int, int]
     out_shape: Tuple[int, int, int]
-    kernel_size: Tuple[int, int]
-    stride: Tuple[int, int]
-    dilation: Tuple[int, int]
-    groups: int
+    geometry: Any
     norm_path: Optional[str] = None
     input_hw: Tuple[int, int] = field(default=(0, 0))
-    kind: str = 'conv2d'
-    layer_geometry: Any = None
+    kind: str = CONV2D.name
 
     @property
     def output_stride(self) -> int:
         """Input-image pixels per output pixel of this conv (1, 2, 4, ...)."""
         return output_stride(self.input_hw[0], self.out_shape[1])
-
-    @property
-    def geometry(self):
-        """Its shapes and hyper-parameters, for the cost model (the kind's
-        :class:`~mmseg_gf.models.layer_kinds.LayerGeometry`)."""
-        if self.layer_geometry is not None:
-            return self.layer_geometry
-        return ConvGeometry(tuple(self.in_shape), tuple(self.out_shape),
-                            self.kernel_size, self.stride, self.dilation,
-                            self.groups)
 
 
 def auto_radius(output_stride: int) -> int:
@@ -426,7 +412,7 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
 
 def _nouns(recs: Sequence[LayerRecord]) -> str:
     """``'convs'`` when every record is a conv, else ``'layers'``."""
-    return 'convs' if all(r.kind == 'conv2d' for r in recs) else 'layers'
+    return layers_noun(r.kind for r in recs)
 
 
 def has_grid(rec: LayerRecord) -> bool:
@@ -534,12 +520,7 @@ def _layer_choice(rec: LayerRecord, radius: RadiusSetting,
                               output_stride(h, rec.out_shape[1])),
         in_shape=rec.in_shape,
         out_shape=rec.out_shape,
-        # a layer on tokens is a 1x1 conv on its grid
-        kernel_size=as_pair(getattr(layer, 'kernel_size', 1)),
-        stride=as_pair(getattr(layer, 'stride', 1)),
-        dilation=as_pair(getattr(layer, 'dilation', 1)),
-        groups=getattr(layer, 'groups', 1),
+        geometry=rec.geometry,
         norm_path=rec.norm_path,
         input_hw=(h, w),
-        kind=rec.kind,
-        layer_geometry=rec.geometry)
+        kind=rec.kind)

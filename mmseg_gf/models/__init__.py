@@ -7,17 +7,20 @@ PyTorch. When mmseg is present the layers are registered in mmseg's
 ``MODELS`` (configs with ``default_scope='mmseg'``) and in mmengine's root
 ``MODELS`` (mmcv's ``build_conv_layer`` outside any scope), so
 ``conv_cfg=dict(type='GFConv2d', radius=4)`` builds it either way; and
-``token_grids`` (the grid rules of mmseg's transformer blocks) is importable.
+``token_grids`` (the grid rules of mmseg's transformer blocks, one file per
+family) is importable.
 """
 from importlib.util import find_spec
 
+from .filtered_layer import FilteredLayer
 from .gf_attention import GFMultiheadAttention, is_filterable_attention
 from .gf_conv import GFConv2d, is_filterable_conv
 from .gf_linear import GFLinear, TokenGridSource, is_filterable_linear
 from .layer_kinds import LayerKind, kind_of, layer_kinds, register_layer_kind
 
 __all__ = [
-    'GFConv2d', 'GFLinear', 'GFMultiheadAttention', 'TokenGridSource',
+    'FilteredLayer', 'GFConv2d', 'GFLinear', 'GFMultiheadAttention',
+    'TokenGridSource',
     'is_filterable_attention', 'is_filterable_conv', 'is_filterable_linear',
     'LayerKind', 'kind_of', 'layer_kinds', 'register_layer_kind'
 ]

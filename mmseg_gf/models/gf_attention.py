@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from ..ops import check_radius
 from ..ops.gradient_filter_linear import gradient_filtered_linear
 from ..ops.patching import plain_class
+from .filtered_layer import FilteredLayer
 from .gf_conv import warn_exact_backward
 from .gf_linear import TokenGridSource
 from .lean_transformer import AttentionCall
@@ -114,7 +115,7 @@ def _exact_inputs(*tensors: Tensor
     return tuple(out)
 
 
-class GFMultiheadAttention(nn.MultiheadAttention):
+class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
     """``nn.MultiheadAttention`` with gradient-filtered projections.
 
     Filters the calls it can reproduce exactly: batched or unbatched

@@ -3,7 +3,6 @@
 import warnings
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -12,6 +11,7 @@ from ..ops.gradient_filter import (conv_geometry, filtered_conv,
                                    resolve_padding)
 from ..ops.patch_mean_activation import PatchPartition, tag_output
 from ..ops.patching import plain_class
+from .filtered_layer import FilteredLayer
 
 
 _CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
@@ -79,7 +79,7 @@ def is_filterable_conv(module: nn.Module) -> bool:
     return plain in _plain_conv_classes() or isinstance(module, GFConv2d)
 
 
-class GFConv2d(nn.Conv2d):
+class GFConv2d(FilteredLayer, nn.Conv2d):
     """A drop-in ``nn.Conv2d``: exact forward, gradient-filtered backward.
 
     Usable wherever mmcv builds convs, e.g.
@@ -134,12 +134,6 @@ class GFConv2d(nn.Conv2d):
         new.radius = check_radius(radius)
         new.enabled = bool(enabled)
         return new
-
-    def _filter_active(self, input: Tensor, weight: Tensor,
-                       bias: Optional[Tensor]) -> bool:
-        return self.enabled and torch.is_grad_enabled() and (
-            input.requires_grad or weight.requires_grad
-            or (bias is not None and bias.requires_grad))
 
     def _conv_forward(self, input: Tensor, weight: Tensor,
                       bias: Optional[Tensor]) -> Tensor:
@@ -201,7 +195,3 @@ class GFConv2d(nn.Conv2d):
             input = F.pad(input, extra)
         return filtered_conv(input, weight, bias, self.stride, pad,
                              self.dilation, self.groups, self.radius)
-
-    def extra_repr(self) -> str:
-        return (f'{super().extra_repr()}, radius={self.radius}'
-                f'{"" if self.enabled else ", enabled=False"}')

@@ -12,7 +12,6 @@ holds a fixed grid (a Swin window).
 
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -20,6 +19,7 @@ from ..ops import check_radius
 from ..ops.gradient_filter_linear import TokenGrid, gradient_filtered_linear
 from ..ops.patch_mean_activation import PatchPartition, tag_output
 from ..ops.patching import plain_class
+from .filtered_layer import FilteredLayer
 from .gf_conv import warn_exact_backward, with_mmcv_wrapper
 
 
@@ -64,7 +64,7 @@ def is_filterable_linear(module: nn.Module) -> bool:
     return plain in _plain_linear_classes() or isinstance(module, GFLinear)
 
 
-class GFLinear(nn.Linear):
+class GFLinear(FilteredLayer, nn.Linear):
     """A drop-in ``nn.Linear``: exact forward, gradient-filtered backward on
     the token grid its :class:`TokenGridSource` holds for the call.
 
@@ -127,13 +127,9 @@ class GFLinear(nn.Linear):
         """The grid of the call now running, or None."""
         return None if self.grid_source is None else self.grid_source.grid
 
-    def _filter_active(self, input: Tensor) -> bool:
-        return self.enabled and torch.is_grad_enabled() and (
-            input.requires_grad or self.weight.requires_grad
-            or (self.bias is not None and self.bias.requires_grad))
-
     def forward(self, input: Tensor) -> Tensor:
-        if not self._filter_active(input) or input.numel() == 0 or \
+        if not self._filter_active(input, self.weight, self.bias) or \
+                input.numel() == 0 or \
                 self.weight.numel() == 0:
             # nothing to filter (an empty output or weight): the exact
             # backward, zero-sized or zero gradients, as nn.Linear gives
@@ -184,7 +180,3 @@ class GFLinear(nn.Linear):
             return self._partition(grid, input)
         except ValueError:
             return None
-
-    def extra_repr(self) -> str:
-        return (f'{super().extra_repr()}, radius={self.radius}'
-                f'{"" if self.enabled else ", enabled=False"}')

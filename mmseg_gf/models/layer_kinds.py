@@ -27,8 +27,8 @@ iterate in a fixed order and look up by module type, and this module, like
 ``gf_conv``, stays importable without the OpenMMLab stack.
 """
 from dataclasses import dataclass
-from typing import (Callable, Dict, List, Optional, Protocol, Sequence,
-                    Tuple)
+from typing import (Callable, Dict, Iterable, List, Optional, Protocol,
+                    Sequence, Tuple, Union)
 
 from torch import Tensor, nn
 
@@ -38,9 +38,10 @@ from ..ops.quality import GradientQuality, layer_gradient_quality
 from .gf_conv import GFConv2d, with_mmcv_wrapper
 
 __all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
-           'layer_kinds', 'layer_kind', 'kind_of', 'traced_kind_of',
-           'is_filterable', 'is_filtered', 'filterable_names',
-           'traced_type_names', 'kind_names']
+           'unregister_layer_kind', 'layer_kinds', 'layer_kind', 'kind_of',
+           'traced_kind_of', 'is_filterable', 'is_filtered',
+           'filterable_names', 'traced_type_names', 'kind_names',
+           'layers_noun']
 
 
 class LayerGeometry(Protocol):
@@ -76,7 +77,9 @@ class LayerKind:
             named in the error that refuses it).
         plain_types: the exact classes whose forward the filtered module
             computes (also behind a lean swap: ``plain_class``).
-        filtered_type: the filtered module class.
+        filtered_type: the filtered module class, a
+            :class:`~.filtered_layer.FilteredLayer` (its ``radius``,
+            ``enabled``, ``_filter_active`` and patch partitions).
         wrap: ``(module, radius, enabled) -> filtered module`` sharing the
             module's Parameters (so optimizers and ``state_dict`` stay
             valid).
@@ -98,6 +101,25 @@ class LayerKind:
             such layers may keep patch means of its derivative
             (:mod:`.patch_mean_graph`; docs/gradient_filter.md
             #elementwise-ops-between-filtered-layers).
+        call_grids: a kind on tokens: ``(module, site, args, kwargs) ->
+            ((grid, input shape, token axis), ...)``, the grids one call of
+            ``module`` reads (the query's first, an attention's keys
+            second; a grid is None where its site's source holds none).
+            Its layers are those the token-grid bindings describe
+            (:mod:`.token_grids`); None for a kind on feature maps.
+        kept_rule: what one call of its layers keeps for backward
+            (``rule(path, module, x, out, shared) -> items, or None`` when
+            another rule decides, :mod:`mmseg_gf.accounting.kept`): a
+            function, or its ``'package.module:function'`` name where the
+            rule lies in the accounting, a layer above the models.
+        frozen_lean: the lean variant (:data:`mmseg_gf.models.lean.LEAN_KINDS`)
+            its plain layers take while frozen in the lean region
+            (``'frozen_conv'``: keeps nothing when its input needs no
+            gradient), or None.
+        claims: ``(module) -> bool`` for a kind narrower than its traced
+            type (depthwise convs as a kind of their own beside
+            ``conv2d``): it takes the instances of ``traced_type`` it
+            claims, ahead of the kinds that claim every instance (None).
     """
 
     name: str
@@ -113,6 +135,15 @@ class LayerKind:
         = None
     install: Optional[Callable[[nn.Module], None]] = None
     patch_partitioned: bool = False
+    call_grids: Optional[Callable[..., tuple]] = None
+    kept_rule: Union[str, Callable, None] = None
+    frozen_lean: Optional[str] = None
+    claims: Optional[Callable[[nn.Module], bool]] = None
+
+    def traces(self, module: nn.Module) -> bool:
+        """Whether this kind's trace records ``module``."""
+        return isinstance(module, self.traced_type) and (
+            self.claims is None or bool(self.claims(module)))
 
     def is_filterable(self, module: nn.Module) -> bool:
         """Whether this kind can filter ``module`` (plain or filtered)."""
@@ -142,14 +173,24 @@ def register_layer_kind(kind: LayerKind) -> LayerKind:
     """Add a kind (after those registered before it).
 
     Raises:
-        ValueError: a kind of that name, or tracing the same type, exists.
+        ValueError: a kind of that name exists, or one that traces every
+            instance of the same type while this one does too (a kind
+            with ``claims`` narrows a type another kind traces).
     """
     for other in _KINDS.values():
-        if other.name == kind.name or other.traced_type is kind.traced_type:
+        if other.name == kind.name or (
+                other.traced_type is kind.traced_type
+                and other.claims is None and kind.claims is None):
             raise ValueError(f'layer kind {kind.name!r} clashes with the '
                              f'registered kind {other.name!r}')
     _KINDS[kind.name] = kind
     return kind
+
+
+def unregister_layer_kind(name: str) -> None:
+    """Remove the kind called ``name``, if registered (a kind registered
+    for a while, e.g. by a test)."""
+    _KINDS.pop(name, None)
 
 
 def layer_kinds() -> List[LayerKind]:
@@ -170,9 +211,11 @@ def layer_kind(name: str) -> LayerKind:
 
 def traced_kind_of(module: nn.Module) -> Optional[LayerKind]:
     """The kind whose trace records ``module`` (filterable or not), or
-    None."""
-    for kind in _KINDS.values():
-        if isinstance(module, kind.traced_type):
+    None: a kind that claims it (:attr:`LayerKind.claims`) first, else the
+    first registered kind of its type."""
+    narrow = [k for k in _KINDS.values() if k.claims is not None]
+    for kind in narrow + [k for k in _KINDS.values() if k.claims is None]:
+        if kind.traces(module):
             return kind
     return None
 
@@ -203,7 +246,15 @@ def traced_type_names() -> str:
     def name(t: type) -> str:
         torch_nn = t.__module__.startswith('torch.nn')
         return ('nn.' if torch_nn else '') + t.__name__
-    return ' or '.join(name(k.traced_type) for k in _KINDS.values())
+    types = dict.fromkeys(k.traced_type for k in _KINDS.values())
+    return ' or '.join(name(t) for t in types)
+
+
+def layers_noun(kinds: Iterable[str]) -> str:
+    """What messages call layers of the kinds named ``kinds``: ``'convs'``
+    when every one is a conv (:data:`CONV2D`, the paper's layers; none
+    given too), else ``'layers'``."""
+    return 'convs' if set(kinds) <= {CONV2D.name} else 'layers'
 
 
 def filterable_names() -> str:
@@ -232,5 +283,6 @@ CONV2D = register_layer_kind(LayerKind(
     quality=layer_gradient_quality,
     allowed='nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
     'DeformConv, ConvTranspose)',
-    patch_partitioned=True))
-
+    patch_partitioned=True,
+    kept_rule='mmseg_gf.accounting.kept:conv_items',
+    frozen_lean='frozen_conv'))

@@ -67,8 +67,8 @@ from ..ops.patching import is_swapped, plain_class, swap_class, unswap_class
 from ..ops.resize import strided_gradient_resizes
 from ..ops.triton_norm import FrozenBatchNormFunction
 from ..ops.resized_loss import LabelRangeError
-from .gf_conv import is_filterable_conv, with_mmcv_wrapper
-from .layer_kinds import is_filtered
+from .gf_conv import with_mmcv_wrapper
+from .layer_kinds import traced_kind_of
 from .lean_transformer import (TRANSFORMER_KINDS, mmcv_dropout_class,
                                transformer_kind, transformer_mixin)
 from .patch_mean_gelu import LEAN_OWNER, is_patch_mean_gelu
@@ -400,13 +400,25 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return kind
     if isinstance(module, nn.AdaptiveAvgPool2d):
         return 'pool'
-    if is_filterable_conv(module) and not is_filtered(module):
-        return 'frozen_conv'
-    if plain_class(module) in with_mmcv_wrapper(nn.Linear):
-        return 'frozen_linear'
+    frozen = _frozen_layer_kind(module)
+    if frozen is not None:
+        return frozen
     base = base_decode_head()
     if base is not None and isinstance(module, base):
         return 'loss'
+    return None
+
+
+def _frozen_layer_kind(module: nn.Module) -> Optional[str]:
+    """The frozen lean variant its layer kind gives ``module``
+    (:attr:`~.layer_kinds.LayerKind.frozen_lean`), for a plain module of
+    the kind's traced type itself (or mmcv's wrapper of it); None for a
+    filtered module or a subclass with a forward of its own."""
+    kind = traced_kind_of(module)
+    if kind is None or kind.frozen_lean is None:
+        return None
+    if plain_class(module) in with_mmcv_wrapper(kind.traced_type):
+        return kind.frozen_lean
     return None
 
 

@@ -227,6 +227,32 @@ def _no_quality(module, x, grad_out, radius) -> GradientQuality:
         'local quality measure (tools/gradient_quality.py)')
 
 
+def _grid(source) -> Optional[TokenGrid]:
+    return None if source is None else source.grid
+
+
+def _linear_call_grids(module: nn.Module, site: LinearSite, args: tuple,
+                       kwargs: dict) -> tuple:
+    """A Linear's one input, on its site's grid and token axis."""
+    return ((_grid(site.source), tuple(args[0].shape), site.token_dim), )
+
+
+def _attention_call_grids(module: nn.Module, site: LinearSite, args: tuple,
+                          kwargs: dict) -> tuple:
+    """The query on the site's grid, the key on its key grid; token axis 1
+    for a batch-first 3-D call, else 0."""
+    if not args:  # called with keywords
+        args = (kwargs['query'], kwargs['key'], kwargs['value'])
+    query, key = args[0], args[1]
+    axis = 1 if module.batch_first and query.dim() == 3 else 0
+    return ((_grid(site.source), tuple(query.shape), axis),
+            (_grid(site.key_source), tuple(key.shape), axis))
+
+
+#: What a call of a Linear / attention keeps (:mod:`mmseg_gf.accounting`).
+_TOKEN_KEPT_RULE = 'mmseg_gf.accounting.kept_tokens:token_items'
+
+
 def prepare_token_grids(model: nn.Module) -> Optional[Callable[[], None]]:
     """Bind ``model``'s token grids for a trace; returns the undo, or None
     when the model has them installed already (by the surgery)."""
@@ -253,7 +279,10 @@ LINEAR = register_layer_kind(LayerKind(
     allowed='nn.Linear on a token grid (GFLinear)',
     prepare=prepare_token_grids,
     install=install_for_training,
-    patch_partitioned=True))
+    kept_rule=_TOKEN_KEPT_RULE,
+    frozen_lean='frozen_linear',
+    patch_partitioned=True,
+    call_grids=_linear_call_grids))
 
 #: ``nn.MultiheadAttention``: packed in-projection and out-projection.
 ATTENTION = register_layer_kind(LayerKind(
@@ -267,4 +296,6 @@ ATTENTION = register_layer_kind(LayerKind(
     quality=_no_quality,
     allowed='nn.MultiheadAttention on token grids (GFMultiheadAttention)',
     prepare=prepare_token_grids,
-    install=install_for_training))
+    install=install_for_training,
+    kept_rule=_TOKEN_KEPT_RULE,
+    call_grids=_attention_call_grids))

@@ -203,11 +203,11 @@ def test_exact_conv_input_stays_held_while_the_trace_runs():
     an input already counted."""
     from torch import nn
 
-    from mmseg_gf.accounting.kept import item_for_module
+    from mmseg_gf.accounting.kept import conv_items
     conv = nn.Conv2d(3, 4, 3, padding=1)
     shared = {}
     x = torch.randn(1, 3, 48, 48)
-    assert item_for_module('conv', conv, x, conv(x), shared) is not None
+    assert conv_items('conv', conv, x, conv(x), shared)
     ptr = x.untyped_storage().data_ptr()
     del x
     path, storage = shared[ptr]

@@ -66,8 +66,9 @@ def test_layer_choice_geometry():
     model = get_model('deeplabv3_r18')
     (c, ) = select_layers(model, layers=['decode_head.aspp_modules.3.conv'],
                           radius=4, input_size=(64, 64))
-    assert c.kernel_size == (3, 3) and c.dilation == (36, 36)
-    assert c.stride == (1, 1) and c.groups == 1
+    g = c.geometry
+    assert g.kernel_size == (3, 3) and g.dilation == (36, 36)
+    assert g.stride == (1, 1) and g.groups == 1
     assert c.in_shape == (512, 8, 8) and c.out_shape == (128, 8, 8)
     assert c.output_stride == 8
 
@@ -92,7 +93,7 @@ def test_depthwise_selected():
     model = get_model('pspnet_mv2')
     (c, ) = select_layers(model, layers=['backbone.layer7.0.conv.1.conv'],
                           radius=4, input_size=(64, 64))
-    assert c.groups == 960 and c.dilation == (4, 4)
+    assert c.geometry.groups == 960 and c.geometry.dilation == (4, 4)
 
 
 def test_auto_and_dict_radius():

@@ -31,11 +31,11 @@ from mmengine.config import Config  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.zoo import make_offline, mmseg_config_dir  # noqa: E402
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
+from mmseg_gf.models.layer_kinds import layer_kind  # noqa: E402
 from mmseg_gf.models.token_grids import (CLASS_SCORES,  # noqa: E402
                                          bind_token_grids,
                                          discover_token_grids,
-                                         filtered_module, layer_kind,
-                                         run_inference_path)
+                                         run_inference_path, token_kind_of)
 from mmseg_gf.ops import TokenGrid  # noqa: E402
 from tests.helpers.gf_linear_reference import (  # noqa: E402
     reference_attention, reference_filtered_linear)
@@ -214,7 +214,7 @@ def test_discovery_lists_every_linear_with_its_traced_grid(name):
     on_path = {
         p for part in ('backbone', 'decode_head')
         for p, m in getattr(model, part).named_modules(prefix=part)
-        if layer_kind(m) is not None and '.attn.attn.out_proj' not in p
+        if token_kind_of(m) is not None and '.attn.attn.out_proj' not in p
         and not p.endswith('.out_proj')
     }
     assert {r.path for r in records} == on_path
@@ -223,6 +223,12 @@ def test_discovery_lists_every_linear_with_its_traced_grid(name):
     # no hook is left behind
     assert all(not m._forward_pre_hooks and not m._forward_hooks
                for m in model.modules())
+
+
+def filtered_module(module, site, radius):
+    """The filtered module of a bound site: its layer kind's, sharing the
+    Parameters (the kind reads the site the bindings published)."""
+    return layer_kind(site.kind).wrap(module, radius, True)
 
 
 class _ReferenceLinear(nn.Module):

@@ -3,7 +3,8 @@
 mmseg's Swin, MiT (Segformer) and ViT (DeiT) layers checkpoint their inner
 forward; the backward recomputes it without the blocks' hooks. The
 bindings checkpoint those blocks themselves, setting the grids of the call
-being recomputed (``mmseg_gf.models.token_grids._CheckpointWithGrids``).
+being recomputed (``CheckpointWithGrids`` of
+``mmseg_gf.models.token_grids.recompute``).
 Each family as in ``test_token_grids.py`` (shrunk, float64, every layer on
 a grid filtered at r = 2, every parameter requiring a gradient, so every
 block's input does and every block is checkpointed): the gradients with
@@ -23,11 +24,10 @@ from mmseg.models.backbones.swin import SwinBlock  # noqa: E402
 from mmseg.models.backbones.vit import \
     TransformerEncoderLayer as ViTLayer  # noqa: E402
 
-from mmseg_gf.models import token_grids  # noqa: E402
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
-from mmseg_gf.models.token_grids import filtered_module  # noqa: E402
+from mmseg_gf.models.token_grids import recompute  # noqa: E402
 from tests.test_models.test_token_grids import (  # noqa: E402
-    plain_model_and_grad, swapped_gradients, tiny_model)
+    filtered_module, plain_model_and_grad, swapped_gradients, tiny_model)
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -53,7 +53,7 @@ def test_checkpointed_blocks_recompute_with_their_grids(name, monkeypatch):
             return function(*a)
         return torch.utils.checkpoint.checkpoint(run, *args, **kwargs)
 
-    monkeypatch.setattr(token_grids, 'checkpoint', counting, raising=False)
+    monkeypatch.setattr(recompute, 'checkpoint', counting, raising=False)
     got = _filtered_gradients(model, inputs, grad)
     # each block: a forward without autograd, a recompute with it
     assert recomputed.count(False) == len(blocks)
@@ -85,7 +85,7 @@ def test_built_swin_with_cp_trains_as_without(monkeypatch):
         checkpointed.append(function)
         return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
 
-    monkeypatch.setattr(token_grids, 'checkpoint', counting, raising=False)
+    monkeypatch.setattr(recompute, 'checkpoint', counting, raising=False)
     grads, plain_state = {}, None
     for with_cp in (False, True):
         model_cfg = tiny_cfg('swin_t').model
