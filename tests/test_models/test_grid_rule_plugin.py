@@ -34,7 +34,7 @@ from mmseg_gf.models.token_grids import (TokenGridSource,  # noqa: E402
                                          register_grid_rule,
                                          unregister_grid_rule)
 from mmseg_gf.ops import TokenGrid  # noqa: E402
-from tests._tiny_segmentors import fcn_head, tiny_segmentor  # noqa: E402
+from tests.helpers.tiny_segmentors import fcn_head, tiny_segmentor  # noqa: E402
 
 SIZE = (32, 32)
 DIMS = 8

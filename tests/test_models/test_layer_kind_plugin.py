@@ -31,7 +31,7 @@ from mmseg_gf.models.gf_conv import GFConv2d  # noqa: E402
 from mmseg_gf.models.layer_kinds import (CONV2D, LayerKind,  # noqa: E402
                                          register_layer_kind,
                                          unregister_layer_kind)
-from tests._tiny_segmentors import fcn_head, tiny_segmentor  # noqa: E402
+from tests.helpers.tiny_segmentors import fcn_head, tiny_segmentor  # noqa: E402
 
 SIZE = (32, 32)
 BATCH = 2
