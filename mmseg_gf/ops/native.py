@@ -42,7 +42,8 @@ except ImportError:  # not built: pure-PyTorch path
 __all__ = [
     'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
     'filtered_conv2d', 'fused_backward_calls',
-    'built', 'recycle_limit', 'recycled_bytes', 'release_recycled', 'recycling_off',
+    'built', 'recycle_limit', 'recycled_bytes', 'release_recycled',
+    'recycling_off',
     'empty_for_writing', 'bilinear_backward', 'token_rows_usable',
     'token_patch_sums', 'token_filtered_backward',
     'token_rows_avx512_enabled', 'set_token_rows_avx512',
