@@ -11,7 +11,8 @@ random data (mmengine's ``parse_losses`` and ``update_params``: forward,
 backward, optimizer step, ``zero_grad``), then reports the prediction and
 ``VmHWM`` read twice: over the whole process (the budget's profile
 included) and over the training steps alone (reset after the model and
-the optimizer were built).
+the optimizer were built), and what the compiled kernels' output pool
+keeps after the steps.
 """
 import argparse
 import json
@@ -31,6 +32,7 @@ from ..engine.state import get_state
 from ..engine.train_log import PeakResidentMemory, peak_resident_bytes
 from ..engine.zoo import ZOO_FAMILIES, family_config, make_offline
 from ..models.segmentor import set_frozen_norms_eval
+from ..ops import native
 
 __all__ = ['measure_process_peak', 'train_and_measure']
 
@@ -83,7 +85,15 @@ def train_and_measure(config: str, size: Sequence[int], batch: int,
         optimizer_state_mib=cost.optimizer_bytes / MIB,
         base_mib=(cost.process_bytes - cost.peak_bytes) / MIB,
         measured_process_mib=peak_resident_bytes() / MIB,
-        measured_steps_mib=meter.peak_mib() if steps_only else None)
+        measured_steps_mib=meter.peak_mib() if steps_only else None,
+        kernel_pool_mib=_kernel_pool_mib())
+
+
+def _kernel_pool_mib() -> Optional[float]:
+    """What the compiled kernels' output pool keeps after the steps, MiB:
+    freed outputs that no prediction counts (0 under a CPU ``process_mib``
+    budget, which switches the pool off); None without the kernels."""
+    return native.recycled_bytes() / MIB if native.built() else None
 
 
 def measure_process_peak(config: str, size: Sequence[int], batch: int,

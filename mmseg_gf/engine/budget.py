@@ -20,7 +20,7 @@ from ..accounting.budget import (PEAK_KEYS, BudgetChoice, check_budget,
 from ..accounting.optimizer_state import optimizer_state_ratio
 from ..accounting.profile import StepCostProfile, profile_step_costs
 from ..models.segmentor import is_classifier, unwrap_model
-from .cpu_memory import return_freed_cpu_memory
+from .cpu_memory import bound_process_memory
 from .frozen_aux_heads import unlogged_aux_heads
 from .layer_trace import trace_layers
 from .selection import check_layer_kinds, has_grid, select_layers
@@ -104,7 +104,7 @@ def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
     batch = budget['batch'] or batch or 1
     on_cpu = not torch.cuda.is_available()
     if budget['process_mib'] is not None and on_cpu:
-        return_freed_cpu_memory()
+        bound_process_memory()
     profile = profile_segmentor(segmentor, input_size,
                                 timeline=any(budget[k] is not None
                                              for k in PEAK_KEYS),

@@ -26,8 +26,10 @@ import ctypes
 import ctypes.util
 from typing import Callable, Optional
 
+from ..ops import native
+
 __all__ = ['keep_freed_cpu_memory', 'cpu_memory_kept', 'supported',
-           'return_freed_cpu_memory']
+           'return_freed_cpu_memory', 'bound_process_memory']
 
 # glibc's <malloc.h>
 _M_TRIM_THRESHOLD = -1
@@ -106,3 +108,32 @@ def return_freed_cpu_memory() -> bool:
         return False
     _kept = False
     return True
+
+
+def _keep_no_kernel_outputs() -> bool:
+    """Switch the compiled kernels' output pool off (``MMSEG_GF_RECYCLE_MB``
+    0, freeing what it keeps). The pool keeps the large outputs one
+    backward freed (``g_x``, the lean region's gradients) for the next
+    step's, up to 256 MiB: torch allocations that are no step's live
+    tensors, so no prediction of the step counts them (Swin-T UPerNet,
+    256x256, batch 2, 21 layers: 142 MiB kept between steps). Returns
+    whether there was a pool (False without the compiled kernels)."""
+    if not native.built():
+        return False
+    native.recycle_limit(0)
+    return True
+
+
+def bound_process_memory() -> bool:
+    """What a ``process_mib`` budget needs on CPU: the process holds its
+    live tensors and the libraries, not freed memory kept for reuse.
+    ``malloc`` gives large freed blocks back
+    (:func:`return_freed_cpu_memory`) and the compiled kernels keep no
+    freed outputs (their pool off, :func:`_keep_no_kernel_outputs`).
+    Process-wide.
+
+    Returns:
+        bool: whether the C library took the ``malloc`` setting.
+    """
+    _keep_no_kernel_outputs()
+    return return_freed_cpu_memory()

@@ -14,7 +14,8 @@ a tensor dies its memory goes back to a small pool and the next output of
 the same byte size reuses it, so a training step does not pay the page
 faults of fresh memory again (see ``csrc/output_recycler.cpp``).
 The pool holds at most ``MMSEG_GF_RECYCLE_MB`` MiB (default 256, ``0``
-turns it off); :func:`release_recycled` empties it.
+turns it off; a ``process_mib`` budget on CPU turns it off, as no
+prediction counts its blocks); :func:`release_recycled` empties it.
 
 Patches along an axis: patch ``P`` covers pixels ``[start + P*size,
 start + (P+1)*size)`` clipped to the map; pixels outside count as zeros.
@@ -41,7 +42,8 @@ except ImportError:  # not built: pure-PyTorch path
 __all__ = [
     'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
     'filtered_conv2d', 'fused_backward_calls',
-    'recycle_limit', 'recycled_bytes', 'release_recycled', 'recycling_off',
+    'built', 'recycle_limit', 'recycled_bytes', 'release_recycled',
+    'recycling_off',
     'empty_for_writing', 'bilinear_backward', 'token_rows_usable',
     'token_patch_sums', 'token_filtered_backward',
     'token_rows_avx512_enabled', 'set_token_rows_avx512',
@@ -49,6 +51,12 @@ __all__ = [
 ]
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
+
+
+def built() -> bool:
+    """True if the compiled kernels are built (switched off or not: their
+    output pool exists either way)."""
+    return _kernels is not None
 
 
 def available() -> bool:

@@ -93,7 +93,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "Triton path (the kernels' tests, launch counts).", truthy),
     Switch('MMSEG_GF_RECYCLE_MB', 256, int,
            'MiB of freed large CPU outputs the compiled kernels keep for '
-           'reuse (`0`: none).', int,
+           'reuse (`0`: none; a `process_mib` budget on CPU sets 0).', int,
            reader='C++ (ops/csrc/output_recycler.cpp)',
            setter='mmseg_gf.ops.native.recycle_limit'),
     Switch('MMSEG_GF_CHECKPOINT_COST_FACTOR', 4.0, float,
