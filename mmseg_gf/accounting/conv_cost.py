@@ -5,7 +5,8 @@ layer-kind registry of :mod:`mmseg_gf.models.layer_kinds` reaches them too);
 this module keeps their accounting-side name.
 """
 from ..ops.conv_cost import (ConvBackwardCost, ConvGeometry,
-                             conv_backward_cost, output_stride)
+                             conv_backward_cost, map_output_stride,
+                             output_stride)
 
 __all__ = ['ConvBackwardCost', 'conv_backward_cost', 'ConvGeometry',
-           'output_stride']
+           'output_stride', 'map_output_stride']

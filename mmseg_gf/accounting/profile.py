@@ -40,7 +40,7 @@ from ..models.patch_mean_graph import (LayerCall, filtered_users,
 from ..ops.patch_mean_activation import (PatchPartition,
                                          patch_mean_kept_elements)
 from .batch import random_batch
-from .conv_cost import ConvBackwardCost, ConvGeometry, output_stride
+from .conv_cost import ConvBackwardCost, ConvGeometry, map_output_stride
 from .format import MIB
 from .kept import SavedItem, kept_by_call, measured_item
 from .kept_tokens import candidate_extra_items
@@ -624,12 +624,12 @@ class _Recorder:
             _Entry(item, max(upstream, i), False, call.path, call.seq)
             for item in extra)
         if all(c.index != i for c in self.profile.convs):
+            geometry = layer_geometry(call.module, call.x, out)
             self.profile.convs.append(ConvProfile(
-                path=call.path, module=call.module,
-                geometry=layer_geometry(call.module, call.x, out),
+                path=call.path, module=call.module, geometry=geometry,
                 index=i, upstream=upstream,
-                output_stride=output_stride(self.profile.input_size[0],
-                                            out.shape[-2]),
+                output_stride=map_output_stride(self.profile.input_size,
+                                                geometry.map_area),
                 params=sum(p.numel() for p in call.module.parameters()),
                 seq=call.seq))
 

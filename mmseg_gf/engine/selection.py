@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from ..accounting.conv_cost import output_stride
+from ..accounting.conv_cost import map_output_stride
 from ..models.layer_kinds import (CONV2D, filterable_names, kind_names,
                                   kind_of, layers_noun, traced_kind_of,
                                   traced_type_names)
@@ -134,8 +134,9 @@ class LayerChoice:
 
     @property
     def output_stride(self) -> int:
-        """Input-image pixels per output pixel of this conv (1, 2, 4, ...)."""
-        return output_stride(self.input_hw[0], self.out_shape[1])
+        """Input-image pixels per output pixel of this layer (1, 2, 4,
+        ...), by its map (a Swin window's Linear by the stage's map)."""
+        return map_output_stride(self.input_hw, self.geometry.map_area)
 
 
 def auto_radius(output_stride: int) -> int:
@@ -517,7 +518,8 @@ def _layer_choice(rec: LayerRecord, radius: RadiusSetting,
         path=rec.path,
         module=layer,
         radius=resolve_radius(radius, rec.path,
-                              output_stride(h, rec.out_shape[1])),
+                              map_output_stride((h, w),
+                                                rec.geometry.map_area)),
         in_shape=rec.in_shape,
         out_shape=rec.out_shape,
         geometry=rec.geometry,

@@ -50,10 +50,14 @@ class LayerGeometry(Protocol):
     Attributes:
         in_shape, out_shape: ``(C, H, W)`` of its input and output on the
             layer's grid (a conv's feature maps; a token layer's grid).
+        map_area: positions of the map its output covers, for the output
+            stride (the ``'auto'`` radius, the budget's refinement order):
+            a conv's output map; a Swin window Linear's windows together.
     """
 
     in_shape: Tuple[int, int, int]
     out_shape: Tuple[int, int, int]
+    map_area: int
 
     def cost(self, radius: int, batch: int = 1,
              need_input_grad: bool = True, need_weight_grad: bool = True,

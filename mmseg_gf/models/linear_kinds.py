@@ -70,6 +70,20 @@ class TokenGeometry:
     label: str = 'linear'
     tokens: int = 0
 
+    @property
+    def map_area(self) -> int:
+        """Positions of the map the tokens lie on
+        (:func:`~mmseg_gf.ops.conv_cost.map_output_stride`): a window
+        layout's windows together (the selection traces one image, so its
+        call's windows tile one map), else the grid, or the token count
+        on no grid."""
+        if self.grid is None:
+            return self.tokens
+        area = self.out_shape[1] * self.out_shape[2]
+        if self.grid.layout == 'windows':
+            area *= self.instances
+        return area
+
     def describe(self) -> str:
         """``linear 7x7 win``, ``grid 16x16 +1 cls``, ``attn 16x16 kv
         4x4``, ``no grid (N tokens)``: the layer tables' cell."""

@@ -25,7 +25,7 @@ definition. Conventions:
   needed for ``g_W``); the weight itself is a live Parameter and not counted.
 """
 from dataclasses import dataclass
-from math import ceil
+from math import ceil, sqrt
 from typing import Sequence, Tuple
 
 from torch import nn
@@ -33,7 +33,7 @@ from torch import nn
 from .patch_grid import as_pair
 
 __all__ = ['ConvBackwardCost', 'conv_backward_cost', 'ConvGeometry',
-           'output_stride']
+           'output_stride', 'map_output_stride']
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,15 @@ def output_stride(input_h: int, out_h: int) -> int:
     return max(1, round(int(input_h) / max(int(out_h), 1)))
 
 
+def map_output_stride(input_hw: Sequence[int], map_area: int) -> int:
+    """:func:`output_stride` from areas: the input image's against the
+    positions of the map a layer's output covers (a geometry's
+    ``map_area``). A layer on the windows of a map (Swin's) goes by the
+    map, whose area is its windows' together, not by one window's grid."""
+    area = int(input_hw[0]) * int(input_hw[1])
+    return max(1, round(sqrt(area / max(int(map_area), 1))))
+
+
 @dataclass(frozen=True)
 class ConvGeometry:
     """What a conv's backward cost depends on: its hyper-parameters and
@@ -172,6 +181,11 @@ class ConvGeometry:
                    tuple(int(v) for v in out_shape),
                    as_pair(conv.kernel_size), as_pair(conv.stride),
                    as_pair(conv.dilation), int(conv.groups))
+
+    @property
+    def map_area(self) -> int:
+        """Positions of the output map (:func:`map_output_stride`)."""
+        return self.out_shape[1] * self.out_shape[2]
 
     def describe(self) -> str:
         """``k/s/d/g`` (kernel, stride, dilation along H; groups): the

@@ -366,3 +366,20 @@ def test_grids_follow_each_call_non_square_and_resized(name):
         assert sources and all(src.grid is None for src in sources)
     bindings.remove()
     ref_bindings.remove()
+
+
+def test_auto_radius_of_a_swin_window_goes_by_the_stage_map():
+    """``radius='auto'`` by the map a layer's output covers: a Linear on
+    Swin's 7x7 windows of the 16x16 stage-0 map (padded to 21x21, nine
+    windows) takes the stage's radius, as the FFN on the whole map does,
+    not a 7x7 grid's (output stride 64 / 7 = 9, r = 2)."""
+    from mmseg_gf.engine import select_layers
+    choices = select_layers(tiny_model('swin_t'),
+                            layers=['backbone.stages.0.blocks.0'],
+                            radius='auto', input_size=(SIZE, SIZE))
+    by_path = {c.path.rsplit('blocks.0.', 1)[1]: c for c in choices}
+    window, ffn = by_path['attn.w_msa.qkv'], by_path['ffn.layers.0.0']
+    assert window.geometry.grid == TokenGrid.windows(7)
+    assert window.geometry.map_area == 9 * 49
+    assert (window.output_stride, ffn.output_stride) == (3, 4)
+    assert window.radius == ffn.radius == 8
