@@ -232,7 +232,10 @@ def _own_outputs(tensors: Sequence[Tensor],
 def _outputs(ctx, values: Dict[str, Tensor], differentiable,
              inputs: Sequence[Optional[Tensor]] = ()) -> tuple:
     """The forward's outputs in key order (:func:`_own_outputs`), the
-    non-differentiable marked."""
+    non-differentiable marked. An output no gradient reaches (the
+    accuracy) gets None in the backward, not a zero tensor made for it
+    (a fill launch on a GPU): the backwards skip None."""
+    ctx.set_materialize_grads(False)
     outputs = _own_outputs([values[k] for k in ctx.keys], inputs)
     ctx.mark_non_differentiable(
         *[v for k, v in zip(ctx.keys, outputs) if k not in differentiable])
