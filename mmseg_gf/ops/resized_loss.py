@@ -357,12 +357,13 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
     quantity (``triton_loss_kernels``) and autograd's own upsampling
     backward written into the image's slice of the gradient: 3 launches
     per image, one for the batch's totals (:class:`BatchTotals`), where
-    the PyTorch path takes ~20 per image. One image's upsampled logits and their gradient exist at a
-    time, as on the PyTorch path. Labels out of range: on the CPU (the
-    interpreter) :func:`check_labels` raises at once; on a GPU (and under
-    :func:`~.device_path.as_on_cuda`) the kernel
-    counts them and one device-side assertion reads the count (one pass
-    over the labels instead of check_labels' five)."""
+    the PyTorch path takes ~20 per image. One image's upsampled logits
+    and their gradient exist at a time, as on the PyTorch path. Labels
+    out of range: on the CPU (the interpreter) :func:`check_labels`
+    raises at once; on a GPU (and under
+    :func:`~.device_path.as_on_cuda`) the kernels count them and one
+    device-side assertion reads the count (no pass over the labels of
+    its own, where check_labels takes five)."""
     from . import triton_loss_kernels as kernels  # imports triton
     n, classes, h, w = logits.shape
     on_host = host_checks(logits)

@@ -10,11 +10,12 @@ the partial sums of ``w_p * ce_p``, of the top-1 hits, of the labelled
 pixels and of the labels outside ``[0, C)`` that are not ``ignore_index``.
 ``_batch_totals`` then reads every image's partial sums once and writes
 the per-image and batch totals, mmseg's accuracy and the count of bad
-labels the label check asserts on: one launch where PyTorch takes about ten tiny ones (a launch
-each on a GPU, whatever their size). On the PyTorch
-path the same takes a log-softmax, an NLL, a product, a sum, their three
-backward operators, an argmax, a compare, a mask and a count: about 15
-launches and as many full passes over the upsampled logits.
+labels the label check asserts on: one launch where PyTorch takes about
+ten tiny ones (a launch each on a GPU, whatever their size). On the
+PyTorch path the same takes a log-softmax, an NLL, a product, a sum,
+their three backward operators, an argmax, a compare, a mask and a
+count: about 15 launches and as many full passes over the upsampled
+logits.
 
 Each program takes ``BLOCK_P`` pixels and all classes (``BLOCK_C``, the
 class count padded to a power of two, at most :data:`MAX_CLASSES`).
@@ -205,8 +206,8 @@ def batch_totals(loss_part: Tensor, hits_part: Tensor, bad_part: Tensor,
     image; 0-d ``loss_total`` (their sum, in its own dtype),
     ``hits_total`` (float32), ``labelled`` (int64: pixels not
     ``ignore_index``), ``labels_bad`` (int32: the labels out of range
-    that are not ``ignore_index``); ``accuracy`` (1 float32): mmseg's ``100 * hits / labelled``,
-    with its eps and PyTorch's rounding."""
+    that are not ``ignore_index``); ``accuracy`` (1 float32): mmseg's
+    ``100 * hits / labelled``, with its eps and PyTorch's rounding."""
     images, parts = loss_part.shape
     _batch_totals[(1, )](
         loss_part, hits_part, bad_part, valid_part, loss, hits, loss_total,
