@@ -214,12 +214,24 @@ class LaunchCount:
         return out
 
 
+def _distinct_elements(t: Tensor) -> int:
+    """The elements ``t`` covers in memory: a broadcast axis (stride 0,
+    ``expand``) holds one, so an expanded operand is read once, not once
+    per element it stands for."""
+    if t.numel() == 0:
+        return 0
+    count = 1
+    for size, stride in zip(t.shape, t.stride()):
+        count *= size if stride != 0 else 1
+    return count
+
+
 def _bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
         if isinstance(t, Tensor) and id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            total += _distinct_elements(t) * t.element_size()
     return total
 
 

@@ -36,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
-from ..ops.resized_loss import (check_labels, resized_cross_entropy,
+from ..ops.resized_loss import (BatchTotals, accuracy, check_labels,
+                                resized_cross_entropy,
                                 traced_resized_cross_entropy)
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
@@ -160,11 +161,14 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
             ignore_index: int, sigmoid: bool,
             weights: Optional[Tuple[float, ...]],
             sampled: Optional[Tensor], traced: bool = False
-            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]:
+            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor],
+                       Optional[BatchTotals]]:
     """The summed (class-weighted, ``sampled``-weighted) cross-entropy,
-    its gradient, the hits and the labelled pixels' summed class weight
+    its gradient, the hits, the labelled pixels' summed class weight
     (a 0-d tensor on the device; None without class weights: mmseg's
-    normaliser, which the sampler's weights do not change), by
+    normaliser, which the sampler's weights do not change) and the
+    batch's totals where the loss's path computed them (the Triton path,
+    in one launch with the loss), by
     :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`. ``traced``:
     by its operator form instead (the sum differentiable w.r.t.
     ``logits``, no gradient returned)."""
@@ -178,11 +182,14 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
         loss, hits = traced_resized_cross_entropy(
             logits, label, ignore_index=ignore_index,
             align_corners=align_corners, weight=weight, sigmoid=sigmoid)
-        return loss.sum().to(dtype), None, hits.sum().float(), mass
+        return loss.sum().to(dtype), None, hits.sum().float(), mass, None
     out = resized_cross_entropy(logits, label, ignore_index=ignore_index,
                                 align_corners=align_corners, weight=weight,
                                 sigmoid=sigmoid)
-    return out.loss.sum().to(dtype), out.grad, out.hits.sum().float(), mass
+    if out.totals is not None:
+        return out.totals.loss, out.grad, out.totals.hits, mass, out.totals
+    return (out.loss.sum().to(dtype), out.grad, out.hits.sum().float(), mass,
+            None)
 
 
 def _sampled_pixels(logits: Tensor, label: Tensor, align_corners: bool,
@@ -246,23 +253,24 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
     kernel usable, no sampler): the values are differentiable w.r.t.
     ``logits`` through the kernel's operator form, no bases are returned."""
     logits = logits if traced else logits.detach()
-    valid = (label != ignore_index).sum()  # stays on the device: no sync
     sampled = None if sampler is None else _sampled_pixels(
         logits, label, align_corners, ignore_index, sampler)
     groups: Dict[Optional[Tuple[float, ...]], int] = {}
     totals: List[Tuple[Tensor, Optional[float]]] = []
     result = LogitGradients({})
-    correct = None
+    correct = valid = first = None
     for spec in specs:
         name, key = spec[0], spec[5]
         if key not in groups:
-            total, grad, hits, mass = _totals(logits, label, align_corners,
-                                              ignore_index, spec[4], key,
-                                              sampled, traced)
+            total, grad, hits, mass, batch = _totals(
+                logits, label, align_corners, ignore_index, spec[4], key,
+                sampled, traced)
             groups[key] = len(totals)
             totals.append((total, mass))
             result.bases.append(grad)
-            correct = hits if correct is None else correct
+            if correct is None:
+                correct, first = hits, batch
+                valid = _labelled(label, ignore_index, batch)
         total, mass = totals[groups[key]]
         value, factor = _spec_value(
             total, _mean_normaliser(spec, valid, label.numel(), mass), spec,
@@ -270,11 +278,18 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
         result.values[name] = result.values[name] + value \
             if name in result.values else value
         result.mix.setdefault(name, []).append((groups[key], factor))
-    # mmseg's factor 100 / pixels is a Python float (double): divide in
-    # float64 on the device, then scale the float32 hits by it.
-    result.values['acc_seg'] = (correct.reshape(1) + _EPS).mul_(
-        100.0 / (valid.to(torch.float64) + _EPS))
+    result.values['acc_seg'] = accuracy(correct, valid) if first is None \
+        else first.accuracy
     return result
+
+
+def _labelled(label: Tensor, ignore_index: int,
+              totals: Optional[BatchTotals]) -> Tensor:
+    """The pixels not labelled ``ignore_index`` (0-d, on the device: no
+    sync), from the loss's totals where it counted them."""
+    if totals is not None:
+        return totals.labelled
+    return (label != ignore_index).sum()
 
 
 def chunked_cross_entropy_losses(head: nn.Module, seg_logits: Tensor,

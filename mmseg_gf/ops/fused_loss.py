@@ -206,9 +206,37 @@ def _recombine(layout: Sequence[Tuple[int, int]], kept: Sequence[Tensor],
     return tuple(_scaled_sum(t, t[0][1]) if t else None for t in terms)
 
 
-def _outputs(ctx, values: Dict[str, Tensor], differentiable) -> tuple:
-    """The forward's outputs in key order, the non-differentiable marked."""
-    outputs = tuple(values[k].clone() for k in ctx.keys)
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _own_outputs(tensors: Sequence[Tensor],
+                 inputs: Sequence[Optional[Tensor]] = ()) -> tuple:
+    """``tensors`` as a Function's outputs: each one that is a view, or
+    shares its storage with an input or an earlier output, copied (an
+    in-place change of one output must not reach another or an input);
+    the others returned as they are (a loss value computed in the forward:
+    on a GPU a copy is one more launch per output)."""
+    seen = {_storage_key(t) for t in inputs if t is not None}
+    out = []
+    for t in tensors:
+        key = _storage_key(t)
+        if t._is_view() or key in seen:
+            t = t.clone()
+            key = _storage_key(t)
+        seen.add(key)
+        out.append(t)
+    return tuple(out)
+
+
+def _outputs(ctx, values: Dict[str, Tensor], differentiable,
+             inputs: Sequence[Optional[Tensor]] = ()) -> tuple:
+    """The forward's outputs in key order (:func:`_own_outputs`), the
+    non-differentiable marked. An output no gradient reaches (the
+    accuracy) gets None in the backward, not a zero tensor made for it
+    (a fill launch on a GPU): the backwards skip None."""
+    ctx.set_materialize_grads(False)
+    outputs = _own_outputs([values[k] for k in ctx.keys], inputs)
     ctx.mark_non_differentiable(
         *[v for k, v in zip(ctx.keys, outputs) if k not in differentiable])
     return outputs
@@ -236,7 +264,7 @@ class PrecomputedGradientLossFunction(Function):
         note_sources(kept, [logits[j] for _, j in ctx.layout])
         ctx.save_for_backward(*kept)
         ctx.num_logits = len(logits)
-        return _outputs(ctx, values, grads)
+        return _outputs(ctx, values, grads, logits)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -262,7 +290,7 @@ class KeptGradientLossFunction(Function):
         ctx.keys, ctx.mix = list(result.values), result.mix
         note_sources(result.bases, [logits] * len(result.bases))
         ctx.save_for_backward(*result.bases)
-        return _outputs(ctx, result.values, result.mix)
+        return _outputs(ctx, result.values, result.mix, (logits, ))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -478,7 +506,8 @@ class FusedClassifierLossFunction(Function):
         differentiable = set(result.mix) | {
             k for k, gs in result.others.items()
             if any(g is not None for g in gs)}
-        return _outputs(ctx, result.values, differentiable)
+        return _outputs(ctx, result.values, differentiable,
+                        (x, weight, bias, z, channel_scale, *others))
 
     @staticmethod
     def backward(ctx, *grad_outputs):

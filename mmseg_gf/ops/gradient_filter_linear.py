@@ -235,20 +235,24 @@ class TokenLayout:
             rows = view.reshape(-1, *view.shape[-3:])
         return rows
 
-    def pool_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
-        """Sums of ``(l, H, W, C)`` tokens over each ``r x r`` patch,
-        ``(l, Ph, Pw, C)``, contiguous, in ``dtype`` (partial patches: over
-        their tokens).
+    def pool_rows(self, rows: Tensor, dtype: torch.dtype,
+                  mean: bool = False) -> Tensor:
+        """Sums (``mean``: means) of ``(l, H, W, C)`` tokens over each ``r
+        x r`` patch, ``(l, Ph, Pw, C)``, contiguous, in ``dtype`` (partial
+        patches: over their tokens).
 
         One channels-last ``avg_pool2d`` with a divisor of 1: a single
         vectorised pass (a strided ``sum`` over the two in-patch axes was
         3-8x slower on CPU), exact for the clipped border windows as in
-        ``filter_output_grad`` of the conv.
+        ``filter_output_grad`` of the conv. The means divide the same sums
+        by each window's token count in the same pass (the clipped windows
+        of ``ceil_mode`` without padding count their tokens only).
         """
         g, r = self.grid, self.radius
         sums = F.avg_pool2d(rows.permute(0, 3, 1, 2),
                             (min(r, g.height), min(r, g.width)), (r, r),
-                            ceil_mode=True, divisor_override=1)
+                            ceil_mode=True,
+                            divisor_override=None if mean else 1)
         return sums.permute(0, 2, 3, 1).contiguous().to(dtype)
 
     def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:

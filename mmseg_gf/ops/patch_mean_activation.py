@@ -127,6 +127,21 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+_ONES = {}
+
+
+def _one(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-d one, made once per dtype and device: a fresh one would be a
+    fill launch per call on a GPU. Never written (only broadcast); not
+    kept from a traced call (``torch.compile``: its tensors are fake)."""
+    if torch.compiler.is_compiling():
+        return torch.ones((), dtype=dtype, device=device)
+    key = (dtype, device)
+    if key not in _ONES:
+        _ONES[key] = torch.ones((), dtype=dtype, device=device)
+    return _ONES[key]
+
+
 def _slope(x: Tensor, approximate: str) -> Tensor:
     """``f'(x)`` in the accumulation dtype, a temporary: written into
     recycled memory where the compiled kernels keep it (no page faults of
@@ -134,7 +149,7 @@ def _slope(x: Tensor, approximate: str) -> Tensor:
     acc = _acc(x.dtype)
     if x.dtype != acc:
         return gelu_derivative(x.to(acc), approximate)
-    one = torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
+    one = _one(x.dtype, x.device).expand_as(x)
     out = native.empty_for_writing(x.shape, x)
     return torch.ops.aten.gelu_backward.grad_input(
         one, x, approximate=approximate, grad_input=out)
@@ -176,14 +191,10 @@ class PatchMeanGeluFunction(torch.autograd.Function):
         slope = _slope(x, approximate)
         extra = None
         if partition.grid is None:
-            geo_h, geo_w = partition.axes()
-            means = filter_output_grad(slope, geo_h, geo_w, acc)[1]
+            means = _map_means(slope, partition, acc)
         else:
             layout = _token_layout(partition)
-            means = layout.patch_sums(slope, acc)
-            counts = layout.patch_counts(means)
-            means = means.div_(partition.radius ** 2 if counts is None
-                               else counts)
+            means = _token_means(slope, layout, acc)
             extra = layout.extra(slope)
             if extra is not None:  # its own storage, never a view of slope
                 extra = extra.to(x.dtype, copy=True,
@@ -204,6 +215,36 @@ class PatchMeanGeluFunction(torch.autograd.Function):
         else:
             g_x = _token_backward(grad, means, extra, partition)
         return g_x.to(ctx.input_dtype), None, None
+
+
+def _map_means(slope: Tensor, partition: PatchPartition,
+               acc: torch.dtype) -> Tensor:
+    """``mean_P f'(x)`` of an ``(N, C, H, W)`` map, in ``acc``: the
+    compiled CPU kernel's sums times ``1 / |P|``
+    (:func:`filter_output_grad`), else one ``avg_pool2d`` that divides by
+    each patch's pixel count (the clipped windows of ``ceil_mode`` count
+    their pixels only), one launch where the sums and a scaling take two
+    (the same means to rounding, equal where ``|P|`` is a power of 2)."""
+    geo_h, geo_w = partition.axes()
+    if native.usable(slope):
+        return filter_output_grad(slope, geo_h, geo_w, acc)[1]
+    r = partition.radius
+    return F.avg_pool2d(slope, (min(r, partition.height),
+                                min(r, partition.width)), (r, r),
+                        ceil_mode=True).to(acc)
+
+
+def _token_means(slope: Tensor, layout: TokenLayout,
+                 acc: torch.dtype) -> Tensor:
+    """``mean_P f'(x)`` of the grid tokens, ``(L, Ph, Pw, C)`` in ``acc``:
+    the compiled CPU kernel's sums divided by the tokens per patch, else
+    one pooling that divides as it sums (the same quotients)."""
+    rows = layout.rows_to_read(slope)
+    if not (acc == slope.dtype and native.token_rows_usable(rows)):
+        return layout.pool_rows(rows, acc, mean=True)
+    sums = native.token_patch_sums(rows, layout.radius)
+    counts = layout.patch_counts(sums)
+    return sums.div_(layout.radius ** 2 if counts is None else counts)
 
 
 def _map_backward(grad: Tensor, means: Tensor,

@@ -45,12 +45,14 @@ try:
 except ImportError:  # not built: the PyTorch path
     _kernel = None
 
-__all__ = ['ResizedCrossEntropy', 'resized_cross_entropy', 'kernel_usable',
+__all__ = ['ResizedCrossEntropy', 'BatchTotals', 'accuracy',
+           'resized_cross_entropy', 'kernel_usable',
            'triton_usable', 'check_labels', 'LabelRangeError',
            'traced_resized_cross_entropy', 'operator_usable']
 
 #: ``triton_loss_kernels.MAX_CLASSES`` (not imported: it imports triton).
 _MAX_CLASSES = 2048
+_EPS = torch.finfo(torch.float32).eps
 
 
 class LabelRangeError(ValueError):
@@ -72,6 +74,8 @@ class ResizedCrossEntropy:
             ignored; None unless asked for).
         target_prob: ``N x H x W``, the softmax probability of each pixel's
             label (0 where ignored; None unless asked for, or sigmoid).
+        totals: the batch's totals where the path computed them with the
+            per-image ones (the Triton path: one launch), else None.
     """
 
     loss: Tensor
@@ -79,6 +83,35 @@ class ResizedCrossEntropy:
     grad: Optional[Tensor] = None
     pixel_loss: Optional[Tensor] = None
     target_prob: Optional[Tensor] = None
+    totals: Optional['BatchTotals'] = None
+
+
+@dataclass
+class BatchTotals:
+    """A batch's totals of :class:`ResizedCrossEntropy`, on the device.
+
+    Attributes:
+        loss: 0-d, ``loss.sum()`` in the logits' dtype promoted to float32.
+        hits: 0-d float32, ``hits.sum()``.
+        labelled: 0-d int64, the pixels not labelled ``ignore_index``.
+        accuracy: ``(1,)`` float32, mmseg's top-1 accuracy of the batch
+            (``(hits + eps) * (100 / (labelled + eps))``, the factor in
+            float64: :func:`accuracy`).
+    """
+
+    loss: Tensor
+    hits: Tensor
+    labelled: Tensor
+    accuracy: Tensor
+
+
+def accuracy(hits: Tensor, labelled: Tensor) -> Tensor:
+    """mmseg's top-1 accuracy, ``(1,)`` float32, from the hits (0-d
+    float32) and labelled pixels (0-d): its factor ``100 / pixels`` is a
+    Python float (float64), so it is divided in float64 on the device and
+    the float32 hits are scaled by it (what :class:`BatchTotals` holds)."""
+    return (hits.reshape(1) + _EPS).mul_(
+        100.0 / (labelled.to(torch.float64) + _EPS))
 
 
 def kernel_usable(logits: Tensor) -> bool:
@@ -187,6 +220,7 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
     # also ranks NaN first; only ties among equal values may differ).
     if host_checks(logits) and not bool(torch.isfinite(logits.sum())):
         _topk_hits(logits, label, ignore_index, align_corners, out.hits)
+        out.totals = None  # taken from the hits before the recount
     return out
 
 
@@ -321,14 +355,15 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
     """The Triton path: per image, ``F.interpolate``'s upsampled logits
     (the PyTorch path's, bit for bit), one kernel for every per-pixel
     quantity (``triton_loss_kernels``) and autograd's own upsampling
-    backward written into the image's slice of the gradient: 4 launches
-    per image, 2 sums for the batch, where the PyTorch path takes ~20 per
-    image. One image's upsampled logits and their gradient exist at a
-    time, as on the PyTorch path. Labels out of range: on the CPU (the
-    interpreter) :func:`check_labels` raises at once; on a GPU (and under
-    :func:`~.device_path.as_on_cuda`) the kernel
-    counts them and one device-side assertion reads the count (one pass
-    over the labels instead of check_labels' five)."""
+    backward written into the image's slice of the gradient: 3 launches
+    per image, one for the batch's totals (:class:`BatchTotals`), where
+    the PyTorch path takes ~20 per image. One image's upsampled logits
+    and their gradient exist at a time, as on the PyTorch path. Labels
+    out of range: on the CPU (the interpreter) :func:`check_labels`
+    raises at once; on a GPU (and under
+    :func:`~.device_path.as_on_cuda`) the kernels count them and one
+    device-side assertion reads the count (no pass over the labels of
+    its own, where check_labels takes five)."""
     from . import triton_loss_kernels as kernels  # imports triton
     n, classes, h, w = logits.shape
     on_host = host_checks(logits)
@@ -339,6 +374,7 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
     loss_part = logits.new_empty((n, parts), dtype=torch.float32)
     hits_part = logits.new_empty((n, parts), dtype=torch.int32)
     bad_part = torch.empty_like(hits_part)
+    valid_part = torch.empty_like(hits_part)
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format) \
         if want_grad else None
     pixel_loss = target_prob = None
@@ -356,7 +392,7 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
             grad_up = torch.empty_like(up) if want_grad else None
             kernels.pixel_cross_entropy(
                 up, label[i], None if weight is None else weight[i], grad_up,
-                loss_part[i], hits_part[i], bad_part[i],
+                loss_part[i], hits_part[i], bad_part[i], valid_part[i],
                 None if pixel_loss is None else pixel_loss[i],
                 None if target_prob is None else target_prob[i],
                 ignore_index, sigmoid)
@@ -364,13 +400,35 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
                 torch.ops.aten.upsample_bilinear2d_backward.grad_input(
                     grad_up, size, [1, classes, h, w], align_corners, None,
                     None, grad_input=grad[i:i + 1])
+        loss, hits, totals, labels_bad = _triton_totals(
+            kernels, loss_part, hits_part, bad_part, valid_part,
+            torch.promote_types(logits.dtype, torch.float32))
     if not on_host:
-        torch._assert_async((bad_part == 0).all(),
-                            f'labels must lie in [0, {classes}) or be '
+        torch._assert_async(labels_bad == 0, 'labels must lie in '
+                            f'[0, {classes}) or be '
                             f'ignore_index={ignore_index}')
-    return ResizedCrossEntropy(loss_part.sum(1, dtype=torch.float64),
-                               hits_part.sum(1, dtype=torch.int64), grad,
-                               pixel_loss, target_prob)
+    return ResizedCrossEntropy(loss, hits, grad, pixel_loss, target_prob,
+                               totals)
+
+
+def _triton_totals(kernels, loss_part: Tensor, hits_part: Tensor,
+                   bad_part: Tensor, valid_part: Tensor, dtype: torch.dtype
+                   ) -> Tuple[Tensor, Tensor, BatchTotals, Tensor]:
+    """Per-image loss and hits, the :class:`BatchTotals` and the count of
+    labels out of range (int32 0-d) from the partial sums, in one
+    launch (``triton_loss_kernels.batch_totals``)."""
+    n = loss_part.shape[0]
+    loss = loss_part.new_empty(n, dtype=torch.float64)
+    hits = loss_part.new_empty(n, dtype=torch.int64)
+    totals = BatchTotals(loss_part.new_empty((), dtype=dtype),
+                         loss_part.new_empty((), dtype=torch.float32),
+                         loss_part.new_empty((), dtype=torch.int64),
+                         loss_part.new_empty(1, dtype=torch.float32))
+    labels_bad = loss_part.new_empty((), dtype=torch.int32)
+    kernels.batch_totals(loss_part, hits_part, bad_part, valid_part, loss,
+                         hits, totals.loss, totals.hits, totals.labelled,
+                         totals.accuracy, labels_bad)
+    return loss, hits, totals, labels_bad
 
 
 @torch.library.custom_op('mmseg_gf::resized_cross_entropy', mutates_args=())

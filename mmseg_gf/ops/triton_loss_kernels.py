@@ -6,11 +6,16 @@ class and pixel strides) and the label once and writes, per pixel, the
 gradient of ``w_p * ce_p`` w.r.t. the upsampled logits (``w_p *
 (softmax - onehot)``, or ``w_p * (sigmoid - onehot)``), optionally the
 unweighted ``ce_p`` and the label's softmax probability, and per program
-the partial sums of ``w_p * ce_p``, of the top-1 hits and of the labels
-outside ``[0, C)`` that are not ``ignore_index``. On the PyTorch
-path the same takes a log-softmax, an NLL, a product, a sum, their three
-backward operators, an argmax, a compare, a mask and a count: about 15
-launches and as many full passes over the upsampled logits.
+the partial sums of ``w_p * ce_p``, of the top-1 hits, of the labelled
+pixels and of the labels outside ``[0, C)`` that are not ``ignore_index``.
+``_batch_totals`` then reads every image's partial sums once and writes
+the per-image and batch totals, mmseg's accuracy and the count of bad
+labels the label check asserts on: one launch where PyTorch takes about
+ten tiny ones (a launch each on a GPU, whatever their size). On the
+PyTorch path the same takes a log-softmax, an NLL, a product, a sum,
+their three backward operators, an argmax, a compare, a mask and a
+count: about 15 launches and as many full passes over the upsampled
+logits.
 
 Each program takes ``BLOCK_P`` pixels and all classes (``BLOCK_C``, the
 class count padded to a power of two, at most :data:`MAX_CLASSES`).
@@ -39,13 +44,20 @@ _TILE = 4096
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
 KERNEL_OUTPUTS = {'_pixel_cross_entropy': ('grad', 'loss_part', 'hits_part',
-                                           'bad_part', 'pixel_loss',
-                                           'target_prob')}
+                                           'bad_part', 'valid_part',
+                                           'pixel_loss', 'target_prob'),
+                  '_batch_totals': ('loss', 'hits', 'loss_total',
+                                    'hits_total', 'labelled', 'accuracy',
+                                    'labels_bad')}
+
+#: ``torch.finfo(torch.float32).eps``: mmseg's accuracy adds it.
+_EPS = 2.0 ** -23
 
 
 @triton.jit
 def _pixel_cross_entropy(up, label, weight, grad, loss_part, hits_part,
-                         bad_part, pixel_loss, target_prob, classes, pixels,
+                         bad_part, valid_part, pixel_loss, target_prob,
+                         classes, pixels,
                          s_c, s_p, ignore_index, SIGMOID: tl.constexpr,
                          HAS_WEIGHT: tl.constexpr, WANT_GRAD: tl.constexpr,
                          WANT_PIXELS: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -92,6 +104,7 @@ def _pixel_cross_entropy(up, label, weight, grad, loss_part, hits_part,
     tl.store(hits_part + pid, tl.sum(hit.to(tl.int32), axis=0))
     bad = valid & ((t < 0) | (t >= classes))  # never read by index
     tl.store(bad_part + pid, tl.sum(bad.to(tl.int32), axis=0))
+    tl.store(valid_part + pid, tl.sum(valid.to(tl.int32), axis=0))
     if WANT_GRAD:
         tl.store(grad + offs, (g * w[None, :]).to(grad.dtype.element_ty),
                  mask=ok)
@@ -118,24 +131,85 @@ def programs(classes: int, pixels: int) -> int:
 
 
 def pixel_cross_entropy(up: Tensor, label: Tensor, weight, grad, loss_part,
-                        hits_part, bad_part, pixel_loss, target_prob,
-                        ignore_index: int, sigmoid: bool) -> None:
+                        hits_part, bad_part, valid_part, pixel_loss,
+                        target_prob, ignore_index: int,
+                        sigmoid: bool) -> None:
     """One image: ``up`` is ``1 x C x H x W`` (each pixel's classes at one
     stride, pixels at another: NCHW or channels-last), ``label`` (and
     ``weight``, ``pixel_loss``, ``target_prob`` where given) contiguous ``H
     x W``, ``grad`` ``up``'s shape and strides (or None), ``loss_part`` /
-    ``hits_part`` / ``bad_part`` :func:`programs` float32 / int32 / int32
-    partial sums."""
+    ``hits_part`` / ``bad_part`` / ``valid_part`` :func:`programs` float32
+    / int32 / int32 / int32 partial sums."""
     classes = up.shape[1]
     pixels = up.shape[2] * up.shape[3]
     meta = block_sizes(classes, pixels)
     _pixel_cross_entropy[(triton.cdiv(pixels, meta['BLOCK_P']), )](
         up, label, label if weight is None else weight,
         up if grad is None else grad, loss_part, hits_part, bad_part,
-        loss_part if pixel_loss is None else pixel_loss,
+        valid_part, loss_part if pixel_loss is None else pixel_loss,
         loss_part if target_prob is None else target_prob, classes, pixels,
         up.stride(1), up.stride(3), int(ignore_index),
         SIGMOID=bool(sigmoid), HAS_WEIGHT=weight is not None,
         WANT_GRAD=grad is not None, WANT_PIXELS=pixel_loss is not None,
         num_warps=8 if meta['BLOCK_C'] * meta['BLOCK_P'] >= _TILE else 4,
         **meta, **LAUNCH_OPTIONS)
+
+
+@triton.jit
+def _batch_totals(loss_part, hits_part, bad_part, valid_part, loss, hits,
+                  loss_total, hits_total, labelled, accuracy, labels_bad,
+                  images, parts, BLOCK: tl.constexpr):
+    all_loss = tl.zeros((), tl.float64)
+    all_hits = tl.zeros((), tl.int64)
+    count = tl.zeros((), tl.int64)
+    bad = tl.zeros((), tl.int32)
+    for n in range(images):
+        row_loss = tl.zeros((BLOCK, ), tl.float64)
+        row_hits = tl.zeros((BLOCK, ), tl.int64)
+        for start in range(0, parts, BLOCK):
+            p = start + tl.arange(0, BLOCK)
+            ok = p < parts
+            offs = n * parts + p  # (N x programs < 2^31)
+            row_loss += tl.load(loss_part + offs, mask=ok,
+                                other=0.).to(tl.float64)
+            row_hits += tl.load(hits_part + offs, mask=ok,
+                                other=0).to(tl.int64)
+            count += tl.sum(tl.load(valid_part + offs, mask=ok,
+                                    other=0).to(tl.int64), axis=0)
+            bad += tl.sum(tl.load(bad_part + offs, mask=ok, other=0),
+                          axis=0)
+        image_loss = tl.sum(row_loss, axis=0)
+        image_hits = tl.sum(row_hits, axis=0)
+        tl.store(loss + n, image_loss)
+        tl.store(hits + n, image_hits)
+        all_loss += image_loss
+        all_hits += image_hits
+    total_hits = all_hits.to(tl.float32)
+    tl.store(loss_total, all_loss.to(loss_total.dtype.element_ty))
+    tl.store(hits_total, total_hits)
+    tl.store(labelled, count)
+    # mmseg's accuracy as PyTorch rounds it: (hits + eps) in float32 times
+    # float32(100 * (1 / (labelled + eps))), the factor in float64
+    eps = tl.full((), _EPS, tl.float64)
+    factor = (1.0 / (count.to(tl.float64) + eps)) * 100.0
+    tl.store(accuracy, (total_hits + _EPS) * factor.to(tl.float32))
+    tl.store(labels_bad, bad)
+
+
+def batch_totals(loss_part: Tensor, hits_part: Tensor, bad_part: Tensor,
+                 valid_part: Tensor, loss: Tensor, hits: Tensor,
+                 loss_total: Tensor, hits_total: Tensor, labelled: Tensor,
+                 accuracy: Tensor, labels_bad: Tensor) -> None:
+    """The batch's totals from :func:`pixel_cross_entropy`'s partial sums
+    (``N x programs``, contiguous), in one program (a few thousand partial
+    sums per image): ``loss`` / ``hits`` (``N`` float64 / int64) per
+    image; 0-d ``loss_total`` (their sum, in its own dtype),
+    ``hits_total`` (float32), ``labelled`` (int64: pixels not
+    ``ignore_index``), ``labels_bad`` (int32: the labels out of range
+    that are not ``ignore_index``); ``accuracy`` (1 float32): mmseg's
+    ``100 * hits / labelled``, with its eps and PyTorch's rounding."""
+    images, parts = loss_part.shape
+    _batch_totals[(1, )](
+        loss_part, hits_part, bad_part, valid_part, loss, hits, loss_total,
+        hits_total, labelled, accuracy, labels_bad, images, parts,
+        BLOCK=min(1024, triton.next_power_of_2(parts)), **LAUNCH_OPTIONS)

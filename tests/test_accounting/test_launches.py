@@ -49,6 +49,18 @@ def test_inputs_read_once_outputs_written_once():
     assert result.bytes_moved() == 9 * size + F32
 
 
+def test_broadcast_inputs_read_once():
+    """An expanded operand (stride 0) is read once: its distinct
+    elements, not the elements it stands for."""
+    one = torch.ones(())
+    a = torch.randn(4, 8)
+    row = torch.randn(8)
+    result = _count(lambda: (a * one.expand(4, 8), a + row.expand(4, 8)))
+    size = 32 * F32
+    assert [(x.read, x.written) for x in result.launches] == [
+        (size + F32, size), (size + 8 * F32, size)]
+
+
 def test_host_reads_are_counted_apart():
     a = torch.randn(5)
     result = _count(lambda: float(a.sum()))

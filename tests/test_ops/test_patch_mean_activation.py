@@ -275,3 +275,29 @@ def test_tags_and_shape_checks():
     grid_part = PatchPartition.tokens(TokenGrid(2, 2, extra_tokens=1), 2, 1)
     assert grid_part.fits(torch.randn(1, 5, 3))
     assert not grid_part.fits(torch.randn(1, 4, 3))
+
+
+@pytest.mark.parametrize('size', [(16, 16), (6, 5)])
+@pytest.mark.parametrize('tokens', [False, True])
+def test_forward_launches_on_the_cuda_path(size, tokens):
+    """On the path CUDA tensors take, the forward launches ``F.gelu``,
+    ``f'`` and one pooling that divides as it sums (partial border
+    patches included): no fill of a one, no separate scaling or counts
+    (after a first call, which makes the broadcast one)."""
+    from mmseg_gf.accounting.launches import LaunchCounter, cuda_path
+    h, w = size
+    if tokens:
+        x = torch.randn(2, h * w, 8)
+        part = PatchPartition.tokens(TokenGrid(h, w), 4, 1)
+    else:
+        x = torch.randn(2, 8, h, w)
+        part = PatchPartition.conv_map(4, h, w)
+    x.requires_grad_(True)
+    with cuda_path(triton=False):
+        patch_mean_gelu(x * 1, 'none', part)
+        inner = x * 1  # a non-leaf input, as between two layers
+        counter = LaunchCounter()
+        with counter:
+            patch_mean_gelu(inner, 'none', part)
+    ops = [launch.op.split('.')[1] for launch in counter.result.launches]
+    assert ops == ['gelu', 'gelu_backward', 'avg_pool2d'], ops
