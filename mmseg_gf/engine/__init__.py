@@ -14,7 +14,7 @@ from .config import build_grad_filter_model, check_settings, rewrite_config
 from .cpu_distributed import CPUDistributedDataParallel  # noqa: F401
 from .hooks import (CalibrationHook, GradFilterHook, GradientQualityHook,
                     ValMetricsRecorderHook)
-from .layer_trace import LayerRecord, trace_convs, trace_layers
+from .layer_trace import LayerRecord, trace_layers
 from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers)
 from ..models.segmentor import set_frozen_norms_eval
@@ -24,7 +24,7 @@ from .state import GradientFilterState, get_state
 from .surgery import apply_gradient_filter, get_gradient_filter_layers
 
 __all__ = [
-    'LayerChoice', 'LayerRecord', 'trace_layers', 'trace_convs',
+    'LayerChoice', 'LayerRecord', 'trace_layers',
     'select_layers', 'auto_radius',
     'resolve_radius', 'apply_gradient_filter', 'set_frozen_norms_eval',
     'get_gradient_filter_layers', 'build_grad_filter_model',

@@ -41,8 +41,7 @@ from ..models.layer_kinds import CONV2D, layer_kinds, traced_kind_of
 from ..models.segmentor import NORM_TYPES, unwrap_model
 from ..ops.patching import Hooks, override
 
-__all__ = ['LayerRecord', 'ConvRecord', 'trace_layers', 'trace_convs',
-           'nested_tensors', 'head_list']
+__all__ = ['LayerRecord', 'trace_layers', 'nested_tensors', 'head_list']
 
 
 @dataclass
@@ -86,10 +85,6 @@ class LayerRecord:
     feeds_heads: Optional[bool] = None
     kind: str = CONV2D.name
     geometry: Any = None
-
-
-#: :class:`LayerRecord` under its conv-only name, for callers using it.
-ConvRecord = LayerRecord
 
 
 def nested_tensors(obj) -> List[torch.Tensor]:
@@ -353,9 +348,3 @@ def _trace_state(model: nn.Module, grad: bool):
             m.with_cp = True
         for p, flag in flags.items():
             p.requires_grad_(flag)
-
-
-
-
-#: :func:`trace_layers` under its conv-only name, for callers using it.
-trace_convs = trace_layers

@@ -42,16 +42,15 @@ from ..models.segmentor import (CLASSIFIER_NAMES, is_class_score_layer,
                                 unwrap_model)
 from ..ops import MAX_RADIUS, check_radius
 # The tracer's names, importable from here too.
-from .layer_trace import (ConvRecord, LayerRecord, head_list,  # noqa: F401
-                          nested_tensors, trace_convs, trace_layers)
+from .layer_trace import (LayerRecord, head_list,  # noqa: F401
+                          nested_tensors, trace_layers)
 
 RadiusSetting = Union[int, str, Dict[str, Union[int, str]]]
 
 __all__ = [
-    'ConvRecord', 'LayerRecord', 'LayerChoice', 'trace_convs',
-    'trace_layers', 'select_layers', 'auto_radius', 'resolve_radius',
-    'check_radius_paths', 'check_layer_kinds', 'has_grid',
-    'check_input_size', 'MAX_INPUT_SIDE'
+    'LayerRecord', 'LayerChoice', 'trace_layers', 'select_layers',
+    'auto_radius', 'resolve_radius', 'check_radius_paths',
+    'check_layer_kinds', 'has_grid', 'check_input_size', 'MAX_INPUT_SIDE'
 ]
 
 

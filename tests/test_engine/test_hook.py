@@ -15,7 +15,7 @@ from mmengine.logging import MMLogger
 
 from mmseg_gf.accounting.report import chosen_layers_table
 from mmseg_gf.engine import (GradFilterHook, apply_gradient_filter,
-                             select_layers, trace_convs)
+                             select_layers, trace_layers)
 from mmseg_gf.models import GFConv2d
 from tests.helpers.engine_fixtures import (
     EXPECTED, build_model, changed_modules, gf_paths, prepare_workspace,
@@ -83,7 +83,7 @@ def test_cost_table_input_grads():
     choices = apply_gradient_filter(
         model, select_layers(model, num_layers=5, radius=2, input_size=INPUT))
     needs = {r.path: r.input_requires_grad
-             for r in trace_convs(model, INPUT, grad=True)}
+             for r in trace_layers(model, INPUT, grad=True)}
     assert [needs[c.path] for c in choices] == [False] * 4 + [True]
     assert not any(p.grad is not None for p in model.parameters())
     table = chosen_layers_table(model, choices, batch=2, needs_input_grad=needs)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mmseg_gf.engine import (auto_radius, resolve_radius, select_layers,
-                             trace_convs)
+                             trace_layers)
 from tests.helpers.engine_fixtures import EXPECTED, PSP, build_model
 
 _MODELS = {}
@@ -31,7 +31,7 @@ def get_model(name):
 @pytest.mark.parametrize('name', sorted(EXPECTED))
 def test_last_n_paths(name):
     model = get_model(name)
-    records = trace_convs(model, (64, 64))
+    records = trace_layers(model, (64, 64))
     for n, expected in EXPECTED[name].items():
         choices = select_layers(model, num_layers=n, radius=2,
                                 input_size=(64, 64), records=records)
@@ -46,7 +46,7 @@ def test_trace_restores_modes_and_has_shapes():
     model.decode_head.eval()
     bn = model.backbone.stem[1]
     stats = bn.running_mean.clone()
-    records = trace_convs(model, (64, 64))
+    records = trace_layers(model, (64, 64))
     assert model.training and not model.decode_head.training
     assert model.backbone.training
     assert torch.equal(bn.running_mean, stats)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmseg_gf.engine import select_layers, trace_convs
+from mmseg_gf.engine import select_layers, trace_layers
 from tests.helpers.engine_fixtures import EXPECTED, model_cfg
 
 
@@ -82,7 +82,7 @@ def toy():
 
 
 def test_trace_marks_what_the_output_depends_on(toy):
-    records = {r.path: r for r in trace_convs(toy, (64, 64))}
+    records = {r.path: r for r in trace_layers(toy, (64, 64))}
     feeds = {p[len('decode_head.'):]: (r.feeds_output, r.feeds_heads)
              for p, r in records.items() if p.startswith('decode_head.')}
     assert feeds == {
@@ -109,7 +109,7 @@ def test_last_n_skips_unreached_convs(toy):
         'decode_head.post'
     ]
     # every conv that runs, minus 4 unreached, minus the classifier
-    runs = len(trace_convs(toy, (64, 64)))
+    runs = len(trace_layers(toy, (64, 64)))
     with pytest.raises(ValueError) as err:
         select_layers(toy, num_layers=runs, input_size=(64, 64))
     msg = str(err.value)
@@ -165,7 +165,7 @@ def test_with_cp_does_not_hide_convs():
 
 
 def test_grad_trace_records_are_retraced(toy):
-    records = trace_convs(toy, (64, 64), grad=True)
+    records = trace_layers(toy, (64, 64), grad=True)
     assert all(r.feeds_output is None for r in records)
     by_path = {r.path: r for r in records}
     assert by_path['decode_head.pre'].input_requires_grad

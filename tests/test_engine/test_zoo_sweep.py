@@ -427,7 +427,7 @@ def test_zoo_config(case):
     from mmengine.optim import OptimWrapper
 
     from mmseg_gf.engine import (get_gradient_filter_layers, rewrite_config,
-                                 set_frozen_norms_eval, trace_convs)
+                                 set_frozen_norms_eval, trace_layers)
     from mmseg_gf.models.segmentor import is_classifier
 
     size = case.size
@@ -447,7 +447,7 @@ def test_zoo_config(case):
     plain = build(model_cfg)
     perturb(plain)
     plain.eval()
-    records = [r for r in trace_convs(plain, (size, size))
+    records = [r for r in trace_layers(plain, (size, size))
                if r.kind == 'conv2d' or is_classifier(r.path)]
     check_reachability_against_backward(plain, records, size)
 

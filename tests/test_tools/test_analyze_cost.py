@@ -15,7 +15,7 @@ from mmengine.config import Config  # noqa: E402
 
 from mmseg_gf.accounting import conv_backward_cost  # noqa: E402
 from mmseg_gf.engine.config import rewrite_config  # noqa: E402
-from mmseg_gf.engine.selection import trace_convs  # noqa: E402
+from mmseg_gf.engine.selection import trace_layers  # noqa: E402
 from mmseg_gf.engine.surgery import get_gradient_filter_layers  # noqa: E402
 
 from mmseg_gf.analysis.model_cost import config_backward_cost  # noqa: E402
@@ -45,7 +45,7 @@ def independent_costs(config, shape, collapse=False):
     cfg.gradient_filter = dict(cfg.gradient_filter, input_size=shape)
     rewrite_config(cfg)
     model = MODELS.build(cfg.model)
-    records = {r.path: r for r in trace_convs(model, shape, grad=True)}
+    records = {r.path: r for r in trace_layers(model, shape, grad=True)}
     out = {}
     for c in get_gradient_filter_layers(model):
         rec = records[c.path]
