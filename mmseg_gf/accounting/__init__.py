@@ -1,10 +1,10 @@
 """The accounting: what a training step costs, counted once.
 
 Below the engine (which imports it) and above the models (whose lean
-modules it knows): the cost formula of a conv's backward
-(:mod:`.conv_cost`), the rules of what each kind of module keeps for
-backward (:mod:`.kept`; transformer kinds: :mod:`.kept_transformer`; trained
-Linears and attentions on tokens: :mod:`.kept_tokens`; Segmenter's mask
+modules it knows; the cost formula of a conv's backward is the conv kind's,
+:mod:`mmseg_gf.ops.conv_cost`): the rules of what each kind of module keeps
+for backward (:mod:`.kept`; transformer kinds: :mod:`.kept_transformer`;
+trained Linears and attentions on tokens: :mod:`.kept_tokens`; Segmenter's mask
 head's own code and loss: :mod:`.kept_mask_head`), the one step tracer
 (:mod:`.trace`), the profile of
 every "last N, radii" setting (:mod:`.profile`), the peak model
@@ -17,10 +17,9 @@ launches and bytes of a step on the CUDA path, counted on a CPU
 from importlib.util import find_spec
 
 from . import kept_transformer  # noqa: F401  (registers its rules)
-from .conv_cost import ConvBackwardCost, ConvGeometry, conv_backward_cost
 
 if find_spec('mmseg') is not None:  # the head is mmseg's (without it, the
     # modules below mmseg, e.g. .measured, still import)
     from . import kept_mask_head  # noqa: F401  (registers its rules)
 
-__all__ = ['ConvBackwardCost', 'ConvGeometry', 'conv_backward_cost']
+__all__ = []

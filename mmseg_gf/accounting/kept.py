@@ -10,7 +10,8 @@ keeps, per image, so any batch size follows:
 module                      kept for backward
 ==========================  ===============================================
 trained conv, ``gf``        patch sums of its input, ``N*Ci*cells``
-                            elements (:func:`~.conv_cost.conv_backward_cost`)
+                            elements (the conv kind's cost model,
+                            :func:`~mmseg_gf.ops.conv_cost.conv_backward_cost`)
 trained conv, exact         its input ``N*Ci*H*W`` (once per input tensor:
 (``vanilla``, classifier)   convs sharing an input share what they keep)
 lean frozen conv            nothing: ``g_x`` needs its weight only, a live

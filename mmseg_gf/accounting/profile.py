@@ -11,8 +11,8 @@ modules record depends only on the first trained conv, so the bytes kept by
 a step that trains the last ``N`` convs are a sum over the profile for every
 ``N`` and radius assignment, equal to the count of the model actually built
 that way (tested), which itself equals autograd's saved bytes. Backward
-FLOPs are the single cost model's (:mod:`.conv_cost`); the step's peak is
-the peak model's (:mod:`.peak`).
+FLOPs are the single cost model's (:mod:`mmseg_gf.ops.conv_cost`); the
+step's peak is the peak model's (:mod:`.peak`).
 
 With ``patch_mean_activations`` the profile also models the patch-mean
 GELU rule (:mod:`mmseg_gf.engine.patch_mean_activations`): the trace
@@ -37,10 +37,10 @@ from ..models.layer_kinds import (CONV2D, LayerGeometry, layers_noun,
 from ..models.patch_mean_graph import (LayerCall, filtered_users,
                                        graph_consumers, is_counted_partition,
                                        is_filtered_layer, is_plain_gelu)
+from ..ops.conv_cost import ConvBackwardCost, ConvGeometry, map_output_stride
 from ..ops.patch_mean_activation import (PatchPartition,
                                          patch_mean_kept_elements)
 from .batch import random_batch
-from .conv_cost import ConvBackwardCost, ConvGeometry, map_output_stride
 from .format import MIB
 from .kept import SavedItem, kept_by_call, measured_item
 from .kept_tokens import candidate_extra_items
