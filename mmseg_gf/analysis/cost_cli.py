@@ -1,7 +1,8 @@
 """What ``tools/analyze_cost.py`` does with a config: the setting it
 analyses, the per-layer cost report, the measured memory and the budget
-sweep, printed and returned as the tool's json. The tool itself parses the
-arguments and adds the paper's Table 3 comparison (:mod:`mmseg_gf.protocol`).
+sweep, printed and returned as the tool's json. Its flags and their checks
+are :mod:`.cost_args`; the tool adds the paper's Table 3 comparison
+(:mod:`mmseg_gf.protocol`).
 
 The setting analysed is the one that trains: ``--setting`` if given, else
 the config's ``gradient_filter``, else the settings of a ``GradFilterHook``
