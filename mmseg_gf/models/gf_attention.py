@@ -290,19 +290,8 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
         (:class:`~.lean_transformer.AttentionCall`) after SDPA,
         ``_gf_probabilities_call`` after the ``bmm`` path."""
         is_batched = query.dim() == 3
-        if self.batch_first and is_batched:
-            if key is value:
-                if query is key:
-                    query = key = value = query.transpose(1, 0)
-                else:
-                    query, key = (x.transpose(1, 0) for x in (query, key))
-                    value = key
-            else:
-                query, key, value = (x.transpose(1, 0)
-                                     for x in (query, key, value))
-        if not is_batched:
-            query, key, value = (query.unsqueeze(1), key.unsqueeze(1),
-                                 value.unsqueeze(1))
+        query, key, value = self._sequence_first(query, key, value,
+                                                 is_batched)
         tgt_len, bsz, embed_dim = query.shape
         self._packing = ('qkv' if query is key and key is value else
                          'kv' if key is value else 'separate')
@@ -316,46 +305,16 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
         q = q.reshape(tgt_len, bsz * heads, head_dim).transpose(0, 1)
         k = k.reshape(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
         v = v.reshape(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
-        src_len = k.size(1)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if not sdpa:
-            q_scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
-            weights = torch.bmm(q_scaled, k.transpose(-2, -1))
-            weights = F.softmax(weights, dim=-1)
-            if dropout_p > 0.0:
-                weights = F.dropout(weights, p=dropout_p)
-            out = torch.bmm(weights, v)
-            out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
-            self._gf_probabilities_call = ProbabilitiesCall(
-                bsz, heads, tgt_len, src_len, embed_dim,
-                q.element_size(), dropout_p > 0.0)
-            weights = weights.view(bsz, heads, tgt_len, src_len)
+            out, weights = self._bmm_attention(q, k, v, bsz, dropout_p)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
             if not is_batched:
                 weights = weights.squeeze(0)
         else:
-            q = q.view(bsz, heads, tgt_len, head_dim)
-            k = k.view(bsz, heads, src_len, head_dim)
-            v = v.view(bsz, heads, src_len, head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, None, dropout_p,
-                                                 False)
-            self._gf_lean_call = AttentionCall(
-                bsz, bsz, tgt_len, src_len, embed_dim, heads,
-                out.element_size(), 8 if out.dtype == torch.float64 else 4)
-            if self.enabled:  # torch's order of rows (op for op)
-                out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len,
-                                                      embed_dim)
-            else:
-                # batch-first rows, a view of SDPA's output where it holds
-                # them in that order (the exact out-projection then keeps
-                # the storage SDPA keeps), whatever the batch
-                rows = out.transpose(1, 2).reshape(bsz, tgt_len, embed_dim)
-                self._out_rows_copied = (
-                    rows.untyped_storage().data_ptr() !=
-                    out.untyped_storage().data_ptr())
-                out = rows.transpose(0, 1)
+            out = self._sdpa_attention(q, k, v, bsz, dropout_p)
         out = self._project(
             out.view(tgt_len, bsz, embed_dim), self.out_proj.weight,
             self.out_proj.bias, self.query_source)
@@ -364,6 +323,76 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
         elif self.batch_first:
             out = out.transpose(1, 0)
         return out, weights
+
+    def _sequence_first(self, query: Tensor, key: Tensor, value: Tensor,
+                        is_batched: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        """The inputs as torch's slow path reads them, ``(L, N, E)``: a
+        batch-first input transposed, an unbatched one given a batch of
+        one. Tensors that were one object stay one object (as torch's own
+        transposes keep them), since the packing of the in-projection is
+        read from their identity."""
+        if self.batch_first and is_batched:
+            if key is value:
+                if query is key:
+                    query = key = value = query.transpose(1, 0)
+                else:
+                    query, key = (x.transpose(1, 0) for x in (query, key))
+                    value = key
+            else:
+                query, key, value = (x.transpose(1, 0)
+                                     for x in (query, key, value))
+        if not is_batched:
+            query, key, value = (query.unsqueeze(1), key.unsqueeze(1),
+                                 value.unsqueeze(1))
+        return query, key, value
+
+    def _bmm_attention(self, q: Tensor, k: Tensor, v: Tensor, bsz: int,
+                       dropout_p: float) -> Tuple[Tensor, Tensor]:
+        """torch's ``bmm`` path, op for op: the attention output as rows
+        ``(L * N, E)`` in torch's order and the weights per head
+        ``(N, heads, L, S)``. What the call kept (the probabilities) is
+        noted as ``_gf_probabilities_call`` for the accounting."""
+        heads = self.num_heads
+        tgt_len, src_len = q.size(1), k.size(1)
+        embed_dim = heads * q.shape[-1]
+        q_scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
+        weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+        weights = F.softmax(weights, dim=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p)
+        out = torch.bmm(weights, v)
+        out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+        self._gf_probabilities_call = ProbabilitiesCall(
+            bsz, heads, tgt_len, src_len, embed_dim,
+            q.element_size(), dropout_p > 0.0)
+        return out, weights.view(bsz, heads, tgt_len, src_len)
+
+    def _sdpa_attention(self, q: Tensor, k: Tensor, v: Tensor, bsz: int,
+                        dropout_p: float) -> Tensor:
+        """The attention through ``scaled_dot_product_attention``, its
+        output as rows ready for the out-projection: torch's order when
+        filtered (op for op), else batch-first rows viewing SDPA's output
+        where it can, so that the exact out-projection keeps the storage
+        SDPA keeps. What the call kept is noted as ``_gf_lean_call``."""
+        heads = self.num_heads
+        tgt_len, src_len, head_dim = q.size(1), k.size(1), q.shape[-1]
+        embed_dim = heads * head_dim
+        q = q.view(bsz, heads, tgt_len, head_dim)
+        k = k.view(bsz, heads, src_len, head_dim)
+        v = v.view(bsz, heads, src_len, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, None, dropout_p,
+                                             False)
+        self._gf_lean_call = AttentionCall(
+            bsz, bsz, tgt_len, src_len, embed_dim, heads,
+            out.element_size(), 8 if out.dtype == torch.float64 else 4)
+        if self.enabled:  # torch's order of rows (op for op)
+            return out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+        # batch-first rows, a view of SDPA's output where it holds them in
+        # that order, whatever the batch
+        rows = out.transpose(1, 2).reshape(bsz, tgt_len, embed_dim)
+        self._out_rows_copied = (rows.untyped_storage().data_ptr() !=
+                                 out.untyped_storage().data_ptr())
+        return rows.transpose(0, 1)
 
     def extra_repr(self) -> str:
         return (f'embed_dim={self.embed_dim}, num_heads={self.num_heads}, '
