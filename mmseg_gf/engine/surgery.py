@@ -92,7 +92,26 @@ def apply_gradient_filter(model: nn.Module,
         return get_state(model).layers
     if not choices:
         raise ValueError('gradient_filter: no layer selected')
-    enabled = mode == 'gf'
+    _swap_chosen_layers(model, choices, enabled=mode == 'gf')
+    _freeze_all_but(model, choices, train_norm)
+    set_state(model, GradientFilterState(
+        list(choices), mode, bool(lean),
+        keep_frozen_aux_heads=bool(keep_frozen_aux_heads),
+        log_frozen_aux_losses=bool(log_frozen_aux_losses)))
+    if not keep_frozen_aux_heads:
+        skip_frozen_aux_heads(model)
+    if lean:
+        apply_lean_region(model)
+    set_frozen_norms_eval(model)
+    return list(choices)
+
+
+def _swap_chosen_layers(model: nn.Module, choices: Sequence[LayerChoice],
+                        enabled: bool) -> None:
+    """Install what the chosen kinds read in every step, then put each
+    chosen layer's filtered module in its place (``choice.module`` becomes
+    it). Installing first, once per kind, so that a Linear kind's token
+    grids are current from the first step on."""
     chosen_kinds = {c.kind for c in choices}
     for kind in layer_kinds():
         # what the kinds' filtered modules read in every step (the Linear
@@ -111,6 +130,13 @@ def apply_gradient_filter(model: nn.Module,
         if filtered is not layer:
             _set_submodule(model, choice.path, filtered)
         choice.module = filtered
+
+
+def _freeze_all_but(model: nn.Module, choices: Sequence[LayerChoice],
+                    train_norm: bool) -> None:
+    """Freeze every parameter, then unfreeze the chosen layers, the
+    classifiers and (``train_norm``) the norms after the chosen layers:
+    freezing is what lets autograd stop at the first chosen layer."""
     for p in model.parameters():
         p.requires_grad_(False)
     trained = [c.path for c in choices] + classifier_paths(model)
@@ -119,13 +145,3 @@ def apply_gradient_filter(model: nn.Module,
     for path in trained:
         for p in model.get_submodule(path).parameters():
             p.requires_grad_(True)
-    set_state(model, GradientFilterState(
-        list(choices), mode, bool(lean),
-        keep_frozen_aux_heads=bool(keep_frozen_aux_heads),
-        log_frozen_aux_losses=bool(log_frozen_aux_losses)))
-    if not keep_frozen_aux_heads:
-        skip_frozen_aux_heads(model)
-    if lean:
-        apply_lean_region(model)
-    set_frozen_norms_eval(model)
-    return list(choices)
