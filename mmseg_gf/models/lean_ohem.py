@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from ..ops.fused_loss import (LogitGradients, _flatten, _outputs, _recombine,
-                              forward_graph)
+from ..ops.loss_gradients import (LogitGradients, _flatten, _outputs,
+                                  _recombine, forward_graph)
 from ..ops.kept_sources import note_sources
 from ..ops.resized_loss import check_labels, resized_cross_entropy
 from .lean_loss import probability_selection, selection_weights

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import switches, triton_path
 from .device_path import host_checks
-from .fused_loss import forward_graph
+from .loss_gradients import forward_graph
 from .triton_path import _is_fake
 
 try:
