@@ -10,7 +10,7 @@ from torch import nn
 
 from ..models.segmentor import set_frozen_norms_eval
 
-__all__ = ['random_batch', 'training_loss', 'model_device']
+__all__ = ['random_batch', 'training_loss', 'summed_losses', 'model_device']
 
 
 def random_batch(model: nn.Module,
@@ -80,5 +80,10 @@ def training_loss(model: nn.Module, inputs, data_samples):
     with frozen norms in eval mode (as GradFilterHook keeps them)."""
     model.train()
     set_frozen_norms_eval(model)
-    losses = model.loss(inputs, data_samples)
+    return summed_losses(model.loss(inputs, data_samples))
+
+
+def summed_losses(losses):
+    """The ``loss*`` terms of ``model.loss``'s dict, summed (as
+    mmengine's ``parse_losses`` sums them)."""
     return sum(v.sum() for k, v in losses.items() if 'loss' in k)

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..accounting.batch import random_batch, training_loss
+from ..accounting.batch import random_batch, summed_losses, training_loss
 from ..accounting.format import fmt_mib, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.trace import trace_step_saved_bytes
@@ -176,11 +176,7 @@ def compiled_loss(model, mode: str) -> Callable:
     loss = torch.compile(model.loss,
                          mode=None if mode == 'default' else mode)
 
-    def total(inputs, samples):
-        terms = loss(inputs, samples)
-        return sum(v.sum() for k, v in terms.items() if 'loss' in k)
-
-    return total
+    return lambda inputs, samples: summed_losses(loss(inputs, samples))
 
 
 def _step_fn(model, inputs, samples, clock, compile_mode=None):
