@@ -62,8 +62,13 @@ def record_step_kernels(step: Callable[[Callable[[str], None]], None],
     ``phase('optimizer')`` as it reaches them (as for
     :func:`~.launches.count_step`). Returns per phase (and ``'step'``)
     ``launches`` (kernels recorded) and ``by_name`` (kernels per name, the
-    most frequent first), plus ``unassigned``: kernels that started outside
-    every phase's range (none when the step synchronises as asked).
+    most frequent first), ``host_us`` (the phase's wall time on the host,
+    its closing synchronisation included), ``gpu_us`` (the summed durations
+    of its kernels: far below ``host_us`` when the host's launching, not
+    the device, bounds the phase) and ``time_by_name`` (microseconds per
+    kernel name, the longest first), plus ``unassigned``: kernels that
+    started outside every phase's range (none when the step synchronises
+    as asked).
     """
     from torch.profiler import ProfilerActivity, profile
     device = torch.device(device)
@@ -81,6 +86,8 @@ def record_step_kernels(step: Callable[[Callable[[str], None]], None],
               for e in events if e.name.startswith(_RANGE)
               and e.device_type == torch.autograd.DeviceType.CPU]
     names: Dict[str, Counter] = {phase: Counter() for phase in PHASES}
+    times: Dict[str, Counter] = {phase: Counter() for phase in PHASES}
+    host = Counter({name: end - begin for name, begin, end in ranges})
     unassigned = 0
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CUDA or \
@@ -89,13 +96,19 @@ def record_step_kernels(step: Callable[[Callable[[str], None]], None],
         phase = _phase_of(e.time_range.start, ranges)
         if phase in names:
             names[phase][e.name] += 1
+            times[phase][e.name] += e.time_range.elapsed_us()
         else:
             unassigned += 1
-    out = {phase: dict(launches=sum(c.values()),
-                       by_name=dict(c.most_common()))
-           for phase, c in names.items()}
-    total = sum((names[p] for p in PHASES), Counter())
-    out['step'] = dict(launches=sum(total.values()),
-                       by_name=dict(total.most_common()))
+    def phase_record(count: Counter, time: Counter, host_us: float):
+        return dict(launches=sum(count.values()),
+                    by_name=dict(count.most_common()), host_us=host_us,
+                    gpu_us=sum(time.values()),
+                    time_by_name=dict(time.most_common()))
+
+    out = {phase: phase_record(names[phase], times[phase], host[phase])
+           for phase in PHASES}
+    out['step'] = phase_record(sum(names.values(), Counter()),
+                               sum(times.values(), Counter()),
+                               sum(host[p] for p in PHASES))
     out['unassigned'] = unassigned
     return out

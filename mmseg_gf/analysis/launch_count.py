@@ -79,7 +79,9 @@ def _as_summary(recorded: Dict) -> Dict:
     kernels' names as its operators; bytes and kinds not recorded)."""
     return {phase: dict(launches=v['launches'], triton=0, read_bytes=0,
                         written_bytes=0, host_reads=0, by_kind={},
-                        bytes_by_kind={}, by_op=v['by_name'])
+                        bytes_by_kind={}, by_op=v['by_name'],
+                        host_us=v['host_us'], gpu_us=v['gpu_us'],
+                        time_by_op=v['time_by_name'])
             for phase, v in recorded.items() if phase != 'unassigned'}
 
 
@@ -185,6 +187,30 @@ def kind_table(result: Dict) -> str:
     return format_table(headers, body, align='l' + 'r' * (len(headers) - 1))
 
 
+def time_table(result: Dict, top: int = 8) -> str:
+    """A GPU-recorded model: per row and phase the host's wall time next
+    to the device's busy time (their gap is launch and Python overhead),
+    then the ``top`` kernels by device time of each row's step."""
+    headers = ('row', 'phase', 'kernels', 'host ms', 'GPU busy ms',
+               'busy / host')
+    body = []
+    for r in result['rows']:
+        for p in ('forward', 'backward', 'optimizer', 'step'):
+            host, busy = r[p]['host_us'], r[p]['gpu_us']
+            body.append([r['row'], p, r[p]['launches'], f'{host / 1e3:.2f}',
+                         f'{busy / 1e3:.2f}',
+                         f'{busy / host:.2f}' if host else ''])
+    text = [format_table(headers, body, align='llrrrr'), '']
+    for r in result['rows']:
+        kernels = list(r['step']['time_by_op'].items())[:top]
+        text += [f"{r['row']}: longest kernels of the step\n",
+                 format_table(('kernel', 'launches', 'GPU ms'), [
+                     [name[:90], r['step']['by_op'].get(name, 0),
+                      f'{us / 1e3:.3f}'] for name, us in kernels],
+                     align='lrr'), '']
+    return '\n'.join(text)
+
+
 def write_results(results: Sequence[Dict], out_dir: str) -> None:
     """``launches.json`` and ``launches.md`` (the summary, then each
     model's kinds) in ``out_dir``."""
@@ -206,6 +232,9 @@ def _markdown(results: Sequence[Dict]) -> str:
     for res in results:
         text += [f"## {res['label']}: launches per kind\n", kind_table(res),
                  '']
+        if res.get('gpu'):
+            text += [f"## {res['label']}: where the step's time goes\n",
+                     time_table(res), '']
     return '\n'.join(text) + '\n'
 
 
