@@ -51,7 +51,7 @@ KERNEL_OUTPUTS = {'_pixel_cross_entropy': ('grad', 'loss_part', 'hits_part',
                                     'labels_bad')}
 
 #: ``torch.finfo(torch.float32).eps``: mmseg's accuracy adds it.
-_EPS = 2.0 ** -23
+_EPS = tl.constexpr(2.0 ** -23)  # a constexpr: a compiled kernel reads no other global
 
 
 @triton.jit
