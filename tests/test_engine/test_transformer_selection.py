@@ -198,16 +198,23 @@ def test_hook_table_names_kinds_and_grids_and_state_dict_stays_plain():
     assert list(model.state_dict()) == plain_keys
 
 
-def test_a_deep_copy_filters_with_its_own_grids():
+@pytest.mark.parametrize('name', ['deit_s', 'beit_b'])
+def test_a_deep_copy_filters_with_its_own_grids(name):
     """``copy.deepcopy`` (mmengine's EMA, tools copying a model) copies the
-    grid hooks with the filtered layers: the copy's step filters (no
-    exact-backward warning) and equals the original's."""
+    grid hooks with the filtered layers (and BEiT's forward calling its
+    ``qkv`` module): the copy's step filters (no exact-backward warning)
+    and equals the original's."""
     import copy
     import warnings
 
     from mmseg_gf.models.gf_conv import GFExactBackwardWarning
-    model, _ = _filtered('deit_s', torch.float64, radius=2, lean=False)
+    model, _ = _filtered(name, torch.float64, radius=2, lean=False)
     twin = copy.deepcopy(model)
+    # the forwards the bindings replaced hold the copy's modules
+    owners = [getattr(m.__dict__['forward'], 'attention', None) or
+              m.__dict__['forward'].block
+              for m in twin.modules() if 'forward' in m.__dict__]
+    assert owners and set(owners) <= set(twin.modules())
     inputs, samples = _batch(model, torch.float64)
     want = _step(model, inputs, samples)
     with warnings.catch_warnings():
