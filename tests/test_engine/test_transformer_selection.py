@@ -2,11 +2,11 @@
 attentions on token grids counted together in execution order
 (docs/gradient_filter.md#linear-layers-on-token-grids).
 
-For five tiny zoo families (mmseg 1.2.2's configs shrunk as in
+For eight tiny zoo families (mmseg 1.2.2's configs shrunk as in
 tests/test_models/test_token_grids.py, 64x64, batch 2), the settings go
 through the config path (``check_settings`` -> ``select_and_apply``) with
 ``num_layers=20`` (10 on the tiny Segmenter, which has 11 layers besides
-its classifier), and:
+its classifier; 36 on the tiny DPT, whose head alone runs 32), and:
 
 * the choice reaches layers of the backbone's last block, filtered Linears /
   attentions among them, and a training step runs;
@@ -44,8 +44,9 @@ from mmseg_gf.models.gf_linear import GFLinear  # noqa: E402
 from tests.helpers.lean_steps import one_step  # noqa: E402
 from tests.test_models.test_token_grids import SIZE, tiny_model  # noqa: E402
 
-#: layers counted by the tests (the tiny Segmenter has 11).
-NUM_LAYERS = dict(segmenter_vit_t=10)
+#: layers counted by the tests (the tiny Segmenter has 11; the tiny DPT's
+#: head runs 32, its readout projections among them).
+NUM_LAYERS = dict(segmenter_vit_t=10, dpt_vit_b=36)
 #: family -> the prefix of its backbone's last block.
 LAST_BLOCK = {
     'swin_t': 'backbone.stages.3.blocks.0',
@@ -53,6 +54,9 @@ LAST_BLOCK = {
     'twins_pcpvt_s': 'backbone.layers.3.0',
     'deit_s': 'backbone.layers.3',
     'segmenter_vit_t': 'backbone.layers.1',
+    'beit_b': 'backbone.layers.3',
+    'mae_b': 'backbone.layers.3',
+    'dpt_vit_b': 'backbone.layers.3',
 }
 
 
@@ -194,16 +198,23 @@ def test_hook_table_names_kinds_and_grids_and_state_dict_stays_plain():
     assert list(model.state_dict()) == plain_keys
 
 
-def test_a_deep_copy_filters_with_its_own_grids():
+@pytest.mark.parametrize('name', ['deit_s', 'beit_b'])
+def test_a_deep_copy_filters_with_its_own_grids(name):
     """``copy.deepcopy`` (mmengine's EMA, tools copying a model) copies the
-    grid hooks with the filtered layers: the copy's step filters (no
-    exact-backward warning) and equals the original's."""
+    grid hooks with the filtered layers (and BEiT's forward calling its
+    ``qkv`` module): the copy's step filters (no exact-backward warning)
+    and equals the original's."""
     import copy
     import warnings
 
     from mmseg_gf.models.gf_conv import GFExactBackwardWarning
-    model, _ = _filtered('deit_s', torch.float64, radius=2, lean=False)
+    model, _ = _filtered(name, torch.float64, radius=2, lean=False)
     twin = copy.deepcopy(model)
+    # the forwards the bindings replaced hold the copy's modules
+    owners = [getattr(m.__dict__['forward'], 'attention', None) or
+              m.__dict__['forward'].block
+              for m in twin.modules() if 'forward' in m.__dict__]
+    assert owners and set(owners) <= set(twin.modules())
     inputs, samples = _batch(model, torch.float64)
     want = _step(model, inputs, samples)
     with warnings.catch_warnings():
@@ -240,3 +251,32 @@ def test_linears_on_no_grid_are_not_counted_and_refused_by_name():
     with pytest.raises(ValueError, match=r'f_glo\.fc\.0.*no spatial grid'):
         select_layers(model, layers=['backbone.level2.20.f_glo.fc.0'],
                       input_size=(SIZE, SIZE))
+
+
+def test_beit_qkv_and_dpt_readouts_are_selected_by_name_and_budget():
+    """``layers=`` naming BEiT's last layer selects its four Linears, its
+    ``qkv`` (mmseg computes it with ``F.linear`` on the weight) included,
+    on the patch grid plus the cls token; naming DPT's reassemble blocks
+    selects each readout projection on its input map's grid beside the
+    convs; a budget's pool holds both."""
+    from mmseg_gf.ops import TokenGrid
+    beit = select_layers(tiny_model('beit_b'), layers=['backbone.layers.3'],
+                         input_size=(SIZE, SIZE))
+    assert [c.path for c in beit] == [
+        f'backbone.layers.3.{name}' for name in (
+            'attn.qkv', 'attn.proj', 'ffn.layers.0.0', 'ffn.layers.1')]
+    assert {c.geometry.grid for c in beit} == {TokenGrid(4, 4, 1)}
+    dpt = select_layers(tiny_model('dpt_vit_b'),
+                        layers=['decode_head.reassemble_blocks'],
+                        input_size=(SIZE, SIZE))
+    readouts = [c for c in dpt if c.kind == 'linear']
+    assert [c.path for c in readouts] == [
+        f'decode_head.reassemble_blocks.readout_projects.{i}.0'
+        for i in range(4)]
+    assert {c.geometry.grid for c in readouts} == {TokenGrid(4, 4)}
+    assert {c.kind for c in dpt} == {'linear', 'conv2d'}
+    model = tiny_model('beit_b').float()
+    chosen = select_and_apply(model, check_settings(
+        dict(budget=dict(saved_mib=1))), (SIZE, SIZE))
+    qkv = [c for c in chosen if c.path == 'backbone.layers.3.attn.qkv']
+    assert qkv and isinstance(qkv[0].module, GFLinear)

@@ -9,7 +9,9 @@ heads' channels), at 64x64, float64, eval mode (no dropout / DropPath):
 * discovery lists every Linear and attention of the inference path, in
   execution order, with the grid of its call (Segformer's reduced keys,
   Swin's 7x7 windows and merged grids, Twins' locally grouped windows,
-  ViT's cls token, Segmenter's trailing class embeddings and its grid-less
+  ViT's and BEiT's / MAE's cls token, BEiT's ``qkv`` that mmseg computes
+  with ``F.linear`` on its weight, DPT's readout projections on each input
+  map's grid, Segmenter's trailing class embeddings and its grid-less
   class projection);
 * with every gridded layer filtered at r = 1 the model's gradients equal
   the plain model's; at r = 2 they equal a reference model whose layers
@@ -73,6 +75,21 @@ def _deit(m):
     m.auxiliary_head.update(in_channels=32, channels=16)
 
 
+def _beit(m):  # BEiT and MAE: their relative position bias fixes the grid
+    m.backbone.update(embed_dims=32, num_heads=2, num_layers=4,
+                      out_indices=(0, 1, 2, 3), img_size=(SIZE, SIZE))
+    m.neck.update(embed_dim=32)
+    m.decode_head.update(in_channels=[32] * 4, channels=16)
+    m.auxiliary_head.update(in_channels=32, channels=16)
+
+
+def _dpt(m):
+    m.backbone.update(embed_dims=32, num_heads=2, num_layers=4,
+                      out_indices=(0, 1, 2, 3), img_size=(SIZE, SIZE))
+    m.decode_head.update(in_channels=(32, ) * 4, embed_dims=32, channels=16,
+                         post_process_channels=[8, 16, 24, 32])
+
+
 def _segmenter(m):
     m.backbone.update(embed_dims=32, num_heads=2, num_layers=2,
                       img_size=(SIZE, SIZE))
@@ -92,6 +109,9 @@ FAMILIES = {
     'deit_s': ('vit/vit_deit-s16_upernet_8xb2-80k_ade20k-512x512.py', _deit),
     'segmenter_vit_t': ('segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-'
                         '512x512.py', _segmenter),
+    'beit_b': ('beit/beit-base_upernet_8xb2-160k_ade20k-640x640.py', _beit),
+    'mae_b': ('mae/mae-base_upernet_8xb2-amp-160k_ade20k-512x512.py', _beit),
+    'dpt_vit_b': ('dpt/dpt_vit-b16_8xb2-160k_ade20k-512x512.py', _dpt),
 }
 
 
@@ -195,6 +215,33 @@ def _expect_segmenter(records):
         'decode_head.classes_proj']
 
 
+def _expect_beit(records):
+    """BEiT (``qkv`` through ``F.linear`` with its q / v biases: called as
+    a module while bound) and MAE: four Linears per layer on the patch
+    grid plus the cls token."""
+    assert [r.path for r in records] == [
+        f'backbone.layers.{i}.{name}' for i in range(4)
+        for name in ('attn.qkv', 'attn.proj', 'ffn.layers.0.0',
+                     'ffn.layers.1')]
+    assert {r.grid for r in records} == {TokenGrid(4, 4, extra_tokens=1)}
+    assert records[0].input_shape == (2, 1 + 16, 32)
+
+
+def _expect_dpt(records):
+    """The ViT's layers as DeiT's; each readout projection on the 4x4 map
+    of its input, ``cat(tokens, cls)`` of 2 x 32 channels, no extra
+    token."""
+    readouts = [r for r in records if '.readout_projects.' in r.path]
+    assert [r.path for r in readouts] == [
+        f'decode_head.reassemble_blocks.readout_projects.{i}.0'
+        for i in range(4)]
+    assert all(r.grid == TokenGrid(4, 4) and r.input_shape == (2, 16, 64)
+               for r in readouts)
+    assert {r.grid for r in records if r not in readouts} == {
+        TokenGrid(4, 4, extra_tokens=1)}
+    assert len(records) == 4 * 3 + 4
+
+
 EXPECTATIONS = {
     'segformer_b0': _expect_segformer,
     'swin_t': _expect_swin,
@@ -202,6 +249,9 @@ EXPECTATIONS = {
     'twins_svt_s': _expect_svt,
     'deit_s': _expect_deit,
     'segmenter_vit_t': _expect_segmenter,
+    'beit_b': _expect_beit,
+    'mae_b': _expect_beit,
+    'dpt_vit_b': _expect_dpt,
 }
 
 
@@ -220,9 +270,9 @@ def test_discovery_lists_every_linear_with_its_traced_grid(name):
     assert {r.path for r in records} == on_path
     for r in records:
         assert (r.grid is None) == (r.no_grid is not None), r
-    # no hook is left behind
+    # no hook nor forward of the bindings is left behind
     assert all(not m._forward_pre_hooks and not m._forward_hooks
-               for m in model.modules())
+               and 'forward' not in m.__dict__ for m in model.modules())
 
 
 def filtered_module(module, site, radius):
@@ -336,7 +386,8 @@ def test_filtered_models_match_plain_at_r1_and_reference_at_r2(name):
     assert differs
 
 
-@pytest.mark.parametrize('name', ['segformer_b0', 'swin_t', 'deit_s'])
+@pytest.mark.parametrize('name', ['segformer_b0', 'swin_t', 'deit_s',
+                                  'dpt_vit_b'])
 def test_grids_follow_each_call_non_square_and_resized(name):
     """One bound model called at two sizes, 96x64 then 64x64: each call's
     grids come from that call (a transposed or stale grid would differ

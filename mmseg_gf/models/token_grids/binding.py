@@ -15,10 +15,12 @@ filtered layers read; nothing of them is in ``state_dict``. The surgery
 installs them on the segmentor (:func:`install_token_grids`), so a DDP
 wrapper, which runs the same module, runs them too. The grids are set by
 the forward of the block and cleared after it; a block that checkpoints
-its forward gets a forward of the bindings' (:mod:`.recompute`).
+its forward gets a forward of the bindings' (:mod:`.recompute`), as does
+a block whose Linear mmseg calls through ``F.linear`` on its weight
+(:meth:`TokenGridBindings.replace_forward`).
 """
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -66,7 +68,7 @@ class TokenGridBindings:
         self.model = model
         self.sites: Dict[str, LinearSite] = {}
         self._handles: List = []
-        self._checkpointed: List[nn.Module] = []
+        self._forwards: List[Tuple[nn.Module, Callable]] = []
 
     def remove(self) -> None:
         """Remove every hook (the sources then stay empty) and forget the
@@ -74,11 +76,10 @@ class TokenGridBindings:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for block in self._checkpointed:
-            if isinstance(block.__dict__.get('forward'),
-                          CheckpointWithGrids):
+        for block, forward in reversed(self._forwards):
+            if block.__dict__.get('forward') is forward:
                 del block.__dict__['forward']
-        self._checkpointed.clear()
+        self._forwards.clear()
         for module, (owner, _) in list(_SITE_OF.items()):
             if owner is self:
                 del _SITE_OF[module]
@@ -128,8 +129,15 @@ class TokenGridBindings:
                                               for s in sources):
                     sources.append(source)
         if sources:
-            block.forward = CheckpointWithGrids(block, sources)
-            self._checkpointed.append(block)
+            self.replace_forward(block, CheckpointWithGrids(block, sources))
+
+    def replace_forward(self, block: nn.Module, forward: Callable) -> None:
+        """Run ``forward`` (an object holding ``block``, so that
+        ``copy.deepcopy`` of the model gives the copy's) in place of
+        ``block``'s own forward until :meth:`remove`; hooks of the block
+        still run around it."""
+        block.forward = forward
+        self._forwards.append((block, forward))
 
     def bind(self, site: LinearSite) -> None:
         if site.path not in self.sites:  # the innermost rule wins

@@ -1,14 +1,19 @@
 """What several families' grid rules share: reading ``hw_shape`` from a
-block's call, a conv's output size, and the spatial-reduction attention
-block (Segformer's MiT layer and Twins' GSA layer have the same one)."""
+block's call, a conv's output size, the spatial-reduction attention
+block (Segformer's MiT layer and Twins' GSA layer have the same one), and
+a plain ViT's layers on the patch embedding's grid plus leading cls tokens
+(mmseg's ``VisionTransformer`` and ``BEiT`` / ``MAE``)."""
+import functools
 from typing import Tuple
 
 from torch import nn
 
 from ....ops.gradient_filter_linear import TokenGrid
 from ...gf_linear import TokenGridSource
+from ..sites import join
 
-__all__ = ['hw_arg', 'conv_out', 'pair', 'hw_grid', 'spatial_reduction_layer']
+__all__ = ['hw_arg', 'conv_out', 'pair', 'hw_grid', 'spatial_reduction_layer',
+           'embedded_token_layers']
 
 
 def hw_arg(args: tuple, kwargs: dict, name: str,
@@ -61,3 +66,27 @@ def spatial_reduction_layer(bindings, path: str, layer: nn.Module) -> None:
     bindings.set_around(layer, _reduced_grids, (tokens, keys))
     bindings.bind_layer(f'{path}.attn.attn', tokens, keys, 1, rule)
     bindings.bind_all(layer, path, tokens, rule)
+
+
+def _embedded_grid(extra: int, module, args, output) -> tuple:
+    _, hw = output
+    return (TokenGrid(int(hw[0]), int(hw[1]), extra_tokens=extra), )
+
+
+def _no_grid(module, args, kwargs) -> tuple:
+    return (None, )
+
+
+def embedded_token_layers(bindings, path: str, backbone: nn.Module,
+                          extra: int) -> None:
+    """A backbone whose ``patch_embed`` returns ``(tokens, hw_shape)`` and
+    whose ``layers`` all see ``extra`` leading tokens (cls) before the
+    ``H*W`` patch tokens: every Linear / attention under ``layers`` on that
+    grid, set when the patch embedding returns, cleared around the
+    backbone's call."""
+    tokens = TokenGridSource(name=f'{path}.patch_embed')
+    bindings.set_after(backbone.patch_embed,
+                       functools.partial(_embedded_grid, extra), (tokens, ))
+    bindings.set_around(backbone, _no_grid, (tokens, ))
+    bindings.bind_all(backbone.layers, join(path, 'layers'), tokens,
+                      type(backbone).__name__)
