@@ -25,6 +25,7 @@ but sizes, as autograd's resize does.
 """
 import contextlib
 import inspect
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -33,7 +34,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
 
-from . import native
+from . import bilinear_gemm, native
 from .native import empty_for_writing
 
 __all__ = ['BilinearResizeFunction', 'bilinear_resize_backward',
@@ -80,6 +81,9 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
     image; any other layout (and ``torch.compile``, whose graph lays the
     gradient out itself) goes to torch's kernel, which copies it."""
     out_size = list(grad.shape[2:])
+    if bilinear_gemm.usable(grad):
+        return bilinear_gemm.resize_backward(grad, input_size[2:],
+                                             align_corners, scales)
     if not _images_contiguous(grad) or torch.compiler.is_compiling():
         return torch.ops.aten.upsample_bilinear2d_backward(
             grad, out_size, list(input_size), align_corners, *scales)
@@ -94,6 +98,19 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
     return result
 
 
+def _output_size(x: Tensor, size, scale_factor, recompute_scale_factor
+                 ) -> Tuple[int, int]:
+    """The output size ``interpolate`` computes: ``size``, or each axis'
+    ``floor(in * scale_factor)``."""
+    if size is not None:
+        return tuple(size) if isinstance(size, (tuple, list)) \
+            else (int(size), int(size))
+    factors = scale_factor if isinstance(scale_factor, (tuple, list)) \
+        else (scale_factor, scale_factor)
+    return tuple(int(math.floor(float(n) * float(f)))
+                 for n, f in zip(x.shape[2:], factors))
+
+
 class BilinearResizeFunction(Function):
     """``F.interpolate(x, size, scale_factor, mode='bilinear',
     align_corners, recompute_scale_factor)`` whose backward is
@@ -105,6 +122,11 @@ class BilinearResizeFunction(Function):
         ctx.input_size = tuple(x.shape)
         ctx.align_corners = bool(align_corners)
         ctx.scales = _scales(scale_factor, recompute_scale_factor)
+        if bilinear_gemm.usable(x):
+            out_hw = _output_size(x, size, scale_factor,
+                                  recompute_scale_factor)
+            return bilinear_gemm.resize(x, out_hw, ctx.align_corners,
+                                        ctx.scales)
         return F.interpolate(x, size, scale_factor, 'bilinear', align_corners,
                              recompute_scale_factor)
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import switches, triton_path
+from . import bilinear_gemm, switches, triton_path
 from .device_path import host_checks
 from .loss_gradients import forward_graph
 from .triton_path import _is_fake
@@ -396,7 +396,10 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
                 None if pixel_loss is None else pixel_loss[i],
                 None if target_prob is None else target_prob[i],
                 ignore_index, sigmoid)
-            if want_grad:
+            if want_grad and bilinear_gemm.usable(grad_up):
+                bilinear_gemm.resize_backward(grad_up, (h, w), align_corners,
+                                              out=grad[i:i + 1])
+            elif want_grad:
                 torch.ops.aten.upsample_bilinear2d_backward.grad_input(
                     grad_up, size, [1, classes, h, w], align_corners, None,
                     None, grad_input=grad[i:i + 1])

@@ -1,0 +1,134 @@
+"""Bilinear resizes on a GPU as two matrix products.
+
+A bilinear resize is separable: ``y = A x B^T`` for every image and
+channel plane ``x`` (``H_in x W_in``), where ``A`` (``H_out x H_in``) and
+``B`` (``W_out x W_in``) hold each output row's (column's) two
+interpolation weights at the two source rows (columns) torch's kernel
+reads. Its input gradient is the transpose, ``g_x = A^T g_y B``. Both are
+two batched GEMMs (cuBLAS), the longer axis contracted first.
+
+Why: torch's CUDA kernels for a contiguous NCHW map parallelise badly on
+segmentation's shapes. Its forward runs one thread per output pixel and
+loops over every image and channel (a 128 x 128 output is 16k threads for
+4096 planes of a UPerNet head); its backward adds four atomic terms per
+output pixel into the input gradient, where a 64 -> 512 upsample lands
+64 outputs on every input pixel. Recorded on one H200 (``tools/
+count_launches.py --device cuda``, 512 x 512, batch 8): 16-20 ms of a
+31 ms PSPNet-R18 step in the loss's upsample backward, 22 ms of a Swin-T
+UPerNet step in the head's resizes. The products read and write each
+map once and have ``~4 (H_in + W_out)`` flops per output pixel.
+
+Rounding: each output is the same weighted sum as torch's (the weights
+computed as its kernel computes them, in the accumulation dtype), summed
+in another order: equal within float32 rounding (float64 likewise),
+tested against ``F.interpolate`` and its autograd gradient. Not for a
+non-finite input: a GEMM multiplies every zero weight too, so an inf or
+NaN reaches its whole row and column of the output, where torch's kernel
+keeps it local (training has failed by then either way).
+
+Taken by :mod:`.resize` and :mod:`.resized_loss` on CUDA tensors of float32
+or float64 while ``MMSEG_GF_RESIZE_GEMM`` is on (:mod:`.switches`);
+:func:`usable` says which.
+"""
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import switches
+from .device_path import acting_as_cuda
+
+__all__ = ['usable', 'interpolation_matrix', 'resize', 'resize_backward']
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+def usable(t: Tensor) -> bool:
+    """Whether a bilinear resize of (or gradient) ``t`` takes the GEMMs: a
+    float32 / float64 CUDA tensor (or a CPU one inside
+    :func:`~.device_path.as_on_cuda`, for the launch count), the switch
+    on, not while ``torch.compile`` traces (Inductor writes its own
+    resize)."""
+    return ((t.device.type == 'cuda' or acting_as_cuda())
+            and t.dtype in _DTYPES
+            and switches.value('MMSEG_GF_RESIZE_GEMM')
+            and not torch.compiler.is_compiling())
+
+
+def _source_scale(in_size: int, out_size: int, align_corners: bool,
+                  scale: Optional[float]) -> float:
+    """torch's ``area_pixel_compute_scale``: source pixels per output
+    pixel."""
+    if align_corners:
+        return (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    if scale is not None and scale > 0:
+        return 1.0 / scale
+    return in_size / out_size
+
+
+@lru_cache(maxsize=64)
+def _matrix(out_size: int, in_size: int, align_corners: bool,
+            scale: Optional[float], dtype: torch.dtype,
+            device: torch.device) -> Tensor:
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    ratio = torch.tensor(_source_scale(in_size, out_size, align_corners,
+                                       scale), dtype=acc)
+    index = torch.arange(out_size, dtype=acc)
+    if align_corners:
+        source = ratio * index
+    else:  # pixel centres; clamped at 0 (torch's linear modes do)
+        source = (ratio * (index + 0.5) - 0.5).clamp_min(0)
+    low = source.long().clamp_max(in_size - 1)  # floor: source >= 0
+    high = torch.where(low < in_size - 1, low + 1, low)
+    frac = source - low.to(acc)
+    matrix = torch.zeros(out_size, in_size, dtype=acc)
+    rows = torch.arange(out_size)
+    matrix.index_put_((rows, low), 1 - frac, accumulate=True)
+    matrix.index_put_((rows, high), frac, accumulate=True)
+    return matrix.to(dtype=dtype, device=device)
+
+
+def interpolation_matrix(out_size: int, in_size: int, align_corners: bool,
+                         scale: Optional[float], dtype: torch.dtype,
+                         device) -> Tensor:
+    """The ``out_size x in_size`` matrix of one axis' bilinear weights
+    (torch's source indices and weights; ``scale``: the scale factor a
+    resize was given, as torch's kernel receives it, or None). Cached per
+    shape, dtype and device: a network resizes to a few sizes."""
+    return _matrix(int(out_size), int(in_size), bool(align_corners),
+                   None if scale is None else float(scale), dtype,
+                   torch.device(device))
+
+
+def _matrices(out_hw: Sequence[int], in_hw: Sequence[int],
+              align_corners: bool, scales, like: Tensor
+              ) -> Tuple[Tensor, Tensor]:
+    rows = interpolation_matrix(out_hw[0], in_hw[0], align_corners,
+                                scales[0], like.dtype, like.device)
+    cols = interpolation_matrix(out_hw[1], in_hw[1], align_corners,
+                                scales[1], like.dtype, like.device)
+    return rows, cols
+
+
+def resize(x: Tensor, out_hw: Sequence[int], align_corners: bool,
+           scales=(None, None)) -> Tensor:
+    """``F.interpolate(x, out_hw, mode='bilinear', align_corners)`` of an
+    ``N x C x H x W`` tensor as ``A x B^T`` per plane (contiguous NCHW
+    out)."""
+    rows, cols = _matrices(out_hw, x.shape[2:], align_corners, scales, x)
+    return torch.matmul(rows, torch.matmul(x, cols.t()))
+
+
+def resize_backward(grad: Tensor, in_hw: Sequence[int], align_corners: bool,
+                    scales=(None, None), out: Optional[Tensor] = None
+                    ) -> Tensor:
+    """The input gradient of :func:`resize` for ``grad`` (``N x C x H_out x
+    W_out``, any strides): ``A^T grad B`` per plane, written into ``out``
+    (contiguous, ``N x C x H_in x W_in``) when given."""
+    rows, cols = _matrices(grad.shape[2:], in_hw, align_corners, scales,
+                           grad)
+    partial = torch.matmul(grad, cols)
+    if out is None:
+        return torch.matmul(rows.t(), partial)
+    return torch.matmul(rows.t(), partial, out=out)

@@ -1,0 +1,125 @@
+"""mmseg_gf.ops.bilinear_gemm: a bilinear resize and its input gradient as
+two matrix products give ``F.interpolate``'s output and autograd's gradient
+(float64 to rounding, float32 within its rounding), on every resize a head
+or a loss makes (up, down, ``align_corners``, scale factors), a channel
+slice's gradient included; CUDA tensors take it through ``ops.resize`` and
+the resized loss, and the switch turns it off."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmseg_gf.ops import bilinear_gemm, switches
+from mmseg_gf.ops.device_path import as_on_cuda
+from mmseg_gf.ops.resize import BilinearResizeFunction
+from tests.helpers.devices import needs_cuda
+
+RESIZES = [
+    ((8, 8), dict(size=(64, 64), align_corners=False)),  # a loss's 8x
+    ((7, 9), dict(size=(13, 11), align_corners=True)),
+    ((13, 11), dict(size=(3, 4), align_corners=False)),  # downsampling
+    ((5, 6), dict(scale_factor=2.0, align_corners=False)),
+    ((5, 6), dict(scale_factor=(1.7, 0.6), align_corners=True)),
+    ((1, 6), dict(size=(4, 1), align_corners=True)),  # one-pixel axes
+]
+
+
+def _scales(resize):
+    factor = resize.get('scale_factor')
+    if factor is None:
+        return None, None
+    return tuple(factor) if isinstance(factor, tuple) else (factor, factor)
+
+
+def _reference(x, grad_fn, resize):
+    x = x.detach().requires_grad_(True)
+    y = F.interpolate(x, mode='bilinear', **resize)
+    g = grad_fn(y)
+    return y.detach(), torch.autograd.grad(y, x, g)[0], g
+
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-13),
+                                       (torch.float32, 2e-6)])
+@pytest.mark.parametrize('size,resize', RESIZES, ids=str)
+def test_equals_interpolate_and_its_gradient(size, resize, dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *size, generator=gen, dtype=dtype)
+    want_y, want_gx, g = _reference(
+        x, lambda y: torch.randn(y.shape, generator=gen, dtype=dtype),
+        resize)
+    y = bilinear_gemm.resize(x, want_y.shape[2:], resize['align_corners'],
+                             _scales(resize))
+    gx = bilinear_gemm.resize_backward(g, size, resize['align_corners'],
+                                       _scales(resize))
+    # tolerance relative to the largest term a sum adds up
+    torch.testing.assert_close(y, want_y, rtol=0, atol=tol * 4)
+    bound = float(g.abs().amax()) * g.shape[2] * g.shape[3] / (
+        size[0] * size[1])
+    torch.testing.assert_close(gx, want_gx, rtol=0, atol=tol * 4 * bound)
+
+
+def test_gradient_of_a_channel_slice_written_in_place():
+    """A concatenation's channel slice (not contiguous over the batch) in,
+    a contiguous slice of a larger gradient out (the resized loss's
+    per-image write)."""
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn(2, 7, 16, 12, generator=gen, dtype=torch.float64)
+    g = full[:, 2:5]
+    assert not g.is_contiguous()
+    want = torch.ops.aten.upsample_bilinear2d_backward(
+        g.contiguous(), [16, 12], [2, 3, 4, 3], False, None, None)
+    out = torch.full((3, 3, 4, 3), float('nan'), dtype=torch.float64)
+    bilinear_gemm.resize_backward(g, (4, 3), False, out=out[1:])
+    torch.testing.assert_close(out[1:], want, rtol=0, atol=1e-13)
+    assert out[0].isnan().all()  # nothing outside the slice written
+
+
+def test_matrix_rows_hold_two_weights_summing_to_one():
+    """Each output pixel's row: at most two non-zero weights, on adjacent
+    source pixels, adding up to 1 (the last source pixel's row: one)."""
+    m = bilinear_gemm.interpolation_matrix(37, 5, False, None,
+                                           torch.float64, 'cpu')
+    assert m.shape == (37, 5)
+    torch.testing.assert_close(m.sum(1), torch.ones(37, dtype=m.dtype))
+    nonzero = (m != 0).sum(1)
+    assert nonzero.max() <= 2 and (m >= 0).all()
+    cols = [row.nonzero().flatten().tolist() for row in m]
+    assert all(len(c) < 2 or c[1] == c[0] + 1 for c in cols)
+    assert bilinear_gemm.interpolation_matrix(
+        37, 5, False, None, torch.float64, 'cpu') is m  # cached
+
+
+def test_cpu_tensors_keep_torchs_kernels_unless_counted_as_cuda():
+    x = torch.zeros(1, 1, 2, 2)
+    assert not bilinear_gemm.usable(x)
+    with as_on_cuda():
+        assert bilinear_gemm.usable(x)
+        assert not bilinear_gemm.usable(x.half())
+        with switches.override(MMSEG_GF_RESIZE_GEMM=False):
+            assert not bilinear_gemm.usable(x)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize('size,resize', RESIZES, ids=str)
+def test_cuda_resize_function_takes_the_products(size, resize, monkeypatch):
+    """On CUDA the lean heads' resize (``BilinearResizeFunction``) runs the
+    products both ways: autograd's numbers within float32 rounding, and
+    the same as torch's kernels with the switch off."""
+    calls = []
+    for name in ('resize', 'resize_backward'):
+        real = getattr(bilinear_gemm, name)
+        monkeypatch.setattr(bilinear_gemm, name,
+                            lambda *a, _real=real, _name=name, **k:
+                            calls.append(_name) or _real(*a, **k))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, *size, generator=gen).cuda()
+    want_y, want_gx, g = _reference(
+        x, lambda y: torch.randn(y.shape, generator=gen).cuda(), resize)
+    leaf = x.clone().requires_grad_(True)
+    y = BilinearResizeFunction.apply(
+        leaf, resize.get('size'), resize.get('scale_factor'),
+        resize['align_corners'], None)
+    gx, = torch.autograd.grad(y, leaf, g)
+    assert calls == ['resize', 'resize_backward']
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-4)
