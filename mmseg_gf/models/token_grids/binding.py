@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from torch import nn
 
+from ...ops.patching import Override, override
 from ..gf_linear import TokenGridSource
 from .recompute import CheckpointWithGrids
 from .registry import checkpointed_blocks, grid_rules, known_blocks
@@ -66,7 +67,8 @@ class TokenGridBindings:
         self.model = model
         self.sites: Dict[str, LinearSite] = {}
         self._handles: List = []
-        self._checkpointed: List[nn.Module] = []
+        #: the undos of the checkpointed blocks' forwards, in install order
+        self._recomputes: List[Override] = []
 
     def remove(self) -> None:
         """Remove every hook (the sources then stay empty) and forget the
@@ -74,11 +76,8 @@ class TokenGridBindings:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for block in self._checkpointed:
-            if isinstance(block.__dict__.get('forward'),
-                          CheckpointWithGrids):
-                del block.__dict__['forward']
-        self._checkpointed.clear()
+        while self._recomputes:
+            self._recomputes.pop()()
         for module, (owner, _) in list(_SITE_OF.items()):
             if owner is self:
                 del _SITE_OF[module]
@@ -128,8 +127,8 @@ class TokenGridBindings:
                                               for s in sources):
                     sources.append(source)
         if sources:
-            block.forward = CheckpointWithGrids(block, sources)
-            self._checkpointed.append(block)
+            self._recomputes.append(override(
+                block, 'forward', CheckpointWithGrids(block, sources)))
 
     def bind(self, site: LinearSite) -> None:
         if site.path not in self.sites:  # the innermost rule wins
