@@ -28,8 +28,9 @@ from mmseg.models.backbones.vit import \
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
 from mmseg_gf.models.token_grids import (  # noqa: E402
     install_token_grids, recompute, uninstall_token_grids)
+from tests.helpers.token_families import tiny_model  # noqa: E402
 from tests.test_models.test_token_grids import (  # noqa: E402
-    filtered_module, plain_model_and_grad, swapped_gradients, tiny_model)
+    filtered_module, plain_model_and_grad, swapped_gradients)
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
