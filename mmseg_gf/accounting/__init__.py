@@ -7,7 +7,7 @@ for backward (:mod:`.kept`; transformer kinds: :mod:`.kept_transformer`;
 trained Linears and attentions on tokens: :mod:`.kept_tokens`; Segmenter's mask
 head's own code and loss: :mod:`.kept_mask_head`), the one step tracer
 (:mod:`.trace`), the profile of
-every "last N, radii" setting (:mod:`.profile`), the peak model
+every "last N, radii" setting (:mod:`.step_profile`), the peak model
 (:mod:`.peak`), the budget's choice (:mod:`.budget`), the measured
 counterparts the tests check them against (:mod:`.measured`), the kernel
 launches and bytes of a step on the CUDA path, counted on a CPU

@@ -9,8 +9,8 @@ default the config's ``optim_wrapper.optimizer``) replaces ``num_layers``
 / ``layers`` and ``radius``.
 :func:`check_budget` validates the setting, so that bad input fails before
 anything is built; :func:`choose_by_budget` picks, from a profile
-(:mod:`.profile`), the largest number of last convs, then the finest radii,
-whose predicted step cost fits every limit.
+(:mod:`.step_profile`), the largest number of last convs, then the finest
+radii, whose predicted step cost fits every limit.
 
 A user finetuning on a device knows its limits (bytes kept for backward,
 peak memory of the step, backward FLOPs per image), not which ``N`` and
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..ops import check_radius
-from .profile import ConvProfile, StepCost, StepCostProfile
+from .step_profile import ConvProfile, StepCost, StepCostProfile
 
 __all__ = ['LIMIT_KEYS', 'PEAK_KEYS', 'BUDGET_KEYS', 'DEFAULT_RADII',
            'PEAK_HEADROOM',

@@ -2,11 +2,12 @@
 
 A budget's ``peak_mib`` limit needs the peak of live tensor bytes of a
 training step for every "last N, radii" setting, without running each.
-The profile (:mod:`.profile`) records, per leaf-module call of the traced
-forward, the live bytes of a forward that keeps nothing (at batch 1 and 2,
-so the batch's share is linear), and the lifetimes of the tensors that need
-a gradient; :func:`step_peak` adds, per call, what the setting keeps, the
-gradients alive in the backward and the filtered convs' scratch buffers.
+The profile (:mod:`.step_profile`) records, per leaf-module call of the
+traced forward, the live bytes of a forward that keeps nothing (at batch 1
+and 2, so the batch's share is linear), and the lifetimes of the tensors
+that need a gradient; :func:`step_peak` adds, per call, what the setting
+keeps, the gradients alive in the backward and the filtered convs' scratch
+buffers.
 """
 import copy
 from dataclasses import dataclass

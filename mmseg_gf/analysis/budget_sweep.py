@@ -24,7 +24,7 @@ from ..accounting.budget import (DEFAULT_RADII, LIMIT_KEYS, BudgetChoice,
 from ..accounting.batch import random_batch, training_loss
 from ..accounting.format import MIB, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
-from ..accounting.profile import StepCostProfile
+from ..accounting.step_profile import StepCostProfile
 from ..engine.budget import profile_segmentor
 from ..engine.build import build_segmentor
 from ..engine.config import patch_means_on

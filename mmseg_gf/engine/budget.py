@@ -1,7 +1,7 @@
 """A budget's choice on a real segmentor: the profile's probe, built by
 selection and surgery, then the accounting's choice.
 
-The accounting (:mod:`mmseg_gf.accounting.profile`,
+The accounting (:mod:`mmseg_gf.accounting.step_profile`,
 :mod:`mmseg_gf.accounting.budget`) costs every "last N, radii" setting from
 one traced step of a *probe*; preparing that probe is the engine's job:
 the candidate pool is what ``num_layers`` counts (:func:`select_layers`),
@@ -18,7 +18,7 @@ from torch import nn
 from ..accounting.budget import (PEAK_KEYS, BudgetChoice, check_budget,
                                  choose_by_budget)
 from ..accounting.optimizer_state import optimizer_state_ratio
-from ..accounting.profile import StepCostProfile, profile_step_costs
+from ..accounting.step_profile import StepCostProfile, profile_step_costs
 from ..models.segmentor import is_classifier, unwrap_model
 from .cpu_memory import bound_process_memory
 from .frozen_aux_heads import unlogged_aux_heads
@@ -40,7 +40,7 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
 
     The model itself is not changed: a copy is prepared as gradient
     filtering would train all candidate convs, then traced once
-    (:func:`~mmseg_gf.accounting.profile.profile_step_costs`).
+    (:func:`~mmseg_gf.accounting.step_profile.profile_step_costs`).
 
     Args:
         model: an mmseg segmentor (plain, not yet gradient-filtered).

@@ -9,7 +9,7 @@ plugin reads the same few things of any of them: its ``radius`` and
 the filter (the accounting's kept rules), and the patches its output and its
 input gradient are constant on (the patch-mean GELU rule,
 :mod:`mmseg_gf.engine.patch_mean_activations`, and the budget's profile,
-:mod:`mmseg_gf.accounting.profile`).
+:mod:`mmseg_gf.accounting.step_profile`).
 """
 from typing import Optional
 

@@ -160,8 +160,8 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
                          output: Tensor) -> Optional[PatchPartition]:
         """The patches a filtered call on ``input`` tags its ``output``
         with, whether or not this call ran filtered (the budget's probe
-        runs the exact backward; :mod:`mmseg_gf.accounting.profile`); None
-        where a filtered call would run the exact backward (an unbatched
+        runs the exact backward: :mod:`mmseg_gf.accounting.step_profile`);
+        None where a filtered call would run the exact backward (an unbatched
         input, or one of :func:`exact_backward_reason`'s cases)."""
         if (input.dim() != 4 or input.numel() == 0
                 or exact_backward_reason(input, self.weight) is not None):

@@ -157,8 +157,8 @@ class GFLinear(FilteredLayer, nn.Linear):
                          output: Tensor) -> Optional[PatchPartition]:
         """The patches a filtered call on ``input`` tags its ``output``
         with, whether or not this call ran filtered (the budget's probe
-        runs the exact backward; :mod:`mmseg_gf.accounting.profile`); None
-        where a filtered call would run the exact backward (no grid,
+        runs the exact backward: :mod:`mmseg_gf.accounting.step_profile`);
+        None where a filtered call would run the exact backward (no grid,
         complex values)."""
         grid = self.current_grid()
         if (grid is None or input.is_complex()

@@ -270,9 +270,10 @@ class _LeanLossHead:
     with its saved tensors held by the capture, and ``loss_by_feat``, when
     it receives that very output (alone or in a tuple), releases them and
     computes the loss with
-    :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction` instead.
-    Otherwise: mmseg's cross-entropy image by image (keeps the logits),
-    any other loss with its gradient taken in the forward (keeps that).
+    :class:`~mmseg_gf.ops.fused_classifier.FusedClassifierLossFunction`
+    instead. Otherwise: mmseg's cross-entropy image by image (keeps the
+    logits), any other loss with its gradient taken in the forward (keeps
+    that).
     Bilinear resizes in ``loss`` run as
     :class:`~mmseg_gf.ops.resize.BilinearResizeFunction`."""
 

@@ -1,6 +1,7 @@
 """A decode head's loss kept lean, its classifier fused with it where possible.
 
-The wiring of :mod:`mmseg_gf.ops.fused_loss` into mmseg's decode heads
+The wiring of :mod:`mmseg_gf.ops.loss_gradients` and
+:mod:`mmseg_gf.ops.fused_classifier` into mmseg's decode heads
 (docs/lean_region.md, "The loss, fused with the classifier"). A lean head's
 ``loss`` arms a :class:`ClassifierCapture` when :func:`fusion_blocker`
 allows it; ``cls_seg`` then runs ``conv_seg`` with what autograd saves for
@@ -28,11 +29,11 @@ from torch import Tensor, nn
 
 from ..ops.patching import overridden, plain_class
 from ..ops.resized_loss import operator_usable
-from ..ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
-                              LogitGradients,
-                              PrecomputedGradientLossFunction,
-                              is_pointwise, channel_scaled_classifier,
-                              loss_gradients)
+from ..ops.fused_classifier import (ConvSpec, FusedClassifierLossFunction,
+                                    channel_scaled_classifier, is_pointwise)
+from ..ops.loss_gradients import (LogitGradients,
+                                  PrecomputedGradientLossFunction,
+                                  loss_gradients)
 from .lean_loss import (chunk_blocker, chunkable_losses,
                         chunked_cross_entropy_gradients,
                         chunked_cross_entropy_losses, ohem_sampler_spec)
@@ -126,8 +127,9 @@ def folds_into_classifier(dropout: Optional[nn.Module], feat: Tensor,
     """Whether ``dropout`` (a head's, before its classifier ``conv``) is a
     training ``Dropout2d`` that :class:`ClassifierCapture` folds into the
     classifier: ``0 < p < 1``, not in place, on a 4-d ``feat``, before a
-    1x1 classifier (:func:`~mmseg_gf.ops.fused_loss.channel_scaled_classifier`)
-    whose calls nothing else redirects."""
+    1x1 classifier
+    (:func:`~mmseg_gf.ops.fused_classifier.channel_scaled_classifier`) whose
+    calls nothing else redirects."""
     return (dropout is not None and plain_class(dropout) is nn.Dropout2d
             and dropout.training and 0 < dropout.p < 1
             and not dropout.inplace and feat.dim() == 4
@@ -156,7 +158,7 @@ class ClassifierCapture:
     (:func:`folds_into_classifier`): the dropout call draws its noise and
     returns its input, the classifier call multiplies each image's weight
     columns by that noise
-    (:func:`~mmseg_gf.ops.fused_loss.channel_scaled_classifier`), so the
+    (:func:`~mmseg_gf.ops.fused_classifier.channel_scaled_classifier`), so the
     dropped-out copy of the classifier's input is never made.
 
     Attributes:
@@ -281,8 +283,8 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
                             ) -> Dict[str, Tensor]:
     """``head.loss_by_feat(seg_logits)`` where ``seg_logits`` is (or holds)
     the classifier's output, through
-    :class:`~mmseg_gf.ops.fused_loss.FusedClassifierLossFunction`: mmseg's
-    cross-entropy image by image when :func:`chunkable_losses` allows,
+    :class:`~mmseg_gf.ops.fused_classifier.FusedClassifierLossFunction`:
+    mmseg's cross-entropy image by image when :func:`chunkable_losses` allows,
     PIDHead's and DDRHead's losses image by image where
     :func:`~.lean_ohem.own_loss_producer` mirrors them, the head's
     ``loss_by_feat`` on the whole batch otherwise (the other logits of a
@@ -290,7 +292,7 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
-            :func:`~mmseg_gf.ops.fused_loss.loss_gradients`); the capture
+            :func:`~mmseg_gf.ops.loss_gradients.loss_gradients`); the capture
             then still holds what the classifier saved.
     """
     feat, logits, scale = capture.calls[0]
@@ -338,7 +340,7 @@ def lean_head_losses(head: nn.Module, seg_logits,
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
-            :func:`~mmseg_gf.ops.fused_loss.loss_gradients`).
+            :func:`~mmseg_gf.ops.loss_gradients.loss_gradients`).
     """
     specs = _chunked_specs(head)
     if specs is not None:

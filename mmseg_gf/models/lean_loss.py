@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ..ops.fused_loss import KeptGradientLossFunction, LogitGradients
+from ..ops.loss_gradients import KeptGradientLossFunction, LogitGradients
 from ..ops.resized_loss import (BatchTotals, accuracy, check_labels,
                                 resized_cross_entropy,
                                 traced_resized_cross_entropy)
@@ -298,7 +298,7 @@ def chunked_cross_entropy_losses(head: nn.Module, seg_logits: Tensor,
                                  ) -> Dict[str, Tensor]:
     """``head.loss_by_feat(seg_logits, batch_data_samples)`` by
     :func:`chunked_cross_entropy_gradients`, the gradient kept for the
-    backward (:class:`~mmseg_gf.ops.fused_loss.KeptGradientLossFunction`):
+    backward (:class:`~mmseg_gf.ops.loss_gradients.KeptGradientLossFunction`):
     the same keys and values."""
     label = head._stack_batch_gt(batch_data_samples).squeeze(1)
     if torch.compiler.is_compiling():

@@ -22,7 +22,7 @@ numbers come from the low-resolution logits:
 :func:`own_loss_producer` picks the producer of a head (only PIDHead and
 DDRHead, and only when every ``loss_decode`` is the exact class mirrored
 here); :func:`logit_gradients_at` turns its result into the
-:class:`~mmseg_gf.ops.fused_loss.LogitGradients` of the classifier fused
+:class:`~mmseg_gf.ops.loss_gradients.LogitGradients` of the classifier fused
 with the loss, and :class:`HeadGradientsLossFunction` keeps it for a head
 whose classifier is not fused.
 """
@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from ..ops.loss_gradients import (LogitGradients, _flatten, _outputs,
-                                  _recombine, forward_graph)
+from ..ops.gradient_scaling import (flatten_gradients, function_outputs,
+                                    recombine_gradients)
+from ..ops.loss_gradients import LogitGradients, forward_graph
 from ..ops.kept_sources import note_sources
 from ..ops.resized_loss import check_labels, resized_cross_entropy
 from .lean_loss import probability_selection, selection_weights
@@ -312,7 +313,7 @@ def _scaled(term: Optional[Term]) -> Optional[Tensor]:
 def logit_gradients_at(producer: Producer, position: int, z: Tensor,
                        rest: Sequence[Tensor]) -> LogitGradients:
     """The producer's result as
-    :class:`~mmseg_gf.ops.fused_loss.LogitGradients` of the classifier's
+    :class:`~mmseg_gf.ops.loss_gradients.LogitGradients` of the classifier's
     output ``z``, at ``position`` among the head's logits (``rest``: the
     others, in order): one basis per output that depends on ``z``, the
     others' gradients scaled by their factors."""
@@ -351,13 +352,13 @@ class HeadGradientsLossFunction(Function):
         ctx.keys = list(result.values)
         grads = {key: tuple(_scaled(per.get(i)) for i in range(len(logits)))
                  for key, per in result.grads.items()}
-        ctx.layout, kept = _flatten(grads, ctx.keys)
+        ctx.layout, kept = flatten_gradients(grads, ctx.keys)
         note_sources(kept, [logits[j] for _, j in ctx.layout])
         ctx.save_for_backward(*kept)
         ctx.num_logits = len(logits)
-        return _outputs(ctx, result.values, grads)
+        return function_outputs(ctx, result.values, grads)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return (None, None) + _recombine(ctx.layout, ctx.saved_tensors,
-                                         grad_outputs, ctx.num_logits)
+        return (None, None) + recombine_gradients(
+            ctx.layout, ctx.saved_tensors, grad_outputs, ctx.num_logits)

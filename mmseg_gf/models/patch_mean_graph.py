@@ -3,7 +3,7 @@
 the detection on a trained model
 (:mod:`mmseg_gf.engine.patch_mean_activations`) and the budget's profile,
 which decides them per candidate setting from one traced step of a probe
-(:mod:`mmseg_gf.accounting.profile`).
+(:mod:`mmseg_gf.accounting.step_profile`).
 
 A GELU keeps only the patch means of ``f'`` when its input is a filtered
 layer's output on a partition and every node that consumes its output is a

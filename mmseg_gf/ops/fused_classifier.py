@@ -25,9 +25,11 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from .gradient_scaling import (basis_scales, flatten_gradients,
+                               function_outputs, recombine_gradients,
+                               scaled_sum)
 from .kept_sources import note_sources
-from .loss_gradients import (LogitGradients, _basis_scales, _flatten,
-                             _outputs, _recombine, _scaled_sum)
+from .loss_gradients import LogitGradients
 from .native import empty_for_writing
 
 __all__ = ['ConvSpec', 'FusedClassifierLossFunction',
@@ -225,7 +227,7 @@ class FusedClassifierLossFunction(Function):
             channel_scale is not None else []
         keys.extend(result.values)
         ctx.keys = list(result.values)
-        ctx.layout, kept_o = _flatten(result.others, ctx.keys)
+        ctx.layout, kept_o = flatten_gradients(result.others, ctx.keys)
         note_sources(kept_z + kept_s + kept_w + kept_b + kept_o,
                      [x] * (len(kept_z) + len(kept_s)) +
                      [weight] * len(kept_w) + [bias] * len(kept_b) +
@@ -239,8 +241,8 @@ class FusedClassifierLossFunction(Function):
         differentiable = set(result.mix) | {
             k for k, gs in result.others.items()
             if any(g is not None for g in gs)}
-        return _outputs(ctx, result.values, differentiable,
-                        (x, weight, bias, z, channel_scale, *others))
+        return function_outputs(ctx, result.values, differentiable,
+                                (x, weight, bias, z, channel_scale, *others))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -250,19 +252,19 @@ class FusedClassifierLossFunction(Function):
         kept_z, kept_w = kept[:n_z], kept[n_z:n_z + n_w]
         kept_b, kept_o = kept[n_z + n_w:n_z + n_w + n_b], \
             kept[n_z + n_w + n_b:]
-        others = _recombine(ctx.layout, kept_o, grad_outputs, n_o)
-        scales = _basis_scales(ctx.keys, ctx.mix, grad_outputs)
+        others = recombine_gradients(ctx.layout, kept_o, grad_outputs, n_o)
+        scales = basis_scales(ctx.keys, ctx.mix, grad_outputs)
         g_x = g_w = g_b = None
         if scales and kept_z:
-            g_z = _scaled_sum([(s, kept_z[b]) for b, s in scales.items()],
-                              kept_z[0])
+            g_z = scaled_sum([(s, kept_z[b]) for b, s in scales.items()],
+                             kept_z[0])
             shape, dtype, layout = ctx.x_geometry
             g_x = input_gradient(g_z, weight.to(g_z.dtype), shape,
                                  ctx.spec, layout, scale).to(dtype)
         if scales and kept_w:
-            g_w = _scaled_sum([(s, kept_w[b]) for b, s in scales.items()],
-                              weight)
+            g_w = scaled_sum([(s, kept_w[b]) for b, s in scales.items()],
+                             weight)
         if scales and kept_b:
-            g_b = _scaled_sum([(s, kept_b[b]) for b, s in scales.items()],
-                              weight)
+            g_b = scaled_sum([(s, kept_b[b]) for b, s in scales.items()],
+                             weight)
         return (g_x, g_w, g_b, None, None, None, None, None) + others

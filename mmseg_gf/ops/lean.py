@@ -22,8 +22,8 @@ forward (the same call, bit for bit) and keeps the small thing instead.
 Gradients equal the plain path's (bitwise for the activations and dropout;
 to rounding for the norm, whose scale is one product instead of two). The
 loss, which upsamples the logits to the label size, has its gradient taken
-in the forward instead (:mod:`.fused_loss`). No mmseg import: the mmseg modules are wired in by
-:mod:`mmseg_gf.models.lean`.
+in the forward instead (:mod:`.loss_gradients`). No mmseg import: the mmseg
+modules are wired in by :mod:`mmseg_gf.models.lean`.
 """
 from typing import Callable, Optional
 

@@ -26,6 +26,9 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from .gradient_scaling import (basis_scales, flatten_gradients,
+                               function_outputs, recombine_gradients,
+                               scaled_sum)
 from .kept_sources import note_sources
 
 __all__ = ['LogitGradients', 'forward_graph', 'loss_gradients',
@@ -151,79 +154,6 @@ def loss_gradients(compute: Callable[..., Dict[str, Tensor]],
     return values, grads
 
 
-def _scaled_sum(terms: Sequence[Tuple[Tensor, Tensor]],
-                like: Tensor) -> Tensor:
-    """``sum(scale * tensor)`` in float32 (at least), cast to ``like``'s
-    dtype: the kept gradients times the incoming ones."""
-    total = None
-    for scale, tensor in terms:
-        part = tensor * scale
-        total = part if total is None else total + part
-    return total.to(like.dtype)
-
-
-def _flatten(grads: Dict[str, Tuple[Optional[Tensor], ...]],
-             keys: List[str]) -> Tuple[List[Tuple[int, int]], List[Tensor]]:
-    """The gradients that exist, and ``(output index, logits index)`` of
-    each: what a backward needs to scale them."""
-    layout, kept = [], []
-    for key, per_logit in grads.items():
-        for j, g in enumerate(per_logit):
-            if g is not None:
-                layout.append((keys.index(key), j))
-                kept.append(g)
-    return layout, kept
-
-
-def _recombine(layout: Sequence[Tuple[int, int]], kept: Sequence[Tensor],
-               grad_outputs: Sequence[Optional[Tensor]],
-               num_logits: int) -> Tuple[Optional[Tensor], ...]:
-    """Each logits tensor's gradient: its kept gradients, each scaled by its
-    output's incoming gradient, summed."""
-    terms: List[List[Tuple[Tensor, Tensor]]] = [
-        [] for _ in range(num_logits)]
-    for (k, j), g in zip(layout, kept):
-        if grad_outputs[k] is not None:
-            terms[j].append((grad_outputs[k], g))
-    return tuple(_scaled_sum(t, t[0][1]) if t else None for t in terms)
-
-
-def _storage_key(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _own_outputs(tensors: Sequence[Tensor],
-                 inputs: Sequence[Optional[Tensor]] = ()) -> tuple:
-    """``tensors`` as a Function's outputs: each one that is a view, or
-    shares its storage with an input or an earlier output, copied (an
-    in-place change of one output must not reach another or an input);
-    the others returned as they are (a loss value computed in the forward:
-    on a GPU a copy is one more launch per output)."""
-    seen = {_storage_key(t) for t in inputs if t is not None}
-    out = []
-    for t in tensors:
-        key = _storage_key(t)
-        if t._is_view() or key in seen:
-            t = t.clone()
-            key = _storage_key(t)
-        seen.add(key)
-        out.append(t)
-    return tuple(out)
-
-
-def _outputs(ctx, values: Dict[str, Tensor], differentiable,
-             inputs: Sequence[Optional[Tensor]] = ()) -> tuple:
-    """The forward's outputs in key order (:func:`_own_outputs`), the
-    non-differentiable marked. An output no gradient reaches (the
-    accuracy) gets None in the backward, not a zero tensor made for it
-    (a fill launch on a GPU): the backwards skip None."""
-    ctx.set_materialize_grads(False)
-    outputs = _own_outputs([values[k] for k in ctx.keys], inputs)
-    ctx.mark_non_differentiable(
-        *[v for k, v in zip(ctx.keys, outputs) if k not in differentiable])
-    return outputs
-
-
 class PrecomputedGradientLossFunction(Function):
     """Loss outputs of logits tensors, differentiated in the forward.
 
@@ -242,15 +172,15 @@ class PrecomputedGradientLossFunction(Function):
                                        ctx.needs_input_grad[3:])
         keys.extend(values)
         ctx.keys = list(values)
-        ctx.layout, kept = _flatten(grads, ctx.keys)
+        ctx.layout, kept = flatten_gradients(grads, ctx.keys)
         note_sources(kept, [logits[j] for _, j in ctx.layout])
         ctx.save_for_backward(*kept)
         ctx.num_logits = len(logits)
-        return _outputs(ctx, values, grads, logits)
+        return function_outputs(ctx, values, grads, logits)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return (None, None, None) + _recombine(
+        return (None, None, None) + recombine_gradients(
             ctx.layout, ctx.saved_tensors, grad_outputs, ctx.num_logits)
 
 
@@ -272,28 +202,13 @@ class KeptGradientLossFunction(Function):
         ctx.keys, ctx.mix = list(result.values), result.mix
         note_sources(result.bases, [logits] * len(result.bases))
         ctx.save_for_backward(*result.bases)
-        return _outputs(ctx, result.values, result.mix, (logits, ))
+        return function_outputs(ctx, result.values, result.mix, (logits, ))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         bases = ctx.saved_tensors
-        scales = _basis_scales(ctx.keys, ctx.mix, grad_outputs)
+        scales = basis_scales(ctx.keys, ctx.mix, grad_outputs)
         if not scales:
             return None, None, None
-        return None, None, _scaled_sum(
+        return None, None, scaled_sum(
             [(s, bases[b]) for b, s in scales.items()], bases[0])
-
-
-def _basis_scales(keys: Sequence[str], mix: Dict[str, List[Tuple[int, float]]],
-                  grad_outputs: Sequence[Optional[Tensor]]
-                  ) -> Dict[int, Tensor]:
-    """Basis index -> its factor in the gradient: the incoming gradients
-    of the outputs that use it, times their factors."""
-    scales: Dict[int, Tensor] = {}
-    for key, grad in zip(keys, grad_outputs):
-        if grad is None or key not in mix:
-            continue
-        for b, factor in mix[key]:
-            part = grad * factor
-            scales[b] = scales[b] + part if b in scales else part
-    return scales

@@ -341,3 +341,24 @@ def recycling_off():
         yield
     finally:
         recycle_limit(previous)
+
+
+def _applier(setter, to_kernel=lambda value: value):
+    """:func:`switches.override`'s way to a toggle kept in the compiled
+    kernels: ``setter`` (which returns the previous state) takes the value,
+    and the previous state, as the kernels hold it, is put back. Without
+    the kernels nothing reads the toggle, so there is nothing to set."""
+
+    def apply(value):
+        if _kernels is None:
+            return lambda: None
+        previous = setter(to_kernel(value))
+        return lambda: setter(previous)
+
+    return apply
+
+
+switches.bind_applier('MMSEG_GF_RECYCLE_MB',
+                      _applier(recycle_limit, lambda mib: mib << 20))
+switches.bind_applier('onednn_products', _applier(set_onednn_products))
+switches.bind_applier('token_rows_avx512', _applier(set_token_rows_avx512))

@@ -23,12 +23,12 @@ keeps what undoes it exactly:
 Torch only, no mmseg: the lowest layer its users (ops included) allow.
 """
 import contextlib
-from typing import (Callable, Dict, Iterable, Iterator, List, NamedTuple,
-                    Optional, Tuple)
+from typing import (Dict, Iterable, Iterator, List, NamedTuple, Optional,
+                    Tuple)
 
 __all__ = ['PRIVATE_PREFIX', 'SWAP_MARKER', 'SwappedFrom', 'swapped_class',
            'swap_class', 'unswap_class', 'plain_class', 'is_swapped',
-           'override', 'overridden', 'Hooks']
+           'override', 'overridden', 'Override', 'Hooks']
 
 #: Every attribute this package sets on another library's object starts
 #: with it, so that none can clash with mmseg's or torch's own.
@@ -101,10 +101,32 @@ def plain_class(module) -> type:
     return type(module) if record is None else record.plain
 
 
-_MISSING = object()
+class Override:
+    """The undo of one :func:`override`: calling it puts back what
+    ``vars(owner)`` held under ``name`` (``had_previous``: ``previous``),
+    or removes the attribute.
+
+    An object, not a closure, so that an override kept for good on a model
+    (the token grids' recompute of a checkpointed block) is copied with the
+    model: ``copy.deepcopy`` gives an undo of the copy's attribute, which
+    leaves the original's alone.
+    """
+
+    def __init__(self, owner, name: str, previous,
+                 had_previous: bool) -> None:
+        self.owner = owner
+        self.name = name
+        self.previous = previous
+        self.had_previous = had_previous
+
+    def __call__(self) -> None:
+        if self.had_previous:
+            setattr(self.owner, self.name, self.previous)
+        else:
+            delattr(self.owner, self.name)
 
 
-def override(owner, name: str, value) -> Callable[[], None]:
+def override(owner, name: str, value) -> Override:
     """Set ``owner.<name>`` (an instance attribute shadowing a method, or a
     Python module's function) to ``value``; returns its undo.
 
@@ -114,15 +136,9 @@ def override(owner, name: str, value) -> Callable[[], None]:
     (an earlier override included) or removes the attribute; undo in the
     reverse order of the overrides.
     """
-    previous = vars(owner).get(name, _MISSING)
+    had_previous = name in vars(owner)
+    undo = Override(owner, name, vars(owner).get(name), had_previous)
     setattr(owner, name, value)
-
-    def undo() -> None:
-        if previous is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, previous)
-
     return undo
 
 

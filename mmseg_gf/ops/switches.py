@@ -21,8 +21,12 @@ The rest are declared for the list's sake: ``setup.py`` reads its build
 switches itself (it must run before torch is importable), the C++ output
 pool reads ``MMSEG_GF_RECYCLE_MB`` when it starts, and some toggles live in
 compiled code or in glibc; :func:`value` refuses those and names the
-function that changes them. This module imports nothing of mmseg_gf or
-torch, so any module may import it.
+function that changes them. A switch whose state lives in compiled code
+can still be overridden where its owner gave this module the way to set
+it (:func:`bind_applier`: :mod:`.native` binds the output pool's limit and
+the CPU kernels' toggles to the extension's setters): :func:`override`
+then sets that state for the block and puts the previous one back. This
+module imports nothing of mmseg_gf or torch, so any module may import it.
 """
 import contextlib
 import os
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
 __all__ = ['Switch', 'SWITCHES', 'value', 'set_value', 'override', 'reread',
-           'markdown']
+           'bind_applier', 'markdown']
 
 #: ``reader`` of a switch whose value :func:`value` gives.
 PYTHON = 'mmseg_gf'
@@ -140,6 +144,8 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
 _UNREAD = object()
 _environment: Dict[str, Any] = {}  # name -> the environment's value
 _runtime: Dict[str, Any] = {}  # name -> the value set_value gave
+#: name -> apply(value) -> restore, for switches read outside Python
+_appliers: Dict[str, Callable[[Any], Callable[[], None]]] = {}
 
 
 def _declared(name: str) -> Switch:
@@ -207,19 +213,51 @@ def set_value(name: str, new: Any) -> Any:
 def override(**values: Any) -> Iterator[None]:
     """Inside the block each named switch reads as if the environment gave
     it the value (a value set at run time still wins, as over the
-    environment); what was read before is restored afterwards."""
-    values = {name: _checked(_declared(name), given)
+    environment); what was read before is restored afterwards. A switch
+    read outside Python is set where it lives, through the function its
+    owner bound (:func:`bind_applier`), and set back afterwards."""
+    values = {name: _checked(_overridable(name), given)
               for name, given in values.items()}
-    saved = {name: _environment.get(name, _UNREAD) for name in values}
-    _environment.update(values)
+    applied = {n: v for n, v in values.items() if n in _appliers}
+    read = {n: v for n, v in values.items() if n not in applied}
+    saved = {name: _environment.get(name, _UNREAD) for name in read}
+    restores = []
     try:
+        for name, given in applied.items():
+            restores.append(_appliers[name](given))
+        _environment.update(read)
         yield
     finally:
+        for restore in reversed(restores):
+            restore()
         for name, old in saved.items():
             if old is _UNREAD:
                 _environment.pop(name, None)
             else:
                 _environment[name] = old
+
+
+def bind_applier(name: str,
+                 apply: Callable[[Any], Callable[[], None]]) -> None:
+    """Let :func:`override` reach a switch read outside Python:
+    ``apply(value)`` sets the state where it lives (the compiled kernels)
+    and returns what puts the previous state back. Called by the switch's
+    owner when it is imported (:mod:`.native`); a switch no owner bound
+    (glibc's, whose ``mallopt`` has no getter to restore from) stays
+    refused."""
+    switch = SWITCHES.get(name)
+    if switch is None or switch.reader == PYTHON:
+        raise KeyError(f'{name!r} is no switch read outside Python')
+    _appliers[name] = apply
+
+
+def _overridable(name: str) -> Switch:
+    """The switch, if :func:`override` can reach it: read by Python, or
+    bound by its owner (:func:`bind_applier`)."""
+    switch = SWITCHES.get(name)
+    if switch is not None and name in _appliers:
+        return switch
+    return _declared(name)
 
 
 def reread(*names: str) -> None:

@@ -2,7 +2,7 @@
 derivative where the traced training step shows it exact
 (docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
 
-Tiny zoo models (tests/test_models/test_token_grids.py), 64x64, batch 2,
+Tiny zoo models (tests/helpers/token_families.py), 64x64, batch 2,
 ``num_layers=20`` (Linears counted; 10 on the tiny Segmenter), r = 4,
 through the config path
 (``check_settings`` -> ``select_and_apply``):
@@ -42,7 +42,7 @@ from mmseg_gf.ops.patch_mean_activation import \
     patch_mean_kept_elements  # noqa: E402
 from tests.test_engine.test_transformer_selection import (  # noqa: E402
     _batch, _close, _step)
-from tests.test_models.test_token_grids import SIZE, tiny_model  # noqa: E402
+from tests.helpers.token_families import SIZE, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

@@ -3,7 +3,7 @@ Linears and attentions on token grids beside the convs.
 
 Segformer-B0, Swin-T UPerNet, Twins-PCPVT-S UPerNet, DeiT-S UPerNet and
 Segmenter ViT-T from mmseg 1.2.2's zoo, offline and shrunk as in
-tests/test_models/test_token_grids.py, at 64x64, float32, GF last 20
+tests/helpers/token_families.py, at 64x64, float32, GF last 20
 layers (Segmenter: 10), r = 4:
 
 * lean on, ``gf`` and ``vanilla``: the step trace models every byte of the
@@ -28,18 +28,15 @@ import torch
 
 pytest.importorskip('mmseg')
 
-from mmengine.config import Config  # noqa: E402
-
 from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa
-from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.state import get_state  # noqa: E402
-from mmseg_gf.engine.zoo import make_offline, mmseg_config_dir  # noqa: E402
 from mmseg_gf.models.gf_attention import GFMultiheadAttention  # noqa: E402
 from mmseg_gf.models.gf_linear import GFLinear  # noqa: E402
-from tests.test_models.test_token_grids import FAMILIES  # noqa: E402
+from tests.helpers.engine_fixtures import step_saved_bytes  # noqa: E402
+from tests.helpers.token_families import family_config  # noqa: E402
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures('one_thread')]
 
@@ -50,12 +47,8 @@ NAMES = ('segformer_b0', 'swin_t', 'twins_pcpvt_s', 'deit_s',
 
 
 def _cfg(name, **settings):
-    path, shrink = FAMILIES[name]
-    cfg = make_offline(Config.fromfile(f'{mmseg_config_dir()}/{path}'))
-    model = Config(dict(model=cfg.model)).model
-    shrink(model)
-    model.data_preprocessor['size'] = (SIZE, SIZE)
-    cfg.model = model
+    cfg = family_config(name)
+    cfg.model.data_preprocessor['size'] = (SIZE, SIZE)
     if settings:
         cfg.gradient_filter = dict(radius=4, layer_kinds=None, **settings)
     return cfg
@@ -72,8 +65,7 @@ def _model(name, mode, lean, layers=None):
 
 
 def _measured(model, batch=BATCH):
-    inputs, samples = random_batch(model, (SIZE, SIZE), batch)
-    return saved_tensor_bytes(lambda: training_loss(model, inputs, samples))
+    return step_saved_bytes(model, (SIZE, SIZE), batch)
 
 
 def _token_layers(model):

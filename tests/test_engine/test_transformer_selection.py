@@ -3,7 +3,7 @@ attentions on token grids counted together in execution order
 (docs/gradient_filter.md#linear-layers-on-token-grids).
 
 For eight tiny zoo families (mmseg 1.2.2's configs shrunk as in
-tests/test_models/test_token_grids.py, 64x64, batch 2), the settings go
+tests/helpers/token_families.py, 64x64, batch 2), the settings go
 through the config path (``check_settings`` -> ``select_and_apply``) with
 ``num_layers=20`` (10 on the tiny Segmenter, which has 11 layers besides
 its classifier; 36 on the tiny DPT, whose head alone runs 32), and:
@@ -42,7 +42,7 @@ from mmseg_gf.engine.selection import select_layers  # noqa: E402
 from mmseg_gf.models.gf_attention import GFMultiheadAttention  # noqa: E402
 from mmseg_gf.models.gf_linear import GFLinear  # noqa: E402
 from tests.helpers.lean_steps import one_step  # noqa: E402
-from tests.test_models.test_token_grids import SIZE, tiny_model  # noqa: E402
+from tests.helpers.token_families import SIZE, tiny_model  # noqa: E402
 
 #: layers counted by the tests (the tiny Segmenter has 11; the tiny DPT's
 #: head runs 32, its readout projections among them).

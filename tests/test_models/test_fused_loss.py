@@ -1,8 +1,9 @@
 """The decode head's classifier fused with its loss, and every head's loss
-differentiated in the forward (:mod:`mmseg_gf.ops.fused_loss`): the same
-losses, accuracy and gradients (input and every parameter) as mmseg's own
-head (float32, rtol 1e-5), less kept for backward, the classifier's input
-not kept at all where the classifier is fused."""
+differentiated in the forward (:mod:`mmseg_gf.ops.loss_gradients`,
+:mod:`mmseg_gf.ops.fused_classifier`): the same losses, accuracy and
+gradients (input and every parameter) as mmseg's own head (float32, rtol
+1e-5), less kept for backward, the classifier's input not kept at all where
+the classifier is fused."""
 import copy
 
 import pytest

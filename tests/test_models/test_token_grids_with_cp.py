@@ -11,6 +11,7 @@ block's input does and every block is checkpointed): the gradients with
 ``with_cp=True`` equal those with ``with_cp=False``, no layer falls back to
 the exact backward, and the recompute did run.
 """
+import copy
 import warnings
 
 import pytest
@@ -25,9 +26,11 @@ from mmseg.models.backbones.vit import \
     TransformerEncoderLayer as ViTLayer  # noqa: E402
 
 from mmseg_gf.models.gf_conv import GFExactBackwardWarning  # noqa: E402
-from mmseg_gf.models.token_grids import recompute  # noqa: E402
+from mmseg_gf.models.token_grids import (  # noqa: E402
+    install_token_grids, recompute, uninstall_token_grids)
+from tests.helpers.token_families import tiny_model  # noqa: E402
 from tests.test_models.test_token_grids import (  # noqa: E402
-    filtered_module, plain_model_and_grad, swapped_gradients, tiny_model)
+    filtered_module, plain_model_and_grad, swapped_gradients)
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -65,6 +68,31 @@ def test_checkpointed_blocks_recompute_with_their_grids(name, monkeypatch):
                                    atol=1e-9 * scale, msg=key)
     assert all(m.with_cp for m in blocks)
     assert all('forward' not in m.__dict__ for m in blocks)
+
+
+def test_uninstalling_puts_back_each_blocks_own_forward():
+    """The recompute is an instance override (mmseg_gf.ops.patching): the
+    bindings' removal puts back what each block held (an instance
+    ``forward`` set before survives), and a copy of the model removes its
+    own blocks' forwards, not the original's."""
+    model = tiny_model('swin_t', with_cp=True)
+    blocks = [m for m in model.modules() if isinstance(m, SwinBlock)]
+    earlier = blocks[0].forward  # a bound method as an instance attribute
+    blocks[0].forward = earlier
+    install_token_grids(model)
+    assert all(isinstance(vars(b)['forward'], recompute.CheckpointWithGrids)
+               for b in blocks)
+    twin = copy.deepcopy(model)
+    uninstall_token_grids(twin)
+    twin_blocks = [m for m in twin.modules() if isinstance(m, SwinBlock)]
+    assert all('forward' not in vars(b) for b in twin_blocks[1:])
+    assert not isinstance(vars(twin_blocks[0])['forward'],
+                          recompute.CheckpointWithGrids)
+    assert all(isinstance(vars(b)['forward'], recompute.CheckpointWithGrids)
+               for b in blocks)
+    uninstall_token_grids(model)
+    assert vars(blocks[0])['forward'] is earlier
+    assert all('forward' not in vars(b) for b in blocks[1:])
 
 
 def test_built_swin_with_cp_trains_as_without(monkeypatch):

@@ -1,14 +1,19 @@
-"""The loss-gradient functions of :mod:`mmseg_gf.ops.fused_loss` against
+"""The loss-gradient functions (:mod:`mmseg_gf.ops.loss_gradients`,
+:mod:`mmseg_gf.ops.fused_classifier`) against
 autograd on plain convolutions and losses: outputs with different incoming
 gradients, accumulation into ``.grad``, strided / padded / dilated /
 grouped convolutions whose input does not fit their stride."""
 import pytest
 import torch
 
-from mmseg_gf.ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
-                                     LogitGradients,
-                                     PrecomputedGradientLossFunction,
-                                     loss_gradients)
+from mmseg_gf.ops.fused_classifier import (ConvSpec,
+                                           FusedClassifierLossFunction,
+                                           channel_scaled_classifier,
+                                           input_gradient,
+                                           weight_and_bias_gradients)
+from mmseg_gf.ops.loss_gradients import (LogitGradients,
+                                         PrecomputedGradientLossFunction,
+                                         loss_gradients)
 from tests.helpers.devices import DEVICES
 
 
@@ -119,8 +124,6 @@ def test_loss_gradients_refuses_what_it_cannot_keep():
 def test_pointwise_classifier_gradients_copy_nothing(layout):
     """A 1x1 classifier's g_x, g_W and g_b are matrix products that read
     x and write g_x in x's layout: equal to autograd's, no copy."""
-    from mmseg_gf.ops.fused_loss import (input_gradient,
-                                         weight_and_bias_gradients)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 16, 9, 11, generator=gen).contiguous(
         memory_format=layout)
@@ -150,7 +153,6 @@ def test_channel_scale_folds_into_the_fused_classifier(bias, layout):
     Dropout2d's noise, zeros included) folded into the 1x1 classifier's
     weight: the same logits as autograd's conv of the scaled input, and the
     fused function's g_x, g_W, g_b equal autograd's through the scaling."""
-    from mmseg_gf.ops.fused_loss import channel_scaled_classifier
     fmt = torch.channels_last if layout == 'channels_last' else \
         torch.contiguous_format
     gen = torch.Generator().manual_seed(2)
@@ -192,7 +194,6 @@ def test_channel_scale_folds_into_the_fused_classifier(bias, layout):
 def test_channel_scaled_classifier_is_differentiable_by_autograd():
     """The folded forward itself (what a head whose output is not fused
     differentiates with autograd)."""
-    from mmseg_gf.ops.fused_loss import channel_scaled_classifier
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 4, 6, generator=gen, dtype=torch.float64)
     scale = torch.rand(2, 5, 1, 1, generator=gen, dtype=torch.float64)
@@ -204,8 +205,6 @@ def test_channel_scaled_classifier_is_differentiable_by_autograd():
 
 
 def test_channel_scale_needs_a_pointwise_classifier():
-    from mmseg_gf.ops.fused_loss import (input_gradient,
-                                         weight_and_bias_gradients)
     layer = torch.nn.Conv2d(4, 3, 3, padding=1)
     x, g_z = torch.randn(2, 4, 5, 5), torch.randn(2, 3, 5, 5)
     scale = torch.ones(2, 4, 1, 1)

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from mmseg_gf.ops.fused_loss import (ConvSpec, FusedClassifierLossFunction,
-                                     LogitGradients)
+from mmseg_gf.ops.fused_classifier import (ConvSpec,
+                                           FusedClassifierLossFunction)
+from mmseg_gf.ops.loss_gradients import LogitGradients
 from mmseg_gf.ops.kept_sources import note_sources, recording, sources_of
 
 

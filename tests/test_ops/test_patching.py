@@ -1,5 +1,6 @@
 """mmseg_gf.ops.patching: each mechanism's undo gives the object back
 exactly (its class, its instance ``__dict__``, its hooks)."""
+import copy
 import types
 
 import pytest
@@ -112,6 +113,23 @@ def test_override_of_a_module_function_puts_the_function_back():
     with overridden(module, 'f', lambda: 2):
         assert module.f() == 2
     assert module.f is original
+
+
+def test_a_copied_override_undoes_the_copy_only():
+    """An undo kept with its owner (a model's lasting override) is copied
+    with it: the copy's undo removes the copy's attribute, and the
+    original keeps its own until its undo runs."""
+    relu = nn.ReLU()
+    before = _state(relu)
+    relu.undo = override(relu, 'forward', lambda x: x * 0)
+    twin = copy.deepcopy(relu)
+    assert twin.undo.owner is twin
+    twin.undo()
+    assert 'forward' not in vars(twin) and twin(torch.ones(1)).item() == 1
+    assert relu(torch.ones(1)).item() == 0
+    relu.undo()
+    del relu.undo
+    assert _state(relu) == before
 
 
 def test_override_is_undone_on_an_error():

@@ -6,8 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from mmseg_gf.ops import switches
+from mmseg_gf.ops import native, switches
 
 REPO = Path(__file__).resolve().parents[2]
 #: Where switch names are written: Python, docs, the build's scripts. The
@@ -102,6 +103,64 @@ def test_override_restores_what_the_environment_gave(fresh):
     with switches.override(MMSEG_GF_FUZZ_SEED=3):
         assert switches.value('MMSEG_GF_FUZZ_SEED') == 3
     assert switches.value('MMSEG_GF_FUZZ_SEED') == 5
+
+
+def _pool_limit() -> int:
+    """The output pool's limit in bytes, as the compiled kernels hold it
+    (set and set back: the extension has no getter)."""
+    limit = native.recycle_limit(0)
+    native.recycle_limit(limit)
+    return limit
+
+
+def _kept_after_freeing(nbytes: int) -> int:
+    """Bytes the pool keeps once a fresh output of ``nbytes`` dies."""
+    native.release_recycled()
+    out = native.empty_for_writing([nbytes // 4], torch.empty(0))
+    del out
+    return native.recycled_bytes()
+
+
+@pytest.mark.skipif(not native.built(), reason='compiled kernels not built')
+def test_override_reaches_the_pool_limit_the_kernels_hold():
+    """``MMSEG_GF_RECYCLE_MB`` is read by C++ when the pool starts; an
+    override sets the pool's limit itself (native binds the extension's
+    setter), so a freed output is not kept inside ``=0``, and the limit
+    before, in bytes, is back afterwards."""
+    previous = native.recycle_limit((7 << 20) + 4096)
+    try:
+        with switches.override(MMSEG_GF_NATIVE=True):
+            assert _kept_after_freeing(1 << 20) == 1 << 20
+            with switches.override(MMSEG_GF_RECYCLE_MB=0):
+                assert _pool_limit() == 0
+                assert _kept_after_freeing(1 << 20) == 0
+                with switches.override(MMSEG_GF_RECYCLE_MB=3):
+                    assert _pool_limit() == 3 << 20
+                assert _pool_limit() == 0
+            assert _pool_limit() == (7 << 20) + 4096
+    finally:
+        native.recycle_limit(previous)
+        native.release_recycled()
+
+
+@pytest.mark.skipif(not native.built(), reason='compiled kernels not built')
+def test_override_reaches_the_kernels_toggles():
+    before = native.set_onednn_products(True)
+    native.set_onednn_products(before)
+    with switches.override(onednn_products=not before):
+        assert native.set_onednn_products(not before) is (not before)
+    assert native.set_onednn_products(before) is before
+
+
+def test_switches_no_owner_can_set_are_refused_by_override():
+    """glibc's ``mallopt`` has no getter to restore from: its toggle
+    stays with its own function."""
+    with pytest.raises(KeyError, match='keep_freed_cpu_memory'):
+        switches.override(keep_freed_cpu_memory=True).__enter__()
+    with pytest.raises(KeyError, match='outside Python'):
+        switches.bind_applier('MMSEG_GF_NATIVE', lambda value: None)
+    with pytest.raises(TypeError, match='takes a int'):
+        switches.override(MMSEG_GF_RECYCLE_MB='0').__enter__()
 
 
 def test_reading_a_switch_writes_nothing(fresh):

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ...ops.patching import Override, override
 from ..gf_linear import TokenGridSource
 from .recompute import CheckpointWithGrids
 from .registry import checkpointed_blocks, grid_rules, known_blocks
@@ -68,7 +69,8 @@ class TokenGridBindings:
         self.model = model
         self.sites: Dict[str, LinearSite] = {}
         self._handles: List = []
-        self._forwards: List[Tuple[nn.Module, Callable]] = []
+        #: the undos of the blocks' replaced forwards, in install order
+        self._forward_undos: List[Override] = []
 
     def remove(self) -> None:
         """Remove every hook (the sources then stay empty) and forget the
@@ -76,10 +78,8 @@ class TokenGridBindings:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for block, forward in reversed(self._forwards):
-            if block.__dict__.get('forward') is forward:
-                del block.__dict__['forward']
-        self._forwards.clear()
+        while self._forward_undos:
+            self._forward_undos.pop()()
         for module, (owner, _) in list(_SITE_OF.items()):
             if owner is self:
                 del _SITE_OF[module]
@@ -134,10 +134,11 @@ class TokenGridBindings:
     def replace_forward(self, block: nn.Module, forward: Callable) -> None:
         """Run ``forward`` (an object holding ``block``, so that
         ``copy.deepcopy`` of the model gives the copy's) in place of
-        ``block``'s own forward until :meth:`remove`; hooks of the block
-        still run around it."""
-        block.forward = forward
-        self._forwards.append((block, forward))
+        ``block``'s own forward until :meth:`remove`, through
+        :func:`~mmseg_gf.ops.patching.override` (whose undo keeps an
+        instance ``forward`` set earlier); hooks of the block still run
+        around it."""
+        self._forward_undos.append(override(block, 'forward', forward))
 
     def bind(self, site: LinearSite) -> None:
         if site.path not in self.sites:  # the innermost rule wins

@@ -22,7 +22,9 @@ __all__ = ['CheckpointWithGrids']
 
 class CheckpointWithGrids:
     """The forward of a block that mmseg checkpoints with ``with_cp=True``,
-    installed as the block's instance attribute ``forward``.
+    installed as the block's instance attribute ``forward``
+    (:func:`mmseg_gf.ops.patching.override`, undone by the bindings'
+    ``remove``).
 
     mmseg's block (e.g. ``SwinBlock.forward``) checkpoints its inner
     forward when ``self.with_cp and x.requires_grad``, with torch's default
