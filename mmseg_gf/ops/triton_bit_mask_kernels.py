@@ -20,6 +20,7 @@ sent here: a float scalar reaches a kernel as float32).
 Importing this module imports ``triton``: :mod:`.triton_bit_mask` imports
 it lazily, where triton is installed.
 """
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -142,7 +143,9 @@ def apply_per_sample(grad: Tensor, bits: Tensor, keep_prob: float,
     as torch's CPU kernel does."""
     numel = grad.numel()
     reciprocal = grad.is_cuda
-    scalar = float(torch.tensor(1.0) / torch.tensor(float(keep_prob))) \
+    # float32's reciprocal computed on the host without a torch op (which
+    # a launch count would see)
+    scalar = float(np.float32(1.0) / np.float32(keep_prob)) \
         if reciprocal else float(keep_prob)
     _apply_per_sample[(triton.cdiv(numel, _BLOCK * 8), )](
         grad, bits, out, numel, numel // grad.shape[0], scalar,

@@ -144,11 +144,15 @@ def test_switched_off_runs_the_pytorch_path():
 
 
 def _assert_equal(a, b):
-    """Equal bit for bit but for NaN payloads (the sign of zeros too)."""
+    """Equal bit for bit but for NaN payloads; the sign of zeros too on the
+    CPU. (On CUDA, torch's own ReLU maps -0 to +0 where its CPU kernel
+    keeps -0; the kernels keep it: zeros compared by value there.)"""
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(a.isnan(), b.isnan())
     assert torch.equal(a.nan_to_num(), b.nan_to_num())
-    assert torch.equal(a.signbit() & ~a.isnan(), b.signbit() & ~b.isnan())
+    if DEVICE == 'cpu':
+        assert torch.equal(a.signbit() & ~a.isnan(),
+                           b.signbit() & ~b.isnan())
 
 
 def _lean(module):

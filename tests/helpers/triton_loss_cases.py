@@ -92,7 +92,7 @@ def _check_totals(totals, want, label):
 
 def test_launches_per_image(monkeypatch):
     """The Triton path's launches: per image the upsampling, the kernel,
-    the upsampling's backward; then one kernel for the batch's totals.
+    the upsampling's backward (two GEMMs on CUDA); then one kernel for the batch's totals.
     (``check_labels``, which the CPU runs first, is not run on a GPU, where
     the kernels count bad labels and one assertion reads the count: 2
     ops, counted there; so is ``resized_cross_entropy``'s CPU-only
@@ -105,7 +105,10 @@ def test_launches_per_image(monkeypatch):
     run = _count(lambda: resized_loss._per_image_triton(
         *on_device, 255, False, None, True, False, False),
         triton_loss_kernels, _KERNELS)
-    per_image = ['upsample_bilinear2d', 'upsample_bilinear2d_backward']
+    # the upsampling's backward: on CUDA two GEMMs (ops.bilinear_gemm)
+    per_image = ['upsample_bilinear2d'] + (
+        ['upsample_bilinear2d_backward'] if DEVICE == 'cpu' else
+        ['mm', 'bmm'])
     tail = [] if DEVICE == 'cpu' else ['eq', '_assert_async']
     assert run.triton == ['_pixel_cross_entropy'] * 2 + ['_batch_totals']
     assert sorted(run.ops) == sorted(per_image * 2 + tail), run.ops

@@ -4,6 +4,8 @@ two matrix products give ``F.interpolate``'s output and autograd's gradient
 or a loss makes (up, down, ``align_corners``, scale factors), a channel
 slice's gradient included; CUDA tensors take it through ``ops.resize`` and
 the resized loss, and the switch turns it off."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,28 +100,35 @@ def test_cpu_tensors_keep_torchs_kernels_unless_counted_as_cuda():
             assert not bilinear_gemm.usable(x)
 
 
-@pytest.mark.cuda
-@needs_cuda
+# 'cuda': a GPU's tensors; 'counted': CPU tensors inside as_on_cuda (the
+# launch count's stand-in for CUDA), which take the same route.
+ROUTES = ['counted', pytest.param('cuda', marks=[pytest.mark.cuda,
+                                                  needs_cuda])]
+
+
+@pytest.mark.parametrize('route', ROUTES)
 @pytest.mark.parametrize('size,resize', RESIZES, ids=str)
-def test_cuda_resize_function_takes_the_products(size, resize, monkeypatch):
+def test_resize_function_takes_the_products(size, resize, route,
+                                            monkeypatch):
     """On CUDA the lean heads' resize (``BilinearResizeFunction``) runs the
-    products both ways: autograd's numbers within float32 rounding, and
-    the same as torch's kernels with the switch off."""
+    products both ways, with autograd's numbers within float32 rounding."""
     calls = []
     for name in ('resize', 'resize_backward'):
         real = getattr(bilinear_gemm, name)
         monkeypatch.setattr(bilinear_gemm, name,
                             lambda *a, _real=real, _name=name, **k:
                             calls.append(_name) or _real(*a, **k))
+    device = 'cuda' if route == 'cuda' else 'cpu'
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 3, *size, generator=gen).cuda()
+    x = torch.randn(2, 3, *size, generator=gen).to(device)
     want_y, want_gx, g = _reference(
-        x, lambda y: torch.randn(y.shape, generator=gen).cuda(), resize)
+        x, lambda y: torch.randn(y.shape, generator=gen).to(device), resize)
     leaf = x.clone().requires_grad_(True)
-    y = BilinearResizeFunction.apply(
-        leaf, resize.get('size'), resize.get('scale_factor'),
-        resize['align_corners'], None)
-    gx, = torch.autograd.grad(y, leaf, g)
+    with as_on_cuda() if route == 'counted' else contextlib.nullcontext():
+        y = BilinearResizeFunction.apply(
+            leaf, resize.get('size'), resize.get('scale_factor'),
+            resize['align_corners'], None)
+        gx, = torch.autograd.grad(y, leaf, g)
     assert calls == ['resize', 'resize_backward']
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-4)
