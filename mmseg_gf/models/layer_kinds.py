@@ -1,14 +1,14 @@
 """The kinds of layer gradient filtering can train, one description each.
 
-A :class:`LayerKind` says everything the rest of the plugin needs to know
-about a kind of layer: which module types the selection trace records
-(``traced_type``), which of them it can replace (``plain_types``), the
-filtered module that replaces them (``filtered_type``, built by ``wrap``,
-sharing the Parameters), and its geometry at one traced call
+A :class:`LayerKind` says everything the rest of the plugin needs to know about
+a kind of layer: which module types the selection trace records
+(``traced_type``), which of them it can replace (``plain_types``), the filtered
+module that replaces them (``filtered_type``, built from a plain one by
+``from_plain``, sharing the Parameters), and its geometry at one traced call
 (``geometry``), whose ``cost`` method gives the backward FLOPs and the bytes
-kept for backward at a radius (:class:`LayerGeometry`). Selection, surgery,
-the accounting (kept rules, profile, peak model, budget), the hooks and the
-tools go through :func:`layer_kinds` / :func:`kind_of` instead of naming
+kept for backward at a radius (:class:`LayerGeometry`). Selection, surgery, the
+accounting (kept rules, profile, peak model, budget), the hooks and the tools
+go through :func:`layer_kinds` / :func:`kind_of` instead of naming
 ``nn.Conv2d``. Each kind's math lives in :mod:`mmseg_gf.ops` (the conv's in
 ``ops/gradient_filter.py``, its cost in ``ops/conv_cost.py``, the patch-grid
 helpers the kinds share in ``ops/patch_grid.py``) and its module in
@@ -84,9 +84,9 @@ class LayerKind:
         filtered_type: the filtered module class, a
             :class:`~.filtered_layer.FilteredLayer` (its ``radius``,
             ``enabled``, ``_filter_active`` and patch partitions).
-        wrap: ``(module, radius, enabled) -> filtered module`` sharing the
-            module's Parameters (so optimizers and ``state_dict`` stay
-            valid).
+        from_plain: ``(module, radius, enabled) -> filtered module``: the
+            filtered layer built from a plain one, sharing its Parameters
+            (so optimizers and ``state_dict`` stay valid).
         geometry: ``(module, inputs, output) -> LayerGeometry`` of one call
             (``inputs``: its positional inputs, as a forward hook gets them).
         quality: ``(module, x, grad_out, radius) -> GradientQuality``: the
@@ -94,11 +94,11 @@ class LayerKind:
             (:mod:`mmseg_gf.ops.quality`).
         allowed: the classes it accepts, for error messages.
         prepare: ``(model) -> undo or None``: installs on the segmentor what
-            ``geometry`` and ``wrap`` need during the selection's trace (the
-            Linear kinds: the token-grid hooks); None when nothing is needed
-            or it is installed already.
+            ``geometry`` and ``from_plain`` need during the selection's trace
+            (the Linear kinds: the token-grid hooks); None when nothing is
+            needed or it is installed already.
         install: ``(model) -> None``: installs it for training (the
-            surgery calls it before ``wrap``); idempotent.
+            surgery calls it before ``from_plain``); idempotent.
         patch_partitioned: its filtered call tags its output with the
             ``r x r`` patch partition of its grid and its ``g_x`` is
             constant on those patches, so an elementwise op between two
@@ -131,7 +131,7 @@ class LayerKind:
     traced_type: type
     plain_types: Tuple[type, ...]
     filtered_type: type
-    wrap: Callable[[nn.Module, int, bool], nn.Module]
+    from_plain: Callable[[nn.Module, int, bool], nn.Module]
     geometry: Callable[[nn.Module, Sequence, Tensor], LayerGeometry]
     quality: Callable[[nn.Module, Tensor, Tensor, int], GradientQuality]
     allowed: str
@@ -163,11 +163,11 @@ class LayerKind:
                    enabled: bool) -> nn.Module:
         """``module`` filtered at ``radius`` (``enabled=False``: the exact
         backward): a filtered module is updated in place, a plain one
-        wrapped (:attr:`wrap`)."""
+        replaced by its filtered layer (:attr:`from_plain`)."""
         if self.is_filtered(module):
             module.radius, module.enabled = radius, enabled
             return module
-        return self.wrap(module, radius, enabled)
+        return self.from_plain(module, radius, enabled)
 
 
 _KINDS: Dict[str, LayerKind] = {}
@@ -271,7 +271,8 @@ def _conv_geometry(module: nn.Module, inputs: Sequence,
     return ConvGeometry.of(module, inputs[0].shape[1:], output.shape[1:])
 
 
-def _wrap_conv(module: nn.Module, radius: int, enabled: bool) -> GFConv2d:
+def _conv_from_plain(module: nn.Module, radius: int,
+                     enabled: bool) -> GFConv2d:
     return GFConv2d.from_conv(module, radius, enabled=enabled)
 
 
@@ -282,7 +283,7 @@ CONV2D = register_layer_kind(LayerKind(
     traced_type=nn.Conv2d,
     plain_types=with_mmcv_wrapper(nn.Conv2d),
     filtered_type=GFConv2d,
-    wrap=_wrap_conv,
+    from_plain=_conv_from_plain,
     geometry=_conv_geometry,
     quality=layer_gradient_quality,
     allowed='nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
