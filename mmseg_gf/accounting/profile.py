@@ -81,6 +81,10 @@ class ConvProfile:
         output_stride: input pixels per output pixel.
         params: its parameter count (weight and bias).
         seq: position of its call among the traced module calls.
+        input_shape: its input's shape at the traced call, without the
+            batch axis (what its backward's scratch is measured on; the
+            geometry's ``in_shape`` is ``(C, H, W)`` on the kind's grid,
+            which a 1-D conv's input, ``(C, L)``, is not).
     """
 
     path: str
@@ -91,6 +95,7 @@ class ConvProfile:
     output_stride: int
     params: int
     seq: int = 0
+    input_shape: Tuple[int, ...] = ()
 
     def cost(self, radius: int, first: int,
              batch: int = 1) -> ConvBackwardCost:
@@ -410,7 +415,7 @@ class StepCostProfile:
             # step peak of the tiny transformer families stays within 10%
             # without it (tests/test_engine/test_token_kinds_accounting.py)
             return 0
-        in_shape = conv.geometry.in_shape
+        in_shape = conv.input_shape or conv.geometry.in_shape
         key = scratch_key(conv.module, in_shape, radius, need_input_grad)
         if key not in self.workspaces:
             self.workspaces[key] = tuple(
@@ -631,7 +636,7 @@ class _Recorder:
                 output_stride=map_output_stride(self.profile.input_size,
                                                 geometry.map_area),
                 params=sum(p.numel() for p in call.module.parameters()),
-                seq=call.seq))
+                seq=call.seq, input_shape=tuple(call.x.shape[1:])))
 
     def on_module(self, call: ModuleCall) -> None:
         x, out = call.x, call.output
