@@ -31,6 +31,7 @@ from typing import (Callable, Dict, Iterable, List, Optional, Protocol,
                     Sequence, Tuple, Union)
 
 from torch import Tensor, nn
+from torch.nn.modules.conv import _ConvNd
 
 from ..ops.conv_cost import ConvBackwardCost, ConvGeometry
 from ..ops.patching import plain_class
@@ -39,7 +40,8 @@ from .gf_conv import GFConv2d, with_mmcv_wrapper
 
 __all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
            'unregister_layer_kind', 'layer_kinds', 'layer_kind', 'kind_of',
-           'traced_kind_of', 'is_filterable', 'is_filtered',
+           'traced_kind_of', 'family_kind_of', 'is_filterable',
+           'is_filtered', 'layer_kernels',
            'filterable_names', 'traced_type_names', 'kind_names',
            'layers_noun']
 
@@ -124,6 +126,24 @@ class LayerKind:
             type (depthwise convs as a kind of their own beside
             ``conv2d``): it takes the instances of ``traced_type`` it
             claims, ahead of the kinds that claim every instance (None).
+        family: the class of every layer of its sort, wider than
+            ``traced_type`` where layers of that sort exist that no kind
+            filters (a conv kind's: ``_ConvNd``, transposed and 1-D convs
+            too): the launch count files their launches under
+            ``category``, the cost report lists them among the layers it
+            does not count. None: ``traced_type``.
+        category: what the launch count
+            (:data:`mmseg_gf.accounting.launches.KINDS`) files the
+            launches of its family's layers under (``'conv'``,
+            ``'linear'``, ``'attention'``), ``'filtered_' + category``
+            while one of its filtered layers filters, where the count has
+            that category.
+        kernel: ``(module) -> Tensor``: a layer's weight as a kernel over
+            its grid's axes (``C_out x C_in/groups x k...``), whose
+            DC-energy ratio (paper Eq. 13,
+            :func:`~mmseg_gf.ops.quality.dc_energy_ratios`) Proposition 1
+            relies on; None for a kind without one (a Linear, an
+            attention).
     """
 
     name: str
@@ -143,6 +163,14 @@ class LayerKind:
     kept_rule: Union[str, Callable, None] = None
     frozen_lean: Optional[str] = None
     claims: Optional[Callable[[nn.Module], bool]] = None
+    family: Optional[type] = None
+    category: str = 'other'
+    kernel: Optional[Callable[[nn.Module], Tensor]] = None
+
+    def in_family(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a layer of this kind's sort (its
+        :attr:`family`), filterable or not."""
+        return isinstance(module, self.family or self.traced_type)
 
     def traces(self, module: nn.Module) -> bool:
         """Whether this kind's trace records ``module``."""
@@ -224,6 +252,28 @@ def traced_kind_of(module: nn.Module) -> Optional[LayerKind]:
     return None
 
 
+def family_kind_of(module: nn.Module) -> Optional[LayerKind]:
+    """The kind whose trace records ``module``, else the first registered
+    kind whose family holds it (a transposed conv: the conv's), or None."""
+    kind = traced_kind_of(module)
+    if kind is not None:
+        return kind
+    return next((k for k in _KINDS.values() if k.in_family(module)), None)
+
+
+def layer_kernels(model: nn.Module) -> List[Tuple[str, Tensor]]:
+    """``(path, kernel)`` of every layer of ``model`` whose kind has a
+    :attr:`~LayerKind.kernel` (filterable or not, e.g. a weight-standardised
+    conv: what the DC-energy ratio describes is the kernel), in module
+    order."""
+    found = []
+    for path, module in model.named_modules():
+        kind = traced_kind_of(module)
+        if kind is not None and kind.kernel is not None:
+            found.append((path, kind.kernel(module)))
+    return found
+
+
 def kind_of(module: nn.Module) -> Optional[LayerKind]:
     """The kind that can filter ``module``, or None."""
     kind = traced_kind_of(module)
@@ -271,6 +321,10 @@ def _conv_geometry(module: nn.Module, inputs: Sequence,
     return ConvGeometry.of(module, inputs[0].shape[1:], output.shape[1:])
 
 
+def _conv_kernel(module: nn.Module) -> Tensor:
+    return module.weight
+
+
 def _conv_from_plain(module: nn.Module, radius: int,
                      enabled: bool) -> GFConv2d:
     return GFConv2d.from_conv(module, radius, enabled=enabled)
@@ -290,4 +344,7 @@ CONV2D = register_layer_kind(LayerKind(
     'DeformConv, ConvTranspose)',
     patch_partitioned=True,
     kept_rule='mmseg_gf.accounting.kept:conv_items',
-    frozen_lean='frozen_conv'))
+    frozen_lean='frozen_conv',
+    family=_ConvNd,
+    category='conv',
+    kernel=_conv_kernel))

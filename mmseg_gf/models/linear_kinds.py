@@ -297,7 +297,8 @@ LINEAR = register_layer_kind(LayerKind(
     kept_rule=_TOKEN_KEPT_RULE,
     frozen_lean='frozen_linear',
     patch_partitioned=True,
-    call_grids=_linear_call_grids))
+    call_grids=_linear_call_grids,
+    category='linear'))
 
 #: ``nn.MultiheadAttention``: packed in-projection and out-projection.
 ATTENTION = register_layer_kind(LayerKind(
@@ -313,4 +314,6 @@ ATTENTION = register_layer_kind(LayerKind(
     prepare=prepare_token_grids,
     install=install_for_training,
     kept_rule=_TOKEN_KEPT_RULE,
-    call_grids=_attention_call_grids))
+    frozen_lean='attention',
+    call_grids=_attention_call_grids,
+    category='attention'))

@@ -60,7 +60,8 @@ KIND = LayerKind(
     from_plain=_from_plain, geometry=CONV2D.geometry, quality=CONV2D.quality,
     allowed='a depthwise nn.Conv2d (GFDepthwiseConv2d)',
     patch_partitioned=True, kept_rule=CONV2D.kept_rule,
-    frozen_lean=CONV2D.frozen_lean, claims=_is_depthwise)
+    frozen_lean=CONV2D.frozen_lean, claims=_is_depthwise,
+    family=CONV2D.family, category=CONV2D.category, kernel=CONV2D.kernel)
 
 
 @pytest.fixture

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from mmseg_gf.models import GFConv2d
-from mmseg_gf.models.layer_kinds import (CONV2D, LayerKind, filterable_names,
-                                         is_filterable, is_filtered, kind_of,
+from mmseg_gf.models.layer_kinds import (CONV2D, LayerKind, family_kind_of,
+                                         filterable_names, is_filterable,
+                                         is_filtered, kind_of, layer_kernels,
                                          layer_kind, layer_kinds,
                                          register_layer_kind, traced_kind_of,
                                          traced_type_names)
@@ -112,3 +113,19 @@ def test_patch_partitioned_kinds_are_the_patch_mean_rules_layers():
     assert is_filtered_layer(conv) and is_filtered_layer(linear)
     assert not is_filtered_layer(attention)
     assert not is_filtered_layer(nn.Conv2d(2, 2, 1))
+
+
+def test_the_conv_kinds_family_and_kernels():
+    """The conv kind's family holds the convs no kind traces; the kernels
+    are those of every traced conv (a weight-standardised one too), not a
+    Linear's or a transposed conv's."""
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Linear(2, 2),
+                          _ConvWS(2, 2, 1), nn.ConvTranspose2d(2, 2, 2),
+                          GFConv2d(2, 2, 3))
+    assert family_kind_of(model[3]) is CONV2D and traced_kind_of(
+        model[3]) is None
+    assert family_kind_of(model[1]) is layer_kind('linear')
+    assert family_kind_of(nn.ReLU()) is None
+    assert [(path, w is model.get_submodule(path).weight)
+            for path, w in layer_kernels(model)] == [
+                ('0', True), ('2', True), ('4', True)]
