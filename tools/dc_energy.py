@@ -16,6 +16,7 @@ from mmengine.registry import init_default_scope
 from mmengine.runner import load_checkpoint
 
 import mmseg_gf  # noqa: F401  (registers GFConv2d)
+from mmseg_gf.models.layer_kinds import layer_kernels
 from mmseg_gf.ops.quality import model_dc_energy_ratio
 
 
@@ -41,7 +42,7 @@ def main():
         load_checkpoint(model, args.checkpoint, map_location='cpu')
     else:
         model.init_weights()
-    ratios = model_dc_energy_ratio(model.named_modules())
+    ratios = model_dc_energy_ratio(layer_kernels(model))
     mean = ratios.pop('mean')
     if args.per_layer:
         for name, value in ratios.items():

@@ -62,9 +62,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..models.gf_attention import GFMultiheadAttention
-from ..models.gf_linear import GFLinear, is_filterable_linear
 from ..models.lean import is_lean, lean_kind
+from ..models.linear_kinds import ATTENTION, LINEAR
 from ..models.segmentor import is_class_score_layer
 from ..ops.gradient_filter_linear import TokenGrid
 from .kept import SavedItem, count_once
@@ -141,7 +140,7 @@ def _images_merge(x: torch.Tensor) -> bool:
     return x.stride(0) == x.shape[1] * x.stride(1)
 
 
-def _filter_ran(module: GFLinear, x: torch.Tensor) -> bool:
+def _filter_ran(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether the call ran the filtered Function (see
     :meth:`GFLinear.forward`)."""
     return (module._filter_active(x) and x.numel() > 0
@@ -154,7 +153,7 @@ def _linear_items(path: str, module: nn.Module, x: torch.Tensor,
     weight, bias = module.weight, module.bias
     trained = weight.requires_grad or (bias is not None
                                        and bias.requires_grad)
-    if isinstance(module, GFLinear) and _filter_ran(module, x):
+    if LINEAR.is_filtered(module) and _filter_ran(module, x):
         if not weight.requires_grad:
             return []
         elements = patch_sum_elements(module.current_grid(), module.radius,
@@ -172,7 +171,7 @@ def _linear_items(path: str, module: nn.Module, x: torch.Tensor,
     return items
 
 
-def _projection_items(path: str, module: GFMultiheadAttention,
+def _projection_items(path: str, module: nn.Module,
                       shared: Dict[int, Tuple[str, Any]]
                       ) -> List[SavedItem]:
     """What the four projections of the last call kept."""
@@ -209,7 +208,7 @@ def _projection_items(path: str, module: GFMultiheadAttention,
         filtered_weight_views(path, module, shared)
 
 
-def filtered_weight_views(path: str, module: GFMultiheadAttention,
+def filtered_weight_views(path: str, module: nn.Module,
                           shared: Dict[int, Tuple[str, Any]]
                           ) -> List[SavedItem]:
     """The view of ``in_proj_weight`` its filtered projections keep when
@@ -233,7 +232,7 @@ def candidate_extra_items(path: str, module: nn.Module,
     Raises:
         LookupError: the attention ran a path the rules do not model.
     """
-    if not isinstance(module, GFMultiheadAttention):
+    if not ATTENTION.is_filtered(module):
         return []
     views = [] if module._packing in (None, 'qkv') else _weight_view(
         path, module.in_proj_weight, shared)
@@ -244,7 +243,7 @@ def candidate_extra_items(path: str, module: nn.Module,
     raise LookupError(path)
 
 
-def _probability_items(path: str, module: GFMultiheadAttention
+def _probability_items(path: str, module: nn.Module
                        ) -> List[SavedItem]:
     """The ``bmm`` path: ``q * scale``, the projection holding k and v
     (the packed ``3 L E`` one for self-attention, ``2 S E`` for a shared
@@ -262,7 +261,7 @@ def _probability_items(path: str, module: GFMultiheadAttention
                       call.elem_bytes)]
 
 
-def _attention_call_items(path: str, module: GFMultiheadAttention,
+def _attention_call_items(path: str, module: nn.Module,
                           shared: Dict[int, Tuple[str, Any]]
                           ) -> List[SavedItem]:
     if module._gf_lean_call is not None:
@@ -287,8 +286,8 @@ def token_items(path: str, module: nn.Module, x: torch.Tensor,
     Raises:
         LookupError: a call this module does not model (measured).
     """
-    if isinstance(module, GFMultiheadAttention):
+    if ATTENTION.is_filtered(module):
         return _attention_call_items(path, module, shared)
-    if isinstance(module, nn.Linear) and is_filterable_linear(module):
+    if LINEAR.is_filterable(module):
         return _linear_items(path, module, x, shared)
     return None

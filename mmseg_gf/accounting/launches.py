@@ -72,7 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..models import lean as lean_models
-from ..models.layer_kinds import kind_of
+from ..models.layer_kinds import family_kind_of, kind_of
 from ..models.lean import lean_kind
 from ..models.lean_head import base_decode_head
 from ..ops import switches, triton_path
@@ -109,31 +109,33 @@ _LEAN_KINDS = {'norm': 'norm', 'layer_norm': 'norm', 'activation':
                'attention': 'attention', 'frozen_conv': 'conv',
                'frozen_linear': 'linear'}
 #: In ``torch.nn.modules.activation`` but an attention's parts (a softmax
-#: goes to the module around it: the attention) or an attention.
-_NOT_ACTIVATIONS = (nn.MultiheadAttention, nn.Softmax, nn.Softmin,
-                    nn.LogSoftmax, nn.Softmax2d)
-_TYPES = ((nn.modules.conv._ConvNd, 'conv'), (nn.Linear, 'linear'),
-          (nn.modules.batchnorm._NormBase, 'norm'),
+#: goes to the module around it: the attention).
+_NOT_ACTIVATIONS = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d)
+#: The modules of no layer kind with a kind of their own here.
+_TYPES = ((nn.modules.batchnorm._NormBase, 'norm'),
           ((nn.GroupNorm, nn.LayerNorm), 'norm'),
-          (nn.modules.dropout._DropoutNd, 'dropout'),
-          (nn.MultiheadAttention, 'attention'))
+          (nn.modules.dropout._DropoutNd, 'dropout'))
 
 
 def module_kind(module: nn.Module) -> Optional[str]:
     """The kind (:data:`KINDS`) a module's launches go to, None for a
     container (its children's kinds, or ``other``). The same for a lean
     module and its plain counterpart, so lean and vanilla steps compare
-    kind by kind."""
+    kind by kind. A layer of a layer kind's family goes to the kind's
+    :attr:`~mmseg_gf.models.layer_kinds.LayerKind.category`, a filtered
+    one to ``filtered_`` + it while it filters (where :data:`KINDS` has
+    that: ``filtered_conv``, ``filtered_linear``)."""
     layer = kind_of(module)
-    if layer is not None and layer.is_filtered(module) and \
-            layer.frozen_lean is not None:
-        # a kind's filtered module: its layers' kind (that of their frozen
-        # lean variant), ``filtered_`` while it filters
-        plain = _LEAN_KINDS[layer.frozen_lean]
-        return f'filtered_{plain}' if module.enabled else plain
+    if layer is not None and layer.is_filtered(module):
+        filtered = f'filtered_{layer.category}'
+        return filtered if module.enabled and filtered in KINDS else \
+            layer.category
     kind = _LEAN_KINDS.get(lean_kind(module))
     if kind is not None:
         return kind
+    layer = family_kind_of(module)
+    if layer is not None:
+        return layer.category
     if type(module).__module__ == 'torch.nn.modules.activation' and \
             not isinstance(module, _NOT_ACTIVATIONS):
         return 'activation'

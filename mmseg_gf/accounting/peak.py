@@ -127,7 +127,7 @@ def backward_scratch(conv: nn.Module, in_shape: Sequence[int], radius: int,
 
     ``g_y`` is made inside the measured step (the gradient of
     ``(y * w).sum()``), so that it is freed as in a training step."""
-    module = kind_of(conv).wrap(copy.deepcopy(conv), radius, True)
+    module = kind_of(conv).from_plain(copy.deepcopy(conv), radius, True)
     for p in module.parameters():
         p.requires_grad_(True)
     x = torch.randn((batch, ) + tuple(in_shape),

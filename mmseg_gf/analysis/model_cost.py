@@ -37,7 +37,7 @@ from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
 from ..engine.layer_trace import LayerRecord, trace_layers
 from ..engine.state import get_state
-from ..models.layer_kinds import CONV2D, layer_kinds
+from ..models.layer_kinds import CONV2D, family_kind_of, layer_kinds
 from ..models.segmentor import is_classifier, unwrap_model
 
 __all__ = [
@@ -286,7 +286,8 @@ def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
     """Trainable layers that ``mode='all'`` does not count, outside
     auxiliary heads, by the name of their layer kind's traced type
     (``Linear``, ``MultiheadAttention``: subclasses count as their kind)
-    or, for convs of no kind (transposed, 1-D, ...), by class name."""
+    or, for layers of a kind's family that no kind traces (a conv kind's:
+    transposed, 1-D, ... convs), by class name."""
     others = [k for k in layer_kinds() if k.traced_type is not
               CONV2D.traced_type]
     counts: Dict[str, int] = {}
@@ -296,7 +297,7 @@ def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
             continue
         name = next((k.traced_type.__name__ for k in others
                      if k.traces(module)), None)
-        if name is None and isinstance(module, nn.modules.conv._ConvNd):
+        if name is None and family_kind_of(module) is not None:
             name = type(module).__name__
         if name is not None:
             counts[name] = counts.get(name, 0) + 1

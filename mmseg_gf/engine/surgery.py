@@ -1,9 +1,9 @@
 """Swap selected layers for their kind's filtered module (a conv for
 GFConv2d) and freeze everything else.
 
-The swap shares Parameters (the kind's ``wrap``: ``GFConv2d.from_conv``), so
-``state_dict`` keys and values are unchanged and an optimizer built before
-the swap stays valid.
+The swap shares Parameters (the kind's ``from_plain``:
+``GFConv2d.from_conv``), so ``state_dict`` keys and values are unchanged
+and an optimizer built before the swap stays valid.
 """
 from typing import List, Optional, Sequence
 
@@ -120,7 +120,7 @@ def _swap_chosen_layers(model: nn.Module, choices: Sequence[LayerChoice],
             kind.install(model)
     for choice in choices:
         layer = model.get_submodule(choice.path)
-        # a traced layer no kind can filter: its kind's wrap says why
+        # a traced layer no kind can filter: its kind's from_plain says why
         kind = kind_of(layer) or traced_kind_of(layer)
         if kind is None:
             raise TypeError(

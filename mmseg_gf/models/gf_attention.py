@@ -135,6 +135,9 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
     enabled: bool
     query_source: Optional[TokenGridSource]
     key_source: Optional[TokenGridSource]
+    #: set by mmcv's wrapper, made lean, around a call whose weights it
+    #: discards (:mod:`.lean_transformer`)
+    _gf_lean_weights_unused = False
 
     @classmethod
     def from_attention(cls, attention: nn.MultiheadAttention, radius: int,

@@ -1,14 +1,14 @@
 """The kinds of layer gradient filtering can train, one description each.
 
-A :class:`LayerKind` says everything the rest of the plugin needs to know
-about a kind of layer: which module types the selection trace records
-(``traced_type``), which of them it can replace (``plain_types``), the
-filtered module that replaces them (``filtered_type``, built by ``wrap``,
-sharing the Parameters), and its geometry at one traced call
+A :class:`LayerKind` says everything the rest of the plugin needs to know about
+a kind of layer: which module types the selection trace records
+(``traced_type``), which of them it can replace (``plain_types``), the filtered
+module that replaces them (``filtered_type``, built from a plain one by
+``from_plain``, sharing the Parameters), and its geometry at one traced call
 (``geometry``), whose ``cost`` method gives the backward FLOPs and the bytes
-kept for backward at a radius (:class:`LayerGeometry`). Selection, surgery,
-the accounting (kept rules, profile, peak model, budget), the hooks and the
-tools go through :func:`layer_kinds` / :func:`kind_of` instead of naming
+kept for backward at a radius (:class:`LayerGeometry`). Selection, surgery, the
+accounting (kept rules, profile, peak model, budget), the hooks and the tools
+go through :func:`layer_kinds` / :func:`kind_of` instead of naming
 ``nn.Conv2d``. Each kind's math lives in :mod:`mmseg_gf.ops` (the conv's in
 ``ops/gradient_filter.py``, its cost in ``ops/conv_cost.py``, the patch-grid
 helpers the kinds share in ``ops/patch_grid.py``) and its module in
@@ -31,6 +31,7 @@ from typing import (Callable, Dict, Iterable, List, Optional, Protocol,
                     Sequence, Tuple, Union)
 
 from torch import Tensor, nn
+from torch.nn.modules.conv import _ConvNd
 
 from ..ops.conv_cost import ConvBackwardCost, ConvGeometry
 from ..ops.patching import plain_class
@@ -39,7 +40,8 @@ from .gf_conv import GFConv2d, with_mmcv_wrapper
 
 __all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
            'unregister_layer_kind', 'layer_kinds', 'layer_kind', 'kind_of',
-           'traced_kind_of', 'is_filterable', 'is_filtered',
+           'traced_kind_of', 'family_kind_of', 'is_filterable',
+           'is_filtered', 'layer_kernels',
            'filterable_names', 'traced_type_names', 'kind_names',
            'layers_noun']
 
@@ -84,9 +86,9 @@ class LayerKind:
         filtered_type: the filtered module class, a
             :class:`~.filtered_layer.FilteredLayer` (its ``radius``,
             ``enabled``, ``_filter_active`` and patch partitions).
-        wrap: ``(module, radius, enabled) -> filtered module`` sharing the
-            module's Parameters (so optimizers and ``state_dict`` stay
-            valid).
+        from_plain: ``(module, radius, enabled) -> filtered module``: the
+            filtered layer built from a plain one, sharing its Parameters
+            (so optimizers and ``state_dict`` stay valid).
         geometry: ``(module, inputs, output) -> LayerGeometry`` of one call
             (``inputs``: its positional inputs, as a forward hook gets them).
         quality: ``(module, x, grad_out, radius) -> GradientQuality``: the
@@ -94,11 +96,11 @@ class LayerKind:
             (:mod:`mmseg_gf.ops.quality`).
         allowed: the classes it accepts, for error messages.
         prepare: ``(model) -> undo or None``: installs on the segmentor what
-            ``geometry`` and ``wrap`` need during the selection's trace (the
-            Linear kinds: the token-grid hooks); None when nothing is needed
-            or it is installed already.
+            ``geometry`` and ``from_plain`` need during the selection's trace
+            (the Linear kinds: the token-grid hooks); None when nothing is
+            needed or it is installed already.
         install: ``(model) -> None``: installs it for training (the
-            surgery calls it before ``wrap``); idempotent.
+            surgery calls it before ``from_plain``); idempotent.
         patch_partitioned: its filtered call tags its output with the
             ``r x r`` patch partition of its grid and its ``g_x`` is
             constant on those patches, so an elementwise op between two
@@ -124,6 +126,24 @@ class LayerKind:
             type (depthwise convs as a kind of their own beside
             ``conv2d``): it takes the instances of ``traced_type`` it
             claims, ahead of the kinds that claim every instance (None).
+        family: the class of every layer of its sort, wider than
+            ``traced_type`` where layers of that sort exist that no kind
+            filters (a conv kind's: ``_ConvNd``, transposed and 1-D convs
+            too): the launch count files their launches under
+            ``category``, the cost report lists them among the layers it
+            does not count. None: ``traced_type``.
+        category: what the launch count
+            (:data:`mmseg_gf.accounting.launches.KINDS`) files the
+            launches of its family's layers under (``'conv'``,
+            ``'linear'``, ``'attention'``), ``'filtered_' + category``
+            while one of its filtered layers filters, where the count has
+            that category.
+        kernel: ``(module) -> Tensor``: a layer's weight as a kernel over
+            its grid's axes (``C_out x C_in/groups x k...``), whose
+            DC-energy ratio (paper Eq. 13,
+            :func:`~mmseg_gf.ops.quality.dc_energy_ratios`) Proposition 1
+            relies on; None for a kind without one (a Linear, an
+            attention).
     """
 
     name: str
@@ -131,7 +151,7 @@ class LayerKind:
     traced_type: type
     plain_types: Tuple[type, ...]
     filtered_type: type
-    wrap: Callable[[nn.Module, int, bool], nn.Module]
+    from_plain: Callable[[nn.Module, int, bool], nn.Module]
     geometry: Callable[[nn.Module, Sequence, Tensor], LayerGeometry]
     quality: Callable[[nn.Module, Tensor, Tensor, int], GradientQuality]
     allowed: str
@@ -143,6 +163,14 @@ class LayerKind:
     kept_rule: Union[str, Callable, None] = None
     frozen_lean: Optional[str] = None
     claims: Optional[Callable[[nn.Module], bool]] = None
+    family: Optional[type] = None
+    category: str = 'other'
+    kernel: Optional[Callable[[nn.Module], Tensor]] = None
+
+    def in_family(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a layer of this kind's sort (its
+        :attr:`family`), filterable or not."""
+        return isinstance(module, self.family or self.traced_type)
 
     def traces(self, module: nn.Module) -> bool:
         """Whether this kind's trace records ``module``."""
@@ -163,11 +191,11 @@ class LayerKind:
                    enabled: bool) -> nn.Module:
         """``module`` filtered at ``radius`` (``enabled=False``: the exact
         backward): a filtered module is updated in place, a plain one
-        wrapped (:attr:`wrap`)."""
+        replaced by its filtered layer (:attr:`from_plain`)."""
         if self.is_filtered(module):
             module.radius, module.enabled = radius, enabled
             return module
-        return self.wrap(module, radius, enabled)
+        return self.from_plain(module, radius, enabled)
 
 
 _KINDS: Dict[str, LayerKind] = {}
@@ -224,6 +252,28 @@ def traced_kind_of(module: nn.Module) -> Optional[LayerKind]:
     return None
 
 
+def family_kind_of(module: nn.Module) -> Optional[LayerKind]:
+    """The kind whose trace records ``module``, else the first registered
+    kind whose family holds it (a transposed conv: the conv's), or None."""
+    kind = traced_kind_of(module)
+    if kind is not None:
+        return kind
+    return next((k for k in _KINDS.values() if k.in_family(module)), None)
+
+
+def layer_kernels(model: nn.Module) -> List[Tuple[str, Tensor]]:
+    """``(path, kernel)`` of every layer of ``model`` whose kind has a
+    :attr:`~LayerKind.kernel` (filterable or not, e.g. a weight-standardised
+    conv: what the DC-energy ratio describes is the kernel), in module
+    order."""
+    found = []
+    for path, module in model.named_modules():
+        kind = traced_kind_of(module)
+        if kind is not None and kind.kernel is not None:
+            found.append((path, kind.kernel(module)))
+    return found
+
+
 def kind_of(module: nn.Module) -> Optional[LayerKind]:
     """The kind that can filter ``module``, or None."""
     kind = traced_kind_of(module)
@@ -271,7 +321,12 @@ def _conv_geometry(module: nn.Module, inputs: Sequence,
     return ConvGeometry.of(module, inputs[0].shape[1:], output.shape[1:])
 
 
-def _wrap_conv(module: nn.Module, radius: int, enabled: bool) -> GFConv2d:
+def _conv_kernel(module: nn.Module) -> Tensor:
+    return module.weight
+
+
+def _conv_from_plain(module: nn.Module, radius: int,
+                     enabled: bool) -> GFConv2d:
     return GFConv2d.from_conv(module, radius, enabled=enabled)
 
 
@@ -282,11 +337,14 @@ CONV2D = register_layer_kind(LayerKind(
     traced_type=nn.Conv2d,
     plain_types=with_mmcv_wrapper(nn.Conv2d),
     filtered_type=GFConv2d,
-    wrap=_wrap_conv,
+    from_plain=_conv_from_plain,
     geometry=_conv_geometry,
     quality=layer_gradient_quality,
     allowed='nn.Conv2d, mmcv Conv2d, GFConv2d (not e.g. ConvWS, '
     'DeformConv, ConvTranspose)',
     patch_partitioned=True,
     kept_rule='mmseg_gf.accounting.kept:conv_items',
-    frozen_lean='frozen_conv'))
+    frozen_lean='frozen_conv',
+    family=_ConvNd,
+    category='conv',
+    kernel=_conv_kernel))

@@ -69,8 +69,9 @@ from ..ops.triton_norm import FrozenBatchNormFunction
 from ..ops.resized_loss import LabelRangeError
 from .gf_conv import with_mmcv_wrapper
 from .layer_kinds import traced_kind_of
-from .lean_transformer import (TRANSFORMER_KINDS, mmcv_dropout_class,
-                               transformer_kind, transformer_mixin)
+from .lean_transformer import (KIND_MIXINS, TRANSFORMER_KINDS,
+                               mmcv_dropout_class, transformer_kind,
+                               transformer_mixin)
 from .patch_mean_gelu import LEAN_OWNER, is_patch_mean_gelu
 from .lean_head import (ClassifierCapture, base_decode_head,
                         disable_classifier_fusion, fused_classifier_losses,
@@ -370,7 +371,7 @@ class _LeanFrozenLinear:
 _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
            'dropout': _LeanDropout, 'pool': _LeanAdaptiveAvgPool,
            'loss': _LeanLossHead, 'frozen_conv': _LeanFrozenConv,
-           'frozen_linear': _LeanFrozenLinear}
+           'frozen_linear': _LeanFrozenLinear, **KIND_MIXINS}
 #: Lean variants chosen by class rather than by kind.
 _CLASS_MIXINS = {nn.Hardsigmoid: _LeanHardsigmoid, nn.PReLU: _LeanPReLU,
                  nn.MaxPool2d: _LeanMaxPool, nn.AvgPool2d: _LeanAvgPool}

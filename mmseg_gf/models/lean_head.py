@@ -34,6 +34,7 @@ from ..ops.fused_classifier import (ConvSpec, FusedClassifierLossFunction,
 from ..ops.loss_gradients import (LogitGradients,
                                   PrecomputedGradientLossFunction,
                                   loss_gradients)
+from .layer_kinds import CONV2D
 from .lean_loss import (chunk_blocker, chunkable_losses,
                         chunked_cross_entropy_gradients,
                         chunked_cross_entropy_losses, ohem_sampler_spec)
@@ -102,9 +103,12 @@ def _chunked_specs(head: nn.Module):
 def fusion_blocker(head: nn.Module) -> Optional[str]:
     """Why ``head``'s classifier cannot be fused with its loss (logged
     once), or None when it can: the head must classify with mmseg's
-    ``cls_seg`` (dropout, then ``conv_seg``) and have a plain
-    ``nn.Conv2d`` as ``conv_seg`` (or its lean class, which runs the plain
-    convolution while trained). (Whether its forward returns the
+    ``cls_seg`` (dropout, then ``conv_seg``) and have a plain 2-D conv as
+    ``conv_seg``: one of the conv kind's plain classes
+    (:attr:`~.layer_kinds.LayerKind.plain_types`: ``nn.Conv2d``, mmcv's
+    wrapper of it; or its lean class, which runs the plain convolution
+    while trained), not its filtered one, whose backward the fusion would
+    bypass. (Whether its forward returns the
     classifier's output, alone or in a tuple, is seen in the forward:
     :meth:`ClassifierCapture.mismatch`.)"""
     reason = getattr(head, '_gf_fused_classifier_off', None)
@@ -114,8 +118,8 @@ def fusion_blocker(head: nn.Module) -> Optional[str]:
         return reason
     if plain.cls_seg is not base.cls_seg:
         reason = 'its class overrides cls_seg'
-    elif plain_class(getattr(head, 'conv_seg', None)) is not nn.Conv2d \
-            or head.conv_seg.padding_mode != 'zeros':
+    elif plain_class(getattr(head, 'conv_seg', None)) not in \
+            CONV2D.plain_types or head.conv_seg.padding_mode != 'zeros':
         reason = 'conv_seg is not a zero-padded torch.nn.Conv2d'
     if reason is not None:
         log_fallback_once(head, reason)

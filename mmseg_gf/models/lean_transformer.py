@@ -42,7 +42,8 @@ from ..ops.lean_transformer import (BitMaskDropPathFunction,
                                     multihead_attention)
 
 __all__ = ['AttentionCall', 'transformer_kind', 'transformer_mixin',
-           'mmcv_dropout_class', 'is_rule_owner', 'TRANSFORMER_KINDS']
+           'mmcv_dropout_class', 'is_rule_owner', 'TRANSFORMER_KINDS',
+           'KIND_MIXINS']
 
 #: What :func:`transformer_kind` returns.
 TRANSFORMER_KINDS = ('attention', 'layer_norm', 'drop_path')
@@ -107,7 +108,13 @@ def _stat_bytes(t: Tensor) -> int:
 
 
 class _LeanTorchAttention:
-    """``nn.MultiheadAttention`` with frozen projections through SDPA."""
+    """``nn.MultiheadAttention`` with frozen projections through SDPA: the
+    lean variant the attention layer kind names for its frozen layers
+    (:attr:`~.layer_kinds.LayerKind.frozen_lean`, :data:`KIND_MIXINS`)."""
+
+    #: set by mmcv's wrapper, made lean, around a call whose weights it
+    #: discards (:class:`_LeanMmcvAttention`)
+    _gf_lean_weights_unused = False
 
     def _lean_applies(self, query, key, value, key_padding_mask,
                       need_weights, attn_mask, is_causal) -> bool:
@@ -170,11 +177,13 @@ class _LeanMmcvAttention:
     """mmcv's ``MultiheadAttention`` (and subclasses: MiT's
     ``EfficientMultiheadAttention``, Twins' GSA): its forward keeps only
     ``self.attn(...)[0]``, so the probabilities its inner
-    ``nn.MultiheadAttention`` would return are unused."""
+    ``nn.MultiheadAttention`` would return are unused: it tells an inner
+    attention that reads ``_gf_lean_weights_unused`` (a lean or filtered
+    one declares it) so."""
 
     def forward(self, *args, **kwargs):
         attn = getattr(self, 'attn', None)
-        if not isinstance(attn, nn.MultiheadAttention):
+        if not hasattr(type(attn), '_gf_lean_weights_unused'):
             return super().forward(*args, **kwargs)
         attn._gf_lean_weights_unused = True
         try:
@@ -338,9 +347,10 @@ def _optional(module: str, name: str) -> Optional[type]:
 def _mixins() -> Tuple[Tuple[type, type, str], ...]:
     """``(plain class, mixin, kind)``, most specific first; subclasses of a
     plain class get its mixin (MiT's and Twins' attentions subclass
-    mmcv's ``MultiheadAttention``)."""
-    table = [(nn.MultiheadAttention, _LeanTorchAttention, 'attention'),
-             (nn.LayerNorm, _LeanLayerNorm, 'layer_norm')]
+    mmcv's ``MultiheadAttention``). The attention layer kind's own
+    ``nn.MultiheadAttention`` is not here: its kind names its variant
+    (:data:`KIND_MIXINS`)."""
+    table = [(nn.LayerNorm, _LeanLayerNorm, 'layer_norm')]
     optional = [
         ('mmcv.cnn.bricks.transformer', 'MultiheadAttention',
          _LeanMmcvAttention, 'attention'),
@@ -399,3 +409,7 @@ def is_rule_owner(module: nn.Module) -> bool:
 
 _ATTENTIONS = (_LeanTorchAttention, _LeanWindowMSA,
                _LeanLocallyGroupedAttention)
+
+#: The lean variants here that a layer kind names for its frozen layers
+#: (:attr:`~.layer_kinds.LayerKind.frozen_lean`): the attention's.
+KIND_MIXINS = {'attention': _LeanTorchAttention}

@@ -5,8 +5,8 @@ Registered after ``conv2d`` (:mod:`.layer_kinds`). Their grid comes from the
 model, never from the token count: the kinds' ``prepare`` binds the grid
 rules of mmseg's transformer blocks (:func:`.token_grids.bind_token_grids`)
 on the segmentor, so that during a traced call ``geometry`` reads the grid
-of the call and ``wrap`` hands the filtered module the source that keeps it
-current (``GFLinear`` / ``GFMultiheadAttention``, sharing Parameters).
+of the call and ``from_plain`` hands the filtered module the source that
+keeps it current (``GFLinear`` / ``GFMultiheadAttention``, sharing Parameters).
 
 Cost: a Linear on an ``H x W`` grid is a 1x1-kernel conv on that grid
 (``ops/conv_cost.py``): the filter keeps the patch sums of its input and
@@ -218,7 +218,8 @@ def _refuse_no_grid(module: nn.Module, site: Optional[LinearSite]) -> None:
         f'gradient-filtered: {why}')
 
 
-def _wrap_linear(module: nn.Module, radius: int, enabled: bool) -> GFLinear:
+def _linear_from_plain(module: nn.Module, radius: int,
+                       enabled: bool) -> GFLinear:
     site = site_of(module)
     if site is None or site.source is None:
         _refuse_no_grid(module, site)
@@ -226,8 +227,8 @@ def _wrap_linear(module: nn.Module, radius: int, enabled: bool) -> GFLinear:
                                 enabled)
 
 
-def _wrap_attention(module: nn.Module, radius: int,
-                    enabled: bool) -> GFMultiheadAttention:
+def _attention_from_plain(module: nn.Module, radius: int,
+                          enabled: bool) -> GFMultiheadAttention:
     site = site_of(module)
     if site is None or site.source is None:
         _refuse_no_grid(module, site)
@@ -287,7 +288,7 @@ LINEAR = register_layer_kind(LayerKind(
     traced_type=nn.Linear,
     plain_types=_plain_linear_classes(),
     filtered_type=GFLinear,
-    wrap=_wrap_linear,
+    from_plain=_linear_from_plain,
     geometry=_linear_geometry,
     quality=_no_quality,
     allowed='nn.Linear on a token grid (GFLinear)',
@@ -296,7 +297,8 @@ LINEAR = register_layer_kind(LayerKind(
     kept_rule=_TOKEN_KEPT_RULE,
     frozen_lean='frozen_linear',
     patch_partitioned=True,
-    call_grids=_linear_call_grids))
+    call_grids=_linear_call_grids,
+    category='linear'))
 
 #: ``nn.MultiheadAttention``: packed in-projection and out-projection.
 ATTENTION = register_layer_kind(LayerKind(
@@ -305,11 +307,13 @@ ATTENTION = register_layer_kind(LayerKind(
     traced_type=nn.MultiheadAttention,
     plain_types=(nn.MultiheadAttention, ),
     filtered_type=GFMultiheadAttention,
-    wrap=_wrap_attention,
+    from_plain=_attention_from_plain,
     geometry=_attention_geometry,
     quality=_no_quality,
     allowed='nn.MultiheadAttention on token grids (GFMultiheadAttention)',
     prepare=prepare_token_grids,
     install=install_for_training,
     kept_rule=_TOKEN_KEPT_RULE,
-    call_grids=_attention_call_grids))
+    frozen_lean='attention',
+    call_grids=_attention_call_grids,
+    category='attention'))

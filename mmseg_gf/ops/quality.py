@@ -113,32 +113,44 @@ def layer_gradient_quality(conv: nn.Conv2d, x: Tensor, grad_out: Tensor,
         cos_grad_weight=cosine(exact_w, gf_w))
 
 
+def _taps(weight: Tensor) -> int:
+    """Taps of a ``C_out x C_in/groups x k...`` kernel."""
+    return math.prod(weight.shape[2:])
+
+
 def dc_energy_ratios(weight: Tensor) -> Tensor:
-    """Eq. 13 for every ``k x k`` slice of a conv weight (``k > 1``).
+    """Eq. 13 for every kernel slice of a conv weight
+    ``C_out x C_in/groups x k...`` (``k x k`` for a 2-D conv, ``k`` for a
+    1-D one: the DFT over the kernel's axes) with more than one tap.
 
     Returns a flat tensor of ratios, one per (out, in) slice.
     """
-    if weight.shape[-1] * weight.shape[-2] <= 1:
+    if weight.dim() < 3 or _taps(weight) <= 1:
         raise ValueError('the DC energy ratio needs a kernel larger than 1x1')
-    spectrum = torch.fft.fft2(weight.detach().double()).abs().pow(2)
-    flat = spectrum.flatten(-2)
+    axes = tuple(range(2, weight.dim()))
+    spectrum = torch.fft.fftn(weight.detach().double(),
+                              dim=axes).abs().pow(2)
+    flat = spectrum.flatten(2)
     dc = flat[..., 0]
     ac_max = flat[..., 1:].amax(dim=-1)
     return (dc / ac_max.clamp_min(torch.finfo(torch.float64).tiny)).flatten()
 
 
 def model_dc_energy_ratio(
-        modules: Iterable[Tuple[str, nn.Module]]) -> Dict[str, float]:
+        kernels: Iterable[Tuple[str, Tensor]]) -> Dict[str, float]:
     """Per-layer mean of Eq. 13 over slices, and the network mean.
 
-    The paper reports one number per network (Table 5); we average the
-    per-layer means over the layers with ``k > 1`` (``'mean'`` key), so that
-    a few huge layers do not dominate.
+    ``kernels``: ``(name, weight)`` of a network's layers with a kernel
+    (which layers have one is their layer kind's to say:
+    :func:`mmseg_gf.models.layer_kinds.layer_kernels`). The paper reports
+    one number per network (Table 5); we average the per-layer means over
+    the kernels of more than one tap (``'mean'`` key), so that a few huge
+    layers do not dominate.
     """
     per_layer = {}
-    for name, module in modules:
-        if isinstance(module, nn.Conv2d) and module.weight.shape[-1] > 1:
-            per_layer[name] = dc_energy_ratios(module.weight).mean().item()
+    for name, weight in kernels:
+        if _taps(weight) > 1:
+            per_layer[name] = dc_energy_ratios(weight).mean().item()
     if not per_layer:
         raise ValueError('no conv with a kernel larger than 1x1 found')
     per_layer['mean'] = sum(per_layer.values()) / len(per_layer)

@@ -206,6 +206,18 @@ def test_module_kinds_are_the_same_lean_or_plain():
     assert module_kind(nn.Sequential()) is None
 
 
+def test_module_kinds_of_the_layer_kinds_families():
+    """A layer of a kind's family goes to the kind's category, filtered
+    or not, traced by a kind or not (a transposed or 1-D conv: the conv
+    kind's family); a softmax is the attention's part, no activation."""
+    attention = nn.MultiheadAttention(4, 1)
+    assert [module_kind(m) for m in (
+        nn.ConvTranspose2d(2, 2, 2), nn.Conv1d(2, 2, 3), nn.Linear(2, 2),
+        attention, attention.out_proj, nn.Softmax(-1), nn.GELU())] == [
+            'conv', 'conv', 'linear', 'attention', 'linear', None,
+            'activation']
+
+
 def test_a_kernel_counted_without_running_it():
     """``run_kernels=False``: the launch is recorded with its bytes, its
     outputs zeroed, and a value read on the host after it is refused (what

@@ -49,17 +49,19 @@ def _is_depthwise(conv: nn.Module) -> bool:
         conv.groups == conv.in_channels == conv.out_channels
 
 
-def _wrap(conv: nn.Module, radius: int, enabled: bool) -> GFDepthwiseConv2d:
+def _from_plain(conv: nn.Module, radius: int,
+                enabled: bool) -> GFDepthwiseConv2d:
     return GFDepthwiseConv2d.from_conv(conv, radius, enabled=enabled)
 
 
 KIND = LayerKind(
     name='depthwise', noun='depthwise conv', traced_type=nn.Conv2d,
     plain_types=CONV2D.plain_types, filtered_type=GFDepthwiseConv2d,
-    wrap=_wrap, geometry=CONV2D.geometry, quality=CONV2D.quality,
+    from_plain=_from_plain, geometry=CONV2D.geometry, quality=CONV2D.quality,
     allowed='a depthwise nn.Conv2d (GFDepthwiseConv2d)',
     patch_partitioned=True, kept_rule=CONV2D.kept_rule,
-    frozen_lean=CONV2D.frozen_lean, claims=_is_depthwise)
+    frozen_lean=CONV2D.frozen_lean, claims=_is_depthwise,
+    family=CONV2D.family, category=CONV2D.category, kernel=CONV2D.kernel)
 
 
 @pytest.fixture

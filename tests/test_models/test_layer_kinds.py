@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from mmseg_gf.models import GFConv2d
-from mmseg_gf.models.layer_kinds import (CONV2D, LayerKind, filterable_names,
-                                         is_filterable, is_filtered, kind_of,
+from mmseg_gf.models.layer_kinds import (CONV2D, LayerKind, family_kind_of,
+                                         filterable_names, is_filterable,
+                                         is_filtered, kind_of, layer_kernels,
                                          layer_kind, layer_kinds,
                                          register_layer_kind, traced_kind_of,
                                          traced_type_names)
@@ -46,7 +47,7 @@ def test_which_modules_the_conv_kind_takes():
     assert kind_of(linear) is layer_kind('linear') is not CONV2D
 
 
-def test_wrap_and_set_filter_share_parameters():
+def test_from_plain_and_set_filter_share_parameters():
     conv = nn.Conv2d(3, 4, 3, padding=1)
     gf = CONV2D.set_filter(conv, 4, True)
     assert isinstance(gf, GFConv2d) and gf.radius == 4 and gf.enabled
@@ -54,7 +55,7 @@ def test_wrap_and_set_filter_share_parameters():
     again = CONV2D.set_filter(gf, 2, False)
     assert again is gf and (gf.radius, gf.enabled) == (2, False)
     with pytest.raises(TypeError, match='cannot gradient-filter'):
-        CONV2D.wrap(_ConvWS(3, 4, 3), 4, True)
+        CONV2D.from_plain(_ConvWS(3, 4, 3), 4, True)
 
 
 def test_geometry_of_a_call_is_the_cost_models():
@@ -72,14 +73,15 @@ def test_geometry_of_a_call_is_the_cost_models():
 def test_a_clashing_kind_is_refused():
     clash = LayerKind(name='conv2d', noun='conv', traced_type=nn.Conv3d,
                       plain_types=(nn.Conv3d, ), filtered_type=nn.Conv3d,
-                      wrap=None, geometry=None, quality=None, allowed='')
+                      from_plain=None, geometry=None, quality=None,
+                      allowed='')
     with pytest.raises(ValueError, match="clashes with the registered kind "
                        "'conv2d'"):
         register_layer_kind(clash)
     same_type = LayerKind(name='conv2d_again', noun='conv',
                           traced_type=nn.Conv2d, plain_types=(nn.Conv2d, ),
-                          filtered_type=GFConv2d, wrap=None, geometry=None,
-                          quality=None, allowed='')
+                          filtered_type=GFConv2d, from_plain=None,
+                          geometry=None, quality=None, allowed='')
     with pytest.raises(ValueError, match='clashes'):
         register_layer_kind(same_type)
     assert 'conv2d_again' not in [k.name for k in layer_kinds()]
@@ -104,10 +106,26 @@ def test_patch_partitioned_kinds_are_the_patch_mean_rules_layers():
     from mmseg_gf.models.patch_mean_graph import is_filtered_layer
     flags = {kind.name: kind.patch_partitioned for kind in layer_kinds()}
     assert flags == {'conv2d': True, 'linear': True, 'attention': False}
-    conv = CONV2D.wrap(nn.Conv2d(2, 2, 1), 2, True)
+    conv = CONV2D.from_plain(nn.Conv2d(2, 2, 1), 2, True)
     linear = GFLinear(2, 2, radius=2)
     attention = GFMultiheadAttention.from_attention(
         nn.MultiheadAttention(4, 2), 2, None)
     assert is_filtered_layer(conv) and is_filtered_layer(linear)
     assert not is_filtered_layer(attention)
     assert not is_filtered_layer(nn.Conv2d(2, 2, 1))
+
+
+def test_the_conv_kinds_family_and_kernels():
+    """The conv kind's family holds the convs no kind traces; the kernels
+    are those of every traced conv (a weight-standardised one too), not a
+    Linear's or a transposed conv's."""
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Linear(2, 2),
+                          _ConvWS(2, 2, 1), nn.ConvTranspose2d(2, 2, 2),
+                          GFConv2d(2, 2, 3))
+    assert family_kind_of(model[3]) is CONV2D and traced_kind_of(
+        model[3]) is None
+    assert family_kind_of(model[1]) is layer_kind('linear')
+    assert family_kind_of(nn.ReLU()) is None
+    assert [(path, w is model.get_submodule(path).weight)
+            for path, w in layer_kernels(model)] == [
+                ('0', True), ('2', True), ('4', True)]

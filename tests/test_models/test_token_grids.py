@@ -179,7 +179,7 @@ def test_discovery_lists_every_linear_with_its_traced_grid(name):
 def filtered_module(module, site, radius):
     """The filtered module of a bound site: its layer kind's, sharing the
     Parameters (the kind reads the site the bindings published)."""
-    return layer_kind(site.kind).wrap(module, radius, True)
+    return layer_kind(site.kind).from_plain(module, radius, True)
 
 
 class _ReferenceLinear(nn.Module):

@@ -62,11 +62,13 @@ def test_dc_energy_ratio_known_kernels():
     smooth = torch.tensor([[1., 2., 1.], [2., 4., 2.], [1., 2., 1.]])
     # DFT of the binomial kernel: DC 16, largest AC |(1+2w+w^2)|*4 = 4
     assert dc_energy_ratios(smooth[None, None]).item() == pytest.approx(16.0)
-    model = nn.Sequential(nn.Conv2d(1, 1, 3), nn.Conv2d(1, 1, 1))
-    with torch.no_grad():
-        model[0].weight.copy_(smooth)
-    ratios = model_dc_energy_ratio(model.named_modules())
-    assert set(ratios) == {'0', 'mean'} and ratios['mean'] == pytest.approx(16)
+    # the kernels of more than one tap count; a 1-D kernel's DFT is 1-D:
+    # (1, 2, 1) has DC 4 and |1 + 2w + w^2| = |w| = 1 at the other two
+    kernels = [('0', smooth[None, None]), ('1', torch.ones(1, 1, 1, 1)),
+               ('2', torch.tensor([[[1., 2., 1.]]])),
+               ('3', torch.ones(1, 1, 1))]
+    ratios = model_dc_energy_ratio(kernels)
+    assert ratios == pytest.approx({'0': 16, '2': 16, 'mean': 16})
     with pytest.raises(ValueError, match='larger than 1x1'):
         dc_energy_ratios(torch.ones(2, 2, 1, 1))
 

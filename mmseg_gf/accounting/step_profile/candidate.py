@@ -5,6 +5,7 @@ and whether it computes ``g_x`` depends only on the first trained
 candidate (:attr:`ConvProfile.upstream`).
 """
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 from torch import nn
@@ -42,6 +43,10 @@ class ConvProfile:
         output_stride: input pixels per output pixel.
         params: its parameter count (weight and bias).
         seq: position of its call among the traced module calls.
+        input_shape: its input's shape at the traced call, without the
+            batch axis (what its backward's scratch is measured on; the
+            geometry's ``in_shape`` is ``(C, H, W)`` on the kind's grid,
+            which a 1-D conv's input, ``(C, L)``, is not).
     """
 
     path: str
@@ -52,6 +57,7 @@ class ConvProfile:
     output_stride: int
     params: int
     seq: int = 0
+    input_shape: Tuple[int, ...] = ()
 
     def cost(self, radius: int, first: int,
              batch: int = 1) -> ConvBackwardCost:

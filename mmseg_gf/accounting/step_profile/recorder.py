@@ -140,7 +140,7 @@ class ProfileRecorder:
                 output_stride=map_output_stride(self.profile.input_size,
                                                 geometry.map_area),
                 params=sum(p.numel() for p in call.module.parameters()),
-                seq=call.seq))
+                seq=call.seq, input_shape=tuple(call.x.shape[1:])))
 
     def on_module(self, call: ModuleCall) -> None:
         x, out = call.x, call.output

@@ -180,7 +180,7 @@ class StepCostProfile:
             # step peak of the tiny transformer families stays within 10%
             # without it (tests/test_engine/test_token_kinds_accounting.py)
             return 0
-        in_shape = conv.geometry.in_shape
+        in_shape = conv.input_shape or conv.geometry.in_shape
         key = scratch_key(conv.module, in_shape, radius, need_input_grad)
         if key not in self.workspaces:
             self.workspaces[key] = tuple(

@@ -21,7 +21,7 @@ block that knows its grid, and:
   called, in execution order, with the grid of its traced call.
 
 The filtered module of a site is its layer kind's
-(:attr:`~mmseg_gf.models.layer_kinds.LayerKind.wrap`, reading the site of
+(:attr:`~mmseg_gf.models.layer_kinds.LayerKind.from_plain`, reading the site of
 the module: ``GFLinear`` / ``GFMultiheadAttention``, sharing Parameters).
 A Linear that no rule covers is reported with ``grid=None`` and the
 reason; a ``with_cp`` module of a class no rule declares checkpointed,

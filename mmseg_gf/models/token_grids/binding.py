@@ -86,7 +86,7 @@ class TokenGridBindings:
 
     def publish(self) -> None:
         """Make each bound module's site known to :func:`site_of` (the
-        layer kinds' geometry and wrap read it)."""
+        layer kinds' geometry and from_plain read it)."""
         for path, site in self.sites.items():
             try:
                 module = self.model.get_submodule(path)
