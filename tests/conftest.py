@@ -24,6 +24,44 @@ def _share_cores_between_workers():
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+def _check_unchanged(before, what: str) -> None:
+    """Fail ``what`` if a process-wide setting differs from ``before``,
+    after setting it back, so that the tests after it run as they would
+    alone."""
+    from tests.helpers import process_state
+    changed = process_state.changes(before, process_state.snapshot())
+    if changed:
+        process_state.restore(before)
+        pytest.fail(f'{what} left process-wide settings changed (restored '
+                    'now; undo them in a fixture or a finally): ' +
+                    '; '.join(changed), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _same_start_and_no_leaks(request):
+    """Every test starts from the same seeds of the global generators and
+    must leave the process's settings as it found them: under pytest-xdist
+    a worker runs many files one after the other, in an order that depends
+    on timing, and a test must not compute differently for what ran before
+    it (tests/helpers/process_state.py lists what is checked)."""
+    from tests.helpers import process_state
+    process_state.seed_global_generators()
+    before = process_state.snapshot()
+    yield
+    _check_unchanged(before, request.node.nodeid)
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _same_start_and_no_leaks_per_file(request):
+    """The same for a file's module-scoped fixtures (built before its first
+    test's seeds, undone after its last test's check)."""
+    from tests.helpers import process_state
+    process_state.seed_global_generators()
+    before = process_state.snapshot()
+    yield
+    _check_unchanged(before, f'{request.node.nodeid} (its module fixtures)')
+
+
 @pytest.fixture(autouse=True)
 def _exact_float32_on_cuda(request):
     """CUDA tests compare float32 results with tolerances of float32

@@ -226,6 +226,7 @@ def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
     # products on MKL for both: the AVX-512 weight-gradient product sums in
     # another order (test_products_on_avx512_only_where_allowed)
     products = native.set_onednn_products(False)
+    vectors = native.set_token_rows_avx512(True)  # the previous setting
     try:
         for vector in (True, False):
             native.set_token_rows_avx512(vector)
@@ -233,7 +234,7 @@ def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
                 _grads(x, w, b, g, grid, radius, token_dim) +
                 (layout.patch_sums(x, torch.float32), ))
     finally:
-        native.set_token_rows_avx512(True)
+        native.set_token_rows_avx512(vectors)
         native.set_onednn_products(products)
     for a, e in zip(results[True], results[False]):
         assert torch.equal(a, e)
