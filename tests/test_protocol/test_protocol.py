@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip('mmseg')
 torch = pytest.importorskip('torch')
@@ -91,7 +92,11 @@ def learned(tmp_path_factory):
         '--synthetic', str(tmp / 'data'), '--work-dir', out, '--strategies',
         'calib', 'classifier_only', 'gf_last5_r4'
     ]
-    run_protocol.main(argv)
+    benchmark = torch.backends.cudnn.benchmark
+    try:  # the protocol's Runners turn cuDNN's benchmark mode on
+        run_protocol.main(argv)
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
     return tmp, out, argv
 
 
