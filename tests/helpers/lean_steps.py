@@ -6,7 +6,7 @@ same gradients."""
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mmseg_gf.accounting.batch import summed_losses
+from mmseg_gf.accounting.batch import random_batch, summed_losses
 from mmseg_gf.engine.build import build_segmentor
 from mmseg_gf.models.segmentor import set_frozen_norms_eval
 
@@ -90,3 +90,33 @@ def assert_same_step(reference, lean, inputs, samples, where: str,
             got[key], g, rtol=rtol, atol=atol_scale * float(g.abs().max()),
             msg=lambda m: f'{where} {key}: {m}')
     return want
+
+
+def check_lean_step(name: str, cfg, build, size: int, batch: int,
+                    check_pair, device: str = 'cpu',
+                    modes=('vanilla', 'gf'), ignored_band: bool = True,
+                    rtol: float = 1e-5, atol_scale: float = 1e-6):
+    """A zoo family's lean and ``lean=False`` steps on ``device`` for each
+    of ``modes``: the same loss terms and gradients
+    (:func:`assert_same_step`).
+
+    The plain model is :func:`plain_model` of ``cfg``; ``build(plain,
+    mode, lean)`` returns the filtered one holding its weights. The batch:
+    ``batch`` images of ``size`` x ``size``, random labels in 4x4 blocks,
+    the top 4 rows ignored when ``ignored_band`` (so ``ignore_index`` is
+    exercised). ``check_pair(reference, lean, mode, where)`` checks the two
+    models before their step: that the lean one does have lean modules,
+    else the comparison is vacuous."""
+    plain = plain_model(cfg)
+    inputs, samples = random_batch(plain, (size, size), batch,
+                                   device=device, label_block=4)
+    if ignored_band:
+        for sample in samples:
+            sample.gt_sem_seg.data[:, :4] = 255
+    for mode in modes:
+        reference = build(plain, mode, False).to(device)
+        lean = build(plain, mode, True).to(device)
+        where = f'{name} {mode} {device}'
+        check_pair(reference, lean, mode, where)
+        assert_same_step(reference, lean, inputs, samples, where,
+                         rtol=rtol, atol_scale=atol_scale)
