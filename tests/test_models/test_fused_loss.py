@@ -77,9 +77,10 @@ def _inputs(shapes, seed):
     return [torch.randn(s, generator=gen) for s in shapes]
 
 
-def _step(head, inputs, samples, scale=1.0):
-    """One ``head.loss`` + backward of ``scale`` x the summed losses;
-    gradients accumulate into ``.grad`` (as gradient accumulation does)."""
+def _head_step(head, inputs, samples, scale=1.0):
+    """One decode head's ``head.loss`` (inputs made leaves needing a
+    gradient) + backward of ``scale`` x the summed losses; gradients
+    accumulate into ``.grad`` (as gradient accumulation does)."""
     head.train()
     inputs = [x.requires_grad_(True) for x in inputs]
     torch.manual_seed(3)  # the classifier's dropout draws the same noise
@@ -104,8 +105,8 @@ def _compare(plain, lean, runs):
     """Run ``runs`` (``(inputs, samples, scale)``) on both heads, one after
     the other without zeroing gradients; compare everything."""
     for inputs, samples, scale in runs:
-        want = _step(plain, [x.clone() for x in inputs], samples, scale)
-        got = _step(lean, [x.clone() for x in inputs], samples, scale)
+        want = _head_step(plain, [x.clone() for x in inputs], samples, scale)
+        got = _head_step(lean, [x.clone() for x in inputs], samples, scale)
         assert want[0].keys() == got[0].keys()
         for key in want[0]:
             torch.testing.assert_close(got[0][key], want[0][key], rtol=1e-5,
