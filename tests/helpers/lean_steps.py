@@ -1,10 +1,12 @@
-"""One training step of a segmentor with the lean region against the same
-step with ``lean=False``, as the zoo families' tests compare them: the
-same loss terms (an auxiliary head's may be left out) and the same
-gradients."""
+"""One training step of a segmentor as GradFilterHook runs it (seeded, so
+two models compared draw the same), and the lean region's step against
+the same step with ``lean=False``, as the zoo families' tests compare
+them: the same loss terms (an auxiliary head's may be left out) and the
+same gradients."""
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from mmseg_gf.accounting.batch import random_batch, summed_losses
 from mmseg_gf.engine.build import build_segmentor
 from mmseg_gf.models.segmentor import set_frozen_norms_eval
 
@@ -27,20 +29,34 @@ def plain_model(cfg):
     return model
 
 
-def one_step(model, inputs, samples):
-    """Loss terms and the gradient of every parameter that gets one (in
-    training mode with frozen norms in eval mode, as GradFilterHook runs
-    a step)."""
+def training_step(model, inputs, samples, seed: int = 5,
+                  leave_out: tuple = ()):
+    """``model.loss``'s outputs as the model returns them (graph and
+    ``acc*`` included) and the gradient of every parameter that gets one,
+    after one backward of the summed ``loss*`` terms, in training mode
+    with frozen norms in eval mode, as GradFilterHook runs a step.
+    ``seed`` seeds the step's random draws (dropout, SegNeXt's NMF), so
+    two models compared draw the same; terms whose key starts with one of
+    ``leave_out`` are not backpropagated (the reference of a step that
+    cuts a head off)."""
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)  # dropout, SegNeXt's NMF: the same draws
+    torch.manual_seed(seed)
     model.train()
     set_frozen_norms_eval(model)
     losses = model.loss(inputs, samples)
-    terms = {k: v.sum() for k, v in losses.items() if 'loss' in k}
-    sum(terms.values()).backward()
+    summed_losses({k: v for k, v in losses.items()
+                   if not k.startswith(leave_out)}).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()
              if p.grad is not None}
-    return {k: v.detach() for k, v in terms.items()}, grads
+    return losses, grads
+
+
+def one_step(model, inputs, samples):
+    """Loss terms (each summed, detached) and the gradients of
+    :func:`training_step`."""
+    losses, grads = training_step(model, inputs, samples)
+    return ({k: v.sum().detach() for k, v in losses.items() if 'loss' in k},
+            grads)
 
 
 def check_terms(got, want, where):
@@ -74,3 +90,33 @@ def assert_same_step(reference, lean, inputs, samples, where: str,
             got[key], g, rtol=rtol, atol=atol_scale * float(g.abs().max()),
             msg=lambda m: f'{where} {key}: {m}')
     return want
+
+
+def check_lean_step(name: str, cfg, build, size: int, batch: int,
+                    check_pair, device: str = 'cpu',
+                    modes=('vanilla', 'gf'), ignored_band: bool = True,
+                    rtol: float = 1e-5, atol_scale: float = 1e-6):
+    """A zoo family's lean and ``lean=False`` steps on ``device`` for each
+    of ``modes``: the same loss terms and gradients
+    (:func:`assert_same_step`).
+
+    The plain model is :func:`plain_model` of ``cfg``; ``build(plain,
+    mode, lean)`` returns the filtered one holding its weights. The batch:
+    ``batch`` images of ``size`` x ``size``, random labels in 4x4 blocks,
+    the top 4 rows ignored when ``ignored_band`` (so ``ignore_index`` is
+    exercised). ``check_pair(reference, lean, mode, where)`` checks the two
+    models before their step: that the lean one does have lean modules,
+    else the comparison is vacuous."""
+    plain = plain_model(cfg)
+    inputs, samples = random_batch(plain, (size, size), batch,
+                                   device=device, label_block=4)
+    if ignored_band:
+        for sample in samples:
+            sample.gt_sem_seg.data[:, :4] = 255
+    for mode in modes:
+        reference = build(plain, mode, False).to(device)
+        lean = build(plain, mode, True).to(device)
+        where = f'{name} {mode} {device}'
+        check_pair(reference, lean, mode, where)
+        assert_same_step(reference, lean, inputs, samples, where,
+                         rtol=rtol, atol_scale=atol_scale)

@@ -18,6 +18,7 @@ pytest.importorskip('mmseg')
 
 from tests.helpers.engine_fixtures import (  # noqa: E402
     NORM, filtered_copy, model_cfg)
+from tests.helpers.lean_steps import training_step  # noqa: E402
 
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)
@@ -76,6 +77,11 @@ def _prepared(base, **flags):
     return filtered_copy(base, 5, 4, SIZE, **flags)
 
 
+def _batch_step(model, batch, **kwargs):
+    """:func:`training_step` on ``batch`` with this file's dropout seed."""
+    return training_step(model, *batch, seed=3, **kwargs)
+
+
 def _count_calls(model):
     """Calls of every auxiliary classifier (mmseg calls the heads'
     ``forward`` directly, their leaf modules through ``__call__``)."""
@@ -86,20 +92,6 @@ def _count_calls(model):
             m.register_forward_hook(
                 lambda mod, a, o, n=name: calls.__setitem__(n, calls[n] + 1))
     return calls
-
-
-def _step(model, batch):
-    """One training step's losses and trained gradients, frozen norms in
-    eval mode as GradFilterHook keeps them."""
-    model.zero_grad(set_to_none=True)
-    model.train()
-    set_frozen_norms_eval(model)
-    torch.manual_seed(3)  # dropout draws the same masks
-    losses = model.loss(*batch)
-    sum(v for k, v in losses.items() if 'loss' in k).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()
-             if p.requires_grad}
-    return losses, grads
 
 
 def _assert_same_tensors(got, want):
@@ -119,8 +111,8 @@ def test_frozen_head_on_frozen_features_is_skipped(log_records):
     assert isinstance(skipping, type(base))
     calls = _count_calls(skipping)
     for _ in range(2):
-        want_losses, want = _step(kept, batch)
-        got_losses, got = _step(skipping, batch)
+        want_losses, want = _batch_step(kept, batch)
+        got_losses, got = _batch_step(skipping, batch)
         _assert_same_tensors(got, want)
     assert calls == {'auxiliary_head.conv_seg': 0}
     assert 'aux.loss_ce' in want_losses and 'aux.loss_ce' not in got_losses
@@ -136,10 +128,10 @@ def test_frozen_head_on_frozen_features_is_skipped(log_records):
 def test_logged_losses_are_the_plain_values_without_a_graph():
     base = _base(_aux(2))
     batch = random_batch(base, SIZE, 2, label_block=4)
-    want_losses, want = _step(_prepared(base, keep_frozen_aux_heads=True),
-                              batch)
-    got_losses, got = _step(_prepared(base, log_frozen_aux_losses=True),
-                            batch)
+    want_losses, want = _batch_step(
+        _prepared(base, keep_frozen_aux_heads=True), batch)
+    got_losses, got = _batch_step(
+        _prepared(base, log_frozen_aux_losses=True), batch)
     _assert_same_tensors(got, want)
     assert got_losses.keys() == want_losses.keys()
     for key in ('aux.loss_ce', 'aux.acc_seg'):
@@ -175,20 +167,6 @@ def test_mmengine_parse_losses_and_update_with_logged_losses():
     _assert_same_tensors(got, want)
 
 
-def _main_losses_step(model, batch):
-    """:func:`_step` with the auxiliary heads' losses left out of the
-    backward: the reference of a step whose frozen heads are cut off."""
-    model.zero_grad(set_to_none=True)
-    model.train()
-    set_frozen_norms_eval(model)
-    torch.manual_seed(3)
-    losses = model.loss(*batch)
-    sum(v for k, v in losses.items()
-        if 'loss' in k and not k.startswith('aux')).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()
-            if p.requires_grad}
-
-
 def test_frozen_heads_on_trained_features_are_cut_off(log_records):
     # no dropout: a skipped head draws no mask, so a later head's masks
     # would differ from the run with every head
@@ -197,9 +175,10 @@ def test_frozen_heads_on_trained_features_are_cut_off(log_records):
     kept = _prepared(base, keep_frozen_aux_heads=True)
     skipping = _prepared(base)
     calls = _count_calls(skipping)
-    want_losses, with_aux = _step(kept, batch)
-    want = _main_losses_step(kept, batch)
-    got_losses, got = _step(skipping, batch)
+    want_losses, with_aux = _batch_step(kept, batch)
+    # the reference of a step whose frozen heads are cut off
+    want = _batch_step(kept, batch, leave_out=('aux', ))[1]
+    got_losses, got = _batch_step(skipping, batch)
     _assert_same_tensors(got, want)
     # the head on layer4 reads trained features: run, it trains them
     diff = with_aux['backbone.layer4.1.conv2.weight'] - \
@@ -216,8 +195,8 @@ def test_frozen_heads_on_trained_features_are_cut_off(log_records):
     # a trained parameter in the head: it runs (decided at every call)
     for model in (kept, skipping):
         model.auxiliary_head[0].conv_seg.requires_grad_(True)
-    want_losses, want = _step(kept, batch)
-    got_losses, got = _step(skipping, batch)
+    want_losses, want = _batch_step(kept, batch)
+    got_losses, got = _batch_step(skipping, batch)
     assert calls['auxiliary_head.0.conv_seg'] == 1
     assert 'auxiliary_head.0.conv_seg.weight' in got
     assert 'aux_0.loss_ce' in got_losses
@@ -251,8 +230,8 @@ def test_cascade_segmentor_skips_too():
     assert type(base).__name__ == 'CascadeEncoderDecoder'
     assert skips_frozen_aux_heads(skipping)
     calls = _count_calls(skipping)
-    want_losses, want = _step(kept, batch)
-    got_losses, got = _step(skipping, batch)
+    want_losses, want = _batch_step(kept, batch)
+    got_losses, got = _batch_step(skipping, batch)
     _assert_same_tensors(got, want)
     assert calls == {'auxiliary_head.conv_seg': 0}
     assert 'aux.loss_ce' not in got_losses

@@ -15,7 +15,7 @@ from mmengine.config import Config  # noqa: E402
 from mmseg_gf.engine import rewrite_config  # noqa: E402
 from mmseg_gf.models import lean_head  # noqa: E402
 from mmseg_gf.models.lean_head import fusion_blocker  # noqa: E402
-from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
+from tests.helpers.lean_steps import training_step  # noqa: E402
 from tests.test_engine.test_zoo_sweep import (CASES, build,  # noqa: E402
                                               data_batch, load_model_cfg,
                                               perturb)
@@ -36,16 +36,13 @@ def _model(case, lean, state=None):
     return model
 
 
-def _step(model, data):
-    model.train()
-    set_frozen_norms_eval(model)
+def _preprocessed_step(model, data):
+    """:func:`training_step` on ``data`` through the model's data
+    preprocessor: every output detached, the gradients."""
     batch = model.data_preprocessor(copy.deepcopy(data), True)
-    torch.manual_seed(3)
-    losses = model.loss(batch['inputs'], batch['data_samples'])
-    sum(v.sum() for k, v in losses.items() if 'loss' in k).backward()
-    return ({k: v.detach() for k, v in losses.items()},
-            {n: p.grad for n, p in model.named_parameters()
-             if p.requires_grad})
+    losses, grads = training_step(model, batch['inputs'],
+                                  batch['data_samples'], seed=3)
+    return {k: v.detach() for k, v in losses.items()}, grads
 
 
 #: Heads whose own loss_by_feat has a lean reimplementation
@@ -67,8 +64,8 @@ def test_fused_step_equals_plain_step(family, monkeypatch):
     perturb(plain)
     lean = _model(case, lean=True, state=plain.state_dict())
     data = data_batch(plain, case.size)
-    (want, want_grads), (got, got_grads) = _step(plain, data), _step(
-        lean, data)
+    want, want_grads = _preprocessed_step(plain, data)
+    got, got_grads = _preprocessed_step(lean, data)
     assert fusion_blocker(lean.decode_head) is None  # it stayed fused
     assert want.keys() == got.keys()
     for key in want:

@@ -12,11 +12,12 @@ pytest.importorskip('mmseg')
 from tests.helpers.engine_fixtures import (  # noqa: E402
     SIX_MODELS, SMALL_BATCH, SMALL_SIZE, build_model, filtered_copy)
 from tests.helpers.devices import DEVICE_PATHS, on_path  # noqa: E402
+from tests.helpers.lean_steps import training_step  # noqa: E402
 from tests.helpers.loss_checks import assert_same_loss_by_feat  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
-                                       training_loss)
+                                       summed_losses, training_loss)
 from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
                                          remove_lean_region)
@@ -44,16 +45,14 @@ def _prepared(base, num_layers, mode, lean, device='cpu'):
                          lean=lean).to(device)
 
 
-def _step(model, inputs, samples):
-    model.zero_grad(set_to_none=True)
+def _logits_and_step(model, inputs, samples):
+    """The logits of a seeded forward (a lean forward equals the plain one
+    exactly on CPU), then :func:`training_step`'s summed loss and
+    gradients: ``(logits, loss, grads)``."""
     torch.manual_seed(5)  # the decode head's dropout draws the same noise
     logits = model._forward(inputs)
-    torch.manual_seed(5)
-    loss = training_loss(model, inputs, samples)
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters()
-             if p.requires_grad}
-    return logits.detach(), loss.detach(), grads
+    losses, grads = training_step(model, inputs, samples)
+    return logits.detach(), summed_losses(losses).detach(), grads
 
 
 @pytest.mark.parametrize('name', MODELS)
@@ -84,8 +83,8 @@ def _check_lean_step(name, layer_counts, device='cpu'):
             counts = lean_counts(lean)
             assert counts['norm'] > 0 and counts['activation'] > 0
             assert counts['loss'] == 1 and not lean_counts(plain)
-            want, got = _step(plain, inputs, samples), _step(lean, inputs,
-                                                             samples)
+            want = _logits_and_step(plain, inputs, samples)
+            got = _logits_and_step(lean, inputs, samples)
             assert got[0].device.type == device
             if device == 'cpu':
                 assert torch.equal(want[0], got[0]), 'forward differs'
@@ -218,8 +217,9 @@ def test_fused_classifier_keeps_less_and_is_counted(name):
     handle.remove()
     x_bytes, grads = seen[0], 4 * (conv.weight.numel() + conv.bias.numel())
     assert kept['unfused'] - kept['fused'] == x_bytes - grads
-    want = _step(_prepared(base, 5, 'gf', lean=False), inputs, samples)
-    got = _step(fused, inputs, samples)
+    want = _logits_and_step(_prepared(base, 5, 'gf', lean=False), inputs,
+                            samples)
+    got = _logits_and_step(fused, inputs, samples)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
     for key, g in want[2].items():
         torch.testing.assert_close(got[2][key], g, rtol=1e-5,

@@ -28,18 +28,18 @@ random NMF bases):
 
 Marked ``zoo`` like ``test_zoo_sweep.py`` (``-m "not zoo"`` deselects it).
 """
+from functools import partial
+
 import pytest
 
 pytest.importorskip('mmseg')
 
-from mmseg_gf.accounting.batch import random_batch  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES,  # noqa: E402
                                  family_config, make_offline)
 from tests.helpers.devices import DEVICE_PATHS, on_path  # noqa: E402
-from tests.helpers.lean_steps import (assert_same_step,  # noqa: E402
-                                      plain_model)
+from tests.helpers.lean_steps import check_lean_step  # noqa: E402
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures('one_thread')]
 
@@ -82,7 +82,7 @@ def filtered_model(cfg, plain, mode: str, lean: bool):
 
 @pytest.mark.parametrize('name', list(REALTIME_FAMILIES))
 def test_lean_step_equals_plain_step(name):
-    check_lean_step(name)
+    _check_family(name)
 
 
 #: The family checked on the path CUDA tensors take and on CUDA: BiSeNetV2
@@ -95,32 +95,28 @@ def test_lean_step_equals_plain_step_kernels_off_and_on_cuda(device_path):
     """A real-time family's lean step with the compiled CPU kernels off
     (the path CUDA tensors take) and on CUDA."""
     with on_path(device_path) as device:
-        check_lean_step(DEVICE_FAMILY, device, modes=('gf', ))
+        _check_family(DEVICE_FAMILY, device, modes=('gf', ))
 
 
-def check_lean_step(name, device='cpu', modes=('vanilla', 'gf')):
-    """One family's lean and ``lean=False`` steps on ``device`` for each
-    mode: the same loss terms and gradients."""
+def _check_pair(reference, lean, mode, where):
+    """The same trainable parameters, lean modules in the lean model
+    only."""
+    trainable = {n for n, p in lean.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, p in reference.named_parameters()
+                         if p.requires_grad}, where
+    assert sum(lean_counts(lean).values()) > 0, where
+    assert not lean_counts(reference), where
+
+
+def _check_family(name, device='cpu', modes=('vanilla', 'gf')):
+    """:func:`check_lean_step` of one family at its size, the ignored band
+    left out where its loss has class weights."""
     size = max(SIZE, REALTIME_FAMILIES[name].min_crop)
     cfg = family_cfg(name, size)
-    plain = plain_model(cfg)
-    inputs, samples = random_batch(plain, (size, size), BATCH,
-                                   device=device, label_block=4)
-    if not has_class_weights(cfg.model):
-        for sample in samples:
-            sample.gt_sem_seg.data[:, :4] = 255
-    for mode in modes:
-        reference = filtered_model(cfg, plain, mode, lean=False).to(device)
-        lean = filtered_model(cfg, plain, mode, lean=True).to(device)
-        where = f'{name} {mode} {device}'
-        trainable = {n for n, p in lean.named_parameters() if p.requires_grad}
-        assert trainable == {n for n, p in reference.named_parameters()
-                             if p.requires_grad}, where
-        assert sum(lean_counts(lean).values()) > 0, where
-        assert not lean_counts(reference), where
-        want = assert_same_step(reference, lean, inputs, samples, where,
-                                rtol=1e-5, atol_scale=1e-6)
-        assert set(want) <= trainable, where
+    check_lean_step(name, cfg, partial(filtered_model, cfg), size, BATCH,
+                    _check_pair, device, modes,
+                    ignored_band=not has_class_weights(cfg.model),
+                    rtol=1e-5, atol_scale=1e-6)
 
 
 def test_registry_names_each_configs_own_crop():

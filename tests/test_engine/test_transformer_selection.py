@@ -71,8 +71,9 @@ def _filtered(name, dtype, **settings):
     return model, choices
 
 
-def _step(model, inputs, samples):
-    """The step's total loss and gradients (:func:`one_step`)."""
+def _total_loss_step(model, inputs, samples):
+    """The step's total loss (its terms summed) and gradients
+    (:func:`one_step`)."""
     terms, grads = one_step(model, inputs, samples)
     return sum(terms.values()), grads
 
@@ -111,21 +112,23 @@ def test_last_20_layers_reach_the_last_block_and_train_exactly(name):
     for choice in exact_choices:
         if choice.kind in ('linear', 'attention'):
             choice.module.enabled = False
-    _close(_step(gf1, inputs, samples), _step(exact, inputs, samples),
-           f'{name} r=1', 1e-10, 1e-12)
-    assert _step(gf1, inputs, samples)[1], name
+    _close(_total_loss_step(gf1, inputs, samples),
+           _total_loss_step(exact, inputs, samples), f'{name} r=1', 1e-10,
+           1e-12)
+    assert _total_loss_step(gf1, inputs, samples)[1], name
 
     plain, _ = _filtered(name, torch.float32, radius=4, lean=False)
     lean, _ = _filtered(name, torch.float32, radius=4, lean=True)
     inputs = inputs.float()
-    want = _step(plain, inputs, samples)
+    want = _total_loss_step(plain, inputs, samples)
     # (lean: the filtered attentions through SDPA, which sums in another
     # order than the bmm path torch's need_weights=True call runs)
-    _close(_step(lean, inputs, samples), want, f'{name} lean', 1e-4, 1e-5)
+    _close(_total_loss_step(lean, inputs, samples), want, f'{name} lean',
+           1e-4, 1e-5)
     # the filter acts: r = 4 differs from the exact gradients
     exact32, _ = _filtered(name, torch.float32, radius=4, lean=False,
                            mode='vanilla')
-    exact_grads = _step(exact32, inputs, samples)[1]
+    exact_grads = _total_loss_step(exact32, inputs, samples)[1]
     assert any(not torch.allclose(want[1][k], exact_grads[k], rtol=1e-3)
                for k in exact_grads), name
 
@@ -216,10 +219,10 @@ def test_a_deep_copy_filters_with_its_own_grids(name):
               for m in twin.modules() if 'forward' in m.__dict__]
     assert owners and set(owners) <= set(twin.modules())
     inputs, samples = _batch(model, torch.float64)
-    want = _step(model, inputs, samples)
+    want = _total_loss_step(model, inputs, samples)
     with warnings.catch_warnings():
         warnings.simplefilter('error', GFExactBackwardWarning)
-        got = _step(twin, inputs, samples)
+        got = _total_loss_step(twin, inputs, samples)
     _close(got, want, 'deepcopy', 1e-12, 1e-14)
 
 

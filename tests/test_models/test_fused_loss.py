@@ -15,7 +15,7 @@ pytest.importorskip('mmseg')
 from mmseg.models.decode_heads import FCNHead  # noqa: E402
 from mmseg.registry import MODELS  # noqa: E402
 from mmseg.utils import register_all_modules  # noqa: E402
-from tests.helpers.loss_checks import pid_head, seg_samples  # noqa: E402
+from tests.helpers.loss_checks import pid_head, random_samples  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.models import lean_head  # noqa: E402
@@ -64,19 +64,12 @@ def _fcn_head(case):
     return MODELS.build(cfg)
 
 
-def _samples(n, seed, ignore=True, edge=False):
-    gen = torch.Generator().manual_seed(seed)
-    labels, edges = [], []
-    for i in range(n):
-        label = torch.randint(0, K, (1, ) + HIGH, generator=gen)
-        if ignore:  # an ignored band, and one image with no label at all
-            label[:, :4] = 255
-            if i == n - 1 and n > 2:
-                label[:] = 255
-        labels.append(label)
-        if edge:
-            edges.append(torch.randint(0, 2, (1, ) + HIGH, generator=gen))
-    return seg_samples(labels, edges if edge else None)
+def _labelled(n, seed, ignore=True, edge=False):
+    """:func:`random_samples` of ``K`` classes at ``HIGH``; ``ignore``: an
+    ignored band of 4 rows and, of more than two images, the last with no
+    label at all."""
+    return random_samples(n, K, HIGH, seed, ignored_rows=4 if ignore else 0,
+                          blank_last=ignore and n > 2, edges=edge)
 
 
 def _inputs(shapes, seed):
@@ -84,9 +77,10 @@ def _inputs(shapes, seed):
     return [torch.randn(s, generator=gen) for s in shapes]
 
 
-def _step(head, inputs, samples, scale=1.0):
-    """One ``head.loss`` + backward of ``scale`` x the summed losses;
-    gradients accumulate into ``.grad`` (as gradient accumulation does)."""
+def _head_step(head, inputs, samples, scale=1.0):
+    """One decode head's ``head.loss`` (inputs made leaves needing a
+    gradient) + backward of ``scale`` x the summed losses; gradients
+    accumulate into ``.grad`` (as gradient accumulation does)."""
     head.train()
     inputs = [x.requires_grad_(True) for x in inputs]
     torch.manual_seed(3)  # the classifier's dropout draws the same noise
@@ -111,8 +105,8 @@ def _compare(plain, lean, runs):
     """Run ``runs`` (``(inputs, samples, scale)``) on both heads, one after
     the other without zeroing gradients; compare everything."""
     for inputs, samples, scale in runs:
-        want = _step(plain, [x.clone() for x in inputs], samples, scale)
-        got = _step(lean, [x.clone() for x in inputs], samples, scale)
+        want = _head_step(plain, [x.clone() for x in inputs], samples, scale)
+        got = _head_step(lean, [x.clone() for x in inputs], samples, scale)
         assert want[0].keys() == got[0].keys()
         for key in want[0]:
             torch.testing.assert_close(got[0][key], want[0][key], rtol=1e-5,
@@ -169,12 +163,12 @@ def test_fused_head_equals_mmseg_head(case):
     assert make_lean(lean) == 'loss'
     ignore = case != 'class_weight'  # mmseg's class weights fail on 255
     inputs = _inputs([(3, 4) + LOW], 1)
-    samples = _samples(3, 2, ignore)
+    samples = _labelled(3, 2, ignore)
     # two steps into the same .grad, the second with a loss scale, as AMP
     # and gradient accumulation run them
     _compare(plain, lean, [(inputs, samples, 1.0),
                            (_inputs([(3, 4) + LOW], 4),
-                            _samples(3, 5, ignore), 1024.0)])
+                            _labelled(3, 5, ignore), 1024.0)])
     assert _classifier_input_kept(plain, inputs, samples) == (True, True)
     by_conv, anywhere = _classifier_input_kept(lean, inputs, samples)
     assert not by_conv
@@ -231,7 +225,7 @@ def test_head_dropout_folds_into_a_pointwise_classifier(variant):
         plain = _wide_classifier(plain)
     lean = copy.deepcopy(plain)
     make_lean(lean)
-    inputs, samples = _inputs([(3, 4) + LOW], 1), _samples(3, 2)
+    inputs, samples = _inputs([(3, 4) + LOW], 1), _labelled(3, 2)
     _compare(plain, lean, [(inputs, samples, 1.0)])
     folded = _dropout_outputs(lean, inputs, samples)
     assert folded == [variant == '1x1 classifier']
@@ -258,7 +252,7 @@ def test_classifier_only_training_keeps_no_logits_gradient():
         p.requires_grad_(name.startswith('conv_seg'))
     lean = copy.deepcopy(plain)
     make_lean(lean)
-    inputs, samples = _inputs([(2, 4) + LOW], 1), _samples(2, 2)
+    inputs, samples = _inputs([(2, 4) + LOW], 1), _labelled(2, 2)
     for head in (plain, lean):
         head.train()
         torch.manual_seed(3)
@@ -272,10 +266,6 @@ def test_classifier_only_training_keeps_no_logits_gradient():
     two_names = 2
     assert saved_tensor_bytes(lambda: lean.loss(inputs, samples, None)) == \
         two_names * 4 * (conv.weight.numel() + conv.bias.numel())
-
-
-def _pid_head():
-    return pid_head(K, 50, [0.8, 1.0, 1.2])
 
 
 def _ddr_head():
@@ -301,7 +291,8 @@ def _stdc_head():
 
 
 MULTI_CASES = {
-    'pidnet': (_pid_head, [(2, 4) + LOW, (2, 8) + LOW, (2, 4) + LOW], True),
+    'pidnet': (lambda: pid_head(K, min_kept=50),
+               [(2, 4) + LOW, (2, 8) + LOW, (2, 4) + LOW], True),
     'ddrnet': (_ddr_head, [(2, 4) + LOW, (2, 8) + LOW], False),
     'stdc_detail': (_stdc_head, [(2, 4) + LOW], False),
 }
@@ -318,7 +309,7 @@ def test_own_loss_by_feat_heads_equal_mmseg(case):
     lean = copy.deepcopy(plain)
     assert make_lean(lean) == 'loss'
     inputs = _inputs(shapes, 1)
-    samples = _samples(2, 2, ignore=case != 'stdc_detail', edge=edge)
+    samples = _labelled(2, 2, ignore=case != 'stdc_detail', edge=edge)
     _compare(plain, lean, [(inputs, samples, 1.0),
                            (_inputs(shapes, 4), samples, 512.0)])
     assert _kept_bytes(lean, inputs, samples) < \
@@ -373,7 +364,7 @@ def test_fallback_is_exact_and_logged_once(case, monkeypatch):
     lean = copy.deepcopy(plain)
     make_lean(lean)
     logged = _captured_logs(monkeypatch)
-    inputs, samples = _inputs([(2, 4) + LOW], 1), _samples(2, 2)
+    inputs, samples = _inputs([(2, 4) + LOW], 1), _labelled(2, 2)
     for head in (plain, lean):  # losses summed over pixels if not scalar
         for seed in (3, 4):
             head.train()
@@ -398,7 +389,7 @@ def test_whole_batch_loss_is_logged_once(loss, reason, monkeypatch):
                    loss_decode=loss)
     make_lean(lean)
     logged = _captured_logs(monkeypatch)
-    inputs, samples = _inputs([(2, 4) + LOW], 1), _samples(2, 2)
+    inputs, samples = _inputs([(2, 4) + LOW], 1), _labelled(2, 2)
     for _ in range(2):
         out = lean.loss([x.clone().requires_grad_(True) for x in inputs],
                         samples, None)
@@ -415,7 +406,7 @@ def test_bfloat16_autocast_within_its_rounding(case):
     plain = _fcn_head(case)
     lean = copy.deepcopy(plain)
     make_lean(lean)
-    inputs, samples = _inputs([(3, 4) + LOW], 1), _samples(3, 2)
+    inputs, samples = _inputs([(3, 4) + LOW], 1), _labelled(3, 2)
     results = []
     for head in (plain, lean):
         head.train()
@@ -450,7 +441,7 @@ def test_classifier_input_and_logits_are_freed_after_the_loss():
         [weakref.ref(args[0]), weakref.ref(out)]))
     lean.train()
     losses = lean.loss([_inputs([(2, 4) + LOW], 1)[0].requires_grad_(True)],
-                       _samples(2, 2), None)
+                       _labelled(2, 2), None)
     gc.collect()
     assert losses['loss_ce'].requires_grad
     assert [r() for r in refs] == [None, None]
@@ -482,7 +473,7 @@ def test_a_bad_label_fails_its_batch_only(case):
     make_lean(lean)
     fresh = copy.deepcopy(lean)
     inputs = _inputs([(2, 4) + LOW], 1)
-    bad = _samples(2, 2)
+    bad = _labelled(2, 2)
     bad[0].gt_sem_seg.data[0, 7, 9] = K
     want, got = _outcome(plain, inputs, bad), _outcome(lean, inputs, bad)
     assert got[0] == want[0]
@@ -492,7 +483,7 @@ def test_a_bad_label_fails_its_batch_only(case):
                                        atol=0, equal_nan=True)
     else:
         assert got[1] == want[1]
-    clean = _samples(2, 3, ignore=False)  # mmseg 1.2.2's class weights
+    clean = _labelled(2, 3, ignore=False)  # mmseg 1.2.2's class weights
     assert _kept_bytes(lean, inputs, clean) == \
         _kept_bytes(fresh, inputs, clean)
     for head in (plain, lean):
@@ -525,7 +516,7 @@ def test_nan_input_gives_mmseg_accuracy(case, partial, native,
     plain = _fcn_head(case)
     lean = copy.deepcopy(plain)
     make_lean(lean)
-    inputs, samples = _nan_input(), _samples(2, 2)
+    inputs, samples = _nan_input(), _labelled(2, 2)
     outs = []
     for head in (plain, lean):
         head.train()

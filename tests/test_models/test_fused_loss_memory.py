@@ -15,7 +15,7 @@ import torch
 pytest.importorskip('mmseg')
 
 from mmseg.utils import register_all_modules  # noqa: E402
-from tests.helpers.loss_checks import pid_head, seg_samples  # noqa: E402
+from tests.helpers.loss_checks import pid_head, random_samples  # noqa: E402
 
 from mmseg_gf.accounting.measured import (live_bytes_by_interval,  # noqa: E402
                                           mark)
@@ -25,19 +25,6 @@ register_all_modules(init_default_scope=False)
 
 K = 5  # classes
 LOW, HIGH = (16, 16), (128, 128)  # logits' and labels' sizes (x 8)
-
-
-def _pid_head():
-    return pid_head(K, 2000, [0.8, 1.0, 1.2, 1.0, 0.9])
-
-
-def _samples(n):
-    gen = torch.Generator().manual_seed(2)
-    labels, edges = [], []
-    for _ in range(n):
-        labels.append(torch.randint(0, K, (1, ) + HIGH, generator=gen))
-        edges.append(torch.randint(0, 2, (1, ) + HIGH, generator=gen))
-    return seg_samples(labels, edges)
 
 
 def _freeze_side_branches(head):
@@ -53,7 +40,7 @@ def _step_live_bytes(head, trained_inputs):
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randn((2, c) + LOW, generator=gen).requires_grad_(t)
               for c, t in zip((4, 8, 4), trained_inputs)]
-    samples = _samples(2)
+    samples = random_samples(2, K, HIGH, seed=2, edges=True)
     head.train()
 
     def step():
@@ -71,7 +58,7 @@ def _step_live_bytes(head, trained_inputs):
 
 @pytest.mark.parametrize('frozen_sides', [False, True])
 def test_lean_step_frees_its_loss_and_peaks_no_higher(frozen_sides):
-    plain = _pid_head()
+    plain = pid_head(K, min_kept=2000)
     if frozen_sides:
         _freeze_side_branches(plain)
     lean = copy.deepcopy(plain)

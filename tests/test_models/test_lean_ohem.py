@@ -116,7 +116,10 @@ def test_ohem_selecting_nothing_is_nan_with_zero_gradient():
     assert not want_grad.any() and not got_grad.any()
 
 
-def _samples(ignored=0.0, seed=1):
+def _samples_of_label(ignored=0.0, seed=1):
+    """Samples carrying :func:`_label`'s batch (drawn whole, a random
+    fraction ``ignored``, as the loss-level checks above draw it) and
+    edge maps from a second generator."""
     label = _label(seed, ignored)
     gen = torch.Generator().manual_seed(seed + 7)
     edges = torch.randint(0, 2, label.shape, generator=gen)
@@ -196,7 +199,7 @@ def _check_head(head, dtype, samples):
 def test_pid_head_equals_mmseg(dtype, min_kept):
     head = pid_head(min_kept=min_kept)
     assert own_loss_producer(head, PIDHead, (0, 0, 0), []) is not None
-    got, grads = _check_head(head, dtype, _samples())
+    got, grads = _check_head(head, dtype, _samples_of_label())
     # the boundary gate splits the pixels: loss_sem_bd is a real subset
     assert 0 < float(got['loss_sem_bd']) and grads['loss_sem_bd'][1].any()
     assert grads['loss_bd'][2].any()
@@ -207,7 +210,7 @@ def test_pid_head_ignored_pixels_without_class_weights(dtype):
     """mmseg's CrossEntropyLoss with class weights indexes them with every
     label (an ignored one fails); without, ignored pixels are fine."""
     _check_head(pid_head(class_weight=None, align_corners=False), dtype,
-                _samples(ignored=0.3))
+                _samples_of_label(ignored=0.3))
 
 
 def test_pid_head_class_weights_with_ignored_pixels():
@@ -215,7 +218,7 @@ def test_pid_head_class_weights_with_ignored_pixels():
     IndexError on an ignored pixel; the lean loss weighs them 0: PyTorch's
     class-weighted mean cross-entropy of the upsampled logits."""
     head = pid_head()
-    samples = _samples(ignored=0.3)
+    samples = _samples_of_label(ignored=0.3)
     logits = _head_logits(head, torch.float32)
     with pytest.raises(IndexError):
         head.loss_by_feat(logits, samples)
@@ -234,12 +237,12 @@ def test_pid_head_class_weights_with_ignored_pixels():
 def test_ddr_head_equals_mmseg(dtype, ignored, min_kept):
     head = ddr_head(min_kept=min_kept)
     assert own_loss_producer(head, DDRHead, (0, 0), []) is not None
-    _check_head(head, dtype, _samples(ignored=ignored))
+    _check_head(head, dtype, _samples_of_label(ignored=ignored))
 
 
 def test_ddr_head_all_ignored():
     head = ddr_head()
-    samples = _samples(ignored=1.0)
+    samples = _samples_of_label(ignored=1.0)
     got, grads = _check_head(head, torch.float32, samples)
     assert float(got['loss_context']) == 0.0 and not grads
 
@@ -263,7 +266,7 @@ def test_logit_gradients_at_the_classifier(head_fn, position):
     """The classifier's output gets one basis per loss that reads it, the
     other logits their scaled gradients: together mmseg's gradients."""
     head = head_fn()
-    samples = _samples()
+    samples = _samples_of_label()
     logits = _head_logits(head, torch.float64)
     _, want = _losses_and_grads(
         lambda leaves: head.loss_by_feat(leaves, samples), logits)
@@ -301,7 +304,7 @@ def test_fused_classifier_losses_use_the_own_producer(monkeypatch):
     monkeypatch.setattr(lean_head, '_logit_gradients', None)
     head = ddr_head()
     head.train()
-    samples = _samples()
+    samples = _samples_of_label()
     capture = lean_head.ClassifierCapture()
     feat = torch.randn(2, 8, *LOW, requires_grad=True)
     z = capture.classify(head, feat)
@@ -319,7 +322,7 @@ def test_heads_under_bfloat16_autocast(head_fn):
     rounding."""
     head = head_fn(class_weight=None)
     head.train()
-    samples = _samples(ignored=0.2)
+    samples = _samples_of_label(ignored=0.2)
     logits = tuple(t.to(torch.bfloat16)
                    for t in _head_logits(head, torch.float32))
     with torch.autocast('cpu', dtype=torch.bfloat16):

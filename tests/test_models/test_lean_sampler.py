@@ -13,7 +13,7 @@ from mmseg.registry import MODELS  # noqa: E402
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from tests.helpers.loss_checks import (  # noqa: E402
-    assert_same_loss_by_feat, seg_samples)
+    assert_same_loss_by_feat, random_samples)
 from mmseg_gf.models.lean import make_lean  # noqa: E402
 from mmseg_gf.models.lean_loss import (chunkable_losses,  # noqa: E402
                                        ohem_sampler_spec)
@@ -26,17 +26,6 @@ def _head(sampler, **loss):
         type='FCNHead', in_channels=4, channels=4, num_convs=1,
         num_classes=CLASSES, align_corners=False, sampler=sampler,
         loss_decode=dict(type='CrossEntropyLoss', **loss)))
-
-
-def _samples(n, size, seed, ignored):
-    g = torch.Generator().manual_seed(seed)
-    labels = []
-    for i in range(n):
-        label = torch.randint(0, CLASSES, (1, ) + size, generator=g)
-        if ignored:
-            label[:, :size[0] // 3] = 255
-        labels.append(label)
-    return seg_samples(labels)
 
 
 def _compare(head, samples, seed=0):
@@ -72,7 +61,8 @@ def test_sampled_loss_equals_mmseg(case):
     head = _head(sampler, **loss)
     assert ohem_sampler_spec(head) is not None
     assert chunkable_losses(head) is not None
-    samples = _samples(3, (20, 24), seed=1, ignored=ignored)
+    samples = random_samples(3, CLASSES, (20, 24), seed=1,
+                             ignored_rows=6 if ignored else 0)
     lean, logits0 = _compare(head, samples)
     # only the gradient (the logits' size) is kept for the backward
     logits = logits0.clone().requires_grad_(True)
@@ -84,7 +74,7 @@ def test_sampled_loss_equals_mmseg(case):
 def test_nothing_labelled():
     head = _head(dict(type='OHEMPixelSampler', thresh=0.7, min_kept=5),
                  avg_non_ignore=True)
-    samples = _samples(2, (10, 12), seed=2, ignored=False)
+    samples = random_samples(2, CLASSES, (10, 12), seed=2)
     for s in samples:
         s.gt_sem_seg.data[:] = 255
     _compare(head, samples)
@@ -96,11 +86,13 @@ def test_sampler_without_threshold_takes_the_head_loss():
     head = _head(dict(type='OHEMPixelSampler', min_kept=100))
     assert ohem_sampler_spec(head) is None
     assert chunkable_losses(head) is None
-    _compare(head, _samples(2, (20, 24), seed=3, ignored=True))
+    _compare(head, random_samples(2, CLASSES, (20, 24), seed=3,
+                                  ignored_rows=6))
 
 
 def test_sampler_with_sigmoid_takes_the_head_loss():
     head = _head(dict(type='OHEMPixelSampler', thresh=0.7, min_kept=5),
                  use_sigmoid=True)
     assert chunkable_losses(head) is None
-    _compare(head, _samples(2, (20, 24), seed=4, ignored=True))
+    _compare(head, random_samples(2, CLASSES, (20, 24), seed=4,
+                                  ignored_rows=6))
