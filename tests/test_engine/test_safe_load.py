@@ -266,10 +266,6 @@ def test_code_running_pickle_is_refused_with_the_type_named(tmp_path):
 def test_refusal_through_the_test_tool(tmp_path, monkeypatch):
     """tools/test.py reads the checkpoint safely before evaluating."""
     monkeypatch.delenv('LOCAL_RANK', raising=False)
-    # the tool's Runner turns cuDNN's benchmark mode on for the process
-    # (mmseg's env_cfg): undone after the test
-    monkeypatch.setattr(torch.backends.cudnn, 'benchmark',
-                        torch.backends.cudnn.benchmark)
     marker = tmp_path / 'marker'
     path = str(tmp_path / 'evil.pth')
     torch.save({'state_dict': {}, 'meta': RunsCode(str(marker))}, path)
