@@ -30,8 +30,8 @@ def _check_unchanged(before, what: str) -> None:
     alone."""
     from tests.helpers import process_state
     changed = process_state.changes(before, process_state.snapshot())
+    process_state.restore(before)  # the quietly restored ones too
     if changed:
-        process_state.restore(before)
         pytest.fail(f'{what} left process-wide settings changed (restored '
                     'now; undo them in a fixture or a finally): ' +
                     '; '.join(changed), pytrace=False)
