@@ -41,7 +41,7 @@ from mmseg_gf.models.patch_mean_gelu import (  # noqa: E402
 from mmseg_gf.ops.patch_mean_activation import \
     patch_mean_kept_elements  # noqa: E402
 from tests.test_engine.test_transformer_selection import (  # noqa: E402
-    _batch, _close, _step)
+    _batch, _close, _total_loss_step)
 from tests.helpers.token_families import SIZE, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -89,10 +89,10 @@ def test_rule_fires_on_the_last_mlps_and_changes_no_gradient(name):
     off = _model(name, torch.float64, patch_mean_activations=False)
     assert _gelus(off) == [] and get_state(off).patch_mean_gelus == []
     inputs, samples = _batch(on, torch.float64)
-    got = _step(on, inputs, samples)
+    got = _total_loss_step(on, inputs, samples)
     for path in EXPECTED[name]:  # the rule ran in that step
         assert on.get_submodule(path)._gf_patch_mean_call is not None, path
-    _close(got, _step(off, inputs, samples), f'{name} rule off', 1e-10,
+    _close(got, _total_loss_step(off, inputs, samples), f'{name} rule off', 1e-10,
            1e-12)
 
     lean = _model(name, torch.float32)
@@ -102,7 +102,7 @@ def test_rule_fires_on_the_last_mlps_and_changes_no_gradient(name):
     # (lean: the trained attentions run SDPA, which sums in another order
     # than the bmm path of lean=False: float32 rounding, not the rule,
     # which the float64 comparison above checks to 1e-10)
-    _close(_step(lean, inputs, samples), _step(plain, inputs, samples),
+    _close(_total_loss_step(lean, inputs, samples), _total_loss_step(plain, inputs, samples),
            f'{name} lean', 1e-4, 1e-5)
 
 
@@ -172,7 +172,7 @@ def test_the_traced_step_leaves_no_trace():
     head_only = _model('swin_t', torch.float64, num_layers=12)
     assert get_state(head_only).logged_frozen_aux_heads == set()
     inputs, samples = _batch(head_only, torch.float64)
-    _step(head_only, inputs, samples)
+    _total_loss_step(head_only, inputs, samples)
     assert get_state(head_only).logged_frozen_aux_heads == {
         'auxiliary_head'}
 
