@@ -8,6 +8,8 @@ run without code generation): what these tests check is the tracing;
 Inductor's C++ code generation is checked once, at model level
 (``tests/test_engine/test_compile_step.py``).
 """
+from importlib.util import find_spec
+
 import pytest
 import torch
 from torch import nn
@@ -77,8 +79,16 @@ def _check_compiled(fn, x: torch.Tensor, params=()) -> None:
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
+# The Linear and attention kinds (their frozen lean variants) are
+# registered with their token-grid rules, which import mmseg's blocks.
+NEEDS_TOKEN_KINDS = pytest.mark.skipif(
+    find_spec('mmseg') is None,
+    reason='the Linear / attention kinds are registered with mmseg')
+
+
 @pytest.mark.parametrize('chain, shape', [
-    (_cnn_chain, (2, 3, 12, 12)), (_token_chain, (2, 7, 6))])
+    (_cnn_chain, (2, 3, 12, 12)),
+    pytest.param(_token_chain, (2, 7, 6), marks=NEEDS_TOKEN_KINDS)])
 def test_lean_modules_trace_without_graph_break(chain, shape):
     modules = chain()
     assert all(is_lean(m) for m in modules if type(m) is not nn.GELU)
@@ -199,6 +209,7 @@ def test_filtered_linear_traces(layout, shape):
         torch.randn(shape), [weight, bias])
 
 
+@NEEDS_TOKEN_KINDS
 def test_lean_attention_traces():
     """A frozen ``nn.MultiheadAttention`` through SDPA (its lean kind)."""
     torch.manual_seed(0)

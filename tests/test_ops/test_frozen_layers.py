@@ -9,6 +9,7 @@ checked against an independent formula, the transposed convolution with the
 ``output_padding`` that restores the input size.
 """
 import copy
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -36,6 +37,14 @@ CONV_CASES = [
     (4, 6, (1, 5), (1, 3), (0, 4), (1, 2), 2, 6, 17, True),
     (3, 5, 4, 2, 1, 1, 1, 8, 9, True),  # even kernel
 ]
+
+#: The Linear and attention kinds (and so their frozen lean variants) are
+#: registered with their token-grid rules, which import mmseg's blocks
+#: (``mmseg_gf/models/__init__.py``): without mmseg (the aarch64 op check)
+#: a frozen Linear stays plain.
+NEEDS_TOKEN_KINDS = pytest.mark.skipif(
+    find_spec('mmseg') is None,
+    reason='the Linear / attention kinds are registered with mmseg')
 
 
 def _frozen(module: nn.Module) -> nn.Module:
@@ -127,6 +136,7 @@ def test_frozen_conv_under_cpu_autocast():
 
 @pytest.mark.parametrize('shape', [(5, 8), (2, 3, 8), (2, 0, 8)])
 @pytest.mark.parametrize('bias', [True, False])
+@NEEDS_TOKEN_KINDS
 def test_frozen_linear_equals_plain_and_keeps_nothing(shape, bias):
     linear = _frozen(nn.Linear(8, 6, bias=bias))
     x0 = torch.randn(shape)
@@ -167,7 +177,6 @@ def test_trained_layers_run_the_plain_path():
 def test_kinds_and_classes():
     conv, gf = nn.Conv2d(2, 2, 3), GFConv2d(2, 2, 3, radius=2)
     assert lean_kind(conv) == 'frozen_conv' and lean_kind(gf) is None
-    assert lean_kind(nn.Linear(2, 2)) == 'frozen_linear'
     assert lean_kind(nn.ConvTranspose2d(2, 2, 3)) is None
     assert lean_kind(nn.Conv1d(2, 2, 3)) is None
     lean = copy.deepcopy(conv)
@@ -177,6 +186,11 @@ def test_kinds_and_classes():
     swapped = GFConv2d.from_conv(lean, radius=2)
     assert swapped.weight is lean.weight
     assert make_plain(lean) and type(lean) is nn.Conv2d
+
+
+@NEEDS_TOKEN_KINDS
+def test_linear_kind_and_class():
+    assert lean_kind(nn.Linear(2, 2)) == 'frozen_linear'
     linear = nn.Linear(2, 2)
     make_lean(linear)
     assert lean_kind(linear) == 'frozen_linear'

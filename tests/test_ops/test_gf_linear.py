@@ -127,11 +127,15 @@ def test_noncontiguous_input_and_gradient(device):
 
 
 @pytest.mark.parametrize('device', DEVICES)
-def test_autocast_bfloat16(device):
+def test_autocast_bfloat16(device, monkeypatch):
     """Under autocast the forward is autocast's ``F.linear`` (bf16) and
     the backward accumulates in float32: the gradients keep the float32
     parameters' and input's dtypes and match the reference taken on the
     bf16-rounded operands."""
+    # on a CPU without bfloat16 (an emulated Cortex-A76) torch's oneDNN
+    # matmul fails and torch switches oneDNN off for the process: undone
+    monkeypatch.setattr(torch.backends.mkldnn, 'enabled',
+                        torch.backends.mkldnn.enabled)
     grid, r = TokenGrid(8, 8, extra_tokens=1), 4
     x, w, b, _ = _inputs((2, 65, 16), cout=8, dtype=torch.float32)
     x, w, b = (t.to(device).requires_grad_() for t in (x, w, b))
