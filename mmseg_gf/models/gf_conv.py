@@ -20,6 +20,25 @@ _CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
                     '_reversed_padding_repeated_twice')
 
 
+def sharing_conv(cls, conv: nn.Module, radius: int,
+                 enabled: bool = True) -> nn.Module:
+    """A ``cls`` (a filtered conv class, any dimension) built from ``conv``
+    without running ``__init__``: ``conv``'s hyper-parameters and training
+    flag copied, its weight and bias Parameters **shared**. Sharing (not
+    copying) keeps optimizers built before the swap valid and keeps
+    ``state_dict`` keys and values identical."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for name in _CONV_ATTRIBUTES:
+        setattr(new, name, getattr(conv, name))
+    new.training = conv.training
+    new.register_parameter('weight', conv.weight)
+    new.register_parameter('bias', conv.bias)
+    new.radius = check_radius(radius)
+    new.enabled = bool(enabled)
+    return new
+
+
 class GFExactBackwardWarning(UserWarning):
     """A filtered layer's call ran with the exact backward: the filter
     cannot apply."""
@@ -108,10 +127,8 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, radius: int,
                   enabled: bool = True) -> 'GFConv2d':
-        """Wrap an existing conv, **sharing** its Parameters.
-
-        Sharing (not copying) keeps optimizers built before the swap valid,
-        and keeps ``state_dict`` keys and values identical.
+        """Wrap an existing conv, **sharing** its Parameters
+        (:func:`sharing_conv`).
 
         Raises:
             TypeError: for a conv class whose forward is not a plain
@@ -124,16 +141,7 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
                 f'{type(conv).__name__}: only nn.Conv2d (and mmcv\'s '
                 'Conv2d wrapper) compute a plain convolution; its forward '
                 'would be bypassed or changed')
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        for name in _CONV_ATTRIBUTES:
-            setattr(new, name, getattr(conv, name))
-        new.training = conv.training
-        new.register_parameter('weight', conv.weight)
-        new.register_parameter('bias', conv.bias)
-        new.radius = check_radius(radius)
-        new.enabled = bool(enabled)
-        return new
+        return sharing_conv(cls, conv, radius, enabled)
 
     def _conv_forward(self, input: Tensor, weight: Tensor,
                       bias: Optional[Tensor]) -> Tensor:

@@ -50,7 +50,7 @@ from mmseg_gf.models.layer_kinds import (LayerKind,  # noqa: E402
                                          layer_kernels,
                                          register_layer_kind,
                                          unregister_layer_kind)
-from mmseg_gf.ops import check_radius  # noqa: E402
+from mmseg_gf.models.gf_conv import sharing_conv  # noqa: E402
 from mmseg_gf.ops.conv_cost import ConvGeometry  # noqa: E402
 from mmseg_gf.ops.gradient_filter import gradient_filtered_conv2d  # noqa
 from mmseg_gf.ops.quality import model_dc_energy_ratio  # noqa: E402
@@ -65,11 +65,6 @@ SEQUENCE = ['backbone.seq1', 'backbone.seq2']
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
-_CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
-                    'padding', 'dilation', 'transposed', 'output_padding',
-                    'groups', 'padding_mode',
-                    '_reversed_padding_repeated_twice')
-
 
 class GFConv1d(FilteredLayer, nn.Conv1d):
     """An ``nn.Conv1d`` whose backward filters ``g_y`` in patches of ``r``
@@ -80,15 +75,7 @@ class GFConv1d(FilteredLayer, nn.Conv1d):
     def from_plain(cls, conv: nn.Conv1d, radius: int,
                    enabled: bool = True) -> 'GFConv1d':
         """The filtered layer of ``conv``, sharing its Parameters."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        for name in _CONV_ATTRIBUTES:
-            setattr(new, name, getattr(conv, name))
-        new.training = conv.training
-        new.register_parameter('weight', conv.weight)
-        new.register_parameter('bias', conv.bias)
-        new.radius, new.enabled = check_radius(radius), bool(enabled)
-        return new
+        return sharing_conv(cls, conv, radius, enabled)
 
     def _conv_forward(self, input, weight, bias):
         if (not self._filter_active(input, weight, bias)
