@@ -24,14 +24,22 @@ from typing import Iterator
 import pytest
 import torch
 
+from mmseg_gf.models.layer_kinds import kind_names
 from mmseg_gf.ops import switches
 
-__all__ = ['CUDA_AVAILABLE', 'needs_cuda', 'DEVICES', 'DEVICE_PATHS',
-           'kernels_off', 'on_path']
+__all__ = ['CUDA_AVAILABLE', 'needs_cuda', 'needs_token_kinds', 'DEVICES',
+           'DEVICE_PATHS', 'kernels_off', 'on_path']
 
 CUDA_AVAILABLE = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA_AVAILABLE,
                                 reason='no CUDA GPU on this machine')
+#: The Linear and attention kinds (and so their frozen lean variants) are
+#: registered with their token-grid rules, which import mmseg's blocks
+#: (``mmseg_gf/models/__init__.py``): where mmseg is not installed (the
+#: aarch64 op check) a frozen Linear stays plain.
+needs_token_kinds = pytest.mark.skipif(
+    'linear' not in kind_names(),
+    reason='the Linear / attention kinds are registered with mmseg')
 _CUDA = pytest.param('cuda', marks=[pytest.mark.cuda, needs_cuda],
                      id='cuda')
 

@@ -8,8 +8,6 @@ run without code generation): what these tests check is the tracing;
 Inductor's C++ code generation is checked once, at model level
 (``tests/test_engine/test_compile_step.py``).
 """
-from importlib.util import find_spec
-
 import pytest
 import torch
 from torch import nn
@@ -19,6 +17,7 @@ from mmseg_gf.models.lean import is_lean, make_lean
 from mmseg_gf.ops import (TokenGrid, bit_mask, gradient_filtered_conv2d,
                           gradient_filtered_linear, native, resized_loss)
 from mmseg_gf.ops.resize import strided_gradient_resizes
+from tests.helpers.devices import needs_token_kinds
 
 KERNELS = pytest.mark.skipif(not native.available(),
                              reason='compiled CPU kernels not built')
@@ -79,16 +78,9 @@ def _check_compiled(fn, x: torch.Tensor, params=()) -> None:
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
-# The Linear and attention kinds (their frozen lean variants) are
-# registered with their token-grid rules, which import mmseg's blocks.
-NEEDS_TOKEN_KINDS = pytest.mark.skipif(
-    find_spec('mmseg') is None,
-    reason='the Linear / attention kinds are registered with mmseg')
-
-
 @pytest.mark.parametrize('chain, shape', [
     (_cnn_chain, (2, 3, 12, 12)),
-    pytest.param(_token_chain, (2, 7, 6), marks=NEEDS_TOKEN_KINDS)])
+    pytest.param(_token_chain, (2, 7, 6), marks=needs_token_kinds)])
 def test_lean_modules_trace_without_graph_break(chain, shape):
     modules = chain()
     assert all(is_lean(m) for m in modules if type(m) is not nn.GELU)
@@ -209,7 +201,7 @@ def test_filtered_linear_traces(layout, shape):
         torch.randn(shape), [weight, bias])
 
 
-@NEEDS_TOKEN_KINDS
+@needs_token_kinds
 def test_lean_attention_traces():
     """A frozen ``nn.MultiheadAttention`` through SDPA (its lean kind)."""
     torch.manual_seed(0)

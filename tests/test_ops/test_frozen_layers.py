@@ -9,7 +9,6 @@ checked against an independent formula, the transposed convolution with the
 ``output_padding`` that restores the input size.
 """
 import copy
-from importlib.util import find_spec
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.gf_conv import GFConv2d, is_filterable_conv
 from mmseg_gf.models.lean import (frozen_conv_is_lean, is_lean, lean_kind,
                                   make_lean, make_plain)
+from tests.helpers.devices import needs_token_kinds
 
 # (in, out, kernel, stride, padding, dilation, groups, H, W, bias)
 CONV_CASES = [
@@ -37,14 +37,6 @@ CONV_CASES = [
     (4, 6, (1, 5), (1, 3), (0, 4), (1, 2), 2, 6, 17, True),
     (3, 5, 4, 2, 1, 1, 1, 8, 9, True),  # even kernel
 ]
-
-#: The Linear and attention kinds (and so their frozen lean variants) are
-#: registered with their token-grid rules, which import mmseg's blocks
-#: (``mmseg_gf/models/__init__.py``): without mmseg (the aarch64 op check)
-#: a frozen Linear stays plain.
-NEEDS_TOKEN_KINDS = pytest.mark.skipif(
-    find_spec('mmseg') is None,
-    reason='the Linear / attention kinds are registered with mmseg')
 
 
 def _frozen(module: nn.Module) -> nn.Module:
@@ -136,7 +128,7 @@ def test_frozen_conv_under_cpu_autocast():
 
 @pytest.mark.parametrize('shape', [(5, 8), (2, 3, 8), (2, 0, 8)])
 @pytest.mark.parametrize('bias', [True, False])
-@NEEDS_TOKEN_KINDS
+@needs_token_kinds
 def test_frozen_linear_equals_plain_and_keeps_nothing(shape, bias):
     linear = _frozen(nn.Linear(8, 6, bias=bias))
     x0 = torch.randn(shape)
@@ -188,7 +180,7 @@ def test_kinds_and_classes():
     assert make_plain(lean) and type(lean) is nn.Conv2d
 
 
-@NEEDS_TOKEN_KINDS
+@needs_token_kinds
 def test_linear_kind_and_class():
     assert lean_kind(nn.Linear(2, 2)) == 'frozen_linear'
     linear = nn.Linear(2, 2)
