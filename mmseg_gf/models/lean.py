@@ -280,9 +280,12 @@ class _LeanLossHead:
 
     def loss(self, *args, **kwargs):
         if torch.compiler.is_compiling():
-            # traced: no classifier capture, no resize mode (the compiled
-            # backward reads the gradient as the graph lays it out)
-            return super().loss(*args, **kwargs)
+            # traced: no classifier capture. The resizes' backward stays
+            # torch's one operator: Inductor's C++ backend fails to
+            # generate the scatter of its decomposition into a 1 x 1 map
+            # (PSPNet's pyramid branch of scale 1) in the lean graph
+            with strided_gradient_resizes():
+                return super().loss(*args, **kwargs)
         # its bilinear resizes read a concatenation's channel slice of
         # their gradient in place (ops.resize)
         with strided_gradient_resizes():

@@ -1,9 +1,9 @@
-"""``torch.compile`` of a lean GF training step (PSPNet-R18, last 5 convs,
-r = 4; a tiny Segformer-B0 with every layer kind): no graph break of the
-plugin's own (the plain model's come from mmseg's dynamic-shape code), the
-eager loss and gradients, and mmengine's
-``compile=True`` training the demo's setting through the hook and the
-config rewrite (docs/lean_region.md#torchcompile).
+"""``torch.compile`` of a lean GF training step (PSPNet-R18, last 10 convs,
+r = 4, the pyramid pooling module's included; a tiny Segformer-B0 with
+every layer kind): no graph break of the plugin's own (the plain model's
+come from mmseg's dynamic-shape code), the eager loss and gradients, and
+mmengine's ``compile=True`` training the demo's setting through the hook
+and the config rewrite (docs/lean_region.md#torchcompile).
 
 Most cases use ``aot_eager`` (Dynamo and AOTAutograd, no code
 generation); one runs Inductor's C++ backend.
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures('one_thread')
 
 def _lean_gf(base):
     model = copy.deepcopy(base)
-    choices = select_layers(model, num_layers=5, radius=4,
+    choices = select_layers(model, num_layers=10, radius=4,
                             input_size=SMALL_SIZE)
     apply_gradient_filter(model, choices, mode='gf', lean=True)
     return model
