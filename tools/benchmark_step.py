@@ -22,6 +22,10 @@ Examples::
     # on a CUDA GPU (times synchronised, peak = max_memory_allocated)
     python tools/benchmark_step.py --models pspnet_r18 --device cuda \
         --rows inference vanilla_last10:plain gf_last10_r4:lean
+    # compiled (Inductor) and eager steps side by side, one run
+    python tools/benchmark_step.py --models pspnet_r18 --crop 256 \
+        --batch 2 --warmup 2 --no-memory --rows gf_last10_r4:lean \
+        gf_last10_r4:lean+compiled
     # the training rows compiled, CUDA graphs replayed
     python tools/benchmark_step.py --models pspnet_r18 --device cuda \
         --compile reduce-overhead --warmup 2 --no-memory \
@@ -88,6 +92,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="the training rows' model.loss compiled with this "
                    "torch.compile mode ('reduce-overhead': CUDA graphs on a "
                    'GPU; compiled in the warm-up rounds: give --warmup 2); '
+                   "with rows suffixed '+compiled' only those (default "
+                   "mode 'default'), timed next to their eager twins; "
                    'inference stays eager')
     p.add_argument('--reuse-cpu-memory', action='store_true',
                    help='keep freed CPU memory for reuse, as training with '

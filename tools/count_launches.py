@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import mmseg_gf  # noqa: F401,E402  (registers the plugin's modules)
 from mmseg_gf.analysis.launch_count import run_jobs  # noqa: E402
 from mmseg_gf.analysis.step_benchmark import (parse_row,  # noqa: E402
-                                              row_settings)
+                                              row_settings, split_compiled)
 from mmseg_gf.analysis.step_jobs import (add_model_arguments,  # noqa: E402
                                          check_model_arguments,
                                          config_jobs, family_jobs)
@@ -95,6 +95,9 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
             if row_settings(row) is None or parse_row(row)[1] is None:
                 raise ValueError(f'row {row!r}: inference and vanilla_all '
                                  'train no gradient-filter setting')
+            if split_compiled(row)[1]:
+                raise ValueError(f'row {row!r}: launches are counted in '
+                                 'eager mode (no compiled rows)')
             for model in args.models:
                 strategy_file(row.partition(':')[0], model)
         except ValueError as e:

@@ -47,8 +47,8 @@ from ..engine.build import build_segmentor
 from ..models.segmentor import set_frozen_norms_eval
 from .hardware import peak_resident_bytes, resident_bytes
 
-__all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'COMPILE_MODES', 'parse_row',
-           'row_settings', 'compiled_loss',
+__all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'COMPILE_MODES', 'COMPILED',
+           'parse_row', 'split_compiled', 'row_settings', 'compiled_loss',
            'set_row_settings', 'row_config', 'benchmark_model', 'step_table',
            'kept_by_kind_table', 'plot', 'same_layers_vanilla',
            'FINETUNE_ITERS']
@@ -61,19 +61,36 @@ DEFAULT_ROWS = ('inference', 'vanilla_last5:plain', 'gf_last5_r4:plain',
                 'gf_last10_r4:plain', 'gf_last10_r4:lean')
 #: ``torch.compile`` modes a benchmark's training rows may take.
 COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune')
+#: A training row's suffix: its ``model.loss`` compiled
+#: (:func:`compiled_loss`), timed next to the row without it.
+COMPILED = '+compiled'
 #: What a row may be (the error message of :func:`row_settings`).
 ROW_FORMS = ("'inference', 'vanilla_all', 'vanilla_last<N>', "
              "'gf_last<N>_r<R>' or 'gf_last<N>_auto', the last two "
-             "optionally suffixed ':lean' (the default) or ':plain'")
+             "optionally suffixed ':lean' (the default) or ':plain'; "
+             f"a training row optionally followed by {COMPILED!r}")
 _LAST_N = re.compile(r'(?P<mode>gf|vanilla)_last(?P<n>\d+)'
                      r'(?:_r(?P<r>\d+)|_(?P<auto>auto))?')
 
 
+def split_compiled(row: str) -> Tuple[str, bool]:
+    """``'gf_last5_r4:lean+compiled'`` -> ``('gf_last5_r4:lean', True)``;
+    a row without :data:`COMPILED` -> ``(row, False)``."""
+    if row.endswith(COMPILED):
+        return row[:-len(COMPILED)], True
+    return row, False
+
+
 def parse_row(row: str):
     """``'gf_last5_r4:lean'`` -> ``('gf_last5_r4', True)``; no suffix means
-    lean (the default setting); ``'inference'`` -> ``('inference', None)``.
+    lean (the default setting); ``'inference'`` -> ``('inference', None)``;
+    a :data:`COMPILED` suffix does not change the setting.
     """
+    row, compiled = split_compiled(row)
     if row == 'inference':
+        if compiled:
+            raise ValueError(f'row {row + COMPILED!r}: inference stays '
+                             'eager; only training rows are compiled')
         return row, None
     strategy, _, variant = row.partition(':')
     if variant not in ('', 'lean', 'plain'):
@@ -259,10 +276,11 @@ def benchmark_model(model_name: str,
     crop = tuple(int(v) for v in crop)
     device = torch.device(device)
     say = progress or (lambda message: None)
+    modes = row_compile_modes([name for name, _ in rows], compile_mode)
     built = []
-    for name, cfg in rows:
+    for (name, cfg), mode in zip(rows, modes):
         say(f'build {name}')
-        built.append(_Row(name, cfg, crop, batch, device, compile_mode))
+        built.append(_Row(name, cfg, crop, batch, device, mode))
     times = _time_round_robin(built, repeats, warmup, say)
     # what the process holds after the timed steps (all rows' models and
     # whatever malloc kept: engine.cpu_memory), and the most it held, before
@@ -273,14 +291,17 @@ def benchmark_model(model_name: str,
     for row, row_times in zip(built, times):
         result = {key: statistics.median(v) for key, v in row_times.items()}
         result.update(row=row.name, strategy=row.strategy, lean=row.lean,
-                      peak_bytes=None, saved_bytes=None)
+                      compiled=row.compile_mode, peak_bytes=None,
+                      saved_bytes=None)
         if memory:
             say(f'memory {row.name}')
             result.update(row.memory(crop, batch))
         measured.append(result)
     _add_ratios(measured)
     label = label or model_name
-    if compile_mode is not None:
+    if compile_mode is not None and not any(modes[i] is None and
+                                            built[i].lean is not None
+                                            for i in range(len(built))):
         label = f'{label}, compiled ({compile_mode})'
     return dict(model=model_name, label=label,
                 crop=list(crop), batch=int(batch),
@@ -300,6 +321,7 @@ class _Row:
                  compile_mode: Optional[str] = None) -> None:
         self.name = name
         self.device = device
+        self.compile_mode = compile_mode
         self.strategy, self.lean = parse_row(name)
         torch.manual_seed(0)
         self.model = build_segmentor(cfg).to(device)
@@ -338,6 +360,19 @@ class _Row:
         return out
 
 
+def row_compile_modes(rows: Sequence[str],
+                      compile_mode: Optional[str]) -> List[Optional[str]]:
+    """Each row's ``torch.compile`` mode (None: eager): with no row
+    suffixed :data:`COMPILED`, every training row takes ``compile_mode``;
+    otherwise the suffixed rows take it (``'default'`` if None) and the
+    others stay eager, so that both are timed side by side."""
+    suffixed = [split_compiled(r)[1] for r in rows]
+    if not any(suffixed):
+        return [None if parse_row(r)[1] is None else compile_mode
+                for r in rows]
+    return [(compile_mode or 'default') if s else None for s in suffixed]
+
+
 def _time_round_robin(built: Sequence[_Row], repeats: int, warmup: int,
                       say) -> List[Dict[str, List[float]]]:
     """Per row, the timed parts of each timed round (every round runs
@@ -362,7 +397,9 @@ def same_layers_vanilla(strategy: str) -> str:
 
 def _add_ratios(rows: List[Dict]) -> None:
     inference = next((r for r in rows if r['lean'] is None), None)
-    plain = {r['strategy']: r for r in rows if r['lean'] is False}
+    plain = {(r['strategy'], r.get('compiled')): r for r in rows
+             if r['lean'] is False}
+    eager = {r['row']: r for r in rows if not r.get('compiled')}
     for r in rows:
         timed = 'step' in r
         if inference is not None:
@@ -371,12 +408,17 @@ def _add_ratios(rows: List[Dict]) -> None:
                                           inference['peak_bytes'])
             if timed:
                 r['step_vs_inference'] = r['step'] / inference['forward']
-        ref = plain.get(same_layers_vanilla(r['strategy']))
+        compiled = r.get('compiled')
+        ref = plain.get((same_layers_vanilla(r['strategy']), compiled))
         if ref is not None and r['lean'] is not None and ref['saved_bytes']:
             r['saved_vs_vanilla_plain'] = r['saved_bytes'] / \
                 ref['saved_bytes']
-        if timed and r['lean'] and r['strategy'] in plain:
-            r['step_vs_plain'] = r['step'] / plain[r['strategy']]['step']
+        twin = plain.get((r['strategy'], compiled))
+        if timed and r['lean'] and twin is not None:
+            r['step_vs_plain'] = r['step'] / twin['step']
+        twin = eager.get(split_compiled(r['row'])[0])
+        if timed and compiled and twin is not None and 'step' in twin:
+            r['step_vs_eager'] = r['step'] / twin['step']
 
 
 def _mib(v: Optional[float]) -> str:
@@ -392,12 +434,14 @@ def step_table(result: Dict) -> str:
     row measured (times of a memory-only run, bytes of a ``--no-memory``
     run)."""
     headers = ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
-               'lean / plain step', 'peak MiB', 'peak / inference',
+               'lean / plain step', 'compiled / eager step', 'peak MiB',
+               'peak / inference',
                'saved MiB', 'analytic MiB', 'saved / vanilla plain',
                '20k steps (h)')
     rows = [(r['row'], _seconds(r.get('forward')), _seconds(r.get('backward')),
              _seconds(r.get('step')), _ratio(r.get('step_vs_inference')),
-             _ratio(r.get('step_vs_plain'), 3), _mib(r['peak_bytes']),
+             _ratio(r.get('step_vs_plain'), 3),
+             _ratio(r.get('step_vs_eager'), 3), _mib(r['peak_bytes']),
              _ratio(r.get('peak_vs_inference')), _mib(r['saved_bytes']),
              _mib(r.get('analytic_saved_bytes')),
              _ratio(r.get('saved_vs_vanilla_plain'), 3),

@@ -152,9 +152,53 @@ def test_row_settings(row, settings):
     assert row_settings(row) == settings
 
 
+def test_compiled_rows_take_the_setting_and_the_mode():
+    """'+compiled' keeps the row's setting; with such rows only they are
+    compiled (default mode 'default'), without them --compile compiles
+    every training row; inference never."""
+    from mmseg_gf.analysis.step_benchmark import (parse_row,
+                                                  row_compile_modes)
+    assert row_settings('gf_last5_r4:lean+compiled') == row_settings(
+        'gf_last5_r4:lean')
+    assert parse_row('vanilla_last5:plain+compiled') == ('vanilla_last5',
+                                                        False)
+    rows = ['inference', 'gf_last5_r4:lean', 'gf_last5_r4:lean+compiled']
+    assert row_compile_modes(rows, None) == [None, None, 'default']
+    assert row_compile_modes(rows, 'max-autotune') == [None, None,
+                                                       'max-autotune']
+    assert row_compile_modes(rows[:2], 'default') == [None, 'default']
+    assert row_compile_modes(rows[:2], None) == [None, None]
+
+
+def test_compiled_rows_are_compared_with_their_eager_twins():
+    """A compiled row's step against the same row eager; lean against
+    plain within the compiled rows and within the eager ones."""
+    from mmseg_gf.analysis.step_benchmark import _add_ratios, step_table
+
+    def row(name, step, compiled=None):
+        strategy, lean = name.split('+')[0].split(':')
+        return dict(row=name, strategy=strategy, lean=lean == 'lean',
+                    compiled=compiled, step=step, forward=step / 2,
+                    backward=step / 2, peak_bytes=None, saved_bytes=None)
+
+    rows = [row('gf_last5_r4:lean', 4.0), row('gf_last5_r4:plain', 5.0),
+            row('gf_last5_r4:lean+compiled', 3.0, 'default'),
+            row('gf_last5_r4:plain+compiled', 6.0, 'default')]
+    _add_ratios(rows)
+    by = {r['row']: r for r in rows}
+    assert by['gf_last5_r4:lean+compiled']['step_vs_eager'] == 0.75
+    assert by['gf_last5_r4:plain+compiled']['step_vs_eager'] == 1.2
+    assert by['gf_last5_r4:lean+compiled']['step_vs_plain'] == 0.5
+    assert by['gf_last5_r4:lean']['step_vs_plain'] == 0.8
+    assert 'step_vs_eager' not in by['gf_last5_r4:lean']
+    table = step_table(dict(rows=rows))
+    assert 'compiled / eager step' in table
+    assert '| gf_last5_r4:lean+compiled |' in table and '| 0.750 |' in table
+
+
 @pytest.mark.parametrize('row', ['gf_last5', 'vanilla_last5_r4',
                                  'gf_last0_r4', 'gf_last5_r0', 'last5',
-                                 'gf_last5_r4:fast'])
+                                 'gf_last5_r4:fast', 'inference+compiled'])
 def test_bad_rows_are_refused_before_building(row, capsys):
     with pytest.raises(SystemExit):
         benchmark_step.main(['--families', 'stdc1', '--rows', row])
