@@ -5,7 +5,11 @@ channel plane ``x`` (``H_in x W_in``), where ``A`` (``H_out x H_in``) and
 ``B`` (``W_out x W_in``) hold each output row's (column's) two
 interpolation weights at the two source rows (columns) torch's kernel
 reads. Its input gradient is the transpose, ``g_x = A^T g_y B``. Both are
-two batched GEMMs (cuBLAS), the longer axis contracted first.
+two batched GEMMs (cuBLAS), the width contracted first; a small source
+(at most 64 pixels: a pyramid pooling branch's 1x1 to 6x6 maps) takes one,
+with the Kronecker product ``A (x) B`` (:func:`one_product`). The matrices
+enter the batched GEMMs with a batch stride of 0 and a channel slice of a
+gradient is read in place: no operand is copied.
 
 Why: torch's CUDA kernels for a contiguous NCHW map parallelise badly on
 segmentation's shapes. Its forward runs one thread per output pixel and
@@ -39,9 +43,15 @@ from torch import Tensor
 from . import switches
 from .device_path import acting_as_cuda
 
-__all__ = ['usable', 'interpolation_matrix', 'resize', 'resize_backward']
+__all__ = ['usable', 'interpolation_matrix', 'one_product', 'resize',
+           'resize_backward']
 
 _DTYPES = (torch.float32, torch.float64)
+
+#: Source pixels up to which a resize is one product (:func:`one_product`).
+ONE_PRODUCT_PIXELS = 64
+#: The most elements that product's matrix may have (16 MiB in float32).
+ONE_PRODUCT_ELEMENTS = 1 << 22
 
 
 def usable(t: Tensor) -> bool:
@@ -111,24 +121,80 @@ def _matrices(out_hw: Sequence[int], in_hw: Sequence[int],
     return rows, cols
 
 
+@lru_cache(maxsize=32)
+def _kronecker(out_hw: Tuple[int, int], in_hw: Tuple[int, int],
+               align_corners: bool, scales, dtype: torch.dtype,
+               device: torch.device) -> Tensor:
+    rows = interpolation_matrix(out_hw[0], in_hw[0], align_corners,
+                                scales[0], dtype, device)
+    cols = interpolation_matrix(out_hw[1], in_hw[1], align_corners,
+                                scales[1], dtype, device)
+    return torch.kron(rows, cols)
+
+
+def one_product(out_hw: Sequence[int], in_hw: Sequence[int]) -> bool:
+    """Whether a resize between these sizes runs as one product with the
+    ``(H_out W_out) x (H_in W_in)`` matrix ``A (x) B`` (the two axes'
+    matrices' Kronecker product): for a source of at most
+    :data:`ONE_PRODUCT_PIXELS` pixels (a pyramid pooling branch's 1x1 to
+    6x6 maps), whose products cost that many multiply-adds per output
+    pixel, one launch where the separable form takes two."""
+    return (in_hw[0] * in_hw[1] <= ONE_PRODUCT_PIXELS
+            and out_hw[0] * out_hw[1] * in_hw[0] * in_hw[1]
+            <= ONE_PRODUCT_ELEMENTS)
+
+
+
+def _kron_for(out_hw, in_hw, align_corners, scales, like) -> Tensor:
+    return _kronecker(tuple(int(v) for v in out_hw),
+                      tuple(int(v) for v in in_hw), bool(align_corners),
+                      tuple(None if v is None else float(v) for v in scales),
+                      like.dtype, like.device)
+
+
+def _batched(matrix: Tensor, count: int) -> Tensor:
+    """``matrix`` repeated ``count`` times as a batch, without a copy (a
+    batch stride of 0, which batched GEMMs read as is)."""
+    return matrix.expand(count, *matrix.shape)
+
+
 def resize(x: Tensor, out_hw: Sequence[int], align_corners: bool,
            scales=(None, None)) -> Tensor:
     """``F.interpolate(x, out_hw, mode='bilinear', align_corners)`` of an
     ``N x C x H x W`` tensor as ``A x B^T`` per plane (contiguous NCHW
-    out)."""
-    rows, cols = _matrices(out_hw, x.shape[2:], align_corners, scales, x)
-    return torch.matmul(rows, torch.matmul(x, cols.t()))
+    out): one batched GEMM for a small source (:func:`one_product`), else
+    two."""
+    n, c, h, w = x.shape
+    if one_product(out_hw, (h, w)):
+        kron = _kron_for(out_hw, (h, w), align_corners, scales, x)
+        y = torch.bmm(x.reshape(n, c, h * w), _batched(kron.t(), n))
+        return y.view(n, c, *out_hw)
+    rows, cols = _matrices(out_hw, (h, w), align_corners, scales, x)
+    partial = torch.bmm(x.reshape(n, c * h, w), _batched(cols.t(), n))
+    y = torch.bmm(_batched(rows, n * c), partial.view(n * c, h, -1))
+    return y.view(n, c, *out_hw)
 
 
 def resize_backward(grad: Tensor, in_hw: Sequence[int], align_corners: bool,
                     scales=(None, None), out: Optional[Tensor] = None
                     ) -> Tensor:
     """The input gradient of :func:`resize` for ``grad`` (``N x C x H_out x
-    W_out``, any strides): ``A^T grad B`` per plane, written into ``out``
-    (contiguous, ``N x C x H_in x W_in``) when given."""
-    rows, cols = _matrices(grad.shape[2:], in_hw, align_corners, scales,
-                           grad)
-    partial = torch.matmul(grad, cols)
+    W_out``; a channel slice of a larger gradient is read in place):
+    ``A^T grad B`` per plane, written into ``out`` (contiguous, ``N x C x
+    H_in x W_in``) when given."""
+    n, c, h_out, w_out = grad.shape
+    h, w = int(in_hw[0]), int(in_hw[1])
     if out is None:
-        return torch.matmul(rows.t(), partial)
-    return torch.matmul(rows.t(), partial, out=out)
+        out = grad.new_empty((n, c, h, w))
+    if one_product(grad.shape[2:], (h, w)):
+        kron = _kron_for(grad.shape[2:], (h, w), align_corners, scales, grad)
+        torch.bmm(grad.reshape(n, c, h_out * w_out), _batched(kron, n),
+                  out=out.view(n, c, h * w))
+        return out
+    rows, cols = _matrices(grad.shape[2:], (h, w), align_corners, scales,
+                           grad)
+    partial = torch.bmm(grad.reshape(n, c * h_out, w_out),
+                        _batched(cols, n))
+    torch.bmm(_batched(rows.t(), n * c), partial.view(n * c, h_out, w),
+              out=out.view(n * c, h, w))
+    return out

@@ -22,6 +22,8 @@ RESIZES = [
     ((5, 6), dict(scale_factor=2.0, align_corners=False)),
     ((5, 6), dict(scale_factor=(1.7, 0.6), align_corners=True)),
     ((1, 6), dict(size=(4, 1), align_corners=True)),  # one-pixel axes
+    ((16, 12), dict(size=(40, 30), align_corners=False)),  # two products
+    ((9, 10), dict(scale_factor=(2.0, 1.5), align_corners=True)),
 ]
 
 
@@ -73,6 +75,29 @@ def test_gradient_of_a_channel_slice_written_in_place():
     bilinear_gemm.resize_backward(g, (4, 3), False, out=out[1:])
     torch.testing.assert_close(out[1:], want, rtol=0, atol=1e-13)
     assert out[0].isnan().all()  # nothing outside the slice written
+
+
+@pytest.mark.parametrize('source,products', [((6, 6), 1), ((16, 12), 2)])
+def test_a_slice_gradient_is_read_in_place_by_one_or_two_products(
+        source, products):
+    """A small source (a pyramid branch's 6x6) is one batched GEMM each way,
+    a larger one two; neither copies an operand (the matrices enter with a
+    batch stride of 0, a channel slice of the gradient as it is)."""
+    from mmseg_gf.accounting.launches import LaunchCounter, counting
+    assert bilinear_gemm.one_product((48, 48), source) == (products == 1)
+    x = torch.randn(2, 3, *source, dtype=torch.float64)
+    full = torch.randn(2, 7, 48, 48, dtype=torch.float64)
+    want = torch.ops.aten.upsample_bilinear2d_backward(
+        full[:, 2:5].contiguous(), [48, 48], [2, 3, *source], False, None,
+        None)
+    bilinear_gemm.resize(x, (48, 48), False)  # the matrices, uncounted
+    with counting(LaunchCounter()) as counter:
+        bilinear_gemm.resize(x, (48, 48), False)
+        got = bilinear_gemm.resize_backward(full[:, 2:5], source, False)
+    ops = [launch.op for launch in counter.result.launches]
+    assert len(ops) == 2 * products, ops
+    assert all(op.startswith('aten.bmm') for op in ops), ops
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_matrix_rows_hold_two_weights_summing_to_one():
