@@ -85,6 +85,8 @@ FUNCTION_LEVEL_ALLOWED = {
     ('mmseg_gf.ops.triton_path', 'mmseg_gf.ops.triton_kernels'):
     'triton_kernels imports triton at module level: loaded on first GPU-path '
     'use, so mmseg_gf.ops imports without triton',
+    ('mmseg_gf.ops.triton_path', 'mmseg_gf.ops.triton_products'):
+    'the kernels import triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.triton_bit_mask', 'mmseg_gf.ops.triton_bit_mask_kernels'):
     'the kernels import triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.triton_norm', 'mmseg_gf.ops.triton_norm_kernels'):

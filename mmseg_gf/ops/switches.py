@@ -91,6 +91,10 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            'The Triton GPU kernels (`0`: CUDA tensors take the PyTorch '
            'path).', on_unless_zero,
            setter='mmseg_gf.ops.triton_path.set_enabled'),
+    Switch('MMSEG_GF_FUSED_PRODUCTS', True, bool,
+           "A dense filtered layer's patch-grid products on the Triton path "
+           'as two fused kernels (`0`: batched GEMMs, a tap sum and a '
+           'spread; ops/triton_products.py says why).', on_unless_zero),
     Switch('MMSEG_GF_RESIZE_GEMM', True, bool,
            'Bilinear resizes of the lean loss and heads on CUDA as two '
            "matrix products (`0`: torch's resize kernels; ops/"

@@ -12,9 +12,11 @@ slower than its pooling.)
 
 * backward (:func:`filtered_backward`): one Triton pass over ``g_y`` (patch
   means, partial border patches over the tokens they have, and the bias
-  gradient's partial sums), the two channel-mixing products on the
-  ``L * ph * pw`` patch rows as GEMMs, one Triton pass writing ``g_x``'s
-  grid tokens.
+  gradient's partial sums), then the two channel-mixing products on the
+  ``L * ph * pw`` patch rows as :mod:`.triton_products`' two kernels (one
+  for ``g_W`` and ``g_b``, one for ``g_x``'s grid tokens, written from its
+  registers), or with ``MMSEG_GF_FUSED_PRODUCTS=0`` as GEMMs, the bias's
+  sum and a Triton pass writing ``g_x``.
 
 CUDA tensors take it while :func:`triton_path.enabled` (triton installed,
 ``MMSEG_GF_TRITON`` not ``0``, :func:`triton_path.set_enabled`); CPU tensors
@@ -28,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import triton_path
-from .triton_path import _FLOAT_TYPES, _kernels, _on_device
+from .triton_path import _FLOAT_TYPES, _kernels, _on_device, _products
 
 __all__ = ['usable', 'filtered_backward', 'backward_calls']
 
@@ -92,6 +94,9 @@ def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
         # scale 1: plain patch means
         means, partial = kernels.output_grad_means(
             g_rows.permute(0, 3, 1, 2), radius, 1.0, acc)
+        if triton_path.fused_products(1):
+            return _fused(means, partial, x_sums, weight, out_rows, rows,
+                          cols, need_w, need_b)
         flat = means.view(means.shape[0], -1)  # Co x (L ph pw)
         if need_b:
             grad_b = partial.sum(dim=(0, 2))
@@ -102,3 +107,22 @@ def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
             kernels.spread(grid.permute(0, 3, 1, 2),
                            out_rows.permute(0, 3, 1, 2), rows, cols)
     return grad_w, grad_b
+
+
+def _fused(means: Tensor, partial: Tensor, x_sums: Optional[Tensor],
+           weight: Tensor, out_rows: Optional[Tensor], rows, cols,
+           need_w: bool, need_b: bool
+           ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """:func:`filtered_backward` after the pass over ``g_y``, as the two
+    kernels of :mod:`.triton_products`."""
+    products = _products()
+    grad_w = grad_b = None
+    if need_w or need_b:
+        sums = x_sums.reshape(-1, x_sums.shape[-1]).t() if need_w else None
+        grad_w, grad_b, _ = products.weight_grad(
+            means, sums, partial, weight, need_w, need_b, False,
+            grad_dtype=means.dtype)
+    if out_rows is not None:
+        products.input_grad(means, weight, out_rows.permute(0, 3, 1, 2),
+                            rows, cols)
+    return (grad_w if need_w else None), (grad_b if need_b else None)

@@ -7,9 +7,13 @@ or channels-last, the filtered conv is :class:`TritonFilteredConv2d`:
 * forward: ``F.conv2d`` (cuDNN) plus one Triton pass over ``x`` for its
   patch sums (only when the weight needs a gradient);
 * backward: one custom op, :func:`collapsed_backward`: one Triton pass over
-  ``g_y`` (patch means and the bias gradient's partial sums), the two
-  channel-mixing products on the patch grid as cuBLAS GEMMs, one Triton
-  pass writing ``g_x`` (none when the input needs no gradient).
+  ``g_y`` (patch means and the bias gradient's partial sums), then for a
+  dense conv two Triton kernels (:mod:`.triton_products`: the weight side,
+  ``g_W`` in every tap with ``g_b`` and the taps' sum ``W~``; the input
+  side, ``W~^T g~`` written to every pixel of its patch), for a grouped or
+  depthwise one the two products on the patch grid as batched cuBLAS
+  GEMMs and one Triton pass writing ``g_x`` (none when the input needs no
+  gradient).
 
 Both Triton parts are registered torch custom ops (``torch.library``) with
 fake implementations, so ``torch.compile`` traces through them and CUDA
@@ -19,11 +23,11 @@ calls their implementations directly.) In eager mode the backward runs
 a few lines of Python (the Function, the op, the Triton launchers); Triton
 offers no launch from C++.
 
-Its backward launches the fewest kernels this design allows: the two
-Triton passes, the two GEMMs, and one small reduction each for the bias
-(its partial sums' total) and for a ``k x k`` kernel's taps when the
-input needs a gradient (``tests/helpers/triton_cases.py::
-test_backward_launch_count`` holds the count).
+A dense conv's backward launches three kernels (two when the input needs
+no gradient), whatever its kernel size and bias; a grouped one the two
+passes, the two GEMMs, the bias's and the taps' sums and the copy of
+``g_W`` into every tap (``tests/helpers/triton_cases.py::
+test_backward_launch_count`` holds the counts).
 
 Without triton (:data:`MIN_TRITON` or newer) installed, with
 ``MMSEG_GF_TRITON=0`` in the environment or
@@ -136,6 +140,19 @@ def _kernels():
     return triton_kernels
 
 
+def _products():
+    from . import triton_products  # imports triton: only when first used
+    return triton_products
+
+
+def fused_products(groups: int) -> bool:
+    """Whether a filtered backward runs its patch-grid products as the
+    fused kernels of :mod:`.triton_products` (dense layers, while
+    ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a tap sum
+    and a spread."""
+    return groups == 1 and switches.value('MMSEG_GF_FUSED_PRODUCTS')
+
+
 def _on_device(t: Tensor):
     """Triton launches on the current CUDA device: make it ``t``'s."""
     if t.is_cuda and t.device.index != torch.cuda.current_device():
@@ -211,10 +228,11 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
 
     ``input_pooled`` is :func:`patch_sums`' output (``None`` unless the
     weight gradient is needed), ``rows`` / ``cols`` the input patches
-    ``Q(P)``, ``scale = 1/s^2``. Returns ``(g_x, g_W~, g_b)``: ``g_x`` in
-    ``input_dtype``, ``g_W~`` as ``Co x Ci/groups`` and ``g_b`` in the
-    accumulation dtype (float32; float64 for a float64 weight); an empty
-    tensor stands for each gradient not asked for.
+    ``Q(P)``, ``scale = 1/s^2``. Returns ``(g_x, g_W, g_b)``: ``g_x`` in
+    ``input_dtype``, ``g_W`` in the weight's shape and dtype (``g_W~`` in
+    every tap), ``g_b`` in the accumulation dtype (float32; float64 for a
+    float64 weight); an empty tensor stands for each gradient not asked
+    for. Dense convs take :func:`_fused_backward` (:func:`fused_products`).
     """
     global _calls
     _calls += 1
@@ -227,6 +245,11 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
     with _on_device(grad_output), _no_autocast(grad_output):
         means, partial = kernels.output_grad_means(grad_output, radius,
                                                    scale, acc)
+        if fused_products(groups):
+            return _fused_backward(means, partial, input_pooled, weight,
+                                   grad_output, input_height, input_width,
+                                   rows, cols, input_dtype, need_input,
+                                   need_weight, need_bias)
         if need_bias:
             grad_b = partial.sum(dim=(0, 2))
         cells = means[0].numel()  # N x ph x pw: the GEMMs' long axis
@@ -241,6 +264,10 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                     means.reshape(groups, co_g, cells),
                     pooled.reshape(groups, ci_g, cells).transpose(1, 2)
                 ).reshape(co, ci_g)
+            # every tap the same, stored in full (autograd would copy a
+            # broadcast gradient into .grad anyway)
+            grad_w = grad_w.reshape(co, ci_g, 1, 1).expand_as(weight).to(
+                weight.dtype).contiguous()
         if need_input:
             # W~ = sum of the taps; g_x~ = W~^T g~ per group, channel-major.
             kernel = _tap_sums(weight, acc).reshape(groups, co_g, ci_g)
@@ -257,6 +284,41 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                                    input_width, input_dtype),
                 tuple(rows), tuple(cols))
     return grad_x, grad_w, grad_b
+
+
+def _fused_backward(means: Tensor, partial: Tensor,
+                    input_pooled: Optional[Tensor], weight: Tensor,
+                    grad_output: Tensor, input_height: int, input_width: int,
+                    rows: List[int], cols: List[int],
+                    input_dtype: torch.dtype, need_input: bool,
+                    need_weight: bool, need_bias: bool
+                    ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`_collapsed_backward` of a dense conv after the pass over
+    ``g_y``: one launch for ``g_W`` (every tap), ``g_b`` and, for a
+    ``k x k`` kernel whose input needs a gradient, ``W~``; one for
+    ``g_x`` (:mod:`.triton_products`)."""
+    products = _products()
+    co, ci = weight.shape[:2]
+    taps = need_input and weight[0, 0].numel() > 1
+    grad_x = grad_w = grad_b = None
+    # a 1 x 1 kernel is its own W~
+    tap_sums = weight.reshape(co, ci) if need_input and not taps else None
+    if need_weight or need_bias or taps:
+        pooled = input_pooled.reshape(ci, -1) if need_weight else None
+        grad_w, grad_b, summed = products.weight_grad(
+            means, pooled, partial, weight, need_weight, need_bias, taps)
+        tap_sums = summed if taps else tap_sums
+    if need_input:
+        rows, cols = tuple(rows), tuple(cols)
+        out = _input_grad_buffer(grad_output, ci, input_height, input_width,
+                                 input_dtype)
+        if not (products.covers(rows, input_height)
+                and products.covers(cols, input_width)):
+            out.zero_()
+        grad_x = products.input_grad(means, tap_sums, out, rows, cols)
+    # Three distinct tensors: op outputs must not alias each other.
+    return tuple(_empty(grad_output) if g is None or g.numel() == 0 else g
+                 for g in (grad_x, grad_w, grad_b))
 
 
 collapsed_backward = torch.library.custom_op(
@@ -276,7 +338,8 @@ def _(grad_output, input_pooled, weight, groups, scale, input_height,
         grad_x = _input_grad_buffer(grad_output, groups * ci_g,
                                     input_height, input_width, input_dtype)
     if need_weight:
-        grad_w = grad_output.new_empty((co, ci_g), dtype=acc)
+        grad_w = torch.empty_like(weight,
+                                  memory_format=torch.contiguous_format)
     if need_bias:
         grad_b = grad_output.new_empty((co, ), dtype=acc)
     return grad_x, grad_w, grad_b
@@ -332,8 +395,7 @@ class TritonFilteredConv2d(torch.autograd.Function):
             weight, groups, scale, height, width, list(rows), list(cols),
             radius, x_dtype, need_x, need_w, need_b)
         return (grad_x if need_x else None,
-                grad_w.reshape(*weight.shape[:2], 1, 1).expand_as(weight).to(
-                    weight.dtype) if need_w else None,
+                grad_w if need_w else None,
                 grad_b.to(ctx.bias_dtype) if need_b else None,
                 None, None, None, None, None, None, None)
 

@@ -51,17 +51,20 @@ def _grads(x, w, b, g, grid, radius, token_dim, need=(True, True, True),
             for t in leaves], ran
 
 
-@pytest.mark.parametrize('radius', [2, 3])
+# Every case on the fused products (ops/triton_products.py), the default;
+# the GEMM route (MMSEG_GF_FUSED_PRODUCTS=0) at r = 3.
+@pytest.mark.parametrize('radius,fused', [(2, True), (3, True), (3, False)])
 @pytest.mark.parametrize('grid,shape,token_dim', CASES, ids=IDS)
 def test_float64_matches_independent_reference(grid, shape, token_dim,
-                                               radius):
+                                               radius, fused):
     """Every layout (extra and trailing tokens, (N, B, C), 'hwc', windows,
     unbatched, partial border patches at r = 2 and 3): the Triton path's
     gradients are those of tests/helpers/gf_linear_reference.py (explicit
-    loops)
-    to float64 rounding."""
+    loops) to float64 rounding, on both routes of its products."""
+    from mmseg_gf.ops import switches
     x, w, b, g = linear_inputs(shape, dtype=torch.float64)
-    (gx, gw, gb), ran = _grads(x, w, b, g, grid, radius, token_dim)
+    with switches.override(MMSEG_GF_FUSED_PRODUCTS=fused):
+        (gx, gw, gb), ran = _grads(x, w, b, g, grid, radius, token_dim)
     assert ran == 1
     ref = reference_linear_gradients(x, w, g, grid.height, grid.width,
                                      grid.extra_tokens, grid.layout,

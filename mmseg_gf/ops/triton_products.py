@@ -1,0 +1,236 @@
+"""Triton kernels of the GPU path: the patch grid's two products, each one
+launch with what surrounds it.
+
+After :func:`~.triton_kernels.output_grad_means` has read ``g_y`` once
+(``g~``, the scaled patch means, ``Co x N x ph x pw``, and the bias's
+partial sums), a filtered conv or Linear needs two products on the
+``1/r^2``-sized patch grid (docs/gradient_filter.md#backward):
+
+* :func:`weight_grad`, ``g_W~ = g~ x~^T`` (``x~``: the forward's patch sums
+  of ``x``), written to every tap of the weight's gradient in its own
+  shape and dtype, the bias gradient (the partial sums' total) and the
+  kernel's tap sums ``W~`` for the input gradient, all in one launch. As
+  separate operators these are a GEMM, a sum, and a copy of the expanded
+  gradient into ``.grad`` (autograd stores no broadcast gradient), plus
+  the tap sum's pass over the weight;
+* :func:`input_grad`, ``g_x~ = W~^T g~``, each patch's value written to
+  every pixel of the patch (the spread) from the registers that computed
+  it: ``g_x~`` never reaches memory, where a GEMM and a spread write it and
+  read it back.
+
+One program computes a ``BLOCK_M x BLOCK_N`` tile of its product with
+``tl.dot`` in the accumulation dtype (float32, float64 for float64 tensors;
+IEEE products, no TF32, as cuBLAS's default), so the sums run in another
+order than a GEMM's: equal within rounding (``tests/helpers/
+triton_cases.py``). Dense convs and Linears take them (``groups == 1``);
+grouped and depthwise convs keep the batched GEMMs of
+:mod:`.triton_path`. Tile sizes: fixed (16 to 64), not tuned on a GPU.
+
+Importing this module imports ``triton`` (:mod:`.triton_path` does so
+lazily, as for :mod:`.triton_kernels`).
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .triton_kernels import LAUNCH_OPTIONS, Patches, _acc
+
+#: The tensor arguments each kernel writes (the others it reads): the
+#: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
+KERNEL_OUTPUTS = {'_weight_grad': ('grad_w', 'grad_b', 'tap_sums'),
+                  '_input_grad': ('out', )}
+
+#: ``tl.dot`` needs tiles of at least 16 on each side.
+_MIN_TILE = 16
+
+
+@triton.jit
+def _weight_grad(means, pooled, partial, weight, grad_w, grad_b, tap_sums,
+                 out_channels, in_channels, cells, taps, batch, patch_rows,
+                 p_c, p_k, w_o, w_i,
+                 HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                 HAS_TAPS: tl.constexpr, ACC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One program per ``BLOCK_M x BLOCK_N`` tile of ``Co x Ci``:
+    ``g_W~ = means x pooled^T`` over the ``cells`` (``N ph pw``) axis,
+    stored to each of the ``taps`` of ``grad_w`` (``Co x Ci x taps``,
+    contiguous, the weight's dtype); the tile's ``W~`` (the weight summed
+    over its taps, ``Co x Ci`` in ``ACC``); the first column of programs
+    also sums ``partial`` (``N x Co x ph``: ``batch x patch_rows`` terms
+    per channel, in a fixed order) into ``grad_b``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    o = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_ok = o < out_channels
+    c_ok = c < in_channels
+    tile_ok = o_ok[:, None] & c_ok[None, :]
+    if HAS_W:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+        k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, cells, BLOCK_K):
+            kk = k0 + k
+            k_ok = kk < cells
+            a = tl.load(means + o[:, None].to(tl.int64) * cells + kk[None, :],
+                        mask=o_ok[:, None] & k_ok[None, :], other=0.)
+            b = tl.load(pooled + c[None, :].to(tl.int64) * p_c +
+                        kk[:, None].to(tl.int64) * p_k,
+                        mask=k_ok[:, None] & c_ok[None, :], other=0.)
+            acc += tl.dot(a, b.to(ACC), input_precision='ieee',
+                          out_dtype=ACC)
+        dst = grad_w + (o[:, None] * in_channels + c[None, :]) * taps
+        value = acc.to(grad_w.dtype.element_ty)
+        for t in range(taps):
+            tl.store(dst + t, value, mask=tile_ok)
+    if HAS_TAPS:
+        summed = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+        src = weight + o[:, None] * w_o + c[None, :] * w_i
+        for t in range(taps):
+            summed += tl.load(src + t, mask=tile_ok, other=0.).to(ACC)
+        tl.store(tap_sums + o[:, None] * in_channels + c[None, :], summed,
+                 mask=tile_ok)
+    if HAS_B:
+        if pid_n == 0:
+            total = tl.zeros([BLOCK_M], ACC)
+            for n in range(0, batch):  # partial: N x Co x ph
+                row = partial + (n * out_channels + o) * patch_rows
+                for a in range(0, patch_rows):
+                    total += tl.load(row + a, mask=o_ok, other=0.)
+            tl.store(grad_b + o, total.to(grad_b.dtype.element_ty),
+                     mask=o_ok)
+
+
+@triton.jit
+def _input_grad(means, kernel, out, out_channels, in_channels, height,
+                width, m_c, m_n, m_h, k_o, k_i, o_n, o_c, o_h, o_w,
+                row_start, row_size, row_count,
+                col_start, col_size, col_count,
+                ACC: tl.constexpr, BLOCK_C: tl.constexpr,
+                BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
+                COL_SIZE: tl.constexpr):
+    """One program per (image, patch row, ``BLOCK_C`` input channels,
+    ``BLOCK_P`` patches of the row): ``g_x~ = W~^T g~`` for those patches
+    (``kernel``: ``W~``, ``Co x Ci`` at strides ``k_o, k_i``), each value
+    stored to the ``row_size x col_size`` pixels of its patch that lie on
+    the map (``out``: ``N x Ci x H x W`` at any strides)."""
+    pid = tl.program_id(0)
+    n = pid // row_count
+    a = pid % row_count
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c_ok = c < in_channels
+    b_ok = b < col_count
+    acc = tl.zeros([BLOCK_C, BLOCK_P], ACC)
+    o = tl.arange(0, BLOCK_O)
+    for o0 in range(0, out_channels, BLOCK_O):
+        oo = o0 + o
+        o_ok = oo < out_channels
+        w = tl.load(kernel + oo[None, :] * k_o + c[:, None] * k_i,
+                    mask=c_ok[:, None] & o_ok[None, :], other=0.)
+        g = tl.load(means + oo[:, None].to(tl.int64) * m_c + n * m_n +
+                    a * m_h + b[None, :],
+                    mask=o_ok[:, None] & b_ok[None, :], other=0.)
+        acc += tl.dot(w.to(ACC), g, input_precision='ieee', out_dtype=ACC)
+    j = tl.arange(0, COL_SIZE)
+    col = col_start + b[:, None] * col_size + j[None, :]  # BLOCK_P x COL
+    col_ok = (b_ok[:, None] & (j[None, :] < col_size) & (col >= 0)
+              & (col < width))
+    value = tl.broadcast_to(acc[:, :, None], [BLOCK_C, BLOCK_P, COL_SIZE])
+    value = value.to(out.dtype.element_ty)
+    base = (out + n.to(tl.int64) * o_n + c[:, None, None].to(tl.int64) * o_c
+            + col[None, :, :] * o_w)
+    mask = c_ok[:, None, None] & col_ok[None, :, :]
+    top = row_start + a * row_size
+    for i in range(0, row_size):
+        h = top + i
+        if (h >= 0) & (h < height):
+            tl.store(base + h.to(tl.int64) * o_h, value, mask=mask)
+
+
+def _tile(size: int, cap: int) -> int:
+    return max(_MIN_TILE, min(triton.next_power_of_2(max(size, 1)), cap))
+
+
+def weight_grad(means: Tensor, pooled: Optional[Tensor],
+                partial: Optional[Tensor], weight: Tensor, need_w: bool,
+                need_b: bool, need_taps: bool,
+                grad_dtype: Optional[torch.dtype] = None
+                ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """One launch for what the weight side needs (see the module
+    docstring).
+
+    Args:
+        means: ``g~``, ``Co x N x ph x pw`` contiguous in the accumulation
+            dtype (``output_grad_means``).
+        pooled: ``x~`` as a ``Ci x cells`` matrix at any strides (the
+            conv's channel-major patch sums, the Linear's token rows'
+            transpose), any float dtype; None unless ``need_w``.
+        partial: the bias's partial sums ``N x Co x ph``, contiguous in the
+            accumulation dtype; None unless ``need_b``.
+        weight: ``Co x Ci x taps...`` (a conv's ``Co x Ci x kh x kw`` or a
+            Linear's ``Co x Ci``), contiguous.
+        need_w, need_b, need_taps: which outputs to write.
+        grad_dtype: ``g_W``'s dtype (default: the weight's).
+
+    Returns:
+        ``(g_W, g_b, W~)``: ``g_W`` in the weight's shape and
+        ``grad_dtype`` (every tap the same), ``g_b`` (``Co``) and ``W~``
+        (``Co x Ci``) in the
+        accumulation dtype; empty tensors for ``g_W`` / ``g_b`` and None
+        for ``W~`` where not asked for.
+    """
+    acc = means.dtype
+    co, ci = weight.shape[:2]
+    taps = weight[0, 0].numel()
+    cells = means[0].numel()
+    grad_w = (torch.empty_like(weight, dtype=grad_dtype,
+                               memory_format=torch.contiguous_format)
+              if need_w else means.new_empty((0, )))
+    grad_b = means.new_empty((co, ) if need_b else (0, ))
+    tap_sums = means.new_empty((co, ci)) if need_taps else None
+    p = pooled if need_w else means
+    dummy = means
+    block_m, block_n = _tile(co, 64), _tile(ci, 64)
+    grid = (triton.cdiv(co, block_m), triton.cdiv(ci, block_n))
+    _weight_grad[grid](
+        means, p, partial if need_b else dummy, weight, grad_w, grad_b,
+        tap_sums if need_taps else dummy, co, ci, cells, taps,
+        partial.shape[0] if need_b else 0, partial.shape[2] if need_b else 0,
+        p.stride(0) if need_w else 0, p.stride(1) if need_w else 0,
+        weight.stride(0), weight.stride(1), HAS_W=bool(need_w),
+        HAS_B=bool(need_b), HAS_TAPS=bool(need_taps), ACC=_acc(acc),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, **LAUNCH_OPTIONS)
+    return grad_w, grad_b, tap_sums
+
+
+def covers(patches: Patches, size: int) -> bool:
+    """Whether the patches ``(start, size, count)`` cover an axis of
+    ``size`` pixels (else the pixels outside get 0 from a zeroed
+    buffer)."""
+    start, step, count = patches
+    return start <= 0 and start + step * count >= size
+
+
+def input_grad(means: Tensor, kernel: Tensor, out: Tensor, rows: Patches,
+               cols: Patches) -> Tensor:
+    """``g_x``: ``W~^T g~`` per patch (``kernel``: ``W~``, ``Co x Ci`` at
+    any strides, any float dtype) written to every pixel of its patch in
+    ``out`` (``N x Ci x H x W`` at any strides, zeroed by the caller where
+    the patches do not cover it, :func:`covers`)."""
+    n, ci, height, width = out.shape
+    co = kernel.shape[0]
+    block_c = _tile(ci, 64)
+    block_p = _tile(cols[2], 32)
+    grid = (n * rows[2], triton.cdiv(ci, block_c),
+            triton.cdiv(cols[2], block_p))
+    _input_grad[grid](
+        means, kernel, out, co, ci, height, width, *means.stride()[:3],
+        *kernel.stride()[:2], *out.stride(), *rows, *cols,
+        ACC=_acc(means.dtype), BLOCK_C=block_c, BLOCK_O=32,
+        BLOCK_P=block_p, COL_SIZE=triton.next_power_of_2(cols[1]),
+        **LAUNCH_OPTIONS)
+    return out
