@@ -89,7 +89,8 @@ PHASES = ('forward', 'backward', 'optimizer')
 #: its loss; ``resized_loss``: a lean head's loss without that fusion;
 #: ``loss``: the rest of a head's ``loss_by_feat``.
 KINDS = ('activation', 'norm', 'patch_sums', 'fused_loss', 'resized_loss',
-         'loss', 'filtered_conv', 'filtered_linear', 'conv', 'linear',
+         'loss', 'filtered_conv', 'conv_block', 'filtered_linear', 'conv',
+         'linear',
          'attention', 'dropout', 'pool', 'optimizer', 'other')
 #: Operators that launch no kernel: allocations (uninitialised memory),
 #: views the schema does not flag, metadata and dtype arithmetic.
@@ -107,7 +108,7 @@ _LEAN_KINDS = {'norm': 'norm', 'layer_norm': 'norm', 'activation':
                'activation', 'patch_mean_gelu': 'activation', 'dropout':
                'dropout', 'drop_path': 'dropout', 'pool': 'pool',
                'attention': 'attention', 'frozen_conv': 'conv',
-               'frozen_linear': 'linear'}
+               'frozen_linear': 'linear', 'conv_block': 'conv_block'}
 #: In ``torch.nn.modules.activation`` but an attention's parts (a softmax
 #: goes to the module around it: the attention).
 _NOT_ACTIVATIONS = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d)

@@ -27,6 +27,11 @@ What becomes lean:
   (cross-entropy) or their loss's gradient w.r.t. them
   (:mod:`.lean_head`). Their bilinear resizes take a concatenation's
   gradient slice without copying it (:mod:`mmseg_gf.ops.resize`).
+* mmcv's ``ConvModule`` and mmseg's ResNet ``BasicBlock`` / ``Bottleneck``
+  (:mod:`.conv_block`): on the Triton path a filtered conv, the frozen
+  batch norm and the masked activation after it run as one autograd node,
+  whose backward takes the norm's and the activation's in the conv's first
+  pass (what they keep: the same).
 * ``nn.Conv2d`` and mmcv's ``Conv2d`` (not ``GFConv2d``) while frozen, with
   zero padding of integer sizes: keep nothing (the weight is a live
   Parameter); ``nn.Linear`` (and mmcv's) while frozen: keep nothing.
@@ -67,6 +72,7 @@ from ..ops.patching import is_swapped, plain_class, swap_class, unswap_class
 from ..ops.resize import strided_gradient_resizes
 from ..ops.triton_norm import FrozenBatchNormFunction
 from ..ops.resized_loss import LabelRangeError
+from .conv_block import LeanConvBlock, conv_block_mixin
 from .gf_conv import with_mmcv_wrapper
 from .layer_kinds import traced_kind_of
 from .lean_transformer import (KIND_MIXINS, TRANSFORMER_KINDS,
@@ -91,7 +97,7 @@ __all__ = [
 #: What :func:`lean_kind` returns for a module that has a lean variant.
 LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss',
               'frozen_conv', 'frozen_linear') + TRANSFORMER_KINDS + (
-                  'patch_mean_gelu', )
+                  'patch_mean_gelu', 'conv_block')
 
 
 def _recording(x: Tensor) -> bool:
@@ -100,6 +106,15 @@ def _recording(x: Tensor) -> bool:
 
 class _LeanFrozenNorm:
     """Eval-mode batch norm without trainable parameters: ``g * scale``."""
+
+    def frozen_factor(self) -> Optional[tuple]:
+        """``(running_var, weight, eps)``, what its backward's factor
+        ``rsqrt(running_var + eps) * weight`` is made of, while it is
+        frozen (eval mode, nothing trained); else None."""
+        if (self.training or self.running_var is None
+                or any(p.requires_grad for p in self.parameters())):
+            return None
+        return self.running_var, self.weight, float(self.eps)
 
     def forward(self, x: Tensor) -> Tensor:
         if (not _recording(x) or self.training or self.running_var is None
@@ -124,18 +139,20 @@ class _LeanActivation:
         # (a view has a _base: what _is_view() says, in a form Dynamo traces).
         if not _recording(x) or (self.inplace and x._base is not None):
             return super().forward(x)
-        if isinstance(self, nn.LeakyReLU):
-            args = (0.0, None, False, float(self.negative_slope))
-            formula = 'scale'
-        elif isinstance(self, nn.Hardtanh):
-            args = (float(self.min_val), float(self.max_val), True, 0.0)
-            formula = 'clamp'
-        else:
-            args = (0.0, None, True, 0.0)
-            formula = 'clamp'
+        formula, *args = self.mask_arguments()
         # formula: on the Triton path the output and the mask in one pass
         return MaskedActivationFunction.apply(x, super().forward, *args,
                                               bool(self.inplace), formula)
+
+    def mask_arguments(self) -> tuple:
+        """``(formula, lo, hi, nan_bit, off_scale)``: its formula and mask
+        (:class:`~mmseg_gf.ops.lean.MaskedActivationFunction`)."""
+        if isinstance(self, nn.LeakyReLU):
+            return 'scale', 0.0, None, False, float(self.negative_slope)
+        if isinstance(self, nn.Hardtanh):
+            return ('clamp', float(self.min_val), float(self.max_val), True,
+                    0.0)
+        return 'clamp', 0.0, None, True, 0.0
 
 
 class _LeanHardsigmoid:
@@ -372,6 +389,7 @@ class _LeanFrozenLinear:
 
 
 _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
+           'conv_block': LeanConvBlock,
            'dropout': _LeanDropout, 'pool': _LeanAdaptiveAvgPool,
            'loss': _LeanLossHead, 'frozen_conv': _LeanFrozenConv,
            'frozen_linear': _LeanFrozenLinear, **KIND_MIXINS}
@@ -405,6 +423,8 @@ def lean_kind(module: nn.Module) -> Optional[str]:
         return kind
     if isinstance(module, nn.AdaptiveAvgPool2d):
         return 'pool'
+    if conv_block_mixin(plain) is not None:
+        return 'conv_block'
     frozen = _frozen_layer_kind(module)
     if frozen is not None:
         return frozen
@@ -435,7 +455,8 @@ def is_lean(module: nn.Module) -> bool:
 
 
 def _lean_mixin(cls: Type[nn.Module], kind: str) -> type:
-    return _CLASS_MIXINS.get(cls) or transformer_mixin(cls) or _MIXINS[kind]
+    return (_CLASS_MIXINS.get(cls) or transformer_mixin(cls)
+            or conv_block_mixin(cls) or _MIXINS[kind])
 
 
 def make_lean(module: nn.Module) -> Optional[str]:

@@ -95,6 +95,11 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "A dense filtered layer's patch-grid products on the Triton path "
            'as two fused kernels (`0`: batched GEMMs, a tap sum and a '
            'spread; ops/triton_products.py says why).', on_unless_zero),
+    Switch('MMSEG_GF_CONV_BLOCKS', True, bool,
+           "mmcv ConvModules of a filtered conv, a frozen batch norm and a "
+           'bit-masked activation as one node on the Triton path (`0`: '
+           'their three modules; models/conv_block.py says when).',
+           on_unless_zero),
     Switch('MMSEG_GF_RESIZE_GEMM', True, bool,
            'Bilinear resizes of the lean loss and heads on CUDA as two '
            "matrix products (`0`: torch's resize kernels; ops/"

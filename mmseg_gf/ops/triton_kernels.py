@@ -6,7 +6,13 @@ full-size memory in exactly two places, and these kernels are those places:
 * ``_patch_reduce`` reads a map once and writes one value per patch: the
   forward's patch sums of ``x``, and the backward's patch means of ``g_y``
   (scaled by ``1/s^2``) together with per-row partial sums for the exact
-  bias gradient, so that ``g_y`` is read once for both;
+  bias gradient, so that ``g_y`` is read once for both. Behind a frozen
+  norm and a bit-masked activation (a conv block,
+  :mod:`.triton_conv_block`) it reads their output's gradient and takes
+  ``g_y`` as it loads it: the activation's mask, then the norm's
+  per-channel factor (:class:`~.triton_path.GradPrologue`), where their
+  own backward
+  would each write ``g_y``'s size and read it back;
 * ``_spread`` writes ``g_x`` once, every pixel from the patch-grid value of
   its patch (zero outside every patch).
 
@@ -47,10 +53,12 @@ def _patch_reduce(src, dst, partial, channels, height, width,
                   s_n, s_c, s_h, s_w, d_n, d_c, d_h, d_w,
                   row_start, row_size, row_count,
                   col_start, col_size, col_count, scale,
+                  bits, b_n, b_c, b_h, b_w, off_scale, var, norm_w, eps,
                   MEAN: tl.constexpr, PARTIAL: tl.constexpr,
                   ACC: tl.constexpr, ROW_SIZE: tl.constexpr,
                   COL_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
-                  CHANNELS_FAST: tl.constexpr):
+                  CHANNELS_FAST: tl.constexpr, MASKED: tl.constexpr,
+                  NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr):
     """One program per (image, channel, patch row): sums (or means) of the
     patches of that row, ``BLOCK_P`` patches per ``ROW_SIZE x BLOCK_P x
     COL_SIZE`` tile (sizes padded to powers of two, the padding masked).
@@ -58,7 +66,12 @@ def _patch_reduce(src, dst, partial, channels, height, width,
     outside the map count as 0. ``CHANNELS_FAST`` (a channels-last map,
     whose rows are strided by the channel count) numbers the programs
     channel first, so that programs running side by side read the
-    neighbouring channels of the same pixels."""
+    neighbouring channels of the same pixels. ``MASKED``: each element
+    passes where its bit in ``bits`` is set (element ``i`` at the
+    strides ``b_*`` in bit ``i % 8`` of byte ``i // 8``), times
+    ``off_scale`` elsewhere; ``NORM``: then times ``rsqrt(var_c + eps) *
+    norm_w_c`` (the factor in float32, as the norm's own backward has it;
+    :class:`~.triton_path.GradPrologue`)."""
     pid = tl.program_id(0).to(tl.int64)  # int64: offsets of large maps
     if CHANNELS_FAST:
         c = pid % channels
@@ -71,6 +84,10 @@ def _patch_reduce(src, dst, partial, channels, height, width,
         c = plane % channels
     src_plane = src + n * s_n + c * s_c
     dst_row = dst + n * d_n + c * d_c + a * d_h
+    if NORM:
+        factor = tl.math.rsqrt(tl.load(var + c).to(tl.float32) + eps)
+        if NORM_WEIGHT:
+            factor = factor * tl.load(norm_w + c).to(tl.float32)
     top = row_start + a * row_size
     i = tl.arange(0, ROW_SIZE)
     h = top + i
@@ -86,10 +103,18 @@ def _patch_reduce(src, dst, partial, channels, height, width,
         w = left[:, None] + j[None, :]
         col_ok = ((b[:, None] < col_count) & (j[None, :] < col_size)
                   & (w >= 0) & (w < width))
+        inside = row_ok[:, None, None] & col_ok[None, :, :]
         tile = tl.load(src_plane + h[:, None, None] * s_h +
-                       w[None, :, :] * s_w,
-                       mask=row_ok[:, None, None] & col_ok[None, :, :],
-                       other=0.)
+                       w[None, :, :] * s_w, mask=inside, other=0.)
+        if MASKED:
+            index = (n * b_n + c * b_c + h[:, None, None] * b_h +
+                     w[None, :, :] * b_w)
+            byte = tl.load(bits + index // 8, mask=inside, other=0)
+            on = ((byte.to(tl.int32) >> (index % 8).to(tl.int32)) & 1) != 0
+            tile = tile.to(ACC)
+            tile = tl.where(on, tile, tile * off_scale)
+        if NORM:
+            tile = tile.to(ACC) * factor.to(ACC)
         acc = tl.sum(tl.sum(tile.to(ACC), axis=2), axis=0)
         if PARTIAL:
             total += acc
@@ -169,13 +194,20 @@ def radius_patches(size: int, radius: int) -> Patches:
 
 def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
             rows: Patches, cols: Patches, scale: float, mean: bool,
-            acc: torch.dtype):
+            acc: torch.dtype, prologue=None):
     n, c, height, width = src.shape
     channels_fast = c > 1 and src.stride(1) == 1  # channels-last
+    p = prologue
+    extra = ((dst_nchw, 0, 0, 0, 0, 0.0, dst_nchw, dst_nchw, 0.0)
+             if p is None else
+             (p.bits, *p.bit_strides, float(p.off_scale), p.running_var,
+              p.running_var if p.weight is None else p.weight, float(p.eps)))
     _patch_reduce[(n * c * rows[2], )](
         src, dst_nchw, dst_nchw if partial is None else partial, c, height,
         width, *src.stride(), *dst_nchw.stride(), *rows, *cols, scale,
-        MEAN=mean, PARTIAL=partial is not None, ACC=_acc(acc),
+        *extra, MEAN=mean, PARTIAL=partial is not None, ACC=_acc(acc),
+        MASKED=p is not None, NORM=p is not None,
+        NORM_WEIGHT=p is not None and p.weight is not None,
         **reduce_meta(rows, cols, channels_fast), **LAUNCH_OPTIONS)
 
 
@@ -190,11 +222,15 @@ def patch_sums(x: Tensor, rows: Patches, cols: Patches) -> Tensor:
 
 
 def output_grad_means(grad_output: Tensor, radius: int, scale: float,
-                      acc: torch.dtype) -> Tuple[Tensor, Tensor]:
+                      acc: torch.dtype,
+                      prologue=None) -> Tuple[Tensor, Tensor]:
     """One read of ``g_y``: ``(scale * patch means as a Co x N x ph x pw
     tensor, partial sums N x Co x ph)``, both in ``acc``; the partial sums
     add up to the exact bias gradient (``sum over dims 0 and 2``) in a fixed
-    order, so the result is deterministic."""
+    order, so the result is deterministic. With a ``prologue``
+    (:class:`~.triton_path.GradPrologue`),
+    ``grad_output`` is the gradient of a norm and activation after the
+    conv, and ``g_y`` is what their backward would make of it."""
     n, c, height, width = grad_output.shape
     rows, cols = radius_patches(height, radius), radius_patches(width, radius)
     means = grad_output.new_empty((c, n, rows[2], cols[2]), dtype=acc)
@@ -203,7 +239,7 @@ def output_grad_means(grad_output: Tensor, radius: int, scale: float,
     # float64 reduction is scaled afterwards, in float64.
     late = acc == torch.float64 and scale != 1.0
     _reduce(grad_output, means.permute(1, 0, 2, 3), partial, rows, cols,
-            1.0 if late else scale, True, acc)
+            1.0 if late else scale, True, acc, prologue)
     if late:
         means.mul_(scale)
     return means, partial

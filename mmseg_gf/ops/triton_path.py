@@ -8,12 +8,12 @@ or channels-last, the filtered conv is :class:`TritonFilteredConv2d`:
   patch sums (only when the weight needs a gradient);
 * backward: one custom op, :func:`collapsed_backward`: one Triton pass over
   ``g_y`` (patch means and the bias gradient's partial sums), then for a
-  dense conv two Triton kernels (:mod:`.triton_products`: the weight side,
-  ``g_W`` in every tap with ``g_b`` and the taps' sum ``W~``; the input
-  side, ``W~^T g~`` written to every pixel of its patch), for a grouped or
-  depthwise one the two products on the patch grid as batched cuBLAS
-  GEMMs and one Triton pass writing ``g_x`` (none when the input needs no
-  gradient).
+  dense or depthwise conv two Triton kernels (:mod:`.triton_products`: the
+  weight side, ``g_W`` in every tap with ``g_b`` and the taps' sum ``W~``;
+  the input side, ``W~^T g~`` written to every pixel of its patch), for
+  another grouped one the two products on the patch grid as batched
+  cuBLAS GEMMs and one Triton pass writing ``g_x`` (none when the input
+  needs no gradient).
 
 Both Triton parts are registered torch custom ops (``torch.library``) with
 fake implementations, so ``torch.compile`` traces through them and CUDA
@@ -23,8 +23,9 @@ calls their implementations directly.) In eager mode the backward runs
 a few lines of Python (the Function, the op, the Triton launchers); Triton
 offers no launch from C++.
 
-A dense conv's backward launches three kernels (two when the input needs
-no gradient), whatever its kernel size and bias; a grouped one the two
+A dense or depthwise conv's backward launches three kernels (two when the
+input needs no gradient), whatever its kernel size and bias; another
+grouped one the two
 passes, the two GEMMs, the bias's and the taps' sums and the copy of
 ``g_W`` into every tap (``tests/helpers/triton_cases.py::
 test_backward_launch_count`` holds the counts).
@@ -41,7 +42,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import re
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,8 @@ from . import switches
 
 __all__ = [
     'installed', 'enabled', 'set_enabled', 'takes_device', 'usable',
-    'filtered_conv2d', 'collapsed_backward', 'patch_sums', 'backward_calls',
+    'filtered_conv2d', 'collapsed_backward', 'collapsed_backward_from',
+    'patch_sums', 'backward_calls', 'fused_products', 'GradPrologue',
     'triton_version', 'MIN_TRITON'
 ]
 
@@ -62,6 +64,27 @@ Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 #: and an sm_90 compilation: 3.2 through 3.9, requirements/tests.txt); an
 #: older one leaves the path off.
 MIN_TRITON = (3, 2)
+
+
+class GradPrologue(NamedTuple):
+    """What the filtered backward's pass over the gradient
+    (:func:`~.triton_kernels.output_grad_means`) applies to each element it
+    reads: the backward of a bit-masked activation, then of a frozen norm
+    (after the conv in the forward: conv, norm, activation):
+
+    * ``bits``: the activation's packed mask (:mod:`.bit_mask`'s layout),
+      element ``i`` at ``bit_strides`` (``N, C, H, W``: the activation
+      output's layout); the gradient passes where set, times
+      ``off_scale`` elsewhere;
+    * ``running_var``, ``weight``, ``eps``: the norm's factor
+      ``rsqrt(running_var + eps) * weight`` per channel (float32).
+    """
+    bits: Tensor
+    bit_strides: Tuple[int, int, int, int]
+    off_scale: float
+    running_var: Tensor
+    weight: Optional[Tensor]
+    eps: float
 
 
 def triton_version() -> Optional[Tuple[int, ...]]:
@@ -145,12 +168,19 @@ def _products():
     return triton_products
 
 
-def fused_products(groups: int) -> bool:
+def fused_products(groups: int, weight_shape=None) -> bool:
     """Whether a filtered backward runs its patch-grid products as the
-    fused kernels of :mod:`.triton_products` (dense layers, while
-    ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a tap sum
-    and a spread."""
-    return groups == 1 and switches.value('MMSEG_GF_FUSED_PRODUCTS')
+    fused kernels of :mod:`.triton_products` (dense and depthwise layers,
+    while ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a
+    tap sum and a spread."""
+    return ((groups == 1 or _depthwise(groups, weight_shape))
+            and switches.value('MMSEG_GF_FUSED_PRODUCTS'))
+
+
+def _depthwise(groups: int, weight_shape) -> bool:
+    """One input and one output channel per group."""
+    return (weight_shape is not None and weight_shape[1] == 1
+            and weight_shape[0] == groups)
 
 
 def _on_device(t: Tensor):
@@ -232,8 +262,28 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
     ``input_dtype``, ``g_W`` in the weight's shape and dtype (``g_W~`` in
     every tap), ``g_b`` in the accumulation dtype (float32; float64 for a
     float64 weight); an empty tensor stands for each gradient not asked
-    for. Dense convs take :func:`_fused_backward` (:func:`fused_products`).
+    for.
     """
+    return collapsed_backward_from(
+        grad_output, None, input_pooled, weight, groups, scale, input_height,
+        input_width, rows, cols, radius, input_dtype, need_input,
+        need_weight, need_bias)
+
+
+def collapsed_backward_from(grad: Tensor, prologue,
+                            input_pooled: Optional[Tensor], weight: Tensor,
+                            groups: int, scale: float, input_height: int,
+                            input_width: int, rows: List[int],
+                            cols: List[int], radius: int,
+                            input_dtype: torch.dtype, need_input: bool,
+                            need_weight: bool, need_bias: bool
+                            ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`_collapsed_backward` of the conv whose output gradient is
+    ``grad`` or, with a ``prologue``
+    (:class:`GradPrologue`), what the backward of a frozen
+    norm and a bit-masked activation after it make of ``grad``: the pass
+    over ``grad`` takes their backward as it reads it. Dense and depthwise
+    convs take :func:`_fused_backward` (:func:`fused_products`)."""
     global _calls
     _calls += 1
     kernels = _kernels()
@@ -241,15 +291,15 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
     co, ci_g = weight.shape[:2]
     co_g = co // groups
     # Three distinct tensors: op outputs must not alias each other.
-    grad_x, grad_w, grad_b = (_empty(grad_output) for _ in range(3))
-    with _on_device(grad_output), _no_autocast(grad_output):
-        means, partial = kernels.output_grad_means(grad_output, radius,
-                                                   scale, acc)
-        if fused_products(groups):
+    grad_x, grad_w, grad_b = (_empty(grad) for _ in range(3))
+    with _on_device(grad), _no_autocast(grad):
+        means, partial = kernels.output_grad_means(grad, radius, scale, acc,
+                                                   prologue)
+        if fused_products(groups, weight.shape):
             return _fused_backward(means, partial, input_pooled, weight,
-                                   grad_output, input_height, input_width,
-                                   rows, cols, input_dtype, need_input,
-                                   need_weight, need_bias)
+                                   grad, input_height, input_width, rows,
+                                   cols, input_dtype, need_input,
+                                   need_weight, need_bias, groups)
         if need_bias:
             grad_b = partial.sum(dim=(0, 2))
         cells = means[0].numel()  # N x ph x pw: the GEMMs' long axis
@@ -276,11 +326,11 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
             else:
                 grid = torch.bmm(kernel.transpose(1, 2),
                                  means.reshape(groups, co_g, cells))
-            n = grad_output.shape[0]
+            n = grad.shape[0]
             grid = grid.reshape(groups * ci_g, n, *means.shape[2:])
             grad_x = kernels.spread(
                 grid.permute(1, 0, 2, 3),
-                _input_grad_buffer(grad_output, groups * ci_g, input_height,
+                _input_grad_buffer(grad, groups * ci_g, input_height,
                                    input_width, input_dtype),
                 tuple(rows), tuple(cols))
     return grad_x, grad_w, grad_b
@@ -291,31 +341,36 @@ def _fused_backward(means: Tensor, partial: Tensor,
                     grad_output: Tensor, input_height: int, input_width: int,
                     rows: List[int], cols: List[int],
                     input_dtype: torch.dtype, need_input: bool,
-                    need_weight: bool, need_bias: bool
+                    need_weight: bool, need_bias: bool, groups: int
                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_collapsed_backward` of a dense conv after the pass over
+    """:func:`_collapsed_backward` of a dense or depthwise conv after the
+    pass over
     ``g_y``: one launch for ``g_W`` (every tap), ``g_b`` and, for a
     ``k x k`` kernel whose input needs a gradient, ``W~``; one for
     ``g_x`` (:mod:`.triton_products`)."""
     products = _products()
     co, ci = weight.shape[:2]
+    depthwise = groups > 1
     taps = need_input and weight[0, 0].numel() > 1
     grad_x = grad_w = grad_b = None
     # a 1 x 1 kernel is its own W~
     tap_sums = weight.reshape(co, ci) if need_input and not taps else None
     if need_weight or need_bias or taps:
-        pooled = input_pooled.reshape(ci, -1) if need_weight else None
+        pooled = (input_pooled.reshape(input_pooled.shape[0], -1)
+                  if need_weight else None)
         grad_w, grad_b, summed = products.weight_grad(
-            means, pooled, partial, weight, need_weight, need_bias, taps)
+            means, pooled, partial, weight, need_weight, need_bias, taps,
+            depthwise=depthwise)
         tap_sums = summed if taps else tap_sums
     if need_input:
         rows, cols = tuple(rows), tuple(cols)
-        out = _input_grad_buffer(grad_output, ci, input_height, input_width,
-                                 input_dtype)
+        out = _input_grad_buffer(grad_output, groups * ci, input_height,
+                                 input_width, input_dtype)
         if not (products.covers(rows, input_height)
                 and products.covers(cols, input_width)):
             out.zero_()
-        grad_x = products.input_grad(means, tap_sums, out, rows, cols)
+        grad_x = products.input_grad(means, tap_sums, out, rows, cols,
+                                     depthwise=depthwise)
     # Three distinct tensors: op outputs must not alias each other.
     return tuple(_empty(grad_output) if g is None or g.numel() == 0 else g
                  for g in (grad_x, grad_w, grad_b))

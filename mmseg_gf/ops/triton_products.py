@@ -22,8 +22,9 @@ One program computes a ``BLOCK_M x BLOCK_N`` tile of its product with
 ``tl.dot`` in the accumulation dtype (float32, float64 for float64 tensors;
 IEEE products, no TF32, as cuBLAS's default), so the sums run in another
 order than a GEMM's: equal within rounding (``tests/helpers/
-triton_cases.py``). Dense convs and Linears take them (``groups == 1``);
-grouped and depthwise convs keep the batched GEMMs of
+triton_cases.py``). Dense and depthwise convs and Linears take them
+(a depthwise layer's products are per channel: a dot product and a scale
+instead of ``tl.dot``); other grouped convs keep the batched GEMMs of
 :mod:`.triton_path`. Tile sizes: fixed (16 to 64), not tuned on a GPU.
 
 Importing this module imports ``triton`` (:mod:`.triton_path` does so
@@ -41,6 +42,7 @@ from .triton_kernels import LAUNCH_OPTIONS, Patches, _acc
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
 KERNEL_OUTPUTS = {'_weight_grad': ('grad_w', 'grad_b', 'tap_sums'),
+                  '_depthwise_weight_grad': ('grad_w', 'grad_b', 'tap_sums'),
                   '_input_grad': ('out', )}
 
 #: ``tl.dot`` needs tiles of at least 16 on each side.
@@ -105,18 +107,61 @@ def _weight_grad(means, pooled, partial, weight, grad_w, grad_b, tap_sums,
 
 
 @triton.jit
+def _depthwise_weight_grad(means, pooled, partial, weight, grad_w, grad_b,
+                           tap_sums, channels, cells, taps, batch,
+                           patch_rows, p_c, p_k, w_o,
+                           HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                           HAS_TAPS: tl.constexpr, ACC: tl.constexpr,
+                           BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`_weight_grad` of a depthwise layer (one input channel per
+    output channel): one program per ``BLOCK_C`` channels, each channel's
+    ``g_W~`` the dot product of its patch means and patch sums."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    if HAS_W:
+        acc = tl.zeros([BLOCK_C], ACC)
+        k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, cells, BLOCK_K):
+            kk = k0 + k
+            ok = c_ok[:, None] & (kk < cells)[None, :]
+            a = tl.load(means + c[:, None].to(tl.int64) * cells + kk[None, :],
+                        mask=ok, other=0.)
+            b = tl.load(pooled + c[:, None].to(tl.int64) * p_c +
+                        kk[None, :].to(tl.int64) * p_k, mask=ok, other=0.)
+            acc += tl.sum(a * b.to(ACC), axis=1)
+        value = acc.to(grad_w.dtype.element_ty)
+        for t in range(taps):
+            tl.store(grad_w + c * taps + t, value, mask=c_ok)
+    if HAS_TAPS:
+        summed = tl.zeros([BLOCK_C], ACC)
+        for t in range(taps):
+            summed += tl.load(weight + c * w_o + t, mask=c_ok,
+                              other=0.).to(ACC)
+        tl.store(tap_sums + c, summed, mask=c_ok)
+    if HAS_B:
+        total = tl.zeros([BLOCK_C], ACC)
+        for n in range(0, batch):  # partial: N x C x ph
+            row = partial + (n * channels + c) * patch_rows
+            for a in range(0, patch_rows):
+                total += tl.load(row + a, mask=c_ok, other=0.)
+        tl.store(grad_b + c, total.to(grad_b.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
 def _input_grad(means, kernel, out, out_channels, in_channels, height,
                 width, m_c, m_n, m_h, k_o, k_i, o_n, o_c, o_h, o_w,
                 row_start, row_size, row_count,
                 col_start, col_size, col_count,
                 ACC: tl.constexpr, BLOCK_C: tl.constexpr,
                 BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
-                COL_SIZE: tl.constexpr):
+                COL_SIZE: tl.constexpr, DEPTHWISE: tl.constexpr):
     """One program per (image, patch row, ``BLOCK_C`` input channels,
     ``BLOCK_P`` patches of the row): ``g_x~ = W~^T g~`` for those patches
     (``kernel``: ``W~``, ``Co x Ci`` at strides ``k_o, k_i``), each value
     stored to the ``row_size x col_size`` pixels of its patch that lie on
-    the map (``out``: ``N x Ci x H x W`` at any strides)."""
+    the map (``out``: ``N x Ci x H x W`` at any strides). ``DEPTHWISE``:
+    channel ``c`` reads output channel ``c`` only (``W~`` is ``C x 1``),
+    a product per element instead of a ``tl.dot``."""
     pid = tl.program_id(0)
     n = pid // row_count
     a = pid % row_count
@@ -124,17 +169,25 @@ def _input_grad(means, kernel, out, out_channels, in_channels, height,
     b = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     c_ok = c < in_channels
     b_ok = b < col_count
-    acc = tl.zeros([BLOCK_C, BLOCK_P], ACC)
-    o = tl.arange(0, BLOCK_O)
-    for o0 in range(0, out_channels, BLOCK_O):
-        oo = o0 + o
-        o_ok = oo < out_channels
-        w = tl.load(kernel + oo[None, :] * k_o + c[:, None] * k_i,
-                    mask=c_ok[:, None] & o_ok[None, :], other=0.)
-        g = tl.load(means + oo[:, None].to(tl.int64) * m_c + n * m_n +
+    if DEPTHWISE:
+        w = tl.load(kernel + c * k_o, mask=c_ok, other=0.).to(ACC)
+        g = tl.load(means + c[:, None].to(tl.int64) * m_c + n * m_n +
                     a * m_h + b[None, :],
-                    mask=o_ok[:, None] & b_ok[None, :], other=0.)
-        acc += tl.dot(w.to(ACC), g, input_precision='ieee', out_dtype=ACC)
+                    mask=c_ok[:, None] & b_ok[None, :], other=0.)
+        acc = w[:, None] * g
+    else:
+        acc = tl.zeros([BLOCK_C, BLOCK_P], ACC)
+        o = tl.arange(0, BLOCK_O)
+        for o0 in range(0, out_channels, BLOCK_O):
+            oo = o0 + o
+            o_ok = oo < out_channels
+            w = tl.load(kernel + oo[None, :] * k_o + c[:, None] * k_i,
+                        mask=c_ok[:, None] & o_ok[None, :], other=0.)
+            g = tl.load(means + oo[:, None].to(tl.int64) * m_c + n * m_n +
+                        a * m_h + b[None, :],
+                        mask=o_ok[:, None] & b_ok[None, :], other=0.)
+            acc += tl.dot(w.to(ACC), g, input_precision='ieee',
+                          out_dtype=ACC)
     j = tl.arange(0, COL_SIZE)
     col = col_start + b[:, None] * col_size + j[None, :]  # BLOCK_P x COL
     col_ok = (b_ok[:, None] & (j[None, :] < col_size) & (col >= 0)
@@ -158,7 +211,8 @@ def _tile(size: int, cap: int) -> int:
 def weight_grad(means: Tensor, pooled: Optional[Tensor],
                 partial: Optional[Tensor], weight: Tensor, need_w: bool,
                 need_b: bool, need_taps: bool,
-                grad_dtype: Optional[torch.dtype] = None
+                grad_dtype: Optional[torch.dtype] = None,
+                depthwise: bool = False
                 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """One launch for what the weight side needs (see the module
     docstring).
@@ -175,6 +229,8 @@ def weight_grad(means: Tensor, pooled: Optional[Tensor],
             Linear's ``Co x Ci``), contiguous.
         need_w, need_b, need_taps: which outputs to write.
         grad_dtype: ``g_W``'s dtype (default: the weight's).
+        depthwise: a depthwise layer (``groups == Co == Ci``, the weight
+            ``C x 1 x ...``, ``pooled`` ``C x cells``); else dense.
 
     Returns:
         ``(g_W, g_b, W~)``: ``g_W`` in the weight's shape and
@@ -194,16 +250,24 @@ def weight_grad(means: Tensor, pooled: Optional[Tensor],
     tap_sums = means.new_empty((co, ci)) if need_taps else None
     p = pooled if need_w else means
     dummy = means
+    common = (means, p, partial if need_b else dummy, weight, grad_w, grad_b,
+              tap_sums if need_taps else dummy)
+    flags = dict(HAS_W=bool(need_w), HAS_B=bool(need_b),
+                 HAS_TAPS=bool(need_taps), ACC=_acc(acc), **LAUNCH_OPTIONS)
+    sizes = (cells, taps, partial.shape[0] if need_b else 0,
+             partial.shape[2] if need_b else 0,
+             p.stride(0) if need_w else 0, p.stride(1) if need_w else 0)
+    if depthwise:
+        block_c = _tile(co, 64)
+        _depthwise_weight_grad[(triton.cdiv(co, block_c), )](
+            *common, co, *sizes, weight.stride(0), BLOCK_C=block_c,
+            BLOCK_K=32, **flags)
+        return grad_w, grad_b, tap_sums
     block_m, block_n = _tile(co, 64), _tile(ci, 64)
     grid = (triton.cdiv(co, block_m), triton.cdiv(ci, block_n))
-    _weight_grad[grid](
-        means, p, partial if need_b else dummy, weight, grad_w, grad_b,
-        tap_sums if need_taps else dummy, co, ci, cells, taps,
-        partial.shape[0] if need_b else 0, partial.shape[2] if need_b else 0,
-        p.stride(0) if need_w else 0, p.stride(1) if need_w else 0,
-        weight.stride(0), weight.stride(1), HAS_W=bool(need_w),
-        HAS_B=bool(need_b), HAS_TAPS=bool(need_taps), ACC=_acc(acc),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, **LAUNCH_OPTIONS)
+    _weight_grad[grid](*common, co, ci, *sizes, weight.stride(0),
+                       weight.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
+                       BLOCK_K=32, **flags)
     return grad_w, grad_b, tap_sums
 
 
@@ -216,11 +280,12 @@ def covers(patches: Patches, size: int) -> bool:
 
 
 def input_grad(means: Tensor, kernel: Tensor, out: Tensor, rows: Patches,
-               cols: Patches) -> Tensor:
+               cols: Patches, depthwise: bool = False) -> Tensor:
     """``g_x``: ``W~^T g~`` per patch (``kernel``: ``W~``, ``Co x Ci`` at
-    any strides, any float dtype) written to every pixel of its patch in
-    ``out`` (``N x Ci x H x W`` at any strides, zeroed by the caller where
-    the patches do not cover it, :func:`covers`)."""
+    any strides, any float dtype; ``C x 1`` for a ``depthwise`` layer)
+    written to every pixel of its patch in ``out`` (``N x Ci x H x W`` at
+    any strides, zeroed by the caller where the patches do not cover it,
+    :func:`covers`)."""
     n, ci, height, width = out.shape
     co = kernel.shape[0]
     block_c = _tile(ci, 64)
@@ -232,5 +297,5 @@ def input_grad(means: Tensor, kernel: Tensor, out: Tensor, rows: Patches,
         *kernel.stride()[:2], *out.stride(), *rows, *cols,
         ACC=_acc(means.dtype), BLOCK_C=block_c, BLOCK_O=32,
         BLOCK_P=block_p, COL_SIZE=triton.next_power_of_2(cols[1]),
-        **LAUNCH_OPTIONS)
+        DEPTHWISE=bool(depthwise), **LAUNCH_OPTIONS)
     return out

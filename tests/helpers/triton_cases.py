@@ -266,10 +266,10 @@ def _count_backward(x, w, b, stride, padding, groups, radius, need):
 
 
 # (kind, kernel, bias, need x / w / b) -> (Triton launches, torch kernels).
-# The fewest the design allows. A dense layer: one pass over g_y (patch
-# means and the bias's partial sums), one kernel for the weight side (g_W in
-# every tap, g_b, and W~ when g_x needs a k x k kernel's tap sums), one
-# writing g_x (ops/triton_products.py). Grouped and depthwise: the pass over
+# The fewest the design allows. A dense or depthwise layer: one pass over
+# g_y (patch means and the bias's partial sums), one kernel for the weight
+# side (g_W in every tap, g_b, and W~ when g_x needs a k x k kernel's tap
+# sums), one writing g_x (ops/triton_products.py). Other grouped: the pass over
 # g_y, the products on the patch grid (cuBLAS), one pass writing g_x, the
 # bias's final sum, the taps' sum when the input needs a gradient, and g_W
 # stored in every tap (the copy autograd makes of a broadcast gradient).
@@ -280,7 +280,9 @@ LAUNCHES = {
     ('dense', 3, False, (False, True, False)): (2, 0),
     ('dense', 3, False, (True, False, False)): (3, 0),
     ('grouped', 3, True, (True, True, True)): (2, 5),
-    ('depthwise', 3, True, (True, True, True)): (2, 5),
+    # padding 0: Q(0) starts at pixel 1, g_x is zeroed before the spread
+    ('depthwise', 3, True, (True, True, True)): (3, 1),
+    ('depthwise', 1, False, (True, True, False)): (3, 0),
 }
 
 
@@ -322,29 +324,33 @@ def test_channels_last_input_takes_the_triton_path(kind):
                                    atol=1e-6 * float(r.abs().max()))
 
 
-@pytest.mark.parametrize('kernel,stride,padding', [(3, 1, 0), (1, 2, 0)])
-def test_fused_products_and_the_gemm_route_agree(kernel, stride, padding):
-    """A dense layer's fused kernels (``ops/triton_products.py``) and, with
-    ``MMSEG_GF_FUSED_PRODUCTS=0``, its batched GEMMs, tap sum and spread
-    give the gradients of docs/gradient_filter.md to float64 rounding, more
-    channels than one tile holds (70 in, 72 out), patches that leave pixels
+@pytest.mark.parametrize('kernel,stride,padding,groups',
+                         [(3, 1, 0, 1), (1, 2, 0, 1), (3, 2, 0, 70)])
+def test_fused_products_and_the_gemm_route_agree(kernel, stride, padding,
+                                                 groups):
+    """A dense or depthwise layer's fused kernels
+    (``ops/triton_products.py``) and, with ``MMSEG_GF_FUSED_PRODUCTS=0``,
+    its batched GEMMs, tap sum and spread give the gradients of
+    docs/gradient_filter.md to float64 rounding, with more channels than
+    one tile holds (70 in, 72 out; 70 depthwise), patches that leave pixels
     uncovered included (a 3x3 kernel without padding: ``Q(0)`` starts at
     pixel 1; those pixels get 0)."""
     from mmseg_gf.ops import switches
     gen = torch.Generator().manual_seed(3)
+    co = 72 if groups == 1 else groups
     x = torch.randn(2, 70, 11, 13, generator=gen, dtype=torch.float64)
-    w = torch.randn(72, 70, kernel, kernel, generator=gen,
+    w = torch.randn(co, 70 // groups, kernel, kernel, generator=gen,
                     dtype=torch.float64)
-    b = torch.randn(72, generator=gen, dtype=torch.float64)
+    b = torch.randn(co, generator=gen, dtype=torch.float64)
     results = {}
     for fused in (True, False):
         with switches.override(MMSEG_GF_FUSED_PRODUCTS=fused):
             calls = triton_path.backward_calls()
             _, grad_out, results[fused] = _filtered(
-                x, w, b, stride, padding, 1, 2, _randn_like(4))
+                x, w, b, stride, padding, groups, 2, _randn_like(4))
             assert triton_path.backward_calls() == calls + 1
     want = reference_gradients(x, w, grad_out.cpu(), (stride, stride),
-                               (padding, padding), (1, 1), 1, 2)
+                               (padding, padding), (1, 1), groups, 2)
     for fused, got in results.items():
         for g, r in zip(got, want):
             assert g.shape == r.shape and g.dtype == r.dtype

@@ -74,27 +74,88 @@ def test_cuda_graphs_reduce_overhead_gives_eager_gradients():
 # partial sums (float16 g_y, r = 2 on a 160-wide map; float32 channels-last
 # at r = 4), float64 at r = 1, and
 # the spread from a float32 grid into bfloat16 / float64 maps.
+_BLOCK = dict(MASKED=True, NORM=True, NORM_WEIGHT=True)
+_NO_BLOCK = dict(MASKED=False, NORM=False, NORM_WEIGHT=False)
+_PRODUCTS = ('means', 'pooled', 'partial', 'weight', 'grad_w', 'grad_b',
+             'tap_sums')
+_WEIGHT_TILES = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32)
+
+
+def _products(dtypes, **flags):
+    """Pointer types of :mod:`triton_products`' weight-side kernels."""
+    return dict(zip(_PRODUCTS, dtypes)), flags
+
+
+# (kernel, pointer types, constexpr flags, tile geometry: the wrapper's
+# meta arguments for triton_kernels, or the tile sizes themselves)
 SPECIALIZATIONS = {
     'x_sums_bf16': ('_patch_reduce', dict(src='bf16', dst='bf16',
                                           partial='bf16'),
-                    dict(MEAN=False, PARTIAL=False, ACC='fp32'),
+                    dict(MEAN=False, PARTIAL=False, ACC='fp32', **_NO_BLOCK),
                     ((-1, 8, 15), (-1, 8, 20))),
     'gy_means_fp16': ('_patch_reduce', dict(src='fp16', dst='fp32',
                                             partial='fp32'),
-                      dict(MEAN=True, PARTIAL=True, ACC='fp32'),
+                      dict(MEAN=True, PARTIAL=True, ACC='fp32', **_NO_BLOCK),
                       ((0, 2, 60), (0, 2, 80))),
     'gy_means_fp64_r1': ('_patch_reduce', dict(src='fp64', dst='fp64',
                                                partial='fp64'),
-                         dict(MEAN=True, PARTIAL=True, ACC='fp64'),
+                         dict(MEAN=True, PARTIAL=True, ACC='fp64',
+                              **_NO_BLOCK),
                          ((0, 1, 14), (0, 1, 14))),
     # a channels-last g_y: programs numbered channel first
     'gy_means_channels_last': ('_patch_reduce', dict(src='fp32', dst='fp32',
                                                      partial='fp32'),
-                               dict(MEAN=True, PARTIAL=True, ACC='fp32'),
+                               dict(MEAN=True, PARTIAL=True, ACC='fp32',
+                                    **_NO_BLOCK),
                                ((0, 4, 30), (0, 4, 40), True)),
+    # a conv block's gradient: the activation's mask and the norm's factor
+    'gy_means_conv_block_fp16': ('_patch_reduce', dict(
+        src='fp16', dst='fp32', partial='fp32', bits='u8', var='fp32',
+        norm_w='fp32'), dict(MEAN=True, PARTIAL=True, ACC='fp32', **_BLOCK),
+        ((0, 4, 30), (0, 4, 40))),
     'spread_bf16': ('_spread', dict(grid='fp32', out='bf16'), {}, (120, 160)),
     'spread_fp64': ('_spread', dict(grid='fp64', out='fp64'), {}, (14, 14)),
+    # ops/triton_products.py
+    'weight_grad_fp32': ('_weight_grad', *_products(
+        ['fp32'] * 7, HAS_W=True, HAS_B=True, HAS_TAPS=True, ACC='fp32'),
+        _WEIGHT_TILES),
+    'weight_grad_bf16_weight': ('_weight_grad', *_products(
+        ['fp32', 'bf16', 'fp32', 'bf16', 'bf16', 'fp32', 'fp32'],
+        HAS_W=True, HAS_B=False, HAS_TAPS=True, ACC='fp32'), _WEIGHT_TILES),
+    'weight_grad_fp64': ('_weight_grad', *_products(
+        ['fp64'] * 7, HAS_W=True, HAS_B=True, HAS_TAPS=False, ACC='fp64'),
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)),
+    'depthwise_weight_grad_fp16': ('_depthwise_weight_grad', *_products(
+        ['fp32', 'fp16', 'fp32', 'fp16', 'fp16', 'fp32', 'fp32'],
+        HAS_W=True, HAS_B=True, HAS_TAPS=True, ACC='fp32'),
+        dict(BLOCK_C=64, BLOCK_K=32)),
+    'input_grad_bf16': ('_input_grad', dict(means='fp32', kernel='bf16',
+                                            out='bf16'),
+                        dict(ACC='fp32', DEPTHWISE=False),
+                        dict(BLOCK_C=64, BLOCK_O=32, BLOCK_P=16,
+                             COL_SIZE=4)),
+    'input_grad_depthwise_fp32': ('_input_grad', dict(
+        means='fp32', kernel='fp32', out='fp32'),
+        dict(ACC='fp32', DEPTHWISE=True),
+        dict(BLOCK_C=64, BLOCK_O=32, BLOCK_P=32, COL_SIZE=8)),
+    'input_grad_fp64': ('_input_grad', dict(means='fp64', kernel='fp64',
+                                            out='fp64'),
+                        dict(ACC='fp64', DEPTHWISE=False),
+                        dict(BLOCK_C=16, BLOCK_O=32, BLOCK_P=16,
+                             COL_SIZE=2)),
 }
+#: Float scalars of the kernels (the others are integers).
+_FLOATS = ('scale', 'off_scale', 'eps')
+
+
+def _kernel_and_meta(name, geometry):
+    from mmseg_gf.ops import triton_kernels, triton_products
+    if name == '_patch_reduce':
+        return triton_kernels._patch_reduce, triton_kernels.reduce_meta(
+            *geometry)
+    if name == '_spread':
+        return triton_kernels._spread, triton_kernels.spread_meta(*geometry)
+    return getattr(triton_products, name), dict(geometry)
 
 
 @TRITON
@@ -104,7 +165,8 @@ def test_kernels_compile_for_h100(spec):
     """Triton compiles the kernels down to an sm_90 cubin without a GPU
     (its own LLVM and ptxas): what the interpreter cannot see (types of
     loop-carried values, layouts of the 3-D reductions, one-element
-    ranges) fails here, on every machine with triton."""
+    ranges, ``tl.dot``'s operand types) fails here, on every machine with
+    triton."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -112,17 +174,16 @@ def test_kernels_compile_for_h100(spec):
 
     from mmseg_gf.ops import triton_kernels
     name, pointers, flags, geometry = spec
-    kernel = getattr(triton_kernels, name)
-    meta = (triton_kernels.reduce_meta(*geometry) if name == '_patch_reduce'
-            else triton_kernels.spread_meta(*geometry))
+    kernel, meta = _kernel_and_meta(name, geometry)
     constexprs = dict(flags, **meta)
     if 'ACC' in constexprs:
         constexprs['ACC'] = getattr(tl, {'fp32': 'float32',
                                          'fp64': 'float64'}[flags['ACC']])
     signature = {
         arg: ('constexpr' if arg in constexprs else
-              '*' + pointers[arg] if arg in pointers else
-              'fp32' if arg == 'scale' else 'i32')
+              '*' + pointers.get(arg, 'fp32') if arg in pointers
+              or arg in ('bits', 'var', 'norm_w', 'dst', 'partial') else
+              'fp32' if arg in _FLOATS else 'i32')
         for arg in kernel.arg_names
     }
     if TRITON_VERSION >= (3, 3):

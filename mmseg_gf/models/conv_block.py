@@ -1,0 +1,158 @@
+"""Conv blocks as one node on the GPU path: a filtered conv, the frozen
+batch norm and the bit-masked activation after it fused
+(:class:`~mmseg_gf.ops.triton_conv_block.FilteredConvBlockFunction`).
+
+The lean region makes these modules a lean kind (``'conv_block'``), whose
+forward runs each conv, norm, activation triple as the fused node where
+all of this holds, and the three modules (each lean) otherwise:
+
+* mmcv's ``ConvModule`` (:class:`LeanConvBlock`): the order ``conv, norm,
+  act``, both ``norm`` and ``activate`` asked for, no explicit padding
+  layer, no ``efficient_conv_bn_eval``;
+* mmseg's ResNet ``BasicBlock`` (:class:`LeanBasicBlock`: its ``conv1,
+  norm1, relu``) and ``Bottleneck`` (:class:`LeanBottleneck`: ``conv1,
+  norm1, relu`` and ``conv2, norm2, relu``), without ``with_cp`` (under
+  checkpointing) and plugins; the rest of the block as mmseg writes it;
+* the conv filters this call (a ``GFConv2d`` of ``mode='gf'``, zero
+  padding of numbers, a kernel that collapses on both axes: the Triton
+  path's own conditions) on a 4-d input the Triton path takes
+  (:func:`~mmseg_gf.ops.triton_conv_block.usable`), in eager mode;
+* the norm is a lean frozen batch norm (eval mode, nothing trained) and
+  the activation a lean ReLU, ReLU6 / Hardtanh or LeakyReLU;
+* none of the three has forward hooks of its own (a hook expects its
+  module to be called: the kept-bytes trace's, a user's feature hook);
+* ``MMSEG_GF_CONV_BLOCKS`` is on (``0``: every block runs its modules).
+
+The forward numbers and the gradients are those of the three modules
+(``tests/helpers/triton_block_cases.py``).
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..ops import switches, triton_conv_block
+from ..ops.patch_grid import as_pair, conv_geometry
+from .gf_conv import GFConv2d, exact_backward_reason
+
+try:
+    from mmcv.cnn import ConvModule
+except ImportError:  # no mmcv: no conv blocks
+    ConvModule = None
+try:
+    from mmseg.models.backbones.resnet import BasicBlock, Bottleneck
+except ImportError:  # no mmseg: no ResNet blocks
+    BasicBlock = Bottleneck = None
+
+__all__ = ['conv_block_mixin', 'LeanConvBlock', 'LeanBasicBlock',
+           'LeanBottleneck', 'fused_parts']
+
+
+def conv_block_mixin(plain: type) -> Optional[type]:
+    """The lean mixin of a module of class ``plain`` (its class before the
+    lean swap) whose forward is mmcv's ``ConvModule`` one or mmseg's
+    ResNet block one (a subclass with its own forward has none)."""
+    for base, mixin in ((ConvModule, LeanConvBlock),
+                        (BasicBlock, LeanBasicBlock),
+                        (Bottleneck, LeanBottleneck)):
+        if (base is not None and issubclass(plain, base)
+                and plain.forward is base.forward):
+            return mixin
+    return None
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
+                x: Tensor) -> Optional[Tuple]:
+    """The fused node's arguments after ``x`` for the triple ``conv, bn,
+    act``, None where the three modules run (see the module docstring)."""
+    if not (switches.value('MMSEG_GF_CONV_BLOCKS')
+            and torch.is_grad_enabled() and x.requires_grad
+            and x.dim() == 4 and x.numel() > 0
+            and not torch.compiler.is_compiling()):
+        return None
+    if (not isinstance(conv, GFConv2d) or any(map(_hooked, (conv, bn, act)))
+            or conv.padding_mode != 'zeros' or isinstance(conv.padding, str)
+            or not conv._filter_active(x, conv.weight, conv.bias)
+            or exact_backward_reason(x, conv.weight) is not None):
+        return None
+    # what the lean norm and activation say of themselves (models.lean)
+    factor = getattr(bn, 'frozen_factor', lambda: None)()
+    mask = getattr(act, 'mask_arguments', lambda: None)()
+    if (factor is None or mask is None
+            or not triton_conv_block.usable(x, conv.weight, conv.bias)):
+        return None
+    stride, padding = as_pair(conv.stride), as_pair(conv.padding)
+    dilation = as_pair(conv.dilation)
+    geo_h, geo_w = conv_geometry(x, conv.weight, stride, padding, dilation,
+                                 conv.radius)
+    if not (geo_h.collapsed and geo_w.collapsed):
+        return None
+    # the norm module is called inside the node's forward, where autograd
+    # records nothing: its plain forward runs
+    return (conv.weight, conv.bias, stride, padding, dilation, conv.groups,
+            conv.radius, geo_h.input_patches, geo_w.input_patches, bn,
+            *factor, mask)
+
+
+def _fused(parts: Tuple, x: Tensor) -> Tensor:
+    return triton_conv_block.FilteredConvBlockFunction.apply(x, *parts)
+
+
+def _triple(conv: nn.Module, bn: nn.Module, act: nn.Module,
+            x: Tensor) -> Tensor:
+    parts = fused_parts(conv, bn, act, x)
+    return act(bn(conv(x))) if parts is None else _fused(parts, x)
+
+
+class LeanConvBlock:
+    """The lean ``ConvModule``: one fused node where :func:`fused_parts`
+    allows it, mmcv's forward otherwise."""
+
+    def forward(self, x: Tensor, activate: bool = True,
+                norm: bool = True) -> Tensor:
+        parts = None
+        if (activate and norm and self.order == ('conv', 'norm', 'act')
+                and self.with_norm and self.with_activation
+                and not self.with_explicit_padding
+                and getattr(self, 'efficient_conv_bn_eval_forward',
+                            None) is None):
+            parts = fused_parts(self.conv, self.norm, self.activate, x)
+        if parts is None:
+            return super().forward(x, activate, norm)
+        return _fused(parts, x)
+
+
+class LeanBasicBlock:
+    """mmseg's ResNet ``BasicBlock`` with ``conv1, norm1, relu`` fused where
+    :func:`fused_parts` allows it; the rest as mmseg's forward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        parts = None if self.with_cp else fused_parts(
+            self.conv1, self.norm1, self.relu, x)
+        if parts is None:
+            return super().forward(x)
+        out = self.norm2(self.conv2(_fused(parts, x)))
+        identity = x if self.downsample is None else self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class LeanBottleneck:
+    """mmseg's ResNet ``Bottleneck`` with ``conv1, norm1, relu`` and
+    ``conv2, norm2, relu`` fused where :func:`fused_parts` allows them; the
+    rest as mmseg's forward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        parts = None if self.with_cp or self.with_plugins else fused_parts(
+            self.conv1, self.norm1, self.relu, x)
+        if parts is None:
+            return super().forward(x)
+        out = _triple(self.conv2, self.norm2, self.relu, _fused(parts, x))
+        out = self.norm3(self.conv3(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        out += identity
+        return self.relu(out)

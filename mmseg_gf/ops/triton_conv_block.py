@@ -1,0 +1,131 @@
+"""A conv block on the GPU path: a filtered conv, the frozen batch norm and
+the bit-masked activation after it as one autograd node.
+
+mmcv's ``ConvModule`` runs conv, norm and activation one after the other;
+in the lean region each is its own node, and their backward three passes
+over full-size maps on a GPU: the activation applies its mask and writes
+``g``, the norm scales it and writes ``g_y``, the conv reads ``g_y`` for
+its patch means. :class:`FilteredConvBlockFunction` runs the same forward
+(cuDNN's conv, the conv input's patch sums, the norm's own forward, the
+activation with its mask in one Triton pass) and a backward in which the
+conv's pass over the gradient applies the mask and the norm's factor as it
+loads each element (:class:`~.triton_path.GradPrologue`): three launches
+for a dense or depthwise conv (that pass, the weight side, ``g_x``) where
+the three nodes take five.
+
+Exact: the same forward numbers as the three modules (it calls the norm's
+forward and the activation's Triton pass), and the gradients the three
+nodes give, the float32 operations in the same order (mask, then
+``g * rsqrt(var + eps) * w``), for float16 / bfloat16 without rounding
+``g_y`` to them in between. Kept: the conv input's patch sums and the mask,
+what the three nodes keep. ``tests/helpers/triton_block_cases.py`` checks
+both against the three nodes.
+
+Eager mode only, on the Triton path's devices (:func:`usable`);
+:mod:`mmseg_gf.models.conv_block` decides which module calls take it.
+"""
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import Function
+from torch.autograd.function import once_differentiable
+
+from . import bit_mask, triton_bit_mask, triton_norm, triton_path
+from .triton_path import Patches, _call, _patch_sums, patch_sums
+
+__all__ = ['usable', 'FilteredConvBlockFunction', 'block_calls']
+
+_calls = 0
+
+
+def block_calls() -> int:
+    """How many forward calls took the fused block in this process (a
+    diagnostic)."""
+    return _calls
+
+
+def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a block with conv input ``x`` may run fused: the filtered
+    conv's Triton path takes it (:func:`triton_path.usable`), and the
+    norm's and the activation's Triton paths take tensors of its dtype and
+    device (the caller checks the conv's geometry and the modules)."""
+    return (triton_path.usable(x, weight, bias)
+            and triton_norm.usable(x) and triton_bit_mask.usable(
+                x.new_empty((1, ))))
+
+
+def _bit_strides(out: Tensor) -> Tuple[int, int, int, int]:
+    """Strides (N, C, H, W) of element indices in the mask, which
+    :func:`bit_mask.pack` writes in ``out``'s memory order."""
+    if bit_mask.layout_of(out) is torch.channels_last:
+        n, c, h, w = out.shape
+        return h * w * c, 1, w * c, c
+    return tuple(out.contiguous().stride())
+
+
+class FilteredConvBlockFunction(Function):
+    """``activation(normalize(conv2d(x, weight, bias)))`` with the filtered
+    conv's backward, the norm's and the activation's taken in its first
+    pass (see the module docstring).
+
+    ``rows`` / ``cols`` are the conv's input patches (its kernel collapses
+    on both axes); ``normalize`` the frozen norm's plain forward, whose
+    factor ``running_var``, ``norm_weight`` and ``eps`` give; ``activation``
+    the mask's ``(formula, lo, hi, nan_bit, off_scale)``
+    (:func:`bit_mask.activate_and_pack`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                stride: Tuple[int, int], padding: Tuple[int, int],
+                dilation: Tuple[int, int], groups: int, radius: int,
+                rows: Patches, cols: Patches,
+                normalize: Callable[[Tensor], Tensor], running_var: Tensor,
+                norm_weight: Optional[Tensor], eps: float,
+                activation: Tuple) -> Tensor:
+        global _calls
+        _calls += 1
+        y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        pooled = (_call(patch_sums, _patch_sums, x, *rows, *cols)
+                  if ctx.needs_input_grad[1] else None)
+        z = normalize(y)
+        formula, lo, hi, nan_bit, off_scale = activation
+        fused = bit_mask.activate_and_pack(z, formula, lo, hi, nan_bit,
+                                           off_scale, True,
+                                           bit_mask.layout_of(z))
+        if fused is None:
+            raise RuntimeError('conv block: the activation did not take the '
+                               'Triton path (usable() was not checked)')
+        out, bits = fused
+        ctx.save_for_backward(pooled, weight, bits)
+        ctx.refs = (running_var, norm_weight)
+        ctx.versions = tuple(-1 if t is None else t._version
+                             for t in ctx.refs)
+        ctx.prologue = (_bit_strides(out), float(off_scale), float(eps))
+        ctx.conv = (groups, 1.0 / (stride[0] * stride[1]), x.shape[2],
+                    x.shape[3], rows, cols, radius, x.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        pooled, weight, bits = ctx.saved_tensors
+        for t, version in zip(ctx.refs, ctx.versions):
+            if t is not None and t._version != version:
+                raise RuntimeError(
+                    'the running variance or weight of a frozen norm was '
+                    'modified in place between its forward and backward '
+                    f'(version {version} -> {t._version})')
+        strides, off_scale, eps = ctx.prologue
+        prologue = triton_path.GradPrologue(bits, strides, off_scale,
+                                            *ctx.refs, eps)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        groups, scale, height, width, rows, cols, radius, x_dtype = ctx.conv
+        grad_x, grad_w, grad_b = triton_path.collapsed_backward_from(
+            grad, prologue, pooled, weight, groups, scale, height, width,
+            list(rows), list(cols), radius, x_dtype, need_x, need_w, need_b)
+        return ((grad_x if need_x else None, grad_w if need_w else None,
+                 grad_b.to(ctx.bias_dtype) if need_b else None)
+                + (None, ) * 12)

@@ -1,0 +1,202 @@
+"""Cases of the fused conv block (``mmseg_gf.models.conv_block``,
+``mmseg_gf.ops.triton_conv_block``); run by
+``tests/test_models/test_conv_block.py`` in a subprocess (interpreted on
+CPU tensors, compiled on CUDA), for the reason
+``tests/helpers/triton_cases.py`` gives.
+
+Each case builds an mmcv ``ConvModule`` (a filtered conv, a frozen batch
+norm, an activation), makes it lean and compares the fused node with the
+same block running its three lean modules (``MMSEG_GF_CONV_BLOCKS=0``)
+and with the plain block's exact forward.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip('mmcv')
+
+from mmcv.cnn import ConvModule  # noqa: E402
+
+from mmseg_gf.accounting.launches import LaunchCounter, counting  # noqa: E402
+from mmseg_gf.engine.lean_region import apply_lean_region  # noqa: E402
+from mmseg_gf.models import GFConv2d  # noqa: E402
+from mmseg_gf.ops import switches, triton_conv_block  # noqa: E402
+from tests.helpers.triton_runs import case_device  # noqa: E402
+
+DEVICE = case_device()
+
+ACTS = {'relu': dict(type='ReLU'), 'relu6': dict(type='ReLU6'),
+        'leaky': dict(type='LeakyReLU', negative_slope=0.1)}
+
+
+def _block(act='relu', kernel=3, stride=1, groups=1, bias=False,
+           channels=(6, 8), affine=True, seed=0):
+    """A lean ConvModule on DEVICE whose conv is filtered (r = 2), its norm
+    frozen in eval mode with non-trivial statistics."""
+    torch.manual_seed(seed)
+    ci, co = channels
+    block = ConvModule(ci, co, kernel, stride=stride, padding=kernel // 2,
+                       groups=groups, bias=bias,
+                       norm_cfg=dict(type='BN', affine=affine),
+                       act_cfg=ACTS[act])
+    block.conv = GFConv2d.from_conv(block.conv, radius=2)
+    bn = block.norm
+    bn.running_mean.uniform_(-0.5, 0.5)
+    bn.running_var.uniform_(0.5, 2.0)
+    if affine:
+        nn.init.uniform_(bn.weight, 0.5, 1.5)
+        nn.init.uniform_(bn.bias, -0.2, 0.2)
+        bn.weight.requires_grad_(False)
+        bn.bias.requires_grad_(False)
+    block.eval()
+    apply_lean_region(block)
+    return block.to(DEVICE)
+
+
+def _run(block, x, g, fused: bool):
+    """Output and gradients (x, weight[, bias]) of one call, the block
+    fused or not; and whether it ran fused."""
+    leaf = x.clone().to(DEVICE).requires_grad_(True)
+    calls = triton_conv_block.block_calls()
+    with switches.override(MMSEG_GF_CONV_BLOCKS=fused):
+        out = block(leaf)
+    ran = triton_conv_block.block_calls() - calls
+    params = [p for p in block.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out, [leaf, *params], g.to(DEVICE))
+    return out.detach().cpu(), [t.cpu() for t in grads], ran
+
+
+@pytest.mark.parametrize('act', sorted(ACTS))
+@pytest.mark.parametrize('kernel,stride,groups,bias', [
+    (3, 1, 1, False), (1, 2, 1, True), (3, 2, 6, False)])
+def test_fused_block_equals_its_three_modules(act, kernel, stride, groups,
+                                              bias):
+    """ReLU, ReLU6, LeakyReLU after a dense or depthwise conv (3x3 and
+    1x1, strides 1 and 2, with and without bias): the fused node gives the
+    three lean modules' output bit for bit and their gradients (float32:
+    the same operations up to the order of the patch sums)."""
+    block = _block(act, kernel, stride, groups, bias,
+                   channels=(6, 6 if groups > 1 else 8))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 9, 11, generator=gen)
+    with torch.no_grad():
+        y = block(x.to(DEVICE))
+    g = torch.randn(y.shape, generator=gen)
+    want_out, want, ran_plain = _run(block, x, g, fused=False)
+    got_out, got, ran = _run(block, x, g, fused=True)
+    assert (ran_plain, ran) == (0, 1)
+    assert torch.equal(got_out, want_out)
+    assert torch.equal(got_out, y.cpu())  # the plain forward's numbers
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5,
+                                   atol=1e-6 * float(b.abs().max()))
+
+
+def test_non_affine_norm_and_channels_last():
+    """A norm without weight (factor ``rsqrt(var + eps)``) and a
+    channels-last input: the mask read at the output's strides."""
+    block = _block(affine=False).to(memory_format=torch.channels_last)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 6, 8, 10, generator=gen).contiguous(
+        memory_format=torch.channels_last)
+    g = torch.randn(2, 8, 8, 10, generator=gen)
+    want_out, want, _ = _run(block, x, g, fused=False)
+    got_out, got, ran = _run(block, x, g, fused=True)
+    assert ran == 1 and torch.equal(got_out, want_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5,
+                                   atol=1e-6 * float(b.abs().max()))
+
+
+def test_three_launches_backward():
+    """The fused block's backward: the pass over the gradient (mask and
+    factor included), the weight side, ``g_x``; nothing else."""
+    block = _block()
+    x = torch.randn(2, 6, 8, 8).to(DEVICE).requires_grad_(True)
+    out = block(x)
+    g = torch.ones_like(out)
+    counter = LaunchCounter()
+    counter.phase('backward')
+    with counting(counter):
+        torch.autograd.grad(out, [x, block.conv.weight], g)
+    assert counter.result.by_op() == {'triton:_patch_reduce': 1,
+                                      'triton:_weight_grad': 1,
+                                      'triton:_input_grad': 1}
+
+
+def test_what_runs_the_modules():
+    """A hook on a part, a trained norm, an unfiltered conv or the switch
+    off: mmcv's forward, the three modules."""
+    x = torch.randn(1, 6, 8, 8).to(DEVICE).requires_grad_(True)
+
+    def fused(block):
+        calls = triton_conv_block.block_calls()
+        block(x)
+        return triton_conv_block.block_calls() - calls
+
+    block = _block()
+    assert fused(block) == 1
+    handle = block.activate.register_forward_hook(lambda *a: None)
+    assert fused(block) == 0
+    handle.remove()
+    trained = copy.deepcopy(block)
+    trained.norm.weight.requires_grad_(True)
+    assert fused(trained) == 0
+    unfiltered = copy.deepcopy(block)
+    unfiltered.conv.enabled = False
+    assert fused(unfiltered) == 0
+    with switches.override(MMSEG_GF_CONV_BLOCKS=False):
+        assert fused(block) == 0
+    with torch.no_grad():
+        assert fused(block) == 0
+
+
+def _resnet_block(kind: str, stride: int):
+    """mmseg's ResNet block (with a downsampling conv where the stride or
+    the channels change), every conv filtered (r = 2), every norm frozen."""
+    from mmseg.models.backbones.resnet import BasicBlock, Bottleneck
+    torch.manual_seed(0)
+    cls, planes = (BasicBlock, 6) if kind == 'basic' else (Bottleneck, 2)
+    out = planes * cls.expansion
+    downsample = nn.Sequential(nn.Conv2d(6, out, 1, stride, bias=False),
+                               nn.BatchNorm2d(out)) if stride > 1 or \
+        out != 6 else None
+    block = cls(6, planes, stride=stride, downsample=downsample)
+    for name, module in list(block.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Conv2d:
+                setattr(module, child_name,
+                        GFConv2d.from_conv(child, radius=2))
+            if isinstance(child, nn.BatchNorm2d):
+                child.running_var.uniform_(0.5, 2.0)
+                child.running_mean.uniform_(-0.5, 0.5)
+                child.weight.requires_grad_(False)
+                child.bias.requires_grad_(False)
+    block.eval()
+    apply_lean_region(block)
+    return block.to(DEVICE)
+
+
+@pytest.mark.parametrize('kind,stride,fused', [('basic', 1, 1),
+                                               ('basic', 2, 1),
+                                               ('bottleneck', 2, 2)])
+def test_resnet_blocks_equal_their_modules(kind, stride, fused):
+    """mmseg's BasicBlock (its first conv, norm, ReLU fused) and Bottleneck
+    (its first two): the output of mmseg's forward bit for bit, its
+    gradients (the switch off: every module on its own)."""
+    block = _resnet_block(kind, stride)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 9, 10, generator=gen)
+    with torch.no_grad():
+        y = block(x.to(DEVICE))
+    g = torch.randn(y.shape, generator=gen)
+    want_out, want, ran_plain = _run(block, x, g, fused=False)
+    got_out, got, ran = _run(block, x, g, fused=True)
+    assert (ran_plain, ran) == (0, fused)
+    assert torch.equal(got_out, want_out) and torch.equal(got_out, y.cpu())
+    assert len(got) == len(want) > 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5,
+                                   atol=1e-6 * float(b.abs().max()))

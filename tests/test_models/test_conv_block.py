@@ -1,0 +1,81 @@
+"""mmcv's ``ConvModule`` as a lean kind (``mmseg_gf.models.conv_block``):
+its fused node's cases run in a subprocess
+(``tests/helpers/triton_block_cases.py``: interpreted here, compiled on
+CUDA); here, what the swap does on CPU."""
+import pytest
+import torch
+
+pytest.importorskip('mmcv')
+
+from mmcv.cnn import ConvModule  # noqa: E402
+
+from mmseg_gf.engine.lean_region import (apply_lean_region,  # noqa: E402
+                                         remove_lean_region)
+from mmseg_gf.models import GFConv2d  # noqa: E402
+from mmseg_gf.models.lean import is_lean, lean_kind  # noqa: E402
+from mmseg_gf.ops import triton_conv_block  # noqa: E402
+from tests.helpers.devices import needs_cuda  # noqa: E402
+from tests.helpers.triton_runs import (INTERPRETER, TRITON,  # noqa: E402
+                                       run_case_file)
+
+
+@TRITON
+@INTERPRETER
+def test_cases_under_the_triton_interpreter():
+    report = run_case_file('triton_block_cases.py', True)
+    assert 'skipped' not in report, report
+
+
+@TRITON
+@pytest.mark.cuda
+@needs_cuda
+def test_cases_compiled_on_cuda():
+    report = run_case_file('triton_block_cases.py', False)
+    assert 'skipped' not in report, report
+
+
+class _OwnForward(ConvModule):
+    def forward(self, x, activate=True, norm=True):
+        return super().forward(x, activate, norm) * 2
+
+
+def test_conv_module_is_a_lean_kind_and_swaps_back():
+    """A ConvModule becomes lean (same class name, state_dict keys and
+    outputs) and back; a subclass with its own forward does not; on CPU
+    tensors the block runs its modules (the fused node is the Triton
+    path's)."""
+    torch.manual_seed(0)
+    block = ConvModule(3, 4, 3, padding=1, norm_cfg=dict(type='BN'))
+    block.conv = GFConv2d.from_conv(block.conv, radius=2)
+    block.eval()
+    keys = list(block.state_dict())
+    x = torch.randn(1, 3, 8, 8, requires_grad=True)
+    want = block(x)
+    apply_lean_region(block)
+    assert is_lean(block) and lean_kind(block) == 'conv_block'
+    assert type(block).__name__ == 'LeanConvModule'
+    assert list(block.state_dict()) == keys
+    calls = triton_conv_block.block_calls()
+    torch.testing.assert_close(block(x), want, rtol=0, atol=0)
+    assert triton_conv_block.block_calls() == calls
+    remove_lean_region(block)
+    assert type(block) is ConvModule
+    own = _OwnForward(3, 4, 3, padding=1)
+    assert lean_kind(own) is None
+
+
+def test_resnet_blocks_are_lean_kinds():
+    """mmseg's ResNet blocks become lean conv blocks (and back); on CPU
+    tensors they run mmseg's forward, the same numbers."""
+    from mmseg.models.backbones.resnet import BasicBlock, Bottleneck
+    torch.manual_seed(0)
+    for cls in (BasicBlock, Bottleneck):
+        block = cls(8, 8 // cls.expansion).eval()
+        x = torch.randn(1, 8, 6, 6, requires_grad=True)
+        want = block(x)
+        apply_lean_region(block)
+        assert lean_kind(block) == 'conv_block'
+        assert type(block).__name__ == f'Lean{cls.__name__}'
+        torch.testing.assert_close(block(x), want, rtol=0, atol=0)
+        remove_lean_region(block)
+        assert type(block) is cls
