@@ -230,6 +230,16 @@ def _sdpa_windows(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     return out.reshape(b, h, n, d)
 
 
+def _storage_address(t: Tensor) -> int:
+    """The address of ``t``'s storage for the accounting's record; 0 (not
+    known) while ``torch.compile`` traces (Dynamo does not trace
+    ``untyped_storage``, and the trace that reads the record runs
+    eagerly)."""
+    if torch.compiler.is_compiling():
+        return 0
+    return t.untyped_storage().data_ptr()
+
+
 class _LeanWindowMSA:
     """mmseg's Swin ``WindowMSA`` through SDPA: the relative position bias
     (frozen) and the shift mask are the additive mask."""
@@ -255,7 +265,7 @@ class _LeanWindowMSA:
             b, None if mask is None else b // n_win, n, n, c, h,
             out.element_size(), _stat_bytes(out),
             mask_elements=n_win * h * n * n, mask_bytes=bias.element_size(),
-            output_storage=out.untyped_storage().data_ptr())
+            output_storage=_storage_address(out))
         x = out.transpose(1, 2).reshape(b, n, c)
         return self.proj_drop(self.proj(x))
 
@@ -304,7 +314,7 @@ class _LeanLocallyGroupedAttention:
             _stat_bytes(out),
             mask_elements=gh * gw * heads * ws ** 4 if masked else 0,
             mask_bytes=q.element_size(),
-            output_storage=out.untyped_storage().data_ptr())
+            output_storage=_storage_address(out))
         out = out.transpose(1, 2).reshape(b, gh, gw, ws, ws, c)
         x = out.transpose(2, 3).reshape(b, gh * ws, gw * ws, c)
         if pad_r > 0 or pad_b > 0:

@@ -138,6 +138,27 @@ def test_lean_segformer_traces_and_equals_eager():
     _assert_close_step(got, got_grads, want, want_grads, 1e-5, 'segformer')
 
 
+def test_lean_swin_traces_with_no_break_of_its_own():
+    """A tiny Swin-T UPerNet with every layer kind in its last 20 filtered
+    (window attention through SDPA, lean LayerNorms, filtered Linears): one
+    graph where the plain model takes four (its window attention's
+    accounting record reads no storage address while compiling)."""
+    from tests.test_engine.test_lean_transformer_families import (
+        BATCH, SIZE, _model, tiny_cfg)
+    from tests.helpers.lean_steps import plain_model
+    cfg = tiny_cfg('swin_t')
+    plain = plain_model(cfg)
+    lean = _model(cfg, plain, 'gf', True, 20, layer_kinds=None)
+    inputs, samples = random_batch(plain, (SIZE, SIZE), BATCH,
+                                   label_block=4)
+    torch._dynamo.reset()
+    want = torch._dynamo.explain(_training(plain).loss)(inputs, samples)
+    torch._dynamo.reset()
+    got = torch._dynamo.explain(_training(lean).loss)(inputs, samples)
+    assert not _own_breaks(got), _own_breaks(got)
+    assert got.graph_break_count <= want.graph_break_count
+
+
 @pytest.mark.parametrize('way', ['rewrite', 'hook'])
 def test_runner_compile_trains_like_eager(tmp_path, way):
     """mmengine's ``compile=...`` (the Runner compiles ``train_step``
