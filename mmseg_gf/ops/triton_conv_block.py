@@ -99,12 +99,10 @@ class FilteredConvBlockFunction(Function):
                                'Triton path (usable() was not checked)')
         out, bits = fused
         ctx.save_for_backward(pooled, weight, bits)
-        ctx.refs = (running_var, norm_weight)
-        ctx.versions = tuple(-1 if t is None else t._version
-                             for t in ctx.refs)
+        triton_norm.reference_norm(ctx, running_var, norm_weight)
         ctx.prologue = (_bit_strides(out), float(off_scale), float(eps))
-        ctx.conv = (groups, 1.0 / (stride[0] * stride[1]), x.shape[2],
-                    x.shape[3], rows, cols, radius, x.dtype)
+        ctx.conv = triton_path.conv_context(x, stride, groups, radius, rows,
+                                            cols)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -112,15 +110,9 @@ class FilteredConvBlockFunction(Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         pooled, weight, bits = ctx.saved_tensors
-        for t, version in zip(ctx.refs, ctx.versions):
-            if t is not None and t._version != version:
-                raise RuntimeError(
-                    'the running variance or weight of a frozen norm was '
-                    'modified in place between its forward and backward '
-                    f'(version {version} -> {t._version})')
         strides, off_scale, eps = ctx.prologue
-        prologue = triton_path.GradPrologue(bits, strides, off_scale,
-                                            *ctx.refs, eps)
+        prologue = triton_path.GradPrologue(
+            bits, strides, off_scale, *triton_norm.unchanged_norm(ctx), eps)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         groups, scale, height, width, rows, cols, radius, x_dtype = ctx.conv
         grad_x, grad_w, grad_b = triton_path.collapsed_backward_from(

@@ -23,7 +23,7 @@ contiguous or channels-last; layer norm: contiguous), in eager mode, where
 the Triton path is switched on (:func:`triton_path.takes_device`); on CPU
 only under the interpreter.
 """
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,7 +33,8 @@ from torch.autograd.function import once_differentiable
 from . import triton_path
 from .triton_path import _is_fake, _on_device
 
-__all__ = ['usable', 'FrozenBatchNormFunction', 'layer_norm_usable',
+__all__ = ['usable', 'FrozenBatchNormFunction', 'reference_norm',
+           'unchanged_norm', 'layer_norm_usable',
            'frozen_layer_norm_backward']
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,6 +63,27 @@ def usable(x: Tensor) -> bool:
             and not torch.compiler.is_compiling() and not _is_fake(x))
 
 
+def reference_norm(ctx, running_var: Tensor,
+                   weight: Optional[Tensor]) -> None:
+    """Keep a frozen norm's running variance and weight on ``ctx`` by
+    reference (a buffer and a Parameter, alive anyway), with their versions
+    (:func:`unchanged_norm` checks them)."""
+    ctx.refs = (running_var, weight)
+    ctx.versions = tuple(-1 if t is None else t._version for t in ctx.refs)
+
+
+def unchanged_norm(ctx) -> Tuple[Tensor, Optional[Tensor]]:
+    """The references :func:`reference_norm` kept, after checking that
+    neither changed in place since (as autograd checks a saved tensor)."""
+    for t, version in zip(ctx.refs, ctx.versions):
+        if t is not None and t._version != version:
+            raise RuntimeError(
+                'the running variance or weight of a frozen norm was '
+                'modified in place between its forward and backward '
+                f'(version {version} -> {t._version})')
+    return ctx.refs
+
+
 class FrozenBatchNormFunction(Function):
     """``normalize(x)`` (the frozen norm's own forward), backward ``g *
     rsqrt(running_var + eps) * weight`` in one Triton launch."""
@@ -69,26 +91,18 @@ class FrozenBatchNormFunction(Function):
     @staticmethod
     def forward(ctx, x: Tensor, running_var: Tensor, weight: Optional[Tensor],
                 eps: float, normalize: Callable[[Tensor], Tensor]) -> Tensor:
-        ctx.refs = (running_var, weight)
-        ctx.versions = tuple(-1 if t is None else t._version
-                             for t in ctx.refs)
+        reference_norm(ctx, running_var, weight)
         ctx.eps = float(eps)
         return normalize(x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        for t, version in zip(ctx.refs, ctx.versions):
-            if t is not None and t._version != version:
-                raise RuntimeError(
-                    'the running variance or weight of a frozen norm was '
-                    'modified in place between its forward and backward '
-                    f'(version {version} -> {t._version})')
+        running_var, weight = unchanged_norm(ctx)
         inner = _inner(grad)
         if inner is None:
             grad = grad.contiguous()
             inner = _inner(grad)
-        running_var, weight = ctx.refs
         from . import triton_norm_kernels  # imports triton
         with _on_device(grad):
             g_x = triton_norm_kernels.frozen_norm_backward(

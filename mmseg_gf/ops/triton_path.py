@@ -419,6 +419,15 @@ def _is_fake(t: Tensor) -> bool:
     return is_fake(t)
 
 
+def conv_context(x: Tensor, stride: Tuple[int, int], groups: int,
+                 radius: int, rows: Patches, cols: Patches) -> tuple:
+    """What a filtered conv's backward needs of its forward call (besides
+    the saved tensors): ``(groups, 1/s^2, H, W, rows, cols, r, x's
+    dtype)``, in :func:`collapsed_backward_from`'s order."""
+    return (groups, 1.0 / (stride[0] * stride[1]), x.shape[2], x.shape[3],
+            rows, cols, radius, x.dtype)
+
+
 class TritonFilteredConv2d(torch.autograd.Function):
     """``F.conv2d`` forward, the filtered backward as one call of
     :func:`collapsed_backward` (the Triton counterpart of
@@ -434,8 +443,7 @@ class TritonFilteredConv2d(torch.autograd.Function):
         pooled = (_call(patch_sums, _patch_sums, x, *rows, *cols)
                   if ctx.needs_input_grad[1] else None)
         ctx.save_for_backward(pooled, weight)
-        ctx.conv = (groups, 1.0 / (stride[0] * stride[1]), x.shape[2],
-                    x.shape[3], rows, cols, radius, x.dtype)
+        ctx.conv = conv_context(x, stride, groups, radius, rows, cols)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 

@@ -68,6 +68,31 @@ def _run(block, x, g, fused: bool):
     return out.detach().cpu(), [t.cpu() for t in grads], ran
 
 
+def _check_fused_against_modules(block, shape, seed: int, fused: int):
+    """One call of ``block`` on a random input: ``fused`` fused nodes ran,
+    the output equals the modules' and the plain forward's bit for bit,
+    the gradients the modules' (:func:`_assert_close_grads`)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    with torch.no_grad():
+        y = block(x.to(DEVICE))
+    g = torch.randn(y.shape, generator=gen)
+    want_out, want, ran_plain = _run(block, x, g, fused=False)
+    got_out, got, ran = _run(block, x, g, fused=True)
+    assert (ran_plain, ran) == (0, fused)
+    assert torch.equal(got_out, want_out)
+    assert torch.equal(got_out, y.cpu())  # the plain forward's numbers
+    _assert_close_grads(got, want)
+
+
+def _assert_close_grads(got, want):
+    """float32: the same operations up to the order of the patch sums."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5,
+                                   atol=1e-6 * float(b.abs().max()))
+
+
 @pytest.mark.parametrize('act', sorted(ACTS))
 @pytest.mark.parametrize('kernel,stride,groups,bias', [
     (3, 1, 1, False), (1, 2, 1, True), (3, 2, 6, False)])
@@ -79,19 +104,7 @@ def test_fused_block_equals_its_three_modules(act, kernel, stride, groups,
     the same operations up to the order of the patch sums)."""
     block = _block(act, kernel, stride, groups, bias,
                    channels=(6, 6 if groups > 1 else 8))
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 6, 9, 11, generator=gen)
-    with torch.no_grad():
-        y = block(x.to(DEVICE))
-    g = torch.randn(y.shape, generator=gen)
-    want_out, want, ran_plain = _run(block, x, g, fused=False)
-    got_out, got, ran = _run(block, x, g, fused=True)
-    assert (ran_plain, ran) == (0, 1)
-    assert torch.equal(got_out, want_out)
-    assert torch.equal(got_out, y.cpu())  # the plain forward's numbers
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5,
-                                   atol=1e-6 * float(b.abs().max()))
+    _check_fused_against_modules(block, (2, 6, 9, 11), seed=1, fused=1)
 
 
 def test_non_affine_norm_and_channels_last():
@@ -105,9 +118,7 @@ def test_non_affine_norm_and_channels_last():
     want_out, want, _ = _run(block, x, g, fused=False)
     got_out, got, ran = _run(block, x, g, fused=True)
     assert ran == 1 and torch.equal(got_out, want_out)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5,
-                                   atol=1e-6 * float(b.abs().max()))
+    _assert_close_grads(got, want)
 
 
 def test_three_launches_backward():
@@ -187,16 +198,4 @@ def test_resnet_blocks_equal_their_modules(kind, stride, fused):
     (its first two): the output of mmseg's forward bit for bit, its
     gradients (the switch off: every module on its own)."""
     block = _resnet_block(kind, stride)
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 6, 9, 10, generator=gen)
-    with torch.no_grad():
-        y = block(x.to(DEVICE))
-    g = torch.randn(y.shape, generator=gen)
-    want_out, want, ran_plain = _run(block, x, g, fused=False)
-    got_out, got, ran = _run(block, x, g, fused=True)
-    assert (ran_plain, ran) == (0, fused)
-    assert torch.equal(got_out, want_out) and torch.equal(got_out, y.cpu())
-    assert len(got) == len(want) > 2
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5,
-                                   atol=1e-6 * float(b.abs().max()))
+    _check_fused_against_modules(block, (2, 6, 9, 10), seed=3, fused=fused)

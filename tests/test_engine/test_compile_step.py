@@ -112,15 +112,15 @@ def test_compiled_lean_step_equals_eager(models, backend):
     _assert_close_step(got, got_grads, want, want_grads, 1e-5, backend)
 
 
-def test_lean_segformer_traces_and_equals_eager():
-    """A tiny Segformer-B0 with every layer kind filtered (Linears and
-    attentions on token grids, patch-mean GELUs): no graph break of the
-    plugin's own, no more than the plain model's, eager's loss and
-    gradients under ``aot_eager``."""
+def _traced_tiny_family(name: str):
+    """A tiny zoo model of the transformer tests with every layer kind in
+    its last 20 filtered, lean: checks that it traces with no graph break
+    of the plugin's own and no more than the plain model's; returns it and
+    a batch."""
     from tests.test_engine.test_lean_transformer_families import (
         BATCH, SIZE, _model, tiny_cfg)
     from tests.helpers.lean_steps import plain_model
-    cfg = tiny_cfg('segformer_b0')
+    cfg = tiny_cfg(name)
     plain = plain_model(cfg)
     lean = _model(cfg, plain, 'gf', True, 20, layer_kinds=None)
     inputs, samples = random_batch(plain, (SIZE, SIZE), BATCH,
@@ -131,6 +131,15 @@ def test_lean_segformer_traces_and_equals_eager():
     got = torch._dynamo.explain(_training(lean).loss)(inputs, samples)
     assert not _own_breaks(got), _own_breaks(got)
     assert got.graph_break_count <= want.graph_break_count
+    return lean, inputs, samples
+
+
+def test_lean_segformer_traces_and_equals_eager():
+    """A tiny Segformer-B0 with every layer kind filtered (Linears and
+    attentions on token grids, patch-mean GELUs): no graph break of the
+    plugin's own, no more than the plain model's, eager's loss and
+    gradients under ``aot_eager``."""
+    lean, inputs, samples = _traced_tiny_family('segformer_b0')
     want, want_grads = _loss_and_grads(lean, lean.loss, inputs, samples)
     torch._dynamo.reset()
     got, got_grads = _loss_and_grads(
@@ -143,20 +152,7 @@ def test_lean_swin_traces_with_no_break_of_its_own():
     (window attention through SDPA, lean LayerNorms, filtered Linears): one
     graph where the plain model takes four (its window attention's
     accounting record reads no storage address while compiling)."""
-    from tests.test_engine.test_lean_transformer_families import (
-        BATCH, SIZE, _model, tiny_cfg)
-    from tests.helpers.lean_steps import plain_model
-    cfg = tiny_cfg('swin_t')
-    plain = plain_model(cfg)
-    lean = _model(cfg, plain, 'gf', True, 20, layer_kinds=None)
-    inputs, samples = random_batch(plain, (SIZE, SIZE), BATCH,
-                                   label_block=4)
-    torch._dynamo.reset()
-    want = torch._dynamo.explain(_training(plain).loss)(inputs, samples)
-    torch._dynamo.reset()
-    got = torch._dynamo.explain(_training(lean).loss)(inputs, samples)
-    assert not _own_breaks(got), _own_breaks(got)
-    assert got.graph_break_count <= want.graph_break_count
+    _traced_tiny_family('swin_t')
 
 
 @pytest.mark.parametrize('way', ['rewrite', 'hook'])
