@@ -226,7 +226,8 @@ def weight_grad(means: Tensor, pooled: Optional[Tensor],
         partial: the bias's partial sums ``N x Co x ph``, contiguous in the
             accumulation dtype; None unless ``need_b``.
         weight: ``Co x Ci x taps...`` (a conv's ``Co x Ci x kh x kw`` or a
-            Linear's ``Co x Ci``), contiguous.
+            Linear's ``Co x Ci``); its taps are read from a contiguous copy
+            where it is stored otherwise (a channels-last model's).
         need_w, need_b, need_taps: which outputs to write.
         grad_dtype: ``g_W``'s dtype (default: the weight's).
         depthwise: a depthwise layer (``groups == Co == Ci``, the weight
@@ -242,6 +243,8 @@ def weight_grad(means: Tensor, pooled: Optional[Tensor],
     acc = means.dtype
     co, ci = weight.shape[:2]
     taps = weight[0, 0].numel()
+    if need_taps and not weight.is_contiguous():
+        weight = weight.contiguous()  # the kernels step through its taps
     cells = means[0].numel()
     grad_w = (torch.empty_like(weight, dtype=grad_dtype,
                                memory_format=torch.contiguous_format)

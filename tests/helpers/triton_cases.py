@@ -299,6 +299,22 @@ def test_backward_launch_count(case):
         counted.by_op()
 
 
+@pytest.mark.parametrize('kind', ['dense', 'depthwise'])
+def test_channels_last_weight_gives_the_same_gradients(kind):
+    """A model moved to channels-last stores its 4-d weights so (taps not
+    adjacent): the fused kernels' tap sums and ``g_W`` are those of the
+    contiguous weight."""
+    x, w, b, padding, groups = _tensors(1, 3, kind, 2, torch.float64)
+    _, grad_out, want = _filtered(x, w, b, 1, padding, groups, 2,
+                                  _randn_like(6))
+    w_last = w.contiguous(memory_format=torch.channels_last)
+    assert not w_last.is_contiguous() or w.shape[1] == 1
+    _, _, got = _filtered(x, w_last, b, 1, padding, groups, 2,
+                          lambda out: grad_out)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize('kind', sorted(CHANNELS))
 def test_channels_last_input_takes_the_triton_path(kind):
     """A channels-last input and ``g_y`` take the Triton path (read in
