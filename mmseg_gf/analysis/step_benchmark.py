@@ -299,9 +299,9 @@ def benchmark_model(model_name: str,
         measured.append(result)
     _add_ratios(measured)
     label = label or model_name
-    if compile_mode is not None and not any(modes[i] is None and
-                                            built[i].lean is not None
-                                            for i in range(len(built))):
+    if compile_mode is not None and all(
+            mode is not None for mode, row in zip(modes, built)
+            if row.lean is not None):  # every training row compiled
         label = f'{label}, compiled ({compile_mode})'
     return dict(model=model_name, label=label,
                 crop=list(crop), batch=int(batch),

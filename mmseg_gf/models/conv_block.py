@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import switches, triton_conv_block
-from ..ops.patch_grid import as_pair, conv_geometry
+from ..ops.patch_grid import as_pair, collapsed_patches
 from .gf_conv import GFConv2d, exact_backward_reason
 
 try:
@@ -74,7 +74,10 @@ def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
             and x.dim() == 4 and x.numel() > 0
             and not torch.compiler.is_compiling()):
         return None
-    if (not isinstance(conv, GFConv2d) or any(map(_hooked, (conv, bn, act)))
+    # the device first: on CPU tensors a block call stops here
+    if (not isinstance(conv, GFConv2d)
+            or not triton_conv_block.usable(x, conv.weight, conv.bias)
+            or any(map(_hooked, (conv, bn, act)))
             or conv.padding_mode != 'zeros' or isinstance(conv.padding, str)
             or not conv._filter_active(x, conv.weight, conv.bias)
             or exact_backward_reason(x, conv.weight) is not None):
@@ -82,20 +85,18 @@ def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
     # what the lean norm and activation say of themselves (models.lean)
     factor = getattr(bn, 'frozen_factor', lambda: None)()
     mask = getattr(act, 'mask_arguments', lambda: None)()
-    if (factor is None or mask is None
-            or not triton_conv_block.usable(x, conv.weight, conv.bias)):
+    if factor is None or mask is None:
         return None
     stride, padding = as_pair(conv.stride), as_pair(conv.padding)
     dilation = as_pair(conv.dilation)
-    geo_h, geo_w = conv_geometry(x, conv.weight, stride, padding, dilation,
-                                 conv.radius)
-    if not (geo_h.collapsed and geo_w.collapsed):
+    patches = collapsed_patches(x, conv.weight, stride, padding, dilation,
+                                conv.radius)
+    if patches is None:
         return None
     # the norm module is called inside the node's forward, where autograd
     # records nothing: its plain forward runs
     return (conv.weight, conv.bias, stride, padding, dilation, conv.groups,
-            conv.radius, geo_h.input_patches, geo_w.input_patches, bn,
-            *factor, mask)
+            conv.radius, *patches, bn, *factor, mask)
 
 
 def _fused(parts: Tuple, x: Tensor) -> Tensor:

@@ -72,7 +72,7 @@ from ..ops.patching import is_swapped, plain_class, swap_class, unswap_class
 from ..ops.resize import strided_gradient_resizes
 from ..ops.triton_norm import FrozenBatchNormFunction
 from ..ops.resized_loss import LabelRangeError
-from .conv_block import LeanConvBlock, conv_block_mixin
+from .conv_block import conv_block_mixin
 from .gf_conv import with_mmcv_wrapper
 from .layer_kinds import traced_kind_of
 from .lean_transformer import (KIND_MIXINS, TRANSFORMER_KINDS,
@@ -389,7 +389,6 @@ class _LeanFrozenLinear:
 
 
 _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,
-           'conv_block': LeanConvBlock,
            'dropout': _LeanDropout, 'pool': _LeanAdaptiveAvgPool,
            'loss': _LeanLossHead, 'frozen_conv': _LeanFrozenConv,
            'frozen_linear': _LeanFrozenLinear, **KIND_MIXINS}

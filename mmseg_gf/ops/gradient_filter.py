@@ -33,8 +33,8 @@ from . import native, triton_path
 # The patch grid's helpers (shared with other filtered layer kinds) live in
 # .patch_grid; importable from here as well.
 from .patch_grid import (AxisGeometry, IntPair, as_pair,  # noqa: F401
-                         autocast_off,
-                         check_radius, conv_geometry, filter_output_grad,
+                         autocast_off, check_radius, collapsed_patches,
+                         conv_geometry, filter_output_grad,
                          pool_input_patches, resolve_padding,
                          spread_to_input)
 
@@ -350,14 +350,11 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         fused = native
     else:
         fused = None
-    if fused is not None:
-        geo_h, geo_w = conv_geometry(x, weight, stride, padding, dilation,
-                                     radius)
-        if geo_h.collapsed and geo_w.collapsed:
-            return fused.filtered_conv2d(x, weight, bias, stride, padding,
-                                         dilation, groups, radius,
-                                         geo_h.input_patches,
-                                         geo_w.input_patches)
+    patches = None if fused is None else collapsed_patches(
+        x, weight, stride, padding, dilation, radius)
+    if patches is not None:
+        return fused.filtered_conv2d(x, weight, bias, stride, padding,
+                                     dilation, groups, radius, *patches)
     return GradientFilterConv2dFunction.apply(x, weight, bias, stride,
                                               padding, dilation, groups,
                                               radius)

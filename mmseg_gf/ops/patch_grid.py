@@ -240,6 +240,21 @@ def conv_geometry(x: Tensor, weight: Tensor, stride: Tuple[int, int],
     return geometry[0], geometry[1]
 
 
+def collapsed_patches(x: Tensor, weight: Tensor, stride: Tuple[int, int],
+                      padding: Tuple[int, int], dilation: Tuple[int, int],
+                      radius: int
+                      ) -> Optional[Tuple[Tuple[int, int, int],
+                                          Tuple[int, int, int]]]:
+    """The input patches ``Q(P)`` along H and W of a conv whose kernel
+    collapses on both axes (every tap within one patch: what the fused
+    backward routes take), None for one whose taps reach other patches."""
+    geo_h, geo_w = conv_geometry(x, weight, stride, padding, dilation,
+                                 radius)
+    if not (geo_h.collapsed and geo_w.collapsed):
+        return None
+    return geo_h.input_patches, geo_w.input_patches
+
+
 def resolve_padding(padding: Union[str, IntPair], kernel_size: Sequence[int],
                     dilation: Sequence[int]) -> Tuple[Tuple[int, int],
                                                       Optional[List[int]]]:

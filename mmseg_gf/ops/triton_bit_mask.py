@@ -23,8 +23,8 @@ from torch import Tensor
 from . import triton_path
 from .triton_path import _is_fake, _on_device
 
-__all__ = ['usable', 'pack', 'apply', 'activate_and_pack', 'FORMULAS',
-           'apply_per_sample']
+__all__ = ['usable', 'takes_dtype', 'pack', 'apply', 'activate_and_pack',
+           'FORMULAS', 'apply_per_sample']
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -34,10 +34,15 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FORMULAS = ('clamp', 'scale')
 
 
+def takes_dtype(dtype: torch.dtype) -> bool:
+    """Whether the kernels take tensors of ``dtype``."""
+    return dtype in _DTYPES
+
+
 def usable(t: Tensor) -> bool:
     """Whether ``t`` (the mask's tensor in its memory order) takes the
     Triton path."""
-    return (triton_path.takes_device(t) and t.dtype in _DTYPES
+    return (triton_path.takes_device(t) and takes_dtype(t.dtype)
             and t.numel() > 0 and t.is_contiguous()
             and not torch.compiler.is_compiling() and not _is_fake(t))
 

@@ -51,18 +51,17 @@ def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     conv's Triton path takes it (:func:`triton_path.usable`), and the
     norm's and the activation's Triton paths take tensors of its dtype and
     device (the caller checks the conv's geometry and the modules)."""
-    return (triton_path.usable(x, weight, bias)
-            and triton_norm.usable(x) and triton_bit_mask.usable(
-                x.new_empty((1, ))))
+    return (triton_path.usable(x, weight, bias) and triton_norm.usable(x)
+            and triton_bit_mask.takes_dtype(x.dtype))
 
 
 def _bit_strides(out: Tensor) -> Tuple[int, int, int, int]:
     """Strides (N, C, H, W) of element indices in the mask, which
     :func:`bit_mask.pack` writes in ``out``'s memory order."""
+    n, c, h, w = out.shape
     if bit_mask.layout_of(out) is torch.channels_last:
-        n, c, h, w = out.shape
         return h * w * c, 1, w * c, c
-    return tuple(out.contiguous().stride())
+    return c * h * w, h * w, w, 1
 
 
 class FilteredConvBlockFunction(Function):

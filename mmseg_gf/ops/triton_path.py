@@ -25,9 +25,8 @@ offers no launch from C++.
 
 A dense or depthwise conv's backward launches three kernels (two when the
 input needs no gradient), whatever its kernel size and bias; another
-grouped one the two
-passes, the two GEMMs, the bias's and the taps' sums and the copy of
-``g_W`` into every tap (``tests/helpers/triton_cases.py::
+grouped one the two passes, the two GEMMs, the bias's and the taps' sums
+and the copy of ``g_W`` into every tap (``tests/helpers/triton_cases.py::
 test_backward_launch_count`` holds the counts).
 
 Without triton (:data:`MIN_TRITON` or newer) installed, with
@@ -279,19 +278,17 @@ def collapsed_backward_from(grad: Tensor, prologue,
                             need_weight: bool, need_bias: bool
                             ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`_collapsed_backward` of the conv whose output gradient is
-    ``grad`` or, with a ``prologue``
-    (:class:`GradPrologue`), what the backward of a frozen
-    norm and a bit-masked activation after it make of ``grad``: the pass
-    over ``grad`` takes their backward as it reads it. Dense and depthwise
-    convs take :func:`_fused_backward` (:func:`fused_products`)."""
+    ``grad`` or, with a ``prologue`` (:class:`GradPrologue`), what the
+    backward of a frozen norm and a bit-masked activation after it make of
+    ``grad``: the pass over ``grad`` takes their backward as it reads it.
+    Dense and depthwise convs take :func:`_fused_backward`
+    (:func:`fused_products`)."""
     global _calls
     _calls += 1
     kernels = _kernels()
     acc = torch.promote_types(weight.dtype, torch.float32)
     co, ci_g = weight.shape[:2]
     co_g = co // groups
-    # Three distinct tensors: op outputs must not alias each other.
-    grad_x, grad_w, grad_b = (_empty(grad) for _ in range(3))
     with _on_device(grad), _no_autocast(grad):
         means, partial = kernels.output_grad_means(grad, radius, scale, acc,
                                                    prologue)
@@ -300,6 +297,8 @@ def collapsed_backward_from(grad: Tensor, prologue,
                                    grad, input_height, input_width, rows,
                                    cols, input_dtype, need_input,
                                    need_weight, need_bias, groups)
+        # Three distinct tensors: op outputs must not alias each other.
+        grad_x, grad_w, grad_b = (_empty(grad) for _ in range(3))
         if need_bias:
             grad_b = partial.sum(dim=(0, 2))
         cells = means[0].numel()  # N x ph x pw: the GEMMs' long axis
@@ -344,9 +343,8 @@ def _fused_backward(means: Tensor, partial: Tensor,
                     need_weight: bool, need_bias: bool, groups: int
                     ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`_collapsed_backward` of a dense or depthwise conv after the
-    pass over
-    ``g_y``: one launch for ``g_W`` (every tap), ``g_b`` and, for a
-    ``k x k`` kernel whose input needs a gradient, ``W~``; one for
+    pass over ``g_y``: one launch for ``g_W`` (every tap), ``g_b`` and, for
+    a ``k x k`` kernel whose input needs a gradient, ``W~``; one for
     ``g_x`` (:mod:`.triton_products`)."""
     products = _products()
     co, ci = weight.shape[:2]

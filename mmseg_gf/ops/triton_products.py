@@ -236,9 +236,8 @@ def weight_grad(means: Tensor, pooled: Optional[Tensor],
     Returns:
         ``(g_W, g_b, W~)``: ``g_W`` in the weight's shape and
         ``grad_dtype`` (every tap the same), ``g_b`` (``Co``) and ``W~``
-        (``Co x Ci``) in the
-        accumulation dtype; empty tensors for ``g_W`` / ``g_b`` and None
-        for ``W~`` where not asked for.
+        (``Co x Ci``) in the accumulation dtype; empty tensors for ``g_W``
+        / ``g_b`` and None for ``W~`` where not asked for.
     """
     acc = means.dtype
     co, ci = weight.shape[:2]
