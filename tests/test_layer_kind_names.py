@@ -5,8 +5,8 @@ kind's plain, filtered or family type in their code (an ``isinstance``, a
 table of types, a constructor, an ``is`` test; a type annotation may name
 one) and no ``'conv2d'`` literal (the conv kind is ``CONV2D.name``). The
 same holds for the modules below them that ask what a layer is: the lean
-region (:mod:`mmseg_gf.models.lean`, ``lean_head``, ``lean_transformer``)
-and the gradient-quality measures (:mod:`mmseg_gf.ops.quality`, whose
+region (:mod:`mmseg_gf.models.lean`, ``lean_head``, ``lean_transformer``,
+``conv_block``) and the gradient-quality measures (:mod:`mmseg_gf.ops.quality`, whose
 DC-energy ratio takes the kernels the kinds give). The kinds' own files
 (``layer_kinds``, ``linear_kinds``, their filtered modules) may.
 """
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The packages and modules that must go through the kinds.
 SCANNED = ('mmseg_gf/engine', 'mmseg_gf/accounting', 'mmseg_gf/analysis',
            'mmseg_gf/protocol', 'tools', 'mmseg_gf/models/lean.py',
-           'mmseg_gf/models/lean_head.py',
+           'mmseg_gf/models/lean_head.py', 'mmseg_gf/models/conv_block.py',
            'mmseg_gf/models/lean_transformer.py', 'mmseg_gf/ops/quality.py')
 #: The kinds' plain, filtered and family types.
 TYPE_NAMES = {'Conv2d', 'GFConv2d', '_ConvNd', 'Linear', 'GFLinear',

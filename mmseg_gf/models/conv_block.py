@@ -32,8 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import switches, triton_conv_block
-from ..ops.patch_grid import as_pair, collapsed_patches
-from .gf_conv import GFConv2d, exact_backward_reason
+from .layer_kinds import CONV2D
 
 try:
     from mmcv.cnn import ConvModule
@@ -71,32 +70,22 @@ def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
     act``, None where the three modules run (see the module docstring)."""
     if not (switches.value('MMSEG_GF_CONV_BLOCKS')
             and torch.is_grad_enabled() and x.requires_grad
-            and x.dim() == 4 and x.numel() > 0
             and not torch.compiler.is_compiling()):
         return None
     # the device first: on CPU tensors a block call stops here
-    if (not isinstance(conv, GFConv2d)
+    if (not CONV2D.is_filtered(conv)
             or not triton_conv_block.usable(x, conv.weight, conv.bias)
-            or any(map(_hooked, (conv, bn, act)))
-            or conv.padding_mode != 'zeros' or isinstance(conv.padding, str)
-            or not conv._filter_active(x, conv.weight, conv.bias)
-            or exact_backward_reason(x, conv.weight) is not None):
+            or any(map(_hooked, (conv, bn, act)))):
         return None
+    call = conv.collapsed_call(x)
     # what the lean norm and activation say of themselves (models.lean)
     factor = getattr(bn, 'frozen_factor', lambda: None)()
     mask = getattr(act, 'mask_arguments', lambda: None)()
-    if factor is None or mask is None:
-        return None
-    stride, padding = as_pair(conv.stride), as_pair(conv.padding)
-    dilation = as_pair(conv.dilation)
-    patches = collapsed_patches(x, conv.weight, stride, padding, dilation,
-                                conv.radius)
-    if patches is None:
+    if call is None or factor is None or mask is None:
         return None
     # the norm module is called inside the node's forward, where autograd
     # records nothing: its plain forward runs
-    return (conv.weight, conv.bias, stride, padding, dilation, conv.groups,
-            conv.radius, *patches, bn, *factor, mask)
+    return (*call, bn, *factor, mask)
 
 
 def _fused(parts: Tuple, x: Tensor) -> Tensor:

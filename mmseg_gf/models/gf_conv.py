@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
-from ..ops.gradient_filter import (conv_geometry, filtered_conv,
-                                   resolve_padding)
+from ..ops.gradient_filter import (as_pair, collapsed_patches, conv_geometry,
+                                   filtered_conv, resolve_padding)
 from ..ops.patch_mean_activation import PatchPartition, tag_output
 from ..ops.patching import plain_class
 from .filtered_layer import FilteredLayer
@@ -163,6 +163,28 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
         # patch means on these patches; ops.patch_mean_activation)
         return tag_output(out, PatchPartition.conv_map(self.radius,
                                                        *out.shape[-2:]))
+
+    def collapsed_call(self, input: Tensor) -> Optional[tuple]:
+        """``(weight, bias, stride, padding, dilation, groups, radius, rows,
+        cols)`` of a call on ``input`` that runs filtered with a kernel
+        collapsing on both axes (``rows`` / ``cols``: its input patches),
+        as the fused routes take it; None for any other call (not
+        filtering, other padding, the exact backward's cases, taps in other
+        patches)."""
+        if (input.dim() != 4 or input.numel() == 0
+                or self.padding_mode != 'zeros'
+                or isinstance(self.padding, str)
+                or not self._filter_active(input, self.weight, self.bias)
+                or exact_backward_reason(input, self.weight) is not None):
+            return None
+        stride, padding = as_pair(self.stride), as_pair(self.padding)
+        dilation = as_pair(self.dilation)
+        patches = collapsed_patches(input, self.weight, stride, padding,
+                                    dilation, self.radius)
+        if patches is None:
+            return None
+        return (self.weight, self.bias, stride, padding, dilation,
+                self.groups, self.radius, *patches)
 
     def output_partition(self, input: Tensor,
                          output: Tensor) -> Optional[PatchPartition]:
