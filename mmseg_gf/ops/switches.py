@@ -92,9 +92,10 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            'path).', on_unless_zero,
            setter='mmseg_gf.ops.triton_path.set_enabled'),
     Switch('MMSEG_GF_FUSED_PRODUCTS', True, bool,
-           "A dense filtered layer's patch-grid products on the Triton path "
-           'as two fused kernels (`0`: batched GEMMs, a tap sum and a '
-           'spread; ops/triton_products.py says why).', on_unless_zero),
+           "A dense or depthwise filtered layer's patch-grid products on "
+           'the Triton path as one fused launch (`0`: batched GEMMs, a tap '
+           'sum and a spread; ops/triton_products.py says why).',
+           on_unless_zero),
     Switch('MMSEG_GF_CONV_BLOCKS', True, bool,
            "mmcv ConvModules of a filtered conv, a frozen batch norm and a "
            'bit-masked activation as one node on the Triton path (`0`: '

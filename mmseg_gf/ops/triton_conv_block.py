@@ -9,9 +9,9 @@ its patch means. :class:`FilteredConvBlockFunction` runs the same forward
 (cuDNN's conv, the conv input's patch sums, the norm's own forward, the
 activation with its mask in one Triton pass) and a backward in which the
 conv's pass over the gradient applies the mask and the norm's factor as it
-loads each element (:class:`~.triton_path.GradPrologue`): three launches
-for a dense or depthwise conv (that pass, the weight side, ``g_x``) where
-the three nodes take five.
+loads each element (:class:`~.triton_path.GradPrologue`): two launches
+for a dense or depthwise conv (that pass, then both products,
+:mod:`.triton_products`) where the three nodes take four.
 
 Exact: the same forward numbers as the three modules (it calls the norm's
 forward and the activation's Triton pass), and the gradients the three

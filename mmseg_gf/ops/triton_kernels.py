@@ -11,13 +11,16 @@ full-size memory in exactly two places, and these kernels are those places:
   :mod:`.triton_conv_block`) it reads their output's gradient and takes
   ``g_y`` as it loads it: the activation's mask, then the norm's
   per-channel factor (:class:`~.triton_path.GradPrologue`), where their
-  own backward
-  would each write ``g_y``'s size and read it back;
+  own backward would each write ``g_y``'s size and read it back. Further
+  programs of the same launch may sum a conv kernel over its taps (``W~``,
+  which the input gradient's product needs next);
 * ``_spread`` writes ``g_x`` once, every pixel from the patch-grid value of
   its patch (zero outside every patch).
 
 Everything between them (the two channel-mixing products) lives on the
-``1/r^2``-sized patch grid and runs as cuBLAS GEMMs (``triton_path``).
+``1/r^2``-sized patch grid: one launch of :mod:`.triton_products` for dense
+and depthwise layers (which writes ``g_x`` itself, no ``_spread``), cuBLAS
+GEMMs for other grouped convs (``triton_path``).
 
 The grids are laid out channel-major (``C x N x ph x pw``): the weight
 gradient then reduces over batch and patches as one contiguous axis, one
@@ -45,7 +48,8 @@ _SPREAD_TILE = 1024
 
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
-KERNEL_OUTPUTS = {'_patch_reduce': ('dst', 'partial'), '_spread': ('out', )}
+KERNEL_OUTPUTS = {'_patch_reduce': ('dst', 'partial', 'tap_sums'),
+                  '_spread': ('out', )}
 
 
 @triton.jit
@@ -54,25 +58,71 @@ def _patch_reduce(src, dst, partial, channels, height, width,
                   row_start, row_size, row_count,
                   col_start, col_size, col_count, scale,
                   bits, b_n, b_c, b_h, b_w, off_scale, var, norm_w, eps,
+                  weight, tap_sums, pairs, taps, reduce_programs,
                   MEAN: tl.constexpr, PARTIAL: tl.constexpr,
                   ACC: tl.constexpr, ROW_SIZE: tl.constexpr,
                   COL_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
                   CHANNELS_FAST: tl.constexpr, MASKED: tl.constexpr,
-                  NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr):
-    """One program per (image, channel, patch row): sums (or means) of the
-    patches of that row, ``BLOCK_P`` patches per ``ROW_SIZE x BLOCK_P x
-    COL_SIZE`` tile (sizes padded to powers of two, the padding masked).
-    Each map row of the tile is one contiguous run of an NCHW map; pixels
-    outside the map count as 0. ``CHANNELS_FAST`` (a channels-last map,
-    whose rows are strided by the channel count) numbers the programs
-    channel first, so that programs running side by side read the
-    neighbouring channels of the same pixels. ``MASKED``: each element
-    passes where its bit in ``bits`` is set (element ``i`` at the
-    strides ``b_*`` in bit ``i % 8`` of byte ``i // 8``), times
-    ``off_scale`` elsewhere; ``NORM``: then times ``rsqrt(var_c + eps) *
+                  NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+                  TAPS: tl.constexpr):
+    """:func:`_reduce_patch_row` in the first ``reduce_programs`` programs;
+    with ``TAPS``, the programs after them sum a conv kernel's taps
+    (:func:`_sum_taps`): independent work that the backward needs next,
+    in the same launch."""
+    pid = tl.program_id(0).to(tl.int64)  # int64: offsets of large maps
+    if pid < reduce_programs:
+        _reduce_patch_row(
+            pid, src, dst, partial, channels, height, width,
+            s_n, s_c, s_h, s_w, d_n, d_c, d_h, d_w, row_start, row_size,
+            row_count, col_start, col_size, col_count, scale, bits, b_n, b_c,
+            b_h, b_w, off_scale, var, norm_w, eps, MEAN, PARTIAL, ACC,
+            ROW_SIZE, COL_SIZE, BLOCK_P, CHANNELS_FAST, MASKED, NORM,
+            NORM_WEIGHT)
+    else:
+        if TAPS:
+            _sum_taps(pid - reduce_programs, weight, tap_sums, pairs, taps,
+                      ACC)
+
+
+#: Kernel entries (``W~`` elements) per tap-summing program.
+_TAP_BLOCK = tl.constexpr(256)
+
+
+@triton.jit
+def _sum_taps(q, weight, tap_sums, pairs, taps, ACC: tl.constexpr):
+    """``W~``: block ``q`` of the ``pairs`` (``Co x Ci/groups``) entries of
+    a contiguous kernel, each the sum of its ``taps`` in ``ACC``."""
+    j = q * _TAP_BLOCK + tl.arange(0, _TAP_BLOCK)
+    ok = j < pairs
+    total = tl.zeros([_TAP_BLOCK], ACC)
+    for t in range(taps):
+        total += tl.load(weight + j * taps + t, mask=ok, other=0.).to(ACC)
+    tl.store(tap_sums + j, total, mask=ok)
+
+
+@triton.jit
+def _reduce_patch_row(pid, src, dst, partial, channels, height, width,
+                      s_n, s_c, s_h, s_w, d_n, d_c, d_h, d_w,
+                      row_start, row_size, row_count,
+                      col_start, col_size, col_count, scale,
+                      bits, b_n, b_c, b_h, b_w, off_scale, var, norm_w, eps,
+                      MEAN: tl.constexpr, PARTIAL: tl.constexpr,
+                      ACC: tl.constexpr, ROW_SIZE: tl.constexpr,
+                      COL_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+                      CHANNELS_FAST: tl.constexpr, MASKED: tl.constexpr,
+                      NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr):
+    """Program ``pid`` of one per (image, channel, patch row): sums (or means)
+    of the patches of that row, ``BLOCK_P`` patches per ``ROW_SIZE x BLOCK_P x
+    COL_SIZE`` tile (sizes padded to powers of two, the padding masked). Each
+    map row of the tile is one contiguous run of an NCHW map; pixels outside
+    the map count as 0. ``CHANNELS_FAST`` (a channels-last map, whose rows are
+    strided by the channel count) numbers the programs channel first, so that
+    programs running side by side read the neighbouring channels of the same
+    pixels. ``MASKED``: each element passes where its bit in ``bits`` is set
+    (element ``i`` at the strides ``b_*`` in bit ``i % 8`` of byte ``i // 8``),
+    times ``off_scale`` elsewhere; ``NORM``: then times ``rsqrt(var_c + eps) *
     norm_w_c`` (the factor in float32, as the norm's own backward has it;
     :class:`~.triton_path.GradPrologue`)."""
-    pid = tl.program_id(0).to(tl.int64)  # int64: offsets of large maps
     if CHANNELS_FAST:
         c = pid % channels
         a = (pid // channels) % row_count
@@ -194,7 +244,7 @@ def radius_patches(size: int, radius: int) -> Patches:
 
 def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
             rows: Patches, cols: Patches, scale: float, mean: bool,
-            acc: torch.dtype, prologue=None):
+            acc: torch.dtype, prologue=None, taps=None):
     n, c, height, width = src.shape
     channels_fast = c > 1 and src.stride(1) == 1  # channels-last
     p = prologue
@@ -202,13 +252,22 @@ def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
              if p is None else
              (p.bits, *p.bit_strides, float(p.off_scale), p.running_var,
               p.running_var if p.weight is None else p.weight, float(p.eps)))
-    _patch_reduce[(n * c * rows[2], )](
+    programs = n * c * rows[2]
+    if taps is None:
+        tap_args, tap_programs = (src, dst_nchw, 0, 0), 0
+    else:
+        weight, tap_sums = taps
+        pairs = tap_sums.numel()
+        tap_args = (weight, tap_sums, pairs, weight.numel() // pairs)
+        tap_programs = triton.cdiv(pairs, _TAP_BLOCK.value)
+    _patch_reduce[(programs + tap_programs, )](
         src, dst_nchw, dst_nchw if partial is None else partial, c, height,
         width, *src.stride(), *dst_nchw.stride(), *rows, *cols, scale,
-        *extra, MEAN=mean, PARTIAL=partial is not None, ACC=_acc(acc),
-        MASKED=p is not None, NORM=p is not None,
+        *extra, *tap_args, programs, MEAN=mean, PARTIAL=partial is not None,
+        ACC=_acc(acc), MASKED=p is not None, NORM=p is not None,
         NORM_WEIGHT=p is not None and p.weight is not None,
-        **reduce_meta(rows, cols, channels_fast), **LAUNCH_OPTIONS)
+        TAPS=taps is not None, **reduce_meta(rows, cols, channels_fast),
+        **LAUNCH_OPTIONS)
 
 
 def patch_sums(x: Tensor, rows: Patches, cols: Patches) -> Tensor:
@@ -222,15 +281,20 @@ def patch_sums(x: Tensor, rows: Patches, cols: Patches) -> Tensor:
 
 
 def output_grad_means(grad_output: Tensor, radius: int, scale: float,
-                      acc: torch.dtype,
-                      prologue=None) -> Tuple[Tensor, Tensor]:
+                      acc: torch.dtype, prologue=None,
+                      taps: Optional[Tuple[Tensor, Tensor]] = None
+                      ) -> Tuple[Tensor, Tensor]:
     """One read of ``g_y``: ``(scale * patch means as a Co x N x ph x pw
     tensor, partial sums N x Co x ph)``, both in ``acc``; the partial sums
     add up to the exact bias gradient (``sum over dims 0 and 2``) in a fixed
     order, so the result is deterministic. With a ``prologue``
     (:class:`~.triton_path.GradPrologue`),
     ``grad_output`` is the gradient of a norm and activation after the
-    conv, and ``g_y`` is what their backward would make of it."""
+    conv, and ``g_y`` is what their backward would make of it. With
+    ``taps = (weight, tap_sums)`` the same launch writes ``W~``, the
+    contiguous ``weight`` (``Co x Ci/groups x kh x kw``) summed over its
+    taps, into ``tap_sums`` (``Co x Ci/groups``, ``acc``), for the input
+    gradient's product."""
     n, c, height, width = grad_output.shape
     rows, cols = radius_patches(height, radius), radius_patches(width, radius)
     means = grad_output.new_empty((c, n, rows[2], cols[2]), dtype=acc)
@@ -239,7 +303,7 @@ def output_grad_means(grad_output: Tensor, radius: int, scale: float,
     # float64 reduction is scaled afterwards, in float64.
     late = acc == torch.float64 and scale != 1.0
     _reduce(grad_output, means.permute(1, 0, 2, 3), partial, rows, cols,
-            1.0 if late else scale, True, acc, prologue)
+            1.0 if late else scale, True, acc, prologue, taps)
     if late:
         means.mul_(scale)
     return means, partial

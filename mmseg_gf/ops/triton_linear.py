@@ -13,8 +13,8 @@ slower than its pooling.)
 * backward (:func:`filtered_backward`): one Triton pass over ``g_y`` (patch
   means, partial border patches over the tokens they have, and the bias
   gradient's partial sums), then the two channel-mixing products on the
-  ``L * ph * pw`` patch rows as :mod:`.triton_products`' two kernels (one
-  for ``g_W`` and ``g_b``, one for ``g_x``'s grid tokens, written from its
+  ``L * ph * pw`` patch rows in one launch of :mod:`.triton_products`
+  (``g_W`` and ``g_b``; ``g_x``'s grid tokens, written from its
   registers), or with ``MMSEG_GF_FUSED_PRODUCTS=0`` as GEMMs, the bias's
   sum and a Triton pass writing ``g_x``.
 
@@ -115,14 +115,9 @@ def _fused(means: Tensor, partial: Tensor, x_sums: Optional[Tensor],
            ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """:func:`filtered_backward` after the pass over ``g_y``, as the two
     kernels of :mod:`.triton_products`."""
-    products = _products()
-    grad_w = grad_b = None
-    if need_w or need_b:
-        sums = x_sums.reshape(-1, x_sums.shape[-1]).t() if need_w else None
-        grad_w, grad_b, _ = products.weight_grad(
-            means, sums, partial, weight, need_w, need_b, False,
-            grad_dtype=means.dtype)
-    if out_rows is not None:
-        products.input_grad(means, weight, out_rows.permute(0, 3, 1, 2),
-                            rows, cols)
+    sums = x_sums.reshape(-1, x_sums.shape[-1]).t() if need_w else None
+    out = None if out_rows is None else out_rows.permute(0, 3, 1, 2)
+    grad_w, grad_b = _products().products(
+        means, sums, partial, weight, weight, out, rows, cols, need_w,
+        need_b, grad_dtype=means.dtype)
     return (grad_w if need_w else None), (grad_b if need_b else None)

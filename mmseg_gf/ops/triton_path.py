@@ -289,13 +289,22 @@ def collapsed_backward_from(grad: Tensor, prologue,
     acc = torch.promote_types(weight.dtype, torch.float32)
     co, ci_g = weight.shape[:2]
     co_g = co // groups
+    fused = fused_products(groups, weight.shape)
     with _on_device(grad), _no_autocast(grad):
+        # W~ of a k x k kernel, for the fused input product: summed in the
+        # pass over g_y's launch (a 1 x 1 kernel is its own W~)
+        taps = None
+        if fused and need_input and weight[0, 0].numel() > 1:
+            taps = (weight.contiguous(),
+                    grad.new_empty((co, ci_g), dtype=acc))
         means, partial = kernels.output_grad_means(grad, radius, scale, acc,
-                                                   prologue)
-        if fused_products(groups, weight.shape):
+                                                   prologue, taps)
+        if fused:
+            kernel = (taps[1] if taps is not None else
+                      weight.reshape(co, ci_g) if need_input else None)
             return _fused_backward(means, partial, input_pooled, weight,
-                                   grad, input_height, input_width, rows,
-                                   cols, input_dtype, need_input,
+                                   kernel, grad, input_height, input_width,
+                                   rows, cols, input_dtype, need_input,
                                    need_weight, need_bias, groups)
         # Three distinct tensors: op outputs must not alias each other.
         grad_x, grad_w, grad_b = (_empty(grad) for _ in range(3))
@@ -337,41 +346,33 @@ def collapsed_backward_from(grad: Tensor, prologue,
 
 def _fused_backward(means: Tensor, partial: Tensor,
                     input_pooled: Optional[Tensor], weight: Tensor,
-                    grad_output: Tensor, input_height: int, input_width: int,
-                    rows: List[int], cols: List[int],
+                    tap_sums: Optional[Tensor], grad_output: Tensor,
+                    input_height: int, input_width: int, rows: List[int],
+                    cols: List[int],
                     input_dtype: torch.dtype, need_input: bool,
                     need_weight: bool, need_bias: bool, groups: int
                     ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`_collapsed_backward` of a dense or depthwise conv after the
-    pass over ``g_y``: one launch for ``g_W`` (every tap), ``g_b`` and, for
-    a ``k x k`` kernel whose input needs a gradient, ``W~``; one for
-    ``g_x`` (:mod:`.triton_products`)."""
+    pass over ``g_y`` (which also summed the taps into ``tap_sums``,
+    ``W~``): ``g_W`` (every tap), ``g_b`` and ``g_x`` in one launch
+    (:mod:`.triton_products`)."""
     products = _products()
-    co, ci = weight.shape[:2]
-    depthwise = groups > 1
-    taps = need_input and weight[0, 0].numel() > 1
-    grad_x = grad_w = grad_b = None
-    # a 1 x 1 kernel is its own W~
-    tap_sums = weight.reshape(co, ci) if need_input and not taps else None
-    if need_weight or need_bias or taps:
-        pooled = (input_pooled.reshape(input_pooled.shape[0], -1)
-                  if need_weight else None)
-        grad_w, grad_b, summed = products.weight_grad(
-            means, pooled, partial, weight, need_weight, need_bias, taps,
-            depthwise=depthwise)
-        tap_sums = summed if taps else tap_sums
+    out = None
     if need_input:
         rows, cols = tuple(rows), tuple(cols)
-        out = _input_grad_buffer(grad_output, groups * ci, input_height,
-                                 input_width, input_dtype)
+        out = _input_grad_buffer(grad_output, groups * weight.shape[1],
+                                 input_height, input_width, input_dtype)
         if not (products.covers(rows, input_height)
                 and products.covers(cols, input_width)):
             out.zero_()
-        grad_x = products.input_grad(means, tap_sums, out, rows, cols,
-                                     depthwise=depthwise)
+    pooled = (input_pooled.reshape(input_pooled.shape[0], -1)
+              if need_weight else None)
+    grad_w, grad_b = products.products(
+        means, pooled, partial, weight, tap_sums, out, rows, cols,
+        need_weight, need_bias, depthwise=groups > 1)
     # Three distinct tensors: op outputs must not alias each other.
     return tuple(_empty(grad_output) if g is None or g.numel() == 0 else g
-                 for g in (grad_x, grad_w, grad_b))
+                 for g in (out, grad_w, grad_b))
 
 
 collapsed_backward = torch.library.custom_op(

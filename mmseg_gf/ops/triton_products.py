@@ -1,24 +1,28 @@
-"""Triton kernels of the GPU path: the patch grid's two products, each one
-launch with what surrounds it.
+"""Triton kernel of the GPU path: the patch grid's two products in one
+launch, with what surrounds them.
 
 After :func:`~.triton_kernels.output_grad_means` has read ``g_y`` once
-(``g~``, the scaled patch means, ``Co x N x ph x pw``, and the bias's
-partial sums), a filtered conv or Linear needs two products on the
-``1/r^2``-sized patch grid (docs/gradient_filter.md#backward):
+(``g~``, the scaled patch means, ``Co x N x ph x pw``, the bias's partial
+sums and, in the same launch, the kernel's tap sums ``W~``), a filtered
+conv or Linear needs two products on the ``1/r^2``-sized patch grid
+(docs/gradient_filter.md#backward). They depend on nothing the other
+writes, so :func:`products` runs both in one launch, its programs split
+between them:
 
-* :func:`weight_grad`, ``g_W~ = g~ x~^T`` (``x~``: the forward's patch sums
-  of ``x``), written to every tap of the weight's gradient in its own
-  shape and dtype, the bias gradient (the partial sums' total) and the
-  kernel's tap sums ``W~`` for the input gradient, all in one launch. As
-  separate operators these are a GEMM, a sum, and a copy of the expanded
-  gradient into ``.grad`` (autograd stores no broadcast gradient), plus
-  the tap sum's pass over the weight;
-* :func:`input_grad`, ``g_x~ = W~^T g~``, each patch's value written to
-  every pixel of the patch (the spread) from the registers that computed
-  it: ``g_x~`` never reaches memory, where a GEMM and a spread write it and
+* the weight side, ``g_W~ = g~ x~^T`` (``x~``: the forward's patch sums of
+  ``x``), written to every tap of the weight's gradient in its own shape
+  and dtype, and the bias gradient (the partial sums' total). As separate
+  operators these are a GEMM, a sum, and a copy of the expanded gradient
+  into ``.grad`` (autograd stores no broadcast gradient);
+* the input side, ``g_x~ = W~^T g~``, each patch's value written to every
+  pixel of the patch (the spread) from the registers that computed it:
+  ``g_x~`` never reaches memory, where a GEMM and a spread write it and
   read it back.
 
-One program computes a ``BLOCK_M x BLOCK_N`` tile of its product with
+So a filtered layer's backward is two launches: the pass over ``g_y``,
+then this one.
+
+A program computes a ``BLOCK_M x BLOCK_N`` tile of its product with
 ``tl.dot`` in the accumulation dtype (float32, float64 for float64 tensors;
 IEEE products, no TF32, as cuBLAS's default), so the sums run in another
 order than a GEMM's: equal within rounding (``tests/helpers/
@@ -41,31 +45,69 @@ from .triton_kernels import LAUNCH_OPTIONS, Patches, _acc
 
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
-KERNEL_OUTPUTS = {'_weight_grad': ('grad_w', 'grad_b', 'tap_sums'),
-                  '_depthwise_weight_grad': ('grad_w', 'grad_b', 'tap_sums'),
-                  '_input_grad': ('out', )}
+KERNEL_OUTPUTS = {'_products': ('grad_w', 'grad_b', 'out')}
 
 #: ``tl.dot`` needs tiles of at least 16 on each side.
 _MIN_TILE = 16
 
 
 @triton.jit
-def _weight_grad(means, pooled, partial, weight, grad_w, grad_b, tap_sums,
+def _products(means, pooled, partial, grad_w, grad_b, kernel, out,
+              out_channels, in_channels, cells, taps, batch, patch_rows,
+              p_c, p_k, height, width, m_c, m_n, m_h, k_o, k_i,
+              o_n, o_c, o_h, o_w, row_start, row_size, row_count,
+              col_start, col_size, col_count, weight_programs, weight_cols,
+              channel_blocks, patch_blocks,
+              HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_X: tl.constexpr,
+              DEPTHWISE: tl.constexpr, ACC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+              BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
+              COL_SIZE: tl.constexpr):
+    """Both products in one launch: the first ``weight_programs``
+    programs compute the weight side (:func:`_weight_tile`, or
+    :func:`_depthwise_weight_tile` per ``BLOCK_M`` channels), the others
+    the input side (:func:`_input_tile`): independent work, both reading
+    only ``g~`` and what the forward and the pass over ``g_y`` left."""
+    pid = tl.program_id(0)
+    if pid < weight_programs:
+        if HAS_W or HAS_B:
+            if DEPTHWISE:
+                _depthwise_weight_tile(
+                    pid, means, pooled, partial, grad_w, grad_b,
+                    out_channels, cells, taps, batch, patch_rows, p_c, p_k,
+                    HAS_W, HAS_B, ACC, BLOCK_M, BLOCK_K)
+            else:
+                _weight_tile(
+                    pid // weight_cols, pid % weight_cols, means, pooled,
+                    partial, grad_w, grad_b, out_channels, in_channels,
+                    cells, taps, batch, patch_rows, p_c, p_k, HAS_W, HAS_B,
+                    ACC, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        if HAS_X:
+            q = pid - weight_programs
+            per_row = channel_blocks * patch_blocks
+            _input_tile(
+                q // per_row, (q // patch_blocks) % channel_blocks,
+                q % patch_blocks, means, kernel, out, out_channels,
+                in_channels, height, width, m_c, m_n, m_h, k_o, k_i, o_n,
+                o_c, o_h, o_w, row_start, row_size, row_count, col_start,
+                col_size, col_count, ACC, BLOCK_C, BLOCK_O, BLOCK_P,
+                COL_SIZE, DEPTHWISE)
+
+
+@triton.jit
+def _weight_tile(pid_m, pid_n, means, pooled, partial, grad_w, grad_b,
                  out_channels, in_channels, cells, taps, batch, patch_rows,
-                 p_c, p_k, w_o, w_i,
-                 HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                 HAS_TAPS: tl.constexpr, ACC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """One program per ``BLOCK_M x BLOCK_N`` tile of ``Co x Ci``:
+                 p_c, p_k, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                 ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``(pid_m, pid_n)`` ``BLOCK_M x BLOCK_N`` tile of ``Co x Ci``:
     ``g_W~ = means x pooled^T`` over the ``cells`` (``N ph pw``) axis,
     stored to each of the ``taps`` of ``grad_w`` (``Co x Ci x taps``,
-    contiguous, the weight's dtype); the tile's ``W~`` (the weight summed
-    over its taps, ``Co x Ci`` in ``ACC``); the first column of programs
-    also sums ``partial`` (``N x Co x ph``: ``batch x patch_rows`` terms
-    per channel, in a fixed order) into ``grad_b``."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    contiguous, the weight's dtype); the first column of tiles also sums
+    ``partial`` (``N x Co x ph``: ``batch x patch_rows`` terms per
+    channel, in a fixed order) into ``grad_b``."""
     o = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_ok = o < out_channels
@@ -88,13 +130,6 @@ def _weight_grad(means, pooled, partial, weight, grad_w, grad_b, tap_sums,
         value = acc.to(grad_w.dtype.element_ty)
         for t in range(taps):
             tl.store(dst + t, value, mask=tile_ok)
-    if HAS_TAPS:
-        summed = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-        src = weight + o[:, None] * w_o + c[None, :] * w_i
-        for t in range(taps):
-            summed += tl.load(src + t, mask=tile_ok, other=0.).to(ACC)
-        tl.store(tap_sums + o[:, None] * in_channels + c[None, :], summed,
-                 mask=tile_ok)
     if HAS_B:
         if pid_n == 0:
             total = tl.zeros([BLOCK_M], ACC)
@@ -107,16 +142,15 @@ def _weight_grad(means, pooled, partial, weight, grad_w, grad_b, tap_sums,
 
 
 @triton.jit
-def _depthwise_weight_grad(means, pooled, partial, weight, grad_w, grad_b,
-                           tap_sums, channels, cells, taps, batch,
-                           patch_rows, p_c, p_k, w_o,
-                           HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                           HAS_TAPS: tl.constexpr, ACC: tl.constexpr,
-                           BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-    """:func:`_weight_grad` of a depthwise layer (one input channel per
-    output channel): one program per ``BLOCK_C`` channels, each channel's
-    ``g_W~`` the dot product of its patch means and patch sums."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _depthwise_weight_tile(pid, means, pooled, partial, grad_w, grad_b,
+                           channels, cells, taps, batch, patch_rows, p_c,
+                           p_k, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                           ACC: tl.constexpr, BLOCK_C: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """:func:`_weight_tile` of a depthwise layer (one input channel per
+    output channel) for channel block ``pid``: each channel's ``g_W~`` the
+    dot product of its patch means and patch sums."""
+    c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
     if HAS_W:
         acc = tl.zeros([BLOCK_C], ACC)
@@ -132,12 +166,6 @@ def _depthwise_weight_grad(means, pooled, partial, weight, grad_w, grad_b,
         value = acc.to(grad_w.dtype.element_ty)
         for t in range(taps):
             tl.store(grad_w + c * taps + t, value, mask=c_ok)
-    if HAS_TAPS:
-        summed = tl.zeros([BLOCK_C], ACC)
-        for t in range(taps):
-            summed += tl.load(weight + c * w_o + t, mask=c_ok,
-                              other=0.).to(ACC)
-        tl.store(tap_sums + c, summed, mask=c_ok)
     if HAS_B:
         total = tl.zeros([BLOCK_C], ACC)
         for n in range(0, batch):  # partial: N x C x ph
@@ -148,25 +176,24 @@ def _depthwise_weight_grad(means, pooled, partial, weight, grad_w, grad_b,
 
 
 @triton.jit
-def _input_grad(means, kernel, out, out_channels, in_channels, height,
-                width, m_c, m_n, m_h, k_o, k_i, o_n, o_c, o_h, o_w,
-                row_start, row_size, row_count,
+def _input_tile(pid_row, pid_c, pid_p, means, kernel, out, out_channels,
+                in_channels, height, width, m_c, m_n, m_h, k_o, k_i,
+                o_n, o_c, o_h, o_w, row_start, row_size, row_count,
                 col_start, col_size, col_count,
                 ACC: tl.constexpr, BLOCK_C: tl.constexpr,
                 BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
                 COL_SIZE: tl.constexpr, DEPTHWISE: tl.constexpr):
-    """One program per (image, patch row, ``BLOCK_C`` input channels,
-    ``BLOCK_P`` patches of the row): ``g_x~ = W~^T g~`` for those patches
-    (``kernel``: ``W~``, ``Co x Ci`` at strides ``k_o, k_i``), each value
-    stored to the ``row_size x col_size`` pixels of its patch that lie on
-    the map (``out``: ``N x Ci x H x W`` at any strides). ``DEPTHWISE``:
-    channel ``c`` reads output channel ``c`` only (``W~`` is ``C x 1``),
-    a product per element instead of a ``tl.dot``."""
-    pid = tl.program_id(0)
-    n = pid // row_count
-    a = pid % row_count
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    b = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    """The tile of (image and patch row ``pid_row``, ``BLOCK_C`` input
+    channels, ``BLOCK_P`` patches of the row): ``g_x~ = W~^T g~`` for those
+    patches (``kernel``: ``W~``, ``Co x Ci`` at strides ``k_o, k_i``), each
+    value stored to the ``row_size x col_size`` pixels of its patch that
+    lie on the map (``out``: ``N x Ci x H x W`` at any strides).
+    ``DEPTHWISE``: channel ``c`` reads output channel ``c`` only (``W~``
+    is ``C x 1``), a product per element instead of a ``tl.dot``."""
+    n = pid_row // row_count
+    a = pid_row % row_count
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     c_ok = c < in_channels
     b_ok = b < col_count
     if DEPTHWISE:
@@ -208,14 +235,14 @@ def _tile(size: int, cap: int) -> int:
     return max(_MIN_TILE, min(triton.next_power_of_2(max(size, 1)), cap))
 
 
-def weight_grad(means: Tensor, pooled: Optional[Tensor],
-                partial: Optional[Tensor], weight: Tensor, need_w: bool,
-                need_b: bool, need_taps: bool,
-                grad_dtype: Optional[torch.dtype] = None,
-                depthwise: bool = False
-                ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """One launch for what the weight side needs (see the module
-    docstring).
+def products(means: Tensor, pooled: Optional[Tensor],
+             partial: Optional[Tensor], weight: Tensor,
+             tap_sums: Optional[Tensor], out: Optional[Tensor],
+             rows: Optional[Patches], cols: Optional[Patches],
+             need_w: bool, need_b: bool,
+             grad_dtype: Optional[torch.dtype] = None,
+             depthwise: bool = False) -> Tuple[Tensor, Tensor]:
+    """One launch for both products (see the module docstring).
 
     Args:
         means: ``g~``, ``Co x N x ph x pw`` contiguous in the accumulation
@@ -226,51 +253,72 @@ def weight_grad(means: Tensor, pooled: Optional[Tensor],
         partial: the bias's partial sums ``N x Co x ph``, contiguous in the
             accumulation dtype; None unless ``need_b``.
         weight: ``Co x Ci x taps...`` (a conv's ``Co x Ci x kh x kw`` or a
-            Linear's ``Co x Ci``); its taps are read from a contiguous copy
-            where it is stored otherwise (a channels-last model's).
-        need_w, need_b, need_taps: which outputs to write.
+            Linear's ``Co x Ci``): ``g_W``'s shape.
+        tap_sums: ``W~`` (``Co x Ci``, any strides, any float dtype;
+            ``C x 1`` for a depthwise layer) when ``out`` is given.
+        out: ``g_x`` (``N x Ci x H x W`` at any strides, zeroed by the
+            caller where the patches ``rows`` / ``cols`` do not cover it,
+            :func:`covers`), or None where no input gradient is needed.
+        need_w, need_b: whether ``g_W`` / ``g_b`` are written.
         grad_dtype: ``g_W``'s dtype (default: the weight's).
         depthwise: a depthwise layer (``groups == Co == Ci``, the weight
             ``C x 1 x ...``, ``pooled`` ``C x cells``); else dense.
 
     Returns:
-        ``(g_W, g_b, W~)``: ``g_W`` in the weight's shape and
-        ``grad_dtype`` (every tap the same), ``g_b`` (``Co``) and ``W~``
-        (``Co x Ci``) in the accumulation dtype; empty tensors for ``g_W``
-        / ``g_b`` and None for ``W~`` where not asked for.
+        ``(g_W, g_b)``: ``g_W`` in the weight's shape and ``grad_dtype``
+        (every tap the same), contiguous, and ``g_b`` (``Co``) in the
+        accumulation dtype; empty tensors where not asked for. ``out``
+        holds ``g_x``.
     """
     acc = means.dtype
     co, ci = weight.shape[:2]
+    if out is not None:
+        ci = out.shape[1]  # a depthwise layer's weight has one per group
     taps = weight[0, 0].numel()
-    if need_taps and not weight.is_contiguous():
-        weight = weight.contiguous()  # the kernels step through its taps
     cells = means[0].numel()
     grad_w = (torch.empty_like(weight, dtype=grad_dtype,
                                memory_format=torch.contiguous_format)
               if need_w else means.new_empty((0, )))
     grad_b = means.new_empty((co, ) if need_b else (0, ))
-    tap_sums = means.new_empty((co, ci)) if need_taps else None
     p = pooled if need_w else means
-    dummy = means
-    common = (means, p, partial if need_b else dummy, weight, grad_w, grad_b,
-              tap_sums if need_taps else dummy)
-    flags = dict(HAS_W=bool(need_w), HAS_B=bool(need_b),
-                 HAS_TAPS=bool(need_taps), ACC=_acc(acc), **LAUNCH_OPTIONS)
-    sizes = (cells, taps, partial.shape[0] if need_b else 0,
-             partial.shape[2] if need_b else 0,
-             p.stride(0) if need_w else 0, p.stride(1) if need_w else 0)
+    weight_side = need_w or need_b
     if depthwise:
-        block_c = _tile(co, 64)
-        _depthwise_weight_grad[(triton.cdiv(co, block_c), )](
-            *common, co, *sizes, weight.stride(0), BLOCK_C=block_c,
-            BLOCK_K=32, **flags)
-        return grad_w, grad_b, tap_sums
-    block_m, block_n = _tile(co, 64), _tile(ci, 64)
-    grid = (triton.cdiv(co, block_m), triton.cdiv(ci, block_n))
-    _weight_grad[grid](*common, co, ci, *sizes, weight.stride(0),
-                       weight.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=32, **flags)
-    return grad_w, grad_b, tap_sums
+        block_m, block_n = _tile(co, 64), 1
+        weight_cols, weight_programs = 1, triton.cdiv(co, block_m)
+    else:
+        block_m, block_n = _tile(co, 64), _tile(ci, 64)
+        weight_cols = triton.cdiv(ci, block_n)
+        weight_programs = triton.cdiv(co, block_m) * weight_cols
+    weight_programs *= int(weight_side)
+    if out is None:
+        geometry = (0, ) * 16 + (1, )
+        blocks, input_programs = (1, 1), 0
+        block_c = block_p = col_size = 16
+        # placeholders: a tensor read anyway, one written anyway (or empty)
+        kernel, dst = means, grad_b
+    else:
+        n, channels, height, width = out.shape
+        block_c = _tile(channels, 64)
+        block_p = _tile(cols[2], 32)
+        blocks = (triton.cdiv(channels, block_c),
+                  triton.cdiv(cols[2], block_p))
+        input_programs = n * rows[2] * blocks[0] * blocks[1]
+        col_size = triton.next_power_of_2(cols[1])
+        kernel, dst = tap_sums, out
+        geometry = (height, width, *means.stride()[:3],
+                    *tap_sums.stride()[:2], *out.stride(), *rows, *cols)
+    if weight_programs + input_programs == 0:
+        return grad_w, grad_b
+    _products[(weight_programs + input_programs, )](
+        means, p, partial if need_b else means, grad_w, grad_b, kernel, dst,
+        co, ci, cells, taps, partial.shape[0] if need_b else 0,
+        partial.shape[2] if need_b else 0, p.stride(0) if need_w else 0,
+        p.stride(1) if need_w else 0, *geometry, weight_programs,
+        weight_cols, *blocks, HAS_W=bool(need_w), HAS_B=bool(need_b),
+        HAS_X=out is not None, DEPTHWISE=bool(depthwise), ACC=_acc(acc),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, BLOCK_C=block_c,
+        BLOCK_O=32, BLOCK_P=block_p, COL_SIZE=col_size, **LAUNCH_OPTIONS)
+    return grad_w, grad_b
 
 
 def covers(patches: Patches, size: int) -> bool:
@@ -279,25 +327,3 @@ def covers(patches: Patches, size: int) -> bool:
     buffer)."""
     start, step, count = patches
     return start <= 0 and start + step * count >= size
-
-
-def input_grad(means: Tensor, kernel: Tensor, out: Tensor, rows: Patches,
-               cols: Patches, depthwise: bool = False) -> Tensor:
-    """``g_x``: ``W~^T g~`` per patch (``kernel``: ``W~``, ``Co x Ci`` at
-    any strides, any float dtype; ``C x 1`` for a ``depthwise`` layer)
-    written to every pixel of its patch in ``out`` (``N x Ci x H x W`` at
-    any strides, zeroed by the caller where the patches do not cover it,
-    :func:`covers`)."""
-    n, ci, height, width = out.shape
-    co = kernel.shape[0]
-    block_c = _tile(ci, 64)
-    block_p = _tile(cols[2], 32)
-    grid = (n * rows[2], triton.cdiv(ci, block_c),
-            triton.cdiv(cols[2], block_p))
-    _input_grad[grid](
-        means, kernel, out, co, ci, height, width, *means.stride()[:3],
-        *kernel.stride()[:2], *out.stride(), *rows, *cols,
-        ACC=_acc(means.dtype), BLOCK_C=block_c, BLOCK_O=32,
-        BLOCK_P=block_p, COL_SIZE=triton.next_power_of_2(cols[1]),
-        DEPTHWISE=bool(depthwise), **LAUNCH_OPTIONS)
-    return out

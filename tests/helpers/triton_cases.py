@@ -267,22 +267,23 @@ def _count_backward(x, w, b, stride, padding, groups, radius, need):
 
 # (kind, kernel, bias, need x / w / b) -> (Triton launches, torch kernels).
 # The fewest the design allows. A dense or depthwise layer: one pass over
-# g_y (patch means and the bias's partial sums), one kernel for the weight
-# side (g_W in every tap, g_b, and W~ when g_x needs a k x k kernel's tap
-# sums), one writing g_x (ops/triton_products.py). Other grouped: the pass over
-# g_y, the products on the patch grid (cuBLAS), one pass writing g_x, the
-# bias's final sum, the taps' sum when the input needs a gradient, and g_W
-# stored in every tap (the copy autograd makes of a broadcast gradient).
+# g_y (patch means, the bias's partial sums and, when g_x needs a k x k
+# kernel's W~, its tap sums in further programs), one launch for both
+# products (g_W in every tap and g_b; g_x written from the registers;
+# ops/triton_products.py). Other grouped: the pass over g_y, the products
+# on the patch grid (cuBLAS), one pass writing g_x, the bias's final sum,
+# the taps' sum when the input needs a gradient, and g_W stored in every
+# tap (the copy autograd makes of a broadcast gradient).
 LAUNCHES = {
-    ('dense', 1, False, (True, True, False)): (3, 0),
-    ('dense', 1, True, (True, True, True)): (3, 0),
-    ('dense', 3, True, (True, True, True)): (3, 0),
+    ('dense', 1, False, (True, True, False)): (2, 0),
+    ('dense', 1, True, (True, True, True)): (2, 0),
+    ('dense', 3, True, (True, True, True)): (2, 0),
     ('dense', 3, False, (False, True, False)): (2, 0),
-    ('dense', 3, False, (True, False, False)): (3, 0),
+    ('dense', 3, False, (True, False, False)): (2, 0),
     ('grouped', 3, True, (True, True, True)): (2, 5),
     # padding 0: Q(0) starts at pixel 1, g_x is zeroed before the spread
-    ('depthwise', 3, True, (True, True, True)): (3, 1),
-    ('depthwise', 1, False, (True, True, False)): (3, 0),
+    ('depthwise', 3, True, (True, True, True)): (2, 1),
+    ('depthwise', 1, False, (True, True, False)): (2, 0),
 }
 
 

@@ -74,16 +74,19 @@ def test_cuda_graphs_reduce_overhead_gives_eager_gradients():
 # partial sums (float16 g_y, r = 2 on a 160-wide map; float32 channels-last
 # at r = 4), float64 at r = 1, and
 # the spread from a float32 grid into bfloat16 / float64 maps.
-_BLOCK = dict(MASKED=True, NORM=True, NORM_WEIGHT=True)
-_NO_BLOCK = dict(MASKED=False, NORM=False, NORM_WEIGHT=False)
-_PRODUCTS = ('means', 'pooled', 'partial', 'weight', 'grad_w', 'grad_b',
-             'tap_sums')
-_WEIGHT_TILES = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32)
+_BLOCK = dict(MASKED=True, NORM=True, NORM_WEIGHT=True, TAPS=False)
+_NO_BLOCK = dict(MASKED=False, NORM=False, NORM_WEIGHT=False, TAPS=False)
+_PRODUCTS = ('means', 'pooled', 'partial', 'grad_w', 'grad_b', 'kernel',
+             'out')
+_TILES = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, BLOCK_C=64, BLOCK_O=32,
+              BLOCK_P=16, COL_SIZE=4)
 
 
 def _products(dtypes, **flags):
-    """Pointer types of :mod:`triton_products`' weight-side kernels."""
-    return dict(zip(_PRODUCTS, dtypes)), flags
+    """Pointer types of :mod:`triton_products`' kernel and its flags."""
+    return dict(zip(_PRODUCTS, dtypes)), dict(dict(
+        HAS_W=True, HAS_B=True, HAS_X=True, DEPTHWISE=False, ACC='fp32'),
+        **flags)
 
 
 # (kernel, pointer types, constexpr flags, tile geometry: the wrapper's
@@ -113,37 +116,32 @@ SPECIALIZATIONS = {
         src='fp16', dst='fp32', partial='fp32', bits='u8', var='fp32',
         norm_w='fp32'), dict(MEAN=True, PARTIAL=True, ACC='fp32', **_BLOCK),
         ((0, 4, 30), (0, 4, 40))),
+    # the tap sums of a bfloat16 kernel in the same launch
+    'gy_means_taps_bf16': ('_patch_reduce', dict(
+        src='bf16', dst='fp32', partial='fp32', weight='bf16',
+        tap_sums='fp32'), dict(MEAN=True, PARTIAL=True, ACC='fp32',
+                               **dict(_NO_BLOCK, TAPS=True)),
+        ((0, 4, 30), (0, 4, 40))),
     'spread_bf16': ('_spread', dict(grid='fp32', out='bf16'), {}, (120, 160)),
     'spread_fp64': ('_spread', dict(grid='fp64', out='fp64'), {}, (14, 14)),
     # ops/triton_products.py
-    'weight_grad_fp32': ('_weight_grad', *_products(
-        ['fp32'] * 7, HAS_W=True, HAS_B=True, HAS_TAPS=True, ACC='fp32'),
-        _WEIGHT_TILES),
-    'weight_grad_bf16_weight': ('_weight_grad', *_products(
-        ['fp32', 'bf16', 'fp32', 'bf16', 'bf16', 'fp32', 'fp32'],
-        HAS_W=True, HAS_B=False, HAS_TAPS=True, ACC='fp32'), _WEIGHT_TILES),
-    'weight_grad_fp64': ('_weight_grad', *_products(
-        ['fp64'] * 7, HAS_W=True, HAS_B=True, HAS_TAPS=False, ACC='fp64'),
-        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)),
-    'depthwise_weight_grad_fp16': ('_depthwise_weight_grad', *_products(
-        ['fp32', 'fp16', 'fp32', 'fp16', 'fp16', 'fp32', 'fp32'],
-        HAS_W=True, HAS_B=True, HAS_TAPS=True, ACC='fp32'),
-        dict(BLOCK_C=64, BLOCK_K=32)),
-    'input_grad_bf16': ('_input_grad', dict(means='fp32', kernel='bf16',
-                                            out='bf16'),
-                        dict(ACC='fp32', DEPTHWISE=False),
-                        dict(BLOCK_C=64, BLOCK_O=32, BLOCK_P=16,
-                             COL_SIZE=4)),
-    'input_grad_depthwise_fp32': ('_input_grad', dict(
-        means='fp32', kernel='fp32', out='fp32'),
-        dict(ACC='fp32', DEPTHWISE=True),
-        dict(BLOCK_C=64, BLOCK_O=32, BLOCK_P=32, COL_SIZE=8)),
-    'input_grad_fp64': ('_input_grad', dict(means='fp64', kernel='fp64',
-                                            out='fp64'),
-                        dict(ACC='fp64', DEPTHWISE=False),
-                        dict(BLOCK_C=16, BLOCK_O=32, BLOCK_P=16,
-                             COL_SIZE=2)),
+    'products_fp32': ('_products', *_products(['fp32'] * 7), _TILES),
+    'products_bf16_weight': ('_products', *_products(
+        ['fp32', 'bf16', 'fp32', 'bf16', 'fp32', 'fp32', 'bf16'],
+        HAS_B=False), _TILES),
+    'products_fp64': ('_products', *_products(['fp64'] * 7, ACC='fp64'),
+                      dict(_TILES, BLOCK_M=16, BLOCK_N=16, BLOCK_C=16,
+                           COL_SIZE=2)),
+    'products_depthwise_fp16': ('_products', *_products(
+        ['fp32', 'fp16', 'fp32', 'fp16', 'fp32', 'fp32', 'fp16'],
+        DEPTHWISE=True), dict(_TILES, BLOCK_P=32, COL_SIZE=8)),
+    # the Linear's input side alone, from its bfloat16 weight
+    'products_input_only_bf16': ('_products', *_products(
+        ['fp32', 'fp32', 'fp32', 'fp32', 'fp32', 'bf16', 'bf16'],
+        HAS_W=False, HAS_B=False), _TILES),
 }
+#: Pointer arguments besides those a specialization types (float32).
+_POINTERS = ('bits', 'var', 'norm_w', 'dst', 'partial', 'weight', 'tap_sums')
 #: Float scalars of the kernels (the others are integers).
 _FLOATS = ('scale', 'off_scale', 'eps')
 
@@ -182,7 +180,7 @@ def test_kernels_compile_for_h100(spec):
     signature = {
         arg: ('constexpr' if arg in constexprs else
               '*' + pointers.get(arg, 'fp32') if arg in pointers
-              or arg in ('bits', 'var', 'norm_w', 'dst', 'partial') else
+              or arg in _POINTERS else
               'fp32' if arg in _FLOATS else 'i32')
         for arg in kernel.arg_names
     }
