@@ -23,8 +23,10 @@ all of this holds, and the three modules (each lean) otherwise:
   module to be called: the kept-bytes trace's, a user's feature hook);
 * ``MMSEG_GF_CONV_BLOCKS`` is on (``0``: every block runs its modules).
 
-The forward numbers and the gradients are those of the three modules
-(``tests/helpers/triton_block_cases.py``).
+The forward numbers are those of the three modules to float32 rounding
+(the norm's formula in float32 in the fused launch, where cuDNN's or
+ATen's own kernel may order it otherwise), the gradients those of the
+three modules' backward (``tests/helpers/triton_block_cases.py``).
 """
 from typing import Optional, Tuple
 
@@ -79,13 +81,11 @@ def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
         return None
     call = conv.collapsed_call(x)
     # what the lean norm and activation say of themselves (models.lean)
-    factor = getattr(bn, 'frozen_factor', lambda: None)()
+    norm = getattr(bn, 'frozen_affine', lambda: None)()
     mask = getattr(act, 'mask_arguments', lambda: None)()
-    if call is None or factor is None or mask is None:
+    if call is None or norm is None or mask is None:
         return None
-    # the norm module is called inside the node's forward, where autograd
-    # records nothing: its plain forward runs
-    return (*call, bn, *factor, mask)
+    return (*call, norm, mask)
 
 
 def _fused(parts: Tuple, x: Tensor) -> Tensor:

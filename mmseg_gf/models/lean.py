@@ -107,14 +107,18 @@ def _recording(x: Tensor) -> bool:
 class _LeanFrozenNorm:
     """Eval-mode batch norm without trainable parameters: ``g * scale``."""
 
-    def frozen_factor(self) -> Optional[tuple]:
-        """``(running_var, weight, eps)``, what its backward's factor
-        ``rsqrt(running_var + eps) * weight`` is made of, while it is
-        frozen (eval mode, nothing trained); else None."""
+    def frozen_affine(self) -> Optional[tuple]:
+        """``(running_mean, running_var, weight, bias, eps)`` (weight and
+        bias None where it has none), what its forward ``(x - mean) *
+        rsqrt(running_var + eps) * weight + bias`` and its backward's
+        factor are made of, while it is frozen (eval mode, nothing
+        trained); else None."""
         if (self.training or self.running_var is None
+                or self.running_mean is None
                 or any(p.requires_grad for p in self.parameters())):
             return None
-        return self.running_var, self.weight, float(self.eps)
+        return (self.running_mean, self.running_var, self.weight, self.bias,
+                float(self.eps))
 
     def forward(self, x: Tensor) -> Tensor:
         if (not _recording(x) or self.training or self.running_var is None

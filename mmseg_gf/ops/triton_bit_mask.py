@@ -24,7 +24,7 @@ from . import triton_path
 from .triton_path import _is_fake, _on_device
 
 __all__ = ['usable', 'takes_dtype', 'pack', 'apply', 'activate_and_pack',
-           'FORMULAS', 'apply_per_sample']
+           'activation_code', 'FORMULAS', 'apply_per_sample']
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -77,6 +77,16 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float) -> Tensor:
     return out
 
 
+def activation_code(formula: str) -> int:
+    """The kernels' ``act`` for an activation ``formula``
+    (:data:`FORMULAS`)."""
+    kernels = _kernels()
+    act = {'clamp': kernels.CLAMP, 'scale': kernels.SCALE}.get(formula)
+    if act is None:
+        raise ValueError(f'formula={formula!r}: expected one of {FORMULAS}')
+    return act
+
+
 def activate_and_pack(x: Tensor, y: Tensor, formula: str, lo: float,
                       hi: float, nan_bit: bool, off_scale: float) -> Tensor:
     """Write the activation ``formula`` (:data:`FORMULAS`) of the
@@ -84,9 +94,7 @@ def activate_and_pack(x: Tensor, y: Tensor, formula: str, lo: float,
     or ``x`` itself: in place) and return the bits of ``lo < x < hi`` (NaN:
     ``nan_bit``), both in one pass over ``x``."""
     kernels = _kernels()
-    act = {'clamp': kernels.CLAMP, 'scale': kernels.SCALE}.get(formula)
-    if act is None:
-        raise ValueError(f'formula={formula!r}: expected one of {FORMULAS}')
+    act = activation_code(formula)
     bits = _empty_bits(x)
     with _on_device(x):
         kernels.pack(x, bits, lo, hi, nan_bit, act, y, off_scale)

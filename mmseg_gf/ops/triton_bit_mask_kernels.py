@@ -50,12 +50,41 @@ KERNEL_OUTPUTS = {'_pack': ('y', 'bits'), '_apply': ('out', ),
 @triton.jit
 def _pack(x, y, bits, numel, lo, hi, off_scale, BOUNDED: tl.constexpr,
           NAN_BIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _pack_block(tl.program_id(0), x, y, bits, numel, lo, hi, off_scale,
+                x, x, x, x, 0.0, 1, 1, BOUNDED, NAN_BIT, ACT, BLOCK, False,
+                False, False)
+
+
+@triton.jit
+def _pack_block(pid, x, y, bits, numel, lo, hi, off_scale, mean, var,
+                norm_w, norm_b, eps, channel_step, channels,
+                BOUNDED: tl.constexpr, NAN_BIT: tl.constexpr,
+                ACT: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                NORM_WEIGHT: tl.constexpr, NORM_BIAS: tl.constexpr):
+    """Block ``pid`` of :func:`_pack`. ``NORM``: ``x`` is first normalized
+    as a frozen batch norm does it, ``(x - mean_c) * rsqrt(var_c + eps) *
+    w_c + b_c`` in float32 rounded to ``x``'s dtype (the norm's output),
+    the channel of element ``i`` being ``(i // channel_step) % channels``
+    (``H * W`` for an NCHW map, 1 for a channels-last one)."""
+    byte = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     k = tl.arange(0, 8)
     idx = byte[:, None] * 8 + k[None, :]
     inside = idx < numel
     v = tl.load(x + idx, mask=inside, other=0.)
     f = v.to(tl.float32)
+    if NORM:
+        c = (idx // channel_step) % channels
+        factor = tl.math.rsqrt(
+            tl.load(var + c, mask=inside, other=1.).to(tl.float32) + eps)
+        if NORM_WEIGHT:
+            factor = factor * tl.load(norm_w + c, mask=inside,
+                                      other=0.).to(tl.float32)
+        f = (f - tl.load(mean + c, mask=inside, other=0.).to(tl.float32)) \
+            * factor
+        if NORM_BIAS:
+            f = f + tl.load(norm_b + c, mask=inside, other=0.).to(tl.float32)
+        v = f.to(v.dtype)
+        f = v.to(tl.float32)
     bit = f > lo
     if BOUNDED:
         bit = bit & (f < hi)
@@ -72,6 +101,9 @@ def _pack(x, y, bits, numel, lo, hi, off_scale, BOUNDED: tl.constexpr,
     if ACT == 2:  # SCALE: NaN has no bit and stays NaN through the product
         out = tl.where(bit, v, (f * off_scale).to(v.dtype))
         tl.store(y + idx, out, mask=inside)
+    if ACT == 0:
+        if NORM:  # the norm's output itself
+            tl.store(y + idx, v, mask=inside)
 
 
 @triton.jit

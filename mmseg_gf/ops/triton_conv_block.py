@@ -2,29 +2,37 @@
 the bit-masked activation after it as one autograd node.
 
 mmcv's ``ConvModule`` runs conv, norm and activation one after the other;
-in the lean region each is its own node, and their backward three passes
-over full-size maps on a GPU: the activation applies its mask and writes
-``g``, the norm scales it and writes ``g_y``, the conv reads ``g_y`` for
-its patch means. :class:`FilteredConvBlockFunction` runs the same forward
-(cuDNN's conv, the conv input's patch sums, the norm's own forward, the
-activation with its mask in one Triton pass) and a backward in which the
-conv's pass over the gradient applies the mask and the norm's factor as it
-loads each element (:class:`~.triton_path.GradPrologue`): two launches
-for a dense or depthwise conv (that pass, then both products,
-:mod:`.triton_products`) where the three nodes take four.
+in the lean region each is its own node. On a GPU their forward is four
+launches (cuDNN's conv, the conv input's patch sums, the norm, the
+activation with its mask) and their backward three more passes over
+full-size maps: the activation applies its mask and writes ``g``, the norm
+scales it and writes ``g_y``, the conv reads ``g_y`` for its patch means.
+:class:`FilteredConvBlockFunction` runs the forward in two launches:
+cuDNN's conv, then one Triton launch that normalizes the conv's output as
+it loads it, writes the activation's output and mask, and in further
+programs sums the conv's input over its patches
+(:mod:`.triton_conv_block_kernels`); its backward's pass over the gradient
+applies the mask and the norm's factor as it loads each element
+(:class:`~.triton_path.GradPrologue`): two launches for a dense or
+depthwise conv (that pass, then both products, :mod:`.triton_products`)
+where the three nodes take four.
 
-Exact: the same forward numbers as the three modules (it calls the norm's
-forward and the activation's Triton pass), and the gradients the three
-nodes give, the float32 operations in the same order (mask, then
-``g * rsqrt(var + eps) * w``), for float16 / bfloat16 without rounding
-``g_y`` to them in between. Kept: the conv input's patch sums and the mask,
-what the three nodes keep. ``tests/helpers/triton_block_cases.py`` checks
-both against the three nodes.
+Exact to float32 rounding: the norm is ``(y - mean) * (rsqrt(var + eps) *
+w) + b`` in float32, rounded once to the output's dtype (cuDNN's and
+ATen's batch norm kernels order these operations in their own ways), the
+activation and its mask as the activation's Triton pass has them; the
+gradients are those the three nodes give, the float32 operations in the
+same order (mask, then ``g * rsqrt(var + eps) * w``), for float16 /
+bfloat16 without rounding ``g_y`` to them in between. Kept: the conv
+input's patch sums and the mask, what the three nodes keep.
+``tests/helpers/triton_block_cases.py`` checks both against the three
+nodes.
 
 Eager mode only, on the Triton path's devices (:func:`usable`);
 :mod:`mmseg_gf.models.conv_block` decides which module calls take it.
 """
-from typing import Callable, Optional, Tuple
+import math
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +41,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
 from . import bit_mask, triton_bit_mask, triton_norm, triton_path
-from .triton_path import Patches, _call, _patch_sums, patch_sums
+from .triton_path import Patches, _on_device
 
 __all__ = ['usable', 'FilteredConvBlockFunction', 'block_calls']
 
@@ -44,6 +52,11 @@ def block_calls() -> int:
     """How many forward calls took the fused block in this process (a
     diagnostic)."""
     return _calls
+
+
+def _kernels():
+    from . import triton_conv_block_kernels  # imports triton: when used
+    return triton_conv_block_kernels
 
 
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
@@ -70,33 +83,36 @@ class FilteredConvBlockFunction(Function):
     pass (see the module docstring).
 
     ``rows`` / ``cols`` are the conv's input patches (its kernel collapses
-    on both axes); ``normalize`` the frozen norm's plain forward, whose
-    factor ``running_var``, ``norm_weight`` and ``eps`` give; ``activation``
-    the mask's ``(formula, lo, hi, nan_bit, off_scale)``
+    on both axes); ``norm`` the frozen norm's ``(running_mean,
+    running_var, weight, bias, eps)``; ``activation`` the mask's
+    ``(formula, lo, hi, nan_bit, off_scale)``
     (:func:`bit_mask.activate_and_pack`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                 stride: Tuple[int, int], padding: Tuple[int, int],
                 dilation: Tuple[int, int], groups: int, radius: int,
-                rows: Patches, cols: Patches,
-                normalize: Callable[[Tensor], Tensor], running_var: Tensor,
-                norm_weight: Optional[Tensor], eps: float,
+                rows: Patches, cols: Patches, norm: Tuple,
                 activation: Tuple) -> Tensor:
         global _calls
         _calls += 1
         y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-        pooled = (_call(patch_sums, _patch_sums, x, *rows, *cols)
+        layout = bit_mask.layout_of(y)
+        if not y.is_contiguous(memory_format=layout):
+            y = y.contiguous(memory_format=layout)
+        out = torch.empty_like(y, memory_format=layout)
+        bits = torch.empty(((y.numel() + 7) // 8, ), dtype=torch.uint8,
+                           device=y.device)
+        pooled = (x.new_empty((x.shape[1], x.shape[0], rows[2], cols[2]))
                   if ctx.needs_input_grad[1] else None)
-        z = normalize(y)
         formula, lo, hi, nan_bit, off_scale = activation
-        fused = bit_mask.activate_and_pack(z, formula, lo, hi, nan_bit,
-                                           off_scale, True,
-                                           bit_mask.layout_of(z))
-        if fused is None:
-            raise RuntimeError('conv block: the activation did not take the '
-                               'Triton path (usable() was not checked)')
-        out, bits = fused
+        with _on_device(x):
+            _kernels().block_forward(
+                y, out, bits, norm,
+                (triton_bit_mask.activation_code(formula), lo,
+                 math.inf if hi is None else hi, nan_bit, off_scale),
+                layout is torch.channels_last, x, pooled, rows, cols)
+        _, running_var, norm_weight, _, eps = norm
         ctx.save_for_backward(pooled, weight, bits)
         triton_norm.reference_norm(ctx, running_var, norm_weight)
         ctx.prologue = (_bit_strides(out), float(off_scale), float(eps))
@@ -119,4 +135,4 @@ class FilteredConvBlockFunction(Function):
             list(rows), list(cols), radius, x_dtype, need_x, need_w, need_b)
         return ((grad_x if need_x else None, grad_w if need_w else None,
                  grad_b.to(ctx.bias_dtype) if need_b else None)
-                + (None, ) * 12)
+                + (None, ) * 9)

@@ -139,20 +139,44 @@ SPECIALIZATIONS = {
     'products_input_only_bf16': ('_products', *_products(
         ['fp32', 'fp32', 'fp32', 'fp32', 'fp32', 'bf16', 'bf16'],
         HAS_W=False, HAS_B=False), _TILES),
+    # ops/triton_bit_mask_kernels.py: a ReLU6's output and mask
+    'pack_relu6_bf16': ('_pack', dict(x='bf16', y='bf16', bits='u8'),
+                        dict(BOUNDED=True, NAN_BIT=True, ACT=1), {}),
+    # ops/triton_conv_block_kernels.py: a conv block's forward after the
+    # conv, float16 with the input's patch sums; float32 LeakyReLU without
+    'block_forward_fp16': ('_block_forward', dict(
+        y='fp16', out='fp16', bits='u8', x='fp16', sums='fp16'), dict(
+        BOUNDED=False, NAN_BIT=True, ACT=1, NORM_WEIGHT=True, NORM_BIAS=True,
+        SUMS=True, ACC='fp32'), ((0, 4, 30), (0, 4, 40))),
+    'block_forward_leaky_channels_last': ('_block_forward', dict(
+        y='fp32', out='fp32', bits='u8', x='fp32', sums='fp32'), dict(
+        BOUNDED=False, NAN_BIT=False, ACT=2, NORM_WEIGHT=False,
+        NORM_BIAS=False, SUMS=False, ACC='fp32'),
+        ((0, 2, 30), (0, 2, 40), True)),
 }
 #: Pointer arguments besides those a specialization types (float32).
-_POINTERS = ('bits', 'var', 'norm_w', 'dst', 'partial', 'weight', 'tap_sums')
+_POINTERS = ('bits', 'var', 'norm_w', 'dst', 'partial', 'weight',
+             'tap_sums', 'mean', 'norm_b')
 #: Float scalars of the kernels (the others are integers).
-_FLOATS = ('scale', 'off_scale', 'eps')
+_FLOATS = ('scale', 'off_scale', 'eps', 'lo', 'hi')
 
 
 def _kernel_and_meta(name, geometry):
-    from mmseg_gf.ops import triton_kernels, triton_products
+    from mmseg_gf.ops import (triton_bit_mask_kernels,
+                              triton_conv_block_kernels, triton_kernels,
+                              triton_products)
     if name == '_patch_reduce':
         return triton_kernels._patch_reduce, triton_kernels.reduce_meta(
             *geometry)
     if name == '_spread':
         return triton_kernels._spread, triton_kernels.spread_meta(*geometry)
+    if name == '_pack':
+        return triton_bit_mask_kernels._pack, dict(
+            BLOCK=triton_bit_mask_kernels._BLOCK)
+    if name == '_block_forward':
+        return triton_conv_block_kernels._block_forward, dict(
+            triton_kernels.reduce_meta(*geometry),
+            BLOCK=triton_bit_mask_kernels._BLOCK)
     return getattr(triton_products, name), dict(geometry)
 
 
