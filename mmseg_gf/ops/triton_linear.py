@@ -94,7 +94,7 @@ def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
         # scale 1: plain patch means
         means, partial = kernels.output_grad_means(
             g_rows.permute(0, 3, 1, 2), radius, 1.0, acc)
-        if triton_path.fused_products(1):
+        if triton_path.fused_products():
             return _fused(means, partial, x_sums, weight, out_rows, rows,
                           cols, need_w, need_b)
         flat = means.view(means.shape[0], -1)  # Co x (L ph pw)

@@ -7,13 +7,14 @@ or channels-last, the filtered conv is :class:`TritonFilteredConv2d`:
 * forward: ``F.conv2d`` (cuDNN) plus one Triton pass over ``x`` for its
   patch sums (only when the weight needs a gradient);
 * backward: one custom op, :func:`collapsed_backward`: one Triton pass over
-  ``g_y`` (patch means and the bias gradient's partial sums), then for a
-  dense or depthwise conv two Triton kernels (:mod:`.triton_products`: the
-  weight side, ``g_W`` in every tap with ``g_b`` and the taps' sum ``W~``;
-  the input side, ``W~^T g~`` written to every pixel of its patch), for
-  another grouped one the two products on the patch grid as batched
-  cuBLAS GEMMs and one Triton pass writing ``g_x`` (none when the input
-  needs no gradient).
+  ``g_y`` (patch means, the bias gradient's partial sums and, in further
+  programs, the taps' sum ``W~``), then one launch of
+  :mod:`.triton_products` for both products (the weight side, ``g_W`` in
+  every tap with ``g_b``; the input side, ``W~^T g~`` written to every
+  pixel of its patch), dense, depthwise and grouped convs alike; with
+  ``MMSEG_GF_FUSED_PRODUCTS=0`` the two products on the patch grid as
+  batched cuBLAS GEMMs and one Triton pass writing ``g_x`` (none when the
+  input needs no gradient).
 
 Both Triton parts are registered torch custom ops (``torch.library``) with
 fake implementations, so ``torch.compile`` traces through them and CUDA
@@ -23,11 +24,9 @@ calls their implementations directly.) In eager mode the backward runs
 a few lines of Python (the Function, the op, the Triton launchers); Triton
 offers no launch from C++.
 
-A dense or depthwise conv's backward launches three kernels (two when the
-input needs no gradient), whatever its kernel size and bias; another
-grouped one the two passes, the two GEMMs, the bias's and the taps' sums
-and the copy of ``g_W`` into every tap (``tests/helpers/triton_cases.py::
-test_backward_launch_count`` holds the counts).
+A conv's backward launches two kernels, whatever its groups, kernel size
+and bias (``tests/helpers/triton_cases.py::test_backward_launch_count``
+holds the counts).
 
 Without triton (:data:`MIN_TRITON` or newer) installed, with
 ``MMSEG_GF_TRITON=0`` in the environment or
@@ -167,19 +166,12 @@ def _products():
     return triton_products
 
 
-def fused_products(groups: int, weight_shape=None) -> bool:
+def fused_products() -> bool:
     """Whether a filtered backward runs its patch-grid products as the
-    fused kernels of :mod:`.triton_products` (dense and depthwise layers,
-    while ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a
-    tap sum and a spread."""
-    return ((groups == 1 or _depthwise(groups, weight_shape))
-            and switches.value('MMSEG_GF_FUSED_PRODUCTS'))
-
-
-def _depthwise(groups: int, weight_shape) -> bool:
-    """One input and one output channel per group."""
-    return (weight_shape is not None and weight_shape[1] == 1
-            and weight_shape[0] == groups)
+    fused launch of :mod:`.triton_products` (while
+    ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a tap sum
+    and a spread."""
+    return switches.value('MMSEG_GF_FUSED_PRODUCTS')
 
 
 def _on_device(t: Tensor):
@@ -281,15 +273,15 @@ def collapsed_backward_from(grad: Tensor, prologue,
     ``grad`` or, with a ``prologue`` (:class:`GradPrologue`), what the
     backward of a frozen norm and a bit-masked activation after it make of
     ``grad``: the pass over ``grad`` takes their backward as it reads it.
-    Dense and depthwise convs take :func:`_fused_backward`
-    (:func:`fused_products`)."""
+    :func:`_fused_backward` runs the products while
+    :func:`fused_products`."""
     global _calls
     _calls += 1
     kernels = _kernels()
     acc = torch.promote_types(weight.dtype, torch.float32)
     co, ci_g = weight.shape[:2]
     co_g = co // groups
-    fused = fused_products(groups, weight.shape)
+    fused = fused_products()
     with _on_device(grad), _no_autocast(grad):
         # W~ of a k x k kernel, for the fused input product: summed in the
         # pass over g_y's launch (a 1 x 1 kernel is its own W~)
@@ -352,7 +344,7 @@ def _fused_backward(means: Tensor, partial: Tensor,
                     input_dtype: torch.dtype, need_input: bool,
                     need_weight: bool, need_bias: bool, groups: int
                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_collapsed_backward` of a dense or depthwise conv after the
+    """:func:`_collapsed_backward` of a conv after the
     pass over ``g_y`` (which also summed the taps into ``tap_sums``,
     ``W~``): ``g_W`` (every tap), ``g_b`` and ``g_x`` in one launch
     (:mod:`.triton_products`)."""
@@ -369,7 +361,7 @@ def _fused_backward(means: Tensor, partial: Tensor,
               if need_weight else None)
     grad_w, grad_b = products.products(
         means, pooled, partial, weight, tap_sums, out, rows, cols,
-        need_weight, need_bias, depthwise=groups > 1)
+        need_weight, need_bias, groups=groups)
     # Three distinct tensors: op outputs must not alias each other.
     return tuple(_empty(grad_output) if g is None or g.numel() == 0 else g
                  for g in (out, grad_w, grad_b))

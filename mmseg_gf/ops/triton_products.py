@@ -26,10 +26,10 @@ A program computes a ``BLOCK_M x BLOCK_N`` tile of its product with
 ``tl.dot`` in the accumulation dtype (float32, float64 for float64 tensors;
 IEEE products, no TF32, as cuBLAS's default), so the sums run in another
 order than a GEMM's: equal within rounding (``tests/helpers/
-triton_cases.py``). Dense and depthwise convs and Linears take them
-(a depthwise layer's products are per channel: a dot product and a scale
-instead of ``tl.dot``); other grouped convs keep the batched GEMMs of
-:mod:`.triton_path`. Tile sizes: fixed (16 to 64), not tuned on a GPU.
+triton_cases.py``). Dense and grouped convs (a group's tiles within its
+channels) and Linears take them; a depthwise layer's products are per
+channel (a dot product and a scale instead of ``tl.dot``). Tile sizes:
+fixed (16 to 64), not tuned on a GPU.
 
 Importing this module imports ``triton`` (:mod:`.triton_path` does so
 lazily, as for :mod:`.triton_kernels`).
@@ -53,11 +53,11 @@ _MIN_TILE = 16
 
 @triton.jit
 def _products(means, pooled, partial, grad_w, grad_b, kernel, out,
-              out_channels, in_channels, cells, taps, batch, patch_rows,
-              p_c, p_k, height, width, m_c, m_n, m_h, k_o, k_i,
+              out_channels, in_channels, groups, cells, taps, batch,
+              patch_rows, p_c, p_k, height, width, m_c, m_n, m_h, k_o, k_i,
               o_n, o_c, o_h, o_w, row_start, row_size, row_count,
-              col_start, col_size, col_count, weight_programs, weight_cols,
-              channel_blocks, patch_blocks,
+              col_start, col_size, col_count, weight_programs, weight_rows,
+              weight_cols, image_rows, channel_blocks, patch_blocks,
               HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_X: tl.constexpr,
               DEPTHWISE: tl.constexpr, ACC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -65,10 +65,15 @@ def _products(means, pooled, partial, grad_w, grad_b, kernel, out,
               BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
               COL_SIZE: tl.constexpr):
     """Both products in one launch: the first ``weight_programs``
-    programs compute the weight side (:func:`_weight_tile`, or
+    programs compute the weight side (per group, ``weight_rows x
+    weight_cols`` tiles of :func:`_weight_tile`; or
     :func:`_depthwise_weight_tile` per ``BLOCK_M`` channels), the others
-    the input side (:func:`_input_tile`): independent work, both reading
-    only ``g~`` and what the forward and the pass over ``g_y`` left."""
+    the input side (per group, image and patch row, ``channel_blocks x
+    patch_blocks`` tiles of :func:`_input_tile`): independent work, both
+    reading only ``g~`` and what the forward and the pass over ``g_y``
+    left. ``out_channels`` / ``in_channels`` count one group's (a
+    depthwise layer's: all channels, as one group); ``image_rows`` is
+    ``N x ph``."""
     pid = tl.program_id(0)
     if pid < weight_programs:
         if HAS_W or HAS_B:
@@ -78,18 +83,25 @@ def _products(means, pooled, partial, grad_w, grad_b, kernel, out,
                     out_channels, cells, taps, batch, patch_rows, p_c, p_k,
                     HAS_W, HAS_B, ACC, BLOCK_M, BLOCK_K)
             else:
+                per_group = weight_rows * weight_cols
+                g = pid // per_group
+                tile = pid % per_group
                 _weight_tile(
-                    pid // weight_cols, pid % weight_cols, means, pooled,
+                    tile // weight_cols, tile % weight_cols,
+                    g * out_channels, g * in_channels, means, pooled,
                     partial, grad_w, grad_b, out_channels, in_channels,
-                    cells, taps, batch, patch_rows, p_c, p_k, HAS_W, HAS_B,
-                    ACC, BLOCK_M, BLOCK_N, BLOCK_K)
+                    out_channels * groups, cells, taps, batch, patch_rows,
+                    p_c, p_k, HAS_W, HAS_B, ACC, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         if HAS_X:
             q = pid - weight_programs
             per_row = channel_blocks * patch_blocks
+            row = q // per_row  # (group, image, patch row)
+            g = row // image_rows
             _input_tile(
-                q // per_row, (q // patch_blocks) % channel_blocks,
-                q % patch_blocks, means, kernel, out, out_channels,
+                row % image_rows, (q // patch_blocks) % channel_blocks,
+                q % patch_blocks, g * out_channels, g * in_channels, means,
+                kernel, out, out_channels,
                 in_channels, height, width, m_c, m_n, m_h, k_o, k_i, o_n,
                 o_c, o_h, o_w, row_start, row_size, row_count, col_start,
                 col_size, col_count, ACC, BLOCK_C, BLOCK_O, BLOCK_P,
@@ -97,20 +109,23 @@ def _products(means, pooled, partial, grad_w, grad_b, kernel, out,
 
 
 @triton.jit
-def _weight_tile(pid_m, pid_n, means, pooled, partial, grad_w, grad_b,
-                 out_channels, in_channels, cells, taps, batch, patch_rows,
-                 p_c, p_k, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                 ACC: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The ``(pid_m, pid_n)`` ``BLOCK_M x BLOCK_N`` tile of ``Co x Ci``:
-    ``g_W~ = means x pooled^T`` over the ``cells`` (``N ph pw``) axis,
-    stored to each of the ``taps`` of ``grad_w`` (``Co x Ci x taps``,
-    contiguous, the weight's dtype); the first column of tiles also sums
-    ``partial`` (``N x Co x ph``: ``batch x patch_rows`` terms per
-    channel, in a fixed order) into ``grad_b``."""
-    o = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _weight_tile(pid_m, pid_n, o_base, c_base, means, pooled, partial,
+                 grad_w, grad_b, out_channels, in_channels, all_out, cells,
+                 taps, batch, patch_rows, p_c, p_k, HAS_W: tl.constexpr,
+                 HAS_B: tl.constexpr, ACC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The ``(pid_m, pid_n)`` ``BLOCK_M x BLOCK_N`` tile of one group's
+    ``Co/g x Ci/g`` (its output channels from ``o_base``, its input
+    channels from ``c_base``): ``g_W~ = means x pooled^T`` over the
+    ``cells`` (``N ph pw``) axis, stored to each of the ``taps`` of
+    ``grad_w`` (``Co x Ci/g x taps``, contiguous, the weight's dtype); the
+    first column of tiles also sums ``partial`` (``N x Co x ph``, ``Co =
+    all_out``: ``batch x patch_rows`` terms per channel, in a fixed order)
+    into ``grad_b``."""
+    o = o_base + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_ok = o < out_channels
+    o_ok = o < o_base + out_channels
     c_ok = c < in_channels
     tile_ok = o_ok[:, None] & c_ok[None, :]
     if HAS_W:
@@ -121,7 +136,7 @@ def _weight_tile(pid_m, pid_n, means, pooled, partial, grad_w, grad_b,
             k_ok = kk < cells
             a = tl.load(means + o[:, None].to(tl.int64) * cells + kk[None, :],
                         mask=o_ok[:, None] & k_ok[None, :], other=0.)
-            b = tl.load(pooled + c[None, :].to(tl.int64) * p_c +
+            b = tl.load(pooled + (c_base + c)[None, :].to(tl.int64) * p_c +
                         kk[:, None].to(tl.int64) * p_k,
                         mask=k_ok[:, None] & c_ok[None, :], other=0.)
             acc += tl.dot(a, b.to(ACC), input_precision='ieee',
@@ -134,7 +149,7 @@ def _weight_tile(pid_m, pid_n, means, pooled, partial, grad_w, grad_b,
         if pid_n == 0:
             total = tl.zeros([BLOCK_M], ACC)
             for n in range(0, batch):  # partial: N x Co x ph
-                row = partial + (n * out_channels + o) * patch_rows
+                row = partial + (n * all_out + o) * patch_rows
                 for a in range(0, patch_rows):
                     total += tl.load(row + a, mask=o_ok, other=0.)
             tl.store(grad_b + o, total.to(grad_b.dtype.element_ty),
@@ -176,20 +191,23 @@ def _depthwise_weight_tile(pid, means, pooled, partial, grad_w, grad_b,
 
 
 @triton.jit
-def _input_tile(pid_row, pid_c, pid_p, means, kernel, out, out_channels,
-                in_channels, height, width, m_c, m_n, m_h, k_o, k_i,
+def _input_tile(pid_row, pid_c, pid_p, o_base, c_base, means, kernel, out,
+                out_channels, in_channels, height, width, m_c, m_n, m_h,
+                k_o, k_i,
                 o_n, o_c, o_h, o_w, row_start, row_size, row_count,
                 col_start, col_size, col_count,
                 ACC: tl.constexpr, BLOCK_C: tl.constexpr,
                 BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
                 COL_SIZE: tl.constexpr, DEPTHWISE: tl.constexpr):
     """The tile of (image and patch row ``pid_row``, ``BLOCK_C`` input
-    channels, ``BLOCK_P`` patches of the row): ``g_x~ = W~^T g~`` for those
-    patches (``kernel``: ``W~``, ``Co x Ci`` at strides ``k_o, k_i``), each
-    value stored to the ``row_size x col_size`` pixels of its patch that
-    lie on the map (``out``: ``N x Ci x H x W`` at any strides).
-    ``DEPTHWISE``: channel ``c`` reads output channel ``c`` only (``W~``
-    is ``C x 1``), a product per element instead of a ``tl.dot``."""
+    channels, ``BLOCK_P`` patches of the row) of one group (its output
+    channels from ``o_base``, its input channels from ``c_base``): ``g_x~
+    = W~^T g~`` for those patches (``kernel``: ``W~``, ``Co x Ci/g`` at
+    strides ``k_o, k_i``), each value stored to the ``row_size x
+    col_size`` pixels of its patch that lie on the map (``out``: ``N x Ci
+    x H x W`` at any strides). ``DEPTHWISE``: channel ``c`` reads output
+    channel ``c`` only (``W~`` is ``C x 1``), a product per element
+    instead of a ``tl.dot``."""
     n = pid_row // row_count
     a = pid_row % row_count
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -206,8 +224,8 @@ def _input_tile(pid_row, pid_c, pid_p, means, kernel, out, out_channels,
         acc = tl.zeros([BLOCK_C, BLOCK_P], ACC)
         o = tl.arange(0, BLOCK_O)
         for o0 in range(0, out_channels, BLOCK_O):
-            oo = o0 + o
-            o_ok = oo < out_channels
+            oo = o_base + o0 + o
+            o_ok = oo < o_base + out_channels
             w = tl.load(kernel + oo[None, :] * k_o + c[:, None] * k_i,
                         mask=c_ok[:, None] & o_ok[None, :], other=0.)
             g = tl.load(means + oo[:, None].to(tl.int64) * m_c + n * m_n +
@@ -221,7 +239,8 @@ def _input_tile(pid_row, pid_c, pid_p, means, kernel, out, out_channels,
               & (col < width))
     value = tl.broadcast_to(acc[:, :, None], [BLOCK_C, BLOCK_P, COL_SIZE])
     value = value.to(out.dtype.element_ty)
-    base = (out + n.to(tl.int64) * o_n + c[:, None, None].to(tl.int64) * o_c
+    base = (out + n.to(tl.int64) * o_n +
+            (c_base + c)[:, None, None].to(tl.int64) * o_c
             + col[None, :, :] * o_w)
     mask = c_ok[:, None, None] & col_ok[None, :, :]
     top = row_start + a * row_size
@@ -241,7 +260,7 @@ def products(means: Tensor, pooled: Optional[Tensor],
              rows: Optional[Patches], cols: Optional[Patches],
              need_w: bool, need_b: bool,
              grad_dtype: Optional[torch.dtype] = None,
-             depthwise: bool = False) -> Tuple[Tensor, Tensor]:
+             groups: int = 1) -> Tuple[Tensor, Tensor]:
     """One launch for both products (see the module docstring).
 
     Args:
@@ -252,17 +271,18 @@ def products(means: Tensor, pooled: Optional[Tensor],
             transpose), any float dtype; None unless ``need_w``.
         partial: the bias's partial sums ``N x Co x ph``, contiguous in the
             accumulation dtype; None unless ``need_b``.
-        weight: ``Co x Ci x taps...`` (a conv's ``Co x Ci x kh x kw`` or a
-            Linear's ``Co x Ci``): ``g_W``'s shape.
-        tap_sums: ``W~`` (``Co x Ci``, any strides, any float dtype;
-            ``C x 1`` for a depthwise layer) when ``out`` is given.
+        weight: ``Co x Ci/g x taps...`` (a conv's ``Co x Ci/g x kh x kw``
+            or a Linear's ``Co x Ci``): ``g_W``'s shape.
+        tap_sums: ``W~`` (``Co x Ci/g``, any strides, any float dtype)
+            when ``out`` is given.
         out: ``g_x`` (``N x Ci x H x W`` at any strides, zeroed by the
             caller where the patches ``rows`` / ``cols`` do not cover it,
             :func:`covers`), or None where no input gradient is needed.
         need_w, need_b: whether ``g_W`` / ``g_b`` are written.
         grad_dtype: ``g_W``'s dtype (default: the weight's).
-        depthwise: a depthwise layer (``groups == Co == Ci``, the weight
-            ``C x 1 x ...``, ``pooled`` ``C x cells``); else dense.
+        groups: the conv's groups (``pooled`` holds all ``Ci`` channels);
+            a depthwise layer (``groups == Co == Ci``) takes per-channel
+            products instead of ``tl.dot`` tiles.
 
     Returns:
         ``(g_W, g_b)``: ``g_W`` in the weight's shape and ``grad_dtype``
@@ -271,9 +291,8 @@ def products(means: Tensor, pooled: Optional[Tensor],
         holds ``g_x``.
     """
     acc = means.dtype
-    co, ci = weight.shape[:2]
-    if out is not None:
-        ci = out.shape[1]  # a depthwise layer's weight has one per group
+    co = weight.shape[0]
+    depthwise = groups > 1 and groups == co and weight.shape[1] == 1
     taps = weight[0, 0].numel()
     cells = means[0].numel()
     grad_w = (torch.empty_like(weight, dtype=grad_dtype,
@@ -281,28 +300,30 @@ def products(means: Tensor, pooled: Optional[Tensor],
               if need_w else means.new_empty((0, )))
     grad_b = means.new_empty((co, ) if need_b else (0, ))
     p = pooled if need_w else means
-    weight_side = need_w or need_b
-    if depthwise:
+    if depthwise:  # one group of all channels, elementwise
+        groups, co_g, ci_g = 1, co, co
         block_m, block_n = _tile(co, 64), 1
-        weight_cols, weight_programs = 1, triton.cdiv(co, block_m)
+        weight_rows, weight_cols = triton.cdiv(co, block_m), 1
     else:
-        block_m, block_n = _tile(co, 64), _tile(ci, 64)
-        weight_cols = triton.cdiv(ci, block_n)
-        weight_programs = triton.cdiv(co, block_m) * weight_cols
-    weight_programs *= int(weight_side)
+        co_g, ci_g = co // groups, weight.shape[1]
+        block_m, block_n = _tile(co_g, 64), _tile(ci_g, 64)
+        weight_rows = triton.cdiv(co_g, block_m)
+        weight_cols = triton.cdiv(ci_g, block_n)
+    weight_programs = (groups * weight_rows * weight_cols
+                       if need_w or need_b else 0)
     if out is None:
         geometry = (0, ) * 16 + (1, )
-        blocks, input_programs = (1, 1), 0
+        blocks, image_rows, input_programs = (1, 1), 1, 0
         block_c = block_p = col_size = 16
         # placeholders: a tensor read anyway, one written anyway (or empty)
         kernel, dst = means, grad_b
     else:
-        n, channels, height, width = out.shape
-        block_c = _tile(channels, 64)
+        n, _, height, width = out.shape
+        block_c = _tile(ci_g, 64)
         block_p = _tile(cols[2], 32)
-        blocks = (triton.cdiv(channels, block_c),
-                  triton.cdiv(cols[2], block_p))
-        input_programs = n * rows[2] * blocks[0] * blocks[1]
+        blocks = (triton.cdiv(ci_g, block_c), triton.cdiv(cols[2], block_p))
+        image_rows = n * rows[2]
+        input_programs = groups * image_rows * blocks[0] * blocks[1]
         col_size = triton.next_power_of_2(cols[1])
         kernel, dst = tap_sums, out
         geometry = (height, width, *means.stride()[:3],
@@ -311,13 +332,14 @@ def products(means: Tensor, pooled: Optional[Tensor],
         return grad_w, grad_b
     _products[(weight_programs + input_programs, )](
         means, p, partial if need_b else means, grad_w, grad_b, kernel, dst,
-        co, ci, cells, taps, partial.shape[0] if need_b else 0,
+        co_g, ci_g, groups, cells, taps, partial.shape[0] if need_b else 0,
         partial.shape[2] if need_b else 0, p.stride(0) if need_w else 0,
         p.stride(1) if need_w else 0, *geometry, weight_programs,
-        weight_cols, *blocks, HAS_W=bool(need_w), HAS_B=bool(need_b),
-        HAS_X=out is not None, DEPTHWISE=bool(depthwise), ACC=_acc(acc),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, BLOCK_C=block_c,
-        BLOCK_O=32, BLOCK_P=block_p, COL_SIZE=col_size, **LAUNCH_OPTIONS)
+        weight_rows, weight_cols, image_rows, *blocks, HAS_W=bool(need_w),
+        HAS_B=bool(need_b), HAS_X=out is not None,
+        DEPTHWISE=bool(depthwise), ACC=_acc(acc), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=32, BLOCK_C=block_c, BLOCK_O=32,
+        BLOCK_P=block_p, COL_SIZE=col_size, **LAUNCH_OPTIONS)
     return grad_w, grad_b
 
 

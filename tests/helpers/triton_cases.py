@@ -266,21 +266,18 @@ def _count_backward(x, w, b, stride, padding, groups, radius, need):
 
 
 # (kind, kernel, bias, need x / w / b) -> (Triton launches, torch kernels).
-# The fewest the design allows. A dense or depthwise layer: one pass over
-# g_y (patch means, the bias's partial sums and, when g_x needs a k x k
-# kernel's W~, its tap sums in further programs), one launch for both
-# products (g_W in every tap and g_b; g_x written from the registers;
-# ops/triton_products.py). Other grouped: the pass over g_y, the products
-# on the patch grid (cuBLAS), one pass writing g_x, the bias's final sum,
-# the taps' sum when the input needs a gradient, and g_W stored in every
-# tap (the copy autograd makes of a broadcast gradient).
+# The fewest the design allows, dense, grouped and depthwise alike: one
+# pass over g_y (patch means, the bias's partial sums and, when g_x needs
+# a k x k kernel's W~, its tap sums in further programs), one launch for
+# both products (g_W in every tap and g_b; g_x written from the registers;
+# ops/triton_products.py).
 LAUNCHES = {
     ('dense', 1, False, (True, True, False)): (2, 0),
     ('dense', 1, True, (True, True, True)): (2, 0),
     ('dense', 3, True, (True, True, True)): (2, 0),
     ('dense', 3, False, (False, True, False)): (2, 0),
     ('dense', 3, False, (True, False, False)): (2, 0),
-    ('grouped', 3, True, (True, True, True)): (2, 5),
+    ('grouped', 3, True, (True, True, True)): (2, 0),
     # padding 0: Q(0) starts at pixel 1, g_x is zeroed before the spread
     ('depthwise', 3, True, (True, True, True)): (2, 1),
     ('depthwise', 1, False, (True, True, False)): (2, 0),
@@ -341,22 +338,23 @@ def test_channels_last_input_takes_the_triton_path(kind):
                                    atol=1e-6 * float(r.abs().max()))
 
 
-@pytest.mark.parametrize('kernel,stride,padding,groups',
-                         [(3, 1, 0, 1), (1, 2, 0, 1), (3, 2, 0, 70)])
+@pytest.mark.parametrize('kernel,stride,padding,groups,ci,co', [
+    (3, 1, 0, 1, 70, 72), (1, 2, 0, 1, 70, 72), (3, 2, 0, 70, 70, 70),
+    (3, 2, 1, 2, 70, 72), (3, 2, 1, 12, 12, 72)])
 def test_fused_products_and_the_gemm_route_agree(kernel, stride, padding,
-                                                 groups):
-    """A dense or depthwise layer's fused kernels
-    (``ops/triton_products.py``) and, with ``MMSEG_GF_FUSED_PRODUCTS=0``,
-    its batched GEMMs, tap sum and spread give the gradients of
-    docs/gradient_filter.md to float64 rounding, with more channels than
-    one tile holds (70 in, 72 out; 70 depthwise), patches that leave pixels
-    uncovered included (a 3x3 kernel without padding: ``Q(0)`` starts at
-    pixel 1; those pixels get 0)."""
+                                                 groups, ci, co):
+    """A layer's fused launch (``ops/triton_products.py``) and, with
+    ``MMSEG_GF_FUSED_PRODUCTS=0``, its batched GEMMs, tap sum and spread
+    give the gradients of docs/gradient_filter.md to float64 rounding,
+    with more channels than one tile holds: dense (70 in, 72 out),
+    depthwise (70), two groups (35 in, 36 out each), and a depthwise conv
+    with 6 outputs per channel (BiSeNet's gather-and-expand layers);
+    patches that leave pixels uncovered included (a 3x3 kernel without
+    padding: ``Q(0)`` starts at pixel 1; those pixels get 0)."""
     from mmseg_gf.ops import switches
     gen = torch.Generator().manual_seed(3)
-    co = 72 if groups == 1 else groups
-    x = torch.randn(2, 70, 11, 13, generator=gen, dtype=torch.float64)
-    w = torch.randn(co, 70 // groups, kernel, kernel, generator=gen,
+    x = torch.randn(2, ci, 11, 13, generator=gen, dtype=torch.float64)
+    w = torch.randn(co, ci // groups, kernel, kernel, generator=gen,
                     dtype=torch.float64)
     b = torch.randn(co, generator=gen, dtype=torch.float64)
     results = {}
