@@ -63,10 +63,14 @@ def _images_contiguous(grad: Tensor) -> bool:
     return grad.stride()[1:] == (h * w, w, 1)
 
 
-def _compiled(grad: Tensor) -> bool:
+def _native_dtype(grad: Tensor) -> bool:
+    """The compiled CPU kernel takes ``grad``."""
     return (native.available() and grad.device.type == 'cpu'
-            and grad.dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling())
+            and grad.dtype in (torch.float32, torch.float64))
+
+
+def _compiled(grad: Tensor) -> bool:
+    return _native_dtype(grad) and not torch.compiler.is_compiling()
 
 
 def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
@@ -77,13 +81,16 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
     where each image of ``grad`` is contiguous (a channel slice of a batch):
     with the compiled kernels on CPU (float32 / float64) one axis at a
     time (:func:`~.native.bilinear_backward`, torch's terms in another
-    order), otherwise torch's ``upsample_bilinear2d_backward`` image by
-    image; any other layout (and ``torch.compile``, whose graph lays the
-    gradient out itself) goes to torch's kernel, which copies it."""
+    order; under ``torch.compile`` as its operator), otherwise torch's
+    ``upsample_bilinear2d_backward`` image by image; any other layout goes
+    to torch's kernel, which copies it."""
     out_size = list(grad.shape[2:])
     if bilinear_gemm.usable(grad):
         return bilinear_gemm.resize_backward(grad, input_size[2:],
                                              align_corners, scales)
+    if torch.compiler.is_compiling() and _native_dtype(grad):
+        return native.bilinear_backward_op(grad, list(input_size),
+                                           bool(align_corners), *scales)
     if not _images_contiguous(grad) or torch.compiler.is_compiling():
         return torch.ops.aten.upsample_bilinear2d_backward(
             grad, out_size, list(input_size), align_corners, *scales)

@@ -130,6 +130,42 @@ def test_native_operators_pass_opcheck():
         torch.library.opcheck(
             torch.ops.mmseg_gf.native_collapsed_backward,
             (grad, pooled, weight, 1, 1.0, [9, 7], rows, cols, 4, *needs))
+    # a channel slice's gradient, with and without the scales
+    sliced = torch.randn(2, 6, 11, 13)[:, 1:4]
+    for scales in ((None, None), (2.1, 1.9)):
+        torch.library.opcheck(torch.ops.mmseg_gf.native_bilinear_backward,
+                              (sliced, [2, 3, 5, 6], False, *scales))
+
+
+@KERNELS
+def test_compiled_resize_backward_takes_the_kernel():
+    """Under ``torch.compile`` a resize's backward is the compiled kernel's
+    operator (Inductor's own code for torch's backward was 7x slower on a
+    PSPNet step), equal to torch's gradient within float32 rounding."""
+    def fn(x):
+        with strided_gradient_resizes():
+            up = nn.functional.interpolate(x, size=(11, 13), mode='bilinear')
+        return torch.cat([up, up * 2], 1)
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 3, 5, 6)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return make_boxed_func(gm.forward)
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(
+        fw_compiler=backend, bw_compiler=backend))
+    got = _step(compiled, x)
+    assert 'mmseg_gf.native_bilinear_backward.default' in seen
+    want = _step(lambda t: torch.cat([
+        nn.functional.interpolate(t, size=(11, 13), mode='bilinear')] * 2,
+        1) * torch.tensor([1.0] * 3 + [2.0] * 3).view(1, 6, 1, 1), x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not bit_mask.native_available(),
