@@ -251,8 +251,8 @@ def bilinear_backward_op(grad: Tensor, input_size: List[int],
                          align_corners: bool, scale_h: Optional[float],
                          scale_w: Optional[float]) -> Tensor:
     """:func:`bilinear_backward` as a torch operator (what a compiled graph
-    calls; Inductor's own code for ``upsample_bilinear2d_backward`` on CPU
-    took 7x the kernel's time in a PSPNet-R18 step): a new contiguous
+    calls, where it called torch's ``upsample_bilinear2d_backward``, 7x
+    this kernel's time in a PSPNet-R18 step on CPU): a new contiguous
     gradient of ``input_size`` from a float32 / float64 CPU ``grad`` at any
     strides (copied where an image is not contiguous)."""
     _, _, h, w = grad.shape
