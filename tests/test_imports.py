@@ -87,6 +87,9 @@ FUNCTION_LEVEL_ALLOWED = {
     'use, so mmseg_gf.ops imports without triton',
     ('mmseg_gf.ops.triton_path', 'mmseg_gf.ops.triton_products'):
     'the kernels import triton: loaded on first GPU-path use',
+    ('mmseg_gf.ops.triton_conv_block',
+     'mmseg_gf.ops.triton_conv_block_kernels'):
+    'the kernels import triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.triton_bit_mask', 'mmseg_gf.ops.triton_bit_mask_kernels'):
     'the kernels import triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.triton_norm', 'mmseg_gf.ops.triton_norm_kernels'):
