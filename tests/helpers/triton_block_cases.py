@@ -230,3 +230,20 @@ def test_resnet_blocks_equal_their_modules(kind, stride, fused):
     gradients (the switch off: every module on its own)."""
     block = _resnet_block(kind, stride)
     _check_fused_against_modules(block, (2, 6, 9, 10), seed=3, fused=fused)
+
+
+def test_frozen_conv_weight_keeps_no_patch_sums():
+    """A block whose conv weight is frozen (only ``g_x`` needed): the
+    forward launch writes no patch sums, the output and ``g_x`` are the
+    modules'."""
+    block = _block(bias=True)
+    block.conv.weight.requires_grad_(False)
+    block.conv.bias.requires_grad_(False)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 6, 9, 11, generator=gen)
+    g = torch.randn(2, 8, 9, 11, generator=gen)
+    want_out, want, _ = _run(block, x, g, fused=False)
+    got_out, got, ran = _run(block, x, g, fused=True)
+    assert ran == 1
+    torch.testing.assert_close(got_out, want_out, **FORWARD)
+    _assert_close_grads(got, want)
