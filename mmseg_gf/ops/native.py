@@ -238,33 +238,11 @@ def bilinear_backward(grad: Tensor, out: Tensor, align_corners: bool,
     contiguous, float32 / float64 CPU) into ``out`` (contiguous, the
     input's shape), one axis at a time (``csrc/bilinear_backward.cpp``: the
     same terms summed in another order); returns ``out``. Under
-    ``torch.compile`` it is the operator :func:`bilinear_backward_op`."""
+    ``torch.compile`` :func:`~.resize.bilinear_backward_op` calls it."""
     _kernels.bilinear_backward(grad, out, bool(align_corners),
                                *(-1.0 if s is None else float(s)
                                  for s in scales))
     return out
-
-
-@torch.library.custom_op('mmseg_gf::native_bilinear_backward',
-                         mutates_args=())
-def bilinear_backward_op(grad: Tensor, input_size: List[int],
-                         align_corners: bool, scale_h: Optional[float],
-                         scale_w: Optional[float]) -> Tensor:
-    """:func:`bilinear_backward` as a torch operator (what a compiled graph
-    calls, where it called torch's ``upsample_bilinear2d_backward``, 7x
-    this kernel's time in a PSPNet-R18 step on CPU): a new contiguous
-    gradient of ``input_size`` from a float32 / float64 CPU ``grad`` at any
-    strides (copied where an image is not contiguous)."""
-    _, _, h, w = grad.shape
-    if grad.stride()[1:] != (h * w, w, 1):
-        grad = grad.contiguous()
-    return bilinear_backward(grad, grad.new_empty(input_size), align_corners,
-                             (scale_h, scale_w))
-
-
-@bilinear_backward_op.register_fake
-def _(grad, input_size, align_corners, scale_h, scale_w):
-    return grad.new_empty(input_size)
 
 
 #: Bytes of patch means and ``g_x~`` that :func:`token_filtered_backward`

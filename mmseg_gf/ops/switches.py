@@ -92,9 +92,9 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            'path).', on_unless_zero,
            setter='mmseg_gf.ops.triton_path.set_enabled'),
     Switch('MMSEG_GF_FUSED_PRODUCTS', True, bool,
-           "A dense or depthwise filtered layer's patch-grid products on "
-           'the Triton path as one fused launch (`0`: batched GEMMs, a tap '
-           'sum and a spread; ops/triton_products.py says why).',
+           "A filtered layer's patch-grid products on the Triton path as "
+           'one fused launch (`0`: batched GEMMs, a tap sum and a spread; '
+           'ops/triton_products.py says why).',
            on_unless_zero),
     Switch('MMSEG_GF_CONV_BLOCKS', True, bool,
            "mmcv ConvModules of a filtered conv, a frozen batch norm and a "

@@ -23,8 +23,9 @@ from torch import Tensor
 from . import triton_path
 from .triton_path import _is_fake, _on_device
 
-__all__ = ['usable', 'takes_dtype', 'pack', 'apply', 'activate_and_pack',
-           'activation_code', 'FORMULAS', 'apply_per_sample']
+__all__ = ['usable', 'takes_dtype', 'empty_bits', 'pack', 'apply',
+           'activate_and_pack', 'activation_code', 'FORMULAS',
+           'apply_per_sample']
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -52,7 +53,9 @@ def _kernels():
     return triton_bit_mask_kernels
 
 
-def _empty_bits(t: Tensor) -> Tensor:
+def empty_bits(t: Tensor) -> Tensor:
+    """The uninitialised packed mask of ``t`` (a byte per 8 elements), for
+    a kernel that writes it in full."""
     return torch.empty(((t.numel() + 7) // 8, ), dtype=torch.uint8,
                        device=t.device)
 
@@ -60,7 +63,7 @@ def _empty_bits(t: Tensor) -> Tensor:
 def pack(x: Tensor, lo: float, hi: float, nan_bit: bool) -> Tensor:
     """The packed bits of ``lo < x < hi`` (``hi = inf``: no upper bound;
     NaN: ``nan_bit``) of a :func:`usable` ``x``, in one launch."""
-    bits = _empty_bits(x)
+    bits = empty_bits(x)
     with _on_device(x):
         _kernels().pack(x, bits, lo, hi, nan_bit)
     return bits
@@ -95,7 +98,7 @@ def activate_and_pack(x: Tensor, y: Tensor, formula: str, lo: float,
     ``nan_bit``), both in one pass over ``x``."""
     kernels = _kernels()
     act = activation_code(formula)
-    bits = _empty_bits(x)
+    bits = empty_bits(x)
     with _on_device(x):
         kernels.pack(x, bits, lo, hi, nan_bit, act, y, off_scale)
     return bits

@@ -101,9 +101,6 @@ def _pack_block(pid, x, y, bits, numel, lo, hi, off_scale, mean, var,
     if ACT == 2:  # SCALE: NaN has no bit and stays NaN through the product
         out = tl.where(bit, v, (f * off_scale).to(v.dtype))
         tl.store(y + idx, out, mask=inside)
-    if ACT == 0:
-        if NORM:  # the norm's output itself
-            tl.store(y + idx, v, mask=inside)
 
 
 @triton.jit

@@ -101,8 +101,7 @@ class FilteredConvBlockFunction(Function):
         if not y.is_contiguous(memory_format=layout):
             y = y.contiguous(memory_format=layout)
         out = torch.empty_like(y, memory_format=layout)
-        bits = torch.empty(((y.numel() + 7) // 8, ), dtype=torch.uint8,
-                           device=y.device)
+        bits = triton_bit_mask.empty_bits(y)
         pooled = (x.new_empty((x.shape[1], x.shape[0], rows[2], cols[2]))
                   if ctx.needs_input_grad[1] else None)
         formula, lo, hi, nan_bit, off_scale = activation

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_bit_mask_kernels import _BLOCK, _pack_block
+from .triton_bit_mask_kernels import _BLOCK, _pack_block, _programs
 from .triton_kernels import (LAUNCH_OPTIONS, Patches, _acc,
                              _reduce_patch_row, reduce_meta)
 
@@ -76,7 +76,7 @@ def block_forward(y: Tensor, out: Tensor, bits: Tensor, norm: tuple,
     act, lo, hi, nan_bit, off_scale = activation
     n, c, height, width = y.shape
     numel = y.numel()
-    pack_programs = triton.cdiv(triton.cdiv(numel, 8), _BLOCK)
+    pack_programs = _programs(numel)[0]
     bounded = hi != float('inf')
     if sums is None:  # placeholders: tensors read and written anyway
         sum_args, sum_programs = (y, out, 0, 0, 0) + (0, ) * 14, 0

@@ -18,9 +18,9 @@ full-size memory in exactly two places, and these kernels are those places:
   its patch (zero outside every patch).
 
 Everything between them (the two channel-mixing products) lives on the
-``1/r^2``-sized patch grid: one launch of :mod:`.triton_products` for dense
-and depthwise layers (which writes ``g_x`` itself, no ``_spread``), cuBLAS
-GEMMs for other grouped convs (``triton_path``).
+``1/r^2``-sized patch grid: one launch of :mod:`.triton_products`, which
+writes ``g_x`` itself (no ``_spread``); with ``MMSEG_GF_FUSED_PRODUCTS=0``
+cuBLAS GEMMs and a ``_spread`` (``triton_path``).
 
 The grids are laid out channel-major (``C x N x ph x pw``): the weight
 gradient then reduces over batch and patches as one contiguous axis, one

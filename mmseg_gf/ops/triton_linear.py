@@ -113,8 +113,8 @@ def _fused(means: Tensor, partial: Tensor, x_sums: Optional[Tensor],
            weight: Tensor, out_rows: Optional[Tensor], rows, cols,
            need_w: bool, need_b: bool
            ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """:func:`filtered_backward` after the pass over ``g_y``, as the two
-    kernels of :mod:`.triton_products`."""
+    """:func:`filtered_backward` after the pass over ``g_y``, as the one
+    launch of :mod:`.triton_products`."""
     sums = x_sums.reshape(-1, x_sums.shape[-1]).t() if need_w else None
     out = None if out_rows is None else out_rows.permute(0, 3, 1, 2)
     grad_w, grad_b = _products().products(

@@ -340,14 +340,13 @@ def _fused_backward(means: Tensor, partial: Tensor,
                     input_pooled: Optional[Tensor], weight: Tensor,
                     tap_sums: Optional[Tensor], grad_output: Tensor,
                     input_height: int, input_width: int, rows: List[int],
-                    cols: List[int],
-                    input_dtype: torch.dtype, need_input: bool,
+                    cols: List[int], input_dtype: torch.dtype,
+                    need_input: bool,
                     need_weight: bool, need_bias: bool, groups: int
                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_collapsed_backward` of a conv after the
-    pass over ``g_y`` (which also summed the taps into ``tap_sums``,
-    ``W~``): ``g_W`` (every tap), ``g_b`` and ``g_x`` in one launch
-    (:mod:`.triton_products`)."""
+    """:func:`_collapsed_backward` of a conv after the pass over ``g_y``
+    (which also summed the taps into ``tap_sums``, ``W~``): ``g_W`` (every
+    tap), ``g_b`` and ``g_x`` in one launch (:mod:`.triton_products`)."""
     products = _products()
     out = None
     if need_input:

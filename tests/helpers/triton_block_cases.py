@@ -74,22 +74,29 @@ def _run(block, x, g, fused: bool):
 FORWARD = dict(rtol=1e-6, atol=1e-6)
 
 
+def _compare_with_modules(block, x, g, fused: int = 1):
+    """One call of ``block`` on ``x`` (backward from ``g``), fused and with
+    its modules: ``fused`` fused nodes ran (none with the switch off), the
+    outputs equal to float32 rounding (:data:`FORWARD`), the gradients the
+    modules' (:func:`_assert_close_grads`). Returns the fused output."""
+    want_out, want, ran_plain = _run(block, x, g, fused=False)
+    got_out, got, ran = _run(block, x, g, fused=True)
+    assert (ran_plain, ran) == (0, fused)
+    torch.testing.assert_close(got_out, want_out, **FORWARD)
+    _assert_close_grads(got, want)
+    return got_out
+
+
 def _check_fused_against_modules(block, shape, seed: int, fused: int):
-    """One call of ``block`` on a random input: ``fused`` fused nodes ran,
-    the output equals the modules' and the plain forward's to float32
-    rounding (:data:`FORWARD`), the gradients the modules'
-    (:func:`_assert_close_grads`)."""
+    """:func:`_compare_with_modules` on a random input, the output also
+    the plain forward's to float32 rounding."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen)
     with torch.no_grad():
         y = block(x.to(DEVICE))
     g = torch.randn(y.shape, generator=gen)
-    want_out, want, ran_plain = _run(block, x, g, fused=False)
-    got_out, got, ran = _run(block, x, g, fused=True)
-    assert (ran_plain, ran) == (0, fused)
-    torch.testing.assert_close(got_out, want_out, **FORWARD)
+    got_out = _compare_with_modules(block, x, g, fused)
     torch.testing.assert_close(got_out, y.cpu(), **FORWARD)  # plain forward
-    _assert_close_grads(got, want)
 
 
 def _assert_close_grads(got, want):
@@ -122,11 +129,7 @@ def test_non_affine_norm_and_channels_last():
     x = torch.randn(2, 6, 8, 10, generator=gen).contiguous(
         memory_format=torch.channels_last)
     g = torch.randn(2, 8, 8, 10, generator=gen)
-    want_out, want, _ = _run(block, x, g, fused=False)
-    got_out, got, ran = _run(block, x, g, fused=True)
-    assert ran == 1
-    torch.testing.assert_close(got_out, want_out, **FORWARD)
-    _assert_close_grads(got, want)
+    _compare_with_modules(block, x, g)
 
 
 def test_two_launches_forward_and_backward():
@@ -242,8 +245,4 @@ def test_frozen_conv_weight_keeps_no_patch_sums():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 6, 9, 11, generator=gen)
     g = torch.randn(2, 8, 9, 11, generator=gen)
-    want_out, want, _ = _run(block, x, g, fused=False)
-    got_out, got, ran = _run(block, x, g, fused=True)
-    assert ran == 1
-    torch.testing.assert_close(got_out, want_out, **FORWARD)
-    _assert_close_grads(got, want)
+    _compare_with_modules(block, x, g)
