@@ -165,8 +165,15 @@ def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
     ``Co x Ci/groups x 1 x 1`` kernel.
     """
     if torch.compiler.is_compiling():
+        # The kernel reads the weight only for its taps' sum W~ (its g_W
+        # is on the 1 x 1 pooled kernel): W~ summed in the graph, where it
+        # reads the weight at the strides the graph keeps it in (Inductor
+        # lays out conv weights channels-last; the operator would take a
+        # contiguous copy of the whole weight first)
+        kernel = (weight if weight[0, 0].numel() == 1 else
+                  weight.sum(dim=(2, 3), keepdim=True))
         grads = _collapsed_backward_op(
-            grad_output, input_pooled, weight, groups, scale,
+            grad_output, input_pooled, kernel, groups, scale,
             list(input_size), list(rows), list(cols), radius, need_input,
             need_weight, need_bias)
         return tuple(g if need else None for g, need in

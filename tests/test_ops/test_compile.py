@@ -137,6 +137,76 @@ def test_native_operators_pass_opcheck():
                               (sliced, [2, 3, 5, 6], False, *scales))
 
 
+def _targets(nodes) -> list:
+    return [str(n.target) for n in nodes]
+
+
+def _recording_compile(fn):
+    """``fn`` compiled (``fullgraph=True``, AOTAutograd without code
+    generation) and the list its forward and backward graphs' nodes are
+    appended to."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(gm.graph.nodes)
+        return make_boxed_func(gm.forward)
+
+    return torch.compile(fn, fullgraph=True, backend=aot_autograd(
+        fw_compiler=backend, bw_compiler=backend)), seen
+
+
+def test_pooled_conv_backward_operator():
+    """A dilated kernel's pooled-grid backward (the taps reach other
+    patches) is an operator under ``torch.compile``, where Inductor would
+    otherwise run ``aten.convolution_backward`` channels-last and copy the
+    weight's gradient back: opcheck, every combination of gradients."""
+    torch.manual_seed(0)
+    grad = torch.randn(2, 6, 4, 3)
+    padded = torch.randn(2, 4, 8, 7)
+    kernel = torch.randn(6, 2, 3, 3)
+    for needs in [(True, True), (True, False), (False, True)]:
+        torch.library.opcheck(torch.ops.mmseg_gf.pooled_conv_backward,
+                              (grad, padded, kernel, [2, 2], 2, *needs))
+
+
+def test_compiled_dilated_conv_takes_the_pooled_operator():
+    """Under ``torch.compile`` a filtered conv whose kernel does not
+    collapse calls the pooled-grid operator in its backward, with eager
+    mode's gradients."""
+    torch.manual_seed(0)
+    conv = GFConv2d(4, 5, 3, padding=3, dilation=3, radius=2)
+    x = torch.randn(2, 4, 10, 9)
+    compiled, seen = _recording_compile(conv)
+    got = _step(compiled, x, list(conv.parameters()))
+    assert 'mmseg_gf.pooled_conv_backward.default' in _targets(seen)
+    want = _step(conv, x, list(conv.parameters()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@KERNELS
+def test_compiled_collapsed_backward_reads_the_tap_sums():
+    """Under ``torch.compile`` the fused collapsed backward's operator is
+    given the kernel's tap sums ``W~`` (summed in the graph, at the
+    weight's strides there), not the weight: the gradients are eager
+    mode's, ``g_W`` in every tap."""
+    torch.manual_seed(0)
+    conv = GFConv2d(4, 5, 3, padding=1, radius=2)
+    x = torch.randn(2, 4, 10, 9)
+    compiled, seen = _recording_compile(conv)
+    got = _step(compiled, x, list(conv.parameters()))
+    op = torch.ops.mmseg_gf.native_collapsed_backward.default
+    assert [tuple(n.args[2].meta['val'].shape) for n in seen
+            if n.target is op] == [(5, 4, 1, 1)]
+    want = _step(conv, x, list(conv.parameters()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
 @KERNELS
 def test_compiled_resize_backward_takes_the_kernel():
     """Under ``torch.compile`` a resize's backward is the compiled kernel's
@@ -148,20 +218,10 @@ def test_compiled_resize_backward_takes_the_kernel():
             up = nn.functional.interpolate(x, size=(11, 13), mode='bilinear')
         return torch.cat([up, up * 2], 1)
 
-    torch._dynamo.reset()
     x = torch.randn(2, 3, 5, 6)
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes)
-        return make_boxed_func(gm.forward)
-
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(
-        fw_compiler=backend, bw_compiler=backend))
+    compiled, seen = _recording_compile(fn)
     got = _step(compiled, x)
-    assert 'mmseg_gf.native_bilinear_backward.default' in seen
+    assert 'mmseg_gf.native_bilinear_backward.default' in _targets(seen)
     want = _step(lambda t: torch.cat([
         nn.functional.interpolate(t, size=(11, 13), mode='bilinear')] * 2,
         1) * torch.tensor([1.0] * 3 + [2.0] * 3).view(1, 6, 1, 1), x)
