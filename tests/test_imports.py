@@ -92,6 +92,8 @@ FUNCTION_LEVEL_ALLOWED = {
     'the kernels import triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.triton_bit_mask', 'mmseg_gf.ops.triton_bit_mask_kernels'):
     'the kernels import triton: loaded on first GPU-path use',
+    ('mmseg_gf.ops.triton_linear', 'mmseg_gf.ops.triton_token_kernels'):
+    'the kernel imports triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.triton_norm', 'mmseg_gf.ops.triton_norm_kernels'):
     'the kernels import triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.resized_loss', 'mmseg_gf.ops.triton_loss_kernels'):

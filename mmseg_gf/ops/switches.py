@@ -96,6 +96,10 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            'one fused launch (`0`: batched GEMMs, a tap sum and a spread; '
            'ops/triton_products.py says why).',
            on_unless_zero),
+    Switch('MMSEG_GF_AUTOTUNE', True, bool,
+           "The fused products' tiles on a GPU chosen by `triton.autotune` "
+           'once per layer shape (`0`: fixed tiles from the shape; '
+           'ops/triton_products.py says which).', on_unless_zero),
     Switch('MMSEG_GF_CONV_BLOCKS', True, bool,
            "mmcv ConvModules of a filtered conv, a frozen batch norm and a "
            'bit-masked activation as one node on the Triton path (`0`: '

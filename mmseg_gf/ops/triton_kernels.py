@@ -32,12 +32,16 @@ installed (``triton_path`` does so lazily). Whether the kernels run
 compiled (CUDA tensors) or in triton's interpreter (CPU tensors, for tests)
 is fixed when this module is imported, by ``TRITON_INTERPRET``.
 """
-from typing import Optional, Tuple
+import contextlib
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 from torch import Tensor
+
+from . import switches
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
@@ -216,6 +220,79 @@ def _acc(dtype: torch.dtype):
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 
 
+def timed_by_default(fn: Callable, quantiles=None):
+    """How ``triton.autotune`` times a config here: triton's ``do_bench``
+    with 5 ms of warm-up and 20 ms of repeats (its defaults, 25 and 100,
+    would take seconds in a first step of many layer shapes)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20,
+                                   quantiles=quantiles)
+
+
+class Tuning:
+    """A kernel's ``triton.autotune`` wrapper, built on first use by
+    ``build(configs=None, do_bench=None)``, and whether launches take it.
+
+    On a GPU they do unless ``MMSEG_GF_AUTOTUNE=0`` (then the kernel with
+    the caller's fixed meta-parameters); under triton's interpreter they
+    do not (timing interpreted runs would slow the tests and choose
+    nothing a GPU would), except inside :meth:`using`: how the tests run
+    the autotuner, timed by the wall clock."""
+
+    def __init__(self, build: Callable) -> None:
+        self.build = build
+        self._tuner = None
+        self._override: List = []
+
+    def tuner(self):
+        """The autotuned launcher to take now, or None (fixed
+        meta-parameters)."""
+        if self._override:
+            return self._override[-1]
+        if switches.value('TRITON_INTERPRET') or \
+                not switches.value('MMSEG_GF_AUTOTUNE'):
+            return None
+        if self._tuner is None:
+            self._tuner = self.build()
+        return self._tuner
+
+    @contextlib.contextmanager
+    def using(self, tuner):
+        """Launches take ``tuner`` (one of :attr:`build`'s) inside the
+        block."""
+        self._override.append(tuner)
+        try:
+            yield tuner
+        finally:
+            self._override.pop()
+
+
+#: The warps ``triton.autotune`` times for :func:`_patch_reduce`, per
+#: :data:`REDUCE_KEY` (its tiles follow from the patches).
+REDUCE_WARPS = (2, 4, 8)
+
+#: The arguments a tuned choice of :func:`_patch_reduce` is kept for (with
+#: the tensors' dtypes, which triton adds).
+REDUCE_KEY = ['channels', 'height', 'width', 'row_count', 'col_count',
+              'pairs', 'MEAN', 'PARTIAL', 'MASKED', 'TAPS', 'CHANNELS_FAST']
+
+
+def tuned_reduce(configs=None, do_bench: Optional[Callable] = None):
+    """:func:`_patch_reduce` under ``triton.autotune`` over ``configs``
+    (default: :data:`REDUCE_WARPS`), keyed on :data:`REDUCE_KEY`, each
+    timed by ``do_bench`` (default :func:`timed_by_default`). A launch
+    writes all it writes (no accumulation): timing runs leave the right
+    result."""
+    return triton.autotune(
+        configs=configs or [triton.Config({}, num_warps=w)
+                            for w in REDUCE_WARPS],
+        key=REDUCE_KEY, do_bench=do_bench or timed_by_default)(
+            _patch_reduce)
+
+
+#: :func:`_patch_reduce`'s tuning.
+REDUCE_TUNING = Tuning(tuned_reduce)
+
+
 def reduce_meta(rows: Patches, cols: Patches,
                 channels_fast: bool = False) -> dict:
     """Tile sizes and program order of :func:`_patch_reduce` for these
@@ -260,7 +337,9 @@ def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
         pairs = tap_sums.numel()
         tap_args = (weight, tap_sums, pairs, weight.numel() // pairs)
         tap_programs = triton.cdiv(pairs, _TAP_BLOCK.value)
-    _patch_reduce[(programs + tap_programs, )](
+    tuner = REDUCE_TUNING.tuner()
+    launcher = _patch_reduce if tuner is None else tuner
+    launcher[(programs + tap_programs, )](
         src, dst_nchw, dst_nchw if partial is None else partial, c, height,
         width, *src.stride(), *dst_nchw.stride(), *rows, *cols, scale,
         *extra, *tap_args, programs, MEAN=mean, PARTIAL=partial is not None,

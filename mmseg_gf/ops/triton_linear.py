@@ -1,18 +1,21 @@
-"""The GPU path of the filtered Linear on a token grid: the conv's Triton
-kernels on token rows.
+"""The GPU path of the filtered Linear on a token grid: Triton kernels on
+token rows.
 
 A Linear's grid tokens, seen as ``(L, H, W, C)`` rows (channel stride 1,
 other strides free: what ``TokenLayout.grid_rows`` gives), are a
-channels-last ``L x C x H x W`` map: ``rows.permute(0, 3, 1, 2)`` is a view
-the kernels of :mod:`triton_kernels` read and write in place. So the
-filtered Linear (docs/gradient_filter.md#linear-layers-on-token-grids) is
-the conv's backward on a ``1 x 1`` kernel. (The forward's patch sums of
-``x`` stay on the PyTorch path: on an H100 a Triton pass over ``x`` was
-slower than its pooling.)
+channels-last ``L x C x H x W`` map: the filtered Linear
+(docs/gradient_filter.md#linear-layers-on-token-grids) is the conv's
+backward on a ``1 x 1`` kernel, and ``rows.permute(0, 3, 1, 2)`` is a view
+the products write ``g_x`` into in place (rows of other strides take the
+conv's pass over ``g_y`` on that view). (The forward's patch sums of ``x``
+stay on the PyTorch path: on an H100 a Triton pass over ``x`` was slower
+than its pooling.)
 
 * backward (:func:`filtered_backward`): one Triton pass over ``g_y`` (patch
   means, partial border patches over the tokens they have, and the bias
-  gradient's partial sums), then the two channel-mixing products on the
+  gradient's partial sums; :mod:`.triton_token_kernels`' pass made for
+  token rows, whose programs each read ``r x r`` tokens x a block of
+  contiguous channels), then the two channel-mixing products on the
   ``L * ph * pw`` patch rows in one launch of :mod:`.triton_products`
   (``g_W`` and ``g_b``; ``g_x``'s grid tokens, written from its
   registers), or with ``MMSEG_GF_FUSED_PRODUCTS=0`` as GEMMs, the bias's
@@ -55,6 +58,11 @@ def usable(*tensors: Optional[Tensor]) -> bool:
         for t in tensors)
 
 
+def _token_kernels():
+    from . import triton_token_kernels  # imports triton: on first use
+    return triton_token_kernels
+
+
 def backward_calls() -> int:
     """How many backward calls of the filtered Linear ran the Triton
     kernels in this process (a diagnostic)."""
@@ -91,9 +99,14 @@ def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
     cols = kernels.radius_patches(width, radius)
     grad_w = grad_b = None
     with _on_device(g_rows):
-        # scale 1: plain patch means
-        means, partial = kernels.output_grad_means(
-            g_rows.permute(0, 3, 1, 2), radius, 1.0, acc)
+        # scale 1: plain patch means; token rows with contiguous channels
+        # (what TokenLayout gives) take the pass made for them
+        if g_rows.stride(3) == 1:
+            means, partial = _token_kernels().token_patch_means(
+                g_rows, radius, 1.0, acc)
+        else:
+            means, partial = kernels.output_grad_means(
+                g_rows.permute(0, 3, 1, 2), radius, 1.0, acc)
         if triton_path.fused_products():
             return _fused(means, partial, x_sums, weight, out_rows, rows,
                           cols, need_w, need_b)

@@ -29,19 +29,23 @@ order than a GEMM's: equal within rounding (``tests/helpers/
 triton_cases.py``). Dense and grouped convs (a group's tiles within its
 channels) and Linears take them; a depthwise layer's products are per
 channel (a dot product and a scale instead of ``tl.dot``). Tile sizes:
-fixed (16 to 64), not tuned on a GPU.
+on a GPU ``triton.autotune`` times a few (:data:`TUNING_TILES`) once per
+layer shape and keeps the fastest; under the interpreter and with
+``MMSEG_GF_AUTOTUNE=0``, :func:`fixed_tiles` (16 to 64, from the
+shape).
 
 Importing this module imports ``triton`` (:mod:`.triton_path` does so
 lazily, as for :mod:`.triton_kernels`).
 """
-from typing import Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_kernels import LAUNCH_OPTIONS, Patches, _acc
+from .triton_kernels import (LAUNCH_OPTIONS, Patches, Tuning, _acc,
+                             timed_by_default)
 
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
@@ -56,25 +60,33 @@ def _products(means, pooled, partial, grad_w, grad_b, kernel, out,
               out_channels, in_channels, groups, cells, taps, batch,
               patch_rows, p_c, p_k, height, width, m_c, m_n, m_h, k_o, k_i,
               o_n, o_c, o_h, o_w, row_start, row_size, row_count,
-              col_start, col_size, col_count, weight_programs, weight_rows,
-              weight_cols, image_rows, channel_blocks, patch_blocks,
+              col_start, col_size, col_count, image_rows,
               HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_X: tl.constexpr,
               DEPTHWISE: tl.constexpr, ACC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
               BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
               COL_SIZE: tl.constexpr):
-    """Both products in one launch: the first ``weight_programs``
-    programs compute the weight side (per group, ``weight_rows x
-    weight_cols`` tiles of :func:`_weight_tile`; or
-    :func:`_depthwise_weight_tile` per ``BLOCK_M`` channels), the others
-    the input side (per group, image and patch row, ``channel_blocks x
-    patch_blocks`` tiles of :func:`_input_tile`): independent work, both
-    reading only ``g~`` and what the forward and the pass over ``g_y``
-    left. ``out_channels`` / ``in_channels`` count one group's (a
-    depthwise layer's: all channels, as one group); ``image_rows`` is
-    ``N x ph``."""
+    """Both products in one launch: the first programs compute the weight
+    side (per group, ``BLOCK_M x BLOCK_N`` tiles of :func:`_weight_tile`;
+    or :func:`_depthwise_weight_tile` per ``BLOCK_M`` channels), the
+    others the input side (per group, image and patch row, tiles of
+    ``BLOCK_C`` channels x ``BLOCK_P`` patches of :func:`_input_tile`):
+    independent work, both reading only ``g~`` and what the forward and
+    the pass over ``g_y`` left. ``out_channels`` / ``in_channels`` count
+    one group's (a depthwise layer's: all channels, as one group);
+    ``image_rows`` is ``N x ph``. The program counts follow from the
+    tiles (:func:`program_count` launches as many)."""
     pid = tl.program_id(0)
+    weight_rows = tl.cdiv(out_channels, BLOCK_M)
+    weight_cols = 1
+    if not DEPTHWISE:
+        weight_cols = tl.cdiv(in_channels, BLOCK_N)
+    weight_programs = 0
+    if HAS_W or HAS_B:
+        weight_programs = groups * weight_rows * weight_cols
+    channel_blocks = tl.cdiv(in_channels, BLOCK_C)
+    patch_blocks = tl.cdiv(col_count, BLOCK_P)
     if pid < weight_programs:
         if HAS_W or HAS_B:
             if DEPTHWISE:
@@ -254,6 +266,113 @@ def _tile(size: int, cap: int) -> int:
     return max(_MIN_TILE, min(triton.next_power_of_2(max(size, 1)), cap))
 
 
+class Shape(NamedTuple):
+    """What a :func:`_products` launch's program count and tiles depend
+    on: one group's output / input channels (a depthwise layer: all, as
+    one group), ``N x ph`` image rows and ``pw`` patches per row of the
+    input side, and which sides run."""
+    groups: int
+    out_channels: int
+    in_channels: int
+    image_rows: int
+    col_count: int
+    weight_side: bool
+    input_side: bool
+    depthwise: bool
+
+
+def program_count(shape: Shape, tiles: dict) -> int:
+    """The programs of one :func:`_products` launch with these tiles (the
+    kernel derives the same split from them)."""
+    weight = 0
+    if shape.weight_side:
+        cols = (1 if shape.depthwise else
+                triton.cdiv(shape.in_channels, tiles['BLOCK_N']))
+        weight = (shape.groups * triton.cdiv(shape.out_channels,
+                                             tiles['BLOCK_M']) * cols)
+    inputs = 0
+    if shape.input_side:
+        inputs = (shape.groups * shape.image_rows *
+                  triton.cdiv(shape.in_channels, tiles['BLOCK_C']) *
+                  triton.cdiv(shape.col_count, tiles['BLOCK_P']))
+    return weight + inputs
+
+
+def fixed_tiles(shape: Shape) -> dict:
+    """The tiles of an untuned launch (the interpreter's, or with
+    ``MMSEG_GF_AUTOTUNE=0``): each side's channels up to 64, ``pw`` up to
+    32, at least the 16 ``tl.dot`` needs."""
+    return dict(
+        BLOCK_M=_tile(shape.out_channels, 64),
+        BLOCK_N=1 if shape.depthwise else _tile(shape.in_channels, 64),
+        BLOCK_K=32, BLOCK_C=_tile(shape.in_channels, 64), BLOCK_O=32,
+        BLOCK_P=_tile(shape.col_count, 32))
+
+
+#: The tiles ``triton.autotune`` times on a GPU, per shape
+#: (:data:`TUNING_KEY`): ``(BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_C, BLOCK_O,
+#: BLOCK_P, num_warps)``: the weight side's GEMM tile and its step along
+#: the cells, the input side's channels x patches tile and its step along
+#: the output channels. :func:`fits` drops those much larger than the
+#: layer.
+TUNING_TILES = (
+    (32, 32, 32, 32, 32, 16, 4),
+    (64, 64, 32, 64, 32, 32, 4),
+    (64, 64, 64, 64, 64, 32, 8),
+    (128, 64, 32, 64, 32, 32, 8),
+    (64, 128, 32, 128, 32, 16, 8),
+)
+
+#: The kernel arguments a tuned choice is kept for (with the tensors'
+#: dtypes, which triton adds).
+TUNING_KEY = ['out_channels', 'in_channels', 'groups', 'cells', 'taps',
+              'image_rows', 'col_count', 'HAS_W', 'HAS_B', 'HAS_X',
+              'DEPTHWISE']
+
+
+def tuning_configs(tiles=TUNING_TILES) -> List['triton.Config']:
+    """``triton.Config`` of each ``(BLOCK_M, ..., num_warps)`` row."""
+    names = ('BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'BLOCK_C', 'BLOCK_O',
+             'BLOCK_P')
+    return [triton.Config(dict(zip(names, row[:6])), num_warps=row[6])
+            for row in tiles]
+
+
+def fits(configs, named_args: dict, **kwargs) -> list:
+    """``early_config_prune``: the configs whose tiles exceed none of the
+    layer's sizes by more than the smallest tile (32 channels, 16
+    patches); at least the first config."""
+    def bound(size: int, least: int) -> int:
+        return max(least, triton.next_power_of_2(max(int(size), 1)))
+
+    co, ci = named_args['out_channels'], named_args['in_channels']
+    cols = named_args['col_count']
+    depthwise = kwargs.get('DEPTHWISE')
+    kept = [c for c in configs
+            if c.kwargs['BLOCK_M'] <= bound(co, 32)
+            and (depthwise or c.kwargs['BLOCK_N'] <= bound(ci, 32))
+            and c.kwargs['BLOCK_C'] <= bound(ci, 32)
+            and c.kwargs['BLOCK_P'] <= bound(cols, 16)]
+    return kept or list(configs[:1])
+
+
+def tuned(configs=None, do_bench: Optional[Callable] = None):
+    """:func:`_products` under ``triton.autotune`` over ``configs``
+    (default :func:`tuning_configs`), keyed on :data:`TUNING_KEY`, pruned
+    by :func:`fits`, each config timed by ``do_bench`` (default
+    :func:`~.triton_kernels.timed_by_default`). Every config's launch
+    writes all it writes (no accumulation), so timing runs leave the
+    right result."""
+    return triton.autotune(
+        configs=configs or tuning_configs(), key=TUNING_KEY,
+        prune_configs_by={'early_config_prune': fits},
+        do_bench=do_bench or timed_by_default)(_products)
+
+
+#: :func:`_products`' tuning.
+PRODUCTS_TUNING = Tuning(tuned)
+
+
 def products(means: Tensor, pooled: Optional[Tensor],
              partial: Optional[Tensor], weight: Tensor,
              tap_sums: Optional[Tensor], out: Optional[Tensor],
@@ -302,44 +421,36 @@ def products(means: Tensor, pooled: Optional[Tensor],
     p = pooled if need_w else means
     if depthwise:  # one group of all channels, elementwise
         groups, co_g, ci_g = 1, co, co
-        block_m, block_n = _tile(co, 64), 1
-        weight_rows, weight_cols = triton.cdiv(co, block_m), 1
     else:
         co_g, ci_g = co // groups, weight.shape[1]
-        block_m, block_n = _tile(co_g, 64), _tile(ci_g, 64)
-        weight_rows = triton.cdiv(co_g, block_m)
-        weight_cols = triton.cdiv(ci_g, block_n)
-    weight_programs = (groups * weight_rows * weight_cols
-                       if need_w or need_b else 0)
     if out is None:
         geometry = (0, ) * 16 + (1, )
-        blocks, image_rows, input_programs = (1, 1), 1, 0
-        block_c = block_p = col_size = 16
+        image_rows, col_size = 1, 16
         # placeholders: a tensor read anyway, one written anyway (or empty)
         kernel, dst = means, grad_b
     else:
         n, _, height, width = out.shape
-        block_c = _tile(ci_g, 64)
-        block_p = _tile(cols[2], 32)
-        blocks = (triton.cdiv(ci_g, block_c), triton.cdiv(cols[2], block_p))
         image_rows = n * rows[2]
-        input_programs = groups * image_rows * blocks[0] * blocks[1]
         col_size = triton.next_power_of_2(cols[1])
         kernel, dst = tap_sums, out
         geometry = (height, width, *means.stride()[:3],
                     *tap_sums.stride()[:2], *out.stride(), *rows, *cols)
-    if weight_programs + input_programs == 0:
+    if not (need_w or need_b or out is not None):
         return grad_w, grad_b
-    _products[(weight_programs + input_programs, )](
+    shape = Shape(groups, co_g, ci_g, image_rows, geometry[-1],
+                  need_w or need_b, out is not None, bool(depthwise))
+    tuner = PRODUCTS_TUNING.tuner()
+    # the tuner's configs name the tiles; without one, fixed_tiles'
+    launcher, tiles = ((tuner, {}) if tuner is not None else
+                       (_products, fixed_tiles(shape)))
+    launcher[lambda meta: (program_count(shape, meta), )](
         means, p, partial if need_b else means, grad_w, grad_b, kernel, dst,
         co_g, ci_g, groups, cells, taps, partial.shape[0] if need_b else 0,
         partial.shape[2] if need_b else 0, p.stride(0) if need_w else 0,
-        p.stride(1) if need_w else 0, *geometry, weight_programs,
-        weight_rows, weight_cols, image_rows, *blocks, HAS_W=bool(need_w),
-        HAS_B=bool(need_b), HAS_X=out is not None,
-        DEPTHWISE=bool(depthwise), ACC=_acc(acc), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=32, BLOCK_C=block_c, BLOCK_O=32,
-        BLOCK_P=block_p, COL_SIZE=col_size, **LAUNCH_OPTIONS)
+        p.stride(1) if need_w else 0, *geometry, image_rows,
+        HAS_W=bool(need_w), HAS_B=bool(need_b), HAS_X=out is not None,
+        DEPTHWISE=bool(depthwise), ACC=_acc(acc), COL_SIZE=col_size,
+        **tiles, **LAUNCH_OPTIONS)
     return grad_w, grad_b
 
 

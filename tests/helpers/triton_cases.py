@@ -15,6 +15,7 @@ import itertools
 
 import pytest
 import torch
+import triton
 
 from mmseg_gf.accounting.launches import LaunchCounter, counting
 from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
@@ -373,3 +374,65 @@ def test_fused_products_and_the_gemm_route_agree(kernel, stride, padding,
                                        msg=lambda m: f'fused={fused}: {m}')
     if padding == 0 and kernel == 3:
         assert (results[True][0][:, :, 0] == 0).all()  # outside Q(P)
+
+
+def _wall_clock_bench(timed: list):
+    """A ``do_bench`` for ``triton.autotune`` that any device runs (the
+    interpreter has no CUDA events): one call's wall time in ms, each
+    call recorded in ``timed``."""
+    import time
+
+    def bench(fn, quantiles=None):
+        if DEVICE != 'cpu':
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if DEVICE != 'cpu':
+            torch.cuda.synchronize()
+        timed.append(fn)
+        ms = (time.perf_counter() - start) * 1e3
+        return [ms] * len(quantiles) if quantiles else ms
+
+    return bench
+
+
+@pytest.mark.parametrize('kernel,stride,padding,groups,ci,co,timed_tiles', [
+    (3, 1, 0, 1, 40, 36, 2), (3, 2, 1, 40, 40, 40, 2),
+    # 20 channels a group: the 64-wide tiles are pruned, one left untimed
+    (1, 2, 0, 2, 40, 36, 0)])
+def test_autotuned_kernels_give_the_filtered_gradients(kernel, stride,
+                                                       padding, groups, ci,
+                                                       co, timed_tiles):
+    """The passes over ``x`` and ``g_y`` and the products launched through
+    ``triton.autotune`` (two configs each, timed by the wall clock) give
+    docs/gradient_filter.md's gradients to float64 rounding, dense,
+    depthwise and grouped, with more channels than the small tiles hold;
+    each config is timed once for a shape new to its kernel, none for a
+    shape seen before; tiles much wider than the layer are not timed."""
+    from mmseg_gf.ops import triton_kernels, triton_products
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, ci, 11, 13, generator=gen, dtype=torch.float64)
+    w = torch.randn(co, ci // groups, kernel, kernel, generator=gen,
+                    dtype=torch.float64)
+    b = torch.randn(co, generator=gen, dtype=torch.float64)
+    timed = {'products': [], 'reduce': []}
+    products = triton_products.tuned(
+        triton_products.tuning_configs([(32, 32, 32, 32, 32, 16, 4),
+                                        (64, 64, 64, 64, 64, 16, 8)]),
+        do_bench=_wall_clock_bench(timed['products']))
+    reduce = triton_kernels.tuned_reduce(
+        [triton.Config({}, num_warps=w) for w in (2, 4)],
+        do_bench=_wall_clock_bench(timed['reduce']))
+    with triton_products.PRODUCTS_TUNING.using(products), \
+            triton_kernels.REDUCE_TUNING.using(reduce):
+        _, grad_out, got = _filtered(x, w, b, stride, padding, groups, 2,
+                                     _randn_like(6))
+        # x's patch sums and g_y's means: two keys of the pass
+        assert [len(t) for t in timed.values()] == [timed_tiles, 4]
+        assert (len(products.cache), len(reduce.cache)) == (1, 2)
+        _filtered(x, w, b, stride, padding, groups, 2, _randn_like(7))
+        assert [len(t) for t in timed.values()] == [timed_tiles, 4]
+    want = reference_gradients(x, w, grad_out.cpu(), (stride, stride),
+                               (padding, padding), (1, 1), groups, 2)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)

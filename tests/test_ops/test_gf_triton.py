@@ -139,6 +139,13 @@ SPECIALIZATIONS = {
     'products_input_only_bf16': ('_products', *_products(
         ['fp32', 'fp32', 'fp32', 'fp32', 'fp32', 'bf16', 'bf16'],
         HAS_W=False, HAS_B=False), _TILES),
+    # ops/triton_token_kernels.py: a Linear's g_y on token rows, bfloat16
+    # at r = 4 (Swin's 7x7 windows), float64 at r = 2 (a narrow block)
+    'token_means_bf16': ('_token_patch_means', dict(src='bf16'),
+                         dict(ACC='fp32'), (4, 96)),
+    'token_means_fp64': ('_token_patch_means', dict(
+        src='fp64', means='fp64', partial='fp64'), dict(ACC='fp64'),
+        (2, 20)),
     # ops/triton_bit_mask_kernels.py: a ReLU6's output and mask
     'pack_relu6_bf16': ('_pack', dict(x='bf16', y='bf16', bits='u8'),
                         dict(BOUNDED=True, NAN_BIT=True, ACT=1), {}),
@@ -156,7 +163,7 @@ SPECIALIZATIONS = {
 }
 #: Pointer arguments besides those a specialization types (float32).
 _POINTERS = ('bits', 'var', 'norm_w', 'dst', 'partial', 'weight',
-             'tap_sums', 'mean', 'norm_b')
+             'tap_sums', 'mean', 'norm_b', 'means')
 #: Float scalars of the kernels (the others are integers).
 _FLOATS = ('scale', 'off_scale', 'eps', 'lo', 'hi')
 
@@ -164,7 +171,7 @@ _FLOATS = ('scale', 'off_scale', 'eps', 'lo', 'hi')
 def _kernel_and_meta(name, geometry):
     from mmseg_gf.ops import (triton_bit_mask_kernels,
                               triton_conv_block_kernels, triton_kernels,
-                              triton_products)
+                              triton_products, triton_token_kernels)
     if name == '_patch_reduce':
         return triton_kernels._patch_reduce, triton_kernels.reduce_meta(
             *geometry)
@@ -177,6 +184,9 @@ def _kernel_and_meta(name, geometry):
         return triton_conv_block_kernels._block_forward, dict(
             triton_kernels.reduce_meta(*geometry),
             BLOCK=triton_bit_mask_kernels._BLOCK)
+    if name == '_token_patch_means':
+        return (triton_token_kernels._token_patch_means,
+                triton_token_kernels.token_meta(*geometry))
     return getattr(triton_products, name), dict(geometry)
 
 
@@ -189,18 +199,41 @@ def test_kernels_compile_for_h100(spec):
     loop-carried values, layouts of the 3-D reductions, one-element
     ranges, ``tl.dot``'s operand types) fails here, on every machine with
     triton."""
+    name, pointers, flags, geometry = spec
+    kernel, meta = _kernel_and_meta(name, geometry)
+    _compile_for_h100(name, kernel, pointers, dict(flags, **meta))
+
+
+@TRITON
+def test_tuning_configs_compile_for_h100():
+    """Every tiling ``triton.autotune`` may pick for the fused products
+    (its warps included) compiles to an sm_90 cubin: dense, and depthwise
+    from float16."""
+    from mmseg_gf.ops import triton_products
+    for config in triton_products.tuning_configs():
+        tiles = dict(config.kwargs, COL_SIZE=4)
+        for pointers, flags in (_products(['fp32'] * 7),
+                                _products(['fp32', 'fp16', 'fp32', 'fp16',
+                                           'fp32', 'fp32', 'fp16'],
+                                          DEPTHWISE=True)):
+            _compile_for_h100('_products', triton_products._products,
+                              pointers, dict(flags, **tiles),
+                              num_warps=config.num_warps)
+
+
+def _compile_for_h100(name, kernel, pointers, constexprs, num_warps=4):
+    """``kernel`` compiled to an sm_90 cubin with these pointer types and
+    constexprs (the other arguments: float32 pointers, floats, int32)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from mmseg_gf.ops import triton_kernels
-    name, pointers, flags, geometry = spec
-    kernel, meta = _kernel_and_meta(name, geometry)
-    constexprs = dict(flags, **meta)
+    constexprs = dict(constexprs)
     if 'ACC' in constexprs:
         constexprs['ACC'] = getattr(tl, {'fp32': 'float32',
-                                         'fp64': 'float64'}[flags['ACC']])
+                                         'fp64': 'float64'}[constexprs['ACC']])
     signature = {
         arg: ('constexpr' if arg in constexprs else
               '*' + pointers.get(arg, 'fp32') if arg in pointers
@@ -217,7 +250,8 @@ def test_kernels_compile_for_h100(spec):
                      if kind != 'constexpr'}
     source = ASTSource(kernel, signature, constants)
     compiled = triton.compile(source, target=GPUTarget('cuda', 90, 32),
-                              options=triton_kernels.LAUNCH_OPTIONS)
+                              options=dict(triton_kernels.LAUNCH_OPTIONS,
+                                           num_warps=num_warps))
     assert len(compiled.asm['cubin']) > 0
     assert f'.entry {name}(' in compiled.asm['ptx']
 
