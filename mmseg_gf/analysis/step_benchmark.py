@@ -44,6 +44,8 @@ from ..accounting.format import fmt_mib, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
+from ..engine.compile_settings import compile_setting
+from ..engine.state import get_state
 from ..models.segmentor import set_frozen_norms_eval
 from .hardware import peak_resident_bytes, resident_bytes
 
@@ -186,12 +188,22 @@ def _predict_fn(model, inputs, samples, clock):
 def compiled_loss(model, mode: str) -> Callable:
     """``training_loss`` with ``model.loss`` compiled by
     ``torch.compile`` (``mode``: ``'default'``, ``'reduce-overhead'``
-    (CUDA graphs on a GPU) or ``'max-autotune'``). The modes are set once,
-    outside the compiled code, as ``training_loss`` sets them."""
+    (CUDA graphs on a GPU) or ``'max-autotune'``) as ``GradFilterHook``
+    has mmengine compile it on the model's device
+    (:func:`~mmseg_gf.engine.compile_settings.compile_setting`: a lean
+    model on CPU in the default mode with Inductor's layout optimization
+    off). The modes are
+    set once, outside the compiled code, as ``training_loss`` sets
+    them."""
     model.train()
     set_frozen_norms_eval(model)
-    loss = torch.compile(model.loss,
-                         mode=None if mode == 'default' else mode)
+    params = next(model.parameters(), None)
+    state = get_state(model)
+    setting = compile_setting(
+        {} if mode == 'default' else dict(mode=mode),
+        'cpu' if params is None else params.device.type,
+        state is not None and state.lean)
+    loss = torch.compile(model.loss, **setting)
 
     return lambda inputs, samples: summed_losses(loss(inputs, samples))
 

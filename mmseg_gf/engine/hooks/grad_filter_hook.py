@@ -23,6 +23,7 @@ from ...accounting.report import chosen_layers_table, step_kept_table
 from ...accounting.trace import trace_step_saved_bytes
 from ...models.segmentor import set_frozen_norms_eval, unwrap_model
 from ..checkpoint import check_checkpoint_matches
+from ..compile_settings import compile_setting, describe
 from ..config import (default_batch_size, default_input_size,
                       default_optimizer, select_and_apply)
 from ..cpu_memory import keep_freed_cpu_memory
@@ -37,6 +38,22 @@ from ..train_log import (PEAK_KEY, PeakResidentMemory, logged_now,
                          precision_summary)
 
 __all__ = ['GradFilterHook']
+
+
+def _set_compile_setting(runner, lean: bool) -> None:
+    """``runner.cfg.compile`` as the model (``lean``: its lean trained
+    region on) compiles on its device
+    (:func:`~..compile_settings.compile_setting`), logged when changed."""
+    cfg = getattr(runner, 'cfg', None)
+    if cfg is None:
+        return
+    setting = cfg.get('compile')
+    params = next(unwrap_model(runner.model).parameters(), None)
+    device = 'cpu' if params is None else params.device.type
+    changed = compile_setting(setting, device, lean)
+    if changed is not setting:
+        cfg.compile = changed
+        runner.logger.info(describe(changed))
 
 
 @HOOKS.register_module()
@@ -88,10 +105,16 @@ class GradFilterHook(Hook):
         self._peak_memory: Optional[PeakResidentMemory] = None
 
     def before_run(self, runner) -> None:
-        """Check the checkpoint to be loaded, before anything is trained.
+        """Set the ``compile`` setting for the model's device
+        (:func:`~..compile_settings.compile_setting`; the Runner compiles
+        after ``before_run``) and check the checkpoint to be loaded,
+        before anything is trained.
 
         ``before_run`` precedes the Runner's ``load_or_resume``.
         """
+        state = get_state(runner.model)
+        _set_compile_setting(runner, state.lean if state is not None else
+                             self.configured and self.settings['lean'])
         if not self.check_load_from:
             return
         load_from = getattr(runner, '_load_from', None)

@@ -1,0 +1,72 @@
+"""``torch.compile`` settings for a gradient-filtered model on CPU.
+
+mmengine compiles ``train_step`` with the config's ``compile`` setting
+(``True``, or a dict of ``torch.compile`` keyword arguments). Inductor, by
+default, lays out the convolutions of a CNN graph channels-last (its
+``layout_optimization``), weights included, and converts where a tensor
+meets an operator that wants another layout. A gradient-filtered step's
+CPU operators (patch sums, bit masks, the filtered backward, the resized
+loss: docs/lean_region.md#torchcompile) read contiguous NCHW tensors, and
+oneDNN's channels-last convolutions ran slower than its NCHW ones on the
+frozen layers measured here. With the layout optimization off, the compiled
+lean step of Swin-T UPerNet (last 20 layers, 256x256, batch 2, 2-core AMD
+EPYC Zen 4) took 0.85x eager mode's time, against 1.002-1.007x with it on;
+PSPNet-R18, BiSeNetV2 and Segformer-B0 0.94, 0.94 and 0.82x
+(docs/benchmarks/steps_compiled_cpu_256_b2.md).
+
+So for a model with the lean trained region on CPU, a ``compile``
+setting for Inductor (the default backend) that names neither ``mode`` nor
+``options`` (``torch.compile`` accepts one of the two) gets
+``options=dict(layout_optimization=False)``; one that names either, or
+another backend, is kept as it is:
+``compile=dict(options=dict(layout_optimization=True))`` keeps Inductor's
+default. Only lean models: without the lean region's resize operator,
+Inductor's C++ backend with the layout optimization off fails to generate
+the scatter of a decomposed bilinear backward into a 1x1 pyramid branch
+(UPerNet's, trained plainly: an ``InductorError`` in its first step). On
+other devices nothing changes (CUDA's convolutions and the Triton path
+take channels-last tensors as they are).
+"""
+from typing import Any, Optional, Union
+
+__all__ = ['CPU_INDUCTOR_OPTIONS', 'compile_setting', 'describe']
+
+#: The Inductor options a gradient-filtered model compiles with on CPU.
+CPU_INDUCTOR_OPTIONS = {'layout_optimization': False}
+
+CompileSetting = Union[None, bool, dict]
+
+
+def compile_setting(setting: CompileSetting, device_type: str,
+                    lean: bool) -> CompileSetting:
+    """``setting`` (mmengine's ``compile``: None / False off, True or a dict
+    of ``torch.compile`` keyword arguments on) as a gradient-filtered model
+    compiles on ``device_type``: for a ``lean`` model on ``'cpu'`` with
+    :data:`CPU_INDUCTOR_OPTIONS` added unless it names ``mode``,
+    ``options`` or a backend other than Inductor; otherwise unchanged (the
+    same object; a new dict where the options are added).
+
+    Raises:
+        TypeError: ``setting`` is none of None, a bool or a dict (the
+            types mmengine takes).
+    """
+    if setting is not None and not isinstance(setting, (bool, dict)):
+        raise TypeError('compile must be None, a bool or a dict of '
+                        'torch.compile arguments, got '
+                        f'{type(setting).__name__}')
+    if setting is None or setting is False or device_type != 'cpu' or \
+            not lean:
+        return setting  # off (an empty dict is on: torch's defaults)
+    kwargs: dict = {} if setting is True else dict(setting)
+    if (kwargs.get('mode') is not None or 'options' in kwargs
+            or kwargs.get('backend', 'inductor') != 'inductor'):
+        return setting
+    kwargs['options'] = dict(CPU_INDUCTOR_OPTIONS)
+    return kwargs
+
+
+def describe(setting: Any) -> Optional[str]:
+    """A log line for a setting :func:`compile_setting` changed."""
+    return ('torch.compile on CPU with Inductor options '
+            f'{setting["options"]} (mmseg_gf.engine.compile_settings says '
+            'why; compile=dict(options=...) or a mode keeps yours)')
