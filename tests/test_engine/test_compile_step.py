@@ -24,6 +24,7 @@ from tests.helpers.engine_fixtures import (  # noqa: E402
 
 from mmseg_gf.accounting.batch import random_batch  # noqa: E402
 from mmseg_gf.engine import apply_gradient_filter, select_layers  # noqa: E402
+from mmseg_gf.engine.compile_settings import compile_setting  # noqa: E402
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
 
@@ -95,8 +96,15 @@ def _assert_close_step(got, got_grads, want, want_grads, rtol, label):
             msg=lambda m: f'{label} {name}: {m}')
 
 
-@pytest.mark.parametrize('backend', ['aot_eager', 'inductor'])
-def test_compiled_lean_step_equals_eager(models, backend):
+@pytest.mark.parametrize('backend, setting', [
+    ('aot_eager', dict(backend='aot_eager')),
+    # as GradFilterHook has mmengine compile a lean model on CPU (the
+    # layout optimization off), and with Inductor's defaults (channels-last
+    # convolutions; what a setting naming a mode gets)
+    ('inductor', compile_setting(True, 'cpu', True)),
+    ('inductor', dict(options=dict(layout_optimization=True)))],
+    ids=['aot_eager', 'inductor', 'inductor_channels_last'])
+def test_compiled_lean_step_equals_eager(models, backend, setting):
     """Inductor draws its own random numbers unless told to fall back to
     torch's (``fallback_random``: the dropout's noise as eager draws it)."""
     _, lean, inputs, samples = models
@@ -107,8 +115,7 @@ def test_compiled_lean_step_equals_eager(models, backend):
         nullcontext()
     with config:
         got, got_grads = _loss_and_grads(
-            lean, torch.compile(lean.loss, backend=backend), inputs,
-            samples)
+            lean, torch.compile(lean.loss, **setting), inputs, samples)
     _assert_close_step(got, got_grads, want, want_grads, 1e-5, backend)
 
 
