@@ -162,19 +162,30 @@ def test_lean_swin_traces_with_no_break_of_its_own():
     _traced_tiny_family('swin_t')
 
 
-@pytest.mark.parametrize('way', ['rewrite', 'hook'])
-def test_runner_compile_trains_like_eager(tmp_path, way):
+@pytest.mark.parametrize('way, setting', [
+    ('rewrite', dict(backend='aot_eager')),
+    ('hook', dict(backend='aot_eager')),
+    # Inductor, with the options the hook writes for mmengine to pass on
+    ('rewrite', True)], ids=['rewrite-aot_eager', 'hook-aot_eager',
+                             'rewrite-inductor'])
+def test_runner_compile_trains_like_eager(tmp_path, way, setting):
     """mmengine's ``compile=...`` (the Runner compiles ``train_step``
     after the model is built and wrapped; the hook swaps the convs before
     the first step) trains to the eager run's weights."""
     work = prepare_workspace(str(tmp_path))
     weights = []
-    for compile_cfg in (None, dict(backend='aot_eager')):
+    for compile_cfg in (None, setting):
         torch._dynamo.reset()
         cfg = tool_cfg(str(tmp_path / f'{way}_{bool(compile_cfg)}'),
                        work['voc'], work['init'], way=way, max_iters=2)
         extra = {} if compile_cfg is None else dict(compile=compile_cfg)
-        runner = run_training(cfg, **extra)
+        # Inductor draws the dropout's noise as eager mode does
+        with mock.patch.object(torch._inductor.config, 'fallback_random',
+                               True):
+            runner = run_training(cfg, **extra)
+        if compile_cfg is True:
+            assert runner.cfg.compile.to_dict() == compile_setting(
+                True, 'cpu', True)
         weights.append({k: v.detach().clone() for k, v in
                         runner.model.state_dict().items()})
     eager, compiled = weights
