@@ -221,6 +221,28 @@ def test_tuning_configs_compile_for_h100():
                               num_warps=config.num_warps)
 
 
+@TRITON
+def test_tuning_is_taken_on_a_gpu_unless_switched_off(switch_override):
+    """Outside the interpreter launches take the autotuner, built once;
+    ``MMSEG_GF_AUTOTUNE=0`` or a triton whose ``autotune`` refuses the
+    arguments gives fixed tiles; ``using`` overrides both."""
+    from mmseg_gf.ops.triton_kernels import Tuning
+    built = []
+    tuning = Tuning(lambda: built.append(object()) or built[-1])
+    switch_override(TRITON_INTERPRET=False, MMSEG_GF_AUTOTUNE=True)
+    assert tuning.tuner() is built[0] and tuning.tuner() is built[0]
+    switch_override(MMSEG_GF_AUTOTUNE=False)
+    assert tuning.tuner() is None
+    with tuning.using('mine'):
+        assert tuning.tuner() == 'mine'
+
+    def refuse():
+        raise TypeError("autotune() got an unexpected keyword 'do_bench'")
+
+    switch_override(MMSEG_GF_AUTOTUNE=True)
+    assert Tuning(refuse).tuner() is None
+
+
 def _compile_for_h100(name, kernel, pointers, constexprs, num_warps=4):
     """``kernel`` compiled to an sm_90 cubin with these pointer types and
     constexprs (the other arguments: float32 pointers, floats, int32)."""
