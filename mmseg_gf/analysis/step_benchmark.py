@@ -44,8 +44,7 @@ from ..accounting.format import fmt_mib, format_table
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
-from ..engine.compile_settings import compile_setting
-from ..engine.state import get_state
+from ..engine.compile_settings import model_compile_setting
 from ..models.segmentor import set_frozen_norms_eval
 from .hardware import peak_resident_bytes, resident_bytes
 
@@ -190,19 +189,14 @@ def compiled_loss(model, mode: str) -> Callable:
     ``torch.compile`` (``mode``: ``'default'``, ``'reduce-overhead'``
     (CUDA graphs on a GPU) or ``'max-autotune'``) as ``GradFilterHook``
     has mmengine compile it on the model's device
-    (:func:`~mmseg_gf.engine.compile_settings.compile_setting`: a lean
-    model on CPU in the default mode with Inductor's layout optimization
-    off). The modes are
-    set once, outside the compiled code, as ``training_loss`` sets
-    them."""
+    (:func:`~mmseg_gf.engine.compile_settings.model_compile_setting`: a
+    lean model on CPU in the default mode with Inductor's layout
+    optimization off). The modes are set once, outside the compiled code,
+    as ``training_loss`` sets them."""
     model.train()
     set_frozen_norms_eval(model)
-    params = next(model.parameters(), None)
-    state = get_state(model)
-    setting = compile_setting(
-        {} if mode == 'default' else dict(mode=mode),
-        'cpu' if params is None else params.device.type,
-        state is not None and state.lean)
+    setting = model_compile_setting(
+        {} if mode == 'default' else dict(mode=mode), model)
     loss = torch.compile(model.loss, **setting)
 
     return lambda inputs, samples: summed_losses(loss(inputs, samples))

@@ -29,7 +29,12 @@ take channels-last tensors as they are).
 """
 from typing import Any, Optional, Union
 
-__all__ = ['CPU_INDUCTOR_OPTIONS', 'compile_setting', 'describe']
+from torch import nn
+
+from .state import get_state
+
+__all__ = ['CPU_INDUCTOR_OPTIONS', 'compile_setting', 'model_compile_setting',
+           'describe']
 
 #: The Inductor options a gradient-filtered model compiles with on CPU.
 CPU_INDUCTOR_OPTIONS = {'layout_optimization': False}
@@ -65,7 +70,20 @@ def compile_setting(setting: CompileSetting, device_type: str,
     return kwargs
 
 
-def describe(setting: Any) -> Optional[str]:
+def model_compile_setting(setting: CompileSetting, model: nn.Module,
+                          lean: Optional[bool] = None) -> CompileSetting:
+    """:func:`compile_setting` for ``model`` (wrapped or not): on its
+    parameters' device (CPU without any), lean as its gradient-filter
+    state says, else as ``lean`` says (a model not prepared yet; None: not
+    lean)."""
+    params = next(model.parameters(), None)
+    state = get_state(model)
+    return compile_setting(
+        setting, 'cpu' if params is None else params.device.type,
+        state.lean if state is not None else bool(lean))
+
+
+def describe(setting: Any) -> str:
     """A log line for a setting :func:`compile_setting` changed."""
     return ('torch.compile on CPU with Inductor options '
             f'{setting["options"]} (mmseg_gf.engine.compile_settings says '

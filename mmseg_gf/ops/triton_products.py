@@ -425,19 +425,19 @@ def products(means: Tensor, pooled: Optional[Tensor],
         co_g, ci_g = co // groups, weight.shape[1]
     if out is None:
         geometry = (0, ) * 16 + (1, )
-        image_rows, col_size = 1, 16
+        image_rows, col_count, col_size = 1, 1, 16
         # placeholders: a tensor read anyway, one written anyway (or empty)
         kernel, dst = means, grad_b
     else:
         n, _, height, width = out.shape
-        image_rows = n * rows[2]
+        image_rows, col_count = n * rows[2], cols[2]
         col_size = triton.next_power_of_2(cols[1])
         kernel, dst = tap_sums, out
         geometry = (height, width, *means.stride()[:3],
                     *tap_sums.stride()[:2], *out.stride(), *rows, *cols)
     if not (need_w or need_b or out is not None):
         return grad_w, grad_b
-    shape = Shape(groups, co_g, ci_g, image_rows, geometry[-1],
+    shape = Shape(groups, co_g, ci_g, image_rows, col_count,
                   need_w or need_b, out is not None, bool(depthwise))
     tuner = PRODUCTS_TUNING.tuner()
     # the tuner's configs name the tiles; without one, fixed_tiles'

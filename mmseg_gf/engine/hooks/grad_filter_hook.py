@@ -23,7 +23,7 @@ from ...accounting.report import chosen_layers_table, step_kept_table
 from ...accounting.trace import trace_step_saved_bytes
 from ...models.segmentor import set_frozen_norms_eval, unwrap_model
 from ..checkpoint import check_checkpoint_matches
-from ..compile_settings import compile_setting, describe
+from ..compile_settings import describe, model_compile_setting
 from ..config import (default_batch_size, default_input_size,
                       default_optimizer, select_and_apply)
 from ..cpu_memory import keep_freed_cpu_memory
@@ -41,16 +41,15 @@ __all__ = ['GradFilterHook']
 
 
 def _set_compile_setting(runner, lean: bool) -> None:
-    """``runner.cfg.compile`` as the model (``lean``: its lean trained
-    region on) compiles on its device
-    (:func:`~..compile_settings.compile_setting`), logged when changed."""
+    """``runner.cfg.compile`` as the model compiles on its device
+    (:func:`~..compile_settings.model_compile_setting`; ``lean``: whether
+    a model not prepared yet will have its lean trained region on), logged
+    when changed."""
     cfg = getattr(runner, 'cfg', None)
     if cfg is None:
         return
     setting = cfg.get('compile')
-    params = next(unwrap_model(runner.model).parameters(), None)
-    device = 'cpu' if params is None else params.device.type
-    changed = compile_setting(setting, device, lean)
+    changed = model_compile_setting(setting, runner.model, lean)
     if changed is not setting:
         cfg.compile = changed
         runner.logger.info(describe(changed))
@@ -112,8 +111,7 @@ class GradFilterHook(Hook):
 
         ``before_run`` precedes the Runner's ``load_or_resume``.
         """
-        state = get_state(runner.model)
-        _set_compile_setting(runner, state.lean if state is not None else
+        _set_compile_setting(runner,
                              self.configured and self.settings['lean'])
         if not self.check_load_from:
             return
