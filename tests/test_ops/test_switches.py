@@ -243,5 +243,5 @@ def test_every_setter_exists():
 def test_the_doc_is_the_list():
     doc = (REPO / 'docs/switches.md').read_text()
     assert switches.markdown() in doc, (
-        'docs/switches.md: paste python -c "from mmseg_gf.ops import '
+        'docs/switches.md: paste python -c "from mmseg_gf.ops.backend import '
         'switches; print(switches.markdown())"')
