@@ -6,12 +6,14 @@ import logging
 import os
 import os.path as osp
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip('mmseg')
 
+from mmengine.config import Config  # noqa: E402
 from mmengine.fileio import get_file_backend  # noqa: E402
 from mmengine.fileio.backends import LocalBackend  # noqa: E402
 from mmengine.hooks import CheckpointHook  # noqa: E402
@@ -25,10 +27,12 @@ from mmseg_gf.engine.checkpoint import atomic_write  # noqa: E402
 from mmseg_gf.engine.checkpoint.atomic_write import (  # noqa: E402
     PARTIAL_PREFIX, atomic_write_bytes, install_atomic_checkpoints,
     uninstall_atomic_checkpoints)
+from mmseg_gf.engine import GradFilterHook  # noqa: E402
+from mmseg_gf.engine.entrypoints import resolve_resume  # noqa: E402
 from mmseg_gf.engine.checkpoint.resume import (  # noqa: E402
     NoResumableCheckpoint, find_resumable_checkpoint)
-from mmseg_gf.engine.checkpoint.safe_load import \
-    load_checkpoint_file  # noqa: E402
+from mmseg_gf.engine.checkpoint.safe_load import (  # noqa: E402
+    RefusedCheckpointError, load_checkpoint_file)
 
 
 def _checkpoint(path, step):
@@ -215,9 +219,19 @@ def test_resume_of_a_good_checkpoint_warns_nothing(tmp_path):
 
 
 def test_resume_without_anything_loadable_names_every_file(tmp_path):
-    _work_dir(tmp_path, (3,), 'iter_3.pth')
-    (tmp_path / 'iter_3.pth').write_bytes(b'')
-    with pytest.raises(NoResumableCheckpoint, match=r'iter_3\.pth'):
+    _work_dir(tmp_path, (3, 6), 'iter_6.pth')
+    for step in (3, 6):
+        (tmp_path / f'iter_{step}.pth').write_bytes(b'')
+    # a refusal stays a refusal, naming every file tried
+    with pytest.raises(RefusedCheckpointError,
+                       match=r'checkpoint refused: .*tried .*iter_6\.pth, '
+                       r'.*iter_3\.pth'):
+        find_resumable_checkpoint(str(tmp_path))
+    (tmp_path / 'last_checkpoint').write_text('')
+    for step in (3, 6):
+        os.unlink(tmp_path / f'iter_{step}.pth')
+    with pytest.raises(NoResumableCheckpoint,
+                       match='last_checkpoint is empty'):
         find_resumable_checkpoint(str(tmp_path))
     assert find_resumable_checkpoint(str(tmp_path / 'fresh')) is None
 
@@ -236,3 +250,20 @@ def test_atomic_write_leaves_no_partial_file_on_an_error(tmp_path,
         atomic_write_bytes(b'new contents', str(target))
     assert os.listdir(tmp_path) == ['iter_1.pth']
     assert target.read_bytes() == b'old'
+
+
+def test_both_resume_paths_take_the_newest_checkpoint_that_loads(tmp_path):
+    """tools/train.py --resume (resolve_resume) and a config's resume=True
+    with GradFilterHook (before_run names the file for load_or_resume)."""
+    logger, records = _work_dir(tmp_path, (3, 6), 'iter_6.pth')
+    (tmp_path / 'iter_6.pth').write_bytes(b'PK\x03\x04 cut')
+    cfg = resolve_resume(Config(dict(work_dir=str(tmp_path),
+                                     load_from='pretrained.pth')), True)
+    assert cfg.resume and cfg.load_from == str(tmp_path / 'iter_3.pth')
+    runner = SimpleNamespace(cfg=None, _load_from=None, _resume=True,
+                             work_dir=str(tmp_path), logger=logger)
+    GradFilterHook(check_load_from=False).before_run(runner)
+    assert runner._load_from == str(tmp_path / 'iter_3.pth')
+    (warning,) = [r.getMessage() for r in records.records
+                  if r.levelno == logging.WARNING]
+    assert 'iter_6.pth' in warning

@@ -63,21 +63,40 @@ def numbered_checkpoints(work_dir: str) -> List[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
-def _load_problem(path: str) -> Optional[str]:
-    """None if ``path`` loads as a Runner checkpoint, else why not."""
+def _load_problem(path: str) -> Optional[Exception]:
+    """None if ``path`` loads as a Runner checkpoint, else the error."""
     if not path:
-        return 'last_checkpoint is empty'
+        return NoResumableCheckpoint('last_checkpoint is empty')
     try:
         checkpoint = load_checkpoint_file(path, map_location='cpu')
     except (OSError, pickle.UnpicklingError) as err:
-        # RefusedCheckpointError is an UnpicklingError
-        kind = ('refused' if isinstance(err, RefusedCheckpointError) else
-                type(err).__name__)
-        return f'{kind}: {str(err).splitlines()[0][:300]}'
+        return err  # RefusedCheckpointError is an UnpicklingError
     if not (isinstance(checkpoint, dict) and 'state_dict' in checkpoint
             and 'meta' in checkpoint):
-        return 'not a Runner checkpoint (no state_dict and meta)'
+        return NoResumableCheckpoint(
+            'not a Runner checkpoint (no state_dict and meta)')
     return None
+
+
+def _why(err: Exception) -> str:
+    kind = ('refused' if isinstance(err, RefusedCheckpointError) else
+            type(err).__name__)
+    return f'{kind}: {(str(err).splitlines() or [""])[0][:300]}'
+
+
+def _nothing_loads(work_dir: str, skipped) -> Exception:
+    """The error when no checkpoint loads: the refusal of the first file
+    tried (a refused file stays a refusal), else NoResumableCheckpoint;
+    both name every file tried."""
+    tried = ', '.join(p for p, _ in skipped)
+    first = skipped[0][1]
+    if isinstance(first, RefusedCheckpointError):
+        return RefusedCheckpointError(
+            f'{first} (resume: no checkpoint in {work_dir} loads; tried '
+            f'{tried})')
+    listed = '; '.join(f'{p} ({_why(err)})' for p, err in skipped)
+    return NoResumableCheckpoint(
+        f'resume: no checkpoint in {work_dir} loads: {listed}')
 
 
 def _candidates(work_dir: str, named: Optional[str]) -> List[str]:
@@ -102,6 +121,8 @@ def find_resumable_checkpoint(
     in one warning to ``logger`` (mmengine's ``print_log``).
 
     Raises:
+        RefusedCheckpointError: the first file tried is refused by the
+            loader and no other loads (its refusal, naming every file).
         NoResumableCheckpoint: there are checkpoints and none loads (each
             is named with why).
     """
@@ -110,7 +131,7 @@ def find_resumable_checkpoint(
         print_log(f'resume: deleted {len(removed)} partial write(s) left '
                   f'by a cut: {", ".join(removed)}', logger=logger)
     named = read_last_checkpoint(work_dir)
-    skipped: List[Tuple[str, str]] = []
+    skipped: List[Tuple[str, Exception]] = []
     found = None
     for path in _candidates(work_dir, named):
         problem = _load_problem(path)
@@ -118,11 +139,10 @@ def find_resumable_checkpoint(
             found = path
             break
         skipped.append((path or LAST_CHECKPOINT, problem))
+    if skipped and found is None:
+        raise _nothing_loads(work_dir, skipped)
     if skipped:
-        listed = '; '.join(f'{p} ({why})' for p, why in skipped)
-        if found is None:
-            raise NoResumableCheckpoint(
-                f'resume: no checkpoint in {work_dir} loads: {listed}')
+        listed = '; '.join(f'{p} ({_why(err)})' for p, err in skipped)
         print_log(f'resume: skipped {len(skipped)} checkpoint(s) that do '
                   f'not load: {listed}; resuming from {found}',
                   logger=logger, level=logging.WARNING)
