@@ -347,6 +347,8 @@ def _totals(s: FaultSetting, episodes, seconds_per_iter) -> Dict[str, Any]:
         kills=kills, episodes=[dict(kills=len(e['kills']), **e['match'])
                                for e in episodes],
         total_kills=len(kills),
-        in_write=sum(k['kind'] == 'write' for k in kills),
+        # kills that cut a write (a 'time' kill may land in one too)
+        in_write=sum(bool(k['partial']) for k in kills),
+        planned_in_write=sum(k['kind'] == 'write' for k in kills),
         identical=sum(k['identical'] for k in kills),
         max_cost=max((k['cost'] for k in kills), default=0))

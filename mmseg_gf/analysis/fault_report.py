@@ -8,12 +8,13 @@ __all__ = ['kill_where', 'fault_markdown']
 
 def kill_where(kill: Dict[str, Any]) -> str:
     """Where a kill landed, in words."""
+    cut = ', '.join(kill.get('partial') or [])
     if kill['kind'] == 'write':
-        cut = ', '.join(kill.get('partial') or []) or '?'
         return (f'inside write {kill["write"]} ({cut}), after '
                 f'{kill["fraction"]:.0%} of its bytes')
     return (f'{kill["delay"]:.2f} s after the start (iteration '
-            f'{kill["reached"]} completed)')
+            f'{kill["reached"]} completed' +
+            (f'; inside the write of {cut})' if cut else ')'))
 
 
 def fault_markdown(result: Dict[str, Any], command: str, cpu: str) -> str:
@@ -34,7 +35,8 @@ def fault_markdown(result: Dict[str, Any], command: str, cpu: str) -> str:
         'builds its Runner first).',
         '',
         f'**{result["identical"]} of {result["total_kills"]} kills** '
-        f'({result["in_write"]} inside a checkpoint write) resumed to the '
+        f'({result["in_write"]} inside a checkpoint write, '
+        f'{result["planned_in_write"]} of them placed there) resumed to the '
         'uninterrupted run\'s final weights bit for bit; the most '
         f'iterations one kill cost: {result["max_cost"]}.',
         '',
