@@ -7,7 +7,9 @@ mmseg HOOKS),
 ``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS) and
 ``CPUDistributedDataParallel`` (mmengine MODEL_WRAPPERS), and allows the
 data types of mmengine checkpoints in ``torch.load(weights_only=True)``
-through stand-ins that check them (:mod:`.checkpoint.safe_load`).
+through stand-ins that check them (:mod:`.checkpoint.safe_load`), and makes
+checkpoint writes on the local disk atomic (temporary file, fsync, rename:
+:mod:`.checkpoint.atomic_write`).
 """
 from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config
@@ -18,6 +20,7 @@ from .layer_trace import LayerRecord, trace_layers
 from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers)
 from ..models.segmentor import set_frozen_norms_eval
+from .checkpoint.atomic_write import install_atomic_checkpoints
 from .checkpoint.safe_load import allow_mmengine_checkpoints
 from .settings import GradientFilterSettings
 from .state import GradientFilterState, get_state
@@ -35,3 +38,4 @@ __all__ = [
 ]
 
 allow_mmengine_checkpoints()
+install_atomic_checkpoints()

@@ -17,14 +17,14 @@ from typing import Any, Callable, Dict, Optional
 
 from mmengine.config import Config
 from mmengine.logging import print_log
-from mmengine.runner import Runner, find_latest_checkpoint
+from mmengine.runner import Runner
 
 from .checkpoint import check_checkpoint_matches
 from .config import rewrite_config
 from .cpu_amp import enable_amp
 from .cpu_distributed import init_cpu_process_group, prepare_cpu_distributed
-from .checkpoint.safe_load import (check_checkpoint_file,
-                                   explain_refused_checkpoints)
+from .checkpoint.resume import find_resumable_checkpoint
+from .checkpoint.safe_load import explain_refused_checkpoints
 
 __all__ = [
     'load_config', 'resolve_resume', 'build_train_config', 'build_runner',
@@ -61,24 +61,28 @@ def load_config(config: str,
 
 
 def resolve_resume(cfg: Config, resume: bool) -> Config:
-    """``resume``: continue from the latest checkpoint in ``work_dir``.
+    """``resume``: continue from the newest checkpoint in ``work_dir`` that
+    loads.
 
     mmengine reads ``resume=True`` together with a ``load_from`` as "resume
     from load_from". A finetuning config's ``load_from`` is the pretrained
     model, so that would restart from it, or, with its ``meta`` iteration
     count (e.g. 80k of the original training), end at once. Here the latest
     checkpoint of this run wins; without one the run starts from
-    ``load_from`` as a fresh run would. The checkpoint resumed from passes
-    the loader's checks (names and declared costs,
-    :func:`.checkpoint.safe_load.check_checkpoint_file`) before mmengine's
-    ``torch.load`` reads it, as ``load_from`` does.
+    ``load_from`` as a fresh run would. The checkpoint is the one
+    ``last_checkpoint`` names if it loads through the plugin's loader
+    (names, declared costs, then the file read as data), else the newest
+    ``iter_*.pth`` / ``epoch_*.pth`` that does, with one warning naming the
+    skipped files (:func:`.checkpoint.resume.find_resumable_checkpoint`).
+
+    Raises:
+        NoResumableCheckpoint: the work dir has checkpoints and none loads.
     """
     cfg.resume = False
     if not resume:
         return cfg
-    latest = find_latest_checkpoint(cfg.work_dir)
+    latest = find_resumable_checkpoint(cfg.work_dir)
     if latest is not None:
-        check_checkpoint_file(latest)
         cfg.load_from = latest
         cfg.resume = True
     else:

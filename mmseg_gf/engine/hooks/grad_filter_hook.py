@@ -14,7 +14,6 @@ from typing import Any, Optional, Sequence
 
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
-from mmengine.runner import find_latest_checkpoint
 from mmseg.registry import HOOKS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -23,6 +22,7 @@ from ...accounting.report import chosen_layers_table, step_kept_table
 from ...accounting.trace import trace_step_saved_bytes
 from ...models.segmentor import set_frozen_norms_eval, unwrap_model
 from ..checkpoint import check_checkpoint_matches
+from ..checkpoint.resume import find_resumable_checkpoint
 from ..compile_settings import describe, model_compile_setting
 from ..config import (default_batch_size, default_input_size,
                       default_optimizer, select_and_apply)
@@ -109,17 +109,21 @@ class GradFilterHook(Hook):
         after ``before_run``) and check the checkpoint to be loaded,
         before anything is trained.
 
-        ``before_run`` precedes the Runner's ``load_or_resume``.
+        ``before_run`` precedes the Runner's ``load_or_resume``. A run
+        with ``resume=True`` and no ``load_from`` resumes from the newest
+        checkpoint of its work dir that loads
+        (:func:`~..checkpoint.resume.find_resumable_checkpoint`), where
+        mmengine takes whatever ``last_checkpoint`` names.
         """
         _set_compile_setting(runner,
                              self.configured and self.settings['lean'])
-        if not self.check_load_from:
-            return
         load_from = getattr(runner, '_load_from', None)
         resume = bool(getattr(runner, '_resume', False))
         if resume and load_from is None:
-            load_from = find_latest_checkpoint(runner.work_dir)
-        if load_from is None:
+            load_from = find_resumable_checkpoint(runner.work_dir,
+                                                  logger=runner.logger)
+            runner._load_from = load_from
+        if load_from is None or not self.check_load_from:
             return
         model = unwrap_model(runner.model)
         check_checkpoint_matches(
