@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import native, triton_linear
+from .function_output import owned_output
 from .patch_grid import AxisGeometry, autocast_off, check_radius
 
 #: How the grid's tokens are laid out in a Linear's input (last dim: C).
@@ -433,7 +434,7 @@ class GradientFilterLinearFunction(torch.autograd.Function):
         ctx.layout = layout
         ctx.input_shape = x.shape
         ctx.input_dtype = x.dtype
-        return out
+        return owned_output(out, x, weight, bias)
 
     @staticmethod
     @once_differentiable

@@ -31,6 +31,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
 from . import triton_path
+from .function_output import owned_output
 from .triton_path import _is_fake, _on_device
 
 __all__ = ['usable', 'FrozenBatchNormFunction', 'reference_norm',
@@ -93,7 +94,7 @@ class FrozenBatchNormFunction(Function):
                 eps: float, normalize: Callable[[Tensor], Tensor]) -> Tensor:
         reference_norm(ctx, running_var, weight)
         ctx.eps = float(eps)
-        return normalize(x)
+        return owned_output(normalize(x), x)
 
     @staticmethod
     @once_differentiable
