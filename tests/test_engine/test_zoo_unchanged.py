@@ -50,7 +50,10 @@ def unchanged_model(config: str, size: int) -> dict:
         Config.fromfile(osp.join(mmseg_config_dir(),
                                  config)).model.to_dict())
     model['data_preprocessor']['size'] = (size, size)
-    model['test_cfg'] = dict(mode='whole')
+    test_cfg = dict(model.get('test_cfg') or {})  # PointRend's subdivision
+    test_cfg.pop('crop_size', None)
+    test_cfg.pop('stride', None)
+    model['test_cfg'] = dict(test_cfg, mode='whole')
     return model
 
 
