@@ -50,7 +50,7 @@ from ..engine.checkpoint import atomic_write
 from ..engine.checkpoint.resume import CHECKPOINT_NAME, LAST_CHECKPOINT
 from ..engine.checkpoint.safe_load import load_checkpoint_file
 from ..engine.entrypoints import build_runner, build_train_config
-from ..ops.patching import override
+from ..patching import override
 from .fault_child import ChildRun, read_progress
 
 __all__ = ['FaultSetting', 'child_config_text', 'kill_inside_write',

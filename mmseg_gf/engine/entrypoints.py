@@ -20,6 +20,7 @@ from mmengine.logging import print_log
 from mmengine.runner import Runner
 
 from .checkpoint import check_checkpoint_matches
+from .config_log import ConfigByNameRunner
 from .config import rewrite_config
 from .cpu_amp import enable_amp
 from .cpu_distributed import init_cpu_process_group, prepare_cpu_distributed
@@ -113,12 +114,18 @@ def build_train_config(config: str,
     return rewrite_config(cfg)
 
 
-def build_runner(cfg: Config) -> Runner:
-    """The config's Runner (its ``runner_type`` if it names one)."""
+def build_runner(cfg: Config, log_config: bool = True) -> Runner:
+    """The config's Runner (its ``runner_type`` if it names one).
+
+    ``log_config=False``: the Runner logs the config's file name, not its
+    text (:class:`.config_log.ConfigByNameRunner`; a config naming its own
+    ``runner_type`` logs it as that Runner does), for a run whose config
+    another Runner of the same command has logged.
+    """
     if 'runner_type' in cfg:
         from mmseg.registry import RUNNERS
         return RUNNERS.build(cfg)
-    return Runner.from_cfg(cfg)
+    return (Runner if log_config else ConfigByNameRunner).from_cfg(cfg)
 
 
 def train(config: str, **kwargs) -> Runner:
@@ -190,16 +197,17 @@ def build_test_config(config: str,
     return prepare_cpu_distributed(cfg)
 
 
-def run_test(cfg: Config) -> Dict[str, float]:
+def run_test(cfg: Config, log_config: bool = True) -> Dict[str, float]:
     """Build a Runner from ``cfg`` and return its test metrics, also
-    written to ``<work_dir>/metrics.json`` by rank 0.
+    written to ``<work_dir>/metrics.json`` by rank 0 (``log_config``: as
+    :func:`build_runner`'s).
 
     The checkpoint must match the model exactly (mmengine would load it with
     ``strict=False`` and evaluate whatever weights did not load): a
     mismatch raises ValueError before anything is evaluated.
     """
     init_cpu_process_group(cfg)
-    runner = Runner.from_cfg(cfg)
+    runner = (Runner if log_config else ConfigByNameRunner).from_cfg(cfg)
     model = getattr(runner.model, 'module', runner.model)
     check_checkpoint_matches(model, cfg.load_from, setting='checkpoint',
                              allowed=None)
@@ -213,10 +221,13 @@ def run_test(cfg: Config) -> Dict[str, float]:
     return metrics
 
 
-def evaluate(config: str, checkpoint: str, **kwargs) -> Dict[str, float]:
+def evaluate(config: str, checkpoint: str, log_config: bool = True,
+             **kwargs) -> Dict[str, float]:
     """Test a checkpoint as ``tools/test.py`` does (``**kwargs``:
-    :func:`build_test_config`'s); returns the metrics."""
-    return run_test(build_test_config(config, checkpoint, **kwargs))
+    :func:`build_test_config`'s; ``log_config``: :func:`build_runner`'s);
+    returns the metrics."""
+    return run_test(build_test_config(config, checkpoint, **kwargs),
+                    log_config)
 
 
 def format_metrics(metrics: Dict[str, float]) -> str:

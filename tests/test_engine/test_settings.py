@@ -12,10 +12,11 @@ from mmengine.config import Config  # noqa: E402
 
 from mmseg_gf.analysis.cost_cli import hook_settings  # noqa: E402
 from mmseg_gf.engine import GradFilterHook  # noqa: E402
-from mmseg_gf.engine.settings import (DEFAULTS, FLAGS,  # noqa: E402
+from mmseg_gf.engine.settings import (ACCEPTED_KEYS,  # noqa: E402
+                                      DEFAULTS, FLAGS, HOOK_OPTIONS,
                                       SETTING_KEYS, SURGERY_FLAGS,
                                       GradientFilterSettings,
-                                      check_settings)
+                                      check_settings, setting_docs)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,6 +42,27 @@ def test_every_setting_has_a_doc_and_a_readme_row():
     table = readme.split('### Settings', 1)[1].split('\n## ', 1)[0]
     rows = re.findall(r'^\| `(\w+)` \|', table, flags=re.M)
     assert sorted(rows) == sorted(SETTING_KEYS)
+
+
+def test_every_accepted_key_is_declared_with_a_doc_and_in_the_docs():
+    """What GradFilterHook accepts: the settings and its own two options,
+    each declared with its default and a doc, each named in README.md or
+    docs/ (the hook's defaults are the declared ones)."""
+    import inspect
+    assert ACCEPTED_KEYS == SETTING_KEYS + ('log_table', 'check_load_from')
+    docs = setting_docs()
+    assert tuple(docs) == ACCEPTED_KEYS
+    assert all(isinstance(doc, str) and len(doc) > 20
+               for _, doc in docs.values())
+    signature = inspect.signature(GradFilterHook.__init__).parameters
+    for key, option in HOOK_OPTIONS.items():
+        assert signature[key].default is option.default
+        assert docs[key] == (option.default, option.doc)
+    text = (REPO / 'README.md').read_text() + ''.join(
+        p.read_text() for p in sorted((REPO / 'docs').rglob('*.md')))
+    missing = [k for k in ACCEPTED_KEYS
+               if not re.search(rf'`[^`\n]*\b{k}\b[^`\n]*`', text)]
+    assert not missing, f'not in README.md or docs/: {missing}'
 
 
 def test_the_dataclass_checks_and_normalises_when_made():

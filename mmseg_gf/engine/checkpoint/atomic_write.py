@@ -23,7 +23,7 @@ imported) puts this behind ``LocalBackend.put`` / ``put_text`` (mmengine's
 and gives ``CheckpointHook`` a ``_save_checkpoint_with_step`` that writes
 ``last_checkpoint`` the same way and deletes the outdated checkpoint only
 after the new one and ``last_checkpoint`` are complete. Both go through
-the project's one patching mechanism (:func:`~mmseg_gf.ops.patching.
+the project's one patching mechanism (:func:`~mmseg_gf.patching.
 override` on the classes; docs/patching.md), and
 :func:`uninstall_atomic_checkpoints` undoes them.
 
@@ -42,7 +42,7 @@ from mmengine.dist import is_main_process
 from mmengine.fileio.backends import LocalBackend
 from mmengine.hooks import CheckpointHook
 
-from ...ops.patching import Override, override
+from ...patching import Override, override
 
 __all__ = ['PARTIAL_PREFIX', 'CHUNK_BYTES', 'write_chunks',
            'atomic_write_bytes', 'atomic_write_text', 'fsync_folder',

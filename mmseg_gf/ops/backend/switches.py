@@ -108,7 +108,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch('MMSEG_GF_RESIZE_GEMM', True, bool,
            'Bilinear resizes of the lean loss and heads on CUDA as two '
            "matrix products (`0`: torch's resize kernels; ops/"
-           'bilinear_gemm.py says why).', on_unless_zero),
+           'resize/gemm.py says why).', on_unless_zero),
     Switch('TRITON_INTERPRET', False, bool,
            "Triton's own interpreter switch (triton reads it too); read "
            'when `mmseg_gf` is imported, it lets CPU tensors take the '
