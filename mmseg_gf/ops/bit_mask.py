@@ -28,12 +28,13 @@ import torch
 from torch import Tensor
 
 from . import switches, triton_bit_mask
-from .native import empty_for_writing
+from .native import empty_for_writing, kernel_missing
 
 try:
     from .. import _bit_mask as _kernels
-except ImportError:  # not built: PyTorch fallback
+except ImportError as _error:  # not built: PyTorch fallback
     _kernels = None
+    kernel_missing('_bit_mask', _error)
 
 __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
            'layout_of', 'activate_and_pack']
