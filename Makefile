@@ -37,8 +37,6 @@ $(STAMP): setup.py pyproject.toml requirements/runtime.txt requirements/tests.tx
 	$(PIP) install -r requirements/tests.txt
 	# 4. this package (editable, without isolation: its CPU kernels compile
 	#    against the torch above; mmseg_gf/.mim links configs/ and tools/).
-	#    An install under the distribution's former name goes first.
-	$(PIP) uninstall -q -y mmseg_gf 2>/dev/null || true
 	$(PIP) install --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import mmcv.ops, mmseg.utils, mmseg_gf; print('stack ok')"
 	touch $@

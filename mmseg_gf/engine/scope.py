@@ -13,10 +13,13 @@ so a config inheriting from ``mmseg_gf::`` builds exactly what the same
 config built from the repository's file does. ``mmseg_gf/registry.py``
 re-exports these registries under the name mmengine imports.
 
-The table entry maps ``mmseg_gf`` to itself, which is no distribution's
-name (the distribution is ``mmseg-gradient-filter``): mmengine then takes
-the imported package's directory, right for a wheel, an editable install
-and a checkout on ``PYTHONPATH`` alike.
+The table entry maps ``mmseg_gf`` to ``mmseg_gf.registry``: mmengine looks
+that name up as a distribution first (there is none of that name) and
+then as a module, taking the directory of the module it finds. That is
+the imported package's directory whatever the install (a wheel, an
+editable install, a checkout on ``PYTHONPATH``), where the distribution's
+own name would send mmengine to where the distribution's metadata lies:
+``site-packages`` for an editable install, or an older install's location.
 
 Both changes go through :mod:`mmseg_gf.ops.patching` (docs/patching.md);
 :func:`uninstall` undoes them.
@@ -29,10 +32,13 @@ from mmseg import registry as mmseg_registry
 
 from ..ops import patching
 
-__all__ = ['SCOPE', 'REGISTRIES', 'install', 'uninstall', 'installed']
+__all__ = ['SCOPE', 'PACKAGE_LOOKUP', 'REGISTRIES', 'install', 'uninstall', 'installed']
 
 #: The scope (and ``<package>::`` prefix) of this package's configs.
 SCOPE = 'mmseg_gf'
+#: What mmengine's ``MODULE2PACKAGE`` maps the scope to: a module of the
+#: package that no distribution is named after (see above).
+PACKAGE_LOOKUP = 'mmseg_gf.registry'
 
 
 
@@ -65,8 +71,8 @@ def install() -> None:
     :data:`REGISTRIES` under its mmseg parent; a no-op when installed."""
     if _undos:
         return
-    _undos.append(
-        patching.set_entry(config_utils.MODULE2PACKAGE, SCOPE, SCOPE))
+    _undos.append(patching.set_entry(config_utils.MODULE2PACKAGE, SCOPE,
+                                     PACKAGE_LOOKUP))
     for name, child in REGISTRIES.items():
         parent = getattr(mmseg_registry, name)
         child.parent = parent

@@ -3,6 +3,7 @@
 each undone by ``uninstall``. Resolving a ``mmseg_gf::`` base from an
 installed wheel: tests/test_packaging.py."""
 import importlib
+import os
 
 import pytest
 
@@ -10,7 +11,10 @@ pytest.importorskip('mmseg')
 
 from mmengine.config import utils as config_utils  # noqa: E402
 from mmengine.registry import MODELS as ROOT_MODELS  # noqa: E402
+from mmengine.utils import get_installed_path, is_installed  # noqa: E402
 from mmseg import registry as mmseg_registry  # noqa: E402
+
+import mmseg_gf  # noqa: E402
 
 from mmseg_gf.engine import scope  # noqa: E402
 from mmseg_gf.models import GFConv2d  # noqa: E402
@@ -28,7 +32,7 @@ def uninstalled():
 
 def test_importing_the_package_installs_the_scope():
     assert scope.installed()
-    assert config_utils.MODULE2PACKAGE['mmseg_gf'] == 'mmseg_gf'
+    assert config_utils.MODULE2PACKAGE['mmseg_gf'] == 'mmseg_gf.registry'
     for name in mmseg_registry.__all__:
         parent = getattr(mmseg_registry, name)
         child = parent.children['mmseg_gf']
@@ -39,6 +43,14 @@ def test_importing_the_package_installs_the_scope():
 def test_mmengine_imports_the_scopes_registries_by_its_name():
     registry = importlib.import_module('mmseg_gf.registry')
     assert registry.MODELS is scope.REGISTRIES['MODELS']
+
+
+def test_mmengine_finds_the_imported_package_for_the_scope():
+    """Whatever distribution is installed (an editable install's metadata
+    lies elsewhere): the directory of the package imported here."""
+    package = config_utils.MODULE2PACKAGE['mmseg_gf']
+    assert is_installed(package)
+    assert get_installed_path(package) == os.path.dirname(mmseg_gf.__file__)
 
 
 def test_an_object_of_the_scope_builds_from_mmsegs_registries():
