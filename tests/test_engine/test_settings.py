@@ -1,6 +1,7 @@
 """mmseg_gf.engine.settings: one declaration of each gradient-filter
 setting, which the config rewrite, the model builder, GradFilterHook, the
-cost tool's reading of a hook and README's Settings table all follow."""
+cost tool's reading of a hook and docs/settings.md's tables all follow."""
+import inspect
 import re
 from pathlib import Path
 
@@ -35,13 +36,28 @@ def test_keys_flags_and_defaults_come_from_the_fields():
                              'log_frozen_aux_losses')
 
 
-def test_every_setting_has_a_doc_and_a_readme_row():
+def _table_keys(doc: str, header: str):
+    """The first-column names of the markdown table under ``header``."""
+    table = doc.split(header, 1)[1].split('\n\n', 1)[0]
+    return re.findall(r'^\| `(\w+)` \|', table, flags=re.M)
+
+
+def test_every_setting_has_a_doc_and_one_row_in_the_docs():
     fields = GradientFilterSettings.__dataclass_fields__
     assert all(f.metadata['doc'] for f in fields.values())
-    readme = (REPO / 'README.md').read_text()
-    table = readme.split('### Settings', 1)[1].split('\n## ', 1)[0]
-    rows = re.findall(r'^\| `(\w+)` \|', table, flags=re.M)
+    doc = (REPO / 'docs' / 'settings.md').read_text()
+    rows = _table_keys(doc, '| key | values | meaning |')
     assert sorted(rows) == sorted(SETTING_KEYS)
+    assert all(f'### `{key}`' in doc for key in SETTING_KEYS)
+
+
+def test_the_hooks_own_arguments_have_one_row_in_the_docs():
+    own = [name for name, p in inspect.signature(
+        GradFilterHook.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    doc = (REPO / 'docs' / 'settings.md').read_text()
+    assert own and sorted(_table_keys(
+        doc, '| argument | values | meaning |')) == sorted(own)
 
 
 def test_every_accepted_key_is_declared_with_a_doc_and_in_the_docs():
