@@ -64,7 +64,7 @@ def _import_copy(tmp_path, **env):
                     ignore=shutil.ignore_patterns('*.so', '__pycache__',
                                                   '.mim'))
     environ = dict(os.environ, PYTHONPATH=str(tmp_path), **env)
-    code = ('import mmseg_gf; from mmseg_gf.ops import native; '
+    code = ('import mmseg_gf; from mmseg_gf.ops.backend import native; '
             'assert mmseg_gf.__file__.startswith(%r); '
             'assert sorted(native.missing_kernels()) == %r' %
             (str(tmp_path), sorted(native.KERNELS)))
