@@ -302,7 +302,7 @@ def kind_rule(module: nn.Module) -> Optional[Callable]:
     return rule
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)  # keyed on the layer kinds' rule names
 def _named_rule(name: str) -> Callable:
     module, _, function = name.partition(':')
     return getattr(importlib.import_module(module), function)

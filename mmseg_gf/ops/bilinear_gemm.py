@@ -34,13 +34,12 @@ Taken by :mod:`.resize` and :mod:`.resized_loss` on CUDA tensors of float32
 or float64 while ``MMSEG_GF_RESIZE_GEMM`` is on (:mod:`.switches`);
 :func:`usable` says which.
 """
-from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from . import switches
+from . import shape_caches, switches
 from .device_path import acting_as_cuda
 
 __all__ = ['usable', 'interpolation_matrix', 'one_product', 'resize',
@@ -77,7 +76,14 @@ def _source_scale(in_size: int, out_size: int, align_corners: bool,
     return in_size / out_size
 
 
-@lru_cache(maxsize=64)
+#: Interpolation matrices kept (per size pair, dtype and device): a network
+#: resizes to a few sizes, a random-resize pipeline to a few per batch.
+MATRIX_CACHE_SIZE = 64
+#: Kronecker products kept (small sources only, at most 16 MiB each).
+KRONECKER_CACHE_SIZE = 32
+
+
+@shape_caches.lru('bilinear_gemm.matrix', MATRIX_CACHE_SIZE)
 def _matrix(out_size: int, in_size: int, align_corners: bool,
             scale: Optional[float], dtype: torch.dtype,
             device: torch.device) -> Tensor:
@@ -105,7 +111,8 @@ def interpolation_matrix(out_size: int, in_size: int, align_corners: bool,
     """The ``out_size x in_size`` matrix of one axis' bilinear weights
     (torch's source indices and weights; ``scale``: the scale factor a
     resize was given, as torch's kernel receives it, or None). Cached per
-    shape, dtype and device: a network resizes to a few sizes."""
+    shape, dtype and device (:data:`MATRIX_CACHE_SIZE` of them, least
+    recently used first out)."""
     return _matrix(int(out_size), int(in_size), bool(align_corners),
                    None if scale is None else float(scale), dtype,
                    torch.device(device))
@@ -121,7 +128,7 @@ def _matrices(out_hw: Sequence[int], in_hw: Sequence[int],
     return rows, cols
 
 
-@lru_cache(maxsize=32)
+@shape_caches.lru('bilinear_gemm.kronecker', KRONECKER_CACHE_SIZE)
 def _kronecker(out_hw: Tuple[int, int], in_hw: Tuple[int, int],
                align_corners: bool, scales, dtype: torch.dtype,
                device: torch.device) -> Tensor:

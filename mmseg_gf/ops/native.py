@@ -32,7 +32,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import switches
+from . import shape_caches, switches
 
 try:
     from .. import _patch_ops as _kernels
@@ -369,4 +369,12 @@ def _applier(setter, to_kernel=lambda value: value):
 switches.bind_applier('MMSEG_GF_RECYCLE_MB',
                       _applier(recycle_limit, lambda mib: mib << 20))
 switches.bind_applier('onednn_products', _applier(set_onednn_products))
+# blocks kept per byte size (a new shape, a new size), at most the
+# switch's MiB; least recently returned ones are freed first
+shape_caches.register(
+    'native.recycled_outputs',
+    lambda: 0 if _kernels is None else
+    switches.value('MMSEG_GF_RECYCLE_MB') << 20,
+    lambda: 0 if _kernels is None else recycled_bytes(), unit='bytes',
+    clear=lambda: None if _kernels is None else release_recycled())
 switches.bind_applier('token_rows_avx512', _applier(set_token_rows_avx512))
