@@ -25,10 +25,22 @@ map once and have ``~4 (H_in + W_out)`` flops per output pixel.
 Rounding: each output is the same weighted sum as torch's (the weights
 computed as its kernel computes them, in the accumulation dtype), summed
 in another order: equal within float32 rounding (float64 likewise),
-tested against ``F.interpolate`` and its autograd gradient. Not for a
-non-finite input: a GEMM multiplies every zero weight too, so an inf or
-NaN reaches its whole row and column of the output, where torch's kernel
-keeps it local (training has failed by then either way).
+tested against ``F.interpolate`` and its autograd gradient.
+
+Non-finite values: a GEMM multiplies every zero weight too (``0 * inf``
+and ``0 * NaN`` are NaN), so one inf or NaN in an image-channel plane makes
+that plane's whole output non-finite (mostly NaN), where torch's kernel
+reaches only the up to four pixels each output pixel reads (one NaN in a
+6x6 gradient of a 3x3 map: 9 of 9 input gradients NaN, torch's 4); every
+other plane is unaffected (``tests/test_ops/test_bilinear_gemm.py``,
+NaN / inf / -inf). A NaN seen in a loss or a gradient after such a resize
+therefore marks the plane, not the pixel: set ``MMSEG_GF_RESIZE_GEMM=0``
+to find the pixel with torch's kernels. The route is kept for them on
+purpose: it cannot be chosen per call without a host sync, and keeping
+the values local on every call (zeroing them for the GEMMs, torch's
+kernel for them alone) costs about 2-4 times the GEMMs' time
+(``docs/benchmarks/resize_nonfinite_cpu.md``), for a run that has already
+failed.
 
 Taken by :mod:`.resize` and :mod:`.resized_loss` on CUDA tensors of float32
 or float64 while ``MMSEG_GF_RESIZE_GEMM`` is on (:mod:`.switches`);
