@@ -11,7 +11,7 @@ the upsampled logits) are compiled too;
 runs (same results, slower on CPU).
 
 The build switches (``MMSEG_GF_BUILD_NATIVE``, ``MMSEG_GF_UNITY_BUILD``)
-are declared with the package's others in ``mmseg_gf/ops/switches.py``
+are declared with the package's others in ``mmseg_gf/ops/backend/switches.py``
 (docs/switches.md); this file reads them from the environment itself, since
 it runs before the package and torch can be imported.
 """

@@ -83,10 +83,10 @@ def _exact_float32_on_cuda(request):
 @pytest.fixture
 def switch_override():
     """``switch_override(MMSEG_GF_NATIVE=False)`` holds
-    :func:`mmseg_gf.ops.switches.override` until the test ends (calls
+    :func:`mmseg_gf.ops.backend.switches.override` until the test ends (calls
     nest; each is undone in reverse order), as ``monkeypatch.setenv`` would
     for a variable read at every call."""
-    from mmseg_gf.ops import switches
+    from mmseg_gf.ops.backend import switches
     with contextlib.ExitStack() as stack:
         yield lambda **values: stack.enter_context(
             switches.override(**values))

@@ -4,6 +4,7 @@
 section states it and points here)::
 
     mmseg_gf.ops         the math: no mmseg, mmcv or mmengine
+    mmseg_gf.patching    the one module that changes other libraries' objects
     mmseg_gf.models      registered modules
     mmseg_gf.accounting  cost model, step trace, peak model, budget choice
     mmseg_gf.engine      mmengine integration
@@ -60,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 # mmseg_gf that is not named here is a violation.
 LAYERS = (
     'mmseg_gf.ops',
+    'mmseg_gf.patching',
     'mmseg_gf.models',
     'mmseg_gf.accounting',
     'mmseg_gf.engine',
@@ -82,21 +84,21 @@ OPS_EXTERNAL_FORBIDDEN = ('mmseg', 'mmcv', 'mmengine')
 TOOLS = 'tools'
 # (importer, imported) -> why that import may sit inside a function.
 FUNCTION_LEVEL_ALLOWED = {
-    ('mmseg_gf.ops.triton_path', 'mmseg_gf.ops.triton_kernels'):
+    ('mmseg_gf.ops.backend.triton_path', 'mmseg_gf.ops.backend.triton_kernels'):
     'triton_kernels imports triton at module level: loaded on first GPU-path '
     'use, so mmseg_gf.ops imports without triton',
-    ('mmseg_gf.ops.triton_path', 'mmseg_gf.ops.triton_products'):
+    ('mmseg_gf.ops.backend.triton_path', 'mmseg_gf.ops.conv.products_kernels'):
     'the kernels import triton: loaded on first GPU-path use',
-    ('mmseg_gf.ops.triton_conv_block',
-     'mmseg_gf.ops.triton_conv_block_kernels'):
+    ('mmseg_gf.ops.conv_block.gpu',
+     'mmseg_gf.ops.conv_block.kernels'):
     'the kernels import triton: loaded on first GPU-path use',
-    ('mmseg_gf.ops.triton_bit_mask', 'mmseg_gf.ops.triton_bit_mask_kernels'):
+    ('mmseg_gf.ops.bit_mask.gpu', 'mmseg_gf.ops.bit_mask.kernels'):
     'the kernels import triton: loaded on first GPU-path use',
-    ('mmseg_gf.ops.triton_linear', 'mmseg_gf.ops.triton_token_kernels'):
+    ('mmseg_gf.ops.linear.gpu', 'mmseg_gf.ops.linear.kernels'):
     'the kernel imports triton: loaded on first GPU-path use',
-    ('mmseg_gf.ops.triton_norm', 'mmseg_gf.ops.triton_norm_kernels'):
+    ('mmseg_gf.ops.frozen_norm.gpu', 'mmseg_gf.ops.frozen_norm.kernels'):
     'the kernels import triton: loaded on first GPU-path use',
-    ('mmseg_gf.ops.resized_loss', 'mmseg_gf.ops.triton_loss_kernels'):
+    ('mmseg_gf.ops.resized_loss.loss', 'mmseg_gf.ops.resized_loss.kernels'):
     'the kernel imports triton: loaded on first GPU-path use',
 }
 
@@ -349,7 +351,7 @@ def test_package_keeps_its_import_layers():
     """The contract itself, on this repository's mmseg_gf."""
     _, modules = scan(REPO)
     # Guard against a checker that scans nothing (moved file, wrong root).
-    assert 'mmseg_gf.ops.gradient_filter' in modules, sorted(modules)
+    assert 'mmseg_gf.ops.conv.function' in modules, sorted(modules)
     violations = check(REPO)
     if violations:
         order = ' < '.join(short(layer) for layer in LAYERS)
@@ -408,7 +410,7 @@ def test_checker_sees_nested_upward_imports(tmp_path):
                 """),
         })
     hidden = '-> mmseg_gf.engine.hook (function-level) '
-    upward = '[rule 1: layers: upward: ops (layer 1) imports engine (layer 4)]'
+    upward = '[rule 1: layers: upward: ops (layer 1) imports engine (layer 5)]'
     nested = f'[{RULE_NESTED}: {NESTED_FIX}]'
     assert check(tmp_path) == [
         f'mmseg_gf.ops.math:4 {hidden} {upward}',
@@ -463,7 +465,7 @@ def test_checker_finds_cycles(tmp_path):
         })
     assert check(tmp_path) == [
         'mmseg_gf.models.conv:1 -> mmseg_gf.engine.surgery  '
-        '[rule 1: layers: upward: models (layer 2) imports engine (layer 4)]',
+        '[rule 1: layers: upward: models (layer 3) imports engine (layer 5)]',
         'models -> engine -> models  [rule 3: cycle] via: '
         'mmseg_gf.models.conv:1 -> mmseg_gf.engine.surgery; '
         'mmseg_gf.engine.surgery:1 -> mmseg_gf.models.conv',
@@ -487,14 +489,14 @@ def test_checker_applies_the_side_rules(tmp_path):
                 from tools import train
                 """),
             'mmseg_gf/ops/math.py': 'import torch\nfrom mmcv.ops import x\n',
-            'mmseg_gf/ops/native.py': 'from .. import _patch_ops\n',
-            'mmseg_gf/ops/triton_path.py': dedent("""\
+            'mmseg_gf/ops/backend/native.py': 'from ... import _patch_ops\n',
+            'mmseg_gf/ops/backend/triton_path.py': dedent("""\
                 def kernels():
                     from . import triton_kernels
                 def hook():
-                    from ..engine import y
+                    from ...engine import y
                 """),
-            'mmseg_gf/ops/triton_kernels.py': 'import triton\n',
+            'mmseg_gf/ops/backend/triton_kernels.py': 'import triton\n',
             'mmseg_gf/models/conv.py': 'from mmseg_gf import GFConv2d\n',
             'mmseg_gf/extra/thing.py': '',
         })
@@ -508,16 +510,16 @@ def test_checker_applies_the_side_rules(tmp_path):
         'mmseg_gf.datasets.synthetic:1 -> mmseg_gf.ops.math  '
         '[rule 1: layers: datasets imports nothing else of mmseg_gf]',
         'mmseg_gf.models.conv:1 -> mmseg_gf  [rule 1: layers: the package '
-        'root imports engine; upward: models (layer 2) imports engine '
-        '(layer 4)]',
+        'root imports engine; upward: models (layer 3) imports engine '
+        '(layer 5)]',
+        'mmseg_gf.ops.backend.triton_path:4 -> mmseg_gf.engine '
+        '(function-level)  [rule 1: layers: upward: ops (layer 1) imports engine (layer 5)]',
         'mmseg_gf.ops.math:2 -> mmcv.ops  [rule 1: layers: ops imports '
         'nothing of mmseg, mmcv, mmengine]',
-        'mmseg_gf.ops.triton_path:4 -> mmseg_gf.engine (function-level)  '
-        '[rule 1: layers: upward: ops (layer 1) imports engine (layer 4)]',
         'mmseg_gf.protocol.stages:3 -> tools  [rule 1: layers: tools are '
         'scripts on top of mmseg_gf, never imported by it]',
-        'mmseg_gf.ops.triton_path:4 -> mmseg_gf.engine (function-level)  '
-        f'[{RULE_NESTED}: {NESTED_FIX}]',
+        'mmseg_gf.ops.backend.triton_path:4 -> mmseg_gf.engine '
+        f'(function-level)  [{RULE_NESTED}: {NESTED_FIX}]',
     ]
 
 
@@ -535,8 +537,8 @@ def test_checker_knows_accounting_once_it_exists(tmp_path):
         })
     assert check(tmp_path) == [
         'mmseg_gf.accounting.cost:2 -> mmseg_gf.engine.budget  '
-        '[rule 1: layers: upward: accounting (layer 3) imports engine '
-        '(layer 4)]',
+        '[rule 1: layers: upward: accounting (layer 4) imports engine '
+        '(layer 5)]',
         'accounting -> engine -> accounting  [rule 3: cycle] via: '
         'mmseg_gf.accounting.cost:2 -> mmseg_gf.engine.budget; '
         'mmseg_gf.engine.budget:1 -> mmseg_gf.accounting.cost',

@@ -6,7 +6,7 @@ table of types, a constructor, an ``is`` test; a type annotation may name
 one) and no ``'conv2d'`` literal (the conv kind is ``CONV2D.name``). The
 same holds for the modules below them that ask what a layer is: the lean
 region (:mod:`mmseg_gf.models.lean`, ``lean_head``, ``lean_transformer``,
-``conv_block``) and the gradient-quality measures (:mod:`mmseg_gf.ops.quality`, whose
+``conv_block``) and the gradient-quality measures (:mod:`mmseg_gf.models.gradient_quality`, whose
 DC-energy ratio takes the kernels the kinds give). The kinds' own files
 (``layer_kinds``, ``linear_kinds``, their filtered modules) may.
 """
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ('mmseg_gf/engine', 'mmseg_gf/accounting', 'mmseg_gf/analysis',
            'mmseg_gf/protocol', 'tools', 'mmseg_gf/models/lean.py',
            'mmseg_gf/models/lean_head.py', 'mmseg_gf/models/conv_block.py',
-           'mmseg_gf/models/lean_transformer.py', 'mmseg_gf/ops/quality.py')
+           'mmseg_gf/models/lean_transformer.py', 'mmseg_gf/models/gradient_quality.py')
 #: The kinds' plain, filtered and family types.
 TYPE_NAMES = {'Conv2d', 'GFConv2d', '_ConvNd', 'Linear', 'GFLinear',
               'NonDynamicallyQuantizableLinear', 'MultiheadAttention',

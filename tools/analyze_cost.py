@@ -6,7 +6,7 @@ setting is applied (``rewrite_config``), the model is traced at ``--shape``
 and every trained conv is listed in execution order with its geometry,
 radius, and the backward FLOPs / MACs and saved activation bytes of the
 exact (vanilla) and the gradient-filtered backward, all from the shared
-cost model (``mmseg_gf.ops.conv_cost.conv_backward_cost``; conventions in
+cost model (``mmseg_gf.ops.conv.cost.conv_backward_cost``; conventions in
 docs/cost.md). A config without ``gradient_filter`` takes the settings of a
 ``GradFilterHook`` in its ``custom_hooks``; with neither it is "Vanilla BP
 All": every conv on the inference path, convs only (GF columns then at

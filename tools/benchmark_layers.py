@@ -39,7 +39,7 @@ from mmseg_gf.analysis.layer_benchmark import (BENCHMARK_CONV_SHAPES,
                                                CLOCKS, plot, summarize,
                                                time_layer, time_linear_layer,
                                                timing_table)
-from mmseg_gf.ops import triton_path
+from mmseg_gf.ops.backend import triton_path
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
           'float16': torch.float16}

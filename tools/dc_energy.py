@@ -17,7 +17,7 @@ from mmengine.runner import load_checkpoint
 
 import mmseg_gf  # noqa: F401  (registers GFConv2d)
 from mmseg_gf.models.layer_kinds import layer_kernels
-from mmseg_gf.ops.quality import model_dc_energy_ratio
+from mmseg_gf.models.gradient_quality import model_dc_energy_ratio
 
 
 def parse_args():

@@ -2,7 +2,7 @@
 
 Below the engine (which imports it) and above the models (whose lean
 modules it knows; the cost formula of a conv's backward is the conv kind's,
-:mod:`mmseg_gf.ops.conv_cost`): the rules of what each kind of module keeps
+:mod:`mmseg_gf.ops.conv.cost`): the rules of what each kind of module keeps
 for backward (:mod:`.kept`; transformer kinds: :mod:`.kept_transformer`;
 trained Linears and attentions on tokens: :mod:`.kept_tokens`; Segmenter's mask
 head's own code and loss: :mod:`.kept_mask_head`), the one step tracer

@@ -11,7 +11,7 @@ module                      kept for backward
 ==========================  ===============================================
 trained conv, ``gf``        patch sums of its input, ``N*Ci*cells``
                             elements (the conv kind's cost model,
-                            :func:`~mmseg_gf.ops.conv_cost.conv_backward_cost`)
+                            :func:`~mmseg_gf.ops.conv.cost.conv_backward_cost`)
 trained conv, exact         its input ``N*Ci*H*W`` (once per input tensor:
 (``vanilla``, classifier)   convs sharing an input share what they keep)
 lean frozen conv            nothing: ``g_x`` needs its weight only, a live
@@ -75,7 +75,7 @@ from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
 from ..models.lean_head import (classifier_fused_now, folded_dropout_noise,
                                 loss_gradient_copies)
 from ..models.segmentor import is_head_classifier
-from ..ops import triton_norm
+from ..ops.frozen_norm import gpu as triton_norm
 from .format import fmt_mib
 
 __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',

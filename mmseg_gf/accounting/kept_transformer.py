@@ -37,8 +37,8 @@ from torch import nn
 from ..models.lean import is_lean, lean_kind
 from ..models.lean_transformer import is_rule_owner
 from ..models.patch_mean_gelu import patch_mean_partition
-from ..ops.patch_mean_activation import patch_mean_kept_elements
-from ..ops.patching import plain_class
+from ..ops.linear.patch_mean_activation import patch_mean_kept_elements
+from ..patching import plain_class
 from .kept import SavedItem, count_once, register_call_rule
 
 __all__ = ['transformer_items', 'attention_items']

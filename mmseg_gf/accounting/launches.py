@@ -8,14 +8,14 @@ here without a GPU, on CPU tensors taking CUDA's code paths
 (:func:`cuda_path`):
 
 * the compiled CPU kernels are off (``MMSEG_GF_NATIVE=0``): the ops run
-  their pure-PyTorch path, as CUDA tensors do (``mmseg_gf.ops.native``,
+  their pure-PyTorch path, as CUDA tensors do (``mmseg_gf.ops.backend.native``,
   ``bit_mask``, ``resized_loss``, ``resize`` and ``patch_grid`` ask for the
   CPU and the kernels at every call);
 * the Triton path is on and runs in triton's interpreter
   (``TRITON_INTERPRET=1`` set before ``mmseg_gf`` is imported): the filtered
   conv's and Linear's ``usable`` checks accept CPU tensors there, as they
   accept CUDA ones;
-* :func:`mmseg_gf.ops.device_path.as_on_cuda`: the host checks only CPU
+* :func:`mmseg_gf.ops.backend.device_path.as_on_cuda`: the host checks only CPU
   tensors get (the resized loss's recount of non-finite logits, the
   label-range check image by image) take CUDA's side (one device-side
   assertion);
@@ -75,9 +75,9 @@ from ..models import lean as lean_models
 from ..models.layer_kinds import family_kind_of, kind_of
 from ..models.lean import lean_kind
 from ..models.lean_head import base_decode_head
-from ..ops import switches, triton_path
-from ..ops.device_path import as_on_cuda
-from ..ops.patching import Hooks, overridden
+from ..ops.backend import switches, triton_path
+from ..ops.backend.device_path import as_on_cuda
+from ..patching import Hooks, overridden
 
 __all__ = ['PHASES', 'KINDS', 'NO_KERNEL', 'Launch', 'LaunchCount',
            'LaunchCounter', 'module_kind', 'cuda_path', 'counting',

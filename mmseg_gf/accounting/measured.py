@@ -17,8 +17,8 @@ from torch import nn
 from torch._C._profiler import _EventType
 from torch.autograd import profiler
 
-from ..ops import native
-from ..ops.patching import Hooks
+from ..ops.backend import native
+from ..patching import Hooks
 
 
 def saved_tensor_bytes(forward: Callable[[], object]) -> int:

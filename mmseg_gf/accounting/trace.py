@@ -32,8 +32,8 @@ from torch.overrides import TorchFunctionMode
 from ..models.layer_kinds import is_filtered
 from ..models.lean_transformer import is_rule_owner
 from ..models.segmentor import set_frozen_norms_eval
-from ..ops import kept_sources
-from ..ops.patching import Hooks, override, plain_class
+from ..ops.lean import kept_sources
+from ..patching import Hooks, override, plain_class
 from .batch import model_device, random_batch
 from .kept import (SavedItem, StepSavedBytes, is_call_owner, kept_by_call,
                    measured_item)
@@ -96,7 +96,7 @@ class SavedPack:
         leaf: the owner is a leaf module.
         module: the owner (None: :data:`LOSS_OWNER`).
         inputs: the tensors the operation saving it received (the
-            sources a lean loss noted for it, :mod:`~mmseg_gf.ops.kept_sources`;
+            sources a lean loss noted for it, :mod:`~mmseg_gf.ops.lean.kept_sources`;
             else the outermost torch function running; else the owner's
             positional tensors); empty unless the tracer follows operations.
     """
@@ -442,7 +442,7 @@ class UnmodelledBytes:
     holds a Parameter or buffer of the model (a Linear saves a view of its
     weight) counts the same at any batch, and so does a gradient w.r.t. a
     Parameter that a lean loss keeps (a fused classifier's ``g_W``,
-    :mod:`~mmseg_gf.ops.kept_sources`).
+    :mod:`~mmseg_gf.ops.lean.kept_sources`).
 
     Attributes:
         resident_storages: storages of the model's Parameters and buffers

@@ -2,7 +2,7 @@
 ``tools/analyze_cost.py`` print.
 
 The numbers come from the cost model
-(:mod:`mmseg_gf.ops.conv_cost`, :mod:`.model_cost`); this module only
+(:mod:`mmseg_gf.ops.conv.cost`, :mod:`.model_cost`); this module only
 lays them out, through the shared formatters of
 :mod:`mmseg_gf.accounting.format`. The training log's own table is
 :func:`mmseg_gf.accounting.report.chosen_layers_table`.

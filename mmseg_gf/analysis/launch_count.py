@@ -24,7 +24,7 @@ from ..accounting.format import MIB, format_table
 from ..accounting.launches import KINDS, count_step
 from ..engine.build import build_segmentor
 from ..engine.tool_args import write_json
-from ..ops import triton_path
+from ..ops.backend import triton_path
 from .step_benchmark import parse_row, same_layers_vanilla
 from .step_jobs import Job
 

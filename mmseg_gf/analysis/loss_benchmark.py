@@ -8,7 +8,7 @@ the machine's other load):
 
 * ``autograd``: what mmseg's ``loss_by_feat`` does, ``F.interpolate`` of
   the whole batch, then the cross-entropy, then ``backward``;
-* ``per_image``: :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`'s
+* ``per_image``: :func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy`'s
   PyTorch path (one image's upsampled logits alive at a time);
 * ``kernel``: its compiled kernel (no upsampled logits at all), when
   built.
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from ..accounting.format import format_table
 from ..accounting.measured import profiled_peak_bytes
-from ..ops import resized_loss
-from ..ops.resized_loss import resized_cross_entropy
+from ..ops.resized_loss import loss as resized_loss
+from ..ops.resized_loss.loss import resized_cross_entropy
 
 __all__ = ['loss_cases', 'benchmark_loss', 'loss_table']
 

@@ -1,7 +1,7 @@
 """Backward cost of a whole segmentor: its trained convs, traced.
 
 The per-conv numbers all come from the single cost model
-:func:`mmseg_gf.ops.conv_cost.conv_backward_cost`; this module only
+:func:`mmseg_gf.ops.conv.cost.conv_backward_cost`; this module only
 decides *which* convs a model trains and with *which* shapes, radii and ``g_x``
 needs, by tracing the built model:
 
@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..ops.conv_cost import ConvBackwardCost
+from ..ops.conv.cost import ConvBackwardCost
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
 from ..engine.layer_trace import LayerRecord, trace_layers

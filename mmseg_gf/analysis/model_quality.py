@@ -6,7 +6,7 @@ module gets those from a whole segmentor's backward, for every filtered
 conv, and adds the end-to-end view:
 
 * local quality (the layer kind's ``quality``, for convs
-  :func:`~mmseg_gf.ops.quality.layer_gradient_quality`, in float64):
+  :func:`~mmseg_gf.models.gradient_quality.layer_gradient_quality`, in float64):
   with the layer's input ``x`` and the gradient ``g_y`` arriving at its
   output, the SNR (paper Eq. 8) and cosine of the filtered ``g~_y``,
   ``g~_x`` (Eq. 3, and the "propagated" one of Proposition 1) and ``g~_W``
@@ -28,7 +28,7 @@ from ..accounting.format import format_table
 from ..engine.build import build_segmentor
 from ..engine.surgery import get_gradient_filter_layers
 from ..models.layer_kinds import kind_of
-from ..ops.quality import capture_layer_io, cosine, snr
+from ..models.gradient_quality import capture_layer_io, cosine, snr
 
 __all__ = [
     'dataset_batch', 'measure_model_quality', 'measure_config_quality',

@@ -32,7 +32,7 @@ from ..engine.state import get_state
 from ..engine.train_log import PeakResidentMemory, peak_resident_bytes
 from ..engine.zoo import ZOO_FAMILIES, family_config, make_offline
 from ..models.segmentor import set_frozen_norms_eval
-from ..ops import native
+from ..ops.backend import native
 
 __all__ = ['measure_process_peak', 'train_and_measure']
 

@@ -11,7 +11,7 @@ of one of ``shape_count`` distinct sizes drawn at random (mmseg's
 ``RandomResize`` with ``ratio_range``: a base size times a ratio per side,
 here rounded to 8 pixels), records the process's resident memory
 (``VmRSS``) every ``interval`` iterations, and at the end every registered
-shape cache's size (:func:`mmseg_gf.ops.shape_caches.shape_caches`).
+shape cache's size (:func:`mmseg_gf.ops.backend.shape_caches.shape_caches`).
 
 Flat means: the mean ``VmRSS`` of the last quarter of the records within
 :data:`RSS_TOLERANCE` of the second quarter's (the first quarter is the
@@ -31,7 +31,7 @@ from mmengine.config import Config
 from ..accounting.batch import random_batch, training_loss
 from ..engine.build import build_segmentor
 from ..engine.zoo import REALTIME_FAMILIES, make_offline
-from ..ops.shape_caches import over_bound, shape_caches
+from ..ops.backend.shape_caches import over_bound, shape_caches
 from .hardware import cpu_model, vm_rss_bytes
 
 __all__ = ['RSS_TOLERANCE', 'SOAK_SETTING', 'random_shapes', 'soak_config',

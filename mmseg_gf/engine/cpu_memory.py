@@ -26,7 +26,7 @@ import ctypes
 import ctypes.util
 from typing import Callable, Optional
 
-from ..ops import native
+from ..ops.backend import native
 
 __all__ = ['keep_freed_cpu_memory', 'cpu_memory_kept', 'supported',
            'return_freed_cpu_memory', 'bound_process_memory']

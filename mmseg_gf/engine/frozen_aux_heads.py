@@ -48,7 +48,7 @@ from mmseg.utils import add_prefix
 from torch import nn
 
 from ..models.segmentor import unwrap_model
-from ..ops.patching import is_swapped, plain_class, swap_class, unswap_class
+from ..patching import is_swapped, plain_class, swap_class, unswap_class
 from .layer_trace import nested_tensors
 from .state import GradientFilterState, get_state
 
@@ -168,7 +168,7 @@ class _SkipsFrozenAuxHeads:
         return losses
 
 
-#: The owner of this module's class swaps (:mod:`mmseg_gf.ops.patching`).
+#: The owner of this module's class swaps (:mod:`mmseg_gf.patching`).
 SWAP_OWNER = 'frozen_aux_heads'
 
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..models.layer_kinds import CONV2D, layer_kinds, traced_kind_of
 from ..models.segmentor import NORM_TYPES, unwrap_model
-from ..ops.patching import Hooks, override
+from ..patching import Hooks, override
 
 __all__ = ['LayerRecord', 'trace_layers', 'nested_tensors', 'head_list']
 

@@ -2,12 +2,12 @@
 from the autograd graph of one traced training step
 (docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
 
-The rule (:mod:`mmseg_gf.ops.patch_mean_activation`) is exact for the
+The rule (:mod:`mmseg_gf.ops.linear.patch_mean_activation`) is exact for the
 filtered gradients when, in the training step's graph:
 
 * the GELU's input is the output of a filtered layer ``U`` that ran its
   filtered backward (the tensor itself, unchanged: the mark
-  :func:`~mmseg_gf.ops.patch_mean_activation.tag_output` put on it), so
+  :func:`~mmseg_gf.ops.linear.patch_mean_activation.tag_output` put on it), so
   ``U`` reads only patch means of the gradient it receives;
 * every node that consumes the GELU's output is the filtered node of a
   filtered layer ``D`` called on that very tensor (an identity dropout,
@@ -42,8 +42,8 @@ from ..models.patch_mean_graph import (LayerCall, filtered_users,
                                        graph_consumers, is_counted_partition,
                                        is_filtered_layer, is_plain_gelu)
 from ..models.segmentor import unwrap_model
-from ..ops.patch_mean_activation import PatchPartition, tagged_partition
-from ..ops.patching import Hooks
+from ..ops.linear.patch_mean_activation import PatchPartition, tagged_partition
+from ..patching import Hooks
 from .frozen_aux_heads import unlogged_aux_heads
 
 __all__ = ['find_patch_mean_gelus', 'install_patch_mean_gelus',

@@ -40,7 +40,7 @@ from ..models.segmentor import (CLASSIFIER_NAMES, is_class_score_layer,
                                 is_classifier, is_head_classifier,
                                 unwrap_model)
 from ..ops import MAX_RADIUS, check_radius
-from ..ops.conv_cost import map_output_stride
+from ..ops.conv.cost import map_output_stride
 # The tracer's names, importable from here too.
 from .layer_trace import (LayerRecord, head_list,  # noqa: F401
                           nested_tensors, trace_layers)

@@ -1,6 +1,6 @@
 """Conv blocks as one node on the GPU path: a filtered conv, the frozen
 batch norm and the bit-masked activation after it fused
-(:class:`~mmseg_gf.ops.triton_conv_block.FilteredConvBlockFunction`).
+(:class:`~mmseg_gf.ops.conv_block.gpu.FilteredConvBlockFunction`).
 
 The lean region makes these modules a lean kind (``'conv_block'``), whose
 forward runs each conv, norm, activation triple as the fused node where
@@ -16,7 +16,7 @@ all of this holds, and the three modules (each lean) otherwise:
 * the conv filters this call (a ``GFConv2d`` of ``mode='gf'``, zero
   padding of numbers, a kernel that collapses on both axes: the Triton
   path's own conditions) on a 4-d input the Triton path takes
-  (:func:`~mmseg_gf.ops.triton_conv_block.usable`), in eager mode;
+  (:func:`~mmseg_gf.ops.conv_block.gpu.usable`), in eager mode;
 * the norm is a lean frozen batch norm (eval mode, nothing trained) and
   the activation a lean ReLU, ReLU6 / Hardtanh or LeakyReLU;
 * none of the three has forward hooks of its own (a hook expects its
@@ -33,7 +33,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..ops import switches, triton_conv_block
+from ..ops.backend import switches
+from ..ops.conv_block import gpu as triton_conv_block
 from .layer_kinds import CONV2D
 
 try:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops.patch_mean_activation import PatchPartition
+from ..ops.linear.patch_mean_activation import PatchPartition
 
 __all__ = ['FilteredLayer']
 

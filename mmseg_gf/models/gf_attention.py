@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
-from ..ops.gradient_filter_linear import gradient_filtered_linear
-from ..ops.patching import plain_class
+from ..ops.linear.function import gradient_filtered_linear
+from ..patching import plain_class
 from .filtered_layer import FilteredLayer
 from .gf_conv import warn_exact_backward
 from .gf_linear import TokenGridSource

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
-from ..ops.gradient_filter import (as_pair, collapsed_patches, conv_geometry,
-                                   filtered_conv, resolve_padding)
-from ..ops.patch_mean_activation import PatchPartition, tag_output
-from ..ops.patching import plain_class
+from ..ops.conv.function import (as_pair, collapsed_patches, conv_geometry,
+                                 filtered_conv, resolve_padding)
+from ..ops.linear.patch_mean_activation import PatchPartition, tag_output
+from ..patching import plain_class
 from .filtered_layer import FilteredLayer
 
 

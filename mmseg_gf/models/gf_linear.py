@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
-from ..ops.gradient_filter_linear import TokenGrid, gradient_filtered_linear
-from ..ops.patch_mean_activation import PatchPartition, tag_output
-from ..ops.patching import plain_class
+from ..ops.linear.function import TokenGrid, gradient_filtered_linear
+from ..ops.linear.patch_mean_activation import PatchPartition, tag_output
+from ..patching import plain_class
 from .filtered_layer import FilteredLayer
 from .gf_conv import warn_exact_backward, with_mmcv_wrapper
 

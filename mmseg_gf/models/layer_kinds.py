@@ -10,7 +10,7 @@ kept for backward at a radius (:class:`LayerGeometry`). Selection, surgery, the
 accounting (kept rules, profile, peak model, budget), the hooks and the tools
 go through :func:`layer_kinds` / :func:`kind_of` instead of naming
 ``nn.Conv2d``. Each kind's math lives in :mod:`mmseg_gf.ops` (the conv's in
-``ops/gradient_filter.py``, its cost in ``ops/conv_cost.py``, the patch-grid
+``ops/conv/function.py``, its cost in ``ops/conv/cost.py``, the patch-grid
 helpers the kinds share in ``ops/patch_grid.py``) and its module in
 :mod:`mmseg_gf.models`.
 
@@ -33,9 +33,9 @@ from typing import (Callable, Dict, Iterable, List, Optional, Protocol,
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
 
-from ..ops.conv_cost import ConvBackwardCost, ConvGeometry
-from ..ops.patching import plain_class
-from ..ops.quality import GradientQuality, layer_gradient_quality
+from ..ops.conv.cost import ConvBackwardCost, ConvGeometry
+from ..patching import plain_class
+from .gradient_quality import GradientQuality, layer_gradient_quality
 from .gf_conv import GFConv2d, with_mmcv_wrapper
 
 __all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
@@ -93,7 +93,7 @@ class LayerKind:
             (``inputs``: its positional inputs, as a forward hook gets them).
         quality: ``(module, x, grad_out, radius) -> GradientQuality``: the
             filtered gradients against the exact ones at one call
-            (:mod:`mmseg_gf.ops.quality`).
+            (:mod:`mmseg_gf.models.gradient_quality`).
         allowed: the classes it accepts, for error messages.
         prepare: ``(model) -> undo or None``: installs on the segmentor what
             ``geometry`` and ``from_plain`` need during the selection's trace
@@ -141,7 +141,7 @@ class LayerKind:
         kernel: ``(module) -> Tensor``: a layer's weight as a kernel over
             its grid's axes (``C_out x C_in/groups x k...``), whose
             DC-energy ratio (paper Eq. 13,
-            :func:`~mmseg_gf.ops.quality.dc_energy_ratios`) Proposition 1
+            :func:`~mmseg_gf.models.gradient_quality.dc_energy_ratios`) Proposition 1
             relies on; None for a kind without one (a Linear, an
             attention).
     """

@@ -1,4 +1,4 @@
-"""Lean variants of the modules around a trained conv (see :mod:`mmseg_gf.ops.lean`).
+"""Lean variants of the modules around a trained conv (see :mod:`mmseg_gf.ops.lean.functions`).
 
 :func:`make_lean` swaps a module's class for a subclass of it (the class of
 the module itself, e.g. mmengine's reverted ``_BatchNormXd``, not a fixed
@@ -26,7 +26,7 @@ What becomes lean:
   the logits, not the classifier's input); other heads keep their logits
   (cross-entropy) or their loss's gradient w.r.t. them
   (:mod:`.lean_head`). Their bilinear resizes take a concatenation's
-  gradient slice without copying it (:mod:`mmseg_gf.ops.resize`).
+  gradient slice without copying it (:mod:`mmseg_gf.ops.resize.bilinear`).
 * mmcv's ``ConvModule`` and mmseg's ResNet ``BasicBlock`` / ``Bottleneck``
   (:mod:`.conv_block`): on the Triton path a filtered conv, the frozen
   batch norm and the masked activation after it run as one autograd node,
@@ -58,20 +58,22 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops import bit_mask, triton_norm
-from ..ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
-                        FrozenLinearFunction, MaskedActivationFunction,
-                        MaskedDropoutFunction,
-                        ShapeOnlyAdaptiveAvgPoolFunction)
-from ..ops.lean_activation import (HARDSIGMOID_SLOPE,
+from ..ops.bit_mask import masks as bit_mask
+from ..ops.frozen_norm import gpu as triton_norm
+from ..ops.lean.functions import (FrozenAffineNormFunction, FrozenConvFunction,
+                                  FrozenLinearFunction,
+                                  MaskedActivationFunction,
+                                  MaskedDropoutFunction,
+                                  ShapeOnlyAdaptiveAvgPoolFunction)
+from ..ops.lean.activation import (HARDSIGMOID_SLOPE,
                                    PiecewiseLinearActivationFunction,
                                    clamp_bits, hardsigmoid_bits)
-from ..ops.lean_pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
+from ..ops.lean.pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
                              WindowOffsetMaxPoolFunction)
-from ..ops.patching import is_swapped, plain_class, swap_class, unswap_class
-from ..ops.resize import strided_gradient_resizes
-from ..ops.triton_norm import FrozenBatchNormFunction
-from ..ops.resized_loss import LabelRangeError
+from ..patching import is_swapped, plain_class, swap_class, unswap_class
+from ..ops.resize.bilinear import strided_gradient_resizes
+from ..ops.frozen_norm.gpu import FrozenBatchNormFunction
+from ..ops.resized_loss.loss import LabelRangeError
 from .conv_block import conv_block_mixin
 from .gf_conv import with_mmcv_wrapper
 from .layer_kinds import traced_kind_of
@@ -155,7 +157,7 @@ class _LeanActivation:
 
     def mask_arguments(self) -> tuple:
         """``(formula, lo, hi, nan_bit, off_scale)``: its formula and mask
-        (:class:`~mmseg_gf.ops.lean.MaskedActivationFunction`)."""
+        (:class:`~mmseg_gf.ops.lean.functions.MaskedActivationFunction`)."""
         if isinstance(self, nn.LeakyReLU):
             return 'scale', 0.0, None, False, float(self.negative_slope)
         if isinstance(self, nn.Hardtanh):
@@ -219,7 +221,7 @@ def _positive_bits(x: Tensor) -> Tensor:
 
 class _LeanMaxPool:
     """``MaxPool2d`` keeping a uint8 window offset per output element and
-    its input's shape (:mod:`mmseg_gf.ops.lean_pool`)."""
+    its input's shape (:mod:`mmseg_gf.ops.lean.pool`)."""
 
     def keeps_offsets(self, x: Tensor) -> bool:
         """Whether a recorded call on ``x`` runs the lean path."""
@@ -297,12 +299,12 @@ class _LeanLossHead:
     with its saved tensors held by the capture, and ``loss_by_feat``, when
     it receives that very output (alone or in a tuple), releases them and
     computes the loss with
-    :class:`~mmseg_gf.ops.fused_classifier.FusedClassifierLossFunction`
+    :class:`~mmseg_gf.ops.loss.fused_classifier.FusedClassifierLossFunction`
     instead. Otherwise: mmseg's cross-entropy image by image (keeps the
     logits), any other loss with its gradient taken in the forward (keeps
     that).
     Bilinear resizes in ``loss`` run as
-    :class:`~mmseg_gf.ops.resize.BilinearResizeFunction`."""
+    :class:`~mmseg_gf.ops.resize.bilinear.BilinearResizeFunction`."""
 
     def loss(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -373,7 +375,7 @@ def frozen_conv_is_lean(conv: nn.Module) -> bool:
 
 class _LeanFrozenConv:
     """A conv that keeps nothing while frozen (see
-    :class:`~mmseg_gf.ops.lean.FrozenConvFunction`). In ``_conv_forward``,
+    :class:`~mmseg_gf.ops.lean.functions.FrozenConvFunction`). In ``_conv_forward``,
     as GFConv2d, so callers passing their own weight (mmcv's
     ``efficient_conv_bn_eval``) get it too; trained, it is the plain conv."""
 

@@ -1,7 +1,7 @@
 """A decode head's loss kept lean, its classifier fused with it where possible.
 
-The wiring of :mod:`mmseg_gf.ops.loss_gradients` and
-:mod:`mmseg_gf.ops.fused_classifier` into mmseg's decode heads
+The wiring of :mod:`mmseg_gf.ops.loss.gradients` and
+:mod:`mmseg_gf.ops.loss.fused_classifier` into mmseg's decode heads
 (docs/lean_region.md, "The loss, fused with the classifier"). A lean head's
 ``loss`` arms a :class:`ClassifierCapture` when :func:`fusion_blocker`
 allows it; ``cls_seg`` then runs ``conv_seg`` with what autograd saves for
@@ -27,11 +27,12 @@ import torch
 from mmengine.logging import print_log
 from torch import Tensor, nn
 
-from ..ops.patching import overridden, plain_class
-from ..ops.resized_loss import operator_usable
-from ..ops.fused_classifier import (ConvSpec, FusedClassifierLossFunction,
-                                    channel_scaled_classifier, is_pointwise)
-from ..ops.loss_gradients import (LogitGradients,
+from ..patching import overridden, plain_class
+from ..ops.resized_loss.loss import operator_usable
+from ..ops.loss.fused_classifier import (ConvSpec, FusedClassifierLossFunction,
+                                         channel_scaled_classifier,
+                                         is_pointwise)
+from ..ops.loss.gradients import (LogitGradients,
                                   PrecomputedGradientLossFunction,
                                   loss_gradients)
 from .layer_kinds import CONV2D
@@ -132,7 +133,7 @@ def folds_into_classifier(dropout: Optional[nn.Module], feat: Tensor,
     training ``Dropout2d`` that :class:`ClassifierCapture` folds into the
     classifier: ``0 < p < 1``, not in place, on a 4-d ``feat``, before a
     1x1 classifier
-    (:func:`~mmseg_gf.ops.fused_classifier.channel_scaled_classifier`) whose
+    (:func:`~mmseg_gf.ops.loss.fused_classifier.channel_scaled_classifier`) whose
     calls nothing else redirects."""
     return (dropout is not None and plain_class(dropout) is nn.Dropout2d
             and dropout.training and 0 < dropout.p < 1
@@ -162,7 +163,7 @@ class ClassifierCapture:
     (:func:`folds_into_classifier`): the dropout call draws its noise and
     returns its input, the classifier call multiplies each image's weight
     columns by that noise
-    (:func:`~mmseg_gf.ops.fused_classifier.channel_scaled_classifier`), so the
+    (:func:`~mmseg_gf.ops.loss.fused_classifier.channel_scaled_classifier`), so the
     dropped-out copy of the classifier's input is never made.
 
     Attributes:
@@ -287,7 +288,7 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
                             ) -> Dict[str, Tensor]:
     """``head.loss_by_feat(seg_logits)`` where ``seg_logits`` is (or holds)
     the classifier's output, through
-    :class:`~mmseg_gf.ops.fused_classifier.FusedClassifierLossFunction`:
+    :class:`~mmseg_gf.ops.loss.fused_classifier.FusedClassifierLossFunction`:
     mmseg's cross-entropy image by image when :func:`chunkable_losses` allows,
     PIDHead's and DDRHead's losses image by image where
     :func:`~.lean_ohem.own_loss_producer` mirrors them, the head's
@@ -296,7 +297,7 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
-            :func:`~mmseg_gf.ops.loss_gradients.loss_gradients`); the capture
+            :func:`~mmseg_gf.ops.loss.gradients.loss_gradients`); the capture
             then still holds what the classifier saved.
     """
     feat, logits, scale = capture.calls[0]
@@ -344,7 +345,7 @@ def lean_head_losses(head: nn.Module, seg_logits,
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward (see
-            :func:`~mmseg_gf.ops.loss_gradients.loss_gradients`).
+            :func:`~mmseg_gf.ops.loss.gradients.loss_gradients`).
     """
     specs = _chunked_specs(head)
     if specs is not None:
@@ -379,7 +380,7 @@ def traced_head_losses(head: nn.Module, seg_logits,
     (``mmseg_gf::resized_cross_entropy``), keeping the loss's gradient
     w.r.t. the logits, where :func:`chunkable_losses` allows, without a
     pixel sampler, on logits the kernel takes
-    (:func:`~mmseg_gf.ops.resized_loss.operator_usable`); otherwise the
+    (:func:`~mmseg_gf.ops.resized_loss.loss.operator_usable`); otherwise the
     head's own ``loss_by_feat``, as the plain model traces it."""
     specs = chunkable_losses(head) if _has_base_loss(head) else None
     if (specs is None or ohem_sampler_spec(head) is not None

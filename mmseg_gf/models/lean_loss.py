@@ -13,7 +13,7 @@ mmseg's ``OHEMPixelSampler`` with a threshold) the loss is a sum of
 per-pixel terms over a normaliser that depends on the labels only. So
 :func:`chunked_cross_entropy_gradients` computes it, and its gradient
 w.r.t. the low-resolution logits, in the forward with
-:func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy` (no upsampled
+:func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy` (no upsampled
 logits at all with the compiled kernel). The step keeps that gradient
 (the logits' size) and nothing else of the loss.
 
@@ -35,10 +35,10 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ..ops.loss_gradients import KeptGradientLossFunction, LogitGradients
-from ..ops.resized_loss import (BatchTotals, accuracy, check_labels,
-                                resized_cross_entropy,
-                                traced_resized_cross_entropy)
+from ..ops.loss.gradients import KeptGradientLossFunction, LogitGradients
+from ..ops.resized_loss.loss import (BatchTotals, accuracy, check_labels,
+                                     resized_cross_entropy,
+                                     traced_resized_cross_entropy)
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
            'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
@@ -169,7 +169,7 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
     normaliser, which the sampler's weights do not change) and the
     batch's totals where the loss's path computed them (the Triton path,
     in one launch with the loss), by
-    :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`. ``traced``:
+    :func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy`. ``traced``:
     by its operator form instead (the sum differentiable w.r.t.
     ``logits``, no gradient returned)."""
     classes = None if weights is None else _class_weight_map(
@@ -298,7 +298,7 @@ def chunked_cross_entropy_losses(head: nn.Module, seg_logits: Tensor,
                                  ) -> Dict[str, Tensor]:
     """``head.loss_by_feat(seg_logits, batch_data_samples)`` by
     :func:`chunked_cross_entropy_gradients`, the gradient kept for the
-    backward (:class:`~mmseg_gf.ops.loss_gradients.KeptGradientLossFunction`):
+    backward (:class:`~mmseg_gf.ops.loss.gradients.KeptGradientLossFunction`):
     the same keys and values."""
     label = head._stack_batch_gt(batch_data_samples).squeeze(1)
     if torch.compiler.is_compiling():

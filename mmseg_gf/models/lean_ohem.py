@@ -1,5 +1,5 @@
 """PIDHead's and DDRHead's losses with their gradients taken in the forward,
-image by image, on :func:`~mmseg_gf.ops.resized_loss.resized_cross_entropy`.
+image by image, on :func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy`.
 
 mmseg's ``loss_by_feat`` of these heads upsamples every logits tensor of the
 batch to the label's size and runs ``OhemCrossEntropy`` on it (a softmax, a
@@ -22,7 +22,7 @@ numbers come from the low-resolution logits:
 :func:`own_loss_producer` picks the producer of a head (only PIDHead and
 DDRHead, and only when every ``loss_decode`` is the exact class mirrored
 here); :func:`logit_gradients_at` turns its result into the
-:class:`~mmseg_gf.ops.loss_gradients.LogitGradients` of the classifier fused
+:class:`~mmseg_gf.ops.loss.gradients.LogitGradients` of the classifier fused
 with the loss, and :class:`HeadGradientsLossFunction` keeps it for a head
 whose classifier is not fused.
 """
@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from ..ops.gradient_scaling import (flatten_gradients, function_outputs,
-                                    recombine_gradients)
-from ..ops.loss_gradients import LogitGradients, forward_graph
-from ..ops.kept_sources import note_sources
-from ..ops.resized_loss import check_labels, resized_cross_entropy
+from ..ops.loss.scaling import (flatten_gradients, function_outputs,
+                                recombine_gradients)
+from ..ops.loss.gradients import LogitGradients, forward_graph
+from ..ops.lean.kept_sources import note_sources
+from ..ops.resized_loss.loss import check_labels, resized_cross_entropy
 from .lean_loss import probability_selection, selection_weights
 
 __all__ = ['HeadGradients', 'selection_weights', 'probability_selection', 'ohem_selection', 'ohem_cross_entropy',
@@ -313,7 +313,7 @@ def _scaled(term: Optional[Term]) -> Optional[Tensor]:
 def logit_gradients_at(producer: Producer, position: int, z: Tensor,
                        rest: Sequence[Tensor]) -> LogitGradients:
     """The producer's result as
-    :class:`~mmseg_gf.ops.loss_gradients.LogitGradients` of the classifier's
+    :class:`~mmseg_gf.ops.loss.gradients.LogitGradients` of the classifier's
     output ``z``, at ``position`` among the head's logits (``rest``: the
     others, in order): one basis per output that depends on ``z``, the
     others' gradients scaled by their factors."""

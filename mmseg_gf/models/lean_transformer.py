@@ -6,7 +6,7 @@ Mixins that :mod:`.lean` puts in front of a module's own class (so
 * ``nn.MultiheadAttention`` (mmseg's MiT ``EfficientMultiheadAttention``,
   Twins' ``GlobalSubsampledAttention`` and mmcv's ``MultiheadAttention``
   wrap it) with frozen projections: attention through SDPA
-  (:func:`~mmseg_gf.ops.lean_transformer.multihead_attention`), keeping
+  (:func:`~mmseg_gf.ops.lean.transformer.multihead_attention`), keeping
   q, k, v, the output and a logsumexp, not the ``L x S`` probabilities.
   ``nn.MultiheadAttention`` returns the head-averaged probabilities too
   unless ``need_weights=False``; the callers above discard them (``[0]``),
@@ -19,7 +19,7 @@ Mixins that :mod:`.lean` puts in front of a module's own class (so
   bias table frozen.
 * ``nn.LayerNorm`` with frozen (or no) affine parameters: its input and a
   per-token ``rstd``
-  (:class:`~mmseg_gf.ops.lean_transformer.FrozenLayerNormFunction`).
+  (:class:`~mmseg_gf.ops.lean.transformer.FrozenLayerNormFunction`).
 * mmcv's ``DropPath``: one bit per sample.
 
 Each runs the plain forward whenever autograd does not record it, or a
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.lean_transformer import (BitMaskDropPathFunction,
+from ..ops.lean.transformer import (BitMaskDropPathFunction,
                                     FrozenLayerNormFunction,
                                     multihead_attention)
 

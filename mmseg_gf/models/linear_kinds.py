@@ -9,7 +9,7 @@ of the call and ``from_plain`` hands the filtered module the source that
 keeps it current (``GFLinear`` / ``GFMultiheadAttention``, sharing Parameters).
 
 Cost: a Linear on an ``H x W`` grid is a 1x1-kernel conv on that grid
-(``ops/conv_cost.py``): the filter keeps the patch sums of its input and
+(``ops/conv/cost.py``): the filter keeps the patch sums of its input and
 computes ``g_W`` / ``g_x`` on ``ceil(H/r) ceil(W/r)`` patches. Tokens on no
 grid (a ViT's cls token, Segmenter's class embeddings) keep their exact
 backward and count as a 1x1 conv at ``r = 1``; a Swin window grid counts
@@ -23,9 +23,9 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
-from ..ops.conv_cost import ConvBackwardCost, conv_backward_cost
-from ..ops.gradient_filter_linear import TokenGrid
-from ..ops.quality import GradientQuality
+from ..ops.conv.cost import ConvBackwardCost, conv_backward_cost
+from ..ops.linear.function import TokenGrid
+from .gradient_quality import GradientQuality
 from .gf_attention import GFMultiheadAttention
 from .gf_linear import GFLinear, _plain_linear_classes
 from .layer_kinds import LayerKind, register_layer_kind
@@ -73,7 +73,7 @@ class TokenGeometry:
     @property
     def map_area(self) -> int:
         """Positions of the map the tokens lie on
-        (:func:`~mmseg_gf.ops.conv_cost.map_output_stride`): a window
+        (:func:`~mmseg_gf.ops.conv.cost.map_output_stride`): a window
         layout's windows together (the selection traces one image, so its
         call's windows tile one map), else the grid, or the token count
         on no grid."""

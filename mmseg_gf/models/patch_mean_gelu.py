@@ -1,5 +1,5 @@
 """A GELU between two filtered layers that keeps the patch means of its
-derivative (:mod:`mmseg_gf.ops.patch_mean_activation`,
+derivative (:mod:`mmseg_gf.ops.linear.patch_mean_activation`,
 docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
 
 :func:`make_patch_mean_gelu` puts a mixin in front of an ``nn.GELU``'s own
@@ -8,7 +8,7 @@ class (``isinstance`` checks and ``state_dict`` keys stay torch's;
 input lies on, which the model's traced training step established
 (``mmseg_gf.engine.patch_mean_activations``). Each call re-checks cheaply
 that its input is still a filtered layer's output on that partition
-(:func:`~mmseg_gf.ops.patch_mean_activation.tagged_partition`: the filtered
+(:func:`~mmseg_gf.ops.linear.patch_mean_activation.tagged_partition`: the filtered
 layer's mark, void after an in-place change) and otherwise runs the plain
 GELU, whose backward is exact.
 """
@@ -17,9 +17,10 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..ops.patch_mean_activation import (PatchMeanGeluFunction,
-                                         PatchPartition, tagged_partition)
-from ..ops.patching import swap_class
+from ..ops.linear.patch_mean_activation import (PatchMeanGeluFunction,
+                                                PatchPartition,
+                                                tagged_partition)
+from ..patching import swap_class
 
 __all__ = ['make_patch_mean_gelu', 'is_patch_mean_gelu',
            'patch_mean_partition']

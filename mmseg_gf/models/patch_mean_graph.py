@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from torch import nn
 
-from ..ops.patch_mean_activation import PatchPartition
+from ..ops.linear.patch_mean_activation import PatchPartition
 from .layer_kinds import layer_kinds
 from .patch_mean_gelu import is_patch_mean_gelu
 

@@ -1,11 +1,10 @@
 """Gradient-filter operators (no mmseg / mmcv dependency): pure PyTorch,
 plus optional compiled CPU kernels (``native``) and Triton GPU kernels
 (``triton_path``)."""
-from .gradient_filter import (AxisGeometry, GradientFilterConv2dFunction,
-                              as_pair, check_radius,
-                              gradient_filtered_conv2d)
-from .gradient_filter_linear import (GradientFilterLinearFunction, TokenGrid,
-                                     gradient_filtered_linear)
+from .conv.function import (AxisGeometry, GradientFilterConv2dFunction,
+                            as_pair, check_radius, gradient_filtered_conv2d)
+from .linear.function import (GradientFilterLinearFunction, TokenGrid,
+                              gradient_filtered_linear)
 from .patch_grid import MAX_RADIUS
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import native
+from .backend import native
 
 IntPair = Union[int, Tuple[int, int]]
 

@@ -8,7 +8,7 @@ results.png in the layout of Tables 3 and 9.
   how a run's config is composed from the ``configs/_base_`` pieces.
 * :mod:`.stages`: planning, running (resumable), progress.
 * :mod:`.flops`: #Layers and backward GFLOPs of a strategy (through the
-  shared cost model :mod:`mmseg_gf.ops.conv_cost`).
+  shared cost model :mod:`mmseg_gf.ops.conv.cost`).
 * :mod:`.report`: the tables and the plot.
 * :mod:`.paper_table3`: our backward GFLOPs next to the paper's Table 3.
 * ``ValMetricsRecorderHook`` (:mod:`mmseg_gf.engine.hooks`) appends every

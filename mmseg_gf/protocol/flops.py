@@ -1,7 +1,7 @@
 """#Layers, radii and backward GFLOPs of a strategy, as in Tables 3 / 9.
 
 All counts come from the shared cost model
-(:func:`mmseg_gf.ops.conv_cost.conv_backward_cost`) applied to the convs
+(:func:`mmseg_gf.ops.conv.cost.conv_backward_cost`) applied to the convs
 the strategy trains, with their shapes from a trace of the real model at the
 config's crop size (batch 1, i.e. per image), through the model-level
 :func:`mmseg_gf.analysis.model_cost.model_backward_cost` (also behind

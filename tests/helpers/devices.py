@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from mmseg_gf.models.layer_kinds import kind_names
-from mmseg_gf.ops import switches
+from mmseg_gf.ops.backend import switches
 
 __all__ = ['CUDA_AVAILABLE', 'needs_cuda', 'needs_token_kinds', 'DEVICES',
            'DEVICE_PATHS', 'kernels_off', 'on_path']
@@ -53,7 +53,7 @@ DEVICE_PATHS = ['cpu', 'cpu-kernels-off', _CUDA]
 @contextlib.contextmanager
 def kernels_off() -> Iterator[None]:
     """The compiled CPU kernels switched off (``MMSEG_GF_NATIVE`` off
-    through :func:`mmseg_gf.ops.switches.override`) inside the block; the
+    through :func:`mmseg_gf.ops.backend.switches.override`) inside the block; the
     previous setting restored."""
     with switches.override(MMSEG_GF_NATIVE=False):
         yield

@@ -3,7 +3,7 @@ linear layer's formulas (docs/gradient_filter.md#linear-layers-on-token-grids).
 
 Written from the equations with explicit loops over patches and lists of
 token indices (no pooling, no reshape-into-patches), so that
-``mmseg_gf.ops.gradient_filter_linear`` is checked against the math rather
+``mmseg_gf.ops.linear.function`` is checked against the math rather
 than against itself.
 """
 

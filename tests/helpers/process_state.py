@@ -4,7 +4,7 @@ restored, and the global random generators, reseeded.
 pytest-xdist (``make test``) runs many test files one after the other in
 each worker process, in an order that depends on timing. A setting one test
 leaves changed (threads, default dtype, a switch of
-:mod:`mmseg_gf.ops.switches`, a compiled kernel's toggle, a backend flag)
+:mod:`mmseg_gf.ops.backend.switches`, a compiled kernel's toggle, a backend flag)
 or the state a test leaves torch's global generator in then reaches the
 tests that happen to run after it in that worker. tests/conftest.py starts
 every test from the same seeds and fails a test, or a file, whose end state
@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, NamedTuple
 import numpy
 import torch
 
-from mmseg_gf.ops import device_path, native, switches
+from mmseg_gf.ops.backend import device_path, native, switches
 
 __all__ = ['SEED', 'seed_global_generators', 'snapshot', 'restore',
            'changes']
@@ -72,8 +72,8 @@ def _autocast(device: str) -> _Setting:
 
 
 def _switches(held: Dict[str, Any]) -> _Setting:
-    """One of :mod:`~mmseg_gf.ops.switches`' tables: what it read from the
-    environment (or an :func:`~mmseg_gf.ops.switches.override` put there),
+    """One of :mod:`~mmseg_gf.ops.backend.switches`' tables: what it read from the
+    environment (or an :func:`~mmseg_gf.ops.backend.switches.override` put there),
     or what was set at run time (``set_value``,
     ``triton_path.set_enabled``, ``set_load_limit``)."""
 

@@ -1,4 +1,4 @@
-"""Cases of the bit masks' Triton path (``mmseg_gf.ops.triton_bit_mask``);
+"""Cases of the bit masks' Triton path (``mmseg_gf.ops.bit_mask.gpu``);
 run by ``tests/test_ops/test_bit_mask_triton.py`` in a subprocess.
 
 Not collected on its own (see ``tests/helpers/triton_cases.py``). Run
@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from mmseg_gf.models.lean import make_lean
-from mmseg_gf.ops import bit_mask, triton_bit_mask_kernels
-from mmseg_gf.ops.lean_transformer import BitMaskDropPathFunction
+from mmseg_gf.ops.bit_mask import (masks as bit_mask,
+                                   kernels as triton_bit_mask_kernels)
+from mmseg_gf.ops.lean.transformer import BitMaskDropPathFunction
 from tests.helpers.triton_runs import case_device, pytorch_path, triton_enabled
 from mmseg_gf.accounting.launches import LaunchCounter
 

@@ -1,5 +1,5 @@
 """Cases of the fused conv block (``mmseg_gf.models.conv_block``,
-``mmseg_gf.ops.triton_conv_block``); run by
+``mmseg_gf.ops.conv_block.gpu``); run by
 ``tests/test_models/test_conv_block.py`` in a subprocess (interpreted on
 CPU tensors, compiled on CUDA), for the reason
 ``tests/helpers/triton_cases.py`` gives.
@@ -23,7 +23,8 @@ from mmcv.cnn import ConvModule  # noqa: E402
 from mmseg_gf.accounting.launches import LaunchCounter, counting  # noqa: E402
 from mmseg_gf.engine.lean_region import apply_lean_region  # noqa: E402
 from mmseg_gf.models import GFConv2d  # noqa: E402
-from mmseg_gf.ops import switches, triton_conv_block  # noqa: E402
+from mmseg_gf.ops.backend import switches
+from mmseg_gf.ops.conv_block import gpu as triton_conv_block  # noqa: E402
 from tests.helpers.triton_runs import case_device  # noqa: E402
 
 DEVICE = case_device()

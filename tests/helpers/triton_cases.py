@@ -18,7 +18,8 @@ import torch
 import triton
 
 from mmseg_gf.accounting.launches import LaunchCounter, counting
-from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
+from mmseg_gf.ops import gradient_filtered_conv2d
+from mmseg_gf.ops.backend import triton_path
 from tests.helpers.triton_runs import case_device, pytorch_path
 from tests.helpers.gf_reference import reference_gradients
 
@@ -271,7 +272,7 @@ def _count_backward(x, w, b, stride, padding, groups, radius, need):
 # pass over g_y (patch means, the bias's partial sums and, when g_x needs
 # a k x k kernel's W~, its tap sums in further programs), one launch for
 # both products (g_W in every tap and g_b; g_x written from the registers;
-# ops/triton_products.py).
+# ops/conv/products_kernels.py).
 LAUNCHES = {
     ('dense', 1, False, (True, True, False)): (2, 0),
     ('dense', 1, True, (True, True, True)): (2, 0),
@@ -344,7 +345,7 @@ def test_channels_last_input_takes_the_triton_path(kind):
     (3, 2, 1, 2, 70, 72), (3, 2, 1, 12, 12, 72)])
 def test_fused_products_and_the_gemm_route_agree(kernel, stride, padding,
                                                  groups, ci, co):
-    """A layer's fused launch (``ops/triton_products.py``) and, with
+    """A layer's fused launch (``ops/conv/products_kernels.py``) and, with
     ``MMSEG_GF_FUSED_PRODUCTS=0``, its batched GEMMs, tap sum and spread
     give the gradients of docs/gradient_filter.md to float64 rounding,
     with more channels than one tile holds: dense (70 in, 72 out),
@@ -352,7 +353,7 @@ def test_fused_products_and_the_gemm_route_agree(kernel, stride, padding,
     with 6 outputs per channel (BiSeNet's gather-and-expand layers);
     patches that leave pixels uncovered included (a 3x3 kernel without
     padding: ``Q(0)`` starts at pixel 1; those pixels get 0)."""
-    from mmseg_gf.ops import switches
+    from mmseg_gf.ops.backend import switches
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, ci, 11, 13, generator=gen, dtype=torch.float64)
     w = torch.randn(co, ci // groups, kernel, kernel, generator=gen,
@@ -409,7 +410,8 @@ def test_autotuned_kernels_give_the_filtered_gradients(kernel, stride,
     depthwise and grouped, with more channels than the small tiles hold;
     each config is timed once for a shape new to its kernel, none for a
     shape seen before; tiles much wider than the layer are not timed."""
-    from mmseg_gf.ops import triton_kernels, triton_products
+    from mmseg_gf.ops.backend import triton_kernels
+    from mmseg_gf.ops.conv import products_kernels as triton_products
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, ci, 11, 13, generator=gen, dtype=torch.float64)
     w = torch.randn(co, ci // groups, kernel, kernel, generator=gen,

@@ -1,4 +1,4 @@
-"""Cases of the filtered Linear's Triton path (``mmseg_gf.ops.triton_linear``);
+"""Cases of the filtered Linear's Triton path (``mmseg_gf.ops.linear.gpu``);
 run by ``tests/test_ops/test_gf_linear_triton.py`` in a subprocess.
 
 Not collected on its own, for the reason given in
@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, triton_linear
+from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
+from mmseg_gf.ops.linear import gpu as triton_linear
 from tests.helpers.triton_runs import case_device, pytorch_path, triton_enabled
 from tests.helpers.gf_linear_cases import LAYOUT_CASES, linear_inputs
 from tests.helpers.gf_linear_reference import reference_linear_gradients
@@ -51,7 +52,7 @@ def _grads(x, w, b, g, grid, radius, token_dim, need=(True, True, True),
             for t in leaves], ran
 
 
-# Every case on the fused products (ops/triton_products.py), the default;
+# Every case on the fused products (ops/conv/products_kernels.py), the default;
 # the GEMM route (MMSEG_GF_FUSED_PRODUCTS=0) at r = 3.
 @pytest.mark.parametrize('radius,fused', [(2, True), (3, True), (3, False)])
 @pytest.mark.parametrize('grid,shape,token_dim', CASES, ids=IDS)
@@ -61,7 +62,7 @@ def test_float64_matches_independent_reference(grid, shape, token_dim,
     unbatched, partial border patches at r = 2 and 3): the Triton path's
     gradients are those of tests/helpers/gf_linear_reference.py (explicit
     loops) to float64 rounding, on both routes of its products."""
-    from mmseg_gf.ops import switches
+    from mmseg_gf.ops.backend import switches
     x, w, b, g = linear_inputs(shape, dtype=torch.float64)
     with switches.override(MMSEG_GF_FUSED_PRODUCTS=fused):
         (gx, gw, gb), ran = _grads(x, w, b, g, grid, radius, token_dim)

@@ -1,5 +1,5 @@
 """Cases of the resized cross-entropy's Triton path
-(``mmseg_gf.ops.resized_loss`` with ``triton_loss_kernels``); run by
+(``mmseg_gf.ops.resized_loss.loss`` with ``triton_loss_kernels``); run by
 ``tests/test_ops/test_lean_triton.py`` in a subprocess (see
 ``tests/helpers/triton_cases.py``). Run directly::
 
@@ -12,8 +12,9 @@ both against a float64 reference, and its CUDA variants take this path.
 import pytest
 import torch
 
-from mmseg_gf.ops import resized_loss, triton_loss_kernels
-from mmseg_gf.ops.resized_loss import accuracy, resized_cross_entropy
+from mmseg_gf.ops.resized_loss import (loss as resized_loss,
+                                       kernels as triton_loss_kernels)
+from mmseg_gf.ops.resized_loss.loss import accuracy, resized_cross_entropy
 from tests.helpers.triton_runs import case_device, pytorch_path
 from tests.helpers.triton_bit_mask_cases import _count
 
@@ -109,7 +110,7 @@ def test_launches_per_image(monkeypatch):
     run = _count(lambda: resized_loss._per_image_triton(
         *on_device, 255, False, None, True, False, False),
         triton_loss_kernels, _KERNELS)
-    # the upsampling's backward: on CUDA two GEMMs (ops.bilinear_gemm)
+    # the upsampling's backward: on CUDA two GEMMs (ops.resize.gemm)
     per_image = ['upsample_bilinear2d'] + (
         ['upsample_bilinear2d_backward'] if DEVICE == 'cpu' else
         ['mm', 'bmm'])

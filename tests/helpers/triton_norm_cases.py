@@ -1,5 +1,5 @@
 """Cases of the frozen norms' Triton backward (batch norm, layer norm:
-(``mmseg_gf.ops.triton_norm``); run by ``tests/test_ops/test_lean_triton.py``
+(``mmseg_gf.ops.frozen_norm.gpu``); run by ``tests/test_ops/test_lean_triton.py``
 in a subprocess (see ``tests/helpers/triton_cases.py``). Run directly::
 
     TRITON_INTERPRET=1 python -m pytest -q tests/helpers/triton_norm_cases.py
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes
-from mmseg_gf.ops import triton_norm_kernels
+from mmseg_gf.ops.frozen_norm import kernels as triton_norm_kernels
 from tests.helpers.triton_runs import case_device, pytorch_path
 from tests.helpers.triton_bit_mask_cases import (
     _assert_equal, _forward_backward, _lean)

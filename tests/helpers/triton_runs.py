@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import numpy as np
 import pytest
 
-from mmseg_gf.ops import switches, triton_path
+from mmseg_gf.ops.backend import switches, triton_path
 from tests.helpers.devices import kernels_off
 from tests.helpers.tools import REPO
 

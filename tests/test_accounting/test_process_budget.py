@@ -24,7 +24,7 @@ from mmseg_gf.engine.config import (build_grad_filter_model,  # noqa: E402
                                     check_settings, rewrite_config)
 from mmseg_gf.engine.train_log import resident_bytes  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
-from mmseg_gf.ops import native  # noqa: E402
+from mmseg_gf.ops.backend import native  # noqa: E402
 from tests.helpers.engine_fixtures import (  # noqa: E402
     SMALL_BATCH, SMALL_SIZE, build_model, model_cfg)
 

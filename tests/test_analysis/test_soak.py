@@ -6,7 +6,7 @@ import pytest
 
 from mmseg_gf.analysis.soak import (RSS_TOLERANCE, random_shapes, soak,
                                     soak_config, soak_table)
-from mmseg_gf.ops import shape_caches
+from mmseg_gf.ops.backend import shape_caches
 
 
 def test_random_shapes_are_distinct_and_in_range():

@@ -34,7 +34,7 @@ from typing import List
 import pytest
 
 from mmseg_gf.engine.checkpoint.safe_load import mmengine_checkpoint_types
-from mmseg_gf.ops import switches
+from mmseg_gf.ops.backend import switches
 from tests.helpers import crafted_checkpoints as cc
 
 SEED = switches.value('MMSEG_GF_FUZZ_SEED')

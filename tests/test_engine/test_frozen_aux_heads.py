@@ -34,7 +34,7 @@ from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
                                          remove_lean_region)
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
-from mmseg_gf.ops.patching import plain_class  # noqa: E402
+from mmseg_gf.patching import plain_class  # noqa: E402
 
 SIZE = (64, 64)
 CHANNELS = {2: 256, 3: 512}  # ResNet-18 layer3, layer4

@@ -285,7 +285,7 @@ import torch
 from torch import nn
 from mmseg_gf.models.gf_linear import GFLinear, TokenGridSource
 from mmseg_gf.ops import TokenGrid
-from mmseg_gf.ops.resized_loss import resized_cross_entropy
+from mmseg_gf.ops.resized_loss.loss import resized_cross_entropy
 
 
 def filtered_step(radius):
@@ -334,7 +334,7 @@ OPS_CASES = [
 
 
 def _native_built() -> bool:
-    from mmseg_gf.ops import native
+    from mmseg_gf.ops.backend import native
     return native._kernels is not None
 
 

@@ -38,8 +38,7 @@ from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402
 from mmseg_gf.engine.state import get_state  # noqa: E402
 from mmseg_gf.models.patch_mean_gelu import (  # noqa: E402
     is_patch_mean_gelu, patch_mean_partition)
-from mmseg_gf.ops.patch_mean_activation import \
-    patch_mean_kept_elements  # noqa: E402
+from mmseg_gf.ops.linear.patch_mean_activation import patch_mean_kept_elements  # noqa: E402
 from tests.test_engine.test_transformer_selection import (  # noqa: E402
     _batch, _close, _total_loss_step)
 from tests.helpers.token_families import SIZE, tiny_model  # noqa: E402

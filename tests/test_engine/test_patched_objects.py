@@ -11,7 +11,7 @@ from tests.helpers.engine_fixtures import (  # noqa: E402
 
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)
-from mmseg_gf.ops.patching import PRIVATE_PREFIX, plain_class  # noqa: E402
+from mmseg_gf.patching import PRIVATE_PREFIX, plain_class  # noqa: E402
 
 
 def _filtered(base):

@@ -51,9 +51,9 @@ from mmseg_gf.models.layer_kinds import (LayerKind,  # noqa: E402
                                          register_layer_kind,
                                          unregister_layer_kind)
 from mmseg_gf.models.gf_conv import sharing_conv  # noqa: E402
-from mmseg_gf.ops.conv_cost import ConvGeometry  # noqa: E402
-from mmseg_gf.ops.gradient_filter import gradient_filtered_conv2d  # noqa
-from mmseg_gf.ops.quality import model_dc_energy_ratio  # noqa: E402
+from mmseg_gf.ops.conv.cost import ConvGeometry  # noqa: E402
+from mmseg_gf.ops.conv.function import gradient_filtered_conv2d  # noqa
+from mmseg_gf.models.gradient_quality import model_dc_energy_ratio  # noqa: E402
 from tests.helpers.gf_reference import reference_gradients  # noqa: E402
 from tests.helpers.tiny_segmentors import fcn_head  # noqa: E402
 from tests.helpers.tiny_segmentors import tiny_segmentor  # noqa: E402

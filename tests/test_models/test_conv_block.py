@@ -13,7 +13,7 @@ from mmseg_gf.engine.lean_region import (apply_lean_region,  # noqa: E402
                                          remove_lean_region)
 from mmseg_gf.models import GFConv2d  # noqa: E402
 from mmseg_gf.models.lean import is_lean, lean_kind  # noqa: E402
-from mmseg_gf.ops import triton_conv_block  # noqa: E402
+from mmseg_gf.ops.conv_block import gpu as triton_conv_block  # noqa: E402
 from tests.helpers.devices import needs_cuda  # noqa: E402
 from tests.helpers.triton_runs import (INTERPRETER, TRITON,  # noqa: E402
                                        run_case_file)

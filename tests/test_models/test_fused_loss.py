@@ -1,6 +1,6 @@
 """The decode head's classifier fused with its loss, and every head's loss
-differentiated in the forward (:mod:`mmseg_gf.ops.loss_gradients`,
-:mod:`mmseg_gf.ops.fused_classifier`): the same losses, accuracy and
+differentiated in the forward (:mod:`mmseg_gf.ops.loss.gradients`,
+:mod:`mmseg_gf.ops.loss.fused_classifier`): the same losses, accuracy and
 gradients (input and every parameter) as mmseg's own head (float32, rtol
 1e-5), less kept for backward, the classifier's input not kept at all where
 the classifier is fused."""
@@ -508,7 +508,7 @@ def test_nan_input_gives_mmseg_accuracy(case, partial, native,
     compiled kernel's path and on the pure-PyTorch path. ``partial``: norms
     in eval mode, so NaN reaches the logits near that pixel only
     (train-mode BN spreads it to every logit of the batch)."""
-    from mmseg_gf.ops import resized_loss
+    from mmseg_gf.ops.resized_loss import loss as resized_loss
     if native and resized_loss._kernel is None:
         pytest.skip('compiled kernel not built')
     if not native:

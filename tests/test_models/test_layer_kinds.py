@@ -12,7 +12,7 @@ from mmseg_gf.models.layer_kinds import (CONV2D, LayerKind, family_kind_of,
                                          layer_kind, layer_kinds,
                                          register_layer_kind, traced_kind_of,
                                          traced_type_names)
-from mmseg_gf.ops.conv_cost import ConvGeometry
+from mmseg_gf.ops.conv.cost import ConvGeometry
 
 
 class _ConvWS(nn.Conv2d):
@@ -88,7 +88,8 @@ def test_a_clashing_kind_is_refused():
 
 
 def test_patch_grid_names_stay_importable_from_the_operator():
-    from mmseg_gf.ops import gradient_filter, patch_grid
+    from mmseg_gf.ops.conv import function as gradient_filter
+    from mmseg_gf.ops import patch_grid
     for name in ('AxisGeometry', 'as_pair', 'check_radius', 'conv_geometry',
                  'resolve_padding', 'filter_output_grad',
                  'pool_input_patches', 'spread_to_input'):

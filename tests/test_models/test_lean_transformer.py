@@ -21,7 +21,7 @@ from torch import nn
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, lean_kind, make_lean, make_plain
-from mmseg_gf.ops.lean_transformer import attention_kept_elements
+from mmseg_gf.ops.lean.transformer import attention_kept_elements
 from tests.helpers.devices import DEVICES
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -18,8 +18,8 @@ from mmseg_gf.models.lean import is_lean, lean_kind, make_plain
 from mmseg_gf.models.patch_mean_gelu import (is_patch_mean_gelu,
                                              make_patch_mean_gelu)
 from mmseg_gf.ops import TokenGrid
-from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
-                                                tagged_partition)
+from mmseg_gf.ops.linear.patch_mean_activation import (PatchPartition,
+                                                       tagged_partition)
 from tests.helpers.devices import DEVICES
 
 

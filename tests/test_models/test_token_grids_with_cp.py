@@ -71,7 +71,7 @@ def test_checkpointed_blocks_recompute_with_their_grids(name, monkeypatch):
 
 
 def test_uninstalling_puts_back_each_blocks_own_forward():
-    """The recompute is an instance override (mmseg_gf.ops.patching): the
+    """The recompute is an instance override (mmseg_gf.patching): the
     bindings' removal puts back what each block held (an instance
     ``forward`` set before survives), and a copy of the model removes its
     own blocks' forwards, not the original's."""

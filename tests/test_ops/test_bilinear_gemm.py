@@ -1,4 +1,4 @@
-"""mmseg_gf.ops.bilinear_gemm: a bilinear resize and its input gradient as
+"""mmseg_gf.ops.resize.gemm: a bilinear resize and its input gradient as
 two matrix products give ``F.interpolate``'s output and autograd's gradient
 (float64 to rounding, float32 within its rounding), on every resize a head
 or a loss makes (up, down, ``align_corners``, scale factors), a channel
@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops import bilinear_gemm, switches
-from mmseg_gf.ops.device_path import as_on_cuda
-from mmseg_gf.ops.resize import BilinearResizeFunction
+from mmseg_gf.ops.resize import gemm as bilinear_gemm
+from mmseg_gf.ops.backend import switches
+from mmseg_gf.ops.backend.device_path import as_on_cuda
+from mmseg_gf.ops.resize.bilinear import BilinearResizeFunction
 from tests.helpers.devices import needs_cuda
 
 RESIZES = [

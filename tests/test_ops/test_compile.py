@@ -14,9 +14,12 @@ from torch import nn
 
 from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import is_lean, make_lean
-from mmseg_gf.ops import (TokenGrid, bit_mask, gradient_filtered_conv2d,
-                          gradient_filtered_linear, native, resized_loss)
-from mmseg_gf.ops.resize import strided_gradient_resizes
+from mmseg_gf.ops import (TokenGrid, gradient_filtered_conv2d,
+                          gradient_filtered_linear)
+from mmseg_gf.ops.bit_mask import masks as bit_mask
+from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.resized_loss import loss as resized_loss
+from mmseg_gf.ops.resize.bilinear import strided_gradient_resizes
 from tests.helpers.devices import needs_token_kinds
 
 KERNELS = pytest.mark.skipif(not native.available(),

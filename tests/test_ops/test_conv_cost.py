@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops.conv_cost import conv_backward_cost
+from mmseg_gf.ops.conv.cost import conv_backward_cost
 from mmseg_gf.ops import gradient_filtered_conv2d
 
 

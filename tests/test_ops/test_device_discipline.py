@@ -18,23 +18,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, triton_path
-from mmseg_gf.ops.gradient_filter import (GradientFilterConv2dFunction,
-                                          conv_geometry)
-from mmseg_gf.ops.lean import (FrozenAffineNormFunction, FrozenConvFunction,
-                               FrozenLinearFunction, MaskedActivationFunction,
-                               MaskedDropoutFunction,
-                               ShapeOnlyAdaptiveAvgPoolFunction)
-from mmseg_gf.ops.lean_activation import (PiecewiseLinearActivationFunction,
+from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
+from mmseg_gf.ops.backend import triton_path
+from mmseg_gf.ops.conv.function import (GradientFilterConv2dFunction,
+                                        conv_geometry)
+from mmseg_gf.ops.lean.functions import (FrozenAffineNormFunction,
+                                         FrozenConvFunction,
+                                         FrozenLinearFunction,
+                                         MaskedActivationFunction,
+                                         MaskedDropoutFunction,
+                                         ShapeOnlyAdaptiveAvgPoolFunction)
+from mmseg_gf.ops.lean.activation import (PiecewiseLinearActivationFunction,
                                           hardsigmoid_bits)
-from mmseg_gf.ops.lean_pool import (ShapeOnlyAvgPoolFunction,
+from mmseg_gf.ops.lean.pool import (ShapeOnlyAvgPoolFunction,
                                     WindowOffsetMaxPoolFunction)
-from mmseg_gf.ops.lean_transformer import (BitMaskDropPathFunction,
+from mmseg_gf.ops.lean.transformer import (BitMaskDropPathFunction,
                                            FrozenLayerNormFunction,
                                            multihead_attention)
-from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
-                                                patch_mean_gelu)
-from mmseg_gf.ops.resize import BilinearResizeFunction
+from mmseg_gf.ops.linear.patch_mean_activation import (PatchPartition,
+                                                       patch_mean_gelu)
+from mmseg_gf.ops.resize.bilinear import BilinearResizeFunction
 from tests.helpers.device_discipline import HostSyncError, fake_cuda
 
 

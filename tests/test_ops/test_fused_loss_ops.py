@@ -1,5 +1,5 @@
-"""The loss-gradient functions (:mod:`mmseg_gf.ops.loss_gradients`,
-:mod:`mmseg_gf.ops.fused_classifier`) against
+"""The loss-gradient functions (:mod:`mmseg_gf.ops.loss.gradients`,
+:mod:`mmseg_gf.ops.loss.fused_classifier`) against
 autograd on plain convolutions and losses: outputs with different incoming
 gradients, accumulation into ``.grad``, strided / padded / dilated /
 grouped convolutions whose input does not fit their stride."""
@@ -8,12 +8,12 @@ import copy
 import pytest
 import torch
 
-from mmseg_gf.ops.fused_classifier import (ConvSpec,
-                                           FusedClassifierLossFunction,
-                                           channel_scaled_classifier,
-                                           input_gradient,
-                                           weight_and_bias_gradients)
-from mmseg_gf.ops.loss_gradients import (LogitGradients,
+from mmseg_gf.ops.loss.fused_classifier import (ConvSpec,
+                                                FusedClassifierLossFunction,
+                                                channel_scaled_classifier,
+                                                input_gradient,
+                                                weight_and_bias_gradients)
+from mmseg_gf.ops.loss.gradients import (LogitGradients,
                                          PrecomputedGradientLossFunction,
                                          loss_gradients)
 from tests.helpers.devices import DEVICES

@@ -1,6 +1,6 @@
 """The compiled token-grid kernels of the filtered Linear
 (``csrc/token_grid_backward.cpp``) against the pure-PyTorch path of
-``mmseg_gf.ops.gradient_filter_linear`` (``MMSEG_GF_NATIVE=0``), which
+``mmseg_gf.ops.linear.function`` (``MMSEG_GF_NATIVE=0``), which
 tests/test_ops/test_gf_linear.py checks against the float64 reference.
 
 Both paths must agree for every layout, token axis, partial border patch,
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops import TokenGrid, gradient_filtered_linear, native
-from mmseg_gf.ops.gradient_filter_linear import TokenLayout
+from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
+from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.linear.function import TokenLayout
 from tests.helpers.devices import kernels_off
 from tests.helpers.gf_linear_cases import LAYOUT_CASES
 

@@ -1,4 +1,4 @@
-"""The filtered Linear's Triton path (``mmseg_gf.ops.triton_linear``).
+"""The filtered Linear's Triton path (``mmseg_gf.ops.linear.gpu``).
 
 Its cases (``tests/helpers/triton_linear_cases.py``) run in a subprocess: under
 triton's interpreter on CPU tensors (every machine with triton) and
@@ -9,8 +9,9 @@ also cover the switch and, on CUDA, the path in this process.
 import pytest
 import torch
 
-from mmseg_gf.ops import (TokenGrid, gradient_filtered_linear, triton_linear,
-                          triton_path)
+from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
+from mmseg_gf.ops.linear import gpu as triton_linear
+from mmseg_gf.ops.backend import triton_path
 from tests.helpers.devices import DEVICES, needs_cuda
 from tests.helpers.triton_runs import INTERPRETER, TRITON, run_case_file
 from tests.helpers.gf_linear_reference import reference_linear_gradients

@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.autograd.forward_ad as forward_ad
 
-from mmseg_gf.ops import gradient_filtered_conv2d, native
-from mmseg_gf.ops.gradient_filter import (AxisGeometry,
-                                          GradientFilterConv2dFunction,
-                                          filter_output_grad,
-                                          pool_input_patches, spread_to_input)
+from mmseg_gf.ops import gradient_filtered_conv2d
+from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.conv.function import (AxisGeometry,
+                                        GradientFilterConv2dFunction,
+                                        filter_output_grad, pool_input_patches,
+                                        spread_to_input)
 
 pytestmark = pytest.mark.skipif(
     not native.available(),
@@ -437,8 +438,8 @@ def test_lean_backward_outputs_reuse_freed_memory(recycler):
     masked gradient, a frozen norm's scaled one) take the pool's blocks:
     the second backward writes into the first one's freed memory, and the
     gradients stay autograd's."""
-    from mmseg_gf.ops import bit_mask
-    from mmseg_gf.ops.lean import FrozenAffineNormFunction
+    from mmseg_gf.ops.bit_mask import masks as bit_mask
+    from mmseg_gf.ops.lean.functions import FrozenAffineNormFunction
     x = torch.randn(2, 16, 64, 64)
     grad = torch.randn_like(x)
     scale = torch.rand(16)

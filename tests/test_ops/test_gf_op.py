@@ -306,7 +306,7 @@ def test_meta_tensors_give_gradient_shapes():
 def test_pooled_weight_grad_both_strategies(channels, grid, groups):
     """Both ways of summing the patch-grid weight gradient over the batch
     equal the plain sum of per-image, per-group products."""
-    from mmseg_gf.ops.gradient_filter import _pooled_weight_grad
+    from mmseg_gf.ops.conv.function import _pooled_weight_grad
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(3, channels, *grid, generator=gen, dtype=torch.float64)
     x = torch.randn(3, channels, *grid, generator=gen, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""The Triton GPU path (``mmseg_gf.ops.triton_path``).
+"""The Triton GPU path (``mmseg_gf.ops.backend.triton_path``).
 
 Its kernels are checked by ``tests/helpers/triton_cases.py`` in a subprocess:
 under triton's interpreter on CPU tensors (every machine with triton, no
@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from mmseg_gf.ops import gradient_filtered_conv2d, triton_path
+from mmseg_gf.ops import gradient_filtered_conv2d
+from mmseg_gf.ops.backend import triton_path
 from tests.helpers.devices import needs_cuda
 from tests.helpers.triton_runs import (
     INTERPRETER, ROOT, TRITON, TRITON_VERSION, run_case_file)
@@ -124,7 +125,7 @@ SPECIALIZATIONS = {
         ((0, 4, 30), (0, 4, 40))),
     'spread_bf16': ('_spread', dict(grid='fp32', out='bf16'), {}, (120, 160)),
     'spread_fp64': ('_spread', dict(grid='fp64', out='fp64'), {}, (14, 14)),
-    # ops/triton_products.py
+    # ops/conv/products_kernels.py
     'products_fp32': ('_products', *_products(['fp32'] * 7), _TILES),
     'products_bf16_weight': ('_products', *_products(
         ['fp32', 'bf16', 'fp32', 'bf16', 'fp32', 'fp32', 'bf16'],
@@ -139,17 +140,17 @@ SPECIALIZATIONS = {
     'products_input_only_bf16': ('_products', *_products(
         ['fp32', 'fp32', 'fp32', 'fp32', 'fp32', 'bf16', 'bf16'],
         HAS_W=False, HAS_B=False), _TILES),
-    # ops/triton_token_kernels.py: a Linear's g_y on token rows, bfloat16
+    # ops/linear/kernels.py: a Linear's g_y on token rows, bfloat16
     # at r = 4 (Swin's 7x7 windows), float64 at r = 2 (a narrow block)
     'token_means_bf16': ('_token_patch_means', dict(src='bf16'),
                          dict(ACC='fp32'), (4, 96)),
     'token_means_fp64': ('_token_patch_means', dict(
         src='fp64', means='fp64', partial='fp64'), dict(ACC='fp64'),
         (2, 20)),
-    # ops/triton_bit_mask_kernels.py: a ReLU6's output and mask
+    # ops/bit_mask/kernels.py: a ReLU6's output and mask
     'pack_relu6_bf16': ('_pack', dict(x='bf16', y='bf16', bits='u8'),
                         dict(BOUNDED=True, NAN_BIT=True, ACT=1), {}),
-    # ops/triton_conv_block_kernels.py: a conv block's forward after the
+    # ops/conv_block/kernels.py: a conv block's forward after the
     # conv, float16 with the input's patch sums; float32 LeakyReLU without
     'block_forward_fp16': ('_block_forward', dict(
         y='fp16', out='fp16', bits='u8', x='fp16', sums='fp16'), dict(
@@ -169,9 +170,11 @@ _FLOATS = ('scale', 'off_scale', 'eps', 'lo', 'hi')
 
 
 def _kernel_and_meta(name, geometry):
-    from mmseg_gf.ops import (triton_bit_mask_kernels,
-                              triton_conv_block_kernels, triton_kernels,
-                              triton_products, triton_token_kernels)
+    from mmseg_gf.ops.bit_mask import kernels as triton_bit_mask_kernels
+    from mmseg_gf.ops.conv_block import kernels as triton_conv_block_kernels
+    from mmseg_gf.ops.backend import triton_kernels
+    from mmseg_gf.ops.conv import products_kernels as triton_products
+    from mmseg_gf.ops.linear import kernels as triton_token_kernels
     if name == '_patch_reduce':
         return triton_kernels._patch_reduce, triton_kernels.reduce_meta(
             *geometry)
@@ -209,7 +212,7 @@ def test_tuning_configs_compile_for_h100():
     """Every tiling ``triton.autotune`` may pick for the fused products
     (its warps included) compiles to an sm_90 cubin: dense, and depthwise
     from float16."""
-    from mmseg_gf.ops import triton_products
+    from mmseg_gf.ops.conv import products_kernels as triton_products
     for config in triton_products.tuning_configs():
         tiles = dict(config.kwargs, COL_SIZE=4)
         for pointers, flags in (_products(['fp32'] * 7),
@@ -226,7 +229,7 @@ def test_tuning_is_taken_on_a_gpu_unless_switched_off(switch_override):
     """Outside the interpreter launches take the autotuner, built once;
     ``MMSEG_GF_AUTOTUNE=0`` or a triton whose ``autotune`` refuses the
     arguments gives fixed tiles; ``using`` overrides both."""
-    from mmseg_gf.ops.triton_kernels import Tuning
+    from mmseg_gf.ops.backend.triton_kernels import Tuning
     built = []
     tuning = Tuning(lambda: built.append(object()) or built[-1])
     switch_override(TRITON_INTERPRET=False, MMSEG_GF_AUTOTUNE=True)
@@ -251,7 +254,7 @@ def _compile_for_h100(name, kernel, pointers, constexprs, num_warps=4):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mmseg_gf.ops import triton_kernels
+    from mmseg_gf.ops.backend import triton_kernels
     constexprs = dict(constexprs)
     if 'ACC' in constexprs:
         constexprs['ACC'] = getattr(tl, {'fp32': 'float32',

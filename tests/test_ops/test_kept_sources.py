@@ -1,4 +1,4 @@
-"""mmseg_gf.ops.kept_sources: which tensor a gradient kept by a lean loss's
+"""mmseg_gf.ops.lean.kept_sources: which tensor a gradient kept by a lean loss's
 custom Function was taken from, as the saved-tensor hooks see it."""
 import gc
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from mmseg_gf.ops.fused_classifier import (ConvSpec,
-                                           FusedClassifierLossFunction)
-from mmseg_gf.ops.loss_gradients import LogitGradients
-from mmseg_gf.ops.kept_sources import note_sources, recording, sources_of
+from mmseg_gf.ops.loss.fused_classifier import (ConvSpec,
+                                                FusedClassifierLossFunction)
+from mmseg_gf.ops.loss.gradients import LogitGradients
+from mmseg_gf.ops.lean.kept_sources import note_sources, recording, sources_of
 
 
 def test_sources_are_weak_paired_and_recorded_only_when_asked():

@@ -1,5 +1,5 @@
 """The lean region's Triton kernels: bit masks and masked activations
-(``mmseg_gf.ops.triton_bit_mask``), the frozen batch norm's backward
+(``mmseg_gf.ops.bit_mask.gpu``), the frozen batch norm's backward
 (``triton_norm``) and the resized cross-entropy (``resized_loss``'s
 Triton path).
 
@@ -11,7 +11,9 @@ that CPU tensors outside the interpreter never take them.
 import pytest
 import torch
 
-from mmseg_gf.ops import bit_mask, resized_loss, triton_bit_mask, triton_norm
+from mmseg_gf.ops.bit_mask import masks as bit_mask, gpu as triton_bit_mask
+from mmseg_gf.ops.resized_loss import loss as resized_loss
+from mmseg_gf.ops.frozen_norm import gpu as triton_norm
 from tests.helpers.devices import needs_cuda
 from tests.helpers.triton_runs import INTERPRETER, TRITON, run_case_file
 

@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmseg_gf.ops.gradient_filter import gradient_filtered_conv2d
-from mmseg_gf.ops.gradient_filter_linear import (TokenGrid,
-                                                 gradient_filtered_linear)
-from mmseg_gf.ops.patch_mean_activation import (PatchPartition,
-                                                gelu_derivative,
-                                                patch_mean_gelu,
-                                                patch_mean_kept_elements,
-                                                tag_output, tagged_partition)
+from mmseg_gf.ops.conv.function import gradient_filtered_conv2d
+from mmseg_gf.ops.linear.function import TokenGrid, gradient_filtered_linear
+from mmseg_gf.ops.linear.patch_mean_activation import (PatchPartition,
+                                                       gelu_derivative,
+                                                       patch_mean_gelu,
+                                                       patch_mean_kept_elements,
+                                                       tag_output,
+                                                       tagged_partition)
 from tests.helpers.devices import DEVICE_PATHS, on_path
 
 D64 = torch.float64

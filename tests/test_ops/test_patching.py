@@ -1,4 +1,4 @@
-"""mmseg_gf.ops.patching: each mechanism's undo gives the object back
+"""mmseg_gf.patching: each mechanism's undo gives the object back
 exactly (its class, its instance ``__dict__``, its hooks)."""
 import copy
 import types
@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from mmseg_gf.ops import patching
-from mmseg_gf.ops.patching import (Hooks, is_swapped, override, overridden,
-                                   plain_class, swap_class, swapped_class,
-                                   unswap_class)
+from mmseg_gf import patching
+from mmseg_gf.patching import (Hooks, is_swapped, override, overridden,
+                               plain_class, swap_class, swapped_class,
+                               unswap_class)
 
 
 class _Doubled:

@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from mmseg_gf.ops.quality import (capture_layer_io, cosine,
-                                       dc_energy_ratios,
-                                       filtered_output_grad,
-                                       layer_gradient_quality,
-                                       model_dc_energy_ratio, snr)
+from mmseg_gf.models.gradient_quality import (capture_layer_io, cosine,
+                                              dc_energy_ratios,
+                                              filtered_output_grad,
+                                              layer_gradient_quality,
+                                              model_dc_energy_ratio, snr)
 
 
 def test_snr_limits_and_value():

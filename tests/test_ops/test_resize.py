@@ -1,4 +1,4 @@
-"""mmseg_gf.ops.resize: bilinear resizes under ``strided_gradient_resizes``
+"""mmseg_gf.ops.resize.bilinear: bilinear resizes under ``strided_gradient_resizes``
 give autograd's outputs, and its gradients (bit for bit on torch's kernel;
 within float32 rounding on the compiled one-axis-at-a-time kernel), read a
 channel slice's gradient without copying it, and leave every other
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops import native
-from mmseg_gf.ops.resize import (BilinearResizeFunction,
-                                 bilinear_resize_backward,
-                                 strided_gradient_resizes)
+from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.resize.bilinear import (BilinearResizeFunction,
+                                          bilinear_resize_backward,
+                                          strided_gradient_resizes)
 from tests.helpers.devices import CUDA_AVAILABLE
 
 RESIZES = [

@@ -1,4 +1,4 @@
-"""The cross-entropy of upsampled logits (mmseg_gf.ops.resized_loss) against
+"""The cross-entropy of upsampled logits (mmseg_gf.ops.resized_loss.loss) against
 PyTorch's own upsampling and (softmax or one-hot binary) cross-entropy on
 the whole batch in float64: both paths (the compiled kernel and the
 per-image PyTorch path), upsampling and downsampling, both
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops import resized_loss
-from mmseg_gf.ops.resized_loss import resized_cross_entropy
+from mmseg_gf.ops.resized_loss import loss as resized_loss
+from mmseg_gf.ops.resized_loss.loss import resized_cross_entropy
 from tests.helpers.devices import needs_cuda
 
 # use_kernel: False is the PyTorch path, which CUDA tensors take ('cuda').

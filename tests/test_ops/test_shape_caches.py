@@ -1,4 +1,4 @@
-"""The shape-cache registry (:mod:`mmseg_gf.ops.shape_caches`): bounded
+"""The shape-cache registry (:mod:`mmseg_gf.ops.backend.shape_caches`): bounded
 LRU caches that report their sizes, and no unbounded cache in the
 package."""
 import pathlib
@@ -7,8 +7,9 @@ import re
 import pytest
 import torch
 
-from mmseg_gf.ops import bilinear_gemm, shape_caches
-from mmseg_gf.ops.shape_caches import BoundedDict
+from mmseg_gf.ops.backend import shape_caches
+from mmseg_gf.ops.resize import gemm as bilinear_gemm
+from mmseg_gf.ops.backend.shape_caches import BoundedDict
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / 'mmseg_gf'
 

@@ -1,4 +1,4 @@
-"""mmseg_gf.ops.switches: the one list of switches, read once, overridable
+"""mmseg_gf.ops.backend.switches: the one list of switches, read once, overridable
 in a block; every ``MMSEG_GF_*`` name the sources use is declared in it,
 and docs/switches.md is its table."""
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmseg_gf.ops import native, switches
+from mmseg_gf.ops.backend import native, switches
 
 REPO = Path(__file__).resolve().parents[2]
 #: Where switch names are written: Python, docs, the build's scripts. The
@@ -223,7 +223,7 @@ def test_every_switch_name_in_the_sources_is_declared():
             'MMSEG_GF_BUILD_NATIVE'} <= set(found)  # the scan sees them
     undeclared = {n: where for n, where in found.items()
                   if n not in switches.SWITCHES}
-    assert not undeclared, f'declare them in mmseg_gf/ops/switches.py: ' \
+    assert not undeclared, f'declare them in mmseg_gf/ops/backend/switches.py: ' \
                            f'{undeclared}'
 
 

@@ -13,7 +13,7 @@ torch = pytest.importorskip('torch')
 
 from mmengine.config import Config  # noqa: E402
 
-from mmseg_gf.ops.conv_cost import conv_backward_cost  # noqa: E402
+from mmseg_gf.ops.conv.cost import conv_backward_cost  # noqa: E402
 from mmseg_gf.engine.config import rewrite_config  # noqa: E402
 from mmseg_gf.engine.selection import trace_layers  # noqa: E402
 from mmseg_gf.engine.surgery import get_gradient_filter_layers  # noqa: E402

@@ -11,7 +11,7 @@ modules record depends only on the first trained conv, so the bytes kept by
 a step that trains the last ``N`` convs are a sum over the profile for every
 ``N`` and radius assignment, equal to the count of the model actually built
 that way (tested), which itself equals autograd's saved bytes. Backward
-FLOPs are the single cost model's (:mod:`mmseg_gf.ops.conv_cost`); the
+FLOPs are the single cost model's (:mod:`mmseg_gf.ops.conv.cost`); the
 step's peak is the peak model's (:mod:`..peak`).
 
 With ``patch_mean_activations`` the profile also models the patch-mean

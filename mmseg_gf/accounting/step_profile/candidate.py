@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...models.layer_kinds import CONV2D, LayerGeometry, traced_kind_of
-from ...ops.conv_cost import ConvBackwardCost
+from ...ops.conv.cost import ConvBackwardCost
 
 
 def layer_geometry(module: nn.Module, x: torch.Tensor,

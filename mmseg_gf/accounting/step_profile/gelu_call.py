@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...models.patch_mean_graph import LayerCall, is_counted_partition
-from ...ops.patch_mean_activation import PatchPartition
+from ...ops.linear.patch_mean_activation import PatchPartition
 from .kept_entry import KeptEntry
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from ...models.patch_mean_graph import (LayerCall, filtered_users,
                                         graph_consumers, is_filtered_layer,
                                         is_plain_gelu)
-from ...ops.conv_cost import map_output_stride
+from ...ops.conv.cost import map_output_stride
 from ..kept import kept_by_call, measured_item
 from ..kept_tokens import candidate_extra_items
 from ..peak import Lifetime

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...models.layer_kinds import LayerGeometry
-from ...ops.conv_cost import ConvGeometry
-from ...ops.patch_mean_activation import (PatchPartition,
-                                          patch_mean_kept_elements)
+from ...ops.conv.cost import ConvGeometry
+from ...ops.linear.patch_mean_activation import (PatchPartition,
+                                                 patch_mean_kept_elements)
 from ..kept import SavedItem
 from ..peak import Lifetime, backward_scratch, scratch_key, step_peak
 from .candidate import ConvProfile, layer_kind_name

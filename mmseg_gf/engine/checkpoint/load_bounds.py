@@ -33,7 +33,7 @@ import zipfile
 import zlib
 from typing import List, Optional, Tuple
 
-from ...ops import switches
+from ...ops.backend import switches
 from .data import RefusedCheckpointError, refusal
 from .pickle_scan import PickleScan, data_pickle_info, scan_pickle
 

@@ -16,7 +16,7 @@ from mmseg.registry import HOOKS
 
 from ...models.layer_kinds import is_filtered, kind_of
 from ...models.segmentor import unwrap_model
-from ...ops.quality import capture_layer_io
+from ...models.gradient_quality import capture_layer_io
 
 
 @HOOKS.register_module()

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ...ops.patching import Override, override
+from ...patching import Override, override
 from ..gf_linear import TokenGridSource
 from .recompute import CheckpointWithGrids
 from .registry import checkpointed_blocks, grid_rules, known_blocks
@@ -135,7 +135,7 @@ class TokenGridBindings:
         """Run ``forward`` (an object holding ``block``, so that
         ``copy.deepcopy`` of the model gives the copy's) in place of
         ``block``'s own forward until :meth:`remove`, through
-        :func:`~mmseg_gf.ops.patching.override` (whose undo keeps an
+        :func:`~mmseg_gf.patching.override` (whose undo keeps an
         instance ``forward`` set earlier); hooks of the block still run
         around it."""
         self._forward_undos.append(override(block, 'forward', forward))

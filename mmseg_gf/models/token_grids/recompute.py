@@ -23,7 +23,7 @@ __all__ = ['CheckpointWithGrids']
 class CheckpointWithGrids:
     """The forward of a block that mmseg checkpoints with ``with_cp=True``,
     installed as the block's instance attribute ``forward``
-    (:func:`mmseg_gf.ops.patching.override`, undone by the bindings'
+    (:func:`mmseg_gf.patching.override`, undone by the bindings'
     ``remove``).
 
     mmseg's block (e.g. ``SwinBlock.forward``) checkpoints its inner

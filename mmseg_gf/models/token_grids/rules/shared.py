@@ -8,7 +8,7 @@ from typing import Tuple
 
 from torch import nn
 
-from ....ops.gradient_filter_linear import TokenGrid
+from ....ops.linear.function import TokenGrid
 from ...gf_linear import TokenGridSource
 from ..sites import join
 

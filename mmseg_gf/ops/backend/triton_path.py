@@ -1,0 +1,464 @@
+"""The GPU path of the usual filtered conv: Triton kernels as torch ops.
+
+For a conv whose kernel collapses on both axes (every tap within one
+patch: all but the dilated convs), on a CUDA input stored contiguous NCHW
+or channels-last, the filtered conv is :class:`TritonFilteredConv2d`:
+
+* forward: ``F.conv2d`` (cuDNN) plus one Triton pass over ``x`` for its
+  patch sums (only when the weight needs a gradient);
+* backward: one custom op, :func:`collapsed_backward`: one Triton pass over
+  ``g_y`` (patch means, the bias gradient's partial sums and, in further
+  programs, the taps' sum ``W~``), then one launch of
+  :mod:`.triton_products` for both products (the weight side, ``g_W`` in
+  every tap with ``g_b``; the input side, ``W~^T g~`` written to every
+  pixel of its patch), dense, depthwise and grouped convs alike; with
+  ``MMSEG_GF_FUSED_PRODUCTS=0`` the two products on the patch grid as
+  batched cuBLAS GEMMs and one Triton pass writing ``g_x`` (none when the
+  input needs no gradient).
+
+Both Triton parts are registered torch custom ops (``torch.library``) with
+fake implementations, so ``torch.compile`` traces through them and CUDA
+graphs (``mode='reduce-overhead'``) capture them: nothing in them syncs
+with the host or depends on tensor values. (In eager mode the Function
+calls their implementations directly.) In eager mode the backward runs
+a few lines of Python (the Function, the op, the Triton launchers); Triton
+offers no launch from C++.
+
+A conv's backward launches two kernels, whatever its groups, kernel size
+and bias (``tests/helpers/triton_cases.py::test_backward_launch_count``
+holds the counts).
+
+Without triton (:data:`MIN_TRITON` or newer) installed, with
+``MMSEG_GF_TRITON=0`` in the environment or
+after :func:`set_enabled(False) <set_enabled>`, every CUDA conv takes the
+pure-PyTorch Function, which computes the same gradients. CPU tensors take
+this path only under triton's interpreter (``TRITON_INTERPRET=1`` set
+before ``mmseg_gf`` is imported), which is how the kernels are tested on
+machines without a GPU.
+"""
+import contextlib
+import importlib.metadata
+import importlib.util
+import re
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import switches
+
+__all__ = [
+    'installed', 'enabled', 'set_enabled', 'takes_device', 'usable',
+    'filtered_conv2d', 'collapsed_backward', 'collapsed_backward_from',
+    'patch_sums', 'backward_calls', 'fused_products', 'GradPrologue',
+    'triton_version', 'MIN_TRITON'
+]
+
+Patches = Tuple[int, int, int]  # (start, size, count) along one axis
+
+#: The oldest triton the kernels were tested with (the interpreter cases
+#: and an sm_90 compilation: 3.2 through 3.9, requirements/tests.txt); an
+#: older one leaves the path off.
+MIN_TRITON = (3, 2)
+
+
+class GradPrologue(NamedTuple):
+    """What the filtered backward's pass over the gradient
+    (:func:`~.triton_kernels.output_grad_means`) applies to each element it
+    reads: the backward of a bit-masked activation, then of a frozen norm
+    (after the conv in the forward: conv, norm, activation):
+
+    * ``bits``: the activation's packed mask (:mod:`.bit_mask`'s layout),
+      element ``i`` at ``bit_strides`` (``N, C, H, W``: the activation
+      output's layout); the gradient passes where set, times
+      ``off_scale`` elsewhere;
+    * ``running_var``, ``weight``, ``eps``: the norm's factor
+      ``rsqrt(running_var + eps) * weight`` per channel (float32).
+    """
+    bits: Tensor
+    bit_strides: Tuple[int, int, int, int]
+    off_scale: float
+    running_var: Tensor
+    weight: Optional[Tensor]
+    eps: float
+
+
+def triton_version() -> Optional[Tuple[int, ...]]:
+    """The installed triton's ``(major, minor, patch)`` from its package
+    metadata (without importing it), None if it is not installed."""
+    if importlib.util.find_spec('triton') is None:
+        return None
+    try:
+        text = importlib.metadata.version('triton')
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(v) for v in re.findall(r'\d+', text)[:3])
+
+
+# Decided once, at import: dispatch must not import modules or read
+# triton's settings while torch.compile traces it.
+_VERSION = triton_version()
+_INSTALLED = _VERSION is not None and _VERSION >= MIN_TRITON
+_ON_CPU = switches.value('TRITON_INTERPRET')
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_calls = 0
+
+
+def installed() -> bool:
+    """True if triton (:data:`MIN_TRITON` or newer) is installed."""
+    return _INSTALLED
+
+
+def enabled() -> bool:
+    """True if triton is installed and the GPU path is switched on
+    (``MMSEG_GF_TRITON`` not ``0``, or :func:`set_enabled(True)`)."""
+    return _INSTALLED and switches.value('MMSEG_GF_TRITON')
+
+
+def set_enabled(flag: Optional[bool]) -> Optional[bool]:
+    """Switch the Triton path on (``True``) or off (``False``) for this
+    process, whatever ``MMSEG_GF_TRITON`` says; ``None`` goes back to the
+    env var. Returns the previous override."""
+    return switches.set_value('MMSEG_GF_TRITON',
+                              None if flag is None else bool(flag))
+
+
+def takes_device(t: Tensor) -> bool:
+    """Whether a tensor on ``t``'s device may take a Triton path at all:
+    triton installed and switched on, ``t`` on CUDA (on CPU only under the
+    interpreter). Each path adds its own conditions (:func:`usable`)."""
+    device = t.device.type
+    return (_INSTALLED and (device == 'cuda' or (_ON_CPU and device == 'cpu'))
+            and enabled())
+
+
+def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether this conv may take the Triton path: a non-empty float input
+    on CUDA (on CPU only under the interpreter), contiguous NCHW or
+    channels-last, weight and bias floating point on the same device. The
+    caller checks that the kernel collapses on both axes."""
+    device = x.device.type
+    return (_INSTALLED and (device == 'cuda' or (_ON_CPU and device == 'cpu'))
+            and enabled() and x.dim() == 4 and x.numel() > 0
+            and weight.numel() > 0
+            and (x.is_contiguous()
+                 or x.is_contiguous(memory_format=torch.channels_last))
+            and x.dtype in _FLOAT_TYPES and weight.dtype in _FLOAT_TYPES
+            and weight.device == x.device
+            and (bias is None or bias.dtype in _FLOAT_TYPES))
+
+
+def backward_calls() -> int:
+    """How many eager backward calls ran the Triton kernels in this process
+    (a diagnostic; replays of a captured CUDA graph do not count)."""
+    return _calls
+
+
+def _kernels():
+    from . import triton_kernels  # imports triton: only when first used
+    return triton_kernels
+
+
+def _products():
+    from ..conv import products_kernels as triton_products  # imports triton: only when first used
+    return triton_products
+
+
+def fused_products() -> bool:
+    """Whether a filtered backward runs its patch-grid products as the
+    fused launch of :mod:`.triton_products` (while
+    ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a tap sum
+    and a spread."""
+    return switches.value('MMSEG_GF_FUSED_PRODUCTS')
+
+
+def _on_device(t: Tensor):
+    """Triton launches on the current CUDA device: make it ``t``'s."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _no_autocast(t: Tensor):
+    """The products run in the accumulation dtype, never autocast's."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _tap_sums(weight: Tensor, acc: torch.dtype) -> Tensor:
+    """``W~``: the kernel summed over its taps, ``Co x Ci/groups`` in
+    ``acc``. One kernel launch at most: none for a ``1 x 1`` kernel in
+    ``acc`` already (a view), the cast fused into the sum otherwise."""
+    flat = weight.reshape(weight.shape[0], weight.shape[1], -1)
+    if flat.shape[2] == 1:
+        return flat[..., 0].to(acc)
+    return flat.sum(-1, dtype=acc)
+
+
+def _input_grad_buffer(grad_output: Tensor, channels: int, height: int,
+                       width: int, dtype: torch.dtype) -> Tensor:
+    """The uninitialised ``g_x`` the spread writes in full: channels-last
+    when ``g_y`` is (a channels-last network's gradients stay so), else
+    contiguous NCHW."""
+    fmt = (torch.channels_last if grad_output.dim() == 4
+           and not grad_output.is_contiguous()
+           and grad_output.is_contiguous(memory_format=torch.channels_last)
+           else torch.contiguous_format)
+    return torch.empty((grad_output.shape[0], channels, height, width),
+                       dtype=dtype, device=grad_output.device,
+                       memory_format=fmt)
+
+
+def _patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
+               col_start: int, col_size: int, col_count: int) -> Tensor:
+    """``x~``, the forward's patch sums of ``x`` over the input patches
+    ``Q(P)``: a contiguous ``Ci x N x ph x pw`` tensor in ``x``'s dtype
+    (channel-major: the weight-gradient GEMM's layout)."""
+    with _on_device(x):
+        return _kernels().patch_sums(x, (row_start, row_size, row_count),
+                                     (col_start, col_size, col_count))
+
+
+patch_sums = torch.library.custom_op('mmseg_gf::triton_patch_sums',
+                                    _patch_sums, mutates_args=())
+
+
+@patch_sums.register_fake
+def _(x, row_start, row_size, row_count, col_start, col_size, col_count):
+    return x.new_empty((x.shape[1], x.shape[0], row_count, col_count))
+
+
+def _empty(like: Tensor) -> Tensor:
+    """What the op returns for a gradient nobody asked for (ops cannot
+    return None)."""
+    return like.new_empty((0, ))
+
+
+def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
+                       weight: Tensor, groups: int, scale: float,
+                       input_height: int, input_width: int, rows: List[int],
+                       cols: List[int], radius: int,
+                       input_dtype: torch.dtype, need_input: bool,
+                       need_weight: bool, need_bias: bool
+                       ) -> Tuple[Tensor, Tensor, Tensor]:
+    """The backward of docs/gradient_filter.md#backward (steps 1-4 and the
+    bias) for a kernel that collapses on both axes.
+
+    ``input_pooled`` is :func:`patch_sums`' output (``None`` unless the
+    weight gradient is needed), ``rows`` / ``cols`` the input patches
+    ``Q(P)``, ``scale = 1/s^2``. Returns ``(g_x, g_W, g_b)``: ``g_x`` in
+    ``input_dtype``, ``g_W`` in the weight's shape and dtype (``g_W~`` in
+    every tap), ``g_b`` in the accumulation dtype (float32; float64 for a
+    float64 weight); an empty tensor stands for each gradient not asked
+    for.
+    """
+    return collapsed_backward_from(
+        grad_output, None, input_pooled, weight, groups, scale, input_height,
+        input_width, rows, cols, radius, input_dtype, need_input,
+        need_weight, need_bias)
+
+
+def collapsed_backward_from(grad: Tensor, prologue,
+                            input_pooled: Optional[Tensor], weight: Tensor,
+                            groups: int, scale: float, input_height: int,
+                            input_width: int, rows: List[int],
+                            cols: List[int], radius: int,
+                            input_dtype: torch.dtype, need_input: bool,
+                            need_weight: bool, need_bias: bool
+                            ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`_collapsed_backward` of the conv whose output gradient is
+    ``grad`` or, with a ``prologue`` (:class:`GradPrologue`), what the
+    backward of a frozen norm and a bit-masked activation after it make of
+    ``grad``: the pass over ``grad`` takes their backward as it reads it.
+    :func:`_fused_backward` runs the products while
+    :func:`fused_products`."""
+    global _calls
+    _calls += 1
+    kernels = _kernels()
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    co, ci_g = weight.shape[:2]
+    co_g = co // groups
+    fused = fused_products()
+    with _on_device(grad), _no_autocast(grad):
+        # W~ of a k x k kernel, for the fused input product: summed in the
+        # pass over g_y's launch (a 1 x 1 kernel is its own W~)
+        taps = None
+        if fused and need_input and weight[0, 0].numel() > 1:
+            taps = (weight.contiguous(),
+                    grad.new_empty((co, ci_g), dtype=acc))
+        means, partial = kernels.output_grad_means(grad, radius, scale, acc,
+                                                   prologue, taps)
+        if fused:
+            kernel = (taps[1] if taps is not None else
+                      weight.reshape(co, ci_g) if need_input else None)
+            return _fused_backward(means, partial, input_pooled, weight,
+                                   kernel, grad, input_height, input_width,
+                                   rows, cols, input_dtype, need_input,
+                                   need_weight, need_bias, groups)
+        # Three distinct tensors: op outputs must not alias each other.
+        grad_x, grad_w, grad_b = (_empty(grad) for _ in range(3))
+        if need_bias:
+            grad_b = partial.sum(dim=(0, 2))
+        cells = means[0].numel()  # N x ph x pw: the GEMMs' long axis
+        if need_weight:
+            pooled = input_pooled.to(acc)
+            if co_g == 1 and ci_g == 1:  # depthwise: one dot per channel
+                grad_w = torch.bmm(means.reshape(co, 1, cells),
+                                   pooled.reshape(co, cells, 1)).reshape(
+                                       co, 1)
+            else:
+                grad_w = torch.bmm(
+                    means.reshape(groups, co_g, cells),
+                    pooled.reshape(groups, ci_g, cells).transpose(1, 2)
+                ).reshape(co, ci_g)
+            # every tap the same, stored in full (autograd would copy a
+            # broadcast gradient into .grad anyway)
+            grad_w = grad_w.reshape(co, ci_g, 1, 1).expand_as(weight).to(
+                weight.dtype).contiguous()
+        if need_input:
+            # W~ = sum of the taps; g_x~ = W~^T g~ per group, channel-major.
+            kernel = _tap_sums(weight, acc).reshape(groups, co_g, ci_g)
+            if co_g == 1 and ci_g == 1:
+                grid = means * kernel.reshape(co, 1, 1, 1)
+            else:
+                grid = torch.bmm(kernel.transpose(1, 2),
+                                 means.reshape(groups, co_g, cells))
+            n = grad.shape[0]
+            grid = grid.reshape(groups * ci_g, n, *means.shape[2:])
+            grad_x = kernels.spread(
+                grid.permute(1, 0, 2, 3),
+                _input_grad_buffer(grad, groups * ci_g, input_height,
+                                   input_width, input_dtype),
+                tuple(rows), tuple(cols))
+    return grad_x, grad_w, grad_b
+
+
+def _fused_backward(means: Tensor, partial: Tensor,
+                    input_pooled: Optional[Tensor], weight: Tensor,
+                    tap_sums: Optional[Tensor], grad_output: Tensor,
+                    input_height: int, input_width: int, rows: List[int],
+                    cols: List[int], input_dtype: torch.dtype,
+                    need_input: bool,
+                    need_weight: bool, need_bias: bool, groups: int
+                    ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`_collapsed_backward` of a conv after the pass over ``g_y``
+    (which also summed the taps into ``tap_sums``, ``W~``): ``g_W`` (every
+    tap), ``g_b`` and ``g_x`` in one launch (:mod:`.triton_products`)."""
+    products = _products()
+    out = None
+    if need_input:
+        rows, cols = tuple(rows), tuple(cols)
+        out = _input_grad_buffer(grad_output, groups * weight.shape[1],
+                                 input_height, input_width, input_dtype)
+        if not (products.covers(rows, input_height)
+                and products.covers(cols, input_width)):
+            out.zero_()
+    pooled = (input_pooled.reshape(input_pooled.shape[0], -1)
+              if need_weight else None)
+    grad_w, grad_b = products.products(
+        means, pooled, partial, weight, tap_sums, out, rows, cols,
+        need_weight, need_bias, groups=groups)
+    # Three distinct tensors: op outputs must not alias each other.
+    return tuple(_empty(grad_output) if g is None or g.numel() == 0 else g
+                 for g in (out, grad_w, grad_b))
+
+
+collapsed_backward = torch.library.custom_op(
+    'mmseg_gf::triton_collapsed_backward', _collapsed_backward,
+    mutates_args=())
+
+
+@collapsed_backward.register_fake
+def _(grad_output, input_pooled, weight, groups, scale, input_height,
+      input_width, rows, cols, radius, input_dtype, need_input, need_weight,
+      need_bias):
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    co, ci_g = weight.shape[:2]
+    # Three distinct tensors: op outputs must not alias each other.
+    grad_x, grad_w, grad_b = (_empty(grad_output) for _ in range(3))
+    if need_input:
+        grad_x = _input_grad_buffer(grad_output, groups * ci_g,
+                                    input_height, input_width, input_dtype)
+    if need_weight:
+        grad_w = torch.empty_like(weight,
+                                  memory_format=torch.contiguous_format)
+    if need_bias:
+        grad_b = grad_output.new_empty((co, ), dtype=acc)
+    return grad_x, grad_w, grad_b
+
+
+def _call(op, impl, *args):
+    """Under ``torch.compile`` and on fake tensors (``FakeTensorMode``:
+    shape propagation, the suite's device checks) the registered op, whose
+    fake implementation runs; in eager mode the implementation itself,
+    without the dispatcher's round trip back into Python."""
+    if torch.compiler.is_compiling() or _is_fake(args[0]):
+        return op(*args)
+    return impl(*args)
+
+
+def _is_fake(t: Tensor) -> bool:
+    """A ``FakeTensor`` (checked without importing its module for the plain
+    tensors of eager training)."""
+    if type(t) is Tensor:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
+
+
+def conv_context(x: Tensor, stride: Tuple[int, int], groups: int,
+                 radius: int, rows: Patches, cols: Patches) -> tuple:
+    """What a filtered conv's backward needs of its forward call (besides
+    the saved tensors): ``(groups, 1/s^2, H, W, rows, cols, r, x's
+    dtype)``, in :func:`collapsed_backward_from`'s order."""
+    return (groups, 1.0 / (stride[0] * stride[1]), x.shape[2], x.shape[3],
+            rows, cols, radius, x.dtype)
+
+
+class TritonFilteredConv2d(torch.autograd.Function):
+    """``F.conv2d`` forward, the filtered backward as one call of
+    :func:`collapsed_backward` (the Triton counterpart of
+    ``GradientFilterConv2dFunction``'s usual case; same gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                stride: Tuple[int, int], padding: Tuple[int, int],
+                dilation: Tuple[int, int], groups: int, radius: int,
+                rows: Patches, cols: Patches) -> Tensor:
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        # Never save x: only its patch sums, and only if g_W will be needed.
+        pooled = (_call(patch_sums, _patch_sums, x, *rows, *cols)
+                  if ctx.needs_input_grad[1] else None)
+        ctx.save_for_backward(pooled, weight)
+        ctx.conv = conv_context(x, stride, groups, radius, rows, cols)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: Tensor):
+        pooled, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        groups, scale, height, width, rows, cols, radius, x_dtype = ctx.conv
+        grad_x, grad_w, grad_b = _call(
+            collapsed_backward, _collapsed_backward, grad_output, pooled,
+            weight, groups, scale, height, width, list(rows), list(cols),
+            radius, x_dtype, need_x, need_w, need_b)
+        return (grad_x if need_x else None,
+                grad_w if need_w else None,
+                grad_b.to(ctx.bias_dtype) if need_b else None,
+                None, None, None, None, None, None, None)
+
+
+def filtered_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    stride: Tuple[int, int], padding: Tuple[int, int],
+                    dilation: Tuple[int, int], groups: int, radius: int,
+                    rows: Patches, cols: Patches) -> Tensor:
+    """``F.conv2d`` with the Triton-path backward (``native.filtered_conv2d``'s
+    signature). ``x`` is :func:`usable`, the kernel collapses on both axes
+    and ``rows`` / ``cols`` are the input patches ``Q(P)``."""
+    return TritonFilteredConv2d.apply(x, weight, bias, stride, padding,
+                                      dilation, groups, radius, rows, cols)

@@ -1,0 +1,139 @@
+"""A conv block on the GPU path: a filtered conv, the frozen batch norm and
+the bit-masked activation after it as one autograd node.
+
+mmcv's ``ConvModule`` runs conv, norm and activation one after the other;
+in the lean region each is its own node. On a GPU their forward is four
+launches (cuDNN's conv, the conv input's patch sums, the norm, the
+activation with its mask) and their backward three more passes over
+full-size maps: the activation applies its mask and writes ``g``, the norm
+scales it and writes ``g_y``, the conv reads ``g_y`` for its patch means.
+:class:`FilteredConvBlockFunction` runs the forward in two launches:
+cuDNN's conv, then one Triton launch that normalizes the conv's output as
+it loads it, writes the activation's output and mask, and in further
+programs sums the conv's input over its patches
+(:mod:`.triton_conv_block_kernels`); its backward's pass over the gradient
+applies the mask and the norm's factor as it loads each element
+(:class:`~.triton_path.GradPrologue`): two launches for a dense or
+depthwise conv (that pass, then both products, :mod:`.triton_products`)
+where the three nodes take four.
+
+Exact to float32 rounding: the norm is ``(y - mean) * (rsqrt(var + eps) *
+w) + b`` in float32, rounded once to the output's dtype (cuDNN's and
+ATen's batch norm kernels order these operations in their own ways), the
+activation and its mask as the activation's Triton pass has them; the
+gradients are those the three nodes give, the float32 operations in the
+same order (mask, then ``g * rsqrt(var + eps) * w``), for float16 /
+bfloat16 without rounding ``g_y`` to them in between. Kept: the conv
+input's patch sums and the mask, what the three nodes keep.
+``tests/helpers/triton_block_cases.py`` checks both against the three
+nodes.
+
+Eager mode only, on the Triton path's devices (:func:`usable`);
+:mod:`mmseg_gf.models.conv_block` decides which module calls take it.
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import Function
+from torch.autograd.function import once_differentiable
+
+from ..bit_mask import masks as bit_mask, gpu as triton_bit_mask
+from ..frozen_norm import gpu as triton_norm
+from ..backend import triton_path
+from ..backend.triton_path import Patches, _on_device
+
+__all__ = ['usable', 'FilteredConvBlockFunction', 'block_calls']
+
+_calls = 0
+
+
+def block_calls() -> int:
+    """How many forward calls took the fused block in this process (a
+    diagnostic)."""
+    return _calls
+
+
+def _kernels():
+    from . import kernels as triton_conv_block_kernels  # imports triton: when used
+    return triton_conv_block_kernels
+
+
+def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a block with conv input ``x`` may run fused: the filtered
+    conv's Triton path takes it (:func:`triton_path.usable`), and the
+    norm's and the activation's Triton paths take tensors of its dtype and
+    device (the caller checks the conv's geometry and the modules)."""
+    return (triton_path.usable(x, weight, bias) and triton_norm.usable(x)
+            and triton_bit_mask.takes_dtype(x.dtype))
+
+
+def _bit_strides(out: Tensor) -> Tuple[int, int, int, int]:
+    """Strides (N, C, H, W) of element indices in the mask, which
+    :func:`bit_mask.pack` writes in ``out``'s memory order."""
+    n, c, h, w = out.shape
+    if bit_mask.layout_of(out) is torch.channels_last:
+        return h * w * c, 1, w * c, c
+    return c * h * w, h * w, w, 1
+
+
+class FilteredConvBlockFunction(Function):
+    """``activation(normalize(conv2d(x, weight, bias)))`` with the filtered
+    conv's backward, the norm's and the activation's taken in its first
+    pass (see the module docstring).
+
+    ``rows`` / ``cols`` are the conv's input patches (its kernel collapses
+    on both axes); ``norm`` the frozen norm's ``(running_mean,
+    running_var, weight, bias, eps)``; ``activation`` the mask's
+    ``(formula, lo, hi, nan_bit, off_scale)``
+    (:func:`bit_mask.activate_and_pack`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                stride: Tuple[int, int], padding: Tuple[int, int],
+                dilation: Tuple[int, int], groups: int, radius: int,
+                rows: Patches, cols: Patches, norm: Tuple,
+                activation: Tuple) -> Tensor:
+        global _calls
+        _calls += 1
+        y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        layout = bit_mask.layout_of(y)
+        if not y.is_contiguous(memory_format=layout):
+            y = y.contiguous(memory_format=layout)
+        out = torch.empty_like(y, memory_format=layout)
+        bits = triton_bit_mask.empty_bits(y)
+        pooled = (x.new_empty((x.shape[1], x.shape[0], rows[2], cols[2]))
+                  if ctx.needs_input_grad[1] else None)
+        formula, lo, hi, nan_bit, off_scale = activation
+        with _on_device(x):
+            _kernels().block_forward(
+                y, out, bits, norm,
+                (triton_bit_mask.activation_code(formula), lo,
+                 math.inf if hi is None else hi, nan_bit, off_scale),
+                layout is torch.channels_last, x, pooled, rows, cols)
+        _, running_var, norm_weight, _, eps = norm
+        ctx.save_for_backward(pooled, weight, bits)
+        triton_norm.reference_norm(ctx, running_var, norm_weight)
+        ctx.prologue = (_bit_strides(out), float(off_scale), float(eps))
+        ctx.conv = triton_path.conv_context(x, stride, groups, radius, rows,
+                                            cols)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        pooled, weight, bits = ctx.saved_tensors
+        strides, off_scale, eps = ctx.prologue
+        prologue = triton_path.GradPrologue(
+            bits, strides, off_scale, *triton_norm.unchanged_norm(ctx), eps)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        groups, scale, height, width, rows, cols, radius, x_dtype = ctx.conv
+        grad_x, grad_w, grad_b = triton_path.collapsed_backward_from(
+            grad, prologue, pooled, weight, groups, scale, height, width,
+            list(rows), list(cols), radius, x_dtype, need_x, need_w, need_b)
+        return ((grad_x if need_x else None, grad_w if need_w else None,
+                 grad_b.to(ctx.bias_dtype) if need_b else None)
+                + (None, ) * 9)

@@ -1,0 +1,205 @@
+"""What a frozen transformer block keeps for backward: the minimum.
+
+Once gradient filtering trains a layer inside (or before) a transformer
+block, the block's frozen layers sit on the gradient path, and autograd's
+defaults keep full-size tensors for each:
+
+* attention written out as ``softmax(q k^T * scale + bias) v`` keeps the
+  ``L x S`` probabilities (and their logits) per head: the largest tensors
+  of the step at high resolution. Through
+  :func:`torch.nn.functional.scaled_dot_product_attention` the backward
+  recomputes them from ``q``, ``k``, ``v``, the output and one logsumexp
+  per query and head, which is all SDPA keeps (PyTorch's CPU flash kernel,
+  ``_scaled_dot_product_flash_attention_for_cpu``; an additive mask, such
+  as Swin's relative position bias, is kept once);
+* a frozen ``LayerNorm`` keeps its input, the per-token mean and the
+  per-token ``rstd``; its input gradient needs the input (or the
+  normalized output) and ``rstd``: the mean is recomputed from the input
+  (:class:`FrozenLayerNormFunction`);
+* DropPath keeps one float per sample; one bit per sample does
+  (:class:`BitMaskDropPathFunction`).
+
+GELU's derivative is a smooth function of its input: autograd keeps the
+input, once, which is the minimum of an exact rule (no function here; the
+accounting counts it and shares it with another rule keeping the same
+tensor). Between two filtered layers on one patch partition the patch
+means of the derivative suffice (:mod:`.patch_mean_activation`). Pure PyTorch, no mmseg import: the modules are wired in by
+:mod:`mmseg_gf.models.lean_transformer`.
+"""
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import Function
+
+from ..bit_mask import masks as bit_mask, gpu as triton_bit_mask
+from ..frozen_norm import gpu as triton_norm
+from .functions import FrozenLinearFunction
+
+__all__ = ['FrozenLayerNormFunction', 'BitMaskDropPathFunction',
+           'frozen_linear', 'split_heads', 'merge_heads',
+           'multihead_attention', 'attention_kept_elements']
+
+
+def _check_version(tensor: Optional[Tensor], version: int) -> None:
+    # version -1: not recorded (torch.compile, where the compiled graph's
+    # autograd node saves the parameters its backward reads, and autograd
+    # checks those)
+    if tensor is not None and version != -1 and tensor._version != version:
+        raise RuntimeError(
+            'a frozen parameter of a lean layer was modified in place '
+            f'between its forward and backward (version {version} -> '
+            f'{tensor._version})')
+
+
+class FrozenLayerNormFunction(Function):
+    """``layer_norm(x, shape, weight, bias, eps)`` with frozen weight and
+    bias, keeping its input and the per-token ``rstd`` only.
+
+    The forward is ``torch.native_layer_norm`` (the kernel
+    ``F.layer_norm`` runs: the output is the plain module's, bit for bit).
+    The backward recomputes the per-token mean from the kept input and
+    calls autograd's own kernel (``native_layer_norm_backward``, input
+    gradient only): the gradient is autograd's up to the rounding of the
+    recomputed mean (~1 ulp). The weight and bias are referenced, not
+    saved (live Parameters); an in-place change between forward and
+    backward is an error, as autograd reports for a saved tensor. On the
+    Triton path (:func:`triton_norm.layer_norm_usable`) the backward is
+    one launch (:func:`triton_norm.frozen_layer_norm_backward`).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, shape: Sequence[int],
+                weight: Optional[Tensor], bias: Optional[Tensor],
+                eps: float) -> Tensor:
+        out, _, rstd = torch.native_layer_norm(x, list(shape), weight, bias,
+                                               eps)
+        ctx.save_for_backward(x, rstd)
+        ctx.shape = list(shape)
+        ctx.params = (weight, bias)
+        ctx.versions = tuple(
+            -1 if p is None or torch.compiler.is_compiling() else p._version
+            for p in (weight, bias))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, rstd = ctx.saved_tensors
+        weight, bias = ctx.params
+        for param, version in zip(ctx.params, ctx.versions):
+            _check_version(param, version)
+        if triton_norm.layer_norm_usable(x, len(ctx.shape)):
+            return (triton_norm.frozen_layer_norm_backward(
+                grad, x, rstd, weight, len(ctx.shape)), None, None, None,
+                None)
+        dims = tuple(range(x.dim() - len(ctx.shape), x.dim()))
+        mean = x.to(rstd.dtype).mean(dims, keepdim=True)
+        g_x = torch.ops.aten.native_layer_norm_backward(
+            grad.contiguous(), x, ctx.shape, mean, rstd, weight, bias,
+            [True, False, False])[0]
+        return g_x, None, None, None, None
+
+
+class BitMaskDropPathFunction(Function):
+    """Stochastic depth (mmcv's ``drop_path``) keeping one bit per sample.
+
+    The noise is drawn as mmcv draws it (``floor(keep_prob + rand(N, 1,
+    ...))`` in ``x``'s dtype, the same random numbers) and the output is
+    computed by the same operations (``x.div(keep_prob) * noise``), so the
+    forward is mmcv's bit for bit; the backward ``g.div(keep_prob) * noise``
+    is rebuilt from the bits (autograd keeps the float noise); on the
+    Triton path in one launch (:func:`triton_bit_mask.apply_per_sample`).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, drop_prob: float) -> Tensor:
+        keep_prob = 1 - drop_prob
+        shape = (x.shape[0], ) + (1, ) * (x.ndim - 1)
+        noise = (keep_prob + torch.rand(shape, dtype=x.dtype,
+                                        device=x.device)).floor()
+        ctx.save_for_backward(bit_mask.pack(noise, 0.0))
+        ctx.keep_prob = keep_prob
+        ctx.noise_shape = shape
+        return x.div(keep_prob) * noise
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        bits, = ctx.saved_tensors
+        if triton_bit_mask.usable(grad):  # the same numbers, one launch
+            return triton_bit_mask.apply_per_sample(grad, bits,
+                                                    ctx.keep_prob), None
+        keep = bit_mask.unpack(bits, ctx.noise_shape).to(grad.dtype)
+        return grad.div(ctx.keep_prob) * keep, None
+
+
+def frozen_linear(x: Tensor, weight: Tensor,
+                  bias: Optional[Tensor]) -> Tensor:
+    """``F.linear(x, weight, bias)`` keeping no tensor when ``weight`` and
+    ``bias`` are frozen and ``x`` needs a gradient (``g_x = g W``; autograd
+    keeps a transposed view of the weight, whose storage the whole
+    Parameter's); otherwise ``F.linear`` itself."""
+    frozen = not weight.requires_grad and (bias is None
+                                           or not bias.requires_grad)
+    if not (frozen and torch.is_grad_enabled() and x.requires_grad):
+        return F.linear(x, weight, bias)
+    return FrozenLinearFunction.apply(
+        x, weight, lambda t: F.linear(t, weight, bias))
+
+
+def split_heads(t: Tensor, num_heads: int) -> Tensor:
+    """``(B, L, E)`` -> ``(B, heads, L, E / heads)`` (a view)."""
+    b, n, e = t.shape
+    return t.view(b, n, num_heads, e // num_heads).transpose(1, 2)
+
+
+def merge_heads(t: Tensor) -> Tensor:
+    """``(B, heads, L, d)`` -> ``(B, L, heads * d)``."""
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b, n, h * d)
+
+
+def multihead_attention(query: Tensor, key: Tensor, value: Tensor,
+                        num_heads: int, q_proj: tuple,
+                        kv_proj: Optional[tuple], k_proj: Optional[tuple],
+                        v_proj: Optional[tuple], out_proj: tuple) -> Tensor:
+    """``nn.MultiheadAttention``'s computation (batch first, no masks, no
+    dropout) with frozen projections, through SDPA.
+
+    Args:
+        query: ``(B, L, E)``; key, value: ``(B, S, E)``.
+        q_proj: ``(weight, bias)`` of the query's projection (bias may be
+            None; views of a packed in-projection are fine).
+        kv_proj: ``(weight, bias)`` of the key's and value's projections
+            stacked (``2E`` rows), used when ``key is value``: one
+            projection, as torch computes it; else None.
+        k_proj, v_proj: the separate projections (when ``kv_proj`` is
+            None).
+        out_proj: ``(weight, bias)`` of the out-projection.
+
+    Returns:
+        ``(B, L, E)``. Kept for backward: the projected q (``B L E``), k
+        and v (``B S E`` each; one ``2 B S E`` tensor with ``kv_proj``),
+        SDPA's output (``B L E``) and logsumexp (``B heads L``, float32);
+        the projections keep nothing (:func:`attention_kept_elements`).
+    """
+    q = frozen_linear(query, *q_proj)
+    if kv_proj is not None:
+        k, v = frozen_linear(key, *kv_proj).chunk(2, dim=-1)
+    else:
+        k = frozen_linear(key, *k_proj)
+        v = frozen_linear(value, *v_proj)
+    out = F.scaled_dot_product_attention(split_heads(q, num_heads),
+                                         split_heads(k, num_heads),
+                                         split_heads(v, num_heads))
+    return frozen_linear(merge_heads(out), *out_proj)
+
+
+def attention_kept_elements(batch: int, q_len: int, kv_len: int, dim: int,
+                            num_heads: int) -> dict:
+    """Elements SDPA keeps for one attention call (besides a mask):
+    ``{'qkv': B (L + 2 S) E, 'out': B L E, 'logsumexp': B heads L}``."""
+    return {'qkv': batch * (q_len + 2 * kv_len) * dim,
+            'out': batch * q_len * dim,
+            'logsumexp': batch * num_heads * q_len}
+

@@ -1,0 +1,326 @@
+"""GELU between two filtered layers: keep the patch means of its derivative
+(docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
+
+A filtered layer reads only the ``r x r`` patch means of its output
+gradient, and returns an input gradient that is constant on each of its
+input patches. Take ``y = f(x)`` elementwise with ``x`` the output of a
+filtered layer ``U`` and ``y`` read only by filtered layers ``D`` whose
+input patches are ``U``'s output patches (same grid, same ``r``, patches
+tiled from 0). Then the gradient reaching ``y`` is constant on each patch
+``P``, ``g_x = g_y f'(x)``, and ``U`` reads only
+
+    mean_P(g_y f'(x)) = g_y[P] * mean_P f'(x),
+
+so ``g_y * mean_P f'(x)`` (broadcast over the patch) gives ``U`` the same
+patch means, hence the same ``g_W``, ``g_b``, ``g_x`` and everything
+upstream. :class:`PatchMeanGeluFunction` keeps ``mean_P f'(x)`` (``1/r^2``
+of the input's elements) instead of ``x``; tokens on no grid (a ViT's cls
+token) get exact gradients from the filtered layers and keep their
+``f'(x)`` exactly.
+
+Whether the premise holds is decided outside this module (the model's
+traced training step): this op only computes the rule. A filtered layer
+marks its output with its :class:`PatchPartition` (:func:`tag_output`), so
+a caller can check cheaply that its input is still that output
+(:func:`tagged_partition`). Pure PyTorch, no mmseg import.
+"""
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ..backend import native
+from .function import TokenGrid, TokenLayout
+from ..patch_grid import AxisGeometry, check_radius, filter_output_grad
+
+__all__ = ['PatchPartition', 'PatchMeanGeluFunction', 'patch_mean_gelu',
+           'gelu_derivative', 'patch_mean_kept_elements', 'tag_output',
+           'tagged_partition', 'TAG_ATTR']
+
+#: The attribute a filtered layer's output carries: ``(partition, version)``.
+TAG_ATTR = '_gf_patch_partition'
+
+
+@dataclass(frozen=True)
+class PatchPartition:
+    """The ``r x r`` patches of a filtered layer's output (or input),
+    tiled from 0.
+
+    Attributes:
+        radius: ``r``.
+        height, width: the map's (or token grid's) size.
+        grid: None for a conv's ``(N, C, H, W)`` map; else the
+            :class:`TokenGrid` of a Linear's tokens (``'tokens'`` or
+            ``'hwc'`` layout).
+        token_dim: the token axis (non-negative; ``'hwc'``: the H axis).
+    """
+
+    radius: int
+    height: int
+    width: int
+    grid: Optional[TokenGrid] = None
+    token_dim: int = 1
+
+    @classmethod
+    def conv_map(cls, radius: int, height: int,
+                 width: int) -> 'PatchPartition':
+        """The patches of an ``(N, C, H, W)`` map."""
+        return cls(check_radius(radius), int(height), int(width))
+
+    @classmethod
+    def tokens(cls, grid: TokenGrid, radius: int,
+               token_dim: int) -> 'PatchPartition':
+        """The patches of a token grid on axis ``token_dim`` (>= 0)."""
+        return cls(check_radius(radius), grid.height, grid.width, grid,
+                   int(token_dim))
+
+    def fits(self, x: Tensor) -> bool:
+        """Whether ``x``'s shape holds this partition's map or grid."""
+        if self.grid is None:
+            return x.dim() == 4 and tuple(x.shape[2:]) == (self.height,
+                                                          self.width)
+        try:
+            return self.grid.token_axis(x.shape, self.token_dim) == \
+                self.token_dim
+        except ValueError:
+            return False
+
+    def axes(self) -> Tuple[AxisGeometry, AxisGeometry]:
+        """The patch geometry of a ``1 x 1``, stride-1 layer on the map."""
+        return tuple(AxisGeometry.of(s, s, 1, 1, 0, 1, self.radius)
+                     for s in (self.height, self.width))
+
+
+def tag_output(out: Tensor, partition: PatchPartition) -> Tensor:
+    """Mark ``out`` as a filtered layer's output on ``partition``; the mark
+    holds the tensor's version, so an in-place change voids it. Not under
+    ``torch.compile`` (a traced tensor carries no attributes, and its
+    version is no Python int): a GELU after it then runs torch's exact
+    rule, whose gradient the patch-mean rule equals."""
+    if not torch.compiler.is_compiling():
+        setattr(out, TAG_ATTR, (partition, out._version))
+    return out
+
+
+def tagged_partition(x: Tensor) -> Optional[PatchPartition]:
+    """The partition ``x`` was tagged with, if it is unchanged since (None
+    under ``torch.compile``: :func:`tag_output`)."""
+    if torch.compiler.is_compiling():
+        return None
+    tag = getattr(x, TAG_ATTR, None)
+    if tag is None or tag[1] != x._version:
+        return None
+    return tag[0]
+
+
+def gelu_derivative(x: Tensor, approximate: str = 'none') -> Tensor:
+    """``f'(x)`` of ``F.gelu(x, approximate=...)`` by autograd's own
+    kernel (``gelu_backward`` of a gradient of ones)."""
+    return torch.ops.aten.gelu_backward(torch.ones_like(x), x,
+                                        approximate=approximate)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+_ONES = {}
+
+
+def _one(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-d one, made once per dtype and device: a fresh one would be a
+    fill launch per call on a GPU. Never written (only broadcast); not
+    kept from a traced call (``torch.compile``: its tensors are fake)."""
+    if torch.compiler.is_compiling():
+        return torch.ones((), dtype=dtype, device=device)
+    key = (dtype, device)
+    if key not in _ONES:
+        _ONES[key] = torch.ones((), dtype=dtype, device=device)
+    return _ONES[key]
+
+
+def _slope(x: Tensor, approximate: str) -> Tensor:
+    """``f'(x)`` in the accumulation dtype, a temporary: written into
+    recycled memory where the compiled kernels keep it (no page faults of
+    fresh memory on CPU), from a broadcast gradient of one."""
+    acc = _acc(x.dtype)
+    if x.dtype != acc:
+        return gelu_derivative(x.to(acc), approximate)
+    one = _one(x.dtype, x.device).expand_as(x)
+    out = native.empty_for_writing(x.shape, x)
+    return torch.ops.aten.gelu_backward.grad_input(
+        one, x, approximate=approximate, grad_input=out)
+
+
+def _token_layout(partition: PatchPartition) -> TokenLayout:
+    return TokenLayout(partition.grid, partition.radius, partition.token_dim)
+
+
+def patch_mean_kept_elements(shape: Tuple[int, ...],
+                             partition: PatchPartition) -> int:
+    """Elements :class:`PatchMeanGeluFunction` keeps for an input of
+    ``shape``: one per patch and channel, plus every element of the tokens
+    on no grid."""
+    ph = -(-partition.height // partition.radius)
+    pw = -(-partition.width // partition.radius)
+    if partition.grid is None:
+        n, c = shape[:2]
+        return n * c * ph * pw
+    dim, grid = partition.token_dim, partition.grid
+    span = grid.grid_dims
+    lead = 1
+    for i, s in enumerate(shape[:-1]):
+        if not dim <= i < dim + span:
+            lead *= s
+    extra = grid.extra_tokens + grid.trailing_tokens
+    return lead * shape[-1] * (ph * pw + extra)
+
+
+class PatchMeanGeluFunction(torch.autograd.Function):
+    """``F.gelu`` forward; backward ``g_y * mean_P f'(x)`` on the grid's
+    patches, ``g_y * f'(x)`` on tokens on no grid."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, approximate: str,
+                partition: PatchPartition) -> Tensor:
+        out = F.gelu(x, approximate=approximate)
+        acc = _acc(x.dtype)
+        slope = _slope(x, approximate)
+        extra = None
+        if partition.grid is None:
+            means = _map_means(slope, partition, acc)
+        else:
+            layout = _token_layout(partition)
+            means = _token_means(slope, layout, acc)
+            extra = layout.extra(slope)
+            if extra is not None:  # its own storage, never a view of slope
+                extra = extra.to(x.dtype, copy=True,
+                                 memory_format=torch.contiguous_format)
+        del slope
+        ctx.save_for_backward(means.to(x.dtype).contiguous(), extra)
+        ctx.partition = partition
+        ctx.input_dtype = x.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        means, extra = ctx.saved_tensors
+        partition = ctx.partition
+        if partition.grid is None:
+            g_x = _map_backward(grad, means, partition)
+        else:
+            g_x = _token_backward(grad, means, extra, partition)
+        return g_x.to(ctx.input_dtype), None, None
+
+
+def _map_means(slope: Tensor, partition: PatchPartition,
+               acc: torch.dtype) -> Tensor:
+    """``mean_P f'(x)`` of an ``(N, C, H, W)`` map, in ``acc``: the
+    compiled CPU kernel's sums times ``1 / |P|``
+    (:func:`filter_output_grad`), else one ``avg_pool2d`` that divides by
+    each patch's pixel count (the clipped windows of ``ceil_mode`` count
+    their pixels only), one launch where the sums and a scaling take two
+    (the same means to rounding, equal where ``|P|`` is a power of 2)."""
+    geo_h, geo_w = partition.axes()
+    if native.usable(slope):
+        return filter_output_grad(slope, geo_h, geo_w, acc)[1]
+    r = partition.radius
+    return F.avg_pool2d(slope, (min(r, partition.height),
+                                min(r, partition.width)), (r, r),
+                        ceil_mode=True).to(acc)
+
+
+def _token_means(slope: Tensor, layout: TokenLayout,
+                 acc: torch.dtype) -> Tensor:
+    """``mean_P f'(x)`` of the grid tokens, ``(L, Ph, Pw, C)`` in ``acc``:
+    the compiled CPU kernel's sums divided by the tokens per patch, else
+    one pooling that divides as it sums (the same quotients)."""
+    rows = layout.rows_to_read(slope)
+    if not (acc == slope.dtype and native.token_rows_usable(rows)):
+        return layout.pool_rows(rows, acc, mean=True)
+    sums = native.token_patch_sums(rows, layout.radius)
+    counts = layout.patch_counts(sums)
+    return sums.div_(layout.radius ** 2 if counts is None else counts)
+
+
+def _map_backward(grad: Tensor, means: Tensor,
+                  partition: PatchPartition) -> Tensor:
+    """``g_y`` times the patch means broadcast over ``(N, C, H, W)``, into
+    recycled memory (:func:`native.empty_for_writing`): the means repeated
+    along the width (``1/r`` of the map), then one product per band of
+    ``r`` rows broadcasting them over the band's rows (a contiguous inner
+    axis: about twice as fast on CPU as broadcasting over the patch's
+    columns too), the short last band apart."""
+    r, h, w = partition.radius, partition.height, partition.width
+    n, c = grad.shape[:2]
+    rows = means.to(grad.dtype).repeat_interleave(r, dim=-1)[..., :w]
+    out = native.empty_for_writing(grad.shape, grad)
+    full = h // r
+    if full:
+        torch.mul(grad[:, :, :full * r].reshape(n, c, full, r, w),
+                  rows[:, :, :full, None, :],
+                  out=out[:, :, :full * r].view(n, c, full, r, w))
+    if h > full * r:
+        torch.mul(grad[:, :, full * r:], rows[:, :, full:full + 1],
+                  out=out[:, :, full * r:])
+    return out
+
+
+def _tile_product(layout: TokenLayout, out: Tensor, grad: Tensor,
+                  means: Tensor) -> bool:
+    """The grid tokens of ``out`` = those of ``grad`` times their patch's
+    row of ``means``, in one broadcast product, where every patch is full
+    and ``out``'s grid tokens view as patches; returns whether it did."""
+    grid, r = layout.grid, layout.radius
+    if grid.height % r or grid.width % r:
+        return False
+    tiles = (-1, grid.height // r, r, grid.width // r, r, grad.shape[-1])
+    try:
+        target = layout.grid_view(out).view(tiles)
+    except RuntimeError:
+        return False
+    torch.mul(layout.grid_view(grad).reshape(tiles),
+              means[:, :, None, :, None, :], out=target)
+    return True
+
+
+def _token_backward(grad: Tensor, means: Tensor, extra: Optional[Tensor],
+                    partition: PatchPartition) -> Tensor:
+    """The grid tokens' ``g_y`` times their patch's mean; the other tokens'
+    times their own ``f'``."""
+    layout = _token_layout(partition)
+    out = native.empty_for_writing(grad.shape, grad)
+    means = means.to(grad.dtype)
+    if not _tile_product(layout, out, grad, means):
+        target = layout.grid_view(out)
+        rows = layout.grid_rows(out)
+        if rows is not None:
+            layout.spread_rows(rows, means)
+        else:  # leading axes that do not merge: stage
+            staging = out.new_empty(means.shape[0], *target.shape[-3:])
+            layout.spread_rows(staging, means)
+            target.copy_(staging.view(target.shape))
+        target.mul_(layout.grid_view(grad))
+    if extra is not None:
+        layout.write_extra(out, layout.extra(grad) * extra)
+    return out
+
+
+def patch_mean_gelu(x: Tensor, approximate: str,
+                    partition: PatchPartition) -> Tensor:
+    """``F.gelu(x, approximate=approximate)`` keeping ``mean_P f'(x)``.
+
+    Exact for the filtered chain only where the premise of this module
+    holds; the caller decides that.
+
+    Raises:
+        ValueError: ``x`` does not hold ``partition``'s map or grid.
+    """
+    if not partition.fits(x):
+        raise ValueError(f'input of shape {tuple(x.shape)} does not hold '
+                         f'the patch partition {partition}')
+    return PatchMeanGeluFunction.apply(x, approximate, partition)
