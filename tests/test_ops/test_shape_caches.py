@@ -78,21 +78,46 @@ def test_bilinear_matrices_are_listed_and_bounded():
     assert shape_caches.over_bound() == {}
 
 
-def test_tuning_keeps_a_bounded_autotune_cache():
-    triton_kernels = pytest.importorskip('mmseg_gf.ops.triton_kernels')
+def test_tuning_keeps_a_bounded_autotune_cache(monkeypatch):
+    """The installed triton's own ``Autotuner`` (its ``run`` fills
+    ``self.cache``) keeps at most ``TUNED_KEYS`` choices once bounded; a
+    key dropped is tuned again when it comes back."""
+    triton = pytest.importorskip('triton')
+    triton_kernels = pytest.importorskip(
+        'mmseg_gf.ops.backend.triton_kernels')
+    monkeypatch.setattr(triton_kernels, 'TUNED_KEYS', 3)
+    timed, launched = [], []
 
-    class FakeTuner:  # what triton.autotune's wrapper holds: a dict
-        def __init__(self):
-            self.cache = {}
+    def kernel(n, BLOCK):  # what the autotuner unwraps to (``.fn``)
+        pass
 
-    tuning = triton_kernels.Tuning(FakeTuner, 'test.tuning')
+    class Launcher:  # stands for a JITFunction: ``arg_names``, ``run``
+        arg_names = ['n', 'BLOCK']
+        fn = staticmethod(kernel)
+
+        def run(self, *args, **kwargs):
+            launched.append((args, kwargs['BLOCK']))
+
+    def do_bench(call, quantiles=None):
+        call()
+        timed.append(1)
+        return float(len(timed) % 2 == 0)  # the first (BLOCK=1) wins
+
+    autotuned = triton.autotune(
+        configs=[triton.Config({'BLOCK': b}) for b in (1, 2)], key=['n'],
+        do_bench=do_bench)(Launcher())
+    tuning = triton_kernels.Tuning(lambda: autotuned, 'test.tuning')
     try:
-        tuner = triton_kernels._bounded(FakeTuner())
-        tuning._tuner = tuner
-        for key in range(triton_kernels.TUNED_KEYS + 5):
-            tuner.cache[key] = 'config'
-        assert shape_caches.shape_caches()['test.tuning']['size'] == \
-            triton_kernels.TUNED_KEYS
+        tuning._tuner = triton_kernels._bounded(autotuned)
+        assert isinstance(autotuned.cache, shape_caches.BoundedDict)
+        for n in (1, 2, 3, 4, 5, 5, 4):
+            autotuned.run(n)
+        assert launched[-1] == ((4, ), 1)
+        assert shape_caches.shape_caches()['test.tuning'] == dict(
+            size=3, bound=3, unit='entries')
+        assert len(timed) == 2 * 5  # keys 1-5 tuned once each
+        autotuned.run(1)  # dropped (least recently used): tuned again
+        assert len(timed) == 2 * 6 and len(autotuned.cache) == 3
         tuning.forget()
         assert tuning.tuned_keys() == 0
     finally:
