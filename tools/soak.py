@@ -19,7 +19,6 @@ import argparse
 import json
 import sys
 
-import torch
 from mmengine.utils import ProgressBar
 
 from mmseg_gf.analysis.soak import random_shapes, soak, soak_config, \
@@ -46,7 +45,8 @@ def parse_args(argv=None):
     parser.add_argument('--batch', type=int, default=1)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--threads', type=int, default=None,
-                        help='torch CPU threads (default: torch\'s choice)')
+                        help='torch CPU threads during the runs (default: '
+                        'torch\'s choice; 1 on a shared CPU)')
     parser.add_argument('--out', default=None,
                         help='write PREFIX.json and PREFIX.md')
     return parser.parse_args(argv)
@@ -54,8 +54,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     shapes = random_shapes(args.shapes, args.base, seed=args.seed)
     results = {}
     for name in args.models:
@@ -63,7 +61,7 @@ def main(argv=None) -> int:
         bar = ProgressBar(args.iters)
         results[name] = soak(soak_config(name, args.config), args.iters,
                              shapes, args.interval, args.batch, args.seed,
-                             progress=bar.update)
+                             progress=bar.update, threads=args.threads)
         print()
     command = 'python tools/soak.py ' + ' '.join(
         sys.argv[1:] if argv is None else argv)

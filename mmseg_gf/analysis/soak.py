@@ -110,11 +110,17 @@ def _quarter_means(records: List[Tuple[int, int]]) -> List[float]:
 
 def soak(cfg: Config, iters: int = 1000, shapes: Sequence = (),
          interval: int = 10, batch: int = 1, seed: int = 0,
-         progress: Optional[Callable[[], None]] = None) -> Dict:
+         progress: Optional[Callable[[], None]] = None,
+         threads: Optional[int] = None) -> Dict:
     """Train ``cfg``'s segmentor ``iters`` steps (SGD, as mmengine's
     OptimWrapper: backward, step, gradients freed), step ``i`` on a random
     batch of ``batch`` images of a size drawn from ``shapes``; ``VmRSS``
     after every ``interval`` steps; ``progress()`` after each step.
+
+    ``threads``: torch's CPU threads during the run (None: as set), put
+    back afterwards. On a CPU shared with other work, one thread runs
+    these tiny maps far faster than two (each parallel region waits for
+    a thread the scheduler has given to another process).
 
     Returns:
         ``model``, ``iters``, ``shapes`` (distinct sizes trained), the
@@ -128,6 +134,17 @@ def soak(cfg: Config, iters: int = 1000, shapes: Sequence = (),
         raise ValueError(f'a soak needs shapes and at least 4 records: '
                          f'iters {iters} >= 4 x interval {interval}')
     shapes = [tuple(int(v) for v in s) for s in shapes]
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _soak(cfg, iters, shapes, interval, batch, seed, progress)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _soak(cfg, iters, shapes, interval, batch, seed, progress) -> Dict:
+    """:func:`soak`'s run, its arguments checked."""
     torch.manual_seed(seed)
     model = build_segmentor(copy.deepcopy(cfg), input_size=shapes[0])
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,8 +1,9 @@
 """The soak run, small: 40 steps of the shrunk Segformer-B0 on 8 input
-sizes; resident memory does not grow and every shape cache stays within
-its bound (the 1,000-step run over two models: tools/soak.py,
-docs/benchmarks/soak_cpu.md)."""
+sizes, one torch thread (a few seconds); resident memory does not grow and
+every shape cache stays within its bound (the 1,000-step run over two
+models: tools/soak.py, docs/benchmarks/soak_cpu.md)."""
 import pytest
+import torch
 
 from mmseg_gf.analysis.soak import (RSS_TOLERANCE, random_shapes, soak,
                                     soak_config, soak_table)
@@ -22,11 +23,12 @@ def test_unknown_model_is_refused():
         soak_config('unet')
 
 
-@pytest.mark.soak
 def test_small_soak_keeps_memory_flat_and_caches_bounded():
     shapes = random_shapes(8, (40, 40))
+    threads = torch.get_num_threads()
     result = soak(soak_config('segformer_b0'), iters=40, shapes=shapes,
-                  interval=5)
+                  interval=5, threads=1)
+    assert result['threads'] == 1 and torch.get_num_threads() == threads
     assert result["shapes"] == 8 and len(result["rss"]) == 8
     assert result['growth'] <= RSS_TOLERANCE, result['quarters_mib']
     assert result['over_bound'] == {}
