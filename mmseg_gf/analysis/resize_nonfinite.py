@@ -6,7 +6,7 @@ the input gradient (a GEMM multiplies the zero weights too), where torch's
 kernel reaches only the up to four input pixels each output pixel reads.
 Without a host sync the route cannot be chosen per call, so any fix runs
 on every call. This times, on the CPU (the GEMM route as on CUDA, inside
-:func:`~mmseg_gf.ops.device_path.as_on_cuda`), per resize backward:
+:func:`~mmseg_gf.ops.backend.device_path.as_on_cuda`), per resize backward:
 
 * ``gemm``: the route as it is;
 * ``gemm_flag``: plus a device-side ``isfinite(g).all()`` (one read of
@@ -24,8 +24,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..ops import bilinear_gemm
-from ..ops.device_path import as_on_cuda
+from ..ops.backend.device_path import as_on_cuda
+from ..ops.resize import gemm as bilinear_gemm
 from .hardware import cpu_model
 
 __all__ = ['CASES', 'VARIANTS', 'local_nonfinite_backward', 'measure',
