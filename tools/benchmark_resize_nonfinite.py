@@ -1,10 +1,10 @@
 """Time the bilinear GEMM resize's backward with and without keeping a
-non-finite gradient value local (the choice bilinear_gemm's docstring
+non-finite gradient value local (the choice ops.resize.gemm's docstring
 states), against torch's kernel.
 
 Example (the figures of docs/benchmarks/resize_nonfinite_cpu.md)::
 
-    python tools/benchmark_resize_nonfinite.py --threads 2 --repeats 9 \
+    python tools/benchmark_resize_nonfinite.py --threads 1 --repeats 9 \
         --out docs/benchmarks/resize_nonfinite_cpu
 
 Runs the GEMM route on the CPU as it runs on CUDA (``as_on_cuda``);

@@ -38,9 +38,9 @@ therefore marks the plane, not the pixel: set ``MMSEG_GF_RESIZE_GEMM=0``
 to find the pixel with torch's kernels. The route is kept for them on
 purpose: it cannot be chosen per call without a host sync, and keeping
 the values local on every call (zeroing them for the GEMMs, torch's
-kernel for them alone) cost up to about 5 times the GEMMs' time in the
-CPU runs of ``docs/benchmarks/resize_nonfinite_cpu.md``, for a run that
-has already failed.
+kernel for them alone) cost 3 to 36 times the GEMMs' time in the CPU
+runs of ``docs/benchmarks/resize_nonfinite_cpu.md``, for a run that has
+already failed.
 
 Taken by :mod:`.resize` and :mod:`.resized_loss` on CUDA tensors of float32
 or float64 while ``MMSEG_GF_RESIZE_GEMM`` is on (:mod:`.switches`);
