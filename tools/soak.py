@@ -5,7 +5,7 @@ shape caches within their bounds?
 Example (the figures of docs/benchmarks/soak_cpu.md)::
 
     python tools/soak.py --models pspnet_r18 segformer_b0 --iters 1000 \
-        --shapes 50 --threads 2 --out docs/benchmarks/soak_cpu
+        --shapes 50 --base 48 48 --threads 1 --out docs/benchmarks/soak_cpu
 
 ``pspnet_r18`` trains the demo's config (``--config``), ``segformer_b0``
 mmseg's Segformer-B0 shrunk (:func:`mmseg_gf.analysis.soak.soak_config`).
