@@ -129,10 +129,18 @@ def soak(cfg: Config, iters: int = 1000, shapes: Sequence = (),
         ``flat`` (growth within :data:`RSS_TOLERANCE`), ``caches``
         (:func:`shape_caches` at the end), ``over_bound`` (those above
         their bound), ``seconds``, ``cpu``, ``threads``.
+
+    Raises:
+        ValueError: no shapes, or fewer than 4 records (``iters <
+            4 * interval``).
+        RuntimeError: no ``/proc/self/status`` to read ``VmRSS`` from.
     """
     if iters < 4 * interval or not shapes:
         raise ValueError(f'a soak needs shapes and at least 4 records: '
                          f'iters {iters} >= 4 x interval {interval}')
+    if vm_rss_bytes() is None:
+        raise RuntimeError('a soak reads VmRSS from /proc/self/status, '
+                           'which this system does not have (Linux only)')
     shapes = [tuple(int(v) for v in s) for s in shapes]
     previous = torch.get_num_threads()
     if threads is not None:

@@ -2,9 +2,12 @@
 sizes, one torch thread (a few seconds); resident memory does not grow and
 every shape cache stays within its bound (the 1,000-step run over two
 models: tools/soak.py, docs/benchmarks/soak_cpu.md)."""
+import os
+
 import pytest
 import torch
 
+from mmseg_gf.analysis import soak as soak_module
 from mmseg_gf.analysis.soak import (RSS_TOLERANCE, random_shapes, soak,
                                     soak_config, soak_table)
 from mmseg_gf.ops.backend import shape_caches
@@ -23,6 +26,19 @@ def test_unknown_model_is_refused():
         soak_config('unet')
 
 
+def test_bad_arguments_and_no_vm_rss_are_refused(monkeypatch):
+    cfg = soak_config('segformer_b0')
+    with pytest.raises(ValueError, match='at least 4 records'):
+        soak(cfg, iters=30, shapes=[(32, 32)], interval=10)
+    with pytest.raises(ValueError, match='needs shapes'):
+        soak(cfg, iters=40, shapes=[], interval=10)
+    monkeypatch.setattr(soak_module, 'vm_rss_bytes', lambda: None)
+    with pytest.raises(RuntimeError, match='VmRSS'):
+        soak(cfg, iters=40, shapes=[(32, 32)], interval=10)
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'),
+                    reason='VmRSS is read from /proc (Linux)')
 def test_small_soak_keeps_memory_flat_and_caches_bounded():
     shapes = random_shapes(8, (40, 40))
     threads = torch.get_num_threads()
