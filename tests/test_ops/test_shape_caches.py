@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from mmseg_gf.ops.backend import shape_caches
+from mmseg_gf.ops.backend import native, shape_caches
 from mmseg_gf.ops.resize import gemm as bilinear_gemm
 from mmseg_gf.ops.backend.shape_caches import BoundedDict
 
@@ -135,3 +135,17 @@ def test_no_unbounded_memo_in_the_package():
              for path in sorted(PACKAGE.rglob('*.py'))
              for m in _UNBOUNDED.finditer(path.read_text())]
     assert not found, found
+
+
+def test_output_pool_reports_the_limit_it_holds():
+    if not native.built():
+        pytest.skip('the CPU kernels (mmseg_gf/_patch_ops) are not built')
+    previous = native.recycle_limit(5 << 20)
+    try:
+        entry = shape_caches.shape_caches()['native.recycled_outputs']
+        assert entry['bound'] == 5 << 20 and entry['unit'] == 'bytes'
+        assert entry['size'] <= 5 << 20
+        assert native.current_recycle_limit() == 5 << 20
+    finally:
+        native.recycle_limit(previous)
+    assert native.current_recycle_limit() == previous
