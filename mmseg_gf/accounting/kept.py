@@ -20,7 +20,7 @@ plain frozen conv           its input, as an exact conv (autograd's
                             convolution keeps it for ``g_W`` either way);
                             other padding modes are not modelled
 lean frozen linear          nothing (``g_x = g W``)
-lean frozen norm            ``C`` float32 scales
+lean frozen norm            ``C`` float32 scales (float64 in a float64 norm)
 lean ReLU/ReLU6/LeakyReLU,  1 bit per element, ``ceil(N*C*H*W / 8)`` bytes
 Hardsigmoid/HSigmoid,       (a frozen PReLU's slope is its Parameter)
 frozen PReLU
@@ -302,7 +302,7 @@ def kind_rule(module: nn.Module) -> Optional[Callable]:
     return rule
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)  # keyed on the layer kinds' rule names
 def _named_rule(name: str) -> Callable:
     module, _, function = name.partition(':')
     return getattr(importlib.import_module(module), function)
@@ -333,7 +333,9 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
     if kind == 'norm' and not trained and not module.training:
         if triton_norm.usable(x):  # keeps nothing: the factor is recomputed
             return None
-        return SavedItem(path, 'norm', x.shape[1], 4, 'const')
+        # float32 scales; float64 ones for a float64 norm (ops.lean)
+        wide = module.running_var.dtype == x.dtype == torch.float64
+        return SavedItem(path, 'norm', x.shape[1], 8 if wide else 4, 'const')
     if kind == 'activation' and not trained and not (
             getattr(module, 'inplace', False) and x._is_view()):
         # (in place on a view, the plain module runs: measured)

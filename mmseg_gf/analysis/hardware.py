@@ -6,7 +6,8 @@ from typing import Optional
 
 from ..engine.train_log import peak_resident_bytes
 
-__all__ = ['cpu_model', 'resident_bytes', 'peak_resident_bytes']
+__all__ = ['cpu_model', 'resident_bytes', 'vm_rss_bytes',
+           'peak_resident_bytes']
 
 
 def cpu_model() -> str:
@@ -30,3 +31,16 @@ def resident_bytes() -> Optional[int]:
     except (OSError, ValueError, IndexError):
         return None
     return pages * os.sysconf('SC_PAGE_SIZE')
+
+
+def vm_rss_bytes() -> Optional[int]:
+    """The process's resident memory now as ``/proc/self/status`` states
+    it (``VmRSS``, Linux; None elsewhere)."""
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmRSS:'):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -161,10 +161,15 @@ class _LeanFrozenNorm:
             return lean_or_plain(self, lambda: FrozenBatchNormFunction.apply(
                 x, self.running_var, self.weight, float(self.eps), plain),
                 lambda: plain(x))
-        var = self.running_var.float()
-        scale = torch.rsqrt(var + self.eps)
+        # the factor in the accumulation dtype: float32, float64 for a
+        # float64 norm (whose backward is then batch norm's own two products)
+        acc = torch.promote_types(self.running_var.dtype, torch.float32)
+        scale = torch.rsqrt(self.running_var.to(acc) + self.eps)
+        if acc == torch.float64 and x.dtype == torch.float64:
+            return lean_or_plain(self, lambda: FrozenAffineNormFunction.apply(
+                x, scale, plain, self.weight), lambda: plain(x))
         if self.weight is not None:
-            scale = scale * self.weight.detach().float()
+            scale = scale * self.weight.detach().to(acc)
         return lean_or_plain(
             self, lambda: FrozenAffineNormFunction.apply(x, scale, plain),
             lambda: plain(x))

@@ -344,7 +344,7 @@ class _LeanDropPath:
         return BitMaskDropPathFunction.apply(x, float(self.drop_prob))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=16)  # keyed on the names in _mixins
 def _optional(module: str, name: str) -> Optional[type]:
     """``module.name`` where that package is installed, else None."""
     try:
@@ -353,7 +353,7 @@ def _optional(module: str, name: str) -> Optional[type]:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1)
 def _mixins() -> Tuple[Tuple[type, type, str], ...]:
     """``(plain class, mixin, kind)``, most specific first; subclasses of a
     plain class get its mixin (MiT's and Twins' attentions subclass

@@ -158,3 +158,29 @@ def test_resize_function_takes_the_products(size, resize, route,
     assert calls == ['resize', 'resize_backward']
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize('value', [float('nan'), float('inf'),
+                                   -float('inf')])
+@pytest.mark.parametrize('size, resize', RESIZES)
+def test_a_non_finite_gradient_value_fills_its_plane(size, resize, value):
+    """The stated difference from torch's kernel (module docstring): a
+    non-finite value in one image-channel plane of the gradient makes that
+    plane's whole input gradient non-finite (torch's: the input pixels the
+    value's output pixel reads); every other plane is torch's."""
+    x = torch.randn((2, 3) + size, dtype=torch.float64)
+    y = F.interpolate(x, mode='bilinear', **resize)
+    grad = torch.randn(y.shape, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(sum(size))
+    i = int(torch.randint(y.shape[2], (1, ), generator=gen))
+    j = int(torch.randint(y.shape[3], (1, ), generator=gen))
+    grad[1, 2, i, j] = value
+    want = _reference(x, lambda out: grad, resize)[1]
+    got = bilinear_gemm.resize_backward(grad, size, resize['align_corners'],
+                                        _scales(resize))
+    bad_torch, bad_gemm = ~want.isfinite(), ~got.isfinite()
+    assert bad_torch.any() and (bad_gemm | ~bad_torch).all()
+    assert bad_gemm[1, 2].all() and bad_gemm.sum() == bad_gemm[1, 2].numel()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1, :2], want[1, :2], rtol=1e-12,
+                               atol=1e-12)

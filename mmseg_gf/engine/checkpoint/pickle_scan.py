@@ -119,7 +119,8 @@ def _itemsize(storage_type: Any) -> int:
     return 16
 
 
-@functools.lru_cache(maxsize=None)
+# keyed on names read from a file: bounded, whatever the file holds
+@functools.lru_cache(maxsize=64)
 def _storage_itemsize(path: str) -> int:
     module, _, name = path.rpartition('.')
     if module != 'torch':

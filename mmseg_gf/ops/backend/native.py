@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import switches
+from . import shape_caches, switches
 
 #: The compiled modules setup.py builds, each with what it makes faster.
 KERNELS = {
@@ -379,6 +379,15 @@ def recycle_limit(limit_bytes: int) -> int:
     return _kernels.recycle_limit(int(limit_bytes))
 
 
+def current_recycle_limit() -> int:
+    """The pool's limit in bytes, read by raising it for a moment (a larger
+    limit frees nothing; putting the old one back frees nothing either, as
+    the pool already holds no more than it)."""
+    previous = _kernels.recycle_limit(1 << 62)
+    _kernels.recycle_limit(previous)
+    return previous
+
+
 def recycled_bytes() -> int:
     """Bytes of freed large outputs kept for reuse right now."""
     return _kernels.recycled_bytes()
@@ -423,4 +432,11 @@ def _applier(setter, to_kernel=lambda value: value):
 switches.bind_applier('MMSEG_GF_RECYCLE_MB',
                       _applier(recycle_limit, lambda mib: mib << 20))
 switches.bind_applier('onednn_products', _applier(set_onednn_products))
+# blocks kept per byte size (a new shape, a new size), at most the
+# switch's MiB; least recently returned ones are freed first
+shape_caches.register(
+    'native.recycled_outputs',
+    lambda: 0 if _kernels is None else current_recycle_limit(),
+    lambda: 0 if _kernels is None else recycled_bytes(), unit='bytes',
+    clear=lambda: None if _kernels is None else release_recycled())
 switches.bind_applier('token_rows_avx512', _applier(set_token_rows_avx512))

@@ -41,7 +41,7 @@ import triton.language as tl
 import triton.testing
 from torch import Tensor
 
-from . import switches
+from . import shape_caches, switches
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
@@ -237,12 +237,31 @@ class Tuning:
     caller's fixed meta-parameters); under triton's interpreter they
     do not (timing interpreted runs would slow the tests and choose
     nothing a GPU would), except inside :meth:`using`: how the tests run
-    the autotuner, timed by the wall clock."""
+    the autotuner, timed by the wall clock.
 
-    def __init__(self, build: Callable) -> None:
+    The autotuner keeps one choice per key (the kernel's shape arguments:
+    one per layer and input size); here at most :data:`TUNED_KEYS`, least
+    recently used first out, listed as shape cache ``name`` (when
+    given)."""
+
+    def __init__(self, build: Callable, name: Optional[str] = None) -> None:
         self.build = build
         self._tuner = None
         self._override: List = []
+        if name is not None:
+            shape_caches.register(name, TUNED_KEYS, self.tuned_keys,
+                                  clear=self.forget)
+
+    def tuned_keys(self) -> int:
+        """How many tuned choices the built autotuner keeps."""
+        return len(getattr(self._tuner, 'cache', None) or ())
+
+    def forget(self) -> None:
+        """Drop the tuned choices (the next launch of a shape tunes
+        again)."""
+        cache = getattr(self._tuner, 'cache', None)
+        if cache is not None:
+            cache.clear()
 
     def tuner(self):
         """The autotuned launcher to take now, or None (fixed
@@ -254,7 +273,7 @@ class Tuning:
             return None
         if self._tuner is None:
             try:
-                self._tuner = self.build()
+                self._tuner = _bounded(self.build())
             except TypeError:  # a triton whose autotune takes no do_bench
                 self._tuner = False
         return self._tuner or None
@@ -268,6 +287,19 @@ class Tuning:
             yield tuner
         finally:
             self._override.pop()
+
+
+#: Tuned choices an autotuner keeps (:class:`Tuning`).
+TUNED_KEYS = 256
+
+
+def _bounded(tuner):
+    """``tuner`` (a ``triton.autotune`` wrapper) keeping at most
+    :data:`TUNED_KEYS` choices: its ``cache`` dict made a
+    :class:`~.shape_caches.BoundedDict`."""
+    if isinstance(getattr(tuner, 'cache', None), dict):
+        tuner.cache = shape_caches.BoundedDict(TUNED_KEYS, tuner.cache)
+    return tuner
 
 
 #: The warps ``triton.autotune`` times for :func:`_patch_reduce`, per
@@ -294,7 +326,7 @@ def tuned_reduce(configs=None, do_bench: Optional[Callable] = None):
 
 
 #: :func:`_patch_reduce`'s tuning.
-REDUCE_TUNING = Tuning(tuned_reduce)
+REDUCE_TUNING = Tuning(tuned_reduce, 'triton_kernels.reduce_tuning')
 
 
 def reduce_meta(rows: Patches, cols: Patches,

@@ -370,7 +370,7 @@ def tuned(configs=None, do_bench: Optional[Callable] = None):
 
 
 #: :func:`_products`' tuning.
-PRODUCTS_TUNING = Tuning(tuned)
+PRODUCTS_TUNING = Tuning(tuned, 'triton_products.products_tuning')
 
 
 def products(means: Tensor, pooled: Optional[Tensor],

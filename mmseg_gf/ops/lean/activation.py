@@ -25,8 +25,9 @@ __all__ = ['PiecewiseLinearActivationFunction', 'hardsigmoid_bits',
            'clamp_bits', 'HARDSIGMOID_SLOPE']
 
 #: torch's Hardsigmoid backward multiplies the passing gradient by this
-#: float (``1.0f / 6.0f`` in its kernel).
-HARDSIGMOID_SLOPE = 1.0 / 6.0
+#: float (``1.0f / 6.0f`` in its kernel, a float32 constant in every
+#: dtype: in float64 the gradient is ``g * 0.1666666716337204``).
+HARDSIGMOID_SLOPE = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()
 
 
 def hardsigmoid_bits(x: Tensor) -> Tensor:

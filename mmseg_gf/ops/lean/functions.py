@@ -48,27 +48,36 @@ class FrozenAffineNormFunction(Function):
 
     ``scale`` is the per-channel factor of the affine map the norm applies
     (``weight / sqrt(running_var + eps)`` for batch norm in eval mode); it is
-    the only tensor kept (``C`` elements).
+    the only tensor kept (``C`` elements). With ``factor`` (a second
+    per-channel tensor, referenced) the backward is ``g * scale * factor``,
+    two products in that order: batch norm's own backward kernel in eval
+    mode (``dy * invstd * w``), hence its gradient bit for bit where the
+    dtypes match (float64 models, where exactness is checked).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, scale: Tensor,
-                normalize: Callable[[Tensor], Tensor]) -> Tensor:
-        ctx.save_for_backward(scale)
+                normalize: Callable[[Tensor], Tensor],
+                factor: Optional[Tensor] = None) -> Tensor:
+        ctx.save_for_backward(scale, factor)
         return owned_output(normalize(x), x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        scale, = ctx.saved_tensors
+        scale, factor = ctx.saved_tensors
         shape = [1, -1] + [1] * (grad.dim() - 2)
         scale = scale.view(shape)
+        if factor is not None:
+            g_x = grad.to(scale.dtype) * scale * factor.view(shape)
+            return g_x.to(grad.dtype), None, None, None
         if grad.dtype != scale.dtype:
-            return (grad.to(scale.dtype) * scale).to(grad.dtype), None, None
+            return (grad.to(scale.dtype) * scale).to(grad.dtype), None, None, \
+                None
         if grad.is_contiguous() and not torch.is_grad_enabled():
             # written into recycled memory (no page faults of a fresh map)
             out = empty_for_writing(grad.shape, grad)
-            return torch.mul(grad, scale, out=out), None, None
-        return grad * scale, None, None
+            return torch.mul(grad, scale, out=out), None, None, None
+        return grad * scale, None, None, None
 
 
 class MaskedActivationFunction(Function):

@@ -25,22 +25,33 @@ map once and have ``~4 (H_in + W_out)`` flops per output pixel.
 Rounding: each output is the same weighted sum as torch's (the weights
 computed as its kernel computes them, in the accumulation dtype), summed
 in another order: equal within float32 rounding (float64 likewise),
-tested against ``F.interpolate`` and its autograd gradient. Not for a
-non-finite input: a GEMM multiplies every zero weight too, so an inf or
-NaN reaches its whole row and column of the output, where torch's kernel
-keeps it local (training has failed by then either way).
+tested against ``F.interpolate`` and its autograd gradient.
+
+Non-finite values: a GEMM multiplies every zero weight too (``0 * inf``
+and ``0 * NaN`` are NaN), so one inf or NaN in an image-channel plane makes
+that plane's whole output non-finite (mostly NaN), where torch's kernel
+reaches only the up to four pixels each output pixel reads (one NaN in a
+6x6 gradient of a 3x3 map: 9 of 9 input gradients NaN, torch's 4); every
+other plane is unaffected (``tests/test_ops/test_bilinear_gemm.py``,
+NaN / inf / -inf). A NaN seen in a loss or a gradient after such a resize
+therefore marks the plane, not the pixel: set ``MMSEG_GF_RESIZE_GEMM=0``
+to find the pixel with torch's kernels. The route is kept for them on
+purpose: it cannot be chosen per call without a host sync, and keeping
+the values local on every call (zeroing them for the GEMMs, torch's
+kernel for them alone) cost 3 to 36 times the GEMMs' time in the CPU
+runs of ``docs/benchmarks/resize_nonfinite_cpu.md``, for a run that has
+already failed.
 
 Taken by :mod:`.resize` and :mod:`.resized_loss` on CUDA tensors of float32
 or float64 while ``MMSEG_GF_RESIZE_GEMM`` is on (:mod:`.switches`);
 :func:`usable` says which.
 """
-from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..backend import switches
+from ..backend import shape_caches, switches
 from ..backend.device_path import acting_as_cuda
 
 __all__ = ['usable', 'interpolation_matrix', 'one_product', 'resize',
@@ -77,7 +88,14 @@ def _source_scale(in_size: int, out_size: int, align_corners: bool,
     return in_size / out_size
 
 
-@lru_cache(maxsize=64)
+#: Interpolation matrices kept (per size pair, dtype and device): a network
+#: resizes to a few sizes, a random-resize pipeline to a few per batch.
+MATRIX_CACHE_SIZE = 64
+#: Kronecker products kept (small sources only, at most 16 MiB each).
+KRONECKER_CACHE_SIZE = 32
+
+
+@shape_caches.lru('bilinear_gemm.matrix', MATRIX_CACHE_SIZE)
 def _matrix(out_size: int, in_size: int, align_corners: bool,
             scale: Optional[float], dtype: torch.dtype,
             device: torch.device) -> Tensor:
@@ -105,7 +123,8 @@ def interpolation_matrix(out_size: int, in_size: int, align_corners: bool,
     """The ``out_size x in_size`` matrix of one axis' bilinear weights
     (torch's source indices and weights; ``scale``: the scale factor a
     resize was given, as torch's kernel receives it, or None). Cached per
-    shape, dtype and device: a network resizes to a few sizes."""
+    shape, dtype and device (:data:`MATRIX_CACHE_SIZE` of them, least
+    recently used first out)."""
     return _matrix(int(out_size), int(in_size), bool(align_corners),
                    None if scale is None else float(scale), dtype,
                    torch.device(device))
@@ -121,7 +140,7 @@ def _matrices(out_hw: Sequence[int], in_hw: Sequence[int],
     return rows, cols
 
 
-@lru_cache(maxsize=32)
+@shape_caches.lru('bilinear_gemm.kronecker', KRONECKER_CACHE_SIZE)
 def _kronecker(out_hw: Tuple[int, int], in_hw: Tuple[int, int],
                align_corners: bool, scales, dtype: torch.dtype,
                device: torch.device) -> Tensor:
