@@ -17,8 +17,10 @@ step is its wall time less the time spent inside ATen operators (the
 outermost ``aten::`` events: their kernels, and on a GPU the launches
 they make). What remains is Python, autograd's engine and the module
 calls around the operators, the time a GPU step spends on the host
-between launches. Each figure is the median over ``steps`` profiled steps
-after ``warmup`` ones.
+between launches. Each step is cut into pieces (each outermost ATen
+operator, each gap between events) and each piece's median over ``steps``
+profiled steps (after ``warmup`` ones) is taken, then summed: on a shared
+machine, a preemption inflates a few pieces of one step, not the figure.
 
 Per kind (:func:`~mmseg_gf.accounting.launches.module_kind`, refined by
 the plain module's class for norms and activations, and mmcv's
@@ -203,8 +205,8 @@ _Piece = Tuple[str, str, Tuple[str, ...], bool, float]
 
 def _pieces(root, by_seq: Dict[int, Tuple[str, ...]]) -> List[_Piece]:
     """One step's profile tree as its pieces, in order: each outermost
-    ``aten::`` event whole (ATen time), each other event's own time (its
-    length less its children's: host time)."""
+    ``aten::`` event whole (ATen time), each gap of every other event
+    before, between and after its children (host time)."""
     out: List[_Piece] = []
 
     def chain_of(event, chain):
@@ -226,13 +228,18 @@ def _pieces(root, by_seq: Dict[int, Tuple[str, ...]]) -> List[_Piece]:
             out.append((event.name, phase, chain, True,
                         event.cpu_time_total))
             return
-        own = event.cpu_time_total - sum(c.cpu_time_total
-                                         for c in event.cpu_children)
-        out.append((event.name, phase, chain, False, own))
-        for child in event.cpu_children:
-            phase_of = (child.name[len(_PHASE):]
-                        if child.name.startswith(_PHASE) else phase)
-            walk(child, chain, phase_of)
+        # the gaps between the children, each a piece of its own
+        start = event.time_range.start
+        for i, child in enumerate(event.cpu_children + [None]):
+            end = event.time_range.end if child is None else \
+                child.time_range.start
+            out.append((f'{event.name}#{i}', phase, chain, False,
+                        max(0.0, end - start)))
+            if child is not None:
+                phase_of = (child.name[len(_PHASE):]
+                            if child.name.startswith(_PHASE) else phase)
+                walk(child, chain, phase_of)
+                start = child.time_range.end
 
     walk(root, (), '')
     return out
@@ -244,7 +251,8 @@ def _medians(steps: List[List[_Piece]]) -> Tuple[List[_Piece], int]:
     deterministic, so all of them unless something ran once), and how
     many steps that is. A median per piece, not per step: a preemption
     of this process by another on a shared machine lands on a few pieces
-    of one step, which the medians drop."""
+    of one step, which the medians drop (the pieces are short: single
+    operators and the gaps between them)."""
     shapes = [tuple(p[0] for p in pieces) for pieces in steps]
     common = statistics.mode(shapes)
     chosen = [pieces for pieces, shape in zip(steps, shapes)
@@ -272,8 +280,8 @@ def _totals(pieces: Sequence[_Piece]) -> Dict:
             total['wall_us'] += us
         for kind in chain:
             kinds[kind][key] += us
-        if name.startswith(_SCOPE):
-            kinds[name[len(_SCOPE):]]['calls'] += 1
+        if name.startswith(_SCOPE) and name.endswith('#0'):
+            kinds[name[len(_SCOPE):-2]]['calls'] += 1
     return dict(step=step, phases=dict(phases), kinds=dict(kinds))
 
 
