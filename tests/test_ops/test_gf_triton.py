@@ -170,7 +170,7 @@ _FLOATS = ('scale', 'off_scale', 'eps', 'lo', 'hi')
 
 
 def _kernel_and_meta(name, geometry):
-    from mmseg_gf.ops.bit_mask.masks import kernels as triton_bit_mask_kernels
+    from mmseg_gf.ops.bit_mask import kernels as triton_bit_mask_kernels
     from mmseg_gf.ops.conv_block import kernels as triton_conv_block_kernels
     from mmseg_gf.ops.backend import triton_kernels
     from mmseg_gf.ops.conv import products_kernels as triton_products
