@@ -12,7 +12,7 @@ both against a float64 reference, and its CUDA variants take this path.
 import pytest
 import torch
 
-from mmseg_gf.ops.resized_loss.loss import (loss as resized_loss,
+from mmseg_gf.ops.resized_loss import (loss as resized_loss,
                                        kernels as triton_loss_kernels)
 from mmseg_gf.ops.resized_loss.loss import accuracy, resized_cross_entropy
 from tests.helpers.triton_runs import case_device, pytorch_path
