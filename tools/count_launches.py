@@ -16,6 +16,9 @@ Examples::
     python tools/count_launches.py --families bisenetv2 segformer_b0 swin_t \
         --rows gf_last20_r4:lean vanilla_last20:plain --input-size 64
     python tools/count_launches.py my_config.py --offline --batch 2
+    # host time outside ATen per step and per kind (torch.profiler)
+    python tools/count_launches.py --models pspnet_r18 --host-time \
+        --input-size 32 --threads 1 --steps 30
     # on a GPU: the kernels each step launches there, recorded
     python tools/count_launches.py --models pspnet_r18 --device cuda \
         --rows gf_last10_r4:lean vanilla_last10:plain
@@ -38,6 +41,7 @@ from typing import List, Optional  # noqa: E402
 import torch  # noqa: E402
 
 import mmseg_gf  # noqa: F401,E402  (registers the plugin's modules)
+from mmseg_gf.analysis.host_time import run_host_jobs  # noqa: E402
 from mmseg_gf.analysis.launch_count import run_jobs  # noqa: E402
 from mmseg_gf.analysis.step_benchmark import (parse_row,  # noqa: E402
                                               row_settings, split_compiled)
@@ -79,6 +83,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="'cuda': run each step on the GPU and record the "
                    'kernels it launches (torch.profiler), the measurement '
                    'the CPU count predicts')
+    p.add_argument('--host-time', action='store_true',
+                   help='measure the host time outside ATen per step and '
+                   'per kind (torch.profiler; mmseg_gf/analysis/'
+                   'host_time.py) instead of counting launches; writes '
+                   'host_time.json and host_time.md')
+    p.add_argument('--steps', type=int, default=20,
+                   help='--host-time: profiled steps per row (medians)')
+    p.add_argument('--warmup', type=int, default=3,
+                   help='--host-time: unprofiled steps first')
     p.add_argument('--threads', type=int, default=None)
     p.add_argument('--out-dir', default='work_dirs/benchmarks/launches')
     args = p.parse_args(argv)
@@ -108,6 +121,11 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error('--input-size: H [W], positive')
     if args.batch < 1:
         p.error('--batch: at least 1')
+    if args.steps < 1 or args.warmup < 0:
+        p.error('--steps: at least 1; --warmup: at least 0')
+    if args.host_time and (args.device != 'cpu' or args.run_kernels):
+        p.error('--host-time: measured on the CPU with the Triton launches '
+                'stubbed (no --device cuda, no --run-kernels)')
     if args.device == 'cuda' and not torch.cuda.is_available():
         p.error('--device cuda: no CUDA GPU is available to this torch '
                 f'({torch.__version__})')
@@ -122,6 +140,9 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         torch.set_num_threads(args.threads)
     jobs = config_jobs(args) + family_jobs(args) + step_jobs(
         args.models, args.dataset, args.rows, args.crop, args.cfg_options)
+    if args.host_time:
+        return run_host_jobs(jobs, args.batch, args.out_dir, args.steps,
+                             args.warmup, triton=args.triton)
     return run_jobs(jobs, args.batch, args.out_dir, triton=args.triton,
                     run_kernels=args.run_kernels, device=args.device)
 

@@ -81,6 +81,7 @@ from ..patching import Hooks, overridden
 
 __all__ = ['PHASES', 'KINDS', 'NO_KERNEL', 'Launch', 'LaunchCount',
            'LaunchCounter', 'module_kind', 'cuda_path', 'counting',
+           'kernel_outputs',
            'count_step']
 
 PHASES = ('forward', 'backward', 'optimizer')
@@ -444,7 +445,7 @@ def _counting_triton(counter: LaunchCounter) -> Iterator[None]:
     interpreted, compiled = GridExecutor.__call__, JITFunction.run
 
     def _launch(fn, arg_names, args, kwargs, run):
-        written = _kernel_outputs(fn)
+        written = kernel_outputs(fn)
         named = dict(zip(arg_names, args), **kwargs)
         tensors = {k: v for k, v in named.items() if isinstance(v, Tensor)}
         return counter.triton_launch(
@@ -470,7 +471,9 @@ def _counting_triton(counter: LaunchCounter) -> Iterator[None]:
         GridExecutor.__call__, JITFunction.run = interpreted, compiled
 
 
-def _kernel_outputs(fn) -> Tuple[str, ...]:
+def kernel_outputs(fn) -> Tuple[str, ...]:
+    """The arguments the Triton kernel ``fn`` writes, from its module's
+    ``KERNEL_OUTPUTS`` (refused where the module names none)."""
     table = getattr(sys.modules.get(fn.__module__), 'KERNEL_OUTPUTS', {})
     if fn.__name__ not in table:
         raise RuntimeError(

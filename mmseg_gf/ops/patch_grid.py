@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import native
+from .backend import native, shape_caches
 
 IntPair = Union[int, Tuple[int, int]]
 
@@ -228,16 +228,30 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
 def conv_geometry(x: Tensor, weight: Tensor, stride: Tuple[int, int],
                   padding: Tuple[int, int], dilation: Tuple[int, int],
                   radius: int) -> Tuple[AxisGeometry, AxisGeometry]:
-    """The patch geometry of ``F.conv2d(x, weight, ...)`` along H and W."""
-    geometry = []
-    for axis in (0, 1):
-        size, kernel = x.shape[2 + axis], weight.shape[2 + axis]
-        out = (size + 2 * padding[axis] - dilation[axis] *
-               (kernel - 1) - 1) // stride[axis] + 1
-        geometry.append(
-            AxisGeometry.of(size, out, kernel, stride[axis], padding[axis],
-                            dilation[axis], radius))
-    return geometry[0], geometry[1]
+    """The patch geometry of ``F.conv2d(x, weight, ...)`` along H and W
+    (each axis computed once per sizes and hyper-parameters: the frozen
+    :class:`AxisGeometry` objects are shared; under ``torch.compile``,
+    whose sizes may be symbolic, computed afresh)."""
+    axis = (_axis_geometry.__wrapped__ if torch.compiler.is_compiling()
+            else _axis_geometry)
+    return (axis(x.shape[2], weight.shape[2], stride[0], padding[0],
+                 dilation[0], radius),
+            axis(x.shape[3], weight.shape[3], stride[1], padding[1],
+                 dilation[1], radius))
+
+
+#: Axes whose geometry is kept (``shape_caches.lru``): a model has a few
+#: dozen distinct (size, kernel, stride, padding, dilation, r) per input
+#: size.
+_GEOMETRY_CACHED = 1024
+
+
+@shape_caches.lru('patch_grid.axis_geometry', _GEOMETRY_CACHED)
+def _axis_geometry(size: int, kernel: int, stride: int, padding: int,
+                   dilation: int, radius: int) -> AxisGeometry:
+    out = (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+    return AxisGeometry.of(size, out, kernel, stride, padding, dilation,
+                           radius)
 
 
 def collapsed_patches(x: Tensor, weight: Tensor, stride: Tuple[int, int],

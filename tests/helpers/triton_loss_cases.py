@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmseg_gf.ops.resized_loss import (loss as resized_loss,
-                                            kernels as triton_loss_kernels)
+                                       kernels as triton_loss_kernels)
 from mmseg_gf.ops.resized_loss.loss import accuracy, resized_cross_entropy
 from tests.helpers.triton_runs import case_device, pytorch_path
 from tests.helpers.triton_bit_mask_cases import _count

@@ -224,7 +224,7 @@ def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
         # reads the weight at the strides the graph keeps it in (Inductor
         # lays out conv weights channels-last; the operator would take a
         # contiguous copy of the whole weight first)
-        kernel = (weight if weight[0, 0].numel() == 1 else
+        kernel = (weight if weight.shape[2] * weight.shape[3] == 1 else
                   weight.sum(dim=(2, 3), keepdim=True))
         grads = _collapsed_backward_op(
             grad_output, input_pooled, kernel, groups, scale,

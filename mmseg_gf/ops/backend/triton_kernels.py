@@ -33,7 +33,8 @@ compiled (CUDA tensors) or in triton's interpreter (CPU tensors, for tests)
 is fixed when this module is imported, by ``TRITON_INTERPRET``.
 """
 import contextlib
-from typing import Callable, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch
 import triton
@@ -42,6 +43,7 @@ import triton.testing
 from torch import Tensor
 
 from . import shape_caches, switches
+from .launch_geometry import cdiv, next_power_of_2
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
@@ -49,6 +51,9 @@ Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 # for coalesced 128-byte rows, small enough for many programs on small maps.
 _REDUCE_TILE = 1024
 _SPREAD_TILE = 1024
+#: Layer shapes whose launch tiles are kept (``shape_caches.lru``): a
+#: model has a few dozen distinct ones per input size.
+_SHAPES_CACHED = 512
 
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
@@ -330,23 +335,33 @@ REDUCE_TUNING = Tuning(tuned_reduce, 'triton_kernels.reduce_tuning')
 
 
 def reduce_meta(rows: Patches, cols: Patches,
-                channels_fast: bool = False) -> dict:
+                channels_fast: bool = False) -> Mapping:
     """Tile sizes and program order of :func:`_patch_reduce` for these
-    patches (``channels_fast``: a channels-last source)."""
-    row_size = triton.next_power_of_2(rows[1])
-    col_size = triton.next_power_of_2(cols[1])
-    block_p = max(1, min(triton.next_power_of_2(cols[2]),
+    patches (``channels_fast``: a channels-last source); computed once per
+    argument set (read-only)."""
+    return _reduce_meta(tuple(rows), tuple(cols), bool(channels_fast))
+
+
+@shape_caches.lru('triton.reduce_meta', _SHAPES_CACHED)
+def _reduce_meta(rows: Patches, cols: Patches,
+                 channels_fast: bool) -> Mapping:
+    row_size = next_power_of_2(rows[1])
+    col_size = next_power_of_2(cols[1])
+    block_p = max(1, min(next_power_of_2(cols[2]),
                          _REDUCE_TILE // (row_size * col_size)))
-    return dict(ROW_SIZE=row_size, COL_SIZE=col_size, BLOCK_P=block_p,
-                CHANNELS_FAST=bool(channels_fast))
+    return MappingProxyType(dict(
+        ROW_SIZE=row_size, COL_SIZE=col_size, BLOCK_P=block_p,
+        CHANNELS_FAST=bool(channels_fast)))
 
 
-def spread_meta(height: int, width: int) -> dict:
-    """Tile sizes of :func:`_spread` for a ``height x width`` map."""
-    block_w = min(triton.next_power_of_2(width), 128)
-    block_h = max(1, min(triton.next_power_of_2(height),
+@shape_caches.lru('triton.spread_meta', _SHAPES_CACHED)
+def spread_meta(height: int, width: int) -> Mapping:
+    """Tile sizes of :func:`_spread` for a ``height x width`` map, computed
+    once per size (read-only)."""
+    block_w = min(next_power_of_2(width), 128)
+    block_h = max(1, min(next_power_of_2(height),
                          _SPREAD_TILE // block_w))
-    return dict(BLOCK_H=block_h, BLOCK_W=block_w)
+    return MappingProxyType(dict(BLOCK_H=block_h, BLOCK_W=block_w))
 
 
 def radius_patches(size: int, radius: int) -> Patches:
@@ -372,7 +387,7 @@ def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
         weight, tap_sums = taps
         pairs = tap_sums.numel()
         tap_args = (weight, tap_sums, pairs, weight.numel() // pairs)
-        tap_programs = triton.cdiv(pairs, _TAP_BLOCK.value)
+        tap_programs = cdiv(pairs, _TAP_BLOCK.value)
     tuner = REDUCE_TUNING.tuner()
     launcher = _patch_reduce if tuner is None else tuner
     launcher[(programs + tap_programs, )](
@@ -430,8 +445,8 @@ def spread(grid_nchw: Tensor, out: Tensor, rows: Patches,
     its patch in ``grid_nchw`` (any strides); 0 outside every patch."""
     n, c, height, width = out.shape
     meta = spread_meta(height, width)
-    launch = (n * c, triton.cdiv(height, meta['BLOCK_H']),
-              triton.cdiv(width, meta['BLOCK_W']))
+    launch = (n * c, cdiv(height, meta['BLOCK_H']),
+              cdiv(width, meta['BLOCK_W']))
     _spread[launch](grid_nchw, out, c, height, width, *grid_nchw.stride(),
                     *out.stride(), *rows, *cols, **meta, **LAUNCH_OPTIONS)
     return out

@@ -286,7 +286,7 @@ def collapsed_backward_from(grad: Tensor, prologue,
         # W~ of a k x k kernel, for the fused input product: summed in the
         # pass over g_y's launch (a 1 x 1 kernel is its own W~)
         taps = None
-        if fused and need_input and weight[0, 0].numel() > 1:
+        if fused and need_input and weight.shape[2] * weight.shape[3] > 1:
             taps = (weight.contiguous(),
                     grad.new_empty((co, ci_g), dtype=acc))
         means, partial = kernels.output_grad_means(grad, radius, scale, acc,
@@ -302,7 +302,8 @@ def collapsed_backward_from(grad: Tensor, prologue,
         grad_x, grad_w, grad_b = (_empty(grad) for _ in range(3))
         if need_bias:
             grad_b = partial.sum(dim=(0, 2))
-        cells = means[0].numel()  # N x ph x pw: the GEMMs' long axis
+        # N x ph x pw: the GEMMs' long axis
+        cells = means.shape[1] * means.shape[2] * means.shape[3]
         if need_weight:
             pooled = input_pooled.to(acc)
             if co_g == 1 and ci_g == 1:  # depthwise: one dot per channel

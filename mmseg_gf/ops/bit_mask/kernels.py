@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend.launch_geometry import cdiv
 from ..backend.triton_kernels import LAUNCH_OPTIONS
 
 #: ``act`` of :func:`pack`: no output (the bits only).
@@ -121,7 +122,7 @@ def _apply(g, bits, out, numel, off_scale, ZERO_OFF: tl.constexpr,
 
 
 def _programs(numel: int) -> tuple:
-    return (triton.cdiv(triton.cdiv(numel, 8), _BLOCK), )
+    return (cdiv(cdiv(numel, 8), _BLOCK), )
 
 
 def pack(x: Tensor, bits: Tensor, lo: float, hi: float, nan_bit: bool,
@@ -176,6 +177,6 @@ def apply_per_sample(grad: Tensor, bits: Tensor, keep_prob: float,
     # a launch count would see)
     scalar = float(np.float32(1.0) / np.float32(keep_prob)) \
         if reciprocal else float(keep_prob)
-    _apply_per_sample[(triton.cdiv(numel, _BLOCK * 8), )](
+    _apply_per_sample[(cdiv(numel, _BLOCK * 8), )](
         grad, bits, out, numel, numel // grad.shape[0], scalar,
         RECIPROCAL=reciprocal, BLOCK=_BLOCK * 8, **LAUNCH_OPTIONS)

@@ -37,13 +37,17 @@ shape).
 Importing this module imports ``triton`` (:mod:`.triton_path` does so
 lazily, as for :mod:`.triton_kernels`).
 """
-from typing import Callable, List, NamedTuple, Optional, Tuple
+import math
+from types import MappingProxyType
+from typing import Callable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import shape_caches
+from ..backend.launch_geometry import cdiv, next_power_of_2
 from ..backend.triton_kernels import (LAUNCH_OPTIONS, Patches, Tuning, _acc,
                                       timed_by_default)
 
@@ -263,7 +267,7 @@ def _input_tile(pid_row, pid_c, pid_p, o_base, c_base, means, kernel, out,
 
 
 def _tile(size: int, cap: int) -> int:
-    return max(_MIN_TILE, min(triton.next_power_of_2(max(size, 1)), cap))
+    return max(_MIN_TILE, min(next_power_of_2(max(size, 1)), cap))
 
 
 class Shape(NamedTuple):
@@ -287,26 +291,28 @@ def program_count(shape: Shape, tiles: dict) -> int:
     weight = 0
     if shape.weight_side:
         cols = (1 if shape.depthwise else
-                triton.cdiv(shape.in_channels, tiles['BLOCK_N']))
-        weight = (shape.groups * triton.cdiv(shape.out_channels,
+                cdiv(shape.in_channels, tiles['BLOCK_N']))
+        weight = (shape.groups * cdiv(shape.out_channels,
                                              tiles['BLOCK_M']) * cols)
     inputs = 0
     if shape.input_side:
         inputs = (shape.groups * shape.image_rows *
-                  triton.cdiv(shape.in_channels, tiles['BLOCK_C']) *
-                  triton.cdiv(shape.col_count, tiles['BLOCK_P']))
+                  cdiv(shape.in_channels, tiles['BLOCK_C']) *
+                  cdiv(shape.col_count, tiles['BLOCK_P']))
     return weight + inputs
 
 
-def fixed_tiles(shape: Shape) -> dict:
+@shape_caches.lru('triton.fixed_tiles', 512)
+def fixed_tiles(shape: Shape) -> Mapping:
     """The tiles of an untuned launch (the interpreter's, or with
     ``MMSEG_GF_AUTOTUNE=0``): each side's channels up to 64, ``pw`` up to
-    32, at least the 16 ``tl.dot`` needs."""
-    return dict(
+    32, at least the 16 ``tl.dot`` needs; computed once per shape (a model
+    has a few dozen; read-only)."""
+    return MappingProxyType(dict(
         BLOCK_M=_tile(shape.out_channels, 64),
         BLOCK_N=1 if shape.depthwise else _tile(shape.in_channels, 64),
         BLOCK_K=32, BLOCK_C=_tile(shape.in_channels, 64), BLOCK_O=32,
-        BLOCK_P=_tile(shape.col_count, 32))
+        BLOCK_P=_tile(shape.col_count, 32)))
 
 
 #: The tiles ``triton.autotune`` times on a GPU, per shape
@@ -343,7 +349,7 @@ def fits(configs, named_args: dict, **kwargs) -> list:
     layer's sizes by more than the smallest tile (32 channels, 16
     patches); at least the first config."""
     def bound(size: int, least: int) -> int:
-        return max(least, triton.next_power_of_2(max(int(size), 1)))
+        return max(least, next_power_of_2(max(int(size), 1)))
 
     co, ci = named_args['out_channels'], named_args['in_channels']
     cols = named_args['col_count']
@@ -412,8 +418,8 @@ def products(means: Tensor, pooled: Optional[Tensor],
     acc = means.dtype
     co = weight.shape[0]
     depthwise = groups > 1 and groups == co and weight.shape[1] == 1
-    taps = weight[0, 0].numel()
-    cells = means[0].numel()
+    taps = math.prod(weight.shape[2:])
+    cells = math.prod(means.shape[1:])
     grad_w = (torch.empty_like(weight, dtype=grad_dtype,
                                memory_format=torch.contiguous_format)
               if need_w else means.new_empty((0, )))
@@ -431,7 +437,7 @@ def products(means: Tensor, pooled: Optional[Tensor],
     else:
         n, _, height, width = out.shape
         image_rows, col_count = n * rows[2], cols[2]
-        col_size = triton.next_power_of_2(cols[1])
+        col_size = next_power_of_2(cols[1])
         kernel, dst = tap_sums, out
         geometry = (height, width, *means.stride()[:3],
                     *tap_sums.stride()[:2], *out.stride(), *rows, *cols)

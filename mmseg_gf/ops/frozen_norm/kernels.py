@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend.launch_geometry import cdiv, next_power_of_2
 from ..backend.triton_kernels import LAUNCH_OPTIONS
 
 # Elements per program. A heuristic, not tuned on a GPU.
@@ -55,7 +56,7 @@ def frozen_norm_backward(grad: Tensor, running_var: Tensor, weight, eps: float,
     the same memory order, ``inner`` elements per channel run in it: the
     product of the spatial sizes for NC..., 1 for channels-last)."""
     numel = grad.numel()
-    _frozen_norm_backward[(triton.cdiv(numel, _BLOCK), )](
+    _frozen_norm_backward[(cdiv(numel, _BLOCK), )](
         grad, running_var, running_var if weight is None else weight, out,
         numel, int(inner), grad.shape[1], float(eps),
         HAS_WEIGHT=weight is not None, BLOCK=_BLOCK, **LAUNCH_OPTIONS)
@@ -96,9 +97,9 @@ def frozen_layer_norm_backward(grad: Tensor, x: Tensor, rstd: Tensor,
     one value per row; ``weight`` ``dim`` values or None), the mean
     recomputed from ``x``."""
     rows = x.numel() // dim
-    block_d = triton.next_power_of_2(dim)
-    block_r = max(1, min(triton.next_power_of_2(rows), 4096 // block_d))
-    _frozen_layer_norm_backward[(triton.cdiv(rows, block_r), )](
+    block_d = next_power_of_2(dim)
+    block_r = max(1, min(next_power_of_2(rows), 4096 // block_d))
+    _frozen_layer_norm_backward[(cdiv(rows, block_r), )](
         grad, x, rstd, x if weight is None else weight, out, rows, dim,
         HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d,
         **LAUNCH_OPTIONS)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend.launch_geometry import cdiv, next_power_of_2
 from ..backend.triton_kernels import LAUNCH_OPTIONS, _acc, radius_patches
 
 #: The tensor arguments each kernel writes (the others it reads): the
@@ -84,8 +85,8 @@ def _token_patch_means(src, means, partial, height, width, channels,
 def token_meta(radius: int, channels: int) -> dict:
     """Tile sizes of :func:`_token_patch_means` for patches of ``radius``
     tokens and ``channels`` channels."""
-    side = triton.next_power_of_2(radius)
-    block = min(triton.next_power_of_2(channels), _MAX_CHANNELS,
+    side = next_power_of_2(radius)
+    block = min(next_power_of_2(channels), _MAX_CHANNELS,
                 max(1, _TILE // (side * side)))
     return dict(ROW_SIZE=side, COL_SIZE=side, BLOCK_CH=block)
 
@@ -109,7 +110,7 @@ def token_patch_means(rows: Tensor, radius: int, scale: float,
     # scaled afterwards, in float64 (as the conv's pass does).
     late = acc == torch.float64 and scale != 1.0
     meta = token_meta(radius, channels)
-    programs = grids * row_count * triton.cdiv(channels, meta['BLOCK_CH'])
+    programs = grids * row_count * cdiv(channels, meta['BLOCK_CH'])
     _token_patch_means[(programs, )](
         rows, means, partial, height, width, channels, rows.stride(0),
         rows.stride(1), rows.stride(2), radius, row_count, col_count, grids,

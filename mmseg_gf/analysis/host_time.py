@@ -1,0 +1,510 @@
+"""Host time of training steps, lean GF against vanilla-same-layers, on
+the path CUDA tensors take, measured on a CPU.
+
+On a GPU a step's kernels run asynchronously; what the host spends around
+them (Python, the autograd engine, the dispatcher's bookkeeping outside
+the operators) bounds the step once the kernels are short. Here that time
+is measured on CPU tensors taking CUDA's code paths
+(:func:`~mmseg_gf.accounting.launches.cuda_path`: compiled CPU kernels
+off, the host checks CUDA takes, the Triton path on under triton's
+interpreter), each Triton launch stubbed (:func:`stubbed_triton`: the
+arguments its kernel writes zeroed, one ATen op, as the launch count does
+without ``run_kernels``; triton's own launcher, a few microseconds of
+Python per launch on a GPU, is not in the figures).
+
+Method (torch.profiler, CPU events, one thread): the **host time** of a
+step is its wall time less the time spent inside ATen operators (the
+outermost ``aten::`` events: their kernels, and on a GPU the launches
+they make). What remains is Python, autograd's engine and the module
+calls around the operators, the time a GPU step spends on the host
+between launches. Each step is cut into pieces (each outermost ATen
+operator, each gap between events) and each piece's median over ``steps``
+profiled steps (after ``warmup`` ones) is taken, then summed: on a shared
+machine, a preemption inflates a few pieces of one step, not the figure.
+
+Per kind (:func:`~mmseg_gf.accounting.launches.module_kind`, refined by
+the plain module's class for norms and activations, and mmcv's
+``ConvModule`` with a norm and an activation as ``conv_block``): a second
+set of steps runs with forward hooks that open a profiler scope per call;
+a backward node belongs to the innermost call that created it (autograd
+sequence numbers, as the launch count attributes them). Each kind's host
+time per call, forward and backward, **including** the kinds called inside
+it, is compared with the same kind's in the vanilla row (a filtered conv
+with a plain conv, a filtered Linear with a plain Linear): the difference
+is the lean layer's Python overhead over its plain module. The hooks'
+own cost is outside the step figures (measured without them).
+"""
+import contextlib
+import os
+import os.path as osp
+import statistics
+import sys
+from collections import defaultdict
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..accounting.batch import random_batch, summed_losses
+from ..accounting.format import format_table
+from ..accounting.launches import kernel_outputs, module_kind
+from ..models.segmentor import set_frozen_norms_eval
+from ..engine.build import build_segmentor
+from ..engine.tool_args import write_json
+from ..ops.backend import switches, triton_path
+from ..ops.backend.device_path import as_on_cuda
+from ..patching import Hooks, plain_class
+from .step_benchmark import parse_row, same_layers_vanilla
+from .step_jobs import Job
+
+__all__ = ['TARGETS', 'stubbed_triton', 'host_path', 'training_step',
+           'host_times', 'host_time_model',
+           'compare', 'step_table', 'layer_table', 'run_host_jobs']
+
+#: Lean over vanilla-same-layers, at most: the step's host time (ratio);
+#: a lean layer's host time per call over its plain module's (us).
+TARGETS = dict(step=1.2, layer_us=25.0)
+
+_STEP = 'host_time::step'
+_PHASE = 'host_time::phase::'
+_SCOPE = 'host_time::kind::'
+_BACKWARD_FUNCTION = 1  # at::RecordScope::BACKWARD_FUNCTION
+_ENGINE = 'autograd::engine::evaluate_function'
+#: A lean kind's plain counterpart in the vanilla row.
+_PLAIN = {'filtered_conv': 'conv', 'filtered_linear': 'linear'}
+_BY_CLASS = ('norm', 'activation', 'dropout', 'pool')
+
+
+@contextlib.contextmanager
+def stubbed_triton() -> Iterator[None]:
+    """Each Triton launch under the interpreter zeroes the arguments its
+    kernel writes (its module's ``KERNEL_OUTPUTS``) instead of running:
+    the launch is stubbed at ``InterpretedFunction.run``, before the
+    interpreter's own set-up of a launch (which a GPU does not run)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # no triton: nothing launches one
+        yield
+        return
+    interpreted = InterpretedFunction.run
+
+    def launch(self, *args, grid, warmup, **kwargs):
+        if warmup:
+            return
+        named = dict(zip(self.arg_names, args), **kwargs)
+        for name in kernel_outputs(self.fn):
+            named[name].zero_()
+
+    InterpretedFunction.run = launch
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = interpreted
+
+
+@contextlib.contextmanager
+def host_path(triton: bool = True) -> Iterator[None]:
+    """CPU tensors take the code paths of CUDA tensors in the block, as in
+    :func:`~mmseg_gf.accounting.launches.cuda_path` (compiled CPU kernels
+    off, CUDA's side of the host checks, the Triton path under the
+    interpreter, its launches stubbed: :func:`stubbed_triton`) but without
+    its ``F.dropout`` substitution: that ``TorchFunctionMode`` sees every
+    torch call, host time a GPU step does not spend (the dropout then runs
+    the CPU's three operators instead of CUDA's one, ATen time).
+
+    Raises:
+        RuntimeError: ``triton=True`` without triton's interpreter.
+    """
+    if triton and not (triton_path.installed()
+                       and switches.value('TRITON_INTERPRET')):
+        raise RuntimeError(
+            'the host time of the Triton path on a CPU needs triton '
+            'installed and TRITON_INTERPRET=1 in the environment before '
+            'mmseg_gf is imported; or measure without it (triton=False)')
+    previous = triton_path.set_enabled(triton)
+    try:
+        with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
+                stubbed_triton():
+            yield
+    finally:
+        triton_path.set_enabled(previous)
+
+
+def _kind(module: nn.Module) -> Optional[str]:
+    """The key a module's calls go to (see the module docstring)."""
+    kind = module_kind(module)
+    if kind is None:
+        plain = plain_class(module)
+        if plain.__name__ == 'ConvModule' and getattr(
+                module, 'with_norm', False) and getattr(
+                    module, 'with_activation', False):
+            return 'conv_block'
+        return None
+    if kind in _BY_CLASS:
+        return f'{kind}:{plain_class(module).__name__}'
+    return kind
+
+
+class _Ranges:
+    """Each scoped call's autograd sequence numbers, by depth, so that a
+    backward node is given the kinds of the calls that created it
+    (outermost first)."""
+
+    def __init__(self) -> None:
+        self.stack: List[Tuple[str, int]] = []
+        self.ranges: List[Tuple[int, int, int, str]] = []
+
+    def enter(self, kind: str) -> None:
+        self.stack.append((kind, torch._C._autograd._get_sequence_nr()))
+
+    def exit(self) -> None:
+        kind, start = self.stack.pop()
+        end = torch._C._autograd._get_sequence_nr()
+        if end > start:
+            self.ranges.append((start, end, len(self.stack), kind))
+
+    def by_sequence(self) -> Dict[int, Tuple[str, ...]]:
+        out: Dict[int, Tuple[str, ...]] = {}
+        for start, end, _, kind in sorted(self.ranges, key=lambda r: r[2]):
+            for seq in range(start, end):
+                out[seq] = out.get(seq, ()) + (kind, )
+        return out
+
+
+@contextlib.contextmanager
+def _scoped(model: nn.Module, ranges: _Ranges) -> Iterator[None]:
+    """Every call of a kind's module in ``model`` is a profiler scope
+    ``host_time::kind::<kind>`` and a range of sequence numbers."""
+    kinds = {id(m): k for m in model.modules() for k in [_kind(m)] if k}
+    open_scopes: List[record_function] = []
+
+    def pre(module, args):
+        kind = kinds.get(id(module))
+        if kind is not None:
+            ranges.enter(kind)
+            scope = record_function(_SCOPE + kind)
+            scope.__enter__()
+            open_scopes.append(scope)
+
+    def post(module, args, output):
+        if id(module) in kinds:
+            open_scopes.pop().__exit__(None, None, None)
+            ranges.exit()
+
+    hooks = Hooks([nn.modules.module.register_module_forward_pre_hook(pre),
+                   nn.modules.module.register_module_forward_hook(post)])
+    with hooks.removed_after():
+        yield
+
+
+#: One timed piece of a step: its event's name, phase, kinds (outermost
+#: first), whether it is ATen time, and its microseconds.
+_Piece = Tuple[str, str, Tuple[str, ...], bool, float]
+
+
+def _pieces(root, by_seq: Dict[int, Tuple[str, ...]]) -> List[_Piece]:
+    """One step's profile tree as its pieces, in order: each outermost
+    ``aten::`` event whole (ATen time), each gap of every other event
+    before, between and after its children (host time)."""
+    out: List[_Piece] = []
+
+    def chain_of(event, chain):
+        name = event.name
+        if name.startswith(_SCOPE):
+            kind = name[len(_SCOPE):]
+            return chain + (kind, ) if kind not in chain else chain
+        if event.scope == _BACKWARD_FUNCTION and event.sequence_nr >= 0:
+            return by_seq.get(event.sequence_nr, ())
+        if name.startswith(_ENGINE):
+            for child in event.cpu_children:
+                if child.scope == _BACKWARD_FUNCTION:
+                    return by_seq.get(child.sequence_nr, ())
+        return chain
+
+    def walk(event, chain, phase):
+        chain = chain_of(event, chain)
+        if event.name.startswith('aten::'):
+            out.append((event.name, phase, chain, True,
+                        event.cpu_time_total))
+            return
+        # the gaps between the children, each a piece of its own
+        start = event.time_range.start
+        for i, child in enumerate(event.cpu_children + [None]):
+            end = event.time_range.end if child is None else \
+                child.time_range.start
+            out.append((f'{event.name}#{i}', phase, chain, False,
+                        max(0.0, end - start)))
+            if child is not None:
+                phase_of = (child.name[len(_PHASE):]
+                            if child.name.startswith(_PHASE) else phase)
+                walk(child, chain, phase_of)
+                start = child.time_range.end
+
+    walk(root, (), '')
+    return out
+
+
+def _medians(steps: List[List[_Piece]]) -> Tuple[List[_Piece], int]:
+    """Each piece's median time over the steps whose pieces are those of
+    the most common step (same events in the same order; a step is
+    deterministic, so all of them unless something ran once), and how
+    many steps that is. A median per piece, not per step: a preemption
+    of this process by another on a shared machine lands on a few pieces
+    of one step, which the medians drop (the pieces are short: single
+    operators and the gaps between them)."""
+    shapes = [tuple(p[0] for p in pieces) for pieces in steps]
+    common = statistics.mode(shapes)
+    chosen = [pieces for pieces, shape in zip(steps, shapes)
+              if shape == common]
+    merged = [(name, phase, chain, aten,
+               _median([pieces[i][4] for pieces in chosen]))
+              for i, (name, phase, chain, aten, _) in enumerate(chosen[0])]
+    return merged, len(chosen)
+
+
+def _totals(pieces: Sequence[_Piece]) -> Dict:
+    """The step's and each phase's ATen and host time (us, their sum the
+    wall time); per kind its calls (forward scopes) and its host and ATen
+    time, kinds called inside it included."""
+    def blank():
+        return dict(wall_us=0.0, aten_us=0.0, host_us=0.0)
+
+    step, phases = blank(), defaultdict(blank)
+    kinds: Dict[str, Dict[str, float]] = defaultdict(
+        lambda: dict(calls=0, host_us=0.0, aten_us=0.0))
+    for name, phase, chain, aten, us in pieces:
+        key = 'aten_us' if aten else 'host_us'
+        for total in (step, phases[phase]) if phase else (step, ):
+            total[key] += us
+            total['wall_us'] += us
+        for kind in chain:
+            kinds[kind][key] += us
+        if name.startswith(_SCOPE) and name.endswith('#0'):
+            kinds[name[len(_SCOPE):-2]]['calls'] += 1
+    return dict(step=step, phases=dict(phases), kinds=dict(kinds))
+
+
+def _phases() -> Callable[[str], None]:
+    """``phase(name)`` closes the open phase scope and opens ``name``'s
+    (an empty name: none)."""
+    current: List[record_function] = []
+
+    def phase(name: str) -> None:
+        if current:
+            current.pop().__exit__(None, None, None)
+        if name:
+            current.append(record_function(_PHASE + name))
+            current[-1].__enter__()
+    return phase
+
+
+def _profiled(steps_of: Sequence[Callable], steps: int,
+              by_seq: Callable[[], Dict]) -> List[Tuple[List[_Piece], int]]:
+    """``steps`` profiled runs of each of ``steps_of``, taken in turn (so
+    that a changing load on the machine touches each alike): per step
+    function its pieces' medians (:func:`_medians`)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            for i, step in enumerate(steps_of):
+                with record_function(f'{_STEP}{i}'):
+                    phase = _phases()
+                    phase('forward')
+                    step(phase)
+                    phase('')
+    seq = by_seq()
+    pieces: List[List[List[_Piece]]] = [[] for _ in steps_of]
+    for event in prof.events():
+        if event.name.startswith(_STEP) and event.cpu_parent is None:
+            pieces[int(event.name[len(_STEP):])].append(_pieces(event, seq))
+    return [_medians(p) for p in pieces]
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _summarised(plain: Tuple[List[_Piece], int],
+                scoped: Tuple[List[_Piece], int]) -> Dict:
+    """The step and its phases from the runs without hooks, the kinds
+    from the scoped runs (:func:`_totals` of the pieces' medians)."""
+    bare, kinds = _totals(plain[0]), _totals(scoped[0])
+    return dict(step=bare['step'], phases=bare['phases'],
+                kinds=kinds['kinds'], steps_used=[plain[1], scoped[1]])
+
+
+def training_step(cfg, crop: Sequence[int], batch: int = 1
+                  ) -> Tuple[nn.Module, Callable]:
+    """``cfg``'s segmentor and its training step ``step(phase)`` on a
+    random batch: SGD with momentum and weight decay over its trainable
+    parameters, ``phase('backward')`` and ``phase('optimizer')`` called as
+    the step reaches them."""
+    torch.manual_seed(0)
+    model = build_segmentor(cfg)
+    inputs, samples = random_batch(model, crop, batch, label_block=16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4,
+                          foreach=True)
+    model.train()
+    set_frozen_norms_eval(model)
+
+    def step(phase) -> None:
+        loss = summed_losses(model.loss(inputs, samples))
+        phase('backward')
+        loss.backward()
+        phase('optimizer')
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def host_times(cfgs: Sequence, crop: Sequence[int], batch: int = 1,
+               steps: int = 20, warmup: int = 3,
+               triton: bool = True) -> List[Dict]:
+    """Each config's host time per step (see the module docstring), the
+    rows' steps taken in turn: per row the medians of the step and its
+    phases (``wall_us``, ``aten_us``, ``host_us``) and per kind
+    (``calls``, ``host_us``, ``aten_us``)."""
+    built = [training_step(cfg, crop, batch) for cfg in cfgs]
+    steps_of = [step for _, step in built]
+    with host_path(triton):
+        for _ in range(warmup):
+            for step in steps_of:
+                step(lambda name: None)
+        plain = _profiled(steps_of, steps, dict)
+        ranges = _Ranges()
+        with contextlib.ExitStack() as stack:
+            for model, _ in built:
+                stack.enter_context(_scoped(model, ranges))
+            scoped = _profiled(steps_of, steps, ranges.by_sequence)
+    return [_summarised(p, s) for p, s in zip(plain, scoped)]
+
+
+def compare(rows: Sequence[Dict]) -> List[Dict]:
+    """Each lean row against the plain row of the same layers in vanilla
+    mode: the step's host-time ratio, and per kind the lean layer's host
+    time per call over its plain counterpart's (``overhead_us``), against
+    :data:`TARGETS`."""
+    plain = {r['strategy']: r for r in rows if not r['lean']}
+    out = []
+    for r in rows:
+        ref = plain.get(same_layers_vanilla(r['strategy']))
+        if not r['lean'] or ref is None:
+            continue
+        ratio = r['step']['host_us'] / max(ref['step']['host_us'], 1e-9)
+        layers = []
+        for kind, v in sorted(r['kinds'].items()):
+            base = ref['kinds'].get(_PLAIN.get(kind, kind))
+            if not v['calls'] or not base or not base['calls']:
+                continue
+            lean_us = v['host_us'] / v['calls']
+            plain_us = base['host_us'] / base['calls']
+            layers.append(dict(kind=kind, calls=v['calls'],
+                               lean_us=lean_us, vanilla_us=plain_us,
+                               overhead_us=lean_us - plain_us,
+                               met=lean_us - plain_us <= TARGETS['layer_us']))
+        out.append(dict(lean=r['row'], vanilla=ref['row'], ratio=ratio,
+                        met=ratio <= TARGETS['step'], layers=layers))
+    return out
+
+
+def host_time_model(job: Job, batch: int = 1, steps: int = 20,
+                    warmup: int = 3, triton: bool = True,
+                    progress=None) -> Dict:
+    """Every row of one model measured, each lean row compared with its
+    vanilla-same-layers row (:func:`compare`)."""
+    name, label, crop, rows = job
+    say = progress or (lambda message: None)
+    parsed = []
+    for row, _ in rows:
+        strategy, lean = parse_row(row)
+        if lean is None:
+            raise ValueError(f'row {row!r}: the host time needs a training '
+                             'row (a gradient-filter setting)')
+        parsed.append(dict(row=row, strategy=strategy, lean=lean))
+    say(f"[{name}] host time of {', '.join(r for r, _ in rows)}")
+    measured = [dict(p, **t) for p, t in zip(parsed, host_times(
+        [cfg for _, cfg in rows], crop, batch, steps, warmup, triton))]
+    return dict(model=name, label=label, crop=list(crop), batch=int(batch),
+                steps=int(steps), threads=torch.get_num_threads(),
+                torch=torch.__version__, rows=measured,
+                comparisons=compare(measured))
+
+
+def _ms(us: float) -> str:
+    return f'{us / 1e3:.2f}'
+
+
+def step_table(results: Sequence[Dict]) -> str:
+    """One line per lean row: host time per step (ms, medians), lean and
+    vanilla-same-layers, by phase, and the step's ratio."""
+    headers = ('model', 'lean row', 'lean host ms', 'vanilla host ms',
+               'fwd', 'bwd', 'opt', 'lean wall ms', 'vanilla wall ms',
+               f"host ratio (<= {TARGETS['step']})")
+    body = []
+    for res in results:
+        rows = {r['row']: r for r in res['rows']}
+        for c in res['comparisons']:
+            lean, ref = rows[c['lean']], rows[c['vanilla']]
+            by_phase = [
+                f"{_ms(lean['phases'].get(p, {}).get('host_us', 0))} / "
+                f"{_ms(ref['phases'].get(p, {}).get('host_us', 0))}"
+                for p in ('forward', 'backward', 'optimizer')]
+            body.append([res['label'], c['lean'],
+                         _ms(lean['step']['host_us']),
+                         _ms(ref['step']['host_us']), *by_phase,
+                         _ms(lean['step']['wall_us']),
+                         _ms(ref['step']['wall_us']),
+                         f"{c['ratio']:.2f}{'' if c['met'] else ' (no)'}"])
+    return format_table(headers, body, align='ll' + 'r' * 8)
+
+
+def layer_table(result: Dict) -> str:
+    """One model's kinds: host time per call (us, forward and backward,
+    kinds called inside included), lean and vanilla, and the difference
+    against :data:`TARGETS`."""
+    headers = ('kind', 'calls', 'lean us/call', 'vanilla us/call',
+               f"overhead us (<= {TARGETS['layer_us']:.0f})")
+    body = []
+    for c in result['comparisons']:
+        for v in c['layers']:
+            body.append([v['kind'], int(v['calls']), f"{v['lean_us']:.0f}",
+                         f"{v['vanilla_us']:.0f}",
+                         f"{v['overhead_us']:+.0f}"
+                         f"{'' if v['met'] else ' (no)'}"])
+    return format_table(headers, body, align='lrrrr')
+
+
+def run_host_jobs(jobs: Sequence[Job], batch: int, out_dir: str,
+                  steps: int = 20, warmup: int = 3,
+                  triton: bool = True) -> List[Dict]:
+    """Measure every job's rows, print the tables and write
+    ``host_time.json`` and ``host_time.md`` to ``out_dir`` (after each
+    model)."""
+    results = []
+    for job in jobs:
+        results.append(host_time_model(
+            job, batch, steps, warmup, triton,
+            progress=lambda m: print(m, flush=True)))
+        print(f"\n{layer_table(results[-1])}\n", flush=True)
+        os.makedirs(out_dir, exist_ok=True)
+        write_json(osp.join(out_dir, 'host_time.json'), results)
+        with open(osp.join(out_dir, 'host_time.md'), 'w') as f:
+            f.write(_markdown(results))
+    print(step_table(results), file=sys.stdout)
+    return results
+
+
+def _markdown(results: Sequence[Dict]) -> str:
+    first = results[0]
+    text = [f"Host time outside ATen per step on the CUDA path (counted on "
+            f"a CPU, Triton launches stubbed), lean / vanilla-same-layers; "
+            f"crop {first['crop'][0]}x{first['crop'][1]}, batch "
+            f"{first['batch']}, {first['threads']} thread(s), medians of "
+            f"{first['steps']} steps, torch {first['torch']}\n",
+            step_table(results), '']
+    for res in results:
+        text += [f"## {res['label']}: host time per call, by kind\n",
+                 layer_table(res), '']
+    return '\n'.join(text) + '\n'
