@@ -24,8 +24,9 @@ and the metadata of shapes only (:func:`loss_samples`): nothing that names
 or describes one sample's source or augmentation, which no mmseg loss
 reads. ``torch.compile`` gets ``dynamic=False`` unless the setting says
 otherwise: one compilation per padded input shape (mmseg's configs pad to
-the crop, one shape), where dynamic shapes fail to trace the strided
-resize's backward of the lean region with symbolic sizes.
+the crop: one shape; CUDA graphs record one graph per shape anyway).
+Automatic dynamic shapes (``dynamic=None``) are passed on where asked for;
+docs/lean_region.md says what was seen of them.
 
 ``compile=dict(target='train_step', ...)`` leaves the Runner compiling
 ``train_step`` with the rest of the setting (mmengine's own behaviour;
