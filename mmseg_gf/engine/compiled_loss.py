@@ -78,10 +78,35 @@ def loss_compile_kwargs(setting: Dict[str, Any]) -> Dict[str, Any]:
     return kwargs
 
 
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with the strides ``torch.empty`` gives its shape,
+    also along its size-1 dimensions (a view of the same memory where only
+    those differ): Dynamo guards on strides, and the data preprocessor
+    gives a label that needed no padding a stride of 1 along its channel
+    dimension, one that did a stride of ``H * W``."""
+    t = t.contiguous()
+    want = torch.empty(t.shape, device='meta').stride()
+    return t if t.stride() == want else t.as_strided(t.shape, want)
+
+
+def _field(value):
+    """A data field (``PixelData``) with its tensors :func:`_canonical`
+    (the same object where all are already)."""
+    if not hasattr(value, 'items') or all(
+            not isinstance(v, torch.Tensor) or v.stride() == _canonical(
+                v).stride() for _, v in value.items()):
+        return value
+    new = type(value)(metainfo=value.metainfo)
+    for k, v in value.items():
+        setattr(new, k, _canonical(v) if isinstance(v, torch.Tensor) else v)
+    return new
+
+
 def loss_samples(data_samples: Optional[Sequence]) -> Optional[List]:
     """``data_samples`` as the compiled loss takes them: new samples of the
-    same class holding the same data fields (ground truths, shared, not
-    copied) and only the :data:`LOSS_METAINFO` keys of their metadata.
+    same class holding the same data fields (ground truths, not copied;
+    tensors with canonical strides: :func:`_canonical`) and only the
+    :data:`LOSS_METAINFO` keys of their metadata.
 
     A sample's path, flip or scale factor would otherwise be read into
     Dynamo's guards wherever a loss reads ``metainfo`` whole (mask heads
@@ -94,7 +119,7 @@ def loss_samples(data_samples: Optional[Sequence]) -> Optional[List]:
         meta = {k: sample.metainfo[k] for k in LOSS_METAINFO
                 if k in sample.metainfo_keys()}
         new = type(sample)(metainfo=meta)
-        new.set_data(dict(sample.items()))
+        new.set_data({k: _field(v) for k, v in sample.items()})
         out.append(new)
     return out
 

@@ -43,9 +43,19 @@ def test_loss_samples_keep_ground_truth_and_shapes_only():
     sample = SegDataSample(metainfo=meta, gt_sem_seg=gt)
     [got] = loss_samples([sample])
     assert type(got) is SegDataSample and got is not sample
-    assert got.gt_sem_seg is gt  # shared, not copied
+    assert got.gt_sem_seg is gt  # shared, not copied (strides canonical)
     assert got.metainfo == {k: meta[k] for k in LOSS_METAINFO}
     assert loss_samples(None) is None
+
+
+def test_loss_samples_give_labels_one_set_of_strides():
+    """The data preprocessor leaves a label that needed no padding with a
+    stride of 1 along its size-1 channel dimension: Dynamo guards on it."""
+    data = torch.arange(8).view(2, 4).unsqueeze(0).permute(0, 1, 2)
+    odd = data.as_strided((1, 2, 4), (1, 4, 1))
+    [got] = loss_samples([SegDataSample(gt_sem_seg=PixelData(data=odd))])
+    assert got.gt_sem_seg.data.stride() == (8, 4, 1)
+    assert torch.equal(got.gt_sem_seg.data, odd)
 
 
 def _varying_cfg(root: str, work: dict, iters: int) -> dict:
