@@ -195,8 +195,7 @@ def compiled_loss(model, mode: str) -> Callable:
     as ``training_loss`` sets them."""
     model.train()
     set_frozen_norms_eval(model)
-    setting = model_compile_setting(
-        {} if mode == 'default' else dict(mode=mode), model)
+    setting = model_compile_setting(dict(mode=mode), model)
     loss = torch.compile(model.loss, **setting)
 
     return lambda inputs, samples: summed_losses(loss(inputs, samples))

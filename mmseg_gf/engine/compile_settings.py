@@ -1,7 +1,8 @@
-"""``torch.compile`` settings for a gradient-filtered model on CPU.
+"""``torch.compile`` settings for a gradient-filtered model on CPU and CUDA.
 
-mmengine compiles ``train_step`` with the config's ``compile`` setting
-(``True``, or a dict of ``torch.compile`` keyword arguments). Inductor, by
+A config's ``compile`` setting is ``True`` or a dict of ``torch.compile``
+keyword arguments (mmengine's; ``GradFilterHook`` compiles the segmentor's
+loss with it: :mod:`.compiled_loss`). On CPU, Inductor, by
 default, lays out the convolutions of a CNN graph channels-last (its
 ``layout_optimization``), weights included, and converts where a tensor
 meets an operator that wants another layout. A gradient-filtered step's
@@ -23,9 +24,23 @@ another backend, is kept as it is:
 default. Only lean models: without the lean region's resize operator,
 Inductor's C++ backend with the layout optimization off fails to generate
 the scatter of a decomposed bilinear backward into a 1x1 pyramid branch
-(UPerNet's, trained plainly: an ``InductorError`` in its first step). On
-other devices nothing changes (CUDA's convolutions and the Triton path
-take channels-last tensors as they are).
+(UPerNet's, trained plainly: an ``InductorError`` in its first step).
+
+On CUDA a lean model compiles in ``mode='reduce-overhead'`` unless the
+setting names a mode, options or another backend: a lean step's kernels
+are short and few (the frozen layers' forward, a filtered backward on
+patch sums), so the host's Python and launch time bounds it (on an H200 at
+512x512, batch 8, the GPU was busy 18-58% of an eager lean step:
+docs/benchmarks/gpu_h200_step_time_512_b8.md). CUDA graphs replay the
+compiled loss's kernels, forward and backward, without the host. They
+need what the lean step gives: no host sync, the same operators and
+shapes every step (the loss compiles with ``dynamic=False``), one graph
+with no mutated input besides parameters and buffers. Where Inductor
+finds otherwise it logs ``skipping cudagraphs due to ...`` and runs the
+compiled code as in the default mode. Inductor's options stay its own
+(``torch.compile`` takes a mode or options, not both): the convolutions'
+channels-last layout suits CUDA's kernels and the Triton path, which read
+their tensors by strides. Other devices keep the setting.
 """
 from typing import Any, Optional, Union
 
@@ -33,11 +48,13 @@ from torch import nn
 
 from .state import get_state
 
-__all__ = ['CPU_INDUCTOR_OPTIONS', 'compile_setting', 'model_compile_setting',
-           'describe']
+__all__ = ['CPU_INDUCTOR_OPTIONS', 'CUDA_MODE', 'compile_setting',
+           'model_compile_setting', 'describe']
 
 #: The Inductor options a gradient-filtered model compiles with on CPU.
 CPU_INDUCTOR_OPTIONS = {'layout_optimization': False}
+#: The ``torch.compile`` mode a gradient-filtered model compiles in on CUDA.
+CUDA_MODE = 'reduce-overhead'
 
 CompileSetting = Union[None, bool, dict]
 
@@ -46,10 +63,15 @@ def compile_setting(setting: CompileSetting, device_type: str,
                     lean: bool) -> CompileSetting:
     """``setting`` (mmengine's ``compile``: None / False off, True or a dict
     of ``torch.compile`` keyword arguments on) as a gradient-filtered model
-    compiles on ``device_type``: for a ``lean`` model on ``'cpu'`` with
-    :data:`CPU_INDUCTOR_OPTIONS` added unless it names ``mode``,
-    ``options`` or a backend other than Inductor; otherwise unchanged (the
-    same object; a new dict where the options are added).
+    compiles on ``device_type``, for a ``lean`` model where the setting
+    names no ``options`` and no backend other than Inductor:
+
+    * on ``'cpu'``, with :data:`CPU_INDUCTOR_OPTIONS` added, unless it
+      names a ``mode`` other than ``'default'`` (``mode='default'`` is
+      dropped: ``torch.compile`` takes a mode or options, not both);
+    * on ``'cuda'``, in :data:`CUDA_MODE` unless it names a ``mode``;
+
+    otherwise unchanged (the same object; a new dict where it changes).
 
     Raises:
         TypeError: ``setting`` is none of None, a bool or a dict (the
@@ -59,13 +81,23 @@ def compile_setting(setting: CompileSetting, device_type: str,
         raise TypeError('compile must be None, a bool or a dict of '
                         'torch.compile arguments, got '
                         f'{type(setting).__name__}')
-    if setting is None or setting is False or device_type != 'cpu' or \
-            not lean:
+    if setting is None or setting is False or not lean or \
+            device_type not in ('cpu', 'cuda'):
         return setting  # off (an empty dict is on: torch's defaults)
     kwargs: dict = {} if setting is True else dict(setting)
-    if (kwargs.get('mode') is not None or 'options' in kwargs
-            or kwargs.get('backend', 'inductor') != 'inductor'):
+    if 'options' in kwargs or \
+            kwargs.get('backend', 'inductor') != 'inductor':
         return setting
+    mode = kwargs.get('mode')
+    if device_type == 'cuda':
+        if mode is not None:
+            return setting
+        kwargs['mode'] = CUDA_MODE
+        return kwargs
+    if mode not in (None, 'default'):
+        return setting
+    if mode == 'default':
+        del kwargs['mode']
     kwargs['options'] = dict(CPU_INDUCTOR_OPTIONS)
     return kwargs
 
@@ -85,6 +117,11 @@ def model_compile_setting(setting: CompileSetting, model: nn.Module,
 
 def describe(setting: Any) -> str:
     """A log line for a setting :func:`compile_setting` changed."""
-    return ('torch.compile on CPU with Inductor options '
-            f'{setting["options"]} (mmseg_gf.engine.compile_settings says '
-            'why; compile=dict(options=...) or a mode keeps yours)')
+    if 'options' in setting:
+        what = f'on CPU with Inductor options {setting["options"]}'
+        keep = 'compile=dict(options=...) or a mode keeps yours'
+    else:
+        what = f'on CUDA in mode={setting["mode"]!r} (CUDA graphs)'
+        keep = "compile=dict(mode='default') or options keep yours"
+    return (f'torch.compile {what} (mmseg_gf.engine.compile_settings says '
+            f'why; {keep})')

@@ -25,6 +25,8 @@ from ...models.segmentor import (is_classifier, set_frozen_norms_eval,
 from ..checkpoint import check_checkpoint_matches
 from ..checkpoint.resume import find_resumable_checkpoint
 from ..compile_settings import describe, model_compile_setting
+from ..compiled_loss import (install_compiled_loss, loss_compile_kwargs,
+                             split_target)
 from ..config import (default_batch_size, default_input_size,
                       default_optimizer, select_and_apply)
 from ..cpu_memory import keep_freed_cpu_memory
@@ -41,19 +43,36 @@ from ..train_log import (PEAK_KEY, PeakResidentMemory, logged_now,
 __all__ = ['GradFilterHook']
 
 
-def _set_compile_setting(runner, lean: bool) -> None:
-    """``runner.cfg.compile`` as the model compiles on its device
-    (:func:`~..compile_settings.model_compile_setting`; ``lean``: whether
-    a model not prepared yet will have its lean trained region on), logged
-    when changed."""
+def _take_compile_setting(runner, lean: bool) -> Optional[dict]:
+    """The ``torch.compile`` arguments the hook compiles the segmentor's
+    loss with (:mod:`..compiled_loss`), taken from ``runner.cfg.compile``,
+    which becomes False (the Runner compiles nothing); None where the
+    setting is off or its ``target`` is ``'train_step'`` (then the setting,
+    as the model compiles on its device, stays the Runner's). ``lean``:
+    whether a model not prepared yet will have its lean trained region on
+    (:func:`~..compile_settings.model_compile_setting`). Logged."""
     cfg = getattr(runner, 'cfg', None)
-    if cfg is None:
-        return
-    setting = cfg.get('compile')
-    changed = model_compile_setting(setting, runner.model, lean)
-    if changed is not setting:
-        cfg.compile = changed
+    setting = None if cfg is None else cfg.get('compile')
+    if setting is None or setting is False:
+        return None
+    if hasattr(setting, 'to_dict'):
+        setting = setting.to_dict()
+    target, rest = split_target({} if setting is True else setting)
+    changed = model_compile_setting(rest, runner.model, lean)
+    if changed is not rest:
         runner.logger.info(describe(changed))
+    if target == 'train_step':
+        cfg.compile = changed
+        return None
+    cfg.compile = False
+    kwargs = loss_compile_kwargs(changed)
+    runner.logger.info(
+        f'GradFilterHook: torch.compile of the segmentor\'s loss with '
+        f'{kwargs}, not of mmengine\'s train_step (its preprocessor, '
+        'optimizer step and sample metadata would recompile every '
+        'iteration: mmseg_gf.engine.compiled_loss says why; '
+        "compile=dict(target='train_step') keeps mmengine's)")
+    return kwargs
 
 
 @HOOKS.register_module()
@@ -66,7 +85,10 @@ class GradFilterHook(Hook):
     If the model was already prepared (built by ``GradFilterModel`` through
     ``rewrite_config``), nothing is re-applied and the hook only logs the
     cost table and keeps frozen norms in eval mode; then no settings are
-    needed.
+    needed. With the config's ``compile`` on, the hook compiles the
+    segmentor's loss, not mmengine's ``train_step``
+    (:mod:`..compiled_loss`), with the setting for the model's device
+    (:mod:`..compile_settings`).
 
     Args:
         **settings: the gradient-filter settings, as a config's
@@ -106,12 +128,14 @@ class GradFilterHook(Hook):
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
         self._peak_memory: Optional[PeakResidentMemory] = None
+        self._compile: Optional[dict] = None
+        self._undo_compile = None
 
     def before_run(self, runner) -> None:
-        """Set the ``compile`` setting for the model's device
-        (:func:`~..compile_settings.compile_setting`; the Runner compiles
-        after ``before_run``) and check the checkpoint to be loaded,
-        before anything is trained.
+        """Take the ``compile`` setting over, for the model's device
+        (:func:`_take_compile_setting`; the Runner compiles after
+        ``before_run``), and check the checkpoint to be loaded, before
+        anything is trained.
 
         ``before_run`` precedes the Runner's ``load_or_resume``. A run
         with ``resume=True`` and no ``load_from`` resumes from the newest
@@ -119,8 +143,8 @@ class GradFilterHook(Hook):
         (:func:`~..checkpoint.resume.find_resumable_checkpoint`), where
         mmengine takes whatever ``last_checkpoint`` names.
         """
-        _set_compile_setting(runner,
-                             self.configured and self.settings['lean'])
+        self._compile = _take_compile_setting(
+            runner, self.configured and self.settings['lean'])
         load_from = getattr(runner, '_load_from', None)
         resume = bool(getattr(runner, '_resume', False))
         if resume and load_from is None:
@@ -180,6 +204,14 @@ class GradFilterHook(Hook):
             runner.logger.info(f'GradFilterHook: {budget.summary()}')
         if self.log_table:
             self._log_cost(runner, model, choices)
+        if self._compile is not None and self._undo_compile is None:
+            self._undo_compile = install_compiled_loss(model, self._compile)
+
+    def after_run(self, runner) -> None:
+        """Give the segmentor its own ``loss`` back."""
+        if self._undo_compile is not None:
+            self._undo_compile()
+            self._undo_compile = None
 
     @staticmethod
     def _log_cost(runner, model: nn.Module,

@@ -1,0 +1,156 @@
+"""What a Runner run compiles: the segmentor's loss on tensors, not
+mmengine's whole ``train_step``.
+
+mmengine's ``compile`` setting has the Runner wrap ``model.train_step`` in
+``torch.compile``. That region holds three things that change from one
+iteration to the next, and Dynamo guards on each, so it compiles again
+every iteration until ``torch._dynamo.config.recompile_limit`` (8) and then
+runs eagerly:
+
+* the data preprocessor, which receives each image at the size the
+  pipeline gave it (a random resize: other sizes every batch) before it
+  pads them into one batch;
+* the optimizer step, whose learning rate is a Python float a schedule
+  (poly, cosine) changes every iteration;
+* the data samples' metadata (``img_path``, ``flip``, ...), new objects
+  with new values every batch.
+
+``GradFilterHook`` therefore takes the setting over (the Runner compiles
+nothing) and compiles the segmentor's ``loss`` alone
+(:func:`install_compiled_loss`): the preprocessor, the optimizer and
+mmengine's loss parsing run eagerly around it. The batch enters as the
+padded input tensor and data samples that carry the ground-truth fields
+and the metadata of shapes only (:func:`loss_samples`): nothing that names
+or describes one sample's source or augmentation, which no mmseg loss
+reads. ``torch.compile`` gets ``dynamic=False`` unless the setting says
+otherwise: one compilation per padded input shape (mmseg's configs pad to
+the crop: one shape; CUDA graphs record one graph per shape anyway).
+Automatic dynamic shapes (``dynamic=None``) are passed on where asked for;
+docs/lean_region.md says what was seen of them.
+
+``compile=dict(target='train_step', ...)`` leaves the Runner compiling
+``train_step`` with the rest of the setting (mmengine's own behaviour;
+``target`` is the key mmengine's ``FlexibleRunner`` reads).
+"""
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..patching import Override, override
+
+__all__ = ['TARGETS', 'LOSS_METAINFO', 'CUDA_GRAPH_MODES', 'split_target',
+           'loss_compile_kwargs', 'loss_samples', 'CompiledLoss',
+           'install_compiled_loss']
+
+#: What a ``compile`` setting's ``target`` may name: the segmentor's
+#: ``loss`` (the default) or mmengine's whole ``train_step``.
+TARGETS = ('loss', 'train_step')
+#: The metadata a data sample keeps inside the compiled loss: shapes, which
+#: mask heads read (``batch_input_shape``, ``pad_shape``); none varies
+#: within a batch of mmseg's pipelines with a crop.
+LOSS_METAINFO = ('img_shape', 'pad_shape', 'batch_input_shape', 'ori_shape')
+#: ``torch.compile`` modes that replay CUDA graphs.
+CUDA_GRAPH_MODES = ('reduce-overhead', 'max-autotune')
+
+
+def split_target(setting: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+    """``(target, the rest)`` of a ``compile`` dict (a new dict).
+
+    Raises:
+        ValueError: ``target`` is not one of :data:`TARGETS`.
+    """
+    rest = dict(setting)
+    target = rest.pop('target', 'loss')
+    if target not in TARGETS:
+        raise ValueError(f'compile target must be one of {list(TARGETS)}, '
+                         f'got {target!r}')
+    return target, rest
+
+
+def loss_compile_kwargs(setting: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``torch.compile`` keyword arguments of a ``compile`` dict
+    whose target is the loss: ``dynamic=False`` unless it names
+    ``dynamic`` (one compilation per input shape; the module doc says
+    why)."""
+    kwargs = dict(setting)
+    kwargs.setdefault('dynamic', False)
+    return kwargs
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with the strides ``torch.empty`` gives its shape,
+    also along its size-1 dimensions (a view of the same memory where only
+    those differ): Dynamo guards on strides, and the data preprocessor
+    gives a label that needed no padding a stride of 1 along its channel
+    dimension, one that did a stride of ``H * W``."""
+    t = t.contiguous()
+    want = torch.empty(t.shape, device='meta').stride()
+    return t if t.stride() == want else t.as_strided(t.shape, want)
+
+
+def _field(value):
+    """A data field (``PixelData``) with its tensors :func:`_canonical`
+    (the same object where all are already)."""
+    if not hasattr(value, 'items') or all(
+            not isinstance(v, torch.Tensor) or v.stride() == _canonical(
+                v).stride() for _, v in value.items()):
+        return value
+    new = type(value)(metainfo=value.metainfo)
+    for k, v in value.items():
+        setattr(new, k, _canonical(v) if isinstance(v, torch.Tensor) else v)
+    return new
+
+
+def loss_samples(data_samples: Optional[Sequence]) -> Optional[List]:
+    """``data_samples`` as the compiled loss takes them: new samples of the
+    same class holding the same data fields (ground truths, not copied;
+    tensors with canonical strides: :func:`_canonical`) and only the
+    :data:`LOSS_METAINFO` keys of their metadata.
+
+    A sample's path, flip or scale factor would otherwise be read into
+    Dynamo's guards wherever a loss reads ``metainfo`` whole (mask heads
+    do), and every new batch would compile again.
+    """
+    if data_samples is None:
+        return None
+    out = []
+    for sample in data_samples:
+        meta = {k: sample.metainfo[k] for k in LOSS_METAINFO
+                if k in sample.metainfo_keys()}
+        new = type(sample)(metainfo=meta)
+        new.set_data({k: _field(v) for k, v in sample.items()})
+        out.append(new)
+    return out
+
+
+class CompiledLoss:
+    """A segmentor's ``loss`` compiled on tensors: called as the loss is
+    (``inputs, data_samples``), it passes :func:`loss_samples` of the
+    samples to ``torch.compile(loss, **kwargs)``.
+
+    Args:
+        loss: the segmentor's own bound ``loss``.
+        kwargs: ``torch.compile``'s keyword arguments.
+    """
+
+    def __init__(self, loss, kwargs: Dict[str, Any]) -> None:
+        self.plain = loss
+        self.kwargs = dict(kwargs)
+        self.compiled = torch.compile(loss, **self.kwargs)
+        # Each training step starts a new CUDA graph replay: the previous
+        # step's outputs (logged losses) are no longer read.
+        self._mark_step = kwargs.get('mode') in CUDA_GRAPH_MODES
+
+    def __call__(self, inputs: torch.Tensor, data_samples=None):
+        if self._mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.compiled(inputs, loss_samples(data_samples))
+
+
+def install_compiled_loss(segmentor: nn.Module,
+                          kwargs: Dict[str, Any]) -> Override:
+    """Shadow ``segmentor.loss`` (which mmseg's ``forward`` calls in
+    ``mode='loss'``) with a :class:`CompiledLoss` of it; returns the
+    undo (:mod:`~mmseg_gf.patching`)."""
+    return override(segmentor, 'loss', CompiledLoss(segmentor.loss, kwargs))
