@@ -55,7 +55,8 @@ transformer head has no classifier conv: its class-score Linears
 last conv (the patch embedding). Families not run here (see
 ``NOT_RUN``): MaskFormer and Mask2Former (their heads are mmdet's, not
 installed), SAN (needs its CLIP checkpoint to initialise), VPD (needs
-Stable Diffusion's ldm). All of it is marked ``zoo`` (``-m "not zoo"`` deselects it).
+Stable Diffusion's ldm). All of it is marked ``zoo`` (``-m "not zoo"``
+deselects it).
 """
 import copy
 import os.path as osp
