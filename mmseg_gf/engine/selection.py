@@ -15,8 +15,10 @@ are not convs here and stay frozen). Classifiers are always trained and
 never counted among the N layers unless named explicitly. Segmenter's mask
 transformer head computes its class scores as the product of two Linears
 (``patch_proj`` on the patches, ``classes_proj`` on the class embeddings):
-they are its classifier. ``num_layers`` refuses a segmentor where no
-classifier feeds the output (SAN's CLIP head).
+they are its classifier. SAN's ``SideAdapterCLIPHead`` scores its masks
+with the product of ``rec_with_attnbias.proj`` and the text encoder's
+class embeddings: that projection is its classifier. ``num_layers``
+refuses a segmentor where no classifier feeds the output.
 
 Which kinds count is the ``layer_kinds`` setting: by default every
 registered kind (convs, then ``nn.Linear`` and ``nn.MultiheadAttention`` on
@@ -392,8 +394,9 @@ def _last_n_layers(model: nn.Module, records: List[LayerRecord],
         heads = [type(m).__name__ for m in head_list(model.decode_head)]
         raise ValueError(
             f'gradient_filter: the decode head of {name} ({heads}) has '
-            'no classifier (conv_seg, fc_seg, or Segmenter\'s class-score '
-            'Linears patch_proj / classes_proj) that the output depends '
+            'no classifier (conv_seg, fc_seg, or the class-score Linears '
+            'of Segmenter, patch_proj / classes_proj, and SAN, '
+            'rec_with_attnbias.proj) that the output depends '
             'on; gradient filtering always trains it: its class scores come '
             'from layers that num_layers cannot select, so they would stay '
             "frozen. Allowed: a segmentor whose decode heads end in mmseg's "

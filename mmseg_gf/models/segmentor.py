@@ -14,7 +14,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 __all__ = [
-    'CLASSIFIER_NAMES', 'CLASS_SCORE_NAMES', 'NORM_TYPES', 'unwrap_model',
+    'CLASSIFIER_NAMES', 'CLASS_SCORE_NAMES', 'CLASS_SCORE_PATHS',
+    'NORM_TYPES', 'unwrap_model',
     'is_classifier', 'is_class_score_layer',
     'is_head_classifier', 'classifier_paths', 'set_frozen_norms_eval'
 ]
@@ -27,6 +28,12 @@ CLASSIFIER_NAMES = ('conv_seg', 'fc_seg')
 #: are the product of ``patch_proj`` (patches) and ``classes_proj`` (class
 #: embeddings); both are its classifier.
 CLASS_SCORE_NAMES = ('patch_proj', 'classes_proj')
+#: Class-score layers deeper inside a decode head, by their path in it.
+#: SAN's ``SideAdapterCLIPHead`` scores its mask proposals as the product of
+#: ``rec_with_attnbias.proj`` (the CLIP recognition branch's last
+#: projection of the mask tokens) and the text encoder's class embeddings
+#: (computed outside the head, frozen): that projection is its classifier.
+CLASS_SCORE_PATHS = ('rec_with_attnbias.proj', )
 #: Norm layers: frozen ones are kept in eval mode during training.
 NORM_TYPES = (_BatchNorm, _InstanceNorm, nn.GroupNorm, nn.LayerNorm)
 
@@ -42,20 +49,28 @@ def _in_head(path: str, head: str) -> bool:
         path.split('.')[-1] in CLASSIFIER_NAMES
 
 
+def _is_decode_head(path: str) -> bool:
+    """``decode_head`` or one head of a cascade, ``decode_head.<i>``."""
+    head, _, index = path.partition('.')
+    return head == 'decode_head' and (not index or index.isdigit())
+
+
 def is_class_score_layer(path: str) -> bool:
     """One of the Linear layers whose product gives a decode head's class
     scores (Segmenter's ``patch_proj`` / ``classes_proj``, directly under
-    ``decode_head[.i]``)."""
+    ``decode_head[.i]``; SAN's ``rec_with_attnbias.proj``)."""
     head, _, name = path.rpartition('.')
-    return name in CLASS_SCORE_NAMES and (
-        head == 'decode_head' or (head.startswith('decode_head.')
-                                  and head.count('.') == 1))
+    if name in CLASS_SCORE_NAMES and _is_decode_head(head):
+        return True
+    return any(
+        path.endswith('.' + rel) and _is_decode_head(path[:-len(rel) - 1])
+        for rel in CLASS_SCORE_PATHS)
 
 
 def is_classifier(path: str) -> bool:
     """A decode head's classifier (``decode_head[.i].conv_seg``,
-    PointHead's ``fc_seg``, or Segmenter's class-score Linears): trained by
-    every strategy, counted by no ``num_layers``."""
+    PointHead's ``fc_seg``, or the class-score Linears of Segmenter and
+    SAN): trained by every strategy, counted by no ``num_layers``."""
     return _in_head(path, 'decode_head') or is_class_score_layer(path)
 
 

@@ -54,8 +54,9 @@ transformer head has no classifier conv: its class-score Linears
 (``patch_proj``, ``classes_proj``) are its classifier, trained with the
 last conv (the patch embedding). Families not run here (see
 ``NOT_RUN``): MaskFormer and Mask2Former (their heads are mmdet's, not
-installed), SAN (too heavy to build here), VPD (needs Stable Diffusion's
-ldm). All of it is marked ``zoo`` (``-m "not zoo"`` deselects it).
+installed), SAN (needs its CLIP checkpoint to initialise), VPD (needs
+Stable Diffusion's ldm). All of it is marked ``zoo`` (``-m "not zoo"``
+deselects it).
 """
 import copy
 import os.path as osp
@@ -297,10 +298,11 @@ NOT_RUN = [
      'mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py',
      'its head is mmdet\'s Mask2FormerHead: needs mmdet, not installed'),
     ('SideAdapterCLIPHead (SAN)', 'san/san-vit-b16_voc12aug-640x640.py',
-     'CLIP ViT-B image + text encoders (~150M parameters, ~1 min to build '
-     'and trace on 2 cores; their layer indices are wired into the head, '
-     'so no quick shrink); num_layers refuses it: no classifier feeds its '
-     'output'),
+     'builds only from its CLIP checkpoint: without one, mmseg 1.2.2\'s '
+     'RecWithAttnbias.init_weights fails (nn.Module has none) and the CLIP '
+     'text encoder\'s embeddings stay uninitialised (non-finite class '
+     'embeddings, so the Hungarian matching of its loss refuses the cost '
+     'matrix); nothing can be downloaded here'),
     ('VPDDepthHead', 'vpd/vpd_sd_4xb8-25k_nyu-512x512.py',
      'depth estimation on Stable Diffusion: needs ldm and its checkpoint'),
 ]
