@@ -36,7 +36,7 @@ from .step_benchmark import parse_row, row_settings
 
 __all__ = ['LayerRun', 'TargetCheck', 'layer_checks', 'step_checks',
            'launch_checks', 'launch_table', 'layer_runs_table',
-           'summary_markdown', 'plot_layer_runs']
+           'summary_markdown']
 
 #: (batch, radius) -> least median backward speedup with g_x (Triton).
 MEDIAN_SPEEDUP_TARGETS = {(32, 2): 2.0, (32, 4): 3.0}
@@ -285,42 +285,3 @@ def summary_markdown(environment: Dict[str, str],
                   launch_table(*launch_comparison)]
     return '\n'.join(lines) + '\n'
 
-
-def plot_layer_runs(runs: Sequence[LayerRun], path: str) -> bool:
-    """Backward speedup over vanilla with ``g_x`` per layer (convs and
-    Linears), one panel per radius, one bar per run, log scale
-    (matplotlib, Agg). Returns whether a plot was written."""
-    done = [run for run in runs if run.result is not None]
-    if not done:
-        return False
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    radii = sorted({row['radius'] for run in done
-                    for row in run.result['rows']})
-    layers = list(dict.fromkeys(row['layer'] for run in done
-                                for row in run.result['rows']))
-    fig, axes = plt.subplots(len(radii), 1, squeeze=False,
-                             figsize=(10, 3.2 * len(radii) + 1))
-    width = 0.8 / len(done)
-    for ax, radius in zip(axes[:, 0], radii):
-        for i, run in enumerate(done):
-            values = {row['layer']: row['backward_speedup']
-                      for row in run.result['rows']
-                      if row['case'] == 'with_gx'
-                      and row['radius'] == radius}
-            ax.bar([j + i * width for j in range(len(layers))],
-                   [values.get(layer, float('nan')) for layer in layers],
-                   width, label=run.name)
-        ax.axhline(1.0, color='k', lw=0.8)
-        ax.set_yscale('log')
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))])
-        ax.set_xticklabels(layers, fontsize=7)
-        ax.set_title('backward speedup over vanilla (cuDNN / cuBLAS) with '
-                     f'g_x, r = {radius}', fontsize=10)
-        ax.grid(axis='y', alpha=0.3)
-    axes[0, 0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..accounting.batch import model_device, random_batch, training_loss
 from ..models.lean import make_plain
-from ..models.patch_mean_gelu import is_patch_mean_gelu, make_patch_mean_gelu
+from ..models.patch_mean_gelu import make_patch_mean_gelu
 from ..models.patch_mean_graph import (LayerCall, filtered_users,
                                        graph_consumers, is_counted_partition,
                                        is_filtered_layer, is_plain_gelu)
@@ -46,8 +46,7 @@ from ..ops.linear.patch_mean_activation import PatchPartition, tagged_partition
 from ..patching import Hooks
 from .frozen_aux_heads import unlogged_aux_heads
 
-__all__ = ['find_patch_mean_gelus', 'install_patch_mean_gelus',
-           'remove_patch_mean_gelus']
+__all__ = ['find_patch_mean_gelus', 'install_patch_mean_gelus']
 
 
 def _plain_gelus(model: nn.Module) -> Dict[str, nn.Module]:
@@ -171,8 +170,3 @@ def install_patch_mean_gelus(model: nn.Module,
         make_patch_mean_gelu(model.get_submodule(path), partition)
     return found
 
-
-def remove_patch_mean_gelus(model: nn.Module) -> int:
-    """Swap every patch-mean GELU back to plain; returns how many."""
-    return sum(make_plain(m) for m in unwrap_model(model).modules()
-               if is_patch_mean_gelu(m))
