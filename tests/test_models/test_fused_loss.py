@@ -508,7 +508,7 @@ def test_nan_input_gives_mmseg_accuracy(case, partial, native,
     compiled kernel's path and on the pure-PyTorch path. ``partial``: norms
     in eval mode, so NaN reaches the logits near that pixel only
     (train-mode BN spreads it to every logit of the batch)."""
-    from mmseg_gf.ops.resized_loss.loss import loss as resized_loss
+    from mmseg_gf.ops.resized_loss import loss as resized_loss
     if native and resized_loss._kernel is None:
         pytest.skip('compiled kernel not built')
     if not native:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmseg_gf.ops.bit_mask.masks import masks as bit_mask, gpu as triton_bit_mask
-from mmseg_gf.ops.resized_loss.loss import loss as resized_loss
+from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.frozen_norm import gpu as triton_norm
 from tests.helpers.devices import needs_cuda
 from tests.helpers.triton_runs import INTERPRETER, TRITON, run_case_file

@@ -15,7 +15,7 @@ import pytest
 
 from mmseg_gf.ops.bit_mask.masks import masks as bit_mask
 from mmseg_gf.ops.backend import native
-from mmseg_gf.ops.resized_loss.loss import loss as resized_loss
+from mmseg_gf.ops.resized_loss import loss as resized_loss
 
 pytestmark = pytest.mark.skipif(
     native._kernels is None or bit_mask._kernels is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops.resized_loss.loss import loss as resized_loss
+from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.resized_loss.loss import resized_cross_entropy
 from tests.helpers.devices import needs_cuda
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mmseg_gf.ops.resized_loss.loss import loss as resized_loss
+from mmseg_gf.ops.resized_loss import loss as resized_loss
 from tests.helpers.tools import load_tool
 
 benchmark_loss = load_tool('benchmark_loss')
