@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mmseg_gf.models.lean import make_lean
-from mmseg_gf.ops.bit_mask.masks import (masks as bit_mask,
+from mmseg_gf.ops.bit_mask import (masks as bit_mask,
                                    kernels as triton_bit_mask_kernels)
 from mmseg_gf.ops.lean.transformer import BitMaskDropPathFunction
 from tests.helpers.triton_runs import case_device, pytorch_path, triton_enabled

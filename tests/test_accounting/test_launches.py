@@ -12,7 +12,7 @@ from mmseg_gf.accounting.launches import (KINDS, LaunchCounter, count_step,
                                           cuda_path, module_kind)
 from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import make_lean
-from mmseg_gf.ops.bit_mask.masks import masks as bit_mask
+from mmseg_gf.ops.bit_mask import masks as bit_mask
 from mmseg_gf.ops.backend import device_path, native
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.backend import switches, triton_path

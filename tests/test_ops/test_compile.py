@@ -16,7 +16,7 @@ from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import is_lean, make_lean
 from mmseg_gf.ops import (TokenGrid, gradient_filtered_conv2d,
                           gradient_filtered_linear)
-from mmseg_gf.ops.bit_mask.masks import masks as bit_mask
+from mmseg_gf.ops.bit_mask import masks as bit_mask
 from mmseg_gf.ops.backend import native
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.resize.bilinear import strided_gradient_resizes

@@ -438,7 +438,7 @@ def test_lean_backward_outputs_reuse_freed_memory(recycler):
     masked gradient, a frozen norm's scaled one) take the pool's blocks:
     the second backward writes into the first one's freed memory, and the
     gradients stay autograd's."""
-    from mmseg_gf.ops.bit_mask.masks import masks as bit_mask
+    from mmseg_gf.ops.bit_mask import masks as bit_mask
     from mmseg_gf.ops.lean.functions import FrozenAffineNormFunction
     x = torch.randn(2, 16, 64, 64)
     grad = torch.randn_like(x)

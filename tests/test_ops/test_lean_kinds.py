@@ -10,7 +10,7 @@ from torch import nn
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, lean_kind, make_lean, make_plain
-from mmseg_gf.ops.bit_mask.masks import masks as bit_mask
+from mmseg_gf.ops.bit_mask import masks as bit_mask
 
 
 def _values(shape, seed=0, scale=4.0):

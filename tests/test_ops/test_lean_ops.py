@@ -13,7 +13,7 @@ from torch import nn
 
 from mmseg_gf.accounting.measured import saved_tensor_bytes
 from mmseg_gf.models.lean import is_lean, make_lean, make_plain
-from mmseg_gf.ops.bit_mask.masks import masks as bit_mask
+from mmseg_gf.ops.bit_mask import masks as bit_mask
 from mmseg_gf.ops.frozen_norm import gpu as triton_norm
 from tests.helpers.devices import (DEVICE_PATHS, DEVICES, kernels_off,
                                    needs_cuda, on_path)

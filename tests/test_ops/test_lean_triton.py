@@ -11,7 +11,7 @@ that CPU tensors outside the interpreter never take them.
 import pytest
 import torch
 
-from mmseg_gf.ops.bit_mask.masks import masks as bit_mask, gpu as triton_bit_mask
+from mmseg_gf.ops.bit_mask import masks as bit_mask, gpu as triton_bit_mask
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.frozen_norm import gpu as triton_norm
 from tests.helpers.devices import needs_cuda

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from mmseg_gf.ops.bit_mask.masks import masks as bit_mask
+from mmseg_gf.ops.bit_mask import masks as bit_mask
 from mmseg_gf.ops.backend import native
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 
