@@ -23,7 +23,7 @@ OUT ?= work_dirs/gpu_check
 
 venv: $(STAMP) $(NATIVE_STAMP)
 
-$(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
+$(STAMP): setup.py pyproject.toml requirements/runtime.txt requirements/tests.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	# 1. torch first, pinned: a bare `torch` requirement pulls a CUDA build.
 	$(PIP) install torch==2.13.0 $(TORCH_INDEX)
@@ -35,7 +35,8 @@ $(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
 	MMCV_WITH_OPS=1 MAX_JOBS=$(JOBS) CFLAGS="$(CFLAGS) -g0" $(PIP) install --no-build-isolation mmcv==2.1.0
 	$(PIP) install mmsegmentation==1.2.2
 	$(PIP) install -r requirements/tests.txt
-	# 4. this package (editable); also compiles its optional CPU kernels.
+	# 4. this package (editable, without isolation: its CPU kernels compile
+	#    against the torch above; mmseg_gf/.mim links configs/ and tools/).
 	$(PIP) install --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import mmcv.ops, mmseg.utils, mmseg_gf; print('stack ok')"
 	touch $@
@@ -77,4 +78,4 @@ arm-check:
 	JOBS=$(JOBS) .ci/arm_check.sh $(ARM_TESTS)
 
 clean:
-	rm -rf $(VENV) work_dirs/demo data/demo build .arm/build mmseg_gf/_*.so
+	rm -rf $(VENV) work_dirs/demo data/demo build dist .arm/build mmseg_gf/_*.so mmseg_gf/.mim

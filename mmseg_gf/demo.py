@@ -71,7 +71,8 @@ def save_initial_checkpoint(config: str, work_dir: str,
     from mmengine.runner.checkpoint import (get_state_dict, save_checkpoint,
                                             weights_to_cpu)
     runner = build_runner(build_train_config(
-        config, work_dir=osp.join(work_dir, 'init'), cfg_options=cfg_options))
+        config, work_dir=osp.join(work_dir, 'init'), cfg_options=cfg_options),
+        log_config=False)
     runner.model.init_weights()
     path = osp.join(work_dir, 'iter_0.pth')
     save_checkpoint(
@@ -83,8 +84,9 @@ def save_initial_checkpoint(config: str, work_dir: str,
 
 def _evaluate(config: str, checkpoint: str, work_dir: str,
               cfg_options: Optional[Dict[str, Any]]) -> Dict[str, float]:
+    # the finetuning run logs the config; the evaluations name it
     run_in_subprocess(evaluate, config, checkpoint, work_dir=work_dir,
-                      cfg_options=cfg_options)
+                      cfg_options=cfg_options, log_config=False)
     with open(osp.join(work_dir, METRICS_FILE)) as f:
         return json.load(f)
 

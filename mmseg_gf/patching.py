@@ -18,7 +18,10 @@ keeps what undoes it exactly:
   ``__dict__`` held, so an earlier instance override survives;
 * :class:`Hooks` holds hook handles (lasting: removed by the owner's
   ``remove``; temporary: :meth:`Hooks.removed_after` removes them when the
-  block ends, also on an error).
+  block ends, also on an error);
+* :func:`set_entry` sets one key of another library's dict (mmengine's
+  ``MODULE2PACKAGE``, a registry's children); its undo puts back what the
+  dict held under the key, or removes it.
 
 Torch only, no mmseg: the lowest layer its users (ops included) allow.
 """
@@ -28,7 +31,8 @@ from typing import (Dict, Iterable, Iterator, List, NamedTuple, Optional,
 
 __all__ = ['PRIVATE_PREFIX', 'SWAP_MARKER', 'SwappedFrom', 'swapped_class',
            'swap_class', 'unswap_class', 'plain_class', 'is_swapped',
-           'override', 'overridden', 'Override', 'Hooks']
+           'override', 'overridden', 'Override', 'Hooks', 'set_entry',
+           'Entry']
 
 #: Every attribute this package sets on another library's object starts
 #: with it, so that none can clash with mmseg's or torch's own.
@@ -150,6 +154,33 @@ def overridden(owner, name: str, value) -> Iterator[None]:
         yield
     finally:
         undo()
+
+
+class Entry:
+    """The undo of one :func:`set_entry`: calling it puts back what
+    ``mapping`` held under ``key`` (``had_previous``: ``previous``), or
+    removes the key."""
+
+    def __init__(self, mapping, key, previous, had_previous: bool) -> None:
+        self.mapping = mapping
+        self.key = key
+        self.previous = previous
+        self.had_previous = had_previous
+
+    def __call__(self) -> None:
+        if self.had_previous:
+            self.mapping[self.key] = self.previous
+        else:
+            self.mapping.pop(self.key, None)
+
+
+def set_entry(mapping, key, value) -> Entry:
+    """Set ``mapping[key] = value`` in another library's dict (a table it
+    looks names up in); returns its undo. Undo in the reverse order."""
+    had_previous = key in mapping
+    undo = Entry(mapping, key, mapping.get(key), had_previous)
+    mapping[key] = value
+    return undo
 
 
 class Hooks:

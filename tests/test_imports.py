@@ -1,7 +1,7 @@
 """The import graph's contract: mmseg_gf is built in layers, lowest first.
 
-``LAYERS`` below is the one definition of the order (README's "Layout"
-section states it and points here)::
+``LAYERS`` below is the one definition of the order (docs/layout.md
+states it and points here)::
 
     mmseg_gf.ops         the math: no mmseg, mmcv or mmengine
     mmseg_gf.patching    the one module that changes other libraries' objects
@@ -78,6 +78,10 @@ COMPILED = {
     'mmseg_gf._bit_mask': 'mmseg_gf.ops',
     'mmseg_gf._resized_loss': 'mmseg_gf.ops',
 }
+# Modules at the package's root that belong to a layer: mmengine imports a
+# config scope's registries as ``<scope>.registry`` (mmseg_gf/registry.py
+# re-exports engine.scope's).
+ROOT_MODULES = {'mmseg_gf.registry': 'mmseg_gf.engine'}
 # ops, the bottom layer, must run without the OpenMMLab stack.
 OPS_EXTERNAL_FORBIDDEN = ('mmseg', 'mmcv', 'mmengine')
 # The scripts directory: above the package, never imported by it.
@@ -224,6 +228,8 @@ def component(module: str) -> Optional[str]:
     the root for ``mmseg_gf`` itself; None for one in no layer."""
     if module in COMPILED:
         return COMPILED[module]
+    if module in ROOT_MODULES:
+        return ROOT_MODULES[module]
     for part in LAYERS + tuple(STANDALONE):
         if module == part or module.startswith(part + '.'):
             return part

@@ -24,9 +24,17 @@ def chosen_layers_table(model: nn.Module,
                         choices: Sequence[Any],
                         batch: int = 1,
                         mode: str = 'gf',
-                        needs_input_grad: Optional[Dict[str, bool]] = None
-                        ) -> str:
+                        needs_input_grad: Optional[Dict[str, bool]] = None,
+                        classifiers: Sequence[Any] = ()) -> str:
     """The chosen layers with their geometry and backward costs.
+
+    Backward FLOPs are per image, the unit of the budget's
+    ``backward_gflops`` and of its logged line
+    (:meth:`~.step_profile.step_cost.StepCost.describe`); with the trained
+    classifiers given, their exact backward is a row of its own and part of
+    the total, as the budget counts it, so the two totals are one figure.
+    Saved activations are those of a step of ``batch`` images, as the
+    budget's "kept for backward".
 
     Args:
         model: the (unwrapped) segmentor, for trainable-parameter counts.
@@ -34,46 +42,58 @@ def chosen_layers_table(model: nn.Module,
             ``radius``, ``in_shape``, ``out_shape`` and ``geometry``, a
             :class:`~mmseg_gf.models.layer_kinds.LayerGeometry`, as
             :class:`~mmseg_gf.engine.selection.LayerChoice`).
-        batch: training batch size.
+        batch: training batch size (the saved columns).
         mode: 'gf' or 'vanilla' (shown in the title).
         needs_input_grad: path -> whether the layer computes ``g_x`` (its
             input depends on a trained layer). Default: every layer but the
             first in execution order (an upper bound: branches fed by
             frozen features need no ``g_x``).
+        classifiers: the trained classifiers that run in a training step
+            (``path``, ``module``, ``in_shape``, ``out_shape``, ``geometry``:
+            the trace's records), trained exactly in both modes.
     """
-    header = ('path', 'k/s/d/g', 'in->out', 'r', 'params', 'bwd vanilla',
-              'bwd GF', 'saved vanilla', 'saved GF')
+    header = ('path', 'k/s/d/g', 'in->out', 'r', 'params', 'bwd/img vanilla',
+              'bwd/img GF', 'saved vanilla', 'saved GF')
+    needs = needs_input_grad or {}
     rows: List[Sequence[str]] = []
     tot = [0, 0, 0, 0]
-    needs = needs_input_grad or {}
-    for i, c in enumerate(choices):
-        cost = c.geometry.cost(c.radius, batch=batch,
-                               need_input_grad=needs.get(c.path, i > 0))
-        params = sum(p.numel() for p in c.module.parameters()
-                     if p.requires_grad)
-        tot[0] += cost.vanilla_flops
-        tot[1] += cost.gf_flops
-        tot[2] += cost.vanilla_saved_bytes
-        tot[3] += cost.gf_saved_bytes
+    layers = [(c, c.radius, needs.get(c.path, i > 0), True)
+              for i, c in enumerate(choices)]
+    layers += [(c, 1, needs.get(c.path, True), False) for c in classifiers]
+    for c, radius, need_x, chosen in layers:
+        cost = c.geometry.cost(radius, need_input_grad=need_x)
+        saved = c.geometry.cost(radius, batch=batch, need_input_grad=need_x)
+        flops = (cost.vanilla_flops, cost.gf_flops if chosen else
+                 cost.vanilla_flops)
+        tot[0] += flops[0]
+        tot[1] += flops[1]
+        if chosen:
+            tot[2] += saved.vanilla_saved_bytes
+            tot[3] += saved.gf_saved_bytes
         rows.append((
             c.path, c.geometry.describe(),
             f'{c.in_shape[1]}x{c.in_shape[2]}->'
-            f'{c.out_shape[1]}x{c.out_shape[2]}', str(c.radius), str(params),
-            fmt_flops_short(cost.vanilla_flops),
-            fmt_flops_short(cost.gf_flops),
-            _log_mib(cost.vanilla_saved_bytes),
-            _log_mib(cost.gf_saved_bytes)))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            f'{c.out_shape[1]}x{c.out_shape[2]}',
+            str(radius) if chosen else 'exact', str(_trained(c.module)),
+            fmt_flops_short(flops[0]), fmt_flops_short(flops[1]),
+            _log_mib(saved.vanilla_saved_bytes) if chosen else '',
+            _log_mib(saved.gf_saved_bytes) if chosen else ''))
     rows.append(('total (+classifier/norm params)', '', '', '',
-                 str(trainable), fmt_flops_short(tot[0]),
+                 str(_trained(model)), fmt_flops_short(tot[0]),
                  fmt_flops_short(tot[1]), _log_mib(tot[2]),
                  _log_mib(tot[3])))
     noun = layers_noun(getattr(c, 'kind', CONV2D.name) for c in choices)
-    title = (f'Gradient filter ({mode}): {len(choices)} layers, batch '
-             f'{batch}, backward FLOPs / saved activations of the chosen '
-             f'{noun}')
+    title = (f'Gradient filter ({mode}): {len(choices)} layers; backward '
+             f'FLOPs per image of the chosen {noun}'
+             + (' and the trained classifier' + 's' * (len(classifiers) > 1)
+                if classifiers else '')
+             + f'; activations they save in a step of batch {batch}')
     return title + '\n' + format_table(header, rows, style='text',
                                        rule=False)
+
+
+def _trained(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
 def step_kept_table(step: StepSavedBytes, batch: int = 1) -> str:

@@ -309,7 +309,7 @@ class StepTracer:
         if self.operations is not None:
             # A custom Function's saved tensors are packed after its forward
             # returned, outside any operation: the lean losses name the
-            # logits each kept gradient belongs to (ops.kept_sources).
+            # logits each kept gradient belongs to (ops.lean.kept_sources).
             inputs = (kept_sources.sources_of(tensor)
                       or self.operations.tensors()
                       or [a for a in args if isinstance(a, torch.Tensor)])

@@ -76,7 +76,6 @@ def report_config(cfg: Config, args: argparse.Namespace) -> Dict[str, Any]:
     out.update(config=args.config, cost=cost.as_dict())
     step = config_step_saved_bytes(cfg, args.shape)
     if step is not None:
-        print(step.summary(args.batch))
         print(step_kept_table(step, args.batch))
         out['step_saved_bytes'] = dict(
             total=step.total(args.batch),

@@ -7,7 +7,10 @@ mmseg HOOKS),
 ``CPUAmpOptimWrapper`` (mmseg OPTIM_WRAPPERS) and
 ``CPUDistributedDataParallel`` (mmengine MODEL_WRAPPERS), and allows the
 data types of mmengine checkpoints in ``torch.load(weights_only=True)``
-through stand-ins that check them (:mod:`.checkpoint.safe_load`).
+through stand-ins that check them (:mod:`.checkpoint.safe_load`), makes
+checkpoint writes on the local disk atomic (temporary file, fsync, rename:
+:mod:`.checkpoint.atomic_write`) and installs the ``mmseg_gf`` config scope
+(:mod:`.scope`: ``_base_ = 'mmseg_gf::gf/...py'``).
 """
 from .cpu_amp import CPUAmpOptimWrapper, enable_amp
 from .config import build_grad_filter_model, check_settings, rewrite_config
@@ -18,7 +21,9 @@ from .layer_trace import LayerRecord, trace_layers
 from .selection import (LayerChoice, auto_radius, resolve_radius,
                         select_layers)
 from ..models.segmentor import set_frozen_norms_eval
+from .checkpoint.atomic_write import install_atomic_checkpoints
 from .checkpoint.safe_load import allow_mmengine_checkpoints
+from . import scope
 from .settings import GradientFilterSettings
 from .state import GradientFilterState, get_state
 from .surgery import apply_gradient_filter, get_gradient_filter_layers
@@ -35,3 +40,5 @@ __all__ = [
 ]
 
 allow_mmengine_checkpoints()
+install_atomic_checkpoints()
+scope.install()

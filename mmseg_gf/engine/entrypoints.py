@@ -17,14 +17,15 @@ from typing import Any, Callable, Dict, Optional
 
 from mmengine.config import Config
 from mmengine.logging import print_log
-from mmengine.runner import Runner, find_latest_checkpoint
+from mmengine.runner import Runner
 
 from .checkpoint import check_checkpoint_matches
+from .config_log import ConfigByNameRunner
 from .config import rewrite_config
 from .cpu_amp import enable_amp
 from .cpu_distributed import init_cpu_process_group, prepare_cpu_distributed
-from .checkpoint.safe_load import (check_checkpoint_file,
-                                   explain_refused_checkpoints)
+from .checkpoint.resume import find_resumable_checkpoint
+from .checkpoint.safe_load import explain_refused_checkpoints
 
 __all__ = [
     'load_config', 'resolve_resume', 'build_train_config', 'build_runner',
@@ -61,24 +62,28 @@ def load_config(config: str,
 
 
 def resolve_resume(cfg: Config, resume: bool) -> Config:
-    """``resume``: continue from the latest checkpoint in ``work_dir``.
+    """``resume``: continue from the newest checkpoint in ``work_dir`` that
+    loads.
 
     mmengine reads ``resume=True`` together with a ``load_from`` as "resume
     from load_from". A finetuning config's ``load_from`` is the pretrained
     model, so that would restart from it, or, with its ``meta`` iteration
     count (e.g. 80k of the original training), end at once. Here the latest
     checkpoint of this run wins; without one the run starts from
-    ``load_from`` as a fresh run would. The checkpoint resumed from passes
-    the loader's checks (names and declared costs,
-    :func:`.checkpoint.safe_load.check_checkpoint_file`) before mmengine's
-    ``torch.load`` reads it, as ``load_from`` does.
+    ``load_from`` as a fresh run would. The checkpoint is the one
+    ``last_checkpoint`` names if it loads through the plugin's loader
+    (names, declared costs, then the file read as data), else the newest
+    ``iter_*.pth`` / ``epoch_*.pth`` that does, with one warning naming the
+    skipped files (:func:`.checkpoint.resume.find_resumable_checkpoint`).
+
+    Raises:
+        NoResumableCheckpoint: the work dir has checkpoints and none loads.
     """
     cfg.resume = False
     if not resume:
         return cfg
-    latest = find_latest_checkpoint(cfg.work_dir)
+    latest = find_resumable_checkpoint(cfg.work_dir)
     if latest is not None:
-        check_checkpoint_file(latest)
         cfg.load_from = latest
         cfg.resume = True
     else:
@@ -109,12 +114,18 @@ def build_train_config(config: str,
     return rewrite_config(cfg)
 
 
-def build_runner(cfg: Config) -> Runner:
-    """The config's Runner (its ``runner_type`` if it names one)."""
+def build_runner(cfg: Config, log_config: bool = True) -> Runner:
+    """The config's Runner (its ``runner_type`` if it names one).
+
+    ``log_config=False``: the Runner logs the config's file name, not its
+    text (:class:`.config_log.ConfigByNameRunner`; a config naming its own
+    ``runner_type`` logs it as that Runner does), for a run whose config
+    another Runner of the same command has logged.
+    """
     if 'runner_type' in cfg:
         from mmseg.registry import RUNNERS
         return RUNNERS.build(cfg)
-    return Runner.from_cfg(cfg)
+    return (Runner if log_config else ConfigByNameRunner).from_cfg(cfg)
 
 
 def train(config: str, **kwargs) -> Runner:
@@ -186,16 +197,17 @@ def build_test_config(config: str,
     return prepare_cpu_distributed(cfg)
 
 
-def run_test(cfg: Config) -> Dict[str, float]:
+def run_test(cfg: Config, log_config: bool = True) -> Dict[str, float]:
     """Build a Runner from ``cfg`` and return its test metrics, also
-    written to ``<work_dir>/metrics.json`` by rank 0.
+    written to ``<work_dir>/metrics.json`` by rank 0 (``log_config``: as
+    :func:`build_runner`'s).
 
     The checkpoint must match the model exactly (mmengine would load it with
     ``strict=False`` and evaluate whatever weights did not load): a
     mismatch raises ValueError before anything is evaluated.
     """
     init_cpu_process_group(cfg)
-    runner = Runner.from_cfg(cfg)
+    runner = (Runner if log_config else ConfigByNameRunner).from_cfg(cfg)
     model = getattr(runner.model, 'module', runner.model)
     check_checkpoint_matches(model, cfg.load_from, setting='checkpoint',
                              allowed=None)
@@ -209,10 +221,13 @@ def run_test(cfg: Config) -> Dict[str, float]:
     return metrics
 
 
-def evaluate(config: str, checkpoint: str, **kwargs) -> Dict[str, float]:
+def evaluate(config: str, checkpoint: str, log_config: bool = True,
+             **kwargs) -> Dict[str, float]:
     """Test a checkpoint as ``tools/test.py`` does (``**kwargs``:
-    :func:`build_test_config`'s); returns the metrics."""
-    return run_test(build_test_config(config, checkpoint, **kwargs))
+    :func:`build_test_config`'s; ``log_config``: :func:`build_runner`'s);
+    returns the metrics."""
+    return run_test(build_test_config(config, checkpoint, **kwargs),
+                    log_config)
 
 
 def format_metrics(metrics: Dict[str, float]) -> str:

@@ -50,7 +50,7 @@ RadiusSetting = Union[int, str, Dict[str, Union[int, str]]]
 __all__ = [
     'LayerRecord', 'LayerChoice', 'trace_layers', 'select_layers',
     'auto_radius', 'resolve_radius', 'check_radius_paths',
-    'check_layer_kinds', 'has_grid', 'check_input_size', 'MAX_INPUT_SIDE'
+    'radius_over_map', 'check_layer_kinds', 'has_grid', 'check_input_size', 'MAX_INPUT_SIDE'
 ]
 
 
@@ -136,6 +136,25 @@ class LayerChoice:
         """Input-image pixels per output pixel of this layer (1, 2, 4,
         ...), by its map (a Swin window's Linear by the stage's map)."""
         return map_output_stride(self.input_hw, self.geometry.map_area)
+
+
+def radius_over_map(choice: LayerChoice) -> Optional[str]:
+    """Why ``choice``'s radius is larger than its output map at the traced
+    input size (a sentence naming the layer, the radius and the map), or
+    None when ``r`` is at most the map's height and width.
+
+    Such a radius is valid (the one patch along that side is the whole
+    side) but seldom what was meant: the layer's gradient is then averaged
+    over that whole side, whatever the radius beyond it."""
+    _, h, w = choice.out_shape
+    if choice.radius <= h and choice.radius <= w:
+        return None
+    crop = ('' if not choice.input_hw[0] else
+            f' at the {choice.input_hw[0]}x{choice.input_hw[1]} input')
+    return (f'gradient_filter radius {choice.radius} of {choice.path!r} is '
+            f'larger than its {h}x{w} output map{crop}: one patch covers '
+            f'the whole map along that side (patches that fit: radius '
+            f'{min(h, w)} or less)')
 
 
 def auto_radius(output_stride: int) -> int:

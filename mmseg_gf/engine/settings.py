@@ -8,7 +8,10 @@ all take the same settings. Each is one field of
 the key lists (:data:`SETTING_KEYS`, :data:`FLAGS`, :data:`SURGERY_FLAGS`)
 and the defaults (:data:`DEFAULTS`) are read off the fields, so a new
 setting is one field here (and a row of README's Settings table, which a
-test holds to the field list).
+test holds to the field list). ``GradFilterHook`` takes two more
+arguments of its own, declared here too with their defaults and docs
+(:data:`HOOK_OPTIONS`); :data:`ACCEPTED_KEYS` is everything the hook
+accepts.
 
 Every error names the setting, its value and what is allowed, and comes
 before any model is built.
@@ -24,7 +27,8 @@ from .surgery import check_mode
 __all__ = [
     'GradientFilterSettings', 'check_settings', 'SETTING_KEYS', 'FLAGS',
     'SURGERY_FLAGS', 'CHOICE_KEYS', 'DEFAULTS', 'DEFAULT_RADIUS',
-    'DEFAULT_INPUT_SIZE'
+    'DEFAULT_INPUT_SIZE', 'HookOption', 'HOOK_OPTIONS', 'ACCEPTED_KEYS',
+    'setting_docs'
 ]
 
 DEFAULT_RADIUS = 4
@@ -168,6 +172,40 @@ FLAGS: Tuple[str, ...] = tuple(k for k, f in _FIELDS.items()
 #: after it (``patch_mean_activations``: :mod:`.patch_mean_activations`).
 SURGERY_FLAGS: Tuple[str, ...] = tuple(k for k, f in _FIELDS.items()
                                        if f.metadata['surgery'])
+
+
+
+
+@dataclass(frozen=True)
+class HookOption:
+    """An argument ``GradFilterHook`` takes besides the settings: what the
+    hook does in the run, not which layers train."""
+
+    default: bool
+    doc: str
+
+
+#: ``GradFilterHook``'s own arguments, by name.
+HOOK_OPTIONS: Dict[str, HookOption] = {
+    'log_table': HookOption(
+        True, 'GradFilterHook: log the chosen layers\' cost table and what '
+        'the step keeps for backward at train start'),
+    'check_load_from': HookOption(
+        True, 'GradFilterHook: before the checkpoint is loaded, fail if '
+        'the load_from (or resumed) checkpoint does not exist or does not '
+        'match the model (docs/reliability.md)'),
+}
+#: Every keyword ``GradFilterHook`` accepts: the settings, then its own.
+ACCEPTED_KEYS: Tuple[str, ...] = SETTING_KEYS + tuple(HOOK_OPTIONS)
+
+
+def setting_docs() -> Dict[str, Tuple[Any, str]]:
+    """Every accepted key -> ``(default, doc)``, in
+    :data:`ACCEPTED_KEYS` order (what a settings reference is written
+    from)."""
+    out = {k: (f.default, f.metadata['doc']) for k, f in _FIELDS.items()}
+    out.update({k: (o.default, o.doc) for k, o in HOOK_OPTIONS.items()})
+    return out
 
 
 def _check(out: Dict[str, Any], keys: Sequence[str]) -> None:

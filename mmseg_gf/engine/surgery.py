@@ -5,8 +5,10 @@ The swap shares Parameters (the kind's ``from_plain``:
 ``GFConv2d.from_conv``), so ``state_dict`` keys and values are unchanged
 and an optimizer built before the swap stays valid.
 """
+import logging
 from typing import List, Optional, Sequence
 
+from mmengine.logging import print_log
 from torch import nn
 
 from ..models.layer_kinds import kind_of, layer_kinds, traced_kind_of
@@ -14,7 +16,7 @@ from ..models.segmentor import (classifier_paths, set_frozen_norms_eval,
                                 unwrap_model)
 from .frozen_aux_heads import skip_frozen_aux_heads
 from .lean_region import apply_lean_region
-from .selection import LayerChoice
+from .selection import LayerChoice, radius_over_map
 from .state import GradientFilterState, get_state, set_state
 
 __all__ = ['MODES', 'check_mode', 'apply_gradient_filter',
@@ -92,6 +94,8 @@ def apply_gradient_filter(model: nn.Module,
         return get_state(model).layers
     if not choices:
         raise ValueError('gradient_filter: no layer selected')
+    if mode == 'gf':
+        warn_radius_over_map(choices)
     _swap_chosen_layers(model, choices, enabled=mode == 'gf')
     _freeze_all_but(model, choices, train_norm)
     set_state(model, GradientFilterState(
@@ -104,6 +108,17 @@ def apply_gradient_filter(model: nn.Module,
         apply_lean_region(model)
     set_frozen_norms_eval(model)
     return list(choices)
+
+
+def warn_radius_over_map(choices: Sequence[LayerChoice]) -> None:
+    """A warning (mmengine's current logger) for each chosen layer whose
+    radius is larger than its output map (:func:`.selection.radius_over_map`):
+    an 8x8 crop leaves a 2x2 map at 1/4 of it, where r = 4 would train
+    without a word."""
+    for choice in choices:
+        reason = radius_over_map(choice)
+        if reason is not None:
+            print_log(reason, logger='current', level=logging.WARNING)
 
 
 def _swap_chosen_layers(model: nn.Module, choices: Sequence[LayerChoice],

@@ -160,7 +160,7 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
                                        bias).squeeze(0)
         out = self._filtered_conv(input, weight, bias)
         # what an elementwise op after it may rely on (its g_y is read as
-        # patch means on these patches; ops.patch_mean_activation)
+        # patch means on these patches; ops.linear.patch_mean_activation)
         return tag_output(out, PatchPartition.conv_map(self.radius,
                                                        *out.shape[-2:]))
 

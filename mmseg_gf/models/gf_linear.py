@@ -146,7 +146,7 @@ class GFLinear(FilteredLayer, nn.Linear):
         out = gradient_filtered_linear(input, self.weight, self.bias, grid,
                                        self.radius, self.token_dim)
         # what an elementwise op after it may rely on (its g_y is read as
-        # patch means on these patches; ops.patch_mean_activation)
+        # patch means on these patches; ops.linear.patch_mean_activation)
         return tag_output(out, self._partition(grid, out))
 
     def _partition(self, grid: TokenGrid, t: Tensor) -> PatchPartition:

@@ -53,10 +53,11 @@ activations, a trained PReLU; ``Dropout2d``, whose noise is already one
 value per channel).
 """
 import functools
-from typing import Optional, Type
+from typing import Callable, Optional, Set, Type
 
 import torch
 import torch.nn.functional as F
+from mmengine.logging import print_log
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -67,6 +68,7 @@ from ..ops.lean.functions import (FrozenAffineNormFunction, FrozenConvFunction,
                                   MaskedActivationFunction,
                                   MaskedDropoutFunction,
                                   ShapeOnlyAdaptiveAvgPoolFunction)
+from ..ops.function_output import AliasedOutputError
 from ..ops.lean.activation import (HARDSIGMOID_SLOPE,
                                    PiecewiseLinearActivationFunction,
                                    clamp_bits, hardsigmoid_bits)
@@ -96,7 +98,7 @@ except ImportError:  # no mmcv: torch's own kinds only
 
 __all__ = [
     'make_lean', 'make_plain', 'is_lean', 'lean_kind', 'frozen_conv_is_lean',
-    'LEAN_KINDS'
+    'lean_or_plain', 'LEAN_KINDS'
 ]
 
 #: What :func:`lean_kind` returns for a module that has a lean variant.
@@ -107,6 +109,34 @@ LEAN_KINDS = ('norm', 'activation', 'dropout', 'pool', 'loss',
 
 def _recording(x: Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad
+
+
+_FALLBACKS_LOGGED: Set[str] = set()
+
+
+def lean_or_plain(module: nn.Module, lean: Callable[[], Tensor],
+                  plain: Callable[[], Tensor]) -> Tensor:
+    """``lean()`` (the module's lean Function), or ``plain()`` (its plain
+    forward) for good where the lean one cannot give its output to its
+    caller as a tensor of its own
+    (:class:`~mmseg_gf.ops.function_output.AliasedOutputError`: a view of
+    its input, which an in-place use downstream would corrupt). The
+    fallback is logged once per module class; the plain forward keeps what
+    autograd keeps, and computes the same numbers."""
+    if module.__dict__.get('_gf_lean_off') is not None:
+        return plain()
+    if torch.compiler.is_compiling():
+        return lean()
+    try:
+        return lean()
+    except AliasedOutputError as error:
+        module._gf_lean_off = str(error)
+        name = type(module).__name__
+        if name not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(name)
+            print_log(f'lean: {name} runs its plain forward (autograd keeps '
+                      f'what it keeps): {error}', logger='current')
+        return plain()
 
 
 class _LeanFrozenNorm:
@@ -129,15 +159,18 @@ class _LeanFrozenNorm:
         if (not _recording(x) or self.training or self.running_var is None
                 or any(p.requires_grad for p in self.parameters())):
             return super().forward(x)
+        plain = super().forward
         if triton_norm.usable(x):  # the factor is taken in the backward
-            return FrozenBatchNormFunction.apply(
-                x, self.running_var, self.weight, float(self.eps),
-                super().forward)
+            return lean_or_plain(self, lambda: FrozenBatchNormFunction.apply(
+                x, self.running_var, self.weight, float(self.eps), plain),
+                lambda: plain(x))
         var = self.running_var.float()
         scale = torch.rsqrt(var + self.eps)
         if self.weight is not None:
             scale = scale * self.weight.detach().float()
-        return FrozenAffineNormFunction.apply(x, scale, super().forward)
+        return lean_or_plain(
+            self, lambda: FrozenAffineNormFunction.apply(x, scale, plain),
+            lambda: plain(x))
 
 
 class _LeanActivation:
@@ -153,9 +186,10 @@ class _LeanActivation:
         if not _recording(x) or (self.inplace and x._base is not None):
             return super().forward(x)
         formula, *args = self.mask_arguments()
+        plain = super().forward
         # formula: on the Triton path the output and the mask in one pass
-        return MaskedActivationFunction.apply(x, super().forward, *args,
-                                              bool(self.inplace), formula)
+        return lean_or_plain(self, lambda: MaskedActivationFunction.apply(
+            x, plain, *args, bool(self.inplace), formula), lambda: plain(x))
 
     def _out_of_place(self, x: Tensor) -> Tensor:
         """The activation of ``x`` into a new tensor, lean where recorded:
@@ -191,9 +225,11 @@ class _LeanHardsigmoid:
     def forward(self, x: Tensor) -> Tensor:
         if not _recording(x) or (self.inplace and x._base is not None):
             return super().forward(x)
-        return PiecewiseLinearActivationFunction.apply(
-            x, super().forward, hardsigmoid_bits, None, _times_one_sixth,
-            bool(self.inplace))
+        plain = super().forward
+        return lean_or_plain(self, lambda: PiecewiseLinearActivationFunction
+                             .apply(x, plain, hardsigmoid_bits, None,
+                                    _times_one_sixth, bool(self.inplace)),
+                             lambda: plain(x))
 
 
 def _times_one_sixth(g: Tensor) -> Tensor:
@@ -209,8 +245,10 @@ class _LeanHSigmoid:
     def forward(self, x: Tensor) -> Tensor:
         if not _recording(x):
             return super().forward(x)
-        return PiecewiseLinearActivationFunction.apply(
-            x, super().forward, self._bits, None, self._divide, False)
+        plain = super().forward
+        return lean_or_plain(self, lambda: PiecewiseLinearActivationFunction
+                             .apply(x, plain, self._bits, None,
+                                    self._divide, False), lambda: plain(x))
 
     def _bits(self, x: Tensor) -> Tensor:
         # the value mmcv clamps, computed by the same operations
@@ -229,8 +267,10 @@ class _LeanPReLU:
         if (not _recording(x) or self.weight.requires_grad or x.dim() < 2
                 or self.weight.numel() not in (1, x.shape[1])):
             return super().forward(x)
-        return PiecewiseLinearActivationFunction.apply(
-            x, super().forward, _positive_bits, self.weight, None, False)
+        plain = super().forward
+        return lean_or_plain(self, lambda: PiecewiseLinearActivationFunction
+                             .apply(x, plain, _positive_bits, self.weight,
+                                    None, False), lambda: plain(x))
 
 
 def _positive_bits(x: Tensor) -> Tensor:
@@ -292,7 +332,10 @@ class _LeanAdaptiveAvgPool:
         if not _recording(x) or x.dim() != 4 or x.shape[-2:] == (1, 1) \
                 or self._pools_to_one(x):
             return super().forward(x)
-        return ShapeOnlyAdaptiveAvgPoolFunction.apply(x, super().forward)
+        plain = super().forward
+        return lean_or_plain(
+            self, lambda: ShapeOnlyAdaptiveAvgPoolFunction.apply(x, plain),
+            lambda: plain(x))
 
     def _pools_to_one(self, x: Tensor) -> bool:
         size = self.output_size
@@ -412,9 +455,10 @@ class _LeanFrozenConv:
         if (not _recording(x) or not _frozen(weight, bias) or x.dim() != 4
                 or x.numel() == 0 or not frozen_conv_is_lean(self)):
             return plain(x, weight, bias)
-        return FrozenConvFunction.apply(
+        return lean_or_plain(self, lambda: FrozenConvFunction.apply(
             x, weight, lambda t: plain(t, weight, bias), self.stride,
-            self.padding, self.dilation, self.groups)
+            self.padding, self.dilation, self.groups),
+            lambda: plain(x, weight, bias))
 
 
 class _LeanFrozenLinear:
@@ -423,7 +467,10 @@ class _LeanFrozenLinear:
     def forward(self, x: Tensor) -> Tensor:
         if not _recording(x) or not _frozen(self.weight, self.bias):
             return super().forward(x)
-        return FrozenLinearFunction.apply(x, self.weight, super().forward)
+        plain = super().forward
+        return lean_or_plain(
+            self, lambda: FrozenLinearFunction.apply(x, self.weight, plain),
+            lambda: plain(x))
 
 
 _MIXINS = {'norm': _LeanFrozenNorm, 'activation': _LeanActivation,

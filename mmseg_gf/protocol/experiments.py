@@ -37,10 +37,14 @@ __all__ = [
     'set_data', 'rescale_schedule'
 ]
 
-#: The repository's ``configs`` directory (the package is installed
-#: editable from the repository).
-CONFIG_DIR = osp.join(
-    osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))), 'configs')
+#: The package's ``configs``: ``mmseg_gf/.mim/configs`` where the package
+#: ships them (a wheel; an editable install links the checkout's), else
+#: the checkout's ``configs`` (a checkout on ``PYTHONPATH``).
+_PACKAGE_DIR = osp.dirname(osp.dirname(osp.abspath(__file__)))
+CONFIG_DIR = next(
+    (d for d in (osp.join(_PACKAGE_DIR, '.mim', 'configs'),
+                 osp.join(osp.dirname(_PACKAGE_DIR), 'configs'))
+     if osp.isdir(d)), osp.join(osp.dirname(_PACKAGE_DIR), 'configs'))
 
 ZOO = 'https://download.openmmlab.com/mmsegmentation/v0.5/'
 

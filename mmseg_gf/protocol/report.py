@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..accounting.format import format_table
 
-__all__ = ['Row', 'summarize', 'write_report', 'mean_std', 'fmt_mean_std']
+__all__ = ['Row', 'summarize', 'write_report', 'mean_std', 'fmt_mean_std',
+           'plot_results_csv']
 
 METRICS = ('mIoU', 'mAcc', 'best_mIoU', 'best_mAcc')
 
@@ -134,10 +135,48 @@ def _markdown(title: str, notes: Sequence[str], rows: List[Row]) -> str:
     return '\n'.join(lines) + '\n'
 
 
+#: One plotted strategy: mode (``calib``, ``classifier``, ``vanilla``,
+#: ``gf``), method, radius, GFLOPs, #layers, mIoU mean, mIoU std.
+Point = tuple
+
+
 def _plot(path: str, title: str, rows: List[Row]) -> Optional[str]:
     """mIoU (final, mean +- std) vs backward GFLOPs on a log axis;
     calibration (and classifier-only) as horizontal lines. None if
     matplotlib is missing."""
+    points = []
+    for row in rows:
+        mean, std = mean_std(row.values('mIoU'))
+        if mean is not None:
+            points.append((row.cost['mode'], row.method, row.cost['radius'],
+                           row.cost['gflops'], row.cost['layers'], mean,
+                           std))
+    return _plot_points(path, title, points)
+
+
+def plot_results_csv(csv_path: str, png_path: str,
+                     title: str) -> Optional[str]:
+    """:func:`write_report`'s plot again, from its ``results.csv`` alone
+    (``tools/plot_results.py``: the README's figure); None if matplotlib is
+    missing."""
+    modes = {method: mode for mode, method in (
+        ('calib', 'Calibration'), ('classifier', 'Classifier only'),
+        ('vanilla', 'Vanilla BP'), ('gf', 'Ours'))}
+    points = []
+    with open(csv_path, newline='') as f:
+        for r in csv.DictReader(f):
+            if not r['mIoU_mean']:
+                continue
+            points.append((modes.get(r['method'], r['method']), r['method'],
+                           r['radius'], float(r['gflops']), r['layers'],
+                           float(r['mIoU_mean']),
+                           float(r['mIoU_std']) if r['mIoU_std'] else None))
+    return _plot_points(png_path, title, points)
+
+
+def _plot_points(path: str, title: str,
+                 points: List[Point]) -> Optional[str]:
+    """The plot of :func:`_plot` for ``points``."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -148,23 +187,17 @@ def _plot(path: str, title: str, rows: List[Row]) -> Optional[str]:
     # One series per method and patch size (Fig. 4: Baseline, Ours-R2,
     # Ours-R4), its points joined in order of cost.
     series: Dict[str, List] = {}
-    for row in rows:
-        mean, std = mean_std(row.values('mIoU'))
-        if mean is None:
-            continue
-        mode = row.cost['mode']
+    for mode, method, radius, gflops, layers, mean, std in points:
         if mode in ('calib', 'classifier'):  # no conv trained: a line
             ax.axhline(mean, ls='--' if mode == 'calib' else ':',
                        color='gray', lw=1)
-            ax.annotate(row.method, (0.01, mean), xycoords=(
+            ax.annotate(method, (0.01, mean), xycoords=(
                 'axes fraction', 'data'), va='bottom', fontsize=8,
                 color='gray')
             continue
-        label = row.method if mode != 'gf' else (
-            f'{row.method} r={row.cost["radius"]}')
+        label = method if mode != 'gf' else f'{method} r={radius}'
         series.setdefault(label, []).append(
-            (max(row.cost['gflops'], 1e-6), mean, std or 0.0,
-             str(row.cost['layers'])))
+            (max(gflops, 1e-6), mean, std or 0.0, str(layers)))
     markers = 'o^sDvP*X'
     plotted = False
     for i, (label, points) in enumerate(series.items()):

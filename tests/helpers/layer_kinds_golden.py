@@ -117,7 +117,10 @@ def model_text(name: str, analyze_cost) -> str:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         analyze_cost.main(argv)
-    out += ['---- analyze_cost', buf.getvalue().rstrip()]
+    # mmengine's log lines (time-stamped warnings) are not the tool's text
+    printed = [line for line in buf.getvalue().rstrip().split('\n')
+               if ' - mmengine - ' not in line]
+    out += ['---- analyze_cost', '\n'.join(printed)]
 
     cfg = analyze_cost.load_config(analyze_cost.parse_args(argv))
     cfg.gradient_filter = dict(cfg.gradient_filter, layer_kinds=LAYER_KINDS)

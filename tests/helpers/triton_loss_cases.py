@@ -110,7 +110,7 @@ def test_launches_per_image(monkeypatch):
     run = _count(lambda: resized_loss._per_image_triton(
         *on_device, 255, False, None, True, False, False),
         triton_loss_kernels, _KERNELS)
-    # the upsampling's backward: on CUDA two GEMMs (ops.bilinear_gemm)
+    # the upsampling's backward: on CUDA two GEMMs (ops.resize.gemm)
     per_image = ['upsample_bilinear2d'] + (
         ['upsample_bilinear2d_backward'] if DEVICE == 'cpu' else
         ['mm', 'bmm'])

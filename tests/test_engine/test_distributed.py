@@ -89,7 +89,7 @@ def test_ddp_tools_train_matches_single_process(workspace, tmp_path,
     assert changed_modules(ranks[0]['state'],
                            workspace['init_state']) == PSP5
     assert 'Gradient filter (gf): 5 layers' in log  # the cost table
-    assert 'kept for backward by the whole step' in log
+    assert 'Kept for backward by the whole step' in log
 
     single = _single(cfg_path, str(out / 'work_single'), monkeypatch)
     info = torch.load(osp.join(out, 'rank0.pth'))

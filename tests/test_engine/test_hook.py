@@ -89,16 +89,56 @@ def test_cost_table_input_grads():
     table = chosen_layers_table(model, choices, batch=2, needs_input_grad=needs)
     lines = table.splitlines()
     assert len(lines) == 2 + 5 + 1
+    assert 'FLOPs per image' in lines[0] and 'batch 2' in lines[0]
     assert lines[-1].startswith('total')
-    assert 'decode_head.bottleneck.conv' in lines[-2]
-    # bottleneck 1024->128, 3x3, 8x8, batch 2: vanilla g_x + g_W =
-    # 2 * 2*2*128*64*1024*9 = 603.98M; GF (r=2, 16 patches):
-    # 2 * 2*2*128*1024*16 + g_y means 2*128*64 + tap sums 128*1024*9 = 17.97M
-    assert '603.98M' in lines[-2] and '17.97M' in lines[-2]
-    # saved: x is 2*1024*8*8 fp32 = 0.50MiB; patch sums 1/4 of it
-    assert '0.50MiB' in lines[-2] and '0.12MiB' in lines[-2]
-    # first PSP branch (1x1 map, frozen input): only g_W, 2*2*128*512
-    assert '0.26M        0.26M' in lines[2]
+    cells = lines[-2].split()
+    assert cells[0] == 'decode_head.bottleneck.conv'
+    # FLOPs per image. bottleneck 1024->128, 3x3, 8x8: vanilla g_x + g_W =
+    # 2 * 2*128*64*1024*9 = 301.99M; GF (r=2, 16 patches):
+    # 2 * 2*128*1024*16 + g_y means 128*64 + tap sums 128*1024*9 = 9.58M
+    assert cells[5:7] == ['301.99M', '9.58M']
+    # saved in a step of batch 2: x is 2*1024*8*8 fp32 = 0.50MiB; patch
+    # sums 1/4 of it
+    assert cells[7:9] == ['0.50MiB', '0.12MiB']
+    # first PSP branch (1x1 map, frozen input): only g_W, 2*128*512
+    assert lines[2].split()[5:7] == ['0.13M', '0.13M']
+
+
+class _Lines:
+    """A runner whose logger keeps its lines (no config: batch 1)."""
+
+    cfg = None
+
+    def __init__(self):
+        self.lines = []
+        self.logger = SimpleNamespace(info=self.lines.append)
+
+
+def test_budget_line_and_cost_table_state_one_figure_per_image():
+    """The budget's "backward GFLOPs per image" is the table's GF total:
+    both per image, both with the classifier's exact backward."""
+    from mmseg_gf.accounting.format import fmt_flops_short
+    from mmseg_gf.engine.config import select_and_apply
+    from mmseg_gf.engine.settings import check_settings
+    from mmseg_gf.engine.state import get_state
+    from mmseg_gf.engine.surgery import get_gradient_filter_layers
+    torch.manual_seed(0)
+    model = build_model('pspnet_r18')
+    settings = check_settings(dict(budget=dict(saved_mib=1000, radii=[4])))
+    select_and_apply(model, settings, INPUT, batch=1)
+    budget = get_state(model).budget
+    runner = _Lines()
+    GradFilterHook._log_cost(runner, model, get_gradient_filter_layers(model))
+    table = runner.lines[0].strip().splitlines()
+    classifier = next(line for line in table
+                      if line.startswith('decode_head.conv_seg'))
+    assert classifier.split()[3] == 'exact'
+    total = table[-1].split()
+    assert total[-3] == fmt_flops_short(budget.cost.backward_flops)
+    assert 'per image' in budget.summary()
+    kept = [line for line in runner.lines
+            if 'kept for backward' in line.lower()]
+    assert len(kept) == 1, runner.lines  # the step's table, once
 
 
 # ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """mmseg_gf.engine.settings: one declaration of each gradient-filter
 setting, which the config rewrite, the model builder, GradFilterHook, the
-cost tool's reading of a hook and README's Settings table all follow."""
+cost tool's reading of a hook and docs/settings.md's tables all follow."""
+import inspect
 import re
 from pathlib import Path
 
@@ -12,10 +13,11 @@ from mmengine.config import Config  # noqa: E402
 
 from mmseg_gf.analysis.cost_cli import hook_settings  # noqa: E402
 from mmseg_gf.engine import GradFilterHook  # noqa: E402
-from mmseg_gf.engine.settings import (DEFAULTS, FLAGS,  # noqa: E402
+from mmseg_gf.engine.settings import (ACCEPTED_KEYS,  # noqa: E402
+                                      DEFAULTS, FLAGS, HOOK_OPTIONS,
                                       SETTING_KEYS, SURGERY_FLAGS,
                                       GradientFilterSettings,
-                                      check_settings)
+                                      check_settings, setting_docs)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,13 +36,49 @@ def test_keys_flags_and_defaults_come_from_the_fields():
                              'log_frozen_aux_losses')
 
 
-def test_every_setting_has_a_doc_and_a_readme_row():
+def _table_keys(doc: str, header: str):
+    """The first-column names of the markdown table under ``header``."""
+    table = doc.split(header, 1)[1].split('\n\n', 1)[0]
+    return re.findall(r'^\| `(\w+)` \|', table, flags=re.M)
+
+
+def test_every_setting_has_a_doc_and_one_row_in_the_docs():
     fields = GradientFilterSettings.__dataclass_fields__
     assert all(f.metadata['doc'] for f in fields.values())
-    readme = (REPO / 'README.md').read_text()
-    table = readme.split('### Settings', 1)[1].split('\n## ', 1)[0]
-    rows = re.findall(r'^\| `(\w+)` \|', table, flags=re.M)
+    doc = (REPO / 'docs' / 'settings.md').read_text()
+    rows = _table_keys(doc, '| key | values | meaning |')
     assert sorted(rows) == sorted(SETTING_KEYS)
+    assert all(f'### `{key}`' in doc for key in SETTING_KEYS)
+
+
+def test_the_hooks_own_arguments_have_one_row_in_the_docs():
+    own = [name for name, p in inspect.signature(
+        GradFilterHook.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    doc = (REPO / 'docs' / 'settings.md').read_text()
+    assert own and sorted(_table_keys(
+        doc, '| argument | values | meaning |')) == sorted(own)
+
+
+def test_every_accepted_key_is_declared_with_a_doc_and_in_the_docs():
+    """What GradFilterHook accepts: the settings and its own two options,
+    each declared with its default and a doc, each named in README.md or
+    docs/ (the hook's defaults are the declared ones)."""
+    import inspect
+    assert ACCEPTED_KEYS == SETTING_KEYS + ('log_table', 'check_load_from')
+    docs = setting_docs()
+    assert tuple(docs) == ACCEPTED_KEYS
+    assert all(isinstance(doc, str) and len(doc) > 20
+               for _, doc in docs.values())
+    signature = inspect.signature(GradFilterHook.__init__).parameters
+    for key, option in HOOK_OPTIONS.items():
+        assert signature[key].default is option.default
+        assert docs[key] == (option.default, option.doc)
+    text = (REPO / 'README.md').read_text() + ''.join(
+        p.read_text() for p in sorted((REPO / 'docs').rglob('*.md')))
+    missing = [k for k in ACCEPTED_KEYS
+               if not re.search(rf'`[^`\n]*\b{k}\b[^`\n]*`', text)]
+    assert not missing, f'not in README.md or docs/: {missing}'
 
 
 def test_the_dataclass_checks_and_normalises_when_made():

@@ -3,6 +3,8 @@
 Every test goes through real mmseg segmentors (tiny inputs, plain BN, no
 auxiliary head, batch 2 so the PSP / ASPP pooling branches can train).
 """
+import logging
+
 import pytest
 import torch
 
@@ -193,3 +195,28 @@ def test_efficient_conv_bn_eval_uses_filter():
     exact = torch.autograd.grad(
         torch.nn.functional.conv2d(x2, fused_w, fused_b, padding=1), x2, gy)
     assert not torch.allclose(exact[0], gx)
+
+
+def test_a_radius_larger_than_a_map_is_a_warning_once_per_layer(
+        monkeypatch):
+    """At a 32x32 input, PSPNet's pyramid convs run on 1x1, 2x2, 3x3 and
+    6x6 maps and the bottleneck on 4x4: r = 4 exceeds the first three,
+    each named once; the vanilla mode, which filters nothing, says
+    nothing."""
+    from mmseg_gf.engine import surgery
+    lines = []
+    monkeypatch.setattr(surgery, 'print_log',
+                        lambda msg, **kw: lines.append((msg, kw['level'])))
+    for mode in ('vanilla', 'gf'):
+        model = build_model('pspnet_r18')
+        choices = select_layers(model, num_layers=5, radius=4,
+                                input_size=(32, 32))
+        apply_gradient_filter(model, choices, mode=mode)
+        apply_gradient_filter(model, choices, mode=mode)  # idempotent
+        if mode == 'vanilla':
+            assert lines == []
+    assert [line.split("'")[1] for line, _ in lines] == [
+        f'decode_head.psp_modules.{i}.1.conv' for i in range(3)]
+    assert all(level == logging.WARNING for _, level in lines)
+    assert 'radius 4' in lines[0][0] and '1x1 output map' in lines[0][0]
+    assert 'at the 32x32 input' in lines[0][0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops.resize.bilinear import gemm as bilinear_gemm
+from mmseg_gf.ops.resize import gemm as bilinear_gemm
 from mmseg_gf.ops.backend import switches
 from mmseg_gf.ops.backend.device_path import as_on_cuda
 from mmseg_gf.ops.resize.bilinear import BilinearResizeFunction

@@ -170,7 +170,7 @@ _FLOATS = ('scale', 'off_scale', 'eps', 'lo', 'hi')
 
 
 def _kernel_and_meta(name, geometry):
-    from mmseg_gf.ops.bit_mask.masks import kernels as triton_bit_mask_kernels
+    from mmseg_gf.ops.bit_mask import kernels as triton_bit_mask_kernels
     from mmseg_gf.ops.conv_block import kernels as triton_conv_block_kernels
     from mmseg_gf.ops.backend import triton_kernels
     from mmseg_gf.ops.conv import products_kernels as triton_products
@@ -304,8 +304,8 @@ def test_package_runs_without_triton():
     unavailable and computes filtered gradients (pure PyTorch / C++)."""
     code = '\n'.join([
         'import sys', 'sys.modules["triton"] = None',
-        'import torch', 'from mmseg_gf.ops import gradient_filtered_conv2d, '
-        'triton_path',
+        'import torch', 'from mmseg_gf.ops import gradient_filtered_conv2d',
+        'from mmseg_gf.ops.backend import triton_path',
         'assert not triton_path.installed() and not triton_path.enabled()',
         'x = torch.randn(1, 2, 6, 6, requires_grad=True)',
         'w = torch.randn(3, 2, 3, 3, requires_grad=True)',

@@ -168,3 +168,13 @@ def test_hooks_are_removed_on_an_error():
 
 def test_private_attributes_share_one_prefix():
     assert patching.SWAP_MARKER.startswith(patching.PRIVATE_PREFIX)
+
+
+def test_set_entry_and_its_undo_put_back_what_the_dict_held():
+    table = dict(kept=1)
+    undo_new = patching.set_entry(table, 'added', 2)
+    undo_old = patching.set_entry(table, 'kept', 3)
+    assert table == dict(kept=3, added=2)
+    undo_old()
+    undo_new()
+    assert table == dict(kept=1)

@@ -201,7 +201,7 @@ def test_undeclared_and_foreign_switches_are_refused():
     with pytest.raises(KeyError, match='native.recycle_limit'):
         switches.value('MMSEG_GF_RECYCLE_MB')
     with pytest.raises(KeyError, match='setup.py'):
-        switches.override(MMSEG_GF_BUILD_NATIVE=False).__enter__()
+        switches.override(MMSEG_GF_UNITY_BUILD=False).__enter__()
 
 
 def _names_in_sources():
@@ -243,5 +243,5 @@ def test_every_setter_exists():
 def test_the_doc_is_the_list():
     doc = (REPO / 'docs/switches.md').read_text()
     assert switches.markdown() in doc, (
-        'docs/switches.md: paste python -c "from mmseg_gf.ops import '
+        'docs/switches.md: paste python -c "from mmseg_gf.ops.backend import '
         'switches; print(switches.markdown())"')

@@ -1,5 +1,5 @@
 """tools/benchmark_step.py: whole steps next to inference, with peak and
-saved bytes (tiny crop here; the real figures are in the README)."""
+saved bytes (tiny crop here; the real figures are in docs/results.md)."""
 import json
 import os.path as osp
 

@@ -14,15 +14,16 @@ from typing import Any, Optional, Sequence
 
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
-from mmengine.runner import find_latest_checkpoint
 from mmseg.registry import HOOKS
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ...accounting.report import chosen_layers_table, step_kept_table
 from ...accounting.trace import trace_step_saved_bytes
-from ...models.segmentor import set_frozen_norms_eval, unwrap_model
+from ...models.segmentor import (is_classifier, set_frozen_norms_eval,
+                                 unwrap_model)
 from ..checkpoint import check_checkpoint_matches
+from ..checkpoint.resume import find_resumable_checkpoint
 from ..compile_settings import describe, model_compile_setting
 from ..config import (default_batch_size, default_input_size,
                       default_optimizer, select_and_apply)
@@ -30,8 +31,8 @@ from ..cpu_memory import keep_freed_cpu_memory
 from ..ddp import rewrap_ddp
 from ..layer_trace import trace_layers
 from ..selection import LayerChoice
-from ..settings import (CHOICE_KEYS, DEFAULT_INPUT_SIZE, SETTING_KEYS,
-                        check_settings)
+from ..settings import (ACCEPTED_KEYS, CHOICE_KEYS, DEFAULT_INPUT_SIZE,
+                        HOOK_OPTIONS, SETTING_KEYS, check_settings)
 from ..state import get_state
 from ..surgery import get_gradient_filter_layers
 from ..train_log import (PEAK_KEY, PeakResidentMemory, logged_now,
@@ -80,21 +81,24 @@ class GradFilterHook(Hook):
         check_load_from: before the checkpoint is loaded, fail if the
             ``load_from`` (or resumed) checkpoint does not exist or does not
             match the model (see :func:`check_checkpoint_matches`).
+
+    ``log_table`` and ``check_load_from`` are declared with their defaults
+    and docs in :data:`~mmseg_gf.engine.settings.HOOK_OPTIONS`.
     """
 
     priority = 'ABOVE_NORMAL'
 
     def __init__(self,
                  *,
-                 log_table: bool = True,
-                 check_load_from: bool = True,
+                 log_table: bool = HOOK_OPTIONS['log_table'].default,
+                 check_load_from: bool = HOOK_OPTIONS[
+                     'check_load_from'].default,
                  **settings: Any) -> None:
         unknown = sorted(set(settings) - set(SETTING_KEYS))
         if unknown:
-            allowed = list(SETTING_KEYS) + ['log_table', 'check_load_from']
             raise ValueError(
                 f'GradFilterHook: unknown argument(s) {unknown}; '
-                f'allowed: {allowed}')
+                f'allowed: {list(ACCEPTED_KEYS)}')
         self.configured = any(
             settings.get(k) is not None for k in CHOICE_KEYS)
         self.settings = check_settings(
@@ -109,17 +113,21 @@ class GradFilterHook(Hook):
         after ``before_run``) and check the checkpoint to be loaded,
         before anything is trained.
 
-        ``before_run`` precedes the Runner's ``load_or_resume``.
+        ``before_run`` precedes the Runner's ``load_or_resume``. A run
+        with ``resume=True`` and no ``load_from`` resumes from the newest
+        checkpoint of its work dir that loads
+        (:func:`~..checkpoint.resume.find_resumable_checkpoint`), where
+        mmengine takes whatever ``last_checkpoint`` names.
         """
         _set_compile_setting(runner,
                              self.configured and self.settings['lean'])
-        if not self.check_load_from:
-            return
         load_from = getattr(runner, '_load_from', None)
         resume = bool(getattr(runner, '_resume', False))
         if resume and load_from is None:
-            load_from = find_latest_checkpoint(runner.work_dir)
-        if load_from is None:
+            load_from = find_resumable_checkpoint(runner.work_dir,
+                                                  logger=runner.logger)
+            runner._load_from = load_from
+        if load_from is None or not self.check_load_from:
             return
         model = unwrap_model(runner.model)
         check_checkpoint_matches(
@@ -182,14 +190,15 @@ class GradFilterHook(Hook):
         size = choices[0].input_hw if choices[0].input_hw[0] else (
             DEFAULT_INPUT_SIZE)
         # One forward with autograd on: which chosen convs get an input
-        # that needs a gradient (they compute g_x; the others do not).
-        needs = {
-            r.path: r.input_requires_grad
-            for r in trace_layers(model, size, grad=True)
-        }
+        # that needs a gradient (they compute g_x; the others do not), and
+        # the trained classifiers (the budget's FLOPs count them too).
+        records = trace_layers(model, size, grad=True)
+        needs = {r.path: r.input_requires_grad for r in records}
+        classifiers = [r for r in records if r.inference and is_classifier(
+            r.path) and any(p.requires_grad for p in r.module.parameters())]
         state = get_state(model)
         runner.logger.info('\n' + chosen_layers_table(
-            model, choices, batch, state.mode, needs))
+            model, choices, batch, state.mode, needs, classifiers))
         if state.patch_mean_gelus:
             runner.logger.info(
                 f'{len(state.patch_mean_gelus)} GELU(s) between two filtered '
@@ -197,7 +206,6 @@ class GradFilterHook(Hook):
                 ', '.join(state.patch_mean_gelus))
         if state.lean:
             step = trace_step_saved_bytes(model, size)
-            runner.logger.info(step.summary(batch))
             runner.logger.info('\n' + step_kept_table(step, batch))
 
     def before_train_iter(self, runner, batch_idx: int,

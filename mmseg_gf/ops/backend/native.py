@@ -27,20 +27,74 @@ graph runs them as eager mode does; in eager mode they are called
 directly, without the dispatcher's round trip.
 """
 import contextlib
-from typing import List, Optional, Tuple
+import warnings
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import switches
 
+#: The compiled modules setup.py builds, each with what it makes faster.
+KERNELS = {
+    '_patch_ops': 'the filtered convs and Linears',
+    '_bit_mask': "the lean region's bit masks",
+    '_resized_loss': 'the loss on upsampled logits',
+}
+#: module name -> why it did not import (:func:`kernel_missing`).
+_missing: Dict[str, str] = {}
+_warned = False
+
+
+class KernelsMissingWarning(UserWarning):
+    """The compiled CPU kernels are not built: the PyTorch path runs."""
+
+
+def kernel_missing(name: str, error: ImportError) -> None:
+    """Record that the compiled module ``mmseg_gf.<name>`` did not import
+    (its loader then takes the PyTorch path), for
+    :func:`warn_if_kernels_missing`."""
+    _missing[name] = str(error)
+
+
+def missing_kernels() -> Dict[str, str]:
+    """The compiled modules that did not import, each with its error."""
+    return dict(_missing)
+
+
+def warn_if_kernels_missing() -> bool:
+    """Warn once per process (:class:`KernelsMissingWarning`) where a
+    compiled module is missing, naming the slower path and how to build
+    them; silent where they are off on purpose (``MMSEG_GF_NATIVE=0`` or
+    ``MMSEG_GF_BUILD_NATIVE=0``). Returns whether it warned. The package's
+    import calls it, once every loader has run."""
+    global _warned
+    if _warned or not _missing or not switches.value('MMSEG_GF_NATIVE') \
+            or not switches.value('MMSEG_GF_BUILD_NATIVE'):
+        return False
+    _warned = True
+    names = ', '.join(f'mmseg_gf.{name} ({KERNELS[name]})'
+                      for name in _missing)
+    warnings.warn(
+        f'mmseg_gf: compiled CPU kernels not built: {names}; the slower '
+        'pure-PyTorch path runs (same results). Build them where torch is '
+        'installed: `pip install --no-build-isolation --no-deps -e .` in '
+        'the repository (or `python setup.py build_ext --inplace`). '
+        'MMSEG_GF_NATIVE=0 or MMSEG_GF_BUILD_NATIVE=0 silences this. '
+        f'Import error: {next(iter(_missing.values()))}',
+        KernelsMissingWarning, stacklevel=2)
+    return True
+
+
 try:
     from ... import _patch_ops as _kernels
-except ImportError:  # not built: pure-PyTorch path
+except ImportError as _error:  # not built: pure-PyTorch path
     _kernels = None
+    kernel_missing('_patch_ops', _error)
 
 __all__ = [
-    'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
+    'KERNELS', 'KernelsMissingWarning', 'kernel_missing', 'missing_kernels',
+    'warn_if_kernels_missing', 'available', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
     'filtered_conv2d', 'fused_backward_calls',
     'built', 'recycle_limit', 'recycled_bytes', 'release_recycled',
     'recycling_off',

@@ -18,7 +18,8 @@ The switches whose value Python reads go through :func:`value`:
   restored afterwards.
 
 The rest are declared for the list's sake: ``setup.py`` reads its build
-switches itself (it must run before torch is importable), the C++ output
+switches itself (``MMSEG_GF_BUILD_NATIVE`` is also read through
+:func:`value`, by the import's warning about missing kernels) (it must run before torch is importable), the C++ output
 pool reads ``MMSEG_GF_RECYCLE_MB`` when it starts, and some toggles live in
 compiled code or in glibc; :func:`value` refuses those and names the
 function that changes them. A switch whose state lives in compiled code
@@ -108,7 +109,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch('MMSEG_GF_RESIZE_GEMM', True, bool,
            'Bilinear resizes of the lean loss and heads on CUDA as two '
            "matrix products (`0`: torch's resize kernels; ops/"
-           'bilinear_gemm.py says why).', on_unless_zero),
+           'resize/gemm.py says why).', on_unless_zero),
     Switch('TRITON_INTERPRET', False, bool,
            "Triton's own interpreter switch (triton reads it too); read "
            'when `mmseg_gf` is imported, it lets CPU tensors take the '
@@ -126,8 +127,10 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            'What any checkpoint may declare, whatever its size.',
            setter='mmseg_gf.engine.checkpoint.load_bounds.set_load_limit'),
     Switch('MMSEG_GF_BUILD_NATIVE', True, bool,
-           'Build the compiled CPU kernels at install (`0`: skip them).',
-           on_unless_zero, reader='setup.py'),
+           'Build the compiled CPU kernels at install (`0`: skip them; '
+           'setup.py reads it itself). Read at import too: `0` there '
+           'silences the warning that the kernels are missing.',
+           on_unless_zero),
     Switch('MMSEG_GF_UNITY_BUILD', True, bool,
            "Compile `_patch_ops` as one translation unit (`0`: its files "
            'one by one).', on_unless_zero, reader='setup.py'),

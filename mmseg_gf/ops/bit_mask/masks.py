@@ -29,12 +29,13 @@ from torch import Tensor
 
 from ..backend import switches
 from . import gpu as triton_bit_mask
-from ..backend.native import empty_for_writing
+from ..backend.native import empty_for_writing, kernel_missing
 
 try:
     from ... import _bit_mask as _kernels
-except ImportError:  # not built: PyTorch fallback
+except ImportError as _error:  # not built: PyTorch fallback
     _kernels = None
+    kernel_missing('_bit_mask', _error)
 
 __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
            'layout_of', 'activate_and_pack']

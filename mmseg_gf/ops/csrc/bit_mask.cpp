@@ -3,7 +3,7 @@
 // forward keeps that bit instead of the full float tensor (1/32 of the bytes
 // of a float32 map).
 //
-// Layout (shared with the PyTorch fallback in mmseg_gf/ops/bit_mask.py):
+// Layout (shared with the PyTorch fallback in mmseg_gf/ops/bit_mask/masks.py):
 // element i of the tensor in memory order is bit (i % 8) of byte (i / 8);
 // the last byte's unused bits are 0.
 //

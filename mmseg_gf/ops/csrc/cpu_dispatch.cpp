@@ -5,7 +5,7 @@
 // all three dimensions are at least kOneDnnMinDim, and only when at most
 // kOneDnnMaxCopyBytes of transposed operand must be made contiguous first.
 // Everything else is one MKL batched GEMM. set_onednn_products() overrides
-// the CPU test (mmseg_gf.ops.native.set_onednn_products).
+// the CPU test (mmseg_gf.ops.backend.native.set_onednn_products).
 //
 // The reason: torch's matmuls call MKL, which takes its AVX2 code on every
 // AMD CPU, while oneDNN runs AVX-512 wherever it exists. Only where 512-bit

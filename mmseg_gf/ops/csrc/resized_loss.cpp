@@ -1,7 +1,7 @@
 // Softmax cross-entropy of bilinearly upsampled logits (or the sum of
 // per-class binary cross-entropies on one-hot labels), with its gradient
 // w.r.t. the low-resolution logits: the extension module
-// mmseg_gf._resized_loss, wrapped by mmseg_gf/ops/resized_loss.py.
+// mmseg_gf._resized_loss, wrapped by mmseg_gf/ops/resized_loss/loss.py.
 //
 // A segmentation loss upsamples N x C x h x w logits to the label's H x W
 // and takes a per-pixel cross-entropy. Here the upsampled logits exist one

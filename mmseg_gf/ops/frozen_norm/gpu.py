@@ -32,6 +32,7 @@ from torch.autograd.function import once_differentiable
 
 from ..backend import triton_path
 from ..backend.triton_path import _is_fake, _on_device
+from ..function_output import owned_output
 
 __all__ = ['usable', 'FrozenBatchNormFunction', 'reference_norm',
            'unchanged_norm', 'layer_norm_usable',
@@ -93,7 +94,7 @@ class FrozenBatchNormFunction(Function):
                 eps: float, normalize: Callable[[Tensor], Tensor]) -> Tensor:
         reference_norm(ctx, running_var, weight)
         ctx.eps = float(eps)
-        return normalize(x)
+        return owned_output(normalize(x), x)
 
     @staticmethod
     @once_differentiable

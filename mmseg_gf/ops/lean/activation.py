@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from ..bit_mask import masks as bit_mask
+from ..function_output import owned_output
 
 __all__ = ['PiecewiseLinearActivationFunction', 'hardsigmoid_bits',
            'clamp_bits', 'HARDSIGMOID_SLOPE']
@@ -78,7 +79,7 @@ class PiecewiseLinearActivationFunction(Function):
         else:
             ctx.save_for_backward(bits, slope)
         ctx.finish = finish
-        return y
+        return y if inplace else owned_output(y, x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

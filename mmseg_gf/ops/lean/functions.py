@@ -33,6 +33,7 @@ from torch.autograd import Function
 
 from ..bit_mask import masks as bit_mask
 from ..backend.native import empty_for_writing
+from ..function_output import owned_output
 
 __all__ = [
     'FrozenAffineNormFunction', 'MaskedActivationFunction',
@@ -54,7 +55,7 @@ class FrozenAffineNormFunction(Function):
     def forward(ctx, x: Tensor, scale: Tensor,
                 normalize: Callable[[Tensor], Tensor]) -> Tensor:
         ctx.save_for_backward(scale)
-        return normalize(x)
+        return owned_output(normalize(x), x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -109,7 +110,7 @@ class MaskedActivationFunction(Function):
             y = x
         ctx.save_for_backward(bits)
         ctx.off_scale = off_scale
-        return y
+        return y if inplace else owned_output(y, x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -157,7 +158,7 @@ class ShapeOnlyAdaptiveAvgPoolFunction(Function):
     def forward(ctx, x: Tensor, pool: Callable[[Tensor], Tensor]) -> Tensor:
         ctx.geometry = (tuple(x.shape), tuple(x.stride()), x.dtype,
                         x.device)
-        return pool(x)
+        return owned_output(pool(x), x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -217,7 +218,7 @@ class FrozenConvFunction(Function):
         out = conv(x)
         ctx.geometry = (tuple(x.shape), x.dtype, out.dtype, tuple(stride),
                         tuple(padding), tuple(dilation), int(groups))
-        return out
+        return owned_output(out, x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -244,7 +245,7 @@ class FrozenLinearFunction(Function):
         _frozen_weight(ctx, weight)
         out = linear(x)
         ctx.dtypes = (x.dtype, out.dtype)
-        return out
+        return owned_output(out, x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -40,6 +40,7 @@ from torch.autograd.function import once_differentiable
 from ..backend import native
 from . import gpu as triton_linear
 from ..patch_grid import AxisGeometry, autocast_off, check_radius
+from ..function_output import owned_output
 
 #: How the grid's tokens are laid out in a Linear's input (last dim: C).
 #: ``'tokens'``: one token axis of ``extra_tokens + H*W + trailing_tokens``
@@ -434,7 +435,7 @@ class GradientFilterLinearFunction(torch.autograd.Function):
         ctx.layout = layout
         ctx.input_shape = x.shape
         ctx.input_dtype = x.dtype
-        return out
+        return owned_output(out, x, weight, bias)
 
     @staticmethod
     @once_differentiable

@@ -41,10 +41,13 @@ from ..backend.device_path import host_checks
 from ..loss.gradients import forward_graph
 from ..backend.triton_path import _is_fake
 
+from ..backend.native import kernel_missing
+
 try:
     from ... import _resized_loss as _kernel
-except ImportError:  # not built: the PyTorch path
+except ImportError as _error:  # not built: the PyTorch path
     _kernel = None
+    kernel_missing('_resized_loss', _error)
 
 __all__ = ['ResizedCrossEntropy', 'BatchTotals', 'accuracy',
            'resized_cross_entropy', 'kernel_usable',
