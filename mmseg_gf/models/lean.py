@@ -52,9 +52,11 @@ backward needs its input; any other GELU, Sigmoid, HSwish and other smooth
 activations, a trained PReLU; ``Dropout2d``, whose noise is already one
 value per channel).
 """
+import functools
 from typing import Callable, Optional, Set, Type
 
 import torch
+import torch.nn.functional as F
 from mmengine.logging import print_log
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -73,7 +75,8 @@ from ..ops.lean.activation import (HARDSIGMOID_SLOPE,
 from ..ops.lean.pool import (MAX_WINDOW, ShapeOnlyAvgPoolFunction,
                              WindowOffsetMaxPoolFunction)
 from ..patching import is_swapped, plain_class, swap_class, unswap_class
-from ..ops.resize.bilinear import strided_gradient_resizes
+from ..ops.resize.bilinear import (strided_gradient_resizes,
+                                   traced_rule_applies)
 from ..ops.frozen_norm.gpu import FrozenBatchNormFunction
 from ..ops.resized_loss.loss import LabelRangeError
 from .conv_block import conv_block_mixin
@@ -181,6 +184,10 @@ class _LeanActivation:
     def forward(self, x: Tensor) -> Tensor:
         # A view modified in place needs autograd's own view bookkeeping
         # (a view has a _base: what _is_view() says, in a form Dynamo traces).
+        if torch.compiler.is_compiling() and self.inplace:
+            # traced: out of place, so that no graph input is mutated
+            # (CUDA graphs skip a graph that mutates one)
+            return self._out_of_place(x)
         if not _recording(x) or (self.inplace and x._base is not None):
             return super().forward(x)
         formula, *args = self.mask_arguments()
@@ -188,6 +195,22 @@ class _LeanActivation:
         # formula: on the Triton path the output and the mask in one pass
         return lean_or_plain(self, lambda: MaskedActivationFunction.apply(
             x, plain, *args, bool(self.inplace), formula), lambda: plain(x))
+
+    def _out_of_place(self, x: Tensor) -> Tensor:
+        """The activation of ``x`` into a new tensor, lean where recorded:
+        the same numbers as the in-place call."""
+        formula, lo, hi, nan_bit, off_scale = self.mask_arguments()
+        if formula == 'scale':
+            activate = functools.partial(F.leaky_relu,
+                                         negative_slope=off_scale)
+        elif hi is None:
+            activate = F.relu
+        else:
+            activate = functools.partial(F.hardtanh, min_val=lo, max_val=hi)
+        if not _recording(x):
+            return activate(x)
+        return MaskedActivationFunction.apply(x, activate, lo, hi, nan_bit,
+                                              off_scale, False, formula)
 
     def mask_arguments(self) -> tuple:
         """``(formula, lo, hi, nan_bit, off_scale)``: its formula and mask
@@ -327,6 +350,14 @@ class _LeanAdaptiveAvgPool:
         return tuple(out) == (1, 1)
 
 
+def _traced_resize_rule(inputs) -> bool:
+    """Whether a traced head's resizes of ``inputs`` (its feature maps)
+    take :func:`~mmseg_gf.ops.resize.bilinear.traced_rule_applies`."""
+    tensors = inputs if isinstance(inputs, (tuple, list)) else [inputs]
+    return any(isinstance(t, Tensor) and traced_rule_applies(t)
+               for t in tensors)
+
+
 def _recording_any(logits) -> bool:
     tensors = logits if isinstance(logits, (tuple, list)) else [logits]
     return all(isinstance(t, Tensor) for t in tensors) and any(
@@ -351,10 +382,11 @@ class _LeanLossHead:
 
     def loss(self, *args, **kwargs):
         if torch.compiler.is_compiling():
-            # traced: no classifier capture. The resizes' backward stays
-            # torch's one operator: Inductor's C++ backend fails to
-            # generate the scatter of its decomposition into a 1 x 1 map
-            # (PSPNet's pyramid branch of scale 1) in the lean graph
+            # traced: no classifier capture; the resizes' rule on CPU
+            # tensors only (ops.resize.bilinear.traced_rule_applies), no
+            # torch function mode in a graph on CUDA's path
+            if not _traced_resize_rule(args[0] if args else None):
+                return super().loss(*args, **kwargs)
             with strided_gradient_resizes():
                 return super().loss(*args, **kwargs)
         # its bilinear resizes read a concatenation's channel slice of

@@ -28,7 +28,6 @@ from mmengine.logging import print_log
 from torch import Tensor, nn
 
 from ..patching import overridden, plain_class
-from ..ops.resized_loss.loss import operator_usable
 from ..ops.loss.fused_classifier import (ConvSpec, FusedClassifierLossFunction,
                                          channel_scaled_classifier,
                                          is_pointwise)
@@ -376,16 +375,17 @@ def traced_head_losses(head: nn.Module, seg_logits,
                        batch_data_samples) -> Dict[str, Tensor]:
     """``head.loss_by_feat`` as ``torch.compile`` traces it (no classifier
     fusion: its saved-tensor hooks and patched forwards do not trace).
-    mmseg's cross-entropy by the compiled kernel's operator
-    (``mmseg_gf::resized_cross_entropy``), keeping the loss's gradient
-    w.r.t. the logits, where :func:`chunkable_losses` allows, without a
-    pixel sampler, on logits the kernel takes
-    (:func:`~mmseg_gf.ops.resized_loss.loss.operator_usable`); otherwise the
-    head's own ``loss_by_feat``, as the plain model traces it."""
+    mmseg's cross-entropy where :func:`chunkable_losses` allows, without a
+    pixel sampler: by a kernel's operator
+    (``mmseg_gf::resized_cross_entropy``: the compiled CPU kernel or the
+    Triton one, :func:`~mmseg_gf.ops.resized_loss.loss.operator_usable`),
+    keeping the loss's gradient w.r.t. the logits, else by PyTorch
+    operators; its accuracy from the hits, with no data-dependent shape
+    (mmseg's breaks the graph). Otherwise the head's own
+    ``loss_by_feat``, as the plain model traces it."""
     specs = chunkable_losses(head) if _has_base_loss(head) else None
     if (specs is None or ohem_sampler_spec(head) is not None
-            or not isinstance(seg_logits, Tensor)
-            or not operator_usable(seg_logits)):
+            or not isinstance(seg_logits, Tensor)):
         return _plain_loss_by_feat(head)(seg_logits, batch_data_samples)
     return chunked_cross_entropy_losses(head, seg_logits, batch_data_samples,
                                         specs)

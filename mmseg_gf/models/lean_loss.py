@@ -37,7 +37,8 @@ from torch import Tensor, nn
 
 from ..ops.loss.gradients import KeptGradientLossFunction, LogitGradients
 from ..ops.resized_loss.loss import (BatchTotals, accuracy, check_labels,
-                                     resized_cross_entropy,
+                                     operator_usable, resized_cross_entropy,
+                                     traced_pytorch_cross_entropy,
                                      traced_resized_cross_entropy)
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
@@ -179,9 +180,11 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
     mass = None if classes is None else classes.sum()
     dtype = torch.promote_types(logits.dtype, torch.float32)
     if traced:
-        loss, hits = traced_resized_cross_entropy(
-            logits, label, ignore_index=ignore_index,
-            align_corners=align_corners, weight=weight, sigmoid=sigmoid)
+        form = traced_resized_cross_entropy if operator_usable(logits) \
+            else traced_pytorch_cross_entropy
+        loss, hits = form(logits, label, ignore_index=ignore_index,
+                          align_corners=align_corners, weight=weight,
+                          sigmoid=sigmoid)
         return loss.sum().to(dtype), None, hits.sum().float(), mass, None
     out = resized_cross_entropy(logits, label, ignore_index=ignore_index,
                                 align_corners=align_corners, weight=weight,
@@ -249,9 +252,10 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
     gradient basis (a loss name's gradient is a multiple of it), so one
     summed cross-entropy serves them all. ``sampler``: the head's
     :data:`SamplerSpec`, if any. Runs under the caller's autocast (the
-    compiled kernel only without it). ``traced`` (``torch.compile``, the
-    kernel usable, no sampler): the values are differentiable w.r.t.
-    ``logits`` through the kernel's operator form, no bases are returned."""
+    compiled kernel only without it). ``traced`` (``torch.compile``, no
+    sampler): the values are differentiable w.r.t. ``logits`` through a
+    kernel's operator form where one takes the logits, else through
+    PyTorch operators; no bases are returned."""
     logits = logits if traced else logits.detach()
     sampled = None if sampler is None else _sampled_pixels(
         logits, label, align_corners, ignore_index, sampler)

@@ -180,3 +180,33 @@ def test_lean_loss_values_match_the_pytorch_path(avg_non_ignore):
     assert got.mix == want.mix
     torch.testing.assert_close(got.bases[0].cpu(), want.bases[0],
                                rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('sigmoid', [False, True])
+def test_operator_takes_the_triton_kernel(sigmoid):
+    """``mmseg_gf::resized_cross_entropy`` on the Triton path: opcheck (its
+    fake and autograd formula included), and under ``torch.compile``
+    (``fullgraph=True``) the eager Triton path's loss, hits and gradient."""
+    logits, label, weight = _on_device(*_case(2, 5, 4, 3, (9, 7)))
+    assert resized_loss.operator_usable(logits)
+    logits.requires_grad_()
+    torch.library.opcheck(torch.ops.mmseg_gf.resized_cross_entropy,
+                          (logits, label, weight, 255, False, sigmoid))
+    scale = torch.tensor([1.0, 3.0], dtype=torch.float64, device=DEVICE)
+
+    def loss(z):
+        total, hits = resized_loss.traced_resized_cross_entropy(
+            z, label, weight=weight, sigmoid=sigmoid)
+        return total * scale, hits
+
+    torch._dynamo.reset()
+    got, hits = torch.compile(loss, backend='aot_eager',
+                              fullgraph=True)(logits)
+    grad, = torch.autograd.grad(got.sum(), logits)
+    ref = resized_cross_entropy(logits, label, weight=weight,
+                                sigmoid=sigmoid)
+    assert ref.totals is not None  # eager mode took the Triton kernel
+    torch.testing.assert_close(got, ref.loss * scale)
+    assert torch.equal(hits, ref.hits)
+    torch.testing.assert_close(grad, ref.grad * scale.float().view(
+        2, 1, 1, 1))

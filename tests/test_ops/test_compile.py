@@ -243,6 +243,21 @@ def test_bit_mask_operators_pass_opcheck():
                           (torch.randn(3, 5, 7), bits, 0.1))
 
 
+
+@pytest.mark.skipif(not bit_mask.native_available(),
+                    reason='compiled bit-mask kernels not built')
+def test_bit_mask_operators_take_an_input_stored_otherwise():
+    """A traced graph may hand the operators a tensor stored otherwise
+    than its trace said (a CPU convolution of one channels-last image
+    returns NCHW): they read it in its logical order."""
+    x = torch.randn(1, 4, 3, 5).permute(0, 2, 3, 1)  # not contiguous
+    bits = torch.ops.mmseg_gf.pack_mask(x, 0.0, 6.0, True)
+    assert torch.equal(bits, bit_mask.pack(x.contiguous(), 0.0, 6.0))
+    grad = torch.randn(1, 4, 3, 5).permute(0, 2, 3, 1)
+    torch.testing.assert_close(
+        torch.ops.mmseg_gf.apply_mask(grad, bits, 0.1),
+        bit_mask.apply(grad.contiguous(), bits, 0.1), rtol=0, atol=0)
+
 @LOSS_KERNEL
 @pytest.mark.parametrize('sigmoid', [False, True])
 def test_resized_loss_operator(sigmoid):

@@ -53,7 +53,9 @@ def _native(t: Tensor) -> bool:
 
 @torch.library.custom_op('mmseg_gf::pack_mask', mutates_args=())
 def _pack_op(x: Tensor, lo: float, hi: float, nan_bit: bool) -> Tensor:
-    return _kernels.pack_mask(x, lo, hi, nan_bit)
+    # contiguous where traced; a real input may be stored otherwise (a CPU
+    # convolution of one image returns NCHW where the trace said NHWC)
+    return _kernels.pack_mask(x.contiguous(), lo, hi, nan_bit)
 
 
 @_pack_op.register_fake
@@ -68,7 +70,7 @@ def _apply_native(grad: Tensor, bits: Tensor, off_scale: float) -> Tensor:
 
 @torch.library.custom_op('mmseg_gf::apply_mask', mutates_args=())
 def _apply_op(grad: Tensor, bits: Tensor, off_scale: float) -> Tensor:
-    return _apply_native(grad, bits, off_scale)
+    return _apply_native(grad.contiguous(), bits, off_scale)
 
 
 @_apply_op.register_fake
@@ -115,8 +117,15 @@ def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
         if torch.compiler.is_compiling():  # the operator: no autograd
             return _pack_op(x.detach(), float(lo), upper, bool(nan_bit))
         return _kernels.pack_mask(x, float(lo), upper, bool(nan_bit))
-    flat = x.detach().reshape(-1) if x.is_contiguous() else \
-        x.detach().contiguous().reshape(-1)
+    if torch.compiler.is_compiling():
+        # a copy in the graph: a traced reshape would be a view wherever
+        # the traced strides say contiguous, and an operator's real output
+        # may be stored otherwise (a CPU convolution of one image)
+        flat = x.detach().clone(memory_format=torch.contiguous_format)
+        flat = flat.view(-1)
+    else:
+        flat = x.detach().reshape(-1) if x.is_contiguous() else \
+            x.detach().contiguous().reshape(-1)
     if flat.element_size() < 4:  # compare as the kernels do, in float32
         flat = flat.float()
     bits = flat > lo

@@ -36,10 +36,11 @@ from torch.overrides import TorchFunctionMode
 
 from . import gemm as bilinear_gemm
 from ..backend import native
+from ..backend.device_path import acting_as_cuda
 from ..backend.native import empty_for_writing
 
 __all__ = ['BilinearResizeFunction', 'bilinear_resize_backward',
-           'strided_gradient_resizes']
+           'strided_gradient_resizes', 'traced_rule_applies']
 
 _INTERPOLATE = inspect.signature(F.interpolate)
 
@@ -90,6 +91,20 @@ def _native_dtype(grad: Tensor) -> bool:
     """The compiled CPU kernel takes ``grad``."""
     return (native.available() and grad.device.type == 'cpu'
             and grad.dtype in (torch.float32, torch.float64))
+
+
+def traced_rule_applies(x: Tensor) -> bool:
+    """Whether, under ``torch.compile``, resizes of tensors on ``x``'s
+    device run as :class:`BilinearResizeFunction`: on CPU tensors (its
+    backward is the compiled kernel's operator, or torch's kernel as one
+    operator: Inductor's C++ backend fails to generate the scatter of its
+    decomposition into a 1 x 1 map, PSPNet's pyramid branch of scale 1),
+    not on CUDA's path (inside :func:`~.device_path.as_on_cuda` too),
+    where the Function's traced backward is torch's own, which the graph
+    gets without routing the call: a traced caller there leaves
+    :func:`strided_gradient_resizes` out, so no torch function mode runs
+    inside the graph."""
+    return x.device.type == 'cpu' and not acting_as_cuda()
 
 
 def _compiled(grad: Tensor) -> bool:

@@ -52,7 +52,8 @@ except ImportError as _error:  # not built: the PyTorch path
 __all__ = ['ResizedCrossEntropy', 'BatchTotals', 'accuracy',
            'resized_cross_entropy', 'kernel_usable',
            'triton_usable', 'check_labels', 'LabelRangeError',
-           'traced_resized_cross_entropy', 'operator_usable']
+           'traced_resized_cross_entropy', 'operator_usable',
+           'traced_pytorch_cross_entropy']
 
 #: ``triton_loss_kernels.MAX_CLASSES`` (not imported: it imports triton).
 _MAX_CLASSES = 2048
@@ -122,13 +123,19 @@ def kernel_usable(logits: Tensor) -> bool:
     """Whether the compiled kernel takes ``logits``: built, not switched
     off (``MMSEG_GF_NATIVE=0``), float32 on the CPU, eager mode, no
     autocast (under autocast the PyTorch path runs, as mmseg's loss does)."""
-    return operator_usable(logits) and not torch.compiler.is_compiling()
+    return _cpu_kernel_takes(logits) and not torch.compiler.is_compiling()
 
 
 def operator_usable(logits: Tensor) -> bool:
-    """Whether :func:`traced_resized_cross_entropy` (the kernel as an
-    operator, also under ``torch.compile``) takes ``logits``: as
-    :func:`kernel_usable`, in eager mode or traced."""
+    """Whether :func:`traced_resized_cross_entropy` (a kernel as an
+    operator, also under ``torch.compile``) takes ``logits``: the compiled
+    CPU kernel's conditions (:func:`kernel_usable`, in eager mode or
+    traced), or the Triton kernel's (:func:`triton_usable`, traced too:
+    CUDA logits, or CPU logits under triton's interpreter)."""
+    return _cpu_kernel_takes(logits) or _triton_takes(logits)
+
+
+def _cpu_kernel_takes(logits: Tensor) -> bool:
     return (_kernel is not None
             and switches.value('MMSEG_GF_NATIVE')
             and logits.device.type == 'cpu'
@@ -136,15 +143,19 @@ def operator_usable(logits: Tensor) -> bool:
             and not torch.is_autocast_enabled('cpu'))
 
 
+def _triton_takes(logits: Tensor) -> bool:
+    return (triton_path.takes_device(logits)
+            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and 0 < logits.shape[1] <= _MAX_CLASSES)
+
+
 def triton_usable(logits: Tensor) -> bool:
     """Whether the Triton kernel takes ``logits`` (float32 / float16 /
     bfloat16 CUDA tensors in eager mode, at most
     ``triton_loss_kernels.MAX_CLASSES`` classes, the Triton path switched
     on: :func:`triton_path.takes_device`)."""
-    return (triton_path.takes_device(logits)
-            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and 0 < logits.shape[1] <= _MAX_CLASSES
-            and not torch.compiler.is_compiling() and not _is_fake(logits))
+    return (_triton_takes(logits) and not torch.compiler.is_compiling()
+            and not _is_fake(logits))
 
 
 def _check(logits: Tensor, label: Tensor, weight: Optional[Tensor]) -> None:
@@ -443,15 +454,18 @@ def _resized_cross_entropy_op(logits: Tensor, label: Tensor,
                               weight: Optional[Tensor], ignore_index: int,
                               align_corners: bool,
                               sigmoid: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """The compiled kernel's ``(loss, hits, grad)`` as one operator, opaque
-    to ``torch.compile``: the compiled step calls the kernel eager mode
-    calls, so no upsampled logits exist there either. The kernel only (an
-    operator's kernel runs with autograd's dispatch keys excluded, so the
-    PyTorch path's ``autograd.grad`` cannot run inside it): callers check
-    :func:`operator_usable` first."""
-    out = resized_cross_entropy(logits, label, ignore_index=ignore_index,
-                                align_corners=align_corners, weight=weight,
-                                sigmoid=sigmoid, use_kernel=True)
+    """A kernel's ``(loss, hits, grad)`` as one operator, opaque to
+    ``torch.compile``: the compiled step calls the kernel eager mode
+    calls (the Triton kernel where :func:`triton_usable`, else the
+    compiled CPU kernel), so no upsampled logits outlive one image there
+    either, and the step syncs with the host no more than eager's. The
+    kernels only (an operator's kernel runs with autograd's dispatch keys
+    excluded, so the PyTorch path's ``autograd.grad`` cannot run inside
+    it): callers check :func:`operator_usable` first."""
+    out = resized_cross_entropy(
+        logits, label, ignore_index=ignore_index,
+        align_corners=align_corners, weight=weight, sigmoid=sigmoid,
+        use_kernel=None if triton_usable(logits) else True)
     return out.loss, out.hits, out.grad
 
 
@@ -495,4 +509,32 @@ def traced_resized_cross_entropy(logits: Tensor, label: Tensor, *,
                                               int(ignore_index),
                                               bool(align_corners),
                                               bool(sigmoid))
+    return loss, hits
+
+
+def traced_pytorch_cross_entropy(logits: Tensor, label: Tensor, *,
+                                 ignore_index: int = 255,
+                                 align_corners: bool = False,
+                                 weight: Optional[Tensor] = None,
+                                 sigmoid: bool = False
+                                 ) -> Tuple[Tensor, Tensor]:
+    """``(loss, hits)`` of :func:`resized_cross_entropy` by PyTorch
+    operators that autograd differentiates (``F.interpolate``, then the
+    per-pixel loss): the form ``torch.compile`` traces where no kernel's
+    operator takes ``logits`` (:func:`operator_usable` is False: CUDA
+    without the Triton path, CPU without the compiled kernels). The
+    whole batch at once (the graph's memory is the compiler's to plan);
+    the hits by ``argmax``, a count of a boolean map: no data-dependent
+    shape, no value read on the host (mmseg's accuracy indexes by a
+    mask, a host sync and a graph break)."""
+    _check(logits, label, weight)
+    up = F.interpolate(logits, size=label.shape[-2:], mode='bilinear',
+                       align_corners=align_corners)
+    valid = label != ignore_index
+    w = valid.to(up.dtype)
+    if weight is not None:
+        w = w * weight.to(up.dtype)
+    ce = _pixel_losses(up, label, ignore_index, sigmoid)
+    loss = (ce * w).flatten(1).sum(1).to(torch.float64)
+    hits = (up.detach().argmax(1).eq(label) & valid).flatten(1).sum(1)
     return loss, hits
