@@ -55,7 +55,7 @@ from ..engine.tool_args import write_json
 from ..ops.backend import switches, triton_path
 from ..ops.backend.device_path import as_on_cuda
 from ..patching import Hooks, plain_class
-from .step_benchmark import parse_row, same_layers_vanilla
+from .step_benchmark import lean_against_vanilla, parse_row
 from .step_jobs import Job
 
 __all__ = ['TARGETS', 'stubbed_triton', 'host_path', 'training_step',
@@ -386,12 +386,8 @@ def compare(rows: Sequence[Dict]) -> List[Dict]:
     mode: the step's host-time ratio, and per kind the lean layer's host
     time per call over its plain counterpart's (``overhead_us``), against
     :data:`TARGETS`."""
-    plain = {r['strategy']: r for r in rows if not r['lean']}
     out = []
-    for r in rows:
-        ref = plain.get(same_layers_vanilla(r['strategy']))
-        if not r['lean'] or ref is None:
-            continue
+    for r, ref in lean_against_vanilla(rows):
         ratio = r['step']['host_us'] / max(ref['step']['host_us'], 1e-9)
         layers = []
         for kind, v in sorted(r['kinds'].items()):

@@ -25,7 +25,7 @@ from ..accounting.launches import KINDS, count_step
 from ..engine.build import build_segmentor
 from ..engine.tool_args import write_json
 from ..ops.backend import triton_path
-from .step_benchmark import parse_row, same_layers_vanilla
+from .step_benchmark import lean_against_vanilla, parse_row
 from .step_jobs import Job
 
 __all__ = ['TARGETS', 'count_row', 'count_model', 'compare', 'summary_table',
@@ -119,12 +119,8 @@ def compare(rows: Sequence[Dict]) -> List[Dict]:
     """Each lean row against the plain row of the same layers in vanilla
     mode: launch ratios (forward, backward, step), the step's bytes ratio,
     and whether each of :data:`TARGETS` is met."""
-    plain = {r['strategy']: r for r in rows if not r['lean']}
     out = []
-    for r in rows:
-        ref = plain.get(same_layers_vanilla(r['strategy']))
-        if not r['lean'] or ref is None:
-            continue
+    for r, ref in lean_against_vanilla(rows):
         ratios = {phase: _ratio(r[phase]['launches'], ref[phase]['launches'])
                   for phase in ('forward', 'backward', 'step')}
         ratios['bytes'] = _ratio(_moved(r['step']), _moved(ref['step']))

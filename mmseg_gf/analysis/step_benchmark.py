@@ -35,7 +35,8 @@ import re
 import statistics
 import time
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
+                    Tuple)
 
 import torch
 
@@ -52,6 +53,7 @@ __all__ = ['DEFAULT_ROWS', 'ROW_FORMS', 'COMPILE_MODES', 'COMPILED',
            'parse_row', 'split_compiled', 'row_settings', 'compiled_loss',
            'set_row_settings', 'row_config', 'benchmark_model', 'step_table',
            'kept_by_kind_table', 'plot', 'same_layers_vanilla',
+           'lean_against_vanilla',
            'FINETUNE_ITERS']
 
 #: The protocol's finetuning length, for the "20k steps" column.
@@ -398,6 +400,17 @@ def same_layers_vanilla(strategy: str) -> str:
     if not strategy.startswith('gf_'):
         return strategy
     return 'vanilla_' + strategy[len('gf_'):].rsplit('_r', 1)[0]
+
+
+def lean_against_vanilla(rows: Sequence[Dict]) -> Iterator[Tuple[Dict, Dict]]:
+    """``(lean row, plain row of the same layers)`` for every lean row of
+    ``rows`` whose vanilla counterpart (:func:`same_layers_vanilla`) is
+    there too."""
+    plain = {r['strategy']: r for r in rows if not r['lean']}
+    for r in rows:
+        ref = plain.get(same_layers_vanilla(r['strategy']))
+        if r['lean'] and ref is not None:
+            yield r, ref
 
 
 def _add_ratios(rows: List[Dict]) -> None:

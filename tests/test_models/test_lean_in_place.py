@@ -20,14 +20,7 @@ from mmseg_gf.models import lean as lean_module
 from mmseg_gf.models.lean import is_lean, make_lean
 from mmseg_gf.ops.function_output import AliasedOutputError, owned_output
 from mmseg_gf.ops.lean.functions import FrozenLinearFunction
-
-
-def _frozen(module: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    for p in module.parameters():
-        p.data.copy_(torch.randn_like(p) * 0.5)
-        p.requires_grad_(False)
-    return module
+from tests.helpers.frozen_modules import frozen_random
 
 
 def _step(model: nn.Module, x0: torch.Tensor, grad: torch.Tensor):
@@ -48,7 +41,7 @@ def _lean_copy(model: nn.Module, expected: int) -> nn.Module:
 def test_in_place_activation_after_frozen_linear(act):
     """The FFN pattern: frozen Linear (3-D input, bias) -> in-place
     activation -> Linear; the Linear's output is a view inside F.linear."""
-    plain = _frozen(nn.Sequential(nn.Linear(8, 6), act(inplace=True),
+    plain = frozen_random(nn.Sequential(nn.Linear(8, 6), act(inplace=True),
                                   nn.Linear(6, 4)))
     gen = torch.Generator().manual_seed(1)
     x0 = torch.randn(2, 5, 8, generator=gen)

@@ -20,6 +20,7 @@ from mmseg_gf.models.gf_conv import GFConv2d, is_filterable_conv
 from mmseg_gf.models.lean import (frozen_conv_is_lean, is_lean, lean_kind,
                                   make_lean, make_plain)
 from tests.helpers.devices import needs_token_kinds
+from tests.helpers.frozen_modules import frozen_random
 
 # (in, out, kernel, stride, padding, dilation, groups, H, W, bias)
 CONV_CASES = [
@@ -37,14 +38,6 @@ CONV_CASES = [
     (4, 6, (1, 5), (1, 3), (0, 4), (1, 2), 2, 6, 17, True),
     (3, 5, 4, 2, 1, 1, 1, 8, 9, True),  # even kernel
 ]
-
-
-def _frozen(module: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    for p in module.parameters():
-        p.data.copy_(torch.randn_like(p) * 0.5)
-        p.requires_grad_(False)
-    return module
 
 
 def _run(module: nn.Module, x0: torch.Tensor, grad: torch.Tensor):
@@ -85,7 +78,7 @@ def _transposed_reference(conv: nn.Conv2d, grad: torch.Tensor, size):
 @pytest.mark.parametrize('case', CONV_CASES)
 def test_frozen_conv_equals_plain_and_keeps_nothing(case):
     cin, cout, k, s, p, d, g, h, w, bias = case
-    conv = _frozen(nn.Conv2d(cin, cout, k, s, p, d, g, bias=bias))
+    conv = frozen_random(nn.Conv2d(cin, cout, k, s, p, d, g, bias=bias))
     x0 = torch.randn(2, cin, h, w)
     want, got = _compare(conv, x0)
     assert want[2] == x0.numel() * 4  # autograd keeps the input
@@ -100,7 +93,7 @@ def test_frozen_conv_equals_plain_and_keeps_nothing(case):
 
 
 def test_frozen_conv_channels_last():
-    conv = _frozen(nn.Conv2d(8, 8, 3, 2, 1)).to(
+    conv = frozen_random(nn.Conv2d(8, 8, 3, 2, 1)).to(
         memory_format=torch.channels_last)
     x0 = torch.randn(2, 8, 9, 10).to(memory_format=torch.channels_last)
     _, got = _compare(conv, x0)
@@ -108,7 +101,7 @@ def test_frozen_conv_channels_last():
 
 
 def test_frozen_conv_under_cpu_autocast():
-    conv = _frozen(nn.Conv2d(4, 6, 3, 2, 1))
+    conv = frozen_random(nn.Conv2d(4, 6, 3, 2, 1))
     lean = copy.deepcopy(conv)
     make_lean(lean)
     x0 = torch.randn(2, 4, 9, 9)
@@ -130,7 +123,7 @@ def test_frozen_conv_under_cpu_autocast():
 @pytest.mark.parametrize('bias', [True, False])
 @needs_token_kinds
 def test_frozen_linear_equals_plain_and_keeps_nothing(shape, bias):
-    linear = _frozen(nn.Linear(8, 6, bias=bias))
+    linear = frozen_random(nn.Linear(8, 6, bias=bias))
     x0 = torch.randn(shape)
     want, got = _compare(linear, x0)
     # autograd keeps the weight's transposed view only (the Parameter's
@@ -144,7 +137,7 @@ def test_frozen_linear_equals_plain_and_keeps_nothing(shape, bias):
     lambda: nn.Conv2d(4, 6, 3, padding='same'),
 ])
 def test_other_padding_runs_the_plain_conv(make):
-    conv = _frozen(make())
+    conv = frozen_random(make())
     lean = copy.deepcopy(conv)
     make_lean(lean)
     assert lean_kind(lean) == 'frozen_conv' and not frozen_conv_is_lean(lean)
@@ -155,7 +148,7 @@ def test_other_padding_runs_the_plain_conv(make):
 def test_trained_layers_run_the_plain_path():
     for plain, x0 in ((nn.Conv2d(4, 6, 3, 2, 1), torch.randn(2, 4, 9, 9)),
                       (nn.Linear(8, 6), torch.randn(5, 8))):
-        _frozen(plain).weight.requires_grad_(True)
+        frozen_random(plain).weight.requires_grad_(True)
         lean = copy.deepcopy(plain)
         make_lean(lean)
         grad = torch.randn_like(plain(x0))
@@ -192,7 +185,7 @@ def test_mmcv_layers_are_lean_kinds():
     wrappers = pytest.importorskip('mmcv.cnn.bricks.wrappers')
     assert lean_kind(wrappers.Conv2d(2, 2, 3)) == 'frozen_conv'
     assert lean_kind(wrappers.Linear(2, 2)) == 'frozen_linear'
-    conv = _frozen(wrappers.Conv2d(4, 6, 3, 2, 1))
+    conv = frozen_random(wrappers.Conv2d(4, 6, 3, 2, 1))
     _, got = _compare(conv, torch.randn(2, 4, 9, 9))
     assert got[2] == 0
 
@@ -200,10 +193,10 @@ def test_mmcv_layers_are_lean_kinds():
 def _chain():
     """conv with a trained bias (the optimizer updates what the backward
     does not read) -> frozen conv -> frozen linear on channels."""
-    trained = _frozen(nn.Conv2d(3, 4, 3, padding=1))
+    trained = frozen_random(nn.Conv2d(3, 4, 3, padding=1))
     trained.bias.requires_grad_(True)
-    frozen = _frozen(nn.Conv2d(4, 4, 3, 2, 1))
-    head = _frozen(nn.Linear(4, 2))
+    frozen = frozen_random(nn.Conv2d(4, 4, 3, 2, 1))
+    head = frozen_random(nn.Linear(4, 2))
     return nn.ModuleList([trained, frozen, head])
 
 
