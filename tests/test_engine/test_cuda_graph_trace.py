@@ -130,8 +130,8 @@ MODELS = {'pspnet_r18': (_pspnet_r18, SIZE, 2),
 # at a load average of 4-6): PSPNet-R18 15-24 (with the first compile's
 # imports), BiSeNetV2 22-50, Segformer-B0 23-59, Swin-T 29-53: Dynamo and
 # AOTAutograd trace each lean Function's forward and backward. The zoo
-# families are marked as the
-# zoo's other checks are (deselected with -m "not zoo").
+# families are marked as the zoo's other checks are (deselected with
+# -m "not zoo").
 _PARAMS = [pytest.param(m, marks=() if m == 'pspnet_r18' else
                         pytest.mark.zoo) for m in MODELS]
 
