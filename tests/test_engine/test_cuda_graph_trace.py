@@ -126,12 +126,12 @@ MODELS = {'pspnet_r18': (_pspnet_r18, SIZE, 2),
           'segformer_b0': (lambda: _token_family('segformer_b0'), SIZE, 1),
           'swin_t': (lambda: _token_family('swin_t'), SIZE, 1)}
 
-# Seconds of one case (pytest, one process, two runs on a 2-core VM shared
-# at a load average of 4-6): PSPNet-R18 15-24 (with the first compile's
-# imports), BiSeNetV2 22-50, Segformer-B0 23-59, Swin-T 29-53: Dynamo and
-# AOTAutograd trace each lean Function's forward and backward. The zoo
-# families are marked as the
-# zoo's other checks are (deselected with -m "not zoo").
+# Seconds of one case (pytest, one process, three runs on a 2-core AMD EPYC
+# VM shared at a load average of 3.7-6): PSPNet-R18 10-24 (with the first
+# compile's imports), BiSeNetV2 12-50, Segformer-B0 13-59, Swin-T 16-53:
+# Dynamo and AOTAutograd trace each lean Function's forward and backward.
+# The zoo families are marked as the zoo's other checks are (deselected
+# with -m "not zoo").
 _PARAMS = [pytest.param(m, marks=() if m == 'pspnet_r18' else
                         pytest.mark.zoo) for m in MODELS]
 
