@@ -37,7 +37,7 @@ $(STAMP): setup.py pyproject.toml requirements/runtime.txt requirements/tests.tx
 	$(PIP) install -r requirements/tests.txt
 	# 4. this package (editable, without isolation: its CPU kernels compile
 	#    against the torch above; mmseg_gf/.mim links configs/ and tools/).
-	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PIP) install --no-build-isolation --no-deps --config-settings editable_mode=compat -e .
 	$(BIN)/python -c "import mmcv.ops, mmseg.utils, mmseg_gf; print('stack ok')"
 	touch $@
 

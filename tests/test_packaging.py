@@ -85,7 +85,7 @@ def test_the_wheel_holds_the_kernels_the_configs_and_the_tools(built):
 INSTALLED_CHECK = textwrap.dedent('''
     import sys
     import mmseg_gf
-    from mmseg_gf.ops import native
+    from mmseg_gf.ops.backend import native
     assert mmseg_gf.__file__.startswith(sys.argv[1]), mmseg_gf.__file__
     assert native.missing_kernels() == {}, native.missing_kernels()
     from mmengine.config import Config

@@ -39,12 +39,13 @@ __all__ = [
 
 #: The package's ``configs``: ``mmseg_gf/.mim/configs`` where the package
 #: ships them (a wheel; an editable install links the checkout's), else
-#: the checkout's ``configs`` (a checkout on ``PYTHONPATH``).
+#: the checkout's ``configs`` (a checkout on ``PYTHONPATH``); the real path, so
+#: an editable install's link names the checkout's files.
 _PACKAGE_DIR = osp.dirname(osp.dirname(osp.abspath(__file__)))
-CONFIG_DIR = next(
+CONFIG_DIR = osp.realpath(next(
     (d for d in (osp.join(_PACKAGE_DIR, '.mim', 'configs'),
                  osp.join(osp.dirname(_PACKAGE_DIR), 'configs'))
-     if osp.isdir(d)), osp.join(osp.dirname(_PACKAGE_DIR), 'configs'))
+     if osp.isdir(d)), osp.join(osp.dirname(_PACKAGE_DIR), 'configs')))
 
 ZOO = 'https://download.openmmlab.com/mmsegmentation/v0.5/'
 
