@@ -88,10 +88,14 @@ OPS_EXTERNAL_FORBIDDEN = ('mmseg', 'mmcv', 'mmengine')
 TOOLS = 'tools'
 # (importer, imported) -> why that import may sit inside a function.
 FUNCTION_LEVEL_ALLOWED = {
-    ('mmseg_gf.ops.backend.triton_path', 'mmseg_gf.ops.backend.triton_kernels'):
-    'triton_kernels imports triton at module level: loaded on first GPU-path '
+    ('mmseg_gf.ops.conv.gpu', 'mmseg_gf.ops.conv.kernels'):
+    'the kernels import triton at module level: loaded on first GPU-path '
     'use, so mmseg_gf.ops imports without triton',
-    ('mmseg_gf.ops.backend.triton_path', 'mmseg_gf.ops.conv.products_kernels'):
+    ('mmseg_gf.ops.conv.gpu', 'mmseg_gf.ops.conv.products_kernels'):
+    'the kernels import triton: loaded on first GPU-path use',
+    ('mmseg_gf.ops.linear.gpu', 'mmseg_gf.ops.conv.kernels'):
+    'the kernels import triton: loaded on first GPU-path use',
+    ('mmseg_gf.ops.linear.gpu', 'mmseg_gf.ops.conv.products_kernels'):
     'the kernels import triton: loaded on first GPU-path use',
     ('mmseg_gf.ops.conv_block.gpu',
      'mmseg_gf.ops.conv_block.kernels'):
@@ -495,14 +499,14 @@ def test_checker_applies_the_side_rules(tmp_path):
                 from tools import train
                 """),
             'mmseg_gf/ops/math.py': 'import torch\nfrom mmcv.ops import x\n',
-            'mmseg_gf/ops/backend/native.py': 'from ... import _patch_ops\n',
-            'mmseg_gf/ops/backend/triton_path.py': dedent("""\
+            'mmseg_gf/ops/backend/extension.py': 'from ... import _patch_ops\n',
+            'mmseg_gf/ops/conv/gpu.py': dedent("""\
                 def kernels():
-                    from . import triton_kernels
+                    from . import kernels
                 def hook():
                     from ...engine import y
                 """),
-            'mmseg_gf/ops/backend/triton_kernels.py': 'import triton\n',
+            'mmseg_gf/ops/conv/kernels.py': 'import triton\n',
             'mmseg_gf/models/conv.py': 'from mmseg_gf import GFConv2d\n',
             'mmseg_gf/extra/thing.py': '',
         })
@@ -518,13 +522,13 @@ def test_checker_applies_the_side_rules(tmp_path):
         'mmseg_gf.models.conv:1 -> mmseg_gf  [rule 1: layers: the package '
         'root imports engine; upward: models (layer 3) imports engine '
         '(layer 5)]',
-        'mmseg_gf.ops.backend.triton_path:4 -> mmseg_gf.engine '
+        'mmseg_gf.ops.conv.gpu:4 -> mmseg_gf.engine '
         '(function-level)  [rule 1: layers: upward: ops (layer 1) imports engine (layer 5)]',
         'mmseg_gf.ops.math:2 -> mmcv.ops  [rule 1: layers: ops imports '
         'nothing of mmseg, mmcv, mmengine]',
         'mmseg_gf.protocol.stages:3 -> tools  [rule 1: layers: tools are '
         'scripts on top of mmseg_gf, never imported by it]',
-        'mmseg_gf.ops.backend.triton_path:4 -> mmseg_gf.engine '
+        'mmseg_gf.ops.conv.gpu:4 -> mmseg_gf.engine '
         f'(function-level)  [{RULE_NESTED}: {NESTED_FIX}]',
     ]
 

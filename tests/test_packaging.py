@@ -85,9 +85,9 @@ def test_the_wheel_holds_the_kernels_the_configs_and_the_tools(built):
 INSTALLED_CHECK = textwrap.dedent('''
     import sys
     import mmseg_gf
-    from mmseg_gf.ops.backend import native
+    from mmseg_gf.ops.backend import extension
     assert mmseg_gf.__file__.startswith(sys.argv[1]), mmseg_gf.__file__
-    assert native.missing_kernels() == {}, native.missing_kernels()
+    assert extension.missing_kernels() == {}, extension.missing_kernels()
     from mmengine.config import Config
     from mmseg.registry import MODELS
     from mmseg.utils import register_all_modules

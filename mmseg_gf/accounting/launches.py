@@ -8,7 +8,7 @@ here without a GPU, on CPU tensors taking CUDA's code paths
 (:func:`cuda_path`):
 
 * the compiled CPU kernels are off (``MMSEG_GF_NATIVE=0``): the ops run
-  their pure-PyTorch path, as CUDA tensors do (``mmseg_gf.ops.backend.native``,
+  their pure-PyTorch path, as CUDA tensors do (``mmseg_gf.ops.backend.extension``,
   ``bit_mask``, ``resized_loss``, ``resize`` and ``patch_grid`` ask for the
   CPU and the kernels at every call);
 * the Triton path is on and runs in triton's interpreter
@@ -75,7 +75,7 @@ from ..models import lean as lean_models
 from ..models.layer_kinds import family_kind_of, kind_of
 from ..models.lean import lean_kind
 from ..models.lean_head import base_decode_head
-from ..ops.backend import switches, triton_path
+from ..ops.backend import switches, triton_runtime
 from ..ops.backend.device_path import as_on_cuda
 from ..patching import Hooks, overridden
 
@@ -411,22 +411,22 @@ def cuda_path(triton: bool = True) -> Iterator[None]:
         RuntimeError: ``triton=True`` where triton's interpreter cannot
             run the kernels on CPU tensors.
     """
-    if triton and not (triton_path.installed() and triton_path._ON_CPU):
+    if triton and not (triton_runtime.installed() and triton_runtime.INTERPRETED):
         raise RuntimeError(
             'counting the Triton path on a CPU needs triton >= '
-            f'{".".join(map(str, triton_path.MIN_TRITON))} installed and '
+            f'{".".join(map(str, triton_runtime.MIN_TRITON))} installed and '
             'TRITON_INTERPRET=1 in the environment before mmseg_gf is '
             'imported (found triton '
-            f'{triton_path.triton_version()}, the interpreter '
-            f'{"on" if triton_path._ON_CPU else "off"}); or count without '
+            f'{triton_runtime.triton_version()}, the interpreter '
+            f'{"on" if triton_runtime.INTERPRETED else "off"}); or count without '
             'it (triton=False)')
-    previous = triton_path.set_enabled(triton)
+    previous = triton_runtime.set_enabled(triton)
     try:
         with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
                 _FusedDropout():
             yield
     finally:
-        triton_path.set_enabled(previous)
+        triton_runtime.set_enabled(previous)
 
 
 @contextlib.contextmanager

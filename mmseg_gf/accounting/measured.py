@@ -17,7 +17,7 @@ from torch import nn
 from torch._C._profiler import _EventType
 from torch.autograd import profiler
 
-from ..ops.backend import native
+from ..ops.backend import output_pool
 from ..patching import Hooks
 
 
@@ -242,7 +242,7 @@ def live_bytes_by_interval(run: Callable[[], object],
     # Recycled outputs were allocated in an earlier step: the profiler would
     # not see them. Live tensor bytes are the same either way.
     try:
-        with native.recycling_off(), profiler.profile(
+        with output_pool.recycling_off(), profiler.profile(
                 profile_memory=True) as prof:
             run()
     finally:

@@ -52,7 +52,7 @@ from ..accounting.launches import kernel_outputs, module_kind
 from ..models.segmentor import set_frozen_norms_eval
 from ..engine.build import build_segmentor
 from ..engine.tool_args import write_json
-from ..ops.backend import switches, triton_path
+from ..ops.backend import switches, triton_runtime
 from ..ops.backend.device_path import as_on_cuda
 from ..patching import Hooks, plain_class
 from .step_benchmark import lean_against_vanilla, parse_row
@@ -116,19 +116,19 @@ def host_path(triton: bool = True) -> Iterator[None]:
     Raises:
         RuntimeError: ``triton=True`` without triton's interpreter.
     """
-    if triton and not (triton_path.installed()
+    if triton and not (triton_runtime.installed()
                        and switches.value('TRITON_INTERPRET')):
         raise RuntimeError(
             'the host time of the Triton path on a CPU needs triton '
             'installed and TRITON_INTERPRET=1 in the environment before '
             'mmseg_gf is imported; or measure without it (triton=False)')
-    previous = triton_path.set_enabled(triton)
+    previous = triton_runtime.set_enabled(triton)
     try:
         with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
                 stubbed_triton():
             yield
     finally:
-        triton_path.set_enabled(previous)
+        triton_runtime.set_enabled(previous)
 
 
 def _kind(module: nn.Module) -> Optional[str]:

@@ -24,7 +24,7 @@ from ..accounting.format import MIB, format_table
 from ..accounting.launches import KINDS, count_step
 from ..engine.build import build_segmentor
 from ..engine.tool_args import write_json
-from ..ops.backend import triton_path
+from ..ops.backend import triton_runtime
 from .step_benchmark import lean_against_vanilla, parse_row
 from .step_jobs import Job
 
@@ -105,7 +105,7 @@ def count_model(job: Job, batch: int = 1, triton: bool = True,
                                         device=device)))
     return dict(model=name, label=label, crop=list(crop), batch=int(batch),
                 torch=torch.__version__,
-                triton=('.'.join(map(str, triton_path.triton_version()))
+                triton=('.'.join(map(str, triton_runtime.triton_version()))
                         if triton else None),
                 kernels_run=bool(triton and run_kernels),
                 rows=counted, comparisons=compare(counted))

@@ -32,7 +32,7 @@ from ..engine.state import get_state
 from ..engine.train_log import PeakResidentMemory, peak_resident_bytes
 from ..engine.zoo import ZOO_FAMILIES, family_config, make_offline
 from ..models.segmentor import set_frozen_norms_eval
-from ..ops.backend import native
+from ..ops.backend import extension, output_pool
 
 __all__ = ['measure_process_peak', 'train_and_measure']
 
@@ -93,7 +93,7 @@ def _kernel_pool_mib() -> Optional[float]:
     """What the compiled kernels' output pool keeps after the steps, MiB:
     freed outputs that no prediction counts (0 under a CPU ``process_mib``
     budget, which switches the pool off); None without the kernels."""
-    return native.recycled_bytes() / MIB if native.built() else None
+    return output_pool.recycled_bytes() / MIB if extension.built() else None
 
 
 def measure_process_peak(config: str, size: Sequence[int], batch: int,

@@ -26,7 +26,7 @@ import ctypes
 import ctypes.util
 from typing import Callable, Optional
 
-from ..ops.backend import native
+from ..ops.backend import extension, output_pool
 
 __all__ = ['keep_freed_cpu_memory', 'cpu_memory_kept', 'supported',
            'return_freed_cpu_memory', 'bound_process_memory']
@@ -118,9 +118,9 @@ def _keep_no_kernel_outputs() -> bool:
     tensors, so no prediction of the step counts them (Swin-T UPerNet,
     256x256, batch 2, 21 layers: 142 MiB kept between steps). Returns
     whether there was a pool (False without the compiled kernels)."""
-    if not native.built():
+    if not extension.built():
         return False
-    native.recycle_limit(0)
+    output_pool.recycle_limit(0)
     return True
 
 

@@ -50,7 +50,7 @@ class TokenGridSource:
         return f'TokenGridSource({self.grid!r}, name={self.name!r})'
 
 
-def _plain_linear_classes() -> tuple:
+def plain_linear_classes() -> tuple:
     # NonDynamicallyQuantizableLinear: nn.MultiheadAttention's out_proj, a
     # plain Linear by another name.
     return with_mmcv_wrapper(nn.Linear) + (
@@ -61,7 +61,7 @@ def is_filterable_linear(module: nn.Module) -> bool:
     """True for Linears whose forward is exactly ``F.linear`` (also when
     the lean region swapped their class: ``plain_class``)."""
     plain = plain_class(module)
-    return plain in _plain_linear_classes() or isinstance(module, GFLinear)
+    return plain in plain_linear_classes() or isinstance(module, GFLinear)
 
 
 class GFLinear(FilteredLayer, nn.Linear):

@@ -27,7 +27,7 @@ from ..ops.conv.cost import ConvBackwardCost, conv_backward_cost
 from ..ops.linear.function import TokenGrid
 from .gradient_quality import GradientQuality
 from .gf_attention import GFMultiheadAttention
-from .gf_linear import GFLinear, _plain_linear_classes
+from .gf_linear import GFLinear, plain_linear_classes
 from .layer_kinds import LayerKind, register_layer_kind
 from .token_grids import (BINDINGS_ATTR, LinearSite, bind_token_grids,
                           install_token_grids, site_of)
@@ -286,7 +286,7 @@ LINEAR = register_layer_kind(LayerKind(
     name='linear',
     noun='linear layer',
     traced_type=nn.Linear,
-    plain_types=_plain_linear_classes(),
+    plain_types=plain_linear_classes(),
     filtered_type=GFLinear,
     from_plain=_linear_from_plain,
     geometry=_linear_geometry,

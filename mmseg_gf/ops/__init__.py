@@ -1,6 +1,7 @@
 """Gradient-filter operators (no mmseg / mmcv dependency): pure PyTorch,
-plus optional compiled CPU kernels (``native``) and Triton GPU kernels
-(``triton_path``)."""
+plus optional compiled CPU kernels (``cpu`` modules) and Triton GPU kernels
+(``gpu`` modules), one folder per operator; ``backend`` holds what they
+share."""
 from .conv.function import (AxisGeometry, GradientFilterConv2dFunction,
                             as_pair, check_radius, gradient_filtered_conv2d)
 from .linear.function import (GradientFilterLinearFunction, TokenGrid,

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import native, shape_caches
+from .backend import extension, shape_caches
+from .conv import cpu as conv_cpu
 
 IntPair = Union[int, Tuple[int, int]]
 
@@ -155,8 +156,8 @@ def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
     compiled kernel lays it out channel-major in memory, ready for the
     fused backward's weight GEMM.
     """
-    if native.usable(x):
-        return native.patch_sums(x, geo_h.input_patches, geo_w.input_patches,
+    if conv_cpu.usable(x):
+        return conv_cpu.patch_sums(x, geo_h.input_patches, geo_w.input_patches,
                                  channel_major=True)
     covered = _fit_to_patches(x, geo_h, geo_w)
     return F.avg_pool2d(
@@ -178,8 +179,8 @@ def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
     pixels only. Returns ``(sums, scale * means)`` in ``acc_dtype``; the sums
     also give the exact bias gradient without a second pass.
     """
-    if native.usable(grad_output):
-        sums = native.patch_sums(grad_output, geo_h.output_patches,
+    if conv_cpu.usable(grad_output):
+        sums = conv_cpu.patch_sums(grad_output, geo_h.output_patches,
                                  geo_w.output_patches).to(acc_dtype)
     else:
         kernel = (min(geo_h.out_patch, geo_h.out_size),
@@ -207,10 +208,10 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
     contiguous inner dimension, about twice as fast on CPU as one 6-D
     expand. Pixels outside every ``Q(P)`` get 0.
     """
-    if grad_pooled.device.type == 'cpu' and native.available():
+    if grad_pooled.device.type == 'cpu' and extension.available():
         grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed
-        if native.usable(grid):
-            return native.spread(grid, geo_h.in_size, geo_w.in_size,
+        if conv_cpu.usable(grid):
+            return conv_cpu.spread(grid, geo_h.in_size, geo_w.in_size,
                                  geo_h.input_patches, geo_w.input_patches)
     n, c, ph, pw = grad_pooled.shape
     ih, iw = geo_h.in_patch, geo_w.in_patch

@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, List, NamedTuple
 import numpy
 import torch
 
-from mmseg_gf.ops.backend import device_path, native, switches
+from mmseg_gf.ops.backend import (cpu_settings, device_path, extension,
+                                  switches, triton_runtime)
 
 __all__ = ['SEED', 'seed_global_generators', 'snapshot', 'restore',
            'changes']
@@ -75,7 +76,7 @@ def _switches(held: Dict[str, Any]) -> _Setting:
     """One of :mod:`~mmseg_gf.ops.backend.switches`' tables: what it read from the
     environment (or an :func:`~mmseg_gf.ops.backend.switches.override` put there),
     or what was set at run time (``set_value``,
-    ``triton_path.set_enabled``, ``set_load_limit``)."""
+    ``triton_runtime.set_enabled``, ``set_load_limit``)."""
 
     def write(saved: Dict[str, Any]) -> None:
         held.clear()
@@ -137,9 +138,9 @@ def _settings() -> Dict[str, _Setting]:
                  'allow_bf16_reduced_precision_reduction'):
         settings[f'torch.backends.cuda.matmul.{name}'] = _attribute(
             backends.cuda.matmul, name)
-    if native.built():
-        for setter in (native.set_onednn_products,
-                       native.set_token_rows_avx512):
+    if extension.built():
+        for setter in (cpu_settings.set_onednn_products,
+                       cpu_settings.set_token_rows_avx512):
             settings[f'native.{setter.__name__}'] = _toggle(setter)
     return settings
 

@@ -19,7 +19,7 @@ import triton
 
 from mmseg_gf.accounting.launches import LaunchCounter, counting
 from mmseg_gf.ops import gradient_filtered_conv2d
-from mmseg_gf.ops.backend import triton_path
+from mmseg_gf.ops.conv import gpu as conv_gpu
 from tests.helpers.triton_runs import case_device, pytorch_path
 from tests.helpers.gf_reference import reference_gradients
 
@@ -99,11 +99,11 @@ def test_float64_matches_independent_reference(stride, kernel, kind, radius):
     number of programs; the other tests cover batches.)"""
     x, w, b, padding, groups = _tensors(stride, kernel, kind, radius,
                                         torch.float64, batch=1)
-    calls = triton_path.backward_calls()
+    calls = conv_gpu.backward_calls()
     _, grad_out, (gx, gw, gb) = _filtered(x, w, b, stride, padding, groups,
                                           radius, _randn_like(1))
     collapsed = kernel == 1 or radius * stride > 1
-    assert triton_path.backward_calls() == calls + collapsed
+    assert conv_gpu.backward_calls() == calls + collapsed
     rx, rw, rb = reference_gradients(x, w, grad_out.cpu(), (stride, stride),
                                      (padding, padding), (1, 1), groups,
                                      radius)
@@ -227,9 +227,9 @@ def test_torch_compile_traces_the_custom_ops():
         return [t.grad for t in leaves]
 
     eager = grads(loss)
-    calls = triton_path.backward_calls()
+    calls = conv_gpu.backward_calls()
     got = grads(torch.compile(loss, backend='aot_eager', fullgraph=True))
-    assert triton_path.backward_calls() == calls + 1
+    assert conv_gpu.backward_calls() == calls + 1
     for g, r in zip(got, eager):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
@@ -260,10 +260,10 @@ def _count_backward(x, w, b, stride, padding, groups, radius, need):
     wanted = [t for t in leaves if t is not None and t.requires_grad]
     counter = LaunchCounter()
     counter.phase('backward')
-    calls = triton_path.backward_calls()
+    calls = conv_gpu.backward_calls()
     with counting(counter):
         torch.autograd.grad(out, wanted, grad_out)
-    assert triton_path.backward_calls() == calls + 1
+    assert conv_gpu.backward_calls() == calls + 1
     return counter.result
 
 
@@ -327,9 +327,9 @@ def test_channels_last_input_takes_the_triton_path(kind):
     def grad_fn(out):
         return _randn_like(5)(out).contiguous(memory_format=last)
 
-    calls = triton_path.backward_calls()
+    calls = conv_gpu.backward_calls()
     _, grad_out, got = _filtered(x, w, b, 2, padding, groups, 2, grad_fn)
-    assert triton_path.backward_calls() == calls + 1
+    assert conv_gpu.backward_calls() == calls + 1
     assert grad_out.is_contiguous(memory_format=last)
     assert got[0].is_contiguous(memory_format=last)
     _, _, want = _pure_torch(x.contiguous(), w, b, 2, padding, groups, 2,
@@ -362,10 +362,10 @@ def test_fused_products_and_the_gemm_route_agree(kernel, stride, padding,
     results = {}
     for fused in (True, False):
         with switches.override(MMSEG_GF_FUSED_PRODUCTS=fused):
-            calls = triton_path.backward_calls()
+            calls = conv_gpu.backward_calls()
             _, grad_out, results[fused] = _filtered(
                 x, w, b, stride, padding, groups, 2, _randn_like(4))
-            assert triton_path.backward_calls() == calls + 1
+            assert conv_gpu.backward_calls() == calls + 1
     want = reference_gradients(x, w, grad_out.cpu(), (stride, stride),
                                (padding, padding), (1, 1), groups, 2)
     for fused, got in results.items():
@@ -410,7 +410,7 @@ def test_autotuned_kernels_give_the_filtered_gradients(kernel, stride,
     depthwise and grouped, with more channels than the small tiles hold;
     each config is timed once for a shape new to its kernel, none for a
     shape seen before; tiles much wider than the layer are not timed."""
-    from mmseg_gf.ops.backend import triton_kernels
+    from mmseg_gf.ops.conv import kernels as triton_kernels
     from mmseg_gf.ops.conv import products_kernels as triton_products
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, ci, 11, 13, generator=gen, dtype=torch.float64)

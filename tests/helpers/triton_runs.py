@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import numpy as np
 import pytest
 
-from mmseg_gf.ops.backend import switches, triton_path
+from mmseg_gf.ops.backend import switches, triton_runtime
 from tests.helpers.devices import kernels_off
 from tests.helpers.tools import REPO
 
@@ -26,14 +26,14 @@ __all__ = ['ROOT', 'TRITON_VERSION', 'TRITON', 'INTERPRETER',
            'run_case_file', 'case_device', 'triton_enabled', 'pytorch_path']
 
 ROOT = Path(REPO)
-TRITON_VERSION = triton_path.triton_version() or (0, )
-_MIN = '.'.join(map(str, triton_path.MIN_TRITON))
+TRITON_VERSION = triton_runtime.triton_version() or (0, )
+_MIN = '.'.join(map(str, triton_runtime.MIN_TRITON))
 #: Skips a test where triton (>= MIN_TRITON) is not installed.
 TRITON = pytest.mark.skipif(
-    not triton_path.installed(),
+    not triton_runtime.installed(),
     reason=f'triton >= {_MIN} is not installed (requirements/tests.txt '
-    'pins it)' + ('' if triton_path.triton_version() is None else
-                  f', found {triton_path.triton_version()}'))
+    'pins it)' + ('' if triton_runtime.triton_version() is None else
+                  f', found {triton_runtime.triton_version()}'))
 # triton < 3.7's interpreter reads a loop bound with int() of a 1-element
 # array, which numpy >= 2.4 refuses: an interpreter bug, not the kernels'.
 #: Skips a test that needs triton's interpreter where it cannot run.
@@ -65,9 +65,9 @@ def case_device() -> str:
     """Where a case file's tensors go: ``'cpu'`` under the interpreter,
     else ``'cuda'``; skips the whole file (called at its import) where
     triton is missing, or neither is possible."""
-    if not triton_path.installed():
+    if not triton_runtime.installed():
         pytest.skip(f'triton >= {_MIN} is not installed '
-                    '(triton_path.MIN_TRITON)', allow_module_level=True)
+                    '(triton_runtime.MIN_TRITON)', allow_module_level=True)
     if switches.value('TRITON_INTERPRET'):
         return 'cpu'
     import torch
@@ -79,13 +79,13 @@ def case_device() -> str:
 
 @contextlib.contextmanager
 def triton_enabled(flag: Optional[bool]) -> Iterator[None]:
-    """``triton_path.set_enabled(flag)`` inside the block, the previous
+    """``triton_runtime.set_enabled(flag)`` inside the block, the previous
     setting restored."""
-    previous = triton_path.set_enabled(flag)
+    previous = triton_runtime.set_enabled(flag)
     try:
         yield
     finally:
-        triton_path.set_enabled(previous)
+        triton_runtime.set_enabled(previous)
 
 
 @contextlib.contextmanager

@@ -13,9 +13,10 @@ from mmseg_gf.accounting.launches import (KINDS, LaunchCounter, count_step,
 from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import make_lean
 from mmseg_gf.ops.bit_mask import masks as bit_mask
-from mmseg_gf.ops.backend import device_path, native
+from mmseg_gf.ops.backend import device_path, extension
 from mmseg_gf.ops.resized_loss import loss as resized_loss
-from mmseg_gf.ops.backend import switches, triton_path
+from mmseg_gf.ops.backend import switches, triton_runtime
+from mmseg_gf.ops.conv import cpu as conv_cpu
 
 F32 = 4
 
@@ -76,16 +77,16 @@ def test_cuda_path_switches_and_restores(switch_override):
     assert device_path.host_checks(t)
     with cuda_path(triton=False):
         assert switches.value('MMSEG_GF_NATIVE') is False
-        assert not native.available() and not native.usable(t)
+        assert not extension.available() and not conv_cpu.usable(t)
         assert not bit_mask.native_available()
         assert not resized_loss.kernel_usable(t)
         assert not device_path.host_checks(t)
-        assert not triton_path.enabled()
+        assert not triton_runtime.enabled()
     assert switches.value('MMSEG_GF_NATIVE') is True
     assert device_path.host_checks(t)
 
 
-@pytest.mark.skipif(triton_path._ON_CPU, reason='the interpreter is on')
+@pytest.mark.skipif(triton_runtime.INTERPRETED, reason='the interpreter is on')
 def test_the_triton_path_needs_the_interpreter():
     with pytest.raises(RuntimeError, match='TRITON_INTERPRET=1'):
         with cuda_path(triton=True):

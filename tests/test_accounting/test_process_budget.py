@@ -24,7 +24,7 @@ from mmseg_gf.engine.config import (build_grad_filter_model,  # noqa: E402
                                     check_settings, rewrite_config)
 from mmseg_gf.engine.train_log import resident_bytes  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
-from mmseg_gf.ops.backend import native  # noqa: E402
+from mmseg_gf.ops.backend import extension, output_pool  # noqa: E402
 from tests.helpers.engine_fixtures import (  # noqa: E402
     SMALL_BATCH, SMALL_SIZE, build_model, model_cfg)
 
@@ -94,14 +94,14 @@ def test_peaks_count_the_trained_parameters_state(profile):
 def kernel_pool_restored():
     """A process_mib budget switches the compiled kernels' output pool off
     process-wide; the other tests of this process get their limit back."""
-    if not native.built():
+    if not extension.built():
         yield
         return
-    previous = native.recycle_limit(native.recycle_limit(0))
+    previous = output_pool.recycle_limit(output_pool.recycle_limit(0))
     try:
         yield
     finally:
-        native.recycle_limit(previous)
+        output_pool.recycle_limit(previous)
 
 
 def test_process_base_is_the_resident_memory_less_the_probe(
@@ -151,7 +151,7 @@ def test_measured_process_peak_is_within_10_percent(tmp_path):
     assert result['kernel_pool_mib'] in (None, 0), json.dumps(result)
 
 
-@pytest.mark.skipif(not native.available() or torch.cuda.is_available(),
+@pytest.mark.skipif(not extension.available() or torch.cuda.is_available(),
                     reason='the compiled CPU kernels are not in use')
 def test_a_process_budget_keeps_no_freed_kernel_outputs(
         kernel_pool_restored):
@@ -161,7 +161,7 @@ def test_a_process_budget_keeps_no_freed_kernel_outputs(
     142 MiB and put the process 13.6% over its prediction). A
     ``process_mib`` budget switches it off; trained steps then leave
     nothing in it."""
-    native.recycle_limit(256 << 20)
+    output_pool.recycle_limit(256 << 20)
     init_default_scope('mmseg')
     torch.manual_seed(0)
     model = build_grad_filter_model(
@@ -178,5 +178,5 @@ def test_a_process_budget_keeps_no_freed_kernel_outputs(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert native.recycled_bytes() == 0
-    assert native.recycle_limit(0) == 0
+    assert output_pool.recycled_bytes() == 0
+    assert output_pool.recycle_limit(0) == 0

@@ -17,12 +17,13 @@ from mmseg_gf.models.lean import is_lean, make_lean
 from mmseg_gf.ops import (TokenGrid, gradient_filtered_conv2d,
                           gradient_filtered_linear)
 from mmseg_gf.ops.bit_mask import masks as bit_mask
-from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.backend import extension
+from mmseg_gf.ops.conv import cpu as conv_cpu
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.resize.bilinear import strided_gradient_resizes
 from tests.helpers.devices import needs_token_kinds
 
-KERNELS = pytest.mark.skipif(not native.available(),
+KERNELS = pytest.mark.skipif(not extension.available(),
                              reason='compiled CPU kernels not built')
 LOSS_KERNEL = pytest.mark.skipif(
     not resized_loss.operator_usable(torch.zeros(1)),
@@ -108,11 +109,11 @@ def test_filtered_conv_traces_on_the_kernels(dilation):
     torch.manual_seed(0)
     conv = GFConv2d(4, 5, 3, padding=dilation, dilation=dilation, radius=2)
     x = torch.randn(2, 4, 10, 9)
-    calls = native.fused_backward_calls() if native.available() else 0
+    calls = conv_cpu.fused_backward_calls() if extension.available() else 0
     _check_compiled(conv, x, list(conv.parameters()))
-    if native.available() and dilation == 1:
+    if extension.available() and dilation == 1:
         # eager's C++ node and the compiled graph's operator: one each
-        assert native.fused_backward_calls() == calls + 2
+        assert conv_cpu.fused_backward_calls() == calls + 2
 
 
 @KERNELS
@@ -127,7 +128,7 @@ def test_native_operators_pass_opcheck():
                           (grid, 9, 7, rows, cols))
     weight = torch.randn(6, 3, 3, 3)
     grad = torch.randn(2, 6, 9, 7)
-    pooled = native.patch_sums(x, tuple(rows), tuple(cols), True)
+    pooled = conv_cpu.patch_sums(x, tuple(rows), tuple(cols), True)
     for needs in [(True, True, True), (False, True, False),
                   (True, False, False)]:
         torch.library.opcheck(

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from mmseg_gf.ops.backend import triton_path
+from mmseg_gf.ops.backend import triton_runtime
+from mmseg_gf.ops.conv import gpu as conv_gpu
 from mmseg_gf.ops.conv.function import (GradientFilterConv2dFunction,
                                         conv_geometry)
 from mmseg_gf.ops.lean.functions import (FrozenAffineNormFunction,
@@ -89,7 +90,7 @@ def test_filtered_conv_on_fake_cuda(stride, kernel, dilation, groups, radius,
     """The filtered conv's step-by-step backward (every conv kind) and the
     Triton path's Python side (its ops through their fake
     implementations)."""
-    if path == 'triton' and not triton_path.installed():
+    if path == 'triton' and not triton_runtime.installed():
         pytest.skip('triton is not installed')
     padding = dilation * (kernel // 2)
     with fake_cuda():
@@ -106,9 +107,9 @@ def test_filtered_conv_on_fake_cuda(stride, kernel, dilation, groups, radius,
                                      (dilation, dilation), radius)
         if not (geo_h.collapsed and geo_w.collapsed):
             pytest.skip('dilated taps: the step-by-step path only')
-        assert triton_path.usable(x, w, b)
+        assert conv_gpu.usable(x, w, b)
         _forward_backward(
-            triton_path.TritonFilteredConv2d,
+            conv_gpu.TritonFilteredConv2d,
             args + (geo_h.input_patches, geo_w.input_patches),
             (True, True, True))
 

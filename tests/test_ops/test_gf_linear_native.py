@@ -12,14 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.backend import cpu_settings, extension, output_pool
+from mmseg_gf.ops.linear import cpu as linear_cpu
 from mmseg_gf.ops.linear.function import TokenLayout
 from tests.helpers.devices import kernels_off
 from tests.helpers.gf_linear_cases import LAYOUT_CASES
 
 pytestmark = pytest.mark.skipif(
-    not native.available() or
-    not hasattr(native._kernels, 'token_filtered_backward'),
+    not extension.available() or
+    not hasattr(extension.module('patch_ops'), 'token_filtered_backward'),
     reason='compiled kernels not built (pip install --no-build-isolation -e .)')
 
 # the layouts of test_gf_linear.py, with partial border patches at
@@ -49,7 +50,7 @@ def _grads(x, w, b, g, grid, radius, token_dim, with_x=True, bias=True):
 
 def _both_paths(monkeypatch, *args, **kwargs):
     calls = []
-    kernel = native.token_filtered_backward
+    kernel = linear_cpu.token_filtered_backward
 
     def spy(*a, **k):
         calls.append(1)
@@ -128,7 +129,7 @@ def test_patch_sums_match_avg_pool(grid, shape, token_dim, radius):
     layout = TokenLayout(grid, radius, grid.token_axis(x.shape, token_dim))
     rows = layout.grid_view(x)
     rows = rows.reshape(-1, *rows.shape[-3:])
-    got = native.token_patch_sums(rows, radius)
+    got = linear_cpu.token_patch_sums(rows, radius)
     assert got.is_contiguous()
     torch.testing.assert_close(got, layout.pool_rows(rows, torch.float64),
                                rtol=1e-12, atol=1e-12)
@@ -141,7 +142,7 @@ def test_expanded_gradient_takes_the_pure_torch_path(monkeypatch):
     x = torch.randn(2, 16, 3, requires_grad=True)
     w = torch.randn(5, 3, requires_grad=True)
     calls = []
-    kernel = native.token_filtered_backward
+    kernel = linear_cpu.token_filtered_backward
     monkeypatch.setattr(native, 'token_filtered_backward',
                         lambda *a: calls.append(1) or kernel(*a))
     gradient_filtered_linear(x, w, None, grid, 2).sum().backward()
@@ -158,35 +159,35 @@ def test_forward_is_exact_and_grad_input_is_fully_written():
         x_ = x.clone().requires_grad_()
         y = gradient_filtered_linear(x_, w, b, grid, 2)
         assert torch.equal(y, F.linear(x_, w, b))
-        native.empty_for_writing(x.shape, x).fill_(float('nan'))
+        output_pool.empty_for_writing(x.shape, x).fill_(float('nan'))
         (gx, ) = torch.autograd.grad(y, (x_, ), g)
         assert torch.isfinite(gx).all()
 
 
 @pytest.mark.parametrize('call,match', [
-    (lambda: native._kernels.token_patch_sums(torch.randn(2, 3, 4), 2),
+    (lambda: extension.module('patch_ops').token_patch_sums(torch.randn(2, 3, 4), 2),
      'must be L x H x W x C token rows'),
-    (lambda: native._kernels.token_patch_sums(
+    (lambda: extension.module('patch_ops').token_patch_sums(
         torch.randn(2, 3, 4, 5).transpose(2, 3), 2), 'channel'),
-    (lambda: native._kernels.token_patch_sums(
+    (lambda: extension.module('patch_ops').token_patch_sums(
         torch.randn(1, 2, 2, 3, dtype=torch.float16), 2),
      'float32 or float64'),
-    (lambda: native._kernels.token_patch_sums(torch.randn(1, 2, 2, 3), 0),
+    (lambda: extension.module('patch_ops').token_patch_sums(torch.randn(1, 2, 2, 3), 0),
      r'radius must be in \[1, 65536\], got 0'),
-    (lambda: native._kernels.token_patch_sums(torch.randn(1, 2, 2, 3),
+    (lambda: extension.module('patch_ops').token_patch_sums(torch.randn(1, 2, 2, 3),
                                               2**63 - 1),
      r'radius must be in \[1, 65536\], got 9223372036854775807'),
-    (lambda: native._kernels.token_filtered_backward(
+    (lambda: extension.module('patch_ops').token_filtered_backward(
         torch.randn(1, 4, 4, 3), None, torch.randn(5, 3), None, 2, False,
         True, 1 << 20, 0), 'Co = 3'),
-    (lambda: native._kernels.token_filtered_backward(
+    (lambda: extension.module('patch_ops').token_filtered_backward(
         torch.randn(1, 4, 4, 3), None, torch.randn(3, 2), None, 2, True,
         False, 1 << 20, 0), 'needs the patch sums of x'),
-    (lambda: native._kernels.token_filtered_backward(
+    (lambda: extension.module('patch_ops').token_filtered_backward(
         torch.randn(1, 4, 4, 3), torch.randn(1, 3, 2, 2),
         torch.randn(3, 2), None, 2, True, False, 1 << 20, 0),
      'x_sums must be a contiguous 1 x 2 x 2 x 2'),
-    (lambda: native._kernels.token_filtered_backward(
+    (lambda: extension.module('patch_ops').token_filtered_backward(
         torch.randn(1, 4, 4, 3), None, torch.randn(3, 2),
         torch.empty(1, 4, 5, 2), 2, False, False, 1 << 20, 0),
      'grad_x_rows must be 1 x 4 x 4 x 2'),
@@ -205,9 +206,9 @@ AVX512_CASES = [
 
 
 @pytest.mark.skipif(
-    not native.available() or
-    not hasattr(native._kernels, 'token_rows_avx512_enabled') or
-    not native.token_rows_avx512_enabled(),
+    not extension.available() or
+    not hasattr(extension.module('patch_ops'), 'token_rows_avx512_enabled') or
+    not cpu_settings.token_rows_avx512_enabled(),
     reason='no AVX-512 token-row passes on this CPU / build')
 @pytest.mark.parametrize('grid,shape,token_dim,cout', AVX512_CASES)
 @pytest.mark.parametrize('radius', [1, 2, 3, 4, 8])
@@ -226,17 +227,17 @@ def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
     results = {}
     # products on MKL for both: the AVX-512 weight-gradient product sums in
     # another order (test_products_on_avx512_only_where_allowed)
-    products = native.set_onednn_products(False)
-    vectors = native.set_token_rows_avx512(True)  # the previous setting
+    products = cpu_settings.set_onednn_products(False)
+    vectors = cpu_settings.set_token_rows_avx512(True)  # the previous setting
     try:
         for vector in (True, False):
-            native.set_token_rows_avx512(vector)
+            cpu_settings.set_token_rows_avx512(vector)
             results[vector] = (
                 _grads(x, w, b, g, grid, radius, token_dim) +
                 (layout.patch_sums(x, torch.float32), ))
     finally:
-        native.set_token_rows_avx512(vectors)
-        native.set_onednn_products(products)
+        cpu_settings.set_token_rows_avx512(vectors)
+        cpu_settings.set_onednn_products(products)
     for a, e in zip(results[True], results[False]):
         assert torch.equal(a, e)
 
@@ -260,14 +261,14 @@ def test_products_on_avx512_only_where_allowed(monkeypatch, shape, cout,
     grid = TokenGrid(32, 32)
     x, w, b, g = _inputs(shape, cout, torch.float64, seed=5)
     large = (shape[0] * 32 * 32 // radius**2) * shape[-1] * cout >= 1 << 21
-    previous = native.set_onednn_products(onednn)
+    previous = cpu_settings.set_onednn_products(onednn)
     try:
         with torch.profiler.profile() as prof:
             fast, slow = _both_paths(monkeypatch,
                                      *(t.float() for t in (x, w, b, g)),
                                      grid, radius, 1)
     finally:
-        native.set_onednn_products(previous)
+        cpu_settings.set_onednn_products(previous)
     names = {event.name for event in prof.events()}
     assert ('mkldnn::_linear_pointwise' in names) == (onednn and large)
     with kernels_off():

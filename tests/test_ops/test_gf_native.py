@@ -12,14 +12,15 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 from mmseg_gf.ops import gradient_filtered_conv2d
-from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.backend import cpu_settings, extension, output_pool
+from mmseg_gf.ops.conv import cpu as conv_cpu
 from mmseg_gf.ops.conv.function import (AxisGeometry,
                                         GradientFilterConv2dFunction,
                                         filter_output_grad, pool_input_patches,
                                         spread_to_input)
 
 pytestmark = pytest.mark.skipif(
-    not native.available(),
+    not extension.available(),
     reason='compiled kernels not built (pip install --no-build-isolation -e .)')
 
 
@@ -85,10 +86,10 @@ def test_whole_operator_float32_matches_pure_torch(switch_override):
 def test_unsupported_inputs_use_the_pure_path():
     """bf16, channels_last and non-CPU tensors are not for the kernels."""
     t = torch.randn(1, 2, 4, 4)
-    assert native.usable(t)
-    assert not native.usable(t.bfloat16())
-    assert not native.usable(t.contiguous(memory_format=torch.channels_last))
-    assert not native.usable(t.transpose(2, 3))
+    assert conv_cpu.usable(t)
+    assert not conv_cpu.usable(t.bfloat16())
+    assert not conv_cpu.usable(t.contiguous(memory_format=torch.channels_last))
+    assert not conv_cpu.usable(t.transpose(2, 3))
 
 
 def _gradients(x, w, b, g, conv_args, needs):
@@ -107,10 +108,10 @@ class _CallsSince:
     the C++ autograd node or the Python Function): ``len`` counts them."""
 
     def __init__(self):
-        self.start = native.fused_backward_calls()
+        self.start = conv_cpu.fused_backward_calls()
 
     def __len__(self):
-        return native.fused_backward_calls() - self.start
+        return conv_cpu.fused_backward_calls() - self.start
 
 
 @pytest.fixture
@@ -301,12 +302,12 @@ def onednn_products():
     previous = []
 
     def set_products(enabled):
-        previous.append(native.set_onednn_products(enabled))
+        previous.append(cpu_settings.set_onednn_products(enabled))
         return previous[-1]
 
     yield set_products
     if previous:
-        native.set_onednn_products(previous[0])
+        cpu_settings.set_onednn_products(previous[0])
 
 
 @pytest.mark.parametrize('allowed,channels,batch,size,convs,gemms', [
@@ -360,7 +361,7 @@ def test_onednn_products_default_to_what_the_cpu_prefers(onednn_products):
     family = int(info.split('cpu family')[1].split(':')[1].split()[0]) \
         if amd else 0
     expected = amd and ' avx512f' in info and family >= 0x1a
-    assert native.onednn_products_preferred() == expected
+    assert cpu_settings.onednn_products_preferred() == expected
     assert onednn_products(not expected) == expected  # the default
     assert onednn_products(expected) == (not expected)
 
@@ -399,17 +400,17 @@ def test_forward_saves_patch_sums_channel_major():
 def _spread_by_4(grid):
     """``grid`` spread over 4 x 4 patches: an output 16x its size."""
     h, w = grid.shape[2:]
-    return native.spread(grid, 4 * h, 4 * w, (0, 4, h), (0, 4, w))
+    return conv_cpu.spread(grid, 4 * h, 4 * w, (0, 4, h), (0, 4, w))
 
 
 @pytest.fixture
 def recycler():
     """A recycling pool of 64 MiB for the test, empty before and after."""
-    native.release_recycled()
-    previous = native.recycle_limit(64 << 20)
+    output_pool.release_recycled()
+    previous = output_pool.recycle_limit(64 << 20)
     yield
-    native.recycle_limit(previous)
-    native.release_recycled()
+    output_pool.recycle_limit(previous)
+    output_pool.release_recycled()
 
 
 def test_large_outputs_reuse_freed_memory(recycler):
@@ -418,19 +419,19 @@ def test_large_outputs_reuse_freed_memory(recycler):
     grid = torch.randn(2, 8, 96, 96)
     first = _spread_by_4(grid)
     address, nbytes = first.data_ptr(), first.nbytes
-    assert nbytes >= 8 << 20 and native.recycled_bytes() == 0
+    assert nbytes >= 8 << 20 and output_pool.recycled_bytes() == 0
     del first
-    assert native.recycled_bytes() == nbytes
+    assert output_pool.recycled_bytes() == nbytes
     grid2 = torch.randn(2, 8, 96, 96)
     second = _spread_by_4(grid2)
-    assert second.data_ptr() == address and native.recycled_bytes() == 0
+    assert second.data_ptr() == address and output_pool.recycled_bytes() == 0
     expected = grid2.repeat_interleave(4, 2).repeat_interleave(4, 3)
     assert torch.equal(second, expected)
     # A different size cannot take the kept block: fresh memory.
     del second
     other = _spread_by_4(torch.randn(2, 8, 100, 100))
     assert other.data_ptr() != address
-    assert native.recycled_bytes() == nbytes
+    assert output_pool.recycled_bytes() == nbytes
 
 
 def test_lean_backward_outputs_reuse_freed_memory(recycler):
@@ -448,7 +449,7 @@ def test_lean_backward_outputs_reuse_freed_memory(recycler):
     address = masked.data_ptr()
     assert torch.equal(masked, grad * (x > 0))
     del masked
-    assert native.recycled_bytes() == grad.nbytes
+    assert output_pool.recycled_bytes() == grad.nbytes
     leaf = x.clone().requires_grad_(True)
     out = FrozenAffineNormFunction.apply(leaf, scale, lambda t: t * 1.0)
     out.backward(grad)
@@ -463,23 +464,23 @@ def test_recycling_pool_respects_its_limit(recycler):
     grids = [torch.randn(2, 8, 96, 96 + i) for i in range(3)]
     outs = [_spread_by_4(g) for g in grids]
     sizes = [o.nbytes for o in outs]
-    native.recycle_limit(sizes[1] + sizes[2])
+    output_pool.recycle_limit(sizes[1] + sizes[2])
     for i in range(3):  # returned in order 0, 1, 2: block 0 is dropped
         outs[i] = None
-    assert native.recycled_bytes() == sizes[1] + sizes[2]
-    native.recycle_limit(0)
-    assert native.recycled_bytes() == 0
-    native.recycle_limit(64 << 20)
+    assert output_pool.recycled_bytes() == sizes[1] + sizes[2]
+    output_pool.recycle_limit(0)
+    assert output_pool.recycled_bytes() == 0
+    output_pool.recycle_limit(64 << 20)
     # 256 KiB is recycled; 64 KiB (malloc's heap reuses it) is not.
     medium = _spread_by_4(torch.randn(1, 1, 64, 64))
     address = medium.data_ptr()
     del medium
-    assert native.recycled_bytes() == 256 << 10
+    assert output_pool.recycled_bytes() == 256 << 10
     medium = _spread_by_4(torch.randn(1, 1, 64, 64))
     assert medium.data_ptr() == address
     small = _spread_by_4(torch.randn(1, 1, 32, 32))
     del small
-    assert native.recycled_bytes() == 0
+    assert output_pool.recycled_bytes() == 0
 
 
 def test_fused_backward_gradients_survive_recycling(recycler, switch_override):
@@ -493,7 +494,7 @@ def test_fused_backward_gradients_survive_recycling(recycler, switch_override):
     grad_x, grad_w, _ = _gradients(x, w, None, g, (1, 1, 1, 1, 4), needs)
     address, reference = grad_x.data_ptr(), (grad_x.clone(), grad_w.clone())
     del grad_x
-    assert native.recycled_bytes() >= 8 << 20
+    assert output_pool.recycled_bytes() >= 8 << 20
     grad_x, grad_w, _ = _gradients(x, w, None, g, (1, 1, 1, 1, 4), needs)
     assert grad_x.data_ptr() == address
     assert torch.equal(grad_x, reference[0])
@@ -517,8 +518,8 @@ def test_profiled_peak_counts_recycled_outputs(recycler):
         torch.autograd.grad(out, (x, w), g)  # g_x dies here: pooled
 
     step()
-    assert native.recycled_bytes() >= x.nbytes
+    assert output_pool.recycled_bytes() >= x.nbytes
     peaks = [profiled_peak_bytes(step) for _ in range(2)]
     assert peaks[0] == peaks[1]
     assert peaks[0] >= 2 * x.nbytes  # the forward output and g_x
-    assert native.recycle_limit(64 << 20) == 64 << 20  # restored afterwards
+    assert output_pool.recycle_limit(64 << 20) == 64 << 20  # restored afterwards

@@ -1,4 +1,4 @@
-"""The Triton GPU path (``mmseg_gf.ops.backend.triton_path``).
+"""The Triton GPU path (``mmseg_gf.ops.conv.gpu``).
 
 Its kernels are checked by ``tests/helpers/triton_cases.py`` in a subprocess:
 under triton's interpreter on CPU tensors (every machine with triton, no
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from mmseg_gf.ops import gradient_filtered_conv2d
-from mmseg_gf.ops.backend import triton_path
+from mmseg_gf.ops.backend import triton_runtime
+from mmseg_gf.ops.conv import gpu as conv_gpu
 from tests.helpers.devices import needs_cuda
 from tests.helpers.triton_runs import (
     INTERPRETER, ROOT, TRITON, TRITON_VERSION, run_case_file)
@@ -172,7 +173,7 @@ _FLOATS = ('scale', 'off_scale', 'eps', 'lo', 'hi')
 def _kernel_and_meta(name, geometry):
     from mmseg_gf.ops.bit_mask import kernels as triton_bit_mask_kernels
     from mmseg_gf.ops.conv_block import kernels as triton_conv_block_kernels
-    from mmseg_gf.ops.backend import triton_kernels
+    from mmseg_gf.ops.conv import kernels as triton_kernels
     from mmseg_gf.ops.conv import products_kernels as triton_products
     from mmseg_gf.ops.linear import kernels as triton_token_kernels
     if name == '_patch_reduce':
@@ -229,7 +230,7 @@ def test_tuning_is_taken_on_a_gpu_unless_switched_off(switch_override):
     """Outside the interpreter launches take the autotuner, built once;
     ``MMSEG_GF_AUTOTUNE=0`` or a triton whose ``autotune`` refuses the
     arguments gives fixed tiles; ``using`` overrides both."""
-    from mmseg_gf.ops.backend.triton_kernels import Tuning
+    from mmseg_gf.ops.backend.triton_launch import Tuning
     built = []
     tuning = Tuning(lambda: built.append(object()) or built[-1])
     switch_override(TRITON_INTERPRET=False, MMSEG_GF_AUTOTUNE=True)
@@ -254,7 +255,7 @@ def _compile_for_h100(name, kernel, pointers, constexprs, num_warps=4):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mmseg_gf.ops.backend import triton_kernels
+    from mmseg_gf.ops.conv import kernels as triton_kernels
     constexprs = dict(constexprs)
     if 'ACC' in constexprs:
         constexprs['ACC'] = getattr(tl, {'fp32': 'float32',
@@ -285,18 +286,18 @@ def test_switch_and_cpu_tensors_without_the_interpreter(switch_override):
     """``set_enabled`` overrides ``MMSEG_GF_TRITON``; CPU tensors never take
     the Triton path unless the interpreter was on at import."""
     x, w = torch.zeros(1, 2, 4, 4), torch.zeros(2, 2, 3, 3)
-    assert not triton_path.usable(x, w, None)
+    assert not conv_gpu.usable(x, w, None)
     switch_override(MMSEG_GF_TRITON=False)
-    assert not triton_path.enabled()
-    previous = triton_path.set_enabled(True)
+    assert not triton_runtime.enabled()
+    previous = triton_runtime.set_enabled(True)
     try:
-        assert triton_path.enabled() == triton_path.installed()
-        triton_path.set_enabled(None)
-        assert not triton_path.enabled()
+        assert triton_runtime.enabled() == triton_runtime.installed()
+        triton_runtime.set_enabled(None)
+        assert not triton_runtime.enabled()
         switch_override(MMSEG_GF_TRITON=True)
-        assert triton_path.enabled() == triton_path.installed()
+        assert triton_runtime.enabled() == triton_runtime.installed()
     finally:
-        triton_path.set_enabled(previous)
+        triton_runtime.set_enabled(previous)
 
 
 def test_package_runs_without_triton():
@@ -305,13 +306,14 @@ def test_package_runs_without_triton():
     code = '\n'.join([
         'import sys', 'sys.modules["triton"] = None',
         'import torch', 'from mmseg_gf.ops import gradient_filtered_conv2d',
-        'from mmseg_gf.ops.backend import triton_path',
-        'assert not triton_path.installed() and not triton_path.enabled()',
+        'from mmseg_gf.ops.backend import triton_runtime',
+        'from mmseg_gf.ops.conv import gpu as conv_gpu',
+        'assert not triton_runtime.installed() and not triton_runtime.enabled()',
         'x = torch.randn(1, 2, 6, 6, requires_grad=True)',
         'w = torch.randn(3, 2, 3, 3, requires_grad=True)',
         'gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2).sum().backward()',
         'assert x.grad.shape == x.shape and w.grad.abs().sum() > 0',
-        'assert triton_path.backward_calls() == 0',
+        'assert conv_gpu.backward_calls() == 0',
         'print("ok")'])
     env = dict(os.environ, TRITON_INTERPRET='1')
     env['PYTHONPATH'] = os.pathsep.join(
@@ -330,5 +332,5 @@ def test_triton_version_from_package_metadata(monkeypatch):
     for text, want in (('3.6.0', (3, 6, 0)), ('3.2.0+git4f6f7b8', (3, 2, 0)),
                        ('3.10.0rc1', (3, 10, 0))):
         monkeypatch.setattr(importlib.metadata, 'version', lambda n, t=text: t)
-        assert triton_path.triton_version() == want
-    assert (3, 1, 9) < triton_path.MIN_TRITON <= (3, 2, 0)
+        assert triton_runtime.triton_version() == want
+    assert (3, 1, 9) < triton_runtime.MIN_TRITON <= (3, 2, 0)

@@ -10,35 +10,35 @@ from pathlib import Path
 
 import pytest
 
-from mmseg_gf.ops.backend import native, switches
+from mmseg_gf.ops.backend import extension, switches
 
 REPO = Path(__file__).resolve().parents[2]
-MISSING = {name: f'No module named mmseg_gf.{name}' for name in native.KERNELS}
+MISSING = {name: f'No module named mmseg_gf.{name}' for name in extension.KERNELS}
 
 
 @pytest.fixture
 def none_built(monkeypatch):
     """The loaders' record as where no kernel was built, not warned yet."""
-    monkeypatch.setattr(native, '_missing', dict(MISSING))
-    monkeypatch.setattr(native, '_warned', False)
+    monkeypatch.setattr(extension, '_missing', dict(MISSING))
+    monkeypatch.setattr(extension, '_warned', False)
 
 
 def test_the_warning_names_every_module_the_path_and_the_build(none_built):
-    with pytest.warns(native.KernelsMissingWarning) as caught:
-        assert native.warn_if_kernels_missing()
+    with pytest.warns(extension.KernelsMissingWarning) as caught:
+        assert extension.warn_if_kernels_missing()
     text = str(caught[0].message)
-    assert all(f'mmseg_gf.{name}' in text for name in native.KERNELS)
+    assert all(f'mmseg_gf.{name}' in text for name in extension.KERNELS)
     assert 'pure-PyTorch path' in text
     assert 'pip install --no-build-isolation' in text
     assert 'python setup.py build_ext --inplace' in text
 
 
 def test_the_warning_comes_once(none_built):
-    with pytest.warns(native.KernelsMissingWarning):
-        native.warn_if_kernels_missing()
+    with pytest.warns(extension.KernelsMissingWarning):
+        extension.warn_if_kernels_missing()
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert not native.warn_if_kernels_missing()
+        assert not extension.warn_if_kernels_missing()
 
 
 @pytest.mark.parametrize('switch', ['MMSEG_GF_NATIVE',
@@ -46,15 +46,15 @@ def test_the_warning_comes_once(none_built):
 def test_no_warning_where_the_kernels_are_off_on_purpose(none_built, switch):
     with switches.override(**{switch: False}), warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert not native.warn_if_kernels_missing()
+        assert not extension.warn_if_kernels_missing()
 
 
 def test_no_warning_where_every_kernel_imported(monkeypatch):
-    monkeypatch.setattr(native, '_missing', {})
-    monkeypatch.setattr(native, '_warned', False)
+    monkeypatch.setattr(extension, '_missing', {})
+    monkeypatch.setattr(extension, '_warned', False)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert not native.warn_if_kernels_missing()
+        assert not extension.warn_if_kernels_missing()
 
 
 def _import_copy(tmp_path, **env):
@@ -64,10 +64,10 @@ def _import_copy(tmp_path, **env):
                     ignore=shutil.ignore_patterns('*.so', '__pycache__',
                                                   '.mim'))
     environ = dict(os.environ, PYTHONPATH=str(tmp_path), **env)
-    code = ('import mmseg_gf; from mmseg_gf.ops.backend import native; '
+    code = ('import mmseg_gf; from mmseg_gf.ops.backend import extension; '
             'assert mmseg_gf.__file__.startswith(%r); '
-            'assert sorted(native.missing_kernels()) == %r' %
-            (str(tmp_path), sorted(native.KERNELS)))
+            'assert sorted(extension.missing_kernels()) == %r' %
+            (str(tmp_path), sorted(extension.KERNELS)))
     return subprocess.run([sys.executable, '-W', 'always', '-c', code],
                           env=environ, cwd=tmp_path, capture_output=True,
                           text=True, check=True).stderr

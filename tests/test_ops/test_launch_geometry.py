@@ -15,7 +15,7 @@ def test_same_integers_as_triton():
 
 
 def test_cached_tiles_are_read_only_and_stable():
-    from mmseg_gf.ops.backend import triton_kernels
+    from mmseg_gf.ops.conv import kernels as triton_kernels
     from mmseg_gf.ops.conv import products_kernels
     first = triton_kernels.reduce_meta([0, 4, 3], (0, 4, 5), True)
     assert first is triton_kernels.reduce_meta((0, 4, 3), [0, 4, 5], 1)

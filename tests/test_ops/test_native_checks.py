@@ -14,11 +14,12 @@ import sys
 import pytest
 
 from mmseg_gf.ops.bit_mask import masks as bit_mask
-from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.backend import extension
+from mmseg_gf.ops.conv import cpu as conv_cpu
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 
 pytestmark = pytest.mark.skipif(
-    native._kernels is None or bit_mask._kernels is None
+    extension.module('patch_ops') is None or not extension.built('bit_mask')
     or resized_loss._kernel is None,
     reason='compiled CPU kernels not built')
 
@@ -270,8 +271,8 @@ def test_every_entry_point_checks_its_arguments():
 
 
 def test_python_wrappers_keep_empty_tensors_off_the_kernels():
-    """``native.usable`` routes empty tensors to the PyTorch path, which
+    """``conv_cpu.usable`` routes empty tensors to the PyTorch path, which
     the kernels would refuse."""
     import torch
-    assert not native.usable(torch.zeros(0, 2, 4, 4))
-    assert native.usable(torch.zeros(1, 2, 4, 4)) == native.available()
+    assert not conv_cpu.usable(torch.zeros(0, 2, 4, 4))
+    assert conv_cpu.usable(torch.zeros(1, 2, 4, 4)) == extension.available()

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops.backend import native
+from mmseg_gf.ops.backend import extension
+from mmseg_gf.ops.resize import cpu as resize_cpu
 from mmseg_gf.ops.resize.bilinear import (BilinearResizeFunction,
                                           bilinear_resize_backward,
                                           strided_gradient_resizes)
@@ -38,7 +39,7 @@ def _head(x, other, **resize):
 
 # 'torch': the PyTorch path (kernels off), which 'cuda' tensors take too.
 KERNELS = ['torch', pytest.param('compiled', marks=pytest.mark.skipif(
-    not native.available(), reason='compiled kernels not built')),
+    not extension.available(), reason='compiled kernels not built')),
            pytest.param('cuda', marks=[pytest.mark.cuda, pytest.mark.skipif(
                not CUDA_AVAILABLE, reason='no CUDA GPU on this machine')])]
 
@@ -103,7 +104,7 @@ def test_a_channel_slice_gradient_is_not_copied(kernel, switch_override):
     _assert_same(got, want, kernel)
 
 
-@pytest.mark.skipif(not native.available(), reason='compiled kernels not '
+@pytest.mark.skipif(not extension.available(), reason='compiled kernels not '
                     'built')
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('sizes', [((7, 9), (16, 21)), ((16, 21), (7, 9)),
@@ -122,7 +123,7 @@ def test_compiled_backward_equals_torchs_kernel(dtype, sizes, align_corners):
             continue  # torch ignores the scales with align_corners
         want = torch.ops.aten.upsample_bilinear2d_backward(
             grad, [ho, wo], [3, 4, hi, wi], align_corners, *scales)
-        got = native.bilinear_backward(
+        got = resize_cpu.bilinear_backward(
             grad, torch.empty(3, 4, hi, wi, dtype=dtype), align_corners,
             scales)
         tol = 1e-12 if dtype == torch.float64 else 1e-5

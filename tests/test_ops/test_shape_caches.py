@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from mmseg_gf.ops.backend import native, shape_caches
+from mmseg_gf.ops.backend import extension, output_pool, shape_caches
 from mmseg_gf.ops.resize import gemm as bilinear_gemm
 from mmseg_gf.ops.backend.shape_caches import BoundedDict
 
@@ -83,9 +83,9 @@ def test_tuning_keeps_a_bounded_autotune_cache(monkeypatch):
     ``self.cache``) keeps at most ``TUNED_KEYS`` choices once bounded; a
     key dropped is tuned again when it comes back."""
     triton = pytest.importorskip('triton')
-    triton_kernels = pytest.importorskip(
-        'mmseg_gf.ops.backend.triton_kernels')
-    monkeypatch.setattr(triton_kernels, 'TUNED_KEYS', 3)
+    triton_launch = pytest.importorskip(
+        'mmseg_gf.ops.backend.triton_launch')
+    monkeypatch.setattr(triton_launch, 'TUNED_KEYS', 3)
     timed, launched = [], []
 
     def kernel(n, BLOCK):  # what the autotuner unwraps to (``.fn``)
@@ -106,9 +106,9 @@ def test_tuning_keeps_a_bounded_autotune_cache(monkeypatch):
     autotuned = triton.autotune(
         configs=[triton.Config({'BLOCK': b}) for b in (1, 2)], key=['n'],
         do_bench=do_bench)(Launcher())
-    tuning = triton_kernels.Tuning(lambda: autotuned, 'test.tuning')
+    tuning = triton_launch.Tuning(lambda: autotuned, 'test.tuning')
     try:
-        tuning._tuner = triton_kernels._bounded(autotuned)
+        tuning._tuner = triton_launch._bounded(autotuned)
         assert isinstance(autotuned.cache, shape_caches.BoundedDict)
         for n in (1, 2, 3, 4, 5, 5, 4):
             autotuned.run(n)
@@ -138,14 +138,14 @@ def test_no_unbounded_memo_in_the_package():
 
 
 def test_output_pool_reports_the_limit_it_holds():
-    if not native.built():
+    if not extension.built():
         pytest.skip('the CPU kernels (mmseg_gf/_patch_ops) are not built')
-    previous = native.recycle_limit(5 << 20)
+    previous = output_pool.recycle_limit(5 << 20)
     try:
         entry = shape_caches.shape_caches()['native.recycled_outputs']
         assert entry['bound'] == 5 << 20 and entry['unit'] == 'bytes'
         assert entry['size'] <= 5 << 20
-        assert native.current_recycle_limit() == 5 << 20
+        assert output_pool.current_recycle_limit() == 5 << 20
     finally:
-        native.recycle_limit(previous)
-    assert native.current_recycle_limit() == previous
+        output_pool.recycle_limit(previous)
+    assert output_pool.current_recycle_limit() == previous

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmseg_gf.ops.backend import native, switches
+from mmseg_gf.ops.backend import cpu_settings, extension, output_pool, switches
 
 REPO = Path(__file__).resolve().parents[2]
 #: Where switch names are written: Python, docs, the build's scripts. The
@@ -108,26 +108,26 @@ def test_override_restores_what_the_environment_gave(fresh):
 def _pool_limit() -> int:
     """The output pool's limit in bytes, as the compiled kernels hold it
     (set and set back: the extension has no getter)."""
-    limit = native.recycle_limit(0)
-    native.recycle_limit(limit)
+    limit = output_pool.recycle_limit(0)
+    output_pool.recycle_limit(limit)
     return limit
 
 
 def _kept_after_freeing(nbytes: int) -> int:
     """Bytes the pool keeps once a fresh output of ``nbytes`` dies."""
-    native.release_recycled()
-    out = native.empty_for_writing([nbytes // 4], torch.empty(0))
+    output_pool.release_recycled()
+    out = output_pool.empty_for_writing([nbytes // 4], torch.empty(0))
     del out
-    return native.recycled_bytes()
+    return output_pool.recycled_bytes()
 
 
-@pytest.mark.skipif(not native.built(), reason='compiled kernels not built')
+@pytest.mark.skipif(not extension.built(), reason='compiled kernels not built')
 def test_override_reaches_the_pool_limit_the_kernels_hold():
     """``MMSEG_GF_RECYCLE_MB`` is read by C++ when the pool starts; an
     override sets the pool's limit itself (native binds the extension's
     setter), so a freed output is not kept inside ``=0``, and the limit
     before, in bytes, is back afterwards."""
-    previous = native.recycle_limit((7 << 20) + 4096)
+    previous = output_pool.recycle_limit((7 << 20) + 4096)
     try:
         with switches.override(MMSEG_GF_NATIVE=True):
             assert _kept_after_freeing(1 << 20) == 1 << 20
@@ -139,17 +139,17 @@ def test_override_reaches_the_pool_limit_the_kernels_hold():
                 assert _pool_limit() == 0
             assert _pool_limit() == (7 << 20) + 4096
     finally:
-        native.recycle_limit(previous)
-        native.release_recycled()
+        output_pool.recycle_limit(previous)
+        output_pool.release_recycled()
 
 
-@pytest.mark.skipif(not native.built(), reason='compiled kernels not built')
+@pytest.mark.skipif(not extension.built(), reason='compiled kernels not built')
 def test_override_reaches_the_kernels_toggles():
-    before = native.set_onednn_products(True)
-    native.set_onednn_products(before)
+    before = cpu_settings.set_onednn_products(True)
+    cpu_settings.set_onednn_products(before)
     with switches.override(onednn_products=not before):
-        assert native.set_onednn_products(not before) is (not before)
-    assert native.set_onednn_products(before) is before
+        assert cpu_settings.set_onednn_products(not before) is (not before)
+    assert cpu_settings.set_onednn_products(before) is before
 
 
 def test_switches_no_owner_can_set_are_refused_by_override():
@@ -198,7 +198,7 @@ def test_values_of_the_wrong_type_are_refused(call):
 def test_undeclared_and_foreign_switches_are_refused():
     with pytest.raises(KeyError, match='no switch'):
         switches.value('NO_SUCH_SWITCH')
-    with pytest.raises(KeyError, match='native.recycle_limit'):
+    with pytest.raises(KeyError, match='output_pool.recycle_limit'):
         switches.value('MMSEG_GF_RECYCLE_MB')
     with pytest.raises(KeyError, match='setup.py'):
         switches.override(MMSEG_GF_UNITY_BUILD=False).__enter__()

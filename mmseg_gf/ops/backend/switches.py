@@ -11,7 +11,7 @@ The switches whose value Python reads go through :func:`value`:
   (later edits of ``os.environ`` are not seen; :func:`reread` forgets what
   was read, so the next :func:`value` reads the environment again);
 * a value set at run time (:func:`set_value`, which the owners' setters
-  such as ``triton_path.set_enabled`` call) wins over the environment's
+  such as ``triton_runtime.set_enabled`` call) wins over the environment's
   until it is set back to None;
 * :func:`override` stands in for the environment inside a block (tests:
   ``with switches.override(MMSEG_GF_NATIVE=False):``), the previous state
@@ -91,7 +91,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch('MMSEG_GF_TRITON', True, bool,
            'The Triton GPU kernels (`0`: CUDA tensors take the PyTorch '
            'path).', on_unless_zero,
-           setter='mmseg_gf.ops.backend.triton_path.set_enabled'),
+           setter='mmseg_gf.ops.backend.triton_runtime.set_enabled'),
     Switch('MMSEG_GF_FUSED_PRODUCTS', True, bool,
            "A filtered layer's patch-grid products on the Triton path as "
            'one fused launch (`0`: batched GEMMs, a tap sum and a spread; '
@@ -118,7 +118,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            'MiB of freed large CPU outputs the compiled kernels keep for '
            'reuse (`0`: none; a `process_mib` budget on CPU sets 0).', int,
            reader='C++ (ops/csrc/output_recycler.cpp)',
-           setter='mmseg_gf.ops.backend.native.recycle_limit'),
+           setter='mmseg_gf.ops.backend.output_pool.recycle_limit'),
     Switch('MMSEG_GF_CHECKPOINT_COST_FACTOR', 4.0, float,
            'What a checkpoint file may declare, times its size, before '
            'the loader refuses it.', cost_factor,
@@ -139,11 +139,11 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch('onednn_products', None, bool,
            "Large float32 products of the fused CPU backward on oneDNN; "
            'default: on for AMD CPUs with full-width AVX-512.',
-           reader='C++', setter='mmseg_gf.ops.backend.native.set_onednn_products'),
+           reader='C++', setter='mmseg_gf.ops.backend.cpu_settings.set_onednn_products'),
     Switch('token_rows_avx512', None, bool,
            'AVX-512 pooling and spread of token rows; default: on where '
            'the CPU has AVX-512F.', reader='C++',
-           setter='mmseg_gf.ops.backend.native.set_token_rows_avx512'),
+           setter='mmseg_gf.ops.backend.cpu_settings.set_token_rows_avx512'),
     Switch('keep_freed_cpu_memory', False, bool,
            "malloc keeps freed memory for reuse (the `reuse_cpu_memory` "
            'setting).', reader='glibc',
@@ -259,7 +259,7 @@ def bind_applier(name: str,
     """Let :func:`override` reach a switch read outside Python:
     ``apply(value)`` sets the state where it lives (the compiled kernels)
     and returns what puts the previous state back. Called by the switch's
-    owner when it is imported (:mod:`.native`); a switch no owner bound
+    owner when it is imported (:mod:`.output_pool`, :mod:`.cpu_settings`); a switch no owner bound
     (glibc's, whose ``mallopt`` has no getter to restore from) stays
     refused."""
     switch = SWITCHES.get(name)

@@ -12,16 +12,16 @@ bit for bit.
 
 Taken by contiguous float32 / float16 / bfloat16 tensors (in the mask's
 memory order) on CUDA, in eager mode, where the Triton path is switched on
-(:func:`triton_path.takes_device`: ``MMSEG_GF_TRITON``,
-:func:`triton_path.set_enabled`); on CPU only under triton's interpreter,
+(:func:`triton_runtime.takes_device`: ``MMSEG_GF_TRITON``,
+:func:`triton_runtime.set_enabled`); on CPU only under triton's interpreter,
 for the tests. Anything else takes the PyTorch path (float64: a float
 scalar reaches a kernel as float32, so its bounds would be rounded).
 """
 import torch
 from torch import Tensor
 
-from ..backend import triton_path
-from ..backend.triton_path import _is_fake, _on_device
+from ..backend import triton_runtime
+from ..backend.triton_runtime import is_fake, on_device
 
 __all__ = ['usable', 'takes_dtype', 'empty_bits', 'pack', 'apply',
            'activate_and_pack', 'activation_code', 'FORMULAS',
@@ -43,9 +43,9 @@ def takes_dtype(dtype: torch.dtype) -> bool:
 def usable(t: Tensor) -> bool:
     """Whether ``t`` (the mask's tensor in its memory order) takes the
     Triton path."""
-    return (triton_path.takes_device(t) and takes_dtype(t.dtype)
+    return (triton_runtime.takes_device(t) and takes_dtype(t.dtype)
             and t.numel() > 0 and t.is_contiguous()
-            and not torch.compiler.is_compiling() and not _is_fake(t))
+            and not torch.compiler.is_compiling() and not is_fake(t))
 
 
 def _kernels():
@@ -64,7 +64,7 @@ def pack(x: Tensor, lo: float, hi: float, nan_bit: bool) -> Tensor:
     """The packed bits of ``lo < x < hi`` (``hi = inf``: no upper bound;
     NaN: ``nan_bit``) of a :func:`usable` ``x``, in one launch."""
     bits = empty_bits(x)
-    with _on_device(x):
+    with on_device(x):
         _kernels().pack(x, bits, lo, hi, nan_bit)
     return bits
 
@@ -75,7 +75,7 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float) -> Tensor:
     if bits.device != grad.device or not bits.is_contiguous():
         bits = bits.to(grad.device).contiguous()
     out = torch.empty_like(grad)
-    with _on_device(grad):
+    with on_device(grad):
         _kernels().apply(grad, bits, off_scale, out)
     return out
 
@@ -99,7 +99,7 @@ def activate_and_pack(x: Tensor, y: Tensor, formula: str, lo: float,
     kernels = _kernels()
     act = activation_code(formula)
     bits = empty_bits(x)
-    with _on_device(x):
+    with on_device(x):
         kernels.pack(x, bits, lo, hi, nan_bit, act, y, off_scale)
     return bits
 
@@ -111,6 +111,6 @@ def apply_per_sample(grad: Tensor, bits: Tensor, keep_prob: float) -> Tensor:
     if bits.device != grad.device or not bits.is_contiguous():
         bits = bits.to(grad.device).contiguous()
     out = torch.empty_like(grad)
-    with _on_device(grad):
+    with on_device(grad):
         _kernels().apply_per_sample(grad, bits, keep_prob, out)
     return out

@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend.launch_geometry import cdiv
-from ..backend.triton_kernels import LAUNCH_OPTIONS
+from ..backend.triton_launch import LAUNCH_OPTIONS
 
 #: ``act`` of :func:`pack`: no output (the bits only).
 NONE = 0
@@ -39,7 +39,7 @@ SCALE = 2
 
 # Mask bytes per program (8x as many elements). A heuristic, not tuned on
 # a GPU: 1024 elements, as the conv path's tiles.
-_BLOCK = 128
+PACK_BLOCK = 128
 
 
 #: The tensor arguments each kernel writes (the others it reads): the
@@ -51,13 +51,13 @@ KERNEL_OUTPUTS = {'_pack': ('y', 'bits'), '_apply': ('out', ),
 @triton.jit
 def _pack(x, y, bits, numel, lo, hi, off_scale, BOUNDED: tl.constexpr,
           NAN_BIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    _pack_block(tl.program_id(0), x, y, bits, numel, lo, hi, off_scale,
+    pack_block(tl.program_id(0), x, y, bits, numel, lo, hi, off_scale,
                 x, x, x, x, 0.0, 1, 1, BOUNDED, NAN_BIT, ACT, BLOCK, False,
                 False, False)
 
 
 @triton.jit
-def _pack_block(pid, x, y, bits, numel, lo, hi, off_scale, mean, var,
+def pack_block(pid, x, y, bits, numel, lo, hi, off_scale, mean, var,
                 norm_w, norm_b, eps, channel_step, channels,
                 BOUNDED: tl.constexpr, NAN_BIT: tl.constexpr,
                 ACT: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
@@ -121,8 +121,8 @@ def _apply(g, bits, out, numel, off_scale, ZERO_OFF: tl.constexpr,
     tl.store(out + idx, tl.where(keep, v, off), mask=inside)
 
 
-def _programs(numel: int) -> tuple:
-    return (cdiv(cdiv(numel, 8), _BLOCK), )
+def pack_programs_of(numel: int) -> tuple:
+    return (cdiv(cdiv(numel, 8), PACK_BLOCK), )
 
 
 def pack(x: Tensor, bits: Tensor, lo: float, hi: float, nan_bit: bool,
@@ -132,18 +132,18 @@ def pack(x: Tensor, bits: Tensor, lo: float, hi: float, nan_bit: bool,
     activation's output into the contiguous ``y`` too (may be ``x``)."""
     numel = x.numel()
     bounded = hi != float('inf')
-    _pack[_programs(numel)](
+    _pack[pack_programs_of(numel)](
         x, x if y is None else y, bits, numel, float(lo),
         float(hi) if bounded else 0.0, float(off_scale), BOUNDED=bounded,
-        NAN_BIT=bool(nan_bit), ACT=int(act), BLOCK=_BLOCK, **LAUNCH_OPTIONS)
+        NAN_BIT=bool(nan_bit), ACT=int(act), BLOCK=PACK_BLOCK, **LAUNCH_OPTIONS)
 
 
 def apply(grad: Tensor, bits: Tensor, off_scale: float, out: Tensor) -> None:
     """Write ``bit ? grad : grad * off_scale`` of the contiguous ``grad``
     into the contiguous ``out``."""
     numel = grad.numel()
-    _apply[_programs(numel)](grad, bits, out, numel, float(off_scale),
-                             ZERO_OFF=off_scale == 0, BLOCK=_BLOCK,
+    _apply[pack_programs_of(numel)](grad, bits, out, numel, float(off_scale),
+                             ZERO_OFF=off_scale == 0, BLOCK=PACK_BLOCK,
                              **LAUNCH_OPTIONS)
 
 
@@ -177,6 +177,6 @@ def apply_per_sample(grad: Tensor, bits: Tensor, keep_prob: float,
     # a launch count would see)
     scalar = float(np.float32(1.0) / np.float32(keep_prob)) \
         if reciprocal else float(keep_prob)
-    _apply_per_sample[(cdiv(numel, _BLOCK * 8), )](
+    _apply_per_sample[(cdiv(numel, PACK_BLOCK * 8), )](
         grad, bits, out, numel, numel // grad.shape[0], scalar,
-        RECIPROCAL=reciprocal, BLOCK=_BLOCK * 8, **LAUNCH_OPTIONS)
+        RECIPROCAL=reciprocal, BLOCK=PACK_BLOCK * 8, **LAUNCH_OPTIONS)

@@ -27,15 +27,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import switches
+from ..backend import extension
+from ..backend.output_pool import empty_for_writing
 from . import gpu as triton_bit_mask
-from ..backend.native import empty_for_writing, kernel_missing
 
-try:
-    from ... import _bit_mask as _kernels
-except ImportError as _error:  # not built: PyTorch fallback
-    _kernels = None
-    kernel_missing('_bit_mask', _error)
+_kernels = extension.module('bit_mask')  # None when not built
 
 __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
            'layout_of', 'activate_and_pack']
@@ -43,7 +39,7 @@ __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
 
 def native_available() -> bool:
     """True if the compiled kernels are built and not switched off."""
-    return _kernels is not None and switches.value('MMSEG_GF_NATIVE')
+    return extension.available('bit_mask')
 
 
 def _native(t: Tensor) -> bool:

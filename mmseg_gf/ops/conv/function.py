@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..backend import native, triton_path
+from . import cpu as conv_cpu
+from . import gpu as conv_gpu
 # The patch grid's helpers (shared with other filtered layer kinds) live in
 # .patch_grid; importable from here as well.
 from ..patch_grid import (AxisGeometry, IntPair, as_pair, autocast_off,
@@ -277,7 +278,7 @@ def _fusable(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
     on both axes and every tensor is a CPU NCHW tensor of one float dtype."""
     geo_h, geo_w = ctx.geometry
     dtype = grad_output.dtype
-    return (geo_h.collapsed and geo_w.collapsed and native.usable(grad_output)
+    return (geo_h.collapsed and geo_w.collapsed and conv_cpu.usable(grad_output)
             and weight.dtype == dtype and ctx.input_dtype == dtype
             and (x_pooled is None or x_pooled.dtype == dtype))
 
@@ -288,7 +289,7 @@ def _fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
     (see ``native``)."""
     geo_h, geo_w = ctx.geometry
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    return native.collapsed_backward(
+    return conv_cpu.collapsed_backward(
         grad_output, x_pooled, weight, ctx.groups, 1.0 / ctx.stride_area,
         (geo_h.in_size, geo_w.in_size), geo_h.input_patches,
         geo_w.input_patches, geo_h.out_patch, need_x, need_w, need_b)
@@ -367,11 +368,11 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     Three autograd nodes compute the same backward. The usual case (a
     kernel that collapses on both axes) takes a fused node where one
     applies: on a CUDA input (contiguous NCHW or channels-last) the Triton
-    one (:func:`triton_path.filtered_conv2d`; on an H100 the step-by-step
+    one (:func:`conv_gpu.filtered_conv2d`; on an H100 the step-by-step
     route's handful of small kernels was slower than cuDNN's exact
     backward);
     on a contiguous NCHW float CPU input with weight and bias of its dtype
-    and autocast off the compiled C++ one (:func:`native.filtered_conv2d`;
+    and autocast off the compiled C++ one (:func:`conv_cpu.filtered_conv2d`;
     on small layers the Python Function's own overhead was ~10% of the
     backward). Everything else (other layouts and dtypes, dilated taps,
     CPU autocast, ``torch.compile`` on CPU, machines without the kernels)
@@ -379,13 +380,13 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     ``torch.compile`` on CPU it calls the same compiled kernels as
     operators: the same numbers as the C++ node).
     """
-    if triton_path.usable(x, weight, bias):
-        fused = triton_path
-    elif (native.usable(x) and weight.dtype == x.dtype
+    if conv_gpu.usable(x, weight, bias):
+        fused = conv_gpu
+    elif (conv_cpu.usable(x) and weight.dtype == x.dtype
           and (bias is None or bias.dtype == x.dtype)
           and not torch.is_autocast_enabled('cpu')
           and not torch.compiler.is_compiling()):
-        fused = native
+        fused = conv_cpu
     else:
         fused = None
     patches = None if fused is None else collapsed_patches(

@@ -1,7 +1,7 @@
 """Triton kernel of the GPU path: the patch grid's two products in one
 launch, with what surrounds them.
 
-After :func:`~.triton_kernels.output_grad_means` has read ``g_y`` once
+After :func:`~.conv.kernels.output_grad_means` has read ``g_y`` once
 (``g~``, the scaled patch means, ``Co x N x ph x pw``, the bias's partial
 sums and, in the same launch, the kernel's tap sums ``W~``), a filtered
 conv or Linear needs two products on the ``1/r^2``-sized patch grid
@@ -34,8 +34,8 @@ layer shape and keeps the fastest; under the interpreter and with
 ``MMSEG_GF_AUTOTUNE=0``, :func:`fixed_tiles` (16 to 64, from the
 shape).
 
-Importing this module imports ``triton`` (:mod:`.triton_path` does so
-lazily, as for :mod:`.triton_kernels`).
+Importing this module imports ``triton`` (:mod:`.gpu` does so
+lazily, as for :mod:`.conv.kernels`).
 """
 import math
 from types import MappingProxyType
@@ -48,8 +48,9 @@ from torch import Tensor
 
 from ..backend import shape_caches
 from ..backend.launch_geometry import cdiv, next_power_of_2
-from ..backend.triton_kernels import (LAUNCH_OPTIONS, Patches, Tuning, _acc,
-                                      timed_by_default)
+from ..backend.triton_launch import (LAUNCH_OPTIONS, Patches, Tuning,
+                                     timed_by_default)
+from ..backend.triton_launch import acc as tl_acc
 
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
@@ -366,7 +367,7 @@ def tuned(configs=None, do_bench: Optional[Callable] = None):
     """:func:`_products` under ``triton.autotune`` over ``configs``
     (default :func:`tuning_configs`), keyed on :data:`TUNING_KEY`, pruned
     by :func:`fits`, each config timed by ``do_bench`` (default
-    :func:`~.triton_kernels.timed_by_default`). Every config's launch
+    :func:`~.conv.kernels.timed_by_default`). Every config's launch
     writes all it writes (no accumulation), so timing runs leave the
     right result."""
     return triton.autotune(
@@ -455,7 +456,7 @@ def products(means: Tensor, pooled: Optional[Tensor],
         partial.shape[2] if need_b else 0, p.stride(0) if need_w else 0,
         p.stride(1) if need_w else 0, *geometry, image_rows,
         HAS_W=bool(need_w), HAS_B=bool(need_b), HAS_X=out is not None,
-        DEPTHWISE=bool(depthwise), ACC=_acc(acc), COL_SIZE=col_size,
+        DEPTHWISE=bool(depthwise), ACC=tl_acc(acc), COL_SIZE=col_size,
         **tiles, **LAUNCH_OPTIONS)
     return grad_w, grad_b
 

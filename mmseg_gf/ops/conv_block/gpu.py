@@ -13,7 +13,7 @@ it loads it, writes the activation's output and mask, and in further
 programs sums the conv's input over its patches
 (:mod:`.triton_conv_block_kernels`); its backward's pass over the gradient
 applies the mask and the norm's factor as it loads each element
-(:class:`~.triton_path.GradPrologue`): two launches for a dense or
+(:class:`~..conv.gpu.GradPrologue`): two launches for a dense or
 depthwise conv (that pass, then both products, :mod:`.triton_products`)
 where the three nodes take four.
 
@@ -42,8 +42,9 @@ from torch.autograd.function import once_differentiable
 
 from ..bit_mask import masks as bit_mask, gpu as triton_bit_mask
 from ..frozen_norm import gpu as triton_norm
-from ..backend import triton_path
-from ..backend.triton_path import Patches, _on_device
+from ..backend.triton_runtime import on_device
+from ..conv import gpu as conv_gpu
+from ..conv.gpu import Patches
 
 __all__ = ['usable', 'FilteredConvBlockFunction', 'block_calls']
 
@@ -63,10 +64,10 @@ def _kernels():
 
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether a block with conv input ``x`` may run fused: the filtered
-    conv's Triton path takes it (:func:`triton_path.usable`), and the
+    conv's Triton path takes it (:func:`conv_gpu.usable`), and the
     norm's and the activation's Triton paths take tensors of its dtype and
     device (the caller checks the conv's geometry and the modules)."""
-    return (triton_path.usable(x, weight, bias) and triton_norm.usable(x)
+    return (conv_gpu.usable(x, weight, bias) and triton_norm.usable(x)
             and triton_bit_mask.takes_dtype(x.dtype))
 
 
@@ -107,7 +108,7 @@ class FilteredConvBlockFunction(Function):
         pooled = (x.new_empty((x.shape[1], x.shape[0], rows[2], cols[2]))
                   if ctx.needs_input_grad[1] else None)
         formula, lo, hi, nan_bit, off_scale = activation
-        with _on_device(x):
+        with on_device(x):
             _kernels().block_forward(
                 y, out, bits, norm,
                 (triton_bit_mask.activation_code(formula), lo,
@@ -117,7 +118,7 @@ class FilteredConvBlockFunction(Function):
         ctx.save_for_backward(pooled, weight, bits)
         triton_norm.reference_norm(ctx, running_var, norm_weight)
         ctx.prologue = (_bit_strides(out), float(off_scale), float(eps))
-        ctx.conv = triton_path.conv_context(x, stride, groups, radius, rows,
+        ctx.conv = conv_gpu.conv_context(x, stride, groups, radius, rows,
                                             cols)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
@@ -127,11 +128,11 @@ class FilteredConvBlockFunction(Function):
     def backward(ctx, grad: Tensor):
         pooled, weight, bits = ctx.saved_tensors
         strides, off_scale, eps = ctx.prologue
-        prologue = triton_path.GradPrologue(
+        prologue = conv_gpu.GradPrologue(
             bits, strides, off_scale, *triton_norm.unchanged_norm(ctx), eps)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         groups, scale, height, width, rows, cols, radius, x_dtype = ctx.conv
-        grad_x, grad_w, grad_b = triton_path.collapsed_backward_from(
+        grad_x, grad_w, grad_b = conv_gpu.collapsed_backward_from(
             grad, prologue, pooled, weight, groups, scale, height, width,
             list(rows), list(cols), radius, x_dtype, need_x, need_w, need_b)
         return ((grad_x if need_x else None, grad_w if need_w else None,

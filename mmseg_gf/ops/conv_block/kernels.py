@@ -6,10 +6,10 @@ passes to make: the frozen norm's (``z``), the activation's with its mask
 (the output and the bits), and the patch sums of the conv's input ``x``
 that its backward keeps. ``_block_forward`` makes them in one launch: its
 first programs normalize ``y`` as they load it and write the activation's
-output and the packed bits (:func:`~.triton_bit_mask_kernels._pack_block`
+output and the packed bits (:func:`~.bit_mask.kernels.pack_block`
 with ``NORM``: ``z`` never reaches memory), the programs after them sum
 ``x`` over its input patches
-(:func:`~.triton_kernels._reduce_patch_row`), independent work that needs
+(:func:`~.conv.kernels.reduce_patch_row`), independent work that needs
 no second launch.
 
 Importing this module imports ``triton``: :mod:`.triton_conv_block`
@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..bit_mask.kernels import _BLOCK, _pack_block, _programs
-from ..backend.triton_kernels import (LAUNCH_OPTIONS, Patches, _acc,
-                                      _reduce_patch_row, reduce_meta)
+from ..bit_mask.kernels import PACK_BLOCK, pack_block, pack_programs_of
+from ..backend.triton_launch import LAUNCH_OPTIONS, Patches
+from ..backend.triton_launch import acc as tl_acc
+from ..conv.kernels import reduce_meta, reduce_patch_row
 
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
@@ -46,12 +47,12 @@ def _block_forward(y, out, bits, numel, lo, hi, off_scale, mean, var,
     row)."""
     pid = tl.program_id(0)
     if pid < pack_programs:
-        _pack_block(pid, y, out, bits, numel, lo, hi, off_scale, mean, var,
+        pack_block(pid, y, out, bits, numel, lo, hi, off_scale, mean, var,
                     norm_w, norm_b, eps, channel_step, channels, BOUNDED,
                     NAN_BIT, ACT, BLOCK, True, NORM_WEIGHT, NORM_BIAS)
     else:
         if SUMS:
-            _reduce_patch_row(
+            reduce_patch_row(
                 (pid - pack_programs).to(tl.int64), x, sums, sums,
                 in_channels, height, width, s_n, s_c, s_h, s_w, d_n, d_c,
                 d_h, d_w, row_start, row_size, row_count, col_start,
@@ -76,7 +77,7 @@ def block_forward(y: Tensor, out: Tensor, bits: Tensor, norm: tuple,
     act, lo, hi, nan_bit, off_scale = activation
     n, c, height, width = y.shape
     numel = y.numel()
-    pack_programs = _programs(numel)[0]
+    pack_programs = pack_programs_of(numel)[0]
     bounded = hi != float('inf')
     if sums is None:  # placeholders: tensors read and written anyway
         sum_args, sum_programs = (y, out, 0, 0, 0) + (0, ) * 14, 0
@@ -93,6 +94,6 @@ def block_forward(y: Tensor, out: Tensor, bits: Tensor, norm: tuple,
         float(off_scale), mean, var, var if weight is None else weight,
         var if bias is None else bias, float(eps),
         1 if channels_last else height * width, c, *sum_args, pack_programs,
-        BOUNDED=bounded, NAN_BIT=bool(nan_bit), ACT=int(act), BLOCK=_BLOCK,
+        BOUNDED=bounded, NAN_BIT=bool(nan_bit), ACT=int(act), BLOCK=PACK_BLOCK,
         NORM_WEIGHT=weight is not None, NORM_BIAS=bias is not None,
-        SUMS=sums is not None, ACC=_acc(x.dtype), **meta, **LAUNCH_OPTIONS)
+        SUMS=sums is not None, ACC=tl_acc(x.dtype), **meta, **LAUNCH_OPTIONS)

@@ -1,5 +1,5 @@
 // Python bindings of the CPU kernels: the extension module
-// mmseg_gf._patch_ops, wrapped by mmseg_gf/ops/backend/native.py.
+// mmseg_gf._patch_ops, wrapped by the operators' cpu.py modules (mmseg_gf/ops/*/cpu.py).
 //
 // What the other files hold, from the bottom up: patch_kernels (the two
 // passes over full-size tensors: pooling and spreading), output_recycler

@@ -20,7 +20,7 @@ autograd's own kernel; equal to it up to rounding.
 
 Taken by float32 / float16 / bfloat16 CUDA inputs (batch norm:
 contiguous or channels-last; layer norm: contiguous), in eager mode, where
-the Triton path is switched on (:func:`triton_path.takes_device`); on CPU
+the Triton path is switched on (:func:`triton_runtime.takes_device`); on CPU
 only under the interpreter.
 """
 from typing import Callable, Optional, Tuple
@@ -30,8 +30,8 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..backend import triton_path
-from ..backend.triton_path import _is_fake, _on_device
+from ..backend import triton_runtime
+from ..backend.triton_runtime import is_fake, on_device
 from ..function_output import owned_output
 
 __all__ = ['usable', 'FrozenBatchNormFunction', 'reference_norm',
@@ -59,9 +59,9 @@ def _inner(t: Tensor) -> Optional[int]:
 
 def usable(x: Tensor) -> bool:
     """Whether a frozen norm's input ``x`` takes the Triton path."""
-    return (triton_path.takes_device(x) and x.dtype in _DTYPES
+    return (triton_runtime.takes_device(x) and x.dtype in _DTYPES
             and x.dim() >= 2 and x.numel() > 0 and _inner(x) is not None
-            and not torch.compiler.is_compiling() and not _is_fake(x))
+            and not torch.compiler.is_compiling() and not is_fake(x))
 
 
 def reference_norm(ctx, running_var: Tensor,
@@ -105,7 +105,7 @@ class FrozenBatchNormFunction(Function):
             grad = grad.contiguous()
             inner = _inner(grad)
         from . import kernels as triton_norm_kernels  # imports triton
-        with _on_device(grad):
+        with on_device(grad):
             g_x = triton_norm_kernels.frozen_norm_backward(
                 grad, running_var, weight, ctx.eps, inner,
                 torch.empty_like(grad))
@@ -116,9 +116,9 @@ def layer_norm_usable(x: Tensor, dims: int) -> bool:
     """Whether a frozen layer norm's backward over the last ``dims``
     dimensions of its kept input ``x`` takes the Triton path (contiguous
     ``x``, rows of at most 8192 elements)."""
-    if not (triton_path.takes_device(x) and x.dtype in _DTYPES
+    if not (triton_runtime.takes_device(x) and x.dtype in _DTYPES
             and x.numel() > 0 and x.is_contiguous()
-            and not torch.compiler.is_compiling() and not _is_fake(x)):
+            and not torch.compiler.is_compiling() and not is_fake(x)):
         return False
     row = 1
     for size in x.shape[x.dim() - dims:]:
@@ -135,7 +135,7 @@ def frozen_layer_norm_backward(grad: Tensor, x: Tensor, rstd: Tensor,
     dtype."""
     row = x.numel() // max(1, rstd.numel())
     from . import kernels as triton_norm_kernels  # imports triton
-    with _on_device(x):
+    with on_device(x):
         return triton_norm_kernels.frozen_layer_norm_backward(
             grad.contiguous(), x, rstd.contiguous(),
             None if weight is None else weight.contiguous(), row,

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend.launch_geometry import cdiv, next_power_of_2
-from ..backend.triton_kernels import LAUNCH_OPTIONS
+from ..backend.triton_launch import LAUNCH_OPTIONS
 
 # Elements per program. A heuristic, not tuned on a GPU.
 _BLOCK = 1024

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from ..bit_mask import masks as bit_mask
-from ..backend.native import empty_for_writing
+from ..backend.output_pool import empty_for_writing
 from ..function_output import owned_output
 
 __all__ = [

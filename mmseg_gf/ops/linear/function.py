@@ -24,7 +24,7 @@ two GEMMs on ``N / r^2`` rows. On CPU with the compiled kernels
 (``csrc/token_grid_backward.cpp``: one read of ``g_y``, one write of
 ``g_x``, into recycled memory); on CUDA the conv's Triton kernels do the
 same on the token rows seen as a channels-last map (``triton_linear``;
-off with ``MMSEG_GF_TRITON=0`` or ``triton_path.set_enabled(False)``); the
+off with ``MMSEG_GF_TRITON=0`` or ``triton_runtime.set_enabled(False)``); the
 pure-PyTorch path here is the reference and the fallback
 (``MMSEG_GF_NATIVE=0``). No mmseg import.
 """
@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..backend import native
+from ..backend import output_pool, triton_runtime
+from . import cpu as linear_cpu
 from . import gpu as triton_linear
 from ..patch_grid import AxisGeometry, autocast_off, check_radius
 from ..function_output import owned_output
@@ -264,8 +265,8 @@ class TokenLayout:
         PyTorch pooling is kept: on an H100 a Triton pass made the filtered
         Linear's forward 1.2-4.6x slower than it, docs/benchmarks.)"""
         rows = self.rows_to_read(t)
-        if dtype == t.dtype and native.token_rows_usable(rows):
-            return native.token_patch_sums(rows, self.radius)
+        if dtype == t.dtype and linear_cpu.token_rows_usable(rows):
+            return linear_cpu.token_patch_sums(rows, self.radius)
         return self.pool_rows(rows, dtype)
 
     def patch_counts(self, sums: Tensor) -> Optional[Tensor]:
@@ -336,9 +337,9 @@ def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
         grad_w, grad_b = triton_linear.filtered_backward(
             g_rows, sums, weight, out_rows, layout.radius, need_w, need_b,
             acc)
-    elif g_rows.dtype == acc and native.token_rows_usable(
+    elif g_rows.dtype == acc and linear_cpu.token_rows_usable(
             g_rows, out_rows, weight, sums):
-        grad_w, grad_b = native.token_filtered_backward(
+        grad_w, grad_b = linear_cpu.token_filtered_backward(
             g_rows, sums, weight, out_rows, layout.radius, need_w, need_b)
     else:
         grad_w, grad_b = _filtered_backward_torch(layout, g_rows, x_sums,
@@ -392,11 +393,11 @@ def _empty_grad_input(grad_output: Tensor, shape: torch.Size,
                       dtype: torch.dtype) -> Tensor:
     """Memory for ``g_x``, which the backward writes in full (grid tokens
     and extra tokens): a recycled block of its byte size where the compiled
-    kernels keep one (:func:`native.empty_for_writing`, as the filtered
+    kernels keep one (:func:`output_pool.empty_for_writing`, as the filtered
     conv's ``g_x``), so that a step does not pay the page faults of fresh
     memory again; else ``torch.empty``."""
     if grad_output.dtype == dtype:
-        return native.empty_for_writing(shape, grad_output)
+        return output_pool.empty_for_writing(shape, grad_output)
     return grad_output.new_empty(shape, dtype=dtype)
 
 

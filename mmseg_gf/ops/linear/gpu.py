@@ -16,13 +16,13 @@ than its pooling.)
   gradient's partial sums; :mod:`.triton_token_kernels`' pass made for
   token rows, whose programs each read ``r x r`` tokens x a block of
   contiguous channels), then the two channel-mixing products on the
-  ``L * ph * pw`` patch rows in one launch of :mod:`.triton_products`
+  ``L * ph * pw`` patch rows in one launch of :mod:`~..conv.products_kernels`
   (``g_W`` and ``g_b``; ``g_x``'s grid tokens, written from its
   registers), or with ``MMSEG_GF_FUSED_PRODUCTS=0`` as GEMMs, the bias's
   sum and a Triton pass writing ``g_x``.
 
-CUDA tensors take it while :func:`triton_path.enabled` (triton installed,
-``MMSEG_GF_TRITON`` not ``0``, :func:`triton_path.set_enabled`); CPU tensors
+CUDA tensors take it while :func:`triton_runtime.enabled` (triton installed,
+``MMSEG_GF_TRITON`` not ``0``, :func:`triton_runtime.set_enabled`); CPU tensors
 only under triton's interpreter (``TRITON_INTERPRET=1`` before import: the
 tests). Under ``torch.compile`` and on fake or meta tensors the PyTorch
 path runs instead (these kernels are not registered as torch ops).
@@ -32,8 +32,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import triton_path
-from ..backend.triton_path import _FLOAT_TYPES, _kernels, _on_device, _products
+from ..backend import triton_runtime
+from ..backend.triton_runtime import FLOAT_TYPES, on_device
+from ..conv import gpu as conv_gpu
 
 __all__ = ['usable', 'filtered_backward', 'backward_calls']
 
@@ -47,15 +48,25 @@ def usable(*tensors: Optional[Tensor]) -> bool:
     while ``torch.compile`` traces."""
     first = tensors[0]
     device = first.device.type
-    if not (triton_path.enabled() and first.numel() > 0
+    if not (triton_runtime.enabled() and first.numel() > 0
             and (device == 'cuda' or
-                 (device == 'cpu' and triton_path._ON_CPU))
+                 (device == 'cpu' and triton_runtime.INTERPRETED))
             and not torch.compiler.is_compiling()):
         return False
     return all(
         t is None or (type(t) in (Tensor, torch.nn.Parameter)
-                      and t.device == first.device and t.dtype in _FLOAT_TYPES)
+                      and t.device == first.device and t.dtype in FLOAT_TYPES)
         for t in tensors)
+
+
+def _conv_kernels():
+    from ..conv import kernels as conv_kernels  # imports triton: on first use
+    return conv_kernels
+
+
+def _products():
+    from ..conv import products_kernels  # imports triton: on first use
+    return products_kernels
 
 
 def _token_kernels():
@@ -93,12 +104,12 @@ def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
     """
     global _calls
     _calls += 1
-    kernels = _kernels()
+    kernels = _conv_kernels()
     n, height, width, _ = g_rows.shape
     rows = kernels.radius_patches(height, radius)
     cols = kernels.radius_patches(width, radius)
     grad_w = grad_b = None
-    with _on_device(g_rows):
+    with on_device(g_rows):
         # scale 1: plain patch means; token rows with contiguous channels
         # (what TokenLayout gives) take the pass made for them
         if g_rows.stride(3) == 1:
@@ -107,7 +118,7 @@ def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
         else:
             means, partial = kernels.output_grad_means(
                 g_rows.permute(0, 3, 1, 2), radius, 1.0, acc)
-        if triton_path.fused_products():
+        if conv_gpu.fused_products():
             return _fused(means, partial, x_sums, weight, out_rows, rows,
                           cols, need_w, need_b)
         flat = means.view(means.shape[0], -1)  # Co x (L ph pw)
@@ -127,7 +138,7 @@ def _fused(means: Tensor, partial: Tensor, x_sums: Optional[Tensor],
            need_w: bool, need_b: bool
            ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """:func:`filtered_backward` after the pass over ``g_y``, as the one
-    launch of :mod:`.triton_products`."""
+    launch of :mod:`~..conv.products_kernels`."""
     sums = x_sums.reshape(-1, x_sums.shape[-1]).t() if need_w else None
     out = None if out_rows is None else out_rows.permute(0, 3, 1, 2)
     grad_w, grad_b = _products().products(

@@ -3,7 +3,7 @@ on its grid tokens.
 
 A Linear on a token grid sees ``g_y`` as ``(L, H, W, Co)`` rows, the
 channels contiguous (``TokenLayout.grid_rows``: a Swin window's tokens,
-a Segformer stage's map). The conv's pass (:func:`~.triton_kernels.
+a Segformer stage's map). The conv's pass (:func:`~.conv.kernels.
 output_grad_means`) reads that as a channels-last map, one program per
 (image, channel, patch row): each program's loads are strided by the
 channel count, and coalescing rests on neighbouring programs running
@@ -28,7 +28,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend.launch_geometry import cdiv, next_power_of_2
-from ..backend.triton_kernels import LAUNCH_OPTIONS, _acc, radius_patches
+from ..backend.triton_launch import LAUNCH_OPTIONS, radius_patches
+from ..backend.triton_launch import acc as tl_acc
 
 #: The tensor arguments each kernel writes (the others it reads): the
 #: bytes a launch moves, for :mod:`mmseg_gf.accounting.launches`.
@@ -114,7 +115,7 @@ def token_patch_means(rows: Tensor, radius: int, scale: float,
     _token_patch_means[(programs, )](
         rows, means, partial, height, width, channels, rows.stride(0),
         rows.stride(1), rows.stride(2), radius, row_count, col_count, grids,
-        1.0 if late else scale, ACC=_acc(acc), **meta, **LAUNCH_OPTIONS)
+        1.0 if late else scale, ACC=tl_acc(acc), **meta, **LAUNCH_OPTIONS)
     if late:
         means.mul_(scale)
     return means, partial

@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..backend import native
+from ..backend import output_pool
+from ..conv import cpu as conv_cpu
+from . import cpu as linear_cpu
 from .function import TokenGrid, TokenLayout
 from ..patch_grid import AxisGeometry, check_radius, filter_output_grad
 
@@ -150,7 +152,7 @@ def _slope(x: Tensor, approximate: str) -> Tensor:
     if x.dtype != acc:
         return gelu_derivative(x.to(acc), approximate)
     one = _one(x.dtype, x.device).expand_as(x)
-    out = native.empty_for_writing(x.shape, x)
+    out = output_pool.empty_for_writing(x.shape, x)
     return torch.ops.aten.gelu_backward.grad_input(
         one, x, approximate=approximate, grad_input=out)
 
@@ -226,7 +228,7 @@ def _map_means(slope: Tensor, partition: PatchPartition,
     their pixels only), one launch where the sums and a scaling take two
     (the same means to rounding, equal where ``|P|`` is a power of 2)."""
     geo_h, geo_w = partition.axes()
-    if native.usable(slope):
+    if conv_cpu.usable(slope):
         return filter_output_grad(slope, geo_h, geo_w, acc)[1]
     r = partition.radius
     return F.avg_pool2d(slope, (min(r, partition.height),
@@ -240,9 +242,9 @@ def _token_means(slope: Tensor, layout: TokenLayout,
     the compiled CPU kernel's sums divided by the tokens per patch, else
     one pooling that divides as it sums (the same quotients)."""
     rows = layout.rows_to_read(slope)
-    if not (acc == slope.dtype and native.token_rows_usable(rows)):
+    if not (acc == slope.dtype and linear_cpu.token_rows_usable(rows)):
         return layout.pool_rows(rows, acc, mean=True)
-    sums = native.token_patch_sums(rows, layout.radius)
+    sums = linear_cpu.token_patch_sums(rows, layout.radius)
     counts = layout.patch_counts(sums)
     return sums.div_(layout.radius ** 2 if counts is None else counts)
 
@@ -250,7 +252,7 @@ def _token_means(slope: Tensor, layout: TokenLayout,
 def _map_backward(grad: Tensor, means: Tensor,
                   partition: PatchPartition) -> Tensor:
     """``g_y`` times the patch means broadcast over ``(N, C, H, W)``, into
-    recycled memory (:func:`native.empty_for_writing`): the means repeated
+    recycled memory (:func:`output_pool.empty_for_writing`): the means repeated
     along the width (``1/r`` of the map), then one product per band of
     ``r`` rows broadcasting them over the band's rows (a contiguous inner
     axis: about twice as fast on CPU as broadcasting over the patch's
@@ -258,7 +260,7 @@ def _map_backward(grad: Tensor, means: Tensor,
     r, h, w = partition.radius, partition.height, partition.width
     n, c = grad.shape[:2]
     rows = means.to(grad.dtype).repeat_interleave(r, dim=-1)[..., :w]
-    out = native.empty_for_writing(grad.shape, grad)
+    out = output_pool.empty_for_writing(grad.shape, grad)
     full = h // r
     if full:
         torch.mul(grad[:, :, :full * r].reshape(n, c, full, r, w),
@@ -293,7 +295,7 @@ def _token_backward(grad: Tensor, means: Tensor, extra: Optional[Tensor],
     """The grid tokens' ``g_y`` times their patch's mean; the other tokens'
     times their own ``f'``."""
     layout = _token_layout(partition)
-    out = native.empty_for_writing(grad.shape, grad)
+    out = output_pool.empty_for_writing(grad.shape, grad)
     means = means.to(grad.dtype)
     if not _tile_product(layout, out, grad, means):
         target = layout.grid_view(out)

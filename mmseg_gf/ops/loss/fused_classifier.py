@@ -29,7 +29,7 @@ from .scaling import (basis_scales, flatten_gradients, function_outputs,
                       recombine_gradients, scaled_sum)
 from ..lean.kept_sources import note_sources
 from .gradients import LogitGradients
-from ..backend.native import empty_for_writing
+from ..backend.output_pool import empty_for_writing
 
 __all__ = ['ConvSpec', 'FusedClassifierLossFunction',
            'channel_scaled_classifier', 'is_pointwise',

@@ -9,7 +9,7 @@ MobileNetV3-LRASPP at 512x512, batch 2, a 64 MiB copy (~29 ms on the 2-core
 benchmark VM) in front of the resize's own backward. One image of that
 slice is contiguous, so :func:`bilinear_resize_backward` reads it in place,
 writing into one gradient tensor (recycled memory on CPU,
-:func:`~.native.empty_for_writing`): with the compiled kernels one axis at
+:func:`~..backend.output_pool.empty_for_writing`): with the compiled kernels one axis at
 a time (``csrc/bilinear_backward.cpp``: torch's indices and weights, the
 terms summed in another order; ~3x faster than torch's kernel, which
 scatters every output pixel's four terms one by one), otherwise torch's
@@ -35,9 +35,10 @@ from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
 
 from . import gemm as bilinear_gemm
-from ..backend import native
+from ..backend import extension
 from ..backend.device_path import acting_as_cuda
-from ..backend.native import empty_for_writing
+from ..backend.output_pool import empty_for_writing
+from . import cpu as resize_cpu
 
 __all__ = ['BilinearResizeFunction', 'bilinear_resize_backward',
            'strided_gradient_resizes', 'traced_rule_applies']
@@ -70,7 +71,7 @@ def _images_contiguous(grad: Tensor) -> bool:
 def bilinear_backward_op(grad: Tensor, input_size: List[int],
                          align_corners: bool, scale_h: Optional[float],
                          scale_w: Optional[float]) -> Tensor:
-    """:func:`~.native.bilinear_backward` as a torch operator (what a
+    """:func:`~.cpu.bilinear_backward` as a torch operator (what a
     compiled graph calls, where it called torch's
     ``upsample_bilinear2d_backward``, 7x this kernel's time in a
     PSPNet-R18 step on CPU): a new contiguous gradient of ``input_size``
@@ -78,7 +79,7 @@ def bilinear_backward_op(grad: Tensor, input_size: List[int],
     image is not contiguous)."""
     if not _images_contiguous(grad):
         grad = grad.contiguous()
-    return native.bilinear_backward(grad, grad.new_empty(input_size),
+    return resize_cpu.bilinear_backward(grad, grad.new_empty(input_size),
                                     align_corners, (scale_h, scale_w))
 
 
@@ -89,7 +90,7 @@ def _(grad, input_size, align_corners, scale_h, scale_w):
 
 def _native_dtype(grad: Tensor) -> bool:
     """The compiled CPU kernel takes ``grad``."""
-    return (native.available() and grad.device.type == 'cpu'
+    return (extension.available() and grad.device.type == 'cpu'
             and grad.dtype in (torch.float32, torch.float64))
 
 
@@ -118,7 +119,7 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
     """The gradient of a bilinear resize w.r.t. its input, read in place
     where each image of ``grad`` is contiguous (a channel slice of a batch):
     with the compiled kernels on CPU (float32 / float64) one axis at a
-    time (:func:`~.native.bilinear_backward`, torch's terms in another
+    time (:func:`~.cpu.bilinear_backward`, torch's terms in another
     order; under ``torch.compile`` as its operator), otherwise torch's
     ``upsample_bilinear2d_backward`` image by image; any other layout goes
     to torch's kernel, which copies it."""
@@ -134,7 +135,7 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
             grad, out_size, list(input_size), align_corners, *scales)
     result = empty_for_writing(input_size, grad)
     if _compiled(grad):
-        return native.bilinear_backward(grad, result, align_corners, scales)
+        return resize_cpu.bilinear_backward(grad, result, align_corners, scales)
     backward = torch.ops.aten.upsample_bilinear2d_backward
     for i in range(grad.shape[0]):
         backward.grad_input(grad.narrow(0, i, 1), out_size,

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..backend.triton_kernels import LAUNCH_OPTIONS
+from ..backend.triton_launch import LAUNCH_OPTIONS
 
 #: The most classes one program holds per pixel (more: the PyTorch path).
 MAX_CLASSES = 2048

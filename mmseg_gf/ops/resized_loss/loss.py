@@ -36,18 +36,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..resize import gemm as bilinear_gemm
-from ..backend import switches, triton_path
+from ..backend import extension, triton_runtime
 from ..backend.device_path import host_checks
 from ..loss.gradients import forward_graph
-from ..backend.triton_path import _is_fake
+from ..backend.triton_runtime import is_fake
 
-from ..backend.native import kernel_missing
-
-try:
-    from ... import _resized_loss as _kernel
-except ImportError as _error:  # not built: the PyTorch path
-    _kernel = None
-    kernel_missing('_resized_loss', _error)
+_kernel = extension.module('resized_loss')  # None when not built
 
 __all__ = ['ResizedCrossEntropy', 'BatchTotals', 'accuracy',
            'resized_cross_entropy', 'kernel_usable',
@@ -137,14 +131,14 @@ def operator_usable(logits: Tensor) -> bool:
 
 def _cpu_kernel_takes(logits: Tensor) -> bool:
     return (_kernel is not None
-            and switches.value('MMSEG_GF_NATIVE')
+            and extension.switched_on()
             and logits.device.type == 'cpu'
             and logits.dtype == torch.float32
             and not torch.is_autocast_enabled('cpu'))
 
 
 def _triton_takes(logits: Tensor) -> bool:
-    return (triton_path.takes_device(logits)
+    return (triton_runtime.takes_device(logits)
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and 0 < logits.shape[1] <= _MAX_CLASSES)
 
@@ -153,9 +147,9 @@ def triton_usable(logits: Tensor) -> bool:
     """Whether the Triton kernel takes ``logits`` (float32 / float16 /
     bfloat16 CUDA tensors in eager mode, at most
     ``triton_loss_kernels.MAX_CLASSES`` classes, the Triton path switched
-    on: :func:`triton_path.takes_device`)."""
+    on: :func:`triton_runtime.takes_device`)."""
     return (_triton_takes(logits) and not torch.compiler.is_compiling()
-            and not _is_fake(logits))
+            and not is_fake(logits))
 
 
 def _check(logits: Tensor, label: Tensor, weight: Optional[Tensor]) -> None:
@@ -398,7 +392,7 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
         target_prob = None if sigmoid else torch.empty_like(pixel_loss)
     label = label.contiguous()
     weight = None if weight is None else weight.contiguous()
-    with triton_path._on_device(logits):
+    with triton_runtime.on_device(logits):
         for i in range(n):
             up = F.interpolate(logits[i:i + 1], size=size, mode='bilinear',
                                align_corners=align_corners)

@@ -9,7 +9,7 @@ or channels-last, the filtered conv is :class:`TritonFilteredConv2d`:
 * backward: one custom op, :func:`collapsed_backward`: one Triton pass over
   ``g_y`` (patch means, the bias gradient's partial sums and, in further
   programs, the taps' sum ``W~``), then one launch of
-  :mod:`.triton_products` for both products (the weight side, ``g_W`` in
+  :mod:`.products_kernels` for both products (the weight side, ``g_W`` in
   every tap with ``g_b``; the input side, ``W~^T g~`` written to every
   pixel of its patch), dense, depthwise and grouped convs alike; with
   ``MMSEG_GF_FUSED_PRODUCTS=0`` the two products on the patch grid as
@@ -28,18 +28,10 @@ A conv's backward launches two kernels, whatever its groups, kernel size
 and bias (``tests/helpers/triton_cases.py::test_backward_launch_count``
 holds the counts).
 
-Without triton (:data:`MIN_TRITON` or newer) installed, with
-``MMSEG_GF_TRITON=0`` in the environment or
-after :func:`set_enabled(False) <set_enabled>`, every CUDA conv takes the
-pure-PyTorch Function, which computes the same gradients. CPU tensors take
-this path only under triton's interpreter (``TRITON_INTERPRET=1`` set
-before ``mmseg_gf`` is imported), which is how the kernels are tested on
-machines without a GPU.
+Where :mod:`~..backend.triton_runtime` refuses (no triton, switched off,
+a CPU tensor outside the interpreter) every conv takes the pure-PyTorch
+Function, which computes the same gradients.
 """
-import contextlib
-import importlib.metadata
-import importlib.util
-import re
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -47,26 +39,21 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import switches
+from ..backend import switches, triton_runtime
 
 __all__ = [
-    'installed', 'enabled', 'set_enabled', 'takes_device', 'usable',
-    'filtered_conv2d', 'collapsed_backward', 'collapsed_backward_from',
-    'patch_sums', 'backward_calls', 'fused_products', 'GradPrologue',
-    'triton_version', 'MIN_TRITON'
+    'usable', 'refusal', 'filtered_conv2d', 'collapsed_backward',
+    'collapsed_backward_from', 'patch_sums', 'backward_calls',
+    'fused_products', 'GradPrologue', 'conv_context'
 ]
 
 Patches = Tuple[int, int, int]  # (start, size, count) along one axis
-
-#: The oldest triton the kernels were tested with (the interpreter cases
-#: and an sm_90 compilation: 3.2 through 3.9, requirements/tests.txt); an
-#: older one leaves the path off.
-MIN_TRITON = (3, 2)
+_calls = 0
 
 
 class GradPrologue(NamedTuple):
     """What the filtered backward's pass over the gradient
-    (:func:`~.triton_kernels.output_grad_means`) applies to each element it
+    (:func:`~.kernels.output_grad_means`) applies to each element it
     reads: the backward of a bit-masked activation, then of a frozen norm
     (after the conv in the forward: conv, norm, activation):
 
@@ -85,69 +72,43 @@ class GradPrologue(NamedTuple):
     eps: float
 
 
-def triton_version() -> Optional[Tuple[int, ...]]:
-    """The installed triton's ``(major, minor, patch)`` from its package
-    metadata (without importing it), None if it is not installed."""
-    if importlib.util.find_spec('triton') is None:
-        return None
-    try:
-        text = importlib.metadata.version('triton')
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return tuple(int(v) for v in re.findall(r'\d+', text)[:3])
-
-
-# Decided once, at import: dispatch must not import modules or read
-# triton's settings while torch.compile traces it.
-_VERSION = triton_version()
-_INSTALLED = _VERSION is not None and _VERSION >= MIN_TRITON
-_ON_CPU = switches.value('TRITON_INTERPRET')
-_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_calls = 0
-
-
-def installed() -> bool:
-    """True if triton (:data:`MIN_TRITON` or newer) is installed."""
-    return _INSTALLED
-
-
-def enabled() -> bool:
-    """True if triton is installed and the GPU path is switched on
-    (``MMSEG_GF_TRITON`` not ``0``, or :func:`set_enabled(True)`)."""
-    return _INSTALLED and switches.value('MMSEG_GF_TRITON')
-
-
-def set_enabled(flag: Optional[bool]) -> Optional[bool]:
-    """Switch the Triton path on (``True``) or off (``False``) for this
-    process, whatever ``MMSEG_GF_TRITON`` says; ``None`` goes back to the
-    env var. Returns the previous override."""
-    return switches.set_value('MMSEG_GF_TRITON',
-                              None if flag is None else bool(flag))
-
-
-def takes_device(t: Tensor) -> bool:
-    """Whether a tensor on ``t``'s device may take a Triton path at all:
-    triton installed and switched on, ``t`` on CUDA (on CPU only under the
-    interpreter). Each path adds its own conditions (:func:`usable`)."""
-    device = t.device.type
-    return (_INSTALLED and (device == 'cuda' or (_ON_CPU and device == 'cpu'))
-            and enabled())
+def refusal(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[str]:
+    """Why this conv may not take the Triton path, or None: a non-empty
+    float input on a device :mod:`~..backend.triton_runtime` takes,
+    contiguous NCHW or channels-last, weight and bias floating point on the
+    same device. The caller checks that the kernel collapses on both
+    axes."""
+    reason = triton_runtime.device_refusal(x)
+    if reason is not None:
+        return reason
+    if x.dim() != 4 or x.numel() == 0 or weight.numel() == 0:
+        return 'empty or not 4-D'
+    if not (x.is_contiguous()
+            or x.is_contiguous(memory_format=torch.channels_last)):
+        return 'input neither contiguous nor channels-last'
+    floats = triton_runtime.FLOAT_TYPES
+    if x.dtype not in floats or weight.dtype not in floats or (
+            bias is not None and bias.dtype not in floats):
+        return f'{x.dtype} input'
+    if weight.device != x.device:
+        return 'weight on another device'
+    return None
 
 
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether this conv may take the Triton path: a non-empty float input
-    on CUDA (on CPU only under the interpreter), contiguous NCHW or
-    channels-last, weight and bias floating point on the same device. The
-    caller checks that the kernel collapses on both axes."""
-    device = x.device.type
-    return (_INSTALLED and (device == 'cuda' or (_ON_CPU and device == 'cpu'))
-            and enabled() and x.dim() == 4 and x.numel() > 0
-            and weight.numel() > 0
-            and (x.is_contiguous()
-                 or x.is_contiguous(memory_format=torch.channels_last))
-            and x.dtype in _FLOAT_TYPES and weight.dtype in _FLOAT_TYPES
-            and weight.device == x.device
-            and (bias is None or bias.dtype in _FLOAT_TYPES))
+    """Whether this conv may take the Triton path (:func:`refusal` gives no
+    reason)."""
+    return refusal(x, weight, bias) is None
+
+
+def _kernels():
+    from . import kernels  # imports triton: only when first used
+    return kernels
+
+
+def _products():
+    from . import products_kernels  # imports triton: only when first used
+    return products_kernels
 
 
 def backward_calls() -> int:
@@ -156,36 +117,12 @@ def backward_calls() -> int:
     return _calls
 
 
-def _kernels():
-    from . import triton_kernels  # imports triton: only when first used
-    return triton_kernels
-
-
-def _products():
-    from ..conv import products_kernels as triton_products  # imports triton: only when first used
-    return triton_products
-
-
 def fused_products() -> bool:
     """Whether a filtered backward runs its patch-grid products as the
-    fused launch of :mod:`.triton_products` (while
+    fused launch of :mod:`.products_kernels` (while
     ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a tap sum
     and a spread."""
     return switches.value('MMSEG_GF_FUSED_PRODUCTS')
-
-
-def _on_device(t: Tensor):
-    """Triton launches on the current CUDA device: make it ``t``'s."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
-def _no_autocast(t: Tensor):
-    """The products run in the accumulation dtype, never autocast's."""
-    if torch.is_autocast_enabled(t.device.type):
-        return torch.autocast(t.device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _tap_sums(weight: Tensor, acc: torch.dtype) -> Tensor:
@@ -217,7 +154,7 @@ def _patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
     """``x~``, the forward's patch sums of ``x`` over the input patches
     ``Q(P)``: a contiguous ``Ci x N x ph x pw`` tensor in ``x``'s dtype
     (channel-major: the weight-gradient GEMM's layout)."""
-    with _on_device(x):
+    with triton_runtime.on_device(x):
         return _kernels().patch_sums(x, (row_start, row_size, row_count),
                                      (col_start, col_size, col_count))
 
@@ -282,7 +219,7 @@ def collapsed_backward_from(grad: Tensor, prologue,
     co, ci_g = weight.shape[:2]
     co_g = co // groups
     fused = fused_products()
-    with _on_device(grad), _no_autocast(grad):
+    with triton_runtime.on_device(grad), triton_runtime.no_autocast(grad):
         # W~ of a k x k kernel, for the fused input product: summed in the
         # pass over g_y's launch (a 1 x 1 kernel is its own W~)
         taps = None
@@ -347,7 +284,7 @@ def _fused_backward(means: Tensor, partial: Tensor,
                     ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`_collapsed_backward` of a conv after the pass over ``g_y``
     (which also summed the taps into ``tap_sums``, ``W~``): ``g_W`` (every
-    tap), ``g_b`` and ``g_x`` in one launch (:mod:`.triton_products`)."""
+    tap), ``g_b`` and ``g_x`` in one launch (:mod:`.products_kernels`)."""
     products = _products()
     out = None
     if need_input:
@@ -391,25 +328,6 @@ def _(grad_output, input_pooled, weight, groups, scale, input_height,
     return grad_x, grad_w, grad_b
 
 
-def _call(op, impl, *args):
-    """Under ``torch.compile`` and on fake tensors (``FakeTensorMode``:
-    shape propagation, the suite's device checks) the registered op, whose
-    fake implementation runs; in eager mode the implementation itself,
-    without the dispatcher's round trip back into Python."""
-    if torch.compiler.is_compiling() or _is_fake(args[0]):
-        return op(*args)
-    return impl(*args)
-
-
-def _is_fake(t: Tensor) -> bool:
-    """A ``FakeTensor`` (checked without importing its module for the plain
-    tensors of eager training)."""
-    if type(t) is Tensor:
-        return False
-    from torch._subclasses.fake_tensor import is_fake
-    return is_fake(t)
-
-
 def conv_context(x: Tensor, stride: Tuple[int, int], groups: int,
                  radius: int, rows: Patches, cols: Patches) -> tuple:
     """What a filtered conv's backward needs of its forward call (besides
@@ -431,7 +349,7 @@ class TritonFilteredConv2d(torch.autograd.Function):
                 rows: Patches, cols: Patches) -> Tensor:
         out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         # Never save x: only its patch sums, and only if g_W will be needed.
-        pooled = (_call(patch_sums, _patch_sums, x, *rows, *cols)
+        pooled = (triton_runtime.call(patch_sums, _patch_sums, x, *rows, *cols)
                   if ctx.needs_input_grad[1] else None)
         ctx.save_for_backward(pooled, weight)
         ctx.conv = conv_context(x, stride, groups, radius, rows, cols)
@@ -444,7 +362,7 @@ class TritonFilteredConv2d(torch.autograd.Function):
         pooled, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         groups, scale, height, width, rows, cols, radius, x_dtype = ctx.conv
-        grad_x, grad_w, grad_b = _call(
+        grad_x, grad_w, grad_b = triton_runtime.call(
             collapsed_backward, _collapsed_backward, grad_output, pooled,
             weight, groups, scale, height, width, list(rows), list(cols),
             radius, x_dtype, need_x, need_w, need_b)
@@ -458,7 +376,7 @@ def filtered_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                     stride: Tuple[int, int], padding: Tuple[int, int],
                     dilation: Tuple[int, int], groups: int, radius: int,
                     rows: Patches, cols: Patches) -> Tensor:
-    """``F.conv2d`` with the Triton-path backward (``native.filtered_conv2d``'s
+    """``F.conv2d`` with the Triton-path backward (``cpu.filtered_conv2d``'s
     signature). ``x`` is :func:`usable`, the kernel collapses on both axes
     and ``rows`` / ``cols`` are the input patches ``Q(P)``."""
     return TritonFilteredConv2d.apply(x, weight, bias, stride, padding,

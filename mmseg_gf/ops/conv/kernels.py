@@ -8,9 +8,9 @@ full-size memory in exactly two places, and these kernels are those places:
   (scaled by ``1/s^2``) together with per-row partial sums for the exact
   bias gradient, so that ``g_y`` is read once for both. Behind a frozen
   norm and a bit-masked activation (a conv block,
-  :mod:`.triton_conv_block`) it reads their output's gradient and takes
+  :mod:`~..conv_block.kernels`) it reads their output's gradient and takes
   ``g_y`` as it loads it: the activation's mask, then the norm's
-  per-channel factor (:class:`~.triton_path.GradPrologue`), where their
+  per-channel factor (:class:`~.gpu.GradPrologue`), where their
   own backward would each write ``g_y``'s size and read it back. Further
   programs of the same launch may sum a conv kernel over its taps (``W~``,
   which the input gradient's product needs next);
@@ -18,9 +18,9 @@ full-size memory in exactly two places, and these kernels are those places:
   its patch (zero outside every patch).
 
 Everything between them (the two channel-mixing products) lives on the
-``1/r^2``-sized patch grid: one launch of :mod:`.triton_products`, which
+``1/r^2``-sized patch grid: one launch of :mod:`.products_kernels`, which
 writes ``g_x`` itself (no ``_spread``); with ``MMSEG_GF_FUSED_PRODUCTS=0``
-cuBLAS GEMMs and a ``_spread`` (``triton_path``).
+cuBLAS GEMMs and a ``_spread`` (:mod:`.gpu`).
 
 The grids are laid out channel-major (``C x N x ph x pw``): the weight
 gradient then reduces over batch and patches as one contiguous axis, one
@@ -28,24 +28,23 @@ GEMM per group. Accumulation is float32 (float64 for float64 tensors); the
 result is rounded once to the output's dtype.
 
 Importing this module imports ``triton``: import it only where triton is
-installed (``triton_path`` does so lazily). Whether the kernels run
+installed (:mod:`.gpu` does so lazily). Whether the kernels run
 compiled (CUDA tensors) or in triton's interpreter (CPU tensors, for tests)
 is fixed when this module is imported, by ``TRITON_INTERPRET``.
 """
-import contextlib
 from types import MappingProxyType
-from typing import Callable, List, Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 from torch import Tensor
 
-from . import shape_caches, switches
-from .launch_geometry import cdiv, next_power_of_2
-
-Patches = Tuple[int, int, int]  # (start, size, count) along one axis
+from ..backend import shape_caches
+from ..backend.launch_geometry import cdiv, next_power_of_2
+from ..backend.triton_launch import (LAUNCH_OPTIONS, Patches, Tuning,
+                                     radius_patches, timed_by_default)
+from ..backend.triton_launch import acc as tl_acc
 
 # Elements per program tile. Heuristics, not tuned on a GPU: large enough
 # for coalesced 128-byte rows, small enough for many programs on small maps.
@@ -74,13 +73,13 @@ def _patch_reduce(src, dst, partial, channels, height, width,
                   CHANNELS_FAST: tl.constexpr, MASKED: tl.constexpr,
                   NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr,
                   TAPS: tl.constexpr):
-    """:func:`_reduce_patch_row` in the first ``reduce_programs`` programs;
+    """:func:`reduce_patch_row` in the first ``reduce_programs`` programs;
     with ``TAPS``, the programs after them sum a conv kernel's taps
     (:func:`_sum_taps`): independent work that the backward needs next,
     in the same launch."""
     pid = tl.program_id(0).to(tl.int64)  # int64: offsets of large maps
     if pid < reduce_programs:
-        _reduce_patch_row(
+        reduce_patch_row(
             pid, src, dst, partial, channels, height, width,
             s_n, s_c, s_h, s_w, d_n, d_c, d_h, d_w, row_start, row_size,
             row_count, col_start, col_size, col_count, scale, bits, b_n, b_c,
@@ -110,7 +109,7 @@ def _sum_taps(q, weight, tap_sums, pairs, taps, ACC: tl.constexpr):
 
 
 @triton.jit
-def _reduce_patch_row(pid, src, dst, partial, channels, height, width,
+def reduce_patch_row(pid, src, dst, partial, channels, height, width,
                       s_n, s_c, s_h, s_w, d_n, d_c, d_h, d_w,
                       row_start, row_size, row_count,
                       col_start, col_size, col_count, scale,
@@ -131,7 +130,7 @@ def _reduce_patch_row(pid, src, dst, partial, channels, height, width,
     (element ``i`` at the strides ``b_*`` in bit ``i % 8`` of byte ``i // 8``),
     times ``off_scale`` elsewhere; ``NORM``: then times ``rsqrt(var_c + eps) *
     norm_w_c`` (the factor in float32, as the norm's own backward has it;
-    :class:`~.triton_path.GradPrologue`)."""
+    :class:`~.gpu.GradPrologue`)."""
     if CHANNELS_FAST:
         c = pid % channels
         a = (pid // channels) % row_count
@@ -216,97 +215,6 @@ def _spread(grid, out, channels, height, width,
              mask=(h[:, None] < height) & (w[None, :] < width))
 
 
-def _acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-# Rounding as written, no fused multiply-adds (also what triton 3.10 will
-# default to; saying so silences 3.9's warning about the change).
-LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
-
-
-def timed_by_default(fn: Callable, quantiles=None):
-    """How ``triton.autotune`` times a config here: triton's ``do_bench``
-    with 5 ms of warm-up and 20 ms of repeats (its defaults, 25 and 100,
-    would take seconds in a first step of many layer shapes)."""
-    return triton.testing.do_bench(fn, warmup=5, rep=20,
-                                   quantiles=quantiles)
-
-
-class Tuning:
-    """A kernel's ``triton.autotune`` wrapper, built on first use by
-    ``build(configs=None, do_bench=None)``, and whether launches take it.
-
-    On a GPU they do unless ``MMSEG_GF_AUTOTUNE=0`` or the installed
-    triton's ``autotune`` refuses the arguments (then the kernel with the
-    caller's fixed meta-parameters); under triton's interpreter they
-    do not (timing interpreted runs would slow the tests and choose
-    nothing a GPU would), except inside :meth:`using`: how the tests run
-    the autotuner, timed by the wall clock.
-
-    The autotuner keeps one choice per key (the kernel's shape arguments:
-    one per layer and input size); here at most :data:`TUNED_KEYS`, least
-    recently used first out, listed as shape cache ``name`` (when
-    given)."""
-
-    def __init__(self, build: Callable, name: Optional[str] = None) -> None:
-        self.build = build
-        self._tuner = None
-        self._override: List = []
-        if name is not None:
-            shape_caches.register(name, TUNED_KEYS, self.tuned_keys,
-                                  clear=self.forget)
-
-    def tuned_keys(self) -> int:
-        """How many tuned choices the built autotuner keeps."""
-        return len(getattr(self._tuner, 'cache', None) or ())
-
-    def forget(self) -> None:
-        """Drop the tuned choices (the next launch of a shape tunes
-        again)."""
-        cache = getattr(self._tuner, 'cache', None)
-        if cache is not None:
-            cache.clear()
-
-    def tuner(self):
-        """The autotuned launcher to take now, or None (fixed
-        meta-parameters)."""
-        if self._override:
-            return self._override[-1]
-        if switches.value('TRITON_INTERPRET') or \
-                not switches.value('MMSEG_GF_AUTOTUNE'):
-            return None
-        if self._tuner is None:
-            try:
-                self._tuner = _bounded(self.build())
-            except TypeError:  # a triton whose autotune takes no do_bench
-                self._tuner = False
-        return self._tuner or None
-
-    @contextlib.contextmanager
-    def using(self, tuner):
-        """Launches take ``tuner`` (one of :attr:`build`'s) inside the
-        block."""
-        self._override.append(tuner)
-        try:
-            yield tuner
-        finally:
-            self._override.pop()
-
-
-#: Tuned choices an autotuner keeps (:class:`Tuning`).
-TUNED_KEYS = 256
-
-
-def _bounded(tuner):
-    """``tuner`` (a ``triton.autotune`` wrapper) keeping at most
-    :data:`TUNED_KEYS` choices: its ``cache`` dict made a
-    :class:`~.shape_caches.BoundedDict`."""
-    if isinstance(getattr(tuner, 'cache', None), dict):
-        tuner.cache = shape_caches.BoundedDict(TUNED_KEYS, tuner.cache)
-    return tuner
-
-
 #: The warps ``triton.autotune`` times for :func:`_patch_reduce`, per
 #: :data:`REDUCE_KEY` (its tiles follow from the patches).
 REDUCE_WARPS = (2, 4, 8)
@@ -364,12 +272,6 @@ def spread_meta(height: int, width: int) -> Mapping:
     return MappingProxyType(dict(BLOCK_H=block_h, BLOCK_W=block_w))
 
 
-def radius_patches(size: int, radius: int) -> Patches:
-    """The ``r``-element patches tiling an axis of ``size`` from 0 (the
-    last one may be short: the kernels clip it to the map)."""
-    return 0, radius, -(-size // radius)
-
-
 def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
             rows: Patches, cols: Patches, scale: float, mean: bool,
             acc: torch.dtype, prologue=None, taps=None):
@@ -394,7 +296,7 @@ def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
         src, dst_nchw, dst_nchw if partial is None else partial, c, height,
         width, *src.stride(), *dst_nchw.stride(), *rows, *cols, scale,
         *extra, *tap_args, programs, MEAN=mean, PARTIAL=partial is not None,
-        ACC=_acc(acc), MASKED=p is not None, NORM=p is not None,
+        ACC=tl_acc(acc), MASKED=p is not None, NORM=p is not None,
         NORM_WEIGHT=p is not None and p.weight is not None,
         TAPS=taps is not None, **reduce_meta(rows, cols, channels_fast),
         **LAUNCH_OPTIONS)
@@ -418,7 +320,7 @@ def output_grad_means(grad_output: Tensor, radius: int, scale: float,
     tensor, partial sums N x Co x ph)``, both in ``acc``; the partial sums
     add up to the exact bias gradient (``sum over dims 0 and 2``) in a fixed
     order, so the result is deterministic. With a ``prologue``
-    (:class:`~.triton_path.GradPrologue`),
+    (:class:`~.gpu.GradPrologue`),
     ``grad_output`` is the gradient of a norm and activation after the
     conv, and ``g_y`` is what their backward would make of it. With
     ``taps = (weight, tap_sums)`` the same launch writes ``W~``, the
