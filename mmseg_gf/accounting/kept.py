@@ -75,7 +75,7 @@ from ..models.lean import frozen_conv_is_lean, is_lean, lean_kind
 from ..models.lean_head import (classifier_fused_now, folded_dropout_noise,
                                 loss_gradient_copies)
 from ..models.segmentor import is_head_classifier
-from ..ops.frozen_norm import gpu as triton_norm
+from ..ops.backend import dispatch
 from .format import fmt_mib
 
 __all__ = ['CATEGORIES', 'SavedItem', 'StepSavedBytes', 'item_for_module',
@@ -331,7 +331,8 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
     if kind == 'frozen_linear' and not trained:
         return None
     if kind == 'norm' and not trained and not module.training:
-        if triton_norm.usable(x):  # keeps nothing: the factor is recomputed
+        # keeps nothing: the factor is recomputed
+        if dispatch.choose('frozen_norm', x).implementation.name == 'triton':
             return None
         # float32 scales; float64 ones for a float64 norm (ops.lean)
         wide = module.running_var.dtype == x.dtype == torch.float64

@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..ops.backend import switches
+from ..ops.backend import dispatch
 from ..ops.conv_block import gpu as triton_conv_block
 from .layer_kinds import CONV2D
 
@@ -71,13 +71,12 @@ def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
                 x: Tensor) -> Optional[Tuple]:
     """The fused node's arguments after ``x`` for the triple ``conv, bn,
     act``, None where the three modules run (see the module docstring)."""
-    if not (switches.value('MMSEG_GF_CONV_BLOCKS')
-            and torch.is_grad_enabled() and x.requires_grad
-            and not torch.compiler.is_compiling()):
+    if not (torch.is_grad_enabled() and x.requires_grad):
         return None
     # the device first: on CPU tensors a block call stops here
     if (not CONV2D.is_filtered(conv)
-            or not triton_conv_block.usable(x, conv.weight, conv.bias)
+            or dispatch.choose('conv_block', x, conv.weight,
+                               conv.bias).implementation.name != 'triton'
             or any(map(_hooked, (conv, bn, act)))):
         return None
     call = conv.collapsed_call(x)

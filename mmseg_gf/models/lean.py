@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..ops.bit_mask import masks as bit_mask
-from ..ops.frozen_norm import gpu as triton_norm
+from ..ops.backend import dispatch
 from ..ops.lean.functions import (FrozenAffineNormFunction, FrozenConvFunction,
                                   FrozenLinearFunction,
                                   MaskedActivationFunction,
@@ -160,7 +160,8 @@ class _LeanFrozenNorm:
                 or any(p.requires_grad for p in self.parameters())):
             return super().forward(x)
         plain = super().forward
-        if triton_norm.usable(x):  # the factor is taken in the backward
+        # the factor is taken in the backward
+        if dispatch.choose('frozen_norm', x).implementation.name == 'triton':
             return lean_or_plain(self, lambda: FrozenBatchNormFunction.apply(
                 x, self.running_var, self.weight, float(self.eps), plain),
                 lambda: plain(x))

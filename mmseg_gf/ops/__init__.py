@@ -7,6 +7,8 @@ from .conv.function import (AxisGeometry, GradientFilterConv2dFunction,
 from .linear.function import (GradientFilterLinearFunction, TokenGrid,
                               gradient_filtered_linear)
 from .patch_grid import MAX_RADIUS
+# every operator's implementations registered with the dispatcher
+from . import conv_block, frozen_norm  # noqa: F401,E402
 
 __all__ = [
     'AxisGeometry', 'GradientFilterConv2dFunction', 'as_pair', 'check_radius',

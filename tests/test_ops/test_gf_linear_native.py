@@ -57,11 +57,11 @@ def _both_paths(monkeypatch, *args, **kwargs):
         return kernel(*a, **k)
 
     with monkeypatch.context() as m:
-        m.setattr(native, 'token_filtered_backward', spy)
+        m.setattr(linear_cpu, 'token_filtered_backward', spy)
         fast = _grads(*args, **kwargs)
     assert calls, 'the compiled backward did not run'
     with monkeypatch.context() as m, kernels_off():
-        m.setattr(native, 'token_filtered_backward', spy)
+        m.setattr(linear_cpu, 'token_filtered_backward', spy)
         calls.clear()
         slow = _grads(*args, **kwargs)
         assert not calls, 'MMSEG_GF_NATIVE=0 still ran the compiled backward'
@@ -101,8 +101,8 @@ def test_chunks_and_streaming_stores(monkeypatch, chunk_bytes, stream_bytes):
     non-temporal stores or plain ones: the same numbers."""
     grid = TokenGrid(9, 10, extra_tokens=1)  # partial patches at r = 2, 4
     x, w, b, g = _inputs((3, 91, 8), 12, torch.float64, seed=2)
-    monkeypatch.setattr(native, 'TOKEN_CHUNK_BYTES', chunk_bytes)
-    monkeypatch.setattr(native, 'TOKEN_STREAM_BYTES', stream_bytes)
+    monkeypatch.setattr(linear_cpu, 'TOKEN_CHUNK_BYTES', chunk_bytes)
+    monkeypatch.setattr(linear_cpu, 'TOKEN_STREAM_BYTES', stream_bytes)
     for radius in (2, 4):
         fast, slow = _both_paths(monkeypatch, x, w, b, g, grid, radius, 1)
         for a, e in zip(fast, slow):
@@ -112,7 +112,7 @@ def test_chunks_and_streaming_stores(monkeypatch, chunk_bytes, stream_bytes):
 def test_unaligned_channels_with_streaming_stores(monkeypatch):
     """Odd channel counts (tokens not 16-byte aligned) fall back to plain
     copies inside the streaming spread."""
-    monkeypatch.setattr(native, 'TOKEN_STREAM_BYTES', 0)
+    monkeypatch.setattr(linear_cpu, 'TOKEN_STREAM_BYTES', 0)
     grid = TokenGrid.windows(7)
     x, w, b, g = _inputs((4, 49, 3), 5, torch.float32, seed=3)
     fast, slow = _both_paths(monkeypatch, x, w, b, g, grid, 2, 1)
@@ -143,7 +143,7 @@ def test_expanded_gradient_takes_the_pure_torch_path(monkeypatch):
     w = torch.randn(5, 3, requires_grad=True)
     calls = []
     kernel = linear_cpu.token_filtered_backward
-    monkeypatch.setattr(native, 'token_filtered_backward',
+    monkeypatch.setattr(linear_cpu, 'token_filtered_backward',
                         lambda *a: calls.append(1) or kernel(*a))
     gradient_filtered_linear(x, w, None, grid, 2).sum().backward()
     assert not calls
@@ -221,7 +221,7 @@ def test_avx512_rows_match_portable_loops(monkeypatch, grid, shape,
     gradient and the forward's patch sums are bit for bit the same; whole
     16-channel blocks and tails, strided token rows, partial patches,
     streaming and plain stores."""
-    monkeypatch.setattr(native, 'TOKEN_STREAM_BYTES', stream_bytes)
+    monkeypatch.setattr(linear_cpu, 'TOKEN_STREAM_BYTES', stream_bytes)
     x, w, b, g = _inputs(shape, cout, torch.float32, seed=4)
     layout = TokenLayout(grid, radius, grid.token_axis(x.shape, token_dim))
     results = {}

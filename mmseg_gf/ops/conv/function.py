@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..backend import dispatch
 from . import cpu as conv_cpu
-from . import gpu as conv_gpu
 # The patch grid's helpers (shared with other filtered layer kinds) live in
 # .patch_grid; importable from here as well.
 from ..patch_grid import (AxisGeometry, IntPair, as_pair, autocast_off,
@@ -260,33 +260,21 @@ class GradientFilterConv2dFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output: Tensor):
         x_pooled, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if _fusable(ctx, grad_output, x_pooled, weight):
-            grad_x, grad_w, grad_b = _fused_backward(ctx, grad_output,
-                                                     x_pooled, weight)
-        else:
-            grad_x, grad_w, grad_b = _stepwise_backward(
-                ctx, grad_output, x_pooled, weight)
+        need_w = ctx.needs_input_grad[1]
+        geo_h, geo_w = ctx.geometry
+        backward = dispatch.choose(
+            'conv_backward', grad_output, x_pooled, weight, ctx.input_dtype,
+            geo_h.collapsed and geo_w.collapsed).implementation.run
+        grad_x, grad_w, grad_b = backward(ctx, grad_output, x_pooled, weight)
         if need_w:
             grad_w = grad_w.expand_as(weight).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-def _fusable(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
-             weight: Tensor) -> bool:
-    """Whether the compiled one-call backward applies: the kernel collapses
-    on both axes and every tensor is a CPU NCHW tensor of one float dtype."""
-    geo_h, geo_w = ctx.geometry
-    dtype = grad_output.dtype
-    return (geo_h.collapsed and geo_w.collapsed and conv_cpu.usable(grad_output)
-            and weight.dtype == dtype and ctx.input_dtype == dtype
-            and (x_pooled is None or x_pooled.dtype == dtype))
-
-
-def _fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
-                    weight: Tensor):
+def fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
+                   weight: Tensor):
     """Steps 1-4 of docs/gradient_filter.md#backward in one compiled call
-    (see ``native``)."""
+    (:func:`.cpu.collapsed_backward`)."""
     geo_h, geo_w = ctx.geometry
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     return conv_cpu.collapsed_backward(
@@ -295,7 +283,7 @@ def _fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
         geo_w.input_patches, geo_h.out_patch, need_x, need_w, need_b)
 
 
-def _stepwise_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
+def stepwise_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
                        weight: Tensor):
     """Steps 1-4 of docs/gradient_filter.md#backward as PyTorch ops: every
     device, dtype and conv kind (dilated kernels included). Returns
@@ -368,11 +356,11 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     Three autograd nodes compute the same backward. The usual case (a
     kernel that collapses on both axes) takes a fused node where one
     applies: on a CUDA input (contiguous NCHW or channels-last) the Triton
-    one (:func:`conv_gpu.filtered_conv2d`; on an H100 the step-by-step
+    one (:func:`.gpu.filtered_conv2d`; on an H100 the step-by-step
     route's handful of small kernels was slower than cuDNN's exact
     backward);
     on a contiguous NCHW float CPU input with weight and bias of its dtype
-    and autocast off the compiled C++ one (:func:`conv_cpu.filtered_conv2d`;
+    and autocast off the compiled C++ one (:func:`.cpu.filtered_conv2d`;
     on small layers the Python Function's own overhead was ~10% of the
     backward). Everything else (other layouts and dtypes, dilated taps,
     CPU autocast, ``torch.compile`` on CPU, machines without the kernels)
@@ -380,20 +368,7 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     ``torch.compile`` on CPU it calls the same compiled kernels as
     operators: the same numbers as the C++ node).
     """
-    if conv_gpu.usable(x, weight, bias):
-        fused = conv_gpu
-    elif (conv_cpu.usable(x) and weight.dtype == x.dtype
-          and (bias is None or bias.dtype == x.dtype)
-          and not torch.is_autocast_enabled('cpu')
-          and not torch.compiler.is_compiling()):
-        fused = conv_cpu
-    else:
-        fused = None
-    patches = None if fused is None else collapsed_patches(
-        x, weight, stride, padding, dilation, radius)
-    if patches is not None:
-        return fused.filtered_conv2d(x, weight, bias, stride, padding,
-                                     dilation, groups, radius, *patches)
-    return GradientFilterConv2dFunction.apply(x, weight, bias, stride,
-                                              padding, dilation, groups,
-                                              radius)
+    choice = dispatch.choose('conv', x, weight, bias, stride, padding,
+                             dilation, groups, radius)
+    return choice.implementation.run(x, weight, bias, stride, padding,
+                                     dilation, groups, radius, *choice.launch)

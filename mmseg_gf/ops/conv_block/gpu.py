@@ -46,7 +46,7 @@ from ..backend.triton_runtime import on_device
 from ..conv import gpu as conv_gpu
 from ..conv.gpu import Patches
 
-__all__ = ['usable', 'FilteredConvBlockFunction', 'block_calls']
+__all__ = ['refusal', 'usable', 'FilteredConvBlockFunction', 'block_calls']
 
 _calls = 0
 
@@ -62,13 +62,22 @@ def _kernels():
     return triton_conv_block_kernels
 
 
+def refusal(x: Tensor, weight: Tensor,
+            bias: Optional[Tensor]) -> Optional[str]:
+    """Why a block with conv input ``x`` may not run fused, or None: the
+    filtered conv's Triton path takes it (:func:`~..conv.gpu.refusal`), and
+    the norm's and the activation's Triton paths take tensors of its dtype
+    and device (the caller checks the conv's geometry and the modules)."""
+    reason = conv_gpu.refusal(x, weight, bias) or triton_norm.refusal(x)
+    if reason is None and not triton_bit_mask.takes_dtype(x.dtype):
+        reason = f'no bit-mask kernel for {x.dtype}'
+    return reason
+
+
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether a block with conv input ``x`` may run fused: the filtered
-    conv's Triton path takes it (:func:`conv_gpu.usable`), and the
-    norm's and the activation's Triton paths take tensors of its dtype and
-    device (the caller checks the conv's geometry and the modules)."""
-    return (conv_gpu.usable(x, weight, bias) and triton_norm.usable(x)
-            and triton_bit_mask.takes_dtype(x.dtype))
+    """Whether a block with conv input ``x`` may run fused
+    (:func:`refusal` gives no reason)."""
+    return refusal(x, weight, bias) is None
 
 
 def _bit_strides(out: Tensor) -> Tuple[int, int, int, int]:

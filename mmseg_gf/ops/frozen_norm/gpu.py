@@ -34,7 +34,7 @@ from ..backend import triton_runtime
 from ..backend.triton_runtime import is_fake, on_device
 from ..function_output import owned_output
 
-__all__ = ['usable', 'FrozenBatchNormFunction', 'reference_norm',
+__all__ = ['refusal', 'usable', 'FrozenBatchNormFunction', 'reference_norm',
            'unchanged_norm', 'layer_norm_usable',
            'frozen_layer_norm_backward']
 
@@ -57,11 +57,25 @@ def _inner(t: Tensor) -> Optional[int]:
     return None
 
 
+def refusal(x: Tensor) -> Optional[str]:
+    """Why a frozen norm's input ``x`` may not take the Triton path, or
+    None."""
+    reason = triton_runtime.device_refusal(x)
+    if reason is not None:
+        return reason
+    if x.dtype not in _DTYPES:
+        return f'{x.dtype} input'
+    if x.dim() < 2 or x.numel() == 0 or _inner(x) is None:
+        return 'empty, 1-D, or neither contiguous nor channels-last'
+    if torch.compiler.is_compiling() or is_fake(x):
+        return 'compiling or a fake tensor'
+    return None
+
+
 def usable(x: Tensor) -> bool:
-    """Whether a frozen norm's input ``x`` takes the Triton path."""
-    return (triton_runtime.takes_device(x) and x.dtype in _DTYPES
-            and x.dim() >= 2 and x.numel() > 0 and _inner(x) is not None
-            and not torch.compiler.is_compiling() and not is_fake(x))
+    """Whether a frozen norm's input ``x`` takes the Triton path
+    (:func:`refusal` gives no reason)."""
+    return refusal(x) is None
 
 
 def reference_norm(ctx, running_var: Tensor,

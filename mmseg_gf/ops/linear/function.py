@@ -37,9 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..backend import output_pool, triton_runtime
-from . import cpu as linear_cpu
-from . import gpu as triton_linear
+from ..backend import dispatch, output_pool
 from ..patch_grid import AxisGeometry, autocast_off, check_radius
 from ..function_output import owned_output
 
@@ -265,9 +263,8 @@ class TokenLayout:
         PyTorch pooling is kept: on an H100 a Triton pass made the filtered
         Linear's forward 1.2-4.6x slower than it, docs/benchmarks.)"""
         rows = self.rows_to_read(t)
-        if dtype == t.dtype and linear_cpu.token_rows_usable(rows):
-            return linear_cpu.token_patch_sums(rows, self.radius)
-        return self.pool_rows(rows, dtype)
+        choice = dispatch.choose('token_patch_sums', self, rows, dtype)
+        return choice.implementation.run(self, rows, dtype)
 
     def patch_counts(self, sums: Tensor) -> Optional[Tensor]:
         """Tokens per patch, ``(Ph, Pw, 1)`` to divide ``sums``; None when
@@ -333,25 +330,17 @@ def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
         if out_rows is None:  # leading axes that do not merge: stage
             staging = grad_x.new_empty(*g_rows.shape[:-1], grad_x.shape[-1])
             out_rows = staging
-    if triton_linear.usable(g_rows, out_rows, weight, sums):
-        grad_w, grad_b = triton_linear.filtered_backward(
-            g_rows, sums, weight, out_rows, layout.radius, need_w, need_b,
-            acc)
-    elif g_rows.dtype == acc and linear_cpu.token_rows_usable(
-            g_rows, out_rows, weight, sums):
-        grad_w, grad_b = linear_cpu.token_filtered_backward(
-            g_rows, sums, weight, out_rows, layout.radius, need_w, need_b)
-    else:
-        grad_w, grad_b = _filtered_backward_torch(layout, g_rows, x_sums,
-                                                  weight, out_rows, need_w,
-                                                  need_b, acc)
+    backward = dispatch.choose('linear_backward', layout, g_rows, sums, weight,
+                               out_rows, need_w, need_b, acc)
+    grad_w, grad_b = backward.implementation.run(
+        layout, g_rows, x_sums, weight, out_rows, need_w, need_b, acc)
     if staging is not None:
         layout.grid_view(grad_x).copy_(
             staging.view(layout.grid_view(grad_x).shape))
     return grad_w, grad_b
 
 
-def _filtered_backward_torch(layout: TokenLayout, g_rows: Tensor,
+def filtered_backward_torch(layout: TokenLayout, g_rows: Tensor,
                              x_sums: Optional[Tensor], weight: Tensor,
                              out_rows: Optional[Tensor], need_w: bool,
                              need_b: bool, acc: torch.dtype

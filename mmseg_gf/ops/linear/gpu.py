@@ -36,27 +36,35 @@ from ..backend import triton_runtime
 from ..backend.triton_runtime import FLOAT_TYPES, on_device
 from ..conv import gpu as conv_gpu
 
-__all__ = ['usable', 'filtered_backward', 'backward_calls']
+__all__ = ['refusal', 'usable', 'filtered_backward', 'backward_calls']
 
 _calls = 0
 
 
-def usable(*tensors: Optional[Tensor]) -> bool:
-    """Whether these tensors (``None`` skipped; the first not ``None`` and
-    non-empty) may take the Triton path: the path enabled, plain float
-    tensors on one CUDA device (CPU only under the interpreter), not
-    while ``torch.compile`` traces."""
+def refusal(*tensors: Optional[Tensor]) -> Optional[str]:
+    """Why these tensors (``None`` skipped; the first not ``None`` and
+    non-empty) may not take the Triton path, or None: the path enabled,
+    plain float tensors on one CUDA device (CPU only under the
+    interpreter), not while ``torch.compile`` traces."""
     first = tensors[0]
-    device = first.device.type
-    if not (triton_runtime.enabled() and first.numel() > 0
-            and (device == 'cuda' or
-                 (device == 'cpu' and triton_runtime.INTERPRETED))
-            and not torch.compiler.is_compiling()):
-        return False
-    return all(
-        t is None or (type(t) in (Tensor, torch.nn.Parameter)
-                      and t.device == first.device and t.dtype in FLOAT_TYPES)
-        for t in tensors)
+    reason = triton_runtime.device_refusal(first)
+    if reason is not None:
+        return reason
+    if first.numel() == 0:
+        return 'empty'
+    if torch.compiler.is_compiling():
+        return 'compiling'
+    if not all(t is None or (type(t) in (Tensor, torch.nn.Parameter)
+                             and t.device == first.device
+                             and t.dtype in FLOAT_TYPES) for t in tensors):
+        return 'not plain float tensors on one device'
+    return None
+
+
+def usable(*tensors: Optional[Tensor]) -> bool:
+    """Whether these tensors may take the Triton path (:func:`refusal`
+    gives no reason)."""
+    return refusal(*tensors) is None
 
 
 def _conv_kernels():

@@ -1,0 +1,236 @@
+"""One place that chooses which implementation of an operator runs.
+
+Each operator (``'conv'``, ``'linear'``, ...) offers a priority list of
+:class:`Implementation`: the fastest first (Triton, C++, a GEMM), its
+PyTorch reference last. Each states ``refusal(*call) -> reason or None``.
+:func:`choose` walks the list once per call signature (the operator's
+``signature(*call)``: shapes, dtypes, devices, layouts, requires_grad
+pattern) together with the backend switches' state, and keeps the choice in
+a bounded LRU cache (:data:`CACHE_SIZE` signatures per operator;
+:func:`cache_info` reports it). :func:`explain` gives the path taken and
+every refusal, for a call or (through the models' helpers) a layer.
+
+The operators' lists live beside the operators (``ops/<operator>/
+__init__.py`` registers them with :func:`register`); a new backend is one
+module and one line in that list (:func:`Operator.add`). Models,
+accounting and analysis ask this module, never a backend predicate.
+Under ``torch.compile`` the list is walked without the cache (tracing runs
+once; the cache's bookkeeping would be traced).
+"""
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import device_path, extension, switches, triton_runtime
+
+__all__ = ['Implementation', 'Choice', 'Operator', 'Explanation', 'CACHE_SIZE',
+           'register', 'operator', 'choose', 'explain', 'cache_info',
+           'cache_clear', 'switch_state', 'tensor_signature']
+
+#: Call signatures kept per operator (least recently used dropped first).
+CACHE_SIZE = 256
+
+#: The switches whose state is part of every cached choice.
+BACKEND_SWITCHES = ('MMSEG_GF_NATIVE', 'MMSEG_GF_TRITON',
+                    'MMSEG_GF_FUSED_PRODUCTS', 'MMSEG_GF_RESIZE_GEMM',
+                    'MMSEG_GF_CONV_BLOCKS')
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to run an operator.
+
+    Args:
+        name: what :func:`explain` and the layer table print (``'triton'``,
+            ``'c++'``, ``'gemm'``, ``'torch'``).
+        refusal: ``refusal(*call)``: why this implementation may not run
+            the call, or None. Reads tensor metadata only (shapes, dtypes,
+            devices, strides): the choice is cached per signature.
+        run: what the operator runs when it is chosen (a module or a
+            callable; the operator knows its contract).
+        launch: ``launch(*call)``: the launch arguments of an accepted call
+            (tiles, patches), cached with the choice; None: ``()``.
+    """
+    name: str
+    refusal: Callable[..., Optional[str]]
+    run: Any = None
+    launch: Optional[Callable[..., tuple]] = None
+
+
+class Choice(NamedTuple):
+    """What :func:`choose` returns: the implementation, its launch
+    arguments for this signature, and ``(name, reason)`` of every
+    implementation refused before it."""
+    implementation: Implementation
+    launch: tuple
+    refusals: Tuple[Tuple[str, str], ...]
+
+
+class Explanation(NamedTuple):
+    """:func:`explain`'s answer: the operator, the implementation taken and
+    ``(name, reason)`` of every one refused before it."""
+    operator: str
+    path: str
+    refusals: Tuple[Tuple[str, str], ...]
+
+    def label(self) -> str:
+        """``triton``, ``c++`` or, for the reference after refusals,
+        ``torch: <first refusal>`` (what the layer table prints)."""
+        if self.path == 'torch' and self.refusals:
+            return f'torch: {self.refusals[0][1]}'
+        return self.path
+
+
+def switch_state() -> tuple:
+    """The backend switches' values and the device stand-in's state: part
+    of every cache key, so a switch changed at run time is seen at once."""
+    return (tuple(switches.value(name) for name in BACKEND_SWITCHES),
+            triton_runtime.INTERPRETED, device_path.acting_as_cuda(),
+            torch.is_autocast_enabled('cpu'))
+
+
+def tensor_signature(t) -> Optional[tuple]:
+    """What a choice may depend on of one tensor: its type, shape, dtype,
+    device, strides and requires_grad (None for None)."""
+    if t is None:
+        return None
+    return (type(t), tuple(t.shape), t.dtype, t.device, t.stride(),
+            t.requires_grad)
+
+
+def _default_signature(*call) -> tuple:
+    return tuple(tensor_signature(a) if isinstance(a, torch.Tensor) else a
+                 for a in call)
+
+
+@dataclass
+class Operator:
+    """An operator's priority list and its cache of choices."""
+    name: str
+    implementations: List[Implementation] = field(default_factory=list)
+    signature: Callable[..., tuple] = _default_signature
+    _cache: 'OrderedDict[tuple, Choice]' = field(
+        default_factory=OrderedDict, repr=False)
+    _hits: int = 0
+    _misses: int = 0
+
+    def add(self, implementation: Implementation,
+            before: Optional[str] = None) -> None:
+        """Put ``implementation`` into the list: before the one named
+        ``before``, else just before the last (the reference stays
+        last). Forgets the cached choices."""
+        names = [impl.name for impl in self.implementations]
+        if implementation.name in names:
+            raise ValueError(f'{self.name} already has an implementation '
+                             f'named {implementation.name!r}: {names}')
+        at = names.index(before) if before is not None else max(
+            len(names) - 1, 0)
+        self.implementations.insert(at, implementation)
+        self.cache_clear()
+
+    def remove(self, name: str) -> None:
+        """Take the implementation ``name`` out of the list."""
+        self.implementations[:] = [impl for impl in self.implementations
+                                   if impl.name != name]
+        self.cache_clear()
+
+    def walk(self, *call) -> Choice:
+        """The first implementation that takes ``call``, its launch
+        arguments and the refusals before it, without the cache."""
+        refusals = []
+        for impl in self.implementations:
+            reason = impl.refusal(*call)
+            if reason is None:
+                launch = () if impl.launch is None else impl.launch(*call)
+                return Choice(impl, launch, tuple(refusals))
+            refusals.append((impl.name, reason))
+        raise RuntimeError(f'no implementation of {self.name} takes this '
+                           f'call: {refusals}')
+
+    def choose(self, *call) -> Choice:
+        """The implementation to run ``call`` with its launch arguments
+        (cached per signature)."""
+        if torch.compiler.is_compiling():
+            return self.walk(*call)
+        key = (self.signature(*call), switch_state())
+        found = self._cache.get(key)
+        if found is not None:
+            self._hits += 1
+            self._cache.move_to_end(key)
+            return found
+        self._misses += 1
+        found = self.walk(*call)
+        self._cache[key] = found
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return found
+
+    def explain(self, *call) -> Explanation:
+        """The implementation ``call`` takes and every refusal before it."""
+        choice = self.choose(*call)
+        return Explanation(self.name, choice.implementation.name,
+                           choice.refusals)
+
+    def cache_info(self) -> dict:
+        """Hits, misses, entries and the bound of this operator's cache."""
+        return dict(hits=self._hits, misses=self._misses,
+                    size=len(self._cache), maxsize=CACHE_SIZE)
+
+    def cache_clear(self) -> None:
+        """Forget every cached choice."""
+        self._cache.clear()
+
+
+_OPERATORS: Dict[str, Operator] = {}
+
+
+def register(name: str, implementations: List[Implementation],
+             signature: Callable[..., tuple] = _default_signature
+             ) -> Operator:
+    """Declare operator ``name`` with its priority list (the reference
+    last); returns it."""
+    if name in _OPERATORS:
+        raise ValueError(f'operator {name!r} is registered already')
+    op = Operator(name, list(implementations), signature)
+    _OPERATORS[name] = op
+    return op
+
+
+def operator(name: str) -> Operator:
+    """The registered operator ``name``."""
+    try:
+        return _OPERATORS[name]
+    except KeyError:
+        raise KeyError(f'no operator {name!r}; registered: '
+                       f'{sorted(_OPERATORS)}') from None
+
+
+def choose(name: str, *call) -> Choice:
+    """The implementation of operator ``name`` that runs ``call``, with
+    its launch arguments."""
+    return operator(name).choose(*call)
+
+
+def explain(name: str, *call) -> Explanation:
+    """The path operator ``name`` takes for ``call`` and every refusal."""
+    return operator(name).explain(*call)
+
+
+def cache_info() -> Dict[str, dict]:
+    """Every operator's :meth:`Operator.cache_info` (for a registry of the
+    package's shape caches)."""
+    return {name: op.cache_info() for name, op in sorted(_OPERATORS.items())}
+
+
+def cache_clear() -> None:
+    """Forget every operator's cached choices."""
+    for op in _OPERATORS.values():
+        op.cache_clear()
+
+
+def compiled_kernels_refusal(name: str = 'patch_ops') -> Optional[str]:
+    """Why the compiled extension ``name`` may not run (for operators whose
+    C++ path needs nothing of the call)."""
+    return extension.refusal(name)
