@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import device_path, extension, switches, triton_runtime
+from . import device_path, extension, shape_caches, switches, triton_runtime
 
 __all__ = ['Implementation', 'Choice', 'Operator', 'Explanation', 'CACHE_SIZE',
            'register', 'operator', 'choose', 'explain', 'cache_info',
@@ -195,6 +195,8 @@ def register(name: str, implementations: List[Implementation],
         raise ValueError(f'operator {name!r} is registered already')
     op = Operator(name, list(implementations), signature)
     _OPERATORS[name] = op
+    shape_caches.register(f'dispatch.{name}', CACHE_SIZE,
+                          lambda: len(op._cache), clear=op.cache_clear)
     return op
 
 
