@@ -183,11 +183,11 @@ def _kernel_and_meta(name, geometry):
         return triton_kernels._spread, triton_kernels.spread_meta(*geometry)
     if name == '_pack':
         return triton_bit_mask_kernels._pack, dict(
-            BLOCK=triton_bit_mask_kernels._BLOCK)
+            BLOCK=triton_bit_mask_kernels.PACK_BLOCK)
     if name == '_block_forward':
         return triton_conv_block_kernels._block_forward, dict(
             triton_kernels.reduce_meta(*geometry),
-            BLOCK=triton_bit_mask_kernels._BLOCK)
+            BLOCK=triton_bit_mask_kernels.PACK_BLOCK)
     if name == '_token_patch_means':
         return (triton_token_kernels._token_patch_means,
                 triton_token_kernels.token_meta(*geometry))

@@ -122,6 +122,7 @@ def _apply(g, bits, out, numel, off_scale, ZERO_OFF: tl.constexpr,
 
 
 def pack_programs_of(numel: int) -> tuple:
+    """The launch grid of the packing kernels over ``numel`` elements."""
     return (cdiv(cdiv(numel, 8), PACK_BLOCK), )
 
 
