@@ -50,11 +50,11 @@ from ..accounting.batch import random_batch, summed_losses
 from ..accounting.format import format_table
 from ..accounting.launches import kernel_outputs, module_kind
 from ..models.segmentor import set_frozen_norms_eval
-from ..engine.build import build_segmentor
 from ..engine.tool_args import write_json
 from ..ops.backend import switches, triton_runtime
 from ..ops.backend.device_path import as_on_cuda
 from ..patching import Hooks, plain_class
+from .launch_count import build_uninterpreted
 from .step_benchmark import lean_against_vanilla, parse_row
 from .step_jobs import Job
 
@@ -340,7 +340,7 @@ def training_step(cfg, crop: Sequence[int], batch: int = 1
     parameters, ``phase('backward')`` and ``phase('optimizer')`` called as
     the step reaches them."""
     torch.manual_seed(0)
-    model = build_segmentor(cfg)
+    model = build_uninterpreted(cfg)
     inputs, samples = random_batch(model, crop, batch, label_block=16)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=5e-4,

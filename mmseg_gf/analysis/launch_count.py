@@ -28,8 +28,9 @@ from ..ops.backend import triton_runtime
 from .step_benchmark import lean_against_vanilla, parse_row
 from .step_jobs import Job
 
-__all__ = ['TARGETS', 'count_row', 'count_model', 'compare', 'summary_table',
-           'kind_table', 'write_results', 'run_jobs']
+__all__ = ['TARGETS', 'build_uninterpreted', 'count_row', 'count_model',
+           'compare', 'summary_table', 'kind_table', 'write_results',
+           'run_jobs']
 
 #: Lean GF over vanilla-same-layers, at most: forward launches, whole-step
 #: launches (forward, backward, update), bytes the whole step moves.
@@ -52,7 +53,7 @@ def count_row(cfg, crop: Sequence[int], batch: int = 1, warmup: int = 1,
     phase ``launches`` and ``by_name``, no bytes (zero) and no kinds.
     """
     torch.manual_seed(0)
-    model = build_segmentor(cfg).to(device)
+    model = build_uninterpreted(cfg, device)
     inputs, samples = random_batch(model, crop, batch, label_block=16,
                                    device=device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -72,6 +73,21 @@ def count_row(cfg, crop: Sequence[int], batch: int = 1, warmup: int = 1,
                                                warmup=warmup + 1))
     return count_step(model, step, warmup=warmup, triton=triton,
                       run_kernels=run_kernels).summary()
+
+
+def build_uninterpreted(cfg, device: str = 'cpu'):
+    """``cfg``'s segmentor on ``device``. Under triton's interpreter it is
+    built with the Triton path off: the build's traced forward (the search
+    for patch-mean GELUs) would otherwise interpret every kernel on the
+    CPU, minutes for a zoo model, and what it finds does not depend on the
+    path."""
+    if not (triton_runtime.INTERPRETED and torch.device(device).type == 'cpu'):
+        return build_segmentor(cfg).to(device)
+    previous = triton_runtime.set_enabled(False)
+    try:
+        return build_segmentor(cfg).to(device)
+    finally:
+        triton_runtime.set_enabled(previous)
 
 
 def _as_summary(recorded: Dict) -> Dict:
