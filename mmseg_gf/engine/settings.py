@@ -194,6 +194,11 @@ HOOK_OPTIONS: Dict[str, HookOption] = {
         True, 'GradFilterHook: before the checkpoint is loaded, fail if '
         'the load_from (or resumed) checkpoint does not exist or does not '
         'match the model (docs/reliability.md)'),
+    'resume_random_state': HookOption(
+        True, 'GradFilterHook: keep torch\'s random-number state in each '
+        'checkpoint and put it back on resume, so that a seeded run resumes '
+        'to the uninterrupted run\'s weights with dropout and random '
+        'augmentations (one process; docs/reliability.md)'),
 }
 #: Every keyword ``GradFilterHook`` accepts: the settings, then its own.
 ACCEPTED_KEYS: Tuple[str, ...] = SETTING_KEYS + tuple(HOOK_OPTIONS)

@@ -65,7 +65,8 @@ def test_every_accepted_key_is_declared_with_a_doc_and_in_the_docs():
     each declared with its default and a doc, each named in README.md or
     docs/ (the hook's defaults are the declared ones)."""
     import inspect
-    assert ACCEPTED_KEYS == SETTING_KEYS + ('log_table', 'check_load_from')
+    assert ACCEPTED_KEYS == SETTING_KEYS + ('log_table', 'check_load_from',
+                                           'resume_random_state')
     docs = setting_docs()
     assert tuple(docs) == ACCEPTED_KEYS
     assert all(isinstance(doc, str) and len(doc) > 20
@@ -105,7 +106,8 @@ def test_the_hook_takes_every_setting(key):
 def test_the_hook_names_an_unknown_argument_and_what_is_allowed():
     with pytest.raises(ValueError, match=r"unknown argument\(s\) "
                        r"\['radus'\]; allowed: \['num_layers'.*"
-                       r"'log_table', 'check_load_from'\]"):
+                       r"'log_table', 'check_load_from', "
+                       r"'resume_random_state'\]"):
         GradFilterHook(num_layers=2, radus=4)
 
 

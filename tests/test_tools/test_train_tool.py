@@ -101,20 +101,31 @@ def test_lean_and_plain_runs_agree_under_amp(workspace, tmp_path, tools,
 # Resume
 
 
-def test_resume_after_interrupt_equals_uninterrupted_run(
-        workspace, tmp_path, tools):
-    """A GF run killed after iteration 2 of 4 and restarted with --resume
-    ends with the same weights as a run that was never interrupted (cosine
-    lr, SGD momentum: scheduler and optimizer state are restored). The
-    config's load_from (the pretrained init) must not be what --resume
-    resumes from."""
-    train, _ = tools
+def _random_draws(cfg, restore_state: bool) -> None:
+    """Dropout in the head, random flips and photometric distortion in
+    the pipeline, a seeded run: draws from torch's and numpy's
+    generators every iteration."""
+    cfg['model']['decode_head']['dropout_ratio'] = 0.3
+    pipeline = cfg['train_dataloader']['dataset']['pipeline']
+    pipeline[-1:-1] = [dict(type='RandomFlip', prob=0.5),
+                       dict(type='PhotoMetricDistortion')]
+    cfg['randomness'] = dict(seed=3)
+    if not restore_state:  # the rewrite keeps the user's hook arguments
+        cfg['custom_hooks'].append(
+            dict(type='GradFilterHook', resume_random_state=False))
+
+
+def _resumed_runs(workspace, tmp_path, train, draws):
+    """An uninterrupted 4-iteration run and one interrupted after
+    iteration 2 and resumed with --resume: their final states."""
     cfg = _cfg(workspace, tmp_path, 'unused', max_iters=4)
     cfg['param_scheduler'] = [
         dict(type='CosineAnnealingLR', T_max=4, eta_min=0.0, begin=0, end=4,
              by_epoch=False)
     ]
     cfg['default_hooks']['checkpoint']['interval'] = 2
+    if draws is not None:
+        _random_draws(cfg, draws == 'restored')
     plain = write_cfg(str(tmp_path / 'plain.py'), cfg)
     cfg['custom_hooks'].append(dict(type='InterruptHook', at_iter=2))
     killed = write_cfg(str(tmp_path / 'killed.py'), cfg)
@@ -140,11 +151,45 @@ def test_resume_after_interrupt_equals_uninterrupted_run(
     assert gf_paths(resumed.model) == EXPECTED['pspnet_r18'][5]
     state = resumed.model.state_dict()
     assert state.keys() == full_state.keys()
+    return work, full_state, state
+
+
+def test_resume_after_interrupt_equals_uninterrupted_run(
+        workspace, tmp_path, tools):
+    """A GF run killed after iteration 2 of 4 and restarted with --resume
+    ends with the same weights as a run that was never interrupted (cosine
+    lr, SGD momentum: scheduler and optimizer state are restored). The
+    config's load_from (the pretrained init) must not be what --resume
+    resumes from."""
+    train, _ = tools
+    work, full_state, state = _resumed_runs(workspace, tmp_path, train, None)
     for key, value in full_state.items():
         assert torch.equal(state[key], value), key
     saved = torch.load(osp.join(work, 'iter_4.pth'), map_location='cpu')
     assert all(torch.equal(saved['state_dict'][k], v)
                for k, v in full_state.items())
+
+
+@pytest.mark.parametrize('draws', ['restored', 'not restored'])
+def test_resume_with_dropout_and_random_augmentation(workspace, tmp_path,
+                                                     tools, draws):
+    """With dropout and random augmentations in a seeded run, the resumed
+    weights equal the uninterrupted run's bit for bit: the loop replays the
+    pipeline's numpy draws and the checkpoint puts torch's generator state
+    back (``resume_random_state``). Without the state, dropout draws other
+    masks after the resume and the trained weights differ."""
+    train, _ = tools
+    work, full_state, state = _resumed_runs(workspace, tmp_path, train,
+                                            draws)
+    saved = torch.load(osp.join(work, 'iter_2.pth'), map_location='cpu')
+    assert ('random_state' in saved) == (draws == 'restored')
+    differ = [k for k, v in full_state.items()
+              if not torch.equal(state[k], v)]
+    if draws == 'restored':
+        assert differ == []
+    else:
+        assert differ and all(k.startswith(('decode_head', 'backbone.layer4'))
+                              for k in differ), differ
 
 
 # ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from ...models.segmentor import (is_classifier, set_frozen_norms_eval,
                                  unwrap_model)
 from ..checkpoint import check_checkpoint_matches
 from ..checkpoint.resume import find_resumable_checkpoint
+from ..checkpoint.random_state import ResumedRandomState
 from ..compile_settings import describe, model_compile_setting
 from ..compiled_loss import (install_compiled_loss, loss_compile_kwargs,
                              split_target)
@@ -103,8 +104,12 @@ class GradFilterHook(Hook):
         check_load_from: before the checkpoint is loaded, fail if the
             ``load_from`` (or resumed) checkpoint does not exist or does not
             match the model (see :func:`check_checkpoint_matches`).
+        resume_random_state: keep torch's generator state in each
+            checkpoint and put it back on resume
+            (:mod:`..checkpoint.random_state`).
 
-    ``log_table`` and ``check_load_from`` are declared with their defaults
+    ``log_table``, ``check_load_from`` and ``resume_random_state`` are
+    declared with their defaults
     and docs in :data:`~mmseg_gf.engine.settings.HOOK_OPTIONS`.
     """
 
@@ -115,6 +120,8 @@ class GradFilterHook(Hook):
                  log_table: bool = HOOK_OPTIONS['log_table'].default,
                  check_load_from: bool = HOOK_OPTIONS[
                      'check_load_from'].default,
+                 resume_random_state: bool = HOOK_OPTIONS[
+                     'resume_random_state'].default,
                  **settings: Any) -> None:
         unknown = sorted(set(settings) - set(SETTING_KEYS))
         if unknown:
@@ -127,6 +134,8 @@ class GradFilterHook(Hook):
             settings) if self.configured else None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
+        self._random_state = (ResumedRandomState()
+                              if resume_random_state else None)
         self._peak_memory: Optional[PeakResidentMemory] = None
         self._compile: Optional[dict] = None
         self._undo_compile = None
@@ -240,10 +249,22 @@ class GradFilterHook(Hook):
             step = trace_step_saved_bytes(model, size)
             runner.logger.info('\n' + step_kept_table(step, batch))
 
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        if self._random_state is not None:
+            self._random_state.save(checkpoint)
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        if self._random_state is not None:
+            self._random_state.loaded(checkpoint)
+
     def before_train_iter(self, runner, batch_idx: int,
                           data_batch: Any = None) -> None:
-        """mmengine loops call ``model.train()``: re-freeze norm stats."""
+        """mmengine loops call ``model.train()``: re-freeze norm stats. On
+        the first iteration after a resume, torch's generators take the
+        checkpoint's state (after the loop replayed the data pipeline)."""
         set_frozen_norms_eval(runner.model)
+        if self._random_state is not None:
+            self._random_state.before_iteration(runner)
 
     def after_train_iter(self, runner, batch_idx: int,
                          data_batch: Any = None, outputs: Any = None) -> None:
