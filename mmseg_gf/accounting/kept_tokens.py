@@ -65,7 +65,7 @@ from torch import nn
 from ..models.lean import is_lean, lean_kind
 from ..models.linear_kinds import ATTENTION, LINEAR
 from ..models.segmentor import is_class_score_layer
-from ..ops.linear.function import TokenGrid
+from ..ops.linear.token_grid import TokenGrid
 from .kept import SavedItem, count_once
 from .kept_transformer import attention_items
 

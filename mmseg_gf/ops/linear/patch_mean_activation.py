@@ -35,7 +35,7 @@ from torch.autograd.function import once_differentiable
 from ..backend import output_pool
 from ..conv import cpu as conv_cpu
 from . import cpu as linear_cpu
-from .function import TokenGrid, TokenLayout
+from .token_grid import TokenGrid, TokenLayout
 from ..patch_grid import AxisGeometry, check_radius, filter_output_grad
 
 __all__ = ['PatchPartition', 'PatchMeanGeluFunction', 'patch_mean_gelu',
