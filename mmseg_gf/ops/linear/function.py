@@ -1,32 +1,16 @@
-"""Gradient-filtered linear layer on a token grid: exact forward, filtered
-backward.
+"""Gradient-filtered Linear on a token grid: exact forward, filtered backward.
 
-A transformer's ``nn.Linear`` applied to the tokens of a feature map is a
-``1 x 1`` convolution whose pixels are stored as tokens. This module applies
-the conv's gradient filter to it, with the rules of
-docs/gradient_filter.md for a ``1 x 1`` kernel, stride 1
-(docs/gradient_filter.md#linear-layers-on-token-grids):
+A Linear on a feature map's tokens is a ``1 x 1`` conv whose pixels are
+tokens; it gets the conv's filter (docs/gradient_filter.md, section "Linear
+layers on token grids"): patch-mean ``g_y``, ``g_W`` from the patch sums of
+``x`` (all the forward keeps of it), ``g_x`` broadcast over each patch; ``g_b``
+and the extra tokens on no grid (cls tokens, class embeddings) stay exact.
+The grid is given (:class:`~.token_grid.TokenGrid`), never guessed.
 
-* ``g_y`` is replaced by its means over ``r x r`` patches of the token grid
-  (a partial border patch averages over the tokens it has);
-* ``g_W`` is the product of those patch means with the patch *sums* of
-  ``x``, which are all the forward keeps of ``x``;
-* ``g_x`` is the patch-mean gradient times ``W``, broadcast to every token of
-  the patch;
-* ``g_b`` is exact, and so is everything of the extra tokens (a ViT's cls /
-  distillation tokens, Segmenter's class embeddings), which lie on no grid.
-
-Where the tokens lie on the grid is described by :class:`TokenGrid` and a
-token axis; it is never guessed from the token count. The backward runs its
-two GEMMs on ``N / r^2`` rows. On CPU with the compiled kernels
-(``native``: float32 / float64, channels with stride 1) the patch sums of
-``x`` and the whole backward of the grid tokens run in C++
-(``csrc/token_grid_backward.cpp``: one read of ``g_y``, one write of
-``g_x``, into recycled memory); on CUDA the conv's Triton kernels do the
-same on the token rows seen as a channels-last map (``triton_linear``;
-off with ``MMSEG_GF_TRITON=0`` or ``triton_runtime.set_enabled(False)``); the
-pure-PyTorch path here is the reference and the fallback
-(``MMSEG_GF_NATIVE=0``). No mmseg import.
+The backward's GEMMs run on ``N / r^2`` rows: in C++ on CPU
+(``csrc/token_grid_backward.cpp``), with the conv's Triton kernels on CUDA
+(off with ``MMSEG_GF_TRITON=0``); the PyTorch path here is the reference and
+the fallback (``MMSEG_GF_NATIVE=0``). No mmseg import.
 """
 
 from typing import Optional, Tuple
@@ -60,13 +44,10 @@ def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
                        grad_x: Optional[Tensor], need_w: bool, need_b: bool,
                        acc: torch.dtype
                        ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Steps 1, 3 and 4 on the grid tokens
-    (docs/gradient_filter.md#linear-layers-on-token-grids): the Triton
-    kernels on CUDA (:func:`triton_linear.filtered_backward`), the compiled
-    kernel on CPU, else PyTorch ops chunk by chunk of leading rows.
+    """Steps 1, 3 and 4 on the grid tokens, by the dispatcher's choice.
 
     Writes ``g_x``'s grid tokens into ``grad_x`` (when given); returns
-    ``(g_W, g_b)`` of the grid tokens in ``acc`` (None where not asked).
+    ``(g_W, g_b)`` in ``acc`` (None where not asked).
     """
     g_rows = layout.rows_to_read(grad_output)
     sums = x_sums if need_w else None
@@ -214,11 +195,9 @@ def gradient_filtered_linear(x: Tensor,
     """``F.linear`` whose backward is the gradient filter on a token grid.
 
     Args:
-        x: input ``(..., C_in)`` holding the grid's tokens on ``token_dim``
-            (``(B, N, C)``: 1; ``nn.MultiheadAttention``'s ``(N, B, C)``: 0;
-            ``'hwc'``: the ``H`` axis, ``W`` after it).
-        weight: ``C_out x C_in``.
-        bias: optional ``C_out``; its gradient is exact.
+        x: ``(..., C_in)`` holding the grid's tokens on ``token_dim`` (1 for
+            ``(B, N, C)``, 0 for ``(N, B, C)``, the ``H`` axis for ``'hwc'``).
+        weight, bias: as in ``F.linear``; the bias gradient is exact.
         grid: where the tokens lie (:class:`TokenGrid`).
         radius: patch size ``r >= 1``; ``r = 1`` is the exact backward.
         token_dim: the token axis of ``x`` (negative counts from the end).
@@ -227,8 +206,8 @@ def gradient_filtered_linear(x: Tensor,
         Exactly ``F.linear(x, weight, bias)``.
 
     Raises:
-        ValueError: for a bad radius, or an ``x`` that does not hold the
-            grid on ``token_dim``.
+        ValueError: for a bad radius, or an ``x`` without the grid on
+            ``token_dim``.
     """
     radius = check_radius(radius)
     if not isinstance(grid, TokenGrid):

@@ -31,12 +31,9 @@ class TokenGrid:
     """Where the tokens of a Linear's input lie on a 2-D grid.
 
     Attributes:
-        height: grid rows ``H`` (a window's rows for ``layout='windows'``;
-            the reduced grid for a spatially reduced key/value).
-        width: grid columns ``W``.
-        extra_tokens: leading tokens on no grid (cls / distillation tokens),
-            before the ``H*W`` grid tokens; their gradients stay exact.
-            ``'tokens'`` layout only.
+        height, width: grid rows and columns (a window's for ``'windows'``).
+        extra_tokens: leading tokens on no grid (cls / distillation tokens,
+            ``'tokens'`` layout only); their gradients stay exact.
         layout: one of :data:`LAYOUTS`.
         trailing_tokens: tokens on no grid after the grid's (Segmenter's
             class embeddings); exact like ``extra_tokens``.
@@ -158,12 +155,9 @@ def _segments(size: int, radius: int) -> List[_Segment]:
 class TokenLayout:
     """An input's grid, token axis and patch size, resolved for one call.
 
-    Every tensor of the call is seen through :meth:`grid_view`: its grid
-    tokens as ``(*lead, H, W, C)``, all other axes (batch, windows, the
-    batch of an ``(N, B, C)`` input) leading. Patch sums come back as one
-    contiguous ``(L, ceil(H/r), ceil(W/r), C)`` tensor, ``L`` the product of
-    the leading axes in their order, so that the backward's GEMMs run on its
-    rows.
+    Tensors are seen through :meth:`grid_view` as ``(*lead, H, W, C)``; patch
+    sums come back as one contiguous ``(L, ceil(H/r), ceil(W/r), C)`` tensor
+    (``L``: the leading axes merged) for the backward's GEMMs.
     """
 
     grid: TokenGrid
@@ -214,16 +208,12 @@ class TokenLayout:
 
     def pool_rows(self, rows: Tensor, dtype: torch.dtype,
                   mean: bool = False) -> Tensor:
-        """Sums (``mean``: means) of ``(l, H, W, C)`` tokens over each ``r
-        x r`` patch, ``(l, Ph, Pw, C)``, contiguous, in ``dtype`` (partial
-        patches: over their tokens).
+        """Sums (``mean``: means) of ``(l, H, W, C)`` tokens over each ``r x r``
+        patch, ``(l, Ph, Pw, C)``, contiguous, in ``dtype``.
 
-        One channels-last ``avg_pool2d`` with a divisor of 1: a single
-        vectorised pass (a strided ``sum`` over the two in-patch axes was
-        3-8x slower on CPU), exact for the clipped border windows as in
-        ``filter_output_grad`` of the conv. The means divide the same sums
-        by each window's token count in the same pass (the clipped windows
-        of ``ceil_mode`` without padding count their tokens only).
+        One channels-last ``avg_pool2d`` with divisor 1 (a single vectorised
+        pass, docs/benchmarks/design_measurements.md), exact on the clipped border
+        windows; the means divide by each window's token count.
         """
         g, r = self.grid, self.radius
         sums = F.avg_pool2d(rows.permute(0, 3, 1, 2),
@@ -233,11 +223,10 @@ class TokenLayout:
         return sums.permute(0, 2, 3, 1).contiguous().to(dtype)
 
     def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:
-        """:meth:`pool_rows` of ``t``'s grid tokens, ``(L, Ph, Pw, C)``
-        (the forward's ``x~``); one read of ``t`` where the compiled CPU
-        kernel applies, the same sums in another order. (On CUDA the
-        PyTorch pooling is kept: on an H100 a Triton pass made the filtered
-        Linear's forward 1.2-4.6x slower than it, docs/benchmarks.)"""
+        """:meth:`pool_rows` of ``t``'s grid tokens (the forward's ``x~``);
+        one read of ``t`` where the compiled CPU kernel applies. CUDA keeps the
+        PyTorch pooling (docs/benchmarks/design_measurements.md).
+        """
         rows = self.rows_to_read(t)
         choice = dispatch.choose('token_patch_sums', self, rows, dtype)
         return choice.implementation.run(self, rows, dtype)
