@@ -1,66 +1,18 @@
 """What each kind of module keeps for backward during a training step.
 
-The rules behind every "kept for backward" figure (the training log, the
-tools, the budget). One traced training forward (:mod:`.trace`) meets every
-leaf module that autograd records (an input that requires a gradient, or a
-trained parameter); :func:`kept_by_call` turns one such call into what it
-keeps, per image, so any batch size follows:
+The rules behind every "kept for backward" figure. One traced training
+forward (:mod:`.trace`) meets every leaf module autograd records;
+:func:`kept_by_call` turns a call into what it keeps per image, so any batch
+follows. The rule table is in docs/cost.md, section "Kept for backward, per
+module kind".
 
-==========================  ===============================================
-module                      kept for backward
-==========================  ===============================================
-trained conv, ``gf``        patch sums of its input, ``N*Ci*cells``
-                            elements (the conv kind's cost model,
-                            :func:`~mmseg_gf.ops.conv.cost.conv_backward_cost`)
-trained conv, exact         its input ``N*Ci*H*W`` (once per input tensor:
-(``vanilla``, classifier)   convs sharing an input share what they keep)
-lean frozen conv            nothing: ``g_x`` needs its weight only, a live
-(frozen weight and bias)    Parameter (zero padding of integer sizes)
-plain frozen conv           its input, as an exact conv (autograd's
-                            convolution keeps it for ``g_W`` either way);
-                            other padding modes are not modelled
-lean frozen linear          nothing (``g_x = g W``)
-lean frozen norm            ``C`` float32 scales (float64 in a float64 norm)
-lean ReLU/ReLU6/LeakyReLU,  1 bit per element, ``ceil(N*C*H*W / 8)`` bytes
-Hardsigmoid/HSigmoid,       (a frozen PReLU's slope is its Parameter)
-frozen PReLU
-lean max-pool               a uint8 window offset per output element
-lean element-wise dropout   1 bit per element
-adaptive average pooling    nothing (lean: its input's shape; to 1x1 it
-                            is a mean, which keeps nothing)
-lean ``AvgPool2d``          nothing (its input's shape)
-``Dropout2d`` (training)    its noise, one value per channel: ``N*C``
-                            (folded into its head's fused classifier: the
-                            fused loss keeps it, if the input needs ``g_x``)
-a head's lean loss          the low-resolution logits ``N*K*h*w`` (mmseg's
-                            cross-entropy), else its gradient w.r.t. them,
-                            once per loss name
-classifier fused with its   nothing itself; its head's loss keeps the
-head's loss                 gradient w.r.t. the logits (if the classifier's
-                            input needs one) and ``g_W``, ``g_b``, once per
-                            loss name (once for the cross-entropy), and a
-                            folded dropout's noise (if the input needs one)
-==========================  ===============================================
-
-A layer kind names its own rule
-(:attr:`~mmseg_gf.models.layer_kinds.LayerKind.kept_rule`, consulted
-first: the conv's is :func:`conv_items`, the Linear's and the attention's
-trained (and plain frozen) layers' are in :mod:`.kept_tokens`). The
-modules inside transformer blocks (lean attention, frozen LayerNorm, GELU,
-DropPath) have their rules in :mod:`.kept_transformer`, Segmenter's mask
-head's own code and loss in :mod:`.kept_mask_head`, consulted next
-through :data:`CALL_RULES`.
-
-Whatever else autograd saves is *unmodelled*: the tracer (:mod:`.trace`)
-measures it, storage by storage, and attributes it to the innermost module
-running when autograd packed it: a leaf no rule covers (a trained norm,
-GELU, Sigmoid, ...), or functional code inside a module (an SE gate's
-``x * gate``, attention's matmuls, a head's own loss). :func:`measured_item`
-turns those bytes into ``'unmodelled'`` items, per image or constant; they
-are reported per kind as "unmodelled: X MiB measured", never as zero.
+A layer kind's own rule comes first
+(:attr:`~mmseg_gf.models.layer_kinds.LayerKind.kept_rule`: :func:`conv_items`,
+:mod:`.kept_tokens`), then :data:`CALL_RULES` (:mod:`.kept_transformer`,
+:mod:`.kept_mask_head`). Whatever else autograd saves is measured by the
+tracer and attributed to the innermost running module
+(:func:`measured_item`: "unmodelled: X MiB measured", never zero).
 Concatenations, additions and bilinear resizes keep nothing.
-``tests/test_accounting`` checks the rules against autograd's saved
-tensors.
 """
 import functools
 import importlib
@@ -132,18 +84,16 @@ class SavedItem:
     """What one module keeps, per image (``rule`` scales it to a batch).
 
     Attributes:
-        path: module path.
         category: one of :data:`CATEGORIES`.
         elements: elements per image (``'const'``: in all).
-        elem_bytes: bytes per element (``'bits'``: ignored).
-        rule: ``'linear'`` (N x elements x bytes), ``'bits'`` (ceil of
-            N x elements / 8) or ``'const'`` (elements x bytes).
-        storage: the storage (``data_ptr``) of the tensor the item counts,
-            when it counts one that exists in the forward (an exact conv's
-            input, the logits): the tracer's measurement leaves it out.
+        elem_bytes: bytes per element (ignored for ``'bits'``).
+        rule: ``'linear'`` (N x elements x bytes), ``'bits'`` (ceil(N x
+            elements / 8)) or ``'const'`` (elements x bytes).
+        storage: ``data_ptr`` of a tensor the forward already holds (an exact
+            conv's input, the logits), left out of the tracer's measurement.
         kind: what an ``'unmodelled'`` item measured (the module's class).
-        estimate: the rule only estimates it (a head's own loss): a trace
-            that measures replaces it by the measurement.
+        estimate: only estimated (a head's own loss); a measuring trace
+            replaces it.
     """
 
     path: str
@@ -273,11 +223,9 @@ def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
 def conv_items(path: str, module: nn.Module, x: torch.Tensor,
                out: torch.Tensor, shared: Dict[int, Tuple[str, Any]]
                ) -> List[SavedItem]:
-    """The kept rule of the ``conv2d`` kind (its
-    :attr:`~mmseg_gf.models.layer_kinds.LayerKind.kept_rule`): a filtered
-    conv keeps the patch sums of its input, an exact one its input (once
-    per tensor: convs sharing an input keep it once), a frozen one nothing
-    when lean, else its input.
+    """The ``conv2d`` kind's kept rule: patch sums for a filtered conv, the
+    input for an exact one (once per tensor), nothing for a lean frozen one,
+    else the input.
 
     Raises:
         LookupError: a call it does not model (measured).
@@ -314,14 +262,9 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
                     ) -> Optional[SavedItem]:
     """What one recorded leaf module keeps (None: nothing).
 
-    Args:
-        path: its module path.
-        module: the module, in the state it runs in.
-        x, out: its first input and its output.
-        shared: storage address -> (path, storage) of the exact convs
-            counted so far (convs sharing an input share what they keep);
-            updated. Holding the storage keeps its address from being
-            reused by a later tensor while the trace runs.
+    ``shared`` maps storage address -> (path, storage) of the exact convs
+    counted so far, so convs sharing an input share it; it is updated, and
+    holding the storage keeps its address from reuse during the trace.
 
     Raises:
         LookupError: no rule covers this module.
@@ -412,14 +355,12 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
                  x: torch.Tensor, out: torch.Tensor,
                  shared: Dict[int, Tuple[str, Any]]
                  ) -> Tuple[List[SavedItem], bool]:
-    """Everything one recorded call keeps: its own item and, for a head's
-    classifier whose head computes a lean loss, what that loss keeps
-    (attributed to the head; a classifier fused with its loss keeps
-    nothing itself).
+    """Everything one recorded call keeps: its own item and, for a classifier
+    whose head computes a lean loss, that loss's (attributed to the head).
 
     Returns:
-        ``(items, modelled)``: ``modelled`` is False when no rule covers
-        the module itself (its bytes are then unknown, not zero).
+        ``(items, modelled)``; ``modelled`` False: no rule covers the module
+        (its bytes unknown, not zero).
     """
     head = None
     if is_head_classifier(path) and is_head_lean(model, path):

@@ -2,60 +2,15 @@
 
 The rules of :mod:`.kept` for the token kinds
 (:mod:`mmseg_gf.models.linear_kinds`) and for plain Linears on the gradient
-path, per image, from the traced call (the step tracer's batch-1 trace:
-a call's tensors are one image's):
+path, per image, from the batch-1 trace; the table is in docs/cost.md,
+section "Kept for backward, per module kind". Not modelled (measured): an
+attention with dropout on its probabilities, and one running torch's own
+forward (masks, ``kdim`` / ``vdim``).
 
-==========================  ===============================================
-module                      kept for backward
-==========================  ===============================================
-trained ``GFLinear``,       patch sums of its input on its grid, ``lead *
-filtered                    ceil(H/r) * ceil(W/r) * C`` elements (``lead``:
-                            the axes beside the grid's: images, windows),
-                            and the tokens on no grid as they are (``lead *
-                            (extra + trailing) * C``); the weight is a
-                            Parameter
-trained Linear, exact       its input (once per tensor: another rule
-(``GFLinear`` with          keeping it shares it; a copy where its tokens
-``enabled=False``, a        do not merge into rows without one), and a
-trained ``nn.Linear``)      view of its weight when the input needs a
-                            gradient (once per weight, at any batch)
-frozen Linear, not lean     a view of its weight when the input needs a
-(``lean=False``)            gradient (once per weight, at any batch)
-trained                     its projections: filtered, the patch sums of
-``GFMultiheadAttention``    the query and of the key (when it differs) on
-                            their grids and of the attention output on the
-                            query's grid (and a view of ``in_proj_weight``
-                            where keys are projected apart); exact, the
-                            query, the key and value (when they differ)
-                            and the attention output (none where SDPA's
-                            output, kept anyway, holds its rows in order),
-                            views of ``in_proj_weight`` and
-                            ``out_proj.weight``; and its attention: through
-                            SDPA what
-                            :func:`~.kept_transformer.attention_items`
-                            counts for a lean attention (q, k, v, the
-                            output, a logsumexp); through ``bmm`` (the
-                            weights asked for), the scaled queries, the
-                            projection holding k and v, and the
-                            ``heads L S`` probabilities
-==========================  ===============================================
-
-Not modelled (the tracer measures them): an attention with dropout on its
-probabilities (the ``bmm`` path in training), and one running torch's own
-forward (masks, ``kdim`` / ``vdim``: the cases
-:class:`~mmseg_gf.models.gf_attention.GFMultiheadAttention` does not
-reproduce).
-
-Categories: what a Linear projection keeps (its input, its patch sums, a
-view of its weight; an attention's four projections) is ``'linear'``,
-Segmenter's class-score Linears' ``'classifier'``
-(:func:`~mmseg_gf.models.segmentor.is_class_score_layer`), an attention's
-own tensors (SDPA's, the probabilities) ``'attention'``.
-
-``tests/test_models/test_gf_attention_sdpa.py`` checks the rules against
-autograd's saved tensors layer by layer,
-``tests/test_engine/test_token_kinds_accounting.py`` on whole transformer
-segmentors.
+Categories: a projection's tensors are ``'linear'``, Segmenter's class-score
+Linears' ``'classifier'``, an attention's own tensors ``'attention'``.
+Checked against autograd by ``tests/test_models/test_gf_attention_sdpa.py``
+and ``tests/test_engine/test_token_kinds_accounting.py``.
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -65,7 +20,7 @@ from torch import nn
 from ..models.lean import is_lean, lean_kind
 from ..models.linear_kinds import ATTENTION, LINEAR
 from ..models.segmentor import is_class_score_layer
-from ..ops.linear.function import TokenGrid
+from ..ops.linear.token_grid import TokenGrid
 from .kept import SavedItem, count_once
 from .kept_transformer import attention_items
 

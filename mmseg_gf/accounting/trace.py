@@ -1,24 +1,18 @@
 """The one step tracer: a record per leaf-module call of a training step.
 
-Everything the accounting says about a whole step (what it keeps for
-backward, which convs lie upstream of which module, when tensors live and
-die) comes from running the segmentor's ``loss`` once on a random batch with
-a forward hook on every leaf module. :class:`StepTracer` runs that step and
-hands each call, as a :class:`ModuleCall`, to its consumer:
-:func:`trace_step_saved_bytes` (the training log's "kept for backward"
-line) and :func:`~.profile.profile_step_costs` (the budget) read the same
-calls, so the two cannot disagree about which modules a step records.
+Everything the accounting says about a whole step comes from running the
+segmentor's ``loss`` once on a random batch with a forward hook on every leaf
+module: :class:`StepTracer` hands each call, as a :class:`ModuleCall`, to
+:func:`trace_step_saved_bytes` (the training log) and
+:func:`~.profile.profile_step_costs` (the budget), so the two cannot disagree.
 
 What no rule of :mod:`.kept` covers is measured in the same step: a
-``saved_tensors_hooks`` pack hook hands every tensor autograd saves, as a
-:class:`SavedPack`, to the consumer, with the innermost module running at
-that moment (module pre- and post-hooks on every module keep the stack), so
-functional code inside a module (an SE gate's ``x * gate``) is attributed
-to that module. :class:`UnmodelledBytes` turns the packs of the calls no
-rule covered into measured items, each storage counted once. A module with
-children whose own code a rule counts (a lean attention's SDPA call,
-:func:`~mmseg_gf.models.lean_transformer.is_rule_owner`) is reported as a
-call too, after its children's calls.
+``saved_tensors_hooks`` pack hook reports each saved tensor as a
+:class:`SavedPack` with the innermost running module (so functional code,
+an SE gate's ``x * gate``, is attributed to its module), and
+:class:`UnmodelledBytes` turns the uncovered packs into measured items, each
+storage once. A module whose own code a rule counts (a lean attention) is
+reported as a call after its children's.
 """
 import contextlib
 from dataclasses import dataclass, field
@@ -51,21 +45,15 @@ LOSS_PART = ' (loss)'
 
 @dataclass
 class ModuleCall:
-    """One call of a leaf module during the traced step.
+    """One call of a leaf module (or a lean attention) during the traced step.
 
     Attributes:
-        seq: position of the call among all reported calls of the step
-            (leaf modules, and lean attentions:
-            :meth:`StepTracer._owner_hook`).
-        path: the module's path in the segmentor.
-        module: the module.
-        x: its first positional argument when that is a tensor, else None
-            (a lean attention: its last tensor argument needing a gradient).
-        output: what it returned.
+        seq: position among all reported calls of the step.
+        x: its first positional tensor argument, else None (a lean attention:
+            its last tensor argument needing a gradient).
         trained: some parameter of it requires a gradient.
-        recorded: autograd records the call (grad mode on, and ``x``
-            requires a gradient or the module is trained): only recorded
-            calls keep anything for backward.
+        recorded: autograd records the call; only recorded calls keep
+            anything for backward.
     """
 
     seq: int
@@ -83,22 +71,16 @@ class SavedPack:
 
     Attributes:
         tensor: the tensor (None once :meth:`slim`).
-        storage: its storage; holding it keeps the memory from being reused
-            while the step runs, without keeping the tensor (whose lifetime
-            the profile's finalizers observe) alive.
-        seq: the tracer's ``seq`` when it was saved: the call it belongs to
-            when ``owner`` is a leaf (leaf hooks count calls as they end).
-        owner: path of the innermost module running (:data:`LOSS_OWNER`:
-            none, e.g. the head's loss).
-        kind: the owner's class name, `` (functional)`` appended for a
-            module with children (the tensor was saved by its own code),
-            :data:`LOSS_PART` for a head's ``loss_by_feat``.
-        leaf: the owner is a leaf module.
-        module: the owner (None: :data:`LOSS_OWNER`).
-        inputs: the tensors the operation saving it received (the
-            sources a lean loss noted for it, :mod:`~mmseg_gf.ops.lean.kept_sources`;
-            else the outermost torch function running; else the owner's
-            positional tensors); empty unless the tracer follows operations.
+        storage: its storage, held so the memory is not reused during the
+            step without keeping the tensor alive.
+        seq: the tracer's ``seq`` at saving (the call, for a leaf owner).
+        owner: the innermost running module's path (:data:`LOSS_OWNER`: none).
+        kind: the owner's class name (`` (functional)`` for a module with
+            children; :data:`LOSS_PART` for a head's ``loss_by_feat``).
+        leaf, module: whether the owner is a leaf; the owner.
+        inputs: the saving operation's input tensors (a lean loss's noted
+            sources, else the outermost torch function's, else the owner's);
+            empty unless the tracer follows operations.
     """
 
     tensor: Optional[torch.Tensor]
@@ -202,19 +184,14 @@ class StepTracer:
 
     Args:
         model: the segmentor (unwrapped), in the state it trains in.
-        on_call: called with each :class:`ModuleCall` while
-            :attr:`recording` is True.
-        marks: put a profiler mark (:func:`~.measured.mark`) at every
-            call, so that :func:`~.measured.live_bytes_by_interval` cuts
-            the step's live bytes per call.
-        on_pack: called with each :class:`SavedPack` while
-            :attr:`recording` is True (holding the pack keeps its storage
-            alive, also in a step that keeps nothing).
-        operations: fill :attr:`SavedPack.inputs` (a torch function mode
-            follows every operation of the step).
+        on_call, on_pack: called with each :class:`ModuleCall` /
+            :class:`SavedPack` while :attr:`recording`.
+        marks: a profiler mark (:func:`~.measured.mark`) at every call, for
+            :func:`~.measured.live_bytes_by_interval`.
+        operations: fill :attr:`SavedPack.inputs` (a torch function mode).
 
     Attributes:
-        seq: calls so far in the current step (the next call's ``seq``).
+        seq: calls so far in the current step.
         recording: False: calls are only counted (and marked).
     """
 
@@ -398,15 +375,11 @@ class StepTracer:
     def _saved_hooks(self, keep_saved: bool):
         """What autograd's pack hook does: keep or drop, and report.
 
-        Every saved tensor's autograd node holds the hooks it was packed
-        with, and the tracer holds the packs (their tensors and the
-        operations' inputs, hence their nodes): a cycle through C++ that the
-        garbage collector cannot see. So the pack hook reaches the tracer
-        through a holder emptied when the block ends, and keeps a detached
-        alias (same storage; autograd re-attaches a saved output's node on
-        unpack), not a saved output itself, which would hold its own node.
-        Without both, every traced model and its graph stayed alive (a
-        benchmark of six models at 512x512, batch 8, ran out of 24 GiB).
+        Saved tensors' nodes hold their hooks and the tracer holds the packs: a
+        cycle through C++ the garbage collector cannot see. So the hook reaches the
+        tracer through a holder emptied when the block ends, and keeps a detached
+        alias, not a saved output holding its own node; otherwise every traced model
+        and its graph stayed alive (docs/benchmarks/design_measurements.md).
         """
         if self.on_pack is None:
             with (contextlib.nullcontext() if keep_saved else
@@ -433,22 +406,15 @@ class StepTracer:
 class UnmodelledBytes:
     """The packs of a traced step that no rule of :mod:`.kept` covers.
 
-    A pack is covered when its owner is a leaf whose call a rule modelled
-    (the rule counts what that call keeps), when its storage is one a rule
-    counts itself (an exact conv's input: ``storage`` of a
-    :class:`~.kept.SavedItem`), or when a head's loss saved it and a rule
-    counts that loss exactly (an item of the head's path made at its
-    classifier's call, not an estimate). Each storage counts once; one that
-    holds a Parameter or buffer of the model (a Linear saves a view of its
-    weight) counts the same at any batch, and so does a gradient w.r.t. a
-    Parameter that a lean loss keeps (a fused classifier's ``g_W``,
-    :mod:`~mmseg_gf.ops.lean.kept_sources`).
+    Covered: packs of a leaf call a rule modelled, storages a rule counts
+    (:attr:`~.kept.SavedItem.storage`), and a head loss's packs that a rule
+    counts exactly. Each storage counts once; one holding a Parameter or buffer
+    (a Linear's weight view), or a lean loss's kept gradient w.r.t. a
+    Parameter, counts the same at any batch.
 
     Attributes:
-        resident_storages: storages of the model's Parameters and buffers
-            (alive before the step).
-        parameter_gradients: storages of the kept gradients w.r.t. a
-            Parameter seen (made during the step, the Parameter's size).
+        resident_storages: storages of the model's Parameters and buffers.
+        parameter_gradients: storages of kept gradients w.r.t. a Parameter.
     """
 
     packs: List[SavedPack] = field(default_factory=list)

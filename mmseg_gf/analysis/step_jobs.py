@@ -18,8 +18,8 @@ from ..engine.cpu_memory import cpu_memory_kept
 from ..engine.tool_args import write_json
 from ..engine.zoo import ZOO_FAMILIES, family_config, make_offline
 from .hardware import cpu_model
-from .step_benchmark import (benchmark_model, kept_by_kind_table, plot,
-                             row_config, step_table)
+from .step_benchmark import benchmark_model, row_config
+from .step_report import kept_by_kind_table, plot, step_table
 
 __all__ = ['Job', 'add_model_arguments', 'check_model_arguments',
            'family_crop', 'config_jobs',

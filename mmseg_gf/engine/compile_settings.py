@@ -1,46 +1,24 @@
 """``torch.compile`` settings for a gradient-filtered model on CPU and CUDA.
 
-A config's ``compile`` setting is ``True`` or a dict of ``torch.compile``
-keyword arguments (mmengine's; ``GradFilterHook`` compiles the segmentor's
-loss with it: :mod:`.compiled_loss`). On CPU, Inductor, by
-default, lays out the convolutions of a CNN graph channels-last (its
-``layout_optimization``), weights included, and converts where a tensor
-meets an operator that wants another layout. A gradient-filtered step's
-CPU operators (patch sums, bit masks, the filtered backward, the resized
-loss: docs/lean_region.md#torchcompile) read contiguous NCHW tensors, and
-oneDNN's channels-last convolutions ran slower than its NCHW ones on the
-frozen layers measured here. With the layout optimization off, the compiled
-lean step of Swin-T UPerNet (last 20 layers, 256x256, batch 2, 2-core AMD
-EPYC Zen 4) took 0.85x eager mode's time, against 1.002-1.007x with it on;
-PSPNet-R18, BiSeNetV2 and Segformer-B0 0.94, 0.94 and 0.82x
-(docs/benchmarks/steps_compiled_cpu_256_b2.md).
+A config's ``compile`` (``True`` or ``torch.compile`` keyword arguments) is
+applied by ``GradFilterHook`` to the segmentor's loss (:mod:`.compiled_loss`).
+For a lean model whose setting names neither ``mode`` nor ``options`` nor
+another backend:
 
-So for a model with the lean trained region on CPU, a ``compile``
-setting for Inductor (the default backend) that names neither ``mode`` nor
-``options`` (``torch.compile`` accepts one of the two) gets
-``options=dict(layout_optimization=False)``; one that names either, or
-another backend, is kept as it is:
-``compile=dict(options=dict(layout_optimization=True))`` keeps Inductor's
-default. Only lean models: without the lean region's resize operator,
-Inductor's C++ backend with the layout optimization off fails to generate
-the scatter of a decomposed bilinear backward into a 1x1 pyramid branch
-(UPerNet's, trained plainly: an ``InductorError`` in its first step).
+* on CPU it gets ``options=dict(layout_optimization=False)``: the lean
+  operators read NCHW tensors, and Inductor's channels-last layout made the
+  compiled step slower (docs/lean_region.md, section on ``torch.compile``;
+  docs/benchmarks/steps_compiled_cpu_256_b2.md). Only lean models: without
+  the lean resize, Inductor's C++ backend with the layout optimization off
+  fails on the decomposed bilinear backward into a 1x1 pyramid branch
+  (UPerNet, an ``InductorError`` in the first step);
+* on CUDA it compiles in ``mode='reduce-overhead'``: a lean step's few short
+  kernels leave it host-bound (docs/benchmarks/gpu_h200_step_time_512_b8.md),
+  and CUDA graphs replay them without the host (no sync, fixed shapes with
+  ``dynamic=False``, no mutated inputs; otherwise Inductor logs ``skipping
+  cudagraphs`` and runs the default mode).
 
-On CUDA a lean model compiles in ``mode='reduce-overhead'`` unless the
-setting names a mode, options or another backend: a lean step's kernels
-are short and few (the frozen layers' forward, a filtered backward on
-patch sums), so the host's Python and launch time bounds it (on an H200 at
-512x512, batch 8, the GPU was busy 18-58% of an eager lean step:
-docs/benchmarks/gpu_h200_step_time_512_b8.md). CUDA graphs replay the
-compiled loss's kernels, forward and backward, without the host. They
-need what the lean step gives: no host sync, the same operators and
-shapes every step (the loss compiles with ``dynamic=False``), one graph
-with no mutated input besides parameters and buffers. Where Inductor
-finds otherwise it logs ``skipping cudagraphs due to ...`` and runs the
-compiled code as in the default mode. Inductor's options stay its own
-(``torch.compile`` takes a mode or options, not both): the convolutions'
-channels-last layout suits CUDA's kernels and the Triton path, which read
-their tensors by strides. Other devices keep the setting.
+A setting naming any of them is kept as it is; other devices keep it too.
 """
 from typing import Any, Optional, Union
 
@@ -61,21 +39,14 @@ CompileSetting = Union[None, bool, dict]
 
 def compile_setting(setting: CompileSetting, device_type: str,
                     lean: bool) -> CompileSetting:
-    """``setting`` (mmengine's ``compile``: None / False off, True or a dict
-    of ``torch.compile`` keyword arguments on) as a gradient-filtered model
-    compiles on ``device_type``, for a ``lean`` model where the setting
-    names no ``options`` and no backend other than Inductor:
-
-    * on ``'cpu'``, with :data:`CPU_INDUCTOR_OPTIONS` added, unless it
-      names a ``mode`` other than ``'default'`` (``mode='default'`` is
-      dropped: ``torch.compile`` takes a mode or options, not both);
-    * on ``'cuda'``, in :data:`CUDA_MODE` unless it names a ``mode``;
-
-    otherwise unchanged (the same object; a new dict where it changes).
+    """``setting`` (mmengine's ``compile``) as a gradient-filtered model compiles
+    on ``device_type``: for a ``lean`` model on Inductor without ``options``,
+    on CPU with :data:`CPU_INDUCTOR_OPTIONS` unless a non-default ``mode`` is
+    named (``mode='default'`` is dropped), on CUDA in :data:`CUDA_MODE` unless
+    a mode is named; otherwise the same object.
 
     Raises:
-        TypeError: ``setting`` is none of None, a bool or a dict (the
-            types mmengine takes).
+        TypeError: ``setting`` is not None, a bool or a dict.
     """
     if setting is not None and not isinstance(setting, (bool, dict)):
         raise TypeError('compile must be None, a bool or a dict of '

@@ -1,36 +1,16 @@
 """What a Runner run compiles: the segmentor's loss on tensors, not
 mmengine's whole ``train_step``.
 
-mmengine's ``compile`` setting has the Runner wrap ``model.train_step`` in
-``torch.compile``. That region holds three things that change from one
-iteration to the next, and Dynamo guards on each, so it compiles again
-every iteration until ``torch._dynamo.config.recompile_limit`` (8) and then
-runs eagerly:
-
-* the data preprocessor, which receives each image at the size the
-  pipeline gave it (a random resize: other sizes every batch) before it
-  pads them into one batch;
-* the optimizer step, whose learning rate is a Python float a schedule
-  (poly, cosine) changes every iteration;
-* the data samples' metadata (``img_path``, ``flip``, ...), new objects
-  with new values every batch.
-
-``GradFilterHook`` therefore takes the setting over (the Runner compiles
-nothing) and compiles the segmentor's ``loss`` alone
-(:func:`install_compiled_loss`): the preprocessor, the optimizer and
-mmengine's loss parsing run eagerly around it. The batch enters as the
-padded input tensor and data samples that carry the ground-truth fields
-and the metadata of shapes only (:func:`loss_samples`): nothing that names
-or describes one sample's source or augmentation, which no mmseg loss
-reads. ``torch.compile`` gets ``dynamic=False`` unless the setting says
-otherwise: one compilation per padded input shape (mmseg's configs pad to
-the crop: one shape; CUDA graphs record one graph per shape anyway).
-Automatic dynamic shapes (``dynamic=None``) are passed on where asked for;
-docs/lean_region.md says what was seen of them.
-
-``compile=dict(target='train_step', ...)`` leaves the Runner compiling
-``train_step`` with the rest of the setting (mmengine's own behaviour;
-``target`` is the key mmengine's ``FlexibleRunner`` reads).
+Compiling ``train_step`` recompiles every iteration until Dynamo's
+recompile limit, then runs eagerly: the preprocessor sees each image's own
+size, the learning rate is a changing Python float, the samples' metadata
+are new objects. ``GradFilterHook`` therefore compiles the segmentor's
+``loss`` alone (:func:`install_compiled_loss`) on the padded batch and
+samples carrying only ground truth and shape metadata
+(:func:`loss_samples`), with ``dynamic=False`` unless set (one compilation
+per padded shape; docs/lean_region.md on automatic dynamic shapes).
+``compile=dict(target='train_step', ...)`` keeps mmengine's own behaviour
+(``target`` as mmengine's ``FlexibleRunner`` reads it).
 """
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 

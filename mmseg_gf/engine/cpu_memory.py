@@ -1,26 +1,14 @@
 """Freed CPU memory kept for reuse: a training step without page faults.
 
-glibc's ``malloc`` serves every block of 32 MiB or more (a segmentor's
-feature maps and their gradients at 512x512) with its own ``mmap`` and
-gives it back to the system when the tensor is freed, so the next tensor of
-that size faults all its pages in again: on the 2-core benchmark VM a fresh
-64 MiB tensor costs ~25 ms before a byte is computed, an elementwise product
-into it 5 ms. A training step makes many such tensors (the backward's
-gradients), more than inference does. :func:`keep_freed_cpu_memory` makes
-``malloc`` serve them from its heap and keep what is freed there (glibc's
-``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD`` at its maximum), as PyTorch's CUDA
-caching allocator keeps freed device memory: steps reuse the pages they
-touched before.
-
-The price is resident memory: the heap keeps its peak and fragments (a
-freed block split by a small allocation no longer fits the next large
-one). MobileNetV3-LRASPP, GF last 10 at 512x512, batch 2, one thread, AMD
-EPYC Zen 4 VM: 1.05 s per step instead of 1.23 s, 1547 MiB resident after
-12 steps instead of 1069 (docs/benchmarks/README.md, "Freed CPU memory kept
-for reuse"). Memory is what an edge
-device lacks first, so this is opt-in: ``gradient_filter=dict(...,
-reuse_cpu_memory=True)`` (GradFilterHook applies it when the model trains
-on CPU). Process-wide.
+glibc's ``malloc`` ``mmap``s every block of 32 MiB or more and returns it on
+free, so the next such tensor (a step's feature maps and gradients at
+512x512) faults all its pages in again. :func:`keep_freed_cpu_memory` sets
+``M_MMAP_MAX`` 0 and ``M_TRIM_THRESHOLD`` to its maximum, so the heap keeps
+freed memory, as PyTorch's CUDA caching allocator does. The price is
+resident memory (the heap keeps its peak and fragments); figures in
+docs/benchmarks/README.md, "Freed CPU memory kept for reuse". Opt-in, as
+memory is what an edge device lacks first:
+``gradient_filter=dict(..., reuse_cpu_memory=True)``. Process-wide.
 """
 import ctypes
 import ctypes.util
@@ -125,12 +113,9 @@ def _keep_no_kernel_outputs() -> bool:
 
 
 def bound_process_memory() -> bool:
-    """What a ``process_mib`` budget needs on CPU: the process holds its
-    live tensors and the libraries, not freed memory kept for reuse.
-    ``malloc`` gives large freed blocks back
-    (:func:`return_freed_cpu_memory`) and the compiled kernels keep no
-    freed outputs (their pool off, :func:`_keep_no_kernel_outputs`).
-    Process-wide.
+    """What a ``process_mib`` budget needs on CPU: large freed blocks go back
+    to the system (:func:`return_freed_cpu_memory`) and the compiled kernels
+    keep no freed outputs (:func:`_keep_no_kernel_outputs`). Process-wide.
 
     Returns:
         bool: whether the C library took the ``malloc`` setting.

@@ -1,34 +1,18 @@
 """The selection trace: which filterable layers a segmentor runs, in which
 order, and which of them a loss gradient reaches.
 
-"The last N layers" has to mean *forward execution order on the inference
-path*: module registration order lies (every mmseg head registers its
-classifier ``conv_seg`` first; UPerHead registers ``lateral_convs`` before
-the PPM ``bottleneck`` it runs earlier). So the segmentor is run once on a
-dummy input with forward hooks on every layer of a registered kind
-(:func:`~mmseg_gf.models.layer_kinds.layer_kinds`: ``nn.Conv2d``, ...),
-through mmseg's own ``encode_decode``: ``extract_feat``, then the decode
-head's ``predict`` (for a ``CascadeEncoderDecoder``: ``forward`` of every
-head but the last, each fed the previous head's output, then ``predict`` of
-the last one, e.g. PointRend's ``PointHead`` with its point subdivision).
-Its result, the segmentation logits, is *the output*. Auxiliary heads are
-run afterwards and marked: they are a training aid, not part of the network
-being finetuned.
-
-The trace records autograd's graph (every parameter temporarily requires a
-gradient; no activation is kept, as nothing is back-propagated), and a
-layer *feeds the output* when the node that computed its output is in the
-graph behind the output. Layers whose result is used under
-``torch.no_grad`` or detached drop out by themselves, without naming them:
-EMANet's ``decode_head.ema_mid_conv`` (which mmseg freezes on purpose; its
-output only drives the EM iterations, run without autograd), or DANet's
-side classifiers ``pam_conv_seg`` / ``cam_conv_seg``, which feed
-training-only losses as an auxiliary head does. Activation checkpointing
-(``with_cp``) is switched off during the trace, since a reentrant checkpoint
-runs its forward without autograd.
-
-What to do with the records (the last N, named paths, radii) is the
-selection's policy, :mod:`.selection`.
+"The last N layers" means forward execution order on the inference path,
+not registration order (mmseg heads register ``conv_seg`` first; UPerHead
+its ``lateral_convs`` before the PPM it runs earlier). So the segmentor runs
+once through mmseg's ``encode_decode`` (a cascade: every head's ``forward``,
+then the last one's ``predict``) with forward hooks on every layer of a
+registered kind; its logits are *the output*; auxiliary heads run after,
+marked. The trace records autograd's graph without keeping activations; a
+layer *feeds the output* when its output's node is behind the output, so
+layers used under ``no_grad`` or detached (EMANet's ``ema_mid_conv``, DANet's
+side classifiers) drop out by themselves. ``with_cp`` is off during the
+trace (a reentrant checkpoint runs without autograd). The policy on the
+records is :mod:`.selection`.
 """
 import contextlib
 from dataclasses import dataclass
@@ -49,29 +33,18 @@ class LayerRecord:
     """A layer of a registered kind seen during the trace (first call only).
 
     Attributes:
-        path: dotted module path in the segmentor.
-        module: the layer module.
-        in_shape: input ``(C, H, W)``.
-        out_shape: output ``(C, H, W)``.
-        inference: True if it ran on the inference path (backbone, neck,
-            decode head); False for auxiliary heads.
-        input_requires_grad: whether its input needed a gradient (only
-            meaningful for a trace with ``grad=True``).
-        norm_path: the norm layer that consumed this layer's output
-            immediately after it, if any (``conv -> bn`` in a ConvModule or a
-            ResNet block); with ``train_norm=True`` it is trained too.
-        feeds_output: the output (the segmentation logits of the inference
-            path) depends on this layer's output through autograd, in any of
-            its calls: a gradient of the loss on the output reaches it.
-            None for a trace with ``grad=True`` (not determined there).
-        feeds_heads: some head output depends on it: the output, any output
-            of a decode head's ``forward`` (DANet's side classifiers) or of
-            an auxiliary head; False means no loss gradient reaches it.
-            None for a trace with ``grad=True``.
-        kind: its layer kind's name
-            (:class:`~mmseg_gf.models.layer_kinds.LayerKind`).
-        geometry: the kind's geometry of its first call (for the cost
-            model).
+        in_shape, out_shape: ``(C, H, W)``.
+        inference: it ran on the inference path (False: an auxiliary head).
+        input_requires_grad: its input needed a gradient (``grad=True`` only).
+        norm_path: the norm consuming its output right after it, if any
+            (trained too with ``train_norm=True``).
+        feeds_output: a loss gradient on the output reaches it, in any call
+            (None for ``grad=True``).
+        feeds_heads: some head output depends on it (the output, a decode
+            head's ``forward`` outputs, an auxiliary head's); None for
+            ``grad=True``.
+        kind: its layer kind's name.
+        geometry: its kind's geometry at the first call (for the cost model).
     """
 
     path: str
@@ -188,29 +161,20 @@ def trace_layers(model: nn.Module,
     """Run the segmentor once and list its layers of a registered kind in
     execution order.
 
-    The model is run in eval mode (batch 1 is then safe for BN and pooling)
-    with autograd recording but no activation saved for backward (nothing
-    is back-propagated), and its training flags, parameters'
-    ``requires_grad`` and ``with_cp`` flags are restored afterwards, so the
-    trace changes no state (no BN statistics update).
+    Runs in eval mode (batch 1 safe for BN) with autograd recording but no
+    activation kept, and restores training flags, ``requires_grad`` and
+    ``with_cp``: the trace changes no state.
 
     Args:
-        model: an mmseg segmentor with ``extract_feat`` and ``decode_head``
-            (``EncoderDecoder`` or ``CascadeEncoderDecoder``; see the module
-            docstring for what is run).
-        input_size: ``(H, W)`` of the dummy input; shapes in the records are
-            at this size, so use the training crop.
-        grad: False (default): every parameter requires a gradient during
-            the trace, which records which layers feed the output
-            (``feeds_output``, ``feeds_heads``). True: the parameters keep
-            their own ``requires_grad``, to learn which layers receive an
-            input that needs a gradient (after surgery: which chosen layers
-            must compute ``g_x``; ``input_requires_grad``).
+        model: an ``EncoderDecoder`` or ``CascadeEncoderDecoder``.
+        input_size: ``(H, W)`` of the dummy input (use the training crop).
+        grad: False: every parameter requires a gradient during the trace,
+            to find ``feeds_output`` / ``feeds_heads``. True: parameters keep
+            their own, to find ``input_requires_grad`` after surgery.
 
     Returns:
-        One :class:`LayerRecord` per layer of a registered kind that ran
-        (every ``nn.Conv2d``, ...), first call order; inference-path layers
-        first, then auxiliary-head ones.
+        One :class:`LayerRecord` per layer that ran, first-call order,
+        inference-path layers first.
     """
     model = unwrap_model(model)
     if not (hasattr(model, 'extract_feat') and hasattr(model, 'decode_head')):

@@ -1,33 +1,18 @@
 """Which layers to gradient-filter, and with which patch size: the policy.
 
 The selection trace (:mod:`.layer_trace`) lists a segmentor's layers of the
-registered kinds (:mod:`mmseg_gf.models.layer_kinds`; ``nn.Conv2d`` first)
-in forward execution order on the inference path, with which of them a loss
-gradient reaches; this module chooses among them: the last N that feed the
-output, or named module paths, each with its radius.
+registered kinds in forward execution order on the inference path, with
+which of them a loss gradient reaches; this module chooses the last N that
+feed the output, or named module paths, each with its radius.
 
-The classifiers are every decode head's final layer: ``conv_seg`` of an
-mmseg ``BaseDecodeHead`` (``decode_head.conv_seg``, or
-``decode_head.<i>.conv_seg`` for each head of a cascade, e.g. OCRNet's
-``FCNHead`` and ``OCRHead``) and ``fc_seg`` of PointRend's ``PointHead``
-(a ``Conv1d``; its point MLP ``fcs`` is made of ``Conv1d`` layers too, which
-are not convs here and stay frozen). Classifiers are always trained and
-never counted among the N layers unless named explicitly. Segmenter's mask
-transformer head computes its class scores as the product of two Linears
-(``patch_proj`` on the patches, ``classes_proj`` on the class embeddings):
-they are its classifier. SAN's ``SideAdapterCLIPHead`` scores its masks
-with the product of ``rec_with_attnbias.proj`` and the text encoder's
-class embeddings: that projection is its classifier. ``num_layers``
-refuses a segmentor where no classifier feeds the output.
-
-Which kinds count is the ``layer_kinds`` setting: by default every
-registered kind (convs, then ``nn.Linear`` and ``nn.MultiheadAttention`` on
-token grids, :mod:`mmseg_gf.models.linear_kinds`); ``['conv2d']`` counts
-convs only, as the paper does. A Linear whose tokens lie on no grid
-(CGNet's global-context FCs on pooled features, Segmenter's class
-embeddings) is not counted by ``num_layers`` and stays frozen, is skipped
-in a ``layers`` container, and is refused by name when ``layers`` names
-it.
+Classifiers (every decode head's ``conv_seg``, each head's of a cascade,
+PointRend's ``fc_seg``; Segmenter's ``patch_proj`` / ``classes_proj``; SAN's
+``rec_with_attnbias.proj``) are always trained and never counted among the
+N unless named; ``num_layers`` refuses a segmentor where none feeds the
+output. ``layer_kinds`` says which kinds count (default: all; ``['conv2d']``:
+the paper's count). A Linear on no token grid (CGNet's global-context FCs,
+Segmenter's class embeddings) is not counted, skipped in a container, and
+refused by name.
 """
 import difflib
 from dataclasses import dataclass, field
@@ -111,16 +96,12 @@ class LayerChoice:
 
     Attributes:
         path: dotted module path (a ``state_dict`` prefix).
-        module: the layer module (after surgery: its kind's filtered
-            module, e.g. the GFConv2d).
-        radius: patch size ``r``.
-        in_shape, out_shape: ``(C, H, W)`` at the trace's input size.
-        geometry: its kind's geometry at the traced call (its shapes and
-            hyper-parameters, for the cost model: the kind's
-            :class:`~mmseg_gf.models.layer_kinds.LayerGeometry`).
-        norm_path: norm layer directly following the conv, if any.
-        input_hw: the trace's input size (to rescale costs if needed).
-        kind: its layer kind's name.
+        module: the layer (after surgery: its kind's filtered module).
+        in_shape, out_shape: ``(C, H, W)`` at the trace's ``input_hw``.
+        geometry: its kind's
+            :class:`~mmseg_gf.models.layer_kinds.LayerGeometry` at the traced
+            call, for the cost model.
+        norm_path: the norm layer directly after the conv, if any.
     """
 
     path: str
@@ -162,23 +143,12 @@ def radius_over_map(choice: LayerChoice) -> Optional[str]:
 def auto_radius(output_stride: int) -> int:
     """The 'auto' radius rule: coarser maps get smaller patches.
 
-    ``r`` from the conv's output stride relative to the input image:
-    stride <= 4 -> 8, stride 8 -> 4, stride >= 16 -> 2, as in the reference
-    UPerNet setting (8/4/2 by resolution). A patch then covers about the same
-    image area (~32 px) at every level. Note that dilated ``d8`` backbones
-    (PSPNet / DeepLabV3 / FCN ``*-d8``) keep layer3, layer4 and the head at
-    1/8, so all their usual "last N" layers get ``r = 4``.
-
-    Dilation is deliberately ignored: the operator handles ``d >= r`` on the
-    pooled grid (taps kept at dilation ``d // r``), and the ASPP dilations
-    12/24/36 are multiples of 4. The reference DeepLabV3 hand-tunes larger
-    patches for the dilated ASPP branches (3/3/3/6/9 for dilations
-    1/12/24/36); to reproduce that, give ``radius`` as a dict, e.g.
-    ``{'*': 3, 'decode_head.aspp_modules.2': 6,
-    'decode_head.aspp_modules.3': 9}``.
-
-    Args:
-        output_stride: input-image pixels per output pixel of the conv.
+    Output stride <= 4 -> 8, 8 -> 4, >= 16 -> 2, as in the reference UPerNet
+    setting, so a patch covers about 32 image pixels at every level (``d8``
+    backbones keep layer3, layer4 and the head at 1/8: ``r = 4``). Dilation is
+    ignored: the operator keeps taps with ``d >= r`` on the pooled grid. For
+    the reference DeepLabV3's hand-tuned ASPP patches give a dict, e.g.
+    ``{'*': 3, 'decode_head.aspp_modules.2': 6, 'decode_head.aspp_modules.3': 9}``.
     """
     if output_stride <= 4:
         return 8
@@ -196,14 +166,11 @@ def resolve_radius(radius: RadiusSetting, path: str,
                    output_stride: int) -> int:
     """The radius of one layer from the ``radius`` setting.
 
-    Args:
-        radius: an int, ``'auto'`` (see :func:`auto_radius`), or a dict
-            ``{module path prefix: int or 'auto'}``; the longest prefix
-            matching whole path components wins (``'backbone.layer4'``
-            matches ``backbone.layer4.1.conv2``, not ``backbone.layer40``);
-            key ``'*'`` is the fallback.
-        path: the layer's module path.
-        output_stride: the layer's output stride, for ``'auto'``.
+    ``radius``: an int, ``'auto'`` (:func:`auto_radius` of ``output_stride``), or
+    ``{module path prefix: int or 'auto'}``, where the longest prefix matching
+    whole path components wins (``'backbone.layer4'`` matches
+    ``backbone.layer4.1.conv2``, not ``backbone.layer40``) and ``'*'`` is the
+    fallback.
 
     Raises:
         ValueError: bad value, or a dict with no key matching ``path``.
@@ -280,33 +247,22 @@ def select_layers(model: nn.Module,
 
     Args:
         model: an mmseg segmentor (unwrapped or wrapped).
-        num_layers: the last N convs in forward execution order on the
-            inference path that a gradient of the loss on the output reaches
-            (``feeds_output``); classifiers excluded (they are always
-            trained anyway).
-        layers: module paths; a conv is taken as is, a container stands for
-            every conv inside it in execution order that some loss gradient
-            reaches (``feeds_heads``; a head's classifier is only taken when
-            named itself).
-        radius: int, ``'auto'`` or ``{path prefix: int|'auto'}``, see
-            :func:`resolve_radius`.
+        num_layers: the last N layers in execution order that the output's
+            loss gradient reaches, classifiers excluded.
+        layers: module paths; a container stands for every layer inside that
+            some loss gradient reaches (a classifier only when named).
+        radius: see :func:`resolve_radius`.
         input_size: ``(H, W)`` of the trace.
-        records: a precomputed :func:`trace_layers` result (of a trace with
-            ``grad=False``; otherwise the model is traced again).
-        layer_kinds: the kinds ``num_layers`` counts and ``layers``
-            containers take (:func:`check_layer_kinds`); None: every
-            registered kind (convs, Linears and attentions on token grids);
-            ``['conv2d']``: convs only, the paper's count. Classifiers are
-            found among every kind (Segmenter's class-score Linears).
+        records: a precomputed :func:`trace_layers` result (``grad=False``).
+        layer_kinds: the kinds counted (:func:`check_layer_kinds`; None: all).
 
     Returns:
         list[LayerChoice]: in execution order.
 
     Raises:
-        ValueError: bad ``num_layers`` (< 1 or more than the convs there
-            are), a segmentor without a classifier (``num_layers``), unknown
-            path (with close matches), a named conv that no loss gradient
-            reaches, non-filterable conv, model without convs, bad radius.
+        ValueError: bad ``num_layers``, no classifier, unknown path (with
+            close matches), a named layer no loss gradient reaches or that
+            cannot be filtered, no layer at all, bad radius.
     """
     if (num_layers is None) == (layers is None):
         raise ValueError('gradient_filter: give exactly one of num_layers '

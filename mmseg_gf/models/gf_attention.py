@@ -1,33 +1,16 @@
-"""``GFMultiheadAttention``: ``nn.MultiheadAttention`` whose in- and
-out-projections are gradient-filtered linear layers on token grids
-(docs/gradient_filter.md#linear-layers-on-token-grids).
+"""``GFMultiheadAttention``: ``nn.MultiheadAttention`` with gradient-filtered
+in- and out-projections on token grids (docs/gradient_filter.md, section
+"Linear layers on token grids").
 
-``nn.MultiheadAttention`` never calls its ``out_proj`` module: its forward
-passes ``in_proj_weight`` (the packed ``3C x C`` q/k/v projection) and
-``out_proj.weight`` to ``F.multi_head_attention_forward``, which calls
-``F.linear`` itself. So the filter cannot be attached to a submodule; this
-class runs the same computation as that function, op for op (the forward is
-bit for bit torch's, checked in tests), with the four projections done by
-``gradient_filtered_linear``: the query's and the output's on the query's
-grid, the key's and the value's on the key's grid (Segformer's and Twins'
-spatially reduced key/value have their own, smaller grid).
-
-Asked for its weights (``need_weights=True``, the default, which mmcv's
-``MultiheadAttention`` wrapper passes and then discards) it runs torch's
-``bmm`` + softmax path and keeps the ``L x S`` probabilities per head.
-When they are unused (``need_weights=False``, or ``_gf_lean_weights_unused``,
-which the lean region's mmcv wrapper sets around its call,
-:mod:`.lean_transformer`) and no dropout acts on them, the attention runs
-through ``scaled_dot_product_attention`` (torch's own ``need_weights=False``
-path) and keeps q, k, v, its output and a logsumexp instead; the output
-then equals torch's up to the order of the sums. The exact module
-(``enabled=False``, ``mode='vanilla'``) runs the same code with
-``F.linear`` projections (their inputs read in the order they are stored,
-so that what ``F.linear`` keeps is a view at any batch), so the lean region
-spares the probabilities of a trained exact attention too. What each call
-kept is noted for the accounting (``_gf_lean_call``,
-``_gf_probabilities_call``, ``_exact_inputs``:
-:mod:`mmseg_gf.accounting.kept_tokens`).
+Torch's attention calls ``F.linear`` on its packed weights, never its
+``out_proj`` module, so this class reruns ``F.multi_head_attention_forward``
+op for op (bit for bit, tested) with filtered projections: query and output
+on the query's grid, key and value on the key's (smaller for spatially
+reduced attention). When the weights are not needed (``need_weights=False``
+or ``_gf_lean_weights_unused``) and no dropout acts on them, it runs SDPA
+and keeps no ``L x S`` probabilities; the exact module (``enabled=False``)
+runs the same code. What each call kept is noted for
+:mod:`mmseg_gf.accounting.kept_tokens`.
 """
 
 import math
@@ -49,18 +32,10 @@ from .lean_transformer import AttentionCall
 
 @dataclass(frozen=True)
 class ProbabilitiesCall:
-    """What a call through the ``bmm`` path (torch's ``need_weights=True``
-    computation) kept besides its projections, as shapes: the scaled
-    queries and keys of ``q k^T``, the ``L x S`` probabilities per head
-    (for the softmax and for ``p v``), the values, and a dropout mask.
-
-    Attributes:
-        batch: sequences (images).
-        num_heads: heads.
-        q_len, kv_len: query / key tokens.
-        dim: embedding dimension.
-        elem_bytes: bytes per element.
-        dropout: dropout acted on the probabilities.
+    """What a ``bmm``-path call (``need_weights=True``) kept besides its
+    projections, as shapes (scaled q and k, the probabilities per head, the
+    values, a dropout mask), with ``elem_bytes`` and whether ``dropout``
+    acted.
     """
 
     batch: int
@@ -118,17 +93,12 @@ def _exact_inputs(*tensors: Tensor
 class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
     """``nn.MultiheadAttention`` with gradient-filtered projections.
 
-    Filters the calls it can reproduce exactly: batched or unbatched
-    inputs, packed projection weights (``kdim == vdim == embed_dim``), no
-    ``bias_k`` / ``bias_v`` / ``add_zero_attn``, no masks (mmseg's MiT,
-    Twins and ViT blocks call it that way). Other calls, and calls whose
-    grids are not known, run ``nn.MultiheadAttention.forward`` with the
-    exact backward and warn once (:class:`GFExactBackwardWarning`); with
-    ``enabled=False`` other calls run it without a warning.
-
-    Build it with :meth:`from_attention`; it holds no state of its own
-    besides ``radius``, ``enabled`` and the two grid sources, so its
-    ``state_dict`` is ``nn.MultiheadAttention``'s.
+    Filters the calls it reproduces exactly (packed weights, no
+    ``bias_k``/``bias_v``/``add_zero_attn``, no masks: mmseg's MiT, Twins and
+    ViT); other calls and unknown grids run torch's forward with the exact
+    backward and warn once (:class:`GFExactBackwardWarning`; silent with
+    ``enabled=False``). Built by :meth:`from_attention`; its ``state_dict`` is
+    ``nn.MultiheadAttention``'s.
     """
 
     radius: int
@@ -144,16 +114,10 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
                        query_source: Optional[TokenGridSource],
                        key_source: Optional[TokenGridSource] = None,
                        enabled: bool = True) -> 'GFMultiheadAttention':
-        """Wrap an existing attention, **sharing** its Parameters and its
-        ``out_proj`` module.
+        """Wrap ``attention``, sharing its Parameters and ``out_proj``.
 
-        Args:
-            attention: the ``nn.MultiheadAttention`` to wrap.
-            radius: patch size ``r >= 1``.
-            query_source: grid of the query tokens (and of the output).
-            key_source: grid of the key / value tokens; default: the
-                query's (self-attention).
-            enabled: ``False`` gives the exact backward.
+        ``key_source`` defaults to ``query_source`` (self-attention);
+        ``enabled=False`` gives the exact backward.
         """
         if not is_filterable_attention(attention):
             raise TypeError(
@@ -282,16 +246,11 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
                           need_weights: bool, average_attn_weights: bool,
                           sdpa: bool = False
                           ) -> Tuple[Tensor, Optional[Tensor]]:
-        """``nn.MultiheadAttention.forward`` (slow path, no masks) with the
-        projections filtered; op for op torch's, so the output is too.
-
-        ``sdpa``: the attention through ``scaled_dot_product_attention``
-        and no weights returned (:meth:`_sdpa_applies`); torch's own
-        ``need_weights=False`` path, so with ``need_weights=True`` the
-        output equals torch's up to the order of the sums. What the call
-        kept is noted for the accounting: ``_gf_lean_call``
-        (:class:`~.lean_transformer.AttentionCall`) after SDPA,
-        ``_gf_probabilities_call`` after the ``bmm`` path."""
+        """Torch's slow-path forward (no masks) with filtered projections, op for
+        op. ``sdpa``: through ``scaled_dot_product_attention`` without weights
+        (:meth:`_sdpa_applies`), equal to torch's up to the order of sums. Notes
+        ``_gf_lean_call`` or ``_gf_probabilities_call`` for the accounting.
+        """
         is_batched = query.dim() == 3
         query, key, value = self._sequence_first(query, key, value,
                                                  is_batched)

@@ -59,14 +59,9 @@ def warn_exact_backward(module: nn.Module, reason: str) -> None:
 
 
 def exact_backward_reason(input: Tensor, weight: Tensor) -> Optional[str]:
-    """Why a conv call cannot be gradient-filtered, or None if it can.
-
-    The only kind of convolution ``nn.Conv2d`` runs that
-    docs/gradient_filter.md does not define is a complex-valued one (its
-    patch means, tap sums and products are written for real tensors; the
-    operator's pooling has no complex kernels). Every real conv, whatever
-    its kernel, stride, padding (numbers, ``'same'``, ``'valid'``, any
-    ``padding_mode``), dilation, groups, size or dtype, is covered.
+    """Why a conv call cannot be gradient-filtered, or None if it can: only a
+    complex-valued conv is refused (docs/gradient_filter.md defines real
+    ones, whatever kernel, stride, padding, dilation, groups, size or dtype).
     """
     if input.is_complex() or weight.is_complex():
         return ('complex-valued tensors (docs/gradient_filter.md defines the '
@@ -101,21 +96,14 @@ def is_filterable_conv(module: nn.Module) -> bool:
 class GFConv2d(FilteredLayer, nn.Conv2d):
     """A drop-in ``nn.Conv2d``: exact forward, gradient-filtered backward.
 
-    Usable wherever mmcv builds convs, e.g.
-    ``conv_cfg=dict(type='GFConv2d', radius=4)`` in an mmseg config. The
-    filter only acts while autograd records: in ``torch.no_grad()`` (testing)
-    the layer is a plain convolution with no extra work.
-
-    The filter lives in ``_conv_forward`` rather than ``forward`` so that
-    callers that bypass ``forward`` still get it, notably mmcv's
-    ``ConvModule`` with ``efficient_conv_bn_eval``, which passes a fused
-    weight straight to ``conv._conv_forward``.
+    Built by mmcv as ``conv_cfg=dict(type='GFConv2d', radius=4)``. The filter
+    acts only while autograd records, and lives in ``_conv_forward`` so that
+    callers bypassing ``forward`` (mmcv's ``efficient_conv_bn_eval``) get it.
 
     Args:
-        *args, **kwargs: as for ``nn.Conv2d``.
-        radius (int): patch size ``r >= 1`` of the gradient filter.
-        enabled (bool): ``False`` gives the exact backward (the "vanilla"
-            baseline with the same layers). Default: True.
+        radius (int): patch size ``r >= 1``.
+        enabled (bool): ``False`` gives the exact backward (the vanilla
+            baseline on the same layers). Default: True.
     """
 
     def __init__(self, *args, radius: int = 4, enabled: bool = True,

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
-from ..ops.linear.function import TokenGrid, gradient_filtered_linear
+from ..ops.linear.function import gradient_filtered_linear
+from ..ops.linear.token_grid import TokenGrid
 from ..ops.linear.patch_mean_activation import PatchPartition, tag_output
 from ..patching import plain_class
 from .filtered_layer import FilteredLayer

@@ -1,30 +1,17 @@
 """The kinds of layer gradient filtering can train, one description each.
 
-A :class:`LayerKind` says everything the rest of the plugin needs to know about
-a kind of layer: which module types the selection trace records
-(``traced_type``), which of them it can replace (``plain_types``), the filtered
-module that replaces them (``filtered_type``, built from a plain one by
-``from_plain``, sharing the Parameters), and its geometry at one traced call
-(``geometry``), whose ``cost`` method gives the backward FLOPs and the bytes
-kept for backward at a radius (:class:`LayerGeometry`). Selection, surgery, the
-accounting (kept rules, profile, peak model, budget), the hooks and the tools
-go through :func:`layer_kinds` / :func:`kind_of` instead of naming
-``nn.Conv2d``. Each kind's math lives in :mod:`mmseg_gf.ops` (the conv's in
-``ops/conv/function.py``, its cost in ``ops/conv/cost.py``, the patch-grid
-helpers the kinds share in ``ops/patch_grid.py``) and its module in
-:mod:`mmseg_gf.models`.
+A :class:`LayerKind` tells selection, surgery, the accounting, the hooks and
+the tools everything about a kind of layer (traced and plain types, the
+filtered module and ``from_plain``, its geometry and cost at one call), so
+they call :func:`layer_kinds` / :func:`kind_of` instead of naming
+``nn.Conv2d``. The math lives in :mod:`mmseg_gf.ops`. ``Conv2d``
+(:class:`~.gf_conv.GFConv2d`) is registered first; a kind on tokens
+registers the same way, its cost a 1x1 conv's on its grid.
 
-``Conv2d`` (:class:`~.gf_conv.GFConv2d`) is the first kind registered. A
-kind on tokens (e.g. ``nn.Linear`` on a token grid) registers the same way:
-its ``geometry`` reads the grid from the traced call and its cost is a
-1x1-kernel conv's on that grid.
-
-Why a module-level registry and not an mmengine ``Registry``: an mmengine
-registry builds objects from config dicts by name, which no kind needs
-(configs name the filtered *modules*, registered in ``MODELS`` by
-``models/__init__``); the kinds are code-level descriptions that callers
-iterate in a fixed order and look up by module type, and this module, like
-``gf_conv``, stays importable without the OpenMMLab stack.
+A module-level registry, not an mmengine ``Registry``: no kind is built
+from a config by name (the filtered *modules* are in ``MODELS``); callers
+iterate the kinds in a fixed order and look them up by type, and the module
+stays importable without the OpenMMLab stack.
 """
 from dataclasses import dataclass
 from typing import (Callable, Dict, Iterable, List, Optional, Protocol,
@@ -47,14 +34,9 @@ __all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
 
 
 class LayerGeometry(Protocol):
-    """What a layer kind's geometry at one call provides.
-
-    Attributes:
-        in_shape, out_shape: ``(C, H, W)`` of its input and output on the
-            layer's grid (a conv's feature maps; a token layer's grid).
-        map_area: positions of the map its output covers, for the output
-            stride (the ``'auto'`` radius, the budget's refinement order):
-            a conv's output map; a Swin window Linear's windows together.
+    """A layer kind's geometry at one call: ``in_shape`` / ``out_shape``
+    (``(C, H, W)`` on its grid) and ``map_area``, the positions its output
+    covers, for the output stride (the ``'auto'`` radius, the budget's order).
     """
 
     in_shape: Tuple[int, int, int]
@@ -76,74 +58,40 @@ class LayerKind:
     """A kind of layer that gradient filtering can train.
 
     Attributes:
-        name: its name in tables and records (``'conv2d'``).
-        noun: what messages call one layer of it (``'conv'``).
-        traced_type: the selection trace records every instance of it
-            (subclasses too, so that a subclass with its own forward is
-            named in the error that refuses it).
+        name, noun: its name in tables (``'conv2d'``), one layer in messages
+            (``'conv'``).
+        traced_type: recorded by the selection trace, subclasses too (so that
+            the refusal names them).
         plain_types: the exact classes whose forward the filtered module
-            computes (also behind a lean swap: ``plain_class``).
-        filtered_type: the filtered module class, a
-            :class:`~.filtered_layer.FilteredLayer` (its ``radius``,
-            ``enabled``, ``_filter_active`` and patch partitions).
-        from_plain: ``(module, radius, enabled) -> filtered module``: the
-            filtered layer built from a plain one, sharing its Parameters
-            (so optimizers and ``state_dict`` stay valid).
-        geometry: ``(module, inputs, output) -> LayerGeometry`` of one call
-            (``inputs``: its positional inputs, as a forward hook gets them).
-        quality: ``(module, x, grad_out, radius) -> GradientQuality``: the
-            filtered gradients against the exact ones at one call
+            computes.
+        filtered_type: the :class:`~.filtered_layer.FilteredLayer` class.
+        from_plain: ``(module, radius, enabled) -> filtered module`` sharing
+            its Parameters (optimizers and ``state_dict`` stay valid).
+        geometry: ``(module, inputs, output) -> LayerGeometry`` of one call.
+        quality: ``(module, x, grad_out, radius) -> GradientQuality``
             (:mod:`mmseg_gf.models.gradient_quality`).
         allowed: the classes it accepts, for error messages.
-        prepare: ``(model) -> undo or None``: installs on the segmentor what
-            ``geometry`` and ``from_plain`` need during the selection's trace
-            (the Linear kinds: the token-grid hooks); None when nothing is
-            needed or it is installed already.
-        install: ``(model) -> None``: installs it for training (the
-            surgery calls it before ``from_plain``); idempotent.
-        patch_partitioned: its filtered call tags its output with the
-            ``r x r`` patch partition of its grid and its ``g_x`` is
-            constant on those patches, so an elementwise op between two
-            such layers may keep patch means of its derivative
-            (:mod:`.patch_mean_graph`; docs/gradient_filter.md
-            #elementwise-ops-between-filtered-layers).
-        call_grids: a kind on tokens: ``(module, site, args, kwargs) ->
-            ((grid, input shape, token axis), ...)``, the grids one call of
-            ``module`` reads (the query's first, an attention's keys
-            second; a grid is None where its site's source holds none).
-            Its layers are those the token-grid bindings describe
-            (:mod:`.token_grids`); None for a kind on feature maps.
-        kept_rule: what one call of its layers keeps for backward
-            (``rule(path, module, x, out, shared) -> items, or None`` when
-            another rule decides, :mod:`mmseg_gf.accounting.kept`): a
-            function, or its ``'package.module:function'`` name where the
-            rule lies in the accounting, a layer above the models.
-        frozen_lean: the lean variant (:data:`mmseg_gf.models.lean.LEAN_KINDS`)
-            its plain layers take while frozen in the lean region
-            (``'frozen_conv'``: keeps nothing when its input needs no
-            gradient), or None.
-        claims: ``(module) -> bool`` for a kind narrower than its traced
-            type (depthwise convs as a kind of their own beside
-            ``conv2d``): it takes the instances of ``traced_type`` it
-            claims, ahead of the kinds that claim every instance (None).
-        family: the class of every layer of its sort, wider than
-            ``traced_type`` where layers of that sort exist that no kind
-            filters (a conv kind's: ``_ConvNd``, transposed and 1-D convs
-            too): the launch count files their launches under
-            ``category``, the cost report lists them among the layers it
-            does not count. None: ``traced_type``.
-        category: what the launch count
-            (:data:`mmseg_gf.accounting.launches.KINDS`) files the
-            launches of its family's layers under (``'conv'``,
-            ``'linear'``, ``'attention'``), ``'filtered_' + category``
-            while one of its filtered layers filters, where the count has
-            that category.
-        kernel: ``(module) -> Tensor``: a layer's weight as a kernel over
-            its grid's axes (``C_out x C_in/groups x k...``), whose
-            DC-energy ratio (paper Eq. 13,
-            :func:`~mmseg_gf.models.gradient_quality.dc_energy_ratios`) Proposition 1
-            relies on; None for a kind without one (a Linear, an
-            attention).
+        prepare: ``(model) -> undo or None``: what ``geometry`` and
+            ``from_plain`` need during the trace (token-grid hooks).
+        install: ``(model) -> None``, idempotent, before ``from_plain``.
+        patch_partitioned: its filtered output is tagged with its patch
+            partition and its ``g_x`` is patch-constant (:mod:`.patch_mean_graph`).
+        call_grids: a token kind's ``(module, site, args, kwargs) -> ((grid,
+            input shape, token axis), ...)`` (query first; None: no grid);
+            None on feature maps.
+        kept_rule: its kept-for-backward rule (:mod:`mmseg_gf.accounting.kept`),
+            a function or a ``'package.module:function'`` name.
+        frozen_lean: the lean variant its frozen plain layers take
+            (:data:`mmseg_gf.models.lean.LEAN_KINDS`), or None.
+        claims: ``(module) -> bool`` for a kind narrower than its traced type
+            (depthwise convs), ahead of the kinds that claim every instance.
+        family: the class of every layer of its sort (default
+            ``traced_type``), for the launch count and the cost report.
+        category: the launch count's category for its family
+            (:data:`mmseg_gf.accounting.launches.KINDS`), ``'filtered_' +
+            category`` while filtering.
+        kernel: ``(module) -> Tensor``: the weight as a kernel over its grid's
+            axes, for the DC-energy ratio (paper Eq. 13); None without one.
     """
 
     name: str

@@ -1,56 +1,20 @@
-"""Lean variants of the modules around a trained conv (see :mod:`mmseg_gf.ops.lean.functions`).
+"""Lean variants of the modules around a trained conv (:mod:`mmseg_gf.ops.lean.functions`).
 
-:func:`make_lean` swaps a module's class for a subclass of it (the class of
-the module itself, e.g. mmengine's reverted ``_BatchNormXd``, not a fixed
-base), so ``isinstance`` checks, ``state_dict`` keys, hooks and the forward's
-numbers are unchanged; :func:`make_plain` swaps it back. A lean module runs
-its plain forward unless autograd records it (grad mode on and an input that
-requires a gradient), so swapping every module of a model costs nothing
-outside the trained region.
+:func:`make_lean` swaps a module's class for a subclass of its own class
+(e.g. mmengine's reverted ``_BatchNormXd``), so ``isinstance``,
+``state_dict`` keys, hooks and forward numbers are unchanged;
+:func:`make_plain` swaps it back. A lean module runs its plain forward
+unless autograd records it, so swapping every module costs nothing outside
+the trained region.
 
-What becomes lean:
-
-* ``_BatchNorm`` (BatchNorm1d/2d/3d, SyncBatchNorm, mmengine's reverted
-  SyncBN) in eval mode with no trainable parameter: keeps ``C`` scales.
-* ``ReLU``, ``ReLU6`` / ``Hardtanh``, ``LeakyReLU``, ``Hardsigmoid``,
-  mmcv's ``HSigmoid``, ``PReLU`` with a frozen slope: keep 1 bit per element.
-* ``MaxPool2d``: keeps a uint8 window offset per output element;
-  ``AvgPool2d`` (4-D): its input's shape only.
-* ``Dropout`` (element-wise): keeps 1 bit per element.
-* ``AdaptiveAvgPool2d`` to more than 1x1 (PSPNet's pyramid): keeps the
-  input's shape only.
-* mmseg's decode heads (:func:`make_lean` on the head): their loss keeps
-  low-resolution tensors, never the upsampled logits. A head classifying
-  with mmseg's ``cls_seg`` and returning its output (alone or in a tuple)
-  has its classifier fused with its loss (keeps the loss's gradient w.r.t.
-  the logits, not the classifier's input); other heads keep their logits
-  (cross-entropy) or their loss's gradient w.r.t. them
-  (:mod:`.lean_head`). Their bilinear resizes take a concatenation's
-  gradient slice without copying it (:mod:`mmseg_gf.ops.resize.bilinear`).
-* mmcv's ``ConvModule`` and mmseg's ResNet ``BasicBlock`` / ``Bottleneck``
-  (:mod:`.conv_block`): on the Triton path a filtered conv, the frozen
-  batch norm and the masked activation after it run as one autograd node,
-  whose backward takes the norm's and the activation's in the conv's first
-  pass (what they keep: the same).
-* ``nn.Conv2d`` and mmcv's ``Conv2d`` (not ``GFConv2d``) while frozen, with
-  zero padding of integer sizes: keep nothing (the weight is a live
-  Parameter); ``nn.Linear`` (and mmcv's) while frozen: keep nothing.
-
-* Inside transformer blocks (:mod:`.lean_transformer`): attention with
-  frozen projections through SDPA (``nn.MultiheadAttention`` under mmcv's
-  wrapper, Swin's ``WindowMSA``, Twins' LSA): q, k, v, the output and a
-  logsumexp, not the probabilities; a frozen ``LayerNorm``: its input and
-  a per-token ``rstd``; mmcv's ``DropPath``: 1 bit per sample; mmcv's
-  ``Dropout``: as ``nn.Dropout``.
-
-* A GELU between two filtered layers on one patch partition, where the
-  engine's traced step shows it (:mod:`.patch_mean_gelu`; not by
-  :func:`make_lean`): the patch means of its derivative.
-
-Everything else keeps autograd's default (GroupNorm, whose
-backward needs its input; any other GELU, Sigmoid, HSwish and other smooth
-activations, a trained PReLU; ``Dropout2d``, whose noise is already one
-value per channel).
+What becomes lean, and what each keeps, is the table of docs/lean_region.md:
+frozen eval-mode batch norms, ReLU-like activations, Hardsigmoid/HSigmoid,
+frozen PReLU, pools, dropout, decode heads' losses (:mod:`.lean_head`),
+ConvModule / ResNet blocks (:mod:`.conv_block`), frozen convs and Linears,
+transformer blocks' layers (:mod:`.lean_transformer`); GELUs between
+filtered layers are chosen by the engine's traced step
+(:mod:`.patch_mean_gelu`). Everything else (GroupNorm, smooth activations,
+a trained PReLU, ``Dropout2d``) keeps autograd's default.
 """
 import functools
 from typing import Callable, Optional, Set, Type
@@ -367,19 +331,10 @@ def _recording_any(logits) -> bool:
 
 class _LeanLossHead:
     """A decode head whose loss keeps neither the upsampled logits nor, where
-    its classifier can be fused with the loss, the classifier's input.
-
-    ``loss`` arms a :class:`~.lean_head.ClassifierCapture` when
-    :func:`fusion_blocker` allows it; ``cls_seg`` then runs ``conv_seg``
-    with its saved tensors held by the capture, and ``loss_by_feat``, when
-    it receives that very output (alone or in a tuple), releases them and
-    computes the loss with
-    :class:`~mmseg_gf.ops.loss.fused_classifier.FusedClassifierLossFunction`
-    instead. Otherwise: mmseg's cross-entropy image by image (keeps the
-    logits), any other loss with its gradient taken in the forward (keeps
-    that).
-    Bilinear resizes in ``loss`` run as
-    :class:`~mmseg_gf.ops.resize.bilinear.BilinearResizeFunction`."""
+    the classifier fuses with the loss, the classifier's input
+    (:mod:`.lean_head`). Its bilinear resizes run as
+    :class:`~mmseg_gf.ops.resize.bilinear.BilinearResizeFunction`.
+    """
 
     def loss(self, *args, **kwargs):
         if torch.compiler.is_compiling():

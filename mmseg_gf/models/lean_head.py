@@ -1,24 +1,13 @@
-"""A decode head's loss kept lean, its classifier fused with it where possible.
+"""A decode head's loss kept lean, its classifier fused with it where possible
+(docs/lean_region.md, "The loss, fused with the classifier").
 
-The wiring of :mod:`mmseg_gf.ops.loss.gradients` and
-:mod:`mmseg_gf.ops.loss.fused_classifier` into mmseg's decode heads
-(docs/lean_region.md, "The loss, fused with the classifier"). A lean head's
-``loss`` arms a :class:`ClassifierCapture` when :func:`fusion_blocker`
-allows it; ``cls_seg`` then runs ``conv_seg`` with what autograd saves for
-it held by the capture; when the forward returns that very output (alone,
-or once in a tuple of logits), the capture is released and
-:func:`fused_classifier_losses` computes the loss with
-``FusedClassifierLossFunction``: the loss's gradient w.r.t. the logits,
-``g_W`` and ``g_b`` taken in the forward, the classifier's input not kept.
-Otherwise :func:`lean_head_losses`: mmseg's cross-entropy with its
-gradient taken in the forward (:mod:`.lean_loss`, keeps that gradient,
-the logits' size) or the head's own
-``loss_by_feat`` once, with its gradient kept
-(``PrecomputedGradientLossFunction``). PIDHead's and DDRHead's own losses
-are computed image by image on both paths where :mod:`.lean_ohem` mirrors
-them (:func:`~.lean_ohem.own_loss_producer`). Why a head is not fused is logged
-once (mmengine's current logger). :func:`loss_gradient_copies` and
-:func:`classifier_fused_now` answer the accounting's questions.
+A lean head's ``loss`` arms a :class:`ClassifierCapture` when
+:func:`fusion_blocker` allows; if the forward returns the classifier's output,
+:func:`fused_classifier_losses` takes the loss's, ``g_W``'s and ``g_b``'s
+gradients in the forward without keeping the classifier's input. Otherwise
+:func:`lean_head_losses` keeps only the loss's gradient w.r.t. the logits.
+PIDHead's and DDRHead's losses go image by image where :mod:`.lean_ohem`
+mirrors them. Why a head is not fused is logged once.
 """
 import functools
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -101,16 +90,12 @@ def _chunked_specs(head: nn.Module):
 
 
 def fusion_blocker(head: nn.Module) -> Optional[str]:
-    """Why ``head``'s classifier cannot be fused with its loss (logged
-    once), or None when it can: the head must classify with mmseg's
-    ``cls_seg`` (dropout, then ``conv_seg``) and have a plain 2-D conv as
-    ``conv_seg``: one of the conv kind's plain classes
-    (:attr:`~.layer_kinds.LayerKind.plain_types`: ``nn.Conv2d``, mmcv's
-    wrapper of it; or its lean class, which runs the plain convolution
-    while trained), not its filtered one, whose backward the fusion would
-    bypass. (Whether its forward returns the
-    classifier's output, alone or in a tuple, is seen in the forward:
-    :meth:`ClassifierCapture.mismatch`.)"""
+    """Why ``head``'s classifier cannot be fused with its loss (logged once),
+    or None: it must classify with mmseg's ``cls_seg`` through a plain (or
+    lean) 2-D conv, not the filtered one whose backward fusion would bypass.
+    Whether the forward returns the classifier's output is seen later
+    (:meth:`ClassifierCapture.mismatch`).
+    """
     reason = getattr(head, '_gf_fused_classifier_off', None)
     base = base_decode_head()
     plain = plain_class(head)
@@ -151,23 +136,17 @@ def feature_noise(feat: Tensor, p: float) -> Tensor:
 
 
 class ClassifierCapture:
-    """The classifier calls of one head's ``loss``, with what autograd saved
-    for them held here, so that they can be dropped once the loss is fused.
+    """The classifier calls of one head's ``loss``, with what autograd saved for
+    them held here, to be dropped once the loss is fused (kept, with
+    autograd's backward, if the head transforms the output).
 
-    If the forward's output is not the one classifier call's output (the
-    head transforms it), nothing is dropped: the calls keep their inputs
-    as autograd would, and the backward is autograd's.
-
-    A training ``Dropout2d`` before a 1x1 classifier is folded into it
-    (:func:`folds_into_classifier`): the dropout call draws its noise and
-    returns its input, the classifier call multiplies each image's weight
-    columns by that noise
-    (:func:`~mmseg_gf.ops.loss.fused_classifier.channel_scaled_classifier`), so the
-    dropped-out copy of the classifier's input is never made.
+    A training ``Dropout2d`` before a 1x1 classifier is folded into it: the
+    noise scales each image's weight columns
+    (:func:`~mmseg_gf.ops.loss.fused_classifier.channel_scaled_classifier`), so
+    the dropped-out input is never made.
 
     Attributes:
-        calls: ``(classifier input, logits, channel scale or None)`` per
-            classifier call.
+        calls: ``(classifier input, logits, channel scale or None)`` per call.
     """
 
     def __init__(self) -> None:
@@ -285,19 +264,14 @@ def _with_logits_at(seg_logits, position: Optional[int]) -> Callable:
 def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
                             seg_logits, batch_data_samples
                             ) -> Dict[str, Tensor]:
-    """``head.loss_by_feat(seg_logits)`` where ``seg_logits`` is (or holds)
-    the classifier's output, through
-    :class:`~mmseg_gf.ops.loss.fused_classifier.FusedClassifierLossFunction`:
-    mmseg's cross-entropy image by image when :func:`chunkable_losses` allows,
-    PIDHead's and DDRHead's losses image by image where
-    :func:`~.lean_ohem.own_loss_producer` mirrors them, the head's
-    ``loss_by_feat`` on the whole batch otherwise (the other logits of a
-    tuple get their gradients kept too).
+    """``head.loss_by_feat(seg_logits)`` through
+    :class:`~mmseg_gf.ops.loss.fused_classifier.FusedClassifierLossFunction`
+    (image by image where :func:`chunkable_losses` or
+    :func:`~.lean_ohem.own_loss_producer` allow, else on the whole batch).
 
     Raises:
-        ValueError: the loss cannot be differentiated in the forward (see
-            :func:`~mmseg_gf.ops.loss.gradients.loss_gradients`); the capture
-            then still holds what the classifier saved.
+        ValueError: the loss cannot be differentiated in the forward; the
+            capture still holds what the classifier saved.
     """
     feat, logits, scale = capture.calls[0]
     position, others = None, []
@@ -336,15 +310,11 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
 
 def lean_head_losses(head: nn.Module, seg_logits,
                      batch_data_samples) -> Dict[str, Tensor]:
-    """``head.loss_by_feat`` without fusing the classifier: mmseg's
-    cross-entropy where :func:`chunkable_losses` allows, PIDHead's and
-    DDRHead's losses where :func:`~.lean_ohem.own_loss_producer` mirrors
-    them, otherwise the head's own ``loss_by_feat`` once; each with its
-    gradient w.r.t. every logits tensor taken in the forward and kept.
+    """``head.loss_by_feat`` without fusion, each loss's gradient w.r.t. every
+    logits tensor taken in the forward and kept.
 
     Raises:
-        ValueError: the loss cannot be differentiated in the forward (see
-            :func:`~mmseg_gf.ops.loss.gradients.loss_gradients`).
+        ValueError: the loss cannot be differentiated in the forward.
     """
     specs = _chunked_specs(head)
     if specs is not None:
@@ -373,16 +343,11 @@ def lean_head_losses(head: nn.Module, seg_logits,
 
 def traced_head_losses(head: nn.Module, seg_logits,
                        batch_data_samples) -> Dict[str, Tensor]:
-    """``head.loss_by_feat`` as ``torch.compile`` traces it (no classifier
-    fusion: its saved-tensor hooks and patched forwards do not trace).
-    mmseg's cross-entropy where :func:`chunkable_losses` allows, without a
-    pixel sampler: by a kernel's operator
-    (``mmseg_gf::resized_cross_entropy``: the compiled CPU kernel or the
-    Triton one, :func:`~mmseg_gf.ops.resized_loss.loss.operator_usable`),
-    keeping the loss's gradient w.r.t. the logits, else by PyTorch
-    operators; its accuracy from the hits, with no data-dependent shape
-    (mmseg's breaks the graph). Otherwise the head's own
-    ``loss_by_feat``, as the plain model traces it."""
+    """``head.loss_by_feat`` as ``torch.compile`` traces it (no fusion: its hooks
+    do not trace): mmseg's cross-entropy without sampler by the
+    ``mmseg_gf::resized_cross_entropy`` operator where usable, else PyTorch
+    ops, its accuracy without data-dependent shapes; otherwise the head's own.
+    """
     specs = chunkable_losses(head) if _has_base_loss(head) else None
     if (specs is None or ohem_sampler_spec(head) is not None
             or not isinstance(seg_logits, Tensor)):

@@ -1,30 +1,16 @@
 """PIDHead's and DDRHead's losses with their gradients taken in the forward,
 image by image, on :func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy`.
 
-mmseg's ``loss_by_feat`` of these heads upsamples every logits tensor of the
-batch to the label's size and runs ``OhemCrossEntropy`` on it (a softmax, a
-sort of the label probabilities, a selection) under autograd. Here the same
-numbers come from the low-resolution logits:
-
-* :func:`ohem_cross_entropy` in two passes: the label probability of every
-  pixel (``N x H x W``, no class dimension), then mmseg's batch-wide
-  threshold (``min_kept``-th smallest probability of the non-ignored
-  pixels, at least ``thres``) and selection (probability strictly below
-  it) on those, then the weighted cross-entropy's gradient w.r.t. the
-  low-resolution logits with the weights ``selected * class_weight[label]``
-  and the factor ``loss_weight / selected``;
-* :func:`cross_entropy_loss`: mmseg's ``CrossEntropyLoss`` (softmax, no
-  mask) as PIDHead calls it, its normaliser included (class weights of
-  every label, ``avg_non_ignore``);
-* PIDNet's boundary loss on the one-channel boundary logits: autograd, on
-  the upsampled ``N x 1 x H x W`` map.
-
-:func:`own_loss_producer` picks the producer of a head (only PIDHead and
-DDRHead, and only when every ``loss_decode`` is the exact class mirrored
-here); :func:`logit_gradients_at` turns its result into the
-:class:`~mmseg_gf.ops.loss.gradients.LogitGradients` of the classifier fused
-with the loss, and :class:`HeadGradientsLossFunction` keeps it for a head
-whose classifier is not fused.
+mmseg upsamples every logits tensor and runs ``OhemCrossEntropy`` under
+autograd; here the same numbers come from the low-resolution logits
+(docs/lean_region.md has the rules): :func:`ohem_cross_entropy` (label
+probabilities, mmseg's batch-wide threshold and selection, then the weighted
+cross-entropy's gradient), :func:`cross_entropy_loss` (PIDHead's
+``CrossEntropyLoss`` with its normaliser), and PIDNet's boundary loss by
+autograd on the upsampled one-channel map. :func:`own_loss_producer` picks
+a head's producer (only where every ``loss_decode`` is the exact class
+mirrored); :func:`logit_gradients_at` and
+:class:`HeadGradientsLossFunction` serve the fused and unfused heads.
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple

@@ -1,32 +1,15 @@
 """Lean variants of the frozen layers inside transformer blocks.
 
-Mixins that :mod:`.lean` puts in front of a module's own class (so
-``isinstance`` checks, ``state_dict`` keys and checkpoints stay mmseg's):
-
-* ``nn.MultiheadAttention`` (mmseg's MiT ``EfficientMultiheadAttention``,
-  Twins' ``GlobalSubsampledAttention`` and mmcv's ``MultiheadAttention``
-  wrap it) with frozen projections: attention through SDPA
-  (:func:`~mmseg_gf.ops.lean.transformer.multihead_attention`), keeping
-  q, k, v, the output and a logsumexp, not the ``L x S`` probabilities.
-  ``nn.MultiheadAttention`` returns the head-averaged probabilities too
-  unless ``need_weights=False``; the callers above discard them (``[0]``),
-  so mmcv's wrapper, made lean, tells its inner attention that they are
-  unused. Called by anyone else with ``need_weights=True``, the plain
-  forward runs.
-* mmseg's Swin ``WindowMSA`` and Twins' ``LocallyGroupedSelfAttention``:
-  ``softmax(q k^T * scale + bias) v`` through SDPA with the additive mask
-  (relative position bias plus the shift mask; LSA's padding mask), the
-  bias table frozen.
-* ``nn.LayerNorm`` with frozen (or no) affine parameters: its input and a
-  per-token ``rstd``
-  (:class:`~mmseg_gf.ops.lean.transformer.FrozenLayerNormFunction`).
-* mmcv's ``DropPath``: one bit per sample.
-
-Each runs the plain forward whenever autograd does not record it, or a
-condition above does not hold (trained parameters, masks,
-dropout on the probabilities, unbatched inputs). After a lean attention call,
-``_gf_lean_call`` holds its geometry for the accounting
-(:mod:`mmseg_gf.accounting.kept_transformer`); None after a plain one.
+Mixins that :mod:`.lean` puts in front of a module's own class (docs/
+lean_region.md lists what each keeps): ``nn.MultiheadAttention`` with
+frozen projections through SDPA (mmcv's wrapper, made lean, tells it that
+the discarded probabilities are unused; other callers with
+``need_weights=True`` get the plain forward); Swin's ``WindowMSA`` and
+Twins' LSA through SDPA with their additive mask; a frozen ``LayerNorm``;
+mmcv's ``DropPath``. Each runs the plain forward when autograd does not
+record it or a condition does not hold (trained parameters, masks, dropout
+on the probabilities, unbatched inputs). ``_gf_lean_call`` holds a lean
+attention call's geometry for :mod:`mmseg_gf.accounting.kept_transformer`.
 """
 import functools
 import importlib
@@ -54,21 +37,15 @@ class AttentionCall:
     """What one lean attention call kept, as shapes (for the accounting).
 
     Attributes:
-        batch: leading dimension of q (images, or images x windows).
-        images: images in the call, where known (None: a window attention
-            without a per-window mask, whose leading dimension mixes
-            images and windows).
-        q_len, kv_len: tokens per query / key sequence.
-        dim: embedding dimension (all heads).
-        num_heads: heads.
-        elem_bytes: bytes per element of q, k, v and the output.
-        stat_bytes: bytes per element of the logsumexp.
-        mask_elements: elements of the additive mask SDPA keeps (0: none);
+        batch: q's leading dimension (images, or images x windows).
+        images: images in the call; None for a window attention without a
+            per-window mask.
+        elem_bytes, stat_bytes: bytes per element of q/k/v/output and of the
+            logsumexp.
+        mask_elements, mask_bytes: the additive mask SDPA keeps (0: none),
             the same at any batch.
-        mask_bytes: bytes per element of that mask.
-        output_storage: address of the storage of SDPA's output (0:
-            unknown), which the out-projection may read as a view: an
-            exact (trained) one keeps it too, and it is counted once.
+        output_storage: SDPA output's storage address (0: unknown); an exact
+            out-projection reading it as a view keeps it too, counted once.
     """
 
     batch: int
@@ -194,17 +171,10 @@ class _LeanMmcvAttention:
 
 def _sdpa_windows(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                   mask: Optional[Tensor], scale: float) -> Tensor:
-    """``softmax(q k^T * scale + bias (+ mask)) v`` for windows.
-
-    Args:
-        q, k, v: ``(B * nW, heads, N, d)``, windows of an image adjacent.
-        bias: None or ``(heads, N, N)``, added to every window.
-        mask: None or ``(nW, N, N)``: window ``i % nW`` gets ``mask[i]``.
-
-    With a per-window mask the windows of one image are laid along the
-    heads axis (``(B, nW * heads, N, d)``, a copy of q, k and v), so that
-    the mask broadcasts over images only: SDPA keeps it once (``nW * heads
-    * N * N``), never per image.
+    """``softmax(q k^T * scale + bias (+ mask)) v`` for windows
+    (``(B * nW, heads, N, d)``, one image's adjacent; ``bias`` ``(heads, N,
+    N)``; window ``i`` gets ``mask[i % nW]``). With a mask the windows go on the
+    heads axis (a copy of q, k, v) so SDPA keeps the mask once, not per image.
     """
     if mask is None:
         attn_mask = None if bias is None else bias.unsqueeze(0)

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence, Tuple
 from torch import Tensor, nn
 
 from ..ops.conv.cost import ConvBackwardCost, conv_backward_cost
-from ..ops.linear.function import TokenGrid
+from ..ops.linear.token_grid import TokenGrid
 from .gradient_quality import GradientQuality
 from .gf_attention import GFMultiheadAttention
 from .gf_linear import GFLinear, plain_linear_classes

@@ -4,8 +4,9 @@ plus optional compiled CPU kernels (``cpu`` modules) and Triton GPU kernels
 share."""
 from .conv.function import (AxisGeometry, GradientFilterConv2dFunction,
                             as_pair, check_radius, gradient_filtered_conv2d)
-from .linear.function import (GradientFilterLinearFunction, TokenGrid,
+from .linear.function import (GradientFilterLinearFunction,
                               gradient_filtered_linear)
+from .linear.token_grid import TokenGrid
 from .patch_grid import MAX_RADIUS
 # every operator's implementations registered with the dispatcher
 from . import conv_block, frozen_norm  # noqa: F401,E402

@@ -1,16 +1,9 @@
-"""The patch grid: where the ``r x r`` patches of a gradient-filtered layer
-lie, and the operations on it that every filtered layer kind shares
-(docs/gradient_filter.md#patch-geometry).
-
-A filtered layer's backward replaces its output gradient ``g_y`` by its
-patch means (:func:`filter_output_grad`), keeps patch sums of its input
-(:func:`pool_input_patches`) and broadcasts a gradient on the patch grid
-back over the input patches (:func:`spread_to_input`). Where the patches
-lie follows from the layer's geometry along each axis (:class:`AxisGeometry`;
-for a convolution :func:`conv_geometry`, its padding from
-:func:`resolve_padding`); a layer applied to tokens on a grid is a 1x1
-kernel with stride 1 on it. Pure PyTorch, plus the optional compiled CPU
-kernels (:mod:`.native`).
+"""The patch grid: where the ``r x r`` patches of a filtered layer lie, and
+the operations every filtered kind shares (docs/gradient_filter.md, section
+"Patch geometry"): patch means of ``g_y`` (:func:`filter_output_grad`),
+patch sums of the input (:func:`pool_input_patches`), and the spread back
+over input patches (:func:`spread_to_input`). A token grid is a 1x1 kernel,
+stride 1. Pure PyTorch plus the optional compiled CPU kernels.
 """
 import contextlib
 from dataclasses import dataclass
@@ -44,9 +37,8 @@ def check_radius(radius) -> int:
     """Validate a patch size ``r`` and return it as an ``int``.
 
     Raises:
-        ValueError: if ``radius`` is not an integer in
-            ``[1, MAX_RADIUS]`` (``bool`` is refused too: ``True`` is almost
-            certainly a configuration mistake).
+        ValueError: ``radius`` is not an integer in ``[1, MAX_RADIUS]``
+            (``bool`` included: ``True`` is a configuration mistake).
     """
     if isinstance(radius, bool) or not isinstance(radius, int) or \
             not 1 <= radius <= MAX_RADIUS:
@@ -59,20 +51,11 @@ def check_radius(radius) -> int:
 
 @dataclass(frozen=True)
 class AxisGeometry:
-    """Where the patches lie along one spatial axis
-    (docs/gradient_filter.md#patch-geometry).
-
-    Attributes:
-        num_patches: ``ceil(out_size / r)`` patches along the axis.
-        out_patch: ``r``, output pixels per patch.
-        in_patch: ``r * s``, input pixels per patch ``Q(P)``.
-        in_start: first input pixel of ``Q(0)``; ``c = ((k-1)*d)//2 - p``,
-            which may be negative or run past the map (zero padding there).
-        pooled_dilation: dilation of the kernel on the pooled grid,
-            ``d // (r*s)``; 0 means every tap stays within one patch, so the
-            kernel is summed over this axis.
-        pooled_centre: index of the kernel tap that reads the patch itself,
-            ``(k-1)//2``, used only when ``pooled_dilation >= 1``.
+    """Where the patches lie along one axis; the fields are the symbols of
+    docs/gradient_filter.md, section "Patch geometry" (``num_patches``,
+    ``out_patch = r``, ``in_patch = r*s``, ``in_start = c``, ``pooled_dilation =
+    d // (r*s)``, 0 when the kernel is summed on this axis, ``pooled_centre =
+    (k-1)//2``).
     """
 
     in_size: int
@@ -148,13 +131,10 @@ def _fit_to_patches(t: Tensor, geo_h: AxisGeometry,
 
 def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
                        geo_w: AxisGeometry) -> Tensor:
-    """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x``
-    (docs/gradient_filter.md#forward).
-
-    Returns a ``N x Ci x ceil(Ho/r) x ceil(Wo/r)`` tensor in ``x``'s dtype
-    (pooling accumulates in float32 for reduced-precision inputs). The
-    compiled kernel lays it out channel-major in memory, ready for the
-    fused backward's weight GEMM.
+    """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x`` (docs/gradient_filter.md,
+    section "Forward"), ``N x Ci x ceil(Ho/r) x ceil(Wo/r)`` in ``x``'s dtype
+    (float32 accumulation for reduced precision); the compiled kernel lays
+    it out channel-major for the backward's weight GEMM.
     """
     if conv_cpu.usable(x):
         return conv_cpu.patch_sums(x, geo_h.input_patches, geo_w.input_patches,
@@ -201,12 +181,10 @@ def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
 
 def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
                     geo_w: AxisGeometry) -> Tensor:
-    """Broadcast each pooled cell over its input patch ``Q(P)`` (Eq. 3).
-
-    Written in two broadcasts, first along the width (a ``1/r`` sized
-    intermediate), then whole rows along the height: both copies have a
-    contiguous inner dimension, about twice as fast on CPU as one 6-D
-    expand. Pixels outside every ``Q(P)`` get 0.
+    """Broadcast each pooled cell over its input patch ``Q(P)`` (Eq. 3); pixels
+    in no ``Q(P)`` get 0. Two broadcasts with contiguous inner dimensions
+    (width, then rows), faster on CPU than one 6-D expand
+    (docs/benchmarks/design_measurements.md).
     """
     if grad_pooled.device.type == 'cpu' and extension.available():
         grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed

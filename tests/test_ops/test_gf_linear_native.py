@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
 from mmseg_gf.ops.backend import cpu_settings, extension, output_pool
 from mmseg_gf.ops.linear import cpu as linear_cpu
-from mmseg_gf.ops.linear.function import TokenLayout
+from mmseg_gf.ops.linear.token_grid import TokenLayout
 from tests.helpers.devices import kernels_off
 from tests.helpers.gf_linear_cases import LAYOUT_CASES
 

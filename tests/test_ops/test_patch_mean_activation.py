@@ -25,7 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmseg_gf.ops.conv.function import gradient_filtered_conv2d
-from mmseg_gf.ops.linear.function import TokenGrid, gradient_filtered_linear
+from mmseg_gf.ops.linear.function import gradient_filtered_linear
+from mmseg_gf.ops.linear.token_grid import TokenGrid
 from mmseg_gf.ops.linear.patch_mean_activation import (PatchPartition,
                                                        gelu_derivative,
                                                        patch_mean_gelu,

@@ -115,7 +115,7 @@ def test_a_family_by_name_memory_only(tmp_path, capsys):
 
 
 def test_kept_by_kind_table_lists_the_kinds_that_keep_bytes():
-    from mmseg_gf.analysis.step_benchmark import kept_by_kind_table
+    from mmseg_gf.analysis.step_report import kept_by_kind_table
     mib = 2**20
     result = dict(rows=[
         dict(row='inference'),
@@ -173,7 +173,8 @@ def test_compiled_rows_take_the_setting_and_the_mode():
 def test_compiled_rows_are_compared_with_their_eager_twins():
     """A compiled row's step against the same row eager; lean against
     plain within the compiled rows and within the eager ones."""
-    from mmseg_gf.analysis.step_benchmark import _add_ratios, step_table
+    from mmseg_gf.analysis.step_benchmark import _add_ratios
+    from mmseg_gf.analysis.step_report import step_table
 
     def row(name, step, compiled=None):
         strategy, lean = name.split('+')[0].split(':')
@@ -240,7 +241,7 @@ def test_family_crops():
 def test_the_plot_draws_only_what_was_measured(tmp_path):
     """A memory-only run plots peak and kept ratios, a --no-memory run the
     time ratio only; the vanilla rows' own kept ratio (1) is not drawn."""
-    from mmseg_gf.analysis.step_benchmark import _measured_panels, plot
+    from mmseg_gf.analysis.step_report import _measured_panels, plot
 
     def result(memory: bool, timed: bool):
         rows = [dict(row='inference', lean=None)]

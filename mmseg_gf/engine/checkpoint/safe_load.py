@@ -1,32 +1,18 @@
 """Checkpoints are loaded as data: torch's ``weights_only`` unpickler, with
 mmengine checkpoints' own types allowed through checking stand-ins.
 
-A checkpoint is a pickle, and a pickle can name any callable to run while it
-loads; ``load_from`` is often a URL of a model zoo. ``torch.load`` with
-``weights_only=True`` (torch's default since 2.6, which mmengine 0.10.7's
-``torch.load(filename, map_location=...)`` calls inherit) rebuilds tensors,
-containers and plain values only and refuses every other type. mmengine's
-own checkpoints hold a few more, all data:
-
-* ``message_hub``: the logged scalars as mmengine ``HistoryBuffer``
-  objects (numpy arrays inside);
-* numpy arrays, scalars and their dtypes.
-
-:func:`allow_mmengine_checkpoints` maps those names, on torch's allow-list
-(``torch.serialization.add_safe_globals``), to the stand-ins of
-:mod:`.data`, which check every argument and state before
-anything is built (plain numeric / bool / str dtypes, arrays and scalars of
-those with exactly their bytes, a HistoryBuffer restored from its data
-without touching the class); importing :mod:`mmseg_gf.engine` calls it, so
-plain mmseg / mmengine checkpoints and this project's load with
-``weights_only=True`` through mmseg's own tools too. A checkpoint holding
-any other type, or a value of these types that numpy / mmengine never
-write, is refused: :func:`check_checkpoint_types` names everything a file
-holds that is not allowed before loading it, and
-:func:`explain_refused_checkpoints` turns a refusal during a load into a
-:class:`RefusedCheckpointError`. Each names the ``--trust-checkpoint-type``
-value (:func:`trust_checkpoint_types`) that hands the name to its own
-code, for a file whose origin the user trusts.
+A pickle can run any callable while loading, and ``load_from`` is often a
+URL. ``torch.load(weights_only=True)`` (torch's default since 2.6, inherited
+by mmengine's calls) refuses all but tensors, containers and plain values;
+mmengine checkpoints also hold ``HistoryBuffer`` objects and numpy arrays,
+scalars and dtypes. :func:`allow_mmengine_checkpoints` (called on importing
+:mod:`mmseg_gf.engine`) allow-lists those names as the stand-ins of
+:mod:`.data`, which check every argument before anything is built. Any other
+type or value is refused: :func:`check_checkpoint_types` names it before
+loading, :func:`explain_refused_checkpoints` turns a refusal during a load
+into a :class:`RefusedCheckpointError`; each names the
+``--trust-checkpoint-type`` value (:func:`trust_checkpoint_types`) for a
+file the user trusts.
 """
 import builtins
 import contextlib
@@ -193,19 +179,13 @@ def _resolve(name: str):
 
 
 def trust_checkpoint_types(names: Sequence[str]) -> None:
-    """Allow the given names (dotted, as a refusal prints them) in
-    checkpoints, explicitly.
+    """Allow the given names (dotted, as a refusal prints them) in checkpoints.
 
-    Unpickling one of them runs its own construction code: use it only for
-    a checkpoint whose origin you trust, and only for the names its refusal
-    printed. A name the plugin checks through a stand-in then resolves to
-    its own object: mmengine's ``HistoryBuffer`` (its ``__setstate__``
-    updates the class-wide statistics table), ``builtins.getattr``, and
-    numpy's pickling names, which work only together and are trusted as
-    one: any of ``numpy.dtype``, ``numpy.ndarray``, numpy's
-    ``_reconstruct`` / ``scalar`` hands all of them, and the dtypes'
-    ``__setstate__``, back to numpy. A nested class (``module.Outer.Inner``)
-    is trusted without its parent.
+    Unpickling one runs its own code: only for a trusted file, and only the
+    names its refusal printed. A name checked through a stand-in then resolves
+    to its own object (``HistoryBuffer``, whose ``__setstate__`` updates a
+    class-wide table; ``builtins.getattr``; numpy's pickling names, trusted as
+    one group). A nested class is trusted without its parent.
 
     Raises:
         ValueError: a name that does not import.

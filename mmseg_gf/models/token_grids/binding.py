@@ -1,23 +1,17 @@
 """The bindings: hooks on a model's blocks that keep its token grids current.
 
-:func:`bind_token_grids` calls every registered grid rule
-(:mod:`.registry`) on the model's matching blocks; the rules hook them
-(:class:`TokenGridBindings`), so that a :class:`TokenGridSource` holds the
-grid of every call, and describe each layer on tokens as a
-:class:`~.sites.LinearSite`. A layer no rule covers is described with
-``no_grid`` saying so.
+:func:`bind_token_grids` calls every registered grid rule (:mod:`.registry`)
+on matching blocks; the rules hook them (:class:`TokenGridBindings`) so a
+:class:`TokenGridSource` holds each call's grid, and describe each layer on
+tokens as a :class:`~.sites.LinearSite` (``no_grid`` where no rule covers it).
 
-Hooks sit on blocks (layers, patch embeddings, heads), never on the Linears,
-convs or attentions a surgery may replace, so they survive the swap. They
-are objects holding their sources (rules hold none), so ``copy.deepcopy``
-of a model gives a copy whose hooks set the copy's sources, those its
-filtered layers read; nothing of them is in ``state_dict``. The surgery
-installs them on the segmentor (:func:`install_token_grids`), so a DDP
-wrapper, which runs the same module, runs them too. The grids are set by
-the forward of the block and cleared after it; a block that checkpoints
-its forward gets a forward of the bindings' (:mod:`.recompute`), as does
-a block whose Linear mmseg calls through ``F.linear`` on its weight
-(:meth:`TokenGridBindings.replace_forward`).
+Hooks sit on blocks, never on the layers a surgery replaces, so they
+survive the swap; they hold their sources, so ``copy.deepcopy`` gives a
+copy bound to its own; nothing is in ``state_dict``. Installed on the
+segmentor (:func:`install_token_grids`), so DDP runs them too. A
+checkpointing block, or one calling ``F.linear`` on its Linear's weight,
+gets a forward of the bindings' (:mod:`.recompute`,
+:meth:`TokenGridBindings.replace_forward`).
 """
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple

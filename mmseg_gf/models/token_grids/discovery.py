@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...ops.linear.function import TokenGrid
+from ...ops.linear.token_grid import TokenGrid
 from ..layer_kinds import layer_kind
 from .binding import bind_token_grids
 from .sites import LinearSite

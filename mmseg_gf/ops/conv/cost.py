@@ -1,28 +1,11 @@
 """The single cost model of a convolution's backward: FLOPs and saved bytes.
 
-Every number the plugin prints (the GradFilterHook's table, tools, benchmarks)
-comes from :func:`conv_backward_cost`, so that "how much cheaper is GF" has one
-definition. Conventions:
-
-* 1 multiply-accumulate = 2 FLOPs; additions of a reduction/pooling = 1 FLOP.
-* Vanilla (exact) backward of ``y = conv2d(x, W)``:
-  ``g_x`` and ``g_W`` each cost ``2 * N * Co * Ho * Wo * (Ci/g) * kh * kw``.
-* Gradient filter with patch size ``r`` (docs/gradient_filter.md): on the
-  pooled grid of ``P = ceil(Ho/r) * ceil(Wo/r)`` cells, ``g_x`` and ``g_W``
-  each cost ``2 * N * Co * (Ci/g) * P * taps``, where ``taps`` is 1 for a
-  collapsed (summed) kernel and ``kh`` / ``kw`` along an axis whose pooled
-  dilation ``d // (r*s)`` is >= 1 (dilated convs keep their taps on the
-  pooled grid).
-  Shared overheads: the patch means of ``g_y`` (``N * Co * Ho * Wo`` adds)
-  and, when ``g_x`` is needed or the kernel is not collapsed, the kernel tap
-  sum (``Co * Ci/g * kh * kw`` adds). Broadcasting back over patches is a copy
-  and is not counted. GF also adds work to the *forward*: the patch sums of
-  ``x`` (about ``N * Ci * H * W`` adds, only when ``g_W`` is needed); it is
-  reported apart (``gf_forward_overhead_flops``), not in the backward total.
-* Saved activations: the exact conv keeps ``x`` (``N*Ci*H*W`` elements) for
-  ``g_W``; GF keeps only its patch sums (``N*Ci*P`` elements). Neither keeps
-  anything for the weight gradient when the weight is frozen (``x`` is only
-  needed for ``g_W``); the weight itself is a live Parameter and not counted.
+Every printed figure comes from :func:`conv_backward_cost`; the conventions
+(1 MAC = 2 FLOPs, patch means and tap sums as overhead, the forward's patch
+sums apart, dilated taps on the pooled grid) are in docs/cost.md. Additions
+of a reduction count 1 FLOP each; the broadcast back over patches is a copy,
+not counted. Saved bytes: ``x`` for the exact conv, its patch sums for GF,
+nothing when the weight is frozen (the weight itself is a live Parameter).
 """
 from dataclasses import dataclass
 from math import ceil, sqrt
@@ -38,19 +21,10 @@ __all__ = ['ConvBackwardCost', 'conv_backward_cost', 'ConvGeometry',
 
 @dataclass(frozen=True)
 class ConvBackwardCost:
-    """Backward FLOPs and saved activation bytes, exact vs gradient filter.
-
-    Attributes:
-        vanilla_grad_input_flops: exact ``g_x`` FLOPs (0 if not needed).
-        vanilla_grad_weight_flops: exact ``g_W`` FLOPs (0 if frozen).
-        gf_grad_input_flops: filtered ``g_x`` FLOPs (0 if not needed).
-        gf_grad_weight_flops: filtered ``g_W`` FLOPs (0 if frozen).
-        gf_overhead_flops: patch means of ``g_y`` plus kernel tap sums.
-        gf_forward_overhead_flops: patch sums of ``x`` taken in the forward
-            (adds over the patch-covered input area; 0 if ``g_W`` is not
-            needed). Not part of :attr:`gf_flops`.
-        vanilla_saved_bytes: bytes of ``x`` kept by the exact conv.
-        gf_saved_bytes: bytes of the patch sums kept by GF.
+    """Backward FLOPs and saved activation bytes, exact vs gradient filter
+    (a gradient not computed counts 0). ``gf_overhead_flops``: patch means of
+    ``g_y`` and tap sums; ``gf_forward_overhead_flops``: the forward's patch
+    sums of ``x``, not part of :attr:`gf_flops`.
     """
 
     vanilla_grad_input_flops: int
@@ -91,22 +65,12 @@ def conv_backward_cost(cin: int,
     """Cost of one conv's backward, exact and gradient-filtered.
 
     Args:
-        cin, cout: input / output channels.
-        kh, kw: kernel size.
         stride, dilation: int or (h, w) pair.
-        groups: conv groups (depthwise: ``groups == cin``).
-        in_hw: input spatial size ``(H, W)``.
-        out_hw: output spatial size ``(Ho, Wo)``.
-        batch: batch size ``N``.
+        in_hw, out_hw: input and output ``(H, W)``.
         radius: patch size ``r >= 1``.
-        need_input_grad: whether ``g_x`` is computed (False for the first
-            trained layer when nothing before it is trained).
-        need_weight_grad: whether ``g_W`` is computed; also decides whether
-            anything is saved for backward. Default: True.
-        elem_bytes: bytes per activation element (4 for fp32).
-
-    Returns:
-        ConvBackwardCost: the counts, see the module docstring.
+        need_input_grad: whether ``g_x`` is computed.
+        need_weight_grad: whether ``g_W`` is computed (and anything saved).
+        elem_bytes: bytes per activation element.
     """
     sh, sw = as_pair(stride)
     dh, dw = as_pair(dilation)
@@ -157,13 +121,8 @@ def map_output_stride(input_hw: Sequence[int], map_area: int) -> int:
 
 @dataclass(frozen=True)
 class ConvGeometry:
-    """What a conv's backward cost depends on: its hyper-parameters and
-    the shapes it ran at.
-
-    Attributes:
-        in_shape, out_shape: ``(C, H, W)`` of its input and output.
-        kernel_size, stride, dilation: ``(h, w)`` pairs.
-        groups: conv groups.
+    """A conv's hyper-parameters (``(h, w)`` pairs, groups) and the ``(C, H, W)``
+    shapes it ran at: what its backward cost depends on.
     """
 
     in_shape: Tuple[int, int, int]

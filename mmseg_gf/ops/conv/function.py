@@ -1,25 +1,12 @@
 """Gradient-filtered 2-D convolution: exact forward, filtered backward.
 
-This module is the single implementation of the math in
-``docs/gradient_filter.md`` (Yang, Li, Marculescu, CVPR 2023, Eq. 2, 3, 5
-and Supplement A.5-A.6). It is pure PyTorch (no mmseg / mmcv import) so
-any PyTorch user can call :func:`gradient_filtered_conv2d` directly.
-
-The idea in one paragraph: cut the output gradient ``g_y`` into ``r x r``
-patches and replace every patch by its mean. A patch-constant ``g_y`` makes the
-convolution's backward collapse onto a small "pooled grid" (one cell per
-patch): the input gradient becomes a channel-mixing product with the
-spatially summed kernel, broadcast back over the patch, and the weight
-gradient becomes a product of patch means with patch sums of ``x``. Those
-patch sums of ``x`` (``1/r^2`` of its size for stride 1) are all the forward
-keeps, which is where the activation-memory saving comes from.
-
-One mechanism serves every conv kind. Along an axis where the kernel's taps
-stay within one patch (dilation ``d < r*s``), the kernel is summed over that
-axis; along an axis where taps reach other patches (``d >= r*s``, dilated
-convs of DeepLabV3 / ResNet-d8), the kernel keeps its taps and is applied on
-the pooled grid with dilation ``d // (r*s)``. The backward is then the exact
-backward of that small convolution on the pooled grid, scaled by ``1/s^2``.
+The single implementation of the math in docs/gradient_filter.md (Yang, Li,
+Marculescu, CVPR 2023, Eq. 2, 3, 5 and Supplement A.5-A.6): ``g_y`` is
+replaced by its ``r x r`` patch means, so the backward collapses onto the
+patch grid and the forward keeps only patch sums of ``x``. Collapsed axes sum
+the kernel; dilated taps reaching other patches keep it on the pooled grid
+(docs/gradient_filter.md, sections "Backward" and "Dilated convolutions").
+Pure PyTorch, no mmseg / mmcv import.
 """
 
 from typing import List, Optional, Tuple, Union
@@ -41,13 +28,9 @@ from ..patch_grid import (AxisGeometry, IntPair, as_pair, autocast_off,
 
 def pooled_kernel(weight: Tensor, geo_h: AxisGeometry,
                   geo_w: AxisGeometry) -> Tensor:
-    """The kernel as seen on the pooled grid: summed over collapsed axes.
-
-    Both axes collapsed gives ``W~[co, ci] = sum_{u,v} W[co, ci, u, v]``
-    (docs/gradient_filter.md#backward, step 2) as a ``1 x 1`` kernel,
-    computed as a matrix-vector product: a reduction over the short
-    contiguous tap axis vectorises poorly, and for 512x512 kernels this read
-    dominates small layers.
+    """The kernel on the pooled grid: summed over collapsed axes
+    (docs/gradient_filter.md, section "Backward", step 2), as a matrix-vector
+    product, which vectorises better than a reduction over the tap axis.
     """
     if geo_h.collapsed and geo_w.collapsed:
         co, ci_g, kh, kw = weight.shape
@@ -76,13 +59,10 @@ def _channel_mixing_backward(
     need_input: bool,
     need_weight: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Backward of a grouped ``1 x 1`` convolution as matrix products.
-
-    The usual (non-dilated) case: ``g_x~ = W~^T g~`` and ``g_W~ = g~ x~^T``
-    per group, with batch and patch grid flattened into one axis so that
-    each group is a single large GEMM (one per group, not one per image).
-    Depthwise convs are elementwise. Direct products avoid the large fixed
-    cost of a general convolution backward on such small tensors.
+    """Backward of a grouped ``1 x 1`` conv as one GEMM per group
+    (``g_x~ = W~^T g~``, ``g_W~ = g~ x~^T``, batch and patch grid flattened);
+    depthwise convs are elementwise. Cheaper than a general conv backward on
+    such small tensors.
     """
     n, co, ph, pw = grad_pooled.shape
     co_g, ci_g = co // groups, kernel.shape[1]
@@ -114,21 +94,11 @@ def _pooled_weight_grad(grad_pooled: Tensor, input_pooled: Tensor,
                         groups: int) -> Tensor:
     """``g_W~ = sum_n g~_n x~_n^T`` per group, as ``(g, co_g, ci_g)``.
 
-    Two ways to the same sum, chosen by which moves less memory:
-
-    * one GEMM per image, straight on the NCHW grids (no copies), then a
-      sum over the batch of the ``n x Co x Ci_g`` partial products; best
-      when the patch grid is large next to the channels (128 channels on
-      a 60x80 grid: 3x faster on CPU);
-    * batch and cells gathered into one long axis (a permuted copy of both
-      grids, ``(Co + Ci) x n x cells`` elements), then one GEMM per group;
-      best when the grid is small and the channel product large (e.g.
-      512 channels on a 4x4 grid), where the per-image partial products
-      would dominate.
-
-    The per-image way is taken only when its partial products are at most a
-    quarter of the gathered copies: near the break-even point the single
-    long GEMM was as fast or faster in our CPU measurements.
+    Either one GEMM per image on the NCHW grids plus a sum of the partial
+    products (large grids, few channels), or one GEMM per group on a gathered
+    copy (small grids, many channels). The per-image way is taken when its
+    partial products are at most a quarter of the gathered copies
+    (docs/benchmarks/design_measurements.md).
     """
     n, co, ph, pw = grad_pooled.shape
     ci = input_pooled.shape[1]
@@ -158,12 +128,8 @@ def pooled_conv_backward(
     need_input: bool,
     need_weight: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Exact backward of the small convolution on the pooled grid.
-
-    The forward it differentiates is ``y~ = conv2d(pad(x~), kernel,
-    dilation=pooled_dilation)``, a stride-1 convolution whose output grid is
-    the patch grid. Collapsed axes have a kernel of size 1, so in the usual
-    (non-dilated) case this is a pair of channel-mixing matrix products.
+    """Exact backward of ``y~ = conv2d(pad(x~), kernel, dilation=pooled_dilation)``
+    on the patch grid (a pair of GEMMs where both axes collapse).
 
     Returns:
         ``(grad wrt x~ on the patch grid, grad wrt the pooled kernel)``.
@@ -205,16 +171,13 @@ def pooled_conv_backward_op(grad_pooled: Tensor, padded_input: Tensor,
                             kernel: Tensor, dilation: List[int], groups: int,
                             need_input: bool, need_weight: bool
                             ) -> Tuple[Tensor, Tensor]:
-    """The pooled grid's convolution backward (a dilated kernel's, one that
-    does not collapse) as a torch operator: what a compiled graph calls.
-    As ``aten.convolution_backward`` in a graph whose convolutions Inductor
-    lays out channels-last (its layout optimization, on by default), it
-    ran channels-last and the weight's gradient was copied back to the
-    weight's layout (PSPNet-R18's dilated layer4 conv, 512x512x3x3, at
-    256x256, batch 2: a 2.8 ms copy in a 22 ms lean backward on a 2-core
-    AMD EPYC Zen 4). Here it runs on contiguous tensors, as in eager
-    mode. Returns ``(g_x~ on the padded grid, g_W)``, contiguous;
-    an empty tensor for each one not asked for (ops cannot return None)."""
+    """The pooled grid's conv backward (a non-collapsing dilated kernel) as a
+    torch operator for compiled graphs: it runs on contiguous tensors, as in
+    eager mode, where ``aten.convolution_backward`` under Inductor's
+    channels-last layout copied the weight gradient back
+    (docs/benchmarks/design_measurements.md). Returns ``(g_x~ on the padded
+    grid, g_W)``, an empty tensor for each one not asked for.
+    """
     grad_input, grad_kernel, _ = torch.ops.aten.convolution_backward(
         grad_pooled.contiguous(), padded_input.contiguous(),
         kernel.contiguous(), None, [1, 1], [0, 0], dilation, False, [0, 0],
@@ -328,11 +291,9 @@ def gradient_filtered_conv2d(x: Tensor,
     """``F.conv2d`` whose backward is the gradient filter of patch size ``r``.
 
     Args:
-        x: input, ``N x Ci x H x W``.
-        weight: ``Co x Ci/groups x kh x kw``.
-        bias: optional ``Co``; its gradient is exact.
-        stride, padding, dilation, groups: as in ``F.conv2d`` (string
-            padding ``'same'`` / ``'valid'`` included).
+        x, weight, bias, stride, padding, dilation, groups: as in
+            ``F.conv2d`` (``'same'`` / ``'valid'`` included); the bias
+            gradient is exact.
         radius: patch size ``r >= 1`` of the output-gradient patches.
 
     Returns:
@@ -353,20 +314,12 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                   radius: int) -> Tensor:
     """``F.conv2d`` with the gradient-filter backward; numeric padding.
 
-    Three autograd nodes compute the same backward. The usual case (a
-    kernel that collapses on both axes) takes a fused node where one
-    applies: on a CUDA input (contiguous NCHW or channels-last) the Triton
-    one (:func:`.gpu.filtered_conv2d`; on an H100 the step-by-step
-    route's handful of small kernels was slower than cuDNN's exact
-    backward);
-    on a contiguous NCHW float CPU input with weight and bias of its dtype
-    and autocast off the compiled C++ one (:func:`.cpu.filtered_conv2d`;
-    on small layers the Python Function's own overhead was ~10% of the
-    backward). Everything else (other layouts and dtypes, dilated taps,
-    CPU autocast, ``torch.compile`` on CPU, machines without the kernels)
-    takes :class:`GradientFilterConv2dFunction`, the reference (under
-    ``torch.compile`` on CPU it calls the same compiled kernels as
-    operators: the same numbers as the C++ node).
+    Where both axes collapse, a fused node applies: Triton on CUDA
+    (:func:`.gpu.filtered_conv2d`), compiled C++ on contiguous float CPU input
+    with autocast off (:func:`.cpu.filtered_conv2d`); both beat the step-by-step
+    route (docs/benchmarks/design_measurements.md). Everything else takes
+    :class:`GradientFilterConv2dFunction`, the reference (under
+    ``torch.compile`` on CPU it calls the same kernels as operators).
     """
     choice = dispatch.choose('conv', x, weight, bias, stride, padding,
                              dilation, groups, radius)

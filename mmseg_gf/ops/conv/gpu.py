@@ -1,36 +1,20 @@
 """The GPU path of the usual filtered conv: Triton kernels as torch ops.
 
-For a conv whose kernel collapses on both axes (every tap within one
-patch: all but the dilated convs), on a CUDA input stored contiguous NCHW
-or channels-last, the filtered conv is :class:`TritonFilteredConv2d`:
+A conv whose kernel collapses on both axes, on a contiguous NCHW or
+channels-last CUDA input, is :class:`TritonFilteredConv2d`: ``F.conv2d``
+plus one Triton pass over ``x`` for its patch sums (when the weight trains);
+the backward is :func:`collapsed_backward`: one pass over ``g_y`` (patch
+means, the bias's partial sums, ``W~``), then one launch of
+:mod:`.products_kernels` for both products, for every groups, kernel size
+and bias (``tests/helpers/triton_cases.py::test_backward_launch_count``).
+``MMSEG_GF_FUSED_PRODUCTS=0`` takes batched cuBLAS GEMMs and a Triton spread
+instead.
 
-* forward: ``F.conv2d`` (cuDNN) plus one Triton pass over ``x`` for its
-  patch sums (only when the weight needs a gradient);
-* backward: one custom op, :func:`collapsed_backward`: one Triton pass over
-  ``g_y`` (patch means, the bias gradient's partial sums and, in further
-  programs, the taps' sum ``W~``), then one launch of
-  :mod:`.products_kernels` for both products (the weight side, ``g_W`` in
-  every tap with ``g_b``; the input side, ``W~^T g~`` written to every
-  pixel of its patch), dense, depthwise and grouped convs alike; with
-  ``MMSEG_GF_FUSED_PRODUCTS=0`` the two products on the patch grid as
-  batched cuBLAS GEMMs and one Triton pass writing ``g_x`` (none when the
-  input needs no gradient).
-
-Both Triton parts are registered torch custom ops (``torch.library``) with
-fake implementations, so ``torch.compile`` traces through them and CUDA
-graphs (``mode='reduce-overhead'``) capture them: nothing in them syncs
-with the host or depends on tensor values. (In eager mode the Function
-calls their implementations directly.) In eager mode the backward runs
-a few lines of Python (the Function, the op, the Triton launchers); Triton
-offers no launch from C++.
-
-A conv's backward launches two kernels, whatever its groups, kernel size
-and bias (``tests/helpers/triton_cases.py::test_backward_launch_count``
-holds the counts).
-
-Where :mod:`~..backend.triton_runtime` refuses (no triton, switched off,
-a CPU tensor outside the interpreter) every conv takes the pure-PyTorch
-Function, which computes the same gradients.
+Both parts are ``torch.library`` custom ops with fake implementations, so
+``torch.compile`` traces them and CUDA graphs capture them (no host sync, no
+value-dependent control); eager mode calls them directly. Where
+:mod:`~..backend.triton_runtime` refuses, the pure-PyTorch Function computes
+the same gradients.
 """
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -52,17 +36,11 @@ _calls = 0
 
 
 class GradPrologue(NamedTuple):
-    """What the filtered backward's pass over the gradient
-    (:func:`~.kernels.output_grad_means`) applies to each element it
-    reads: the backward of a bit-masked activation, then of a frozen norm
-    (after the conv in the forward: conv, norm, activation):
-
-    * ``bits``: the activation's packed mask (:mod:`.bit_mask`'s layout),
-      element ``i`` at ``bit_strides`` (``N, C, H, W``: the activation
-      output's layout); the gradient passes where set, times
-      ``off_scale`` elsewhere;
-    * ``running_var``, ``weight``, ``eps``: the norm's factor
-      ``rsqrt(running_var + eps) * weight`` per channel (float32).
+    """What the pass over ``g_y`` (:func:`~.kernels.output_grad_means`) applies
+    to each element first: a bit-masked activation's backward (``bits`` in
+    :mod:`.bit_mask`'s layout at ``bit_strides``; ``off_scale`` where unset),
+    then a frozen norm's (``rsqrt(running_var + eps) * weight`` per channel,
+    float32): the forward's conv, norm, activation, in reverse.
     """
     bits: Tensor
     bit_strides: Tuple[int, int, int, int]
@@ -181,16 +159,14 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                        input_dtype: torch.dtype, need_input: bool,
                        need_weight: bool, need_bias: bool
                        ) -> Tuple[Tensor, Tensor, Tensor]:
-    """The backward of docs/gradient_filter.md#backward (steps 1-4 and the
-    bias) for a kernel that collapses on both axes.
+    """Steps 1-4 and the bias (docs/gradient_filter.md, section "Backward") for a
+    kernel that collapses on both axes.
 
-    ``input_pooled`` is :func:`patch_sums`' output (``None`` unless the
-    weight gradient is needed), ``rows`` / ``cols`` the input patches
-    ``Q(P)``, ``scale = 1/s^2``. Returns ``(g_x, g_W, g_b)``: ``g_x`` in
-    ``input_dtype``, ``g_W`` in the weight's shape and dtype (``g_W~`` in
-    every tap), ``g_b`` in the accumulation dtype (float32; float64 for a
-    float64 weight); an empty tensor stands for each gradient not asked
-    for.
+    ``input_pooled``: :func:`patch_sums`' output (None unless ``g_W`` is
+    needed); ``rows`` / ``cols``: the input patches ``Q(P)``; ``scale = 1/s^2``.
+    Returns ``(g_x, g_W, g_b)``: ``g_x`` in ``input_dtype``, ``g_W`` in the
+    weight's shape and dtype, ``g_b`` in the accumulation dtype; an empty tensor
+    for each one not asked for.
     """
     return collapsed_backward_from(
         grad_output, None, input_pooled, weight, groups, scale, input_height,

@@ -1,41 +1,19 @@
-"""Triton kernel of the GPU path: the patch grid's two products in one
-launch, with what surrounds them.
+"""Triton kernel of the GPU path: the patch grid's two products in one launch.
 
-After :func:`~.conv.kernels.output_grad_means` has read ``g_y`` once
-(``g~``, the scaled patch means, ``Co x N x ph x pw``, the bias's partial
-sums and, in the same launch, the kernel's tap sums ``W~``), a filtered
-conv or Linear needs two products on the ``1/r^2``-sized patch grid
-(docs/gradient_filter.md#backward). They depend on nothing the other
-writes, so :func:`products` runs both in one launch, its programs split
-between them:
+After :func:`~.conv.kernels.output_grad_means` has read ``g_y`` once (``g~``,
+the bias's partial sums, the tap sums ``W~``), :func:`products` computes, in
+programs of one launch (docs/gradient_filter.md, section "Backward"):
 
-* the weight side, ``g_W~ = g~ x~^T`` (``x~``: the forward's patch sums of
-  ``x``), written to every tap of the weight's gradient in its own shape
-  and dtype, and the bias gradient (the partial sums' total). As separate
-  operators these are a GEMM, a sum, and a copy of the expanded gradient
-  into ``.grad`` (autograd stores no broadcast gradient);
-* the input side, ``g_x~ = W~^T g~``, each patch's value written to every
-  pixel of the patch (the spread) from the registers that computed it:
-  ``g_x~`` never reaches memory, where a GEMM and a spread write it and
-  read it back.
+* ``g_W~ = g~ x~^T``, written to every tap of the weight's gradient, and the
+  bias gradient (separately: a GEMM, a sum and a copy into ``.grad``);
+* ``g_x~ = W~^T g~``, spread over each patch from registers, never written.
 
-So a filtered layer's backward is two launches: the pass over ``g_y``,
-then this one.
-
-A program computes a ``BLOCK_M x BLOCK_N`` tile of its product with
-``tl.dot`` in the accumulation dtype (float32, float64 for float64 tensors;
-IEEE products, no TF32, as cuBLAS's default), so the sums run in another
-order than a GEMM's: equal within rounding (``tests/helpers/
-triton_cases.py``). Dense and grouped convs (a group's tiles within its
-channels) and Linears take them; a depthwise layer's products are per
-channel (a dot product and a scale instead of ``tl.dot``). Tile sizes:
-on a GPU ``triton.autotune`` times a few (:data:`TUNING_TILES`) once per
-layer shape and keeps the fastest; under the interpreter and with
-``MMSEG_GF_AUTOTUNE=0``, :func:`fixed_tiles` (16 to 64, from the
-shape).
-
-Importing this module imports ``triton`` (:mod:`.gpu` does so
-lazily, as for :mod:`.conv.kernels`).
+A filtered layer's backward is thus two launches. Tiles use ``tl.dot`` in
+the accumulation dtype (IEEE, no TF32), equal to a GEMM within rounding
+(``tests/helpers/triton_cases.py``); depthwise layers take per-channel
+products. ``triton.autotune`` picks among :data:`TUNING_TILES` per shape;
+under the interpreter or ``MMSEG_GF_AUTOTUNE=0``, :func:`fixed_tiles`.
+Importing this module imports ``triton``.
 """
 import math
 from types import MappingProxyType
@@ -72,16 +50,12 @@ def _products(means, pooled, partial, grad_w, grad_b, kernel, out,
               BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
               BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
               COL_SIZE: tl.constexpr):
-    """Both products in one launch: the first programs compute the weight
-    side (per group, ``BLOCK_M x BLOCK_N`` tiles of :func:`_weight_tile`;
-    or :func:`_depthwise_weight_tile` per ``BLOCK_M`` channels), the
-    others the input side (per group, image and patch row, tiles of
-    ``BLOCK_C`` channels x ``BLOCK_P`` patches of :func:`_input_tile`):
-    independent work, both reading only ``g~`` and what the forward and
-    the pass over ``g_y`` left. ``out_channels`` / ``in_channels`` count
-    one group's (a depthwise layer's: all channels, as one group);
-    ``image_rows`` is ``N x ph``. The program counts follow from the
-    tiles (:func:`program_count` launches as many)."""
+    """Both products in one launch: the first programs the weight side
+    (:func:`_weight_tile` or :func:`_depthwise_weight_tile`), the others the
+    input side (:func:`_input_tile` per image and patch row). Channel counts
+    are one group's; ``image_rows`` is ``N x ph``; :func:`program_count` gives
+    the launch size.
+    """
     pid = tl.program_id(0)
     weight_rows = tl.cdiv(out_channels, BLOCK_M)
     weight_cols = 1
@@ -132,14 +106,10 @@ def _weight_tile(pid_m, pid_n, o_base, c_base, means, pooled, partial,
                  HAS_B: tl.constexpr, ACC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
-    """The ``(pid_m, pid_n)`` ``BLOCK_M x BLOCK_N`` tile of one group's
-    ``Co/g x Ci/g`` (its output channels from ``o_base``, its input
-    channels from ``c_base``): ``g_W~ = means x pooled^T`` over the
-    ``cells`` (``N ph pw``) axis, stored to each of the ``taps`` of
-    ``grad_w`` (``Co x Ci/g x taps``, contiguous, the weight's dtype); the
-    first column of tiles also sums ``partial`` (``N x Co x ph``, ``Co =
-    all_out``: ``batch x patch_rows`` terms per channel, in a fixed order)
-    into ``grad_b``."""
+    """One ``BLOCK_M x BLOCK_N`` tile of a group's ``g_W~ = means x pooled^T``
+    over the ``N ph pw`` cells, stored to every tap of ``grad_w``; the first
+    column of tiles also sums ``partial`` into ``grad_b`` in a fixed order.
+    """
     o = o_base + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_ok = o < o_base + out_channels
@@ -216,15 +186,11 @@ def _input_tile(pid_row, pid_c, pid_p, o_base, c_base, means, kernel, out,
                 ACC: tl.constexpr, BLOCK_C: tl.constexpr,
                 BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
                 COL_SIZE: tl.constexpr, DEPTHWISE: tl.constexpr):
-    """The tile of (image and patch row ``pid_row``, ``BLOCK_C`` input
-    channels, ``BLOCK_P`` patches of the row) of one group (its output
-    channels from ``o_base``, its input channels from ``c_base``): ``g_x~
-    = W~^T g~`` for those patches (``kernel``: ``W~``, ``Co x Ci/g`` at
-    strides ``k_o, k_i``), each value stored to the ``row_size x
-    col_size`` pixels of its patch that lie on the map (``out``: ``N x Ci
-    x H x W`` at any strides). ``DEPTHWISE``: channel ``c`` reads output
-    channel ``c`` only (``W~`` is ``C x 1``), a product per element
-    instead of a ``tl.dot``."""
+    """``g_x~ = W~^T g~`` for ``BLOCK_C`` input channels x ``BLOCK_P`` patches of
+    one image and patch row, each value stored to its patch's pixels on the
+    map (``out`` at any strides). ``DEPTHWISE``: channel ``c`` reads output
+    channel ``c`` only, a product per element.
+    """
     n = pid_row // row_count
     a = pid_row % row_count
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -390,31 +356,20 @@ def products(means: Tensor, pooled: Optional[Tensor],
     """One launch for both products (see the module docstring).
 
     Args:
-        means: ``g~``, ``Co x N x ph x pw`` contiguous in the accumulation
-            dtype (``output_grad_means``).
-        pooled: ``x~`` as a ``Ci x cells`` matrix at any strides (the
-            conv's channel-major patch sums, the Linear's token rows'
-            transpose), any float dtype; None unless ``need_w``.
-        partial: the bias's partial sums ``N x Co x ph``, contiguous in the
-            accumulation dtype; None unless ``need_b``.
-        weight: ``Co x Ci/g x taps...`` (a conv's ``Co x Ci/g x kh x kw``
-            or a Linear's ``Co x Ci``): ``g_W``'s shape.
-        tap_sums: ``W~`` (``Co x Ci/g``, any strides, any float dtype)
-            when ``out`` is given.
-        out: ``g_x`` (``N x Ci x H x W`` at any strides, zeroed by the
-            caller where the patches ``rows`` / ``cols`` do not cover it,
-            :func:`covers`), or None where no input gradient is needed.
+        means: ``g~``, ``Co x N x ph x pw``, contiguous, accumulation dtype.
+        pooled: ``x~`` as ``Ci x cells`` at any strides; None unless ``need_w``.
+        partial: the bias's partial sums ``N x Co x ph``; None unless ``need_b``.
+        weight: gives ``g_W``'s shape (``Co x Ci/g x taps...``).
+        tap_sums: ``W~`` (``Co x Ci/g``) when ``out`` is given.
+        out: ``g_x`` (``N x Ci x H x W``, zeroed by the caller where the
+            patches do not cover it, :func:`covers`), or None.
         need_w, need_b: whether ``g_W`` / ``g_b`` are written.
         grad_dtype: ``g_W``'s dtype (default: the weight's).
-        groups: the conv's groups (``pooled`` holds all ``Ci`` channels);
-            a depthwise layer (``groups == Co == Ci``) takes per-channel
-            products instead of ``tl.dot`` tiles.
+        groups: the conv's groups; depthwise takes per-channel products.
 
     Returns:
-        ``(g_W, g_b)``: ``g_W`` in the weight's shape and ``grad_dtype``
-        (every tap the same), contiguous, and ``g_b`` (``Co``) in the
-        accumulation dtype; empty tensors where not asked for. ``out``
-        holds ``g_x``.
+        ``(g_W, g_b)``, contiguous (``g_b`` in the accumulation dtype); empty
+        tensors where not asked for. ``out`` holds ``g_x``.
     """
     acc = means.dtype
     co = weight.shape[0]

@@ -1,29 +1,14 @@
 """Autograd functions that keep only what their backward needs.
 
-In a finetuned segmentor most of what a training step keeps for backward is
-not the convolutions' inputs (which gradient filtering shrinks) but what the
-layers around them save by default:
-
-* a frozen norm layer in eval mode is a per-channel affine map, whose
-  backward is ``g * scale``; autograd's batch norm keeps its whole input;
-* ReLU / ReLU6 / LeakyReLU need one bit per element (does the gradient pass),
-  autograd keeps a float tensor;
-* element-wise dropout needs its keep mask, autograd keeps a float noise
-  tensor on CPU;
-* adaptive average pooling (PSPNet's pyramid) needs only its input's shape,
-  autograd keeps the input;
-* a frozen conv whose input needs a gradient needs only its weight for
-  ``g_x``, autograd keeps its input as well (a frozen linear layer: the
-  weight only, which autograd already does in float32; under autocast it
-  keeps a cast copy of the weight).
-
-Each function here computes exactly what the plain operation computes in the
-forward (the same call, bit for bit) and keeps the small thing instead.
-Gradients equal the plain path's (bitwise for the activations and dropout;
-to rounding for the norm, whose scale is one product instead of two). The
-loss, which upsamples the logits to the label size, has its gradient taken
-in the forward instead (:mod:`.loss_gradients`). No mmseg import: the mmseg
-modules are wired in by :mod:`mmseg_gf.models.lean`.
+Around the filtered convs, autograd's defaults keep far more than the
+backward reads: a frozen eval-mode norm's input (it needs ``scale``), a
+float tensor per ReLU-like activation or dropout (one bit per element
+does), adaptive pooling's input (its shape does), a frozen conv's input
+(its weight does). Each function here runs the plain forward (bit for bit)
+and keeps the small thing; gradients equal the plain path's (bitwise, or to
+rounding for the norm). The loss's gradient is taken in the forward
+(:mod:`..loss.gradients`). No mmseg import: :mod:`mmseg_gf.models.lean`
+wires the modules in.
 """
 from typing import Callable, Optional
 
@@ -46,13 +31,9 @@ __all__ = [
 class FrozenAffineNormFunction(Function):
     """A frozen norm's forward, with ``g_x = g * scale`` as backward.
 
-    ``scale`` is the per-channel factor of the affine map the norm applies
-    (``weight / sqrt(running_var + eps)`` for batch norm in eval mode); it is
-    the only tensor kept (``C`` elements). With ``factor`` (a second
-    per-channel tensor, referenced) the backward is ``g * scale * factor``,
-    two products in that order: batch norm's own backward kernel in eval
-    mode (``dy * invstd * w``), hence its gradient bit for bit where the
-    dtypes match (float64 models, where exactness is checked).
+    Keeps only ``scale`` (``C`` elements). With ``factor`` the backward is
+    ``g * scale * factor`` in that order, batch norm's own eval-mode backward
+    (``dy * invstd * w``), so equal bit for bit where dtypes match.
     """
 
     @staticmethod
@@ -83,18 +64,13 @@ class FrozenAffineNormFunction(Function):
 class MaskedActivationFunction(Function):
     """A piecewise-linear activation keeping one bit per element.
 
-    The gradient passes where ``lo < x < hi`` (``hi=None``: no bound; NaN
-    gets ``nan_bit``) and is multiplied by ``off_scale`` elsewhere: ReLU is
-    ``(0, None, True, 0)``, Hardtanh/ReLU6 ``(min, max, True, 0)``,
-    LeakyReLU ``(0, None, False, slope)``, as their autograd formulas read.
-    The mask is taken from the input before ``activate`` runs, so in-place
-    activations (``inplace=True``, marked dirty) work too.
-
-    ``formula`` (None, ``'clamp'`` or ``'scale'``: see
-    :func:`bit_mask.activate_and_pack`) says that ``activate`` computes
-    that formula of the mask's bounds; where the Triton path takes ``x``,
-    the output and the mask are then written in one pass, without calling
-    ``activate``.
+    The gradient passes where ``lo < x < hi`` (``hi=None``: unbounded; NaN gets
+    ``nan_bit``) and is scaled by ``off_scale`` elsewhere: ReLU is ``(0, None,
+    True, 0)``, Hardtanh/ReLU6 ``(min, max, True, 0)``, LeakyReLU ``(0, None,
+    False, slope)``. The mask is taken before ``activate`` runs, so in-place
+    activations work. ``formula`` (None, ``'clamp'``, ``'scale'``,
+    :func:`bit_mask.activate_and_pack`) lets the Triton path write output and
+    mask in one pass.
     """
 
     @staticmethod
@@ -129,12 +105,9 @@ class MaskedActivationFunction(Function):
 
 
 class MaskedDropoutFunction(Function):
-    """Element-wise dropout keeping its keep mask as bits.
-
-    The noise is drawn by ``torch.nn.functional.dropout`` of a tensor of
-    ones (the same draws, on CPU, as dropout of ``x``: one Bernoulli sample
-    per element, scaled by ``1/(1-p)``), the output is ``x * noise``, and the
-    backward ``g * noise`` is rebuilt from the bits and the scale.
+    """Element-wise dropout keeping its keep mask as bits: the noise is
+    ``F.dropout`` of ones (the same draws as dropout of ``x``), the output
+    ``x * noise``, the backward rebuilt from the bits and ``1/(1-p)``.
     """
 
     @staticmethod
@@ -153,14 +126,11 @@ class MaskedDropoutFunction(Function):
 
 
 class ShapeOnlyAdaptiveAvgPoolFunction(Function):
-    """Adaptive average pooling keeping only its input's shape.
+    """Adaptive average pooling keeping only its input's shape and strides.
 
-    Pooling is linear: its backward spreads each output gradient evenly over
-    the input pixels of its bin, from sizes alone. The backward calls
-    autograd's own kernel with an uninitialised tensor of the input's shape
-    and strides (the kernel reads only its geometry), so the gradient is
-    autograd's, bit for bit. Only for outputs larger than 1x1: a 1x1 output
-    is a mean, which keeps nothing anyway.
+    The backward calls autograd's own kernel on an uninitialised tensor of
+    that geometry (it reads sizes only), so the gradient is autograd's bit for
+    bit. Outputs larger than 1x1 only (a 1x1 output keeps nothing anyway).
     """
 
     @staticmethod
@@ -180,13 +150,10 @@ class ShapeOnlyAdaptiveAvgPoolFunction(Function):
 
 
 def _frozen_weight(ctx, weight: Tensor) -> None:
-    """Keep a reference to a frozen layer's weight (a live Parameter: no
-    byte is kept) and its version, checked as autograd checks a saved
-    tensor: an in-place change between forward and backward is an error,
-    not a silently different gradient. Under ``torch.compile`` the version
-    is not read (a data-dependent value to Dynamo): the compiled graph's
-    own autograd node saves the weight its backward reads, and autograd
-    checks that saved tensor's version."""
+    """Reference a frozen layer's weight (no byte kept) and its version, which
+    the backward checks as autograd checks a saved tensor. Not read under
+    ``torch.compile``, whose own node saves and checks the weight.
+    """
     ctx.weight = weight
     ctx.weight_version = None if torch.compiler.is_compiling() else \
         weight._version
@@ -207,16 +174,11 @@ def _weight_for_backward(ctx, dtype: torch.dtype) -> Tensor:
 class FrozenConvFunction(Function):
     """A 2-d convolution with frozen weight and bias, keeping no tensor.
 
-    ``g_x = conv_transpose(g, W)`` needs the weight and the input's shape
-    only; autograd's convolution keeps the input too. The forward is
-    ``conv(x)`` itself (the module's own call, bit for bit); the backward
-    is autograd's own kernel (``aten.convolution_backward`` with only the
-    input gradient asked for), given the input's shape as a zero-stride
-    tensor (read for its sizes only, as ``torch.nn.grad.conv2d_input``
-    does), so strides, padding, dilation, groups and sizes the stride does
-    not divide are handled as autograd handles them. It computes in the
-    output's dtype (autocast's) and returns the gradient in ``x``'s.
-    Zero padding with integer sizes only (``padding_mode='zeros'``).
+    The forward is the module's own call; the backward is
+    ``aten.convolution_backward`` (input gradient only) given the input's shape
+    as a zero-stride tensor, so every stride, padding, dilation and group is
+    handled as autograd handles it. Computes in the output's dtype, returns
+    ``x``'s. ``padding_mode='zeros'`` with integer sizes only.
     """
 
     @staticmethod

@@ -1,29 +1,13 @@
 """What a frozen transformer block keeps for backward: the minimum.
 
-Once gradient filtering trains a layer inside (or before) a transformer
-block, the block's frozen layers sit on the gradient path, and autograd's
-defaults keep full-size tensors for each:
-
-* attention written out as ``softmax(q k^T * scale + bias) v`` keeps the
-  ``L x S`` probabilities (and their logits) per head: the largest tensors
-  of the step at high resolution. Through
-  :func:`torch.nn.functional.scaled_dot_product_attention` the backward
-  recomputes them from ``q``, ``k``, ``v``, the output and one logsumexp
-  per query and head, which is all SDPA keeps (PyTorch's CPU flash kernel,
-  ``_scaled_dot_product_flash_attention_for_cpu``; an additive mask, such
-  as Swin's relative position bias, is kept once);
-* a frozen ``LayerNorm`` keeps its input, the per-token mean and the
-  per-token ``rstd``; its input gradient needs the input (or the
-  normalized output) and ``rstd``: the mean is recomputed from the input
-  (:class:`FrozenLayerNormFunction`);
-* DropPath keeps one float per sample; one bit per sample does
-  (:class:`BitMaskDropPathFunction`).
-
-GELU's derivative is a smooth function of its input: autograd keeps the
-input, once, which is the minimum of an exact rule (no function here; the
-accounting counts it and shares it with another rule keeping the same
-tensor). Between two filtered layers on one patch partition the patch
-means of the derivative suffice (:mod:`.patch_mean_activation`). Pure PyTorch, no mmseg import: the modules are wired in by
+On the gradient path, autograd's defaults keep full-size tensors: written-out
+attention its ``L x S`` probabilities per head (SDPA keeps ``q``, ``k``, ``v``,
+the output and one logsumexp per query and head, an additive mask once), a
+frozen ``LayerNorm`` its input, mean and ``rstd`` (the mean is recomputed:
+:class:`FrozenLayerNormFunction`), DropPath a float per sample (one bit
+does: :class:`BitMaskDropPathFunction`). GELU keeps its input, the minimum
+of an exact rule (patch means between filtered layers:
+:mod:`.patch_mean_activation`). Pure PyTorch; wired in by
 :mod:`mmseg_gf.models.lean_transformer`.
 """
 from typing import Optional, Sequence
@@ -54,19 +38,13 @@ def _check_version(tensor: Optional[Tensor], version: int) -> None:
 
 
 class FrozenLayerNormFunction(Function):
-    """``layer_norm(x, shape, weight, bias, eps)`` with frozen weight and
-    bias, keeping its input and the per-token ``rstd`` only.
+    """``layer_norm`` with frozen weight and bias, keeping its input and ``rstd``.
 
-    The forward is ``torch.native_layer_norm`` (the kernel
-    ``F.layer_norm`` runs: the output is the plain module's, bit for bit).
-    The backward recomputes the per-token mean from the kept input and
-    calls autograd's own kernel (``native_layer_norm_backward``, input
-    gradient only): the gradient is autograd's up to the rounding of the
-    recomputed mean (~1 ulp). The weight and bias are referenced, not
-    saved (live Parameters); an in-place change between forward and
-    backward is an error, as autograd reports for a saved tensor. On the
-    Triton path (:func:`triton_norm.layer_norm_usable`) the backward is
-    one launch (:func:`triton_norm.frozen_layer_norm_backward`).
+    The forward is ``torch.native_layer_norm`` (the plain output bit for bit);
+    the backward recomputes the mean and calls ``native_layer_norm_backward``
+    (autograd's gradient to ~1 ulp), or one Triton launch
+    (:func:`triton_norm.frozen_layer_norm_backward`). Weight and bias are
+    referenced, version-checked like saved tensors.
     """
 
     @staticmethod
@@ -102,14 +80,10 @@ class FrozenLayerNormFunction(Function):
 
 
 class BitMaskDropPathFunction(Function):
-    """Stochastic depth (mmcv's ``drop_path``) keeping one bit per sample.
-
-    The noise is drawn as mmcv draws it (``floor(keep_prob + rand(N, 1,
-    ...))`` in ``x``'s dtype, the same random numbers) and the output is
-    computed by the same operations (``x.div(keep_prob) * noise``), so the
-    forward is mmcv's bit for bit; the backward ``g.div(keep_prob) * noise``
-    is rebuilt from the bits (autograd keeps the float noise); on the
-    Triton path in one launch (:func:`triton_bit_mask.apply_per_sample`).
+    """mmcv's ``drop_path`` keeping one bit per sample: the noise drawn and
+    applied as mmcv does (its output bit for bit), the backward
+    ``g.div(keep_prob) * noise`` rebuilt from the bits (on Triton in one
+    launch).
     """
 
     @staticmethod
@@ -168,20 +142,12 @@ def multihead_attention(query: Tensor, key: Tensor, value: Tensor,
 
     Args:
         query: ``(B, L, E)``; key, value: ``(B, S, E)``.
-        q_proj: ``(weight, bias)`` of the query's projection (bias may be
-            None; views of a packed in-projection are fine).
-        kv_proj: ``(weight, bias)`` of the key's and value's projections
-            stacked (``2E`` rows), used when ``key is value``: one
-            projection, as torch computes it; else None.
-        k_proj, v_proj: the separate projections (when ``kv_proj`` is
-            None).
-        out_proj: ``(weight, bias)`` of the out-projection.
+        q_proj, out_proj: ``(weight, bias)`` pairs (bias may be None).
+        kv_proj: the key and value projections stacked (``2E`` rows), used
+            when ``key is value``; else None and ``k_proj``, ``v_proj``.
 
     Returns:
-        ``(B, L, E)``. Kept for backward: the projected q (``B L E``), k
-        and v (``B S E`` each; one ``2 B S E`` tensor with ``kv_proj``),
-        SDPA's output (``B L E``) and logsumexp (``B heads L``, float32);
-        the projections keep nothing (:func:`attention_kept_elements`).
+        ``(B, L, E)``; what it keeps: :func:`attention_kept_elements`.
     """
     q = frozen_linear(query, *q_proj)
     if kv_proj is not None:

@@ -6,7 +6,7 @@ tokens: the Triton kernels (:mod:`.gpu`), the compiled C++ kernel
 (:mod:`.cpu`), the PyTorch reference
 (:func:`~.function.filtered_backward_torch`).
 ``token_patch_sums``: the forward's patch sums of the grid tokens: the
-compiled kernel, or PyTorch's pooling (:meth:`~.function.TokenLayout.
+compiled kernel, or PyTorch's pooling (:meth:`~.token_grid.TokenLayout.
 pool_rows`; on CUDA it is kept, see docs/benchmarks).
 """
 from ..backend import dispatch

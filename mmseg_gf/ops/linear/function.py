@@ -1,36 +1,19 @@
-"""Gradient-filtered linear layer on a token grid: exact forward, filtered
-backward.
+"""Gradient-filtered Linear on a token grid: exact forward, filtered backward.
 
-A transformer's ``nn.Linear`` applied to the tokens of a feature map is a
-``1 x 1`` convolution whose pixels are stored as tokens. This module applies
-the conv's gradient filter to it, with the rules of
-docs/gradient_filter.md for a ``1 x 1`` kernel, stride 1
-(docs/gradient_filter.md#linear-layers-on-token-grids):
+A Linear on a feature map's tokens is a ``1 x 1`` conv whose pixels are
+tokens; it gets the conv's filter (docs/gradient_filter.md, section "Linear
+layers on token grids"): patch-mean ``g_y``, ``g_W`` from the patch sums of
+``x`` (all the forward keeps of it), ``g_x`` broadcast over each patch; ``g_b``
+and the extra tokens on no grid (cls tokens, class embeddings) stay exact.
+The grid is given (:class:`~.token_grid.TokenGrid`), never guessed.
 
-* ``g_y`` is replaced by its means over ``r x r`` patches of the token grid
-  (a partial border patch averages over the tokens it has);
-* ``g_W`` is the product of those patch means with the patch *sums* of
-  ``x``, which are all the forward keeps of ``x``;
-* ``g_x`` is the patch-mean gradient times ``W``, broadcast to every token of
-  the patch;
-* ``g_b`` is exact, and so is everything of the extra tokens (a ViT's cls /
-  distillation tokens, Segmenter's class embeddings), which lie on no grid.
-
-Where the tokens lie on the grid is described by :class:`TokenGrid` and a
-token axis; it is never guessed from the token count. The backward runs its
-two GEMMs on ``N / r^2`` rows. On CPU with the compiled kernels
-(``native``: float32 / float64, channels with stride 1) the patch sums of
-``x`` and the whole backward of the grid tokens run in C++
-(``csrc/token_grid_backward.cpp``: one read of ``g_y``, one write of
-``g_x``, into recycled memory); on CUDA the conv's Triton kernels do the
-same on the token rows seen as a channels-last map (``triton_linear``;
-off with ``MMSEG_GF_TRITON=0`` or ``triton_runtime.set_enabled(False)``); the
-pure-PyTorch path here is the reference and the fallback
-(``MMSEG_GF_NATIVE=0``). No mmseg import.
+The backward's GEMMs run on ``N / r^2`` rows: in C++ on CPU
+(``csrc/token_grid_backward.cpp``), with the conv's Triton kernels on CUDA
+(off with ``MMSEG_GF_TRITON=0``); the PyTorch path here is the reference and
+the fallback (``MMSEG_GF_NATIVE=0``). No mmseg import.
 """
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,262 +21,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..backend import dispatch, output_pool
-from ..patch_grid import AxisGeometry, autocast_off, check_radius
+from ..patch_grid import autocast_off, check_radius
 from ..function_output import owned_output
-
-#: How the grid's tokens are laid out in a Linear's input (last dim: C).
-#: ``'tokens'``: one token axis of ``extra_tokens + H*W + trailing_tokens``
-#: tokens, the grid's row-major (``(B, N, C)``, or ``(N, B, C)`` with the
-#: token axis first); ``'hwc'``: two axes ``H, W`` (``(B, H, W, C)``);
-#: ``'windows'``: one token axis of a ``ws_h x ws_w`` window, windows
-#: stacked in the batch (``(B*nW, ws*ws, C)``, Swin's ``WindowMSA``).
-LAYOUTS = ('tokens', 'hwc', 'windows')
-
-
-@dataclass(frozen=True)
-class TokenGrid:
-    """Where the tokens of a Linear's input lie on a 2-D grid.
-
-    Attributes:
-        height: grid rows ``H`` (a window's rows for ``layout='windows'``;
-            the reduced grid for a spatially reduced key/value).
-        width: grid columns ``W``.
-        extra_tokens: leading tokens on no grid (cls / distillation tokens),
-            before the ``H*W`` grid tokens; their gradients stay exact.
-            ``'tokens'`` layout only.
-        layout: one of :data:`LAYOUTS`.
-        trailing_tokens: tokens on no grid after the grid's (Segmenter's
-            class embeddings); exact like ``extra_tokens``.
-    """
-
-    height: int
-    width: int
-    extra_tokens: int = 0
-    layout: str = 'tokens'
-    trailing_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ('height', 'width'):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) \
-                    or value < 1:
-                raise ValueError(
-                    f'TokenGrid.{name} must be an int >= 1, got {value!r}')
-        if self.layout not in LAYOUTS:
-            raise ValueError(f'TokenGrid.layout must be one of {LAYOUTS}, '
-                             f'got {self.layout!r}')
-        for name in ('extra_tokens', 'trailing_tokens'):
-            extra = getattr(self, name)
-            if isinstance(extra, bool) or not isinstance(extra, int) \
-                    or extra < 0:
-                raise ValueError(f'TokenGrid.{name} must be an int >= 0, '
-                                 f'got {extra!r}')
-            if extra and self.layout != 'tokens':
-                raise ValueError(
-                    f'TokenGrid.{name}={extra} needs layout="tokens" '
-                    f'(a {self.layout!r} layout holds grid tokens only)')
-
-    @classmethod
-    def windows(cls, window_size: Union[int, Tuple[int, int]]) -> 'TokenGrid':
-        """The grid of one ``ws x ws`` window (Swin's ``WindowMSA``)."""
-        if isinstance(window_size, int):
-            window_size = (window_size, window_size)
-        return cls(int(window_size[0]), int(window_size[1]),
-                   layout='windows')
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens along the token axis (``'tokens'`` / ``'windows'``)."""
-        return (self.extra_tokens + self.height * self.width +
-                self.trailing_tokens)
-
-    @property
-    def extra_spans(self) -> Tuple[Tuple[int, int], ...]:
-        """``(start, count)`` of the tokens on no grid, leading first."""
-        spans = []
-        if self.extra_tokens:
-            spans.append((0, self.extra_tokens))
-        if self.trailing_tokens:
-            spans.append((self.extra_tokens + self.height * self.width,
-                          self.trailing_tokens))
-        return tuple(spans)
-
-    @property
-    def grid_dims(self) -> int:
-        """Input axes the grid occupies: 2 for ``'hwc'``, else 1."""
-        return 2 if self.layout == 'hwc' else 1
-
-    def patch_grid(self, radius: int) -> Tuple[int, int]:
-        """``(ceil(H/r), ceil(W/r))``: the patches along each axis."""
-        return -(-self.height // radius), -(-self.width // radius)
-
-    def token_axis(self, shape: Tuple[int, ...], token_dim: int) -> int:
-        """Validate ``shape`` (an input's) against the grid; return the
-        token axis as a non-negative index.
-
-        Raises:
-            ValueError: naming the mismatch (token count, grid sides, an
-                axis out of range or the channel axis).
-        """
-        ndim = len(shape)
-        last_grid_axis = ndim - 2  # the channel axis is the last one
-        dim = token_dim + ndim if token_dim < 0 else token_dim
-        span = self.grid_dims
-        if not 0 <= dim <= last_grid_axis - span + 1:
-            raise ValueError(
-                f'token_dim={token_dim} does not fit an input of shape '
-                f'{tuple(shape)} with a {self.layout!r} grid: the grid '
-                f'needs {span} axis(es) before the channel (last) axis')
-        if self.layout == 'hwc':
-            got = (shape[dim], shape[dim + 1])
-            if got != (self.height, self.width):
-                raise ValueError(
-                    f'input of shape {tuple(shape)} has H, W = {got} at '
-                    f'axes {dim}, {dim + 1}; the token grid is '
-                    f'{self.height} x {self.width}')
-        elif shape[dim] != self.num_tokens:
-            raise ValueError(
-                f'input of shape {tuple(shape)} has {shape[dim]} tokens on '
-                f'axis {dim}; the token grid has extra_tokens + H*W + '
-                f'trailing_tokens = {self.extra_tokens} + {self.height}*'
-                f'{self.width} + {self.trailing_tokens} = '
-                f'{self.num_tokens} ({self.layout!r} layout)')
-        return dim
-
-
-# (start, patches, tokens per patch) of one stretch of equal patches.
-_Segment = Tuple[int, int, int]
-
-
-def _segments(size: int, radius: int) -> List[_Segment]:
-    """The patches along one axis as at most two stretches of equal ones:
-    the full ``r``-token patches, then the short last patch, if any
-    (docs/gradient_filter.md#partial-patches; patch ``P`` covers tokens
-    ``[P*r, (P+1)*r)``, the conv's ``Q(P)`` for a ``1 x 1`` kernel)."""
-    geo = AxisGeometry.of(size, size, 1, 1, 0, 1, radius)
-    full = size // geo.out_patch
-    segments = [(0, full, geo.out_patch)] if full else []
-    if size % geo.out_patch:
-        segments.append((full * geo.out_patch, 1, size % geo.out_patch))
-    return segments
-
-
-@dataclass(frozen=True)
-class TokenLayout:
-    """An input's grid, token axis and patch size, resolved for one call.
-
-    Every tensor of the call is seen through :meth:`grid_view`: its grid
-    tokens as ``(*lead, H, W, C)``, all other axes (batch, windows, the
-    batch of an ``(N, B, C)`` input) leading. Patch sums come back as one
-    contiguous ``(L, ceil(H/r), ceil(W/r), C)`` tensor, ``L`` the product of
-    the leading axes in their order, so that the backward's GEMMs run on its
-    rows.
-    """
-
-    grid: TokenGrid
-    radius: int
-    dim: int  # the token axis (the grid's H axis for 'hwc')
-
-    def extra(self, t: Tensor) -> Optional[Tensor]:
-        """The tokens of ``t`` on no grid (leading, then trailing), or
-        None."""
-        parts = [t.narrow(self.dim, *span) for span in self.grid.extra_spans]
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
-
-    def write_extra(self, out: Tensor, values: Tensor) -> None:
-        """Copy ``values`` (as :meth:`extra` returns them) into ``out``."""
-        done = 0
-        for start, count in self.grid.extra_spans:
-            out.narrow(self.dim, start, count).copy_(
-                values.narrow(self.dim, done, count))
-            done += count
-
-    def grid_view(self, t: Tensor) -> Tensor:
-        """``t``'s grid tokens as ``(*lead, H, W, C)`` (a view)."""
-        g, dim = self.grid, self.dim
-        if g.layout != 'hwc':
-            t = t.narrow(dim, g.extra_tokens, g.height * g.width).unflatten(
-                dim, (g.height, g.width))
-        return t.movedim((dim, dim + 1), (-3, -2))
-
-    def grid_rows(self, t: Tensor) -> Optional[Tensor]:
-        """``t``'s grid tokens as ``(L, H, W, C)``, a view of ``t``; None
-        where the leading axes do not merge without a copy."""
-        view = self.grid_view(t)
-        try:
-            return view.view(-1, *view.shape[-3:])
-        except RuntimeError:
-            return None
-
-    def rows_to_read(self, t: Tensor) -> Tensor:
-        """``t``'s grid tokens as ``(L, H, W, C)`` to read: the view of
-        :meth:`grid_rows`, or a copy where the leading axes do not merge."""
-        rows = self.grid_rows(t)
-        if rows is None:
-            view = self.grid_view(t)
-            rows = view.reshape(-1, *view.shape[-3:])
-        return rows
-
-    def pool_rows(self, rows: Tensor, dtype: torch.dtype,
-                  mean: bool = False) -> Tensor:
-        """Sums (``mean``: means) of ``(l, H, W, C)`` tokens over each ``r
-        x r`` patch, ``(l, Ph, Pw, C)``, contiguous, in ``dtype`` (partial
-        patches: over their tokens).
-
-        One channels-last ``avg_pool2d`` with a divisor of 1: a single
-        vectorised pass (a strided ``sum`` over the two in-patch axes was
-        3-8x slower on CPU), exact for the clipped border windows as in
-        ``filter_output_grad`` of the conv. The means divide the same sums
-        by each window's token count in the same pass (the clipped windows
-        of ``ceil_mode`` without padding count their tokens only).
-        """
-        g, r = self.grid, self.radius
-        sums = F.avg_pool2d(rows.permute(0, 3, 1, 2),
-                            (min(r, g.height), min(r, g.width)), (r, r),
-                            ceil_mode=True,
-                            divisor_override=None if mean else 1)
-        return sums.permute(0, 2, 3, 1).contiguous().to(dtype)
-
-    def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:
-        """:meth:`pool_rows` of ``t``'s grid tokens, ``(L, Ph, Pw, C)``
-        (the forward's ``x~``); one read of ``t`` where the compiled CPU
-        kernel applies, the same sums in another order. (On CUDA the
-        PyTorch pooling is kept: on an H100 a Triton pass made the filtered
-        Linear's forward 1.2-4.6x slower than it, docs/benchmarks.)"""
-        rows = self.rows_to_read(t)
-        choice = dispatch.choose('token_patch_sums', self, rows, dtype)
-        return choice.implementation.run(self, rows, dtype)
-
-    def patch_counts(self, sums: Tensor) -> Optional[Tensor]:
-        """Tokens per patch, ``(Ph, Pw, 1)`` to divide ``sums``; None when
-        every patch is full (divide by ``r^2``)."""
-        g, r = self.grid, self.radius
-        if g.height % r == 0 and g.width % r == 0:
-            return None
-        ph, pw = g.patch_grid(r)
-        count_h = (g.height - torch.arange(ph, device=sums.device) *
-                   r).clamp(max=r)
-        count_w = (g.width - torch.arange(pw, device=sums.device) *
-                   r).clamp(max=r)
-        counts = (count_h[:, None] * count_w[None, :]).to(sums.dtype)
-        return counts.unsqueeze(-1)
-
-    def spread_rows(self, out: Tensor, pooled: Tensor) -> None:
-        """Write each patch's row of ``pooled`` (``(l, Ph, Pw, C)``) to
-        every token of the patch in ``out`` (``(l, H, W, C)``, a view into
-        ``g_x``; docs/gradient_filter.md#backward, step 3): one
-        broadcasting copy per stretch of equal patches."""
-        for rows in _segments(self.grid.height, self.radius):
-            for cols in _segments(self.grid.width, self.radius):
-                block = out.narrow(1, rows[0], rows[1] * rows[2]).narrow(
-                    2, cols[0], cols[1] * cols[2]).unflatten(
-                        2, cols[1:]).unflatten(1, rows[1:])
-                src = pooled.narrow(1, rows[0] // self.radius,
-                                    rows[1]).narrow(
-                                        2, cols[0] // self.radius, cols[1])
-                block.copy_(src.unsqueeze(3).unsqueeze(2))
+from .token_grid import TokenGrid, TokenLayout
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -314,13 +44,10 @@ def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
                        grad_x: Optional[Tensor], need_w: bool, need_b: bool,
                        acc: torch.dtype
                        ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Steps 1, 3 and 4 on the grid tokens
-    (docs/gradient_filter.md#linear-layers-on-token-grids): the Triton
-    kernels on CUDA (:func:`triton_linear.filtered_backward`), the compiled
-    kernel on CPU, else PyTorch ops chunk by chunk of leading rows.
+    """Steps 1, 3 and 4 on the grid tokens, by the dispatcher's choice.
 
     Writes ``g_x``'s grid tokens into ``grad_x`` (when given); returns
-    ``(g_W, g_b)`` of the grid tokens in ``acc`` (None where not asked).
+    ``(g_W, g_b)`` in ``acc`` (None where not asked).
     """
     g_rows = layout.rows_to_read(grad_output)
     sums = x_sums if need_w else None
@@ -468,11 +195,9 @@ def gradient_filtered_linear(x: Tensor,
     """``F.linear`` whose backward is the gradient filter on a token grid.
 
     Args:
-        x: input ``(..., C_in)`` holding the grid's tokens on ``token_dim``
-            (``(B, N, C)``: 1; ``nn.MultiheadAttention``'s ``(N, B, C)``: 0;
-            ``'hwc'``: the ``H`` axis, ``W`` after it).
-        weight: ``C_out x C_in``.
-        bias: optional ``C_out``; its gradient is exact.
+        x: ``(..., C_in)`` holding the grid's tokens on ``token_dim`` (1 for
+            ``(B, N, C)``, 0 for ``(N, B, C)``, the ``H`` axis for ``'hwc'``).
+        weight, bias: as in ``F.linear``; the bias gradient is exact.
         grid: where the tokens lie (:class:`TokenGrid`).
         radius: patch size ``r >= 1``; ``r = 1`` is the exact backward.
         token_dim: the token axis of ``x`` (negative counts from the end).
@@ -481,8 +206,8 @@ def gradient_filtered_linear(x: Tensor,
         Exactly ``F.linear(x, weight, bias)``.
 
     Raises:
-        ValueError: for a bad radius, or an ``x`` that does not hold the
-            grid on ``token_dim``.
+        ValueError: for a bad radius, or an ``x`` without the grid on
+            ``token_dim``.
     """
     radius = check_radius(radius)
     if not isinstance(grid, TokenGrid):

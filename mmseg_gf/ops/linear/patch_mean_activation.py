@@ -1,28 +1,14 @@
-"""GELU between two filtered layers: keep the patch means of its derivative
-(docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
+"""GELU between two filtered layers: keep the patch means of its derivative.
 
-A filtered layer reads only the ``r x r`` patch means of its output
-gradient, and returns an input gradient that is constant on each of its
-input patches. Take ``y = f(x)`` elementwise with ``x`` the output of a
-filtered layer ``U`` and ``y`` read only by filtered layers ``D`` whose
-input patches are ``U``'s output patches (same grid, same ``r``, patches
-tiled from 0). Then the gradient reaching ``y`` is constant on each patch
-``P``, ``g_x = g_y f'(x)``, and ``U`` reads only
-
-    mean_P(g_y f'(x)) = g_y[P] * mean_P f'(x),
-
-so ``g_y * mean_P f'(x)`` (broadcast over the patch) gives ``U`` the same
-patch means, hence the same ``g_W``, ``g_b``, ``g_x`` and everything
-upstream. :class:`PatchMeanGeluFunction` keeps ``mean_P f'(x)`` (``1/r^2``
-of the input's elements) instead of ``x``; tokens on no grid (a ViT's cls
-token) get exact gradients from the filtered layers and keep their
-``f'(x)`` exactly.
-
-Whether the premise holds is decided outside this module (the model's
-traced training step): this op only computes the rule. A filtered layer
-marks its output with its :class:`PatchPartition` (:func:`tag_output`), so
-a caller can check cheaply that its input is still that output
-(:func:`tagged_partition`). Pure PyTorch, no mmseg import.
+Where ``x`` is a filtered layer's output and ``y = f(x)`` is read only by
+filtered layers on the same patch partition, ``g_y * mean_P f'(x)`` gives the
+upstream layer the same patch means, hence the same gradients
+(docs/gradient_filter.md, section "Elementwise ops between filtered
+layers"). :class:`PatchMeanGeluFunction` keeps ``mean_P f'(x)`` (``1/r^2``
+of the elements); tokens on no grid keep ``f'(x)`` exactly. The premise is
+checked outside (the traced training step); a filtered layer tags its
+output with its :class:`PatchPartition` (:func:`tag_output`,
+:func:`tagged_partition`). Pure PyTorch, no mmseg import.
 """
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -35,7 +21,7 @@ from torch.autograd.function import once_differentiable
 from ..backend import output_pool
 from ..conv import cpu as conv_cpu
 from . import cpu as linear_cpu
-from .function import TokenGrid, TokenLayout
+from .token_grid import TokenGrid, TokenLayout
 from ..patch_grid import AxisGeometry, check_radius, filter_output_grad
 
 __all__ = ['PatchPartition', 'PatchMeanGeluFunction', 'patch_mean_gelu',
@@ -48,16 +34,9 @@ TAG_ATTR = '_gf_patch_partition'
 
 @dataclass(frozen=True)
 class PatchPartition:
-    """The ``r x r`` patches of a filtered layer's output (or input),
-    tiled from 0.
-
-    Attributes:
-        radius: ``r``.
-        height, width: the map's (or token grid's) size.
-        grid: None for a conv's ``(N, C, H, W)`` map; else the
-            :class:`TokenGrid` of a Linear's tokens (``'tokens'`` or
-            ``'hwc'`` layout).
-        token_dim: the token axis (non-negative; ``'hwc'``: the H axis).
+    """The ``r x r`` patches of a filtered layer's output (or input), tiled
+    from 0: ``radius``, the map's ``height`` and ``width``, ``grid`` (None for
+    a conv's map, else the Linear's :class:`TokenGrid`) and ``token_dim``.
     """
 
     radius: int
@@ -314,10 +293,8 @@ def _token_backward(grad: Tensor, means: Tensor, extra: Optional[Tensor],
 
 def patch_mean_gelu(x: Tensor, approximate: str,
                     partition: PatchPartition) -> Tensor:
-    """``F.gelu(x, approximate=approximate)`` keeping ``mean_P f'(x)``.
-
-    Exact for the filtered chain only where the premise of this module
-    holds; the caller decides that.
+    """``F.gelu(x, approximate=approximate)`` keeping ``mean_P f'(x)``, exact
+    where the caller has checked this module's premise.
 
     Raises:
         ValueError: ``x`` does not hold ``partition``'s map or grid.

@@ -1,22 +1,13 @@
 """A loss whose gradient is computed in the forward.
 
-A segmentation head's loss is the only consumer of its logits, and a
-training step differentiates it exactly once. So its gradient w.r.t. the
-low-resolution logits can be taken while the forward runs, on a detached
-copy of the logits, and kept instead of what autograd would keep to take it
-later (the upsampled logits, their log-softmax, OHEM's sorted
-probabilities, ...). The backward then only scales the kept gradients by
-the incoming ones: a loss output ``L_k`` with incoming gradient ``c_k``
-contributes ``c_k * dL_k/dz``. Loss scaling (AMP) and gradient accumulation
-only change ``c_k``, so they stay exact; the loss itself runs once, with
-autograd, as the plain path runs it (so a loss that draws random numbers
-draws the same ones).
-
-:class:`PrecomputedGradientLossFunction` does this for any loss of one or
-several logits tensors; :mod:`.fused_classifier` goes one step further for
-a head's classifier.
-
-No mmseg import: the mmseg heads are wired in by :mod:`mmseg_gf.models.lean`.
+A head's loss is its logits' only consumer and is differentiated once, so
+its gradient w.r.t. the low-resolution logits is taken in the forward on a
+detached copy and kept instead of what autograd would keep (upsampled
+logits, log-softmax, OHEM's sorted probabilities). The backward scales the
+kept gradients by the incoming ones, so AMP loss scaling and gradient
+accumulation stay exact; the loss runs once, with autograd, as on the plain
+path (same random draws). :mod:`.fused_classifier` also folds in a head's
+classifier. No mmseg import.
 """
 import contextlib
 from dataclasses import dataclass, field
@@ -38,18 +29,16 @@ __all__ = ['LogitGradients', 'forward_graph', 'loss_gradients',
 class LogitGradients:
     """A loss's outputs and their gradients w.r.t. one logits tensor.
 
-    The gradient of output ``k`` is ``sum(c * bases[b] for b, c in
-    mix[k])``: a loss whose outputs share one gradient up to a factor (a
-    cross-entropy under several weights) keeps one basis.
+    Output ``k``'s gradient is ``sum(c * bases[b] for b, c in mix[k])``, so
+    outputs sharing a gradient up to a factor keep one basis.
 
     Attributes:
         values: every output (detached), in output order.
         bases: gradient tensors, the logits' shape.
         mix: output key -> ``[(basis index, factor)]``.
-        others: output key -> its gradient w.r.t. each further logits
-            tensor the loss reads (a head returning a tuple of logits; None
-            where it does not depend on one). Outputs in neither ``mix``
-            nor ``others`` are not differentiable (accuracy).
+        others: output key -> its gradient w.r.t. each further logits tensor
+            (None where it does not depend on one). Outputs in neither ``mix``
+            nor ``others`` are not differentiable.
     """
 
     values: Dict[str, Tensor]
@@ -75,14 +64,10 @@ def _identity(tensor: Tensor) -> Tensor:
 def forward_graph():
     """Autograd on, for a graph built and differentiated inside a forward.
 
-    Its saved tensors are freed before the forward returns, so they are
-    not kept for the step's backward: identity saved-tensor hooks keep
-    them away from any hooks around the step (an offloading hook, or a
-    measurement of what the step keeps). The hooks save a detached alias
-    (same storage, same version counter), so that a graph part no
-    gradient call traverses (OHEM's softmax, a loss output differentiated
-    with ``retain_graph``) is freed by reference counting as soon as its
-    outputs are, as it is without hooks.
+    Identity saved-tensor hooks keep its saved tensors (detached aliases, same
+    version counter) away from hooks around the step (offloading, measuring),
+    and parts no gradient call traverses are freed by reference counting as
+    without hooks.
     """
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
             _pack_detached, _identity):
@@ -105,29 +90,20 @@ def loss_gradients(compute: Callable[..., Dict[str, Tensor]],
                    needs: Optional[Sequence[bool]] = None
                    ) -> Tuple[Dict[str, Tensor],
                               Dict[str, Tuple[Optional[Tensor], ...]]]:
-    """Run ``compute(*leaves)`` with autograd on detached copies of
-    ``logits`` and differentiate each scalar ``loss*`` output.
+    """Run ``compute(*leaves)`` on detached ``logits`` and differentiate each
+    scalar ``loss*`` output on its own, dropping it right after.
 
-    Only the logits in ``needs`` are leaves that require a gradient, so a
-    loss term of logits nothing trains (a frozen auxiliary branch's)
-    builds no graph, as on the plain path. Each output is differentiated
-    on its own (its gradient stays separately scalable) and dropped right
-    after, so the graph part only it uses is freed before the next one's
-    gradient is taken.
-
-    Args:
-        params: trainable tensors the loss must not depend on (the
-            gradient kept is w.r.t. the logits only).
-        needs: which logits need a gradient (default: all).
+    Only the logits in ``needs`` (default: all) require a gradient, so a frozen
+    branch's loss builds no graph, as on the plain path.
 
     Returns:
-        ``(values, grads)``: every output detached, and for each
-        differentiable loss output its gradient w.r.t. each logits tensor
-        (None where it does not depend on it or it is not needed).
+        ``(values, grads)``: outputs detached, and each differentiable
+        output's gradient per logits tensor (None where independent or not
+        needed).
 
     Raises:
-        ValueError: a differentiable loss output is not a scalar, or it
-            depends on one of ``params``.
+        ValueError: a differentiable output is not a scalar, or depends on
+            one of ``params``.
     """
     needs = [True] * len(logits) if needs is None else list(needs)
     leaves = [t.detach().requires_grad_(bool(n))
@@ -156,12 +132,10 @@ def loss_gradients(compute: Callable[..., Dict[str, Tensor]],
 class PrecomputedGradientLossFunction(Function):
     """Loss outputs of logits tensors, differentiated in the forward.
 
-    Inputs: ``compute`` (logits -> dict of outputs, e.g. a head's
-    ``loss_by_feat``), ``keys`` (a list that receives the dict's keys in
-    output order), ``params`` (see :func:`loss_gradients`), then the
-    logits tensors. Keeps each loss output's gradient w.r.t. each logits
-    tensor it depends on (at the logits' resolution), nothing else;
-    outputs without ``loss`` in their key are non-differentiable.
+    Inputs: ``compute`` (logits -> dict of outputs), ``keys`` (receives the
+    keys in output order), ``params`` (see :func:`loss_gradients`), the
+    logits. Keeps each output's gradient per logits tensor at their
+    resolution; outputs without ``loss`` in their key are not differentiable.
     """
 
     @staticmethod
@@ -184,13 +158,10 @@ class PrecomputedGradientLossFunction(Function):
 
 
 class KeptGradientLossFunction(Function):
-    """Loss outputs of one logits tensor whose gradients a function computes
-    in the forward (without autograd, e.g. a compiled kernel).
-
-    Inputs: ``gradients`` (detached logits -> :class:`LogitGradients`),
-    ``keys`` (receives the output keys), the logits. Keeps the gradient
-    bases, nothing else; the backward scales them by the incoming
-    gradients. Outputs outside ``mix`` are non-differentiable.
+    """Loss outputs of one logits tensor whose gradients ``gradients`` computes
+    in the forward without autograd (e.g. a compiled kernel). Keeps the
+    :class:`LogitGradients` bases only; outputs outside ``mix`` are not
+    differentiable.
     """
 
     @staticmethod

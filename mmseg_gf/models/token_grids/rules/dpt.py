@@ -10,7 +10,7 @@ readout types have no Linear.
 from mmseg.models.decode_heads.dpt_head import ReassembleBlocks
 from torch import nn
 
-from ....ops.linear.function import TokenGrid
+from ....ops.linear.token_grid import TokenGrid
 from ...gf_linear import TokenGridSource
 from ..registry import register_grid_rule
 from ..sites import join

@@ -9,7 +9,7 @@ from mmseg.models.decode_heads.segmenter_mask_head import \
     SegmenterMaskTransformerHead
 from torch import nn
 
-from ....ops.linear.function import TokenGrid
+from ....ops.linear.token_grid import TokenGrid
 from ...gf_linear import TokenGridSource
 from ..registry import register_grid_rule
 from ..sites import CLASS_SCORES, inside_token_layer, join, token_kind_of

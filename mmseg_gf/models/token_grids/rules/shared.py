@@ -8,7 +8,7 @@ from typing import Tuple
 
 from torch import nn
 
-from ....ops.linear.function import TokenGrid
+from ....ops.linear.token_grid import TokenGrid
 from ...gf_linear import TokenGridSource
 from ..sites import join
 

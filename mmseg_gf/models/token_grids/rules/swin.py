@@ -6,7 +6,7 @@ from mmseg.models.backbones.swin import SwinBlock
 from mmseg.models.utils.embed import PatchMerging
 from torch import nn
 
-from ....ops.linear.function import TokenGrid
+from ....ops.linear.token_grid import TokenGrid
 from ...gf_linear import TokenGridSource
 from ..registry import register_grid_rule
 from .shared import hw_arg, hw_grid, pair

@@ -6,7 +6,7 @@ keys on the grid of its ``sr`` conv, the locally grouped one
 from mmseg.models.backbones.twins import GSAEncoderLayer, LSAEncoderLayer
 from torch import nn
 
-from ....ops.linear.function import TokenGrid
+from ....ops.linear.token_grid import TokenGrid
 from ...gf_linear import TokenGridSource
 from ..registry import register_grid_rule
 from .shared import hw_grid, spatial_reduction_layer
