@@ -55,9 +55,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--max-keep-ckpts', type=int, default=2)
     parser.add_argument('--pipeline', choices=PIPELINES, default='fixed',
-                        help='fixed: resize, no dropout (bit-identical '
-                        'resume); demo: the demo\'s random augmentations '
-                        'and dropout')
+                        help='fixed: resize, no dropout; demo: the demo\'s '
+                        'random augmentations and dropout (both resume bit '
+                        'for bit)')
     parser.add_argument('--seed', type=int, default=0,
                         help='seed of the kill points')
     parser.add_argument('--out', help='write the result to this json file '

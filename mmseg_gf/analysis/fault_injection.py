@@ -28,11 +28,12 @@ handed to the kernel (a cut of the machine can lose more: the writer's
 
 The child's random state: the demo config's seed (233) with
 ``num_workers=0``; a resumed run repeats the data pipeline's draws for the
-skipped batches, but not the training step's own draws (dropout), which
-mmengine's checkpoints do not save. ``pipeline='fixed'`` (a resize to the
-crop, no flips or photometric changes, the head's dropout off) is the
-setting docs/reliability.md promises bit-identical weights for;
-``pipeline='demo'`` keeps the demo's random augmentations and dropout.
+skipped batches, and its checkpoint gives torch's generator back for the
+training step's own draws (dropout;
+:mod:`~mmseg_gf.engine.checkpoint.random_state`). ``pipeline='fixed'``
+(a resize to the crop, no flips or photometric changes, the head's dropout
+off) draws nothing after the data; ``pipeline='demo'`` keeps the demo's
+random augmentations and dropout.
 """
 import json
 import os

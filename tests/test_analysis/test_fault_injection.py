@@ -27,7 +27,10 @@ def _setting(tmp_path, **kw):
 
 @pytest.mark.fault_injection
 def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path):
-    s = _setting(tmp_path)
+    """The demo's random augmentations and dropout included: the data
+    draws are replayed, torch's generator comes back from the
+    checkpoint."""
+    s = _setting(tmp_path, pipeline='demo')
     messages = []
     result = run_fault_injection(s, str(tmp_path / 'runs'), kills=2,
                                  in_write=1, kills_per_episode=2, seed=3,
