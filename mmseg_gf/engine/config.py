@@ -32,7 +32,7 @@ __all__ = [
     'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
     'rewrite_config', 'add_custom_hook', 'add_custom_imports',
     'default_input_size', 'default_batch_size', 'patch_means_on',
-    'select_and_apply'
+    'select_and_apply', 'config_settings'
 ]
 
 #: Settings as the public functions take them: checked, or a dict checked
@@ -55,6 +55,18 @@ def default_input_size(cfg) -> Sequence[int]:
     if isinstance(size, int):
         return (size, size)
     return (int(size[0]), int(size[1]))
+
+
+def config_settings(cfg) -> Optional[GradientFilterSettings]:
+    """A config's ``gradient_filter`` as checked settings (a dict is
+    checked, an object taken as it is), or None where it has none: what
+    code reading a config's settings passes down.
+
+    Raises:
+        ValueError: as :func:`check_settings`.
+    """
+    given = cfg.get('gradient_filter')
+    return None if given is None else as_settings(given)
 
 
 def default_batch_size(cfg) -> Optional[int]:

@@ -5,6 +5,7 @@ the selection; derived values are new objects, never written into the
 caller's dict."""
 import copy
 import dataclasses
+from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
@@ -12,9 +13,10 @@ import torch
 from mmengine.config import Config, ConfigDict
 from mmengine.logging import MMLogger
 
+from mmseg_gf.analysis.cost_cli import load_config
 from mmseg_gf.engine import GradFilterHook, rewrite_config
 from mmseg_gf.engine import config as config_module
-from mmseg_gf.engine.config import build_grad_filter_model
+from mmseg_gf.engine.config import build_grad_filter_model, config_settings
 from mmseg_gf.engine.hooks import grad_filter_hook
 from mmseg_gf.engine.settings import GradientFilterSettings
 from tests.helpers.engine_fixtures import (EXPECTED, build_model, gf_paths,
@@ -161,3 +163,27 @@ def test_hook_takes_the_dataclass_as_one_argument(from_dict_calls):
         GradFilterHook(settings, radius=4)
     with pytest.raises(ValueError, match='exactly one of num_layers'):
         GradFilterHook(dict(radius=4))
+
+
+def test_the_cost_tool_checks_the_setting_once_when_loading(tmp_path):
+    """``tools/analyze_cost.py``: a hook's settings are checked when the
+    config is loaded (a bad one before any model is built) and travel in
+    the config as the checked object."""
+    def loaded(**hook):
+        path = tmp_path / 'cfg.py'
+        path.write_text(f'custom_hooks = [dict(type="GradFilterHook", '
+                        f'**{hook!r})]\n')
+        return load_config(Namespace(config=str(path), cfg_options=None,
+                                     offline=False, setting=None))
+
+    cfg = loaded(num_layers=2, lean=False)
+    settings = cfg.gradient_filter
+    assert isinstance(settings, GradientFilterSettings)
+    assert (settings.num_layers, settings.lean, settings.radius) == (2,
+                                                                    False, 4)
+    assert config_settings(cfg) is settings
+    with pytest.raises(ValueError, match='mode must be one of'):
+        loaded(num_layers=2, mode='exact')
+    assert config_settings(Config(dict())) is None
+    assert config_settings(Config(dict(gradient_filter=dict(
+        num_layers=3)))) == GradientFilterSettings(num_layers=3)
