@@ -27,7 +27,7 @@ from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
 from ..accounting.step_profile import StepCostProfile
 from ..engine.budget import profile_segmentor
 from ..engine.build import build_segmentor
-from ..engine.config import patch_means_on
+from ..engine.config import config_settings, patch_means_on
 from ..engine.patch_mean_activations import install_patch_mean_gelus
 from ..engine.selection import select_layers
 from ..engine.surgery import apply_gradient_filter
@@ -148,18 +148,18 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
     model_cfg = dict(cfg.model)
     if model_cfg.get('type') == 'GradFilterModel':
         model_cfg = dict(model_cfg['model'])
-    if budget is None:
-        budget = (cfg.get('gradient_filter') or {}).get('budget')
+    settings = config_settings(cfg)
+    if budget is None and settings is not None:
+        budget = settings.budget
     checked = check_budget(budget) if budget is not None else None
     radii = checked['radii'] if checked else DEFAULT_RADII
     # a config inheriting default_scope from a base has no _scope_ (see
     # mmseg_gf.engine.build.build_segmentor)
     model_cfg.setdefault('_scope_', cfg.get('default_scope') or 'mmseg')
     segmentor = MODELS.build(model_cfg)
-    settings = cfg.get('gradient_filter') or {}
     profile = profile_segmentor(
         segmentor, input_size, timeline=True,
-        layer_kinds=settings.get('layer_kinds'),
+        layer_kinds=None if settings is None else settings.layer_kinds,
         patch_mean_activations=patch_means_on(settings))
     rows = sweep_rows(profile, radii, batch, checked)
     choice = error = None

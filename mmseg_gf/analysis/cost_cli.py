@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 from mmengine.config import Config
 
 from ..accounting.report import step_kept_table
+from ..engine.config import config_settings
 from ..engine.settings import CHOICE_KEYS, SETTING_KEYS
 from ..engine.zoo import make_offline
 from .budget_sweep import config_sweep, sweep_markdown, sweep_plot
@@ -46,7 +47,9 @@ def load_config(args: argparse.Namespace) -> Config:
     """The config with ``--cfg-options``, ``--offline`` and
     ``--setting`` applied, in this order; without ``--setting`` and
     ``gradient_filter``, a ``GradFilterHook``'s settings become its
-    ``gradient_filter`` (:func:`hook_settings`)."""
+    ``gradient_filter`` (:func:`hook_settings`). The setting is checked
+    here, once, and stays in the config as the checked object, which the
+    report, the measurement and the sweep take as it is."""
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
@@ -59,6 +62,9 @@ def load_config(args: argparse.Namespace) -> Config:
         if settings is not None:
             print(f'setting: the config\'s GradFilterHook {settings}')
             cfg.gradient_filter = settings
+    settings = config_settings(cfg)
+    if settings is not None:
+        cfg.gradient_filter = settings
     return cfg
 
 

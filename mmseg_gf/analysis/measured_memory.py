@@ -6,6 +6,7 @@ step's peak, for the same layers trained with the filtered and the exact
 backward.
 """
 import copy
+from dataclasses import replace
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -13,6 +14,8 @@ import torch
 from ..accounting.batch import random_batch, training_loss
 from ..accounting.measured import profiled_peak_bytes, saved_bytes_by_module
 from ..engine.build import build_segmentor
+from ..engine.config import config_settings
+from ..engine.settings import GradientFilterSettings
 from ..engine.surgery import get_gradient_filter_layers
 from .model_cost import model_backward_cost
 
@@ -61,19 +64,20 @@ def measure_memory(cfg,
         'trained_saved_bytes', 'analytic_saved_bytes', 'saved_bytes_total',
         'peak_bytes'}}`` plus ``input_size``, ``batch``, ``device``.
     """
-    settings = cfg.get('gradient_filter')
+    settings = config_settings(cfg)
     if settings is None:
         if num_layers is None:
             raise ValueError(
                 'measure_memory: the config has no gradient_filter setting; '
                 'give num_layers (the last N convs to train)')
-        settings = dict(num_layers=num_layers, radius=radius)
+        settings = GradientFilterSettings(num_layers=num_layers,
+                                          radius=radius)
     size = tuple(int(v) for v in input_size)
     out: Dict[str, Any] = dict(input_size=list(size), batch=int(batch),
                                device=str(device))
     for mode in modes:
         run_cfg = copy.deepcopy(cfg)
-        run_cfg.gradient_filter = dict(settings, mode=mode)
+        run_cfg.gradient_filter = replace(settings, mode=mode)
         out[mode] = _measure_mode(run_cfg, mode, size, batch, device)
     return out
 

@@ -35,6 +35,7 @@ from torch import nn
 from ..ops.conv.cost import ConvBackwardCost
 from ..accounting.trace import trace_step_saved_bytes
 from ..engine.build import build_segmentor
+from ..engine.config import config_settings
 from ..engine.layer_trace import LayerRecord, trace_layers
 from ..engine.state import get_state
 from ..models.layer_kinds import CONV2D, family_kind_of, layer_kinds
@@ -324,8 +325,8 @@ def config_step_saved_bytes(cfg, shape: Sequence[int]):
     (:func:`~mmseg_gf.accounting.trace.trace_step_saved_bytes`) of a
     config whose ``gradient_filter`` has the lean region on; None for any
     other config, where the count does not apply."""
-    settings = cfg.get('gradient_filter')
-    if not isinstance(settings, dict) or not settings.get('lean', True):
+    settings = config_settings(cfg)
+    if settings is None or not settings.lean:
         return None
     return trace_step_saved_bytes(build_segmentor(cfg, input_size=shape),
                                   shape)

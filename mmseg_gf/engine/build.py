@@ -4,6 +4,7 @@ Tools and measurements need the model a config trains (its
 ``gradient_filter`` applied) without a dataset or a Runner.
 """
 import copy
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from mmseg.registry import MODELS
@@ -11,6 +12,7 @@ from mmseg.utils import register_all_modules
 from torch import nn
 
 from .config import rewrite_config
+from .settings import as_settings
 
 __all__ = ['build_segmentor']
 
@@ -25,14 +27,19 @@ def build_segmentor(cfg, input_size: Optional[Sequence[int]] = None
             setting without ``input_size``, the layer-selection trace runs
             at this size (cheaper for small analyses; the chosen layers are
             the same, the ``'auto'`` radius rule uses output strides).
+
+    Raises:
+        ValueError: the config's ``gradient_filter`` is refused
+            (:func:`~.settings.check_settings`).
     """
     register_all_modules(init_default_scope=False)
     cfg = copy.deepcopy(cfg)
-    settings = cfg.get('gradient_filter')
-    if input_size is not None and isinstance(settings, dict) and \
-            settings.get('input_size') is None:
-        settings = dict(settings)
-        settings['input_size'] = tuple(int(v) for v in input_size)
+    given = cfg.get('gradient_filter')
+    if input_size is not None and given is not None:
+        settings = as_settings(given)  # checked once; the rewrite takes it
+        if settings.input_size is None:
+            settings = replace(settings, input_size=tuple(
+                int(v) for v in input_size))
         cfg.gradient_filter = settings
     rewrite_config(cfg)
     # mmengine gives the model dict a ``_scope_`` only when the config file

@@ -12,7 +12,8 @@ Two equivalent ways to finetune with gradient filtering:
    num_layers=5, radius=4)]`` (see ``hooks/grad_filter_hook.py``).
 """
 import copy
-from typing import Any, Dict, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 from mmseg.registry import MODELS
@@ -23,15 +24,20 @@ from .cpu_distributed import revert_sync_batchnorm_on_cpu
 from .patch_mean_activations import install_patch_mean_gelus
 from .selection import select_layers
 from .settings import (DEFAULT_INPUT_SIZE, DEFAULTS, SETTING_KEYS,
-                       SURGERY_FLAGS, check_settings)
+                       GradientFilterSettings, as_settings, check_settings)
 from .state import get_state
 from .surgery import apply_gradient_filter
 
 __all__ = [
     'SETTING_KEYS', 'check_settings', 'build_grad_filter_model',
     'rewrite_config', 'add_custom_hook', 'add_custom_imports',
-    'default_input_size', 'default_batch_size', 'patch_means_on'
+    'default_input_size', 'default_batch_size', 'patch_means_on',
+    'select_and_apply', 'config_settings'
 ]
+
+#: Settings as the public functions take them: checked, or a dict checked
+#: once on entry (:func:`~.settings.as_settings`).
+SettingsLike = Union[GradientFilterSettings, Dict[str, Any]]
 
 
 def default_input_size(cfg) -> Sequence[int]:
@@ -49,6 +55,18 @@ def default_input_size(cfg) -> Sequence[int]:
     if isinstance(size, int):
         return (size, size)
     return (int(size[0]), int(size[1]))
+
+
+def config_settings(cfg) -> Optional[GradientFilterSettings]:
+    """A config's ``gradient_filter`` as checked settings (a dict is
+    checked, an object taken as it is), or None where it has none: what
+    code reading a config's settings passes down.
+
+    Raises:
+        ValueError: as :func:`check_settings`.
+    """
+    given = cfg.get('gradient_filter')
+    return None if given is None else as_settings(given)
 
 
 def default_batch_size(cfg) -> Optional[int]:
@@ -75,7 +93,8 @@ def default_optimizer(cfg) -> Optional[dict]:
 def build_grad_filter_model(model: dict,
                             *,
                             data_preprocessor: Optional[dict] = None,
-                            **settings: Any) -> nn.Module:
+                            settings: Optional[SettingsLike] = None,
+                            **kwargs: Any) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
 
     Registered in mmseg's ``MODELS`` as ``GradFilterModel``. Returns the
@@ -89,7 +108,11 @@ def build_grad_filter_model(model: dict,
         data_preprocessor: mmengine's Runner injects the config's top-level
             ``data_preprocessor`` into the model dict; it is forwarded to
             the segmentor config if that has none.
-        **settings: the gradient-filter settings
+        settings: the settings as one object
+            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings` or a
+            dict), instead of keywords.
+        **kwargs: the gradient-filter settings as keywords, as a config's
+            ``GradFilterModel`` gives them
             (:class:`~mmseg_gf.engine.settings.GradientFilterSettings`: each
             field's doc; :func:`select_layers` and
             :func:`apply_gradient_filter` for the layers and the surgery,
@@ -101,9 +124,14 @@ def build_grad_filter_model(model: dict,
             ``input_size`` defaults to 512.
 
     Raises:
-        ValueError: a setting :func:`check_settings` refuses.
+        ValueError: a setting :func:`check_settings` refuses, or settings
+            given both as ``settings`` and as keywords.
     """
-    settings = check_settings(settings)
+    if settings is not None and kwargs:
+        raise ValueError(
+            'GradFilterModel: give the settings either as settings=... or '
+            f'as keywords, not both; got settings and {sorted(kwargs)}')
+    settings = as_settings(kwargs if settings is None else settings)
     model = copy.deepcopy(model)
     if data_preprocessor is not None:
         model.setdefault('data_preprocessor', data_preprocessor)
@@ -112,16 +140,18 @@ def build_grad_filter_model(model: dict,
         # before the lean region makes its norms lean: a later revert (the
         # CPU DDP wrapper's, mmengine's in one process) would replace them
         segmentor = revert_sync_batchnorm_on_cpu(segmentor)
-    size = settings['input_size'] or DEFAULT_INPUT_SIZE
-    select_and_apply(segmentor, settings, size)
+    select_and_apply(segmentor, settings,
+                     settings.input_size or DEFAULT_INPUT_SIZE)
     return segmentor
 
 
-def patch_means_on(settings: Optional[Dict[str, Any]]) -> bool:
-    """Whether a step trained with ``settings`` (a ``gradient_filter``
-    dict, checked or not; None: the defaults) applies the patch-mean GELU
-    rule (lean, ``mode='gf'``, ``patch_mean_activations``): what the
-    budget's profile models too."""
+def patch_means_on(settings: Optional[SettingsLike]) -> bool:
+    """Whether a step trained with ``settings`` (checked settings, or a
+    ``gradient_filter`` dict, checked or not; None: the defaults) applies
+    the patch-mean GELU rule (lean, ``mode='gf'``,
+    ``patch_mean_activations``): what the budget's profile models too."""
+    if isinstance(settings, GradientFilterSettings):
+        settings = settings.as_dict()
     settings = settings or {}
     return bool(settings.get('lean', DEFAULTS['lean'])
                 and settings.get('mode', DEFAULTS['mode']) == 'gf'
@@ -129,13 +159,15 @@ def patch_means_on(settings: Optional[Dict[str, Any]]) -> bool:
                                  DEFAULTS['patch_mean_activations']))
 
 
-def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
+def select_and_apply(segmentor: nn.Module, settings: SettingsLike,
                      input_size: Sequence[int],
                      batch: Optional[int] = None,
                      optimizer: Optional[dict] = None) -> list:
-    """Choose the layers of checked ``settings`` and apply them.
+    """Choose the layers of ``settings`` and apply them.
 
-    With a budget, :func:`~mmseg_gf.engine.budget.choose_layers_by_budget`
+    ``settings``: checked settings, passed down as they are (a dict is
+    checked first); ``input_size`` is the trace's size, which the caller
+    derives (the settings' own, else the config's crop). With a budget, :func:`~mmseg_gf.engine.budget.choose_layers_by_budget`
     decides ``num_layers`` and the radii (its choice is kept in the
     segmentor's state); ``batch`` and ``optimizer`` (an optimizer config)
     are used when the budget names none.
@@ -143,25 +175,25 @@ def select_and_apply(segmentor: nn.Module, settings: Dict[str, Any],
     Returns:
         list[LayerChoice]: the applied layers.
     """
-    num_layers, radius = settings['num_layers'], settings['radius']
-    if settings['budget'] is not None:
+    settings = as_settings(settings)
+    num_layers, radius = settings.num_layers, settings.radius
+    if settings.budget is not None:
         choice = choose_layers_by_budget(
-            segmentor, settings['budget'], input_size, batch,
-            settings.get('layer_kinds'),
+            segmentor, settings.budget, input_size, batch,
+            settings.layer_kinds,
             patch_mean_activations=patch_means_on(settings),
             optimizer=optimizer)
         num_layers, radius = choice.num_layers, choice.radius
     else:
         choice = None
     choices = select_layers(segmentor, num_layers=num_layers,
-                            layers=settings['layers'], radius=radius,
+                            layers=settings.layers, radius=radius,
                             input_size=input_size,
-                            layer_kinds=settings.get('layer_kinds'))
-    choices = apply_gradient_filter(
-        segmentor, choices, mode=settings['mode'],
-        **{k: settings[k] for k in SURGERY_FLAGS})
+                            layer_kinds=settings.layer_kinds)
+    choices = apply_gradient_filter(segmentor, choices, mode=settings.mode,
+                                    **settings.surgery_flags())
     state = get_state(segmentor)
-    state.reuse_cpu_memory = settings['reuse_cpu_memory']
+    state.reuse_cpu_memory = settings.reuse_cpu_memory
     if (state.lean and state.mode == 'gf'
             and patch_means_on(settings)):
         state.patch_mean_gelus = sorted(
@@ -179,7 +211,11 @@ def rewrite_config(cfg):
     """Turn a top-level ``gradient_filter`` setting into the model builder.
 
     ``cfg.model`` becomes ``dict(type='GradFilterModel', model=<old model>,
-    **settings)``; a ``GradFilterHook`` with no settings is added to
+    **settings)``, the settings checked once and completed from the config
+    (:func:`_completed`: the trace's ``input_size``, a budget's ``batch``
+    and ``optimizer``) as a new object; ``cfg.gradient_filter`` itself is
+    left as given (checked settings there are replaced by their plain
+    dict, so that the dumped config loads); a ``GradFilterHook`` with no settings is added to
     ``custom_hooks`` (it logs the cost table and keeps frozen norms in
     eval mode every iteration), and ``mmseg_gf`` to ``custom_imports`` so
     the dumped config builds on its own. A config without
@@ -190,7 +226,9 @@ def rewrite_config(cfg):
     silent choice of one.
 
     Args:
-        cfg (mmengine.Config): the config, modified in place.
+        cfg (mmengine.Config): the config, modified in place; its
+            ``gradient_filter`` a dict or
+            :class:`~mmseg_gf.engine.settings.GradientFilterSettings`.
 
     Returns:
         The same config.
@@ -198,34 +236,47 @@ def rewrite_config(cfg):
     Raises:
         ValueError: invalid settings (see :func:`check_settings`).
     """
-    settings = cfg.get('gradient_filter')
-    if settings is None:
+    given = cfg.get('gradient_filter')
+    if given is None:
         return cfg
-    settings = check_settings(
-        dict(settings) if isinstance(settings, dict) else settings)
+    settings = as_settings(given)
+    if isinstance(given, GradientFilterSettings):
+        cfg.gradient_filter = copy.deepcopy(settings.as_dict())
     if cfg.model.get('type') == 'GradFilterModel':
         _check_rewritten_agrees(settings, cfg.model)
         return cfg
-    if settings['input_size'] is None:
-        settings['input_size'] = tuple(default_input_size(cfg))
-    if settings['budget'] is not None and settings['budget']['batch'] is None:
-        settings['budget'] = dict(settings['budget'],
-                                  batch=default_batch_size(cfg))
-    if settings['budget'] is not None and \
-            settings['budget']['optimizer'] is None:
-        settings['budget'] = dict(settings['budget'],
-                                  optimizer=default_optimizer(cfg))
-    cfg.model = dict(type='GradFilterModel', model=cfg.model, **settings)
+    settings = _completed(settings, cfg)
+    cfg.model = dict(type='GradFilterModel', model=cfg.model,
+                     **copy.deepcopy(settings.as_dict()))
     add_custom_hook(cfg, 'GradFilterHook')
     add_custom_imports(cfg, 'mmseg_gf')
     return cfg
 
 
-def _check_rewritten_agrees(settings: Dict[str, Any], model) -> None:
+def _completed(settings: GradientFilterSettings,
+               cfg) -> GradientFilterSettings:
+    """``settings`` with what they leave to the config filled in, as a new
+    object: the trace's ``input_size`` (:func:`default_input_size`) and a
+    budget's ``batch`` (:func:`default_batch_size`) and ``optimizer``
+    (:func:`default_optimizer`)."""
+    changes: Dict[str, Any] = {}
+    if settings.input_size is None:
+        changes['input_size'] = tuple(default_input_size(cfg))
+    budget = settings.budget
+    if budget is not None:
+        filled = {k: default(cfg) for k, default in (
+            ('batch', default_batch_size), ('optimizer', default_optimizer))
+            if budget[k] is None}
+        changes['budget'] = dict(budget, **filled)
+    return replace(settings, **changes)
+
+
+def _check_rewritten_agrees(settings: GradientFilterSettings,
+                            model) -> None:
     """``gradient_filter`` (checked) against the settings of an existing
     ``GradFilterModel``; what the rewrite fills in (``input_size``, a
     budget's ``batch``) counts only where ``gradient_filter`` gives it."""
-    built = check_settings({k: model[k] for k in SETTING_KEYS if k in model})
+    built = as_settings({k: model[k] for k in SETTING_KEYS if k in model})
 
     def plain(value):
         if isinstance(value, dict):
@@ -236,7 +287,8 @@ def _check_rewritten_agrees(settings: Dict[str, Any], model) -> None:
 
     differ = []
     for key in SETTING_KEYS:
-        given, has = plain(settings[key]), plain(built[key])
+        given = plain(getattr(settings, key))
+        has = plain(getattr(built, key))
         if key == 'input_size' and given is None:
             continue
         if key == 'budget' and given is not None and has is not None:

@@ -25,7 +25,8 @@ from .selection import check_input_size, check_layer_kinds
 from .surgery import check_mode
 
 __all__ = [
-    'GradientFilterSettings', 'check_settings', 'SETTING_KEYS', 'FLAGS',
+    'GradientFilterSettings', 'as_settings', 'check_settings',
+    'SETTING_KEYS', 'FLAGS',
     'SURGERY_FLAGS', 'CHOICE_KEYS', 'DEFAULTS', 'DEFAULT_RADIUS',
     'DEFAULT_INPUT_SIZE', 'HookOption', 'HOOK_OPTIONS', 'ACCEPTED_KEYS',
     'setting_docs'
@@ -63,7 +64,8 @@ def _radius(radius: Any) -> Any:
                     "gradient_filter radius must be an int >= 1, 'auto' or "
                     'a dict {module path: int or "auto"} (ints at most '
                     f'{MAX_RADIUS}), got {radius!r}') from None
-    return radius
+    # a copy: the settings do not share the caller's dict
+    return dict(radius) if isinstance(radius, dict) else radius
 
 
 def _layer_kinds(kinds: Any) -> List[str]:
@@ -81,11 +83,19 @@ def _setting(default: Any, doc: str,
                  metadata=dict(doc=doc, check=check, surgery=surgery))
 
 
-@dataclass
+@dataclass(frozen=True)
 class GradientFilterSettings:
     """Which layers gradient filtering trains and how; checked (and
     normalised) when made. :meth:`from_dict` makes one from a config's
-    dict, refusing unknown keys by name."""
+    dict, refusing unknown keys by name.
+
+    Frozen: the entry points (:func:`.config.rewrite_config`, the
+    ``GradFilterModel`` builder, ``GradFilterHook``) check a dict once and
+    pass this object down; a value derived later (the trace's
+    ``input_size``, a budget's ``batch``) is a new object
+    (``dataclasses.replace``, which checks it again), so no caller's dict
+    or settings change under it.
+    """
     num_layers: Optional[int] = _setting(
         None, 'train the last N layers of `layer_kinds` (execution order)',
         _num_layers)
@@ -131,7 +141,7 @@ class GradientFilterSettings:
         out = self.as_dict()
         _check_all(out)
         for key, value in out.items():
-            setattr(self, key, value)
+            object.__setattr__(self, key, value)  # frozen: set once here
 
     @classmethod
     def from_dict(cls, settings: Any) -> 'GradientFilterSettings':
@@ -157,6 +167,24 @@ class GradientFilterSettings:
     def as_dict(self) -> Dict[str, Any]:
         """Every setting by name (the values themselves, not copies)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def surgery_flags(self) -> Dict[str, bool]:
+        """The flags :func:`.surgery.apply_gradient_filter` takes
+        (:data:`SURGERY_FLAGS`), by name."""
+        return {k: getattr(self, k) for k in SURGERY_FLAGS}
+
+
+def as_settings(settings: Any) -> GradientFilterSettings:
+    """``settings`` as checked :class:`GradientFilterSettings`: the object
+    itself when it is one (checked when it was made), else a dict checked
+    once by :meth:`GradientFilterSettings.from_dict`.
+
+    Raises:
+        ValueError: as :meth:`GradientFilterSettings.from_dict`.
+    """
+    if isinstance(settings, GradientFilterSettings):
+        return settings
+    return GradientFilterSettings.from_dict(settings)
 
 
 _FIELDS = {f.name: f for f in fields(GradientFilterSettings)}
@@ -274,10 +302,11 @@ def check_settings(settings: Any) -> Dict[str, Any]:
     """Validate gradient-filter settings before any model is built.
 
     Args:
-        settings: a dict with keys among :data:`SETTING_KEYS`.
+        settings: a dict with keys among :data:`SETTING_KEYS` (or
+            :class:`GradientFilterSettings`).
 
     Returns:
-        dict: every setting, the defaults filled (:data:`DEFAULTS`; radius
+        dict: a new dict of every setting, the defaults filled (:data:`DEFAULTS`; radius
         4 unless a budget chooses the radii).
 
     Raises:
@@ -287,4 +316,4 @@ def check_settings(settings: Any) -> Dict[str, Any]:
             'gf' or with ``train_norm``, bad mode, radius, budget or
             input_size. Errors say what is allowed.
     """
-    return GradientFilterSettings.from_dict(settings).as_dict()
+    return as_settings(settings).as_dict()

@@ -24,6 +24,7 @@ other work running::
 """
 import argparse
 import contextlib
+import dataclasses
 import io
 import os.path as osp
 import sys
@@ -123,7 +124,9 @@ def model_text(name: str, analyze_cost) -> str:
     out += ['---- analyze_cost', '\n'.join(printed)]
 
     cfg = analyze_cost.load_config(analyze_cost.parse_args(argv))
-    cfg.gradient_filter = dict(cfg.gradient_filter, layer_kinds=LAYER_KINDS)
+    # load_config keeps the checked settings object in the config
+    cfg.gradient_filter = dataclasses.replace(cfg.gradient_filter,
+                                              layer_kinds=LAYER_KINDS)
     torch.manual_seed(0)
     model = build_segmentor(cfg, (size, size))
     runner = _Runner()

@@ -100,7 +100,7 @@ def test_the_hook_takes_every_setting(key):
     given = dict(num_layers=2)
     given.setdefault(key, DEFAULTS[key])
     hook = GradFilterHook(**given, log_table=False)
-    assert hook.settings == check_settings(dict(num_layers=2))
+    assert hook.settings == GradientFilterSettings(num_layers=2)
 
 
 def test_the_hook_names_an_unknown_argument_and_what_is_allowed():

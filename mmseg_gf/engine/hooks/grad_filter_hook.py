@@ -10,7 +10,7 @@ is constructed, so a DDP-wrapped model is wrapped again after freezing
 (otherwise the reducer waits for gradients of frozen parameters:
 "Expected to have finished reduction in the prior iteration").
 """
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
@@ -35,7 +35,8 @@ from ..ddp import rewrap_ddp
 from ..layer_trace import trace_layers
 from ..selection import LayerChoice
 from ..settings import (ACCEPTED_KEYS, CHOICE_KEYS, DEFAULT_INPUT_SIZE,
-                        HOOK_OPTIONS, SETTING_KEYS, check_settings)
+                        HOOK_OPTIONS, SETTING_KEYS, GradientFilterSettings,
+                        as_settings)
 from ..state import get_state
 from ..surgery import get_gradient_filter_layers
 from ..train_log import (PEAK_KEY, PeakResidentMemory, logged_now,
@@ -92,7 +93,10 @@ class GradFilterHook(Hook):
     (:mod:`..compile_settings`).
 
     Args:
-        **settings: the gradient-filter settings, as a config's
+        settings: (positional only) the settings as one object
+            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings` or a
+            dict), instead of keywords; a config gives keywords.
+        **kwargs: the gradient-filter settings, as a config's
             ``gradient_filter`` takes them
             (:class:`~mmseg_gf.engine.settings.GradientFilterSettings`: each
             field's default and doc). ``input_size`` defaults to the
@@ -109,29 +113,27 @@ class GradFilterHook(Hook):
             (:mod:`..checkpoint.random_state`).
 
     ``log_table``, ``check_load_from`` and ``resume_random_state`` are
-    declared with their defaults
-    and docs in :data:`~mmseg_gf.engine.settings.HOOK_OPTIONS`.
+    declared with their defaults and docs in
+    :data:`~mmseg_gf.engine.settings.HOOK_OPTIONS`.
     """
 
     priority = 'ABOVE_NORMAL'
 
     def __init__(self,
+                 settings: Any = None,
+                 /,
                  *,
                  log_table: bool = HOOK_OPTIONS['log_table'].default,
                  check_load_from: bool = HOOK_OPTIONS[
                      'check_load_from'].default,
                  resume_random_state: bool = HOOK_OPTIONS[
                      'resume_random_state'].default,
-                 **settings: Any) -> None:
-        unknown = sorted(set(settings) - set(SETTING_KEYS))
-        if unknown:
-            raise ValueError(
-                f'GradFilterHook: unknown argument(s) {unknown}; '
-                f'allowed: {list(ACCEPTED_KEYS)}')
-        self.configured = any(
-            settings.get(k) is not None for k in CHOICE_KEYS)
-        self.settings = check_settings(
-            settings) if self.configured else None
+                 **kwargs: Any) -> None:
+        #: The checked settings, passed down as they are; None: the
+        #: model is expected prepared (``GradFilterModel``).
+        self.settings: Optional[GradientFilterSettings] = _hook_settings(
+            settings, kwargs)
+        self.configured = self.settings is not None
         self.log_table = log_table
         self.check_load_from = bool(check_load_from)
         self._random_state = (ResumedRandomState()
@@ -153,7 +155,7 @@ class GradFilterHook(Hook):
         mmengine takes whatever ``last_checkpoint`` names.
         """
         self._compile = _take_compile_setting(
-            runner, self.configured and self.settings['lean'])
+            runner, self.configured and self.settings.lean)
         load_from = getattr(runner, '_load_from', None)
         resume = bool(getattr(runner, '_resume', False))
         if resume and load_from is None:
@@ -188,7 +190,7 @@ class GradFilterHook(Hook):
                     'unless the model was built by GradFilterModel '
                     '(gradient_filter config setting)')
             s = self.settings
-            size = s['input_size'] or (
+            size = s.input_size or (
                 default_input_size(runner.cfg)
                 if runner.cfg is not None else DEFAULT_INPUT_SIZE)
             choices = select_and_apply(
@@ -278,6 +280,34 @@ class GradFilterHook(Hook):
             runner.message_hub.update_scalar(f'train/{PEAK_KEY}', peak)
         if logged_now(runner, batch_idx):
             self._peak_memory.reset()
+
+
+def _hook_settings(settings: Any, kwargs: Dict[str, Any]
+                   ) -> Optional[GradientFilterSettings]:
+    """The hook's settings, checked once: ``settings`` (an object or a
+    dict) or the keywords; None when neither chooses layers (no
+    ``num_layers``, ``layers`` or ``budget``).
+
+    Raises:
+        ValueError: an unknown keyword (naming the accepted ones), both
+            ``settings`` and keywords, or a setting
+            :class:`~mmseg_gf.engine.settings.GradientFilterSettings`
+            refuses.
+    """
+    unknown = sorted(set(kwargs) - set(SETTING_KEYS))
+    if unknown:
+        raise ValueError(
+            f'GradFilterHook: unknown argument(s) {unknown}; '
+            f'allowed: {list(ACCEPTED_KEYS)}')
+    if settings is not None:
+        if kwargs:
+            raise ValueError(
+                'GradFilterHook: give the settings either as one object or '
+                f'as keywords, not both; got an object and {sorted(kwargs)}')
+        return as_settings(settings)
+    if not any(kwargs.get(k) is not None for k in CHOICE_KEYS):
+        return None
+    return as_settings(kwargs)
 
 
 def _cpu_peak_memory(runner, model: nn.Module
