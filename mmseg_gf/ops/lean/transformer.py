@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
+from ..backend import dispatch
 from ..bit_mask import masks as bit_mask, gpu as triton_bit_mask
 from ..frozen_norm import gpu as triton_norm
 from .functions import FrozenLinearFunction
@@ -65,7 +66,7 @@ class FrozenLayerNormFunction(Function):
     recomputed mean (~1 ulp). The weight and bias are referenced, not
     saved (live Parameters); an in-place change between forward and
     backward is an error, as autograd reports for a saved tensor. On the
-    Triton path (:func:`triton_norm.layer_norm_usable`) the backward is
+    Triton path (the dispatcher's ``frozen_layer_norm``) the backward is
     one launch (:func:`triton_norm.frozen_layer_norm_backward`).
     """
 
@@ -89,7 +90,8 @@ class FrozenLayerNormFunction(Function):
         weight, bias = ctx.params
         for param, version in zip(ctx.params, ctx.versions):
             _check_version(param, version)
-        if triton_norm.layer_norm_usable(x, len(ctx.shape)):
+        if dispatch.choose('frozen_layer_norm', x, len(
+                ctx.shape)).implementation.name == 'triton':
             return (triton_norm.frozen_layer_norm_backward(
                 grad, x, rstd, weight, len(ctx.shape)), None, None, None,
                 None)
@@ -126,7 +128,8 @@ class BitMaskDropPathFunction(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         bits, = ctx.saved_tensors
-        if triton_bit_mask.usable(grad):  # the same numbers, one launch
+        if dispatch.choose('bit_mask', grad).implementation.name == \
+                'triton':  # the same numbers, one launch
             return triton_bit_mask.apply_per_sample(grad, bits,
                                                     ctx.keep_prob), None
         keep = bit_mask.unpack(bits, ctx.noise_shape).to(grad.dtype)
