@@ -61,7 +61,8 @@ def test_a_registered_backend_is_chosen_explained_and_refused(stand_in):
 def test_the_reference_is_last_and_refuses_nothing():
     for name in ('conv', 'conv_backward', 'linear_backward',
                  'token_patch_sums', 'bit_mask', 'resize', 'resized_loss',
-                 'resized_loss_traced', 'frozen_norm', 'frozen_layer_norm'):
+                 'resized_loss_traced', 'frozen_norm', 'frozen_layer_norm',
+                 'patch_grid', 'grid_products'):
         op = dispatch.operator(name)
         assert op.implementations[-1].name == 'torch'
 
@@ -130,7 +131,8 @@ def _calls():
     x = torch.randn(2, 3, 4, 4)
     return {'resized_loss': (x, ), 'resized_loss_traced': (x, ),
             'bit_mask': (x, ), 'resize': (x, ),
-            'frozen_layer_norm': (x, 1)}
+            'frozen_layer_norm': (x, 1), 'patch_grid': (x, ),
+            'grid_products': ()}
 
 
 def test_each_new_operators_reference_is_last_and_refuses_nothing():
@@ -223,3 +225,11 @@ def test_bit_mask_paths_write_the_same_bytes():
         reference = bit_mask.pack(x, 0.0)
     assert torch.equal(bits, reference)
     assert dispatch.explain('bit_mask', x[:, :, ::2]).path == 'torch'
+
+
+def test_fused_products_switch_changes_the_explained_path():
+    with switches.override(MMSEG_GF_FUSED_PRODUCTS=True):
+        assert dispatch.explain('grid_products').path == 'fused'
+    with switches.override(MMSEG_GF_FUSED_PRODUCTS=False):
+        off = dispatch.explain('grid_products')
+    assert off.label() == 'torch: MMSEG_GF_FUSED_PRODUCTS off (fused)'
