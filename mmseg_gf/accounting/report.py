@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from ..models.layer_kinds import CONV2D, layers_noun
+from ..models.layer_paths import layer_path, representative_input
 
 from .format import fmt_flops_short, fmt_mib, format_table
 from .kept import StepSavedBytes
@@ -34,7 +35,11 @@ def chosen_layers_table(model: nn.Module,
     classifiers given, their exact backward is a row of its own and part of
     the total, as the budget counts it, so the two totals are one figure.
     Saved activations are those of a step of ``batch`` images, as the
-    budget's "kept for backward".
+    budget's "kept for backward". The last column, ``runs``, is the
+    implementation each chosen layer runs on a contiguous input of its
+    traced shape (:func:`~mmseg_gf.models.layer_paths.layer_path`: the
+    dispatcher's ``triton``, ``c++``, ``torch: <first refusal>``, or
+    ``exact``); it depends on the machine (kernels built, triton, device).
 
     Args:
         model: the (unwrapped) segmentor, for trainable-parameter counts.
@@ -53,7 +58,7 @@ def chosen_layers_table(model: nn.Module,
             the trace's records), trained exactly in both modes.
     """
     header = ('path', 'k/s/d/g', 'in->out', 'r', 'params', 'bwd/img vanilla',
-              'bwd/img GF', 'saved vanilla', 'saved GF')
+              'bwd/img GF', 'saved vanilla', 'saved GF', 'runs')
     needs = needs_input_grad or {}
     rows: List[Sequence[str]] = []
     tot = [0, 0, 0, 0]
@@ -77,11 +82,12 @@ def chosen_layers_table(model: nn.Module,
             str(radius) if chosen else 'exact', str(_trained(c.module)),
             fmt_flops_short(flops[0]), fmt_flops_short(flops[1]),
             _log_mib(saved.vanilla_saved_bytes) if chosen else '',
-            _log_mib(saved.gf_saved_bytes) if chosen else ''))
+            _log_mib(saved.gf_saved_bytes) if chosen else '',
+            _runs(c, need_x) if chosen else ''))
     rows.append(('total (+classifier/norm params)', '', '', '',
                  str(_trained(model)), fmt_flops_short(tot[0]),
                  fmt_flops_short(tot[1]), _log_mib(tot[2]),
-                 _log_mib(tot[3])))
+                 _log_mib(tot[3]), ''))
     noun = layers_noun(getattr(c, 'kind', CONV2D.name) for c in choices)
     title = (f'Gradient filter ({mode}): {len(choices)} layers; backward '
              f'FLOPs per image of the chosen {noun}'
@@ -90,6 +96,13 @@ def chosen_layers_table(model: nn.Module,
              + f'; activations they save in a step of batch {batch}')
     return title + '\n' + format_table(header, rows, style='text',
                                        rule=False)
+
+
+def _runs(choice: Any, need_input_grad: bool) -> str:
+    """The dispatcher's label of the path ``choice``'s layer takes."""
+    x = representative_input(choice.module, choice.in_shape,
+                             need_input_grad)
+    return layer_path(choice.module, x) or ''
 
 
 def _trained(module: nn.Module) -> int:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..accounting.format import format_table
 from ..accounting.measured import profiled_peak_bytes
-from ..ops.resized_loss import loss as resized_loss
+from ..ops.backend import dispatch
 from ..ops.resized_loss.loss import resized_cross_entropy
 
 __all__ = ['loss_cases', 'benchmark_loss', 'loss_table']
@@ -65,7 +65,7 @@ def loss_cases(logits: torch.Tensor, label: torch.Tensor,
     ``kernel``), each a function of no argument."""
     cases = {'autograd': _autograd_loss(logits, label, sigmoid),
              'per_image': _resized_loss(logits, label, sigmoid, False)}
-    if resized_loss.kernel_usable(logits):
+    if dispatch.refusal('resized_loss', 'c++', logits) is None:
         cases['kernel'] = _resized_loss(logits, label, sigmoid, True)
     return cases
 

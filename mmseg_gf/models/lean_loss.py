@@ -36,10 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.loss.gradients import KeptGradientLossFunction, LogitGradients
+from ..ops.backend import dispatch
 from ..ops.resized_loss.loss import (BatchTotals, accuracy, check_labels,
-                                     operator_usable, resized_cross_entropy,
-                                     traced_pytorch_cross_entropy,
-                                     traced_resized_cross_entropy)
+                                     resized_cross_entropy)
 
 __all__ = ['chunkable_losses', 'chunk_blocker', 'ohem_sampler_spec',
            'chunked_cross_entropy_losses', 'chunked_cross_entropy_gradients',
@@ -180,8 +179,8 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
     mass = None if classes is None else classes.sum()
     dtype = torch.promote_types(logits.dtype, torch.float32)
     if traced:
-        form = traced_resized_cross_entropy if operator_usable(logits) \
-            else traced_pytorch_cross_entropy
+        form = dispatch.choose('resized_loss_traced',
+                               logits).implementation.run
         loss, hits = form(logits, label, ignore_index=ignore_index,
                           align_corners=align_corners, weight=weight,
                           sigmoid=sigmoid)

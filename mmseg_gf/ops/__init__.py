@@ -9,7 +9,8 @@ from .linear.function import (GradientFilterLinearFunction,
 from .linear.token_grid import TokenGrid
 from .patch_grid import MAX_RADIUS
 # every operator's implementations registered with the dispatcher
-from . import conv_block, frozen_norm  # noqa: F401,E402
+from . import (bit_mask, conv_block, frozen_norm, resize,  # noqa: F401,E402
+               resized_loss)
 
 __all__ = [
     'AxisGeometry', 'GradientFilterConv2dFunction', 'as_pair', 'check_radius',

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import extension, shape_caches
+from .backend import dispatch, shape_caches
 from .conv import cpu as conv_cpu
 
 IntPair = Union[int, Tuple[int, int]]
@@ -129,6 +129,12 @@ def _fit_to_patches(t: Tensor, geo_h: AxisGeometry,
     return F.pad(t, (left, right, top, bottom))
 
 
+def _kernel_takes(t: Tensor) -> bool:
+    """Whether the dispatcher's ``patch_grid`` runs ``t``'s patch sums or
+    spread with the compiled kernels."""
+    return dispatch.choose('patch_grid', t).implementation.name == 'c++'
+
+
 def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
                        geo_w: AxisGeometry) -> Tensor:
     """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x`` (docs/gradient_filter.md,
@@ -136,7 +142,7 @@ def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
     (float32 accumulation for reduced precision); the compiled kernel lays
     it out channel-major for the backward's weight GEMM.
     """
-    if conv_cpu.usable(x):
+    if _kernel_takes(x):
         return conv_cpu.patch_sums(x, geo_h.input_patches, geo_w.input_patches,
                                  channel_major=True)
     covered = _fit_to_patches(x, geo_h, geo_w)
@@ -159,7 +165,7 @@ def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
     pixels only. Returns ``(sums, scale * means)`` in ``acc_dtype``; the sums
     also give the exact bias gradient without a second pass.
     """
-    if conv_cpu.usable(grad_output):
+    if _kernel_takes(grad_output):
         sums = conv_cpu.patch_sums(grad_output, geo_h.output_patches,
                                  geo_w.output_patches).to(acc_dtype)
     else:
@@ -186,9 +192,9 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
     (width, then rows), faster on CPU than one 6-D expand
     (docs/benchmarks/design_measurements.md).
     """
-    if grad_pooled.device.type == 'cpu' and extension.available():
+    if grad_pooled.device.type == 'cpu':
         grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed
-        if conv_cpu.usable(grid):
+        if _kernel_takes(grid):
             return conv_cpu.spread(grid, geo_h.in_size, geo_w.in_size,
                                  geo_h.input_patches, geo_w.input_patches)
     n, c, ph, pw = grad_pooled.shape

@@ -9,7 +9,9 @@ mmseg's twelve real-time families (zoo configs offline, setting
 four budgets, the step-peak model included. Run as a script it writes the
 text of every model (or of the models named) to stdout or ``--out``;
 ``tests/golden/layer_kinds.txt`` holds the text written by commit e0138fd
-(plus the step line's ``linear`` category, 0.00 on these models),
+(plus the step line's ``linear`` category, 0.00 on these models;
+the hook table's ``runs`` column, which depends on the machine's
+kernels, is left out: :func:`without_runs_column`),
 whose selection, surgery and accounting named ``nn.Conv2d`` / ``GFConv2d``
 directly (the budgets and the hook's model here count convs only,
 ``layer_kinds=['conv2d']``: Segformer-B0's attentions are a kind of their
@@ -100,6 +102,22 @@ class _Runner:
         self.logger = _Logger()
 
 
+def without_runs_column(messages: List[str]) -> List[str]:
+    """The logged messages with the layer table's last column, ``runs``
+    (the kernels this machine runs), cut off at its header's offset."""
+    out = []
+    for message in messages:
+        lines = message.split('\n')
+        headers = [line for line in lines if line.endswith('  runs')
+                   or '  runs ' in line]
+        if headers:
+            cut = headers[0].index('  runs')
+            lines = [line[:cut] if i >= lines.index(headers[0]) else line
+                     for i, line in enumerate(lines)]
+        out.append('\n'.join(lines))
+    return out
+
+
 def _normalise(text: str) -> str:
     from mmseg_gf.engine.zoo import mmseg_config_dir
     return text.replace(mmseg_config_dir(), '<mmseg>').replace(REPO, '<repo>')
@@ -131,7 +149,7 @@ def model_text(name: str, analyze_cost) -> str:
     model = build_segmentor(cfg, (size, size))
     runner = _Runner()
     GradFilterHook._log_cost(runner, model, get_gradient_filter_layers(model))
-    out += ['---- hook table'] + runner.logger.lines
+    out += ['---- hook table'] + without_runs_column(runner.logger.lines)
 
     plain_cfg = cfg.copy()
     plain_cfg.pop('gradient_filter', None)

@@ -105,9 +105,9 @@ def test_launches_per_image(monkeypatch):
     on_device = _on_device(logits, label)  # the copies are not counted
     # once uncounted: a first call builds (and caches) the GEMM route's
     # interpolation matrices
-    resized_loss._per_image_triton(*on_device, 255, False, None, True,
+    resized_loss.triton_loss(*on_device, 255, False, None, True,
                                    False, False)
-    run = _count(lambda: resized_loss._per_image_triton(
+    run = _count(lambda: resized_loss.triton_loss(
         *on_device, 255, False, None, True, False, False),
         triton_loss_kernels, _KERNELS)
     # the upsampling's backward: on CUDA two GEMMs (ops.resize.gemm)

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from mmseg_gf.ops.backend import dispatch, switches
+from mmseg_gf.ops.backend import (device_path, dispatch, extension, switches,
+                                  triton_runtime)
+from mmseg_gf.ops.bit_mask import masks as bit_mask
+from mmseg_gf.ops.resize import gemm as bilinear_gemm
+from mmseg_gf.ops.resized_loss import loss as resized_loss
 from tests.helpers import standin_linear
 
 
@@ -56,7 +60,9 @@ def test_a_registered_backend_is_chosen_explained_and_refused(stand_in):
 
 def test_the_reference_is_last_and_refuses_nothing():
     for name in ('conv', 'conv_backward', 'linear_backward',
-                 'token_patch_sums'):
+                 'token_patch_sums', 'bit_mask', 'resize', 'resized_loss',
+                 'resized_loss_traced', 'frozen_norm', 'frozen_layer_norm',
+                 'patch_grid', 'grid_products'):
         op = dispatch.operator(name)
         assert op.implementations[-1].name == 'torch'
 
@@ -118,3 +124,112 @@ def test_an_unknown_operator_names_the_registered_ones():
     with pytest.raises(ValueError, match='already'):
         dispatch.operator('conv').add(
             dispatch.Implementation('torch', lambda *call: None))
+
+
+#: A call of each operator registered beside the conv and Linear ones.
+def _calls():
+    x = torch.randn(2, 3, 4, 4)
+    return {'resized_loss': (x, ), 'resized_loss_traced': (x, ),
+            'bit_mask': (x, ), 'resize': (x, ),
+            'frozen_layer_norm': (x, 1), 'patch_grid': (x, ),
+            'grid_products': ()}
+
+
+def test_each_new_operators_reference_is_last_and_refuses_nothing():
+    for name, call in _calls().items():
+        op = dispatch.operator(name)
+        reference = op.implementations[-1]
+        assert reference.name == 'torch', name
+        assert reference.refusal(*call) is None, name
+        assert len(op.implementations) >= 2, name
+
+
+@pytest.mark.parametrize('name', ['resized_loss', 'bit_mask', 'resize'])
+def test_native_switch_changes_the_explained_path(name):
+    """With the compiled kernels on, float32 CPU calls take ``c++`` (where
+    built); with ``MMSEG_GF_NATIVE`` off the PyTorch path, and the label
+    says why."""
+    x = torch.randn(2, 3, 4, 4)
+    module = {'resized_loss': 'resized_loss', 'bit_mask': 'bit_mask',
+              'resize': 'patch_ops'}[name]
+    built = extension.built(module)
+    with switches.override(MMSEG_GF_NATIVE=True):
+        on = dispatch.explain(name, x)
+    assert on.path == ('c++' if built else 'torch')
+    with switches.override(MMSEG_GF_NATIVE=False):
+        off = dispatch.explain(name, x)
+    assert off.path == 'torch'
+    reason = 'MMSEG_GF_NATIVE off' if built else \
+        f'{extension.NAMES[module]} not built'
+    assert dict(off.refusals)['c++'] == reason
+    assert off.label().endswith(f'{reason} (c++)')
+    assert dispatch.refusal(name, 'c++', x) == (None if built else reason)
+
+
+def test_resize_gemm_switch_and_dtype_refusals():
+    """Inside ``as_on_cuda`` a float32 resize takes the GEMMs; the switch
+    off or a float16 tensor names the reason; gemm.usable follows."""
+    x = torch.randn(1, 2, 4, 4)
+    with device_path.as_on_cuda():
+        with switches.override(MMSEG_GF_RESIZE_GEMM=True):
+            assert dispatch.explain('resize', x).path == 'gemm'
+            assert bilinear_gemm.usable(x)
+            assert dict(dispatch.explain('resize', x.half()).refusals)[
+                'gemm'] == 'torch.float16 tensor'
+        with switches.override(MMSEG_GF_RESIZE_GEMM=False):
+            off = dispatch.explain('resize', x)
+            assert off.path != 'gemm'
+            assert dict(off.refusals)['gemm'] == 'MMSEG_GF_RESIZE_GEMM off'
+            assert not bilinear_gemm.usable(x)
+
+
+def test_resize_kernel_refuses_a_gradient_whose_images_are_strided():
+    grad = torch.randn(2, 3, 4, 4).transpose(2, 3)
+    explained = dispatch.explain('resize', grad)
+    assert explained.path == 'torch'
+    if extension.available():
+        assert dict(explained.refusals)['c++'] == \
+            'an image of the gradient not contiguous'
+
+
+def test_resized_loss_names_its_refusals_and_a_forced_kernel_says_why():
+    logits = torch.randn(1, 3, 2, 2)
+    label = torch.zeros(1, 4, 4, dtype=torch.int64)
+    double = dispatch.explain('resized_loss', logits.double())
+    assert double.path == 'torch'
+    assert dict(double.refusals)['c++'] in (
+        'torch.float64 logits (the kernel takes float32)',
+        'mmseg_gf._resized_loss not built', 'MMSEG_GF_NATIVE off')
+    assert resized_loss.kernel_usable(logits.double()) is False
+    with switches.override(MMSEG_GF_NATIVE=False):
+        with pytest.raises(RuntimeError, match='MMSEG_GF_NATIVE off|built'):
+            resized_loss.resized_cross_entropy(logits, label,
+                                               use_kernel=True)
+        traced = dispatch.explain('resized_loss_traced', logits)
+    assert traced.path == 'torch'  # torch.compile traces PyTorch's form
+    assert dict(traced.refusals)['c++'] in ('MMSEG_GF_NATIVE off',
+                                           'mmseg_gf._resized_loss not built')
+    if extension.built('resized_loss') and \
+            not triton_runtime.takes_device(logits):
+        assert dispatch.explain('resized_loss_traced', logits).path == 'c++'
+        assert resized_loss.operator_usable(logits)
+
+
+def test_bit_mask_paths_write_the_same_bytes():
+    """The path the dispatcher explains runs, and the bytes equal the
+    PyTorch path's (switched off)."""
+    x = torch.randn(3, 5, 7)
+    bits = bit_mask.pack(x, 0.0)
+    with switches.override(MMSEG_GF_NATIVE=False):
+        assert dispatch.explain('bit_mask', x).path == 'torch'
+        reference = bit_mask.pack(x, 0.0)
+    assert torch.equal(bits, reference)
+    assert dispatch.explain('bit_mask', x[:, :, ::2]).path == 'torch'
+
+
+def test_fused_products_switch_changes_the_explained_path():
+    with switches.override(MMSEG_GF_FUSED_PRODUCTS=True):
+        assert dispatch.explain('grid_products').path == 'fused'
+    with switches.override(MMSEG_GF_FUSED_PRODUCTS=False):
+        off = dispatch.explain('grid_products')
+    assert off.label() == 'torch: MMSEG_GF_FUSED_PRODUCTS off (fused)'

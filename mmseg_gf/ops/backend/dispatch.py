@@ -26,7 +26,8 @@ import torch
 from . import device_path, extension, shape_caches, switches, triton_runtime
 
 __all__ = ['Implementation', 'Choice', 'Operator', 'Explanation', 'CACHE_SIZE',
-           'register', 'operator', 'choose', 'explain', 'cache_info',
+           'register', 'operator', 'choose', 'explain', 'refusal',
+           'cache_info',
            'cache_clear', 'switch_state', 'tensor_signature']
 
 #: Call signatures kept per operator (least recently used dropped first).
@@ -77,9 +78,12 @@ class Explanation(NamedTuple):
 
     def label(self) -> str:
         """``triton``, ``c++`` or, for the reference after refusals,
-        ``torch: <first refusal>`` (what the layer table prints)."""
+        ``torch: <reason> (<implementation>), ...`` with every refusal in
+        priority order (what the layer table prints: on a CPU the Triton
+        path's refusal is the device, the C++ one's says why it is off)."""
         if self.path == 'torch' and self.refusals:
-            return f'torch: {self.refusals[0][1]}'
+            return 'torch: ' + ', '.join(f'{reason} ({name})'
+                                         for name, reason in self.refusals)
         return self.path
 
 
@@ -173,6 +177,18 @@ class Operator:
         return Explanation(self.name, choice.implementation.name,
                            choice.refusals)
 
+    def refusal(self, implementation: str, *call) -> Optional[str]:
+        """Why the implementation named ``implementation`` may not run
+        ``call`` (None: it may), whatever comes before it in the list: for
+        a caller that asks for one path by name (a benchmark, a forced
+        kernel)."""
+        for impl in self.implementations:
+            if impl.name == implementation:
+                return impl.refusal(*call)
+        raise KeyError(f'{self.name} has no implementation named '
+                       f'{implementation!r}: '
+                       f'{[impl.name for impl in self.implementations]}')
+
     def cache_info(self) -> dict:
         """Hits, misses, entries and the bound of this operator's cache."""
         return dict(hits=self._hits, misses=self._misses,
@@ -218,6 +234,12 @@ def choose(name: str, *call) -> Choice:
 def explain(name: str, *call) -> Explanation:
     """The path operator ``name`` takes for ``call`` and every refusal."""
     return operator(name).explain(*call)
+
+
+def refusal(name: str, implementation: str, *call) -> Optional[str]:
+    """Why implementation ``implementation`` of operator ``name`` may not
+    run ``call``, or None (:meth:`Operator.refusal`)."""
+    return operator(name).refusal(implementation, *call)
 
 
 def cache_info() -> Dict[str, dict]:

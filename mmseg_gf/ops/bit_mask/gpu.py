@@ -17,13 +17,15 @@ memory order) on CUDA, in eager mode, where the Triton path is switched on
 for the tests. Anything else takes the PyTorch path (float64: a float
 scalar reaches a kernel as float32, so its bounds would be rounded).
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from ..backend import triton_runtime
+from ..backend import dispatch, triton_runtime
 from ..backend.triton_runtime import is_fake, on_device
 
-__all__ = ['usable', 'takes_dtype', 'empty_bits', 'pack', 'apply',
+__all__ = ['refusal', 'usable', 'takes_dtype', 'empty_bits', 'pack', 'apply',
            'activate_and_pack', 'activation_code', 'FORMULAS',
            'apply_per_sample']
 
@@ -40,12 +42,29 @@ def takes_dtype(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
 
 
+def refusal(t: Tensor) -> Optional[str]:
+    """Why ``t`` (the mask's tensor in its memory order) may not take the
+    Triton path, or None."""
+    reason = triton_runtime.device_refusal(t)
+    if reason is not None:
+        return reason
+    if not takes_dtype(t.dtype):
+        return f'{t.dtype} tensor'
+    if t.numel() == 0:
+        return 'empty tensor'
+    if not t.is_contiguous():
+        return 'not contiguous in the mask\'s memory order'
+    if torch.compiler.is_compiling():
+        return 'compiling'
+    if is_fake(t):
+        return 'fake tensor'
+    return None
+
+
 def usable(t: Tensor) -> bool:
-    """Whether ``t`` (the mask's tensor in its memory order) takes the
-    Triton path."""
-    return (triton_runtime.takes_device(t) and takes_dtype(t.dtype)
-            and t.numel() > 0 and t.is_contiguous()
-            and not torch.compiler.is_compiling() and not is_fake(t))
+    """Whether the dispatcher's ``bit_mask`` lets ``t`` take the Triton
+    path."""
+    return dispatch.refusal('bit_mask', 'triton', t) is None
 
 
 def _kernels():

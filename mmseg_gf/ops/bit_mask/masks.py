@@ -27,14 +27,14 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import extension
+from ..backend import dispatch, extension
 from ..backend.output_pool import empty_for_writing
 from . import gpu as triton_bit_mask
 
 _kernels = extension.module('bit_mask')  # None when not built
 
 __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
-           'layout_of', 'activate_and_pack']
+           'kernel_refusal', 'layout_of', 'activate_and_pack']
 
 
 def native_available() -> bool:
@@ -42,9 +42,23 @@ def native_available() -> bool:
     return extension.available('bit_mask')
 
 
-def _native(t: Tensor) -> bool:
-    return (native_available() and t.device.type == 'cpu'
-            and t.is_contiguous() and t.is_floating_point())
+def kernel_refusal(t: Tensor) -> Optional[str]:
+    """Why the compiled kernels may not take ``t`` (the mask's tensor in
+    its memory order), or None: contiguous floating CPU tensors."""
+    reason = extension.refusal('bit_mask')
+    if reason is not None:
+        return reason
+    if t.device.type != 'cpu':
+        return f'{t.device.type} tensor'
+    if not t.is_contiguous():
+        return 'not contiguous in the mask\'s memory order'
+    if not t.is_floating_point():
+        return f'{t.dtype} tensor'
+    return None
+
+
+def _path(t: Tensor) -> str:
+    return dispatch.choose('bit_mask', t).implementation.name
 
 
 @torch.library.custom_op('mmseg_gf::pack_mask', mutates_args=())
@@ -107,9 +121,10 @@ def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
     """
     upper = math.inf if hi is None else float(hi)
     x = _in_memory_order(x, layout)
-    if triton_bit_mask.usable(x):
+    path = _path(x)
+    if path == 'triton':
         return triton_bit_mask.pack(x, float(lo), upper, bool(nan_bit))
-    if _native(x):
+    if path == 'c++':
         if torch.compiler.is_compiling():  # the operator: no autograd
             return _pack_op(x.detach(), float(lo), upper, bool(nan_bit))
         return _kernels.pack_mask(x, float(lo), upper, bool(nan_bit))
@@ -148,9 +163,10 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0,
     ``layout`` too.
     """
     flat = _in_memory_order(grad, layout)
-    if triton_bit_mask.usable(flat):
+    path = _path(flat)
+    if path == 'triton':
         out = triton_bit_mask.apply(flat, bits, float(off_scale))
-    elif _native(flat):
+    elif path == 'c++':
         apply_mask = _apply_op if torch.compiler.is_compiling() else \
             _apply_native
         out = apply_mask(flat, bits, float(off_scale))
@@ -179,7 +195,7 @@ def activate_and_pack(x: Tensor, formula: str, lo: float,
     if not x.is_contiguous(memory_format=layout):
         return None  # (the plain activation's output keeps x's strides)
     flat = _in_memory_order(x, layout)
-    if not triton_bit_mask.usable(flat):
+    if _path(flat) != 'triton':
         return None
     y = x if inplace else torch.empty_like(x, memory_format=layout)
     upper = math.inf if hi is None else float(hi)

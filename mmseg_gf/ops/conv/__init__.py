@@ -5,11 +5,19 @@ node: the Triton one (:mod:`.gpu`), the compiled C++ one (:mod:`.cpu`),
 or :class:`~.function.GradientFilterConv2dFunction`, the reference.
 ``conv_backward``: the reference Function's backward, where the compiled
 one-call backward applies (its input, ``g_y``, exists only then).
+``patch_grid``: the reference's patch sums and spreads of one NCHW map
+(:mod:`..patch_grid`): the compiled kernels, else PyTorch's pooling and
+broadcasts.
+``grid_products``: the Triton backward's patch-grid products: one fused
+launch (:mod:`.products_kernels`, while ``MMSEG_GF_FUSED_PRODUCTS`` is on),
+else batched GEMMs, a tap sum and a spread.
 """
+from typing import Optional
+
 import torch
 
 from .. import patch_grid
-from ..backend import dispatch
+from ..backend import dispatch, switches
 from . import cpu, gpu
 from .function import (GradientFilterConv2dFunction, fused_backward,
                        stepwise_backward)
@@ -71,4 +79,21 @@ def _backward_cpp_refusal(grad_output, x_pooled, weight, input_dtype,
 dispatch.register('conv_backward', [
     dispatch.Implementation('c++', _backward_cpp_refusal, fused_backward),
     dispatch.Implementation('torch', lambda *call: None, stepwise_backward),
+])
+
+dispatch.register('patch_grid', [
+    dispatch.Implementation('c++', cpu.refusal),
+    dispatch.Implementation('torch', lambda t: None),
+])
+
+
+def _fused_products_refusal() -> Optional[str]:
+    if not switches.value('MMSEG_GF_FUSED_PRODUCTS'):
+        return 'MMSEG_GF_FUSED_PRODUCTS off'
+    return None
+
+
+dispatch.register('grid_products', [
+    dispatch.Implementation('fused', _fused_products_refusal),
+    dispatch.Implementation('torch', lambda: None),
 ])

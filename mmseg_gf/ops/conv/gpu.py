@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..backend import switches, triton_runtime
+from ..backend import dispatch, triton_runtime
 
 __all__ = [
     'usable', 'refusal', 'filtered_conv2d', 'collapsed_backward',
@@ -99,8 +99,8 @@ def fused_products() -> bool:
     """Whether a filtered backward runs its patch-grid products as the
     fused launch of :mod:`.products_kernels` (while
     ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a tap sum
-    and a spread."""
-    return switches.value('MMSEG_GF_FUSED_PRODUCTS')
+    and a spread (the dispatcher's ``grid_products``)."""
+    return dispatch.choose('grid_products').implementation.name == 'fused'
 
 
 def _tap_sums(weight: Tensor, acc: torch.dtype) -> Tensor:

@@ -30,12 +30,12 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..backend import triton_runtime
+from ..backend import dispatch, triton_runtime
 from ..backend.triton_runtime import is_fake, on_device
 from ..function_output import owned_output
 
 __all__ = ['refusal', 'usable', 'FrozenBatchNormFunction', 'reference_norm',
-           'unchanged_norm', 'layer_norm_usable',
+           'unchanged_norm', 'layer_norm_usable', 'layer_norm_refusal',
            'frozen_layer_norm_backward']
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -73,9 +73,9 @@ def refusal(x: Tensor) -> Optional[str]:
 
 
 def usable(x: Tensor) -> bool:
-    """Whether a frozen norm's input ``x`` takes the Triton path
-    (:func:`refusal` gives no reason)."""
-    return refusal(x) is None
+    """Whether the dispatcher's ``frozen_norm`` lets ``x`` take the
+    Triton path (:func:`refusal` gives no reason)."""
+    return dispatch.refusal('frozen_norm', 'triton', x) is None
 
 
 def reference_norm(ctx, running_var: Tensor,
@@ -126,18 +126,31 @@ class FrozenBatchNormFunction(Function):
         return g_x, None, None, None, None
 
 
-def layer_norm_usable(x: Tensor, dims: int) -> bool:
-    """Whether a frozen layer norm's backward over the last ``dims``
-    dimensions of its kept input ``x`` takes the Triton path (contiguous
-    ``x``, rows of at most 8192 elements)."""
-    if not (triton_runtime.takes_device(x) and x.dtype in _DTYPES
-            and x.numel() > 0 and x.is_contiguous()
-            and not torch.compiler.is_compiling() and not is_fake(x)):
-        return False
+def layer_norm_refusal(x: Tensor, dims: int) -> Optional[str]:
+    """Why a frozen layer norm's backward over the last ``dims``
+    dimensions of its kept input ``x`` may not take the Triton path
+    (contiguous ``x``, rows of at most 8192 elements), or None."""
+    reason = triton_runtime.device_refusal(x)
+    if reason is not None:
+        return reason
+    if x.dtype not in _DTYPES:
+        return f'{x.dtype} input'
+    if x.numel() == 0 or not x.is_contiguous():
+        return 'empty or not contiguous'
+    if torch.compiler.is_compiling() or is_fake(x):
+        return 'compiling or a fake tensor'
     row = 1
     for size in x.shape[x.dim() - dims:]:
         row *= size
-    return 0 < row <= _MAX_ROW
+    if not 0 < row <= _MAX_ROW:
+        return f'rows of {row} elements (at most {_MAX_ROW})'
+    return None
+
+
+def layer_norm_usable(x: Tensor, dims: int) -> bool:
+    """Whether the dispatcher's ``frozen_layer_norm`` takes the Triton
+    path for ``x``."""
+    return dispatch.refusal('frozen_layer_norm', 'triton', x, dims) is None
 
 
 def frozen_layer_norm_backward(grad: Tensor, x: Tensor, rstd: Tensor,

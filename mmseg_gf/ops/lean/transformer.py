@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
+from ..backend import dispatch
 from ..bit_mask import masks as bit_mask, gpu as triton_bit_mask
 from ..frozen_norm import gpu as triton_norm
 from .functions import FrozenLinearFunction
@@ -42,7 +43,8 @@ class FrozenLayerNormFunction(Function):
 
     The forward is ``torch.native_layer_norm`` (the plain output bit for bit);
     the backward recomputes the mean and calls ``native_layer_norm_backward``
-    (autograd's gradient to ~1 ulp), or one Triton launch
+    (autograd's gradient to ~1 ulp), or, where the dispatcher's
+    ``frozen_layer_norm`` takes Triton, one launch
     (:func:`triton_norm.frozen_layer_norm_backward`). Weight and bias are
     referenced, version-checked like saved tensors.
     """
@@ -67,7 +69,8 @@ class FrozenLayerNormFunction(Function):
         weight, bias = ctx.params
         for param, version in zip(ctx.params, ctx.versions):
             _check_version(param, version)
-        if triton_norm.layer_norm_usable(x, len(ctx.shape)):
+        if dispatch.choose('frozen_layer_norm', x, len(
+                ctx.shape)).implementation.name == 'triton':
             return (triton_norm.frozen_layer_norm_backward(
                 grad, x, rstd, weight, len(ctx.shape)), None, None, None,
                 None)
@@ -100,7 +103,8 @@ class BitMaskDropPathFunction(Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         bits, = ctx.saved_tensors
-        if triton_bit_mask.usable(grad):  # the same numbers, one launch
+        if dispatch.choose('bit_mask', grad).implementation.name == \
+                'triton':  # the same numbers, one launch
             return triton_bit_mask.apply_per_sample(grad, bits,
                                                     ctx.keep_prob), None
         keep = bit_mask.unpack(bits, ctx.noise_shape).to(grad.dtype)

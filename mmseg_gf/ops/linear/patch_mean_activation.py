@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..backend import output_pool
-from ..conv import cpu as conv_cpu
+from ..backend import dispatch, output_pool
 from . import cpu as linear_cpu
 from .token_grid import TokenGrid, TokenLayout
 from ..patch_grid import AxisGeometry, check_radius, filter_output_grad
@@ -207,7 +206,7 @@ def _map_means(slope: Tensor, partition: PatchPartition,
     their pixels only), one launch where the sums and a scaling take two
     (the same means to rounding, equal where ``|P|`` is a power of 2)."""
     geo_h, geo_w = partition.axes()
-    if conv_cpu.usable(slope):
+    if dispatch.choose('patch_grid', slope).implementation.name == 'c++':
         return filter_output_grad(slope, geo_h, geo_w, acc)[1]
     r = partition.radius
     return F.avg_pool2d(slope, (min(r, partition.height),
@@ -221,7 +220,8 @@ def _token_means(slope: Tensor, layout: TokenLayout,
     the compiled CPU kernel's sums divided by the tokens per patch, else
     one pooling that divides as it sums (the same quotients)."""
     rows = layout.rows_to_read(slope)
-    if not (acc == slope.dtype and linear_cpu.token_rows_usable(rows)):
+    if dispatch.choose('token_patch_sums', layout, rows,
+                       acc).implementation.name != 'c++':
         return layout.pool_rows(rows, acc, mean=True)
     sums = linear_cpu.token_patch_sums(rows, layout.radius)
     counts = layout.patch_counts(sums)

@@ -35,13 +35,15 @@ from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
 
 from . import gemm as bilinear_gemm
-from ..backend import extension
+from ..backend import dispatch
 from ..backend.device_path import acting_as_cuda
 from ..backend.output_pool import empty_for_writing
 from . import cpu as resize_cpu
 
 __all__ = ['BilinearResizeFunction', 'bilinear_resize_backward',
-           'strided_gradient_resizes', 'traced_rule_applies']
+           'strided_gradient_resizes', 'traced_rule_applies',
+           'images_contiguous', 'gemm_backward', 'kernel_backward',
+           'torch_backward']
 
 _INTERPOLATE = inspect.signature(F.interpolate)
 
@@ -58,7 +60,7 @@ def _scales(scale_factor, recompute_scale_factor
     return float(scale_factor), float(scale_factor)
 
 
-def _images_contiguous(grad: Tensor) -> bool:
+def images_contiguous(grad: Tensor) -> bool:
     """Each image of ``grad`` is contiguous with its plain strides (a
     channel slice of a contiguous batch is; a tensor with one-pixel axes
     may have other strides for them, and goes to torch's kernel)."""
@@ -77,7 +79,7 @@ def bilinear_backward_op(grad: Tensor, input_size: List[int],
     PSPNet-R18 step on CPU): a new contiguous gradient of ``input_size``
     from a float32 / float64 CPU ``grad`` at any strides (copied where an
     image is not contiguous)."""
-    if not _images_contiguous(grad):
+    if not images_contiguous(grad):
         grad = grad.contiguous()
     return resize_cpu.bilinear_backward(grad, grad.new_empty(input_size),
                                     align_corners, (scale_h, scale_w))
@@ -86,12 +88,6 @@ def bilinear_backward_op(grad: Tensor, input_size: List[int],
 @bilinear_backward_op.register_fake
 def _(grad, input_size, align_corners, scale_h, scale_w):
     return grad.new_empty(input_size)
-
-
-def _native_dtype(grad: Tensor) -> bool:
-    """The compiled CPU kernel takes ``grad``."""
-    return (extension.available() and grad.device.type == 'cpu'
-            and grad.dtype in (torch.float32, torch.float64))
 
 
 def traced_rule_applies(x: Tensor) -> bool:
@@ -108,34 +104,53 @@ def traced_rule_applies(x: Tensor) -> bool:
     return x.device.type == 'cpu' and not acting_as_cuda()
 
 
-def _compiled(grad: Tensor) -> bool:
-    return _native_dtype(grad) and not torch.compiler.is_compiling()
-
-
 def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
                              align_corners: bool,
                              scales: Tuple[Optional[float], Optional[float]]
                              ) -> Tensor:
     """The gradient of a bilinear resize w.r.t. its input, read in place
-    where each image of ``grad`` is contiguous (a channel slice of a batch):
-    with the compiled kernels on CPU (float32 / float64) one axis at a
-    time (:func:`~.cpu.bilinear_backward`, torch's terms in another
-    order; under ``torch.compile`` as its operator), otherwise torch's
-    ``upsample_bilinear2d_backward`` image by image; any other layout goes
-    to torch's kernel, which copies it."""
-    out_size = list(grad.shape[2:])
-    if bilinear_gemm.usable(grad):
-        return bilinear_gemm.resize_backward(grad, input_size[2:],
-                                             align_corners, scales)
-    if torch.compiler.is_compiling() and _native_dtype(grad):
+    where each image of ``grad`` is contiguous (a channel slice of a batch),
+    by the dispatcher's ``resize`` choice: the GEMMs (:mod:`.gemm`), the
+    compiled kernels on CPU (float32 / float64) one axis at a time
+    (:func:`~.cpu.bilinear_backward`, torch's terms in another order;
+    under ``torch.compile`` as its operator), otherwise torch's
+    ``upsample_bilinear2d_backward`` (:func:`torch_backward`)."""
+    backward = dispatch.choose('resize', grad).implementation.run
+    return backward(grad, input_size, align_corners, scales)
+
+
+def gemm_backward(grad: Tensor, input_size: Sequence[int],
+                  align_corners: bool,
+                  scales: Tuple[Optional[float], Optional[float]]) -> Tensor:
+    """The backward as two matrix products (:func:`.gemm.resize_backward`)."""
+    return bilinear_gemm.resize_backward(grad, input_size[2:], align_corners,
+                                         scales)
+
+
+def kernel_backward(grad: Tensor, input_size: Sequence[int],
+                    align_corners: bool,
+                    scales: Tuple[Optional[float], Optional[float]]) -> Tensor:
+    """The compiled CPU backward: its operator while ``torch.compile``
+    traces, else the kernel into recycled memory (each image of ``grad``
+    contiguous)."""
+    if torch.compiler.is_compiling():
         return bilinear_backward_op(grad, list(input_size),
                                     bool(align_corners), *scales)
-    if not _images_contiguous(grad) or torch.compiler.is_compiling():
+    return resize_cpu.bilinear_backward(
+        grad, empty_for_writing(input_size, grad), align_corners, scales)
+
+
+def torch_backward(grad: Tensor, input_size: Sequence[int],
+                   align_corners: bool,
+                   scales: Tuple[Optional[float], Optional[float]]) -> Tensor:
+    """torch's ``upsample_bilinear2d_backward``: image by image into one
+    gradient where each image of ``grad`` is contiguous (no copy of the
+    slice), else (and under ``torch.compile``) on the whole, copied."""
+    out_size = list(grad.shape[2:])
+    if not images_contiguous(grad) or torch.compiler.is_compiling():
         return torch.ops.aten.upsample_bilinear2d_backward(
             grad, out_size, list(input_size), align_corners, *scales)
     result = empty_for_writing(input_size, grad)
-    if _compiled(grad):
-        return resize_cpu.bilinear_backward(grad, result, align_corners, scales)
     backward = torch.ops.aten.upsample_bilinear2d_backward
     for i in range(grad.shape[0]):
         backward.grad_input(grad.narrow(0, i, 1), out_size,
@@ -168,7 +183,7 @@ class BilinearResizeFunction(Function):
         ctx.input_size = tuple(x.shape)
         ctx.align_corners = bool(align_corners)
         ctx.scales = _scales(scale_factor, recompute_scale_factor)
-        if bilinear_gemm.usable(x):
+        if dispatch.choose('resize', x).implementation.name == 'gemm':
             out_hw = _output_size(x, size, scale_factor,
                                   recompute_scale_factor)
             return bilinear_gemm.resize(x, out_hw, ctx.align_corners,

@@ -44,17 +44,17 @@ already failed.
 
 Taken by :mod:`.resize` and :mod:`.resized_loss` on CUDA tensors of float32
 or float64 while ``MMSEG_GF_RESIZE_GEMM`` is on (:mod:`.switches`);
-:func:`usable` says which.
+:func:`refusal` says why not (the dispatcher's ``resize`` asks it).
 """
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..backend import shape_caches, switches
+from ..backend import dispatch, shape_caches, switches
 from ..backend.device_path import acting_as_cuda
 
-__all__ = ['usable', 'interpolation_matrix', 'one_product', 'resize',
+__all__ = ['refusal', 'usable', 'interpolation_matrix', 'one_product', 'resize',
            'resize_backward']
 
 _DTYPES = (torch.float32, torch.float64)
@@ -65,16 +65,26 @@ ONE_PRODUCT_PIXELS = 64
 ONE_PRODUCT_ELEMENTS = 1 << 22
 
 
-def usable(t: Tensor) -> bool:
-    """Whether a bilinear resize of (or gradient) ``t`` takes the GEMMs: a
-    float32 / float64 CUDA tensor (or a CPU one inside
+def refusal(t: Tensor) -> Optional[str]:
+    """Why a bilinear resize of (or gradient) ``t`` may not take the GEMMs,
+    or None: a float32 / float64 CUDA tensor (or a CPU one inside
     :func:`~.device_path.as_on_cuda`, for the launch count), the switch
     on, not while ``torch.compile`` traces (Inductor writes its own
     resize)."""
-    return ((t.device.type == 'cuda' or acting_as_cuda())
-            and t.dtype in _DTYPES
-            and switches.value('MMSEG_GF_RESIZE_GEMM')
-            and not torch.compiler.is_compiling())
+    if not (t.device.type == 'cuda' or acting_as_cuda()):
+        return f'{t.device.type} tensor'
+    if t.dtype not in _DTYPES:
+        return f'{t.dtype} tensor'
+    if not switches.value('MMSEG_GF_RESIZE_GEMM'):
+        return 'MMSEG_GF_RESIZE_GEMM off'
+    if torch.compiler.is_compiling():
+        return 'compiling (Inductor writes its own resize)'
+    return None
+
+
+def usable(t: Tensor) -> bool:
+    """Whether the dispatcher's ``resize`` takes the GEMMs for ``t``."""
+    return dispatch.refusal('resize', 'gemm', t) is None
 
 
 def _source_scale(in_size: int, out_size: int, align_corners: bool,

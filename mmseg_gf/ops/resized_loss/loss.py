@@ -36,10 +36,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..resize import gemm as bilinear_gemm
-from ..backend import extension, triton_runtime
+from ..backend import dispatch, extension, triton_runtime
 from ..backend.device_path import host_checks
 from ..loss.gradients import forward_graph
-from ..backend.triton_runtime import is_fake
 
 _kernel = extension.module('resized_loss')  # None when not built
 
@@ -47,11 +46,14 @@ __all__ = ['ResizedCrossEntropy', 'BatchTotals', 'accuracy',
            'resized_cross_entropy', 'kernel_usable',
            'triton_usable', 'check_labels', 'LabelRangeError',
            'traced_resized_cross_entropy', 'operator_usable',
-           'traced_pytorch_cross_entropy']
+           'traced_pytorch_cross_entropy', 'triton_loss', 'kernel_loss',
+           'reference_loss', 'MAX_CLASSES', 'TRITON_DTYPES']
 
-#: ``triton_loss_kernels.MAX_CLASSES`` (not imported: it imports triton).
-_MAX_CLASSES = 2048
+#: ``kernels.MAX_CLASSES`` (not imported: it imports triton).
+MAX_CLASSES = 2048
 _EPS = torch.finfo(torch.float32).eps
+#: The logits' dtypes the Triton kernel takes.
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class LabelRangeError(ValueError):
@@ -116,40 +118,24 @@ def accuracy(hits: Tensor, labelled: Tensor) -> Tensor:
 def kernel_usable(logits: Tensor) -> bool:
     """Whether the compiled kernel takes ``logits``: built, not switched
     off (``MMSEG_GF_NATIVE=0``), float32 on the CPU, eager mode, no
-    autocast (under autocast the PyTorch path runs, as mmseg's loss does)."""
-    return _cpu_kernel_takes(logits) and not torch.compiler.is_compiling()
+    autocast (the dispatcher's ``resized_loss`` refusal of ``c++``)."""
+    return dispatch.refusal('resized_loss', 'c++', logits) is None
 
 
 def operator_usable(logits: Tensor) -> bool:
     """Whether :func:`traced_resized_cross_entropy` (a kernel as an
-    operator, also under ``torch.compile``) takes ``logits``: the compiled
-    CPU kernel's conditions (:func:`kernel_usable`, in eager mode or
-    traced), or the Triton kernel's (:func:`triton_usable`, traced too:
-    CUDA logits, or CPU logits under triton's interpreter)."""
-    return _cpu_kernel_takes(logits) or _triton_takes(logits)
-
-
-def _cpu_kernel_takes(logits: Tensor) -> bool:
-    return (_kernel is not None
-            and extension.switched_on()
-            and logits.device.type == 'cpu'
-            and logits.dtype == torch.float32
-            and not torch.is_autocast_enabled('cpu'))
-
-
-def _triton_takes(logits: Tensor) -> bool:
-    return (triton_runtime.takes_device(logits)
-            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and 0 < logits.shape[1] <= _MAX_CLASSES)
+    operator, also under ``torch.compile``) takes ``logits``: the
+    dispatcher's ``resized_loss_traced`` takes a kernel, not PyTorch."""
+    return dispatch.choose('resized_loss_traced',
+                           logits).implementation.name != 'torch'
 
 
 def triton_usable(logits: Tensor) -> bool:
     """Whether the Triton kernel takes ``logits`` (float32 / float16 /
-    bfloat16 CUDA tensors in eager mode, at most
-    ``triton_loss_kernels.MAX_CLASSES`` classes, the Triton path switched
-    on: :func:`triton_runtime.takes_device`)."""
-    return (_triton_takes(logits) and not torch.compiler.is_compiling()
-            and not is_fake(logits))
+    bfloat16 CUDA tensors in eager mode, at most ``MAX_CLASSES`` classes,
+    the Triton path switched on: the dispatcher's ``resized_loss`` refusal
+    of ``triton``)."""
+    return dispatch.refusal('resized_loss', 'triton', logits) is None
 
 
 def _check(logits: Tensor, label: Tensor, weight: Optional[Tensor]) -> None:
@@ -192,9 +178,9 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
         sigmoid: per-class binary cross-entropies on one-hot labels,
             summed per pixel, instead of the softmax cross-entropy.
         use_kernel: force the compiled kernel (True; raises if it cannot
-            run) or the PyTorch path (False); default: the Triton kernel
-            where :func:`triton_usable`, else the compiled kernel where
-            :func:`kernel_usable`, else the PyTorch path.
+            run) or the PyTorch path (False); default: the dispatcher's
+            choice for ``resized_loss`` (the Triton kernel, the compiled
+            kernel, else the PyTorch path).
 
     Top-1 hits follow mmseg's ``accuracy`` (``topk(1)`` over the classes of
     the upsampled logits) also where CPU logits are not finite: a NaN counts
@@ -208,22 +194,9 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
     """
     _check(logits, label, weight)
     logits = logits.detach()
-    triton = use_kernel is None and triton_usable(logits)
-    if use_kernel is None:
-        use_kernel = kernel_usable(logits)
-    elif use_kernel and not kernel_usable(logits):
-        raise RuntimeError('the compiled resized cross-entropy kernel cannot '
-                           'run here: it needs mmseg_gf._resized_loss built '
-                           'and float32 CPU logits without autocast')
-    if triton:  # (CPU logits only under triton's interpreter)
-        out = _per_image_triton(logits, label, ignore_index, align_corners,
-                                weight, want_grad, want_pixels, sigmoid)
-    elif use_kernel:
-        out = _compiled(logits, label, ignore_index, align_corners, weight,
-                        want_grad, want_pixels, sigmoid)
-    else:
-        out = _reference(logits, label, ignore_index, align_corners, weight,
-                         want_grad, want_pixels, sigmoid)
+    path = _path(logits, use_kernel)
+    out = path(logits, label, ignore_index, align_corners, weight, want_grad,
+               want_pixels, sigmoid)
     # One pass, no copy; on the CPU only: reading the flag on the host would
     # wait for another device every step (there, the PyTorch path's argmax
     # also ranks NaN first; only ties among equal values may differ).
@@ -231,6 +204,23 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
         _topk_hits(logits, label, ignore_index, align_corners, out.hits)
         out.totals = None  # taken from the hits before the recount
     return out
+
+
+def _path(logits: Tensor, use_kernel: Optional[bool]):
+    """The path that runs: the dispatcher's choice (``use_kernel=None``),
+    the compiled kernel (True; refused with the dispatcher's reason) or
+    the PyTorch path (False)."""
+    if use_kernel is None:
+        return dispatch.choose('resized_loss', logits).implementation.run
+    if not use_kernel:
+        return reference_loss
+    reason = dispatch.refusal('resized_loss', 'c++', logits)
+    if reason is not None:
+        raise RuntimeError('the compiled resized cross-entropy kernel cannot '
+                           f'run here ({reason}): it needs '
+                           'mmseg_gf._resized_loss built and float32 CPU '
+                           'logits without autocast')
+    return kernel_loss
 
 
 def _topk_hits(logits: Tensor, label: Tensor, ignore_index: int,
@@ -252,9 +242,11 @@ def _topk_hits(logits: Tensor, label: Tensor, ignore_index: int,
         hits[i] = (top.eq(target) & (target != ignore_index)).sum()
 
 
-def _compiled(logits: Tensor, label: Tensor, ignore_index: int,
-              align_corners: bool, weight: Optional[Tensor], want_grad: bool,
-              want_pixels: bool, sigmoid: bool) -> ResizedCrossEntropy:
+def kernel_loss(logits: Tensor, label: Tensor, ignore_index: int,
+                align_corners: bool, weight: Optional[Tensor],
+                want_grad: bool, want_pixels: bool,
+                sigmoid: bool) -> ResizedCrossEntropy:
+    """The compiled CPU kernel's path (float32 CPU logits)."""
     try:
         loss, hits, grad, pixel_loss, target_prob = \
             _kernel.resized_cross_entropy(
@@ -316,9 +308,10 @@ def _pixel_losses(up: Tensor, target: Tensor, ignore_index: int,
     return torch.where(valid, bce.sum(1), 0.0)
 
 
-def _reference(logits: Tensor, label: Tensor, ignore_index: int,
-               align_corners: bool, weight: Optional[Tensor], want_grad: bool,
-               want_pixels: bool, sigmoid: bool) -> ResizedCrossEntropy:
+def reference_loss(logits: Tensor, label: Tensor, ignore_index: int,
+                   align_corners: bool, weight: Optional[Tensor],
+                   want_grad: bool, want_pixels: bool,
+                   sigmoid: bool) -> ResizedCrossEntropy:
     """The PyTorch path: one image's upsampled logits at a time."""
     n, classes = logits.shape[:2]
     check_labels(label, classes, ignore_index)
@@ -357,10 +350,10 @@ def _reference(logits: Tensor, label: Tensor, ignore_index: int,
     return ResizedCrossEntropy(loss, hits, grad, pixel_loss, target_prob)
 
 
-def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
-                      align_corners: bool, weight: Optional[Tensor],
-                      want_grad: bool, want_pixels: bool,
-                      sigmoid: bool) -> ResizedCrossEntropy:
+def triton_loss(logits: Tensor, label: Tensor, ignore_index: int,
+                align_corners: bool, weight: Optional[Tensor],
+                want_grad: bool, want_pixels: bool,
+                sigmoid: bool) -> ResizedCrossEntropy:
     """The Triton path: per image, ``F.interpolate``'s upsampled logits
     (the PyTorch path's, bit for bit), one kernel for every per-pixel
     quantity (``triton_loss_kernels``) and autograd's own upsampling
@@ -405,7 +398,8 @@ def _per_image_triton(logits: Tensor, label: Tensor, ignore_index: int,
                 None if pixel_loss is None else pixel_loss[i],
                 None if target_prob is None else target_prob[i],
                 ignore_index, sigmoid)
-            if want_grad and bilinear_gemm.usable(grad_up):
+            if want_grad and dispatch.choose(
+                    'resize', grad_up).implementation.name == 'gemm':
                 bilinear_gemm.resize_backward(grad_up, (h, w), align_corners,
                                               out=grad[i:i + 1])
             elif want_grad:
@@ -450,8 +444,7 @@ def _resized_cross_entropy_op(logits: Tensor, label: Tensor,
                               sigmoid: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """A kernel's ``(loss, hits, grad)`` as one operator, opaque to
     ``torch.compile``: the compiled step calls the kernel eager mode
-    calls (the Triton kernel where :func:`triton_usable`, else the
-    compiled CPU kernel), so no upsampled logits outlive one image there
+    calls (the dispatcher's ``resized_loss`` kernel), so no upsampled logits outlive one image there
     either, and the step syncs with the host no more than eager's. The
     kernels only (an operator's kernel runs with autograd's dispatch keys
     excluded, so the PyTorch path's ``autograd.grad`` cannot run inside
@@ -459,7 +452,8 @@ def _resized_cross_entropy_op(logits: Tensor, label: Tensor,
     out = resized_cross_entropy(
         logits, label, ignore_index=ignore_index,
         align_corners=align_corners, weight=weight, sigmoid=sigmoid,
-        use_kernel=None if triton_usable(logits) else True)
+        use_kernel=None if dispatch.choose(
+            'resized_loss', logits).implementation.name != 'torch' else True)
     return out.loss, out.hits, out.grad
 
 
