@@ -26,7 +26,7 @@ from mmengine.model import revert_sync_batchnorm
 import mmseg_gf  # noqa: F401  (registers GFConv2d)
 from mmseg_gf.accounting.batch import random_batch, training_loss
 from mmseg_gf.accounting.measured import saved_tensor_bytes
-from mmseg_gf.accounting.trace import trace_step_saved_bytes
+from mmseg_gf.accounting.saved_bytes import trace_step_saved_bytes
 from mmseg_gf.engine import apply_gradient_filter, select_layers
 from mmseg_gf.models.lean import is_lean, lean_kind
 from mmseg_gf.models.lean_head import disable_classifier_fusion

@@ -5,58 +5,36 @@ On a GPU every operator that does work is a kernel launch and a pass over
 its operands' memory, so how many a step launches, and how many bytes they
 move, bound its time at small sizes whatever the hardware. Both are counted
 here without a GPU, on CPU tensors taking CUDA's code paths
-(:func:`cuda_path`):
-
-* the compiled CPU kernels are off (``MMSEG_GF_NATIVE=0``): the ops run
-  their pure-PyTorch path, as CUDA tensors do (``mmseg_gf.ops.backend.extension``,
-  ``bit_mask``, ``resized_loss``, ``resize`` and ``patch_grid`` ask for the
-  CPU and the kernels at every call);
-* the Triton path is on and runs in triton's interpreter
-  (``TRITON_INTERPRET=1`` set before ``mmseg_gf`` is imported): the filtered
-  conv's and Linear's ``usable`` checks accept CPU tensors there, as they
-  accept CUDA ones;
-* :func:`mmseg_gf.ops.backend.device_path.as_on_cuda`: the host checks only CPU
-  tensors get (the resized loss's recount of non-finite logits, the
-  label-range check image by image) take CUDA's side (one device-side
-  assertion);
-* ``F.dropout`` in training with ``0 < p < 1``, not in place, runs
-  ``native_dropout``, the one fused kernel ATen picks for CUDA tensors
-  (``is_fused_kernel_acceptable``); the CPU takes three;
-* the optimizer's update runs its ``foreach`` ops, torch's default for
-  CUDA parameters (a per-parameter loop on the CPU).
+(:func:`~mmseg_gf.accounting.cuda_path.cuda_path`).
 
 What counts as a launch (:class:`LaunchCounter`): every ATen operator that
 reaches the backend (a ``TorchDispatchMode`` sees it below autograd and
-below the composite operators that decompose into others) except views
-(``func.is_view``) and the operators that launch nothing on a GPU
-(allocations, metadata: :data:`NO_KERNEL`); plus each Triton kernel, at
-its launch (the interpreter's own tensor operations inside a launch are
-not counted). ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``: a
-copy to the host that waits for the device) is counted apart, as a host
-read. The composite operators' choices agree between the CPU and CUDA on
-the models counted here but for two, stated: eval-mode batch norm (one op
-either way, ``cudnn_batch_norm`` on CUDA) and scaled-dot-product attention
-(one fused op either way where CUDA's fused kernels take the inputs).
+below the composite operators) except views and the operators that launch
+nothing on a GPU (:data:`NO_KERNEL`); plus each Triton kernel, at its
+launch. ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``) is counted
+apart, as a host read. The composite operators' choices agree between the
+CPU and CUDA on the models counted here but for two: eval-mode batch norm
+(one op either way, ``cudnn_batch_norm`` on CUDA) and scaled-dot-product
+attention (one fused op either way where CUDA's fused kernels take the
+inputs).
 
 Bytes: an operator reads each distinct tensor it is given, once and in
 full, except its ``out=`` arguments, and writes each distinct tensor it
-returns or its schema marks as written, once and in full (an in-place op,
-``foreach`` ones included, reads and writes its ``self``);
-a Triton kernel reads its tensor arguments and writes those its module's
-``KERNEL_OUTPUTS`` names. ``numel x element size`` each: the traffic of an
-op with no reuse of cached data, a lower bound for ops that read twice.
+returns or its schema marks as written (an in-place op reads and writes
+its ``self``); a Triton kernel reads its tensor arguments and writes those
+its module's ``KERNEL_OUTPUTS`` names. ``numel x element size`` each: a
+lower bound for ops that read twice.
 
 Attribution, per phase (forward, backward, optimizer) and kind
 (:data:`KINDS`): in the forward, the innermost classified module being
 called (:func:`module_kind`), or the lean loss function running; in a
 filtered layer's forward, the ops that do not read its weight or bias are
 its input's patch sums (``patch_sums``). In the backward, the autograd
-node running (``torch._C._current_autograd_node``) goes to the kind whose
-forward created it (nodes carry their creation's sequence number; each
-module call covers a range of them). Gradients of a tensor used twice are
-summed by autograd after the node whose gradient arrives second, and go to
-it; the gradient of the loss (``ones_like``) and parameters' gradient
-accumulation to ``other``.
+node running goes to the kind whose forward created it (nodes carry their
+creation's sequence number; each module call covers a range of them).
+Gradients of a tensor used twice are summed after the node whose gradient
+arrives second, and go to it; the gradient of the loss (``ones_like``) and
+parameters' gradient accumulation to ``other``.
 """
 import contextlib
 import sys
@@ -65,9 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -75,13 +51,11 @@ from ..models import lean as lean_models
 from ..models.layer_kinds import family_kind_of, kind_of
 from ..models.lean import lean_kind
 from ..models.lean_head import base_decode_head
-from ..ops.backend import switches, triton_runtime
-from ..ops.backend.device_path import as_on_cuda
 from ..patching import Hooks, overridden
+from .cuda_path import cuda_path
 
 __all__ = ['PHASES', 'KINDS', 'NO_KERNEL', 'Launch', 'LaunchCount',
-           'LaunchCounter', 'module_kind', 'cuda_path', 'counting',
-           'kernel_outputs',
+           'LaunchCounter', 'module_kind', 'counting', 'kernel_outputs',
            'count_step']
 
 PHASES = ('forward', 'backward', 'optimizer')
@@ -375,58 +349,6 @@ class LaunchCounter(TorchDispatchMode):
             return None
         finally:
             self._inside_triton -= 1
-
-
-class _FusedDropout(TorchFunctionMode):
-    """``F.dropout`` as CUDA tensors run it: ``native_dropout`` where ATen
-    fuses it for them (training, ``0 < p < 1``, not in place, not empty)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (F.dropout, torch.dropout):
-            x, p, train, inplace = _dropout_arguments(func, args, kwargs)
-            if train and 0 < p < 1 and not inplace and x.numel() > 0:
-                return torch.native_dropout(x, p, True)[0]
-        return func(*args, **kwargs)
-
-
-def _dropout_arguments(func, args, kwargs):
-    names = ('input', 'p', 'training' if func is F.dropout else 'train',
-             'inplace')
-    defaults = (None, 0.5, True, False)
-    values = dict(zip(names, defaults))
-    values.update(zip(names, args))
-    values.update(kwargs)
-    return tuple(values[n] for n in names)
-
-
-@contextlib.contextmanager
-def cuda_path(triton: bool = True) -> Iterator[None]:
-    """CPU tensors take the code paths of CUDA tensors in the block (the
-    module docstring's list), with the Triton path (``triton=True``, needs
-    ``TRITON_INTERPRET=1`` before ``mmseg_gf`` was imported and triton
-    installed) or without it (``False``: CUDA with ``MMSEG_GF_TRITON=0``).
-
-    Raises:
-        RuntimeError: ``triton=True`` where triton's interpreter cannot
-            run the kernels on CPU tensors.
-    """
-    if triton and not (triton_runtime.installed() and triton_runtime.INTERPRETED):
-        raise RuntimeError(
-            'counting the Triton path on a CPU needs triton >= '
-            f'{".".join(map(str, triton_runtime.MIN_TRITON))} installed and '
-            'TRITON_INTERPRET=1 in the environment before mmseg_gf is '
-            'imported (found triton '
-            f'{triton_runtime.triton_version()}, the interpreter '
-            f'{"on" if triton_runtime.INTERPRETED else "off"}); or count without '
-            'it (triton=False)')
-    previous = triton_runtime.set_enabled(triton)
-    try:
-        with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
-                _FusedDropout():
-            yield
-    finally:
-        triton_runtime.set_enabled(previous)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ On a GPU a step's kernels run asynchronously; what the host spends around
 them (Python, the autograd engine, the dispatcher's bookkeeping outside
 the operators) bounds the step once the kernels are short. Here that time
 is measured on CPU tensors taking CUDA's code paths
-(:func:`~mmseg_gf.accounting.launches.cuda_path`: compiled CPU kernels
+(:func:`~mmseg_gf.accounting.cuda_path.cuda_path`: compiled CPU kernels
 off, the host checks CUDA takes, the Triton path on under triton's
 interpreter), each Triton launch stubbed (:func:`stubbed_triton`: the
 arguments its kernel writes zeroed, one ATen op, as the launch count does
@@ -106,7 +106,7 @@ def stubbed_triton() -> Iterator[None]:
 @contextlib.contextmanager
 def host_path(triton: bool = True) -> Iterator[None]:
     """CPU tensors take the code paths of CUDA tensors in the block, as in
-    :func:`~mmseg_gf.accounting.launches.cuda_path` (compiled CPU kernels
+    :func:`~mmseg_gf.accounting.cuda_path.cuda_path` (compiled CPU kernels
     off, CUDA's side of the host checks, the Triton path under the
     interpreter, its launches stubbed: :func:`stubbed_triton`) but without
     its ``F.dropout`` substitution: that ``TorchFunctionMode`` sees every

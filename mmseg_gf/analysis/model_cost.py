@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from ..ops.conv.cost import ConvBackwardCost
-from ..accounting.trace import trace_step_saved_bytes
+from ..accounting.saved_bytes import trace_step_saved_bytes
 from ..engine.build import build_segmentor
 from ..engine.config import config_settings
 from ..engine.layer_trace import LayerRecord, trace_layers
@@ -322,7 +322,7 @@ def config_backward_cost(cfg, shape: Sequence[int], batch: int = 1,
 
 def config_step_saved_bytes(cfg, shape: Sequence[int]):
     """The whole step's analytic saved bytes
-    (:func:`~mmseg_gf.accounting.trace.trace_step_saved_bytes`) of a
+    (:func:`~mmseg_gf.accounting.saved_bytes.trace_step_saved_bytes`) of a
     config whose ``gradient_filter`` has the lean region on; None for any
     other config, where the count does not apply."""
     settings = config_settings(cfg)

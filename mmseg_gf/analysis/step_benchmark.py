@@ -13,7 +13,7 @@ on one random batch at the training crop, all in one process:
   autograd keeps for backward
   (:func:`~mmseg_gf.accounting.measured.saved_tensor_bytes`) and, for lean
   rows, their analytic count
-  (:func:`~mmseg_gf.accounting.trace.trace_step_saved_bytes`).
+  (:func:`~mmseg_gf.accounting.saved_bytes.trace_step_saved_bytes`).
 
 A row's config is any mmseg config with the row's ``gradient_filter``
 setting (:func:`row_settings`, :func:`row_config`); ``tools/benchmark_step.py``
@@ -42,7 +42,7 @@ import torch
 
 from ..accounting.batch import random_batch, summed_losses, training_loss
 from ..accounting.measured import profiled_peak_bytes, saved_tensor_bytes
-from ..accounting.trace import trace_step_saved_bytes
+from ..accounting.saved_bytes import trace_step_saved_bytes
 from ..engine.build import build_segmentor
 from ..engine.compile_settings import model_compile_setting
 from ..models.segmentor import set_frozen_norms_eval

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmseg_gf.accounting.cuda_path import cuda_path
 from mmseg_gf.accounting.launches import (KINDS, LaunchCounter, count_step,
-                                          cuda_path, module_kind)
+                                          module_kind)
 from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import make_lean
 from mmseg_gf.ops.bit_mask import masks as bit_mask

@@ -21,7 +21,7 @@ from mmseg.models.utils import SELayer  # noqa: E402
 from mmseg.registry import MODELS  # noqa: E402
 
 from mmseg_gf.accounting.budget import choose_by_budget  # noqa: E402
-from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.accounting.saved_bytes import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.analysis.budget_sweep import measured_step_peak  # noqa: E402
 from tests.helpers.engine_fixtures import (  # noqa: E402

@@ -23,8 +23,9 @@ from tests.helpers.lean_steps import training_step  # noqa: E402
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        training_loss)
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from mmseg_gf.accounting.trace import (StepTracer,  # noqa: E402
-                                       trace_step_saved_bytes)
+from mmseg_gf.accounting.saved_bytes import (  # noqa: E402
+    trace_step_saved_bytes)
+from mmseg_gf.accounting.trace import StepTracer  # noqa: E402
 from mmseg_gf.engine.config import (build_grad_filter_model,  # noqa: E402
                                     check_settings)
 from mmseg_gf.engine.frozen_aux_heads import (  # noqa: E402

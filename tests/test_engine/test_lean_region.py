@@ -1,6 +1,6 @@
 """The lean trained region on the six protocol models: the same forward,
 loss and gradients as ``lean=False``, and measured saved bytes equal to the
-analytic count (:mod:`mmseg_gf.accounting.trace`)."""
+analytic count (:mod:`mmseg_gf.accounting.saved_bytes`)."""
 import copy
 
 import pytest
@@ -18,7 +18,7 @@ from tests.helpers.loss_checks import assert_same_loss_by_feat  # noqa: E402
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
 from mmseg_gf.accounting.batch import (random_batch,  # noqa: E402
                                        summed_losses, training_loss)
-from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.accounting.saved_bytes import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.lean_region import (lean_counts,  # noqa: E402
                                          remove_lean_region)
 from mmseg_gf.models.lean_head import (  # noqa: E402

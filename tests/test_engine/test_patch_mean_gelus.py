@@ -31,7 +31,7 @@ pytest.importorskip('mmseg')
 
 from mmseg_gf.accounting.batch import training_loss  # noqa: E402
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.accounting.saved_bytes import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.config import (check_settings,  # noqa: E402
                                     patch_means_on, select_and_apply)
 from mmseg_gf.engine.lean_region import lean_counts  # noqa: E402

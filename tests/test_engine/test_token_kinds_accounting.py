@@ -29,7 +29,7 @@ import torch
 pytest.importorskip('mmseg')
 
 from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa
-from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.accounting.saved_bytes import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.budget import profile_segmentor  # noqa: E402
 from mmseg_gf.engine.build import build_segmentor  # noqa: E402
 from mmseg_gf.engine.state import get_state  # noqa: E402

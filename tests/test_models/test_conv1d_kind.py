@@ -40,7 +40,7 @@ from mmseg_gf.accounting.kept import SavedItem, conv_items  # noqa: E402
 from mmseg_gf.accounting.kept import count_once  # noqa: E402
 from mmseg_gf.accounting.launches import module_kind  # noqa: E402
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.accounting.saved_bytes import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.analysis.model_cost import model_backward_cost  # noqa: E402
 from mmseg_gf.engine.config import (check_settings,  # noqa: E402
                                     select_and_apply)

@@ -23,7 +23,7 @@ from mmseg.registry import MODELS  # noqa: E402
 
 from mmseg_gf.accounting.batch import random_batch, training_loss  # noqa
 from mmseg_gf.accounting.measured import saved_tensor_bytes  # noqa: E402
-from mmseg_gf.accounting.trace import trace_step_saved_bytes  # noqa: E402
+from mmseg_gf.accounting.saved_bytes import trace_step_saved_bytes  # noqa: E402
 from mmseg_gf.engine.config import (check_settings,  # noqa: E402
                                     select_and_apply)
 from mmseg_gf.engine.selection import select_layers  # noqa: E402

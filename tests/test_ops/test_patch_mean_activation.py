@@ -285,7 +285,8 @@ def test_forward_launches_on_the_cuda_path(size, tokens):
     ``f'`` and one pooling that divides as it sums (partial border
     patches included): no fill of a one, no separate scaling or counts
     (after a first call, which makes the broadcast one)."""
-    from mmseg_gf.accounting.launches import LaunchCounter, cuda_path
+    from mmseg_gf.accounting.cuda_path import cuda_path
+    from mmseg_gf.accounting.launches import LaunchCounter
     h, w = size
     if tokens:
         x = torch.randn(2, h * w, 8)

@@ -7,7 +7,8 @@ from torch import nn
 
 from ..batch import random_batch
 from ..measured import live_bytes_by_interval
-from ..trace import StepTracer, UnmodelledBytes
+from ..saved_bytes import UnmodelledBytes
+from ..trace import StepTracer
 from .recorder import ProfileRecorder
 from .step_cost_profile import StepCostProfile
 

@@ -13,7 +13,8 @@ from ...ops.conv.cost import map_output_stride
 from ..kept import kept_by_call, measured_item
 from ..kept_tokens import candidate_extra_items
 from ..peak import Lifetime
-from ..trace import ModuleCall, SavedPack, StepTracer, UnmodelledBytes
+from ..saved_bytes import UnmodelledBytes
+from ..trace import ModuleCall, SavedPack, StepTracer
 from .autograd_walks import loss_nodes, max_upstream, nodes_reading
 from .candidate import ConvProfile, layer_geometry
 from .gelu_call import GeluCall

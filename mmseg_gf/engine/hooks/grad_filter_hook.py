@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ...accounting.report import chosen_layers_table, step_kept_table
-from ...accounting.trace import trace_step_saved_bytes
+from ...accounting.saved_bytes import trace_step_saved_bytes
 from ...models.segmentor import (is_classifier, set_frozen_norms_eval,
                                  unwrap_model)
 from ..checkpoint import check_checkpoint_matches
