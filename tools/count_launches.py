@@ -41,7 +41,7 @@ from typing import List, Optional  # noqa: E402
 import torch  # noqa: E402
 
 import mmseg_gf  # noqa: F401,E402  (registers the plugin's modules)
-from mmseg_gf.analysis.host_time import run_host_jobs  # noqa: E402
+from mmseg_gf.analysis.host_report import run_host_jobs  # noqa: E402
 from mmseg_gf.analysis.launch_count import run_jobs  # noqa: E402
 from mmseg_gf.analysis.step_benchmark import (parse_row,  # noqa: E402
                                               row_settings, split_compiled)
@@ -50,8 +50,8 @@ from mmseg_gf.analysis.step_jobs import (add_model_arguments,  # noqa: E402
                                          config_jobs, family_jobs)
 from mmseg_gf.engine.zoo import ZOO_FAMILIES  # noqa: E402
 from mmseg_gf.protocol import PROTOCOL_MODELS  # noqa: E402
-from mmseg_gf.protocol.experiments import (step_jobs,  # noqa: E402
-                                           strategy_file)
+from mmseg_gf.protocol.experiments import strategy_file  # noqa: E402
+from mmseg_gf.protocol.run_config import step_jobs  # noqa: E402
 
 DEFAULT_ROWS = ('gf_last10_r4:lean', 'vanilla_last10:plain')
 
