@@ -48,7 +48,8 @@ from mmseg_gf.engine.cpu_memory import keep_freed_cpu_memory
 from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, TRANSFORMER_FAMILIES,
                                  ZOO_FAMILIES)
 from mmseg_gf.protocol import PROTOCOL_MODELS
-from mmseg_gf.protocol.experiments import step_jobs, strategy_file
+from mmseg_gf.protocol.experiments import strategy_file
+from mmseg_gf.protocol.run_config import step_jobs
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -47,7 +47,7 @@ from mmseg_gf.engine.zoo import (REALTIME_FAMILIES, TRANSFORMER_FAMILIES,
                                  ZOO_FAMILIES)
 from mmseg_gf.models.layer_kinds import CONV2D, kind_names
 from mmseg_gf.protocol import PROTOCOL_MODELS
-from mmseg_gf.protocol.experiments import step_row_config
+from mmseg_gf.protocol.run_config import step_row_config
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -85,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
     if args.data_root:
-        from mmseg_gf.protocol.experiments import set_data
+        from mmseg_gf.protocol.run_config import set_data
         set_data(cfg, data_root=args.data_root)
     if cfg.get('gradient_filter') is None:
         raise SystemExit(

@@ -4,8 +4,9 @@ source model (mmseg checkpoint, or trained here offline) -> calibration ->
 finetune with each strategy and seed -> results.md / results.csv /
 results.png in the layout of Tables 3 and 9.
 
-* :mod:`.experiments`: the models, datasets, transfers and strategies, and
-  how a run's config is composed from the ``configs/_base_`` pieces.
+* :mod:`.experiments`: the models, datasets, transfers and strategies.
+* :mod:`.run_config`: how a run's config is composed from the
+  ``configs/_base_`` pieces.
 * :mod:`.stages`: planning, running (resumable), progress.
 * :mod:`.flops`: #Layers and backward GFLOPs of a strategy (through the
   shared cost model :mod:`mmseg_gf.ops.conv.cost`).
@@ -15,7 +16,8 @@ results.png in the layout of Tables 3 and 9.
   validation result to ``<work_dir>/val_metrics.jsonl``.
 """
 from .experiments import (PROTOCOL_DATASETS, PROTOCOL_MODELS, STRATEGIES,
-                          TRANSFERS, compose_config, strategy_names)
+                          TRANSFERS, strategy_names)
+from .run_config import compose_config
 
 __all__ = [
     'PROTOCOL_DATASETS', 'PROTOCOL_MODELS', 'STRATEGIES', 'TRANSFERS',

@@ -18,7 +18,7 @@ from ..accounting.format import format_table
 from ..analysis.model_cost import ModelCost, model_backward_cost
 from ..engine.build import build_segmentor
 from ..engine.layer_trace import trace_layers
-from .experiments import compose_config
+from .run_config import compose_config
 
 __all__ = [
     'PAPER_TABLE3_GFLOPS', 'TABLE3_ROW_LAYERS', 'TABLE3_INPUT_SIZE',

@@ -35,9 +35,9 @@ from ..engine.entrypoints import run_in_subprocess, train
 from .flops import strategy_cost
 from .report import Row, write_report
 from .experiments import (CONFIG_DIR, PAPER_STRATEGIES, PROTOCOL_DATASETS,
-                          PROTOCOL_MODELS, TRANSFERS, adapt_config,
-                          compose_config, fill_budget, strategy_file,
+                          PROTOCOL_MODELS, TRANSFERS, strategy_file,
                           strategy_kind)
+from .run_config import adapt_config, compose_config, fill_budget
 
 __all__ = ['ProtocolOptions', 'Stage', 'ProtocolRun', 'prepare_synthetic']
 

@@ -206,7 +206,7 @@ def test_pipeline_budget_strategy_spends_the_compute_of_gf_last5_r4():
     the run's crop and trains more layers at r = 8 within them."""
     from mmseg_gf.engine.build import build_segmentor
     from mmseg_gf.protocol import compose_config
-    from mmseg_gf.protocol.experiments import fill_budget, set_data
+    from mmseg_gf.protocol.run_config import fill_budget, set_data
     cfg = compose_config('pspnet_r18', 'voc', 'gf_budget5_r8')
     set_data(cfg, crop=SIZE)
     assert cfg.gradient_filter.budget.backward_gflops is None

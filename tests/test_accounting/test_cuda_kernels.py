@@ -10,7 +10,7 @@ pytest.importorskip('mmseg')
 
 from mmseg_gf.analysis.launch_count import (count_model,  # noqa: E402
                                              time_table)
-from mmseg_gf.protocol.experiments import step_jobs  # noqa: E402
+from mmseg_gf.protocol.run_config import step_jobs  # noqa: E402
 from tests.helpers.devices import needs_cuda  # noqa: E402
 from tests.helpers.tools import load_tool  # noqa: E402
 

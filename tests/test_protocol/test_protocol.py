@@ -22,8 +22,8 @@ from tests.helpers.tools import REPO, load_tool  # noqa: E402
 run_protocol = load_tool('run_protocol')
 
 from mmseg_gf.protocol import compose_config  # noqa: E402
-from mmseg_gf.protocol.experiments import (rescale_schedule,  # noqa: E402
-                                           set_data)
+from mmseg_gf.protocol.run_config import (rescale_schedule,  # noqa: E402
+                                          set_data)
 from mmseg_gf.protocol.flops import strategy_cost  # noqa: E402
 from mmseg_gf.engine.hooks import ValMetricsRecorderHook  # noqa: E402
 from mmseg_gf.protocol.report import mean_std  # noqa: E402
