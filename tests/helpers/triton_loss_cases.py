@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from mmseg_gf.ops.resized_loss import (loss as resized_loss,
-                                       kernels as triton_loss_kernels)
+                                       kernels as triton_loss_kernels,
+                                       traced as traced_loss)
 from mmseg_gf.ops.resized_loss.loss import accuracy, resized_cross_entropy
 from tests.helpers.triton_runs import case_device, pytorch_path
 from tests.helpers.triton_bit_mask_cases import _count
@@ -195,7 +196,7 @@ def test_operator_takes_the_triton_kernel(sigmoid):
     scale = torch.tensor([1.0, 3.0], dtype=torch.float64, device=DEVICE)
 
     def loss(z):
-        total, hits = resized_loss.traced_resized_cross_entropy(
+        total, hits = traced_loss.traced_resized_cross_entropy(
             z, label, weight=weight, sigmoid=sigmoid)
         return total * scale, hits
 

@@ -20,6 +20,7 @@ from mmseg_gf.ops.bit_mask import masks as bit_mask
 from mmseg_gf.ops.backend import extension
 from mmseg_gf.ops.conv import cpu as conv_cpu
 from mmseg_gf.ops.resized_loss import loss as resized_loss
+from mmseg_gf.ops.resized_loss import traced as traced_loss
 from mmseg_gf.ops.resize.bilinear import strided_gradient_resizes
 from tests.helpers.devices import needs_token_kinds
 
@@ -273,7 +274,7 @@ def test_resized_loss_operator(sigmoid):
     torch.library.opcheck(op, (logits, label, weight, 255, False, sigmoid))
 
     def loss(z):
-        total, hits = resized_loss.traced_resized_cross_entropy(
+        total, hits = traced_loss.traced_resized_cross_entropy(
             z, label, weight=weight, sigmoid=sigmoid)
         return total * torch.tensor([1.0, 3.0], dtype=total.dtype), hits
 

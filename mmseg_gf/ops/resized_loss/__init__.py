@@ -5,8 +5,8 @@ logits: the Triton kernel (:func:`~.loss.triton_loss`), the compiled C++
 kernel (:func:`~.loss.kernel_loss`), or PyTorch
 (:func:`~.loss.reference_loss`).
 ``resized_loss_traced``: the form ``torch.compile`` traces: a kernel as
-the opaque operator :func:`~.loss.traced_resized_cross_entropy`, else
-PyTorch's operators (:func:`~.loss.traced_pytorch_cross_entropy`).
+the opaque operator :func:`~.traced.traced_resized_cross_entropy`, else
+PyTorch's operators (:func:`~.traced.traced_pytorch_cross_entropy`).
 """
 from typing import Optional
 
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..backend import dispatch, extension, triton_runtime
-from . import loss
+from . import loss, traced
 
 
 def _triton_takes(logits: Tensor) -> Optional[str]:
@@ -67,9 +67,9 @@ dispatch.register('resized_loss', [
 
 dispatch.register('resized_loss_traced', [
     dispatch.Implementation('triton', _triton_takes,
-                            loss.traced_resized_cross_entropy),
+                            traced.traced_resized_cross_entropy),
     dispatch.Implementation('c++', _cpp_takes,
-                            loss.traced_resized_cross_entropy),
+                            traced.traced_resized_cross_entropy),
     dispatch.Implementation('torch', lambda logits: None,
-                            loss.traced_pytorch_cross_entropy),
+                            traced.traced_pytorch_cross_entropy),
 ])
