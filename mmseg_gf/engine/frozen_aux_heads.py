@@ -1,41 +1,24 @@
 """Frozen auxiliary heads are not run in training: none steers the
 trained parameters.
 
-mmseg's ``EncoderDecoder.loss`` adds each auxiliary head's loss
-(``_auxiliary_head_forward_train``). A head whose parameters are all frozen
-(its classifier ``conv_seg`` included) is in one of two cases, decided from
-the features it reads (its ``in_index`` selection):
-
-* they need no gradient: its loss is a constant in the trained parameters;
-  running it costs a forward, its loss and the memory of both for nothing
-  (mmseg's real-time families finetuned on their last convs: Fast-SCNN,
-  STDC1, BiSeNet, ICNet, whose heads read early features);
-* they carry a gradient (the trained layers reach the head's input, as a
-  budget reaching Swin's ``stages.2`` under UPerNet's FCN head on
-  ``in_index=2``): its loss would train those layers through a head that
-  is itself never trained. After a class-count change its classifier is
-  random, so its loss steers the backbone towards noise; even a pretrained
-  head pulls the trained layers towards the features it was trained on.
-  The rule: **a frozen head is cut off from the backbone**, which, as its
-  loss is then a constant, is the first case.
+A head whose parameters are all frozen (its classifier included) either
+reads features that need no gradient (its loss is a constant) or reads
+trained features, through which it would train the backbone towards a
+head that never trains (after a class-count change, towards noise). The
+rule: a frozen head is cut off from the backbone, so in both cases it is
+not run. docs/lean_region.md ("Frozen auxiliary heads") states the cases,
+the log lines and the measured steps.
 
 :func:`skip_frozen_aux_heads` swaps the segmentor's class for a subclass of
-its own class (as the lean region does with its modules: ``isinstance``,
-``state_dict`` keys and checkpoints are unchanged) whose
-``_auxiliary_head_forward_train`` decides head by head, at every call: a
-head with a trained parameter runs, a frozen one does not. A head left out
-is logged once, in one line, with the reason. Its loss is left out of the
-returned dict, or, with ``log_frozen_aux_losses=True``, computed under
-``torch.no_grad`` and returned detached (mmengine's ``parse_losses`` adds it
-to the logged total; a detached term changes no gradient). The segmentor's
+its own class (``isinstance``, ``state_dict`` keys and checkpoints are
+unchanged) whose ``_auxiliary_head_forward_train`` decides head by head,
+at every call. A head left out is logged once, with the reason; its loss
+is left out of the returned dict, or, with ``log_frozen_aux_losses=True``,
+computed under ``torch.no_grad`` and returned detached. The segmentor's
 :class:`~.state.GradientFilterState` holds both switches
-(``keep_frozen_aux_heads=True`` runs every head, as mmseg does, frozen
-heads on trained features then training the backbone).
-
-A skipped head draws no random numbers: the heads after it in the same
-step and later steps draw other dropout masks than with it run (from the
-same distribution), unless its loss is logged.
-"""
+(``keep_frozen_aux_heads=True`` runs every head, as mmseg does). A skipped
+head draws no random numbers, so later dropout masks differ from a run
+with it (same distribution) unless its loss is logged."""
 import contextlib
 import logging
 from typing import List, Optional, Tuple

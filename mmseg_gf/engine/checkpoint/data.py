@@ -1,42 +1,20 @@
 """The non-torch data of mmengine checkpoints, rebuilt by stand-ins that
 check every argument before anything is built.
 
-``torch.load(weights_only=True)`` calls an allow-listed global with the
-arguments the file gives (REDUCE), creates an allow-listed class with
-``cls.__new__(cls, *args)`` (NEWOBJ), hands an instance of an allow-listed
-type its ``__setstate__(state)`` (BUILD), and its own
-``torch._tensor._rebuild_from_type_v2(func, type, args, state)`` calls
-whatever callable the file puts first. Allow-listing numpy's and mmengine's
-own classes would hand a crafted file their unchecked C and Python code:
-``numpy.dtype.__setstate__`` accepts an object dtype with its reference
-flags cleared, or object fields on a float dtype, after which numpy reads
-the file's bytes as object pointers (a segfault);
-``HistoryBuffer.__setstate__`` writes the file's ``statistics_methods``
-into the class-wide table that every later ``statistics('mean')`` reads.
-
-So the names a checkpoint uses resolve to these stand-ins instead:
-
-* ``numpy.dtype`` -> :func:`rebuild_dtype`: a dtype of a plain kind (bool,
-  integer, float, complex, bytes, str), held in a :class:`CheckedDtype`
-  whose ``__setstate__`` accepts exactly the state numpy writes for it (byte
-  order only): no object dtype, no fields, no subarray, no hand-set flags;
-* ``numpy.ndarray`` / ``_reconstruct`` -> a :class:`CheckedArray` whose
-  ``__setstate__`` accepts a shape, a checked dtype and exactly the bytes
-  the shape needs;
-* ``scalar`` -> a numpy scalar of a checked dtype from exactly its bytes;
-* ``HistoryBuffer`` -> :class:`CheckedHistoryBuffer`, whose
-  ``__setstate__`` keeps the logged values and counts (1-D numeric arrays)
-  and the maximum length, ignores the pickled ``statistics_methods`` (the
-  class keeps its own) and then turns the object into a plain
-  ``HistoryBuffer``;
-* ``getattr`` -> :func:`checked_getattr`: HistoryBuffer's four statistics
-  methods (as names, not callables: nothing a file names can be called),
-  or the nested classes a user trusted explicitly.
+Allow-listing numpy's and mmengine's own classes for
+``torch.load(weights_only=True)`` would hand a crafted file their
+unchecked code (numpy's dtype ``__setstate__`` reading the file's bytes
+as object pointers, ``HistoryBuffer.__setstate__`` writing the
+class-wide ``statistics_methods``). So the names a checkpoint uses
+resolve to these stand-ins instead: :func:`rebuild_dtype` /
+:class:`CheckedDtype`, :class:`CheckedArray`, a checked scalar,
+:class:`CheckedHistoryBuffer` and :func:`checked_getattr`, each accepting
+exactly what numpy or mmengine write (docs/reliability.md, "Checkpoints
+are data", tabulates them and the defects).
 
 Every refusal is a :class:`RefusedCheckpointError` naming what the file
 holds and the ``--trust-checkpoint-type`` value that would hand that name
-back to its own, unchecked code (:mod:`.safe_load`).
-"""
+back to its own, unchecked code (:mod:`.safe_load`)."""
 import importlib
 import pickle
 import re

@@ -11,41 +11,21 @@ with the Kronecker product ``A (x) B`` (:func:`one_product`). The matrices
 enter the batched GEMMs with a batch stride of 0 and a channel slice of a
 gradient is read in place: no operand is copied.
 
-Why: torch's CUDA kernels for a contiguous NCHW map parallelise badly on
-segmentation's shapes. Its forward runs one thread per output pixel and
-loops over every image and channel (a 128 x 128 output is 16k threads for
-4096 planes of a UPerNet head); its backward adds four atomic terms per
-output pixel into the input gradient, where a 64 -> 512 upsample lands
-64 outputs on every input pixel. Recorded on one H200 (``tools/
-count_launches.py --device cuda``, 512 x 512, batch 8): 16-20 ms of a
-31 ms PSPNet-R18 step in the loss's upsample backward, 22 ms of a Swin-T
-UPerNet step in the head's resizes. The products read and write each
-map once and have ``~4 (H_in + W_out)`` flops per output pixel.
+Why: torch's CUDA kernels for a contiguous NCHW map parallelise over
+output pixels only and its backward adds four atomic terms per output
+pixel; they took up to half of a lean step's device time on an H200
+(docs/benchmarks/README.md, "Where the time goes"). The products read and
+write each map once and have ``~4 (H_in + W_out)`` flops per output pixel.
 
-Rounding: each output is the same weighted sum as torch's (the weights
-computed as its kernel computes them, in the accumulation dtype), summed
-in another order: equal within float32 rounding (float64 likewise),
-tested against ``F.interpolate`` and its autograd gradient.
-
-Non-finite values: a GEMM multiplies every zero weight too (``0 * inf``
-and ``0 * NaN`` are NaN), so one inf or NaN in an image-channel plane makes
-that plane's whole output non-finite (mostly NaN), where torch's kernel
-reaches only the up to four pixels each output pixel reads (one NaN in a
-6x6 gradient of a 3x3 map: 9 of 9 input gradients NaN, torch's 4); every
-other plane is unaffected (``tests/test_ops/test_bilinear_gemm.py``,
-NaN / inf / -inf). A NaN seen in a loss or a gradient after such a resize
-therefore marks the plane, not the pixel: set ``MMSEG_GF_RESIZE_GEMM=0``
-to find the pixel with torch's kernels. The route is kept for them on
-purpose: it cannot be chosen per call without a host sync, and keeping
-the values local on every call (zeroing them for the GEMMs, torch's
-kernel for them alone) cost 3 to 36 times the GEMMs' time in the CPU
-runs of ``docs/benchmarks/resize_nonfinite_cpu.md``, for a run that has
-already failed.
+Rounding: the same weighted sums as torch's (weights computed as its
+kernel computes them), summed in another order: equal within float32
+rounding, tested against ``F.interpolate`` and its autograd gradient. A
+non-finite value spreads to its whole image-channel plane
+(docs/reliability.md, "Precision").
 
 Taken by :mod:`.resize` and :mod:`.resized_loss` on CUDA tensors of float32
 or float64 while ``MMSEG_GF_RESIZE_GEMM`` is on (:mod:`.switches`);
-:func:`refusal` says why not (the dispatcher's ``resize`` asks it).
-"""
+:func:`refusal` says why not (the dispatcher's ``resize`` asks it)."""
 from typing import Optional, Sequence, Tuple
 
 import torch
