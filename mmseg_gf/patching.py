@@ -1,30 +1,24 @@
 """The one place that changes other libraries' objects in place: class
-swaps, instance overrides of a method, forward hooks, and the prefix of
-private attributes (docs/patching.md lists every mechanism the package
-uses, what it touches in mmseg and how it is undone).
+swaps, instance overrides of a method, forward hooks, and dict entries.
 
-Why these and not subclasses built by a config: the segmentors, heads and
-layers are built by mmseg from a user's config before this package sees
-them, and checkpoints, ``isinstance`` checks and ``state_dict`` keys must
-stay mmseg's. Each mechanism here therefore changes an existing object and
-keeps what undoes it exactly:
+mmseg builds the segmentors, heads and layers from a user's config before
+this package sees them, and checkpoints, ``isinstance`` checks and
+``state_dict`` keys must stay mmseg's; so each mechanism changes an
+existing object and keeps what undoes it exactly (docs/patching.md lists
+every use, what it touches and how it is undone):
 
 * :func:`swap_class` gives a module a subclass of its own class with a
-  mixin in front (torch.nn.utils.parametrize swaps classes the same way);
-  :func:`unswap_class` gives the class back, :func:`plain_class` is the
-  class a module had before (the one lookup every kind test uses);
+  mixin in front; :func:`unswap_class` gives the class back,
+  :func:`plain_class` is the class a module had before;
 * :func:`override` shadows a method (or a module-level function) with an
   attribute of the owner; its undo puts back what the owner's own
-  ``__dict__`` held, so an earlier instance override survives;
-* :class:`Hooks` holds hook handles (lasting: removed by the owner's
-  ``remove``; temporary: :meth:`Hooks.removed_after` removes them when the
-  block ends, also on an error);
-* :func:`set_entry` sets one key of another library's dict (mmengine's
-  ``MODULE2PACKAGE``, a registry's children); its undo puts back what the
-  dict held under the key, or removes it.
+  ``__dict__`` held;
+* :class:`Hooks` holds hook handles (:meth:`Hooks.removed_after` removes
+  them when a block ends, also on an error);
+* :func:`set_entry` sets one key of another library's dict; its undo puts
+  back what the dict held under the key, or removes it.
 
-Torch only, no mmseg: the lowest layer its users (ops included) allow.
-"""
+Torch only, no mmseg: the lowest layer its users (ops included) allow."""
 import contextlib
 from typing import (Dict, Iterable, Iterator, List, NamedTuple, Optional,
                     Tuple)

@@ -3,38 +3,29 @@ inside checkpoint writes included, and resumed until its schedule
 completes; its final weights are compared bit for bit with an
 uninterrupted run's.
 
-The run is the CPU demo's setting (``configs/demo/pspnet_r18_voc_r4_cpu.py``:
-PSPNet-R18, gradient filtering on the last 5 convs, radius 4, the lean
-region), shrunk by :func:`child_config_text` to a few iterations on small
-crops with a checkpoint every few iterations. Each run is a child process
-(:func:`child_main`, forked by a ``forkserver``: :mod:`.fault_child`) that trains as ``tools/train.py
---resume`` does and appends its progress to a file; the parent kills it:
+The run is the CPU demo's setting (``configs/demo/pspnet_r18_voc_r4_cpu.py``)
+shrunk by :func:`child_config_text`. Each run is a child process
+(:func:`child_main`, forked by a ``forkserver``: :mod:`.fault_child`) that
+trains as ``tools/train.py --resume`` does and appends its progress to a
+file; the parent kills it:
 
 * ``'time'``: with SIGKILL from the parent, at a uniformly random moment of
-  the child's remaining training time (the uninterrupted run's training
-  time per iteration, from its first iteration to its end with the
-  checkpoint writes, sets the scale);
-* ``'write'``: the child kills itself with SIGKILL inside its ``k``-th
-  write of a checkpoint or of ``last_checkpoint`` (``k`` uniform over the
-  writes left in the schedule), after a uniformly random number of the
-  file's bytes (all of them included: a cut between the write and the
-  rename). This goes through :func:`kill_inside_write`, an override of
-  :func:`~mmseg_gf.engine.checkpoint.atomic_write.write_chunks` installed in
-  that child only; nothing else ever installs it.
+  the child's remaining training time;
+* ``'write'``: the child kills itself inside its ``k``-th checkpoint or
+  ``last_checkpoint`` write, after a uniformly random number of the file's
+  bytes (all of them included), through :func:`kill_inside_write`, an
+  override of
+  :func:`~mmseg_gf.engine.checkpoint.atomic_write.write_chunks` installed
+  in that child only.
 
 A kill leaves the work dir as a power cut leaves the files the process had
-handed to the kernel (a cut of the machine can lose more: the writer's
-``fsync`` is what covers that, and a process kill does not exercise it).
-
-The child's random state: the demo config's seed (233) with
-``num_workers=0``; a resumed run repeats the data pipeline's draws for the
-skipped batches, and its checkpoint gives torch's generator back for the
-training step's own draws (dropout;
-:mod:`~mmseg_gf.engine.checkpoint.random_state`). ``pipeline='fixed'``
-(a resize to the crop, no flips or photometric changes, the head's dropout
-off) draws nothing after the data; ``pipeline='demo'`` keeps the demo's
-random augmentations and dropout.
-"""
+handed to the kernel (the writer's ``fsync`` is not exercised). Random
+state: the demo config's seed with ``num_workers=0``; a resume replays the
+data draws and restores torch's generator
+(:mod:`~mmseg_gf.engine.checkpoint.random_state`). ``pipeline='fixed'``
+draws nothing after the data; ``pipeline='demo'`` keeps the demo's random
+augmentations and dropout. Results: docs/reliability.md, "Measured:
+SIGKILL at random points"."""
 import json
 import os
 import os.path as osp

@@ -1,29 +1,16 @@
 """The ``mmseg_gf`` config scope: ``_base_ = 'mmseg_gf::gf/...py'``.
 
-mmengine reads a ``<package>::<path>`` base from the installed package's
-``.mim/configs`` (setup.py ships the repository's ``configs/`` there) only
-for a package named in its ``MODULE2PACKAGE`` table, and marks every
-object of that base with ``_scope_='<package>'``: building one switches to
-the registries of that scope, imported from ``<package>.registry``. So
-:func:`install` (run when :mod:`mmseg_gf.engine` is imported) adds the
-table's entry and, under each of mmseg's registries, a child registry of
-scope ``mmseg_gf`` that holds nothing of its own: every lookup falls through
-to mmseg's registry (where the package registers its modules and hooks),
-so a config inheriting from ``mmseg_gf::`` builds exactly what the same
-config built from the repository's file does. ``mmseg_gf/registry.py``
-re-exports these registries under the name mmengine imports.
-
-The table entry maps ``mmseg_gf`` to ``mmseg_gf.registry``: mmengine looks
-that name up as a distribution first (there is none of that name) and
-then as a module, taking the directory of the module it finds. That is
-the imported package's directory whatever the install (a wheel, an
-editable install, a checkout on ``PYTHONPATH``), where the distribution's
-own name would send mmengine to where the distribution's metadata lies:
-``site-packages`` for an editable install, or an older install's location.
-
-Both changes go through :mod:`mmseg_gf.patching` (docs/patching.md);
-:func:`uninstall` undoes them.
-"""
+mmengine reads a ``<package>::<path>`` base from the package's
+``.mim/configs`` only for a package named in its ``MODULE2PACKAGE`` table,
+and builds that base's objects from the registries of scope
+``<package>``. :func:`install` (run when :mod:`mmseg_gf.engine` is
+imported) adds the table's entry (``mmseg_gf.registry``: the imported
+package's directory whatever the install) and, under each of mmseg's
+registries, an empty child registry of scope ``mmseg_gf`` whose lookups
+fall through to mmseg's, so a config inheriting from ``mmseg_gf::`` builds
+exactly what the repository's file builds. Both changes go through
+:mod:`mmseg_gf.patching` (docs/patching.md, "Dict entries");
+:func:`uninstall` undoes them."""
 from typing import Dict, List
 
 from mmengine.config import utils as config_utils

@@ -1,37 +1,23 @@
 """Checkpoints on the local disk written so that a cut leaves the old file
 or the new one, never a part of one.
 
-mmengine 0.10.7 writes a checkpoint with ``open(path, 'wb')`` and one
-``write`` (``LocalBackend.put``), and ``CheckpointHook`` rewrites
-``last_checkpoint`` in place and deletes the outdated checkpoints
-(``max_keep_ckpts``) *before* it writes the new one. A power cut or a
-killed process during the write leaves a truncated ``iter_N.pth`` that
-``last_checkpoint`` may already name, with the older good files gone.
-
-Here every write goes:
-
-1. into a temporary file in the same folder (``.gf-partial-<name>.<pid>.
-   <random>``: hidden, and no ``iter_*.pth`` / ``epoch_*.pth`` pattern
-   matches it), flushed and ``os.fsync``-ed;
-2. ``os.replace`` into place (POSIX ``rename``: atomic within one file
-   system, so a reader sees the old file or the new one);
-3. ``fsync`` of the folder, so that the rename itself is on the disk.
+mmengine 0.10.7 writes a checkpoint in place with one ``write``, and
+``CheckpointHook`` rewrites ``last_checkpoint`` in place and deletes the
+outdated checkpoints *before* it writes the new one: a cut leaves a
+truncated file that ``last_checkpoint`` may name, the older good files
+gone. Here every write goes into a hidden temporary file in the same
+folder (``.gf-partial-<name>.<pid>.<random>``), flushed and ``fsync``-ed,
+then ``os.replace``-d into place, then the folder is ``fsync``-ed.
 
 :func:`install_atomic_checkpoints` (called when :mod:`mmseg_gf.engine` is
-imported) puts this behind ``LocalBackend.put`` / ``put_text`` (mmengine's
-``save_checkpoint`` and every other local write through a file backend)
-and gives ``CheckpointHook`` a ``_save_checkpoint_with_step`` that writes
+imported) puts this behind ``LocalBackend.put`` / ``put_text`` and gives
+``CheckpointHook`` a ``_save_checkpoint_with_step`` that writes
 ``last_checkpoint`` the same way and deletes the outdated checkpoint only
-after the new one and ``last_checkpoint`` are complete. Both go through
-the project's one patching mechanism (:func:`~mmseg_gf.patching.
-override` on the classes; docs/patching.md), and
-:func:`uninstall_atomic_checkpoints` undoes them.
-
-What this does not cover: other storage backends (petrel / S3, HTTP,
-LMDB, memcached) write as they do; a disk or network file system that
-acknowledges ``fsync`` before the data is durable defeats step 1
-(docs/reliability.md, "Checkpoints survive a cut").
-"""
+after the new one and ``last_checkpoint`` are complete, through
+:func:`~mmseg_gf.patching.override` (docs/patching.md);
+:func:`uninstall_atomic_checkpoints` undoes them. What holds and what does
+not (other backends, storage that acknowledges ``fsync`` early):
+docs/reliability.md, "Checkpoints survive a cut"."""
 import contextlib
 import os
 import os.path as osp

@@ -2,31 +2,18 @@
 built.
 
 torch's ``weights_only`` unpickler runs only allow-listed names, but those
-names can still be told to build a lot from a few bytes: ``bytearray(2**31)``
-(then ``collections.Counter`` of it: minutes and gigabytes from a 670-byte
-file), a tensor view of a 1-element storage with a size of billions, a
-storage or ``data.pkl`` record deflated 1000:1 in the zip. The loader
+can still build a lot from a few bytes (``Counter(bytearray(2**31))``, a
+view of billions of elements, a zip record deflated 1000:1). The loader
 (:func:`.safe_load.load_checkpoint_file`) therefore reads the zip's
-directory and walks the pickle (:mod:`.pickle_scan`) first and refuses a
-file whose declared contents exceed a cap:
-
-* every record's uncompressed size (storages, ``data.pkl``), as the zip
-  declares it, read before any record is decompressed;
-* every tensor a rebuild function makes (``numel`` x element size), every
-  ``bytearray(n)`` and sized constructor, every element ``Counter``,
-  ``set`` and the like iterate over, and an estimate of the Python
-  objects and container slots the pickle creates;
-* each storage's declared bytes must fit in its record;
-* in torch's legacy (non-zip) format, which torch reads by allocating each
-  storage at its declared size: the storages the pickle declares;
-
-summed, against the cap: the larger of ``factor`` x the file's size
-(default 4) and ``floor`` bytes (default 64 MiB). A checkpoint written by
-``torch.save`` declares about its own size (its records are stored
-uncompressed; tensors count once as records, once as views), so it passes
-with room to spare. :func:`set_load_limit` (or the environment variable
+directory and walks the pickle (:mod:`.pickle_scan`) first, adds up what
+the file declares (records, tensors, sized constructors, iterated
+elements, Python objects) and refuses a file whose sum exceeds the larger
+of ``factor`` x the file's size (default 4) and ``floor`` bytes (default
+64 MiB). A ``torch.save`` checkpoint declares about its own size, so it
+passes with room to spare. :func:`set_load_limit` (or
 ``MMSEG_GF_CHECKPOINT_COST_FACTOR``) changes the factor and the floor.
-"""
+What is counted, and the cost of counting: docs/reliability.md, "What a
+file may cost"."""
 import os
 import pickletools
 import zipfile

@@ -2,28 +2,18 @@
 anything.
 
 A refusal should name everything a file needs at once, each under the name
-``--trust-checkpoint-type`` accepts. torch's own error names the first
-refused global only, strips ``builtins.`` from builtin names, and cannot
-name a nested class: torch saves with pickle protocol 2, which writes
-``module.Outer.Inner`` as ``getattr(module.Outer, 'Inner')``. This module
-walks the opcodes of the file's ``data.pkl`` (``pickletools.genops``: it
-decodes, it runs nothing) with a symbolic stack that only tracks where
-names, numbers and sizes go: every ``GLOBAL`` is a name, a
-``getattr(name, 'attr')`` call is the name ``name.attr``, and a name used
-only as such a parent is not counted.
+``--trust-checkpoint-type`` accepts; torch's own error names the first
+refused global only, strips ``builtins.``, and cannot name a nested class
+(protocol 2 writes ``module.Outer.Inner`` as ``getattr(module.Outer,
+'Inner')``). This module walks the opcodes of the file's ``data.pkl``
+(``pickletools.genops``: it decodes, it runs nothing) with a symbolic stack
+that tracks where names, numbers and sizes go: every ``GLOBAL`` is a name,
+``getattr(name, 'attr')`` is the name ``name.attr``, and a name used only
+as such a parent is not counted.
 
-The same walk adds up what loading would build (:class:`PickleScan`), so
-that the loader can bound a file's cost before torch builds anything
-(:mod:`.load_bounds`): the bytes of every storage record the pickle
-declares, of every tensor a rebuild function makes (``numel`` times the
-element size: an expanded view costs nothing to build, but iterating it,
-``collections.Counter(tensor)``, or copying it does), of every
-``bytearray(n)`` and of other allow-listed constructors given sizes, of
-every element an allow-listed callable iterates over (at each call: the
-memo can hand one value to many calls), and an estimate of the Python
-objects and container slots. Everything is linear in
-the pickle's length (sets and dicts, never list membership).
-"""
+The same walk adds up what loading would build (:class:`PickleScan`) for
+:mod:`.load_bounds` (docs/reliability.md, "What a file may cost"), linear
+in the pickle's length."""
 import functools
 import pickletools
 import zipfile

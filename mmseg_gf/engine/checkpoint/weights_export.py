@@ -1,31 +1,17 @@
 """Weights files that plain mmseg loads: tensors and plain Python data only.
 
-With torch >= 2.6, ``torch.load`` defaults to ``weights_only=True``, and
-mmengine 0.10.7's ``load_checkpoint`` (mmseg's ``init_model`` and
-``tools/test.py``) inherits it. A checkpoint of mmengine's Runner holds
-the message hub's ``HistoryBuffer`` objects and numpy values, which torch
-refuses there: without this plugin (whose import allow-lists them through
-checked stand-ins, :mod:`.safe_load`) no training checkpoint of this
-stack loads, ours or mmseg's own. :func:`export_weights` writes what a
-model needs and nothing else:
-
-* ``state_dict``: the model's tensors under mmseg's keys (a DDP
-  ``module.`` prefix removed), with torch's per-module ``_metadata``;
-* ``meta``: ``dataset_meta`` (``classes``, ``palette`` and the rest of
-  the dataset's plain metadata, which ``init_model`` reads), ``cfg`` (the
-  config text, if the checkpoint holds it), ``epoch`` / ``iter`` if
-  present, and the ``mmseg`` / ``mmengine`` / ``torch`` versions that
-  wrote the file.
-
-Every value is converted to plain Python (numpy scalars and arrays to
-numbers and lists); a value that is not plain data (or nested past
-Python's recursion limit) is left out and named. The state dict holds
-dense tensors only: a sparse, quantized, meta or subclassed tensor is
-refused by its key (the source is read by the loader, which checks sparse
-tensors' indices and bounds what the file declares: :mod:`.load_bounds`).
-The written file is then checked to use no name beyond torch's own
-``weights_only`` allow-list.
-"""
+With torch >= 2.6, ``torch.load`` defaults to ``weights_only=True``, which
+mmengine's ``load_checkpoint`` inherits; a Runner checkpoint holds
+``HistoryBuffer`` objects and numpy values that torch refuses there, so
+without this plugin (:mod:`.safe_load`) no training checkpoint of this
+stack loads. :func:`export_weights` writes what a model needs and nothing
+else: ``state_dict`` (mmseg's keys, a DDP ``module.`` prefix removed,
+torch's ``_metadata``) and ``meta`` (``dataset_meta``, the config text,
+``epoch`` / ``iter``, the library versions), every value converted to
+plain Python. A value that is not plain data is left out and named; a
+sparse, quantized, meta or subclassed tensor is refused by its key. The
+written file is checked to use no name beyond torch's own
+``weights_only`` allow-list (docs/checkpoints.md)."""
 import collections
 import re
 from typing import Any, Dict, List, Sequence, Tuple
