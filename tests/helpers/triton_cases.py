@@ -355,7 +355,7 @@ def test_fused_products_and_the_gemm_route_agree(kernel, stride, padding,
     padding: ``Q(0)`` starts at pixel 1; those pixels get 0)."""
     from mmseg_gf.ops.backend import switches
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, ci, 11, 13, generator=gen, dtype=torch.float64)
+    x = torch.randn(2, ci, 7, 9, generator=gen, dtype=torch.float64)
     w = torch.randn(co, ci // groups, kernel, kernel, generator=gen,
                     dtype=torch.float64)
     b = torch.randn(co, generator=gen, dtype=torch.float64)
@@ -413,7 +413,7 @@ def test_autotuned_kernels_give_the_filtered_gradients(kernel, stride,
     from mmseg_gf.ops.conv import kernels as triton_kernels
     from mmseg_gf.ops.conv import products_kernels as triton_products
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, ci, 11, 13, generator=gen, dtype=torch.float64)
+    x = torch.randn(2, ci, 7, 9, generator=gen, dtype=torch.float64)
     w = torch.randn(co, ci // groups, kernel, kernel, generator=gen,
                     dtype=torch.float64)
     b = torch.randn(co, generator=gen, dtype=torch.float64)

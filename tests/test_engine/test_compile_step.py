@@ -133,11 +133,12 @@ def _traced_tiny_family(name: str):
     inputs, samples = random_batch(plain, (SIZE, SIZE), BATCH,
                                    label_block=4)
     torch._dynamo.reset()
-    want = torch._dynamo.explain(_training(plain).loss)(inputs, samples)
-    torch._dynamo.reset()
     got = torch._dynamo.explain(_training(lean).loss)(inputs, samples)
     assert not _own_breaks(got), _own_breaks(got)
-    assert got.graph_break_count <= want.graph_break_count
+    if got.graph_break_count:  # none: no more than the plain model's
+        torch._dynamo.reset()
+        want = torch._dynamo.explain(_training(plain).loss)(inputs, samples)
+        assert got.graph_break_count <= want.graph_break_count
     return lean, inputs, samples
 
 

@@ -33,8 +33,8 @@ from mmseg_gf.protocol.report import mean_std  # noqa: E402
 LEARN_ARGS = [
     '--model', 'pspnet_r18', '--transfer', 'cityscapes2voc',
     '--synthetic-train', '32', '--synthetic-val', '8', '--batch-size', '4',
-    '--num-workers', '0', '--source-iters', '100', '--calib-iters', '100',
-    '--finetune-iters', '150', '--val-interval', '75', '--seeds', '233'
+    '--num-workers', '0', '--source-iters', '60', '--calib-iters', '60',
+    '--finetune-iters', '100', '--val-interval', '50', '--seeds', '233'
 ]
 
 
@@ -69,22 +69,22 @@ def test_gf_last5_learns_beyond_calibration(learned):
             ['layers']) == ('Classifier only', '0')
     assert rows['gf_last5_r4']['layers'] == '5'
     assert rows['gf_last5_r4']['radius'] == '4'
-    # The validation history is recorded (every 75 of 150 iterations).
+    # The validation history is recorded (every 50 of 100 iterations).
     with open(osp.join(out, 'gf_last5_r4', 'seed233', 'result.json')) as f:
         res = json.load(f)
-    assert [r['iter'] for r in res['val']] == [75, 150]
-    assert res['final']['iter'] == 150
+    assert [r['iter'] for r in res['val']] == [50, 100]
+    assert res['final']['iter'] == 100
 
 
 def test_calibration_and_finetune_freeze_the_right_weights(learned):
     """Calibration changes only BN statistics and the classifier; GF
     finetuning changes only the chosen convs and the classifier."""
     _, out, _ = learned
-    src = load_state(osp.join(out, 'source', 'iter_100.pth'))
-    cal = load_state(osp.join(out, 'calib', 'iter_100.pth'))
-    ft = load_state(osp.join(out, 'gf_last5_r4', 'seed233', 'iter_150.pth'))
+    src = load_state(osp.join(out, 'source', 'iter_60.pth'))
+    cal = load_state(osp.join(out, 'calib', 'iter_60.pth'))
+    ft = load_state(osp.join(out, 'gf_last5_r4', 'seed233', 'iter_100.pth'))
     clf = load_state(
-        osp.join(out, 'classifier_only', 'seed233', 'iter_150.pth'))
+        osp.join(out, 'classifier_only', 'seed233', 'iter_100.pth'))
     for key in ('backbone.stem.0.weight', 'backbone.layer4.1.conv2.weight',
                 'backbone.layer1.0.bn1.weight',
                 'decode_head.bottleneck.conv.weight',
@@ -132,7 +132,7 @@ def test_resume_after_interrupt_and_stale_runs(learned, monkeypatch,
 
     def interrupting(self, runner, metrics=None):
         original(self, runner, metrics)
-        if 'vanilla_last5' in runner.work_dir and runner.iter == 75:
+        if 'vanilla_last5' in runner.work_dir and runner.iter == 50:
             raise KeyboardInterrupt
 
     monkeypatch.setattr(ValMetricsRecorderHook, 'after_val_epoch',
@@ -143,7 +143,7 @@ def test_resume_after_interrupt_and_stale_runs(learned, monkeypatch,
     log = capsys.readouterr().out
     assert '[1/1] vanilla_last5/seed233: starting' in log
     wd = osp.join(out, 'vanilla_last5', 'seed233')
-    assert osp.isfile(osp.join(wd, 'iter_75.pth'))
+    assert osp.isfile(osp.join(wd, 'iter_50.pth'))
     assert not osp.exists(osp.join(wd, 'result.json'))
     monkeypatch.setattr(ValMetricsRecorderHook, 'after_val_epoch', original)
 
@@ -155,13 +155,13 @@ def test_resume_after_interrupt_and_stale_runs(learned, monkeypatch,
         assert os.path.getmtime(osp.join(out, name, 'result.json')) == mtime
     with open(osp.join(wd, 'result.json')) as f:
         res = json.load(f)
-    assert [r['iter'] for r in res['val']] == [75, 150]
-    # The resumed half started at iteration 75 from the checkpoint.
+    assert [r['iter'] for r in res['val']] == [50, 100]
+    # The resumed half started at iteration 50 from the checkpoint.
     logs = ''.join(
         open(osp.join(root, name)).read()
         for root, _, files in os.walk(wd) for name in files
         if name.endswith('.log'))
-    assert 'resumed epoch: 0, iter: 75' in logs
+    assert 'resumed epoch: 0, iter: 50' in logs
     rows = check_table(out, strategies + ['vanilla_last5'])
     assert rows['vanilla_last5']['method'] == 'Vanilla BP'
     assert rows['vanilla_last5']['layers'] == '5'
@@ -174,7 +174,7 @@ def test_resume_after_interrupt_and_stale_runs(learned, monkeypatch,
     assert 'starting' not in log and 'resuming' not in log
     # Another finetuning length: only the finetuning runs are stale.
     i = argv.index('--finetune-iters')
-    changed = argv[:i + 1] + ['120'] + argv[i + 2:]
+    changed = argv[:i + 1] + ['80'] + argv[i + 2:]
     run_protocol.main(changed + ['--dry-run'])
     plan = capsys.readouterr().out
     assert 'done    source' in plan and 'done    calib' in plan
