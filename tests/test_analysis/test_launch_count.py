@@ -15,8 +15,9 @@ _LEAN_ONLY = {'patch_sums', 'filtered_conv', 'filtered_linear', 'fused_loss',
               'resized_loss'}
 
 
-# PSPNet-R18 counts in ~20 s; each zoo family takes about a minute (the
-# build's layer selection and traces), deselected with -m "not zoo".
+# Each model counts in 10-20 s (the build's layer selection and traces
+# run with the Triton path off); the zoo families are deselected with
+# -m "not zoo".
 _PARAMS = [pytest.param(m, marks=() if m == 'pspnet_r18' else pytest.mark.zoo)
            for m in sorted(golden.MODELS)]
 
