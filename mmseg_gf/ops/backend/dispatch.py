@@ -1,21 +1,13 @@
 """One place that chooses which implementation of an operator runs.
 
-Each operator (``'conv'``, ``'linear'``, ...) offers a priority list of
-:class:`Implementation`: the fastest first (Triton, C++, a GEMM), its
-PyTorch reference last. Each states ``refusal(*call) -> reason or None``.
-:func:`choose` walks the list once per call signature (the operator's
-``signature(*call)``: shapes, dtypes, devices, layouts, requires_grad
-pattern) together with the backend switches' state, and keeps the choice in
-a bounded LRU cache (:data:`CACHE_SIZE` signatures per operator;
-:func:`cache_info` reports it). :func:`explain` gives the path taken and
-every refusal, for a call or (through the models' helpers) a layer.
-
-The operators' lists live beside the operators (``ops/<operator>/
-__init__.py`` registers them with :func:`register`); a new backend is one
-module and one line in that list (:func:`Operator.add`). Models,
-accounting and analysis ask this module, never a backend predicate.
-Under ``torch.compile`` the list is walked without the cache (tracing runs
-once; the cache's bookkeeping would be traced).
+Each operator (``'conv'``, ``'linear'``, ...) has a priority list of
+:class:`Implementation`, fastest first and its PyTorch reference last;
+:func:`choose` takes the first that does not refuse the call and caches the
+choice per call signature and switch state (a bounded LRU), and
+:func:`explain` gives the path and every refusal. Operators register their
+lists in ``ops/<operator>/__init__.py``; models, accounting and analysis
+ask this module, never a backend predicate. Under ``torch.compile`` the
+cache is skipped (its bookkeeping would be traced).
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,15 +36,12 @@ class Implementation:
     """One way to run an operator.
 
     Args:
-        name: what :func:`explain` and the layer table print (``'triton'``,
-            ``'c++'``, ``'gemm'``, ``'torch'``).
-        refusal: ``refusal(*call)``: why this implementation may not run
-            the call, or None. Reads tensor metadata only (shapes, dtypes,
-            devices, strides): the choice is cached per signature.
-        run: what the operator runs when it is chosen (a module or a
-            callable; the operator knows its contract).
-        launch: ``launch(*call)``: the launch arguments of an accepted call
-            (tiles, patches), cached with the choice; None: ``()``.
+        name: what :func:`explain` prints (``'triton'``, ``'c++'``,
+            ``'gemm'``, ``'torch'``).
+        refusal: ``refusal(*call)``: why it may not run the call, or None;
+            reads tensor metadata only, since the choice is cached.
+        run: what the operator runs when it is chosen.
+        launch: ``launch(*call)``: launch arguments, cached with the choice.
     """
     name: str
     refusal: Callable[..., Optional[str]]
@@ -61,26 +50,22 @@ class Implementation:
 
 
 class Choice(NamedTuple):
-    """What :func:`choose` returns: the implementation, its launch
-    arguments for this signature, and ``(name, reason)`` of every
-    implementation refused before it."""
+    """The implementation chosen, its launch arguments and earlier refusals."""
     implementation: Implementation
     launch: tuple
     refusals: Tuple[Tuple[str, str], ...]
 
 
 class Explanation(NamedTuple):
-    """:func:`explain`'s answer: the operator, the implementation taken and
-    ``(name, reason)`` of every one refused before it."""
+    """The operator, the implementation taken and every refusal before it."""
     operator: str
     path: str
     refusals: Tuple[Tuple[str, str], ...]
 
     def label(self) -> str:
-        """``triton``, ``c++`` or, for the reference after refusals,
-        ``torch: <reason> (<implementation>), ...`` with every refusal in
-        priority order (what the layer table prints: on a CPU the Triton
-        path's refusal is the device, the C++ one's says why it is off)."""
+        """``triton``, ``c++`` or ``torch: <reason> (<implementation>),
+        ...``, as the layer table prints it.
+        """
         if self.path == 'torch' and self.refusals:
             return 'torch: ' + ', '.join(f'{reason} ({name})'
                                          for name, reason in self.refusals)
@@ -88,16 +73,16 @@ class Explanation(NamedTuple):
 
 
 def switch_state() -> tuple:
-    """The backend switches' values and the device stand-in's state: part
-    of every cache key, so a switch changed at run time is seen at once."""
+    """The backend switches and the device stand-in: part of every cache
+    key, so a switch changed at run time is seen at once.
+    """
     return (tuple(switches.value(name) for name in BACKEND_SWITCHES),
             triton_runtime.INTERPRETED, device_path.acting_as_cuda(),
             torch.is_autocast_enabled('cpu'))
 
 
 def tensor_signature(t) -> Optional[tuple]:
-    """What a choice may depend on of one tensor: its type, shape, dtype,
-    device, strides and requires_grad (None for None)."""
+    """What a choice may depend on of one tensor (None for None)."""
     if t is None:
         return None
     return (type(t), tuple(t.shape), t.dtype, t.device, t.stride(),
@@ -122,9 +107,9 @@ class Operator:
 
     def add(self, implementation: Implementation,
             before: Optional[str] = None) -> None:
-        """Put ``implementation`` into the list: before the one named
-        ``before``, else just before the last (the reference stays
-        last). Forgets the cached choices."""
+        """Insert ``implementation`` before ``before``, else just before the
+        reference; forgets the cache.
+        """
         names = [impl.name for impl in self.implementations]
         if implementation.name in names:
             raise ValueError(f'{self.name} already has an implementation '
@@ -135,14 +120,12 @@ class Operator:
         self.cache_clear()
 
     def remove(self, name: str) -> None:
-        """Take the implementation ``name`` out of the list."""
         self.implementations[:] = [impl for impl in self.implementations
                                    if impl.name != name]
         self.cache_clear()
 
     def walk(self, *call) -> Choice:
-        """The first implementation that takes ``call``, its launch
-        arguments and the refusals before it, without the cache."""
+        """The first implementation that takes ``call``, without the cache."""
         refusals = []
         for impl in self.implementations:
             reason = impl.refusal(*call)
@@ -154,8 +137,7 @@ class Operator:
                            f'call: {refusals}')
 
     def choose(self, *call) -> Choice:
-        """The implementation to run ``call`` with its launch arguments
-        (cached per signature)."""
+        """The implementation that runs ``call``, cached per signature."""
         if torch.compiler.is_compiling():
             return self.walk(*call)
         key = (self.signature(*call), switch_state())
@@ -178,10 +160,9 @@ class Operator:
                            choice.refusals)
 
     def refusal(self, implementation: str, *call) -> Optional[str]:
-        """Why the implementation named ``implementation`` may not run
-        ``call`` (None: it may), whatever comes before it in the list: for
-        a caller that asks for one path by name (a benchmark, a forced
-        kernel)."""
+        """Why the named implementation may not run ``call``, whatever
+        precedes it (for a benchmark or a forced kernel).
+        """
         for impl in self.implementations:
             if impl.name == implementation:
                 return impl.refusal(*call)
@@ -190,12 +171,10 @@ class Operator:
                        f'{[impl.name for impl in self.implementations]}')
 
     def cache_info(self) -> dict:
-        """Hits, misses, entries and the bound of this operator's cache."""
         return dict(hits=self._hits, misses=self._misses,
                     size=len(self._cache), maxsize=CACHE_SIZE)
 
     def cache_clear(self) -> None:
-        """Forget every cached choice."""
         self._cache.clear()
 
 
@@ -205,8 +184,7 @@ _OPERATORS: Dict[str, Operator] = {}
 def register(name: str, implementations: List[Implementation],
              signature: Callable[..., tuple] = _default_signature
              ) -> Operator:
-    """Declare operator ``name`` with its priority list (the reference
-    last); returns it."""
+    """Declare operator ``name`` with its priority list (reference last)."""
     if name in _OPERATORS:
         raise ValueError(f'operator {name!r} is registered already')
     op = Operator(name, list(implementations), signature)
@@ -226,8 +204,7 @@ def operator(name: str) -> Operator:
 
 
 def choose(name: str, *call) -> Choice:
-    """The implementation of operator ``name`` that runs ``call``, with
-    its launch arguments."""
+    """The implementation of operator ``name`` that runs ``call``."""
     return operator(name).choose(*call)
 
 
@@ -237,14 +214,14 @@ def explain(name: str, *call) -> Explanation:
 
 
 def refusal(name: str, implementation: str, *call) -> Optional[str]:
-    """Why implementation ``implementation`` of operator ``name`` may not
-    run ``call``, or None (:meth:`Operator.refusal`)."""
+    """Why the named implementation of ``name`` may not run ``call``, or
+    None.
+    """
     return operator(name).refusal(implementation, *call)
 
 
 def cache_info() -> Dict[str, dict]:
-    """Every operator's :meth:`Operator.cache_info` (for a registry of the
-    package's shape caches)."""
+    """Every operator's cache statistics."""
     return {name: op.cache_info() for name, op in sorted(_OPERATORS.items())}
 
 
@@ -255,6 +232,5 @@ def cache_clear() -> None:
 
 
 def compiled_kernels_refusal(name: str = 'patch_ops') -> Optional[str]:
-    """Why the compiled extension ``name`` may not run (for operators whose
-    C++ path needs nothing of the call)."""
+    """Why the compiled extension ``name`` may not run, or None."""
     return extension.refusal(name)

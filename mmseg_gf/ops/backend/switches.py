@@ -1,33 +1,12 @@
 """Every environment variable and runtime toggle of mmseg_gf, declared once.
 
-Each :class:`Switch` says its name, default, type, who reads it and, for a
-toggle a running process can change, the function that changes it.
-docs/switches.md is :func:`markdown`'s table (a test keeps the two equal,
-and another that every ``MMSEG_GF_*`` name in the sources is declared).
-
-The switches whose value Python reads go through :func:`value`:
-
-* the environment is read once per switch, at its first :func:`value`
-  (later edits of ``os.environ`` are not seen; :func:`reread` forgets what
-  was read, so the next :func:`value` reads the environment again);
-* a value set at run time (:func:`set_value`, which the owners' setters
-  such as ``triton_runtime.set_enabled`` call) wins over the environment's
-  until it is set back to None;
-* :func:`override` stands in for the environment inside a block (tests:
-  ``with switches.override(MMSEG_GF_NATIVE=False):``), the previous state
-  restored afterwards.
-
-The rest are declared for the list's sake: ``setup.py`` reads its build
-switches itself (``MMSEG_GF_BUILD_NATIVE`` is also read through
-:func:`value`, by the import's warning about missing kernels) (it must run before torch is importable), the C++ output
-pool reads ``MMSEG_GF_RECYCLE_MB`` when it starts, and some toggles live in
-compiled code or in glibc; :func:`value` refuses those and names the
-function that changes them. A switch whose state lives in compiled code
-can still be overridden where its owner gave this module the way to set
-it (:func:`bind_applier`: :mod:`.native` binds the output pool's limit and
-the CPU kernels' toggles to the extension's setters): :func:`override`
-then sets that state for the block and puts the previous one back. This
-module imports nothing of mmseg_gf or torch, so any module may import it.
+docs/switches.md is :func:`markdown`'s table (a test keeps them equal and
+every ``MMSEG_GF_*`` name in the sources declared) and explains the rules:
+the environment is read once; :func:`set_value` wins over it;
+:func:`override` stands in for it inside a block, reaching switches held
+in compiled code through :func:`bind_applier`. Switches read elsewhere
+(``setup.py``, glibc) are declared for the list's sake and refused by
+:func:`value`. Imports nothing of mmseg_gf or torch.
 """
 import contextlib
 import os
@@ -47,8 +26,7 @@ def on_unless_zero(text: str) -> bool:
 
 
 def truthy(text: str) -> bool:
-    """On for ``1``, ``true``, ``on`` or ``yes`` (any case), as triton's
-    own ``TRITON_INTERPRET``."""
+    """On for ``1``, ``true``, ``on`` or ``yes``, as ``TRITON_INTERPRET``."""
     return text.lower() in ('1', 'true', 'on', 'yes')
 
 
@@ -66,11 +44,10 @@ def cost_factor(text: str) -> float:
 
 @dataclass(frozen=True)
 class Switch:
-    """One switch. ``name`` is the environment variable (upper case) or,
-    for a toggle no variable sets, its lower-case name; ``parse`` turns the
-    variable's text into the value (an empty variable counts as unset);
-    ``reader`` is who reads the variable (:data:`PYTHON`: :func:`value`);
-    ``setter`` the function that changes it in a running process."""
+    """One switch: ``name`` (environment variable, or a lower-case toggle
+    name), ``parse`` (text to value), ``reader`` (:data:`PYTHON`:
+    :func:`value`) and ``setter`` (what changes it in a running process).
+    """
     name: str
     default: Any
     kind: type
@@ -177,8 +154,9 @@ def _declared(name: str) -> Switch:
 
 
 def _checked(switch: Switch, given: Any) -> Any:
-    """``given`` if it is of the switch's type (an int for a float), so
-    that ``override(MMSEG_GF_NATIVE='0')`` cannot pass for off."""
+    """``given`` if of the switch's type, so that ``override(X='0')`` cannot
+    pass for off.
+    """
     kinds = (int, float) if switch.kind is float else (switch.kind, )
     if isinstance(given, bool) and switch.kind is not bool or \
             not isinstance(given, kinds):
@@ -195,15 +173,13 @@ def _read(switch: Switch) -> Any:
 
 
 def value(name: str) -> Any:
-    """The switch's value: set at run time, else the environment's (read
-    when this module is imported, or the :func:`override` in force), else
-    its default. A variable that does not parse raises ValueError, naming
-    it, at every call until it is fixed (and :func:`reread`).
+    """The switch's value: set at run time, else the environment's, else its
+    default.
 
-    Reading at import rather than at the first call keeps this function
-    free of side effects: ``torch.compile`` traces it inside autograd
-    Functions and checkpointed blocks, where a write to this module's
-    cache is a graph break ("unsafe side effect")."""
+    Read at import, not at the first call, so that ``torch.compile`` can trace
+    this function without a graph break. A variable that does not parse raises
+    ValueError naming it.
+    """
     found = _runtime.get(name, _UNREAD)
     if found is not _UNREAD:
         return found
@@ -214,9 +190,9 @@ def value(name: str) -> Any:
 
 
 def set_value(name: str, new: Any) -> Any:
-    """Set the switch for this process, over the environment (None: back
-    to the environment's value); returns the previous run-time value
-    (None if there was none)."""
+    """Set the switch for this process (None: back to the environment); returns
+    the previous run-time value.
+    """
     switch = _declared(name)
     if new is not None:
         new = _checked(switch, new)
@@ -229,10 +205,9 @@ def set_value(name: str, new: Any) -> Any:
 @contextlib.contextmanager
 def override(**values: Any) -> Iterator[None]:
     """Inside the block each named switch reads as if the environment gave
-    it the value (a value set at run time still wins, as over the
-    environment); what was read before is restored afterwards. A switch
-    read outside Python is set where it lives, through the function its
-    owner bound (:func:`bind_applier`), and set back afterwards."""
+    it the value; switches held outside Python are set through their owners'
+    :func:`bind_applier` and restored afterwards.
+    """
     values = {name: _checked(_overridable(name), given)
               for name, given in values.items()}
     applied = {n: v for n, v in values.items() if n in _appliers}
@@ -256,12 +231,9 @@ def override(**values: Any) -> Iterator[None]:
 
 def bind_applier(name: str,
                  apply: Callable[[Any], Callable[[], None]]) -> None:
-    """Let :func:`override` reach a switch read outside Python:
-    ``apply(value)`` sets the state where it lives (the compiled kernels)
-    and returns what puts the previous state back. Called by the switch's
-    owner when it is imported (:mod:`.output_pool`, :mod:`.cpu_settings`); a switch no owner bound
-    (glibc's, whose ``mallopt`` has no getter to restore from) stays
-    refused."""
+    """Let :func:`override` reach a switch held outside Python:
+    ``apply(value)`` sets it and returns what restores the previous state.
+    """
     switch = SWITCHES.get(name)
     if switch is None or switch.reader == PYTHON:
         raise KeyError(f'{name!r} is no switch read outside Python')
@@ -269,8 +241,7 @@ def bind_applier(name: str,
 
 
 def _overridable(name: str) -> Switch:
-    """The switch, if :func:`override` can reach it: read by Python, or
-    bound by its owner (:func:`bind_applier`)."""
+    """The switch, if :func:`override` can reach it."""
     switch = SWITCHES.get(name)
     if switch is not None and name in _appliers:
         return switch
@@ -278,9 +249,9 @@ def _overridable(name: str) -> Switch:
 
 
 def reread(*names: str) -> None:
-    """Read the environment again for ``names`` (every switch read here
-    when none are given); a value that does not parse is left unread, and
-    :func:`value` refuses it at each call."""
+    """Read the environment again for ``names`` (all when none); a value
+    that does not parse is left for :func:`value` to refuse.
+    """
     for name in names or [s.name for s in SWITCHES.values()
                           if s.reader == PYTHON]:
         _environment.pop(name, None)

@@ -2,18 +2,12 @@
 
 A conv whose kernel collapses on both axes, on a contiguous NCHW or
 channels-last CUDA input, is :class:`TritonFilteredConv2d`: ``F.conv2d``
-plus one Triton pass over ``x`` for its patch sums (when the weight trains);
-the backward is :func:`collapsed_backward`: one pass over ``g_y`` (patch
-means, the bias's partial sums, ``W~``), then one launch of
-:mod:`.products_kernels` for both products, for every groups, kernel size
-and bias (``tests/helpers/triton_cases.py::test_backward_launch_count``).
-``MMSEG_GF_FUSED_PRODUCTS=0`` takes batched cuBLAS GEMMs and a Triton spread
-instead.
-
-Both parts are ``torch.library`` custom ops with fake implementations, so
-``torch.compile`` traces them and CUDA graphs capture them (no host sync, no
-value-dependent control); eager mode calls them directly. Where
-:mod:`~..backend.triton_runtime` refuses, the pure-PyTorch Function computes
+plus one pass over ``x`` for its patch sums; its backward is one pass over
+``g_y`` and one launch of :mod:`.products_kernels`
+(``MMSEG_GF_FUSED_PRODUCTS=0``: cuBLAS GEMMs and a spread). Both are
+``torch.library`` ops with fake implementations, so ``torch.compile``
+traces them and CUDA graphs capture them; where
+:mod:`~..backend.triton_runtime` refuses, the PyTorch Function computes
 the same gradients.
 """
 from typing import List, NamedTuple, Optional, Tuple
@@ -36,11 +30,9 @@ _calls = 0
 
 
 class GradPrologue(NamedTuple):
-    """What the pass over ``g_y`` (:func:`~.kernels.output_grad_means`) applies
-    to each element first: a bit-masked activation's backward (``bits`` in
-    :mod:`.bit_mask`'s layout at ``bit_strides``; ``off_scale`` where unset),
-    then a frozen norm's (``rsqrt(running_var + eps) * weight`` per channel,
-    float32): the forward's conv, norm, activation, in reverse.
+    """What the pass over ``g_y`` applies to each element first, the forward in
+    reverse: a bit-masked activation's backward (``bits`` at ``bit_strides``,
+    ``off_scale`` where unset), then a frozen norm's per-channel factor.
     """
     bits: Tensor
     bit_strides: Tuple[int, int, int, int]
@@ -51,11 +43,10 @@ class GradPrologue(NamedTuple):
 
 
 def refusal(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[str]:
-    """Why this conv may not take the Triton path, or None: a non-empty
-    float input on a device :mod:`~..backend.triton_runtime` takes,
-    contiguous NCHW or channels-last, weight and bias floating point on the
-    same device. The caller checks that the kernel collapses on both
-    axes."""
+    """Why this conv may not take the Triton path, or None.
+
+    The caller checks that the kernel collapses on both axes.
+    """
     reason = triton_runtime.device_refusal(x)
     if reason is not None:
         return reason
@@ -74,8 +65,7 @@ def refusal(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[str]:
 
 
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether this conv may take the Triton path (:func:`refusal` gives no
-    reason)."""
+    """Whether this conv may take the Triton path."""
     return refusal(x, weight, bias) is None
 
 
@@ -90,23 +80,19 @@ def _products():
 
 
 def backward_calls() -> int:
-    """How many eager backward calls ran the Triton kernels in this process
-    (a diagnostic; replays of a captured CUDA graph do not count)."""
+    """Eager backward calls that ran the Triton kernels (a diagnostic)."""
     return _calls
 
 
 def fused_products() -> bool:
-    """Whether a filtered backward runs its patch-grid products as the
-    fused launch of :mod:`.products_kernels` (while
-    ``MMSEG_GF_FUSED_PRODUCTS`` is on) instead of batched GEMMs, a tap sum
-    and a spread (the dispatcher's ``grid_products``)."""
+    """Whether the patch-grid products run as one fused launch."""
     return dispatch.choose('grid_products').implementation.name == 'fused'
 
 
 def _tap_sums(weight: Tensor, acc: torch.dtype) -> Tensor:
     """``W~``: the kernel summed over its taps, ``Co x Ci/groups`` in
-    ``acc``. One kernel launch at most: none for a ``1 x 1`` kernel in
-    ``acc`` already (a view), the cast fused into the sum otherwise."""
+    ``acc``.
+    """
     flat = weight.reshape(weight.shape[0], weight.shape[1], -1)
     if flat.shape[2] == 1:
         return flat[..., 0].to(acc)
@@ -115,9 +101,7 @@ def _tap_sums(weight: Tensor, acc: torch.dtype) -> Tensor:
 
 def _input_grad_buffer(grad_output: Tensor, channels: int, height: int,
                        width: int, dtype: torch.dtype) -> Tensor:
-    """The uninitialised ``g_x`` the spread writes in full: channels-last
-    when ``g_y`` is (a channels-last network's gradients stay so), else
-    contiguous NCHW."""
+    """The uninitialised ``g_x``: channels-last when ``g_y`` is, else NCHW."""
     fmt = (torch.channels_last if grad_output.dim() == 4
            and not grad_output.is_contiguous()
            and grad_output.is_contiguous(memory_format=torch.channels_last)
@@ -129,9 +113,7 @@ def _input_grad_buffer(grad_output: Tensor, channels: int, height: int,
 
 def _patch_sums(x: Tensor, row_start: int, row_size: int, row_count: int,
                col_start: int, col_size: int, col_count: int) -> Tensor:
-    """``x~``, the forward's patch sums of ``x`` over the input patches
-    ``Q(P)``: a contiguous ``Ci x N x ph x pw`` tensor in ``x``'s dtype
-    (channel-major: the weight-gradient GEMM's layout)."""
+    """``x~``: patch sums of ``x``, channel-major ``Ci x N x ph x pw``."""
     with triton_runtime.on_device(x):
         return _kernels().patch_sums(x, (row_start, row_size, row_count),
                                      (col_start, col_size, col_count))
@@ -147,8 +129,9 @@ def _(x, row_start, row_size, row_count, col_start, col_size, col_count):
 
 
 def _empty(like: Tensor) -> Tensor:
-    """What the op returns for a gradient nobody asked for (ops cannot
-    return None)."""
+    """The stand-in for a gradient nobody asked for (ops cannot return
+    None).
+    """
     return like.new_empty((0, ))
 
 
@@ -159,14 +142,10 @@ def _collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                        input_dtype: torch.dtype, need_input: bool,
                        need_weight: bool, need_bias: bool
                        ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Steps 1-4 and the bias (docs/gradient_filter.md, section "Backward") for a
-    kernel that collapses on both axes.
+    """Steps 1-4 and the bias (docs/gradient_filter.md, "Backward") for a
+    kernel that collapses on both axes; ``scale = 1/s^2``.
 
-    ``input_pooled``: :func:`patch_sums`' output (None unless ``g_W`` is
-    needed); ``rows`` / ``cols``: the input patches ``Q(P)``; ``scale = 1/s^2``.
-    Returns ``(g_x, g_W, g_b)``: ``g_x`` in ``input_dtype``, ``g_W`` in the
-    weight's shape and dtype, ``g_b`` in the accumulation dtype; an empty tensor
-    for each one not asked for.
+    Returns ``(g_x, g_W, g_b)``, an empty tensor for each one not asked for.
     """
     return collapsed_backward_from(
         grad_output, None, input_pooled, weight, groups, scale, input_height,
@@ -182,12 +161,10 @@ def collapsed_backward_from(grad: Tensor, prologue,
                             input_dtype: torch.dtype, need_input: bool,
                             need_weight: bool, need_bias: bool
                             ) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_collapsed_backward` of the conv whose output gradient is
-    ``grad`` or, with a ``prologue`` (:class:`GradPrologue`), what the
-    backward of a frozen norm and a bit-masked activation after it make of
-    ``grad``: the pass over ``grad`` takes their backward as it reads it.
-    :func:`_fused_backward` runs the products while
-    :func:`fused_products`."""
+    """:func:`_collapsed_backward` from ``grad`` or, with a ``prologue``
+    (:class:`GradPrologue`), from the gradient after a frozen norm and
+    bit-masked activation, applied as ``grad`` is read.
+    """
     global _calls
     _calls += 1
     kernels = _kernels()
@@ -258,9 +235,9 @@ def _fused_backward(means: Tensor, partial: Tensor,
                     need_input: bool,
                     need_weight: bool, need_bias: bool, groups: int
                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_collapsed_backward` of a conv after the pass over ``g_y``
-    (which also summed the taps into ``tap_sums``, ``W~``): ``g_W`` (every
-    tap), ``g_b`` and ``g_x`` in one launch (:mod:`.products_kernels`)."""
+    """``g_W``, ``g_b`` and ``g_x`` in one launch after the pass over
+    ``g_y``.
+    """
     products = _products()
     out = None
     if need_input:
@@ -306,17 +283,17 @@ def _(grad_output, input_pooled, weight, groups, scale, input_height,
 
 def conv_context(x: Tensor, stride: Tuple[int, int], groups: int,
                  radius: int, rows: Patches, cols: Patches) -> tuple:
-    """What a filtered conv's backward needs of its forward call (besides
-    the saved tensors): ``(groups, 1/s^2, H, W, rows, cols, r, x's
-    dtype)``, in :func:`collapsed_backward_from`'s order."""
+    """What a filtered conv's backward needs of its forward call, in
+    :func:`collapsed_backward_from`'s order.
+    """
     return (groups, 1.0 / (stride[0] * stride[1]), x.shape[2], x.shape[3],
             rows, cols, radius, x.dtype)
 
 
 class TritonFilteredConv2d(torch.autograd.Function):
-    """``F.conv2d`` forward, the filtered backward as one call of
-    :func:`collapsed_backward` (the Triton counterpart of
-    ``GradientFilterConv2dFunction``'s usual case; same gradients)."""
+    """``F.conv2d`` forward and the filtered backward on the Triton path (the
+    same gradients as ``GradientFilterConv2dFunction``).
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -352,8 +329,8 @@ def filtered_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                     stride: Tuple[int, int], padding: Tuple[int, int],
                     dilation: Tuple[int, int], groups: int, radius: int,
                     rows: Patches, cols: Patches) -> Tensor:
-    """``F.conv2d`` with the Triton-path backward (``cpu.filtered_conv2d``'s
-    signature). ``x`` is :func:`usable`, the kernel collapses on both axes
-    and ``rows`` / ``cols`` are the input patches ``Q(P)``."""
+    """``F.conv2d`` with the Triton-path backward, for a :func:`usable` ``x``;
+    ``rows`` / ``cols`` are the input patches ``Q(P)``.
+    """
     return TritonFilteredConv2d.apply(x, weight, bias, stride, padding,
                                       dilation, groups, radius, rows, cols)

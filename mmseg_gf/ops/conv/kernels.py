@@ -1,36 +1,16 @@
 """Triton kernels of the GPU path: the two passes over full-size maps.
 
-The filtered backward of a conv whose kernel collapses on both axes touches
-full-size memory in exactly two places, and these kernels are those places:
+``_patch_reduce`` reads a map once for its patch sums (forward, ``x~``) or
+patch means with the bias's partial sums (backward, ``g~``), optionally
+applying a conv block's activation mask and norm factor as it loads
+(:class:`~.gpu.GradPrologue`) and summing a kernel's taps (``W~``) in the
+same launch; ``_spread`` writes ``g_x`` once from the patch grid. The
+products between them: :mod:`.products_kernels` (docs/gpu.md).
 
-* ``_patch_reduce`` reads a map once and writes one value per patch: the
-  forward's patch sums of ``x``, and the backward's patch means of ``g_y``
-  (scaled by ``1/s^2``) together with per-row partial sums for the exact
-  bias gradient, so that ``g_y`` is read once for both. Behind a frozen
-  norm and a bit-masked activation (a conv block,
-  :mod:`~..conv_block.kernels`) it reads their output's gradient and takes
-  ``g_y`` as it loads it: the activation's mask, then the norm's
-  per-channel factor (:class:`~.gpu.GradPrologue`), where their
-  own backward would each write ``g_y``'s size and read it back. Further
-  programs of the same launch may sum a conv kernel over its taps (``W~``,
-  which the input gradient's product needs next);
-* ``_spread`` writes ``g_x`` once, every pixel from the patch-grid value of
-  its patch (zero outside every patch).
-
-Everything between them (the two channel-mixing products) lives on the
-``1/r^2``-sized patch grid: one launch of :mod:`.products_kernels`, which
-writes ``g_x`` itself (no ``_spread``); with ``MMSEG_GF_FUSED_PRODUCTS=0``
-cuBLAS GEMMs and a ``_spread`` (:mod:`.gpu`).
-
-The grids are laid out channel-major (``C x N x ph x pw``): the weight
-gradient then reduces over batch and patches as one contiguous axis, one
-GEMM per group. Accumulation is float32 (float64 for float64 tensors); the
-result is rounded once to the output's dtype.
-
-Importing this module imports ``triton``: import it only where triton is
-installed (:mod:`.gpu` does so lazily). Whether the kernels run
-compiled (CUDA tensors) or in triton's interpreter (CPU tensors, for tests)
-is fixed when this module is imported, by ``TRITON_INTERPRET``.
+Grids are channel-major (``C x N x ph x pw``) so that the weight gradient
+is one GEMM per group; accumulation is float32 (float64 for float64).
+Importing this module imports ``triton``; ``TRITON_INTERPRET`` at import
+fixes whether CPU tensors run in triton's interpreter (tests).
 """
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Tuple
@@ -74,9 +54,8 @@ def _patch_reduce(src, dst, partial, channels, height, width,
                   NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr,
                   TAPS: tl.constexpr):
     """:func:`reduce_patch_row` in the first ``reduce_programs`` programs;
-    with ``TAPS``, the programs after them sum a conv kernel's taps
-    (:func:`_sum_taps`): independent work that the backward needs next,
-    in the same launch."""
+    with ``TAPS`` the rest sum a kernel's taps (:func:`_sum_taps`).
+    """
     pid = tl.program_id(0).to(tl.int64)  # int64: offsets of large maps
     if pid < reduce_programs:
         reduce_patch_row(
@@ -98,8 +77,7 @@ _TAP_BLOCK = tl.constexpr(256)
 
 @triton.jit
 def _sum_taps(q, weight, tap_sums, pairs, taps, ACC: tl.constexpr):
-    """``W~``: block ``q`` of the ``pairs`` (``Co x Ci/groups``) entries of
-    a contiguous kernel, each the sum of its ``taps`` in ``ACC``."""
+    """``W~``: block ``q`` of a kernel's entries, each summed over its taps."""
     j = q * _TAP_BLOCK + tl.arange(0, _TAP_BLOCK)
     ok = j < pairs
     total = tl.zeros([_TAP_BLOCK], ACC)
@@ -119,18 +97,15 @@ def reduce_patch_row(pid, src, dst, partial, channels, height, width,
                       COL_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
                       CHANNELS_FAST: tl.constexpr, MASKED: tl.constexpr,
                       NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr):
-    """Program ``pid`` of one per (image, channel, patch row): sums (or means)
-    of the patches of that row, ``BLOCK_P`` patches per ``ROW_SIZE x BLOCK_P x
-    COL_SIZE`` tile (sizes padded to powers of two, the padding masked). Each
-    map row of the tile is one contiguous run of an NCHW map; pixels outside
-    the map count as 0. ``CHANNELS_FAST`` (a channels-last map, whose rows are
-    strided by the channel count) numbers the programs channel first, so that
-    programs running side by side read the neighbouring channels of the same
-    pixels. ``MASKED``: each element passes where its bit in ``bits`` is set
-    (element ``i`` at the strides ``b_*`` in bit ``i % 8`` of byte ``i // 8``),
-    times ``off_scale`` elsewhere; ``NORM``: then times ``rsqrt(var_c + eps) *
-    norm_w_c`` (the factor in float32, as the norm's own backward has it;
-    :class:`~.gpu.GradPrologue`)."""
+    """Program ``pid`` of one per (image, channel, patch row): the sums (or
+    means) of that row's patches, 0 outside the map.
+
+    ``CHANNELS_FAST`` numbers programs channel first for channels-last maps
+    (neighbouring programs read the same pixels). ``MASKED`` keeps elements
+    whose bit is set and scales the rest by ``off_scale``; ``NORM`` then
+    multiplies by ``rsqrt(var_c + eps) * norm_w_c`` in float32, as the norm's
+    own backward (:class:`~.gpu.GradPrologue`).
+    """
     if CHANNELS_FAST:
         c = pid % channels
         a = (pid // channels) % row_count
@@ -193,8 +168,7 @@ def _spread(grid, out, channels, height, width,
             row_start, row_size, row_count,
             col_start, col_size, col_count,
             BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One program per (image, channel, tile of the map): each pixel takes
-    its patch's grid value, 0 outside every patch; written once."""
+    """Each pixel takes its patch's grid value, 0 outside every patch."""
     plane = tl.program_id(0).to(tl.int64)
     n = plane // channels
     c = plane % channels
@@ -226,11 +200,9 @@ REDUCE_KEY = ['channels', 'height', 'width', 'row_count', 'col_count',
 
 
 def tuned_reduce(configs=None, do_bench: Optional[Callable] = None):
-    """:func:`_patch_reduce` under ``triton.autotune`` over ``configs``
-    (default: :data:`REDUCE_WARPS`), keyed on :data:`REDUCE_KEY`, each
-    timed by ``do_bench`` (default :func:`timed_by_default`). A launch
-    writes all it writes (no accumulation): timing runs leave the right
-    result."""
+    """:func:`_patch_reduce` under ``triton.autotune``; a launch accumulates
+    nothing, so timing runs leave the right result.
+    """
     return triton.autotune(
         configs=configs or [triton.Config({}, num_warps=w)
                             for w in REDUCE_WARPS],
@@ -244,9 +216,7 @@ REDUCE_TUNING = Tuning(tuned_reduce, 'triton_kernels.reduce_tuning')
 
 def reduce_meta(rows: Patches, cols: Patches,
                 channels_fast: bool = False) -> Mapping:
-    """Tile sizes and program order of :func:`_patch_reduce` for these
-    patches (``channels_fast``: a channels-last source); computed once per
-    argument set (read-only)."""
+    """Tiles and program order of :func:`_patch_reduce`, cached."""
     return _reduce_meta(tuple(rows), tuple(cols), bool(channels_fast))
 
 
@@ -264,8 +234,7 @@ def _reduce_meta(rows: Patches, cols: Patches,
 
 @shape_caches.lru('triton.spread_meta', _SHAPES_CACHED)
 def spread_meta(height: int, width: int) -> Mapping:
-    """Tile sizes of :func:`_spread` for a ``height x width`` map, computed
-    once per size (read-only)."""
+    """Tile sizes of :func:`_spread` for a map size, cached."""
     block_w = min(next_power_of_2(width), 128)
     block_h = max(1, min(next_power_of_2(height),
                          _SPREAD_TILE // block_w))
@@ -303,8 +272,7 @@ def _reduce(src: Tensor, dst_nchw: Tensor, partial: Optional[Tensor],
 
 
 def patch_sums(x: Tensor, rows: Patches, cols: Patches) -> Tensor:
-    """``x~``: sums of ``x`` over its input patches, in ``x``'s dtype, as a
-    contiguous ``Ci x N x ph x pw`` (channel-major) tensor."""
+    """``x~``: patch sums of ``x``, contiguous ``Ci x N x ph x pw``."""
     n, c = x.shape[:2]
     out = x.new_empty((c, n, rows[2], cols[2]))
     dst = out.permute(1, 0, 2, 3)
@@ -316,17 +284,14 @@ def output_grad_means(grad_output: Tensor, radius: int, scale: float,
                       acc: torch.dtype, prologue=None,
                       taps: Optional[Tuple[Tensor, Tensor]] = None
                       ) -> Tuple[Tensor, Tensor]:
-    """One read of ``g_y``: ``(scale * patch means as a Co x N x ph x pw
-    tensor, partial sums N x Co x ph)``, both in ``acc``; the partial sums
-    add up to the exact bias gradient (``sum over dims 0 and 2``) in a fixed
-    order, so the result is deterministic. With a ``prologue``
-    (:class:`~.gpu.GradPrologue`),
-    ``grad_output`` is the gradient of a norm and activation after the
-    conv, and ``g_y`` is what their backward would make of it. With
-    ``taps = (weight, tap_sums)`` the same launch writes ``W~``, the
-    contiguous ``weight`` (``Co x Ci/groups x kh x kw``) summed over its
-    taps, into ``tap_sums`` (``Co x Ci/groups``, ``acc``), for the input
-    gradient's product."""
+    """One read of ``g_y``: ``scale`` times its patch means (``Co x N x ph x
+    pw``) and the bias's partial sums (``N x Co x ph``, summed in a fixed
+    order: deterministic), both in ``acc``.
+
+    With a ``prologue`` (:class:`~.gpu.GradPrologue`) ``grad_output`` is the
+    gradient after a norm and activation, applied as it is read. With ``taps
+    = (weight, tap_sums)`` the same launch writes ``W~`` into ``tap_sums``.
+    """
     n, c, height, width = grad_output.shape
     rows, cols = radius_patches(height, radius), radius_patches(width, radius)
     means = grad_output.new_empty((c, n, rows[2], cols[2]), dtype=acc)
@@ -343,8 +308,7 @@ def output_grad_means(grad_output: Tensor, radius: int, scale: float,
 
 def spread(grid_nchw: Tensor, out: Tensor, rows: Patches,
            cols: Patches) -> Tensor:
-    """Write every pixel of ``out`` (``N x C x H x W``) from the value of
-    its patch in ``grid_nchw`` (any strides); 0 outside every patch."""
+    """Write each pixel of ``out`` from its patch's grid value; 0 outside."""
     n, c, height, width = out.shape
     meta = spread_meta(height, width)
     launch = (n * c, cdiv(height, meta['BLOCK_H']),

@@ -1,18 +1,12 @@
 """Triton kernel of the GPU path: the patch grid's two products in one launch.
 
-After :func:`~.conv.kernels.output_grad_means` has read ``g_y`` once (``g~``,
-the bias's partial sums, the tap sums ``W~``), :func:`products` computes, in
-programs of one launch (docs/gradient_filter.md, section "Backward"):
-
-* ``g_W~ = g~ x~^T``, written to every tap of the weight's gradient, and the
-  bias gradient (separately: a GEMM, a sum and a copy into ``.grad``);
-* ``g_x~ = W~^T g~``, spread over each patch from registers, never written.
-
-A filtered layer's backward is thus two launches. Tiles use ``tl.dot`` in
-the accumulation dtype (IEEE, no TF32), equal to a GEMM within rounding
-(``tests/helpers/triton_cases.py``); depthwise layers take per-channel
-products. ``triton.autotune`` picks among :data:`TUNING_TILES` per shape;
-under the interpreter or ``MMSEG_GF_AUTOTUNE=0``, :func:`fixed_tiles`.
+After :func:`~.conv.kernels.output_grad_means` (``g~``, the bias's partial
+sums, ``W~``), :func:`products` computes ``g_W~ = g~ x~^T`` (to every tap,
+with the bias gradient) and ``g_x~ = W~^T g~``, spread over each patch from
+registers (docs/gradient_filter.md, "Backward"): a filtered layer's
+backward is two launches. ``tl.dot`` runs in the accumulation dtype (no
+TF32); tiles come from ``triton.autotune`` over :data:`TUNING_TILES`, or
+:func:`fixed_tiles` under the interpreter or ``MMSEG_GF_AUTOTUNE=0``.
 Importing this module imports ``triton``.
 """
 import math
@@ -50,11 +44,8 @@ def _products(means, pooled, partial, grad_w, grad_b, kernel, out,
               BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
               BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
               COL_SIZE: tl.constexpr):
-    """Both products in one launch: the first programs the weight side
-    (:func:`_weight_tile` or :func:`_depthwise_weight_tile`), the others the
-    input side (:func:`_input_tile` per image and patch row). Channel counts
-    are one group's; ``image_rows`` is ``N x ph``; :func:`program_count` gives
-    the launch size.
+    """Both products in one launch: the first :func:`program_count` programs
+    take the weight side, the others the input side.
     """
     pid = tl.program_id(0)
     weight_rows = tl.cdiv(out_channels, BLOCK_M)
@@ -106,9 +97,8 @@ def _weight_tile(pid_m, pid_n, o_base, c_base, means, pooled, partial,
                  HAS_B: tl.constexpr, ACC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
-    """One ``BLOCK_M x BLOCK_N`` tile of a group's ``g_W~ = means x pooled^T``
-    over the ``N ph pw`` cells, stored to every tap of ``grad_w``; the first
-    column of tiles also sums ``partial`` into ``grad_b`` in a fixed order.
+    """One tile of a group's ``g_W~ = means x pooled^T``, stored to every tap;
+    the first column of tiles also sums ``partial`` into ``grad_b``.
     """
     o = o_base + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,9 +139,7 @@ def _depthwise_weight_tile(pid, means, pooled, partial, grad_w, grad_b,
                            p_k, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                            ACC: tl.constexpr, BLOCK_C: tl.constexpr,
                            BLOCK_K: tl.constexpr):
-    """:func:`_weight_tile` of a depthwise layer (one input channel per
-    output channel) for channel block ``pid``: each channel's ``g_W~`` the
-    dot product of its patch means and patch sums."""
+    """:func:`_weight_tile` of a depthwise layer: per-channel dot products."""
     c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
     if HAS_W:
@@ -186,10 +174,8 @@ def _input_tile(pid_row, pid_c, pid_p, o_base, c_base, means, kernel, out,
                 ACC: tl.constexpr, BLOCK_C: tl.constexpr,
                 BLOCK_O: tl.constexpr, BLOCK_P: tl.constexpr,
                 COL_SIZE: tl.constexpr, DEPTHWISE: tl.constexpr):
-    """``g_x~ = W~^T g~`` for ``BLOCK_C`` input channels x ``BLOCK_P`` patches of
-    one image and patch row, each value stored to its patch's pixels on the
-    map (``out`` at any strides). ``DEPTHWISE``: channel ``c`` reads output
-    channel ``c`` only, a product per element.
+    """``g_x~ = W~^T g~`` for a block of channels and patches of one patch row,
+    stored to each patch's pixels.
     """
     n = pid_row // row_count
     a = pid_row % row_count
@@ -238,10 +224,7 @@ def _tile(size: int, cap: int) -> int:
 
 
 class Shape(NamedTuple):
-    """What a :func:`_products` launch's program count and tiles depend
-    on: one group's output / input channels (a depthwise layer: all, as
-    one group), ``N x ph`` image rows and ``pw`` patches per row of the
-    input side, and which sides run."""
+    """What a :func:`_products` launch's program count and tiles depend on."""
     groups: int
     out_channels: int
     in_channels: int
@@ -253,8 +236,7 @@ class Shape(NamedTuple):
 
 
 def program_count(shape: Shape, tiles: dict) -> int:
-    """The programs of one :func:`_products` launch with these tiles (the
-    kernel derives the same split from them)."""
+    """The programs of one :func:`_products` launch with these tiles."""
     weight = 0
     if shape.weight_side:
         cols = (1 if shape.depthwise else
@@ -271,10 +253,9 @@ def program_count(shape: Shape, tiles: dict) -> int:
 
 @shape_caches.lru('triton.fixed_tiles', 512)
 def fixed_tiles(shape: Shape) -> Mapping:
-    """The tiles of an untuned launch (the interpreter's, or with
-    ``MMSEG_GF_AUTOTUNE=0``): each side's channels up to 64, ``pw`` up to
-    32, at least the 16 ``tl.dot`` needs; computed once per shape (a model
-    has a few dozen; read-only)."""
+    """Untuned tiles: each side's channels up to 64, ``pw`` up to 32, at least
+    the 16 ``tl.dot`` needs; cached per shape.
+    """
     return MappingProxyType(dict(
         BLOCK_M=_tile(shape.out_channels, 64),
         BLOCK_N=1 if shape.depthwise else _tile(shape.in_channels, 64),
@@ -304,7 +285,7 @@ TUNING_KEY = ['out_channels', 'in_channels', 'groups', 'cells', 'taps',
 
 
 def tuning_configs(tiles=TUNING_TILES) -> List['triton.Config']:
-    """``triton.Config`` of each ``(BLOCK_M, ..., num_warps)`` row."""
+    """``triton.Config`` of each row of ``tiles``."""
     names = ('BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'BLOCK_C', 'BLOCK_O',
              'BLOCK_P')
     return [triton.Config(dict(zip(names, row[:6])), num_warps=row[6])
@@ -312,9 +293,9 @@ def tuning_configs(tiles=TUNING_TILES) -> List['triton.Config']:
 
 
 def fits(configs, named_args: dict, **kwargs) -> list:
-    """``early_config_prune``: the configs whose tiles exceed none of the
-    layer's sizes by more than the smallest tile (32 channels, 16
-    patches); at least the first config."""
+    """``early_config_prune``: configs whose tiles exceed no size by more than
+    the smallest tile; at least the first.
+    """
     def bound(size: int, least: int) -> int:
         return max(least, next_power_of_2(max(int(size), 1)))
 
@@ -330,12 +311,9 @@ def fits(configs, named_args: dict, **kwargs) -> list:
 
 
 def tuned(configs=None, do_bench: Optional[Callable] = None):
-    """:func:`_products` under ``triton.autotune`` over ``configs``
-    (default :func:`tuning_configs`), keyed on :data:`TUNING_KEY`, pruned
-    by :func:`fits`, each config timed by ``do_bench`` (default
-    :func:`~.conv.kernels.timed_by_default`). Every config's launch
-    writes all it writes (no accumulation), so timing runs leave the
-    right result."""
+    """:func:`_products` under ``triton.autotune``, pruned by :func:`fits`; a
+    launch accumulates nothing, so timing runs leave the right result.
+    """
     return triton.autotune(
         configs=configs or tuning_configs(), key=TUNING_KEY,
         prune_configs_by={'early_config_prune': fits},
@@ -353,23 +331,23 @@ def products(means: Tensor, pooled: Optional[Tensor],
              need_w: bool, need_b: bool,
              grad_dtype: Optional[torch.dtype] = None,
              groups: int = 1) -> Tuple[Tensor, Tensor]:
-    """One launch for both products (see the module docstring).
+    """One launch for both products of the patch grid.
 
     Args:
         means: ``g~``, ``Co x N x ph x pw``, contiguous, accumulation dtype.
-        pooled: ``x~`` as ``Ci x cells`` at any strides; None unless ``need_w``.
-        partial: the bias's partial sums ``N x Co x ph``; None unless ``need_b``.
-        weight: gives ``g_W``'s shape (``Co x Ci/g x taps...``).
+        pooled: ``x~`` as ``Ci x cells``; None unless ``need_w``.
+        partial: the bias's partial sums ``N x Co x ph``; None unless
+            ``need_b``.
+        weight: gives ``g_W``'s shape.
         tap_sums: ``W~`` (``Co x Ci/g``) when ``out`` is given.
-        out: ``g_x`` (``N x Ci x H x W``, zeroed by the caller where the
-            patches do not cover it, :func:`covers`), or None.
+        out: ``g_x``, zeroed by the caller where patches do not cover it
+            (:func:`covers`), or None.
         need_w, need_b: whether ``g_W`` / ``g_b`` are written.
         grad_dtype: ``g_W``'s dtype (default: the weight's).
-        groups: the conv's groups; depthwise takes per-channel products.
+        groups: the conv's groups.
 
     Returns:
-        ``(g_W, g_b)``, contiguous (``g_b`` in the accumulation dtype); empty
-        tensors where not asked for. ``out`` holds ``g_x``.
+        ``(g_W, g_b)``, contiguous; empty where not asked for.
     """
     acc = means.dtype
     co = weight.shape[0]
@@ -417,8 +395,6 @@ def products(means: Tensor, pooled: Optional[Tensor],
 
 
 def covers(patches: Patches, size: int) -> bool:
-    """Whether the patches ``(start, size, count)`` cover an axis of
-    ``size`` pixels (else the pixels outside get 0 from a zeroed
-    buffer)."""
+    """Whether patches ``(start, size, count)`` cover ``size`` pixels."""
     start, step, count = patches
     return start <= 0 and start + step * count >= size

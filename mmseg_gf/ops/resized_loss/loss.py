@@ -1,32 +1,11 @@
-"""Softmax cross-entropy of bilinearly upsampled logits (or per-class
-sigmoid cross-entropies on one-hot labels), with its gradient w.r.t. the
-low-resolution logits, without the upsampled logits.
+"""Softmax (or one-hot sigmoid) cross-entropy of bilinearly upsampled logits,
+with its gradient w.r.t. the low-resolution logits, without holding the
+upsampled logits (150 MiB per image for 150 classes at 512x512).
 
-A segmentation head predicts at 1/4 or 1/8 of the label's size and its loss
-upsamples the logits to the label first (mmseg's ``loss_by_feat``:
-``resize(..., mode='bilinear')``, then a cross-entropy). Upsampled, the
-logits of 150 classes at 512x512 are 150 MiB per image, and so is their
-log-softmax and the gradient of each; computing them, and the upsampling's
-backward, takes most of a small model's training step.
-
-:func:`resized_cross_entropy` computes, image by image and output row by
-output row, the same numbers: the upsampled logits of one row, their
-softmax, the per-pixel cross-entropy, top-1 hits, and (optionally) the
-gradient of ``sum_p w_p * ce_p``, spread back to the low-resolution grid
-with the upsampling's adjoint. With the compiled kernel
-(``mmseg_gf._resized_loss``, float32 CPU tensors) no full-resolution
-tensor of classes exists; otherwise the PyTorch path below computes the
-same per image with ``F.interpolate`` and ``F.cross_entropy``.
-
-With ``sigmoid=True`` a pixel's loss is instead ``sum_c BCE(z_c, [c ==
-label])``, mmseg's ``binary_cross_entropy`` of multi-channel logits.
-
-Weights ``w_p`` are a per-pixel map (class weights of the label, an OHEM
-selection, ...); pixels labelled ``ignore_index`` weigh 0. The caller
-normalises (``mean`` over pixels, ``avg_non_ignore``, ``loss_weight``): the
-loss here is a plain weighted sum, in float64.
-
-The forms ``torch.compile`` traces: :mod:`.traced`. No mmseg import.
+The loss is a plain weighted sum ``sum_p w_p * ce_p`` in float64; ignored
+pixels weigh 0 and the caller normalises. The compiled kernel and the
+PyTorch and Triton paths: docs/lean_region.md, "The cross-entropy of
+upsampled logits". Traced forms: :mod:`.traced`. No mmseg import.
 """
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -56,9 +35,11 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class LabelRangeError(ValueError):
-    """A label outside ``[0, classes)`` that is not ``ignore_index``: bad
-    data of one batch, not a property of the loss (a caller falls back to
-    its plain loss for that batch only)."""
+    """A label outside ``[0, classes)`` that is not ``ignore_index``.
+
+    Bad data of one batch, not of the loss: a caller falls back to its plain
+    loss for that batch only (docs/reliability.md, "Bad data fails per batch").
+    """
 
 
 @dataclass
@@ -68,14 +49,11 @@ class ResizedCrossEntropy:
     Attributes:
         loss: ``N`` float64, ``sum_p w_p * ce_p`` over each image's pixels.
         hits: ``N`` int64, labelled pixels whose top-1 class is the label.
-        grad: the logits' shape and dtype, ``d loss.sum() / d logits``
-            (None unless asked for).
-        pixel_loss: ``N x H x W``, the unweighted ``ce_p`` (0 where
-            ignored; None unless asked for).
-        target_prob: ``N x H x W``, the softmax probability of each pixel's
-            label (0 where ignored; None unless asked for, or sigmoid).
-        totals: the batch's totals where the path computed them with the
-            per-image ones (the Triton path: one launch), else None.
+        grad: ``d loss.sum() / d logits`` (None unless asked for).
+        pixel_loss: ``N x H x W`` unweighted ``ce_p``, 0 where ignored.
+        target_prob: ``N x H x W`` softmax probability of the label, 0 where
+            ignored (None for sigmoid).
+        totals: the batch's totals where the path computes them (Triton).
     """
 
     loss: Tensor
@@ -91,12 +69,10 @@ class BatchTotals:
     """A batch's totals of :class:`ResizedCrossEntropy`, on the device.
 
     Attributes:
-        loss: 0-d, ``loss.sum()`` in the logits' dtype promoted to float32.
+        loss: 0-d, ``loss.sum()`` in at least float32.
         hits: 0-d float32, ``hits.sum()``.
         labelled: 0-d int64, the pixels not labelled ``ignore_index``.
-        accuracy: ``(1,)`` float32, mmseg's top-1 accuracy of the batch
-            (``(hits + eps) * (100 / (labelled + eps))``, the factor in
-            float64: :func:`accuracy`).
+        accuracy: ``(1,)`` float32, mmseg's top-1 accuracy (:func:`accuracy`).
     """
 
     loss: Tensor
@@ -106,34 +82,27 @@ class BatchTotals:
 
 
 def accuracy(hits: Tensor, labelled: Tensor) -> Tensor:
-    """mmseg's top-1 accuracy, ``(1,)`` float32, from the hits (0-d
-    float32) and labelled pixels (0-d): its factor ``100 / pixels`` is a
-    Python float (float64), so it is divided in float64 on the device and
-    the float32 hits are scaled by it (what :class:`BatchTotals` holds)."""
+    """mmseg's top-1 accuracy, ``(1,)`` float32.
+
+    Its factor ``100 / pixels`` is taken in float64, as mmseg's Python float.
+    """
     return (hits.reshape(1) + _EPS).mul_(
         100.0 / (labelled.to(torch.float64) + _EPS))
 
 
 def kernel_usable(logits: Tensor) -> bool:
-    """Whether the compiled kernel takes ``logits``: built, not switched
-    off (``MMSEG_GF_NATIVE=0``), float32 on the CPU, eager mode, no
-    autocast (the dispatcher's ``resized_loss`` refusal of ``c++``)."""
+    """Whether the compiled CPU kernel takes ``logits``."""
     return dispatch.refusal('resized_loss', 'c++', logits) is None
 
 
 def operator_usable(logits: Tensor) -> bool:
-    """Whether :func:`traced_resized_cross_entropy` (a kernel as an
-    operator, also under ``torch.compile``) takes ``logits``: the
-    dispatcher's ``resized_loss_traced`` takes a kernel, not PyTorch."""
+    """Whether a kernel (not PyTorch) runs the traced operator."""
     return dispatch.choose('resized_loss_traced',
                            logits).implementation.name != 'torch'
 
 
 def triton_usable(logits: Tensor) -> bool:
-    """Whether the Triton kernel takes ``logits`` (float32 / float16 /
-    bfloat16 CUDA tensors in eager mode, at most ``MAX_CLASSES`` classes,
-    the Triton path switched on: the dispatcher's ``resized_loss`` refusal
-    of ``triton``)."""
+    """Whether the Triton kernel takes ``logits``."""
     return dispatch.refusal('resized_loss', 'triton', logits) is None
 
 
@@ -163,33 +132,33 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
                           sigmoid: bool = False,
                           use_kernel: Optional[bool] = None
                           ) -> ResizedCrossEntropy:
-    """Cross-entropy of ``logits`` (N x C x h x w) bilinearly resized to
-    ``label`` (N x H x W, int64), as ``F.interpolate(..., mode='bilinear',
-    align_corners=align_corners)`` then ``F.cross_entropy(...,
-    reduction='none', ignore_index=ignore_index)``.
+    """Cross-entropy of ``logits`` bilinearly resized to ``label``.
+
+    Equals ``F.interpolate(..., mode='bilinear')`` then
+    ``F.cross_entropy(..., reduction='none', ignore_index=...)``; top-1 hits
+    follow mmseg's ``accuracy`` (``topk``) also for non-finite CPU logits.
 
     Args:
-        weight: per-pixel weights ``w_p`` (the label's shape; default 1);
-            ignored pixels weigh 0 whatever their weight.
+        logits: ``N x C x h x w``.
+        label: ``N x H x W`` int64 class indices.
+        ignore_index: label of pixels that weigh 0.
+        align_corners: as in ``F.interpolate``.
+        weight: per-pixel weights ``w_p`` (the label's shape; default 1).
         want_grad: also return ``d sum_p w_p ce_p / d logits``.
-        want_pixels: also return the per-pixel loss and (softmax) label
-            probability.
-        sigmoid: per-class binary cross-entropies on one-hot labels,
-            summed per pixel, instead of the softmax cross-entropy.
-        use_kernel: force the compiled kernel (True; raises if it cannot
-            run) or the PyTorch path (False); default: the dispatcher's
-            choice for ``resized_loss`` (the Triton kernel, the compiled
-            kernel, else the PyTorch path).
+        want_pixels: also return per-pixel loss and label probability.
+        sigmoid: per-class binary cross-entropies on one-hot labels, summed
+            per pixel, instead of the softmax cross-entropy.
+        use_kernel: True forces the compiled kernel (raises if it cannot
+            run), False the PyTorch path; None lets the dispatcher choose.
 
-    Top-1 hits follow mmseg's ``accuracy`` (``topk(1)`` over the classes of
-    the upsampled logits) also where CPU logits are not finite: a NaN counts
-    as the largest value and, among equals, ``topk`` picks the index it
-    picks (:func:`_topk_hits`).
+    Returns:
+        ResizedCrossEntropy: per-image loss, hits and what was asked for.
 
     Raises:
-        ValueError: shapes that do not fit.
+        ValueError: shapes or dtypes that do not fit.
         LabelRangeError: a label outside ``[0, C)`` that is not
             ``ignore_index``.
+        RuntimeError: ``use_kernel=True`` where the kernel cannot run.
     """
     _check(logits, label, weight)
     logits = logits.detach()
@@ -206,9 +175,7 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
 
 
 def _path(logits: Tensor, use_kernel: Optional[bool]):
-    """The path that runs: the dispatcher's choice (``use_kernel=None``),
-    the compiled kernel (True; refused with the dispatcher's reason) or
-    the PyTorch path (False)."""
+    """The implementation that runs for ``use_kernel``."""
     if use_kernel is None:
         return dispatch.choose('resized_loss', logits).implementation.run
     if not use_kernel:
@@ -224,12 +191,9 @@ def _path(logits: Tensor, use_kernel: Optional[bool]):
 
 def _topk_hits(logits: Tensor, label: Tensor, ignore_index: int,
                align_corners: bool, hits: Tensor) -> None:
-    """Recount, in place, the hits of every image whose logits are not all
-    finite as mmseg's ``accuracy`` counts them: ``topk(1)`` over the classes
-    of ``F.interpolate``'s upsampled logits. With NaN or equal infinities
-    ``topk`` and ``argmax`` (or the kernel's running maximum) pick
-    different classes; finite logits keep the fast count (the two agree
-    but for exact ties). One image's upsampled logits at a time."""
+    """Recount in place, as mmseg's ``topk(1)``, the hits of images whose
+    logits are not all finite (there ``argmax`` picks differently).
+    """
     for i in range(logits.shape[0]):
         if bool(torch.isfinite(logits[i]).all()):
             continue
@@ -264,16 +228,10 @@ def kernel_loss(logits: Tensor, label: Tensor, ignore_index: int,
 
 
 def check_labels(target: Tensor, classes: int, ignore_index: int) -> None:
-    """Raise :class:`LabelRangeError` on a label outside ``[0, classes)``
-    that is not ``ignore_index``.
+    """Raise :class:`LabelRangeError` on a label outside ``[0, classes)``.
 
-    On the CPU at once, image by image (small temporaries). On other
-    devices (and CPU tensors inside :func:`.device_path.as_on_cuda`)
-    without waiting for them (reading a tensor's value on the host
-    would stall every step): a device-side
-    assertion with the same message, as torch's own ``cross_entropy``
-    asserts on CUDA for a target out of range; it surfaces at the next
-    synchronisation, and a CUDA context does not survive it.
+    On the host at once; on a device as an asynchronous assertion (as
+    torch's ``cross_entropy`` on CUDA), so that no step waits for the device.
     """
     if not host_checks(target):
         ok = ((target >= 0) & (target < classes)) | (target == ignore_index)
@@ -295,8 +253,7 @@ def _check_image_labels(target: Tensor, classes: int,
 
 def _pixel_losses(up: Tensor, target: Tensor, ignore_index: int,
                   sigmoid: bool) -> Tensor:
-    """Per-pixel loss of upsampled logits (1 x C x H x W), 0 where
-    ignored."""
+    """Per-pixel loss of ``1 x C x H x W`` logits, 0 where ignored."""
     if not sigmoid:
         return F.cross_entropy(up, target, reduction='none',
                                ignore_index=ignore_index)
@@ -353,18 +310,13 @@ def triton_loss(logits: Tensor, label: Tensor, ignore_index: int,
                 align_corners: bool, weight: Optional[Tensor],
                 want_grad: bool, want_pixels: bool,
                 sigmoid: bool) -> ResizedCrossEntropy:
-    """The Triton path: per image, ``F.interpolate``'s upsampled logits
-    (the PyTorch path's, bit for bit), one kernel for every per-pixel
-    quantity (``triton_loss_kernels``) and autograd's own upsampling
-    backward written into the image's slice of the gradient: 3 launches
-    per image, one for the batch's totals (:class:`BatchTotals`), where
-    the PyTorch path takes ~20 per image. One image's upsampled logits
-    and their gradient exist at a time, as on the PyTorch path. Labels
-    out of range: on the CPU (the interpreter) :func:`check_labels`
-    raises at once; on a GPU (and under
-    :func:`~.device_path.as_on_cuda`) the kernels count them and one
-    device-side assertion reads the count (no pass over the labels of
-    its own, where check_labels takes five)."""
+    """The Triton path: per image, ``F.interpolate``'s upsampled logits, one
+    kernel for every per-pixel quantity and the upsampling's backward.
+
+    3 launches per image and one for the batch totals, where the PyTorch path
+    takes ~20 per image; labels out of range are counted by the kernels and
+    asserted on the device.
+    """
     from . import kernels as kernels  # imports triton
     n, classes, h, w = logits.shape
     on_host = host_checks(logits)
@@ -419,9 +371,7 @@ def triton_loss(logits: Tensor, label: Tensor, ignore_index: int,
 def _triton_totals(kernels, loss_part: Tensor, hits_part: Tensor,
                    bad_part: Tensor, valid_part: Tensor, dtype: torch.dtype
                    ) -> Tuple[Tensor, Tensor, BatchTotals, Tensor]:
-    """Per-image loss and hits, the :class:`BatchTotals` and the count of
-    labels out of range (int32 0-d) from the partial sums, in one
-    launch (``triton_loss_kernels.batch_totals``)."""
+    """Per-image and batch totals and the bad-label count, one launch."""
     n = loss_part.shape[0]
     loss = loss_part.new_empty(n, dtype=torch.float64)
     hits = loss_part.new_empty(n, dtype=torch.int64)
