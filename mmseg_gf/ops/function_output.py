@@ -1,19 +1,13 @@
-"""Outputs of the plugin's autograd Functions that a caller may modify in place.
+"""Outputs of the plugin's autograd Functions that a caller may modify in
+place.
 
-Autograd refuses an in-place operation on a view returned by a custom
-``Function`` (``Output 0 of ... is a view and is being modified inplace``):
-its view bookkeeping would replace the Function's backward. Plain
-operations return such views routinely: ``F.linear`` on a 3-D input with a
-bias computes a 2-D ``addmm`` and returns a view of it, and mmcv's ``FFN``
-then runs an in-place ReLU on that output (K-Net's kernel update head).
-
-:func:`owned_output` gives such an output back as a tensor of its own
-where that is exact: a view of a tensor made inside the forward (nobody else
-holds it) becomes a non-view over the same memory, no copy. A view of one
-of the Function's inputs cannot: writing into it would change that input
-behind autograd's back. That case raises :class:`AliasedOutputError`, and
-the module that applied the Function runs its plain forward instead
-(:func:`mmseg_gf.models.lean.lean_or_plain`, one logged line).
+Autograd refuses an in-place change of a view returned by a custom
+``Function``, and plain operations return such views routinely (mmcv's
+``FFN`` runs an in-place ReLU on ``F.linear``'s output). A view of a
+tensor made inside the forward becomes a tensor of its own without a copy
+(:func:`owned_output`); a view of an input cannot, and raises
+:class:`AliasedOutputError` so that the module runs its plain forward
+(:func:`mmseg_gf.models.lean.lean_or_plain`).
 """
 import torch
 from torch import Tensor
@@ -22,8 +16,7 @@ __all__ = ['AliasedOutputError', 'owned_output']
 
 
 class AliasedOutputError(RuntimeError):
-    """A Function's output is a view of one of its inputs: it cannot be
-    given to its caller as a tensor of its own."""
+    """A Function's output is a view of one of its inputs."""
 
 
 def _root(t: Tensor) -> Tensor:
@@ -38,14 +31,11 @@ def owned_output(out: Tensor, *inputs) -> Tensor:
         inputs: the forward's tensor inputs (others are ignored).
 
     Returns:
-        ``out`` itself when it is not a view; else the same memory, shape
-        and strides as a tensor that is not a view
-        (``aten._unsafe_view``, no copy). Under ``torch.compile``, ``out``
-        itself: the compiled graph functionalizes in-place operations.
+        ``out`` when it is not a view (or under ``torch.compile``), else the
+        same memory as a non-view (``aten._unsafe_view``, no copy).
 
     Raises:
-        AliasedOutputError: ``out`` is a view of one of ``inputs`` (or of
-            their common base).
+        AliasedOutputError: ``out`` is a view of one of ``inputs``.
     """
     if torch.compiler.is_compiling() or out._base is None:
         return out

@@ -1,9 +1,7 @@
-"""The patch grid: where the ``r x r`` patches of a filtered layer lie, and
-the operations every filtered kind shares (docs/gradient_filter.md, section
-"Patch geometry"): patch means of ``g_y`` (:func:`filter_output_grad`),
-patch sums of the input (:func:`pool_input_patches`), and the spread back
-over input patches (:func:`spread_to_input`). A token grid is a 1x1 kernel,
-stride 1. Pure PyTorch plus the optional compiled CPU kernels.
+"""The patch grid: where a filtered layer's ``r x r`` patches lie, and the
+operations every filtered kind shares (docs/gradient_filter.md, "Patch
+geometry"): patch means of ``g_y``, patch sums of the input, and the spread
+back over input patches. A token grid is a 1x1 kernel, stride 1.
 """
 import contextlib
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ def check_radius(radius) -> int:
 
     Raises:
         ValueError: ``radius`` is not an integer in ``[1, MAX_RADIUS]``
-            (``bool`` included: ``True`` is a configuration mistake).
+            (``bool`` included).
     """
     if isinstance(radius, bool) or not isinstance(radius, int) or \
             not 1 <= radius <= MAX_RADIUS:
@@ -51,11 +49,9 @@ def check_radius(radius) -> int:
 
 @dataclass(frozen=True)
 class AxisGeometry:
-    """Where the patches lie along one axis; the fields are the symbols of
-    docs/gradient_filter.md, section "Patch geometry" (``num_patches``,
-    ``out_patch = r``, ``in_patch = r*s``, ``in_start = c``, ``pooled_dilation =
-    d // (r*s)``, 0 when the kernel is summed on this axis, ``pooled_centre =
-    (k-1)//2``).
+    """Where the patches lie along one axis, in the symbols of
+    docs/gradient_filter.md, "Patch geometry"; ``pooled_dilation`` is 0 when
+    the kernel is summed on this axis.
     """
 
     in_size: int
@@ -84,7 +80,7 @@ class AxisGeometry:
 
     @property
     def collapsed(self) -> bool:
-        """True when all taps fall in one patch: the kernel is summed here."""
+        """All taps fall in one patch: the kernel is summed here."""
         return self.pooled_dilation == 0 or self.kernel == 1
 
     @property
@@ -108,19 +104,17 @@ class AxisGeometry:
 
     @property
     def input_pads(self) -> Tuple[int, int]:
-        """F.pad amounts (before, after) mapping the input axis onto the
-        ``num_patches * in_patch`` pixels covered by the patches; negative
-        values crop."""
+        """F.pad amounts (before, after) onto the patch-covered pixels;
+        negative crops.
+        """
         covered = self.num_patches * self.in_patch
         return -self.in_start, self.in_start + covered - self.in_size
 
 
 def _fit_to_patches(t: Tensor, geo_h: AxisGeometry,
                     geo_w: AxisGeometry) -> Tensor:
-    """Pad (zeros) or crop ``t`` so that it is exactly the patch-covered area.
-
-    Used both ways: on ``x`` before pooling, and (with negated pads) on the
-    spread input gradient to place it back into the input's frame.
+    """Pad or crop ``t`` to the patch-covered area (negated pads: back to the
+    input's frame).
     """
     top, bottom = geo_h.input_pads
     left, right = geo_w.input_pads
@@ -130,17 +124,14 @@ def _fit_to_patches(t: Tensor, geo_h: AxisGeometry,
 
 
 def _kernel_takes(t: Tensor) -> bool:
-    """Whether the dispatcher's ``patch_grid`` runs ``t``'s patch sums or
-    spread with the compiled kernels."""
+    """Whether the compiled kernels run ``t``'s patch sums or spread."""
     return dispatch.choose('patch_grid', t).implementation.name == 'c++'
 
 
 def pool_input_patches(x: Tensor, geo_h: AxisGeometry,
                        geo_w: AxisGeometry) -> Tensor:
     """Patch sums ``x~[n, ci, P] = sum_{Q(P)} x`` (docs/gradient_filter.md,
-    section "Forward"), ``N x Ci x ceil(Ho/r) x ceil(Wo/r)`` in ``x``'s dtype
-    (float32 accumulation for reduced precision); the compiled kernel lays
-    it out channel-major for the backward's weight GEMM.
+    "Forward"), in ``x``'s dtype with float32 accumulation.
     """
     if _kernel_takes(x):
         return conv_cpu.patch_sums(x, geo_h.input_patches, geo_w.input_patches,
@@ -161,9 +152,8 @@ def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
                        scale: float = 1.0) -> Tuple[Tensor, Tensor]:
     """The gradient filter: per-patch sums and means of ``g_y`` (Eq. 2).
 
-    One pass over ``g_y``; partial border patches average over their valid
-    pixels only. Returns ``(sums, scale * means)`` in ``acc_dtype``; the sums
-    also give the exact bias gradient without a second pass.
+    One pass; border patches average over their valid pixels. Returns ``(sums,
+    scale * means)`` in ``acc_dtype``; the sums give the exact bias gradient.
     """
     if _kernel_takes(grad_output):
         sums = conv_cpu.patch_sums(grad_output, geo_h.output_patches,
@@ -187,9 +177,8 @@ def filter_output_grad(grad_output: Tensor, geo_h: AxisGeometry,
 
 def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
                     geo_w: AxisGeometry) -> Tensor:
-    """Broadcast each pooled cell over its input patch ``Q(P)`` (Eq. 3); pixels
-    in no ``Q(P)`` get 0. Two broadcasts with contiguous inner dimensions
-    (width, then rows), faster on CPU than one 6-D expand
+    """Broadcast each pooled cell over its input patch ``Q(P)`` (Eq. 3), 0
+    elsewhere, as two broadcasts with contiguous inner dimensions
     (docs/benchmarks/design_measurements.md).
     """
     if grad_pooled.device.type == 'cpu':
@@ -213,10 +202,9 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
 def conv_geometry(x: Tensor, weight: Tensor, stride: Tuple[int, int],
                   padding: Tuple[int, int], dilation: Tuple[int, int],
                   radius: int) -> Tuple[AxisGeometry, AxisGeometry]:
-    """The patch geometry of ``F.conv2d(x, weight, ...)`` along H and W
-    (each axis computed once per sizes and hyper-parameters: the frozen
-    :class:`AxisGeometry` objects are shared; under ``torch.compile``,
-    whose sizes may be symbolic, computed afresh)."""
+    """The patch geometry of ``F.conv2d(x, weight, ...)`` along H and W, cached
+    per sizes (computed afresh under ``torch.compile``).
+    """
     axis = (_axis_geometry.__wrapped__ if torch.compiler.is_compiling()
             else _axis_geometry)
     return (axis(x.shape[2], weight.shape[2], stride[0], padding[0],
@@ -245,8 +233,8 @@ def collapsed_patches(x: Tensor, weight: Tensor, stride: Tuple[int, int],
                       ) -> Optional[Tuple[Tuple[int, int, int],
                                           Tuple[int, int, int]]]:
     """The input patches ``Q(P)`` along H and W of a conv whose kernel
-    collapses on both axes (every tap within one patch: what the fused
-    backward routes take), None for one whose taps reach other patches."""
+    collapses on both axes, else None.
+    """
     geo_h, geo_w = conv_geometry(x, weight, stride, padding, dilation,
                                  radius)
     if not (geo_h.collapsed and geo_w.collapsed):
@@ -257,11 +245,9 @@ def collapsed_patches(x: Tensor, weight: Tensor, stride: Tuple[int, int],
 def resolve_padding(padding: Union[str, IntPair], kernel_size: Sequence[int],
                     dilation: Sequence[int]) -> Tuple[Tuple[int, int],
                                                       Optional[List[int]]]:
-    """Turn ``nn.Conv2d``'s padding into numbers the Function can use.
-
-    Returns ``(symmetric padding, extra F.pad or None)``: ``'same'`` with an
-    even total is symmetric; an odd total (even kernel) puts the extra pixel
-    after, as ``F.conv2d`` does, via an explicit ``F.pad``.
+    """Turn ``nn.Conv2d``'s padding into ``(symmetric padding, extra F.pad or
+    None)``: an odd ``'same'`` total puts the extra pixel after, as
+    ``F.conv2d``.
     """
     if not isinstance(padding, str):
         return as_pair(padding), None
@@ -281,9 +267,9 @@ def resolve_padding(padding: Union[str, IntPair], kernel_size: Sequence[int],
 
 
 def autocast_off(device_type: str):
-    """Disable autocast in a filtered layer's backward (accumulation stays
-    float32); a no-op context on devices autocast does not know (e.g.
-    ``meta``)."""
+    """Disable autocast in a filtered backward (float32 accumulation); a no-op
+    where autocast does not know the device.
+    """
     if torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()

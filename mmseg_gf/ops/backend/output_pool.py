@@ -1,13 +1,10 @@
 """The compiled extension's pool of large CPU outputs.
 
-Outputs of 128 KiB or more (``g_x``, patch grids, and the lean region's
-backward outputs through :func:`empty_for_writing`) are recycled: when such
-a tensor dies its memory goes back to a small pool and the next output of
-the same byte size reuses it, so a training step does not pay the page
-faults of fresh memory again (see ``csrc/output_recycler.cpp``).
-The pool holds at most ``MMSEG_GF_RECYCLE_MB`` MiB (default 256, ``0``
-turns it off; a ``process_mib`` budget on CPU turns it off, as no
-prediction counts its blocks); :func:`release_recycled` empties it.
+Outputs of 128 KiB or more are recycled by byte size, so a training step
+does not pay the page faults of fresh memory again
+(``csrc/output_recycler.cpp``). At most ``MMSEG_GF_RECYCLE_MB`` MiB
+(default 256, ``0``: off; a ``process_mib`` budget on CPU turns it off, as
+no prediction counts its blocks).
 """
 import contextlib
 
@@ -24,15 +21,16 @@ _kernels = extension.module('patch_ops')
 
 
 def recycle_limit(limit_bytes: int) -> int:
-    """Set how many bytes of freed large outputs are kept for reuse (``0``:
-    none, freeing what is kept); returns the previous limit."""
+    """Set the pool's limit in bytes (``0``: off, freeing it); returns the
+    previous.
+    """
     return _kernels.recycle_limit(int(limit_bytes))
 
 
 def current_recycle_limit() -> int:
-    """The pool's limit in bytes, read by raising it for a moment (a larger
-    limit frees nothing; putting the old one back frees nothing either, as
-    the pool already holds no more than it)."""
+    """The pool's limit in bytes, read by raising it for a moment (which frees
+    nothing).
+    """
     previous = _kernels.recycle_limit(1 << 62)
     _kernels.recycle_limit(previous)
     return previous
@@ -50,10 +48,10 @@ def release_recycled() -> None:
 
 @contextlib.contextmanager
 def recycling_off():
-    """Every large output in the block is fresh memory, as torch allocates
-    it, and nothing is kept; the previous limit is restored afterwards.
-    Memory profilers that count allocations need this: a recycled block was
-    allocated once, in an earlier step. A no-op without the kernels."""
+    """Inside the block every large output is fresh memory and nothing is
+    kept, for memory profilers that count allocations; a no-op without the
+    kernels.
+    """
     if _kernels is None:
         yield
         return
@@ -65,11 +63,9 @@ def recycling_off():
 
 
 def empty_for_writing(shape, like: Tensor) -> Tensor:
-    """An uninitialised contiguous tensor of ``shape`` in ``like``'s dtype
-    and device, for an output written in full: on CPU with the kernels
-    built, a recycled block when one of its byte size is kept (no page
-    faults of fresh memory; the lean region's backward outputs use it as
-    the filtered convs' do), else ``torch.empty``."""
+    """An uninitialised contiguous tensor for an output written in full: a
+    recycled block on CPU where one of its size is kept, else ``torch.empty``.
+    """
     if (_kernels is None or like.device.type != 'cpu'
             or torch.compiler.is_compiling()
             or not extension.switched_on()):
@@ -78,10 +74,10 @@ def empty_for_writing(shape, like: Tensor) -> Tensor:
 
 
 def applier(setter, to_kernel=lambda value: value):
-    """:func:`switches.override`'s way to a toggle kept in the compiled
-    kernels: ``setter`` (which returns the previous state) takes the value,
-    and the previous state, as the kernels hold it, is put back. Without
-    the kernels nothing reads the toggle, so there is nothing to set."""
+    """How :func:`switches.override` sets a toggle held in compiled kernels:
+    ``setter`` takes the value and returns the previous state, put back
+    afterwards; nothing to set without the kernels.
+    """
 
     def apply(value):
         if _kernels is None:

@@ -1,25 +1,12 @@
 """The package's caches keyed on shapes: each bounded, each listed here.
 
-A training run with a random-resize pipeline brings a new input shape with
-almost every batch, and every layer sees its own sizes: a cache keyed on
-shapes (interpolation matrices, tuned kernel tiles, kept output blocks)
-that never forgets grows with the run. Each such cache therefore has a
-stated bound (least recently used entries go first) and registers here,
-in one line, so that :func:`shape_caches` reports every one of them with
-its current size (the soak benchmark, ``tools/soak.py``, prints them at the
-end of a run and its test checks them against their bounds).
-
-Registering:
-
-* a function memoised per shape: ``@shape_caches.lru('module.name',
-  maxsize)`` in place of ``functools.lru_cache(maxsize)``;
-* a dict a library fills (triton's autotuner): replace it by a
-  :class:`BoundedDict` and :func:`register` its size;
-* anything else: :func:`register` with a function returning its size, in
-  entries or bytes.
-
-The bottom layer (``ops``) holds the registry, so every layer may
-register. No mmseg import.
+A random-resize pipeline brings a new shape with almost every batch, so
+every shape-keyed cache states a bound (LRU) and registers here, and
+:func:`shape_caches` reports them all (docs/reliability.md, "Long runs
+with a new input size in every batch"). Register a memoised function with
+``@shape_caches.lru(name, maxsize)``, a library's dict as a
+:class:`BoundedDict` plus :func:`register`, anything else with
+:func:`register` and a size function. No mmseg import.
 """
 import collections
 import functools
@@ -36,8 +23,7 @@ class ShapeCache:
 
     Attributes:
         name: ``'module.cache'``, unique.
-        bound: the most it holds, in ``unit``s (a function: a bound a
-            switch sets is read when asked).
+        bound: the most it holds in ``unit``s (or a function giving it).
         size: its size now, in ``unit``s.
         unit: ``'entries'`` or ``'bytes'``.
         clear: empties it (None: it cannot be emptied from here).
@@ -56,9 +42,7 @@ _CACHES: Dict[str, ShapeCache] = {}
 def register(name: str, bound, size: Callable[[], int],
              unit: str = 'entries',
              clear: Optional[Callable[[], None]] = None) -> ShapeCache:
-    """List a cache under ``name`` (registering a name again replaces its
-    entry: a reloaded module). ``bound``: an int or a function returning
-    it."""
+    """List a cache under ``name`` (again: replaces the entry)."""
     if unit not in ('entries', 'bytes'):
         raise ValueError(f'unit of shape cache {name!r} must be "entries" '
                          f'or "bytes", not {unit!r}')
@@ -69,8 +53,7 @@ def register(name: str, bound, size: Callable[[], int],
 
 
 def lru(name: str, maxsize: int) -> Callable[[Callable], Callable]:
-    """``functools.lru_cache(maxsize)`` that registers the cache under
-    ``name``: ``@shape_caches.lru('bilinear_gemm.matrix', 64)``."""
+    """``functools.lru_cache(maxsize)`` registered under ``name``."""
     if not isinstance(maxsize, int) or maxsize <= 0:
         raise ValueError(f'shape cache {name!r} needs a positive int '
                          f'maxsize, not {maxsize!r}')
@@ -85,9 +68,7 @@ def lru(name: str, maxsize: int) -> Callable[[Callable], Callable]:
 
 
 class BoundedDict(collections.OrderedDict):
-    """A dict of at most ``maxsize`` entries, least recently used first
-    out: for a cache a library keeps as a plain dict (``key in d``,
-    ``d[key]``, ``d[key] = value``)."""
+    """A dict of at most ``maxsize`` entries, least recently used first out."""
 
     def __init__(self, maxsize: int, *args, **kwargs) -> None:
         self.maxsize = int(maxsize)
@@ -110,22 +91,19 @@ class BoundedDict(collections.OrderedDict):
 
 
 def shape_caches() -> Dict[str, dict]:
-    """Every registered cache: ``{name: {'size', 'bound', 'unit'}}``, by
-    name."""
+    """Every registered cache: ``{name: {'size', 'bound', 'unit'}}``."""
     return {name: dict(size=int(c.size()), bound=int(c.bound()),
                        unit=c.unit)
             for name, c in sorted(_CACHES.items())}
 
 
 def over_bound() -> Dict[str, dict]:
-    """The caches holding more than their bound (none, unless one is
-    broken): :func:`shape_caches`' entries with ``size > bound``."""
+    """The caches holding more than their bound (none unless one is broken)."""
     return {name: c for name, c in shape_caches().items()
             if c['size'] > c['bound']}
 
 
 def clear_shape_caches() -> None:
-    """Empty every cache that can be emptied."""
     for cache in _CACHES.values():
         if cache.clear is not None:
             cache.clear()

@@ -1,9 +1,6 @@
-"""What every Triton kernel of mmseg_gf shares: the accumulation dtype,
-the launch options, the autotuner's timing and its on/off state
-(:class:`Tuning`), and the patches of an axis.
-
-Importing this module imports ``triton``: only the kernels' modules import
-it, and they are loaded on first GPU-path use.
+"""What every Triton kernel of mmseg_gf shares: the accumulation dtype, the
+autotuner (:class:`Tuning`) and the patches of an axis. Imports
+``triton``.
 """
 import contextlib
 from typing import Callable, List, Optional, Tuple
@@ -22,8 +19,7 @@ Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 
 
 def acc(dtype: torch.dtype):
-    """The accumulation dtype of a kernel over ``dtype`` tensors: float64
-    for float64, float32 otherwise."""
+    """The accumulation dtype: float64 for float64, else float32."""
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
@@ -33,28 +29,21 @@ LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 
 
 def timed_by_default(fn: Callable, quantiles=None):
-    """How ``triton.autotune`` times a config here: triton's ``do_bench``
-    with 5 ms of warm-up and 20 ms of repeats (its defaults, 25 and 100,
-    would take seconds in a first step of many layer shapes)."""
+    """``do_bench`` with 5 ms warm-up and 20 ms repeats (the defaults take
+    seconds in a first step of many layer shapes).
+    """
     return triton.testing.do_bench(fn, warmup=5, rep=20,
                                    quantiles=quantiles)
 
 
 class Tuning:
-    """A kernel's ``triton.autotune`` wrapper, built on first use by
-    ``build(configs=None, do_bench=None)``, and whether launches take it.
+    """A kernel's ``triton.autotune`` wrapper, built on first use, and whether
+    launches take it.
 
-    On a GPU they do unless ``MMSEG_GF_AUTOTUNE=0`` or the installed
-    triton's ``autotune`` refuses the arguments (then the kernel with the
-    caller's fixed meta-parameters); under triton's interpreter they
-    do not (timing interpreted runs would slow the tests and choose
-    nothing a GPU would), except inside :meth:`using`: how the tests run
-    the autotuner, timed by the wall clock.
-
-    The autotuner keeps one choice per key (the kernel's shape arguments:
-    one per layer and input size); here at most :data:`TUNED_KEYS`, least
-    recently used first out, listed as shape cache ``name`` (when
-    given)."""
+    On a GPU unless ``MMSEG_GF_AUTOTUNE=0`` or triton refuses the arguments;
+    under the interpreter only inside :meth:`using` (tests). Keeps at most
+    :data:`TUNED_KEYS` choices, LRU, registered as shape cache ``name``.
+    """
 
     def __init__(self, build: Callable, name: Optional[str] = None) -> None:
         self.build = build
@@ -65,19 +54,16 @@ class Tuning:
                                   clear=self.forget)
 
     def tuned_keys(self) -> int:
-        """How many tuned choices the built autotuner keeps."""
         return len(getattr(self._tuner, 'cache', None) or ())
 
     def forget(self) -> None:
-        """Drop the tuned choices (the next launch of a shape tunes
-        again)."""
+        """Drop the tuned choices (the next launch tunes again)."""
         cache = getattr(self._tuner, 'cache', None)
         if cache is not None:
             cache.clear()
 
     def tuner(self):
-        """The autotuned launcher to take now, or None (fixed
-        meta-parameters)."""
+        """The autotuned launcher to take now, or None (fixed tiles)."""
         if self._override:
             return self._override[-1]
         if switches.value('TRITON_INTERPRET') or \
@@ -92,8 +78,7 @@ class Tuning:
 
     @contextlib.contextmanager
     def using(self, tuner):
-        """Launches take ``tuner`` (one of :attr:`build`'s) inside the
-        block."""
+        """Launches take ``tuner`` inside the block."""
         self._override.append(tuner)
         try:
             yield tuner
@@ -106,15 +91,14 @@ TUNED_KEYS = 256
 
 
 def _bounded(tuner):
-    """``tuner`` (a ``triton.autotune`` wrapper) keeping at most
-    :data:`TUNED_KEYS` choices: its ``cache`` dict made a
-    :class:`~.shape_caches.BoundedDict`."""
+    """``tuner`` with its ``cache`` bounded to :data:`TUNED_KEYS`."""
     if isinstance(getattr(tuner, 'cache', None), dict):
         tuner.cache = shape_caches.BoundedDict(TUNED_KEYS, tuner.cache)
     return tuner
 
 
 def radius_patches(size: int, radius: int) -> Patches:
-    """The ``r``-element patches tiling an axis of ``size`` from 0 (the
-    last one may be short: the kernels clip it to the map)."""
+    """The ``r``-element patches tiling an axis from 0 (the last may be
+    short).
+    """
     return 0, radius, -(-size // radius)

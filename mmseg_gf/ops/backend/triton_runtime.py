@@ -1,17 +1,10 @@
-"""The Triton runtime every GPU path shares: whether triton is installed
-and switched on, which devices may take a Triton path, and the helpers
-around a launch (the current CUDA device, autocast off, fake tensors).
+"""The Triton runtime every GPU path shares: whether triton is installed and
+switched on, which devices may take a Triton path, and launch helpers.
 
-Decided once, at import: dispatch must not import modules or read triton's
-settings while ``torch.compile`` traces it. Without triton
-(:data:`MIN_TRITON` or newer) installed, with ``MMSEG_GF_TRITON=0`` in the
-environment or after :func:`set_enabled(False) <set_enabled>`, every path
-falls back to PyTorch. CPU tensors take a Triton path only under triton's
-interpreter (``TRITON_INTERPRET=1`` set before ``mmseg_gf`` is imported),
-which is how the kernels are tested on machines without a GPU.
-
-This module imports no triton: the kernels' modules do, loaded on first
-use by each operator's ``gpu`` module.
+Decided at import, since dispatch must not import modules while
+``torch.compile`` traces. CPU tensors take a Triton path only under
+triton's interpreter (``TRITON_INTERPRET=1`` before import: the tests).
+Imports no triton.
 """
 import contextlib
 import importlib.metadata
@@ -40,8 +33,7 @@ FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def triton_version() -> Optional[Tuple[int, ...]]:
-    """The installed triton's ``(major, minor, patch)`` from its package
-    metadata (without importing it), None if it is not installed."""
+    """The installed triton's version from its metadata, or None."""
     if importlib.util.find_spec('triton') is None:
         return None
     try:
@@ -60,28 +52,24 @@ INTERPRETED = bool(switches.value('TRITON_INTERPRET'))
 
 
 def installed() -> bool:
-    """True if triton (:data:`MIN_TRITON` or newer) is installed."""
     return _INSTALLED
 
 
 def enabled() -> bool:
-    """True if triton is installed and the GPU path is switched on
-    (``MMSEG_GF_TRITON`` not ``0``, or :func:`set_enabled(True)`)."""
+    """Triton installed and the GPU path switched on."""
     return _INSTALLED and switches.value('MMSEG_GF_TRITON')
 
 
 def set_enabled(flag: Optional[bool]) -> Optional[bool]:
-    """Switch the Triton paths on (``True``) or off (``False``) for this
-    process, whatever ``MMSEG_GF_TRITON`` says; ``None`` goes back to the
-    env var. Returns the previous override."""
+    """Switch the Triton paths on or off for this process (None: back to
+    ``MMSEG_GF_TRITON``); returns the previous override.
+    """
     return switches.set_value('MMSEG_GF_TRITON',
                               None if flag is None else bool(flag))
 
 
 def device_refusal(t: Tensor) -> Optional[str]:
-    """Why a tensor on ``t``'s device may not take a Triton path, or None:
-    triton installed and switched on, ``t`` on CUDA (on CPU only under the
-    interpreter). Each path adds its own conditions."""
+    """Why ``t``'s device may not take a Triton path, or None."""
     if not _INSTALLED:
         return 'triton not installed' if _VERSION is None else (
             f'triton {_VERSION} older than {MIN_TRITON}')
@@ -94,8 +82,7 @@ def device_refusal(t: Tensor) -> Optional[str]:
 
 
 def takes_device(t: Tensor) -> bool:
-    """Whether a tensor on ``t``'s device may take a Triton path at all
-    (:func:`device_refusal` gives no reason)."""
+    """Whether ``t``'s device may take a Triton path at all."""
     return device_refusal(t) is None
 
 
@@ -114,8 +101,7 @@ def no_autocast(t: Tensor):
 
 
 def is_fake(t: Tensor) -> bool:
-    """A ``FakeTensor`` (checked without importing its module for the plain
-    tensors of eager training)."""
+    """A ``FakeTensor`` (checked without importing its module)."""
     if type(t) is Tensor:
         return False
     from torch._subclasses.fake_tensor import is_fake as fake
@@ -123,10 +109,9 @@ def is_fake(t: Tensor) -> bool:
 
 
 def call(op, impl, *args):
-    """Under ``torch.compile`` and on fake tensors (``FakeTensorMode``:
-    shape propagation, the suite's device checks) the registered op, whose
-    fake implementation runs; in eager mode the implementation itself,
-    without the dispatcher's round trip back into Python."""
+    """The registered op under ``torch.compile`` and on fake tensors, else the
+    implementation itself (no dispatcher round trip).
+    """
     if torch.compiler.is_compiling() or is_fake(args[0]):
         return op(*args)
     return impl(*args)

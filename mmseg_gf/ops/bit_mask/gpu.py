@@ -1,21 +1,12 @@
 """The bit masks' GPU path: one Triton pass per pack, apply or masked
-activation (:mod:`.triton_bit_mask_kernels`).
+activation.
 
-On the PyTorch path a pack is about 14 ATen operators (compare, bound,
-NaN test, pad, cast, shift, sum), an apply about 8 (unpack, where), each a
-kernel launch and a full pass over memory on a GPU. Here each is one launch
-that reads the tensor once; a ReLU, Hardtanh / ReLU6 or LeakyReLU writes its
-output in the same pass as its mask (:func:`activate_and_pack`), so the
-lean activation's forward and backward are one launch each, as the plain
-activation's. The bytes written and the gradients are the PyTorch path's,
-bit for bit.
-
-Taken by contiguous float32 / float16 / bfloat16 tensors (in the mask's
-memory order) on CUDA, in eager mode, where the Triton path is switched on
-(:func:`triton_runtime.takes_device`: ``MMSEG_GF_TRITON``,
-:func:`triton_runtime.set_enabled`); on CPU only under triton's interpreter,
-for the tests. Anything else takes the PyTorch path (float64: a float
-scalar reaches a kernel as float32, so its bounds would be rounded).
+The PyTorch path's pack is about 14 launches, its apply 8; here each is
+one, and :func:`activate_and_pack` writes a ReLU / ReLU6 / LeakyReLU's
+output in its mask's pass, bit for bit the PyTorch path's bytes and
+gradients. Contiguous float32 / float16 / bfloat16 CUDA tensors in eager
+mode (float64 would round its bounds to float32); on CPU only under the
+interpreter.
 """
 from typing import Optional
 
@@ -43,8 +34,7 @@ def takes_dtype(dtype: torch.dtype) -> bool:
 
 
 def refusal(t: Tensor) -> Optional[str]:
-    """Why ``t`` (the mask's tensor in its memory order) may not take the
-    Triton path, or None."""
+    """Why ``t`` may not take the Triton path, or None."""
     reason = triton_runtime.device_refusal(t)
     if reason is not None:
         return reason
@@ -63,7 +53,8 @@ def refusal(t: Tensor) -> Optional[str]:
 
 def usable(t: Tensor) -> bool:
     """Whether the dispatcher's ``bit_mask`` lets ``t`` take the Triton
-    path."""
+    path.
+    """
     return dispatch.refusal('bit_mask', 'triton', t) is None
 
 
@@ -73,15 +64,15 @@ def _kernels():
 
 
 def empty_bits(t: Tensor) -> Tensor:
-    """The uninitialised packed mask of ``t`` (a byte per 8 elements), for
-    a kernel that writes it in full."""
+    """The uninitialised packed mask of ``t``, for a kernel that writes it
+    all.
+    """
     return torch.empty(((t.numel() + 7) // 8, ), dtype=torch.uint8,
                        device=t.device)
 
 
 def pack(x: Tensor, lo: float, hi: float, nan_bit: bool) -> Tensor:
-    """The packed bits of ``lo < x < hi`` (``hi = inf``: no upper bound;
-    NaN: ``nan_bit``) of a :func:`usable` ``x``, in one launch."""
+    """The packed bits of ``lo < x < hi`` (NaN: ``nan_bit``), one launch."""
     bits = empty_bits(x)
     with on_device(x):
         _kernels().pack(x, bits, lo, hi, nan_bit)
@@ -89,8 +80,9 @@ def pack(x: Tensor, lo: float, hi: float, nan_bit: bool) -> Tensor:
 
 
 def apply(grad: Tensor, bits: Tensor, off_scale: float) -> Tensor:
-    """``grad`` where the bit is set, ``grad * off_scale`` elsewhere (0 when
-    ``off_scale`` is 0) of a :func:`usable` ``grad``, in one launch."""
+    """``grad`` where the bit is set, ``grad * off_scale`` elsewhere, one
+    launch.
+    """
     if bits.device != grad.device or not bits.is_contiguous():
         bits = bits.to(grad.device).contiguous()
     out = torch.empty_like(grad)
@@ -100,8 +92,6 @@ def apply(grad: Tensor, bits: Tensor, off_scale: float) -> Tensor:
 
 
 def activation_code(formula: str) -> int:
-    """The kernels' ``act`` for an activation ``formula``
-    (:data:`FORMULAS`)."""
     kernels = _kernels()
     act = {'clamp': kernels.CLAMP, 'scale': kernels.SCALE}.get(formula)
     if act is None:
@@ -111,10 +101,9 @@ def activation_code(formula: str) -> int:
 
 def activate_and_pack(x: Tensor, y: Tensor, formula: str, lo: float,
                       hi: float, nan_bit: bool, off_scale: float) -> Tensor:
-    """Write the activation ``formula`` (:data:`FORMULAS`) of the
-    :func:`usable` ``x`` into ``y`` (contiguous, ``x``'s shape and dtype,
-    or ``x`` itself: in place) and return the bits of ``lo < x < hi`` (NaN:
-    ``nan_bit``), both in one pass over ``x``."""
+    """Write ``formula``'s activation of ``x`` into ``y`` (or ``x`` in place)
+    and return the bits of ``lo < x < hi``, in one pass.
+    """
     kernels = _kernels()
     act = activation_code(formula)
     bits = empty_bits(x)
@@ -124,9 +113,9 @@ def activate_and_pack(x: Tensor, y: Tensor, formula: str, lo: float,
 
 
 def apply_per_sample(grad: Tensor, bits: Tensor, keep_prob: float) -> Tensor:
-    """``grad.div(keep_prob) * keep`` of a :func:`usable` ``grad``, ``keep``
-    each sample's bit (dim 0) of ``bits``: DropPath's backward, the same
-    numbers as those torch ops on ``grad``'s device, in one launch."""
+    """DropPath's backward ``grad.div(keep_prob) * keep``, ``keep`` each
+    sample's bit, in one launch.
+    """
     if bits.device != grad.device or not bits.is_contiguous():
         bits = bits.to(grad.device).contiguous()
     out = torch.empty_like(grad)

@@ -1,25 +1,13 @@
 """One bit per element: what an activation's backward needs of its input.
 
-ReLU, ReLU6 and LeakyReLU pass the output gradient where their input lies in
-an interval and zero (or scale) it elsewhere, so their backward needs one bit
-per element, not the float tensor autograd keeps by default. :func:`pack`
-stores that bit (1/32 of a float32 map) and :func:`apply` applies it.
-
-Layout: element ``i`` of the tensor in memory order is bit ``i % 8`` of byte
-``i // 8``; unused bits of the last byte are 0. The memory order is the
-``layout`` argument's: ``torch.contiguous_format`` (NCHW, the default) or,
-for a channels-last 4-d tensor (:func:`layout_of`), ``torch.channels_last``
-(NHWC), so that packing and applying the mask of such a tensor copies
-nothing. The compiled kernels
-(``mmseg_gf._bit_mask``, built with the package) serve contiguous CPU
-tensors (under ``torch.compile`` as registered operators,
-``mmseg_gf::pack_mask`` / ``apply_mask``, with fake implementations), the
-Triton kernels (:mod:`.triton_bit_mask`: one launch each, and
-:func:`activate_and_pack`'s activation in the same pass) float32 / float16
-/ bfloat16 CUDA tensors in eager mode; everything else (float64 CUDA
-tensors, strided tensors, ``MMSEG_GF_NATIVE=0`` on CPU,
-``MMSEG_GF_TRITON=0`` on CUDA, CUDA under ``torch.compile``) runs the
-PyTorch fallback, which writes the same bytes and the same gradients.
+ReLU, ReLU6 and LeakyReLU pass the gradient where their input lies in an
+interval and zero (or scale) it elsewhere, so :func:`pack` keeps one bit
+(1/32 of a float32 map) and :func:`apply` applies it. Element ``i`` in
+``layout``'s memory order (NCHW or, for channels-last tensors, NHWC, so
+that nothing is copied) is bit ``i % 8`` of byte ``i // 8``. Compiled
+kernels serve contiguous CPU tensors (also as ``mmseg_gf::`` operators
+under ``torch.compile``), Triton kernels CUDA tensors in eager mode; the
+PyTorch fallback writes the same bytes and gradients everywhere else.
 """
 import math
 from typing import Optional, Tuple
@@ -38,13 +26,11 @@ __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
 
 
 def native_available() -> bool:
-    """True if the compiled kernels are built and not switched off."""
     return extension.available('bit_mask')
 
 
 def kernel_refusal(t: Tensor) -> Optional[str]:
-    """Why the compiled kernels may not take ``t`` (the mask's tensor in
-    its memory order), or None: contiguous floating CPU tensors."""
+    """Why the compiled kernels may not take ``t``, or None."""
     reason = extension.refusal('bit_mask')
     if reason is not None:
         return reason
@@ -89,9 +75,9 @@ def _(grad, bits, off_scale):
 
 
 def layout_of(x: Tensor) -> torch.memory_format:
-    """``torch.channels_last`` for a 4-d tensor stored channels-last (and
-    not also contiguous), else ``torch.contiguous_format``: the memory
-    order in which :func:`pack` reads ``x`` without a copy."""
+    """The memory order :func:`pack` reads ``x`` in without a copy:
+    channels-last for a channels-last (not contiguous) 4-d tensor.
+    """
     if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
             memory_format=torch.channels_last):
         return torch.channels_last
@@ -99,8 +85,9 @@ def layout_of(x: Tensor) -> torch.memory_format:
 
 
 def _in_memory_order(t: Tensor, layout: torch.memory_format) -> Tensor:
-    """``t`` as a contiguous tensor in ``layout``'s memory order (NHWC
-    for channels-last): a view when ``t`` is stored that way."""
+    """``t`` contiguous in ``layout``'s memory order (a view when stored
+    so).
+    """
     if layout is torch.channels_last:
         return t.contiguous(memory_format=torch.channels_last).permute(
             0, 2, 3, 1)
@@ -108,16 +95,14 @@ def _in_memory_order(t: Tensor, layout: torch.memory_format) -> Tensor:
 
 
 def packed_bytes(numel: int) -> int:
-    """Bytes of the mask of a tensor with ``numel`` elements."""
     return (int(numel) + 7) // 8
 
 
 def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
          nan_bit: bool = True,
          layout: torch.memory_format = torch.contiguous_format) -> Tensor:
-    """Bits of ``lo < x < hi`` (``hi=None``: no upper bound) in
-    ``layout``'s memory order; a NaN gets ``nan_bit``. Returns a flat uint8
-    tensor of :func:`packed_bytes` bytes.
+    """Bits of ``lo < x < hi`` (``hi=None``: unbounded; NaN gets
+    ``nan_bit``) in ``layout``'s memory order, as a flat uint8 tensor.
     """
     upper = math.inf if hi is None else float(hi)
     x = _in_memory_order(x, layout)
@@ -157,10 +142,9 @@ def pack(x: Tensor, lo: float = 0.0, hi: Optional[float] = None,
 
 def apply(grad: Tensor, bits: Tensor, off_scale: float = 0.0,
           layout: torch.memory_format = torch.contiguous_format) -> Tensor:
-    """``grad`` where the bit is set, ``grad * off_scale`` elsewhere (an
-    exact 0 when ``off_scale`` is 0). ``bits`` come from :func:`pack` of a
-    tensor of ``grad``'s shape, in ``layout``; the result is stored in
-    ``layout`` too.
+    """``grad`` where the bit is set, ``grad * off_scale`` elsewhere (exactly 0
+    for 0), stored in ``layout``; ``bits`` from :func:`pack` of ``grad``'s
+    shape.
     """
     flat = _in_memory_order(grad, layout)
     path = _path(flat)
@@ -183,14 +167,12 @@ def activate_and_pack(x: Tensor, formula: str, lo: float,
                       inplace: bool,
                       layout: torch.memory_format = torch.contiguous_format
                       ) -> Optional[Tuple[Tensor, Tensor]]:
-    """``(activation of x, pack(x, lo, hi, nan_bit, layout))`` in one pass
-    over ``x`` where the Triton path takes ``x`` (stored contiguous in
-    ``layout``), else None (the caller packs and activates itself).
+    """``(activation of x, pack(x, ...))`` in one Triton pass where it takes
+    ``x``, else None (the caller does both).
 
-    ``formula`` names the activation (``triton_bit_mask.FORMULAS``:
-    ``'clamp'``, ``clamp(x, lo, hi)``, for ReLU and Hardtanh / ReLU6;
-    ``'scale'``, ``x if x > lo else x * off_scale``, for LeakyReLU); with
-    ``inplace`` the output is written into ``x``, which is returned.
+    ``formula``: ``'clamp'`` (``clamp(x, lo, hi)``: ReLU, ReLU6) or
+    ``'scale'`` (``x if x > lo else x * off_scale``: LeakyReLU); ``inplace``
+    writes into ``x``.
     """
     if not x.is_contiguous(memory_format=layout):
         return None  # (the plain activation's output keeps x's strides)
@@ -216,9 +198,9 @@ def _unpack_flat(bits: Tensor, shape) -> Tensor:
 
 def unpack(bits: Tensor, shape,
            layout: torch.memory_format = torch.contiguous_format) -> Tensor:
-    """The bool tensor of ``shape`` whose bits :func:`pack` wrote in
-    ``layout`` (stored in it): for backward formulas that need more than
-    :func:`apply`'s one off-scale (PReLU's per-channel slopes)."""
+    """The bool tensor of ``shape`` from :func:`pack`'s bits, for backwards
+    that need more than one off-scale (PReLU).
+    """
     if layout is torch.channels_last:
         n, c, h, w = shape
         return _unpack_flat(bits, (n, h, w, c)).permute(0, 3, 1, 2)

@@ -1,11 +1,8 @@
 """The single cost model of a convolution's backward: FLOPs and saved bytes.
 
-Every printed figure comes from :func:`conv_backward_cost`; the conventions
-(1 MAC = 2 FLOPs, patch means and tap sums as overhead, the forward's patch
-sums apart, dilated taps on the pooled grid) are in docs/cost.md. Additions
-of a reduction count 1 FLOP each; the broadcast back over patches is a copy,
-not counted. Saved bytes: ``x`` for the exact conv, its patch sums for GF,
-nothing when the weight is frozen (the weight itself is a live Parameter).
+Every printed figure comes from :func:`conv_backward_cost`; the
+conventions are in docs/cost.md. A reduction's additions count 1 FLOP
+each; the broadcast back over patches is a copy, not counted.
 """
 from dataclasses import dataclass
 from math import ceil, sqrt
@@ -21,10 +18,9 @@ __all__ = ['ConvBackwardCost', 'conv_backward_cost', 'ConvGeometry',
 
 @dataclass(frozen=True)
 class ConvBackwardCost:
-    """Backward FLOPs and saved activation bytes, exact vs gradient filter
-    (a gradient not computed counts 0). ``gf_overhead_flops``: patch means of
-    ``g_y`` and tap sums; ``gf_forward_overhead_flops``: the forward's patch
-    sums of ``x``, not part of :attr:`gf_flops`.
+    """Backward FLOPs and saved bytes, exact vs gradient filter (a gradient not
+    computed counts 0); ``gf_forward_overhead_flops`` (the forward's patch
+    sums) is not part of :attr:`gf_flops`.
     """
 
     vanilla_grad_input_flops: int
@@ -38,7 +34,6 @@ class ConvBackwardCost:
 
     @property
     def vanilla_flops(self) -> int:
-        """Total exact backward FLOPs (``g_x`` + ``g_W``)."""
         return self.vanilla_grad_input_flops + self.vanilla_grad_weight_flops
 
     @property
@@ -111,18 +106,17 @@ def output_stride(input_h: int, out_h: int) -> int:
 
 
 def map_output_stride(input_hw: Sequence[int], map_area: int) -> int:
-    """:func:`output_stride` from areas: the input image's against the
-    positions of the map a layer's output covers (a geometry's
-    ``map_area``). A layer on the windows of a map (Swin's) goes by the
-    map, whose area is its windows' together, not by one window's grid."""
+    """:func:`output_stride` from areas; a windowed layer (Swin's) goes by its
+    map's area, not one window's.
+    """
     area = int(input_hw[0]) * int(input_hw[1])
     return max(1, round(sqrt(area / max(int(map_area), 1))))
 
 
 @dataclass(frozen=True)
 class ConvGeometry:
-    """A conv's hyper-parameters (``(h, w)`` pairs, groups) and the ``(C, H, W)``
-    shapes it ran at: what its backward cost depends on.
+    """A conv's hyper-parameters and the ``(C, H, W)`` shapes it ran at:
+    what its backward cost depends on.
     """
 
     in_shape: Tuple[int, int, int]
@@ -147,8 +141,7 @@ class ConvGeometry:
         return self.out_shape[1] * self.out_shape[2]
 
     def describe(self) -> str:
-        """``k/s/d/g`` (kernel, stride, dilation along H; groups): the
-        layer tables' cell."""
+        """``k/s/d/g`` along H, the layer tables' cell."""
         return (f'{self.kernel_size[0]}/{self.stride[0]}/{self.dilation[0]}'
                 f'/{self.groups}')
 
@@ -156,10 +149,9 @@ class ConvGeometry:
              need_input_grad: bool = True, need_weight_grad: bool = True,
              elem_bytes: int = 4,
              collapse_dilated: bool = False) -> ConvBackwardCost:
-        """:func:`conv_backward_cost` of this conv.
-
-        ``collapse_dilated``: count the filtered backward with the kernel
-        always summed to one tap, as the paper's reference operator does.
+        """:func:`conv_backward_cost` of this conv; ``collapse_dilated``
+        counts the kernel summed to one tap, as the paper's reference operator
+        does.
         """
         return conv_backward_cost(
             cin=self.in_shape[0], cout=self.out_shape[0],

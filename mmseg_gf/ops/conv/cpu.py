@@ -1,20 +1,10 @@
 """The filtered conv's compiled CPU kernels (``csrc/patch_kernels.cpp``,
-``csrc/collapsed_backward.cpp``, ``csrc/filtered_conv_node.cpp``): the two
-full-size passes, and the whole backward of the usual (non-dilated) conv in
-one call.
+``collapsed_backward.cpp``, ``filtered_conv_node.cpp``): the two full-size
+passes, and the usual conv's whole backward in one call.
 
-The kernels only make the patch sums of ``g_y`` / ``x``, the spread of
-``g_x`` and (fused) the small-layer backward faster on CPU; where
-:func:`refusal` gives a reason the PyTorch path computes the same numbers.
-
-Patches along an axis: patch ``P`` covers pixels ``[start + P*size,
-start + (P+1)*size)`` clipped to the map; pixels outside count as zeros.
-
-Under ``torch.compile`` the kernels (:func:`patch_sums`, :func:`spread`,
-:func:`collapsed_backward`) are called as registered operators
-(``torch.library``, with fake implementations), so the compiled graph runs
-them as eager mode does; in eager mode they are called directly, without
-the dispatcher's round trip.
+Where :func:`refusal` gives a reason the PyTorch path computes the same
+numbers. Under ``torch.compile`` the kernels run as registered operators
+with fake implementations; in eager mode they are called directly.
 """
 from typing import List, Optional, Tuple
 
@@ -33,8 +23,8 @@ _kernels = extension.module('patch_ops')
 
 def refusal(t: Tensor) -> Optional[str]:
     """Why the kernels may not take ``t``, or None: they take non-empty
-    contiguous NCHW float32 / float64 CPU tensors (every compiled entry
-    point refuses other tensors with a RuntimeError)."""
+    contiguous NCHW float32 / float64 CPU tensors.
+    """
     reason = extension.refusal('patch_ops')
     if reason is not None:
         return reason
@@ -50,8 +40,7 @@ def refusal(t: Tensor) -> Optional[str]:
 
 
 def usable(t: Tensor) -> bool:
-    """Whether the kernels take ``t`` (:func:`refusal` gives no reason);
-    under ``torch.compile`` through their operators."""
+    """Whether the kernels take ``t``."""
     return refusal(t) is None
 
 
@@ -111,11 +100,9 @@ def _(grad_output, input_pooled, weight, groups, scale, input_size, rows,
 
 def patch_sums(t: Tensor, rows: Patches, cols: Patches,
                channel_major: bool = False) -> Tensor:
-    """``N x C x rows.count x cols.count`` sums of ``t`` over its patches.
-
-    With ``channel_major`` the result's memory is ``C x N x ...`` (a
-    permuted view): the layout :func:`collapsed_backward` multiplies
-    without a copy.
+    """``N x C x rows.count x cols.count`` patch sums of ``t``; with
+    ``channel_major`` stored ``C x N x ...`` (a permuted view), the layout
+    :func:`collapsed_backward` multiplies without a copy.
     """
     if torch.compiler.is_compiling():
         return _patch_sums_op(t, list(rows), list(cols), channel_major)
@@ -124,8 +111,7 @@ def patch_sums(t: Tensor, rows: Patches, cols: Patches,
 
 def spread(grid: Tensor, height: int, width: int, rows: Patches,
            cols: Patches) -> Tensor:
-    """Each cell of ``grid`` broadcast over its patch of a ``height x
-    width`` map (zeros outside every patch)."""
+    """Each cell of ``grid`` broadcast over its patch; zeros outside."""
     if torch.compiler.is_compiling():
         return _spread_op(grid, height, width, list(rows), list(cols))
     return _kernels.spread(grid, height, width, rows[0], rows[1], cols[0],
@@ -139,11 +125,8 @@ def collapsed_backward(grad_output: Tensor, input_pooled: Optional[Tensor],
                        need_weight: bool, need_bias: bool
                        ) -> Tuple[Optional[Tensor], Optional[Tensor],
                                   Optional[Tensor]]:
-    """The whole backward of a conv whose kernel collapses on both axes.
-
-    ``rows`` / ``cols`` are the input patches ``Q(P)``; ``grad_output``
-    and ``weight`` are ``usable`` tensors of one dtype. Returns ``(g_x,
-    g_W, g_b)``, ``None`` where not asked for; ``g_W`` is on the pooled
+    """The whole backward of a conv whose kernel collapses on both axes:
+    ``(g_x, g_W, g_b)``, None where not asked for; ``g_W`` on the pooled
     ``Co x Ci/groups x 1 x 1`` kernel.
     """
     if torch.compiler.is_compiling():
@@ -171,12 +154,9 @@ def filtered_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                     stride: Tuple[int, int], padding: Tuple[int, int],
                     dilation: Tuple[int, int], groups: int, radius: int,
                     rows: Patches, cols: Patches) -> Tensor:
-    """``F.conv2d`` whose backward is :func:`collapsed_backward`, as one
-    C++ autograd node (no Python runs in its backward).
-
-    ``x`` is ``usable``, ``weight`` / ``bias`` of its dtype, and the kernel
-    collapses on both axes; ``rows`` / ``cols`` are the input patches
-    ``Q(P)`` (their counts are implied by the output size and ``radius``).
+    """``F.conv2d`` whose backward is :func:`collapsed_backward`, as one C++
+    autograd node (no Python in its backward); ``rows`` / ``cols``: the input
+    patches ``Q(P)``.
     """
     return _kernels.filtered_conv2d(x, weight, bias, list(stride),
                                     list(padding), list(dilation), groups,
@@ -185,6 +165,5 @@ def filtered_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor],
 
 
 def fused_backward_calls() -> int:
-    """How many backward calls have run :func:`collapsed_backward` in this
-    process, from either autograd path (a diagnostic)."""
+    """Backward calls that ran :func:`collapsed_backward` (a diagnostic)."""
     return _kernels.fused_backward_calls()

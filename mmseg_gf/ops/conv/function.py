@@ -1,12 +1,9 @@
 """Gradient-filtered 2-D convolution: exact forward, filtered backward.
 
-The single implementation of the math in docs/gradient_filter.md (Yang, Li,
-Marculescu, CVPR 2023, Eq. 2, 3, 5 and Supplement A.5-A.6): ``g_y`` is
-replaced by its ``r x r`` patch means, so the backward collapses onto the
-patch grid and the forward keeps only patch sums of ``x``. Collapsed axes sum
-the kernel; dilated taps reaching other patches keep it on the pooled grid
-(docs/gradient_filter.md, sections "Backward" and "Dilated convolutions").
-Pure PyTorch, no mmseg / mmcv import.
+The single implementation of docs/gradient_filter.md (Yang et al., CVPR
+2023, Eq. 2, 3, 5, Supplement A.5-A.6): ``g_y`` becomes its ``r x r`` patch
+means, so the backward runs on the patch grid and the forward keeps only
+patch sums of ``x``. Pure PyTorch, no mmseg / mmcv import.
 """
 
 from typing import List, Optional, Tuple, Union
@@ -28,9 +25,8 @@ from ..patch_grid import (AxisGeometry, IntPair, as_pair, autocast_off,
 
 def pooled_kernel(weight: Tensor, geo_h: AxisGeometry,
                   geo_w: AxisGeometry) -> Tensor:
-    """The kernel on the pooled grid: summed over collapsed axes
-    (docs/gradient_filter.md, section "Backward", step 2), as a matrix-vector
-    product, which vectorises better than a reduction over the tap axis.
+    """The kernel on the pooled grid, summed over collapsed axes (step 2) as a
+    matrix-vector product (docs/benchmarks/design_measurements.md).
     """
     if geo_h.collapsed and geo_w.collapsed:
         co, ci_g, kh, kw = weight.shape
@@ -59,10 +55,8 @@ def _channel_mixing_backward(
     need_input: bool,
     need_weight: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Backward of a grouped ``1 x 1`` conv as one GEMM per group
-    (``g_x~ = W~^T g~``, ``g_W~ = g~ x~^T``, batch and patch grid flattened);
-    depthwise convs are elementwise. Cheaper than a general conv backward on
-    such small tensors.
+    """Backward of a grouped ``1 x 1`` conv as one GEMM per group (depthwise:
+    elementwise), cheaper than a general conv backward on the patch grid.
     """
     n, co, ph, pw = grad_pooled.shape
     co_g, ci_g = co // groups, kernel.shape[1]
@@ -92,13 +86,9 @@ def _channel_mixing_backward(
 
 def _pooled_weight_grad(grad_pooled: Tensor, input_pooled: Tensor,
                         groups: int) -> Tensor:
-    """``g_W~ = sum_n g~_n x~_n^T`` per group, as ``(g, co_g, ci_g)``.
-
-    Either one GEMM per image on the NCHW grids plus a sum of the partial
-    products (large grids, few channels), or one GEMM per group on a gathered
-    copy (small grids, many channels). The per-image way is taken when its
-    partial products are at most a quarter of the gathered copies
-    (docs/benchmarks/design_measurements.md).
+    """``g_W~ = sum_n g~_n x~_n^T`` per group: per-image GEMMs or one GEMM on a
+    gathered copy, whichever the size rule in
+    docs/benchmarks/design_measurements.md picks.
     """
     n, co, ph, pw = grad_pooled.shape
     ci = input_pooled.shape[1]
@@ -128,11 +118,8 @@ def pooled_conv_backward(
     need_input: bool,
     need_weight: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Exact backward of ``y~ = conv2d(pad(x~), kernel, dilation=pooled_dilation)``
-    on the patch grid (a pair of GEMMs where both axes collapse).
-
-    Returns:
-        ``(grad wrt x~ on the patch grid, grad wrt the pooled kernel)``.
+    """Exact backward of ``y~ = conv2d(pad(x~), kernel, dilation)`` on the
+    patch grid: ``(g_x~, g_kernel)``.
     """
     if geo_h.collapsed and geo_w.collapsed:
         return _channel_mixing_backward(grad_pooled, input_pooled, kernel,
@@ -171,12 +158,9 @@ def pooled_conv_backward_op(grad_pooled: Tensor, padded_input: Tensor,
                             kernel: Tensor, dilation: List[int], groups: int,
                             need_input: bool, need_weight: bool
                             ) -> Tuple[Tensor, Tensor]:
-    """The pooled grid's conv backward (a non-collapsing dilated kernel) as a
-    torch operator for compiled graphs: it runs on contiguous tensors, as in
-    eager mode, where ``aten.convolution_backward`` under Inductor's
-    channels-last layout copied the weight gradient back
-    (docs/benchmarks/design_measurements.md). Returns ``(g_x~ on the padded
-    grid, g_W)``, an empty tensor for each one not asked for.
+    """The pooled grid's dilated conv backward as a torch operator on
+    contiguous tensors (docs/benchmarks/design_measurements.md); ``(g_x~
+    padded, g_W)``, empty where not asked for.
     """
     grad_input, grad_kernel, _ = torch.ops.aten.convolution_backward(
         grad_pooled.contiguous(), padded_input.contiguous(),
@@ -236,8 +220,7 @@ class GradientFilterConv2dFunction(torch.autograd.Function):
 
 def fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
                    weight: Tensor):
-    """Steps 1-4 of docs/gradient_filter.md#backward in one compiled call
-    (:func:`.cpu.collapsed_backward`)."""
+    """Steps 1-4 of the backward in one compiled call."""
     geo_h, geo_w = ctx.geometry
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     return conv_cpu.collapsed_backward(
@@ -248,9 +231,9 @@ def fused_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
 
 def stepwise_backward(ctx, grad_output: Tensor, x_pooled: Optional[Tensor],
                        weight: Tensor):
-    """Steps 1-4 of docs/gradient_filter.md#backward as PyTorch ops: every
-    device, dtype and conv kind (dilated kernels included). Returns
-    ``(g_x, g_W~, g_b)``."""
+    """Steps 1-4 of the backward as PyTorch ops, for every device, dtype and
+    conv kind; returns ``(g_x, g_W~, g_b)``.
+    """
     geo_h, geo_w = ctx.geometry
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     acc_dtype = torch.promote_types(weight.dtype, torch.float32)
@@ -312,14 +295,10 @@ def filtered_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                   stride: Tuple[int, int], padding: Tuple[int, int],
                   dilation: Tuple[int, int], groups: int,
                   radius: int) -> Tensor:
-    """``F.conv2d`` with the gradient-filter backward; numeric padding.
-
-    Where both axes collapse, a fused node applies: Triton on CUDA
-    (:func:`.gpu.filtered_conv2d`), compiled C++ on contiguous float CPU input
-    with autocast off (:func:`.cpu.filtered_conv2d`); both beat the step-by-step
-    route (docs/benchmarks/design_measurements.md). Everything else takes
-    :class:`GradientFilterConv2dFunction`, the reference (under
-    ``torch.compile`` on CPU it calls the same kernels as operators).
+    """``F.conv2d`` with the gradient-filter backward (numeric padding): a
+    fused node (Triton on CUDA, C++ on CPU) where both axes collapse, else
+    :class:`GradientFilterConv2dFunction`
+    (docs/benchmarks/design_measurements.md).
     """
     choice = dispatch.choose('conv', x, weight, bias, stride, padding,
                              dilation, groups, radius)

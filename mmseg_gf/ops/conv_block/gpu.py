@@ -1,35 +1,13 @@
 """A conv block on the GPU path: a filtered conv, the frozen batch norm and
 the bit-masked activation after it as one autograd node.
 
-mmcv's ``ConvModule`` runs conv, norm and activation one after the other;
-in the lean region each is its own node. On a GPU their forward is four
-launches (cuDNN's conv, the conv input's patch sums, the norm, the
-activation with its mask) and their backward three more passes over
-full-size maps: the activation applies its mask and writes ``g``, the norm
-scales it and writes ``g_y``, the conv reads ``g_y`` for its patch means.
-:class:`FilteredConvBlockFunction` runs the forward in two launches:
-cuDNN's conv, then one Triton launch that normalizes the conv's output as
-it loads it, writes the activation's output and mask, and in further
-programs sums the conv's input over its patches
-(:mod:`.triton_conv_block_kernels`); its backward's pass over the gradient
-applies the mask and the norm's factor as it loads each element
-(:class:`~..conv.gpu.GradPrologue`): two launches for a dense or
-depthwise conv (that pass, then both products, :mod:`.triton_products`)
-where the three nodes take four.
-
-Exact to float32 rounding: the norm is ``(y - mean) * (rsqrt(var + eps) *
-w) + b`` in float32, rounded once to the output's dtype (cuDNN's and
-ATen's batch norm kernels order these operations in their own ways), the
-activation and its mask as the activation's Triton pass has them; the
-gradients are those the three nodes give, the float32 operations in the
-same order (mask, then ``g * rsqrt(var + eps) * w``), for float16 /
-bfloat16 without rounding ``g_y`` to them in between. Kept: the conv
-input's patch sums and the mask, what the three nodes keep.
-``tests/helpers/triton_block_cases.py`` checks both against the three
-nodes.
-
-Eager mode only, on the Triton path's devices (:func:`usable`);
-:mod:`mmseg_gf.models.conv_block` decides which module calls take it.
+Forward: cuDNN's conv, then one Triton launch that normalizes and
+activates the conv's output, writes the mask and sums the conv input's
+patches; backward: one pass applying the mask and the norm's factor as it
+reads the gradient, then both products (2 launches each way where the
+three nodes take 4). Exact to float32 rounding, keeping what the three
+nodes keep; docs/lean_region.md, "Conv blocks on the GPU path". Eager mode
+only; :mod:`mmseg_gf.models.conv_block` decides which calls take it.
 """
 import math
 from typing import Optional, Tuple
@@ -52,8 +30,7 @@ _calls = 0
 
 
 def block_calls() -> int:
-    """How many forward calls took the fused block in this process (a
-    diagnostic)."""
+    """Forward calls that took the fused block (a diagnostic)."""
     return _calls
 
 
@@ -64,10 +41,9 @@ def _kernels():
 
 def refusal(x: Tensor, weight: Tensor,
             bias: Optional[Tensor]) -> Optional[str]:
-    """Why a block with conv input ``x`` may not run fused, or None: the
-    filtered conv's Triton path takes it (:func:`~..conv.gpu.refusal`), and
-    the norm's and the activation's Triton paths take tensors of its dtype
-    and device (the caller checks the conv's geometry and the modules)."""
+    """Why a block with conv input ``x`` may not run fused, or None (the caller
+    checks the conv's geometry and the modules).
+    """
     reason = conv_gpu.refusal(x, weight, bias) or triton_norm.refusal(x)
     if reason is None and not triton_bit_mask.takes_dtype(x.dtype):
         reason = f'no bit-mask kernel for {x.dtype}'
@@ -75,14 +51,12 @@ def refusal(x: Tensor, weight: Tensor,
 
 
 def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether a block with conv input ``x`` may run fused
-    (:func:`refusal` gives no reason)."""
+    """Whether a block with conv input ``x`` may run fused."""
     return refusal(x, weight, bias) is None
 
 
 def _bit_strides(out: Tensor) -> Tuple[int, int, int, int]:
-    """Strides (N, C, H, W) of element indices in the mask, which
-    :func:`bit_mask.pack` writes in ``out``'s memory order."""
+    """Strides (N, C, H, W) of element indices in the mask."""
     n, c, h, w = out.shape
     if bit_mask.layout_of(out) is torch.channels_last:
         return h * w * c, 1, w * c, c
@@ -90,15 +64,13 @@ def _bit_strides(out: Tensor) -> Tuple[int, int, int, int]:
 
 
 class FilteredConvBlockFunction(Function):
-    """``activation(normalize(conv2d(x, weight, bias)))`` with the filtered
-    conv's backward, the norm's and the activation's taken in its first
-    pass (see the module docstring).
+    """``activation(normalize(conv2d(x, weight, bias)))`` with the three
+    backwards in one pass.
 
-    ``rows`` / ``cols`` are the conv's input patches (its kernel collapses
-    on both axes); ``norm`` the frozen norm's ``(running_mean,
-    running_var, weight, bias, eps)``; ``activation`` the mask's
-    ``(formula, lo, hi, nan_bit, off_scale)``
-    (:func:`bit_mask.activate_and_pack`)."""
+    ``rows`` / ``cols``: the conv's input patches; ``norm``: ``(running_mean,
+    running_var, weight, bias, eps)``; ``activation``: ``(formula, lo, hi,
+    nan_bit, off_scale)`` (:func:`bit_mask.activate_and_pack`).
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],

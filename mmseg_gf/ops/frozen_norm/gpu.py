@@ -1,27 +1,13 @@
-"""Frozen norms on the GPU: the backward in one Triton pass each
-(:mod:`.triton_norm_kernels`).
+"""Frozen norms on the GPU: the backward in one Triton pass each.
 
-Batch norm (:class:`FrozenBatchNormFunction`): on the PyTorch path
-(:class:`~.lean.FrozenAffineNormFunction`) the forward
-computes the per-channel factor ``rsqrt(var + eps) * w`` (three small
-launches) before the norm itself, and the backward multiplies (one more
-cast each way under autocast). Here the forward is the plain norm only and
-the backward one launch that recomputes the factor per element from the
-running variance and the weight, which are referenced, not saved (a buffer
-and a Parameter, alive anyway; an in-place change between forward and
-backward is an error, as autograd reports for a saved tensor). Same
-float32 operations, so the same gradient bit for bit (where ``rsqrt``
-rounds as torch's).
-
-Layer norm (:func:`frozen_layer_norm_backward`, called by
-:class:`~.lean_transformer.FrozenLayerNormFunction`'s backward): one pass
-over the kept input and ``g`` instead of the mean's recomputation and
-autograd's own kernel; equal to it up to rounding.
-
-Taken by float32 / float16 / bfloat16 CUDA inputs (batch norm:
-contiguous or channels-last; layer norm: contiguous), in eager mode, where
-the Triton path is switched on (:func:`triton_runtime.takes_device`); on CPU
-only under the interpreter.
+Batch norm (:class:`FrozenBatchNormFunction`): the forward is the plain
+norm only; the backward recomputes ``rsqrt(var + eps) * w`` per element
+from the running variance and weight, referenced rather than saved (an
+in-place change is an error, as for a saved tensor): the same float32
+operations, so the same gradient bit for bit. Layer norm
+(:func:`frozen_layer_norm_backward`): one pass over the kept input and
+``g``, equal to autograd's to rounding. Eager mode, float32 / float16 /
+bfloat16 CUDA tensors; on CPU only under the interpreter.
 """
 from typing import Callable, Optional, Tuple
 
@@ -44,9 +30,9 @@ _MAX_ROW = 8192
 
 
 def _inner(t: Tensor) -> Optional[int]:
-    """Elements of one channel in a run of ``t``'s memory order: the
-    spatial size for a contiguous tensor, 1 for a channels-last one, None
-    for any other layout."""
+    """Elements of one channel in a run of ``t``'s memory order (contiguous:
+    the spatial size; channels-last: 1; else None).
+    """
     if t.is_contiguous():
         inner = 1
         for size in t.shape[2:]:
@@ -59,7 +45,8 @@ def _inner(t: Tensor) -> Optional[int]:
 
 def refusal(x: Tensor) -> Optional[str]:
     """Why a frozen norm's input ``x`` may not take the Triton path, or
-    None."""
+    None.
+    """
     reason = triton_runtime.device_refusal(x)
     if reason is not None:
         return reason
@@ -73,23 +60,21 @@ def refusal(x: Tensor) -> Optional[str]:
 
 
 def usable(x: Tensor) -> bool:
-    """Whether the dispatcher's ``frozen_norm`` lets ``x`` take the
-    Triton path (:func:`refusal` gives no reason)."""
+    """Whether ``x`` takes the Triton path of ``frozen_norm``."""
     return dispatch.refusal('frozen_norm', 'triton', x) is None
 
 
 def reference_norm(ctx, running_var: Tensor,
                    weight: Optional[Tensor]) -> None:
     """Keep a frozen norm's running variance and weight on ``ctx`` by
-    reference (a buffer and a Parameter, alive anyway), with their versions
-    (:func:`unchanged_norm` checks them)."""
+    reference, with their versions.
+    """
     ctx.refs = (running_var, weight)
     ctx.versions = tuple(-1 if t is None else t._version for t in ctx.refs)
 
 
 def unchanged_norm(ctx) -> Tuple[Tensor, Optional[Tensor]]:
-    """The references :func:`reference_norm` kept, after checking that
-    neither changed in place since (as autograd checks a saved tensor)."""
+    """The references of :func:`reference_norm`, checked unchanged in place."""
     for t, version in zip(ctx.refs, ctx.versions):
         if t is not None and t._version != version:
             raise RuntimeError(
@@ -100,8 +85,9 @@ def unchanged_norm(ctx) -> Tuple[Tensor, Optional[Tensor]]:
 
 
 class FrozenBatchNormFunction(Function):
-    """``normalize(x)`` (the frozen norm's own forward), backward ``g *
-    rsqrt(running_var + eps) * weight`` in one Triton launch."""
+    """The frozen norm's own forward; backward ``g * rsqrt(running_var + eps) *
+    weight`` in one Triton launch.
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, running_var: Tensor, weight: Optional[Tensor],
@@ -127,9 +113,9 @@ class FrozenBatchNormFunction(Function):
 
 
 def layer_norm_refusal(x: Tensor, dims: int) -> Optional[str]:
-    """Why a frozen layer norm's backward over the last ``dims``
-    dimensions of its kept input ``x`` may not take the Triton path
-    (contiguous ``x``, rows of at most 8192 elements), or None."""
+    """Why a frozen layer norm's backward may not take the Triton path
+    (contiguous ``x``, rows of at most 8192 elements), or None.
+    """
     reason = triton_runtime.device_refusal(x)
     if reason is not None:
         return reason
@@ -148,18 +134,17 @@ def layer_norm_refusal(x: Tensor, dims: int) -> Optional[str]:
 
 
 def layer_norm_usable(x: Tensor, dims: int) -> bool:
-    """Whether the dispatcher's ``frozen_layer_norm`` takes the Triton
-    path for ``x``."""
+    """Whether ``frozen_layer_norm`` takes the Triton path for ``x``."""
     return dispatch.refusal('frozen_layer_norm', 'triton', x, dims) is None
 
 
 def frozen_layer_norm_backward(grad: Tensor, x: Tensor, rstd: Tensor,
                                weight: Optional[Tensor],
                                dims: int) -> Tensor:
-    """The input gradient of ``layer_norm`` over the last ``dims``
-    dimensions of a :func:`layer_norm_usable` ``x`` (``rstd`` per row, as
-    the forward returned it; the mean recomputed), contiguous in ``x``'s
-    dtype."""
+    """The input gradient of ``layer_norm`` over the last ``dims`` dimensions
+    (``rstd`` per row from the forward; the mean recomputed), in ``x``'s
+    dtype.
+    """
     row = x.numel() // max(1, rstd.numel())
     from . import kernels as triton_norm_kernels  # imports triton
     with on_device(x):

@@ -1,15 +1,10 @@
 """Activations with a piecewise-constant derivative, keeping one bit each.
 
-Hardsigmoid, mmcv's ``HSigmoid`` (a clamp of ``(x + bias) / divisor``) and
-PReLU with a frozen slope have a derivative that takes one of two values per
-element, decided by where the input lies: their backward needs that bit, not
-the float input autograd keeps (mmcv's in-place clamp even keeps a copy of
-it). :class:`PiecewiseLinearActivationFunction` keeps the bit (and, for
-PReLU, the slope Parameter itself, which is alive anyway) and rebuilds the
-gradient with the same floating-point operations as autograd's formula, so
-gradients are equal bit for bit (``tests/test_ops/test_lean_kinds.py``).
-ReLU, ReLU6/Hardtanh and LeakyReLU use
-:class:`~.lean.MaskedActivationFunction`.
+Hardsigmoid, mmcv's ``HSigmoid`` and PReLU with a frozen slope need one
+bit per element in their backward, not the float input autograd keeps.
+:class:`PiecewiseLinearActivationFunction` keeps the bit and rebuilds the
+gradient with autograd's floating-point operations: equal bit for bit
+(``tests/test_ops/test_lean_kinds.py``).
 """
 import math
 from typing import Callable, Optional
@@ -31,14 +26,14 @@ HARDSIGMOID_SLOPE = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()
 
 
 def hardsigmoid_bits(x: Tensor) -> Tensor:
-    """Bits of ``-3 < x < 3`` (NaN: 0), where torch's ``hardsigmoid_backward``
-    passes the gradient."""
+    """Bits of ``-3 < x < 3`` (NaN: 0), where ``hardsigmoid_backward``
+    passes.
+    """
     return bit_mask.pack(x, -3.0, 3.0, False)
 
 
 def _adjacent(value: float, toward: float, dtype: torch.dtype) -> float:
-    """The float of ``dtype`` next to ``value`` toward ``toward`` (float32
-    for reduced types, which :func:`bit_mask.pack` compares in float32)."""
+    """The float of ``dtype`` (float32 for reduced types) next to ``value``."""
     if dtype not in (torch.float64, ):
         dtype = torch.float32
     v = torch.tensor(value, dtype=dtype)
@@ -46,21 +41,19 @@ def _adjacent(value: float, toward: float, dtype: torch.dtype) -> float:
 
 
 def clamp_bits(t: Tensor, lo: float, hi: float) -> Tensor:
-    """Bits of ``lo <= t <= hi`` (NaN: 0), where ``clamp``'s backward passes
-    the gradient (its bounds are inclusive, :func:`bit_mask.pack`'s strict:
-    the bounds move by one float)."""
+    """Bits of ``lo <= t <= hi`` (NaN: 0), ``clamp``'s inclusive bounds
+    moved by one float for :func:`bit_mask.pack`'s strict ones.
+    """
     return bit_mask.pack(t, _adjacent(lo, -math.inf, t.dtype),
                          _adjacent(hi, math.inf, t.dtype), False)
 
 
 class PiecewiseLinearActivationFunction(Function):
-    """``activate(x)``, keeping ``bits_of(x)`` (1 bit per element).
+    """``activate(x)`` keeping ``bits_of(x)``.
 
-    Backward: the gradient where the bit is set; elsewhere 0 (``slope``
-    None) or ``grad * slope`` (a float, or per-channel slopes along dim 1);
-    then ``finish`` (e.g. Hardsigmoid's ``* (1/6)``), as the plain formula
-    orders its operations. The bits are taken before ``activate`` runs, so
-    an in-place activation (``inplace=True``, marked dirty) works too.
+    Backward: the gradient where the bit is set, else 0 or ``grad * slope``
+    (a float or per-channel), then ``finish``, in the plain formula's order.
+    The bits are taken before ``activate`` runs (in-place safe).
     """
 
     @staticmethod

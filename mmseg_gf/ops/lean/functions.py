@@ -1,14 +1,12 @@
 """Autograd functions that keep only what their backward needs.
 
-Around the filtered convs, autograd's defaults keep far more than the
-backward reads: a frozen eval-mode norm's input (it needs ``scale``), a
-float tensor per ReLU-like activation or dropout (one bit per element
-does), adaptive pooling's input (its shape does), a frozen conv's input
-(its weight does). Each function here runs the plain forward (bit for bit)
-and keeps the small thing; gradients equal the plain path's (bitwise, or to
-rounding for the norm). The loss's gradient is taken in the forward
-(:mod:`..loss.gradients`). No mmseg import: :mod:`mmseg_gf.models.lean`
-wires the modules in.
+Autograd's defaults keep a frozen norm's input (the backward needs
+``scale``), a float tensor per ReLU-like activation or dropout (one bit
+per element does), adaptive pooling's input (its shape does) and a frozen
+conv's input (its weight does). Each function here runs the plain forward
+bit for bit and keeps the small thing; gradients equal the plain path's
+(bitwise, or to rounding for the norm). No mmseg import:
+:mod:`mmseg_gf.models.lean` wires the modules in.
 """
 from typing import Callable, Optional
 
@@ -29,11 +27,9 @@ __all__ = [
 
 
 class FrozenAffineNormFunction(Function):
-    """A frozen norm's forward, with ``g_x = g * scale`` as backward.
-
-    Keeps only ``scale`` (``C`` elements). With ``factor`` the backward is
-    ``g * scale * factor`` in that order, batch norm's own eval-mode backward
-    (``dy * invstd * w``), so equal bit for bit where dtypes match.
+    """A frozen norm's forward with ``g_x = g * scale`` as backward, keeping
+    ``scale``; with ``factor``, ``g * scale * factor``, batch norm's own
+    eval-mode order (bitwise equal where dtypes match).
     """
 
     @staticmethod
@@ -64,13 +60,11 @@ class FrozenAffineNormFunction(Function):
 class MaskedActivationFunction(Function):
     """A piecewise-linear activation keeping one bit per element.
 
-    The gradient passes where ``lo < x < hi`` (``hi=None``: unbounded; NaN gets
-    ``nan_bit``) and is scaled by ``off_scale`` elsewhere: ReLU is ``(0, None,
-    True, 0)``, Hardtanh/ReLU6 ``(min, max, True, 0)``, LeakyReLU ``(0, None,
-    False, slope)``. The mask is taken before ``activate`` runs, so in-place
-    activations work. ``formula`` (None, ``'clamp'``, ``'scale'``,
-    :func:`bit_mask.activate_and_pack`) lets the Triton path write output and
-    mask in one pass.
+    The gradient passes where ``lo < x < hi`` (``hi=None``: unbounded; NaN
+    gets ``nan_bit``) and is scaled by ``off_scale`` elsewhere: ReLU is ``(0,
+    None, True, 0)``, ReLU6 ``(0, 6, True, 0)``, LeakyReLU ``(0, None, False,
+    slope)``. The mask is taken before ``activate`` runs (in-place safe);
+    ``formula`` lets the Triton path write output and mask in one pass.
     """
 
     @staticmethod
@@ -105,9 +99,8 @@ class MaskedActivationFunction(Function):
 
 
 class MaskedDropoutFunction(Function):
-    """Element-wise dropout keeping its keep mask as bits: the noise is
-    ``F.dropout`` of ones (the same draws as dropout of ``x``), the output
-    ``x * noise``, the backward rebuilt from the bits and ``1/(1-p)``.
+    """Dropout keeping its keep mask as bits: the noise is ``F.dropout`` of
+    ones (dropout's own draws), the backward rebuilt from bits and ``1/(1-p)``.
     """
 
     @staticmethod
@@ -126,11 +119,9 @@ class MaskedDropoutFunction(Function):
 
 
 class ShapeOnlyAdaptiveAvgPoolFunction(Function):
-    """Adaptive average pooling keeping only its input's shape and strides.
-
-    The backward calls autograd's own kernel on an uninitialised tensor of
-    that geometry (it reads sizes only), so the gradient is autograd's bit for
-    bit. Outputs larger than 1x1 only (a 1x1 output keeps nothing anyway).
+    """Adaptive average pooling keeping only its input's geometry: the
+    backward runs autograd's kernel on an uninitialised tensor of it (sizes
+    only read), bit for bit autograd's gradient. Outputs larger than 1x1 only.
     """
 
     @staticmethod
@@ -150,9 +141,8 @@ class ShapeOnlyAdaptiveAvgPoolFunction(Function):
 
 
 def _frozen_weight(ctx, weight: Tensor) -> None:
-    """Reference a frozen layer's weight (no byte kept) and its version, which
-    the backward checks as autograd checks a saved tensor. Not read under
-    ``torch.compile``, whose own node saves and checks the weight.
+    """Reference a frozen weight and its version, checked in the backward as a
+    saved tensor's would be (not under ``torch.compile``, which checks it).
     """
     ctx.weight = weight
     ctx.weight_version = None if torch.compiler.is_compiling() else \
@@ -172,13 +162,10 @@ def _weight_for_backward(ctx, dtype: torch.dtype) -> Tensor:
 
 
 class FrozenConvFunction(Function):
-    """A 2-d convolution with frozen weight and bias, keeping no tensor.
-
-    The forward is the module's own call; the backward is
-    ``aten.convolution_backward`` (input gradient only) given the input's shape
-    as a zero-stride tensor, so every stride, padding, dilation and group is
-    handled as autograd handles it. Computes in the output's dtype, returns
-    ``x``'s. ``padding_mode='zeros'`` with integer sizes only.
+    """A conv with frozen weight and bias keeping no tensor: the backward is
+    ``aten.convolution_backward`` on a zero-stride stand-in for the input, so
+    every conv setting is handled as autograd handles it. Zero padding, integer
+    sizes only.
     """
 
     @staticmethod
@@ -205,10 +192,9 @@ class FrozenConvFunction(Function):
 
 
 class FrozenLinearFunction(Function):
-    """A linear layer with frozen weight and bias, keeping no tensor:
-    ``g_x = g W`` (in the output's dtype, returned in ``x``'s). Autograd
-    keeps only the weight here too (its transposed view) in float32; under
-    autocast it keeps the weight's cast copy, which this does not."""
+    """A linear layer with frozen weight and bias keeping no tensor: ``g_x = g
+    W`` (under autocast autograd keeps a cast weight copy; this does not).
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor,

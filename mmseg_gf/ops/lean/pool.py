@@ -1,22 +1,11 @@
 """Pooling that keeps what its backward needs, not its input.
 
-Average pooling is linear: its backward (``avg_pool2d_backward``) needs only
-the input's geometry, so :class:`ShapeOnlyAvgPoolFunction` keeps that
-(LRASPP's image pool, STDC's and CGNet's downsamplers keep their input
-under autograd).
-
-Max pooling keeps the window offset of each maximum, not its input.
-
-Autograd's ``max_pool2d`` keeps its input and an int64 index per output
-element (a ResNet stem's pool: 8 + 4 bytes per output element plus the
-input, four times larger). The backward needs only where each maximum
-was: its offset inside the pooling window, ``kh * kW + kw``, fits a uint8
-when the window has at most 256 elements. :class:`WindowOffsetMaxPoolFunction`
-keeps those offsets and the input's shape; the backward rebuilds torch's
-flat indices from them and calls the same kernel as autograd
-(``max_pool2d_with_indices_backward``), so the gradient is autograd's bit for
-bit, ties included: the offsets are converted from the indices torch's own
-forward returned.
+Average pooling is linear: :class:`ShapeOnlyAvgPoolFunction` keeps the
+input's geometry. Autograd's ``max_pool2d`` keeps its input and an int64
+index per output; :class:`WindowOffsetMaxPoolFunction` keeps each
+maximum's uint8 offset in its window (windows of at most 256 elements) and
+rebuilds torch's indices for autograd's own backward kernel: the gradient
+is autograd's bit for bit, ties included.
 """
 from typing import Sequence, Tuple
 
@@ -35,8 +24,7 @@ Pair = Tuple[int, int]
 
 def _window_starts(out_hw: Sequence[int], stride: Pair, padding: Pair,
                    device) -> Tuple[Tensor, Tensor]:
-    """Top-left input row / column of every output's window, shaped to
-    broadcast over ``(N, C, Ho, Wo)``."""
+    """Top-left input row / column of every output's window, broadcastable."""
     rows = torch.arange(out_hw[0], device=device).view(-1, 1)
     cols = torch.arange(out_hw[1], device=device).view(1, -1)
     return rows * stride[0] - padding[0], cols * stride[1] - padding[1]
@@ -44,9 +32,9 @@ def _window_starts(out_hw: Sequence[int], stride: Pair, padding: Pair,
 
 def window_offsets(indices: Tensor, width: int, kernel: Pair, stride: Pair,
                    padding: Pair, dilation: Pair) -> Tensor:
-    """uint8 ``kh * kW + kw`` of each maximum from torch's flat indices
-    (``row * width + col`` in the input plane). ``indices`` is overwritten:
-    in place, one int64 temporary of its size is made, not five."""
+    """uint8 ``kh * kW + kw`` of each maximum from torch's flat indices;
+    overwrites ``indices`` (one int64 temporary, not five).
+    """
     top, left = _window_starts(indices.shape[-2:], stride, padding,
                                indices.device)
     rows = torch.div(indices, width, rounding_mode='floor')
@@ -58,8 +46,7 @@ def window_offsets(indices: Tensor, width: int, kernel: Pair, stride: Pair,
 
 def flat_indices(offsets: Tensor, width: int, kernel: Pair, stride: Pair,
                  padding: Pair, dilation: Pair) -> Tensor:
-    """Inverse of :func:`window_offsets`: torch's int64 flat indices (the
-    window coordinates split in uint8, one int64 tensor made)."""
+    """Inverse of :func:`window_offsets`: torch's int64 flat indices."""
     top, left = _window_starts(offsets.shape[-2:], stride, padding,
                                offsets.device)
     kh = torch.div(offsets, kernel[1], rounding_mode='floor')
@@ -69,10 +56,10 @@ def flat_indices(offsets: Tensor, width: int, kernel: Pair, stride: Pair,
 
 
 def _like(geometry) -> Tensor:
-    """A tensor of a recorded input's shape for the pooling backward
-    kernels, which read only its geometry: a contiguous input's is a
-    broadcast scalar (no memory), any other an uninitialised tensor of its
-    strides (the kernels follow its memory format)."""
+    """A stand-in of a recorded input's geometry for the backward kernels
+    (which read no values): a broadcast scalar when contiguous, else
+    uninitialised.
+    """
     shape, strides, dtype, device, contiguous = geometry
     if contiguous:
         return torch.empty((1, ) * len(shape), dtype=dtype,
@@ -86,11 +73,9 @@ def _geometry(x: Tensor) -> tuple:
 
 
 class WindowOffsetMaxPoolFunction(Function):
-    """``max_pool2d`` of a 4-D input, keeping uint8 window offsets.
-
-    Args (of ``apply``): ``x`` (N, C, H, W), then ``kernel``, ``stride``,
-    ``padding``, ``dilation`` as int pairs and ``ceil_mode``; the window
-    must have at most :data:`MAX_WINDOW` elements.
+    """``max_pool2d`` of a 4-D input keeping uint8 window offsets; ``apply(x,
+    kernel, stride, padding, dilation, ceil_mode)``, a window of at most
+    :data:`MAX_WINDOW` elements.
     """
 
     @staticmethod
@@ -121,12 +106,8 @@ class WindowOffsetMaxPoolFunction(Function):
 
 
 class ShapeOnlyAvgPoolFunction(Function):
-    """``avg_pool2d`` keeping its input's shape only.
-
-    Args (of ``apply``): ``x``, then ``kernel``, ``stride``, ``padding`` (int
-    pairs), ``ceil_mode``, ``count_include_pad``, ``divisor_override``, as
-    ``torch.nn.functional.avg_pool2d`` takes them; the backward calls the
-    kernel autograd calls, so the gradient is autograd's bit for bit.
+    """``avg_pool2d`` keeping its input's shape only; ``apply`` takes
+    ``F.avg_pool2d``'s arguments, the backward autograd's kernel.
     """
 
     @staticmethod

@@ -1,13 +1,10 @@
 """What a frozen transformer block keeps for backward: the minimum.
 
-On the gradient path, autograd's defaults keep full-size tensors: written-out
-attention its ``L x S`` probabilities per head (SDPA keeps ``q``, ``k``, ``v``,
-the output and one logsumexp per query and head, an additive mask once), a
-frozen ``LayerNorm`` its input, mean and ``rstd`` (the mean is recomputed:
-:class:`FrozenLayerNormFunction`), DropPath a float per sample (one bit
-does: :class:`BitMaskDropPathFunction`). GELU keeps its input, the minimum
-of an exact rule (patch means between filtered layers:
-:mod:`.patch_mean_activation`). Pure PyTorch; wired in by
+Written-out attention keeps its ``L x S`` probabilities per head where
+SDPA keeps ``q``, ``k``, ``v``, the output and a logsumexp; a frozen
+``LayerNorm`` keeps its mean too (:class:`FrozenLayerNormFunction`
+recomputes it); DropPath keeps a float per sample (one bit does:
+:class:`BitMaskDropPathFunction`). Pure PyTorch; wired in by
 :mod:`mmseg_gf.models.lean_transformer`.
 """
 from typing import Optional, Sequence
@@ -39,14 +36,13 @@ def _check_version(tensor: Optional[Tensor], version: int) -> None:
 
 
 class FrozenLayerNormFunction(Function):
-    """``layer_norm`` with frozen weight and bias, keeping its input and ``rstd``.
+    """``layer_norm`` with frozen weight and bias, keeping its input and
+    ``rstd``.
 
-    The forward is ``torch.native_layer_norm`` (the plain output bit for bit);
-    the backward recomputes the mean and calls ``native_layer_norm_backward``
-    (autograd's gradient to ~1 ulp), or, where the dispatcher's
-    ``frozen_layer_norm`` takes Triton, one launch
-    (:func:`triton_norm.frozen_layer_norm_backward`). Weight and bias are
-    referenced, version-checked like saved tensors.
+    The forward is ``torch.native_layer_norm`` (bit for bit); the backward
+    recomputes the mean and calls ``native_layer_norm_backward`` (~1 ulp of
+    autograd's) or one Triton launch. Weight and bias are referenced and
+    version-checked like saved tensors.
     """
 
     @staticmethod
@@ -83,10 +79,8 @@ class FrozenLayerNormFunction(Function):
 
 
 class BitMaskDropPathFunction(Function):
-    """mmcv's ``drop_path`` keeping one bit per sample: the noise drawn and
-    applied as mmcv does (its output bit for bit), the backward
-    ``g.div(keep_prob) * noise`` rebuilt from the bits (on Triton in one
-    launch).
+    """mmcv's ``drop_path`` keeping one bit per sample (its output bit for
+    bit); the backward ``g.div(keep_prob) * noise`` is rebuilt from the bits.
     """
 
     @staticmethod
@@ -113,10 +107,10 @@ class BitMaskDropPathFunction(Function):
 
 def frozen_linear(x: Tensor, weight: Tensor,
                   bias: Optional[Tensor]) -> Tensor:
-    """``F.linear(x, weight, bias)`` keeping no tensor when ``weight`` and
-    ``bias`` are frozen and ``x`` needs a gradient (``g_x = g W``; autograd
-    keeps a transposed view of the weight, whose storage the whole
-    Parameter's); otherwise ``F.linear`` itself."""
+    """``F.linear`` keeping no tensor when ``weight`` and ``bias`` are
+    frozen and ``x`` needs a gradient (autograd's transposed view keeps the
+    whole Parameter's storage); otherwise ``F.linear`` itself.
+    """
     frozen = not weight.requires_grad and (bias is None
                                            or not bias.requires_grad)
     if not (frozen and torch.is_grad_enabled() and x.requires_grad):
@@ -126,13 +120,11 @@ def frozen_linear(x: Tensor, weight: Tensor,
 
 
 def split_heads(t: Tensor, num_heads: int) -> Tensor:
-    """``(B, L, E)`` -> ``(B, heads, L, E / heads)`` (a view)."""
     b, n, e = t.shape
     return t.view(b, n, num_heads, e // num_heads).transpose(1, 2)
 
 
 def merge_heads(t: Tensor) -> Tensor:
-    """``(B, heads, L, d)`` -> ``(B, L, heads * d)``."""
     b, h, n, d = t.shape
     return t.transpose(1, 2).reshape(b, n, h * d)
 
@@ -147,8 +139,8 @@ def multihead_attention(query: Tensor, key: Tensor, value: Tensor,
     Args:
         query: ``(B, L, E)``; key, value: ``(B, S, E)``.
         q_proj, out_proj: ``(weight, bias)`` pairs (bias may be None).
-        kv_proj: the key and value projections stacked (``2E`` rows), used
-            when ``key is value``; else None and ``k_proj``, ``v_proj``.
+        kv_proj: key and value projections stacked, when ``key is value``;
+            else None and ``k_proj``, ``v_proj``.
 
     Returns:
         ``(B, L, E)``; what it keeps: :func:`attention_kept_elements`.
@@ -167,8 +159,9 @@ def multihead_attention(query: Tensor, key: Tensor, value: Tensor,
 
 def attention_kept_elements(batch: int, q_len: int, kv_len: int, dim: int,
                             num_heads: int) -> dict:
-    """Elements SDPA keeps for one attention call (besides a mask):
-    ``{'qkv': B (L + 2 S) E, 'out': B L E, 'logsumexp': B heads L}``."""
+    """Elements SDPA keeps for one call (besides a mask): ``{'qkv': B (L + 2 S)
+    E, 'out': B L E, 'logsumexp': B heads L}``.
+    """
     return {'qkv': batch * (q_len + 2 * kv_len) * dim,
             'out': batch * q_len * dim,
             'logsumexp': batch * num_heads * q_len}

@@ -1,16 +1,10 @@
-"""Gradient-filtered Linear on a token grid: exact forward, filtered backward.
+"""Gradient-filtered Linear on a token grid: exact forward, filtered
+backward.
 
-A Linear on a feature map's tokens is a ``1 x 1`` conv whose pixels are
-tokens; it gets the conv's filter (docs/gradient_filter.md, section "Linear
-layers on token grids"): patch-mean ``g_y``, ``g_W`` from the patch sums of
-``x`` (all the forward keeps of it), ``g_x`` broadcast over each patch; ``g_b``
-and the extra tokens on no grid (cls tokens, class embeddings) stay exact.
-The grid is given (:class:`~.token_grid.TokenGrid`), never guessed.
-
-The backward's GEMMs run on ``N / r^2`` rows: in C++ on CPU
-(``csrc/token_grid_backward.cpp``), with the conv's Triton kernels on CUDA
-(off with ``MMSEG_GF_TRITON=0``); the PyTorch path here is the reference and
-the fallback (``MMSEG_GF_NATIVE=0``). No mmseg import.
+A Linear on a feature map's tokens is a ``1 x 1`` conv and gets the conv's
+filter (docs/gradient_filter.md, "Linear layers on token grids"); ``g_b``
+and tokens on no grid stay exact. The backward runs in C++ on CPU, with
+Triton on CUDA, or in the PyTorch reference here. No mmseg import.
 """
 
 from typing import Optional, Tuple
@@ -27,7 +21,6 @@ from .token_grid import TokenGrid, TokenLayout
 
 
 def _rows(t: Tensor) -> Tensor:
-    """``t`` as a matrix of rows (last axis kept)."""
     return t.reshape(-1, t.shape[-1])
 
 
@@ -44,10 +37,9 @@ def _filtered_backward(layout: TokenLayout, grad_output: Tensor,
                        grad_x: Optional[Tensor], need_w: bool, need_b: bool,
                        acc: torch.dtype
                        ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Steps 1, 3 and 4 on the grid tokens, by the dispatcher's choice.
-
-    Writes ``g_x``'s grid tokens into ``grad_x`` (when given); returns
-    ``(g_W, g_b)`` in ``acc`` (None where not asked).
+    """Steps 1, 3 and 4 on the grid tokens by the dispatcher's choice,
+    writing ``g_x``'s grid tokens into ``grad_x``; returns ``(g_W, g_b)`` in
+    ``acc``.
     """
     g_rows = layout.rows_to_read(grad_output)
     sums = x_sums if need_w else None
@@ -72,8 +64,7 @@ def filtered_backward_torch(layout: TokenLayout, g_rows: Tensor,
                              out_rows: Optional[Tensor], need_w: bool,
                              need_b: bool, acc: torch.dtype
                              ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """:func:`_filtered_backward` in PyTorch ops (the reference), on the
-    ``(L, H, W, C)`` rows of ``g_y`` and ``g_x``, chunk by chunk."""
+    """:func:`_filtered_backward` in PyTorch ops (the reference)."""
     grid, r = layout.grid, layout.radius
     full = grid.height % r == 0 and grid.width % r == 0
     counts = None
@@ -107,22 +98,19 @@ def filtered_backward_torch(layout: TokenLayout, g_rows: Tensor,
 
 def _empty_grad_input(grad_output: Tensor, shape: torch.Size,
                       dtype: torch.dtype) -> Tensor:
-    """Memory for ``g_x``, which the backward writes in full (grid tokens
-    and extra tokens): a recycled block of its byte size where the compiled
-    kernels keep one (:func:`output_pool.empty_for_writing`, as the filtered
-    conv's ``g_x``), so that a step does not pay the page faults of fresh
-    memory again; else ``torch.empty``."""
+    """Memory for ``g_x``: recycled where the compiled kernels keep a pool (no
+    page faults of fresh memory each step), else ``torch.empty``.
+    """
     if grad_output.dtype == dtype:
         return output_pool.empty_for_writing(shape, grad_output)
     return grad_output.new_empty(shape, dtype=dtype)
 
 
 def _own_copy(part: Tensor, x: Tensor) -> Tensor:
-    """``part`` of ``x`` (its extra tokens) as a contiguous tensor of its
-    own: a contiguous narrow (the token axis first, or one image) is a view
-    of ``x``, and saving it would keep all of ``x``'s storage. Under
-    ``torch.compile`` (no storage to compare) always a copy: these are a
-    few tokens per image."""
+    """``part`` of ``x`` as a contiguous tensor of its own: a view would
+    keep all of ``x``'s storage when saved (always a copy under
+    ``torch.compile``).
+    """
     if torch.compiler.is_compiling():
         return part.clone(memory_format=torch.contiguous_format)
     part = part.contiguous()
@@ -132,8 +120,7 @@ def _own_copy(part: Tensor, x: Tensor) -> Tensor:
 
 
 class GradientFilterLinearFunction(torch.autograd.Function):
-    """Autograd Function: ``F.linear`` forward, gradient-filter backward on
-    a token grid (docs/gradient_filter.md#linear-layers-on-token-grids)."""
+    """``F.linear`` forward, gradient-filter backward on a token grid."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],

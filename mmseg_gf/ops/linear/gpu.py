@@ -1,31 +1,15 @@
 """The GPU path of the filtered Linear on a token grid: Triton kernels on
 token rows.
 
-A Linear's grid tokens, seen as ``(L, H, W, C)`` rows (channel stride 1,
-other strides free: what ``TokenLayout.grid_rows`` gives), are a
-channels-last ``L x C x H x W`` map: the filtered Linear
-(docs/gradient_filter.md#linear-layers-on-token-grids) is the conv's
-backward on a ``1 x 1`` kernel, and ``rows.permute(0, 3, 1, 2)`` is a view
-the products write ``g_x`` into in place (rows of other strides take the
-conv's pass over ``g_y`` on that view). (The forward's patch sums of ``x``
-stay on the PyTorch path: on an H100 a Triton pass over ``x`` was slower
-than its pooling.)
-
-* backward (:func:`filtered_backward`): one Triton pass over ``g_y`` (patch
-  means, partial border patches over the tokens they have, and the bias
-  gradient's partial sums; :mod:`.triton_token_kernels`' pass made for
-  token rows, whose programs each read ``r x r`` tokens x a block of
-  contiguous channels), then the two channel-mixing products on the
-  ``L * ph * pw`` patch rows in one launch of :mod:`~..conv.products_kernels`
-  (``g_W`` and ``g_b``; ``g_x``'s grid tokens, written from its
-  registers), or with ``MMSEG_GF_FUSED_PRODUCTS=0`` as GEMMs, the bias's
-  sum and a Triton pass writing ``g_x``.
-
-CUDA tensors take it while :func:`triton_runtime.enabled` (triton installed,
-``MMSEG_GF_TRITON`` not ``0``, :func:`triton_runtime.set_enabled`); CPU tensors
-only under triton's interpreter (``TRITON_INTERPRET=1`` before import: the
-tests). Under ``torch.compile`` and on fake or meta tensors the PyTorch
-path runs instead (these kernels are not registered as torch ops).
+Grid tokens as ``(L, H, W, C)`` rows are a channels-last ``L x C x H x W``
+map, so the filtered Linear is the conv's backward on a ``1 x 1`` kernel
+(docs/gradient_filter.md#linear-layers-on-token-grids):
+:func:`filtered_backward` is one pass over ``g_y`` made for token rows,
+then one launch of :mod:`~..conv.products_kernels` writing ``g_W``,
+``g_b`` and ``g_x`` (``MMSEG_GF_FUSED_PRODUCTS=0``: GEMMs and a spread).
+The forward's patch sums stay on PyTorch's pooling
+(docs/benchmarks/design_measurements.md). Not under ``torch.compile`` nor
+on fake tensors (these kernels are not torch ops).
 """
 from typing import Optional, Tuple
 
@@ -42,10 +26,9 @@ _calls = 0
 
 
 def refusal(*tensors: Optional[Tensor]) -> Optional[str]:
-    """Why these tensors (``None`` skipped; the first not ``None`` and
-    non-empty) may not take the Triton path, or None: the path enabled,
-    plain float tensors on one CUDA device (CPU only under the
-    interpreter), not while ``torch.compile`` traces."""
+    """Why these tensors (the first non-empty one) may not take the Triton
+    path, or None.
+    """
     first = tensors[0]
     reason = triton_runtime.device_refusal(first)
     if reason is not None:
@@ -62,8 +45,7 @@ def refusal(*tensors: Optional[Tensor]) -> Optional[str]:
 
 
 def usable(*tensors: Optional[Tensor]) -> bool:
-    """Whether these tensors may take the Triton path (:func:`refusal`
-    gives no reason)."""
+    """Whether these tensors may take the Triton path."""
     return refusal(*tensors) is None
 
 
@@ -83,8 +65,7 @@ def _token_kernels():
 
 
 def backward_calls() -> int:
-    """How many backward calls of the filtered Linear ran the Triton
-    kernels in this process (a diagnostic)."""
+    """Backward calls that ran the Triton kernels (a diagnostic)."""
     return _calls
 
 
@@ -92,23 +73,20 @@ def filtered_backward(g_rows: Tensor, x_sums: Optional[Tensor],
                       weight: Tensor, out_rows: Optional[Tensor], radius: int,
                       need_w: bool, need_b: bool, acc: torch.dtype
                       ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Steps 1, 3 and 4 of the filtered Linear on the grid tokens
-    (``_filtered_backward_torch``'s contract).
+    """Steps 1, 3 and 4 of the filtered Linear on the grid tokens.
 
     Args:
         g_rows: ``g_y``'s grid tokens, ``(L, H, W, Co)``, any strides.
-        x_sums: the forward's patch sums ``(L, ph, pw, Ci)`` (contiguous),
-            or None when ``g_W`` is not needed.
+        x_sums: the forward's patch sums ``(L, ph, pw, Ci)``, or None when
+            ``g_W`` is not needed.
         weight: ``Co x Ci``.
-        out_rows: ``g_x``'s grid tokens ``(L, H, W, Ci)`` (a view into
-            ``g_x``, written in full), or None.
+        out_rows: ``g_x``'s grid tokens (a view, written in full), or None.
         radius: the patch size ``r``.
         need_w, need_b: whether ``g_W`` / ``g_b`` are wanted.
-        acc: the accumulation dtype (float32, float64 for float64).
+        acc: the accumulation dtype.
 
     Returns:
-        ``(g_W, g_b)`` of the grid tokens in ``acc`` (None where not
-        asked).
+        ``(g_W, g_b)`` in ``acc`` (None where not asked).
     """
     global _calls
     _calls += 1
@@ -145,8 +123,7 @@ def _fused(means: Tensor, partial: Tensor, x_sums: Optional[Tensor],
            weight: Tensor, out_rows: Optional[Tensor], rows, cols,
            need_w: bool, need_b: bool
            ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """:func:`filtered_backward` after the pass over ``g_y``, as the one
-    launch of :mod:`~..conv.products_kernels`."""
+    """The products after the pass over ``g_y``, in one launch."""
     sums = x_sums.reshape(-1, x_sums.shape[-1]).t() if need_w else None
     out = None if out_rows is None else out_rows.permute(0, 3, 1, 2)
     grad_w, grad_b = _products().products(

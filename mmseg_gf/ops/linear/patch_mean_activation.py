@@ -1,14 +1,11 @@
 """GELU between two filtered layers: keep the patch means of its derivative.
 
-Where ``x`` is a filtered layer's output and ``y = f(x)`` is read only by
-filtered layers on the same patch partition, ``g_y * mean_P f'(x)`` gives the
-upstream layer the same patch means, hence the same gradients
-(docs/gradient_filter.md, section "Elementwise ops between filtered
-layers"). :class:`PatchMeanGeluFunction` keeps ``mean_P f'(x)`` (``1/r^2``
-of the elements); tokens on no grid keep ``f'(x)`` exactly. The premise is
-checked outside (the traced training step); a filtered layer tags its
-output with its :class:`PatchPartition` (:func:`tag_output`,
-:func:`tagged_partition`). Pure PyTorch, no mmseg import.
+Where ``y = f(x)`` is read only by filtered layers on the patch partition
+of the filtered layer that made ``x``, ``g_y * mean_P f'(x)`` gives the same
+gradients (docs/gradient_filter.md, "Elementwise ops between filtered
+layers"), so :class:`PatchMeanGeluFunction` keeps ``1/r^2`` of the
+elements. The premise is checked outside (the traced training step); a
+filtered layer tags its output (:func:`tag_output`). No mmseg import.
 """
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -33,9 +30,8 @@ TAG_ATTR = '_gf_patch_partition'
 
 @dataclass(frozen=True)
 class PatchPartition:
-    """The ``r x r`` patches of a filtered layer's output (or input), tiled
-    from 0: ``radius``, the map's ``height`` and ``width``, ``grid`` (None for
-    a conv's map, else the Linear's :class:`TokenGrid`) and ``token_dim``.
+    """The ``r x r`` patches, tiled from 0, of a filtered layer's map (``grid``
+    None) or token grid.
     """
 
     radius: int
@@ -47,13 +43,11 @@ class PatchPartition:
     @classmethod
     def conv_map(cls, radius: int, height: int,
                  width: int) -> 'PatchPartition':
-        """The patches of an ``(N, C, H, W)`` map."""
         return cls(check_radius(radius), int(height), int(width))
 
     @classmethod
     def tokens(cls, grid: TokenGrid, radius: int,
                token_dim: int) -> 'PatchPartition':
-        """The patches of a token grid on axis ``token_dim`` (>= 0)."""
         return cls(check_radius(radius), grid.height, grid.width, grid,
                    int(token_dim))
 
@@ -75,19 +69,17 @@ class PatchPartition:
 
 
 def tag_output(out: Tensor, partition: PatchPartition) -> Tensor:
-    """Mark ``out`` as a filtered layer's output on ``partition``; the mark
-    holds the tensor's version, so an in-place change voids it. Not under
-    ``torch.compile`` (a traced tensor carries no attributes, and its
-    version is no Python int): a GELU after it then runs torch's exact
-    rule, whose gradient the patch-mean rule equals."""
+    """Mark ``out`` as a filtered layer's output on ``partition``; an in-place
+    change voids the mark. Not under ``torch.compile`` (the exact rule runs,
+    which gives the same gradient).
+    """
     if not torch.compiler.is_compiling():
         setattr(out, TAG_ATTR, (partition, out._version))
     return out
 
 
 def tagged_partition(x: Tensor) -> Optional[PatchPartition]:
-    """The partition ``x`` was tagged with, if it is unchanged since (None
-    under ``torch.compile``: :func:`tag_output`)."""
+    """The partition ``x`` was tagged with, if unchanged since."""
     if torch.compiler.is_compiling():
         return None
     tag = getattr(x, TAG_ATTR, None)
@@ -97,8 +89,7 @@ def tagged_partition(x: Tensor) -> Optional[PatchPartition]:
 
 
 def gelu_derivative(x: Tensor, approximate: str = 'none') -> Tensor:
-    """``f'(x)`` of ``F.gelu(x, approximate=...)`` by autograd's own
-    kernel (``gelu_backward`` of a gradient of ones)."""
+    """``f'(x)`` of ``F.gelu`` by autograd's own ``gelu_backward``."""
     return torch.ops.aten.gelu_backward(torch.ones_like(x), x,
                                         approximate=approximate)
 
@@ -111,9 +102,9 @@ _ONES = {}
 
 
 def _one(dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d one, made once per dtype and device: a fresh one would be a
-    fill launch per call on a GPU. Never written (only broadcast); not
-    kept from a traced call (``torch.compile``: its tensors are fake)."""
+    """A 0-d one cached per dtype and device (a fresh one is a fill launch on a
+    GPU); never written, not cached while tracing.
+    """
     if torch.compiler.is_compiling():
         return torch.ones((), dtype=dtype, device=device)
     key = (dtype, device)
@@ -123,9 +114,9 @@ def _one(dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def _slope(x: Tensor, approximate: str) -> Tensor:
-    """``f'(x)`` in the accumulation dtype, a temporary: written into
-    recycled memory where the compiled kernels keep it (no page faults of
-    fresh memory on CPU), from a broadcast gradient of one."""
+    """``f'(x)`` in the accumulation dtype, in recycled memory where
+    possible.
+    """
     acc = _acc(x.dtype)
     if x.dtype != acc:
         return gelu_derivative(x.to(acc), approximate)
@@ -141,9 +132,9 @@ def _token_layout(partition: PatchPartition) -> TokenLayout:
 
 def patch_mean_kept_elements(shape: Tuple[int, ...],
                              partition: PatchPartition) -> int:
-    """Elements :class:`PatchMeanGeluFunction` keeps for an input of
-    ``shape``: one per patch and channel, plus every element of the tokens
-    on no grid."""
+    """Elements :class:`PatchMeanGeluFunction` keeps for ``shape``: one per
+    patch and channel, plus the tokens on no grid.
+    """
     ph = -(-partition.height // partition.radius)
     pw = -(-partition.width // partition.radius)
     if partition.grid is None:
@@ -199,12 +190,10 @@ class PatchMeanGeluFunction(torch.autograd.Function):
 
 def _map_means(slope: Tensor, partition: PatchPartition,
                acc: torch.dtype) -> Tensor:
-    """``mean_P f'(x)`` of an ``(N, C, H, W)`` map, in ``acc``: the
-    compiled CPU kernel's sums times ``1 / |P|``
-    (:func:`filter_output_grad`), else one ``avg_pool2d`` that divides by
-    each patch's pixel count (the clipped windows of ``ceil_mode`` count
-    their pixels only), one launch where the sums and a scaling take two
-    (the same means to rounding, equal where ``|P|`` is a power of 2)."""
+    """``mean_P f'(x)`` of an ``(N, C, H, W)`` map in ``acc``: the compiled
+    kernel's sums over ``|P|``, else one ``avg_pool2d`` counting only valid
+    pixels (equal to rounding).
+    """
     geo_h, geo_w = partition.axes()
     if dispatch.choose('patch_grid', slope).implementation.name == 'c++':
         return filter_output_grad(slope, geo_h, geo_w, acc)[1]
@@ -216,9 +205,7 @@ def _map_means(slope: Tensor, partition: PatchPartition,
 
 def _token_means(slope: Tensor, layout: TokenLayout,
                  acc: torch.dtype) -> Tensor:
-    """``mean_P f'(x)`` of the grid tokens, ``(L, Ph, Pw, C)`` in ``acc``:
-    the compiled CPU kernel's sums divided by the tokens per patch, else
-    one pooling that divides as it sums (the same quotients)."""
+    """``mean_P f'(x)`` of the grid tokens, ``(L, Ph, Pw, C)`` in ``acc``."""
     rows = layout.rows_to_read(slope)
     if dispatch.choose('token_patch_sums', layout, rows,
                        acc).implementation.name != 'c++':
@@ -230,12 +217,10 @@ def _token_means(slope: Tensor, layout: TokenLayout,
 
 def _map_backward(grad: Tensor, means: Tensor,
                   partition: PatchPartition) -> Tensor:
-    """``g_y`` times the patch means broadcast over ``(N, C, H, W)``, into
-    recycled memory (:func:`output_pool.empty_for_writing`): the means repeated
-    along the width (``1/r`` of the map), then one product per band of
-    ``r`` rows broadcasting them over the band's rows (a contiguous inner
-    axis: about twice as fast on CPU as broadcasting over the patch's
-    columns too), the short last band apart."""
+    """``g_y`` times the broadcast patch means, into recycled memory: means
+    repeated along the width, then one product per band of ``r`` rows (about
+    twice as fast on CPU as broadcasting over the columns too).
+    """
     r, h, w = partition.radius, partition.height, partition.width
     n, c = grad.shape[:2]
     rows = means.to(grad.dtype).repeat_interleave(r, dim=-1)[..., :w]
@@ -253,9 +238,9 @@ def _map_backward(grad: Tensor, means: Tensor,
 
 def _tile_product(layout: TokenLayout, out: Tensor, grad: Tensor,
                   means: Tensor) -> bool:
-    """The grid tokens of ``out`` = those of ``grad`` times their patch's
-    row of ``means``, in one broadcast product, where every patch is full
-    and ``out``'s grid tokens view as patches; returns whether it did."""
+    """The grid tokens' product in one broadcast where every patch is full;
+    returns whether it applied.
+    """
     grid, r = layout.grid, layout.radius
     if grid.height % r or grid.width % r:
         return False

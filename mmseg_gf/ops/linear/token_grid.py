@@ -1,10 +1,8 @@
 """Where a Linear's tokens lie on a 2-D grid, and how a call sees them.
 
-:class:`TokenGrid` describes the grid of a Linear's input (never guessed
-from the token count); :class:`TokenLayout` resolves it for one call: the
-token axis, the patch size, views of the grid tokens, their patch sums and
-the spread of patch values back to tokens (docs/gradient_filter.md#linear-
-layers-on-token-grids). No mmseg import.
+:class:`TokenGrid` is declared, never guessed from the token count;
+:class:`TokenLayout` resolves it for one call
+(docs/gradient_filter.md#linear-layers-on-token-grids). No mmseg import.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -76,7 +74,6 @@ class TokenGrid:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens along the token axis (``'tokens'`` / ``'windows'``)."""
         return (self.extra_tokens + self.height * self.width +
                 self.trailing_tokens)
 
@@ -101,12 +98,11 @@ class TokenGrid:
         return -(-self.height // radius), -(-self.width // radius)
 
     def token_axis(self, shape: Tuple[int, ...], token_dim: int) -> int:
-        """Validate ``shape`` (an input's) against the grid; return the
-        token axis as a non-negative index.
+        """Validate an input's ``shape`` against the grid; return the token
+        axis (non-negative).
 
         Raises:
-            ValueError: naming the mismatch (token count, grid sides, an
-                axis out of range or the channel axis).
+            ValueError: naming the mismatch.
         """
         ndim = len(shape)
         last_grid_axis = ndim - 2  # the channel axis is the last one
@@ -139,10 +135,10 @@ _Segment = Tuple[int, int, int]
 
 
 def _segments(size: int, radius: int) -> List[_Segment]:
-    """The patches along one axis as at most two stretches of equal ones:
-    the full ``r``-token patches, then the short last patch, if any
-    (docs/gradient_filter.md#partial-patches; patch ``P`` covers tokens
-    ``[P*r, (P+1)*r)``, the conv's ``Q(P)`` for a ``1 x 1`` kernel)."""
+    """The patches along one axis as at most two stretches of equal ones: the
+    full ``r``-token patches, then a short last one
+    (docs/gradient_filter.md#partial-patches).
+    """
     geo = AxisGeometry.of(size, size, 1, 1, 0, 1, radius)
     full = size // geo.out_patch
     segments = [(0, full, geo.out_patch)] if full else []
@@ -155,9 +151,8 @@ def _segments(size: int, radius: int) -> List[_Segment]:
 class TokenLayout:
     """An input's grid, token axis and patch size, resolved for one call.
 
-    Tensors are seen through :meth:`grid_view` as ``(*lead, H, W, C)``; patch
-    sums come back as one contiguous ``(L, ceil(H/r), ceil(W/r), C)`` tensor
-    (``L``: the leading axes merged) for the backward's GEMMs.
+    Grid tokens are seen as ``(*lead, H, W, C)``; patch sums come back as a
+    contiguous ``(L, ceil(H/r), ceil(W/r), C)`` for the backward's GEMMs.
     """
 
     grid: TokenGrid
@@ -165,8 +160,7 @@ class TokenLayout:
     dim: int  # the token axis (the grid's H axis for 'hwc')
 
     def extra(self, t: Tensor) -> Optional[Tensor]:
-        """The tokens of ``t`` on no grid (leading, then trailing), or
-        None."""
+        """The tokens of ``t`` on no grid (leading, then trailing), or None."""
         parts = [t.narrow(self.dim, *span) for span in self.grid.extra_spans]
         if not parts:
             return None
@@ -189,8 +183,9 @@ class TokenLayout:
         return t.movedim((dim, dim + 1), (-3, -2))
 
     def grid_rows(self, t: Tensor) -> Optional[Tensor]:
-        """``t``'s grid tokens as ``(L, H, W, C)``, a view of ``t``; None
-        where the leading axes do not merge without a copy."""
+        """``t``'s grid tokens as an ``(L, H, W, C)`` view; None where the
+        leading axes do not merge without a copy.
+        """
         view = self.grid_view(t)
         try:
             return view.view(-1, *view.shape[-3:])
@@ -198,8 +193,7 @@ class TokenLayout:
             return None
 
     def rows_to_read(self, t: Tensor) -> Tensor:
-        """``t``'s grid tokens as ``(L, H, W, C)`` to read: the view of
-        :meth:`grid_rows`, or a copy where the leading axes do not merge."""
+        """:meth:`grid_rows`, or a copy where it gives None."""
         rows = self.grid_rows(t)
         if rows is None:
             view = self.grid_view(t)
@@ -208,12 +202,10 @@ class TokenLayout:
 
     def pool_rows(self, rows: Tensor, dtype: torch.dtype,
                   mean: bool = False) -> Tensor:
-        """Sums (``mean``: means) of ``(l, H, W, C)`` tokens over each ``r x r``
-        patch, ``(l, Ph, Pw, C)``, contiguous, in ``dtype``.
-
-        One channels-last ``avg_pool2d`` with divisor 1 (a single vectorised
-        pass, docs/benchmarks/design_measurements.md), exact on the clipped border
-        windows; the means divide by each window's token count.
+        """Patch sums (``mean``: means) of ``(l, H, W, C)`` tokens, ``(l,
+        Ph, Pw, C)`` contiguous in ``dtype``: one channels-last ``avg_pool2d``,
+        exact on clipped border windows
+        (docs/benchmarks/design_measurements.md).
         """
         g, r = self.grid, self.radius
         sums = F.avg_pool2d(rows.permute(0, 3, 1, 2),
@@ -223,17 +215,16 @@ class TokenLayout:
         return sums.permute(0, 2, 3, 1).contiguous().to(dtype)
 
     def patch_sums(self, t: Tensor, dtype: torch.dtype) -> Tensor:
-        """:meth:`pool_rows` of ``t``'s grid tokens (the forward's ``x~``);
-        one read of ``t`` where the compiled CPU kernel applies. CUDA keeps the
-        PyTorch pooling (docs/benchmarks/design_measurements.md).
+        """:meth:`pool_rows` of ``t``'s grid tokens (``x~``), by the
+        compiled CPU kernel where it applies; CUDA keeps the pooling
+        (docs/benchmarks/design_measurements.md).
         """
         rows = self.rows_to_read(t)
         choice = dispatch.choose('token_patch_sums', self, rows, dtype)
         return choice.implementation.run(self, rows, dtype)
 
     def patch_counts(self, sums: Tensor) -> Optional[Tensor]:
-        """Tokens per patch, ``(Ph, Pw, 1)`` to divide ``sums``; None when
-        every patch is full (divide by ``r^2``)."""
+        """Tokens per patch, ``(Ph, Pw, 1)``; None when every patch is full."""
         g, r = self.grid, self.radius
         if g.height % r == 0 and g.width % r == 0:
             return None
@@ -246,10 +237,10 @@ class TokenLayout:
         return counts.unsqueeze(-1)
 
     def spread_rows(self, out: Tensor, pooled: Tensor) -> None:
-        """Write each patch's row of ``pooled`` (``(l, Ph, Pw, C)``) to
-        every token of the patch in ``out`` (``(l, H, W, C)``, a view into
-        ``g_x``; docs/gradient_filter.md#backward, step 3): one
-        broadcasting copy per stretch of equal patches."""
+        """Write each patch's row of ``pooled`` to every token of the patch
+        in ``out`` (step 3 of the backward), one copy per stretch of equal
+        patches.
+        """
         for rows in _segments(self.grid.height, self.radius):
             for cols in _segments(self.grid.width, self.radius):
                 block = out.narrow(1, rows[0], rows[1] * rows[2]).narrow(

@@ -1,22 +1,13 @@
 """A head's classifier fused with its loss, whose gradient is taken in the
 forward (:mod:`.loss_gradients`).
 
-When the logits are a convolution's output ``z = conv(x, W, b)`` (a head's
-classifier), :class:`FusedClassifierLossFunction` also takes ``g_W`` and
-``g_b`` from ``x`` in the forward, so ``x`` is not kept at all, and its
-backward is ``g_x = W^T g_z``. What it keeps per image is ``g_z`` (``K``
-channels at the logits' resolution) for each independent loss gradient,
-instead of the classifier's input and the logits.
-
-A head's ``Dropout2d`` before a 1x1 classifier multiplies each image's
-channels by one noise value each, so it folds into the classifier's weight:
-``conv(x * s_n, W) = (W * s_n) x`` per image ``n``
-(:func:`channel_scaled_classifier`). The dropped-out copy of ``x`` (the
-classifier input's size) is then never made in the forward, and its
-gradient is never multiplied by the noise in the backward: ``g_W`` and
-``g_x`` take the noise as columns of ``W``.
-
-No mmseg import: the mmseg heads are wired in by :mod:`mmseg_gf.models.lean`.
+For logits ``z = conv(x, W, b)``, :class:`FusedClassifierLossFunction` takes
+``g_W`` and ``g_b`` from ``x`` in the forward, so it keeps ``g_z`` per loss
+gradient instead of ``x`` and the logits; its backward is ``g_x = W^T g_z``.
+A ``Dropout2d`` before a 1x1 classifier folds into the weight,
+``conv(x * s_n, W) = (W * s_n) x`` per image
+(:func:`channel_scaled_classifier`), so the dropped-out copy of ``x`` is
+never made. No mmseg import (:mod:`mmseg_gf.models.lean` wires the heads).
 """
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -52,23 +43,21 @@ class ConvSpec:
 
 
 def is_pointwise(weight: Tensor, spec: ConvSpec) -> bool:
-    """A 1x1 convolution, stride 1, no padding, one group (a classifier):
-    a matrix product over the channels."""
+    """A 1x1 convolution, stride 1, no padding, one group (a classifier)."""
     return (tuple(weight.shape[2:]) == (1, 1) and spec.stride == (1, 1)
             and spec.padding == (0, 0) and spec.groups == 1)
 
 
 def _pixels_by_channels(t: Tensor) -> Tensor:
-    """``N x HW x C`` view of a channels-last NCHW tensor (no copy)."""
     n, c = t.shape[:2]
     return t.permute(0, 2, 3, 1).reshape(n, -1, c)
 
 
 def _per_image_weights(weight: Tensor, channel_scale: Optional[Tensor],
                        n: int) -> Tensor:
-    """A 1x1 conv's ``K x C`` matrix, per image ``n x K x C`` with each
-    image's input channels scaled (a folded ``Dropout2d``'s noise, ``N x C``
-    or ``N x C x 1 x 1``), broadcast over the images without a scale."""
+    """A 1x1 conv's ``K x C`` matrix, per image with its input channels scaled
+    by ``channel_scale`` (``N x C``), if given.
+    """
     k, c = weight.shape[:2]
     w = weight.reshape(1, k, c)
     if channel_scale is None:
@@ -79,16 +68,17 @@ def _per_image_weights(weight: Tensor, channel_scale: Optional[Tensor],
 def channel_scaled_classifier(x: Tensor, weight: Tensor,
                               bias: Optional[Tensor],
                               channel_scale: Tensor) -> Tensor:
-    """``conv2d(x * channel_scale, W, b)`` of a 1x1 classifier, computed as
-    ``(W * s_n) x_n + b`` per image: ``x * channel_scale`` (``x``'s size)
-    is never made. Differentiable by autograd; the output is in ``x``'s
-    layout (channels-last for a channels-last ``x``, as oneDNN's conv).
+    """``conv2d(x * channel_scale, W, b)`` of a 1x1 classifier as ``(W * s_n)
+    x_n + b`` per image, without making ``x * channel_scale``.
+
+    Differentiable by autograd; the output keeps ``x``'s layout.
 
     Args:
         x: ``N x C x H x W``.
         weight: ``K x C x 1 x 1``.
-        channel_scale: ``N x C`` (or ``N x C x 1 x 1``), e.g. the noise of
-            a training ``Dropout2d``.
+        bias: ``K`` or None.
+        channel_scale: ``N x C`` (or ``N x C x 1 x 1``), e.g. a training
+            ``Dropout2d``'s noise.
     """
     n, c, h, w = x.shape
     k = weight.shape[0]
@@ -108,13 +98,11 @@ def weight_and_bias_gradients(x: Tensor, weight: Tensor, g_z: Tensor,
                               spec: ConvSpec, bias: bool,
                               channel_scale: Optional[Tensor] = None
                               ) -> Tuple[Tensor, Optional[Tensor]]:
-    """``g_W`` and ``g_b`` of ``z = conv2d(x, W, b)`` for output gradient
-    ``g_z``, in ``g_z``'s dtype: for a 1x1 classifier a batched matrix
-    product that reads ``x`` in its own layout (autograd's kernel copies a
-    channels-last ``x`` first), otherwise autograd's own kernel
-    (``convolution_backward``). With ``channel_scale`` (1x1 only), of
-    ``z = conv2d(x * channel_scale, W, b)``: each image's ``g_W`` has its
-    columns scaled."""
+    """``g_W`` and ``g_b`` of ``z = conv2d(x * channel_scale, W, b)`` in
+    ``g_z``'s dtype: a batched matrix product reading ``x`` in its own layout
+    for a 1x1 classifier (autograd copies a channels-last ``x``), else
+    autograd's ``convolution_backward``.
+    """
     x, weight = x.to(g_z.dtype), weight.to(g_z.dtype)
     if is_pointwise(weight, spec) and x.shape[2:] == g_z.shape[2:]:
         n, k, c = x.shape[0], weight.shape[0], weight.shape[1]
@@ -137,7 +125,6 @@ def weight_and_bias_gradients(x: Tensor, weight: Tensor, g_z: Tensor,
 
 
 def _memory_format(x: Tensor) -> torch.memory_format:
-    """``x``'s layout, for a gradient in the same one (as autograd's)."""
     if not x.is_contiguous() and x.is_contiguous(
             memory_format=torch.channels_last):
         return torch.channels_last
@@ -148,16 +135,12 @@ def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
                    spec: ConvSpec,
                    layout: torch.memory_format = torch.contiguous_format,
                    channel_scale: Optional[Tensor] = None) -> Tensor:
-    """``g_x = W^T g_z`` of ``z = conv2d(x, W)``, ``x`` of ``shape``, stored
-    in ``layout`` (``x``'s, as autograd's gradient would be). A 1x1
-    classifier's is one matrix product per image written straight into
-    that layout (with ``channel_scale``, of ``conv2d(x * channel_scale,
-    W)``: each image's ``W`` with its columns scaled). Otherwise a
-    transposed convolution: ``torch.nn.grad.conv2d_input`` runs
-    ``convolution_backward`` on a broadcast stand-in for ``x``, which the
-    CPU kernel copies to full size first: twice the bytes of ``g_x``
-    (measured with torch's profiler, torch 2.13 CPU, for a 256 -> 150
-    channel 1x1 conv at 32x32)."""
+    """``g_x = W^T g_z`` of ``z = conv2d(x * channel_scale, W)``, stored in
+    ``layout``: one matrix product per image for a 1x1 classifier (the
+    transposed convolution copies ``x``'s stand-in to full size:
+    docs/benchmarks/design_measurements.md), else
+    ``torch.nn.grad.conv2d_input``.
+    """
     if is_pointwise(weight, spec) and tuple(shape[2:]) == tuple(g_z.shape[2:]):
         n, k, c = shape[0], weight.shape[0], weight.shape[1]
         g = g_z.reshape(n, k, -1)
@@ -191,20 +174,15 @@ def input_gradient(g_z: Tensor, weight: Tensor, shape: Sequence[int],
 
 
 class FusedClassifierLossFunction(Function):
-    """``loss(conv2d(x * s, W, b), *others)`` with every gradient taken in
-    the forward.
+    """``loss(conv2d(x * s, W, b), *others)`` with every gradient taken in the
+    forward.
 
-    Inputs: the classifier's input ``x``, ``weight``, ``bias`` (or None),
-    its output ``z`` (already computed, detached), ``channel_scale`` ``s``
-    (``N x C``: a ``Dropout2d``'s noise folded into a 1x1 classifier,
-    :func:`channel_scaled_classifier`; None: no scale), the
-    :class:`ConvSpec`, ``gradients`` (``(z, *others)`` ->
-    :class:`LogitGradients`: the loss's outputs and gradients), ``keys``
-    (receives the output keys), then the further logits tensors the loss
-    reads, if any. Keeps, per basis of :class:`LogitGradients`, ``g_z``
-    (only when ``x`` needs a gradient; then also ``s``) and ``g_W``,
-    ``g_b`` (when the classifier is trained), and the gradients w.r.t.
-    ``others``: never ``x``.
+    Inputs: ``x``, ``weight``, ``bias`` (or None), the detached logits ``z``,
+    ``channel_scale`` ``s`` (``N x C`` or None), the :class:`ConvSpec`,
+    ``gradients`` (``(z, *others)`` -> :class:`LogitGradients`), ``keys``
+    (receives the output keys), then the further tensors the loss reads. Keeps
+    ``g_z`` per basis (when ``x`` needs a gradient), ``g_W`` and ``g_b`` (when
+    the classifier trains) and the gradients of ``others``: never ``x``.
     """
 
     @staticmethod

@@ -1,13 +1,11 @@
 """A loss whose gradient is computed in the forward.
 
 A head's loss is its logits' only consumer and is differentiated once, so
-its gradient w.r.t. the low-resolution logits is taken in the forward on a
-detached copy and kept instead of what autograd would keep (upsampled
-logits, log-softmax, OHEM's sorted probabilities). The backward scales the
-kept gradients by the incoming ones, so AMP loss scaling and gradient
-accumulation stay exact; the loss runs once, with autograd, as on the plain
-path (same random draws). :mod:`.fused_classifier` also folds in a head's
-classifier. No mmseg import.
+its gradient w.r.t. the low-resolution logits is taken in the forward and
+kept instead of what autograd would keep (upsampled logits, log-softmax).
+The backward scales it by the incoming gradient, so AMP loss scaling and
+accumulation stay exact; the loss runs once, as on the plain path (same
+random draws). No mmseg import.
 """
 import contextlib
 from dataclasses import dataclass, field
@@ -30,15 +28,15 @@ class LogitGradients:
     """A loss's outputs and their gradients w.r.t. one logits tensor.
 
     Output ``k``'s gradient is ``sum(c * bases[b] for b, c in mix[k])``, so
-    outputs sharing a gradient up to a factor keep one basis.
+    outputs equal up to a factor share a basis.
 
     Attributes:
         values: every output (detached), in output order.
         bases: gradient tensors, the logits' shape.
         mix: output key -> ``[(basis index, factor)]``.
         others: output key -> its gradient w.r.t. each further logits tensor
-            (None where it does not depend on one). Outputs in neither ``mix``
-            nor ``others`` are not differentiable.
+            (None where independent). Outputs in neither are not
+            differentiable.
     """
 
     values: Dict[str, Tensor]
@@ -62,12 +60,8 @@ def _identity(tensor: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def forward_graph():
-    """Autograd on, for a graph built and differentiated inside a forward.
-
-    Identity saved-tensor hooks keep its saved tensors (detached aliases, same
-    version counter) away from hooks around the step (offloading, measuring),
-    and parts no gradient call traverses are freed by reference counting as
-    without hooks.
+    """Autograd on for a graph built and differentiated inside a forward, its
+    saved tensors kept from hooks around the step (offloading, measuring).
     """
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
             _pack_detached, _identity):
@@ -91,15 +85,12 @@ def loss_gradients(compute: Callable[..., Dict[str, Tensor]],
                    ) -> Tuple[Dict[str, Tensor],
                               Dict[str, Tuple[Optional[Tensor], ...]]]:
     """Run ``compute(*leaves)`` on detached ``logits`` and differentiate each
-    scalar ``loss*`` output on its own, dropping it right after.
-
-    Only the logits in ``needs`` (default: all) require a gradient, so a frozen
-    branch's loss builds no graph, as on the plain path.
+    scalar ``loss*`` output on its own; only logits in ``needs`` (default
+    all) require a gradient.
 
     Returns:
-        ``(values, grads)``: outputs detached, and each differentiable
-        output's gradient per logits tensor (None where independent or not
-        needed).
+        ``(values, grads)``: detached outputs and each differentiable output's
+        gradient per logits tensor (None where independent or not needed).
 
     Raises:
         ValueError: a differentiable output is not a scalar, or depends on
@@ -130,12 +121,8 @@ def loss_gradients(compute: Callable[..., Dict[str, Tensor]],
 
 
 class PrecomputedGradientLossFunction(Function):
-    """Loss outputs of logits tensors, differentiated in the forward.
-
-    Inputs: ``compute`` (logits -> dict of outputs), ``keys`` (receives the
-    keys in output order), ``params`` (see :func:`loss_gradients`), the
-    logits. Keeps each output's gradient per logits tensor at their
-    resolution; outputs without ``loss`` in their key are not differentiable.
+    """Loss outputs of logits tensors, differentiated in the forward by
+    :func:`loss_gradients`; keeps each output's gradient per logits tensor.
     """
 
     @staticmethod
@@ -158,10 +145,8 @@ class PrecomputedGradientLossFunction(Function):
 
 
 class KeptGradientLossFunction(Function):
-    """Loss outputs of one logits tensor whose gradients ``gradients`` computes
-    in the forward without autograd (e.g. a compiled kernel). Keeps the
-    :class:`LogitGradients` bases only; outputs outside ``mix`` are not
-    differentiable.
+    """Loss outputs of one logits tensor whose :class:`LogitGradients` a
+    callable computes without autograd (a compiled kernel); keeps the bases.
     """
 
     @staticmethod

@@ -1,17 +1,12 @@
 """The forward outputs and the backward of an autograd Function that takes
 its gradients in the forward.
 
-Such a Function (:mod:`.loss_gradients`, :mod:`.fused_classifier`, the lean
-OHEM head's in :mod:`mmseg_gf.models.lean_ohem`) keeps, instead of its
-inputs, the gradients of its outputs w.r.t. them; its backward only scales
-them by the incoming gradients and sums: an output ``L_k`` with incoming
-gradient ``c_k`` contributes ``c_k * dL_k/dz`` (the chain rule, so the
-sum is the exact gradient whatever ``c_k`` is). The helpers here are that
-shared part: which gradients are kept and of which (output, input) pair
-(:func:`flatten_gradients`), their scaled sums per input
-(:func:`recombine_gradients`, :func:`scaled_sum`), the factors of gradient
-bases shared by several outputs (:func:`basis_scales`), and the forward's
-outputs as the Function must return them (:func:`function_outputs`).
+Such a Function keeps the gradients of its outputs instead of its inputs;
+its backward scales them by the incoming gradients and sums, the exact
+chain rule whatever those are. Shared here: which gradients are kept
+(:func:`flatten_gradients`), their scaled sums (:func:`recombine_gradients`,
+:func:`scaled_sum`, :func:`basis_scales`) and the forward's outputs
+(:func:`function_outputs`).
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -23,8 +18,9 @@ __all__ = ['basis_scales', 'flatten_gradients', 'function_outputs',
 
 def scaled_sum(terms: Sequence[Tuple[Tensor, Tensor]],
                like: Tensor) -> Tensor:
-    """``sum(scale * tensor)`` in float32 (at least), cast to ``like``'s
-    dtype: the kept gradients times the incoming ones."""
+    """``sum(scale * tensor)`` in at least float32, cast to ``like``'s
+    dtype.
+    """
     total = None
     for scale, tensor in terms:
         part = tensor * scale
@@ -35,8 +31,7 @@ def scaled_sum(terms: Sequence[Tuple[Tensor, Tensor]],
 def flatten_gradients(grads: Dict[str, Tuple[Optional[Tensor], ...]],
                       keys: List[str]
                       ) -> Tuple[List[Tuple[int, int]], List[Tensor]]:
-    """The gradients that exist, and ``(output index, logits index)`` of
-    each: what a backward needs to scale them."""
+    """The gradients that exist and ``(output, logits)`` indices of each."""
     layout, kept = [], []
     for key, per_logit in grads.items():
         for j, g in enumerate(per_logit):
@@ -50,8 +45,7 @@ def recombine_gradients(layout: Sequence[Tuple[int, int]],
                         kept: Sequence[Tensor],
                         grad_outputs: Sequence[Optional[Tensor]],
                         num_logits: int) -> Tuple[Optional[Tensor], ...]:
-    """Each logits tensor's gradient: its kept gradients, each scaled by its
-    output's incoming gradient, summed."""
+    """Each logits tensor's gradient: its kept gradients, scaled, summed."""
     terms: List[List[Tuple[Tensor, Tensor]]] = [
         [] for _ in range(num_logits)]
     for (k, j), g in zip(layout, kept):
@@ -66,11 +60,10 @@ def _storage_key(t: Tensor) -> int:
 
 def _own_outputs(tensors: Sequence[Tensor],
                  inputs: Sequence[Optional[Tensor]] = ()) -> tuple:
-    """``tensors`` as a Function's outputs: each one that is a view, or
-    shares its storage with an input or an earlier output, copied (an
-    in-place change of one output must not reach another or an input);
-    the others returned as they are (a loss value computed in the forward:
-    on a GPU a copy is one more launch per output)."""
+    """``tensors`` as outputs: a view or one sharing storage with an input
+    or an earlier output is copied (in-place changes must not reach another);
+    the others are returned as they are (a copy is a launch on a GPU).
+    """
     seen = {_storage_key(t) for t in inputs if t is not None}
     out = []
     for t in tensors:
@@ -85,10 +78,9 @@ def _own_outputs(tensors: Sequence[Tensor],
 
 def function_outputs(ctx, values: Dict[str, Tensor], differentiable,
                      inputs: Sequence[Optional[Tensor]] = ()) -> tuple:
-    """The forward's outputs in key order (:func:`_own_outputs`), the
-    non-differentiable marked. An output no gradient reaches (the
-    accuracy) gets None in the backward, not a zero tensor made for it
-    (a fill launch on a GPU): the backwards skip None."""
+    """The forward's outputs in key order, the non-differentiable marked; an
+    output no gradient reaches gets None in the backward, not a zero fill.
+    """
     ctx.set_materialize_grads(False)
     outputs = _own_outputs([values[k] for k in ctx.keys], inputs)
     ctx.mark_non_differentiable(
@@ -100,8 +92,9 @@ def basis_scales(keys: Sequence[str],
                  mix: Dict[str, List[Tuple[int, float]]],
                  grad_outputs: Sequence[Optional[Tensor]]
                  ) -> Dict[int, Tensor]:
-    """Basis index -> its factor in the gradient: the incoming gradients
-    of the outputs that use it, times their factors."""
+    """Basis index -> its factor: the incoming gradients of its outputs
+    times their factors.
+    """
     scales: Dict[int, Tensor] = {}
     for key, grad in zip(keys, grad_outputs):
         if grad is None or key not in mix:

@@ -1,27 +1,16 @@
-"""Bilinear resizes whose backward reads a channel slice's gradient in place.
+"""Bilinear resizes whose backward reads a channel slice's gradient in
+place.
 
-Decode heads resize feature maps and concatenate them along the channels
-(Segformer's MLP head, LRASPP's branches, ...): the concatenation's backward
-hands each resize a channel slice of its gradient, which is not contiguous
-when the batch has more than one image, and torch's
-``upsample_bilinear2d_backward`` copies it to contiguous memory first: on
-MobileNetV3-LRASPP at 512x512, batch 2, a 64 MiB copy (~29 ms on the 2-core
-benchmark VM) in front of the resize's own backward. One image of that
-slice is contiguous, so :func:`bilinear_resize_backward` reads it in place,
-writing into one gradient tensor (recycled memory on CPU,
-:func:`~..backend.output_pool.empty_for_writing`): with the compiled kernels one axis at
-a time (``csrc/bilinear_backward.cpp``: torch's indices and weights, the
-terms summed in another order; ~3x faster than torch's kernel, which
-scatters every output pixel's four terms one by one), otherwise torch's
-own kernel image by image, the same gradient bit for bit
-(``tests/test_ops/test_resize.py``).
-
-:func:`strided_gradient_resizes` routes ``torch.nn.functional.interpolate``
-calls (``mode='bilinear'``, 4-d, no antialiasing, on a tensor that needs a
-gradient) to :class:`BilinearResizeFunction` for the duration of a block
-(a torch function mode, so mmseg's ``resize`` helper is covered without
-touching mmseg). Its forward is ``interpolate`` itself; it keeps nothing
-but sizes, as autograd's resize does.
+Heads that concatenate resized maps (Segformer's MLP head, LRASPP) hand
+each resize a non-contiguous channel slice of the gradient, which torch's
+``upsample_bilinear2d_backward`` copies first. Each image of that slice is
+contiguous, so :func:`bilinear_resize_backward` reads it in place (the
+compiled kernel one axis at a time, or torch's kernel image by image, bit
+for bit). :func:`strided_gradient_resizes` routes bilinear ``interpolate``
+calls that need a gradient to :class:`BilinearResizeFunction` inside a
+block (a torch function mode: mmseg's ``resize`` is covered untouched).
+Details: docs/lean_region.md; figures:
+docs/benchmarks/design_measurements.md.
 """
 import contextlib
 import inspect
@@ -50,9 +39,9 @@ _INTERPOLATE = inspect.signature(F.interpolate)
 
 def _scales(scale_factor, recompute_scale_factor
             ) -> Tuple[Optional[float], Optional[float]]:
-    """The scales ``interpolate`` hands torch's bilinear kernel (and its
-    autograd formula): the scale factor as given, unless the output size
-    is given or recomputed from it."""
+    """The scales ``interpolate`` hands torch's bilinear kernel: the factor as
+    given, unless the size is given or recomputed.
+    """
     if scale_factor is None or recompute_scale_factor:
         return None, None
     if isinstance(scale_factor, (tuple, list)):
@@ -61,9 +50,9 @@ def _scales(scale_factor, recompute_scale_factor
 
 
 def images_contiguous(grad: Tensor) -> bool:
-    """Each image of ``grad`` is contiguous with its plain strides (a
-    channel slice of a contiguous batch is; a tensor with one-pixel axes
-    may have other strides for them, and goes to torch's kernel)."""
+    """Each image of ``grad`` is contiguous with its plain strides (else
+    torch's kernel runs).
+    """
     _, _, h, w = grad.shape
     return grad.stride()[1:] == (h * w, w, 1)
 
@@ -73,12 +62,10 @@ def images_contiguous(grad: Tensor) -> bool:
 def bilinear_backward_op(grad: Tensor, input_size: List[int],
                          align_corners: bool, scale_h: Optional[float],
                          scale_w: Optional[float]) -> Tensor:
-    """:func:`~.cpu.bilinear_backward` as a torch operator (what a
-    compiled graph calls, where it called torch's
-    ``upsample_bilinear2d_backward``, 7x this kernel's time in a
-    PSPNet-R18 step on CPU): a new contiguous gradient of ``input_size``
-    from a float32 / float64 CPU ``grad`` at any strides (copied where an
-    image is not contiguous)."""
+    """:func:`~.cpu.bilinear_backward` as a torch operator for compiled graphs
+    (torch's kernel took 7x its time in a PSPNet-R18 step on CPU); copies an
+    image that is not contiguous.
+    """
     if not images_contiguous(grad):
         grad = grad.contiguous()
     return resize_cpu.bilinear_backward(grad, grad.new_empty(input_size),
@@ -91,16 +78,11 @@ def _(grad, input_size, align_corners, scale_h, scale_w):
 
 
 def traced_rule_applies(x: Tensor) -> bool:
-    """Whether, under ``torch.compile``, resizes of tensors on ``x``'s
-    device run as :class:`BilinearResizeFunction`: on CPU tensors (its
-    backward is the compiled kernel's operator, or torch's kernel as one
-    operator: Inductor's C++ backend fails to generate the scatter of its
-    decomposition into a 1 x 1 map, PSPNet's pyramid branch of scale 1),
-    not on CUDA's path (inside :func:`~.device_path.as_on_cuda` too),
-    where the Function's traced backward is torch's own, which the graph
-    gets without routing the call: a traced caller there leaves
-    :func:`strided_gradient_resizes` out, so no torch function mode runs
-    inside the graph."""
+    """Whether, under ``torch.compile``, resizes on ``x``'s device run as
+    :class:`BilinearResizeFunction`: on CPU tensors (Inductor's C++ backend
+    fails on the decomposed backward into a 1 x 1 map), not on the CUDA path,
+    where the traced backward is torch's own anyway.
+    """
     return x.device.type == 'cpu' and not acting_as_cuda()
 
 
@@ -108,13 +90,11 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
                              align_corners: bool,
                              scales: Tuple[Optional[float], Optional[float]]
                              ) -> Tensor:
-    """The gradient of a bilinear resize w.r.t. its input, read in place
-    where each image of ``grad`` is contiguous (a channel slice of a batch),
-    by the dispatcher's ``resize`` choice: the GEMMs (:mod:`.gemm`), the
-    compiled kernels on CPU (float32 / float64) one axis at a time
-    (:func:`~.cpu.bilinear_backward`, torch's terms in another order;
-    under ``torch.compile`` as its operator), otherwise torch's
-    ``upsample_bilinear2d_backward`` (:func:`torch_backward`)."""
+    """The gradient of a bilinear resize w.r.t. its input, by the dispatcher's
+    ``resize`` choice: GEMMs (:mod:`.gemm`), the compiled CPU kernel, or
+    torch's kernel (:func:`torch_backward`); reads ``grad`` in place where
+    each image is contiguous.
+    """
     backward = dispatch.choose('resize', grad).implementation.run
     return backward(grad, input_size, align_corners, scales)
 
@@ -122,7 +102,6 @@ def bilinear_resize_backward(grad: Tensor, input_size: Sequence[int],
 def gemm_backward(grad: Tensor, input_size: Sequence[int],
                   align_corners: bool,
                   scales: Tuple[Optional[float], Optional[float]]) -> Tensor:
-    """The backward as two matrix products (:func:`.gemm.resize_backward`)."""
     return bilinear_gemm.resize_backward(grad, input_size[2:], align_corners,
                                          scales)
 
@@ -130,9 +109,9 @@ def gemm_backward(grad: Tensor, input_size: Sequence[int],
 def kernel_backward(grad: Tensor, input_size: Sequence[int],
                     align_corners: bool,
                     scales: Tuple[Optional[float], Optional[float]]) -> Tensor:
-    """The compiled CPU backward: its operator while ``torch.compile``
-    traces, else the kernel into recycled memory (each image of ``grad``
-    contiguous)."""
+    """The compiled CPU backward: its operator while tracing, else the kernel
+    into recycled memory.
+    """
     if torch.compiler.is_compiling():
         return bilinear_backward_op(grad, list(input_size),
                                     bool(align_corners), *scales)
@@ -143,9 +122,9 @@ def kernel_backward(grad: Tensor, input_size: Sequence[int],
 def torch_backward(grad: Tensor, input_size: Sequence[int],
                    align_corners: bool,
                    scales: Tuple[Optional[float], Optional[float]]) -> Tensor:
-    """torch's ``upsample_bilinear2d_backward``: image by image into one
-    gradient where each image of ``grad`` is contiguous (no copy of the
-    slice), else (and under ``torch.compile``) on the whole, copied."""
+    """torch's ``upsample_bilinear2d_backward``, image by image where each
+    image of ``grad`` is contiguous, else (and under ``torch.compile``) whole.
+    """
     out_size = list(grad.shape[2:])
     if not images_contiguous(grad) or torch.compiler.is_compiling():
         return torch.ops.aten.upsample_bilinear2d_backward(
@@ -161,8 +140,7 @@ def torch_backward(grad: Tensor, input_size: Sequence[int],
 
 def _output_size(x: Tensor, size, scale_factor, recompute_scale_factor
                  ) -> Tuple[int, int]:
-    """The output size ``interpolate`` computes: ``size``, or each axis'
-    ``floor(in * scale_factor)``."""
+    """The output size ``interpolate`` computes."""
     if size is not None:
         return tuple(size) if isinstance(size, (tuple, list)) \
             else (int(size), int(size))
@@ -173,9 +151,9 @@ def _output_size(x: Tensor, size, scale_factor, recompute_scale_factor
 
 
 class BilinearResizeFunction(Function):
-    """``F.interpolate(x, size, scale_factor, mode='bilinear',
-    align_corners, recompute_scale_factor)`` whose backward is
-    :func:`bilinear_resize_backward`."""
+    """Bilinear ``F.interpolate`` whose backward is
+    :func:`bilinear_resize_backward`.
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, size, scale_factor, align_corners,
@@ -199,8 +177,6 @@ class BilinearResizeFunction(Function):
 
 
 class _StridedGradientResizes(TorchFunctionMode):
-    """Routes bilinear ``interpolate`` calls that autograd records to
-    :class:`BilinearResizeFunction`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -221,6 +197,7 @@ class _StridedGradientResizes(TorchFunctionMode):
 @contextlib.contextmanager
 def strided_gradient_resizes():
     """Inside the block, bilinear resizes that need a gradient run as
-    :class:`BilinearResizeFunction` (the same outputs and gradients)."""
+    :class:`BilinearResizeFunction` (same outputs and gradients).
+    """
     with _StridedGradientResizes():
         yield

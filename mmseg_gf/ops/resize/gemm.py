@@ -1,31 +1,13 @@
 """Bilinear resizes on a GPU as two matrix products.
 
-A bilinear resize is separable: ``y = A x B^T`` for every image and
-channel plane ``x`` (``H_in x W_in``), where ``A`` (``H_out x H_in``) and
-``B`` (``W_out x W_in``) hold each output row's (column's) two
-interpolation weights at the two source rows (columns) torch's kernel
-reads. Its input gradient is the transpose, ``g_x = A^T g_y B``. Both are
-two batched GEMMs (cuBLAS), the width contracted first; a small source
-(at most 64 pixels: a pyramid pooling branch's 1x1 to 6x6 maps) takes one,
-with the Kronecker product ``A (x) B`` (:func:`one_product`). The matrices
-enter the batched GEMMs with a batch stride of 0 and a channel slice of a
-gradient is read in place: no operand is copied.
-
-Why: torch's CUDA kernels for a contiguous NCHW map parallelise over
-output pixels only and its backward adds four atomic terms per output
-pixel; they took up to half of a lean step's device time on an H200
-(docs/benchmarks/README.md, "Where the time goes"). The products read and
-write each map once and have ``~4 (H_in + W_out)`` flops per output pixel.
-
-Rounding: the same weighted sums as torch's (weights computed as its
-kernel computes them), summed in another order: equal within float32
-rounding, tested against ``F.interpolate`` and its autograd gradient. A
-non-finite value spreads to its whole image-channel plane
-(docs/reliability.md, "Precision").
-
-Taken by :mod:`.resize` and :mod:`.resized_loss` on CUDA tensors of float32
-or float64 while ``MMSEG_GF_RESIZE_GEMM`` is on (:mod:`.switches`);
-:func:`refusal` says why not (the dispatcher's ``resize`` asks it)."""
+A bilinear resize is ``y = A x B^T`` per plane (``A``, ``B``: each axis'
+interpolation weights, torch's), its input gradient ``g_x = A^T g_y B``:
+two batched GEMMs, or one with ``A (x) B`` for a source of at most 64
+pixels. The matrices have batch stride 0 and channel slices are read in
+place: no operand is copied. Why (torch's CUDA resize kernels took up to
+half of a lean step's device time) and rounding: docs/lean_region.md and
+docs/reliability.md, "Precision". Switch: ``MMSEG_GF_RESIZE_GEMM``.
+"""
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -46,11 +28,9 @@ ONE_PRODUCT_ELEMENTS = 1 << 22
 
 
 def refusal(t: Tensor) -> Optional[str]:
-    """Why a bilinear resize of (or gradient) ``t`` may not take the GEMMs,
-    or None: a float32 / float64 CUDA tensor (or a CPU one inside
-    :func:`~.device_path.as_on_cuda`, for the launch count), the switch
-    on, not while ``torch.compile`` traces (Inductor writes its own
-    resize)."""
+    """Why a resize of (or gradient) ``t`` may not take the GEMMs, or None: it
+    needs a float32 / float64 CUDA tensor, the switch on, and no tracing.
+    """
     if not (t.device.type == 'cuda' or acting_as_cuda()):
         return f'{t.device.type} tensor'
     if t.dtype not in _DTYPES:
@@ -69,8 +49,7 @@ def usable(t: Tensor) -> bool:
 
 def _source_scale(in_size: int, out_size: int, align_corners: bool,
                   scale: Optional[float]) -> float:
-    """torch's ``area_pixel_compute_scale``: source pixels per output
-    pixel."""
+    """torch's ``area_pixel_compute_scale``."""
     if align_corners:
         return (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
     if scale is not None and scale > 0:
@@ -110,11 +89,9 @@ def _matrix(out_size: int, in_size: int, align_corners: bool,
 def interpolation_matrix(out_size: int, in_size: int, align_corners: bool,
                          scale: Optional[float], dtype: torch.dtype,
                          device) -> Tensor:
-    """The ``out_size x in_size`` matrix of one axis' bilinear weights
-    (torch's source indices and weights; ``scale``: the scale factor a
-    resize was given, as torch's kernel receives it, or None). Cached per
-    shape, dtype and device (:data:`MATRIX_CACHE_SIZE` of them, least
-    recently used first out)."""
+    """The ``out_size x in_size`` bilinear weights of one axis, as torch's
+    kernel computes them; LRU-cached per shape, dtype and device.
+    """
     return _matrix(int(out_size), int(in_size), bool(align_corners),
                    None if scale is None else float(scale), dtype,
                    torch.device(device))
@@ -142,12 +119,9 @@ def _kronecker(out_hw: Tuple[int, int], in_hw: Tuple[int, int],
 
 
 def one_product(out_hw: Sequence[int], in_hw: Sequence[int]) -> bool:
-    """Whether a resize between these sizes runs as one product with the
-    ``(H_out W_out) x (H_in W_in)`` matrix ``A (x) B`` (the two axes'
-    matrices' Kronecker product): for a source of at most
-    :data:`ONE_PRODUCT_PIXELS` pixels (a pyramid pooling branch's 1x1 to
-    6x6 maps), whose products cost that many multiply-adds per output
-    pixel, one launch where the separable form takes two."""
+    """Whether a resize runs as one product with ``A (x) B``: a source of at
+    most :data:`ONE_PRODUCT_PIXELS` pixels (one launch where two would run).
+    """
     return (in_hw[0] * in_hw[1] <= ONE_PRODUCT_PIXELS
             and out_hw[0] * out_hw[1] * in_hw[0] * in_hw[1]
             <= ONE_PRODUCT_ELEMENTS)
@@ -162,17 +136,15 @@ def _kron_for(out_hw, in_hw, align_corners, scales, like) -> Tensor:
 
 
 def _batched(matrix: Tensor, count: int) -> Tensor:
-    """``matrix`` repeated ``count`` times as a batch, without a copy (a
-    batch stride of 0, which batched GEMMs read as is)."""
+    """``matrix`` as a batch of ``count`` with batch stride 0 (no copy)."""
     return matrix.expand(count, *matrix.shape)
 
 
 def resize(x: Tensor, out_hw: Sequence[int], align_corners: bool,
            scales=(None, None)) -> Tensor:
-    """``F.interpolate(x, out_hw, mode='bilinear', align_corners)`` of an
-    ``N x C x H x W`` tensor as ``A x B^T`` per plane (contiguous NCHW
-    out): one batched GEMM for a small source (:func:`one_product`), else
-    two."""
+    """``F.interpolate(x, out_hw, mode='bilinear', align_corners)`` as ``A x
+    B^T`` per plane, contiguous NCHW.
+    """
     n, c, h, w = x.shape
     if one_product(out_hw, (h, w)):
         kron = _kron_for(out_hw, (h, w), align_corners, scales, x)
@@ -187,10 +159,9 @@ def resize(x: Tensor, out_hw: Sequence[int], align_corners: bool,
 def resize_backward(grad: Tensor, in_hw: Sequence[int], align_corners: bool,
                     scales=(None, None), out: Optional[Tensor] = None
                     ) -> Tensor:
-    """The input gradient of :func:`resize` for ``grad`` (``N x C x H_out x
-    W_out``; a channel slice of a larger gradient is read in place):
-    ``A^T grad B`` per plane, written into ``out`` (contiguous, ``N x C x
-    H_in x W_in``) when given."""
+    """The input gradient of :func:`resize`, ``A^T grad B`` per plane (a
+    channel slice read in place), into ``out`` when given.
+    """
     n, c, h_out, w_out = grad.shape
     h, w = int(in_hw[0]), int(in_hw[1])
     if out is None:

@@ -1,30 +1,14 @@
-"""Triton kernel of the resized cross-entropy (:mod:`.resized_loss`): every
-per-pixel quantity of one image's upsampled logits in one pass.
+"""Triton kernel of the resized cross-entropy: every per-pixel quantity of
+one image's upsampled logits in one pass.
 
-``_pixel_cross_entropy`` reads the upsampled logits (``C x H x W``, any
-class and pixel strides) and the label once and writes, per pixel, the
-gradient of ``w_p * ce_p`` w.r.t. the upsampled logits (``w_p *
-(softmax - onehot)``, or ``w_p * (sigmoid - onehot)``), optionally the
-unweighted ``ce_p`` and the label's softmax probability, and per program
-the partial sums of ``w_p * ce_p``, of the top-1 hits, of the labelled
-pixels and of the labels outside ``[0, C)`` that are not ``ignore_index``.
-``_batch_totals`` then reads every image's partial sums once and writes
-the per-image and batch totals, mmseg's accuracy and the count of bad
-labels the label check asserts on: one launch where PyTorch takes about
-ten tiny ones (a launch each on a GPU, whatever their size). On the
-PyTorch path the same takes a log-softmax, an NLL, a product, a sum,
-their three backward operators, an argmax, a compare, a mask and a
-count: about 15 launches and as many full passes over the upsampled
-logits.
-
-Each program takes ``BLOCK_P`` pixels and all classes (``BLOCK_C``, the
-class count padded to a power of two, at most :data:`MAX_CLASSES`).
-Arithmetic in float32; the results equal the PyTorch path's up to
-rounding (the order of the sums and the exp / log implementations), the
-hits exactly (``argmax``'s order: NaN first, then the first maximum).
-
-Importing this module imports ``triton`` (:mod:`.resized_loss` imports it
-lazily).
+``_pixel_cross_entropy`` reads the upsampled logits and labels once and
+writes the gradient ``w_p * (softmax - onehot)`` (or sigmoid), optionally
+``ce_p`` and the label probability, and per-program partial sums (loss,
+hits, labelled and bad labels); ``_batch_totals`` turns every image's
+partial sums into the totals and mmseg's accuracy in one launch. The
+PyTorch path takes about 15 launches and passes for the same. Float32
+arithmetic: equal to it to rounding, the hits exactly (``argmax``'s
+order). Importing this module imports ``triton``.
 """
 import triton
 import triton.language as tl
@@ -118,7 +102,6 @@ def _pixel_cross_entropy(up, label, weight, grad, loss_part, hits_part,
 
 
 def block_sizes(classes: int, pixels: int) -> dict:
-    """``BLOCK_C`` and ``BLOCK_P`` of one launch."""
     block_c = triton.next_power_of_2(max(classes, 1))
     block_p = max(16, _TILE // block_c)
     block_p = min(block_p, triton.next_power_of_2(max(pixels, 1)))
@@ -126,7 +109,6 @@ def block_sizes(classes: int, pixels: int) -> dict:
 
 
 def programs(classes: int, pixels: int) -> int:
-    """Programs (and partial sums) of one image's launch."""
     return triton.cdiv(pixels, block_sizes(classes, pixels)['BLOCK_P'])
 
 
@@ -134,12 +116,10 @@ def pixel_cross_entropy(up: Tensor, label: Tensor, weight, grad, loss_part,
                         hits_part, bad_part, valid_part, pixel_loss,
                         target_prob, ignore_index: int,
                         sigmoid: bool) -> None:
-    """One image: ``up`` is ``1 x C x H x W`` (each pixel's classes at one
-    stride, pixels at another: NCHW or channels-last), ``label`` (and
-    ``weight``, ``pixel_loss``, ``target_prob`` where given) contiguous ``H
-    x W``, ``grad`` ``up``'s shape and strides (or None), ``loss_part`` /
-    ``hits_part`` / ``bad_part`` / ``valid_part`` :func:`programs` float32
-    / int32 / int32 / int32 partial sums."""
+    """One image: ``up`` ``1 x C x H x W`` (NCHW or channels-last), ``label``
+    and the optional per-pixel tensors contiguous ``H x W``, ``grad`` like
+    ``up`` (or None), and :func:`programs` partial sums.
+    """
     classes = up.shape[1]
     pixels = up.shape[2] * up.shape[3]
     meta = block_sizes(classes, pixels)
@@ -200,14 +180,10 @@ def batch_totals(loss_part: Tensor, hits_part: Tensor, bad_part: Tensor,
                  valid_part: Tensor, loss: Tensor, hits: Tensor,
                  loss_total: Tensor, hits_total: Tensor, labelled: Tensor,
                  accuracy: Tensor, labels_bad: Tensor) -> None:
-    """The batch's totals from :func:`pixel_cross_entropy`'s partial sums
-    (``N x programs``, contiguous), in one program (a few thousand partial
-    sums per image): ``loss`` / ``hits`` (``N`` float64 / int64) per
-    image; 0-d ``loss_total`` (their sum, in its own dtype),
-    ``hits_total`` (float32), ``labelled`` (int64: pixels not
-    ``ignore_index``), ``labels_bad`` (int32: the labels out of range
-    that are not ``ignore_index``); ``accuracy`` (1 float32): mmseg's
-    ``100 * hits / labelled``, with its eps and PyTorch's rounding."""
+    """The per-image and batch totals from :func:`pixel_cross_entropy`'s
+    partial sums (``N x programs``) in one program, with the bad-label count
+    and mmseg's accuracy (its eps, PyTorch's rounding).
+    """
     images, parts = loss_part.shape
     _batch_totals[(1, )](
         loss_part, hits_part, bad_part, valid_part, loss, hits, loss_total,
