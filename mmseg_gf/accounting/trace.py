@@ -314,9 +314,9 @@ class StepTracer:
         return run
 
     def step(self, batch, keep_saved: bool = True) -> Dict[str, Any]:
-        """One training forward + loss on ``(inputs, data_samples)``, as training
-        runs it; the random state is restored afterwards. ``keep_saved=False``:
-        autograd keeps nothing for backward."""
+        """One training forward + loss on ``(inputs, data_samples)``, as
+        training runs it; the random state is restored afterwards.
+        ``keep_saved=False``: autograd keeps nothing for backward."""
         inputs, samples = batch
         self.seq = 0
         self._stack.clear()
@@ -337,8 +337,8 @@ class StepTracer:
 
         The hook reaches the tracer through a holder emptied at the block's end
         and keeps a detached alias: otherwise the saved tensors' nodes and the
-        tracer form a cycle through C++ the collector cannot see, and every traced
-        model stayed alive (docs/benchmarks/design_measurements.md)."""
+        tracer form a cycle through C++ the collector cannot see, and every
+        traced model stayed alive (docs/benchmarks/design_measurements.md)."""
         if self.on_pack is None:
             with (contextlib.nullcontext() if keep_saved else
                   torch.autograd.graph.saved_tensors_hooks(_drop,

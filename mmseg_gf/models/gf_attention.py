@@ -305,8 +305,9 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
 
     def _sdpa_attention(self, q: Tensor, k: Tensor, v: Tensor, bsz: int,
                         dropout_p: float) -> Tensor:
-        """The attention through SDPA, its output as rows for the out-projection
-        (viewing SDPA's output where it can, so both keep one storage)."""
+        """The attention through SDPA, its output as rows for the
+        out-projection (viewing SDPA's output where it can, so both keep
+        one storage)."""
         heads = self.num_heads
         tgt_len, src_len, head_dim = q.size(1), k.size(1), q.shape[-1]
         embed_dim = heads * head_dim

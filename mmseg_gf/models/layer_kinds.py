@@ -60,7 +60,8 @@ class LayerKind:
         prepare: ``(model) -> undo or None``: what ``geometry`` and
             ``from_plain`` need during the trace (token-grid hooks).
         install: ``(model) -> None``, idempotent, before ``from_plain``.
-        patch_partitioned: its ``g_x`` is patch-constant (:mod:`.patch_mean_graph`).
+        patch_partitioned: its ``g_x`` is patch-constant
+            (:mod:`.patch_mean_graph`).
         call_grids: a token kind's ``(module, site, args, kwargs) -> ((grid,
             input shape, token axis), ...)`` (query first); None on maps.
         kept_rule: its kept-for-backward rule (:mod:`mmseg_gf.accounting.kept`),

@@ -94,8 +94,8 @@ class _LeanFrozenNorm:
     """Eval-mode batch norm without trainable parameters: ``g * scale``."""
 
     def frozen_affine(self) -> Optional[tuple]:
-        """``(running_mean, running_var, weight, bias, eps)`` while frozen (eval
-        mode, nothing trained), else None."""
+        """``(running_mean, running_var, weight, bias, eps)`` while frozen
+        (eval mode, nothing trained), else None."""
         if (self.training or self.running_var is None
                 or self.running_mean is None
                 or any(p.requires_grad for p in self.parameters())):

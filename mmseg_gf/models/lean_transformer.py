@@ -155,8 +155,9 @@ class _LeanMmcvAttention:
 
 def _sdpa_windows(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                   mask: Optional[Tensor], scale: float) -> Tensor:
-    """``softmax(q k^T * scale + bias (+ mask)) v`` for windows. With a mask the
-    windows go on the heads axis so SDPA keeps the mask once, not per image."""
+    """``softmax(q k^T * scale + bias (+ mask)) v`` for windows. With a mask
+    the windows go on the heads axis so SDPA keeps the mask once, not per
+    image."""
     if mask is None:
         attn_mask = None if bias is None else bias.unsqueeze(0)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,

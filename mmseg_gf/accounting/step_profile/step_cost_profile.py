@@ -150,8 +150,9 @@ class StepCostProfile:
 
     def workspace(self, conv: ConvProfile, radius: int,
                   need_input_grad: bool, batch: int) -> int:
-        """Scratch bytes of one filtered conv's backward (:func:`~..peak.backward_scratch`),
-        linear in the batch, measured once per conv geometry and radius."""
+        """Scratch bytes of one filtered conv's backward
+        (:func:`~..peak.backward_scratch`), linear in the batch, measured
+        once per conv geometry and radius."""
         if not isinstance(conv.geometry, ConvGeometry):
             # a layer on tokens: its backward's scratch (patch sums of g_y
             # on 1/r^2 of the rows, the pooled g_x) is not measured; the

@@ -99,8 +99,8 @@ class TokenGridBindings:
             module.register_forward_hook(_SetGrids(rule, sources)))
 
     def recompute_with_grids(self, block: nn.Module, prefix: str) -> None:
-        """Give a rule's checkpointed ``block`` a forward that checkpoints it with
-        each call's grids."""
+        """Give a rule's checkpointed ``block`` a forward that checkpoints it
+        with each call's grids."""
         sources = []
         for path, site in self.sites.items():
             if not under(path, prefix):
