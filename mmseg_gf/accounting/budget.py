@@ -1,26 +1,13 @@
 """The ``budget`` gradient-filter setting: its limits, and the choice.
 
-``gradient_filter=dict(budget=dict(saved_mib=300, peak_mib=...,
-process_mib=..., backward_gflops=1))``
-(any subset of the limits; ``radii``: the candidate radii, default
-{2, 4, 8}; ``batch``: images per step, default the config's train batch
-size; ``optimizer``: the optimizer config whose state the peaks count,
-default the config's ``optim_wrapper.optimizer``) replaces ``num_layers``
-/ ``layers`` and ``radius``.
-:func:`check_budget` validates the setting, so that bad input fails before
-anything is built; :func:`choose_by_budget` picks, from a profile
-(:mod:`.step_profile`), the largest number of last convs, then the finest
-radii, whose predicted step cost fits every limit.
-
-A user finetuning on a device knows its limits (bytes kept for backward,
-peak memory of the step, backward FLOPs per image), not which ``N`` and
-``r`` fit them. The paper's Section 5.4 finding (c): at a fixed compute
-budget, training more layers with a coarser filter beats training fewer
-layers exactly. So the choice takes the largest ``N`` that fits at the
-coarsest candidate radius, then spends what is left of the budget on finer
-radii, coarsest maps first (the order of the ``'auto'`` rule: a patch on a
-1/32 map covers more image than on a 1/4 map).
-"""
+``gradient_filter=dict(budget=dict(saved_mib=..., peak_mib=...,
+process_mib=..., backward_gflops=...))`` (any subset of the limits, plus
+``radii``, ``batch``, ``optimizer``; docs/budget.md lists them) replaces
+``num_layers`` / ``layers`` and ``radius``: a user knows a device's limits,
+not which ``N`` and ``r`` fit them. Following the paper's Section 5.4
+finding (c), more layers with a coarser filter beat fewer exact ones, so
+the choice takes the largest ``N`` that fits at the coarsest candidate
+radius, then spends what is left on finer radii, coarsest maps first."""
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional

@@ -1,19 +1,9 @@
 """What each kind of module keeps for backward during a training step.
 
-The rules behind every "kept for backward" figure. One traced training
-forward (:mod:`.trace`) meets every leaf module autograd records;
-:func:`kept_by_call` turns a call into what it keeps per image, so any batch
-follows. The rule table is in docs/cost.md, section "Kept for backward, per
-module kind".
-
-A layer kind's own rule comes first
-(:attr:`~mmseg_gf.models.layer_kinds.LayerKind.kept_rule`: :func:`conv_items`,
-:mod:`.kept_tokens`), then :data:`CALL_RULES` (:mod:`.kept_transformer`,
-:mod:`.kept_mask_head`). Whatever else autograd saves is measured by the
-tracer and attributed to the innermost running module
-(:func:`measured_item`: "unmodelled: X MiB measured", never zero).
-Concatenations, additions and bilinear resizes keep nothing.
-"""
+:func:`kept_by_call` turns one traced call (:mod:`.trace`) into what it
+keeps per image, so any batch follows; what no rule covers is measured by
+the tracer, never counted as zero. The rule table: docs/cost.md, "Kept for
+backward, per module kind"."""
 import functools
 import importlib
 from dataclasses import dataclass, field
@@ -86,15 +76,12 @@ class SavedItem:
     Attributes:
         category: one of :data:`CATEGORIES`.
         elements: elements per image (``'const'``: in all).
-        elem_bytes: bytes per element (ignored for ``'bits'``).
         rule: ``'linear'`` (N x elements x bytes), ``'bits'`` (ceil(N x
             elements / 8)) or ``'const'`` (elements x bytes).
-        storage: ``data_ptr`` of a tensor the forward already holds (an exact
-            conv's input, the logits), left out of the tracer's measurement.
+        storage: ``data_ptr`` of a tensor the forward already holds, left out
+            of the tracer's measurement.
         kind: what an ``'unmodelled'`` item measured (the module's class).
-        estimate: only estimated (a head's own loss); a measuring trace
-            replaces it.
-    """
+        estimate: only estimated; a measuring trace replaces it."""
 
     path: str
     category: str
@@ -118,10 +105,8 @@ class StepSavedBytes:
     """What a whole training step keeps for backward, analytically.
 
     Attributes:
-        items: one :class:`SavedItem` per module that keeps something.
         unmodelled: paths of recorded modules no rule covers.
-        input_size: ``(H, W)`` of the trace.
-    """
+        input_size: ``(H, W)`` of the trace."""
 
     items: List[SavedItem] = field(default_factory=list)
     unmodelled: List[str] = field(default_factory=list)
@@ -175,10 +160,9 @@ def describe_unmodelled(by_kind: Dict[str, int], batch: int) -> str:
 
 def count_once(shared: Dict[int, Tuple[str, Any]], path: str, ptr: int,
                storage: Any = None) -> bool:
-    """Claim storage ``ptr`` for ``path``'s item: False when another item
-    counts it already (what several modules keep of one tensor is kept
-    once). ``storage``, held in ``shared``, keeps its address from being
-    reused by a later tensor while the trace runs."""
+    """Claim storage ``ptr`` for ``path``: False when another item counts it
+    already. Holding ``storage`` keeps its address from reuse during the
+    trace."""
     if ptr in shared:
         return False
     shared[ptr] = (path, storage)
@@ -223,13 +207,10 @@ def _conv_item(path: str, conv: nn.Conv2d, x: torch.Tensor,
 def conv_items(path: str, module: nn.Module, x: torch.Tensor,
                out: torch.Tensor, shared: Dict[int, Tuple[str, Any]]
                ) -> List[SavedItem]:
-    """The ``conv2d`` kind's kept rule: patch sums for a filtered conv, the
-    input for an exact one (once per tensor), nothing for a lean frozen one,
-    else the input.
+    """The ``conv2d`` kind's kept rule (patch sums, or the input once).
 
     Raises:
-        LookupError: a call it does not model (measured).
-    """
+        LookupError: a call it does not model (measured)."""
     item = _conv_item(path, module, x, out)
     if item is not None and item.elements == x[0].numel():
         storage = x.untyped_storage()
@@ -239,10 +220,7 @@ def conv_items(path: str, module: nn.Module, x: torch.Tensor,
 
 
 def kind_rule(module: nn.Module) -> Optional[Callable]:
-    """The kept rule of ``module``'s layer kind, or None (no kind, or a
-    kind with none): its ``kept_rule``, a function or the
-    ``'package.module:function'`` name the kind declares where the
-    accounting lies above it."""
+    """The kept rule of ``module``'s layer kind, resolved, or None."""
     kind = traced_kind_of(module)
     rule = None if kind is None else kind.kept_rule
     if isinstance(rule, str):
@@ -262,13 +240,11 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
                     ) -> Optional[SavedItem]:
     """What one recorded leaf module keeps (None: nothing).
 
-    ``shared`` maps storage address -> (path, storage) of the exact convs
-    counted so far, so convs sharing an input share it; it is updated, and
-    holding the storage keeps its address from reuse during the trace.
+    ``shared`` maps storage address -> (path, storage) of what is counted so
+    far, so convs sharing an input share it.
 
     Raises:
-        LookupError: no rule covers this module.
-    """
+        LookupError: no rule covers this module."""
     kind = lean_kind(module) if is_lean(module) else None
     trained = any(p.requires_grad for p in module.parameters())
     if kind == 'frozen_linear' and not trained:
@@ -309,20 +285,14 @@ def item_for_module(path: str, module: nn.Module, x: torch.Tensor,
 
 
 def is_head_lean(model: nn.Module, classifier_path: str) -> bool:
-    """Whether the head owning a classifier computes its loss lean (it
-    then keeps its low-resolution logits, or its loss's gradient w.r.t.
-    them, for backward)."""
+    """Whether the head owning a classifier computes its loss lean."""
     return is_lean(model.get_submodule(classifier_path.rpartition('.')[0]))
 
 
 def _lean_loss_items(head_path: str, head: nn.Module, conv: nn.Module,
                      x: torch.Tensor, out: torch.Tensor) -> List[SavedItem]:
-    """What a lean head's loss keeps for the classifier output ``out``:
-    one logits-sized tensor per :func:`loss_gradient_copies`; fused with the
-    classifier, only where ``x`` needs a gradient, plus ``g_W`` and ``g_b``
-    per copy (the classifier then keeps nothing itself). For a head with
-    its own ``loss_by_feat`` the items are estimates (``estimate``: the
-    step tracer measures that loss instead)."""
+    """What a lean head's loss keeps for the classifier output ``out``
+    (estimates for a head with its own ``loss_by_feat``)."""
     copies = loss_gradient_copies(head) or 1
     eb = out.element_size()
     if not classifier_fused_now(head):
@@ -355,13 +325,11 @@ def kept_by_call(model: nn.Module, path: str, module: nn.Module,
                  x: torch.Tensor, out: torch.Tensor,
                  shared: Dict[int, Tuple[str, Any]]
                  ) -> Tuple[List[SavedItem], bool]:
-    """Everything one recorded call keeps: its own item and, for a classifier
-    whose head computes a lean loss, that loss's (attributed to the head).
+    """Everything one recorded call keeps, a lean head's loss included.
 
     Returns:
         ``(items, modelled)``; ``modelled`` False: no rule covers the module
-        (its bytes unknown, not zero).
-    """
+        (its bytes unknown, not zero)."""
     head = None
     if is_head_classifier(path) and is_head_lean(model, path):
         head = model.get_submodule(path.rpartition('.')[0])

@@ -1,41 +1,9 @@
 """What Segmenter's mask transformer head keeps in its own code and loss.
 
-``SegmenterMaskTransformerHead.forward`` ends in functional code, not in
-modules: the class masks are the product of the L2-normalised patch and
-class embeddings,
-
-    patches = F.normalize(patch_proj(x), dim=2)       # (B, N, C)
-    classes = F.normalize(classes_proj(c), dim=2)     # (B, K, C)
-    masks = mask_norm(patches @ classes.transpose(1, 2))
-
-and the masks, reshaped to ``(B, K, h, w)``, are the logits of its loss.
-Its call is reported by the step tracer (a registered call owner,
-:func:`~.kept.register_call_owner`, after its children's calls) and
-counted here, per image, from the shapes of the traced call:
-
-==========================  ===============================================
-what                        kept for backward
-==========================  ===============================================
-``F.normalize(t)``, ``t``   ``t`` itself (``vector_norm`` and the division
-needing a gradient          keep it), its norm and the clamped norm, one
-                            per row: ``rows (C + 2)`` elements
-the product                 the normalised patches ``N C`` where the class
-                            embeddings need a gradient, the normalised
-                            class embeddings ``K C`` where the patches do
-                            (views: no copies)
-``mask_norm``               its own rule (a leaf: :mod:`.kept_transformer`)
-the lean loss               the logits, ``K h w`` per
-                            :func:`~mmseg_gf.models.lean_head.loss_gradient_copies`
-                            (``'logits'``, as the classifier's of other
-                            heads); measured where the head is not lean
-==========================  ===============================================
-
-Which of ``patches`` / ``classes`` needs a gradient follows from what is
-trained upstream: the head's input (the backbone's features) needing one,
-or a trained parameter of ``dec_proj``, the layers, ``decoder_norm``, the
-class embeddings and the projection (the layers' attention mixes patch and
-class tokens, so everything before them reaches both).
-"""
+Its forward ends in functional code (the normalised patch and class
+embeddings' product), which no module rule sees; the head is a registered
+call owner counted here from the traced call's shapes (docs/cost.md,
+"Kept for backward, per module kind", has the table)."""
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch

@@ -1,17 +1,9 @@
 """What trained layers on tokens keep for backward.
 
-The rules of :mod:`.kept` for the token kinds
-(:mod:`mmseg_gf.models.linear_kinds`) and for plain Linears on the gradient
-path, per image, from the batch-1 trace; the table is in docs/cost.md,
-section "Kept for backward, per module kind". Not modelled (measured): an
-attention with dropout on its probabilities, and one running torch's own
-forward (masks, ``kdim`` / ``vdim``).
-
-Categories: a projection's tensors are ``'linear'``, Segmenter's class-score
-Linears' ``'classifier'``, an attention's own tensors ``'attention'``.
-Checked against autograd by ``tests/test_models/test_gf_attention_sdpa.py``
-and ``tests/test_engine/test_token_kinds_accounting.py``.
-"""
+The :mod:`.kept` rules of the token kinds and of plain Linears on the
+gradient path, per image (docs/cost.md, "Kept for backward, per module
+kind"). An attention with dropout on its probabilities, or running
+torch's own forward (masks, ``kdim`` / ``vdim``), is measured instead."""
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -30,9 +22,8 @@ __all__ = ['token_items', 'patch_sum_elements', 'filtered_weight_views',
 
 def patch_sum_elements(grid: TokenGrid, radius: int, numel: int,
                        channels: int) -> int:
-    """Elements a filtered projection keeps of an input of ``numel``
-    elements holding ``grid``'s tokens: the patch sums of the grid tokens
-    and the tokens on no grid."""
+    """Elements a filtered projection keeps of ``numel`` input elements: the
+    grid tokens' patch sums and the tokens on no grid."""
     tokens = (grid.height * grid.width if grid.layout == 'hwc' else
               grid.num_tokens)
     lead = numel // (tokens * channels)
@@ -68,11 +59,8 @@ def _weight_view(path: str, weight: torch.Tensor,
 
 def _input_rows(path: str, x: torch.Tensor,
                 shared: Dict[int, Tuple[str, Any]]) -> List[SavedItem]:
-    """What ``F.linear`` keeps of its input for ``g_W``: a view of its
-    storage where its tokens merge into rows (once per storage), else a
-    copy of its elements (also where only one image's do: the trace's
-    batch-1 slice of a longer sequence, Segmenter's class embeddings
-    ``x[:, -K:]``, merges at batch 1 but not at batch 2)."""
+    """What ``F.linear`` keeps of its input for ``g_W``: a view where its
+    tokens merge into rows at any batch (once per storage), else a copy."""
     eb = x.element_size()
     try:
         x.view(-1, x.shape[-1])
@@ -86,10 +74,8 @@ def _input_rows(path: str, x: torch.Tensor,
 
 
 def _images_merge(x: torch.Tensor) -> bool:
-    """Whether the images of ``x`` (its first axis) would merge into rows
-    with the rest at any batch (the rest merging, as at batch 1): the first
-    axis's stride continues the second's (a batch-1 trace's tensor may be
-    contiguous as a slice that is not at batch 2)."""
+    """Whether the images of ``x`` would merge into rows at any batch, not
+    only in the batch-1 trace."""
     if x.dim() < 3 or x.shape[0] != 1 or x.shape[1] == 1:
         return True
     return x.stride(0) == x.shape[1] * x.stride(1)
@@ -166,10 +152,8 @@ def _projection_items(path: str, module: nn.Module,
 def filtered_weight_views(path: str, module: nn.Module,
                           shared: Dict[int, Tuple[str, Any]]
                           ) -> List[SavedItem]:
-    """The view of ``in_proj_weight`` its filtered projections keep when
-    the in-projection is split (keys apart from the queries: its parts,
-    views, are saved; the whole Parameter is not counted): the same bytes
-    at any batch."""
+    """The view of ``in_proj_weight`` filtered projections keep when the keys
+    are projected apart (the same bytes at any batch)."""
     if not module.enabled or module._packing in (None, 'qkv'):
         return []
     return _weight_view(path, module.in_proj_weight, shared)
@@ -178,15 +162,11 @@ def filtered_weight_views(path: str, module: nn.Module,
 def candidate_extra_items(path: str, module: nn.Module,
                           shared: Dict[int, Tuple[str, Any]]
                           ) -> List[SavedItem]:
-    """What a budget candidate keeps beyond its layer kind's cost (the
-    patch sums of its projections' inputs), the same filtered or exact: for
-    a ``GFMultiheadAttention`` its attention's (SDPA's) tensors and the
-    view of ``in_proj_weight`` its filtered projections keep when the keys
-    are projected apart; nothing for other layers.
+    """What a budget candidate keeps beyond its layer kind's cost: for a
+    ``GFMultiheadAttention`` its SDPA tensors and weight views; else nothing.
 
     Raises:
-        LookupError: the attention ran a path the rules do not model.
-    """
+        LookupError: the attention ran a path the rules do not model."""
     if not ATTENTION.is_filtered(module):
         return []
     views = [] if module._packing in (None, 'qkv') else _weight_view(
@@ -200,9 +180,8 @@ def candidate_extra_items(path: str, module: nn.Module,
 
 def _probability_items(path: str, module: nn.Module
                        ) -> List[SavedItem]:
-    """The ``bmm`` path: ``q * scale``, the projection holding k and v
-    (the packed ``3 L E`` one for self-attention, ``2 S E`` for a shared
-    key/value, two ``S E`` ones otherwise) and the probabilities."""
+    """The ``bmm`` path: ``q * scale``, the projection holding k and v, and
+    the probabilities."""
     call = module._gf_probabilities_call
     if call.dropout:
         raise LookupError(path)
@@ -232,15 +211,11 @@ def token_items(path: str, module: nn.Module, x: torch.Tensor,
                 out: torch.Tensor,
                 shared: Dict[int, Tuple[str, Any]]
                 ) -> Optional[List[SavedItem]]:
-    """The kept rule of the ``linear`` and ``attention`` kinds (their
-    :attr:`~mmseg_gf.models.layer_kinds.LayerKind.kept_rule`): the items of
-    one recorded call of a Linear or a ``GFMultiheadAttention``, or None
-    for any other module (a lean frozen attention: the other rules
-    decide).
+    """The kept rule of the ``linear`` and ``attention`` kinds: one recorded
+    call's items, or None for any other module.
 
     Raises:
-        LookupError: a call this module does not model (measured).
-    """
+        LookupError: a call this module does not model (measured)."""
     if ATTENTION.is_filtered(module):
         return _attention_call_items(path, module, shared)
     if LINEAR.is_filterable(module):

@@ -1,34 +1,9 @@
 """What the lean layers inside transformer blocks keep for backward.
 
-The rules of :mod:`.kept` for the kinds of
+The :mod:`.kept` rules for the kinds of
 :mod:`mmseg_gf.models.lean_transformer` (and GELU), per image, from the
-shapes of the traced call:
-
-==========================  ===============================================
-module                      kept for backward
-==========================  ===============================================
-lean attention (SDPA)       q, k, v and the output, ``(L + 2 S + L) E``
-                            (the output once: a trained exact
-                            out-projection reading it counts it)
-                            elements in their dtype, a float32 logsumexp
-                            per query and head (``heads L``), and an
-                            additive mask once at any batch (Swin's bias
-                            ``heads N N``, plus its shift mask: ``nW heads
-                            N N``; Twins LSA's padding mask)
-lean frozen ``LayerNorm``   its input (shared with any rule keeping the
-                            same tensor) and a float32 ``rstd`` per token
-GELU                        its input (autograd's own rule, the minimum of
-                            an exact backward; shared likewise)
-GELU between two filtered   the patch means of its derivative, one per
-layers (patch-mean rule)    ``r x r`` patch and channel, plus ``f'`` of
-                            the tokens on no grid, in its input's dtype
-lean ``DropPath``           1 bit per sample
-==========================  ===============================================
-
-A window attention without a per-window mask (Swin's unshifted blocks)
-runs on ``images x windows`` sequences: its call is counted as one image,
-which the step tracer's batch-1 trace is.
-"""
+traced call's shapes; the table is in docs/cost.md, "Kept for backward,
+per module kind"."""
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -50,14 +25,11 @@ def attention_items(path: str, module: nn.Module,
     """What the last call of a lean attention kept (its ``_gf_lean_call``).
 
     Args:
-        shared: the storages counted so far (:func:`~.kept.item_for_module`):
-            SDPA's output is left out when an exact out-projection, called
-            inside the attention before it is reported, counted it as its
-            input.
+        shared: the storages counted so far: SDPA's output is left out when
+            an exact out-projection already counted it as its input.
 
     Raises:
-        LookupError: its last call ran the plain forward (measured).
-    """
+        LookupError: its last call ran the plain forward (measured)."""
     call = getattr(module, '_gf_lean_call', None)
     if call is None:
         raise LookupError(path)
@@ -90,12 +62,11 @@ def transformer_items(path: str, module: nn.Module, x: torch.Tensor,
                       out: torch.Tensor,
                       shared: Dict[int, Tuple[str, Any]]
                       ) -> Optional[List[SavedItem]]:
-    """The items of one recorded call of a transformer kind, or None when
-    ``module`` is none of them (the rules of :mod:`.kept` decide).
+    """The items of one recorded call of a transformer kind, or None for
+    other modules.
 
     Raises:
-        LookupError: a transformer kind that ran its plain path.
-    """
+        LookupError: a transformer kind that ran its plain path."""
     if is_rule_owner(module):
         return attention_items(path, module, shared)
     trained = any(p.requires_grad for p in module.parameters())

@@ -1,40 +1,7 @@
-"""Kernel launches of one training step on the path CUDA tensors take,
-counted on a CPU.
-
-On a GPU every operator that does work is a kernel launch and a pass over
-its operands' memory, so how many a step launches, and how many bytes they
-move, bound its time at small sizes whatever the hardware. Both are counted
-here without a GPU, on CPU tensors taking CUDA's code paths
-(:func:`~mmseg_gf.accounting.cuda_path.cuda_path`).
-
-What counts as a launch (:class:`LaunchCounter`): every ATen operator that
-reaches the backend (a ``TorchDispatchMode`` sees it below autograd and
-below the composite operators) except views and the operators that launch
-nothing on a GPU (:data:`NO_KERNEL`); plus each Triton kernel, at its
-launch. ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``) is counted
-apart, as a host read. The composite operators' choices agree between the
-CPU and CUDA on the models counted here but for two: eval-mode batch norm
-(one op either way, ``cudnn_batch_norm`` on CUDA) and scaled-dot-product
-attention (one fused op either way where CUDA's fused kernels take the
-inputs).
-
-Bytes: an operator reads each distinct tensor it is given, once and in
-full, except its ``out=`` arguments, and writes each distinct tensor it
-returns or its schema marks as written (an in-place op reads and writes
-its ``self``); a Triton kernel reads its tensor arguments and writes those
-its module's ``KERNEL_OUTPUTS`` names. ``numel x element size`` each: a
-lower bound for ops that read twice.
-
-Attribution, per phase (forward, backward, optimizer) and kind
-(:data:`KINDS`): in the forward, the innermost classified module being
-called (:func:`module_kind`), or the lean loss function running; in a
-filtered layer's forward, the ops that do not read its weight or bias are
-its input's patch sums (``patch_sums``). In the backward, the autograd
-node running goes to the kind whose forward created it (nodes carry their
-creation's sequence number; each module call covers a range of them).
-Gradients of a tensor used twice are summed after the node whose gradient
-arrives second, and go to it; the gradient of the loss (``ones_like``) and
-parameters' gradient accumulation to ``other``.
+"""Kernel launches of one training step, and the bytes they move, on the
+path CUDA tensors take, counted on a CPU: at small sizes they bound a
+step's time on any GPU. What counts, how bytes are counted and how
+launches are attributed: docs/cost.md, "Kernel launches on the CUDA path".
 """
 import contextlib
 import sys
@@ -95,12 +62,8 @@ _TYPES = ((nn.modules.batchnorm._NormBase, 'norm'),
 
 def module_kind(module: nn.Module) -> Optional[str]:
     """The kind (:data:`KINDS`) a module's launches go to, None for a
-    container (its children's kinds, or ``other``). The same for a lean
-    module and its plain counterpart, so lean and vanilla steps compare
-    kind by kind. A layer of a layer kind's family goes to the kind's
-    :attr:`~mmseg_gf.models.layer_kinds.LayerKind.category`, a filtered
-    one to ``filtered_`` + it while it filters (where :data:`KINDS` has
-    that: ``filtered_conv``, ``filtered_linear``)."""
+    container; the same for a lean module and its plain counterpart, so
+    lean and vanilla steps compare kind by kind."""
     layer = kind_of(module)
     if layer is not None and layer.is_filtered(module):
         filtered = f'filtered_{layer.category}'
@@ -157,8 +120,7 @@ class LaunchCount:
         return sum(x.read + x.written for x in self.select(phase))
 
     def by_kind(self, phase: Optional[str] = None) -> Dict[str, int]:
-        """Launches per kind, in :data:`KINDS` order, kinds with none left
-        out."""
+        """Launches per kind, in :data:`KINDS` order."""
         counts = Counter(x.kind for x in self.select(phase))
         return {k: counts[k] for k in KINDS if counts[k]}
 
@@ -174,9 +136,7 @@ class LaunchCount:
         return dict(Counter(x.op for x in self.select(phase)).most_common())
 
     def summary(self) -> Dict:
-        """Per phase and for the whole step: launches, Triton launches,
-        bytes read and written, host reads, launches and bytes per kind,
-        launches per operator (JSON-able)."""
+        """Every count per phase and for the whole step (JSON-able)."""
         out = {}
         for phase in PHASES + (None, ):
             chosen = self.select(phase)
@@ -193,9 +153,7 @@ class LaunchCount:
 
 
 def _distinct_elements(t: Tensor) -> int:
-    """The elements ``t`` covers in memory: a broadcast axis (stride 0,
-    ``expand``) holds one, so an expanded operand is read once, not once
-    per element it stands for."""
+    """Elements ``t`` covers in memory (an expanded axis holds one)."""
     if t.numel() == 0:
         return 0
     count = 1
@@ -214,9 +172,7 @@ def _bytes(tensors) -> int:
 
 
 def _operands(func, args, kwargs) -> Tuple[list, list]:
-    """The tensors ``func`` reads (every argument but its ``out=`` ones)
-    and the arguments it writes in place (``self`` of an in-place op, a
-    ``foreach`` op's list, ``out=``), from its schema."""
+    """Tensors ``func`` reads and writes in place, from its schema."""
     read, written = [], []
     schema = func._schema.arguments
     given = list(zip(schema, args)) + [(a, kwargs[a.name]) for a in schema
@@ -242,9 +198,7 @@ def _reads_any(tensors, storages: frozenset) -> bool:
 
 
 class _Scopes:
-    """The kinds being run: a stack of ``(kind, first sequence number,
-    parameter storages)``, and, once closed, each call's range of autograd
-    sequence numbers with its depth."""
+    """Open kind scopes, and each closed call's autograd sequence range."""
 
     def __init__(self) -> None:
         self.stack: List[Tuple[str, int, frozenset]] = []
@@ -283,11 +237,9 @@ class _Scopes:
 
 
 class LaunchCounter(TorchDispatchMode):
-    """Records :class:`Launch` es while active (see the module docstring);
-    :meth:`phase` sets what the next ones belong to; Triton launches come
-    through :meth:`triton_launch` (:func:`counting`), run in the
-    interpreter or, with ``run_kernels=False``, counted only (see
-    :func:`count_step`)."""
+    """Records :class:`Launch` es while active; :meth:`phase` sets the phase
+    of the next ones. With ``run_kernels=False`` Triton kernels are counted,
+    not run (see :func:`count_step`)."""
 
     def __init__(self, run_kernels: bool = True) -> None:
         super().__init__()
@@ -334,8 +286,7 @@ class LaunchCounter(TorchDispatchMode):
 
     def triton_launch(self, name: str, inputs: Sequence,
                       outputs: Sequence, launch: Callable):
-        """Record one Triton launch and run it (its own tensor operations
-        uncounted); with ``run_kernels=False`` zero its outputs instead."""
+        """Record one Triton launch and run it (or zero its outputs)."""
         self.result.launches.append(Launch(
             self._phase, self._kind(inputs), f'triton:{name}',
             _bytes(inputs), _bytes(outputs)))
@@ -353,11 +304,8 @@ class LaunchCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _counting_triton(counter: LaunchCounter) -> Iterator[None]:
-    """Every Triton launch goes through ``counter``: under the interpreter
-    its ``GridExecutor`` (each launch, autotuned or not, runs one), on a
-    GPU ``JITFunction.run`` with ``warmup=False`` (what ``kernel[grid]``
-    and an autotuner's chosen launch call). A kernel's module names the
-    arguments it writes in ``KERNEL_OUTPUTS``."""
+    """Every Triton launch, interpreted or compiled, goes through
+    ``counter``."""
     try:
         from triton.runtime.interpreter import GridExecutor
         from triton.runtime.jit import JITFunction
@@ -407,8 +355,7 @@ def kernel_outputs(fn) -> Tuple[str, ...]:
 
 @contextlib.contextmanager
 def _scoped(model: nn.Module, scopes: _Scopes) -> Iterator[None]:
-    """Module calls of ``model`` and the lean heads' loss functions open
-    and close their kinds' scopes in the block."""
+    """Module calls and lean loss functions open their kinds' scopes."""
     kinds = {id(m): (k, _storages(m) if k.startswith('filtered') else
                      frozenset())
              for m in model.modules() for k in [module_kind(m)] if k}
@@ -437,8 +384,7 @@ def _scoped(model: nn.Module, scopes: _Scopes) -> Iterator[None]:
 
 
 def _wrapped(owner, name: str, kind: str, scopes: _Scopes):
-    """``owner.name`` runs in a ``kind`` scope in the block (an instance
-    attribute over a method, or a module's function, put back after)."""
+    """``owner.name`` runs in a ``kind`` scope in the block."""
     original = getattr(owner, name)
 
     def scoped(*args, **kwargs):
@@ -454,10 +400,8 @@ def _wrapped(owner, name: str, kind: str, scopes: _Scopes):
 @contextlib.contextmanager
 def counting(counter: LaunchCounter,
              model: Optional[nn.Module] = None) -> Iterator[LaunchCounter]:
-    """``counter`` records the block's launches, Triton's included, by the
-    kinds of ``model``'s modules (without a model: the kind ``other``).
-    The block runs on whatever path its tensors take (:func:`cuda_path`
-    chooses CUDA's)."""
+    """``counter`` records the block's launches by the kinds of ``model``'s
+    modules (without a model: ``other``)."""
     with contextlib.ExitStack() as stack:
         if model is not None:
             stack.enter_context(_scoped(model, counter.scopes))
@@ -470,19 +414,11 @@ def count_step(model: nn.Module, step: Callable[[Callable[[str], None]],
                                                 None],
                warmup: int = 1, triton: bool = True,
                run_kernels: bool = True) -> LaunchCount:
-    """The launches of one ``step(phase)`` of ``model`` on the CUDA path
-    (:func:`cuda_path`), after ``warmup`` uncounted ones (first calls
-    create optimizer state and caches that later steps reuse; they take
-    the pure-PyTorch path, which leaves the same state without the
-    interpreter's time).
-
-    ``step`` runs one training step and calls ``phase('backward')`` and
-    ``phase('optimizer')`` as it reaches them. ``run_kernels=False``
-    counts each Triton launch without interpreting it (its outputs zeroed:
-    the interpreter runs every program in Python, minutes per step of a
-    zoo model); the counts are the same unless a later launch depends on
-    the values, which only a read on the host could make it (refused:
-    :class:`LaunchCounter`).
+    """The launches of one ``step(phase)`` of ``model`` on the CUDA path,
+    after ``warmup`` uncounted steps (which create optimizer state and
+    caches). ``step`` calls ``phase('backward')`` and ``phase('optimizer')``
+    as it reaches them; ``run_kernels=False`` counts Triton launches
+    without interpreting them (far faster, refused after a host read).
     """
     with cuda_path(triton=False):
         for _ in range(warmup):

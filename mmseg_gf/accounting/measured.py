@@ -1,11 +1,9 @@
 """Measured memory: what autograd really keeps, and a step's peak.
 
-The analytic counts (:mod:`.kept`, :mod:`.profile`) predict these
-quantities; the functions here measure them, so that the two are checked
-against each other, and the budget's peak model reads its forward's live
-bytes from :func:`live_bytes_by_interval`. Saved bytes are counted per
-storage everywhere (a view of a kept tensor costs nothing more).
-"""
+The analytic counts (:mod:`.kept`, :mod:`.profile`) are checked against
+these measurements. Saved bytes are counted per storage (a view of a kept
+tensor costs nothing more). How the CPU peak is read from the profiler:
+docs/cost.md, "How the CPU peak is read from the profiler"."""
 
 import gc
 import re
@@ -22,10 +20,8 @@ from ..patching import Hooks
 
 
 def saved_tensor_bytes(forward: Callable[[], object]) -> int:
-    """Bytes of the tensors autograd saves for backward while ``forward()``
-    runs, counting each storage once and leaving out Parameters (they are
-    alive anyway). Returns the total in bytes.
-    """
+    """Bytes autograd saves for backward while ``forward()`` runs, each
+    storage once, Parameters left out (alive anyway)."""
     storages = {}
 
     def pack(t: torch.Tensor):
@@ -57,21 +53,17 @@ def saved_bytes_by_module(
         exclude: Iterable[torch.Tensor] = ()) -> Tuple[Dict[str, int], int]:
     """Bytes autograd saves while ``forward()`` runs, per module and in all.
 
-    A tensor packed for backward while one of ``modules`` is running (its
-    ``forward``, hooks included) is attributed to that module (to the
-    innermost one if they nest). Each storage is counted once per module and
-    once in the total; storages of ``exclude`` (e.g. the model's
-    Parameters, alive anyway) are left out.
+    A saved tensor goes to the innermost of ``modules`` running; each storage
+    counts once per module and once in the total.
 
     Args:
         forward: runs the forward pass (with autograd recording).
         modules: name -> module whose saved tensors are attributed.
-        exclude: tensors whose storages are not counted.
+        exclude: tensors whose storages are not counted (e.g. Parameters).
 
     Returns:
         ``({name: bytes}, total_bytes)``; the total covers everything saved
-        during ``forward()``, inside the listed modules or not.
-    """
+        during ``forward()``, inside the listed modules or not."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     per_module: Dict[str, Dict[int, int]] = {name: {} for name in modules}
     everything: Dict[int, int] = {}
@@ -114,21 +106,11 @@ def profiled_peak_bytes(step: Callable[[], object],
                         device: Optional[torch.device] = None) -> int:
     """Peak memory of what ``step()`` allocates.
 
-    CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated
-    before the step.
-    CPU: the running sum of the allocations torch's profiler records
-    (``profile_memory=True``) and of the frees of those blocks, in time
-    order, allocations at the start of the op making them and frees at its
-    end (those between operators, in a custom Function's forward or an
-    autograd node's backward, at their own time), i.e. the peak of the live
-    bytes of the tensors the step made, at operator granularity (a
-    temporary allocated and freed inside one op is not seen; freeing memory
-    allocated before the step lowers nothing: :func:`_memory_changes`).
-    Unlike ``ru_maxrss`` it is exact to the tensor, unaffected by the
-    allocator's caching and earlier peaks of the process, so variants can be
-    compared in one process. The native kernels' output recycling is off
-    during the step, so that every output is counted.
-    """
+    CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before.
+    CPU: the peak of the live bytes of the tensors the step made, at operator
+    granularity, from the profiler's events (:func:`_memory_changes`). Unlike
+    ``ru_maxrss`` it is exact to the tensor and unaffected by the allocator's
+    cache and earlier peaks, so variants compare in one process."""
     device = torch.device('cpu') if device is None else torch.device(device)
     if device.type == 'cuda':
         return _cuda_peak_bytes(step, device)
@@ -159,26 +141,10 @@ def _walk(nodes) -> Iterator:
 
 def _memory_changes(prof, marker: Optional[str]
                     ) -> Tuple[List[Tuple[int, int]], List[int]]:
-    """``(time ns, bytes)`` of the CPU allocations (+) and frees (-) of
-    blocks the run allocated, and the start times of the ranges named
-    ``marker`` (none for None).
-
-    An operator call's own changes (``aten::softmax``, not those of the
-    operators it calls) are netted and placed at its start if the net is
-    positive, at its end if negative: a temporary allocated and freed
-    inside one operator is not seen. Changes directly inside ranges that
-    are no operator (a custom Function's forward, an autograd node's
-    backward, which run Python between their operators) or outside any
-    range stay at their own time, e.g. the tensors of a loss computed and
-    differentiated inside a forward each live as long as they do.
-
-    A free counts only when the run allocated the block (matched by
-    address). The profiler reports no free of a block allocated while no
-    profiler ran, but does report one of a block that an earlier profiling
-    session saw allocated (a tensor an earlier measurement left alive):
-    counted, such frees would lower the running sum by amounts that depend
-    on the process's history, down to a peak of 0 for a small step.
-    """
+    """``(time ns, bytes)`` of the CPU allocations (+) and frees (-) of blocks
+    the run allocated, and the start times of the ranges named ``marker``.
+    Netting and placement rules: docs/cost.md, "How the CPU peak is read from
+    the profiler"."""
     allocated = set()
     own: Dict[int, list] = {}  # operator node id -> [node, net bytes]
     changes: List[Tuple[int, int]] = []
@@ -213,25 +179,14 @@ def _memory_changes(prof, marker: Optional[str]
 def live_bytes_by_interval(run: Callable[[], object],
                            marker: Optional[str] = MARKER,
                            collect: bool = True) -> list:
-    """Peak live tensor bytes of ``run()`` between consecutive markers.
-
-    The CPU profiler's allocation and free events are summed in time order
-    (allocations at the start of the operator making them, frees at its
-    end, as in :func:`profiled_peak_bytes`; those outside any operator at
-    their own time: :func:`_memory_changes`), starting from 0 at the call;
-    ``run`` calls :func:`mark` to cut the time line into intervals.
+    """Peak live tensor bytes of ``run()`` between consecutive :func:`mark` s.
 
     Args:
-        collect: run the garbage collector first (~0.1-0.2 s with mmseg
-            loaded). Garbage is never collected *during* the run either
-            way; skip this for many short runs on a heap made of nothing
-            but models and small objects.
+        collect: run the garbage collector first (skip for many short runs).
 
     Returns:
         list[int]: one peak per interval: before the first marker, between
-        markers, after the last one (``marker=None``: the whole run, one
-        value).
-    """
+        markers, after the last one (``marker=None``: the whole run)."""
     # A collection during the run would free the run's own garbage at the
     # collector's whim: collect what is owed first, and keep the collector
     # off meanwhile.

@@ -1,14 +1,10 @@
 """The step's peak memory, predicted from one profile.
 
-A budget's ``peak_mib`` limit needs the peak of live tensor bytes of a
-training step for every "last N, radii" setting, without running each.
-The profile (:mod:`.step_profile`) records, per leaf-module call of the
-traced forward, the live bytes of a forward that keeps nothing (at batch 1
-and 2, so the batch's share is linear), and the lifetimes of the tensors
-that need a gradient; :func:`step_peak` adds, per call, what the setting
-keeps, the gradients alive in the backward and the filtered convs' scratch
-buffers.
-"""
+A budget's ``peak_mib`` limit needs the peak of live tensor bytes of every
+"last N, radii" setting without running each; :func:`step_peak` adds what
+the setting keeps, the backward's gradients and the filtered convs'
+scratch to the profile's forward (docs/budget.md, "How the costs are
+predicted")."""
 import copy
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -24,9 +20,9 @@ __all__ = ['Lifetime', 'step_peak', 'scratch_key', 'backward_scratch']
 
 @dataclass
 class Lifetime:
-    """A module output that needs a gradient, in the batch-1 trace: the
-    call that made it, the last candidate conv behind it, its bytes, and
-    the call during which it was freed (None: it outlived the trace)."""
+    """A module output that needs a gradient, in the batch-1 trace: the call
+    that made it, the last candidate conv behind it, its bytes, and the call
+    during which it was freed (None: it outlived the trace)."""
 
     made: int
     upstream: int
@@ -38,9 +34,7 @@ class Lifetime:
 
     def end(self, n: int) -> int:
         """The first call at which its gradient is no longer alive in the
-        mirrored backward: after its last use (autograd makes the gradient
-        at the backward of its last consumer), at the latest where the
-        trace freed it (``n``: it outlived the trace)."""
+        mirrored backward (``n``: it outlived the trace)."""
         end = n if self.freed is None else self.freed
         if self.last_use is not None:
             end = min(end, max(self.made, self.last_use) + 1)
@@ -54,17 +48,10 @@ def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
               forward_kept: Optional[List[int]] = None) -> int:
     """The step's peak of live tensor bytes, predicted.
 
-    Forward: during module call ``k``, the traced forward's live bytes
-    (linear in the batch, from the batch-1 and batch-2 traces ``live``, so
-    that the per-image chunk of the loss stays one image) plus everything
-    kept for backward by calls up to ``k`` (``forward_kept``). Backward
-    mirrors the forward: the gradient of a tensor lives from the backward
-    of its last use to its producer's (:meth:`Lifetime.end`); at call ``k``
-    the gradients of the tensors that need one (``tensors`` whose upstream
-    conv is trained, index >= ``first``) and were made and still used
-    there, what calls up to ``k`` kept, and the parameter gradients
-    (``grads``) of the trained layers from ``k`` on are held, and during a
-    filtered conv's backward its kernel's ``scratch``.
+    The forward's live bytes (linear in the batch) plus what calls so far
+    keep; the backward mirrors the forward, holding the gradients of tensors
+    still used, what earlier calls kept, the trained layers' parameter
+    gradients and, during a filtered conv's backward, its ``scratch``.
 
     Args:
         live: ``(batch 1, batch 2)`` live bytes per call, plus what
@@ -75,10 +62,7 @@ def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
         start: the call of that conv (the backward ends there).
         batch: images per step.
         forward_kept: ``kept`` as the forward adds it to the traced live
-            bytes: a kept storage that the traced forward still holds (a
-            measured module input) from the call where the trace frees it
-            (default ``kept``).
-    """
+            bytes (default ``kept``)."""
     n = len(live)
     if forward_kept is None:
         forward_kept = kept
@@ -106,27 +90,17 @@ def step_peak(live: Sequence[Tuple[int, int]], kept: List[int],
 
 def scratch_key(layer: nn.Module, in_shape: Sequence[int], radius: int,
                 need_input_grad: bool) -> tuple:
-    """What a filtered layer's backward scratch depends on: its input's
-    shape, the layer's class and hyper-parameters (its ``extra_repr``: a
-    conv's channels, kernel, stride, padding, dilation, groups, bias and
-    padding mode), the radius and ``g_x``."""
+    """What a filtered layer's backward scratch depends on: input shape,
+    class and ``extra_repr``, radius and ``g_x``."""
     return (tuple(in_shape), type(layer), layer.extra_repr(), radius,
             need_input_grad)
 
 
 def backward_scratch(conv: nn.Module, in_shape: Sequence[int], radius: int,
                      need_input_grad: bool, batch: int) -> int:
-    """Peak bytes of one filtered layer's backward (a conv's, as its layer
-    kind wraps it) beyond its output's
-    gradient ``g_y`` and its results (``g_x``, ``g_W``) all alive at once,
-    on random data of the conv's shapes; negative where they are not: the
-    filtered backward's weight gradient leaves the conv's node as a
-    broadcast view of its patch-grid sum, and is made full-size by the
-    parameter's gradient accumulation after the node returned and
-    ``g_y`` was freed.
-
-    ``g_y`` is made inside the measured step (the gradient of
-    ``(y * w).sum()``), so that it is freed as in a training step."""
+    """Peak bytes of one filtered layer's backward beyond ``g_y``, ``g_x`` and
+    ``g_W`` all alive at once, on random data of its shapes; negative where
+    they are not (docs/budget.md, "How the costs are predicted")."""
     module = kind_of(conv).from_plain(copy.deepcopy(conv), radius, True)
     for p in module.parameters():
         p.requires_grad_(True)

@@ -1,19 +1,10 @@
 """The one step tracer: a record per leaf-module call of a training step.
 
-Everything the accounting says about a whole step comes from running the
-segmentor's ``loss`` once on a random batch with a forward hook on every leaf
-module: :class:`StepTracer` hands each call, as a :class:`ModuleCall`, to
-:func:`~.saved_bytes.trace_step_saved_bytes` (the training log) and
-:func:`~.profile.profile_step_costs` (the budget), so the two cannot disagree.
-
-What no rule of :mod:`.kept` covers is measured in the same step: a
-``saved_tensors_hooks`` pack hook reports each saved tensor as a
-:class:`SavedPack` with the innermost running module (so functional code,
-an SE gate's ``x * gate``, is attributed to its module), and
-:class:`~.saved_bytes.UnmodelledBytes` turns the uncovered packs into
-measured items, each storage once. A module whose own code a rule counts (a lean attention) is
-reported as a call after its children's.
-"""
+The training log's saved bytes (:func:`~.saved_bytes.trace_step_saved_bytes`)
+and the budget's profile (:func:`~.profile.profile_step_costs`) both come
+from :class:`StepTracer`, so the two cannot disagree. A pack hook in the
+same step measures what no rule of :mod:`.kept` covers, attributed to the
+innermost running module."""
 import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -67,18 +58,13 @@ class SavedPack:
     """A tensor autograd saved for backward during the traced step.
 
     Attributes:
-        tensor: the tensor (None once :meth:`slim`).
-        storage: its storage, held so the memory is not reused during the
-            step without keeping the tensor alive.
-        seq: the tracer's ``seq`` at saving (the call, for a leaf owner).
+        storage: held so the memory is not reused during the step without
+            keeping the tensor alive.
         owner: the innermost running module's path (:data:`LOSS_OWNER`: none).
         kind: the owner's class name (`` (functional)`` for a module with
             children; :data:`LOSS_PART` for a head's ``loss_by_feat``).
-        leaf, module: whether the owner is a leaf; the owner.
-        inputs: the saving operation's input tensors (a lean loss's noted
-            sources, else the outermost torch function's, else the owner's);
-            empty unless the tracer follows operations.
-    """
+        inputs: the saving operation's input tensors; empty unless the tracer
+            follows operations."""
 
     tensor: Optional[torch.Tensor]
     storage: Any
@@ -104,9 +90,8 @@ class SavedPack:
 
 
 class _OperationInputs(TorchFunctionMode):
-    """Remembers the arguments of the outermost torch function running
-    (the mode is off inside its own handler, so nested calls are not
-    seen): the operation a pack hook is called from."""
+    """Arguments of the outermost torch function running: the operation a
+    pack hook is called from."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -134,13 +119,8 @@ class _OperationInputs(TorchFunctionMode):
 
 
 def _reports_own_call(module: nn.Module) -> bool:
-    """A module with children reported as a call: a lean attention
-    (:func:`~mmseg_gf.models.lean_transformer.is_rule_owner`), a layer
-    kind's filtered module (with children: ``GFMultiheadAttention``, whose
-    own code runs its projections and its attention, counted by its kind's
-    kept rule), or a module a rule registered with
-    :func:`~.kept.register_call_owner` (Segmenter's mask head,
-    :mod:`.kept_mask_head`)."""
+    """A module with children whose own code a kept rule counts (a lean or
+    filtered attention, a registered call owner), reported as one call."""
     return (is_rule_owner(module) or is_filtered(module)
             or is_call_owner(module))
 
@@ -183,14 +163,9 @@ class StepTracer:
         model: the segmentor (unwrapped), in the state it trains in.
         on_call, on_pack: called with each :class:`ModuleCall` /
             :class:`SavedPack` while :attr:`recording`.
-        marks: a profiler mark (:func:`~.measured.mark`) at every call, for
+        marks: a profiler mark at every call, for
             :func:`~.measured.live_bytes_by_interval`.
-        operations: fill :attr:`SavedPack.inputs` (a torch function mode).
-
-    Attributes:
-        seq: calls so far in the current step.
-        recording: False: calls are only counted (and marked).
-    """
+        operations: fill :attr:`SavedPack.inputs`."""
 
     def __init__(self, model: nn.Module,
                  on_call: Callable[[ModuleCall], None],
@@ -208,11 +183,8 @@ class StepTracer:
         self._stack: List[tuple] = []
 
     def _owner_hook(self, module, args, kwargs, output) -> None:
-        """A module with children whose own code a rule counts (a lean
-        attention): reported as a call, with one tensor argument
-        (positional or keyword: mmcv passes ``query=``) as ``x`` and its
-        first output (``nn.MultiheadAttention`` returns a pair). No tensor
-        argument: not recorded (``x`` None)."""
+        """Reports a rule-owning module with children as one call (``x``: its
+        tensor argument, positional or keyword; None: not recorded)."""
         tensors = _tensor_arguments(args) + _tensor_arguments(
             kwargs.values())
         # the last input needing a gradient (a key made from the query,
@@ -292,10 +264,8 @@ class StepTracer:
 
     @contextlib.contextmanager
     def hooked(self):
-        """Hooks on every leaf module for the duration of the block (and,
-        with :attr:`on_pack`, the module stack's hooks on every module).
-        A decode head reporting its own call (:func:`_reports_own_call`)
-        reports it from its wrapped ``forward`` (:meth:`_stacked`)."""
+        """Hooks on every leaf module (and the module stack's) for the block.
+        """
         heads = [m for m in self.model.modules() if _wraps_head(m) and (
             self.on_pack is not None or _reports_own_call(m))]
         hooks = Hooks([
@@ -327,10 +297,8 @@ class StepTracer:
 
     def _stacked(self, module: nn.Module, method: Callable,
                  part: str) -> Callable:
-        """``method`` on the module stack: mmseg's heads call
-        ``self.forward`` and ``self.loss_by_feat`` from ``loss``, bypassing
-        the module hooks; what the loss saves is told apart (``part``).
-        A head reporting its own call reports its ``forward`` here."""
+        """``method`` on the module stack: heads call ``forward`` and
+        ``loss_by_feat`` from ``loss``, bypassing the module hooks."""
         report = part == '' and _reports_own_call(module)
 
         def run(*args, **kwargs):
@@ -346,14 +314,9 @@ class StepTracer:
         return run
 
     def step(self, batch, keep_saved: bool = True) -> Dict[str, Any]:
-        """One training forward + loss on ``batch`` (``(inputs,
-        data_samples)``), as training runs it: train mode, frozen norms in
-        eval mode; the random state is restored afterwards.
-
-        Args:
-            keep_saved: False: autograd keeps nothing for backward (the
-                step's live bytes are then the forward's alone).
-        """
+        """One training forward + loss on ``(inputs, data_samples)``, as
+        training runs it; the random state is restored afterwards.
+        ``keep_saved=False``: autograd keeps nothing for backward."""
         inputs, samples = batch
         self.seq = 0
         self._stack.clear()
@@ -370,14 +333,12 @@ class StepTracer:
 
     @contextlib.contextmanager
     def _saved_hooks(self, keep_saved: bool):
-        """What autograd's pack hook does: keep or drop, and report.
+        """Autograd's pack hook: keep or drop, and report.
 
-        Saved tensors' nodes hold their hooks and the tracer holds the packs: a
-        cycle through C++ the garbage collector cannot see. So the hook reaches the
-        tracer through a holder emptied when the block ends, and keeps a detached
-        alias, not a saved output holding its own node; otherwise every traced model
-        and its graph stayed alive (docs/benchmarks/design_measurements.md).
-        """
+        The hook reaches the tracer through a holder emptied at the block's end
+        and keeps a detached alias: otherwise the saved tensors' nodes and the
+        tracer form a cycle through C++ the collector cannot see, and every
+        traced model stayed alive (docs/benchmarks/design_measurements.md)."""
         if self.on_pack is None:
             with (contextlib.nullcontext() if keep_saved else
                   torch.autograd.graph.saved_tensors_hooks(_drop,

@@ -2,32 +2,11 @@
 batch norm and the bit-masked activation after it fused
 (:class:`~mmseg_gf.ops.conv_block.gpu.FilteredConvBlockFunction`).
 
-The lean region makes these modules a lean kind (``'conv_block'``), whose
-forward runs each conv, norm, activation triple as the fused node where
-all of this holds, and the three modules (each lean) otherwise:
-
-* mmcv's ``ConvModule`` (:class:`LeanConvBlock`): the order ``conv, norm,
-  act``, both ``norm`` and ``activate`` asked for, no explicit padding
-  layer, no ``efficient_conv_bn_eval``;
-* mmseg's ResNet ``BasicBlock`` (:class:`LeanBasicBlock`: its ``conv1,
-  norm1, relu``) and ``Bottleneck`` (:class:`LeanBottleneck`: ``conv1,
-  norm1, relu`` and ``conv2, norm2, relu``), without ``with_cp`` (under
-  checkpointing) and plugins; the rest of the block as mmseg writes it;
-* the conv filters this call (a ``GFConv2d`` of ``mode='gf'``, zero
-  padding of numbers, a kernel that collapses on both axes: the Triton
-  path's own conditions) on a 4-d input the Triton path takes
-  (:func:`~mmseg_gf.ops.conv_block.gpu.usable`), in eager mode;
-* the norm is a lean frozen batch norm (eval mode, nothing trained) and
-  the activation a lean ReLU, ReLU6 / Hardtanh or LeakyReLU;
-* none of the three has forward hooks of its own (a hook expects its
-  module to be called: the kept-bytes trace's, a user's feature hook);
-* ``MMSEG_GF_CONV_BLOCKS`` is on (``0``: every block runs its modules).
-
-The forward numbers are those of the three modules to float32 rounding
-(the norm's formula in float32 in the fused launch, where cuDNN's or
-ATen's own kernel may order it otherwise), the gradients those of the
-three modules' backward (``tests/helpers/triton_block_cases.py``).
-"""
+mmcv's ``ConvModule`` and mmseg's ResNet blocks become the lean kind
+``'conv_block'``: each conv, norm, activation triple runs as the fused
+node where every condition holds, and as the three lean modules otherwise
+(conditions and exactness: docs/lean_region.md, "Conv blocks on the GPU
+path"; ``MMSEG_GF_CONV_BLOCKS=0`` switches it off)."""
 from typing import Optional, Tuple
 
 import torch
@@ -51,9 +30,8 @@ __all__ = ['conv_block_mixin', 'LeanConvBlock', 'LeanBasicBlock',
 
 
 def conv_block_mixin(plain: type) -> Optional[type]:
-    """The lean mixin of a module of class ``plain`` (its class before the
-    lean swap) whose forward is mmcv's ``ConvModule`` one or mmseg's
-    ResNet block one (a subclass with its own forward has none)."""
+    """The lean mixin for class ``plain`` whose forward is mmcv's
+    ``ConvModule``'s or a ResNet block's, else None."""
     for base, mixin in ((ConvModule, LeanConvBlock),
                         (BasicBlock, LeanBasicBlock),
                         (Bottleneck, LeanBottleneck)):
@@ -132,9 +110,8 @@ class LeanBasicBlock:
 
 
 class LeanBottleneck:
-    """mmseg's ResNet ``Bottleneck`` with ``conv1, norm1, relu`` and
-    ``conv2, norm2, relu`` fused where :func:`fused_parts` allows them; the
-    rest as mmseg's forward."""
+    """mmseg's ResNet ``Bottleneck`` with its first two triples fused where
+    :func:`fused_parts` allows."""
 
     def forward(self, x: Tensor) -> Tensor:
         parts = None if self.with_cp or self.with_plugins else fused_parts(

@@ -4,14 +4,7 @@ in- and out-projections on token grids (docs/gradient_filter.md, section
 
 Torch's attention calls ``F.linear`` on its packed weights, never its
 ``out_proj`` module, so this class reruns ``F.multi_head_attention_forward``
-op for op (bit for bit, tested) with filtered projections: query and output
-on the query's grid, key and value on the key's (smaller for spatially
-reduced attention). When the weights are not needed (``need_weights=False``
-or ``_gf_lean_weights_unused``) and no dropout acts on them, it runs SDPA
-and keeps no ``L x S`` probabilities; the exact module (``enabled=False``)
-runs the same code. What each call kept is noted for
-:mod:`mmseg_gf.accounting.kept_tokens`.
-"""
+op for op (bit for bit, tested) with filtered projections."""
 
 import math
 from dataclasses import dataclass
@@ -33,10 +26,7 @@ from .lean_transformer import AttentionCall
 @dataclass(frozen=True)
 class ProbabilitiesCall:
     """What a ``bmm``-path call (``need_weights=True``) kept besides its
-    projections, as shapes (scaled q and k, the probabilities per head, the
-    values, a dropout mask), with ``elem_bytes`` and whether ``dropout``
-    acted.
-    """
+    projections, as shapes."""
 
     batch: int
     num_heads: int
@@ -56,10 +46,8 @@ def is_filterable_attention(module: nn.Module) -> bool:
 
 
 def _stored_rows(t: Tensor) -> Optional[Tensor]:
-    """``t`` (``(N, B, C)``) in the order its storage holds it, as a view
-    that ``F.linear`` reads as rows without a copy: ``t`` itself, or its
-    batch-first transpose (mmcv's wrapper hands the inner attention a
-    transposed ``(B, N, C)`` tensor); None when neither is."""
+    """``t`` (``(N, B, C)``) as a view ``F.linear`` reads as rows without a
+    copy (itself or its batch-first transpose), else None."""
     for view in (t, t.transpose(0, 1)):
         try:
             view.view(-1, view.shape[-1])
@@ -72,11 +60,8 @@ def _stored_rows(t: Tensor) -> Optional[Tensor]:
 def _exact_inputs(*tensors: Tensor
                   ) -> Tuple[Tuple[int, int, bool, bool], ...]:
     """``(storage address, bytes, shared, requires_grad)`` of each distinct
-    input of the exact projections: what ``F.linear`` keeps of it (a view
-    of its storage where its tokens merge into rows without a copy,
-    ``shared``; else a copy of its elements). Addresses and sizes only: the
-    accounting reads them after the call, and holding the tensors would
-    keep them alive after the step."""
+    input of the exact projections: addresses only, so the record does not
+    keep tensors alive after the step."""
     out, seen = [], set()
     for t in tensors:
         if id(t) in seen:
@@ -97,8 +82,9 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
     ``bias_k``/``bias_v``/``add_zero_attn``, no masks: mmseg's MiT, Twins and
     ViT); other calls and unknown grids run torch's forward with the exact
     backward and warn once (:class:`GFExactBackwardWarning`; silent with
-    ``enabled=False``). Built by :meth:`from_attention`; its ``state_dict`` is
-    ``nn.MultiheadAttention``'s.
+    ``enabled=False``). Without needed weights and without dropout on them it
+    runs SDPA and keeps no ``L x S`` probabilities. Built by
+    :meth:`from_attention`; its ``state_dict`` is ``nn.MultiheadAttention``'s.
     """
 
     radius: int
@@ -191,12 +177,8 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
                                       average_attn_weights, sdpa)
 
     def _sdpa_applies(self, need_weights: bool) -> bool:
-        """Attention through ``scaled_dot_product_attention`` (no ``L x S``
-        probabilities kept): when the weights are not asked for, as torch
-        does, or when mmcv's wrapper, made lean, discards them
-        (``_gf_lean_weights_unused``, :mod:`.lean_transformer`) and no dropout
-        acts on them (torch's ``need_weights=True`` path draws it on the
-        probabilities themselves)."""
+        """Whether SDPA applies: weights not asked for (or discarded by a lean
+        mmcv wrapper) and no dropout on the probabilities."""
         if not need_weights:
             return True
         return bool(getattr(self, '_gf_lean_weights_unused', False)) and (
@@ -247,10 +229,7 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
                           sdpa: bool = False
                           ) -> Tuple[Tensor, Optional[Tensor]]:
         """Torch's slow-path forward (no masks) with filtered projections, op for
-        op. ``sdpa``: through ``scaled_dot_product_attention`` without weights
-        (:meth:`_sdpa_applies`), equal to torch's up to the order of sums. Notes
-        ``_gf_lean_call`` or ``_gf_probabilities_call`` for the accounting.
-        """
+        op; ``sdpa``: through SDPA, equal up to the order of sums."""
         is_batched = query.dim() == 3
         query, key, value = self._sequence_first(query, key, value,
                                                  is_batched)
@@ -288,11 +267,8 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
 
     def _sequence_first(self, query: Tensor, key: Tensor, value: Tensor,
                         is_batched: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        """The inputs as torch's slow path reads them, ``(L, N, E)``: a
-        batch-first input transposed, an unbatched one given a batch of
-        one. Tensors that were one object stay one object (as torch's own
-        transposes keep them), since the packing of the in-projection is
-        read from their identity."""
+        """The inputs as ``(L, N, E)``; tensors that were one object stay one
+        (the in-projection's packing is read from their identity)."""
         if self.batch_first and is_batched:
             if key is value:
                 if query is key:
@@ -310,10 +286,8 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
 
     def _bmm_attention(self, q: Tensor, k: Tensor, v: Tensor, bsz: int,
                        dropout_p: float) -> Tuple[Tensor, Tensor]:
-        """torch's ``bmm`` path, op for op: the attention output as rows
-        ``(L * N, E)`` in torch's order and the weights per head
-        ``(N, heads, L, S)``. What the call kept (the probabilities) is
-        noted as ``_gf_probabilities_call`` for the accounting."""
+        """torch's ``bmm`` path, op for op: output rows ``(L * N, E)`` and the
+        weights ``(N, heads, L, S)``."""
         heads = self.num_heads
         tgt_len, src_len = q.size(1), k.size(1)
         embed_dim = heads * q.shape[-1]
@@ -331,11 +305,9 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
 
     def _sdpa_attention(self, q: Tensor, k: Tensor, v: Tensor, bsz: int,
                         dropout_p: float) -> Tensor:
-        """The attention through ``scaled_dot_product_attention``, its
-        output as rows ready for the out-projection: torch's order when
-        filtered (op for op), else batch-first rows viewing SDPA's output
-        where it can, so that the exact out-projection keeps the storage
-        SDPA keeps. What the call kept is noted as ``_gf_lean_call``."""
+        """The attention through SDPA, its output as rows for the
+        out-projection (viewing SDPA's output where it can, so both keep
+        one storage)."""
         heads = self.num_heads
         tgt_len, src_len, head_dim = q.size(1), k.size(1), q.shape[-1]
         embed_dim = heads * head_dim

@@ -1,14 +1,10 @@
 """``GFLinear``: an ``nn.Linear`` over tokens on a grid whose backward is the
 gradient filter (docs/gradient_filter.md#linear-layers-on-token-grids).
 
-A Linear sees ``(B, N, C)`` tokens and nothing tells it which grid they lie
-on: a ``64 x 64`` map and a ``32 x 128`` one both give ``N = 4096``, and a
-ViT's cls token makes ``N`` odd. So the grid is never guessed from ``N``: it
-comes from the model, through a :class:`TokenGridSource` that hooks on the
-enclosing block keep current for each call (the ``hw_shape`` mmseg's
-transformer blocks receive; see ``mmseg_gf.models.token_grids``), or that
-holds a fixed grid (a Swin window).
-"""
+The grid is never guessed from ``N`` (a ``64 x 64`` and a ``32 x 128`` map
+both give 4096 tokens; a cls token makes ``N`` odd): it comes from the
+model, through a :class:`TokenGridSource` that the enclosing block's hooks
+keep current, or that holds a fixed grid (a Swin window)."""
 
 from typing import Optional
 
@@ -25,16 +21,12 @@ from .gf_conv import warn_exact_backward, with_mmcv_wrapper
 
 
 class TokenGridSource:
-    """Where a filtered layer reads the token grid of its current call.
-
-    Forward hooks of the enclosing block :meth:`set` the grid before the
-    layer runs and :meth:`clear` it after (``mmseg_gf.models.token_grids``);
-    a source built with a grid keeps it (Swin's ``ws x ws`` windows).
+    """Where a filtered layer reads the token grid of its current call: set
+    by the enclosing block's hooks per call, or fixed (Swin's windows).
 
     Args:
         grid: a fixed grid, or None to be set per call.
-        name: what sets it, for messages (e.g. the block's path).
-    """
+        name: what sets it, for messages (e.g. the block's path)."""
 
     def __init__(self, grid: Optional[TokenGrid] = None,
                  name: str = '') -> None:
@@ -156,11 +148,8 @@ class GFLinear(FilteredLayer, nn.Linear):
 
     def output_partition(self, input: Tensor,
                          output: Tensor) -> Optional[PatchPartition]:
-        """The patches a filtered call on ``input`` tags its ``output``
-        with, whether or not this call ran filtered (the budget's probe
-        runs the exact backward: :mod:`mmseg_gf.accounting.step_profile`);
-        None where a filtered call would run the exact backward (no grid,
-        complex values)."""
+        """The patches a filtered call on ``input`` tags its output with (even
+        when run exact); None where a filtered call would run exact."""
         grid = self.current_grid()
         if (grid is None or input.is_complex()
                 or self.weight.is_complex()):
@@ -171,9 +160,8 @@ class GFLinear(FilteredLayer, nn.Linear):
             return None
 
     def input_partition(self, input: Tensor) -> Optional[PatchPartition]:
-        """The patches on which this layer's filtered ``g_x`` is constant
-        (those of its grid: a ``1 x 1`` kernel, stride 1), for a call on
-        ``input`` now; None when it has no grid."""
+        """The patches on which this layer's filtered ``g_x`` is constant for a
+        call on ``input``; None without a grid."""
         grid = self.current_grid()
         if grid is None:
             return None

@@ -1,14 +1,7 @@
 """How good are filtered gradients? SNR, cosine and the DC-energy ratio.
 
-Definitions follow the paper (Section 4.1, 5.4, 5.6) as pinned down in
-docs/gradient_filter.md#gradient-quality: ``SNR = sum t^2 / sum (t - a)^2``
-(Eq. 8) and the DC energy ratio
-``Theta[0,0]^2 / max_{(u,v) != (0,0)} Theta[u,v]^2`` of each ``k x k`` kernel
-slice (Eq. 13). Proposition 1 says that the SNR of the filtered input
-gradient is at least that of the filtered output gradient when the kernel's
-DC component dominates; :func:`layer_gradient_quality` measures both.
-Pure torch: no mmseg import; the GradientQualityHook logs it during training.
-"""
+Definitions follow the paper (Eq. 8, Eq. 13, Proposition 1) as pinned down
+in docs/gradient_filter.md#gradient-quality. Pure torch: no mmseg import."""
 
 import math
 from dataclasses import dataclass
@@ -43,8 +36,7 @@ def cosine(target: Tensor, approx: Tensor) -> float:
 
 def filtered_output_grad(grad_out: Tensor, radius: int) -> Tensor:
     """``g~_y`` at full resolution: every ``r x r`` patch set to its mean
-    (border patches average over their valid pixels), as the operator sees
-    it."""
+    (border patches over their valid pixels)."""
     h, w = grad_out.shape[-2:]
     kernel = (min(radius, h), min(radius, w))
     means = F.avg_pool2d(grad_out, kernel, radius, ceil_mode=True)
@@ -56,11 +48,9 @@ def filtered_output_grad(grad_out: Tensor, radius: int) -> Tensor:
 class GradientQuality:
     """SNR and cosine of filtered vs exact gradients for one layer.
 
-    ``*_grad_input_propagated`` is the paper's ``g~_x`` of Proposition 1:
-    the filtered ``g~_y`` pushed through the *exact* conv backward.
-    ``*_grad_input`` is what training uses: the patch-constant input gradient
-    of Eq. 3 (which further replaces the kernel by its spatial sum).
-    """
+    ``*_grad_input_propagated``: the paper's ``g~_x`` of Proposition 1 (the
+    filtered ``g~_y`` through the exact conv backward); ``*_grad_input``: the
+    patch-constant input gradient training uses (Eq. 3)."""
 
     snr_grad_output: float
     snr_grad_input_propagated: float
@@ -119,12 +109,9 @@ def _taps(weight: Tensor) -> int:
 
 
 def dc_energy_ratios(weight: Tensor) -> Tensor:
-    """Eq. 13 for every kernel slice of a conv weight
-    ``C_out x C_in/groups x k...`` (``k x k`` for a 2-D conv, ``k`` for a
-    1-D one: the DFT over the kernel's axes) with more than one tap.
+    """Eq. 13 for every kernel slice of a conv weight with more than one tap.
 
-    Returns a flat tensor of ratios, one per (out, in) slice.
-    """
+    Returns a flat tensor of ratios, one per (out, in) slice."""
     if weight.dim() < 3 or _taps(weight) <= 1:
         raise ValueError('the DC energy ratio needs a kernel larger than 1x1')
     axes = tuple(range(2, weight.dim()))
@@ -140,13 +127,10 @@ def model_dc_energy_ratio(
         kernels: Iterable[Tuple[str, Tensor]]) -> Dict[str, float]:
     """Per-layer mean of Eq. 13 over slices, and the network mean.
 
-    ``kernels``: ``(name, weight)`` of a network's layers with a kernel
-    (which layers have one is their layer kind's to say:
-    :func:`mmseg_gf.models.layer_kinds.layer_kernels`). The paper reports
-    one number per network (Table 5); we average the per-layer means over
-    the kernels of more than one tap (``'mean'`` key), so that a few huge
-    layers do not dominate.
-    """
+    ``kernels``: ``(name, weight)`` of a network's layers with a kernel. The
+    ``'mean'`` key averages the per-layer means (of kernels of more than one
+    tap), so that a few huge layers do not dominate the paper's one number
+    per network (Table 5)."""
     per_layer = {}
     for name, weight in kernels:
         if _taps(weight) > 1:
@@ -158,12 +142,8 @@ def model_dc_energy_ratio(
 
 
 def capture_layer_io(layers: List[Tuple[str, nn.Module]]):
-    """Context manager recording each layer's input and output gradient.
-
-    Use around one forward + backward; afterwards ``records[name]`` holds
-    ``(x, g_y)``. Used by ``GradientQualityHook`` and by
-    ``mmseg_gf.analysis.model_quality`` (``tools/gradient_quality.py``).
-    """
+    """Context manager recording each layer's ``(x, g_y)`` in
+    ``records[name]`` over one forward + backward."""
     return _LayerRecorder(layers)
 
 

@@ -1,18 +1,10 @@
 """The kinds of layer gradient filtering can train, one description each.
 
-A :class:`LayerKind` tells selection, surgery, the accounting, the hooks and
-the tools everything about a kind of layer (traced and plain types, the
-filtered module and ``from_plain``, its geometry and cost at one call), so
-they call :func:`layer_kinds` / :func:`kind_of` instead of naming
-``nn.Conv2d``. The math lives in :mod:`mmseg_gf.ops`. ``Conv2d``
-(:class:`~.gf_conv.GFConv2d`) is registered first; a kind on tokens
-registers the same way, its cost a 1x1 conv's on its grid.
-
+Selection, surgery, the accounting, the hooks and the tools ask
+:func:`layer_kinds` / :func:`kind_of` instead of naming ``nn.Conv2d``.
 A module-level registry, not an mmengine ``Registry``: no kind is built
-from a config by name (the filtered *modules* are in ``MODELS``); callers
-iterate the kinds in a fixed order and look them up by type, and the module
-stays importable without the OpenMMLab stack.
-"""
+from a config, callers iterate the kinds in a fixed order, and the module
+stays importable without the OpenMMLab stack."""
 from dataclasses import dataclass
 from typing import (Callable, Dict, Iterable, List, Optional, Protocol,
                     Sequence, Tuple, Union)
@@ -34,10 +26,8 @@ __all__ = ['LayerGeometry', 'LayerKind', 'CONV2D', 'register_layer_kind',
 
 
 class LayerGeometry(Protocol):
-    """A layer kind's geometry at one call: ``in_shape`` / ``out_shape``
-    (``(C, H, W)`` on its grid) and ``map_area``, the positions its output
-    covers, for the output stride (the ``'auto'`` radius, the budget's order).
-    """
+    """A layer kind's geometry at one call: ``(C, H, W)`` shapes on its grid,
+    and ``map_area``, the positions its output covers."""
 
     in_shape: Tuple[int, int, int]
     out_shape: Tuple[int, int, int]
@@ -58,41 +48,31 @@ class LayerKind:
     """A kind of layer that gradient filtering can train.
 
     Attributes:
-        name, noun: its name in tables (``'conv2d'``), one layer in messages
-            (``'conv'``).
+        name, noun: its name in tables (``'conv2d'``), one layer in messages.
         traced_type: recorded by the selection trace, subclasses too (so that
             the refusal names them).
         plain_types: the exact classes whose forward the filtered module
             computes.
-        filtered_type: the :class:`~.filtered_layer.FilteredLayer` class.
         from_plain: ``(module, radius, enabled) -> filtered module`` sharing
             its Parameters (optimizers and ``state_dict`` stay valid).
         geometry: ``(module, inputs, output) -> LayerGeometry`` of one call.
-        quality: ``(module, x, grad_out, radius) -> GradientQuality``
-            (:mod:`mmseg_gf.models.gradient_quality`).
-        allowed: the classes it accepts, for error messages.
+        quality: ``(module, x, grad_out, radius) -> GradientQuality``.
         prepare: ``(model) -> undo or None``: what ``geometry`` and
             ``from_plain`` need during the trace (token-grid hooks).
         install: ``(model) -> None``, idempotent, before ``from_plain``.
-        patch_partitioned: its filtered output is tagged with its patch
-            partition and its ``g_x`` is patch-constant (:mod:`.patch_mean_graph`).
+        patch_partitioned: its ``g_x`` is patch-constant
+            (:mod:`.patch_mean_graph`).
         call_grids: a token kind's ``(module, site, args, kwargs) -> ((grid,
-            input shape, token axis), ...)`` (query first; None: no grid);
-            None on feature maps.
+            input shape, token axis), ...)`` (query first); None on maps.
         kept_rule: its kept-for-backward rule (:mod:`mmseg_gf.accounting.kept`),
             a function or a ``'package.module:function'`` name.
-        frozen_lean: the lean variant its frozen plain layers take
-            (:data:`mmseg_gf.models.lean.LEAN_KINDS`), or None.
+        frozen_lean: the lean variant its frozen plain layers take, or None.
         claims: ``(module) -> bool`` for a kind narrower than its traced type
             (depthwise convs), ahead of the kinds that claim every instance.
-        family: the class of every layer of its sort (default
-            ``traced_type``), for the launch count and the cost report.
-        category: the launch count's category for its family
-            (:data:`mmseg_gf.accounting.launches.KINDS`), ``'filtered_' +
-            category`` while filtering.
+        family: the class of every layer of its sort (default ``traced_type``).
+        category: the launch count's category for its family.
         kernel: ``(module) -> Tensor``: the weight as a kernel over its grid's
-            axes, for the DC-energy ratio (paper Eq. 13); None without one.
-    """
+            axes, for the DC-energy ratio (paper Eq. 13); None without one."""
 
     name: str
     noun: str
@@ -137,9 +117,8 @@ class LayerKind:
 
     def set_filter(self, module: nn.Module, radius: int,
                    enabled: bool) -> nn.Module:
-        """``module`` filtered at ``radius`` (``enabled=False``: the exact
-        backward): a filtered module is updated in place, a plain one
-        replaced by its filtered layer (:attr:`from_plain`)."""
+        """``module`` filtered at ``radius``: updated in place, or a plain one
+        replaced by its filtered layer."""
         if self.is_filtered(module):
             module.radius, module.enabled = radius, enabled
             return module
@@ -153,10 +132,8 @@ def register_layer_kind(kind: LayerKind) -> LayerKind:
     """Add a kind (after those registered before it).
 
     Raises:
-        ValueError: a kind of that name exists, or one that traces every
-            instance of the same type while this one does too (a kind
-            with ``claims`` narrows a type another kind traces).
-    """
+        ValueError: a kind of that name exists, or both trace every instance
+            of the same type."""
     for other in _KINDS.values():
         if other.name == kind.name or (
                 other.traced_type is kind.traced_type
@@ -190,9 +167,8 @@ def layer_kind(name: str) -> LayerKind:
 
 
 def traced_kind_of(module: nn.Module) -> Optional[LayerKind]:
-    """The kind whose trace records ``module`` (filterable or not), or
-    None: a kind that claims it (:attr:`LayerKind.claims`) first, else the
-    first registered kind of its type."""
+    """The kind whose trace records ``module``, or None; a kind that claims
+    it first."""
     narrow = [k for k in _KINDS.values() if k.claims is not None]
     for kind in narrow + [k for k in _KINDS.values() if k.claims is None]:
         if kind.traces(module):
@@ -210,10 +186,8 @@ def family_kind_of(module: nn.Module) -> Optional[LayerKind]:
 
 
 def layer_kernels(model: nn.Module) -> List[Tuple[str, Tensor]]:
-    """``(path, kernel)`` of every layer of ``model`` whose kind has a
-    :attr:`~LayerKind.kernel` (filterable or not, e.g. a weight-standardised
-    conv: what the DC-energy ratio describes is the kernel), in module
-    order."""
+    """``(path, kernel)`` of every layer whose kind has a kernel, filterable
+    or not, in module order."""
     found = []
     for path, module in model.named_modules():
         kind = traced_kind_of(module)
@@ -253,9 +227,8 @@ def traced_type_names() -> str:
 
 
 def layers_noun(kinds: Iterable[str]) -> str:
-    """What messages call layers of the kinds named ``kinds``: ``'convs'``
-    when every one is a conv (:data:`CONV2D`, the paper's layers; none
-    given too), else ``'layers'``."""
+    """``'convs'`` when every kind named is a conv (or none given), else
+    ``'layers'``."""
     return 'convs' if set(kinds) <= {CONV2D.name} else 'layers'
 
 

@@ -1,21 +1,11 @@
 """Lean variants of the modules around a trained conv (:mod:`mmseg_gf.ops.lean.functions`).
 
-:func:`make_lean` swaps a module's class for a subclass of its own class
-(e.g. mmengine's reverted ``_BatchNormXd``), so ``isinstance``,
-``state_dict`` keys, hooks and forward numbers are unchanged;
-:func:`make_plain` swaps it back. A lean module runs its plain forward
-unless autograd records it, so swapping every module costs nothing outside
-the trained region.
-
-What becomes lean, and what each keeps, is the table of docs/lean_region.md:
-frozen eval-mode batch norms, ReLU-like activations, Hardsigmoid/HSigmoid,
-frozen PReLU, pools, dropout, decode heads' losses (:mod:`.lean_head`),
-ConvModule / ResNet blocks (:mod:`.conv_block`), frozen convs and Linears,
-transformer blocks' layers (:mod:`.lean_transformer`); GELUs between
-filtered layers are chosen by the engine's traced step
-(:mod:`.patch_mean_gelu`). Everything else (GroupNorm, smooth activations,
-a trained PReLU, ``Dropout2d``) keeps autograd's default.
-"""
+:func:`make_lean` swaps a module's class for a subclass of its own class, so
+``isinstance``, ``state_dict`` keys, hooks and forward numbers are
+unchanged; :func:`make_plain` swaps it back. A lean module runs its plain
+forward unless autograd records it, so swapping every module costs nothing
+outside the trained region. What becomes lean and what each keeps:
+docs/lean_region.md, "What each layer keeps"."""
 import functools
 from typing import Callable, Optional, Set, Type
 
@@ -80,13 +70,10 @@ _FALLBACKS_LOGGED: Set[str] = set()
 
 def lean_or_plain(module: nn.Module, lean: Callable[[], Tensor],
                   plain: Callable[[], Tensor]) -> Tensor:
-    """``lean()`` (the module's lean Function), or ``plain()`` (its plain
-    forward) for good where the lean one cannot give its output to its
-    caller as a tensor of its own
-    (:class:`~mmseg_gf.ops.function_output.AliasedOutputError`: a view of
-    its input, which an in-place use downstream would corrupt). The
-    fallback is logged once per module class; the plain forward keeps what
-    autograd keeps, and computes the same numbers."""
+    """``lean()``, or ``plain()`` for good where the lean Function cannot give
+    its output as a tensor of its own (an in-place use downstream would
+    corrupt a view of its input). Logged once per module class; the plain
+    forward computes the same numbers."""
     if module.__dict__.get('_gf_lean_off') is not None:
         return plain()
     if torch.compiler.is_compiling():
@@ -107,11 +94,8 @@ class _LeanFrozenNorm:
     """Eval-mode batch norm without trainable parameters: ``g * scale``."""
 
     def frozen_affine(self) -> Optional[tuple]:
-        """``(running_mean, running_var, weight, bias, eps)`` (weight and
-        bias None where it has none), what its forward ``(x - mean) *
-        rsqrt(running_var + eps) * weight + bias`` and its backward's
-        factor are made of, while it is frozen (eval mode, nothing
-        trained); else None."""
+        """``(running_mean, running_var, weight, bias, eps)`` while frozen
+        (eval mode, nothing trained), else None."""
         if (self.training or self.running_var is None
                 or self.running_mean is None
                 or any(p.requires_grad for p in self.parameters())):
@@ -207,10 +191,8 @@ def _times_one_sixth(g: Tensor) -> Tensor:
 
 
 class _LeanHSigmoid:
-    """mmcv's ``HSigmoid``, ``clamp((x + bias) / divisor, min, max)``,
-    keeping 1 bit: ``min <= (x + bias) / divisor <= max`` (clamp's
-    inclusive bounds); the passing gradient divided by ``divisor``, as the
-    chain of clamp's and division's backward computes it."""
+    """mmcv's ``HSigmoid`` keeping 1 bit: whether ``(x + bias) / divisor`` is
+    inside clamp's inclusive bounds."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not _recording(x):
@@ -330,11 +312,8 @@ def _recording_any(logits) -> bool:
 
 
 class _LeanLossHead:
-    """A decode head whose loss keeps neither the upsampled logits nor, where
-    the classifier fuses with the loss, the classifier's input
-    (:mod:`.lean_head`). Its bilinear resizes run as
-    :class:`~mmseg_gf.ops.resize.bilinear.BilinearResizeFunction`.
-    """
+    """A decode head whose loss keeps neither the upsampled logits nor, fused,
+    the classifier's input (:mod:`.lean_head`)."""
 
     def loss(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -397,18 +376,15 @@ def _frozen(*tensors: Optional[Tensor]) -> bool:
 
 
 def frozen_conv_is_lean(conv: nn.Module) -> bool:
-    """Whether a lean conv keeps nothing when autograd records it with
-    frozen weight and bias: zero padding of integer sizes (any other
-    padding runs the plain convolution, which keeps its input)."""
+    """Whether a frozen lean conv keeps nothing: zero padding of integer sizes
+    (other padding runs the plain conv)."""
     return (isinstance(conv, _LeanFrozenConv) and conv.padding_mode == 'zeros'
             and not isinstance(conv.padding, str))
 
 
 class _LeanFrozenConv:
-    """A conv that keeps nothing while frozen (see
-    :class:`~mmseg_gf.ops.lean.functions.FrozenConvFunction`). In ``_conv_forward``,
-    as GFConv2d, so callers passing their own weight (mmcv's
-    ``efficient_conv_bn_eval``) get it too; trained, it is the plain conv."""
+    """A conv that keeps nothing while frozen; in ``_conv_forward``, so callers
+    passing their own weight (mmcv's ``efficient_conv_bn_eval``) get it too."""
 
     def _conv_forward(self, x: Tensor, weight: Tensor,
                       bias: Optional[Tensor]) -> Tensor:
@@ -480,10 +456,8 @@ def lean_kind(module: nn.Module) -> Optional[str]:
 
 
 def _frozen_layer_kind(module: nn.Module) -> Optional[str]:
-    """The frozen lean variant its layer kind gives ``module``
-    (:attr:`~.layer_kinds.LayerKind.frozen_lean`), for a plain module of
-    the kind's traced type itself (or mmcv's wrapper of it); None for a
-    filtered module or a subclass with a forward of its own."""
+    """The frozen lean variant ``module``'s layer kind gives it, or None (a
+    filtered module, or a subclass with its own forward)."""
     kind = traced_kind_of(module)
     if kind is None or kind.frozen_lean is None:
         return None
@@ -493,9 +467,7 @@ def _frozen_layer_kind(module: nn.Module) -> Optional[str]:
 
 
 def is_lean(module: nn.Module) -> bool:
-    """True if :func:`make_lean` (or
-    :func:`~.patch_mean_gelu.make_patch_mean_gelu`) swapped ``module``'s
-    class."""
+    """True if ``module``'s class was swapped to a lean variant."""
     return is_swapped(module, LEAN_OWNER)
 
 

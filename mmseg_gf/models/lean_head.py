@@ -1,14 +1,9 @@
 """A decode head's loss kept lean, its classifier fused with it where possible
 (docs/lean_region.md, "The loss, fused with the classifier").
 
-A lean head's ``loss`` arms a :class:`ClassifierCapture` when
-:func:`fusion_blocker` allows; if the forward returns the classifier's output,
-:func:`fused_classifier_losses` takes the loss's, ``g_W``'s and ``g_b``'s
-gradients in the forward without keeping the classifier's input. Otherwise
-:func:`lean_head_losses` keeps only the loss's gradient w.r.t. the logits.
-PIDHead's and DDRHead's losses go image by image where :mod:`.lean_ohem`
-mirrors them. Why a head is not fused is logged once.
-"""
+Fused, the loss's, ``g_W``'s and ``g_b``'s gradients are taken in the
+forward without keeping the classifier's input; otherwise only the loss's
+gradient w.r.t. the logits is kept. Why a head is not fused is logged once."""
 import functools
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -75,10 +70,8 @@ def log_fallback_once(head: nn.Module, reason: str) -> None:
 
 
 def _chunked_specs(head: nn.Module):
-    """The head's :func:`chunkable_losses` if it uses mmseg's
-    ``loss_by_feat``; when that loss is not mirrored, why is logged once
-    (mmseg's loss then runs on the whole batch, its upsampled logits alive
-    in the forward)."""
+    """The head's :func:`chunkable_losses` if it uses mmseg's ``loss_by_feat``;
+    when that loss is not mirrored, why is logged once."""
     if not _has_base_loss(head):
         return None
     reason = chunk_blocker(head)
@@ -91,11 +84,8 @@ def _chunked_specs(head: nn.Module):
 
 def fusion_blocker(head: nn.Module) -> Optional[str]:
     """Why ``head``'s classifier cannot be fused with its loss (logged once),
-    or None: it must classify with mmseg's ``cls_seg`` through a plain (or
-    lean) 2-D conv, not the filtered one whose backward fusion would bypass.
-    Whether the forward returns the classifier's output is seen later
-    (:meth:`ClassifierCapture.mismatch`).
-    """
+    or None: it must classify with mmseg's ``cls_seg`` through a plain or
+    lean 2-D conv, not the filtered one whose backward fusion would bypass."""
     reason = getattr(head, '_gf_fused_classifier_off', None)
     base = base_decode_head()
     plain = plain_class(head)
@@ -113,12 +103,8 @@ def fusion_blocker(head: nn.Module) -> Optional[str]:
 
 def folds_into_classifier(dropout: Optional[nn.Module], feat: Tensor,
                           conv: nn.Module) -> bool:
-    """Whether ``dropout`` (a head's, before its classifier ``conv``) is a
-    training ``Dropout2d`` that :class:`ClassifierCapture` folds into the
-    classifier: ``0 < p < 1``, not in place, on a 4-d ``feat``, before a
-    1x1 classifier
-    (:func:`~mmseg_gf.ops.loss.fused_classifier.channel_scaled_classifier`) whose
-    calls nothing else redirects."""
+    """Whether ``dropout`` before a head's 1x1 classifier is a training
+    ``Dropout2d`` that :class:`ClassifierCapture` folds into the classifier."""
     return (dropout is not None and plain_class(dropout) is nn.Dropout2d
             and dropout.training and 0 < dropout.p < 1
             and not dropout.inplace and feat.dim() == 4
@@ -128,22 +114,17 @@ def folds_into_classifier(dropout: Optional[nn.Module], feat: Tensor,
 
 def feature_noise(feat: Tensor, p: float) -> Tensor:
     """The ``N x C x 1 x 1`` noise a training ``Dropout2d(p)`` multiplies
-    ``feat`` by, drawn as torch draws it (``bernoulli_(1 - p)``, then
-    divided by ``1 - p``, in ``feat``'s dtype): the same random numbers, so
-    a folded dropout drops the channels the module would."""
+    ``feat`` by, drawn as torch draws it, so a folded dropout drops the
+    channels the module would."""
     noise = feat.new_empty(feat.shape[:2] + (1, 1))
     return noise.bernoulli_(1 - p).div_(1 - p)
 
 
 class ClassifierCapture:
     """The classifier calls of one head's ``loss``, with what autograd saved for
-    them held here, to be dropped once the loss is fused (kept, with
-    autograd's backward, if the head transforms the output).
-
-    A training ``Dropout2d`` before a 1x1 classifier is folded into it: the
-    noise scales each image's weight columns
-    (:func:`~mmseg_gf.ops.loss.fused_classifier.channel_scaled_classifier`), so
-    the dropped-out input is never made.
+    them, dropped once the loss is fused. A training ``Dropout2d`` before a 1x1
+    classifier is folded into its weight, so the dropped-out input is never
+    made.
 
     Attributes:
         calls: ``(classifier input, logits, channel scale or None)`` per call.
@@ -233,9 +214,7 @@ def _trainable(head: nn.Module) -> List[Tensor]:
 def _logit_gradients(compute: Callable[..., Dict[str, Tensor]],
                      logits: Tensor, others: Sequence[Tensor],
                      params: Sequence[Tensor]) -> LogitGradients:
-    """``compute(logits, *others)`` differentiated in the forward, one
-    basis per loss output that depends on ``logits`` (the others' gradients
-    only where they require one)."""
+    """``compute(logits, *others)`` differentiated in the forward."""
     values, grads = loss_gradients(
         compute, [logits, *others], params,
         [True] + [t.requires_grad for t in others])
@@ -264,15 +243,12 @@ def _with_logits_at(seg_logits, position: Optional[int]) -> Callable:
 def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
                             seg_logits, batch_data_samples
                             ) -> Dict[str, Tensor]:
-    """``head.loss_by_feat(seg_logits)`` through
-    :class:`~mmseg_gf.ops.loss.fused_classifier.FusedClassifierLossFunction`
-    (image by image where :func:`chunkable_losses` or
-    :func:`~.lean_ohem.own_loss_producer` allow, else on the whole batch).
+    """``head.loss_by_feat(seg_logits)`` with the classifier fused into it
+    (image by image where the loss allows, else on the whole batch).
 
     Raises:
         ValueError: the loss cannot be differentiated in the forward; the
-            capture still holds what the classifier saved.
-    """
+            capture still holds what the classifier saved."""
     feat, logits, scale = capture.calls[0]
     position, others = None, []
     if isinstance(seg_logits, (tuple, list)):
@@ -310,12 +286,11 @@ def fused_classifier_losses(head: nn.Module, capture: ClassifierCapture,
 
 def lean_head_losses(head: nn.Module, seg_logits,
                      batch_data_samples) -> Dict[str, Tensor]:
-    """``head.loss_by_feat`` without fusion, each loss's gradient w.r.t. every
-    logits tensor taken in the forward and kept.
+    """``head.loss_by_feat`` without fusion, keeping each loss's gradient
+    w.r.t. the logits.
 
     Raises:
-        ValueError: the loss cannot be differentiated in the forward.
-    """
+        ValueError: the loss cannot be differentiated in the forward."""
     specs = _chunked_specs(head)
     if specs is not None:
         return chunked_cross_entropy_losses(head, seg_logits,
@@ -343,11 +318,8 @@ def lean_head_losses(head: nn.Module, seg_logits,
 
 def traced_head_losses(head: nn.Module, seg_logits,
                        batch_data_samples) -> Dict[str, Tensor]:
-    """``head.loss_by_feat`` as ``torch.compile`` traces it (no fusion: its hooks
-    do not trace): mmseg's cross-entropy without sampler by the
-    ``mmseg_gf::resized_cross_entropy`` operator where usable, else PyTorch
-    ops, its accuracy without data-dependent shapes; otherwise the head's own.
-    """
+    """``head.loss_by_feat`` as ``torch.compile`` traces it (no fusion: its
+    hooks do not trace), without data-dependent shapes."""
     specs = chunkable_losses(head) if _has_base_loss(head) else None
     if (specs is None or ohem_sampler_spec(head) is not None
             or not isinstance(seg_logits, Tensor)):
@@ -357,13 +329,9 @@ def traced_head_losses(head: nn.Module, seg_logits,
 
 
 def loss_gradient_copies(head: nn.Module) -> Optional[int]:
-    """How many logits-sized tensors ``head``'s lean loss keeps per
-    classifier output: one per class weighting for the chunked
-    cross-entropy, one gradient per loss name for mmseg's ``loss_by_feat``
-    otherwise; None when the head has its own ``loss_by_feat`` (it depends
-    on that code, and its other logits keep gradients too: PIDHead's lean
-    loss keeps 2 of its classifier's logits and 1 each of its P and D
-    logits; the step tracer measures them)."""
+    """How many logits-sized tensors ``head``'s lean loss keeps per classifier
+    output; None when the head has its own ``loss_by_feat`` (the step tracer
+    measures it)."""
     if not _has_base_loss(head):
         return None
     specs = chunkable_losses(head)
@@ -375,19 +343,16 @@ def loss_gradient_copies(head: nn.Module) -> Optional[int]:
 
 
 def disable_classifier_fusion(head: nn.Module, reason: str) -> None:
-    """Keep ``head``'s classifier out of its loss from now on (its lean loss
-    then keeps the classifier's input and the loss's gradient w.r.t. the
-    logits): for comparing the
-    two, or for a head whose forward reads its classifier's output in a way
-    the fusion does not see. ``reason`` is logged once."""
+    """Keep ``head``'s classifier out of its loss from now on: for comparing
+    the two, or for a head whose forward reads its classifier's output in a
+    way the fusion does not see. ``reason`` is logged once."""
     head._gf_fused_classifier_off = reason
     log_fallback_once(head, reason)
 
 
 def folded_dropout_noise(head: nn.Module) -> Optional[Tensor]:
-    """The noise of the ``Dropout2d`` folded into ``head``'s classifier
-    call running now (what a step tracer asks at the classifier's call: the
-    fused loss keeps it for ``g_x``), or None."""
+    """The noise of the ``Dropout2d`` folded into ``head``'s running
+    classifier call, or None."""
     capture = getattr(head, '_gf_classifier_capture', None)
     return None if capture is None else capture.scale
 

@@ -1,35 +1,12 @@
 """mmseg's cross-entropy decode loss (softmax or sigmoid) with its gradient
 taken in the forward, without the batch's upsampled logits.
 
-``BaseDecodeHead.loss_by_feat`` upsamples the whole batch's logits to the
-label size and takes the loss of that: at 512x512, batch 8 and 21 classes,
-176 MB of upsampled logits plus as much again of log-softmax, alive in the
-forward and, recomputed, in the backward. For the common case (every
-``loss_decode`` is mmseg's ``CrossEntropyLoss`` without mask, reduction
-``'mean'`` or ``'sum'``, all with softmax (class weights allowed) or all
-with sigmoid (a binary cross-entropy on one-hot labels, over more than one
-channel, without class weights), no pixel sampler or, with softmax,
-mmseg's ``OHEMPixelSampler`` with a threshold) the loss is a sum of
-per-pixel terms over a normaliser that depends on the labels only. So
-:func:`chunked_cross_entropy_gradients` computes it, and its gradient
-w.r.t. the low-resolution logits, in the forward with
-:func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy` (no upsampled
-logits at all with the compiled kernel). The step keeps that gradient
-(the logits' size) and nothing else of the loss.
-
-The sampler's hard pixels (a batch-wide threshold on the label
-probabilities) come from a first pass of the same function that computes
-only the label probabilities (``N x H x W``), then weigh the loss's pass.
-
-The numbers are mmseg's: the same per-pixel cross-entropy (for sigmoid,
-mmseg's ``binary_cross_entropy`` on one-hot labels, summed) and class
-weights, the same normaliser (``avg_non_ignore``, ``loss_weight``, ``+
-eps``; with class weights the labels' summed class weight, where mmseg
-1.2.2 raises an IndexError on an ignored pixel and ignored pixels weigh 0
-here) and the same accuracy; only the sum over pixels is taken per image
-(in float64 on the softmax path) and then added, which rounds differently
-from one sum (relative differences ~1e-7).
-"""
+mmseg's ``loss_by_feat`` keeps the whole batch's upsampled logits and their
+log-softmax alive; for mmseg's ``CrossEntropyLoss`` (and the thresholded
+``OHEMPixelSampler``) the loss is a sum of per-pixel terms over a
+label-only normaliser, so only its gradient w.r.t. the low-resolution
+logits is kept. Which losses qualify and how mmseg's numbers are
+reproduced: docs/lean_region.md, "The loss, fused with the classifier"."""
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -64,12 +41,9 @@ def selection_weights(label: Tensor, keep: Tensor,
 
 def probability_selection(prob: Tensor, valid: Tensor, kept: int,
                           thresh: float) -> Tensor:
-    """mmseg's hard-pixel rule (``OhemCrossEntropy`` and
-    ``OHEMPixelSampler``): sort the label probabilities ``prob`` of the
-    ``valid`` pixels, take the one at ``min(kept, count - 1)`` and select
-    the valid pixels whose probability is strictly below the larger of it
-    and ``thresh`` (bool, ``prob``'s shape; ``valid`` not empty). The
-    value at that position is the ``k``-th smallest."""
+    """mmseg's hard-pixel rule (``OhemCrossEntropy``, ``OHEMPixelSampler``):
+    the ``valid`` pixels whose probability is strictly below the larger of the
+    ``min(kept, count - 1)``-th smallest one and ``thresh``."""
     pred = prob[valid]
     k = min(kept, pred.numel() - 1)
     min_value = torch.kthvalue(pred, k + 1).values
@@ -77,11 +51,8 @@ def probability_selection(prob: Tensor, valid: Tensor, kept: int,
 
 
 def ohem_sampler_spec(head: nn.Module) -> Optional[SamplerSpec]:
-    """``head``'s pixel sampler as :data:`SamplerSpec` when it is mmseg's
-    ``OHEMPixelSampler`` with a threshold, else None (also without a
-    sampler). Without a threshold the sampler keeps the ``min_kept``
-    largest losses, an order that ties and rounding can change: not
-    mirrored."""
+    """``head``'s thresholded ``OHEMPixelSampler`` as :data:`SamplerSpec`, else
+    None (without a threshold its order of losses is not mirrored)."""
     from mmseg.structures.sampler import OHEMPixelSampler
     sampler = getattr(head, 'sampler', None)
     if type(sampler) is not OHEMPixelSampler or sampler.thresh is None:
@@ -131,13 +102,8 @@ def chunk_blocker(head: nn.Module) -> Optional[str]:
 
 
 def chunkable_losses(head: nn.Module) -> Optional[List[LossSpec]]:
-    """The head's losses as :data:`LossSpec` if the chunked path computes
-    them exactly as mmseg does, else None (:func:`chunk_blocker` says
-    why): all mmseg's ``CrossEntropyLoss`` without mask, with softmax or
-    all with sigmoid (one summed loss), class weights only with softmax,
-    sigmoid not on a single channel (mmseg's binary case refuses an image
-    without labels, which a batch may hold); a pixel sampler only if
-    :func:`ohem_sampler_spec` mirrors it, with softmax."""
+    """The head's losses as :data:`LossSpec` if the chunked path computes them
+    exactly as mmseg does, else None (:func:`chunk_blocker` says why)."""
     if chunk_blocker(head) is not None:
         return None
     losses = head.loss_decode
@@ -163,15 +129,9 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
             sampled: Optional[Tensor], traced: bool = False
             ) -> Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor],
                        Optional[BatchTotals]]:
-    """The summed (class-weighted, ``sampled``-weighted) cross-entropy,
-    its gradient, the hits, the labelled pixels' summed class weight
-    (a 0-d tensor on the device; None without class weights: mmseg's
-    normaliser, which the sampler's weights do not change) and the
-    batch's totals where the loss's path computed them (the Triton path,
-    in one launch with the loss), by
-    :func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy`. ``traced``:
-    by its operator form instead (the sum differentiable w.r.t.
-    ``logits``, no gradient returned)."""
+    """The summed weighted cross-entropy, its gradient, the hits, the
+    labelled pixels' summed class weight (None without class weights) and the
+    batch's totals where computed; ``traced``: differentiable, no gradient."""
     classes = None if weights is None else _class_weight_map(
         logits, label, ignore_index, weights)
     weight = classes if sampled is None else (
@@ -196,9 +156,8 @@ def _totals(logits: Tensor, label: Tensor, align_corners: bool,
 
 def _sampled_pixels(logits: Tensor, label: Tensor, align_corners: bool,
                     ignore_index: int, sampler: SamplerSpec) -> Tensor:
-    """mmseg's ``OHEMPixelSampler.sample``: weight 1 on the hard pixels
-    of the whole batch (label probability below the threshold, at least
-    ``min_kept`` per image), 0 elsewhere; the label's shape."""
+    """mmseg's ``OHEMPixelSampler.sample``: weight 1 on the batch's hard
+    pixels, 0 elsewhere."""
     thresh, min_kept = sampler
     valid = label != ignore_index
     weight = torch.zeros(label.shape, dtype=torch.float32,
@@ -216,12 +175,8 @@ def _sampled_pixels(logits: Tensor, label: Tensor, align_corners: bool,
 
 def _spec_value(total: Tensor, pixels: Union[int, Tensor], spec: LossSpec,
                 classes: int) -> Tuple[Tensor, Union[float, Tensor]]:
-    """One spec's loss from the summed cross-entropy ``total`` and the
-    factor of ``total`` in it. ``pixels``: mmseg's mean normaliser, the
-    pixel count (a sigmoid loss has ``classes`` terms per pixel) or, with
-    class weights, the labelled pixels' summed class weight; a count of
-    the labels is a 0-d tensor on their device (reading it on the host
-    would wait for the device every step)."""
+    """One spec's loss from the summed cross-entropy ``total`` and its factor.
+    Counts stay 0-d device tensors: a host read would sync every step."""
     _, weight, reduction, _, sigmoid, _ = spec
     if reduction == 'sum':
         return weight * total, weight
@@ -231,10 +186,7 @@ def _spec_value(total: Tensor, pixels: Union[int, Tensor], spec: LossSpec,
 
 def _mean_normaliser(spec: LossSpec, valid: Tensor, pixels: int,
                      mass: Optional[Tensor]) -> Union[int, Tensor]:
-    """mmseg's ``avg_factor`` of a mean loss: with class weights the summed
-    class weight of the labels (mmseg 1.2.2 raises an IndexError on an
-    ignored pixel unless ``avg_non_ignore``; here they weigh 0), else the
-    labelled (``avg_non_ignore``) or all pixels."""
+    """mmseg's ``avg_factor`` of a mean loss (ignored pixels weigh 0)."""
     if mass is not None:
         return mass
     return valid if spec[3] else pixels
@@ -247,14 +199,10 @@ def chunked_cross_entropy_gradients(logits: Tensor, label: Tensor,
                                     traced: bool = False
                                     ) -> LogitGradients:
     """The chunked losses and accuracy of ``logits`` (detached) with their
-    gradient w.r.t. ``logits``. Specs with the same class weights share one
-    gradient basis (a loss name's gradient is a multiple of it), so one
-    summed cross-entropy serves them all. ``sampler``: the head's
-    :data:`SamplerSpec`, if any. Runs under the caller's autocast (the
-    compiled kernel only without it). ``traced`` (``torch.compile``, no
-    sampler): the values are differentiable w.r.t. ``logits`` through a
-    kernel's operator form where one takes the logits, else through
-    PyTorch operators; no bases are returned."""
+    gradient w.r.t. ``logits``, one basis per class weighting (each loss
+    name's gradient is a multiple of it). ``sampler``: the head's
+    :data:`SamplerSpec`, if any. ``traced`` (``torch.compile``, no sampler):
+    the values are differentiable w.r.t. ``logits``; no bases returned."""
     logits = logits if traced else logits.detach()
     sampled = None if sampler is None else _sampled_pixels(
         logits, label, align_corners, ignore_index, sampler)
@@ -299,10 +247,8 @@ def chunked_cross_entropy_losses(head: nn.Module, seg_logits: Tensor,
                                  batch_data_samples,
                                  specs: Sequence[LossSpec]
                                  ) -> Dict[str, Tensor]:
-    """``head.loss_by_feat(seg_logits, batch_data_samples)`` by
-    :func:`chunked_cross_entropy_gradients`, the gradient kept for the
-    backward (:class:`~mmseg_gf.ops.loss.gradients.KeptGradientLossFunction`):
-    the same keys and values."""
+    """``head.loss_by_feat(seg_logits, batch_data_samples)``, same keys and
+    values, with only the gradient kept for the backward."""
     label = head._stack_batch_gt(batch_data_samples).squeeze(1)
     if torch.compiler.is_compiling():
         # the traced form: the kernel's operator, differentiated by

@@ -1,17 +1,7 @@
 """PIDHead's and DDRHead's losses with their gradients taken in the forward,
-image by image, on :func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy`.
-
-mmseg upsamples every logits tensor and runs ``OhemCrossEntropy`` under
-autograd; here the same numbers come from the low-resolution logits
-(docs/lean_region.md has the rules): :func:`ohem_cross_entropy` (label
-probabilities, mmseg's batch-wide threshold and selection, then the weighted
-cross-entropy's gradient), :func:`cross_entropy_loss` (PIDHead's
-``CrossEntropyLoss`` with its normaliser), and PIDNet's boundary loss by
-autograd on the upsampled one-channel map. :func:`own_loss_producer` picks
-a head's producer (only where every ``loss_decode`` is the exact class
-mirrored); :func:`logit_gradients_at` and
-:class:`HeadGradientsLossFunction` serve the fused and unfused heads.
-"""
+image by image, from the low-resolution logits (docs/lean_region.md, "The
+cross-entropy of upsampled logits", has the rules), where mmseg upsamples
+every logits tensor and runs its losses under autograd."""
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -44,9 +34,7 @@ class HeadGradients:
     Attributes:
         values: every output (detached), in mmseg's key order.
         grads: output key -> {logits index: (gradient, factor)}; outputs
-            without an entry are not differentiable (accuracy, a loss
-            without valid pixel, a loss of logits nothing trains).
-    """
+            without an entry are not differentiable."""
 
     values: Dict[str, Tensor]
     grads: Dict[str, Dict[int, Term]] = field(default_factory=dict)
@@ -81,10 +69,8 @@ def label_probabilities(logits: Tensor, label: Tensor, ignore_index: int,
 
 def ohem_selection(prob: Tensor, label: Tensor,
                    loss: nn.Module) -> Optional[Tensor]:
-    """The pixels mmseg's ``OhemCrossEntropy`` averages over (bool, the
-    label's shape), from the label probabilities ``prob``
-    (:func:`probability_selection` with ``min_kept``); None when no pixel
-    is labelled (mmseg's loss is then a constant 0)."""
+    """The pixels mmseg's ``OhemCrossEntropy`` averages over, or None when no
+    pixel is labelled (mmseg's loss is then a constant 0)."""
     mask = label != loss.ignore_label
     if not bool(mask.any()):
         return None
@@ -94,11 +80,9 @@ def ohem_selection(prob: Tensor, label: Tensor,
 def ohem_cross_entropy(logits: Tensor, label: Tensor, prob: Tensor,
                        loss: nn.Module, align_corners: bool,
                        want_grad: bool) -> Tuple[Tensor, Optional[Term]]:
-    """mmseg's ``OhemCrossEntropy`` of ``logits`` upsampled to ``label``
-    (``prob``: :func:`label_probabilities`' ``target_prob`` for this
-    label): its value and, with ``want_grad``, its gradient w.r.t. the
-    low-resolution ``logits`` (None: not differentiable, as mmseg's
-    constant 0 without labelled pixels)."""
+    """mmseg's ``OhemCrossEntropy`` of ``logits`` upsampled to ``label``, and
+    with ``want_grad`` its gradient w.r.t. the low-resolution logits (None:
+    not differentiable)."""
     selected = ohem_selection(prob, label, loss)
     if selected is None:
         return logits.new_tensor(0.0), None
@@ -120,14 +104,9 @@ def ohem_cross_entropy(logits: Tensor, label: Tensor, prob: Tensor,
 def cross_entropy_loss(logits: Tensor, label: Tensor, loss: nn.Module,
                        ignore_index: int, align_corners: bool,
                        want_grad: bool) -> Tuple[Tensor, Optional[Term]]:
-    """mmseg's ``CrossEntropyLoss`` (softmax, no mask, ``'mean'`` or
-    ``'sum'``) of ``logits`` upsampled to ``label``, called with
-    ``ignore_index``: its value and gradient (see
-    :func:`ohem_cross_entropy`). The ``'mean'`` normaliser is mmseg's: the
-    pixel count (labelled ones with ``avg_non_ignore``) or, with class
-    weights, the labels' summed class weight (mmseg 1.2.2 raises an
-    IndexError there on an ignored pixel; here ignored pixels weigh 0, as
-    in :mod:`.lean_loss`)."""
+    """mmseg's softmax ``CrossEntropyLoss`` of ``logits`` upsampled to
+    ``label``, with mmseg's normaliser (ignored pixels weigh 0), and its
+    gradient."""
     check_labels(label, logits.shape[1], ignore_index)
     class_weight = _class_weights(loss, logits)
     valid = label != ignore_index
@@ -162,9 +141,8 @@ def _resize(logits: Tensor, size, align_corners: bool) -> Tensor:
 def _boundary_loss(d_logit: Tensor, bd_label: Tensor, loss: nn.Module,
                    align_corners: bool, want_grad: bool
                    ) -> Tuple[Tensor, Optional[Term], Tensor]:
-    """PIDNet's boundary loss of the one-channel boundary logits (autograd
-    on the upsampled map: no class dimension), its gradient, and the
-    upsampled logits (detached) that gate ``loss_sem_bd``'s labels."""
+    """PIDNet's boundary loss by autograd on the upsampled one-channel map,
+    its gradient, and the upsampled logits that gate ``loss_sem_bd``."""
     leaf = d_logit.detach().requires_grad_(want_grad)
     with forward_graph():
         up = _resize(leaf, bd_label.shape[-2:], align_corners)
@@ -252,12 +230,8 @@ Producer = Callable[[Sequence[Tensor], Sequence[bool]], HeadGradients]
 
 def own_loss_producer(head: nn.Module, plain_class: type, seg_logits,
                       batch_data_samples) -> Optional[Producer]:
-    """The lean ``loss_by_feat`` of a head with its own (``plain_class``:
-    the head's mmseg class) for its training output ``seg_logits``, or
-    None where none mirrors it exactly: PIDHead with ``[CrossEntropyLoss,
-    OhemCrossEntropy, BoundaryLoss, OhemCrossEntropy]`` on ``(p, i, d)``
-    logits, DDRHead with two ``OhemCrossEntropy`` on ``(context,
-    spatial)``, each OHEM ignoring the head's ``ignore_index``."""
+    """The lean ``loss_by_feat`` of a head with its own, or None where none
+    mirrors every ``loss_decode`` exactly (PIDHead, DDRHead)."""
     try:
         from mmseg.models.decode_heads import DDRHead, PIDHead
         from mmseg.models.losses import BoundaryLoss
@@ -298,11 +272,8 @@ def _scaled(term: Optional[Term]) -> Optional[Tensor]:
 
 def logit_gradients_at(producer: Producer, position: int, z: Tensor,
                        rest: Sequence[Tensor]) -> LogitGradients:
-    """The producer's result as
-    :class:`~mmseg_gf.ops.loss.gradients.LogitGradients` of the classifier's
-    output ``z``, at ``position`` among the head's logits (``rest``: the
-    others, in order): one basis per output that depends on ``z``, the
-    others' gradients scaled by their factors."""
+    """The producer's result as ``LogitGradients`` of the classifier output
+    ``z`` at ``position`` among the head's logits."""
     logits = list(rest)
     logits.insert(position, z)
     needs = [True if i == position else t.requires_grad
@@ -322,14 +293,9 @@ def logit_gradients_at(producer: Producer, position: int, z: Tensor,
 
 
 class HeadGradientsLossFunction(Function):
-    """A :data:`Producer`'s loss outputs of a head's logits tensors, with
-    their gradients taken in the forward and kept (each scaled by its
-    factor), nothing else: the lean loss of a head whose classifier is not
-    fused with it.
-
-    Inputs: the producer, ``keys`` (receives the output keys in order),
-    then the logits tensors.
-    """
+    """A :data:`Producer`'s loss outputs with only their gradients kept: the
+    lean loss of a head whose classifier is not fused with it. Inputs: the
+    producer, ``keys`` (receives the output keys), then the logits tensors."""
 
     @staticmethod
     def forward(ctx, producer: Producer, keys: List[str], *logits: Tensor):

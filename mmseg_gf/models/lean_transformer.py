@@ -1,16 +1,10 @@
 """Lean variants of the frozen layers inside transformer blocks.
 
 Mixins that :mod:`.lean` puts in front of a module's own class (docs/
-lean_region.md lists what each keeps): ``nn.MultiheadAttention`` with
-frozen projections through SDPA (mmcv's wrapper, made lean, tells it that
-the discarded probabilities are unused; other callers with
-``need_weights=True`` get the plain forward); Swin's ``WindowMSA`` and
-Twins' LSA through SDPA with their additive mask; a frozen ``LayerNorm``;
-mmcv's ``DropPath``. Each runs the plain forward when autograd does not
-record it or a condition does not hold (trained parameters, masks, dropout
-on the probabilities, unbatched inputs). ``_gf_lean_call`` holds a lean
-attention call's geometry for :mod:`mmseg_gf.accounting.kept_transformer`.
-"""
+lean_region.md, "Inside transformer blocks", lists what each keeps). Each
+runs the plain forward when autograd does not record it or a condition
+does not hold (trained parameters, masks, dropout on the probabilities,
+unbatched inputs)."""
 import functools
 import importlib
 from dataclasses import dataclass
@@ -40,13 +34,9 @@ class AttentionCall:
         batch: q's leading dimension (images, or images x windows).
         images: images in the call; None for a window attention without a
             per-window mask.
-        elem_bytes, stat_bytes: bytes per element of q/k/v/output and of the
-            logsumexp.
-        mask_elements, mask_bytes: the additive mask SDPA keeps (0: none),
-            the same at any batch.
-        output_storage: SDPA output's storage address (0: unknown); an exact
-            out-projection reading it as a view keeps it too, counted once.
-    """
+        mask_elements, mask_bytes: the additive mask SDPA keeps (0: none).
+        output_storage: SDPA output's storage address (0: unknown), so an
+            exact out-projection reading it is counted once."""
 
     batch: int
     images: Optional[int]
@@ -67,9 +57,8 @@ def _recording(*tensors: Optional[Tensor]) -> bool:
 
 
 def _core_recorded(attention: nn.Module, x: Tensor) -> bool:
-    """Whether autograd records a window attention's own code: its input
-    needs a gradient, or its trained ``qkv`` projection (the first trained
-    layer of the step may be that projection) makes q, k and v need one."""
+    """Whether autograd records a window attention's own code (its input or
+    its trained ``qkv`` needs a gradient)."""
     return _recording(x) or (torch.is_grad_enabled() and any(
         p.requires_grad for p in attention.qkv.parameters()))
 
@@ -85,9 +74,7 @@ def _stat_bytes(t: Tensor) -> int:
 
 
 class _LeanTorchAttention:
-    """``nn.MultiheadAttention`` with frozen projections through SDPA: the
-    lean variant the attention layer kind names for its frozen layers
-    (:attr:`~.layer_kinds.LayerKind.frozen_lean`, :data:`KIND_MIXINS`)."""
+    """``nn.MultiheadAttention`` with frozen projections through SDPA."""
 
     #: set by mmcv's wrapper, made lean, around a call whose weights it
     #: discards (:class:`_LeanMmcvAttention`)
@@ -151,12 +138,9 @@ class _LeanTorchAttention:
 
 
 class _LeanMmcvAttention:
-    """mmcv's ``MultiheadAttention`` (and subclasses: MiT's
-    ``EfficientMultiheadAttention``, Twins' GSA): its forward keeps only
-    ``self.attn(...)[0]``, so the probabilities its inner
-    ``nn.MultiheadAttention`` would return are unused: it tells an inner
-    attention that reads ``_gf_lean_weights_unused`` (a lean or filtered
-    one declares it) so."""
+    """mmcv's ``MultiheadAttention`` and subclasses: it keeps only
+    ``self.attn(...)[0]``, so it tells its inner attention that the
+    probabilities are unused."""
 
     def forward(self, *args, **kwargs):
         attn = getattr(self, 'attn', None)
@@ -171,11 +155,9 @@ class _LeanMmcvAttention:
 
 def _sdpa_windows(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                   mask: Optional[Tensor], scale: float) -> Tensor:
-    """``softmax(q k^T * scale + bias (+ mask)) v`` for windows
-    (``(B * nW, heads, N, d)``, one image's adjacent; ``bias`` ``(heads, N,
-    N)``; window ``i`` gets ``mask[i % nW]``). With a mask the windows go on the
-    heads axis (a copy of q, k, v) so SDPA keeps the mask once, not per image.
-    """
+    """``softmax(q k^T * scale + bias (+ mask)) v`` for windows. With a mask
+    the windows go on the heads axis so SDPA keeps the mask once, not per
+    image."""
     if mask is None:
         attn_mask = None if bias is None else bias.unsqueeze(0)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
@@ -201,10 +183,8 @@ def _sdpa_windows(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
 
 
 def _storage_address(t: Tensor) -> int:
-    """The address of ``t``'s storage for the accounting's record; 0 (not
-    known) while ``torch.compile`` traces (Dynamo does not trace
-    ``untyped_storage``, and the trace that reads the record runs
-    eagerly)."""
+    """``t``'s storage address, 0 while ``torch.compile`` traces (Dynamo does
+    not trace ``untyped_storage``)."""
     if torch.compiler.is_compiling():
         return 0
     return t.untyped_storage().data_ptr()
@@ -241,9 +221,7 @@ class _LeanWindowMSA:
 
 
 class _LeanLocallyGroupedAttention:
-    """Twins' ``LocallyGroupedSelfAttention`` through SDPA: its padding
-    mask (``-1000`` between real and padded tokens) is the additive mask,
-    one per window, kept once."""
+    """Twins' LSA through SDPA, its padding mask as the additive mask."""
 
     def forward(self, x: Tensor, hw_shape) -> Tensor:
         if (not _core_recorded(self, x)
@@ -325,11 +303,7 @@ def _optional(module: str, name: str) -> Optional[type]:
 
 @functools.lru_cache(maxsize=1)
 def _mixins() -> Tuple[Tuple[type, type, str], ...]:
-    """``(plain class, mixin, kind)``, most specific first; subclasses of a
-    plain class get its mixin (MiT's and Twins' attentions subclass
-    mmcv's ``MultiheadAttention``). The attention layer kind's own
-    ``nn.MultiheadAttention`` is not here: its kind names its variant
-    (:data:`KIND_MIXINS`)."""
+    """``(plain class, mixin, kind)``, most specific first."""
     table = [(nn.LayerNorm, _LeanLayerNorm, 'layer_norm')]
     optional = [
         ('mmcv.cnn.bricks.transformer', 'MultiheadAttention',
@@ -348,11 +322,8 @@ def _mixins() -> Tuple[Tuple[type, type, str], ...]:
 
 
 def _entry(cls: type) -> Optional[Tuple[type, type, str]]:
-    """The table's entry for ``cls``: its own class, or a subclass that
-    keeps the plain class's ``forward`` (a lean mixin replaces the
-    forward, which would bypass a subclass's own); mmcv's attention
-    wrapper only marks its inner attention, so its subclasses (MiT's and
-    Twins' attentions, with their own forward) take it too."""
+    """The table's entry for ``cls``: its own class, or a subclass keeping the
+    plain class's ``forward`` (a mixin would bypass a subclass's own)."""
     for entry in _mixins():
         base, mixin = entry[0], entry[1]
         if issubclass(cls, base) and (
@@ -362,9 +333,8 @@ def _entry(cls: type) -> Optional[Tuple[type, type, str]]:
 
 
 def transformer_kind(plain: type) -> Optional[str]:
-    """``'attention'``, ``'layer_norm'`` or ``'drop_path'`` for a module
-    class (before :func:`~.lean.make_lean`) with a lean variant here, else
-    None."""
+    """``'attention'``, ``'layer_norm'`` or ``'drop_path'`` for a class with a
+    lean variant here, else None."""
     entry = _entry(plain)
     return None if entry is None else entry[2]
 

@@ -1,18 +1,10 @@
 """The autograd-graph premises of the patch-mean GELU rule
 (docs/gradient_filter.md#elementwise-ops-between-filtered-layers), shared by
-the detection on a trained model
-(:mod:`mmseg_gf.engine.patch_mean_activations`) and the budget's profile,
-which decides them per candidate setting from one traced step of a probe
-(:mod:`mmseg_gf.accounting.step_profile`).
+the detection on a trained model and the budget's profile.
 
 A GELU keeps only the patch means of ``f'`` when its input is a filtered
-layer's output on a partition and every node that consumes its output is a
-filtered layer's call on that very tensor, with its input's patches on the
-same partition. Here: which graph nodes consume which
-(:func:`graph_consumers`), the filtered layer calls behind a GELU's output
-(:func:`filtered_users`), and the partitions the accounting counts
-(:func:`is_counted_partition`).
-"""
+layer's output on a partition and every consumer of its output is a
+filtered layer's call on that very tensor, on the same partition."""
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -28,15 +20,9 @@ __all__ = ['LayerCall', 'graph_consumers', 'filtered_users',
 
 @dataclass
 class LayerCall:
-    """A filtered layer's call: the node of its input and the patches its
-    ``g_x`` is constant on.
-
-    Attributes:
-        input_node: the autograd node of the tensor it was called on.
-        partition: its input's patches (None: none the rule can use).
-        layer: who called (the profile's candidate index; None for the
-            detection, which needs only the partition).
-    """
+    """A filtered layer's call: its input's autograd node, the patches its
+    ``g_x`` is constant on (None: none usable), and the profile's candidate
+    index (None for the detection)."""
 
     input_node: object
     partition: Optional[PatchPartition]
@@ -52,8 +38,7 @@ def is_plain_gelu(module: nn.Module) -> bool:
 
 def is_filtered_layer(module: nn.Module) -> bool:
     """A layer whose filtered call tags its output and whose ``g_x`` is
-    patch-constant: the filtered module of a registered kind that says so
-    (:attr:`LayerKind.patch_partitioned`: the conv's and the Linear's)."""
+    patch-constant (:attr:`LayerKind.patch_partitioned`)."""
     return any(kind.patch_partitioned and kind.is_filtered(module)
                for kind in layer_kinds())
 
@@ -79,18 +64,14 @@ def graph_consumers(roots: Iterable) -> Dict[object, List[object]]:
 def filtered_users(node, graph: Dict[object, List[object]],
                    calls: Dict[object, LayerCall]
                    ) -> Optional[List[LayerCall]]:
-    """The filtered layer calls that consume ``node``'s output, when every
-    node consuming it is one of them called on that very tensor; None
-    otherwise (anything else in between, a dropout with ``p > 0``
-    included), or when nothing consumes it.
+    """The filtered layer calls consuming ``node``'s output when every
+    consumer is one of them on that very tensor; else None (anything in
+    between, a dropout with ``p > 0`` included, or no consumer).
 
     Args:
         node: the GELU output's autograd node.
         graph: :func:`graph_consumers` of the step.
-        calls: node -> the filtered layer call it belongs to (a filtered
-            call is one node; an exact call, as in the budget's probe, may
-            add several that read its input).
-    """
+        calls: node -> the filtered layer call it belongs to."""
     users = graph.get(node, [])
     if not users or not all(user in calls
                             and calls[user].input_node is node
@@ -100,8 +81,7 @@ def filtered_users(node, graph: Dict[object, List[object]],
 
 
 def is_counted_partition(part: PatchPartition) -> bool:
-    """A partition with the images first (a conv's map, tokens or ``hwc``
-    on a grid after the batch axis): the ones the rule is installed on and
-    the accounting counts."""
+    """A partition with the images first: the ones the rule is installed on
+    and the accounting counts."""
     return part.grid is None or (part.grid.layout in ('tokens', 'hwc')
                                  and part.token_dim != 0)

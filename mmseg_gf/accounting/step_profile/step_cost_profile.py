@@ -1,11 +1,5 @@
 """The query model: the costs of every "last N, radii" setting, summed
-from one profile.
-
-A setting's kept bytes are the candidates' filtered costs plus the
-recorded entries autograd records from its first trained candidate on
-(the patch means replacing the GELUs the rule takes); its step peak is
-the peak model's (:mod:`..peak`) over the recorded live bytes.
-"""
+from one profile (docs/budget.md, "How the costs are predicted")."""
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -25,8 +19,7 @@ from .step_cost import StepCost
 class StepCostProfile:
     """The costs of every "last N, radii" setting of one segmentor.
 
-    Built by :func:`~.profiling.profile_step_costs`; see
-    :mod:`mmseg_gf.accounting.step_profile`.
+    Built by :func:`~.profiling.profile_step_costs`.
 
     Attributes:
         input_size: ``(H, W)`` of the profile.
@@ -34,22 +27,15 @@ class StepCostProfile:
         entries: recorded non-candidate calls and what they keep.
         classifiers: ``(geometry, upstream index, seq)`` of each trained
             classifier call (exact backward).
-        classifier_params: parameters of the classifiers.
         tensors: lifetimes of the module outputs that need a gradient.
-        live: live tensor bytes of the traced forward (nothing kept for
-            backward) during each module call, ``(batch 1, batch 2)`` pairs
-            in call order, plus what follows the last call; None when the
-            profile was made without ``timeline``.
-        gelu_calls: the GELU calls the patch-mean rule may take (empty
-            without ``patch_mean_activations``).
-        optimizer_state_ratio: bytes of optimizer state per byte of
-            trained parameter (measured by
-            :func:`..optimizer_state.optimizer_state_ratio`), counted in
-            the step peak; 0: none counted.
-        process_base_bytes: what the process held before the step (its
-            resident memory, or on CUDA the model's parameters and
-            buffers), for the process peak; None: not predicted.
-    """
+        live: live bytes of the traced forward per call, ``(batch 1, batch
+            2)`` pairs, plus what follows the last call; None without
+            ``timeline``.
+        gelu_calls: the GELU calls the patch-mean rule may take.
+        optimizer_state_ratio: optimizer state bytes per trained parameter
+            byte, counted in the step peak (0: none).
+        process_base_bytes: what the process held before the step, for the
+            process peak; None: not predicted."""
 
     input_size: Tuple[int, int]
     convs: List[ConvProfile] = field(default_factory=list)
@@ -91,13 +77,9 @@ class StepCostProfile:
 
     def patch_mean_gelus(self, num_layers: int,
                          radius: Any) -> Dict[str, PatchPartition]:
-        """The GELUs (by path) that keep the patch means of ``f'`` when
-        the last ``num_layers`` are trained at ``radius`` (``mode='gf'``,
-        lean, ``patch_mean_activations``), with their partitions: where
-        every call of the GELU meets the rule's premises on one partition,
-        as ``find_patch_mean_gelus``
-        (:mod:`mmseg_gf.engine.patch_mean_activations`) decides on the
-        model trained that way."""
+        """The GELUs (by path), with their partitions, that keep patch means of
+        ``f'`` when the last ``num_layers`` are trained at ``radius``, as the
+        engine's ``find_patch_mean_gelus`` decides on that model."""
         first = self.first_index(num_layers)
         return self._patch_mean_gelus(first,
                                       self.radii_for(num_layers, radius))
@@ -168,12 +150,9 @@ class StepCostProfile:
 
     def workspace(self, conv: ConvProfile, radius: int,
                   need_input_grad: bool, batch: int) -> int:
-        """Scratch bytes of one filtered conv's backward beyond its output's
-        gradient and its results (negative where these are not all alive
-        at once: :func:`~..peak.backward_scratch`), linear in the batch
-        from runs at batch 1 and 2 of the conv alone (measured once per
-        conv geometry and radius: convs of one shape, as in a ResNet
-        stage, share it)."""
+        """Scratch bytes of one filtered conv's backward
+        (:func:`~..peak.backward_scratch`), linear in the batch, measured
+        once per conv geometry and radius."""
         if not isinstance(conv.geometry, ConvGeometry):
             # a layer on tokens: its backward's scratch (patch sums of g_y
             # on 1/r^2 of the rows, the pooled g_x) is not measured; the

@@ -1,18 +1,9 @@
 """The bindings: hooks on a model's blocks that keep its token grids current.
 
-:func:`bind_token_grids` calls every registered grid rule (:mod:`.registry`)
-on matching blocks; the rules hook them (:class:`TokenGridBindings`) so a
-:class:`TokenGridSource` holds each call's grid, and describe each layer on
-tokens as a :class:`~.sites.LinearSite` (``no_grid`` where no rule covers it).
-
 Hooks sit on blocks, never on the layers a surgery replaces, so they
 survive the swap; they hold their sources, so ``copy.deepcopy`` gives a
 copy bound to its own; nothing is in ``state_dict``. Installed on the
-segmentor (:func:`install_token_grids`), so DDP runs them too. A
-checkpointing block, or one calling ``F.linear`` on its Linear's weight,
-gets a forward of the bindings' (:mod:`.recompute`,
-:meth:`TokenGridBindings.replace_forward`).
-"""
+segmentor, so DDP runs them too."""
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -29,10 +20,8 @@ __all__ = ['TokenGridBindings', 'bind_token_grids', 'install_token_grids',
 
 
 class _SetGrids:
-    """A hook setting grid sources from a rule. An object, not a closure,
-    so that ``copy.deepcopy`` of a model copies its sources along with the
-    filtered layers reading them (the copy's hooks set the copy's
-    sources); ``rule`` holds no source."""
+    """A hook setting grid sources from a rule; an object, not a closure, so
+    ``copy.deepcopy`` of a model copies its sources with it."""
 
     def __init__(self, rule: Callable, sources: Sequence[TokenGridSource]
                  ) -> None:
@@ -110,10 +99,8 @@ class TokenGridBindings:
             module.register_forward_hook(_SetGrids(rule, sources)))
 
     def recompute_with_grids(self, block: nn.Module, prefix: str) -> None:
-        """Give ``block`` (a rule's checkpointed class,
-        :attr:`~.registry.GridRule.checkpointed`) the forward that
-        checkpoints it with the grids of each call
-        (:class:`CheckpointWithGrids`), for the sources its Linears read."""
+        """Give a rule's checkpointed ``block`` a forward that checkpoints it
+        with each call's grids."""
         sources = []
         for path, site in self.sites.items():
             if not under(path, prefix):
@@ -126,12 +113,8 @@ class TokenGridBindings:
             self.replace_forward(block, CheckpointWithGrids(block, sources))
 
     def replace_forward(self, block: nn.Module, forward: Callable) -> None:
-        """Run ``forward`` (an object holding ``block``, so that
-        ``copy.deepcopy`` of the model gives the copy's) in place of
-        ``block``'s own forward until :meth:`remove`, through
-        :func:`~mmseg_gf.patching.override` (whose undo keeps an
-        instance ``forward`` set earlier); hooks of the block still run
-        around it."""
+        """Run ``forward`` in place of ``block``'s own until :meth:`remove`
+        (hooks of the block still run around it)."""
         self._forward_undos.append(override(block, 'forward', forward))
 
     def bind(self, site: LinearSite) -> None:
@@ -142,9 +125,8 @@ class TokenGridBindings:
                    key_source: Optional[TokenGridSource] = None,
                    token_dim: int = 1, rule: Optional[str] = None,
                    **details) -> None:
-        """Bind the layer on tokens at ``path`` (of the model) to
-        ``source``, its site of the layer's kind; ``details``: the other
-        :class:`LinearSite` fields (``no_grid``, ``role``)."""
+        """Bind the layer on tokens at ``path`` to ``source``; ``details``: the
+        other :class:`LinearSite` fields."""
         kind = token_kind_of(self.model.get_submodule(path))
         if kind is None:
             raise TypeError(f'{path} is no layer on tokens (a rule of '
@@ -173,20 +155,17 @@ BINDINGS_ATTR = '_gf_token_grids'
 
 
 def site_of(module: nn.Module) -> Optional[LinearSite]:
-    """The site of a Linear / attention of a model whose token grids are
-    bound (:func:`bind_token_grids` or :func:`install_token_grids`), or
-    None."""
+    """The site of a Linear / attention of a bound model, or None."""
     entry = _SITE_OF.get(module)
     return None if entry is None else entry[1]
 
 
 def install_token_grids(model: nn.Module) -> Optional[TokenGridBindings]:
-    """Bind ``model``'s token grids for good (kept on the model, so that
-    its filtered Linears find their grids in every training step).
+    """Bind ``model``'s token grids for good, so its filtered Linears find
+    their grids in every step.
 
-    Idempotent: returns None when bindings are installed already, else the
-    new bindings (``uninstall_token_grids`` takes them off).
-    """
+    Returns:
+        The new bindings, or None when installed already."""
     if model.__dict__.get(BINDINGS_ATTR) is not None:
         return None
     bindings = bind_token_grids(model)
@@ -232,10 +211,8 @@ def bind_token_grids(model: nn.Module) -> TokenGridBindings:
 
 
 def _bind_checkpointed(bindings: TokenGridBindings, modules) -> None:
-    """Recompute the rules' checkpointed blocks with their grids; describe the
-    Linears of other modules built with ``with_cp=True`` as on no grid,
-    unless the module only passes the flag on to such blocks (mmseg's
-    ``MixVisionTransformer`` and ``VisionTransformer`` keep it too)."""
+    """Recompute the rules' checkpointed blocks with their grids; other
+    ``with_cp=True`` modules' Linears are on no grid."""
     checkpointed = checkpointed_blocks()
     for path, module in modules:
         if isinstance(module, checkpointed):

@@ -1,14 +1,10 @@
 """The registry of grid rules: which mmseg block knows the grid of the
 tokens its Linears see.
 
-A grid rule is a function ``rule(bindings, path, block)`` called once per
-instance of its block classes found in a model; it hooks the block
-(:meth:`~.binding.TokenGridBindings.set_around` / ``set_after``) so that a
-:class:`~mmseg_gf.models.gf_linear.TokenGridSource` holds the grid of every
-call, and describes the Linears / attentions under it as
-:class:`~.sites.LinearSite` (``bindings.bind`` / ``bind_all``). A backbone
-family gets its rules in one file by decorating them, as mmseg registers a
-backbone::
+A grid rule ``rule(bindings, path, block)`` is called once per instance of
+its block classes in a model; it hooks the block so that a
+``TokenGridSource`` holds each call's grid, and describes the Linears /
+attentions under it. A backbone family registers its rules in one file::
 
     @register_grid_rule(MyBlock, checkpointed=(MyBlock, ))
     def my_block(bindings, path, block):
@@ -16,15 +12,9 @@ backbone::
         bindings.set_around(block, hw_grid, (tokens, ))
         bindings.bind_all(block, path, tokens, 'MyBlock')
 
-:func:`~.binding.bind_token_grids` calls the rules in registration order,
-each over every matching module of the model. Where blocks nest, a site
-keeps the first rule that binds it, so rules of inner blocks register
-first (the built-in rules, :mod:`.rules`, import in that order).
-
-Why not an mmengine ``Registry``: rules are looked up by the class of a
-module of a built model (``isinstance``, in order), never built from a
-config by name.
-"""
+Where blocks nest, a site keeps the first rule that binds it, so rules of
+inner blocks register first. Not an mmengine ``Registry``: rules are looked
+up by the class of a built model's module, never built from a config."""
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
 
@@ -39,13 +29,9 @@ class GridRule:
     Attributes:
         blocks: the module classes it binds (subclasses too).
         bind: ``(bindings, path, block) -> None``.
-        checkpointed: classes (its blocks or modules inside them) whose
-            ``forward`` checkpoints its whole inner forward from its first
-            argument when ``with_cp`` is on (``cp.checkpoint(_inner_forward,
-            x)`` in mmseg); the bindings take that checkpoint themselves so
-            that the recompute reads the grids of its call
-            (:mod:`.recompute`).
-    """
+        checkpointed: classes whose ``forward`` checkpoints its inner forward
+            when ``with_cp`` is on; the bindings take that checkpoint
+            themselves so the recompute reads its call's grids."""
 
     blocks: Tuple[type, ...]
     bind: Callable[..., None]
@@ -57,13 +43,11 @@ _RULES: List[GridRule] = []
 
 def register_grid_rule(*blocks: type, checkpointed: Tuple[type, ...] = ()
                        ) -> Callable[[Callable], Callable]:
-    """Decorator registering ``bind`` as the grid rule of ``blocks``
-    (after the rules registered before it); returns ``bind`` unchanged, so
-    one function may be registered for the blocks of several families.
+    """Decorator registering ``bind`` as the grid rule of ``blocks`` (after
+    earlier rules); returns ``bind`` unchanged.
 
     Raises:
-        ValueError: no block class given, or one already has a rule.
-    """
+        ValueError: no block class given, or one already has a rule."""
     if not blocks or not all(isinstance(b, type) for b in blocks):
         raise ValueError('register_grid_rule takes the block classes the '
                          f'rule binds, got {blocks!r}')
