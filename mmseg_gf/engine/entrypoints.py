@@ -38,8 +38,8 @@ def load_config(config: str,
                 format_python_code: bool = True) -> Config:
     """The config file with the launcher, ``cfg_options`` and work dir.
 
-    ``format_python_code=False`` skips yapf when the config is dumped (about
-    1 s each time on a slow CPU).
+    ``format_python_code=False`` skips yapf when the config is dumped
+    (docs/benchmarks/design_measurements.md).
     """
     cfg = Config.fromfile(config, format_python_code=format_python_code)
     cfg.launcher = launcher
