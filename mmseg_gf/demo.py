@@ -23,7 +23,8 @@ def ensure_data(data: str, num_train: int = 96, num_val: int = 24,
                 size: Sequence[int] = (96, 128), seed: int = 0,
                 classes: Sequence[int] = (1, 2, 3, 4, 5),
                 regenerate: bool = False, log=print) -> str:
-    """Write the synthetic VOC12Aug unless ``data`` holds one with the same settings."""
+    """Write the synthetic VOC12Aug unless ``data`` holds one with the same
+    settings."""
     data_root = osp.join(data, 'VOCdevkit', 'VOC2012')
     settings = dict(num_train=num_train, num_val=num_val, size=list(size),
                     seed=seed, classes=list(classes))
@@ -50,7 +51,8 @@ def ensure_data(data: str, num_train: int = 96, num_val: int = 24,
 def save_initial_checkpoint(config: str, work_dir: str,
                             cfg_options: Optional[Dict[str, Any]] = None
                             ) -> str:
-    """Build the demo Runner, initialise the model, save ``<work_dir>/iter_0.pth``."""
+    """Build the demo Runner, initialise the model, save
+    ``<work_dir>/iter_0.pth``."""
     from mmengine.runner.checkpoint import (get_state_dict, save_checkpoint,
                                             weights_to_cpu)
     runner = build_runner(build_train_config(

@@ -34,7 +34,8 @@ _SWAPPED: Dict[Tuple[type, type, str, str], type] = {}
 
 def swapped_class(cls: type, mixin: type, owner: str,
                   name: Optional[str] = None) -> type:
-    """The subclass ``(mixin, cls)`` :func:`swap_class` installs, made once, named as ``cls``."""
+    """The subclass ``(mixin, cls)`` :func:`swap_class` installs, made once,
+    named as ``cls``."""
     name = cls.__name__ if name is None else name
     key = (cls, mixin, owner, name)
     if key not in _SWAPPED:
@@ -57,13 +58,15 @@ def swap_class(module, mixin: type, owner: str,
 
 
 def is_swapped(module, owner: Optional[str] = None) -> bool:
-    """Whether :func:`swap_class` swapped ``module`` (by ``owner``, if given)."""
+    """Whether :func:`swap_class` swapped ``module`` (by ``owner``, if
+    given)."""
     record = type(module).__dict__.get(SWAP_MARKER)
     return record is not None and owner in (None, record.owner)
 
 
 def unswap_class(module, owner: Optional[str] = None) -> bool:
-    """Give ``module`` back its class from before :func:`swap_class`; returns whether it did."""
+    """Give ``module`` back its class from before :func:`swap_class`; returns
+    whether it did."""
     if not is_swapped(module, owner):
         return False
     module.__class__ = type(module).__dict__[SWAP_MARKER].plain
@@ -77,7 +80,8 @@ def plain_class(module) -> type:
 
 
 class Override:
-    """The undo of one :func:`override`; an object, so it is deep-copied with a model."""
+    """The undo of one :func:`override`; an object, so it is deep-copied with a
+    model."""
 
     def __init__(self, owner, name: str, previous,
                  had_previous: bool) -> None:
@@ -132,7 +136,8 @@ class Entry:
 
 
 def set_entry(mapping, key, value) -> Entry:
-    """Set ``mapping[key] = value`` in another library's dict; returns its undo."""
+    """Set ``mapping[key] = value`` in another library's dict; returns its
+    undo."""
     had_previous = key in mapping
     undo = Entry(mapping, key, mapping.get(key), had_previous)
     mapping[key] = value

@@ -197,7 +197,8 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
                           radius: int = 4,
                           layer_kinds: Optional[Sequence[str]] = (
                               CONV2D.name, )) -> List[dict]:
-    """The budget's predictions of "last N at ``radius``" next to the model built so.
+    """The budget's predictions of "last N at ``radius``" next to the model
+    built so.
 
     Measured: the bytes autograd saves in one forward and the step's peak of a
     copy of ``model`` filtered as ``gradient_filter=dict(num_layers=N, ...)``
@@ -283,7 +284,8 @@ def file_predicted_vs_measured(path: str, input_size: Sequence[int] = (128,
                                settings: Sequence[Optional[int]] = (10, None),
                                seed: int = 0, offline: bool = False,
                                **kwargs) -> Dict[str, Any]:
-    """:func:`config_predicted_vs_measured` on any mmseg config file, built plain."""
+    """:func:`config_predicted_vs_measured` on any mmseg config file, built
+    plain."""
     cfg = Config.fromfile(path)
     if offline:
         make_offline(cfg)

@@ -14,7 +14,8 @@ __all__ = ['add_model_args', 'add_measure_args', 'add_setting_args',
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Which model is counted and how: config or family, shape, batch, radius, json."""
+    """Which model is counted and how: config or family, shape, batch, radius,
+    json."""
     parser.add_argument('config', nargs='?', help='config file path')
     parser.add_argument(
         '--family', choices=sorted(ZOO_FAMILIES),
@@ -55,7 +56,8 @@ def add_measure_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_setting_args(parser: argparse.ArgumentParser) -> None:
-    """The sweep and its budget, and ``--cfg-options``, ``--setting``, ``--offline``."""
+    """The sweep and its budget, and ``--cfg-options``, ``--setting``,
+    ``--offline``."""
     parser.add_argument(
         '--sweep', action='store_true',
         help='for N = 1 .. all and each radius: predicted backward GFLOPs '
@@ -84,7 +86,8 @@ def add_setting_args(parser: argparse.ArgumentParser) -> None:
 
 def check_cost_args(parser: argparse.ArgumentParser,
                     args: argparse.Namespace) -> argparse.Namespace:
-    """Check and complete the parsed flags together; bad combinations end via ``parser.error``."""
+    """Check and complete the parsed flags together; bad combinations end via
+    ``parser.error``."""
     _resolve_config(parser, args)
     _pair_shapes(parser, args)
     if args.batch < 1:
@@ -97,7 +100,8 @@ def check_cost_args(parser: argparse.ArgumentParser,
 
 def _resolve_config(parser: argparse.ArgumentParser,
                     args: argparse.Namespace) -> None:
-    """The config: ``--family`` (zoo, offline) or an existing file, unless only Table 3."""
+    """The config: ``--family`` (zoo, offline) or an existing file, unless only
+    Table 3."""
     if args.family is not None:
         if args.config:
             parser.error('give a config file or --family, not both')

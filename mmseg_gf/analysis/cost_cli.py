@@ -26,7 +26,8 @@ __all__ = ['hook_settings', 'load_config', 'report_config', 'sweep']
 
 
 def hook_settings(cfg: Config) -> Optional[Dict[str, Any]]:
-    """The settings of the first ``GradFilterHook`` in ``custom_hooks`` that has any, or None."""
+    """The settings of the first ``GradFilterHook`` in ``custom_hooks`` that
+    has any, or None."""
     for hook in cfg.get('custom_hooks') or []:
         if not isinstance(hook, dict) or hook.get('type') != 'GradFilterHook':
             continue
@@ -38,7 +39,8 @@ def hook_settings(cfg: Config) -> Optional[Dict[str, Any]]:
 
 
 def load_config(args: argparse.Namespace) -> Config:
-    """The config with ``--cfg-options``, ``--offline`` and ``--setting`` applied, checked once."""
+    """The config with ``--cfg-options``, ``--offline`` and ``--setting``
+    applied, checked once."""
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
@@ -58,7 +60,8 @@ def load_config(args: argparse.Namespace) -> Config:
 
 
 def report_config(cfg: Config, args: argparse.Namespace) -> Dict[str, Any]:
-    """Print and return the config's cost table, summary, kept bytes and measured memory."""
+    """Print and return the config's cost table, summary, kept bytes and
+    measured memory."""
     out: Dict[str, Any] = {}
     cost = config_backward_cost(cfg, args.shape, args.batch, args.radius,
                                 args.collapse_dilated)

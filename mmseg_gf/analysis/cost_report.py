@@ -10,7 +10,8 @@ __all__ = ['model_cost_table', 'cost_summary_lines', 'measured_memory_table']
 
 
 def model_cost_table(cost: ModelCost) -> str:
-    """Every counted layer with its geometry and vanilla / GF costs, then totals."""
+    """Every counted layer with its geometry and vanilla / GF costs, then
+    totals."""
     convs_only = layers_noun(layer.kind for layer in cost.layers) == 'convs'
     header = ('path', 'k/s/d/g' if convs_only else 'k/s/d/g or grid',
               'in -> out (CxHxW)', 'r', 'g_x',
@@ -80,7 +81,8 @@ def cost_summary_lines(cost: ModelCost) -> List[str]:
 
 
 def measured_memory_table(result: Dict[str, Any]) -> str:
-    """Measured and analytic saved bytes per trained conv, then totals per mode."""
+    """Measured and analytic saved bytes per trained conv, then totals per
+    mode."""
     modes = [m for m in ('vanilla', 'gf') if m in result]
     header = ['path', 'r']
     for m in modes:

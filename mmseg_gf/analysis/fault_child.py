@@ -21,7 +21,8 @@ _POLL = 0.01
 
 
 def child_context():
-    """A ``forkserver`` context that imports the plugin once; else ``spawn``."""
+    """A ``forkserver`` context that imports the plugin once; else
+    ``spawn``."""
     if 'forkserver' not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context('spawn')
     context = multiprocessing.get_context('forkserver')
@@ -64,7 +65,8 @@ class ChildRun:
         return False
 
     def run(self, plan: Dict[str, Any]) -> int:
-        """Run the child with ``plan`` (no kill, ``'time'`` or ``'write'``); returns its exit code."""
+        """Run the child with ``plan`` (no kill, ``'time'`` or ``'write'``);
+        returns its exit code."""
         kill_write = ([plan['write'], plan['fraction']]
                       if plan.get('kind') == 'write' else None)
         proc = child_context().Process(
@@ -88,7 +90,8 @@ class ChildRun:
         return proc.exitcode
 
     def report(self) -> Dict[str, Any]:
-        """What the child reached: ``started``, ``reached`` and the partial writes left."""
+        """What the child reached: ``started``, ``reached`` and the partial
+        writes left."""
         new = read_progress(self.progress)[self.lines_before:]
         starts = [n for kind, n in new if kind == 'start']
         iters = [n for kind, n in new if kind == 'iter']

@@ -84,7 +84,8 @@ _DEMO_PIPELINE = """[
 
 
 def child_config_text(s: FaultSetting) -> str:
-    """The child's config: the shrunk demo config, no validation, no cost table."""
+    """The child's config: the shrunk demo config, no validation, no cost
+    table."""
     fixed = s.pipeline == 'fixed'
     return f"""_base_ = [{osp.abspath(s.demo_config)!r}]
 data_root = {s.data_root!r}
@@ -168,7 +169,8 @@ def kill_inside_write(index: int, fraction: float) -> Callable[[], None]:
 
 def child_main(config: str, work_dir: str, progress: str, log: str,
                kill_write: Optional[List[float]] = None) -> None:
-    """Train ``config`` as ``tools/train.py --resume`` does, logging progress."""
+    """Train ``config`` as ``tools/train.py --resume`` does, logging
+    progress."""
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -185,7 +187,8 @@ def child_main(config: str, work_dir: str, progress: str, log: str,
 
 
 def compare_checkpoints(path: str, reference: str) -> Dict[str, Any]:
-    """Whether ``path``'s tensors equal ``reference``'s bit for bit, and by how much not."""
+    """Whether ``path``'s tensors equal ``reference``'s bit for bit, and by how
+    much not."""
     a = load_checkpoint_file(path)['state_dict']
     b = load_checkpoint_file(reference)['state_dict']
     differ = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
@@ -211,7 +214,8 @@ def _last_start(progress: str) -> int:
 def _episode(s: FaultSetting, config: str, root: str, kinds: List[str],
              rng: random.Random, seconds_per_iter: float,
              log: Callable[[str], None]) -> Dict[str, Any]:
-    """One schedule with one kill per entry of ``kinds``, resumed until it completes."""
+    """One schedule with one kill per entry of ``kinds``, resumed until it
+    completes."""
     os.makedirs(root, exist_ok=True)
     progress = osp.join(root, 'progress.txt')
     kills: List[Dict[str, Any]] = []
@@ -243,7 +247,8 @@ def _episode(s: FaultSetting, config: str, root: str, kinds: List[str],
 
 
 def _costs(s: FaultSetting, progress: str, kills: List[Dict]) -> None:
-    """Check the schedule completed; set each kill's ``resumed_from`` and ``cost``."""
+    """Check the schedule completed; set each kill's ``resumed_from`` and
+    ``cost``."""
     lines = read_progress(progress)
     if not (lines and lines[-1] == ('iter', s.max_iters)):
         raise RuntimeError(f'the schedule did not complete: {progress}')

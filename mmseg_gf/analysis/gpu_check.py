@@ -93,7 +93,8 @@ def _step_commands(args) -> List[dict]:
 
 
 def _launch_commands(args) -> List[dict]:
-    """The kernels of the step runs' training rows at the golden file's size."""
+    """The kernels of the step runs' training rows at the golden file's
+    size."""
     out = []
     for flag, names, rows in _runs(args):
         out_dir = osp.join(args.work, f'launches_{flag}')
@@ -141,7 +142,8 @@ def _layer_commands(args) -> List[dict]:
 
 
 def stage_commands(args) -> Dict[str, List[dict]]:
-    """Every command of every stage, each a dict with ``argv``, ``name`` and ``out``."""
+    """Every command of every stage, each a dict with ``argv``, ``name`` and
+    ``out``."""
     return dict(tests=[dict(argv=_test_command(args), name='tests')],
                 steps=_step_commands(args),
                 launches=_launch_commands(args),
@@ -158,7 +160,8 @@ def _load_tool(name: str):
 
 
 def check_commands(commands: Dict[str, List[dict]]) -> None:
-    """Parse every tool command with its tool's parser, before any GPU time is spent."""
+    """Parse every tool command with its tool's parser, before any GPU time is
+    spent."""
     for stage, items in commands.items():
         if stage == 'tests':
             continue
@@ -210,7 +213,8 @@ class Runner:
 
     def run(self, name: str, argv: Sequence[str],
             seconds: float) -> bool:
-        """Run ``argv`` for at most ``seconds``; returns whether it exited with status 0."""
+        """Run ``argv`` for at most ``seconds``; returns whether it exited with
+        status 0."""
         limit = min(self.remaining(), seconds)
         if limit < 5:
             self.stages.append(dict(name=name, outcome='not run: no time '
@@ -241,7 +245,8 @@ class Runner:
 
 def run_stages(runner: Runner, commands: Dict[str, List[dict]],
                budget_s: float) -> bool:
-    """Every stage within its share of ``budget_s``; whether all exited with status 0."""
+    """Every stage within its share of ``budget_s``; whether all exited with
+    status 0."""
     ok = True
     for stage, share in STAGES:
         items = commands[stage]
@@ -290,7 +295,8 @@ def _gather_launches(commands: Dict[str, List[dict]]):
 
 def write_results(out_dir: str, commands: Dict[str, List[dict]],
                   runner: Runner, env: Dict[str, str]) -> List[str]:
-    """The stages' files gathered into ``out_dir``; returns the files written."""
+    """The stages' files gathered into ``out_dir``; returns the files
+    written."""
     runs = [LayerRun(c['batch'], c['dtype'], c['triton'],
                      ' '.join(c['argv'][1:]),
                      _read_json(osp.join(c['out'], 'layers.json')))

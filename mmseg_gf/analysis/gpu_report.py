@@ -1,4 +1,5 @@
-"""What one GPU check measured, against its targets: ``tools/gpu_check.py``'s report.
+"""What one GPU check measured, against its targets: ``tools/gpu_check.py``'s
+report.
 
 Every number is read from the files the benchmarks write; a target with
 nothing measured says so instead of passing. The targets: docs/gpu.md.
@@ -44,7 +45,8 @@ class LayerRun:
 
     def speedups(self, case: str, radius: int,
                  kind: str = 'conv') -> List[float]:
-        """Backward speedup over vanilla of every layer of a kind, case and radius."""
+        """Backward speedup over vanilla of every layer of a kind, case and
+        radius."""
         if self.result is None:
             return []
         return [row['backward_speedup'] for row in self.result['rows']
@@ -61,7 +63,8 @@ class LayerRun:
 
 @dataclass
 class TargetCheck:
-    """A target, what was measured and whether it holds (None: nothing measured)."""
+    """A target, what was measured and whether it holds (None: nothing
+    measured)."""
 
     target: str
     measured: str
@@ -206,7 +209,8 @@ def _ratio_check(target: str, value: Optional[float],
 
 
 def layer_runs_table(runs: Sequence[LayerRun]) -> str:
-    """Per run and kind, the median and slowest backward speedup per radius (markdown)."""
+    """Per run and kind, the median and slowest backward speedup per radius
+    (markdown)."""
     radii = sorted({row['radius'] for run in runs if run.result
                     for row in run.result['rows']})
     headers = ['run', 'layers'] + [f'{stat} r = {r}' for r in radii
@@ -229,7 +233,8 @@ def summary_markdown(environment: Dict[str, str],
                      checks: Sequence[TargetCheck],
                      stages: Sequence[Dict],
                      launch_comparison=None) -> str:
-    """The check's summary: environment, stages, targets and launch comparison."""
+    """The check's summary: environment, stages, targets and launch
+    comparison."""
     lines = ['# GPU check', '']
     lines += [f'- {key}: {value}' for key, value in environment.items()]
     lines += ['', '## Stages', '', format_table(

@@ -47,7 +47,8 @@ _BY_CLASS = ('norm', 'activation', 'dropout', 'pool')
 
 @contextlib.contextmanager
 def stubbed_triton() -> Iterator[None]:
-    """Triton launches under the interpreter zero their outputs instead of running."""
+    """Triton launches under the interpreter zero their outputs instead of
+    running."""
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:  # no triton: nothing launches one
@@ -71,7 +72,8 @@ def stubbed_triton() -> Iterator[None]:
 
 @contextlib.contextmanager
 def host_path(triton: bool = True) -> Iterator[None]:
-    """CPU tensors take CUDA tensors' code paths, without ``cuda_path``'s dropout mode.
+    """CPU tensors take CUDA tensors' code paths, without ``cuda_path``'s
+    dropout mode.
 
     That ``TorchFunctionMode`` sees every torch call: host time a GPU step
     does not spend.
@@ -110,7 +112,8 @@ def _kind(module: nn.Module) -> Optional[str]:
 
 
 class _Ranges:
-    """Each scoped call's autograd sequence numbers, to attribute backward nodes."""
+    """Each scoped call's autograd sequence numbers, to attribute backward
+    nodes."""
 
     def __init__(self) -> None:
         self.stack: List[Tuple[str, int]] = []
@@ -135,7 +138,8 @@ class _Ranges:
 
 @contextlib.contextmanager
 def _scoped(model: nn.Module, ranges: _Ranges) -> Iterator[None]:
-    """Every call of a kind's module is a profiler scope and a sequence range."""
+    """Every call of a kind's module is a profiler scope and a sequence
+    range."""
     kinds = {id(m): k for m in model.modules() for k in [_kind(m)] if k}
     open_scopes: List[record_function] = []
 
@@ -164,7 +168,8 @@ _Piece = Tuple[str, str, Tuple[str, ...], bool, float]
 
 
 def _pieces(root, by_seq: Dict[int, Tuple[str, ...]]) -> List[_Piece]:
-    """One step's profile as pieces: outermost ATen events and the gaps between."""
+    """One step's profile as pieces: outermost ATen events and the gaps
+    between."""
     out: List[_Piece] = []
 
     def chain_of(event, chain):
@@ -204,7 +209,8 @@ def _pieces(root, by_seq: Dict[int, Tuple[str, ...]]) -> List[_Piece]:
 
 
 def _medians(steps: List[List[_Piece]]) -> Tuple[List[_Piece], int]:
-    """Each piece's median over the steps shaped like the most common one, and their count."""
+    """Each piece's median over the steps shaped like the most common one, and
+    their count."""
     shapes = [tuple(p[0] for p in pieces) for pieces in steps]
     common = statistics.mode(shapes)
     chosen = [pieces for pieces, shape in zip(steps, shapes)
@@ -250,7 +256,8 @@ def _phases() -> Callable[[str], None]:
 
 def _profiled(steps_of: Sequence[Callable], steps: int,
               by_seq: Callable[[], Dict]) -> List[Tuple[List[_Piece], int]]:
-    """``steps`` profiled runs of each step function, in turn; per function its medians."""
+    """``steps`` profiled runs of each step function, in turn; per function its
+    medians."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             for i, step in enumerate(steps_of):
@@ -273,7 +280,8 @@ def _median(values: Sequence[float]) -> float:
 
 def _summarised(plain: Tuple[List[_Piece], int],
                 scoped: Tuple[List[_Piece], int]) -> Dict:
-    """The step and phases from the plain runs, the kinds from the scoped runs."""
+    """The step and phases from the plain runs, the kinds from the scoped
+    runs."""
     bare, kinds = _totals(plain[0]), _totals(scoped[0])
     return dict(step=bare['step'], phases=bare['phases'],
                 kinds=kinds['kinds'], steps_used=[plain[1], scoped[1]])
@@ -281,7 +289,8 @@ def _summarised(plain: Tuple[List[_Piece], int],
 
 def training_step(cfg, crop: Sequence[int], batch: int = 1
                   ) -> Tuple[nn.Module, Callable]:
-    """``cfg``'s segmentor and its SGD training step ``step(phase)`` on a random batch."""
+    """``cfg``'s segmentor and its SGD training step ``step(phase)`` on a
+    random batch."""
     torch.manual_seed(0)
     model = build_uninterpreted(cfg)
     inputs, samples = random_batch(model, crop, batch, label_block=16)
@@ -322,7 +331,8 @@ def host_times(cfgs: Sequence, crop: Sequence[int], batch: int = 1,
 
 
 def compare(rows: Sequence[Dict]) -> List[Dict]:
-    """Each lean row against its vanilla-same-layers row, against :data:`TARGETS`."""
+    """Each lean row against its vanilla-same-layers row, against
+    :data:`TARGETS`."""
     out = []
     for r, ref in lean_against_vanilla(rows):
         ratio = r['step']['host_us'] / max(ref['step']['host_us'], 1e-9)

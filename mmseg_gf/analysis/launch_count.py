@@ -63,7 +63,8 @@ def count_row(cfg, crop: Sequence[int], batch: int = 1, warmup: int = 1,
 
 
 def build_uninterpreted(cfg, device: str = 'cpu'):
-    """``cfg``'s segmentor, built with the Triton path off under the interpreter.
+    """``cfg``'s segmentor, built with the Triton path off under the
+    interpreter.
 
     The build's traced forward would otherwise interpret every kernel
     (minutes for a zoo model) for the same result.
@@ -117,7 +118,8 @@ def _ratio(a: int, b: int) -> Optional[float]:
 
 
 def compare(rows: Sequence[Dict]) -> List[Dict]:
-    """Each lean row against its vanilla-same-layers row: ratios and :data:`TARGETS` met."""
+    """Each lean row against its vanilla-same-layers row: ratios and
+    :data:`TARGETS` met."""
     out = []
     for r, ref in lean_against_vanilla(rows):
         ratios = {phase: _ratio(r[phase]['launches'], ref[phase]['launches'])
@@ -142,7 +144,8 @@ def _cell(ratio: Optional[float], met: bool) -> str:
 
 
 def summary_table(results: Sequence[Dict]) -> str:
-    """One line per lean row: launches and MiB moved, lean / vanilla, against targets."""
+    """One line per lean row: launches and MiB moved, lean / vanilla, against
+    targets."""
     headers = ('model', 'lean row', 'fwd', 'bwd', 'step', 'MiB moved',
                f"fwd ratio (<= {TARGETS['forward']})",
                f"step ratio (<= {TARGETS['step']})",
@@ -179,7 +182,8 @@ def kind_table(result: Dict) -> str:
 
 
 def time_table(result: Dict, top: int = 8) -> str:
-    """A GPU-recorded model: host wall time next to device busy time, and top kernels."""
+    """A GPU-recorded model: host wall time next to device busy time, and top
+    kernels."""
     headers = ('row', 'phase', 'kernels', 'host ms', 'GPU busy ms',
                'busy / host')
     body = []
@@ -229,7 +233,8 @@ def _markdown(results: Sequence[Dict]) -> str:
 def run_jobs(jobs: Sequence[Job], batch: int, out_dir: str,
              triton: bool = True, run_kernels: bool = False,
              device: str = 'cpu') -> List[Dict]:
-    """Count every job's rows, print the tables and write the results after each model."""
+    """Count every job's rows, print the tables and write the results after
+    each model."""
     results = []
     for job in jobs:
         results.append(count_model(job, batch, triton, run_kernels,

@@ -104,7 +104,8 @@ def _timed(fn: Callable[[], object], device: torch.device,
 
 def _io_floor(grad_out: torch.Tensor, grad_in: torch.Tensor,
               with_gx: bool) -> Callable[[], object]:
-    """The least memory traffic a filtered backward needs: read ``g_y``, write ``g_x``."""
+    """The least memory traffic a filtered backward needs: read ``g_y``, write
+    ``g_x``."""
     if not with_gx:
         return grad_out.sum
     if grad_in.shape == grad_out.shape:
@@ -116,7 +117,8 @@ def _measure(layer: str, radius: int, case: str, vanilla, filtered,
              inputs, grad_out: torch.Tensor, io_floor, dev: torch.device,
              dtype: torch.dtype, repeats: int, warmup: int,
              clock: str = 'wall', kind: str = 'conv') -> LayerTiming:
-    """Median times of one layer, radius and case, vanilla and filtered interleaved."""
+    """Median times of one layer, radius and case, vanilla and filtered
+    interleaved."""
     if clock not in CLOCKS:
         raise ValueError(f'clock must be one of {sorted(CLOCKS)}, got '
                          f'{clock!r}')
@@ -193,7 +195,8 @@ def time_layer(cin: int, cout: int, height: int, width: int,
 
 @dataclass(frozen=True)
 class LinearShape:
-    """One transformer Linear on a token grid (``window``: Swin's window side, or 0)."""
+    """One transformer Linear on a token grid (``window``: Swin's window side,
+    or 0)."""
 
     label: str
     height: int
@@ -239,7 +242,8 @@ def time_linear_layer(shape: LinearShape,
                       dtype: torch.dtype = torch.float32,
                       cases: Sequence[str] = ('with_gx', 'weight_only'),
                       clock: str = 'wall') -> List[LayerTiming]:
-    """Time one Linear on a token grid, ``F.linear`` vs :func:`gradient_filtered_linear`."""
+    """Time one Linear on a token grid, ``F.linear`` vs
+    :func:`gradient_filtered_linear`."""
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
     in_shape, grid = linear_tokens(shape, batch)
@@ -312,7 +316,8 @@ def timing_table(rows: Sequence[LayerTiming]) -> str:
 
 
 def plot(rows: Sequence[LayerTiming], path: str) -> None:
-    """Backward speedup per layer, log scale: the benchmark's ``layers.png``."""
+    """Backward speedup per layer, log scale: the benchmark's
+    ``layers.png``."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt

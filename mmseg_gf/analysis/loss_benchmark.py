@@ -60,7 +60,8 @@ def benchmark_loss(batch: int, classes: int, logits_size, label_size,
                    sigmoid: bool = False, repeats: int = 5,
                    warmup: int = 1, memory: bool = True,
                    seed: int = 0) -> List[Dict]:
-    """Median seconds (and peak live bytes) of each way on random logits and labels."""
+    """Median seconds (and peak live bytes) of each way on random logits and
+    labels."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn((batch, classes) + tuple(logits_size), generator=g)
     label = torch.randint(0, classes, (batch, ) + tuple(label_size),

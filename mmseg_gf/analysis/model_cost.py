@@ -30,7 +30,8 @@ __all__ = [
 
 @dataclass
 class LayerCost:
-    """One trained layer and its backward cost (a :class:`ConvBackwardCost`)."""
+    """One trained layer and its backward cost (a
+    :class:`ConvBackwardCost`)."""
 
     path: str
     geometry: Any
@@ -43,7 +44,8 @@ class LayerCost:
 
     @property
     def describe(self) -> str:
-        """The layer kind's table cell (e.g. ``3x3/s1/d1/g1``)."""
+        """The layer kind's table cell (a conv's ``k/s/d/g``, a Linear's token
+        grid)."""
         return self.geometry.describe()
 
     # a layer on tokens is a 1x1 conv on its grid
@@ -136,7 +138,8 @@ class ModelCost:
 
     @property
     def flops(self) -> int:
-        """The backward FLOPs the model actually runs (filtered for ``mode='gf'``)."""
+        """The backward FLOPs the model actually runs (filtered for
+        ``mode='gf'``)."""
         return self.gf_flops if self.mode == 'gf' else self.vanilla_flops
 
     def layer_flops(self, layer: LayerCost) -> int:
@@ -237,7 +240,8 @@ def model_backward_cost(model: nn.Module,
 
 
 def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
-    """Trainable layers ``mode='all'`` does not count, by kind or class name."""
+    """Trainable layers ``mode='all'`` does not count, by kind or class
+    name."""
     others = [k for k in layer_kinds() if k.traced_type is not
               CONV2D.traced_type]
     counts: Dict[str, int] = {}
@@ -257,7 +261,8 @@ def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
 def config_backward_cost(cfg, shape: Sequence[int], batch: int = 1,
                          radius: int = 4,
                          collapse_dilated: bool = False) -> ModelCost:
-    """Build a config's model and cost it at ``shape`` (``tools/analyze_cost.py``)."""
+    """Build a config's model and cost it at ``shape``
+    (``tools/analyze_cost.py``)."""
     model = build_segmentor(cfg, input_size=shape)
     return model_backward_cost(model, shape, batch=batch, radius=radius,
                                collapse_dilated=collapse_dilated)

@@ -26,7 +26,8 @@ __all__ = [
 
 
 def dataset_batch(cfg, model: nn.Module, batch: int, device):
-    """The first ``batch`` train samples, preprocessed: ``(inputs, data_samples)``."""
+    """The first ``batch`` train samples, preprocessed:
+    ``(inputs, data_samples)``."""
     from mmengine.dataset import pseudo_collate
     from mmseg.registry import DATASETS
     dataset = DATASETS.build(cfg.train_dataloader.dataset)
@@ -42,7 +43,8 @@ def _set_enabled(convs: List[Tuple[str, nn.Module]], enabled: bool) -> None:
 
 
 def _backward(model, inputs, samples, convs, seed, record: bool):
-    """One forward + backward; the convs' weight grads and, if ``record``, ``(x, g_y)``."""
+    """One forward + backward; the convs' weight grads and, if ``record``,
+    ``(x, g_y)``."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the same dropout masks in every pass
     records: Dict[str, Any] = {}
@@ -176,7 +178,8 @@ def quality_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def jsonable_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The rows with infinite / NaN floats as strings (json has no infinity)."""
+    """The rows with infinite / NaN floats as strings (json has no
+    infinity)."""
 
     def value(v):
         if isinstance(v, float) and (math.isinf(v) or math.isnan(v)):

@@ -44,7 +44,8 @@ def _model_config(config: str, size: Sequence[int]):
 def train_and_measure(config: str, size: Sequence[int], batch: int,
                       budget: Dict[str, Any], steps: int = 3,
                       threads: Optional[int] = None) -> Dict[str, Any]:
-    """In this fresh process: build, choose, train ``steps`` steps, measure (MiB)."""
+    """In this fresh process: build, choose, train ``steps`` steps, measure
+    (MiB)."""
     if threads:
         torch.set_num_threads(threads)
     init_default_scope('mmseg')
@@ -79,7 +80,8 @@ def train_and_measure(config: str, size: Sequence[int], batch: int,
 
 
 def _kernel_pool_mib() -> Optional[float]:
-    """What the compiled kernels' output pool keeps after the steps, MiB, or None."""
+    """What the compiled kernels' output pool keeps after the steps, MiB, or
+    None."""
     return output_pool.recycled_bytes() / MIB if extension.built() else None
 
 

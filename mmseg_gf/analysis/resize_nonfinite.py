@@ -31,7 +31,8 @@ CASES = (
 
 def local_nonfinite_backward(grad: torch.Tensor, in_hw: Sequence[int],
                              align_corners: bool) -> torch.Tensor:
-    """The GEMMs' input gradient with non-finite entries where torch puts them."""
+    """The GEMMs' input gradient with non-finite entries where torch puts
+    them."""
     finite = torch.isfinite(grad)
     clean = torch.where(finite, grad, 0)
     out = bilinear_gemm.resize_backward(clean, in_hw, align_corners)

@@ -21,7 +21,8 @@ __all__ = ['small_crop', 'run_once', 'compare', 'format_report']
 
 
 def small_crop(cfg: Config, crop: Sequence[int]) -> Config:
-    """The pipeline's crop and resize scales and the preprocessor's size at ``crop``."""
+    """The pipeline's crop and resize scales and the preprocessor's size at
+    ``crop``."""
     h, w = crop
     pipeline = cfg.train_dataloader.dataset.get('pipeline')
     for t in pipeline or []:
@@ -56,7 +57,8 @@ class _Record(Hook):
 
 def run_once(cfg: Config, iters: int, work_dir: str,
              compile_setting: Any = None) -> Dict[str, Any]:
-    """Train ``cfg`` ``iters`` iterations; per iteration step seconds, input shape, graph count."""
+    """Train ``cfg`` ``iters`` iterations; per iteration step seconds, input
+    shape, graph count."""
     cfg = copy.deepcopy(cfg)
     cfg.work_dir = work_dir
     cfg.train_cfg = dict(type='IterBasedTrainLoop', max_iters=iters,

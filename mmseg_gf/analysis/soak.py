@@ -1,4 +1,5 @@
-"""A long run with a new input shape in almost every batch: does memory stay flat?
+"""A long run with a new input shape in almost every batch: does memory stay
+flat?
 
 A shape-keyed cache that never forgets, or a fragmenting allocator, shows
 as resident memory growing over a random-resize finetuning run.
@@ -35,7 +36,8 @@ SOAK_SETTING = dict(num_layers=5, radius=4, mode='gf', lean=True)
 def random_shapes(count: int, base: Sequence[int] = (64, 64),
                   ratio_range: Tuple[float, float] = (0.75, 2.0),
                   multiple: int = 8, seed: int = 0) -> List[Tuple[int, int]]:
-    """``count`` distinct ``(H, W)``, each side the base times a ratio, rounded.
+    """``count`` distinct ``(H, W)``, each side the base times a ratio,
+    rounded.
 
     Raises:
         ValueError: the range holds fewer than ``count`` distinct sizes.
@@ -94,7 +96,8 @@ def soak(cfg: Config, iters: int = 1000, shapes: Sequence = (),
          interval: int = 10, batch: int = 1, seed: int = 0,
          progress: Optional[Callable[[], None]] = None,
          threads: Optional[int] = None) -> Dict:
-    """Train ``cfg``'s segmentor ``iters`` steps on sizes drawn from ``shapes``.
+    """Train ``cfg``'s segmentor ``iters`` steps on sizes drawn from
+    ``shapes``.
 
     Returns:
         dict: the ``rss`` records, ``quarters_mib``, ``growth``, ``flat``,

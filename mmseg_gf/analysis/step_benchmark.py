@@ -56,7 +56,8 @@ def split_compiled(row: str) -> Tuple[str, bool]:
 
 
 def parse_row(row: str):
-    """``'gf_last5_r4:lean'`` -> ``('gf_last5_r4', True)``; no suffix means lean."""
+    """``'gf_last5_r4:lean'`` -> ``('gf_last5_r4', True)``; no suffix means
+    lean."""
     row, compiled = split_compiled(row)
     if row == 'inference':
         if compiled:
@@ -103,7 +104,8 @@ def set_row_settings(cfg, row: str):
 
 
 def row_config(cfg, row: str, crop: Sequence[int]):
-    """A copy of ``cfg`` measuring ``row`` at ``crop``, inference on the whole image."""
+    """A copy of ``cfg`` measuring ``row`` at ``crop``, inference on the whole
+    image."""
     cfg = set_row_settings(copy.deepcopy(cfg), row)
     crop = tuple(int(v) for v in crop)
     cfg.crop_size = crop
@@ -142,7 +144,8 @@ def _predict_fn(model, inputs, samples, clock):
 
 
 def compiled_loss(model, mode: str) -> Callable:
-    """``training_loss`` with ``model.loss`` compiled as GradFilterHook would."""
+    """``training_loss`` with ``model.loss`` compiled as GradFilterHook
+    would."""
     model.train()
     set_frozen_norms_eval(model)
     setting = model_compile_setting(dict(mode=mode), model)

@@ -29,7 +29,8 @@ Job = Tuple[str, str, Tuple[int, int], List[Tuple[str, Config]]]
 def add_model_arguments(parser: argparse.ArgumentParser,
                         families: Sequence[str], family_help: str,
                         models: Sequence[str]) -> None:
-    """The model arguments every step tool takes (CONFIG, ``--families``, ``--models``, ...)."""
+    """The model arguments every step tool takes (CONFIG, ``--families``,
+    ``--models``, ...)."""
     from mmengine.config import DictAction
     parser.add_argument('configs', nargs='*', metavar='CONFIG',
                         help='mmseg config files (any segmentor)')
@@ -61,7 +62,8 @@ def check_model_arguments(parser: argparse.ArgumentParser,
 
 
 def family_crop(name: str, args: argparse.Namespace) -> Tuple[int, int]:
-    """``--family-crop``, else ``--crop`` raised to the family's minimum, else its crop."""
+    """``--family-crop``, else ``--crop`` raised to the family's minimum, else
+    its crop."""
     family = ZOO_FAMILIES[name]
     if name in args.family_crop:
         side = int(args.family_crop[name])
@@ -108,7 +110,8 @@ def family_jobs(args: argparse.Namespace) -> List[Job]:
 
 
 def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
-    """Measure every job's rows, printing and writing the results after each model."""
+    """Measure every job's rows, printing and writing the results after each
+    model."""
     device = getattr(args, 'device', 'cpu')
     if device == 'cuda' and getattr(args, 'tf32', None) is not None:
         torch.backends.cuda.matmul.allow_tf32 = args.tf32

@@ -22,7 +22,8 @@ def _ratio(v: Optional[float], digits: int = 2) -> str:
 
 
 def step_table(result: Dict) -> str:
-    """One model's rows as a markdown table, without columns no row measured."""
+    """One model's rows as a markdown table, without columns no row
+    measured."""
     headers = ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
                'lean / plain step', 'compiled / eager step', 'peak MiB',
                'peak / inference',
@@ -46,7 +47,8 @@ def step_table(result: Dict) -> str:
 
 
 def kept_by_kind_table(result: Dict) -> str:
-    """The lean rows' kept bytes by kind (MiB); '' when no row has the count."""
+    """The lean rows' kept bytes by kind (MiB); '' when no row has the
+    count."""
     rows = [r for r in result['rows'] if r.get('analytic_by_category')]
     if not rows:
         return ''

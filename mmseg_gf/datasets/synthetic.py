@@ -1,4 +1,5 @@
-"""Tiny synthetic datasets in the on-disk layouts of VOC aug, Cityscapes and ADE20K.
+"""Tiny synthetic datasets in the on-disk layouts of VOC aug, Cityscapes and
+ADE20K.
 
 Each class has its own colour and texture, drawn per dataset family, so
 labels are learnable from appearance and moving between families is a real

@@ -32,7 +32,8 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
                       layer_kinds: Optional[Sequence[str]] = None,
                       patch_mean_activations: bool = True
                       ) -> StepCostProfile:
-    """Profile a copy of a plain segmentor for the costs of every last-N setting.
+    """Profile a copy of a plain segmentor for the costs of every last-N
+    setting.
 
     Args:
         model: an mmseg segmentor (not changed).

@@ -24,7 +24,8 @@ CompileSetting = Union[None, bool, dict]
 
 def compile_setting(setting: CompileSetting, device_type: str,
                     lean: bool) -> CompileSetting:
-    """``setting`` (mmengine's ``compile``) as a lean model compiles on ``device_type``.
+    """``setting`` (mmengine's ``compile``) as a lean model compiles on
+    ``device_type``.
 
     Raises:
         TypeError: ``setting`` is not None, a bool or a dict.
@@ -56,7 +57,8 @@ def compile_setting(setting: CompileSetting, device_type: str,
 
 def model_compile_setting(setting: CompileSetting, model: nn.Module,
                           lean: Optional[bool] = None) -> CompileSetting:
-    """:func:`compile_setting` on ``model``'s device, lean as its state (or ``lean``) says."""
+    """:func:`compile_setting` on ``model``'s device, lean as its state (or
+    ``lean``) says."""
     params = next(model.parameters(), None)
     state = get_state(model)
     return compile_setting(

@@ -44,14 +44,16 @@ def split_target(setting: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
 
 
 def loss_compile_kwargs(setting: Dict[str, Any]) -> Dict[str, Any]:
-    """``torch.compile`` kwargs for the loss: ``dynamic=False`` unless named."""
+    """``torch.compile`` kwargs for the loss: ``dynamic=False`` unless
+    named."""
     kwargs = dict(setting)
     kwargs.setdefault('dynamic', False)
     return kwargs
 
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with ``torch.empty``'s strides, size-1 dimensions included (Dynamo guards on strides)."""
+    """``t`` with ``torch.empty``'s strides, size-1 dimensions included (Dynamo
+    guards on strides)."""
     t = t.contiguous()
     want = torch.empty(t.shape, device='meta').stride()
     return t if t.stride() == want else t.as_strided(t.shape, want)
@@ -70,7 +72,8 @@ def _field(value):
 
 
 def loss_samples(data_samples: Optional[Sequence]) -> Optional[List]:
-    """``data_samples`` with only ground truths and :data:`LOSS_METAINFO` metadata.
+    """``data_samples`` with only ground truths and :data:`LOSS_METAINFO`
+    metadata.
 
     Other metadata would enter Dynamo's guards and recompile every batch.
     """
@@ -105,5 +108,6 @@ class CompiledLoss:
 
 def install_compiled_loss(segmentor: nn.Module,
                           kwargs: Dict[str, Any]) -> Override:
-    """Shadow ``segmentor.loss`` with a :class:`CompiledLoss`; returns the undo."""
+    """Shadow ``segmentor.loss`` with a :class:`CompiledLoss`; returns the
+    undo."""
     return override(segmentor, 'loss', CompiledLoss(segmentor.loss, kwargs))

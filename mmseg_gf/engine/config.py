@@ -70,7 +70,8 @@ def default_batch_size(cfg) -> Optional[int]:
 
 
 def default_optimizer(cfg) -> Optional[dict]:
-    """The config's ``optim_wrapper.optimizer`` as a dict, for a budget's peaks."""
+    """The config's ``optim_wrapper.optimizer`` as a dict, for a budget's
+    peaks."""
     try:
         optimizer = cfg.optim_wrapper.optimizer
     except (AttributeError, KeyError, TypeError):
@@ -125,7 +126,8 @@ def build_grad_filter_model(model: dict,
 
 
 def patch_means_on(settings: Optional[SettingsLike]) -> bool:
-    """Whether ``settings`` apply the patch-mean GELU rule, as the budget models."""
+    """Whether ``settings`` apply the patch-mean GELU rule, as the budget
+    models."""
     if isinstance(settings, GradientFilterSettings):
         settings = settings.as_dict()
     settings = settings or {}
@@ -216,7 +218,8 @@ def rewrite_config(cfg):
 
 def _completed(settings: GradientFilterSettings,
                cfg) -> GradientFilterSettings:
-    """``settings`` with ``input_size`` and a budget's batch and optimizer filled in."""
+    """``settings`` with ``input_size`` and a budget's batch and optimizer
+    filled in."""
     changes: Dict[str, Any] = {}
     if settings.input_size is None:
         changes['input_size'] = tuple(default_input_size(cfg))
@@ -264,7 +267,8 @@ def _check_rewritten_agrees(settings: GradientFilterSettings,
 
 
 def add_custom_hook(cfg, hook_type: str) -> None:
-    """Append ``dict(type=hook_type)`` to ``custom_hooks`` unless one is there."""
+    """Append ``dict(type=hook_type)`` to ``custom_hooks`` unless one is
+    there."""
     hooks = list(cfg.get('custom_hooks') or [])
     if not any(h.get('type') == hook_type for h in hooks):
         hooks.append(dict(type=hook_type))

@@ -29,7 +29,8 @@ def _sync_batchnorm_types() -> tuple:
 
 
 def revert_sync_batchnorm_on_cpu(module: nn.Module) -> nn.Module:
-    """``module`` with its SyncBN layers as plain BN, logged; unchanged without any.
+    """``module`` with its SyncBN layers as plain BN, logged; unchanged without
+    any.
 
     torch's DDP refuses a CPU module holding SyncBN, which every zoo config
     uses (docs/reliability.md#distributed-training).
@@ -52,7 +53,8 @@ CPU_DDP_WRAPPER = 'CPUDistributedDataParallel'
 
 @MODEL_WRAPPERS.register_module(name=CPU_DDP_WRAPPER, force=True)
 class CPUDistributedDataParallel(MMDistributedDataParallel):
-    """``MMDistributedDataParallel`` for CPU modules: no device ids, SyncBN as BN."""
+    """``MMDistributedDataParallel`` for CPU modules: no device ids, SyncBN as
+    BN."""
 
     def __init__(self, module, device_ids=None, **kwargs):
         super().__init__(module=revert_sync_batchnorm_on_cpu(module),
@@ -60,7 +62,8 @@ class CPUDistributedDataParallel(MMDistributedDataParallel):
 
 
 def prepare_cpu_distributed(cfg):
-    """Make a distributed config run without CUDA: ``gloo`` and the CPU DDP wrapper.
+    """Make a distributed config run without CUDA: ``gloo`` and the CPU DDP
+    wrapper.
 
     With a GPU, or ``launcher='none'``, the config is returned unchanged.
 

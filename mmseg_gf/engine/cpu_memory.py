@@ -46,7 +46,8 @@ def supported() -> bool:
 
 
 def keep_freed_cpu_memory(keep: bool = True) -> bool:
-    """Keep freed CPU memory in ``malloc``'s heap (``keep``), or restore glibc's default.
+    """Keep freed CPU memory in ``malloc``'s heap (``keep``), or restore
+    glibc's default.
 
     Returns:
         bool: whether the C library took the setting.
@@ -90,7 +91,8 @@ def return_freed_cpu_memory() -> bool:
 
 
 def _keep_no_kernel_outputs() -> bool:
-    """Switch the compiled kernels' output pool off; returns whether there was one.
+    """Switch the compiled kernels' output pool off; returns whether there was
+    one.
 
     Its blocks are no step's live tensors, so no prediction counts them
     (docs/benchmarks/design_measurements.md).
@@ -102,7 +104,8 @@ def _keep_no_kernel_outputs() -> bool:
 
 
 def bound_process_memory() -> bool:
-    """What a ``process_mib`` budget needs on CPU: freed blocks returned, no output pool.
+    """What a ``process_mib`` budget needs on CPU: freed blocks returned, no
+    output pool.
 
     Returns:
         bool: whether the C library took the ``malloc`` setting.

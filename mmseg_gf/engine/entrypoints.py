@@ -54,7 +54,8 @@ def load_config(config: str,
 
 
 def resolve_resume(cfg: Config, resume: bool) -> Config:
-    """``resume``: continue from the newest checkpoint in ``work_dir`` that loads.
+    """``resume``: continue from the newest checkpoint in ``work_dir`` that
+    loads.
 
     Unlike mmengine, a finetuning config's ``load_from`` is not resumed from;
     without a checkpoint the run starts from it as a fresh run would
@@ -96,7 +97,8 @@ def build_train_config(config: str,
 
 
 def build_runner(cfg: Config, log_config: bool = True) -> Runner:
-    """The config's Runner; ``log_config=False`` logs the config's name only."""
+    """The config's Runner; ``log_config=False`` logs the config's name
+    only."""
     if 'runner_type' in cfg:
         from mmseg.registry import RUNNERS
         return RUNNERS.build(cfg)
@@ -150,7 +152,8 @@ def build_test_config(config: str,
                       show_dir: Optional[str] = None,
                       wait_time: float = 2,
                       tta: bool = False) -> Config:
-    """A test config as ``tools/test.py`` runs it (``out``, ``show``, ``tta``)."""
+    """A test config as ``tools/test.py`` runs it (``out``, ``show``,
+    ``tta``)."""
     cfg = load_config(config, work_dir, cfg_options, launcher)
     cfg.load_from = checkpoint
     cfg.resume = False

@@ -1,4 +1,5 @@
-"""Frozen auxiliary heads are not run in training: none steers the trained parameters.
+"""Frozen auxiliary heads are not run in training: none steers the trained
+parameters.
 
 A frozen head either reads features needing no gradient (a constant loss)
 or would train the backbone towards a head that never trains; so it is cut
@@ -28,7 +29,8 @@ __all__ = ['aux_heads', 'features_read', 'frozen_head_reason',
 
 
 def aux_heads(segmentor: nn.Module) -> List[Tuple[str, str, nn.Module]]:
-    """``(loss prefix, module path, head)`` of each auxiliary head, named as mmseg does."""
+    """``(loss prefix, module path, head)`` of each auxiliary head, named as
+    mmseg does."""
     heads = getattr(segmentor, 'auxiliary_head', None)
     if heads is None:
         return []
@@ -39,7 +41,8 @@ def aux_heads(segmentor: nn.Module) -> List[Tuple[str, str, nn.Module]]:
 
 
 def features_read(head: nn.Module, inputs) -> List[torch.Tensor]:
-    """The tensors of ``inputs`` that ``head`` reads (its ``in_index`` selection)."""
+    """The tensors of ``inputs`` that ``head`` reads (its ``in_index``
+    selection)."""
     index = getattr(head, 'in_index', None)
     transform = getattr(type(head), '_transform_inputs', None)
     if (index is not None and isinstance(inputs, (list, tuple))
@@ -85,7 +88,8 @@ def _log_skipped_once(state: GradientFilterState, path: str,
 
 @contextlib.contextmanager
 def unlogged_aux_heads(segmentor: nn.Module):
-    """Within the block, left-out heads are not logged (traced steps before training)."""
+    """Within the block, left-out heads are not logged (traced steps before
+    training)."""
     state = get_state(segmentor)
     if state is None:
         yield
@@ -140,7 +144,8 @@ def skips_frozen_aux_heads(segmentor: nn.Module) -> bool:
 
 
 def skip_frozen_aux_heads(segmentor: nn.Module) -> bool:
-    """Let ``segmentor`` leave out frozen auxiliary heads in training; idempotent.
+    """Let ``segmentor`` leave out frozen auxiliary heads in training;
+    idempotent.
 
     Returns:
         Whether the segmentor skips such heads now (False: no auxiliary head,

@@ -61,7 +61,8 @@ def nested_tensors(obj) -> List[torch.Tensor]:
 
 
 def _capture(obj: nn.Module, name: str, sink: List) -> callable:
-    """Record every result of ``obj.<name>``, even when called directly; returns the undo."""
+    """Record every result of ``obj.<name>``, even when called directly;
+    returns the undo."""
     original = getattr(obj, name)
 
     def method(*args, **kwargs):
@@ -183,7 +184,8 @@ def trace_layers(model: nn.Module,
 
 
 class _LayerHooks:
-    """Forward hooks of the selection trace: records, autograd nodes and norms."""
+    """Forward hooks of the selection trace: records, autograd nodes and
+    norms."""
 
     def __init__(self, model: nn.Module, grad: bool) -> None:
         self.model = model
@@ -263,7 +265,8 @@ def _captured_heads(model: nn.Module, sink: List):
 
 @contextlib.contextmanager
 def _trace_state(model: nn.Module, grad: bool):
-    """Eval mode, checkpointing off and (``grad=False``) all parameters trainable; restored after."""
+    """Eval mode, checkpointing off and (``grad=False``) all parameters
+    trainable; restored after."""
     modes = {m: m.training for m in model.modules()}
     checkpointed = [
         m for m in model.modules() if getattr(m, 'with_cp', False) is True

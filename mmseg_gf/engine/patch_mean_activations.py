@@ -35,7 +35,8 @@ def _plain_gelus(model: nn.Module) -> Dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def _restored(model: nn.Module):
-    """Training flags, buffers and generators restored after the block; no aux head logged."""
+    """Training flags, buffers and generators restored after the block; no aux
+    head logged."""
     modes = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     device = model_device(model)
@@ -53,7 +54,8 @@ def _restored(model: nn.Module):
 
 
 def _traced_step_graph(model: nn.Module, input_size):
-    """The consumers of every node of one training step's graph (two images)."""
+    """The consumers of every node of one training step's graph (two
+    images)."""
     param = next((p for p in model.parameters()
                   if p.dtype.is_floating_point), None)
     inputs, samples = random_batch(model, input_size, 2,
@@ -65,7 +67,8 @@ def _traced_step_graph(model: nn.Module, input_size):
 
 def find_patch_mean_gelus(model: nn.Module, input_size
                           ) -> Dict[str, PatchPartition]:
-    """The GELUs (by path) where the patch-mean rule is exact, with their partitions.
+    """The GELUs (by path) where the patch-mean rule is exact, with their
+    partitions.
 
     Args:
         model: a gradient-filtered segmentor (wrapped or not).
@@ -134,7 +137,8 @@ def _only_filtered_consumers(node, part: PatchPartition, graph,
 
 def install_patch_mean_gelus(model: nn.Module,
                              input_size) -> Dict[str, PatchPartition]:
-    """Make the GELUs :func:`find_patch_mean_gelus` finds keep patch means; path -> partition."""
+    """Make the GELUs :func:`find_patch_mean_gelus` finds keep patch means;
+    path -> partition."""
     model = unwrap_model(model)
     found = find_patch_mean_gelus(model, input_size)
     for path, partition in found.items():

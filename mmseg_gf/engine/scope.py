@@ -24,7 +24,8 @@ PACKAGE_LOOKUP = 'mmseg_gf.registry'
 
 
 def _child(parent: Registry) -> Registry:
-    """A registry of scope ``mmseg_gf`` for ``parent``, with the parent's lazy imports."""
+    """A registry of scope ``mmseg_gf`` for ``parent``, with the parent's lazy
+    imports."""
     return Registry(parent.name, scope=SCOPE,
                     locations=list(parent._locations) + ['mmseg_gf.engine'])
 

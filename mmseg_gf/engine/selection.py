@@ -33,7 +33,8 @@ __all__ = [
 
 
 def check_layer_kinds(layer_kinds) -> Tuple[str, ...]:
-    """Validate ``layer_kinds``: None (every kind) or a non-empty list of kinds.
+    """Validate ``layer_kinds``: None (every kind) or a non-empty list of
+    kinds.
 
     Returns:
         the kind names, in registration order.
@@ -63,7 +64,8 @@ MAX_INPUT_SIDE = 8192
 
 
 def check_input_size(size) -> Tuple[int, int]:
-    """Validate ``input_size``: an int or ``(H, W)`` in ``[1, MAX_INPUT_SIDE]``.
+    """Validate ``input_size``: an int or ``(H, W)``, sides in
+    ``[1, MAX_INPUT_SIDE]``.
 
     Raises:
         ValueError: naming the setting, the value and the range.
@@ -302,7 +304,8 @@ def check_radius_keys_used(radius: RadiusSetting,
 
 def _last_n_layers(model: nn.Module, records: List[LayerRecord],
                    num_layers, note: '_KindNote') -> List[LayerRecord]:
-    """The last ``num_layers`` layers that feed the output, classifiers excluded."""
+    """The last ``num_layers`` layers that feed the output, classifiers
+    excluded."""
     name = type(model).__name__
     classifiers = [
         r.path for r in records

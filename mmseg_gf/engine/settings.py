@@ -65,7 +65,8 @@ def _layer_kinds(kinds: Any) -> List[str]:
 def _setting(default: Any, doc: str,
              check: Optional[Callable[[Any], Any]] = None,
              surgery: bool = False):
-    """A field: its default, its doc and the check that normalises its value."""
+    """A field: its default, its doc and the check that normalises its
+    value."""
     return field(default=default,
                  metadata=dict(doc=doc, check=check, surgery=surgery))
 
@@ -207,7 +208,8 @@ ACCEPTED_KEYS: Tuple[str, ...] = SETTING_KEYS + tuple(HOOK_OPTIONS)
 
 
 def setting_docs() -> Dict[str, Tuple[Any, str]]:
-    """Every accepted key -> ``(default, doc)``, in :data:`ACCEPTED_KEYS` order."""
+    """Every accepted key -> ``(default, doc)``, in :data:`ACCEPTED_KEYS`
+    order."""
     out = {k: (f.default, f.metadata['doc']) for k, f in _FIELDS.items()}
     out.update({k: (o.default, o.doc) for k, o in HOOK_OPTIONS.items()})
     return out
@@ -245,7 +247,8 @@ def _check_all(out: Dict[str, Any]) -> None:
 
 
 def _check_budget_settings(out: Dict[str, Any], late: Sequence[str]) -> None:
-    """A budget chooses layers and radii itself, for filtered convs with frozen norms."""
+    """A budget chooses layers and radii itself, for filtered convs with frozen
+    norms."""
     _check(out, ('budget', ))
     if out['radius'] is not None:
         raise ValueError(

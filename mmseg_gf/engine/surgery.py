@@ -109,7 +109,8 @@ def warn_radius_over_map(choices: Sequence[LayerChoice]) -> None:
 
 def _swap_chosen_layers(model: nn.Module, choices: Sequence[LayerChoice],
                         enabled: bool) -> None:
-    """Install what the chosen kinds read per step, then swap each chosen layer."""
+    """Install what the chosen kinds read per step, then swap each chosen
+    layer."""
     chosen_kinds = {c.kind for c in choices}
     for kind in layer_kinds():
         # what the kinds' filtered modules read in every step (the Linear
@@ -132,7 +133,8 @@ def _swap_chosen_layers(model: nn.Module, choices: Sequence[LayerChoice],
 
 def _freeze_all_but(model: nn.Module, choices: Sequence[LayerChoice],
                     train_norm: bool) -> None:
-    """Freeze every parameter but the chosen layers, classifiers and (``train_norm``) norms."""
+    """Freeze every parameter but the chosen layers, classifiers and
+    (``train_norm``) norms."""
     for p in model.parameters():
         p.requires_grad_(False)
     trained = [c.path for c in choices] + classifier_paths(model)

@@ -17,7 +17,8 @@ __all__ = [
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """``--cfg-options``, ``--launcher``, ``--local-rank``, ``--trust-checkpoint-type``."""
+    """``--cfg-options``, ``--launcher``, ``--local-rank``,
+    ``--trust-checkpoint-type``."""
     parser.add_argument(
         '--cfg-options',
         nargs='+',

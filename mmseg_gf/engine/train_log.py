@@ -56,7 +56,8 @@ def resident_bytes() -> Optional[int]:
 
 
 class PeakResidentMemory:
-    """Peak resident memory since the last :meth:`reset` (process-wide reset)."""
+    """Peak resident memory since the last :meth:`reset` (process-wide
+    reset)."""
 
     def __init__(self) -> None:
         self.supported = peak_resident_bytes() is not None and os.access(

@@ -157,7 +157,8 @@ def _offline_module(d: dict) -> None:
 
 
 def offline_model_config(model_cfg: dict) -> dict:
-    """A zoo ``model`` config that trains in one process without downloads, in place.
+    """A zoo ``model`` config that trains in one process without downloads, in
+    place.
 
     SyncBN becomes BN and every pretrained checkpoint is dropped (random
     init); the layers and heads are the zoo's.

@@ -32,14 +32,16 @@ CHUNK_BYTES = 1 << 20
 
 
 def write_chunks(file, data: bytes, path: str) -> None:
-    """Write ``data`` to ``file`` in parts; looked up per call so fault injection can cut it."""
+    """Write ``data`` to ``file`` in parts; looked up per call so fault
+    injection can cut it."""
     view = memoryview(data)
     for start in range(0, len(view), CHUNK_BYTES):
         file.write(view[start:start + CHUNK_BYTES])
 
 
 def fsync_folder(folder: str) -> None:
-    """``fsync`` a folder so that a rename in it is on the disk (no-op where unsupported)."""
+    """``fsync`` a folder so that a rename in it is on the disk (no-op where
+    unsupported)."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
     except OSError:
@@ -51,7 +53,8 @@ def fsync_folder(folder: str) -> None:
 
 
 def atomic_write_bytes(data: bytes, path: str) -> None:
-    """Write ``data`` to ``path`` through a temporary file, ``fsync`` and rename.
+    """Write ``data`` to ``path`` through a temporary file, ``fsync`` and
+    rename.
 
     Until the rename ``path`` holds what it held; the folder is created if
     missing and the file gets ``open(path, 'wb')``'s mode.
@@ -80,7 +83,8 @@ def atomic_write_text(text: str, path: str, encoding: str = 'utf-8') -> None:
 
 
 def remove_partial_writes(folder: str) -> List[str]:
-    """Delete the temporary files a cut left in ``folder``; returns their names."""
+    """Delete the temporary files a cut left in ``folder``; returns their
+    names."""
     if not osp.isdir(folder):
         return []
     removed = []
@@ -113,7 +117,8 @@ def _remove_checkpoint(hook: CheckpointHook, step: int) -> None:
 
 
 def _save_checkpoint_with_step(self, runner, step, meta) -> None:
-    """mmengine 0.10.7's ``_save_checkpoint_with_step``, the outdated checkpoint deleted last."""
+    """mmengine 0.10.7's ``_save_checkpoint_with_step``, the outdated
+    checkpoint deleted last."""
     outdated: Optional[int] = None
     if self.max_keep_ckpts > 0 and not (
             self.keep_ckpt_ids and self.keep_ckpt_ids[-1] == step):

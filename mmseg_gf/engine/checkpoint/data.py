@@ -101,7 +101,8 @@ def _plain_dtype_problem(dtype: np.dtype) -> Optional[str]:
 
 
 class CheckedDtype:
-    """A numpy dtype read from a checkpoint: a plain kind and the state numpy writes.
+    """A numpy dtype read from a checkpoint: a plain kind and the state numpy
+    writes.
 
     torch's unpickler hands the pickled state to what ``numpy.dtype(...)``
     returned, so this holder's ``__setstate__`` accepts only the state of
@@ -207,7 +208,8 @@ def _check_data(dtype: np.dtype, data: Any, count: int, holds: str,
 
 
 class CheckedArray(np.ndarray):
-    """A numpy array read from a checkpoint: a checked dtype and exactly its bytes.
+    """A numpy array read from a checkpoint: a checked dtype and exactly its
+    bytes.
 
     Its ``__setstate__`` checks the state before numpy's runs; it pickles as
     a plain ``ndarray``.
@@ -272,7 +274,8 @@ def make_rebuild_array(name: str) -> Callable:
 
 
 def make_rebuild_scalar(name: str) -> Callable:
-    """numpy's ``scalar`` under ``name``: a checked dtype from exactly its bytes."""
+    """numpy's ``scalar`` under ``name``: a checked dtype from exactly its
+    bytes."""
     scalar = _MULTIARRAY.scalar
 
     def rebuild_scalar(dtype: Any = None, data: Any = None) -> np.generic:
@@ -359,7 +362,8 @@ class CheckedHistoryBuffer(HistoryBuffer):
 
 
 class ParentName:
-    """The parent of a trusted nested class: usable only as ``getattr``'s first argument."""
+    """The parent of a trusted nested class: usable only as ``getattr``'s first
+    argument."""
 
     __slots__ = ('path', )
 

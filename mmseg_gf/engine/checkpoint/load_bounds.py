@@ -29,7 +29,8 @@ _READABLE = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 
 def set_load_limit(factor: Optional[float] = None,
                    floor_bytes: Optional[int] = None) -> Tuple[float, int]:
-    """Set what a checkpoint may declare: max(``factor`` x file size, ``floor_bytes``).
+    """Set what a checkpoint may declare: max(``factor`` x file size,
+    ``floor_bytes``).
 
     None keeps a value.
 
@@ -88,7 +89,8 @@ def _too_costly(what: str, cost: int, file_size: int,
 
 def _check_records(infos: List[zipfile.ZipInfo], file_size: int,
                    cap: int) -> int:
-    """The records' total uncompressed size, refused past the cap or in an unread compression."""
+    """The records' total uncompressed size, refused past the cap or in an
+    unread compression."""
     for info in infos:
         if info.compress_type not in _READABLE:
             raise refusal(
@@ -103,7 +105,8 @@ def _check_records(infos: List[zipfile.ZipInfo], file_size: int,
 
 def read_checkpoint(filename: str
                     ) -> Optional[Tuple[bytes, List[zipfile.ZipInfo]]]:
-    """The pickle and records of a zip checkpoint, sizes checked before decompression.
+    """The pickle and records of a zip checkpoint, sizes checked before
+    decompression.
 
     None for another format (left to torch).
 
@@ -192,7 +195,8 @@ def _scan_legacy(filename: str) -> Optional[PickleScan]:
 def scan_checkpoint(filename: str
                     ) -> Optional[Tuple[PickleScan,
                                         Optional[List[zipfile.ZipInfo]]]]:
-    """The file's data pickle scanned, with its zip records; None for another format."""
+    """The file's data pickle scanned, with its zip records; None for another
+    format."""
     read = read_checkpoint(filename)
     if read is not None:
         return _scan(read[0]), read[1]

@@ -1,4 +1,5 @@
-"""What a checkpoint's pickle refers to and declares, read without building anything.
+"""What a checkpoint's pickle refers to and declares, read without building
+anything.
 
 torch's error names only the first refused global and cannot name a nested
 class; this module walks the opcodes of ``data.pkl`` (``pickletools``: it
@@ -93,7 +94,8 @@ def _int_size(value: Any) -> Optional[Tuple[int, ...]]:
 
 
 def _itemsize(storage_type: Any) -> int:
-    """Bytes per element of a pickled storage type; 16 (the largest) if unknown."""
+    """Bytes per element of a pickled storage type; 16 (the largest) if
+    unknown."""
     if isinstance(storage_type, _Name):
         return _storage_itemsize(storage_type.path)
     return 16
@@ -115,7 +117,8 @@ def _storage_itemsize(path: str) -> int:
 
 
 def _allocating_units() -> Dict[str, int]:
-    """Allow-listed constructors that allocate from a size -> bytes per unit."""
+    """Allow-listed constructors that allocate from a size -> bytes per
+    unit."""
     units = {'builtins.bytearray': 1, 'torch.UntypedStorage': 1,
              'torch.storage.UntypedStorage': 1, 'torch.Tensor': 16,
              'torch.storage.TypedStorage': 16}
@@ -141,7 +144,8 @@ _INT_ELEMENT = 8
 
 
 class _Sized:
-    """A value of ``count`` elements costing ``unit`` bytes each when iterated."""
+    """A value of ``count`` elements costing ``unit`` bytes each when
+    iterated."""
     __slots__ = ('count', 'unit')
 
     def __init__(self, count: int, unit: int):
@@ -387,7 +391,8 @@ def data_pickle_info(archive: zipfile.ZipFile) -> Optional[zipfile.ZipInfo]:
 
 
 def checkpoint_pickle(filename: str) -> Optional[bytes]:
-    """The unbounded pickle of a zip checkpoint, or None; the loader uses :mod:`.load_bounds`."""
+    """The unbounded pickle of a zip checkpoint, or None; the loader uses
+    :mod:`.load_bounds`."""
     if not zipfile.is_zipfile(filename):
         return None
     with zipfile.ZipFile(filename) as archive:

@@ -19,7 +19,8 @@ KEY = 'random_state'
 
 
 def capture() -> Dict[str, Any]:
-    """torch's CPU generator state and, where CUDA is initialised, every device's."""
+    """torch's CPU generator state and, where CUDA is initialised, every
+    device's."""
     state: Dict[str, Any] = {'torch': torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state['cuda'] = torch.cuda.get_rng_state_all()
@@ -57,7 +58,8 @@ def restore(state: Dict[str, Any]) -> None:
 
 
 class ResumedRandomState:
-    """Saves the state into checkpoints and restores it once, at the resumed iteration."""
+    """Saves the state into checkpoints and restores it once, at the resumed
+    iteration."""
 
     def __init__(self) -> None:
         self._pending: Optional[tuple] = None

@@ -42,7 +42,8 @@ def read_last_checkpoint(work_dir: str) -> Optional[str]:
 
 
 def numbered_checkpoints(work_dir: str) -> List[str]:
-    """The work dir's ``iter_<N>.pth`` / ``epoch_<N>.pth``, largest ``N`` first."""
+    """The work dir's ``iter_<N>.pth`` / ``epoch_<N>.pth``, largest ``N``
+    first."""
     if not osp.isdir(work_dir):
         return []
     found = []

@@ -89,7 +89,8 @@ for _name, _obj in _STAND_INS.items():
 
 
 def mmengine_checkpoint_types() -> List:
-    """What :func:`allow_mmengine_checkpoints` allows, for ``add_safe_globals``."""
+    """What :func:`allow_mmengine_checkpoints` allows, for
+    ``add_safe_globals``."""
     return [(obj, name) for name, obj in _STAND_INS.items()]
 
 
@@ -222,7 +223,8 @@ def _allowed_names() -> set:
 
 
 def refused_names(filename: str) -> Optional[List[str]]:
-    """A file's refused names in order of first use; None if not a torch format."""
+    """A file's refused names in order of first use; None if not a torch
+    format."""
     scanned = scan_checkpoint(filename)
     if scanned is None:
         return None
@@ -264,7 +266,8 @@ def _names_refusal(names: List[str]) -> RefusedCheckpointError:
 
 
 def check_checkpoint_types(filename: str) -> None:
-    """Refuse a checkpoint file that uses names not allowed, naming all of them.
+    """Refuse a checkpoint file that uses names not allowed, naming all of
+    them.
 
     Raises:
         RefusedCheckpointError: the file uses names that are not allowed.
@@ -305,7 +308,8 @@ def _torch_name(name: str) -> str:
 @contextlib.contextmanager
 def explain_refused_checkpoints(
         filename: Optional[str] = None) -> Iterator[None]:
-    """Re-raise a ``weights_only`` refusal as a :class:`RefusedCheckpointError`.
+    """Re-raise a ``weights_only`` refusal as a
+    :class:`RefusedCheckpointError`.
 
     Args:
         filename: the checkpoint loaded inside the block, if known, to name

@@ -1,4 +1,5 @@
-"""CalibrationHook: the paper's calibration step before finetuning (Supplement D.3).
+"""CalibrationHook: the paper's calibration step before finetuning (Supplement
+D.3).
 
 In ``before_train`` every parameter outside ``trainable`` is frozen (a DDP
 model is wrapped again); in ``before_train_iter`` every BN layer is put in

@@ -40,7 +40,8 @@ __all__ = ['GradFilterHook']
 
 
 def _take_compile_setting(runner, lean: bool) -> Optional[dict]:
-    """The ``torch.compile`` arguments for the segmentor's loss, taken from ``runner.cfg``.
+    """The ``torch.compile`` arguments for the segmentor's loss, taken from
+    ``runner.cfg``.
 
     The Runner's ``compile`` becomes False; None where it is off or targets
     ``'train_step'``. Logged.
@@ -124,7 +125,8 @@ class GradFilterHook(Hook):
         self._undo_compile = None
 
     def before_run(self, runner) -> None:
-        """Take the ``compile`` setting over and check the checkpoint to be loaded.
+        """Take the ``compile`` setting over and check the checkpoint to be
+        loaded.
 
         With ``resume=True`` and no ``load_from``, resume from the newest
         checkpoint of the work dir that loads, not whatever ``last_checkpoint``
@@ -203,7 +205,8 @@ class GradFilterHook(Hook):
     @staticmethod
     def _log_cost(runner, model: nn.Module,
                   choices: Sequence[LayerChoice]) -> None:
-        """Log the chosen layers' cost table (and the lean step's saved bytes)."""
+        """Log the chosen layers' cost table (and the lean step's saved
+        bytes)."""
         batch = _batch_size(runner) or 1
         size = choices[0].input_hw if choices[0].input_hw[0] else (
             DEFAULT_INPUT_SIZE)
@@ -243,7 +246,8 @@ class GradFilterHook(Hook):
 
     def after_train_iter(self, runner, batch_idx: int,
                          data_batch: Any = None, outputs: Any = None) -> None:
-        """On CPU, log the peak resident memory (``peak_rss``, MiB) per interval."""
+        """On CPU, log the peak resident memory (``peak_rss``, MiB) per
+        interval."""
         if self._peak_memory is None:
             return
         peak = self._peak_memory.peak_mib()
