@@ -1,22 +1,9 @@
-"""The CPU demo behind ``make demo`` (``tools/demo.py``): finetune a model
-with gradient filtering on a small synthetic VOC12Aug and measure mIoU
-before and after.
+"""The CPU demo behind ``make demo``: finetune with gradient filtering on a
+small synthetic VOC12Aug and measure mIoU before and after.
 
-Steps, each through the code path of the CLI tools:
-
-1. write the synthetic VOC12Aug unless it is there with the same settings
-   (:func:`ensure_data`, as ``tools/make_dataset.py``);
-2. build the demo config's Runner as ``tools/train.py`` does (so the
-   ``gradient_filter`` rewrite is applied), initialise the weights and save
-   them as ``WORK_DIR/iter_0.pth`` (:func:`save_initial_checkpoint`);
-3. evaluate ``iter_0.pth`` as ``tools/test.py`` does (mIoU *before*);
-4. finetune from it as ``tools/train.py --cfg-options load_from=...``;
-5. evaluate the last checkpoint (mIoU *after*).
-
-Steps 3 to 5 each run in a new process
-(:func:`~mmseg_gf.engine.entrypoints.run_in_subprocess`): mmengine's per-run
-globals are named after the config file and the start second, and the
-demo's runs of one config follow each other within seconds.
+Every step goes through the CLI tools' code paths; evaluation and
+training run in fresh processes, since mmengine's per-run globals are
+named after the config and the start second.
 """
 import json
 import os
@@ -36,9 +23,8 @@ def ensure_data(data: str, num_train: int = 96, num_val: int = 24,
                 size: Sequence[int] = (96, 128), seed: int = 0,
                 classes: Sequence[int] = (1, 2, 3, 4, 5),
                 regenerate: bool = False, log=print) -> str:
-    """Write the synthetic VOC12Aug under ``data`` unless it already holds
-    data made with the same settings (recorded in
-    ``<data>/demo_data.json``); returns its ``VOCdevkit/VOC2012`` root."""
+    """Write the synthetic VOC12Aug unless ``data`` holds one with the same
+    settings."""
     data_root = osp.join(data, 'VOCdevkit', 'VOC2012')
     settings = dict(num_train=num_train, num_val=num_val, size=list(size),
                     seed=seed, classes=list(classes))
@@ -65,8 +51,7 @@ def ensure_data(data: str, num_train: int = 96, num_val: int = 24,
 def save_initial_checkpoint(config: str, work_dir: str,
                             cfg_options: Optional[Dict[str, Any]] = None
                             ) -> str:
-    """Build the demo Runner as ``tools/train.py`` does, initialise the
-    model and save its weights (the model 'before' finetuning) as
+    """Build the demo Runner, initialise the model, save
     ``<work_dir>/iter_0.pth``."""
     from mmengine.runner.checkpoint import (get_state_dict, save_checkpoint,
                                             weights_to_cpu)
@@ -94,11 +79,10 @@ def _evaluate(config: str, checkpoint: str, work_dir: str,
 def run_demo(config: str, work_dir: str,
              cfg_options: Optional[Dict[str, Any]] = None,
              log=print) -> Dict[str, Any]:
-    """Steps 2 to 5 of the module doc (the data must be in place).
+    """Evaluate the initial weights, finetune, evaluate again (data in place).
 
     Returns:
-        dict with ``before`` and ``after`` (test metrics) and their
-        ``seconds`` (initialisation + evaluation; finetuning + evaluation).
+        dict with ``before`` and ``after`` test metrics and their ``seconds``.
     """
     os.makedirs(work_dir, exist_ok=True)
     opts = dict(cfg_options or {})

@@ -1,24 +1,9 @@
-"""The one place that changes other libraries' objects in place: class
-swaps, instance overrides of a method, forward hooks, and dict entries.
+"""The one place that changes other libraries' objects in place.
 
-mmseg builds the segmentors, heads and layers from a user's config before
-this package sees them, and checkpoints, ``isinstance`` checks and
-``state_dict`` keys must stay mmseg's; so each mechanism changes an
-existing object and keeps what undoes it exactly (docs/patching.md lists
-every use, what it touches and how it is undone):
-
-* :func:`swap_class` gives a module a subclass of its own class with a
-  mixin in front; :func:`unswap_class` gives the class back,
-  :func:`plain_class` is the class a module had before;
-* :func:`override` shadows a method (or a module-level function) with an
-  attribute of the owner; its undo puts back what the owner's own
-  ``__dict__`` held;
-* :class:`Hooks` holds hook handles (:meth:`Hooks.removed_after` removes
-  them when a block ends, also on an error);
-* :func:`set_entry` sets one key of another library's dict; its undo puts
-  back what the dict held under the key, or removes it.
-
-Torch only, no mmseg: the lowest layer its users (ops included) allow."""
+Class swaps, method overrides, hooks and dict entries, each keeping its
+exact undo, so that checkpoints, ``isinstance`` checks and ``state_dict``
+keys stay mmseg's (docs/patching.md lists every use). Torch only.
+"""
 import contextlib
 from typing import (Dict, Iterable, Iterator, List, NamedTuple, Optional,
                     Tuple)
@@ -49,9 +34,8 @@ _SWAPPED: Dict[Tuple[type, type, str, str], type] = {}
 
 def swapped_class(cls: type, mixin: type, owner: str,
                   name: Optional[str] = None) -> type:
-    """The subclass ``(mixin, cls)`` that :func:`swap_class` installs, made
-    once per ``(cls, mixin, owner, name)``; named ``name`` (default:
-    ``cls``'s name), in ``cls``'s module (reprs and logs read as mmseg's)."""
+    """The subclass ``(mixin, cls)`` :func:`swap_class` installs, made once,
+    named as ``cls``."""
     name = cls.__name__ if name is None else name
     key = (cls, mixin, owner, name)
     if key not in _SWAPPED:
@@ -63,13 +47,10 @@ def swapped_class(cls: type, mixin: type, owner: str,
 
 def swap_class(module, mixin: type, owner: str,
                name: Optional[str] = None) -> None:
-    """Put ``mixin`` in front of ``module``'s class (its ``__dict__``,
-    parameters, buffers and hooks are untouched); see
-    :func:`swapped_class` for ``name``.
+    """Put ``mixin`` in front of ``module``'s class.
 
     Raises:
-        ValueError: ``module`` is swapped already (swaps do not nest: the
-            undo gives back the plain class).
+        ValueError: ``module`` is swapped already (swaps do not nest).
     """
     if is_swapped(module):
         raise ValueError(f'{type(module).__name__} is swapped already')
@@ -84,8 +65,8 @@ def is_swapped(module, owner: Optional[str] = None) -> bool:
 
 
 def unswap_class(module, owner: Optional[str] = None) -> bool:
-    """Give ``module`` back the class it had before :func:`swap_class`
-    (only a swap by ``owner``, if given); returns whether it did."""
+    """Give ``module`` back its class from before :func:`swap_class`; returns
+    whether it did."""
     if not is_swapped(module, owner):
         return False
     module.__class__ = type(module).__dict__[SWAP_MARKER].plain
@@ -93,22 +74,14 @@ def unswap_class(module, owner: Optional[str] = None) -> bool:
 
 
 def plain_class(module) -> type:
-    """The class ``module`` had before :func:`swap_class` (its own class if
-    it is not swapped): what kind tests and reports name."""
+    """The class ``module`` had before :func:`swap_class`."""
     record = getattr(type(module), SWAP_MARKER, None)
     return type(module) if record is None else record.plain
 
 
 class Override:
-    """The undo of one :func:`override`: calling it puts back what
-    ``vars(owner)`` held under ``name`` (``had_previous``: ``previous``),
-    or removes the attribute.
-
-    An object, not a closure, so that an override kept for good on a model
-    (the token grids' recompute of a checkpointed block) is copied with the
-    model: ``copy.deepcopy`` gives an undo of the copy's attribute, which
-    leaves the original's alone.
-    """
+    """The undo of one :func:`override`; an object, so it is deep-copied with a
+    model."""
 
     def __init__(self, owner, name: str, previous,
                  had_previous: bool) -> None:
@@ -125,14 +98,10 @@ class Override:
 
 
 def override(owner, name: str, value) -> Override:
-    """Set ``owner.<name>`` (an instance attribute shadowing a method, or a
-    Python module's function) to ``value``; returns its undo.
+    """Set ``owner.<name>`` to ``value``, shadowing a method; returns its undo.
 
-    mmseg calls heads' ``forward`` and ``loss_by_feat`` directly
-    (``self.forward(...)``), which module hooks do not see; an attribute of
-    the instance does. The undo puts back what ``vars(owner)`` held before
-    (an earlier override included) or removes the attribute; undo in the
-    reverse order of the overrides.
+    An instance attribute sees the direct calls (``self.forward(...)``) that
+    module hooks miss. Undo in the reverse order of the overrides.
     """
     had_previous = name in vars(owner)
     undo = Override(owner, name, vars(owner).get(name), had_previous)
@@ -151,9 +120,7 @@ def overridden(owner, name: str, value) -> Iterator[None]:
 
 
 class Entry:
-    """The undo of one :func:`set_entry`: calling it puts back what
-    ``mapping`` held under ``key`` (``had_previous``: ``previous``), or
-    removes the key."""
+    """The undo of one :func:`set_entry`."""
 
     def __init__(self, mapping, key, previous, had_previous: bool) -> None:
         self.mapping = mapping
@@ -169,8 +136,8 @@ class Entry:
 
 
 def set_entry(mapping, key, value) -> Entry:
-    """Set ``mapping[key] = value`` in another library's dict (a table it
-    looks names up in); returns its undo. Undo in the reverse order."""
+    """Set ``mapping[key] = value`` in another library's dict; returns its
+    undo."""
     had_previous = key in mapping
     undo = Entry(mapping, key, mapping.get(key), had_previous)
     mapping[key] = value
@@ -178,8 +145,7 @@ def set_entry(mapping, key, value) -> Entry:
 
 
 class Hooks:
-    """Hook handles removed together (torch's ``RemovableHandle``s, or any
-    object with ``remove()``)."""
+    """Hook handles removed together."""
 
     def __init__(self, handles: Iterable = ()) -> None:
         self.handles: List = list(handles)

@@ -1,13 +1,9 @@
 """Every "last N convs at radius r" setting of a model, costed.
 
-``tools/analyze_cost.py CONFIG --sweep`` prints this table: for N = 1 ..
-all and each candidate radius, the predicted backward GFLOPs per image, the
-bytes the step keeps for backward and its peak (from one profile of the
-model, :func:`mmseg_gf.engine.budget.profile_segmentor`), marking the
-settings a budget allows and the one
-:func:`~mmseg_gf.accounting.budget.choose_by_budget` picks (which may mix
-radii). A plot shows each cost
-against N, one line per radius, with the budget's limits.
+The table of ``tools/analyze_cost.py CONFIG --sweep``: predicted backward
+GFLOPs, saved bytes and peak per (N, r) from one profile of the model,
+marking what a budget allows and what it picks; a plot shows each cost
+against N.
 """
 import copy
 import os
@@ -49,16 +45,10 @@ def sweep_rows(profile: StepCostProfile, radii: Sequence[int], batch: int,
                budget: Optional[Dict[str, Any]] = None) -> List[dict]:
     """One row per (N, r): the predicted costs and whether they fit.
 
-    Args:
-        profile: the model's profile (with ``timeline`` for the peak).
-        radii: radii to sweep.
-        batch: images per step.
-        budget: limits to mark (optional).
-
     Returns:
         list[dict]: ``num_layers``, ``radius``, ``backward_gflops``,
-        ``saved_mib``, ``peak_mib`` (None without a timeline) and
-        ``fits`` (None without a budget).
+        ``saved_mib``, ``peak_mib`` (None without a timeline) and ``fits``
+        (None without a budget).
     """
     limits = None
     if budget is not None:
@@ -132,16 +122,14 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
     """Profile a config's segmentor and sweep its settings.
 
     Args:
-        cfg (mmengine.Config): its ``model`` (plain, or the
-            ``GradFilterModel`` of a rewritten config); its
+        cfg (mmengine.Config): its ``model``, plain or rewritten; its
             ``gradient_filter`` budget is used when ``budget`` is None.
         input_size: ``(H, W)`` (the training crop).
         batch: images per step.
         budget: limits to mark and choose by (optional).
 
     Returns:
-        dict: ``rows`` (:func:`sweep_rows`), ``choice`` (the budget's,
-        :class:`BudgetChoice` or None), ``error`` (why nothing fits, or
+        dict: ``rows``, ``choice`` (or None), ``error`` (why nothing fits, or
         None), ``radii``, ``limits``.
     """
     register_all_modules(init_default_scope=False)
@@ -176,11 +164,7 @@ def config_sweep(cfg, input_size: Sequence[int], batch: int,
 
 def measured_step_peak(model, input_size: Sequence[int], batch: int,
                        device: str = 'cpu') -> int:
-    """The measured peak of live tensor bytes of one training step
-    (forward and backward) after a warm-up step, the parameter gradients
-    released before it as ``zero_grad(set_to_none=True)`` does (CPU: the
-    profiler's live bytes; CUDA: ``max_memory_allocated`` above what was
-    allocated before the step, with cuDNN's benchmark mode off)."""
+    """Measured peak live tensor bytes of one training step after a warm-up."""
     params = [p for p in model.parameters() if p.requires_grad]
     inputs, samples = random_batch(model, input_size, batch, device=device)
 
@@ -213,34 +197,24 @@ def predicted_vs_measured(model, input_size: Sequence[int], batch: int,
                           radius: int = 4,
                           layer_kinds: Optional[Sequence[str]] = (
                               CONV2D.name, )) -> List[dict]:
-    """The budget's predictions of "last N convs at ``radius``" next to
-    the model built that way.
+    """The budget's predictions of "last N at ``radius``" next to the model
+    built so.
 
-    Predicted: ``profile_segmentor(model, input_size, timeline=True,
-    layer_kinds=layer_kinds).cost(N, radius, batch)``. Measured: a copy of
-    ``model`` with its last N layers of those kinds gradient-filtered (lean
-    region on, GELUs between two filtered layers keeping patch means, as
-    ``gradient_filter=dict(num_layers=N, radius=radius,
-    layer_kinds=layer_kinds)`` builds it): the
-    bytes autograd saves in one step's forward
-    (:func:`~mmseg_gf.accounting.measured.saved_tensor_bytes`) and the
-    step's peak (:func:`measured_step_peak`).
+    Measured: the bytes autograd saves in one forward and the step's peak of a
+    copy of ``model`` filtered as ``gradient_filter=dict(num_layers=N, ...)``
+    builds it.
 
     Args:
         model: the plain segmentor (not changed).
         input_size: ``(H, W)``.
         batch: images per step.
-        settings: values of N; None (or more than there are) for every
-            candidate conv.
+        settings: values of N; None for every candidate conv.
         radius: of every trained conv.
-        layer_kinds: the kinds N counts (default: convs, the paper's
-            count); None: every kind (on transformers also the Linears and
-            attentions on token grids).
+        layer_kinds: the kinds N counts (default: convs); None: every kind.
 
     Returns:
-        list[dict]: per setting ``num_layers``, ``all`` (every conv),
-        ``predicted_kept``, ``measured_kept``, ``predicted_peak``,
-        ``measured_peak`` (bytes).
+        list[dict]: per setting ``num_layers``, ``all``, ``predicted_kept``,
+        ``measured_kept``, ``predicted_peak``, ``measured_peak`` (bytes).
     """
     size = tuple(int(v) for v in input_size)
     kinds = None if layer_kinds is None else list(layer_kinds)
@@ -278,15 +252,7 @@ def config_predicted_vs_measured(cfg, label: str,
                                  seed: int = 0, *,
                                  layer_kinds: Optional[Sequence[str]] = (
                                      CONV2D.name, )) -> Dict[str, Any]:
-    """:func:`predicted_vs_measured` on the segmentor of a (plain) config,
-    its weights drawn from ``seed``, for each of ``settings`` (N of "last N
-    convs", or of the last N layers of ``layer_kinds``; None: all of them).
-
-    Returns:
-        dict: ``label``, ``input_size``, ``batch``, ``radius``,
-        ``layer_kinds`` (None: every kind), ``rows`` (one per setting, in
-        order).
-    """
+    """:func:`predicted_vs_measured` on a plain config's segmentor, seeded."""
     size = tuple(int(v) for v in input_size)
     torch.manual_seed(seed)
     model = build_segmentor(cfg)
@@ -304,10 +270,7 @@ def family_predicted_vs_measured(name: str,
                                  settings: Sequence[Optional[int]] = (10,
                                                                       None),
                                  seed: int = 0, **kwargs) -> Dict[str, Any]:
-    """:func:`config_predicted_vs_measured` (``kwargs``: ``layer_kinds``)
-    on a family of mmseg's zoo (:data:`~mmseg_gf.engine.zoo.ZOO_FAMILIES`:
-    the real-time and transformer ones, built offline: SyncBN -> BN, random
-    weights), with ``family`` added."""
+    """:func:`config_predicted_vs_measured` on a zoo family, built offline."""
     cfg = make_offline(family_config(name))
     cfg.model.data_preprocessor['size'] = tuple(int(v) for v in input_size)
     return dict(family=name, **config_predicted_vs_measured(
@@ -321,14 +284,8 @@ def file_predicted_vs_measured(path: str, input_size: Sequence[int] = (128,
                                settings: Sequence[Optional[int]] = (10, None),
                                seed: int = 0, offline: bool = False,
                                **kwargs) -> Dict[str, Any]:
-    """:func:`config_predicted_vs_measured` (``kwargs``: ``layer_kinds``)
-    on the segmentor of any mmseg config file, with ``config`` (the path)
-    added. The model is built plain: the rows set what is trained, so a
-    ``gradient_filter`` setting of the config is left out.
-    ``offline``: SyncBN -> BN, no pretrained checkpoint
-    (:func:`~mmseg_gf.engine.zoo.make_offline`), for a zoo config as it
-    comes; the data preprocessor's fixed size, if any, becomes
-    ``input_size``."""
+    """:func:`config_predicted_vs_measured` on any mmseg config file, built
+    plain."""
     cfg = Config.fromfile(path)
     if offline:
         make_offline(cfg)
@@ -348,9 +305,7 @@ def _off(row: dict, key: str) -> float:
 
 
 def families_markdown(results: Sequence[Dict[str, Any]]) -> str:
-    """Kept and peak, predicted / measured (MiB), last N and all convs, one
-    row per family, with the largest deviation of the row's kept bytes and
-    of its peaks (prediction over measurement, minus 1)."""
+    """Kept and peak MiB, predicted / measured, one row per family."""
     header = ['model']
     first = results[0]['rows']
     convs = results[0].get('layer_kinds', [CONV2D.name]) == [CONV2D.name]

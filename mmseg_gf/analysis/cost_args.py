@@ -1,13 +1,5 @@
 """The flags of ``tools/analyze_cost.py`` that analyse a config, and their
-checks.
-
-They live here, beside what reads them (:mod:`.cost_cli`), so that the tool
-stays a thin command line. The tool adds the paper's Table 3 flags itself:
-their choices are the protocol's, a layer above this one. Each ``add_*``
-function adds one group of flags, in the order ``--help`` lists them;
-:func:`check_cost_args` checks them together after parsing, since a flag's
-meaning can depend on another's (``--family`` sets the config, ``--sweep``
-needs one).
+checks, beside what reads them (:mod:`.cost_cli`) so the tool stays thin.
 """
 import argparse
 import os.path as osp
@@ -22,10 +14,8 @@ __all__ = ['add_model_args', 'add_measure_args', 'add_setting_args',
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Which model is counted and how: the config (or a zoo family), the
-    input shape and batch, the radius for a config without
-    ``gradient_filter``, the counting convention of dilated convs, the
-    json to write."""
+    """Which model is counted and how: config or family, shape, batch, radius,
+    json."""
     parser.add_argument('config', nargs='?', help='config file path')
     parser.add_argument(
         '--family', choices=sorted(ZOO_FAMILIES),
@@ -50,8 +40,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_measure_args(parser: argparse.ArgumentParser) -> None:
-    """``--measure`` and what it measures: the step's shape, its trained
-    layers for a config without ``gradient_filter``, its device."""
+    """``--measure`` and its shape, trained layers and device."""
     parser.add_argument(
         '--measure', action='store_true',
         help='also measure, GF vs vanilla on the same layers: the bytes '
@@ -67,8 +56,8 @@ def add_measure_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_setting_args(parser: argparse.ArgumentParser) -> None:
-    """The sweep and its budget, and how the config is changed before it
-    is counted: ``--cfg-options``, ``--setting``, ``--offline``."""
+    """The sweep and its budget, and ``--cfg-options``, ``--setting``,
+    ``--offline``."""
     parser.add_argument(
         '--sweep', action='store_true',
         help='for N = 1 .. all and each radius: predicted backward GFLOPs '
@@ -97,10 +86,8 @@ def add_setting_args(parser: argparse.ArgumentParser) -> None:
 
 def check_cost_args(parser: argparse.ArgumentParser,
                     args: argparse.Namespace) -> argparse.Namespace:
-    """Check the parsed flags and complete them (the family's config, each
-    shape as ``[H, W]``); a bad combination ends through ``parser.error``,
-    as argparse's own errors do. ``args.paper_table3`` is the tool's
-    flag: with it, no config is needed."""
+    """Check and complete the parsed flags together; bad combinations end via
+    ``parser.error``."""
     _resolve_config(parser, args)
     _pair_shapes(parser, args)
     if args.batch < 1:
@@ -113,9 +100,8 @@ def check_cost_args(parser: argparse.ArgumentParser,
 
 def _resolve_config(parser: argparse.ArgumentParser,
                     args: argparse.Namespace) -> None:
-    """``--family`` names a config of mmseg's zoo, built offline; either
-    it or a config file (existing) is given, unless only Table 3 is
-    asked for."""
+    """The config: ``--family`` (zoo, offline) or an existing file, unless only
+    Table 3."""
     if args.family is not None:
         if args.config:
             parser.error('give a config file or --family, not both')
@@ -128,8 +114,7 @@ def _resolve_config(parser: argparse.ArgumentParser,
 
 def _pair_shapes(parser: argparse.ArgumentParser,
                  args: argparse.Namespace) -> None:
-    """``--shape`` and ``--measure-shape`` as ``[H, W]`` (one number is a
-    square), positive, so that the counting code reads one form."""
+    """``--shape`` and ``--measure-shape`` as positive ``[H, W]``."""
     for name in ('shape', 'measure_shape'):
         value = getattr(args, name)
         if value is None:
@@ -143,8 +128,7 @@ def _pair_shapes(parser: argparse.ArgumentParser,
 
 def _check_setting(parser: argparse.ArgumentParser,
                    args: argparse.Namespace) -> None:
-    """``--setting`` is a benchmark row that trains (not ``inference``)
-    and parses, so that a typo fails before the model is built."""
+    """``--setting`` is a training benchmark row that parses."""
     if args.setting is None:
         return
     if args.setting == 'inference':

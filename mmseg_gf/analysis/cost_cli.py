@@ -1,13 +1,9 @@
-"""What ``tools/analyze_cost.py`` does with a config: the setting it
-analyses, the per-layer cost report, the measured memory and the budget
-sweep, printed and returned as the tool's json. Its flags and their checks
-are :mod:`.cost_args`; the tool adds the paper's Table 3 comparison
-(:mod:`mmseg_gf.protocol`).
+"""What ``tools/analyze_cost.py`` does with a config: cost report, measured
+memory and budget sweep, printed and returned as json.
 
-The setting analysed is the one that trains: ``--setting`` if given, else
-the config's ``gradient_filter``, else the settings of a ``GradFilterHook``
-in its ``custom_hooks`` (an unchanged mmseg config trained with the hook),
-else none ("Vanilla BP All": every inference-path conv).
+The setting analysed is the one that trains: ``--setting``, else the
+config's ``gradient_filter``, else a ``GradFilterHook``'s settings, else
+none ("Vanilla BP All").
 """
 import argparse
 import os.path as osp
@@ -30,9 +26,8 @@ __all__ = ['hook_settings', 'load_config', 'report_config', 'sweep']
 
 
 def hook_settings(cfg: Config) -> Optional[Dict[str, Any]]:
-    """The gradient-filter settings of the first ``GradFilterHook`` in
-    ``cfg.custom_hooks`` that has any (its ``num_layers``, ``layers`` or
-    ``budget`` and the other :data:`SETTING_KEYS`), or None."""
+    """The settings of the first ``GradFilterHook`` in ``custom_hooks`` that
+    has any, or None."""
     for hook in cfg.get('custom_hooks') or []:
         if not isinstance(hook, dict) or hook.get('type') != 'GradFilterHook':
             continue
@@ -44,12 +39,8 @@ def hook_settings(cfg: Config) -> Optional[Dict[str, Any]]:
 
 
 def load_config(args: argparse.Namespace) -> Config:
-    """The config with ``--cfg-options``, ``--offline`` and
-    ``--setting`` applied, in this order; without ``--setting`` and
-    ``gradient_filter``, a ``GradFilterHook``'s settings become its
-    ``gradient_filter`` (:func:`hook_settings`). The setting is checked
-    here, once, and stays in the config as the checked object, which the
-    report, the measurement and the sweep take as it is."""
+    """The config with ``--cfg-options``, ``--offline`` and ``--setting``
+    applied, checked once."""
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
@@ -69,9 +60,8 @@ def load_config(args: argparse.Namespace) -> Config:
 
 
 def report_config(cfg: Config, args: argparse.Namespace) -> Dict[str, Any]:
-    """Print the config's per-layer cost table, its summary, the whole
-    step's kept bytes (lean region) and, with ``--measure``, the measured
-    memory; return them for the tool's json."""
+    """Print and return the config's cost table, summary, kept bytes and
+    measured memory."""
     out: Dict[str, Any] = {}
     cost = config_backward_cost(cfg, args.shape, args.batch, args.radius,
                                 args.collapse_dilated)

@@ -1,12 +1,4 @@
-"""Backward costs as tables and sentences: what the training log and
-``tools/analyze_cost.py`` print.
-
-The numbers come from the cost model
-(:mod:`mmseg_gf.ops.conv.cost`, :mod:`.model_cost`); this module only
-lays them out, through the shared formatters of
-:mod:`mmseg_gf.accounting.format`. The training log's own table is
-:func:`mmseg_gf.accounting.report.chosen_layers_table`.
-"""
+"""Backward costs as tables and sentences for ``tools/analyze_cost.py``."""
 import math
 from typing import Any, Dict, List
 
@@ -18,9 +10,8 @@ __all__ = ['model_cost_table', 'cost_summary_lines', 'measured_memory_table']
 
 
 def model_cost_table(cost: ModelCost) -> str:
-    """Every counted layer of a :class:`ModelCost` with its geometry (its
-    kind's ``describe()``: a conv's ``k/s/d/g``, a Linear's token grid) and
-    its vanilla / GF FLOPs, MACs and saved bytes, then the totals."""
+    """Every counted layer with its geometry and vanilla / GF costs, then
+    totals."""
     convs_only = layers_noun(layer.kind for layer in cost.layers) == 'convs'
     header = ('path', 'k/s/d/g' if convs_only else 'k/s/d/g or grid',
               'in -> out (CxHxW)', 'r', 'g_x',
@@ -46,8 +37,7 @@ def model_cost_table(cost: ModelCost) -> str:
 
 
 def cost_summary_lines(cost: ModelCost) -> List[str]:
-    """What the totals of a :class:`ModelCost` mean, in sentences: the
-    mode, the convention, the GF savings, what was not counted."""
+    """What a :class:`ModelCost`'s totals mean, in sentences."""
     t = cost.totals()
     speedup = (t['vanilla_flops'] / t['gf_flops']
                if t['gf_flops'] else math.inf)
@@ -91,9 +81,8 @@ def cost_summary_lines(cost: ModelCost) -> List[str]:
 
 
 def measured_memory_table(result: Dict[str, Any]) -> str:
-    """:func:`~mmseg_gf.analysis.measured_memory.measure_memory`'s result: the
-    measured and analytic saved bytes per trained conv, then the whole
-    forward's saved bytes and the step's peak per mode."""
+    """Measured and analytic saved bytes per trained conv, then totals per
+    mode."""
     modes = [m for m in ('vanilla', 'gf') if m in result]
     header = ['path', 'r']
     for m in modes:

@@ -1,17 +1,9 @@
-"""The parent's side of one fault-injection child
-(:mod:`.fault_injection`): start it, kill it at the planned moment, read
+"""The parent's side of one fault-injection child: start it, kill it, read
 what it reached.
 
-The child appends ``start <iter>`` and ``iter <n>`` lines to a progress
-file (a file, not a pipe or a queue: a child killed in the middle of a
-message leaves at most a partial last line, which :func:`read_progress`
-drops).
-
-Children start from a ``forkserver`` that imported the plugin once
-(:func:`child_context`): a fresh interpreter per child would import torch,
-mmcv, mmseg and the plugin each time (seconds on a small CPU), which would
-dominate a child that trains a few iterations. The server imports and
-runs nothing else, so no thread pool is forked.
+Progress goes to a file, so a kill mid-line leaves at most a partial last
+line (dropped). Children start from a ``forkserver`` that imported the
+plugin once: a fresh interpreter per child would spend seconds importing.
 """
 import multiprocessing
 import os
@@ -29,9 +21,8 @@ _POLL = 0.01
 
 
 def child_context():
-    """The multiprocessing context of the children: a ``forkserver`` that
-    imports :mod:`.fault_injection` (hence torch, mmseg and the plugin)
-    once, where the platform has one; else ``spawn``."""
+    """A ``forkserver`` context that imports the plugin once; else
+    ``spawn``."""
     if 'forkserver' not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context('spawn')
     context = multiprocessing.get_context('forkserver')
@@ -54,8 +45,7 @@ def read_progress(path: str) -> List[Tuple[str, int]]:
 
 
 class ChildRun:
-    """One child process training ``target(config, work_dir, progress,
-    log, kill_write)`` (:func:`.fault_injection.child_main`)."""
+    """One child process training as :func:`.fault_injection.child_main`."""
 
     def __init__(self, target: Callable, config: str, work_dir: str,
                  progress: str, log: str) -> None:
@@ -75,10 +65,8 @@ class ChildRun:
         return False
 
     def run(self, plan: Dict[str, Any]) -> int:
-        """Run the child with ``plan`` (``kind``: None, ``'time'`` with
-        ``delay`` seconds after its start, ``'write'`` with ``write`` and
-        ``fraction``); returns its exit code (``-9``: killed).
-        ``training_seconds``: from its start line to its end."""
+        """Run the child with ``plan`` (no kill, ``'time'`` or ``'write'``);
+        returns its exit code."""
         kill_write = ([plan['write'], plan['fraction']]
                       if plan.get('kind') == 'write' else None)
         proc = child_context().Process(
@@ -102,9 +90,8 @@ class ChildRun:
         return proc.exitcode
 
     def report(self) -> Dict[str, Any]:
-        """What the child reached: the iteration it resumed at
-        (``started``), the last iteration it completed (``reached``), and
-        the partial writes it left (the files a write kill cut)."""
+        """What the child reached: ``started``, ``reached`` and the partial
+        writes left."""
         new = read_progress(self.progress)[self.lines_before:]
         starts = [n for kind, n in new if kind == 'start']
         iters = [n for kind, n in new if kind == 'iter']

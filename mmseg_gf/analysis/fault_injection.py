@@ -1,31 +1,11 @@
 """Fault injection: a training run killed with SIGKILL at random points,
-inside checkpoint writes included, and resumed until its schedule
-completes; its final weights are compared bit for bit with an
-uninterrupted run's.
+checkpoint writes included, resumed until its schedule completes, and its
+final weights compared bit for bit with an uninterrupted run's.
 
-The run is the CPU demo's setting (``configs/demo/pspnet_r18_voc_r4_cpu.py``)
-shrunk by :func:`child_config_text`. Each run is a child process
-(:func:`child_main`, forked by a ``forkserver``: :mod:`.fault_child`) that
-trains as ``tools/train.py --resume`` does and appends its progress to a
-file; the parent kills it:
-
-* ``'time'``: with SIGKILL from the parent, at a uniformly random moment of
-  the child's remaining training time;
-* ``'write'``: the child kills itself inside its ``k``-th checkpoint or
-  ``last_checkpoint`` write, after a uniformly random number of the file's
-  bytes (all of them included), through :func:`kill_inside_write`, an
-  override of
-  :func:`~mmseg_gf.engine.checkpoint.atomic_write.write_chunks` installed
-  in that child only.
-
-A kill leaves the work dir as a power cut leaves the files the process had
-handed to the kernel (the writer's ``fsync`` is not exercised). Random
-state: the demo config's seed with ``num_workers=0``; a resume replays the
-data draws and restores torch's generator
-(:mod:`~mmseg_gf.engine.checkpoint.random_state`). ``pipeline='fixed'``
-draws nothing after the data; ``pipeline='demo'`` keeps the demo's random
-augmentations and dropout. Results: docs/reliability.md, "Measured:
-SIGKILL at random points"."""
+Kills come from the parent at a random moment (``'time'``) or from the
+child inside its ``k``-th checkpoint write (``'write'``). Method and
+results: docs/reliability.md#measured-sigkill-at-random-points.
+"""
 import json
 import os
 import os.path as osp
@@ -104,10 +84,8 @@ _DEMO_PIPELINE = """[
 
 
 def child_config_text(s: FaultSetting) -> str:
-    """The child's config: the demo config with ``s``'s schedule, crop,
-    batch, checkpoints and pipeline, no validation, ``num_workers=0``, and
-    no cost table logged by ``GradFilterHook`` (it traces a step: seconds
-    per child)."""
+    """The child's config: the shrunk demo config, no validation, no cost
+    table."""
     fixed = s.pipeline == 'fixed'
     return f"""_base_ = [{osp.abspath(s.demo_config)!r}]
 data_root = {s.data_root!r}
@@ -143,9 +121,7 @@ default_hooks = dict(
 
 
 class ProgressHook(Hook):
-    """Appends ``start <iter>`` when training starts (after the resume)
-    and ``iter <n>`` after each iteration (after its checkpoint) to a
-    file, one line per write."""
+    """Appends ``start <iter>`` and ``iter <n>`` lines to a file."""
 
     priority = 'LOWEST'
 
@@ -173,10 +149,9 @@ def _is_checkpoint_write(path: str) -> bool:
 
 
 def kill_inside_write(index: int, fraction: float) -> Callable[[], None]:
-    """Test-only fault: this process SIGKILLs itself inside its
-    ``index``-th (1-based) write of a checkpoint or ``last_checkpoint``,
-    after ``int(fraction * size)`` of the file's bytes. Returns the undo.
-    Installed by :func:`child_main` when asked; never by the package."""
+    """Test-only fault: SIGKILL this process inside its ``index``-th checkpoint
+    write, after ``int(fraction * size)`` bytes. Returns the undo.
+    """
     seen = [0]
     plain = atomic_write.write_chunks
 
@@ -194,9 +169,8 @@ def kill_inside_write(index: int, fraction: float) -> Callable[[], None]:
 
 def child_main(config: str, work_dir: str, progress: str, log: str,
                kill_write: Optional[List[float]] = None) -> None:
-    """Train ``config`` in ``work_dir`` as ``tools/train.py --resume``
-    does, progress to ``progress``, stdout and stderr to ``log``;
-    ``kill_write=[index, fraction]``: :func:`kill_inside_write`."""
+    """Train ``config`` as ``tools/train.py --resume`` does, logging
+    progress."""
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -213,8 +187,8 @@ def child_main(config: str, work_dir: str, progress: str, log: str,
 
 
 def compare_checkpoints(path: str, reference: str) -> Dict[str, Any]:
-    """``path``'s weights against ``reference``'s: whether every tensor is
-    bit-identical, how many differ and the largest absolute difference."""
+    """Whether ``path``'s tensors equal ``reference``'s bit for bit, and by how
+    much not."""
     a = load_checkpoint_file(path)['state_dict']
     b = load_checkpoint_file(reference)['state_dict']
     differ = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
@@ -226,8 +200,7 @@ def compare_checkpoints(path: str, reference: str) -> Dict[str, Any]:
 
 
 def _writes_left(s: FaultSetting, start: int) -> int:
-    """Checkpoint and last_checkpoint writes a child starting at ``start``
-    makes before the schedule ends."""
+    """Checkpoint writes a child starting at ``start`` makes."""
     saves = {i for i in range(s.interval, s.max_iters + 1, s.interval)
              if i > start} | {s.max_iters}
     return 2 * len(saves)
@@ -242,7 +215,7 @@ def _episode(s: FaultSetting, config: str, root: str, kinds: List[str],
              rng: random.Random, seconds_per_iter: float,
              log: Callable[[str], None]) -> Dict[str, Any]:
     """One schedule with one kill per entry of ``kinds``, resumed until it
-    completes; returns its kills and final checkpoint."""
+    completes."""
     os.makedirs(root, exist_ok=True)
     progress = osp.join(root, 'progress.txt')
     kills: List[Dict[str, Any]] = []
@@ -274,9 +247,8 @@ def _episode(s: FaultSetting, config: str, root: str, kinds: List[str],
 
 
 def _costs(s: FaultSetting, progress: str, kills: List[Dict]) -> None:
-    """Check that the schedule completed; set each kill's ``resumed_from``
-    and ``cost`` (iterations the killed child completed minus the
-    iteration the next child resumed at)."""
+    """Check the schedule completed; set each kill's ``resumed_from`` and
+    ``cost``."""
     lines = read_progress(progress)
     if not (lines and lines[-1] == ('iter', s.max_iters)):
         raise RuntimeError(f'the schedule did not complete: {progress}')
@@ -290,10 +262,7 @@ def run_fault_injection(s: FaultSetting, work_dir: str, kills: int = 20,
                         in_write: int = 5, kills_per_episode: int = 4,
                         seed: int = 0,
                         log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """An uninterrupted run, then episodes of ``kills_per_episode`` kills
-    (``in_write`` of all ``kills`` inside a write, placed at random) until
-    ``kills`` kills happened; each episode's final weights are compared
-    with the uninterrupted run's. Returns the kills, episodes and totals."""
+    """An uninterrupted run, then episodes of kills, each compared with it."""
     s.check()
     if not 0 <= in_write <= kills or kills < 1 or kills_per_episode < 1:
         raise ValueError('need kills >= 1, 0 <= in_write <= kills and '

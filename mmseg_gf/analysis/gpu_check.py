@@ -1,27 +1,11 @@
 """The stages of one GPU check (``tools/gpu_check.py``, ``make gpu-check``)
 and the files they leave.
 
-Each stage is one or two commands of the project's own tools, run one after
-the other in their own processes within a time budget, each with at most
-its share of it, so that a stage that fails or hangs costs its share and
-no more:
-
-1. ``tests``: ``pytest -m cuda`` (every test's CUDA variant, the Triton
-   kernels compiled), each result on its own line of the log;
-2. ``steps``: ``tools/benchmark_step.py --device cuda`` at 512x512, batch
-   8: inference, vanilla and lean GF on the issue's four models (PSPNet-R18
-   last 10, BiSeNetV2 / Segformer-B0 / Swin-T UPerNet last 20);
-3. ``launches``: ``tools/count_launches.py --device cuda``: the kernels one
-   step launches on the GPU, recorded, next to the CPU's count of the same
-   rows (``tests/golden/launches_64.json``);
-4. ``compiled``: PSPNet-R18's training rows with ``torch.compile(mode=
-   'reduce-overhead')`` (CUDA graphs);
-5. ``layers``: ``tools/benchmark_layers.py --device cuda``: the paper's
-   convs and the transformer Linears, filtered backward against cuDNN's /
-   cuBLAS's.
-
-:func:`write_results` gathers what the stages wrote into at most 8 files
-(:mod:`.gpu_report` reads the targets off them).
+The stages (:data:`STAGES`: ``tests``, ``steps``, ``launches``,
+``compiled``, ``layers``) run the project's own tools one after the other
+in their own processes, each within its share of a time budget, so that a
+stage that fails or hangs costs its share and no more. :func:`write_results`
+gathers what they wrote into at most 8 files for :mod:`.gpu_report`.
 """
 import importlib.util
 import json
@@ -109,8 +93,8 @@ def _step_commands(args) -> List[dict]:
 
 
 def _launch_commands(args) -> List[dict]:
-    """The kernels of the step runs' training rows, at the size the CPU
-    count's golden file holds (64x64, batch 1)."""
+    """The kernels of the step runs' training rows at the golden file's
+    size."""
     out = []
     for flag, names, rows in _runs(args):
         out_dir = osp.join(args.work, f'launches_{flag}')
@@ -158,10 +142,8 @@ def _layer_commands(args) -> List[dict]:
 
 
 def stage_commands(args) -> Dict[str, List[dict]]:
-    """Every command of every stage (:data:`STAGES`), each a dict with
-    ``argv``, ``name`` and, but for the tests, ``out`` (a directory under
-    ``args.work``); the layer runs also carry ``batch`` / ``dtype`` /
-    ``triton``."""
+    """Every command of every stage, each a dict with ``argv``, ``name`` and
+    ``out``."""
     return dict(tests=[dict(argv=_test_command(args), name='tests')],
                 steps=_step_commands(args),
                 launches=_launch_commands(args),
@@ -178,8 +160,8 @@ def _load_tool(name: str):
 
 
 def check_commands(commands: Dict[str, List[dict]]) -> None:
-    """Parse every tool command with its tool's own parser (a bad argument
-    fails here, before any GPU time is spent)."""
+    """Parse every tool command with its tool's parser, before any GPU time is
+    spent."""
     for stage, items in commands.items():
         if stage == 'tests':
             continue
@@ -219,8 +201,7 @@ def environment(device: str) -> Dict[str, str]:
 
 
 class Runner:
-    """Runs commands one after the other within a deadline, appending each
-    command and its whole output to the log."""
+    """Runs commands one after the other within a deadline, logging each."""
 
     def __init__(self, log_path: str, budget_s: float) -> None:
         self.log_path = log_path
@@ -232,8 +213,8 @@ class Runner:
 
     def run(self, name: str, argv: Sequence[str],
             seconds: float) -> bool:
-        """Run ``argv`` for at most ``seconds`` (and the time left); record
-        the outcome. Returns whether it exited with status 0."""
+        """Run ``argv`` for at most ``seconds``; returns whether it exited with
+        status 0."""
         limit = min(self.remaining(), seconds)
         if limit < 5:
             self.stages.append(dict(name=name, outcome='not run: no time '
@@ -264,9 +245,8 @@ class Runner:
 
 def run_stages(runner: Runner, commands: Dict[str, List[dict]],
                budget_s: float) -> bool:
-    """Every stage within its share of ``budget_s`` (:data:`STAGES`; a
-    stage's commands split what it has left evenly); whether all ran to
-    their end with status 0."""
+    """Every stage within its share of ``budget_s``; whether all exited with
+    status 0."""
     ok = True
     for stage, share in STAGES:
         items = commands[stage]
@@ -315,9 +295,8 @@ def _gather_launches(commands: Dict[str, List[dict]]):
 
 def write_results(out_dir: str, commands: Dict[str, List[dict]],
                   runner: Runner, env: Dict[str, str]) -> List[str]:
-    """The stages' files gathered into ``out_dir`` (8 files: the summary,
-    the log, and a json and a markdown file per benchmark); returns the
-    files written."""
+    """The stages' files gathered into ``out_dir``; returns the files
+    written."""
     runs = [LayerRun(c['batch'], c['dtype'], c['triton'],
                      ' '.join(c['argv'][1:]),
                      _read_json(osp.join(c['out'], 'layers.json')))

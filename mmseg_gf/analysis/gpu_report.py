@@ -1,30 +1,8 @@
-"""What one GPU check measured, against the targets the GPU path is built
-for: the report ``tools/gpu_check.py`` writes.
+"""What one GPU check measured, against its targets: ``tools/gpu_check.py``'s
+report.
 
-The inputs are the files the benchmarks themselves write: one
-``layers.json`` per run of ``tools/benchmark_layers.py`` (a batch, a dtype,
-the Triton kernels on or off) and the ``steps.json`` of
-``tools/benchmark_step.py``. Nothing here measures; every number in the
-report is read from those files, and a target with nothing measured for it
-says so instead of passing.
-
-Targets (the paper's Table 10 layers, vanilla = cuDNN's backward, tuned
-by ``cudnn.benchmark``; the transformer Linears on token grids, vanilla =
-cuBLAS through torch's Linear backward; whole steps at the protocol's
-size):
-
-* convs, batch 32, Triton: the median backward speedup with ``g_x`` >= 2x
-  at r = 2 and >= 3x at r = 4; weight only (the first trained layer)
-  >= 10x;
-* convs, batch 8, Triton: no layer slower than cuDNN (every speedup with
-  ``g_x`` >= 1);
-* Linears, Triton: every layer >= 1.5x cuBLAS at r = 4 (with ``g_x``);
-* steps: a lean GF step's peak <= 1.5x inference's and its time <= 1.3x
-  inference's forward; never slower than the same layers trained with
-  ``mode='vanilla', lean=False``;
-* kernels per step, recorded on the GPU: lean GF's forward <= 1.1x and
-  whole step <= 1.0x vanilla-same-layers' (the CPU count's targets,
-  :data:`~.launch_count.TARGETS`, on what the GPU runs).
+Every number is read from the files the benchmarks write; a target with
+nothing measured says so instead of passing. The targets: docs/gpu.md.
 """
 import statistics
 from dataclasses import dataclass
@@ -67,9 +45,8 @@ class LayerRun:
 
     def speedups(self, case: str, radius: int,
                  kind: str = 'conv') -> List[float]:
-        """Backward speedup over vanilla of every layer of a kind
-        (``'conv'`` / ``'linear'``) for a case (``'with_gx'`` /
-        ``'weight_only'``) and radius."""
+        """Backward speedup over vanilla of every layer of a kind, case and
+        radius."""
         if self.result is None:
             return []
         return [row['backward_speedup'] for row in self.result['rows']
@@ -86,8 +63,8 @@ class LayerRun:
 
 @dataclass
 class TargetCheck:
-    """A target, what was measured for it and whether it holds (``None``:
-    nothing measured)."""
+    """A target, what was measured and whether it holds (None: nothing
+    measured)."""
 
     target: str
     measured: str
@@ -160,8 +137,7 @@ def _triton_speedups(runs, batch, dtype, radius, case='with_gx',
 
 
 def step_checks(results: Sequence[Dict]) -> List[TargetCheck]:
-    """The step targets for every lean GF row of every model in a
-    ``steps.json``."""
+    """The step targets for every lean GF row of a ``steps.json``."""
     checks = []
     for result in results:
         rows = {row['row']: row for row in result['rows']}
@@ -191,16 +167,14 @@ def _same_layers_vanilla(row: str) -> str:
 
 
 def _launch_ratios(result: Dict) -> List[tuple]:
-    """``(lean row, vanilla row, forward ratio, step ratio)`` of every
-    comparison in one model's launch result."""
+    """``(lean row, vanilla row, forward ratio, step ratio)`` of one model."""
     return [(c['lean'], c['vanilla'], c['ratios']['forward'],
              c['ratios']['step']) for c in result.get('comparisons', [])]
 
 
 def launch_checks(recorded: Sequence[Dict],
                   golden: Dict) -> List[TargetCheck]:
-    """The launch targets on the kernels recorded on the GPU (``golden``
-    is only for :func:`launch_table`)."""
+    """The launch targets on the kernels recorded on the GPU."""
     checks = []
     for result in recorded:
         for lean, _, forward, step in _launch_ratios(result):
@@ -215,9 +189,7 @@ def launch_checks(recorded: Sequence[Dict],
 
 
 def launch_table(recorded: Sequence[Dict], golden: Dict) -> str:
-    """Per model and row, kernels per phase recorded on the GPU next to
-    the CPU's count of the same row (``golden``: the counts of
-    ``tests/golden/launches_64.json``)."""
+    """Kernels per phase recorded on the GPU next to the CPU's golden count."""
     body = []
     for result in recorded:
         counted = golden.get(result['model'], {})
@@ -237,9 +209,8 @@ def _ratio_check(target: str, value: Optional[float],
 
 
 def layer_runs_table(runs: Sequence[LayerRun]) -> str:
-    """Per run and layer kind, the median and the slowest layer's backward
-    speedup over vanilla (cuDNN's conv, cuBLAS's Linear) with ``g_x`` at
-    each radius (markdown)."""
+    """Per run and kind, the median and slowest backward speedup per radius
+    (markdown)."""
     radii = sorted({row['radius'] for run in runs if run.result
                     for row in run.result['rows']})
     headers = ['run', 'layers'] + [f'{stat} r = {r}' for r in radii
@@ -262,10 +233,8 @@ def summary_markdown(environment: Dict[str, str],
                      checks: Sequence[TargetCheck],
                      stages: Sequence[Dict],
                      launch_comparison=None) -> str:
-    """The check's summary: the environment, each stage's outcome and
-    seconds, every target with its measured value and verdict and, with
-    ``launch_comparison`` (recorded results, golden counts), the kernels
-    recorded next to the CPU's count (:func:`launch_table`)."""
+    """The check's summary: environment, stages, targets and launch
+    comparison."""
     lines = ['# GPU check', '']
     lines += [f'- {key}: {value}' for key, value in environment.items()]
     lines += ['', '## Stages', '', format_table(

@@ -1,40 +1,13 @@
 """Host time of training steps, lean GF against vanilla-same-layers, on
 the path CUDA tensors take, measured on a CPU.
 
-On a GPU a step's kernels run asynchronously; what the host spends around
-them (Python, the autograd engine, the dispatcher's bookkeeping outside
-the operators) bounds the step once the kernels are short. Here that time
-is measured on CPU tensors taking CUDA's code paths
-(:func:`~mmseg_gf.accounting.cuda_path.cuda_path`: compiled CPU kernels
-off, the host checks CUDA takes, the Triton path on under triton's
-interpreter), each Triton launch stubbed (:func:`stubbed_triton`: the
-arguments its kernel writes zeroed, one ATen op, as the launch count does
-without ``run_kernels``; triton's own launcher, a few microseconds of
-Python per launch on a GPU, is not in the figures).
-
-Method (torch.profiler, CPU events, one thread): the **host time** of a
-step is its wall time less the time spent inside ATen operators (the
-outermost ``aten::`` events: their kernels, and on a GPU the launches
-they make). What remains is Python, autograd's engine and the module
-calls around the operators, the time a GPU step spends on the host
-between launches. Each step is cut into pieces (each outermost ATen
-operator, each gap between events) and each piece's median over ``steps``
-profiled steps (after ``warmup`` ones) is taken, then summed: on a shared
-machine, a preemption inflates a few pieces of one step, not the figure.
-
-Per kind (:func:`~mmseg_gf.accounting.launches.module_kind`, refined by
-the plain module's class for norms and activations, and mmcv's
-``ConvModule`` with a norm and an activation as ``conv_block``): a second
-set of steps runs with forward hooks that open a profiler scope per call;
-a backward node belongs to the innermost call that created it (autograd
-sequence numbers, as the launch count attributes them). Each kind's host
-time per call, forward and backward, **including** the kinds called inside
-it, is compared with the same kind's in the vanilla row (a filtered conv
-with a plain conv, a filtered Linear with a plain Linear): the difference
-is the lean layer's Python overhead over its plain module. The hooks'
-own cost is outside the step figures (measured without them).
-
-The tables and the files written: :mod:`.host_report`.
+What the host spends outside ATen operators (Python, autograd, module
+calls) bounds a GPU step once kernels are short. Measured with
+torch.profiler on CPU tensors taking CUDA's code paths, Triton launches
+stubbed: wall time less the outermost ``aten::`` events, as the sum of
+per-piece medians so that a preemption does not inflate the figure; per
+kind, with a profiler scope per module call. The method in full:
+docs/benchmarks/host_time_cpu_32_b1.md; the tables: :mod:`.host_report`.
 """
 import contextlib
 import statistics
@@ -74,10 +47,8 @@ _BY_CLASS = ('norm', 'activation', 'dropout', 'pool')
 
 @contextlib.contextmanager
 def stubbed_triton() -> Iterator[None]:
-    """Each Triton launch under the interpreter zeroes the arguments its
-    kernel writes (its module's ``KERNEL_OUTPUTS``) instead of running:
-    the launch is stubbed at ``InterpretedFunction.run``, before the
-    interpreter's own set-up of a launch (which a GPU does not run)."""
+    """Triton launches under the interpreter zero their outputs instead of
+    running."""
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:  # no triton: nothing launches one
@@ -101,13 +72,11 @@ def stubbed_triton() -> Iterator[None]:
 
 @contextlib.contextmanager
 def host_path(triton: bool = True) -> Iterator[None]:
-    """CPU tensors take the code paths of CUDA tensors in the block, as in
-    :func:`~mmseg_gf.accounting.cuda_path.cuda_path` (compiled CPU kernels
-    off, CUDA's side of the host checks, the Triton path under the
-    interpreter, its launches stubbed: :func:`stubbed_triton`) but without
-    its ``F.dropout`` substitution: that ``TorchFunctionMode`` sees every
-    torch call, host time a GPU step does not spend (the dropout then runs
-    the CPU's three operators instead of CUDA's one, ATen time).
+    """CPU tensors take CUDA tensors' code paths, without ``cuda_path``'s
+    dropout mode.
+
+    That ``TorchFunctionMode`` sees every torch call: host time a GPU step
+    does not spend.
 
     Raises:
         RuntimeError: ``triton=True`` without triton's interpreter.
@@ -143,9 +112,8 @@ def _kind(module: nn.Module) -> Optional[str]:
 
 
 class _Ranges:
-    """Each scoped call's autograd sequence numbers, by depth, so that a
-    backward node is given the kinds of the calls that created it
-    (outermost first)."""
+    """Each scoped call's autograd sequence numbers, to attribute backward
+    nodes."""
 
     def __init__(self) -> None:
         self.stack: List[Tuple[str, int]] = []
@@ -170,8 +138,8 @@ class _Ranges:
 
 @contextlib.contextmanager
 def _scoped(model: nn.Module, ranges: _Ranges) -> Iterator[None]:
-    """Every call of a kind's module in ``model`` is a profiler scope
-    ``host_time::kind::<kind>`` and a range of sequence numbers."""
+    """Every call of a kind's module is a profiler scope and a sequence
+    range."""
     kinds = {id(m): k for m in model.modules() for k in [_kind(m)] if k}
     open_scopes: List[record_function] = []
 
@@ -200,9 +168,8 @@ _Piece = Tuple[str, str, Tuple[str, ...], bool, float]
 
 
 def _pieces(root, by_seq: Dict[int, Tuple[str, ...]]) -> List[_Piece]:
-    """One step's profile tree as its pieces, in order: each outermost
-    ``aten::`` event whole (ATen time), each gap of every other event
-    before, between and after its children (host time)."""
+    """One step's profile as pieces: outermost ATen events and the gaps
+    between."""
     out: List[_Piece] = []
 
     def chain_of(event, chain):
@@ -242,13 +209,8 @@ def _pieces(root, by_seq: Dict[int, Tuple[str, ...]]) -> List[_Piece]:
 
 
 def _medians(steps: List[List[_Piece]]) -> Tuple[List[_Piece], int]:
-    """Each piece's median time over the steps whose pieces are those of
-    the most common step (same events in the same order; a step is
-    deterministic, so all of them unless something ran once), and how
-    many steps that is. A median per piece, not per step: a preemption
-    of this process by another on a shared machine lands on a few pieces
-    of one step, which the medians drop (the pieces are short: single
-    operators and the gaps between them)."""
+    """Each piece's median over the steps shaped like the most common one, and
+    their count."""
     shapes = [tuple(p[0] for p in pieces) for pieces in steps]
     common = statistics.mode(shapes)
     chosen = [pieces for pieces, shape in zip(steps, shapes)
@@ -260,9 +222,7 @@ def _medians(steps: List[List[_Piece]]) -> Tuple[List[_Piece], int]:
 
 
 def _totals(pieces: Sequence[_Piece]) -> Dict:
-    """The step's and each phase's ATen and host time (us, their sum the
-    wall time); per kind its calls (forward scopes) and its host and ATen
-    time, kinds called inside it included."""
+    """The step's, each phase's and each kind's ATen and host time (us)."""
     def blank():
         return dict(wall_us=0.0, aten_us=0.0, host_us=0.0)
 
@@ -282,8 +242,7 @@ def _totals(pieces: Sequence[_Piece]) -> Dict:
 
 
 def _phases() -> Callable[[str], None]:
-    """``phase(name)`` closes the open phase scope and opens ``name``'s
-    (an empty name: none)."""
+    """``phase(name)`` closes the open phase scope and opens ``name``'s."""
     current: List[record_function] = []
 
     def phase(name: str) -> None:
@@ -297,9 +256,8 @@ def _phases() -> Callable[[str], None]:
 
 def _profiled(steps_of: Sequence[Callable], steps: int,
               by_seq: Callable[[], Dict]) -> List[Tuple[List[_Piece], int]]:
-    """``steps`` profiled runs of each of ``steps_of``, taken in turn (so
-    that a changing load on the machine touches each alike): per step
-    function its pieces' medians (:func:`_medians`)."""
+    """``steps`` profiled runs of each step function, in turn; per function its
+    medians."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             for i, step in enumerate(steps_of):
@@ -322,8 +280,8 @@ def _median(values: Sequence[float]) -> float:
 
 def _summarised(plain: Tuple[List[_Piece], int],
                 scoped: Tuple[List[_Piece], int]) -> Dict:
-    """The step and its phases from the runs without hooks, the kinds
-    from the scoped runs (:func:`_totals` of the pieces' medians)."""
+    """The step and phases from the plain runs, the kinds from the scoped
+    runs."""
     bare, kinds = _totals(plain[0]), _totals(scoped[0])
     return dict(step=bare['step'], phases=bare['phases'],
                 kinds=kinds['kinds'], steps_used=[plain[1], scoped[1]])
@@ -331,10 +289,8 @@ def _summarised(plain: Tuple[List[_Piece], int],
 
 def training_step(cfg, crop: Sequence[int], batch: int = 1
                   ) -> Tuple[nn.Module, Callable]:
-    """``cfg``'s segmentor and its training step ``step(phase)`` on a
-    random batch: SGD with momentum and weight decay over its trainable
-    parameters, ``phase('backward')`` and ``phase('optimizer')`` called as
-    the step reaches them."""
+    """``cfg``'s segmentor and its SGD training step ``step(phase)`` on a
+    random batch."""
     torch.manual_seed(0)
     model = build_uninterpreted(cfg)
     inputs, samples = random_batch(model, crop, batch, label_block=16)
@@ -358,10 +314,7 @@ def training_step(cfg, crop: Sequence[int], batch: int = 1
 def host_times(cfgs: Sequence, crop: Sequence[int], batch: int = 1,
                steps: int = 20, warmup: int = 3,
                triton: bool = True) -> List[Dict]:
-    """Each config's host time per step (see the module docstring), the
-    rows' steps taken in turn: per row the medians of the step and its
-    phases (``wall_us``, ``aten_us``, ``host_us``) and per kind
-    (``calls``, ``host_us``, ``aten_us``)."""
+    """Each config's host time per step and per kind, rows taken in turn."""
     built = [training_step(cfg, crop, batch) for cfg in cfgs]
     steps_of = [step for _, step in built]
     with host_path(triton):
@@ -378,9 +331,7 @@ def host_times(cfgs: Sequence, crop: Sequence[int], batch: int = 1,
 
 
 def compare(rows: Sequence[Dict]) -> List[Dict]:
-    """Each lean row against the plain row of the same layers in vanilla
-    mode: the step's host-time ratio, and per kind the lean layer's host
-    time per call over its plain counterpart's (``overhead_us``), against
+    """Each lean row against its vanilla-same-layers row, against
     :data:`TARGETS`."""
     out = []
     for r, ref in lean_against_vanilla(rows):
@@ -404,8 +355,7 @@ def compare(rows: Sequence[Dict]) -> List[Dict]:
 def host_time_model(job: Job, batch: int = 1, steps: int = 20,
                     warmup: int = 3, triton: bool = True,
                     progress=None) -> Dict:
-    """Every row of one model measured, each lean row compared with its
-    vanilla-same-layers row (:func:`compare`)."""
+    """Every row of one model measured and compared (:func:`compare`)."""
     name, label, crop, rows = job
     say = progress or (lambda message: None)
     parsed = []

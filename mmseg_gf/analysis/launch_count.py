@@ -1,16 +1,10 @@
 """Kernel launches and bytes moved by training steps, lean GF against
 vanilla-same-layers, on the path CUDA tensors take, counted on a CPU.
 
-For each model (any mmseg config; the rows' configs composed as
-:mod:`.step_jobs` composes them for ``tools/benchmark_step.py``), each row
-(``gf_last10_r4:lean``, ``vanilla_last10:plain``, ...) builds the
-segmentor, takes one random batch at the crop and counts one SGD step after
-an uncounted one (:func:`~mmseg_gf.accounting.launches.count_step`):
-launches and bytes per phase and kind. Each lean row is compared with the
-row training the same layers with ``mode='vanilla', lean=False``
-(:func:`~.step_benchmark.same_layers_vanilla`), against the targets
-:data:`TARGETS`. The counts depend on the code and the shapes, not on the
-machine.
+Each row's segmentor counts one SGD step after an uncounted one, per phase
+and kind, and each lean row is compared with its vanilla-same-layers row
+against :data:`TARGETS`. The counts depend on the code and the shapes,
+not on the machine.
 """
 import os
 import os.path as osp
@@ -40,17 +34,10 @@ TARGETS = dict(forward=1.1, step=1.0, bytes=1.0)
 def count_row(cfg, crop: Sequence[int], batch: int = 1, warmup: int = 1,
               triton: bool = True, run_kernels: bool = False,
               device: str = 'cpu') -> Dict:
-    """One row's counted step (its :meth:`LaunchCount.summary`):
-    ``cfg``'s segmentor (its ``gradient_filter`` setting applied) on a
-    random batch, SGD with momentum and weight decay over its trainable
-    parameters; Triton kernels counted at their launches, run in the
-    interpreter only with ``run_kernels`` (see
-    :func:`~mmseg_gf.accounting.launches.count_step`).
+    """One row's counted step on a random batch (:meth:`LaunchCount.summary`).
 
-    ``device='cuda'`` runs the step on the GPU instead and records the
-    kernels it launches there
-    (:func:`~mmseg_gf.accounting.cuda_kernels.record_step_kernels`): per
-    phase ``launches`` and ``by_name``, no bytes (zero) and no kinds.
+    ``device='cuda'`` records the kernels launched on the GPU instead: per
+    phase ``launches`` and ``by_name``, no bytes and no kinds.
     """
     torch.manual_seed(0)
     model = build_uninterpreted(cfg, device)
@@ -76,11 +63,12 @@ def count_row(cfg, crop: Sequence[int], batch: int = 1, warmup: int = 1,
 
 
 def build_uninterpreted(cfg, device: str = 'cpu'):
-    """``cfg``'s segmentor on ``device``. Under triton's interpreter it is
-    built with the Triton path off: the build's traced forward (the search
-    for patch-mean GELUs) would otherwise interpret every kernel on the
-    CPU, minutes for a zoo model, and what it finds does not depend on the
-    path."""
+    """``cfg``'s segmentor, built with the Triton path off under the
+    interpreter.
+
+    The build's traced forward would otherwise interpret every kernel
+    (minutes for a zoo model) for the same result.
+    """
     if not (triton_runtime.INTERPRETED and torch.device(device).type == 'cpu'):
         return build_segmentor(cfg).to(device)
     previous = triton_runtime.set_enabled(False)
@@ -91,8 +79,7 @@ def build_uninterpreted(cfg, device: str = 'cpu'):
 
 
 def _as_summary(recorded: Dict) -> Dict:
-    """Recorded CUDA kernels in :meth:`LaunchCount.summary`'s form (the
-    kernels' names as its operators; bytes and kinds not recorded)."""
+    """Recorded CUDA kernels in :meth:`LaunchCount.summary`'s form."""
     return {phase: dict(launches=v['launches'], triton=0, read_bytes=0,
                         written_bytes=0, host_reads=0, by_kind={},
                         bytes_by_kind={}, by_op=v['by_name'],
@@ -104,8 +91,7 @@ def _as_summary(recorded: Dict) -> Dict:
 def count_model(job: Job, batch: int = 1, triton: bool = True,
                 run_kernels: bool = False, progress=None,
                 device: str = 'cpu') -> Dict:
-    """Every row of one model counted, and each lean row compared with its
-    vanilla-same-layers row (:func:`compare`)."""
+    """Every row of one model counted and compared (:func:`compare`)."""
     name, label, crop, rows = job
     say = progress or (lambda message: None)
     counted = []
@@ -132,9 +118,8 @@ def _ratio(a: int, b: int) -> Optional[float]:
 
 
 def compare(rows: Sequence[Dict]) -> List[Dict]:
-    """Each lean row against the plain row of the same layers in vanilla
-    mode: launch ratios (forward, backward, step), the step's bytes ratio,
-    and whether each of :data:`TARGETS` is met."""
+    """Each lean row against its vanilla-same-layers row: ratios and
+    :data:`TARGETS` met."""
     out = []
     for r, ref in lean_against_vanilla(rows):
         ratios = {phase: _ratio(r[phase]['launches'], ref[phase]['launches'])
@@ -159,9 +144,8 @@ def _cell(ratio: Optional[float], met: bool) -> str:
 
 
 def summary_table(results: Sequence[Dict]) -> str:
-    """One line per lean row of every model: launches (forward, backward,
-    whole step) and MiB moved, lean / vanilla-same-layers, and the ratios
-    against :data:`TARGETS` ('(no)': missed)."""
+    """One line per lean row: launches and MiB moved, lean / vanilla, against
+    targets."""
     headers = ('model', 'lean row', 'fwd', 'bwd', 'step', 'MiB moved',
                f"fwd ratio (<= {TARGETS['forward']})",
                f"step ratio (<= {TARGETS['step']})",
@@ -182,9 +166,7 @@ def summary_table(results: Sequence[Dict]) -> str:
 
 
 def kind_table(result: Dict) -> str:
-    """One model's launches per kind, forward and backward, of every row
-    (kinds no row launches left out); the optimizer's update on its own
-    line."""
+    """One model's launches per kind, forward and backward, of every row."""
     rows = result['rows']
     kinds = [k for k in KINDS if any(
         r[p]['by_kind'].get(k) for r in rows for p in ('forward', 'backward'))]
@@ -200,9 +182,8 @@ def kind_table(result: Dict) -> str:
 
 
 def time_table(result: Dict, top: int = 8) -> str:
-    """A GPU-recorded model: per row and phase the host's wall time next
-    to the device's busy time (their gap is launch and Python overhead),
-    then the ``top`` kernels by device time of each row's step."""
+    """A GPU-recorded model: host wall time next to device busy time, and top
+    kernels."""
     headers = ('row', 'phase', 'kernels', 'host ms', 'GPU busy ms',
                'busy / host')
     body = []
@@ -224,8 +205,7 @@ def time_table(result: Dict, top: int = 8) -> str:
 
 
 def write_results(results: Sequence[Dict], out_dir: str) -> None:
-    """``launches.json`` and ``launches.md`` (the summary, then each
-    model's kinds) in ``out_dir``."""
+    """``launches.json`` and ``launches.md`` in ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     write_json(osp.join(out_dir, 'launches.json'), list(results))
     with open(osp.join(out_dir, 'launches.md'), 'w') as f:
@@ -253,9 +233,8 @@ def _markdown(results: Sequence[Dict]) -> str:
 def run_jobs(jobs: Sequence[Job], batch: int, out_dir: str,
              triton: bool = True, run_kernels: bool = False,
              device: str = 'cpu') -> List[Dict]:
-    """Count every job's rows (``device='cuda'``: record their kernels on
-    the GPU), print the tables and write the results (after each model, so
-    that a later failure keeps the earlier ones)."""
+    """Count every job's rows, print the tables and write the results after
+    each model."""
     results = []
     for job in jobs:
         results.append(count_model(job, batch, triton, run_kernels,

@@ -104,9 +104,8 @@ def _timed(fn: Callable[[], object], device: torch.device,
 
 def _io_floor(grad_out: torch.Tensor, grad_in: torch.Tensor,
               with_gx: bool) -> Callable[[], object]:
-    """The least memory traffic any filtered backward needs: read ``g_y``
-    once and, when the input needs a gradient, write ``g_x`` once (into a
-    buffer allocated beforehand, as a step's recycled ``g_x`` would be)."""
+    """The least memory traffic a filtered backward needs: read ``g_y``, write
+    ``g_x``."""
     if not with_gx:
         return grad_out.sum
     if grad_in.shape == grad_out.shape:
@@ -119,7 +118,7 @@ def _measure(layer: str, radius: int, case: str, vanilla, filtered,
              dtype: torch.dtype, repeats: int, warmup: int,
              clock: str = 'wall', kind: str = 'conv') -> LayerTiming:
     """Median times of one layer, radius and case, vanilla and filtered
-    interleaved repetition by repetition."""
+    interleaved."""
     if clock not in CLOCKS:
         raise ValueError(f'clock must be one of {sorted(CLOCKS)}, got '
                          f'{clock!r}')
@@ -158,10 +157,8 @@ def time_layer(cin: int, cout: int, height: int, width: int,
                clock: str = 'wall') -> List[LayerTiming]:
     """Time one 3x3 stride-1 layer, vanilla vs GF, for each radius and case.
 
-    Backward times are of the backward alone (graph built once, replayed
-    with ``retain_graph``), the forward with autograd recording, as in
-    training. Two memory floors are timed in the same loop: ``g_y.clone()``
-    and :func:`_io_floor`.
+    Backward times are of the backward alone (the graph replayed with
+    ``retain_graph``); two memory floors are timed in the same loop.
     """
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -198,16 +195,8 @@ def time_layer(cin: int, cout: int, height: int, width: int,
 
 @dataclass(frozen=True)
 class LinearShape:
-    """One transformer Linear on a token grid.
-
-    Attributes:
-        label: which layer of which model it is.
-        height, width: the token grid (a stage's ``hw_shape``).
-        cin, cout: in / out features.
-        window: Swin's window side (the layer then sees ``(B * windows,
-            ws * ws, C)`` with the map padded to whole windows, as
-            ``ShiftWindowMSA`` pads it), or 0 for ``(B, H*W, C)``.
-    """
+    """One transformer Linear on a token grid (``window``: Swin's window side,
+    or 0)."""
 
     label: str
     height: int
@@ -253,9 +242,8 @@ def time_linear_layer(shape: LinearShape,
                       dtype: torch.dtype = torch.float32,
                       cases: Sequence[str] = ('with_gx', 'weight_only'),
                       clock: str = 'wall') -> List[LayerTiming]:
-    """Time one Linear on a token grid (with bias), torch's ``F.linear``
-    vs :func:`gradient_filtered_linear`, for each radius and case; the same
-    measurements as :func:`time_layer`."""
+    """Time one Linear on a token grid, ``F.linear`` vs
+    :func:`gradient_filtered_linear`."""
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
     in_shape, grid = linear_tokens(shape, batch)
@@ -293,9 +281,7 @@ def time_linear_layer(shape: LinearShape,
 
 
 def summarize(rows: Sequence[LayerTiming]) -> Dict[str, Dict[str, float]]:
-    """Medians over layers per (kind, case, radius), plus the worst layer;
-    keys ``'{case}/r={r}'`` for convs, ``'linear/{case}/r={r}'`` for
-    Linears."""
+    """Medians over layers per (kind, case, radius), plus the worst layer."""
     summary = {}
     for kind, case, radius in sorted({(r.kind, r.case, r.radius)
                                       for r in rows}):
@@ -330,8 +316,8 @@ def timing_table(rows: Sequence[LayerTiming]) -> str:
 
 
 def plot(rows: Sequence[LayerTiming], path: str) -> None:
-    """Backward speedup per layer, one bar per (device, case, radius), log
-    scale (matplotlib, Agg): the ``layers.png`` of the benchmark."""
+    """Backward speedup per layer, log scale: the benchmark's
+    ``layers.png``."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt

@@ -1,19 +1,6 @@
-"""Time and peak memory of a decode loss: mmseg's way against the resized
-cross-entropy's two paths.
-
-Three ways to get the loss of ``N x C x h x w`` logits upsampled to ``N x H
-x W`` labels and its gradient w.r.t. the logits, side by side in one
-process, interleaved repetition by repetition (their ratios are robust to
-the machine's other load):
-
-* ``autograd``: what mmseg's ``loss_by_feat`` does, ``F.interpolate`` of
-  the whole batch, then the cross-entropy, then ``backward``;
-* ``per_image``: :func:`~mmseg_gf.ops.resized_loss.loss.resized_cross_entropy`'s
-  PyTorch path (one image's upsampled logits alive at a time);
-* ``kernel``: its compiled kernel (no upsampled logits at all), when
-  built.
-
-Pure torch: no mmseg import.
+"""Time and peak memory of a decode loss: mmseg's way (``autograd``) against
+the resized cross-entropy's PyTorch path (``per_image``) and compiled
+kernel (``kernel``), interleaved repetition by repetition. Pure torch.
 """
 import statistics
 import time
@@ -61,8 +48,7 @@ def _resized_loss(logits: torch.Tensor, label: torch.Tensor, sigmoid: bool,
 
 def loss_cases(logits: torch.Tensor, label: torch.Tensor,
                sigmoid: bool = False) -> Dict[str, Callable[[], None]]:
-    """The ways to run (``autograd``, ``per_image`` and, when built,
-    ``kernel``), each a function of no argument."""
+    """The ways to run, each a function of no argument."""
     cases = {'autograd': _autograd_loss(logits, label, sigmoid),
              'per_image': _resized_loss(logits, label, sigmoid, False)}
     if dispatch.refusal('resized_loss', 'c++', logits) is None:
@@ -74,9 +60,8 @@ def benchmark_loss(batch: int, classes: int, logits_size, label_size,
                    sigmoid: bool = False, repeats: int = 5,
                    warmup: int = 1, memory: bool = True,
                    seed: int = 0) -> List[Dict]:
-    """Median seconds (and, with ``memory``, the peak of live tensor bytes
-    above the inputs) of each way, on random logits and labels (a tenth of
-    the pixels ignored). One dict per way, in :func:`loss_cases` order."""
+    """Median seconds (and peak live bytes) of each way on random logits and
+    labels."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn((batch, classes) + tuple(logits_size), generator=g)
     label = torch.randint(0, classes, (batch, ) + tuple(label_size),

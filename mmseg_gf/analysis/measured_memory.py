@@ -31,24 +31,9 @@ def measure_memory(cfg,
                    radius: Any = 4) -> Dict[str, Any]:
     """Measure what the trained part keeps for backward, GF vs vanilla.
 
-    For each mode the config's segmentor is built with its
-    ``gradient_filter`` setting (or ``dict(num_layers=num_layers,
-    radius=radius)`` for a config without one), ``mode`` overridden, and
-    one training step (``model.loss`` on random images and labels, then
-    ``backward``) is run:
-
-    * ``saved_bytes`` per trained conv: the storages autograd packs for
-      backward while that conv runs (``saved_tensors_hooks``), Parameters
-      left out; the analytic count of the same conv
-      (:attr:`ConvBackwardCost.vanilla_saved_bytes` /
-      :attr:`~ConvBackwardCost.gf_saved_bytes`) next to it;
-    * ``saved_bytes_total``: everything the forward saves, each storage
-      once (frozen norms, activations, the classifier's input, ...);
-    * ``peak_bytes``: the peak of what one step (forward + backward, the
-      gradients included; it starts without them, as under mmengine's
-      optimizer wrapper) allocates
-      (:func:`~mmseg_gf.accounting.measured.profiled_peak_bytes`: CUDA
-      ``max_memory_allocated``, CPU the profiler's live tensor bytes).
+    Per mode, one training step of the config's segmentor: per trained conv
+    the storages autograd packs (Parameters left out) next to the analytic
+    count, the forward's total saved bytes, and the step's peak.
 
     Args:
         cfg (mmengine.Config): not modified.

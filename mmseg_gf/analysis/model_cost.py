@@ -1,31 +1,12 @@
 """Backward cost of a whole segmentor: its trained convs, traced.
 
-The per-conv numbers all come from the single cost model
-:func:`mmseg_gf.ops.conv.cost.conv_backward_cost`; this module only
-decides *which* convs a model trains and with *which* shapes, radii and ``g_x``
-needs, by tracing the built model:
-
-* a model with gradient filtering applied (``gradient_filter`` in its
-  config, or :func:`~mmseg_gf.engine.surgery.apply_gradient_filter`): the
-  chosen convs, in execution order, each at its radius; ``mode`` is the
-  applied one (``'gf'`` or ``'vanilla'``);
-* any other model (``mode='all'``, the paper's "Vanilla BP All"): every conv
-  on the inference path (the first one needs no ``g_x``).
-
-The classifier ``decode_head.conv_seg`` is trained by every strategy and is
-not counted (the paper's "#Layers" / "Calibration = 0 GFLOPs" convention);
-it is reported apart (:attr:`ModelCost.classifier`).
-
-``g_x`` is counted where the conv's input needs a gradient in the real
-model, i.e. where a trained parameter lies upstream (``trace_layers(...,
-grad=True)``); autograd computes the full ``g_x`` of a conv even when only
-some of its input channels lead to trained layers (e.g. PSPNet's
-bottleneck after the concat), and so does the count.
-
-Used by :func:`mmseg_gf.protocol.flops.strategy_cost` and
-``tools/analyze_cost.py``; the GradFilterHook's table
-(:func:`mmseg_gf.accounting.report.chosen_layers_table`) counts the same
-convs with the same cost model.
+Decides which convs a model trains, with which shapes, radii and ``g_x``
+needs, and costs each with
+:func:`mmseg_gf.ops.conv.cost.conv_backward_cost`: a filtered model's
+chosen convs at their radii, or every inference-path conv (``mode='all'``,
+the paper's "Vanilla BP All"). The classifier is trained by every strategy
+and reported apart (the paper's "#Layers" convention); ``g_x`` is counted
+where a trained parameter lies upstream (docs/cost.md).
 """
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -49,19 +30,8 @@ __all__ = [
 
 @dataclass
 class LayerCost:
-    """One trained layer and its backward cost (a :class:`ConvBackwardCost`).
-
-    Attributes:
-        path: module path in the segmentor.
-        geometry: its layer kind's geometry at the analysed input size
-            (:class:`~mmseg_gf.models.layer_kinds.LayerGeometry`).
-        in_shape, out_shape: ``(C, H, W)`` at the analysed input size.
-        radius: the patch size the GF columns are computed with.
-        need_input_grad: whether ``g_x`` is computed (its input depends on
-            a trained parameter).
-        cost: the cost model's counts for the whole batch.
-        kind: its layer kind's name.
-    """
+    """One trained layer and its backward cost (a
+    :class:`ConvBackwardCost`)."""
 
     path: str
     geometry: Any
@@ -74,8 +44,8 @@ class LayerCost:
 
     @property
     def describe(self) -> str:
-        """The layer kind's table cell (a conv's ``k/s/d/g``, a Linear's
-        grid, e.g. ``linear 7x7 win``)."""
+        """The layer kind's table cell (a conv's ``k/s/d/g``, a Linear's token
+        grid)."""
         return self.geometry.describe()
 
     # a layer on tokens is a 1x1 conv on its grid
@@ -102,8 +72,7 @@ class LayerCost:
 
     @property
     def gf_macs(self) -> int:
-        """Multiply-accumulates of the filtered ``g_x`` / ``g_W`` products
-        (the overhead additions are not MACs)."""
+        """Multiply-accumulates of the filtered ``g_x`` / ``g_W`` products."""
         return (self.cost.gf_grad_input_flops +
                 self.cost.gf_grad_weight_flops) // 2
 
@@ -138,18 +107,11 @@ class ModelCost:
     """The trained convs of a model and their summed backward costs.
 
     Attributes:
-        mode: ``'gf'`` / ``'vanilla'`` (layers chosen by a gradient-filter
-            setting, filtered or exact backward) or ``'all'`` (no setting:
-            every inference-path conv, exact backward).
-        input_size: ``(H, W)`` of the trace.
-        batch: images per step the counts are for.
-        layers: one :class:`LayerCost` per counted conv, execution order.
+        mode: ``'gf'`` / ``'vanilla'`` (a gradient-filter setting's layers) or
+            ``'all'`` (every inference-path conv, exact backward).
         classifier: the classifier's cost (trained, not counted), if it ran.
-        collapse_dilated: GF columns computed as the reference operator
-            does, kernel always collapsed (see :func:`model_backward_cost`).
-        not_counted: ``mode='all'``: the model's trainable layers of other
-            kinds than ``nn.Conv2d`` (auxiliary heads aside), by class name,
-            e.g. ``{'Linear': 48}``: the count covers convs only.
+        not_counted: ``mode='all'``: trainable layers of other kinds, by
+            class name: the count covers convs only.
     """
 
     mode: str
@@ -176,8 +138,8 @@ class ModelCost:
 
     @property
     def flops(self) -> int:
-        """The backward FLOPs of what the model actually runs: filtered for
-        ``mode='gf'``, exact otherwise."""
+        """The backward FLOPs the model actually runs (filtered for
+        ``mode='gf'``)."""
         return self.gf_flops if self.mode == 'gf' else self.vanilla_flops
 
     def layer_flops(self, layer: LayerCost) -> int:
@@ -225,21 +187,15 @@ def model_backward_cost(model: nn.Module,
     """Trace a built segmentor and cost the backward of its trained convs.
 
     Args:
-        model: an mmseg segmentor, with or without gradient filtering
-            applied (e.g. from :func:`build_segmentor`).
+        model: an mmseg segmentor, with or without gradient filtering.
         input_size: ``(H, W)`` of the trace (the training crop).
         batch: images per step (the counts scale linearly).
-        radius: patch size of the (hypothetical) GF columns for a model
-            without gradient filtering (``mode='all'``).
+        radius: patch size of hypothetical GF columns for ``mode='all'``.
         elem_bytes: bytes per activation element.
-        collapse_dilated: count the GF backward as the public reference
-            operator computes it, the kernel always summed to one tap
-            (dilation ignored), instead of this plugin's operator, which
-            keeps the taps of dilated convs with ``d // (r*s) >= 1`` on the
-            pooled grid (docs/gradient_filter.md#dilated-convolutions).
-            Exact (vanilla) counts are unaffected.
-        records: a precomputed ``trace_layers(model, input_size,
-            grad=True)``.
+        collapse_dilated: count the GF backward as the reference operator
+            does, dilated kernels summed to one tap
+            (docs/gradient_filter.md#dilated-convolutions).
+        records: a precomputed ``trace_layers(model, input_size, grad=True)``.
 
     Returns:
         ModelCost: the counted convs (classifier apart), in execution order.
@@ -284,11 +240,8 @@ def model_backward_cost(model: nn.Module,
 
 
 def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
-    """Trainable layers that ``mode='all'`` does not count, outside
-    auxiliary heads, by the name of their layer kind's traced type
-    (``Linear``, ``MultiheadAttention``: subclasses count as their kind)
-    or, for layers of a kind's family that no kind traces (a conv kind's:
-    transposed, 1-D, ... convs), by class name."""
+    """Trainable layers ``mode='all'`` does not count, by kind or class
+    name."""
     others = [k for k in layer_kinds() if k.traced_type is not
               CONV2D.traced_type]
     counts: Dict[str, int] = {}
@@ -308,23 +261,15 @@ def _other_layer_kinds(model: nn.Module) -> Dict[str, int]:
 def config_backward_cost(cfg, shape: Sequence[int], batch: int = 1,
                          radius: int = 4,
                          collapse_dilated: bool = False) -> ModelCost:
-    """Build a config's model (``gradient_filter`` applied) and cost it at
-    ``shape``: the per-layer numbers of ``tools/analyze_cost.py``.
-
-    ``radius`` is the GF columns' patch size for a config without
-    ``gradient_filter`` (every conv counted, see
-    :func:`model_backward_cost`).
-    """
+    """Build a config's model and cost it at ``shape``
+    (``tools/analyze_cost.py``)."""
     model = build_segmentor(cfg, input_size=shape)
     return model_backward_cost(model, shape, batch=batch, radius=radius,
                                collapse_dilated=collapse_dilated)
 
 
 def config_step_saved_bytes(cfg, shape: Sequence[int]):
-    """The whole step's analytic saved bytes
-    (:func:`~mmseg_gf.accounting.saved_bytes.trace_step_saved_bytes`) of a
-    config whose ``gradient_filter`` has the lean region on; None for any
-    other config, where the count does not apply."""
+    """The step's analytic saved bytes of a lean config; None otherwise."""
     settings = config_settings(cfg)
     if settings is None or not settings.lean:
         return None

@@ -1,20 +1,9 @@
 """How close a model's filtered gradients are to the exact ones, per layer
-(``tools/gradient_quality.py``; paper Section 4.1, 5.6).
+(``tools/gradient_quality.py``; paper Sections 4.1, 5.6).
 
-:mod:`.quality` measures one conv given its input and output gradient; this
-module gets those from a whole segmentor's backward, for every filtered
-conv, and adds the end-to-end view:
-
-* local quality (the layer kind's ``quality``, for convs
-  :func:`~mmseg_gf.models.gradient_quality.layer_gradient_quality`, in float64):
-  with the layer's input ``x`` and the gradient ``g_y`` arriving at its
-  output, the SNR (paper Eq. 8) and cosine of the filtered ``g~_y``,
-  ``g~_x`` (Eq. 3, and the "propagated" one of Proposition 1) and ``g~_W``
-  against the exact ones, and whether Proposition 1 holds for the layer;
-* end to end: the weight gradient the layer gets in a backward where every
-  chosen layer is filtered, against the one of a fully exact backward (same
-  batch, same dropout masks): the error training actually sees, upstream
-  filtering included.
+Local quality of every filtered layer from a whole segmentor's backward,
+and the end-to-end weight-gradient error
+(docs/gradient_filter.md#gradient-quality).
 """
 import copy
 import math
@@ -37,8 +26,8 @@ __all__ = [
 
 
 def dataset_batch(cfg, model: nn.Module, batch: int, device):
-    """The first ``batch`` samples of the config's train dataset through
-    its pipeline and the model's preprocessor: ``(inputs, data_samples)``."""
+    """The first ``batch`` train samples, preprocessed:
+    ``(inputs, data_samples)``."""
     from mmengine.dataset import pseudo_collate
     from mmseg.registry import DATASETS
     dataset = DATASETS.build(cfg.train_dataloader.dataset)
@@ -54,8 +43,8 @@ def _set_enabled(convs: List[Tuple[str, nn.Module]], enabled: bool) -> None:
 
 
 def _backward(model, inputs, samples, convs, seed, record: bool):
-    """One forward + backward; the chosen convs' weight grads and, if
-    ``record``, their ``(x, g_y)``."""
+    """One forward + backward; the convs' weight grads and, if ``record``,
+    ``(x, g_y)``."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the same dropout masks in every pass
     records: Dict[str, Any] = {}
@@ -72,14 +61,13 @@ def _backward(model, inputs, samples, convs, seed, record: bool):
 def measure_model_quality(model: nn.Module, inputs, samples,
                           upstream: str = 'exact',
                           seed: int = 0) -> List[Dict[str, Any]]:
-    """Per filtered layer: local and end-to-end quality (module doc).
+    """Per filtered layer: local and end-to-end quality.
 
     Args:
         model: a segmentor with gradient filtering applied.
         inputs, samples: one preprocessed batch.
-        upstream: ``'exact'``: each layer's ``x`` and ``g_y`` from the exact
-            backward; ``'filtered'``: from the filtered one (what the
-            GradientQualityHook sees during training).
+        upstream: ``'exact'`` or ``'filtered'``: which backward gives each
+            layer's ``x`` and ``g_y``.
         seed: torch seed before each pass (same dropout masks).
 
     Returns:
@@ -129,15 +117,12 @@ def measure_config_quality(cfg, checkpoint: Optional[str] = None,
                            batch: int = 2, label_block: int = 16,
                            seed: int = 0, upstream: str = 'exact',
                            device: str = 'cpu'):
-    """Build a config's segmentor (``gradient_filter`` applied), load a
-    checkpoint, take one batch and :func:`measure_model_quality` it.
+    """Build a config's filtered segmentor, load weights, measure one batch.
 
     Args:
         cfg (mmengine.Config): with a ``gradient_filter`` setting.
         checkpoint: weights to load (default: initialisation).
-        source: ``'random'`` (images of ``shape``, labels constant on
-            ``label_block`` squares) or ``'dataset'`` (the first ``batch``
-            samples of the train dataset).
+        source: ``'random'`` or ``'dataset'`` (the first train samples).
 
     Returns:
         ``(rows, input_shape)``: the per-layer rows and the batch's shape.
@@ -193,8 +178,8 @@ def quality_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def jsonable_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The rows with infinite / NaN floats as ``'inf'`` / ``'nan'``
-    strings: json has no infinity, and an r = 1 layer's SNR is one."""
+    """The rows with infinite / NaN floats as strings (json has no
+    infinity)."""
 
     def value(v):
         if isinstance(v, float) and (math.isinf(v) or math.isnan(v)):

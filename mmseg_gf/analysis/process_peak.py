@@ -1,18 +1,9 @@
 """A budget's predicted process peak against the process's measured one.
 
-``budget=dict(process_mib=...)`` predicts the training process's peak
-memory (:mod:`mmseg_gf.engine.budget`): its resident memory when the budget
-is chosen plus the step's peak, optimizer state included. ``VmHWM`` is
-process-wide and only grows, so each measurement runs in a fresh Python
-process (:func:`measure_process_peak` starts ``python -m
-mmseg_gf.analysis.process_peak``): it builds the config's model with the
-budget, the config's optimizer wrapper, and takes a few training steps on
-random data (mmengine's ``parse_losses`` and ``update_params``: forward,
-backward, optimizer step, ``zero_grad``), then reports the prediction and
-``VmHWM`` read twice: over the whole process (the budget's profile
-included) and over the training steps alone (reset after the model and
-the optimizer were built), and what the compiled kernels' output pool
-keeps after the steps.
+``VmHWM`` is process-wide and only grows, so each measurement runs in a
+fresh ``python -m mmseg_gf.analysis.process_peak``: build the model with
+the budget, take a few training steps, report the prediction and
+``VmHWM`` over the process and over the steps alone (docs/budget.md).
 """
 import argparse
 import json
@@ -41,8 +32,7 @@ RESULT_PREFIX = 'process_peak: '
 
 
 def _model_config(config: str, size: Sequence[int]):
-    """The config (a :data:`~mmseg_gf.engine.zoo.ZOO_FAMILIES` name or a
-    file), offline, its model's inputs at ``size``."""
+    """The config (a zoo family or a file), offline, its inputs at ``size``."""
     cfg = family_config(config) if config in ZOO_FAMILIES else \
         Config.fromfile(config)
     cfg = make_offline(cfg)
@@ -54,8 +44,8 @@ def _model_config(config: str, size: Sequence[int]):
 def train_and_measure(config: str, size: Sequence[int], batch: int,
                       budget: Dict[str, Any], steps: int = 3,
                       threads: Optional[int] = None) -> Dict[str, Any]:
-    """In this (fresh) process: build, choose, train ``steps`` steps,
-    measure. Returns the figures in MiB (see the module docstring)."""
+    """In this fresh process: build, choose, train ``steps`` steps, measure
+    (MiB)."""
     if threads:
         torch.set_num_threads(threads)
     init_default_scope('mmseg')
@@ -90,9 +80,8 @@ def train_and_measure(config: str, size: Sequence[int], batch: int,
 
 
 def _kernel_pool_mib() -> Optional[float]:
-    """What the compiled kernels' output pool keeps after the steps, MiB:
-    freed outputs that no prediction counts (0 under a CPU ``process_mib``
-    budget, which switches the pool off); None without the kernels."""
+    """What the compiled kernels' output pool keeps after the steps, MiB, or
+    None."""
     return output_pool.recycled_bytes() / MIB if extension.built() else None
 
 

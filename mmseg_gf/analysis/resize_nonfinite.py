@@ -1,22 +1,10 @@
 """What keeping a non-finite gradient local would cost the GEMM resize.
 
-The bilinear resize's backward as two GEMMs (:mod:`mmseg_gf.ops.
-bilinear_gemm`) spreads one NaN or inf over its whole row and column of
-the input gradient (a GEMM multiplies the zero weights too), where torch's
-kernel reaches only the up to four input pixels each output pixel reads.
-Without a host sync the route cannot be chosen per call, so any fix runs
-on every call. This times, on the CPU (the GEMM route as on CUDA, inside
-:func:`~mmseg_gf.ops.backend.device_path.as_on_cuda`), per resize backward:
-
-* ``gemm``: the route as it is;
-* ``gemm_flag``: plus a device-side ``isfinite(g).all()`` (one read of
-  ``g``): the least any fix or report costs;
-* ``gemm_local``: the GEMMs of ``g`` with its non-finite entries zeroed,
-  plus torch's own backward of those entries alone: torch's non-finite
-  pattern, finite entries the GEMMs' own;
-* ``torch``: torch's kernel (``upsample_bilinear2d_backward``).
-
-``tools/benchmark_resize_nonfinite.py`` prints and writes the table.
+The GEMM route spreads one NaN or inf over a whole plane, and cannot be
+chosen per call without a host sync; this times, on the CPU, the route
+as it is (``gemm``), with a device-side finiteness flag (``gemm_flag``),
+with torch's non-finite pattern restored (``gemm_local``), and torch's
+kernel (``torch``) (docs/benchmarks/resize_nonfinite_cpu.md).
 """
 import statistics
 import time
@@ -43,8 +31,8 @@ CASES = (
 
 def local_nonfinite_backward(grad: torch.Tensor, in_hw: Sequence[int],
                              align_corners: bool) -> torch.Tensor:
-    """The GEMMs' input gradient of ``grad`` with its non-finite entries
-    taken by torch's kernel instead: NaN / inf where torch puts them."""
+    """The GEMMs' input gradient with non-finite entries where torch puts
+    them."""
     finite = torch.isfinite(grad)
     clean = torch.where(finite, grad, 0)
     out = bilinear_gemm.resize_backward(clean, in_hw, align_corners)

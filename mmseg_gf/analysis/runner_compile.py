@@ -1,14 +1,8 @@
 """mmengine's ``compile`` setting in a real Runner run, against eager mode.
 
-One training run per setting (eager, then compiled) of the same config for
-``iters`` iterations, validation and checkpoints off: per iteration, the
-time of the training step (the IterTimerHook's iteration time less its
-data time: preprocessor, loss, backward, optimizer step) and how many
-graphs Dynamo had compiled so far (``torch._dynamo.utils.counters``).
-The report says at which iterations it compiled, against the input shapes
-the iterations had, and the steady-state step time (median of the last
-half) compiled / eager. ``tools/benchmark_runner_compile.py`` is its
-command line; docs/benchmarks/runner_compile_cpu.md holds its figures.
+Per iteration: the step time and Dynamo's graph count, so the report
+says where it compiled against the input shapes, and the steady-state
+step time compiled / eager (docs/benchmarks/runner_compile_cpu.md).
 """
 import copy
 import statistics
@@ -27,9 +21,8 @@ __all__ = ['small_crop', 'run_once', 'compare', 'format_report']
 
 
 def small_crop(cfg: Config, crop: Sequence[int]) -> Config:
-    """The training pipeline's ``RandomCrop`` and ``RandomResize`` /
-    ``Resize`` scales, and the data preprocessor's size, at ``crop``
-    (``(H, W)``; the resize's scale is ``(W, H)``, its ratio range kept)."""
+    """The pipeline's crop and resize scales and the preprocessor's size at
+    ``crop``."""
     h, w = crop
     pipeline = cfg.train_dataloader.dataset.get('pipeline')
     for t in pipeline or []:
@@ -64,9 +57,8 @@ class _Record(Hook):
 
 def run_once(cfg: Config, iters: int, work_dir: str,
              compile_setting: Any = None) -> Dict[str, Any]:
-    """Train ``cfg`` for ``iters`` iterations (``compile_setting``: the
-    config's ``compile``; None: eager); per iteration its step seconds,
-    its input shape and Dynamo's graph count after it."""
+    """Train ``cfg`` ``iters`` iterations; per iteration step seconds, input
+    shape, graph count."""
     cfg = copy.deepcopy(cfg)
     cfg.work_dir = work_dir
     cfg.train_cfg = dict(type='IterBasedTrainLoop', max_iters=iters,

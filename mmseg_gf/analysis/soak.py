@@ -1,23 +1,11 @@
 """A long run with a new input shape in almost every batch: does memory stay
 flat?
 
-Finetuning on a device runs for hours with a random-resize pipeline, so
-nearly every batch brings a new input size and every layer new shapes. A
-cache keyed on shapes that never forgets (interpolation matrices, tuned
-kernel tiles, kept output blocks), or an allocator that fragments, shows
-as resident memory growing with the run. :func:`soak` trains a lean
-gradient-filter step on the CPU for ``iters`` iterations, each on a batch
-of one of ``shape_count`` distinct sizes drawn at random (mmseg's
-``RandomResize`` with ``ratio_range``: a base size times a ratio per side,
-here rounded to 8 pixels), records the process's resident memory
-(``VmRSS``) every ``interval`` iterations, and at the end every registered
-shape cache's size (:func:`mmseg_gf.ops.backend.shape_caches.shape_caches`).
-
-Flat means: the mean ``VmRSS`` of the last quarter of the records within
-:data:`RSS_TOLERANCE` of the second quarter's (the first quarter is the
-warm-up: first shapes, allocator pools, oneDNN's primitive cache filling),
-and no cache above its bound. ``tools/soak.py`` runs it over a CNN and a
-transformer and writes the tables.
+A shape-keyed cache that never forgets, or a fragmenting allocator, shows
+as resident memory growing over a random-resize finetuning run.
+:func:`soak` trains a lean step on many distinct sizes, records ``VmRSS``
+and the registered shape caches; flat means the last quarter's mean within
+:data:`RSS_TOLERANCE` of the second's (docs/benchmarks/soak_cpu.md).
 """
 import copy
 import random
@@ -48,9 +36,8 @@ SOAK_SETTING = dict(num_layers=5, radius=4, mode='gf', lean=True)
 def random_shapes(count: int, base: Sequence[int] = (64, 64),
                   ratio_range: Tuple[float, float] = (0.75, 2.0),
                   multiple: int = 8, seed: int = 0) -> List[Tuple[int, int]]:
-    """``count`` distinct ``(H, W)``: each side the base side times a ratio
-    drawn in ``ratio_range`` (per side: aspect ratios vary too), rounded
-    to ``multiple`` pixels.
+    """``count`` distinct ``(H, W)``, each side the base times a ratio,
+    rounded.
 
     Raises:
         ValueError: the range holds fewer than ``count`` distinct sizes.
@@ -79,10 +66,7 @@ def _shrink_segformer(model: dict) -> None:
 
 
 def soak_config(model: str, config: Optional[str] = None) -> Config:
-    """The config a soak trains: ``config`` (a file) for ``'pspnet_r18'``
-    (the demo's PSPNet-R18, as given), or mmseg's Segformer-B0 made offline
-    and shrunk (8-64 channels, one block per stage) for
-    ``'segformer_b0'``; the gradient filter :data:`SOAK_SETTING`.
+    """The config a soak trains, with the gradient filter :data:`SOAK_SETTING`.
 
     Raises:
         ValueError: an unknown model, or ``'pspnet_r18'`` without a file.
@@ -112,27 +96,15 @@ def soak(cfg: Config, iters: int = 1000, shapes: Sequence = (),
          interval: int = 10, batch: int = 1, seed: int = 0,
          progress: Optional[Callable[[], None]] = None,
          threads: Optional[int] = None) -> Dict:
-    """Train ``cfg``'s segmentor ``iters`` steps (SGD, as mmengine's
-    OptimWrapper: backward, step, gradients freed), step ``i`` on a random
-    batch of ``batch`` images of a size drawn from ``shapes``; ``VmRSS``
-    after every ``interval`` steps; ``progress()`` after each step.
-
-    ``threads``: torch's CPU threads during the run (None: as set), put
-    back afterwards. On a CPU shared with other work, one thread runs
-    these tiny maps far faster than two (each parallel region waits for
-    a thread the scheduler has given to another process).
+    """Train ``cfg``'s segmentor ``iters`` steps on sizes drawn from
+    ``shapes``.
 
     Returns:
-        ``model``, ``iters``, ``shapes`` (distinct sizes trained), the
-        ``rss`` records ``[(step, bytes)]``, ``quarters_mib`` (mean per
-        quarter), ``growth`` (last quarter over the second, minus 1),
-        ``flat`` (growth within :data:`RSS_TOLERANCE`), ``caches``
-        (:func:`shape_caches` at the end), ``over_bound`` (those above
-        their bound), ``seconds``, ``cpu``, ``threads``.
+        dict: the ``rss`` records, ``quarters_mib``, ``growth``, ``flat``,
+        ``caches`` and ``over_bound``, and the run's context.
 
     Raises:
-        ValueError: no shapes, or fewer than 4 records (``iters <
-            4 * interval``).
+        ValueError: no shapes, or ``iters < 4 * interval``.
         RuntimeError: no ``/proc/self/status`` to read ``VmRSS`` from.
     """
     if iters < 4 * interval or not shapes:

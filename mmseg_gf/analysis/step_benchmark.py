@@ -1,34 +1,11 @@
 """Whole training steps of gradient-filter settings next to inference.
 
-For one model, each row builds the segmentor from its config and measures,
-on one random batch at the training crop, all in one process:
-
-* ``inference``: mmseg's ``predict`` (eval forward, logits resized to the
-  image, arg-max) under ``torch.no_grad``, the yardstick;
-* each setting row (``vanilla_last5``, ``gf_last10_r4``, ...; with
-  ``:lean`` or ``:plain`` for the gradient-filter setting ``lean``): median
-  forward (loss), backward and whole-step (with SGD) seconds, the step's peak
-  of live tensor bytes
-  (:func:`~mmseg_gf.accounting.measured.profiled_peak_bytes`), the bytes
-  autograd keeps for backward
-  (:func:`~mmseg_gf.accounting.measured.saved_tensor_bytes`) and, for lean
-  rows, their analytic count
-  (:func:`~mmseg_gf.accounting.saved_bytes.trace_step_saved_bytes`).
-
-A row's config is any mmseg config with the row's ``gradient_filter``
-setting (:func:`row_settings`, :func:`row_config`); ``tools/benchmark_step.py``
-composes the protocol models' rows from their strategy files instead.
-
-On CUDA (``device='cuda'``) every timed part ends with a synchronisation
-(the times are the GPU's, not the launches'), the peak is
-``torch.cuda.max_memory_allocated`` above what was allocated before the
-step, and the result names the GPU.
-
-Timed runs go round robin over the rows, so ratios hold under a changing
-machine load. Ratios are taken within the run: each row against inference,
-and each
-filtered row's saved bytes against the same layers trained with
-``mode='vanilla', lean=False`` (the paper's 1/r^2 claim, end to end).
+For one model, each row (``inference``, ``vanilla_last5``,
+``gf_last10_r4:lean``, ...) is built from its config and measured on one
+random batch: median forward, backward and step seconds, peak live bytes,
+bytes saved for backward and, for lean rows, their analytic count. Timed
+runs go round robin over the rows so ratios hold under a changing load;
+on CUDA every timed part ends with a synchronisation.
 """
 import copy
 import re
@@ -72,8 +49,7 @@ _LAST_N = re.compile(r'(?P<mode>gf|vanilla)_last(?P<n>\d+)'
 
 
 def split_compiled(row: str) -> Tuple[str, bool]:
-    """``'gf_last5_r4:lean+compiled'`` -> ``('gf_last5_r4:lean', True)``;
-    a row without :data:`COMPILED` -> ``(row, False)``."""
+    """``'gf_last5_r4:lean+compiled'`` -> ``('gf_last5_r4:lean', True)``."""
     if row.endswith(COMPILED):
         return row[:-len(COMPILED)], True
     return row, False
@@ -81,9 +57,7 @@ def split_compiled(row: str) -> Tuple[str, bool]:
 
 def parse_row(row: str):
     """``'gf_last5_r4:lean'`` -> ``('gf_last5_r4', True)``; no suffix means
-    lean (the default setting); ``'inference'`` -> ``('inference', None)``;
-    a :data:`COMPILED` suffix does not change the setting.
-    """
+    lean."""
     row, compiled = split_compiled(row)
     if row == 'inference':
         if compiled:
@@ -97,13 +71,7 @@ def parse_row(row: str):
 
 
 def row_settings(row: str) -> Optional[Dict[str, Any]]:
-    """The ``gradient_filter`` setting a row names, for any mmseg config.
-
-    ``'gf_last5_r4:plain'`` -> ``dict(num_layers=5, radius=4, mode='gf',
-    lean=False)``; ``'vanilla_last10'`` -> ``dict(num_layers=10,
-    mode='vanilla', lean=True)``; ``'gf_last5_auto'`` has ``radius='auto'``.
-    ``'inference'`` and ``'vanilla_all'`` (every layer trained by plain
-    mmseg) have none: ``None``.
+    """The ``gradient_filter`` setting a row names (None for plain rows).
 
     Raises:
         ValueError: a row of none of the :data:`ROW_FORMS`.
@@ -127,8 +95,7 @@ def row_settings(row: str) -> Optional[Dict[str, Any]]:
 
 
 def set_row_settings(cfg, row: str):
-    """``cfg``'s ``gradient_filter`` replaced by the row's setting (removed
-    for ``inference`` / ``vanilla_all``), in place; returns ``cfg``."""
+    """Replace ``cfg``'s ``gradient_filter`` by the row's, in place."""
     settings = row_settings(row)
     cfg.pop('gradient_filter', None)
     if settings is not None:
@@ -137,12 +104,8 @@ def set_row_settings(cfg, row: str):
 
 
 def row_config(cfg, row: str, crop: Sequence[int]):
-    """A copy of ``cfg`` (an mmengine ``Config``) measuring ``row`` at
-    ``crop``: the row's ``gradient_filter`` setting in place of the
-    config's own (none for ``inference`` / ``vanilla_all``), the crop as
-    the data preprocessor's size (the layer-selection trace runs at it) and
-    inference on the whole image (``test_cfg`` mode ``'whole'``: the
-    yardstick is the batch the step trains on, not a sliding window)."""
+    """A copy of ``cfg`` measuring ``row`` at ``crop``, inference on the whole
+    image."""
     cfg = set_row_settings(copy.deepcopy(cfg), row)
     crop = tuple(int(v) for v in crop)
     cfg.crop_size = crop
@@ -158,8 +121,7 @@ def row_config(cfg, row: str, crop: Sequence[int]):
 
 
 def _clock(device: torch.device) -> Callable[[], float]:
-    """``time.perf_counter`` after the device's queued work has finished
-    (CUDA runs asynchronously: a time read without a sync is a launch's)."""
+    """``time.perf_counter`` after the device's queued work has finished."""
     if device.type != 'cuda':
         return time.perf_counter
 
@@ -182,14 +144,8 @@ def _predict_fn(model, inputs, samples, clock):
 
 
 def compiled_loss(model, mode: str) -> Callable:
-    """``training_loss`` with ``model.loss`` compiled by
-    ``torch.compile`` (``mode``: ``'default'``, ``'reduce-overhead'``
-    (CUDA graphs on a GPU) or ``'max-autotune'``) as ``GradFilterHook``
-    has mmengine compile it on the model's device
-    (:func:`~mmseg_gf.engine.compile_settings.model_compile_setting`: a
-    lean model on CPU in the default mode with Inductor's layout
-    optimization off). The modes are set once, outside the compiled code,
-    as ``training_loss`` sets them."""
+    """``training_loss`` with ``model.loss`` compiled as GradFilterHook
+    would."""
     model.train()
     set_frozen_norms_eval(model)
     setting = model_compile_setting(dict(mode=mode), model)
@@ -242,38 +198,22 @@ def benchmark_model(model_name: str,
                     compile_mode: Optional[str] = None) -> Dict:
     """Measure ``rows`` of one model (see the module docstring).
 
-    Every row's segmentor is built first; the timed runs then go round
-    robin (each repeat runs every row once), so that a change of machine
-    load during the run affects all rows alike and their ratios stay
-    comparable. Peak and saved bytes are measured per row afterwards.
-
     Args:
         model_name: the model's name in the result.
-        rows: ``(row name, config)`` pairs: ``'inference'`` with the
-            plain model's config, strategy names (optionally suffixed
-            ``:lean`` / ``:plain``, :func:`parse_row`) with a config whose
-            ``gradient_filter`` is that row's setting.
+        rows: ``(row name, config)`` pairs.
         crop, batch: the batch's image size and images per step.
-        repeats, warmup: timed and untimed runs per row (timings are
-            medians); ``repeats=0`` measures memory only.
-        memory: measure peak and saved bytes (``False``: times only, for
-            a model whose memory rows are measured in another run).
+        repeats, warmup: timed and untimed runs per row; ``repeats=0``
+            measures memory only.
+        memory: measure peak and saved bytes.
         progress: called with a short message before each phase.
-        label: the model's display name (default ``model_name``).
-        device: where the rows run (``'cpu'`` or ``'cuda'``).
-        compile_mode: the training rows' ``model.loss`` compiled with
-            this ``torch.compile`` mode (:func:`compiled_loss`; the
-            compilation happens in the warm-up rounds, which need to be
-            at least 2 for ``'reduce-overhead'``'s CUDA graphs to be
-            recorded before the timed ones); inference stays eager.
+        label: the model's display name.
+        device: ``'cpu'`` or ``'cuda'``.
+        compile_mode: ``torch.compile`` mode of the training rows (warm-up
+            must be at least 2 for ``'reduce-overhead'``).
 
     Returns:
-        dict with ``model``, ``label``, ``crop``, ``batch``, ``threads``,
-        ``torch``, ``device``, ``gpu`` (the CUDA device's name, else None),
-        ``resident_bytes`` and ``peak_resident_bytes`` (the
-        process's resident memory after the timed steps, and the most it
-        held until then; None without them or off Linux) and ``rows`` (one
-        dict per row, in order, with the ratios filled in).
+        dict: the run's context (crop, batch, threads, torch, device, gpu,
+        resident bytes) and ``rows``, one dict per row with its ratios.
     """
     crop = tuple(int(v) for v in crop)
     device = torch.device(device)
@@ -346,8 +286,7 @@ class _Row:
                                 self.clock, compile_mode)
 
     def memory(self, crop, batch: int) -> Dict[str, Any]:
-        """Peak and saved bytes (measured), and the analytic count for a
-        lean row."""
+        """Peak and saved bytes, and the analytic count for a lean row."""
         # One step first: a first call allocates one-time caches (oneDNN's
         # reordered weights, ~20 MiB on STDC1 at 512x512) that later steps
         # reuse; they are not the step's memory.
@@ -371,10 +310,7 @@ class _Row:
 
 def row_compile_modes(rows: Sequence[str],
                       compile_mode: Optional[str]) -> List[Optional[str]]:
-    """Each row's ``torch.compile`` mode (None: eager): with no row
-    suffixed :data:`COMPILED`, every training row takes ``compile_mode``;
-    otherwise the suffixed rows take it (``'default'`` if None) and the
-    others stay eager, so that both are timed side by side."""
+    """Each row's ``torch.compile`` mode (None: eager)."""
     suffixed = [split_compiled(r)[1] for r in rows]
     if not any(suffixed):
         return [None if parse_row(r)[1] is None else compile_mode
@@ -384,8 +320,7 @@ def row_compile_modes(rows: Sequence[str],
 
 def _time_round_robin(built: Sequence[_Row], repeats: int, warmup: int,
                       say) -> List[Dict[str, List[float]]]:
-    """Per row, the timed parts of each timed round (every round runs
-    every row once)."""
+    """Per row, the timed parts of each round."""
     times: List[Dict[str, List[float]]] = [{} for _ in built]
     for i in range(warmup + repeats):
         say(f'{"warm-up" if i < warmup else "timed"} round {i + 1}')
@@ -405,9 +340,7 @@ def same_layers_vanilla(strategy: str) -> str:
 
 
 def lean_against_vanilla(rows: Sequence[Dict]) -> Iterator[Tuple[Dict, Dict]]:
-    """``(lean row, plain row of the same layers)`` for every lean row of
-    ``rows`` whose vanilla counterpart (:func:`same_layers_vanilla`) is
-    there too."""
+    """``(lean row, plain row of the same layers)`` pairs of ``rows``."""
     plain = {r['strategy']: r for r in rows if not r['lean']}
     for r in rows:
         ref = plain.get(same_layers_vanilla(r['strategy']))

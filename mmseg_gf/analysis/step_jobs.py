@@ -1,8 +1,5 @@
-"""What ``tools/benchmark_step.py`` runs: the models to measure, each with
-its crop and its rows' configs (a :data:`Job`), and the run that measures
-them (:func:`~.step_benchmark.benchmark_model`), prints the tables and
-writes ``steps.json``, ``steps.md`` and ``steps.png``. The tool parses the
-arguments and adds the protocol's models (:mod:`mmseg_gf.protocol`).
+"""What ``tools/benchmark_step.py`` runs: the models, each with its crop and
+rows' configs (a :data:`Job`), measured, tabled and written.
 """
 import argparse
 import os
@@ -32,11 +29,8 @@ Job = Tuple[str, str, Tuple[int, int], List[Tuple[str, Config]]]
 def add_model_arguments(parser: argparse.ArgumentParser,
                         families: Sequence[str], family_help: str,
                         models: Sequence[str]) -> None:
-    """The models a step tool takes, the same in every one: mmseg CONFIG
-    files, ``--families`` of mmseg's zoo (``families``, described by
-    ``family_help``), the protocol's ``--models`` (``models``: the tool
-    passes them, analysis does not import the protocol), ``--dataset``,
-    ``--offline`` and ``--cfg-options``."""
+    """The model arguments every step tool takes (CONFIG, ``--families``,
+    ``--models``, ...)."""
     from mmengine.config import DictAction
     parser.add_argument('configs', nargs='*', metavar='CONFIG',
                         help='mmseg config files (any segmentor)')
@@ -59,8 +53,7 @@ def add_model_arguments(parser: argparse.ArgumentParser,
 
 def check_model_arguments(parser: argparse.ArgumentParser,
                           args: argparse.Namespace) -> None:
-    """Refuse, through ``parser``, :func:`add_model_arguments`' settings
-    that name no model or a CONFIG file that does not exist."""
+    """Refuse settings that name no model or a missing CONFIG file."""
     if not (args.configs or args.families or args.models):
         parser.error('give CONFIG files, --families or --models')
     for path in args.configs:
@@ -69,8 +62,8 @@ def check_model_arguments(parser: argparse.ArgumentParser,
 
 
 def family_crop(name: str, args: argparse.Namespace) -> Tuple[int, int]:
-    """``--family-crop``, else ``--crop`` raised to the family's minimum
-    side, else its training crop."""
+    """``--family-crop``, else ``--crop`` raised to the family's minimum, else
+    its crop."""
     family = ZOO_FAMILIES[name]
     if name in args.family_crop:
         side = int(args.family_crop[name])
@@ -117,10 +110,8 @@ def family_jobs(args: argparse.Namespace) -> List[Job]:
 
 
 def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
-    """Measure every job's rows, print each model's table and write
-    ``steps.json``, ``steps.md`` and ``steps.png`` to ``--out-dir`` (again
-    after each model, so that the models measured before a failure keep
-    their results)."""
+    """Measure every job's rows, printing and writing the results after each
+    model."""
     device = getattr(args, 'device', 'cpu')
     if device == 'cuda' and getattr(args, 'tf32', None) is not None:
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -163,8 +154,7 @@ def run_jobs(jobs: Sequence[Job], args: argparse.Namespace) -> List[dict]:
 
 
 def _write_results(results: Sequence[dict], out_dir: str) -> None:
-    """``steps.json``, ``steps.md`` and ``steps.png`` of the models
-    measured so far."""
+    """``steps.json``, ``steps.md`` and ``steps.png`` of the models so far."""
     os.makedirs(out_dir, exist_ok=True)
     write_json(osp.join(out_dir, 'steps.json'), results)
     with open(osp.join(out_dir, 'steps.md'), 'w') as f:

@@ -22,9 +22,8 @@ def _ratio(v: Optional[float], digits: int = 2) -> str:
 
 
 def step_table(result: Dict) -> str:
-    """One model's rows as a markdown table, without the columns that no
-    row measured (times of a memory-only run, bytes of a ``--no-memory``
-    run)."""
+    """One model's rows as a markdown table, without columns no row
+    measured."""
     headers = ('row', 'fwd s', 'bwd s', 'step s', 'step / inference fwd',
                'lean / plain step', 'compiled / eager step', 'peak MiB',
                'peak / inference',
@@ -48,10 +47,8 @@ def step_table(result: Dict) -> str:
 
 
 def kept_by_kind_table(result: Dict) -> str:
-    """The lean rows' bytes kept for backward by kind (MiB, the analytic
-    count's categories, :data:`~mmseg_gf.accounting.kept.CATEGORIES`), the
-    kinds that keep nothing in every row left out; '' when no row has the
-    count (a ``--no-memory`` run, no lean row)."""
+    """The lean rows' kept bytes by kind (MiB); '' when no row has the
+    count."""
     rows = [r for r in result['rows'] if r.get('analytic_by_category')]
     if not rows:
         return ''
@@ -95,8 +92,7 @@ def _model_label(res: Dict, crops_differ: bool) -> str:
 
 
 def _measured_panels(results: Sequence[Dict], names: Sequence[str]):
-    """``(key, title, line at 1, rows that have the key)`` for each panel
-    some row measured; the vanilla rows' own kept ratio (1) is left out."""
+    """``(key, title, line at 1, rows)`` for each panel some row measured."""
     panels = []
     for key, title, yardstick in PLOT_PANELS:
         rows = [name for name in names
@@ -109,14 +105,7 @@ def _measured_panels(results: Sequence[Dict], names: Sequence[str]):
 
 
 def plot(results: Sequence[Dict], path: str) -> bool:
-    """Ratios per row, one group of bars per model, one panel per ratio
-    (matplotlib, Agg): step peak and step time over inference, bytes kept
-    for backward over the same layers' vanilla ``lean=False`` step.
-
-    Only what was measured is drawn: a memory-only run has no time panel, a
-    ``--no-memory`` run no peak or kept panel; one legend for all panels
-    sits below them, clear of the bars (a row keeps its colour in every
-    panel).
+    """Ratios per row, one panel per measured ratio, one bar group per model.
 
     Returns:
         whether a plot was written (``False``: no ratio was measured).

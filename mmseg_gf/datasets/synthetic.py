@@ -1,19 +1,10 @@
-"""Tiny synthetic segmentation datasets in the exact on-disk layouts of
-Pascal VOC 2012 (+SBD aug), Cityscapes and ADE20K.
+"""Tiny synthetic datasets in the on-disk layouts of VOC aug, Cityscapes and
+ADE20K.
 
-Every image is a textured background with a few random shapes (ellipses,
-rectangles, triangles) pasted on it. Each class has its own colour *and*
-texture (stripes, checkerboard, dots, blotches with a class-specific
-frequency / orientation), so the labels are learnable from appearance. The
-appearance table is drawn per dataset family (``'voc'``, ``'cityscapes'``,
-``'ade20k'``), so moving a model from one family to another is a real
-transfer task: the same class id looks different in each family.
-
-Everything is drawn from a seeded :class:`numpy.random.Generator`, so the same
-arguments always write byte-identical label maps (images are JPEG/PNG encoded
-by Pillow, deterministic for a fixed Pillow version).
-
-Only numpy and Pillow are used; mmseg is not imported.
+Each class has its own colour and texture, drawn per dataset family, so
+labels are learnable from appearance and moving between families is a real
+transfer task. A seeded generator makes label maps byte-identical for the
+same arguments. Only numpy and Pillow are used.
 """
 import os
 import os.path as osp
@@ -34,9 +25,7 @@ _TEXTURES = ('stripes', 'checker', 'dots', 'blotches', 'rings')
 
 
 def voc_palette() -> List[int]:
-    """The 256-entry Pascal VOC colour map (bit-interleaving of the id),
-    flattened to ``[r0, g0, b0, r1, ...]`` as :meth:`PIL.Image.putpalette`
-    expects. Entry 255 is (224, 224, 192), VOC's border colour."""
+    """The 256-entry Pascal VOC colour map, flattened for ``putpalette``."""
     palette = []
     for idx in range(256):
         r = g = b = 0
@@ -55,13 +44,9 @@ def _family_seed(family: str) -> int:
 
 
 def class_appearance(family: str, num_classes: int) -> List[Dict]:
-    """Appearance table of one dataset family: one dict per class id with
-    keys ``color``, ``color2`` (RGB float arrays), ``texture``, ``freq``,
-    ``angle``.
+    """Appearance table of one family: one dict per class id.
 
-    The table depends only on ``family`` (not on the image seed), so train
-    and val splits, and different seeds, share the same class appearances,
-    while different families differ.
+    It depends only on ``family``, so splits and seeds share appearances.
     """
     rng = np.random.default_rng(_family_seed(family))
     table = []
@@ -189,13 +174,11 @@ def render_sample(rng: np.random.Generator,
         rng: the random generator (consumed deterministically).
         size: ``(H, W)``.
         appearance: class appearance table, indexed by label id.
-        background: label ids the background may take (one is drawn).
+        background: label ids the background may take.
         objects: label ids the objects may take.
         num_objects: inclusive range of the number of shapes.
-        border: width in pixels of the ``255`` band at label boundaries
-            (VOC style); 0 for none.
-        bg_appearance: appearance for the background when it is not a
-            class of ``appearance`` (ADE20K's ``other``), else ``None``.
+        border: width of the ``255`` band at label boundaries; 0 for none.
+        bg_appearance: background appearance when it is no class (ADE20K).
 
     Returns:
         ``uint8`` RGB image ``(H, W, 3)`` and ``uint8`` label ``(H, W)``.
@@ -247,27 +230,16 @@ def make_voc_aug(root: str,
                  num_aug: Optional[int] = None) -> str:
     """Write a Pascal VOC 2012 + SBD-aug style dataset under ``root``.
 
-    Layout (as mmseg's ``pascal_voc12_aug.py`` expects)::
-
-        root/VOCdevkit/VOC2012/JPEGImages/2007_000000.jpg
-        root/VOCdevkit/VOC2012/SegmentationClass/*.png     (palette PNG)
-        root/VOCdevkit/VOC2012/SegmentationClassAug/*.png  (grayscale ids)
-        root/VOCdevkit/VOC2012/ImageSets/Segmentation/{train,val,aug}.txt
-
-    ``train.txt`` and ``val.txt`` have palette labels in SegmentationClass;
-    ``aug.txt`` lists the extra training images (ids ``2008_*``), whose
-    grayscale labels are in SegmentationClassAug (the train and val images
-    are there too, like the real SBD conversion). Class 0 is background,
-    1..20 objects, 255 a 2-pixel band at object borders.
+    Layout as mmseg's ``pascal_voc12_aug.py`` expects: ``train.txt`` and
+    ``val.txt`` with palette labels in SegmentationClass, ``aug.txt`` with
+    grayscale labels in SegmentationClassAug; 255 marks object borders.
 
     Args:
         root: output root (``VOCdevkit`` is created inside).
-        num_train: images in ``train.txt``.
-        num_val: images in ``val.txt``.
+        num_train, num_val: images in ``train.txt`` / ``val.txt``.
         size: ``(H, W)`` of every image.
         seed: RNG seed.
-        classes: object class ids (subset of 1..20) that may appear;
-            ``None`` for all 20.
+        classes: object class ids (subset of 1..20); ``None`` for all.
         num_aug: images in ``aug.txt`` (defaults to ``num_train``).
 
     Returns:
@@ -314,19 +286,10 @@ def make_cityscapes(root: str,
                     size: Size = (128, 256),
                     seed: int = 0,
                     classes: Optional[Sequence[int]] = None) -> str:
-    """Write a Cityscapes style dataset under ``root`` (the config's
-    ``data_root``)::
-
-        root/leftImg8bit/{train,val}/<city>/<city>_<seq>_000019_leftImg8bit.png
-        root/gtFine/{train,val}/<city>/<city>_<seq>_000019_gtFine_labelTrainIds.png
-
-    Train ids 0..18; the background is one of the "stuff" classes
-    (road, sidewalk, building, vegetation, sky, terrain: 0, 1, 2, 8, 10, 9),
-    objects are drawn from ``classes`` (all 19 by default); a thin 255 band
-    marks a few unlabeled pixels at object borders, like gtFine's void.
+    """Write a Cityscapes style dataset (train ids 0..18) under ``root``.
 
     Returns:
-        ``root``.
+        ``root`` (the config's ``data_root``).
     """
     objects = list(range(19)) if classes is None else [int(c) for c in classes]
     assert all(0 <= c <= 18 for c in objects), 'train ids are 0..18'
@@ -355,14 +318,9 @@ def make_ade20k(root: str,
                 size: Size = (128, 128),
                 seed: int = 0,
                 classes: Optional[Sequence[int]] = None) -> str:
-    """Write an ADE20K (SceneParsing, ADEChallengeData2016) style dataset::
+    """Write an ADE20K (ADEChallengeData2016) style dataset under ``root``.
 
-        root/ADEChallengeData2016/images/{training,validation}/ADE_train_00000001.jpg
-        root/ADEChallengeData2016/annotations/{training,validation}/ADE_train_00000001.png
-
-    Labels: 0 = "other" (the textured background, ignored by mmseg through
-    ``reduce_zero_label=True``), objects 1..150 drawn from ``classes``
-    (default: all 150). No 255 in the files, as in the real data.
+    Label 0 is "other" (ignored through ``reduce_zero_label=True``).
 
     Returns:
         The ``ADEChallengeData2016`` directory (the config's ``data_root``).

@@ -1,12 +1,8 @@
-"""A budget's choice on a real segmentor: the profile's probe, built by
-selection and surgery, then the accounting's choice.
+"""A budget's choice on a real segmentor: the probe the accounting profiles.
 
-The accounting (:mod:`mmseg_gf.accounting.step_profile`,
-:mod:`mmseg_gf.accounting.budget`) costs every "last N, radii" setting from
-one traced step of a *probe*; preparing that probe is the engine's job:
-the candidate pool is what ``num_layers`` counts (:func:`select_layers`),
-and the probe is a copy of the segmentor with every candidate trained
-(:func:`apply_gradient_filter`, exact backward, lean region on).
+The probe is a copy of the segmentor with every ``num_layers`` candidate
+trained (exact backward, lean region on); :mod:`mmseg_gf.accounting`
+costs every setting from one traced step of it.
 """
 import copy
 import gc
@@ -36,24 +32,16 @@ def profile_segmentor(model: nn.Module, input_size: Sequence[int],
                       layer_kinds: Optional[Sequence[str]] = None,
                       patch_mean_activations: bool = True
                       ) -> StepCostProfile:
-    """Profile a plain segmentor for the costs of every last-N setting.
-
-    The model itself is not changed: a copy is prepared as gradient
-    filtering would train all candidate convs, then traced once
-    (:func:`~mmseg_gf.accounting.step_profile.profile_step_costs`).
+    """Profile a copy of a plain segmentor for the costs of every last-N
+    setting.
 
     Args:
-        model: an mmseg segmentor (plain, not yet gradient-filtered).
+        model: an mmseg segmentor (not changed).
         input_size: ``(H, W)`` (the training crop).
         timeline: also profile live bytes per call, for the step peak.
-        layer_kinds: the kinds of the pool (:func:`select_layers`);
-            default: every registered kind.
-        patch_mean_activations: the trained model's setting (with the lean
-            region and ``mode='gf'``): a setting counts a GELU between two
-            of its filtered layers by the patch means of its derivative
-            where the rule would take it
-            (:mod:`~mmseg_gf.engine.patch_mean_activations`); False: by
-            its input.
+        layer_kinds: the kinds of the pool; default: every kind.
+        patch_mean_activations: count a GELU between filtered layers by its
+            derivative's patch means, as the trained model would.
     """
     model = unwrap_model(model)
     size = (int(input_size[0]), int(input_size[1]))
@@ -92,13 +80,11 @@ def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
         segmentor: the plain segmentor.
         budget: see :func:`~mmseg_gf.accounting.budget.check_budget`.
         input_size: the training crop.
-        batch: images per step, unless the budget names it (default 1).
-        layer_kinds: the kinds the budget chooses among (default: every
-            registered kind).
-        patch_mean_activations: whether the trained step applies the
-            patch-mean GELU rule (:func:`profile_segmentor`).
-        optimizer: the optimizer config whose state the peaks count,
-            unless the budget names one (None: no state counted).
+        batch: images per step, unless the budget names it.
+        layer_kinds: the kinds the budget chooses among.
+        patch_mean_activations: as :func:`profile_segmentor`.
+        optimizer: the optimizer config whose state the peaks count, unless
+            the budget names one.
     """
     budget = check_budget(budget)
     batch = budget['batch'] or batch or 1
@@ -120,18 +106,10 @@ def choose_layers_by_budget(segmentor: nn.Module, budget: Dict[str, Any],
 
 
 def process_base_bytes(segmentor: nn.Module) -> Optional[int]:
-    """What the training process holds besides a step, against which a
-    ``process_mib`` limit is measured; called with the budget's probe (a
-    copy of ``segmentor``) alive, after the profile ran.
+    """What the process holds besides a step, for a ``process_mib`` limit.
 
-    With CUDA, the bytes of the model's parameters and buffers (what
-    ``torch.cuda.max_memory_allocated`` counts once the runner moved the
-    model there). On CPU, the process's resident memory now (``VmRSS``:
-    the interpreter, the libraries warmed up by the profile's traced
-    steps, the model's parameters and buffers, whatever else the process
-    holds), less the probe's parameters and buffers, which go with it; the
-    measure of the limit is the process's peak, ``VmHWM``. None where the
-    resident memory cannot be read (not Linux).
+    CUDA: the model's parameters and buffers; CPU: ``VmRSS`` less the probe's
+    (docs/budget.md). None where it cannot be read.
     """
     model = unwrap_model(segmentor)
     tensors = sum(t.numel() * t.element_size() for t in

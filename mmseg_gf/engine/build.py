@@ -1,8 +1,4 @@
-"""Building a config's segmentor outside a Runner, as training builds it.
-
-Tools and measurements need the model a config trains (its
-``gradient_filter`` applied) without a dataset or a Runner.
-"""
+"""Building a config's segmentor outside a Runner, as training builds it."""
 import copy
 from dataclasses import replace
 from typing import Optional, Sequence
@@ -23,14 +19,11 @@ def build_segmentor(cfg, input_size: Optional[Sequence[int]] = None
 
     Args:
         cfg (mmengine.Config): not modified.
-        input_size: if given and the config has a ``gradient_filter``
-            setting without ``input_size``, the layer-selection trace runs
-            at this size (cheaper for small analyses; the chosen layers are
-            the same, the ``'auto'`` radius rule uses output strides).
+        input_size: the selection trace's size when the setting names none
+            (cheaper; the chosen layers are the same).
 
     Raises:
-        ValueError: the config's ``gradient_filter`` is refused
-            (:func:`~.settings.check_settings`).
+        ValueError: the config's ``gradient_filter`` is refused.
     """
     register_all_modules(init_default_scope=False)
     cfg = copy.deepcopy(cfg)

@@ -1,12 +1,5 @@
-"""The paper's calibration step: which parameters train, which norms update.
-
-Supplement D.3: a model pretrained on the source dataset is first
-*calibrated* on the target dataset: its classifier (for the MobileNetV2
-models: the whole decoder) is trained and the statistics of every batch
-normalisation layer are re-estimated, all other weights frozen. This is the
-"Calibration" row of Tables 3 and 9 and the starting point of every
-finetuning strategy. :class:`~mmseg_gf.engine.hooks.CalibrationHook` applies
-these functions in a training run.
+"""The paper's calibration step (Supplement D.3): which parameters train,
+which norms update; the "Calibration" row of Tables 3 and 9.
 """
 from typing import List, Sequence
 
@@ -21,11 +14,6 @@ __all__ = ['freeze_for_calibration', 'set_norm_stats_train']
 def freeze_for_calibration(model: nn.Module,
                            trainable: Sequence[str]) -> List[str]:
     """Freeze every parameter of ``model`` outside the ``trainable`` modules.
-
-    Args:
-        model: the segmentor (unwrapped or wrapped).
-        trainable: module paths (``'decode_head.conv_seg'``,
-            ``'decode_head'``); every parameter inside them is trained.
 
     Returns:
         The names of the trainable parameters.
@@ -53,11 +41,7 @@ def freeze_for_calibration(model: nn.Module,
 
 
 def set_norm_stats_train(model: nn.Module) -> int:
-    """Put every BN layer in train mode (its running stats update).
-
-    Returns:
-        int: how many BN layers.
-    """
+    """Put every BN layer in train mode; returns how many."""
     count = 0
     for m in unwrap_model(model).modules():
         if isinstance(m, _BatchNorm):

@@ -1,24 +1,9 @@
 """``torch.compile`` settings for a gradient-filtered model on CPU and CUDA.
 
-A config's ``compile`` (``True`` or ``torch.compile`` keyword arguments) is
-applied by ``GradFilterHook`` to the segmentor's loss (:mod:`.compiled_loss`).
-For a lean model whose setting names neither ``mode`` nor ``options`` nor
-another backend:
-
-* on CPU it gets ``options=dict(layout_optimization=False)``: the lean
-  operators read NCHW tensors, and Inductor's channels-last layout made the
-  compiled step slower (docs/lean_region.md, section on ``torch.compile``;
-  docs/benchmarks/steps_compiled_cpu_256_b2.md). Only lean models: without
-  the lean resize, Inductor's C++ backend with the layout optimization off
-  fails on the decomposed bilinear backward into a 1x1 pyramid branch
-  (UPerNet, an ``InductorError`` in the first step);
-* on CUDA it compiles in ``mode='reduce-overhead'``: a lean step's few short
-  kernels leave it host-bound (docs/benchmarks/gpu_h200_step_time_512_b8.md),
-  and CUDA graphs replay them without the host (no sync, fixed shapes with
-  ``dynamic=False``, no mutated inputs; otherwise Inductor logs ``skipping
-  cudagraphs`` and runs the default mode).
-
-A setting naming any of them is kept as it is; other devices keep it too.
+A lean model whose setting names no ``mode``, ``options`` or backend
+compiles on CPU with Inductor's layout optimization off, on CUDA with
+``mode='reduce-overhead'``; why, and when each fails:
+docs/reliability.md#torchcompile-channels_last.
 """
 from typing import Any, Optional, Union
 
@@ -39,11 +24,8 @@ CompileSetting = Union[None, bool, dict]
 
 def compile_setting(setting: CompileSetting, device_type: str,
                     lean: bool) -> CompileSetting:
-    """``setting`` (mmengine's ``compile``) as a gradient-filtered model compiles
-    on ``device_type``: for a ``lean`` model on Inductor without ``options``,
-    on CPU with :data:`CPU_INDUCTOR_OPTIONS` unless a non-default ``mode`` is
-    named (``mode='default'`` is dropped), on CUDA in :data:`CUDA_MODE` unless
-    a mode is named; otherwise the same object.
+    """``setting`` (mmengine's ``compile``) as a lean model compiles on
+    ``device_type``.
 
     Raises:
         TypeError: ``setting`` is not None, a bool or a dict.
@@ -75,10 +57,8 @@ def compile_setting(setting: CompileSetting, device_type: str,
 
 def model_compile_setting(setting: CompileSetting, model: nn.Module,
                           lean: Optional[bool] = None) -> CompileSetting:
-    """:func:`compile_setting` for ``model`` (wrapped or not): on its
-    parameters' device (CPU without any), lean as its gradient-filter
-    state says, else as ``lean`` says (a model not prepared yet; None: not
-    lean)."""
+    """:func:`compile_setting` on ``model``'s device, lean as its state (or
+    ``lean``) says."""
     params = next(model.parameters(), None)
     state = get_state(model)
     return compile_setting(

@@ -1,16 +1,11 @@
 """What a Runner run compiles: the segmentor's loss on tensors, not
 mmengine's whole ``train_step``.
 
-Compiling ``train_step`` recompiles every iteration until Dynamo's
-recompile limit, then runs eagerly: the preprocessor sees each image's own
-size, the learning rate is a changing Python float, the samples' metadata
-are new objects. ``GradFilterHook`` therefore compiles the segmentor's
-``loss`` alone (:func:`install_compiled_loss`) on the padded batch and
-samples carrying only ground truth and shape metadata
-(:func:`loss_samples`), with ``dynamic=False`` unless set (one compilation
-per padded shape; docs/lean_region.md on automatic dynamic shapes).
-``compile=dict(target='train_step', ...)`` keeps mmengine's own behaviour
-(``target`` as mmengine's ``FlexibleRunner`` reads it).
+``train_step`` recompiles every iteration until Dynamo's limit (image
+sizes, a float learning rate, new metadata objects), so ``GradFilterHook``
+compiles ``loss`` alone on the padded batch with trimmed samples
+(docs/lean_region.md); ``compile=dict(target='train_step')`` keeps
+mmengine's behaviour.
 """
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -35,7 +30,7 @@ CUDA_GRAPH_MODES = ('reduce-overhead', 'max-autotune')
 
 
 def split_target(setting: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
-    """``(target, the rest)`` of a ``compile`` dict (a new dict).
+    """``(target, the rest)`` of a ``compile`` dict.
 
     Raises:
         ValueError: ``target`` is not one of :data:`TARGETS`.
@@ -49,29 +44,23 @@ def split_target(setting: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
 
 
 def loss_compile_kwargs(setting: Dict[str, Any]) -> Dict[str, Any]:
-    """The ``torch.compile`` keyword arguments of a ``compile`` dict
-    whose target is the loss: ``dynamic=False`` unless it names
-    ``dynamic`` (one compilation per input shape; the module doc says
-    why)."""
+    """``torch.compile`` kwargs for the loss: ``dynamic=False`` unless
+    named."""
     kwargs = dict(setting)
     kwargs.setdefault('dynamic', False)
     return kwargs
 
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with the strides ``torch.empty`` gives its shape,
-    also along its size-1 dimensions (a view of the same memory where only
-    those differ): Dynamo guards on strides, and the data preprocessor
-    gives a label that needed no padding a stride of 1 along its channel
-    dimension, one that did a stride of ``H * W``."""
+    """``t`` with ``torch.empty``'s strides, size-1 dimensions included (Dynamo
+    guards on strides)."""
     t = t.contiguous()
     want = torch.empty(t.shape, device='meta').stride()
     return t if t.stride() == want else t.as_strided(t.shape, want)
 
 
 def _field(value):
-    """A data field (``PixelData``) with its tensors :func:`_canonical`
-    (the same object where all are already)."""
+    """A ``PixelData`` with its tensors :func:`_canonical`."""
     if not hasattr(value, 'items') or all(
             not isinstance(v, torch.Tensor) or v.stride() == _canonical(
                 v).stride() for _, v in value.items()):
@@ -83,14 +72,10 @@ def _field(value):
 
 
 def loss_samples(data_samples: Optional[Sequence]) -> Optional[List]:
-    """``data_samples`` as the compiled loss takes them: new samples of the
-    same class holding the same data fields (ground truths, not copied;
-    tensors with canonical strides: :func:`_canonical`) and only the
-    :data:`LOSS_METAINFO` keys of their metadata.
+    """``data_samples`` with only ground truths and :data:`LOSS_METAINFO`
+    metadata.
 
-    A sample's path, flip or scale factor would otherwise be read into
-    Dynamo's guards wherever a loss reads ``metainfo`` whole (mask heads
-    do), and every new batch would compile again.
+    Other metadata would enter Dynamo's guards and recompile every batch.
     """
     if data_samples is None:
         return None
@@ -105,14 +90,7 @@ def loss_samples(data_samples: Optional[Sequence]) -> Optional[List]:
 
 
 class CompiledLoss:
-    """A segmentor's ``loss`` compiled on tensors: called as the loss is
-    (``inputs, data_samples``), it passes :func:`loss_samples` of the
-    samples to ``torch.compile(loss, **kwargs)``.
-
-    Args:
-        loss: the segmentor's own bound ``loss``.
-        kwargs: ``torch.compile``'s keyword arguments.
-    """
+    """A segmentor's ``loss`` compiled on tensors, fed :func:`loss_samples`."""
 
     def __init__(self, loss, kwargs: Dict[str, Any]) -> None:
         self.plain = loss
@@ -130,7 +108,6 @@ class CompiledLoss:
 
 def install_compiled_loss(segmentor: nn.Module,
                           kwargs: Dict[str, Any]) -> Override:
-    """Shadow ``segmentor.loss`` (which mmseg's ``forward`` calls in
-    ``mode='loss'``) with a :class:`CompiledLoss` of it; returns the
-    undo (:mod:`~mmseg_gf.patching`)."""
+    """Shadow ``segmentor.loss`` with a :class:`CompiledLoss`; returns the
+    undo."""
     return override(segmentor, 'loss', CompiledLoss(segmentor.loss, kwargs))

@@ -1,15 +1,9 @@
 """Config support: the ``GradFilterModel`` builder and ``rewrite_config``.
 
-Two equivalent ways to finetune with gradient filtering:
-
-1. A top-level ``gradient_filter = dict(num_layers=5, radius=4)`` (or
-   ``dict(budget=dict(saved_mib=300))``, see
-   :mod:`mmseg_gf.accounting.budget`) in an mmseg config, turned by :func:`rewrite_config` into
-   ``model = dict(type='GradFilterModel', model=<segmentor>, ...)``. The
-   builder returns the plain segmentor class with GFConv2d swapped in, so
-   checkpoints keep mmseg's keys and load without the plugin.
-2. An unchanged config plus ``custom_hooks=[dict(type='GradFilterHook',
-   num_layers=5, radius=4)]`` (see ``hooks/grad_filter_hook.py``).
+A top-level ``gradient_filter = dict(...)`` in an mmseg config becomes a
+``GradFilterModel`` whose builder returns the plain segmentor with filtered
+layers swapped in, so checkpoints keep mmseg's keys; an unchanged config
+with ``custom_hooks=[dict(type='GradFilterHook', ...)]`` is equivalent.
 """
 import copy
 from dataclasses import replace
@@ -58,9 +52,7 @@ def default_input_size(cfg) -> Sequence[int]:
 
 
 def config_settings(cfg) -> Optional[GradientFilterSettings]:
-    """A config's ``gradient_filter`` as checked settings (a dict is
-    checked, an object taken as it is), or None where it has none: what
-    code reading a config's settings passes down.
+    """A config's ``gradient_filter`` as checked settings, or None.
 
     Raises:
         ValueError: as :func:`check_settings`.
@@ -78,8 +70,8 @@ def default_batch_size(cfg) -> Optional[int]:
 
 
 def default_optimizer(cfg) -> Optional[dict]:
-    """The config's ``optim_wrapper.optimizer`` as a plain dict (None if
-    it has none), whose state a budget's peaks count."""
+    """The config's ``optim_wrapper.optimizer`` as a dict, for a budget's
+    peaks."""
     try:
         optimizer = cfg.optim_wrapper.optimizer
     except (AttributeError, KeyError, TypeError):
@@ -97,30 +89,18 @@ def build_grad_filter_model(model: dict,
                             **kwargs: Any) -> nn.Module:
     """Build a segmentor and gradient-filter its chosen layers.
 
-    Registered in mmseg's ``MODELS`` as ``GradFilterModel``. Returns the
-    segmentor itself (not a wrapper), so its ``state_dict`` keys are plain
-    mmseg keys; the choices are kept on it
-    (:class:`~mmseg_gf.engine.state.GradientFilterState`), which tells
-    GradFilterHook not to apply them again.
+    Registered as ``GradFilterModel``. Returns the segmentor itself, so its
+    ``state_dict`` keys are plain mmseg keys; the choices are kept in its
+    :class:`~mmseg_gf.engine.state.GradientFilterState`, so GradFilterHook
+    does not apply them again.
 
     Args:
         model: the segmentor config.
-        data_preprocessor: mmengine's Runner injects the config's top-level
-            ``data_preprocessor`` into the model dict; it is forwarded to
-            the segmentor config if that has none.
-        settings: the settings as one object
-            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings` or a
-            dict), instead of keywords.
-        **kwargs: the gradient-filter settings as keywords, as a config's
-            ``GradFilterModel`` gives them
-            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings`: each
-            field's doc; :func:`select_layers` and
-            :func:`apply_gradient_filter` for the layers and the surgery,
-            :mod:`~.patch_mean_activations` for the GELUs).
-            ``reuse_cpu_memory`` is kept in the segmentor's state for
-            GradFilterHook, which applies it when training on CPU; a
-            ``budget`` chooses ``num_layers`` and the radii
-            (:func:`mmseg_gf.accounting.budget.choose_by_budget`);
+        data_preprocessor: the Runner's top-level ``data_preprocessor``,
+            forwarded to the segmentor config if that has none.
+        settings: the settings as one object or dict, instead of keywords.
+        **kwargs: the settings as keywords
+            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings`);
             ``input_size`` defaults to 512.
 
     Raises:
@@ -146,10 +126,8 @@ def build_grad_filter_model(model: dict,
 
 
 def patch_means_on(settings: Optional[SettingsLike]) -> bool:
-    """Whether a step trained with ``settings`` (checked settings, or a
-    ``gradient_filter`` dict, checked or not; None: the defaults) applies
-    the patch-mean GELU rule (lean, ``mode='gf'``,
-    ``patch_mean_activations``): what the budget's profile models too."""
+    """Whether ``settings`` apply the patch-mean GELU rule, as the budget
+    models."""
     if isinstance(settings, GradientFilterSettings):
         settings = settings.as_dict()
     settings = settings or {}
@@ -163,14 +141,7 @@ def select_and_apply(segmentor: nn.Module, settings: SettingsLike,
                      input_size: Sequence[int],
                      batch: Optional[int] = None,
                      optimizer: Optional[dict] = None) -> list:
-    """Choose the layers of ``settings`` and apply them.
-
-    ``settings``: checked settings, passed down as they are (a dict is
-    checked first); ``input_size`` is the trace's size, which the caller
-    derives (the settings' own, else the config's crop). With a budget, :func:`~mmseg_gf.engine.budget.choose_layers_by_budget`
-    decides ``num_layers`` and the radii (its choice is kept in the
-    segmentor's state); ``batch`` and ``optimizer`` (an optimizer config)
-    are used when the budget names none.
+    """Choose the layers of ``settings`` (or by its budget) and apply them.
 
     Returns:
         list[LayerChoice]: the applied layers.
@@ -211,30 +182,22 @@ def rewrite_config(cfg):
     """Turn a top-level ``gradient_filter`` setting into the model builder.
 
     ``cfg.model`` becomes ``dict(type='GradFilterModel', model=<old model>,
-    **settings)``, the settings checked once and completed from the config
-    (:func:`_completed`: the trace's ``input_size``, a budget's ``batch``
-    and ``optimizer``) as a new object; ``cfg.gradient_filter`` itself is
-    left as given (checked settings there are replaced by their plain
-    dict, so that the dumped config loads); a ``GradFilterHook`` with no settings is added to
-    ``custom_hooks`` (it logs the cost table and keeps frozen norms in
-    eval mode every iteration), and ``mmseg_gf`` to ``custom_imports`` so
-    the dumped config builds on its own. A config without
-    ``gradient_filter`` is returned unchanged, and so is one already
-    rewritten (a run's dumped config holds both the setting and the
-    ``GradFilterModel``) when the two agree; when they do not (one was
-    edited, e.g. by ``--cfg-options``), it is an error rather than a
-    silent choice of one.
+    **settings)`` with the settings checked and completed from the config; a
+    ``GradFilterHook`` (cost table, frozen norms in eval mode) and ``mmseg_gf``
+    in ``custom_imports`` are added so the dumped config builds on its own.
+    A config without the setting, or already rewritten with agreeing
+    settings, is returned unchanged; a disagreeing one is an error rather
+    than a silent choice.
 
     Args:
-        cfg (mmengine.Config): the config, modified in place; its
-            ``gradient_filter`` a dict or
-            :class:`~mmseg_gf.engine.settings.GradientFilterSettings`.
+        cfg (mmengine.Config): the config, modified in place.
 
     Returns:
         The same config.
 
     Raises:
-        ValueError: invalid settings (see :func:`check_settings`).
+        ValueError: invalid settings (see :func:`check_settings`), or a
+            rewritten config whose settings disagree.
     """
     given = cfg.get('gradient_filter')
     if given is None:
@@ -255,10 +218,8 @@ def rewrite_config(cfg):
 
 def _completed(settings: GradientFilterSettings,
                cfg) -> GradientFilterSettings:
-    """``settings`` with what they leave to the config filled in, as a new
-    object: the trace's ``input_size`` (:func:`default_input_size`) and a
-    budget's ``batch`` (:func:`default_batch_size`) and ``optimizer``
-    (:func:`default_optimizer`)."""
+    """``settings`` with ``input_size`` and a budget's batch and optimizer
+    filled in."""
     changes: Dict[str, Any] = {}
     if settings.input_size is None:
         changes['input_size'] = tuple(default_input_size(cfg))
@@ -273,9 +234,7 @@ def _completed(settings: GradientFilterSettings,
 
 def _check_rewritten_agrees(settings: GradientFilterSettings,
                             model) -> None:
-    """``gradient_filter`` (checked) against the settings of an existing
-    ``GradFilterModel``; what the rewrite fills in (``input_size``, a
-    budget's ``batch``) counts only where ``gradient_filter`` gives it."""
+    """Refuse an existing ``GradFilterModel`` whose settings differ."""
     built = as_settings({k: model[k] for k in SETTING_KEYS if k in model})
 
     def plain(value):
@@ -308,8 +267,8 @@ def _check_rewritten_agrees(settings: GradientFilterSettings,
 
 
 def add_custom_hook(cfg, hook_type: str) -> None:
-    """Append ``dict(type=hook_type)`` to ``cfg.custom_hooks`` unless a hook
-    of that type is already there (the user's settings win)."""
+    """Append ``dict(type=hook_type)`` to ``custom_hooks`` unless one is
+    there."""
     hooks = list(cfg.get('custom_hooks') or [])
     if not any(h.get('type') == hook_type for h in hooks):
         hooks.append(dict(type=hook_type))
@@ -317,9 +276,7 @@ def add_custom_hook(cfg, hook_type: str) -> None:
 
 
 def add_custom_imports(cfg, *modules: str) -> None:
-    """Add ``modules`` to ``cfg.custom_imports`` (once each), so that a
-    dumped config registers what it uses on its own; failed imports stay
-    errors unless the user said otherwise."""
+    """Add ``modules`` to ``cfg.custom_imports`` once each."""
     imports = dict(cfg.get('custom_imports') or {})
     names = list(imports.get('imports', []))
     names += [name for name in modules if name not in names]

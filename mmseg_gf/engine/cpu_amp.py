@@ -1,19 +1,7 @@
 """Mixed precision on CPU: ``tools/train.py --amp`` without a GPU.
 
-mmengine's ``AmpOptimWrapper`` refuses to run without CUDA (or NPU/MLU),
-while PyTorch autocasts CPU convolutions and matmuls to bfloat16.
-:class:`CPUAmpOptimWrapper` is an ``OptimWrapper`` whose forward runs under
-``torch.autocast('cpu', dtype=torch.bfloat16)``; bfloat16 has float32's
-exponent range, so no loss scaling is needed. :func:`enable_amp` picks it
-for ``--amp`` on a machine without CUDA, mmengine's wrapper otherwise.
-
-A CPU without native instructions for the autocast dtype (x86's
-``avx512_bf16`` / ``amx_bf16`` for bfloat16, ``avx512_fp16`` / ``amx_fp16``
-for float16; Arm's ``bf16``) converts every operand and runs the float32
-kernels, or falls back to scalar reference code: on such machines the step
-was measured 5-10x slower than float32, with no accuracy to gain. The
-wrapper says so when it is built (:func:`native_cpu_dtype`), so that the
-slowdown is not discovered from the iteration times.
+bfloat16 autocast around the forward, no loss scaling; a warning on CPUs
+without native instructions for the dtype (docs/reliability.md).
 """
 import logging
 import platform
@@ -40,8 +28,7 @@ NATIVE_FLAGS = {
 
 
 def cpu_flags(path: str = '/proc/cpuinfo') -> Optional[FrozenSet[str]]:
-    """The CPU's feature flags (lower case), or None where they cannot be
-    read (no ``/proc/cpuinfo``: not Linux)."""
+    """The CPU's feature flags (lower case), or None where unreadable."""
     try:
         with open(path) as f:
             text = f.read()
@@ -56,8 +43,7 @@ def cpu_flags(path: str = '/proc/cpuinfo') -> Optional[FrozenSet[str]]:
 
 
 def native_cpu_dtype(dtype: str) -> Optional[bool]:
-    """Whether this CPU computes in ``dtype`` natively (a flag of
-    :data:`NATIVE_FLAGS`); None when unknown (no flags to read)."""
+    """Whether this CPU computes in ``dtype`` natively; None when unknown."""
     flags = cpu_flags()
     if flags is None:
         return None
@@ -104,9 +90,10 @@ class CPUAmpOptimWrapper(OptimWrapper):
 
 
 def enable_amp(cfg) -> None:
-    """Switch a config's ``OptimWrapper`` to mixed precision (``--amp``):
-    mmengine's ``AmpOptimWrapper`` with dynamic loss scaling where CUDA is
-    available, :class:`CPUAmpOptimWrapper` (bfloat16) otherwise.
+    """Switch a config's ``OptimWrapper`` to mixed precision (``--amp``).
+
+    mmengine's ``AmpOptimWrapper`` where CUDA is available,
+    :class:`CPUAmpOptimWrapper` (bfloat16) otherwise.
 
     Raises:
         ValueError: the config's wrapper is neither ``OptimWrapper`` nor

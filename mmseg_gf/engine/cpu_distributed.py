@@ -29,15 +29,11 @@ def _sync_batchnorm_types() -> tuple:
 
 
 def revert_sync_batchnorm_on_cpu(module: nn.Module) -> nn.Module:
-    """``module`` with its SyncBN layers as plain BN (mmengine's
-    ``revert_sync_batchnorm``, Parameters and running statistics shared),
-    logged in one line; unchanged when it has none.
+    """``module`` with its SyncBN layers as plain BN, logged; unchanged without
+    any.
 
-    SyncBN needs CUDA: torch's DDP refuses a CPU module holding one
-    ("SyncBatchNorm layers only work with GPU modules"), and every config
-    of mmseg's zoo uses it. On CPU each process then normalises a training
-    BN with its own batch's statistics; a frozen BN (eval mode, the
-    gradient filter's default) computes the same either way.
+    torch's DDP refuses a CPU module holding SyncBN, which every zoo config
+    uses (docs/reliability.md#distributed-training).
     """
     count = sum(isinstance(m, _sync_batchnorm_types())
                 for m in module.modules())
@@ -57,8 +53,8 @@ CPU_DDP_WRAPPER = 'CPUDistributedDataParallel'
 
 @MODEL_WRAPPERS.register_module(name=CPU_DDP_WRAPPER, force=True)
 class CPUDistributedDataParallel(MMDistributedDataParallel):
-    """``MMDistributedDataParallel`` for CPU modules: no device ids, SyncBN
-    reverted to BN (:func:`revert_sync_batchnorm_on_cpu`)."""
+    """``MMDistributedDataParallel`` for CPU modules: no device ids, SyncBN as
+    BN."""
 
     def __init__(self, module, device_ids=None, **kwargs):
         super().__init__(module=revert_sync_batchnorm_on_cpu(module),
@@ -66,14 +62,10 @@ class CPUDistributedDataParallel(MMDistributedDataParallel):
 
 
 def prepare_cpu_distributed(cfg):
-    """Make a distributed config (``launcher != 'none'``) run without CUDA.
+    """Make a distributed config run without CUDA: ``gloo`` and the CPU DDP
+    wrapper.
 
-    On a machine without a CUDA GPU: a ``nccl`` (or unset) process-group
-    backend becomes ``gloo`` (mmseg configs default to ``nccl``, which needs
-    GPUs; ``gloo`` and ``mpi`` are kept) and the
-    model wrapper becomes :class:`CPUDistributedDataParallel` (a custom
-    wrapper type other than ``MMDistributedDataParallel`` is kept). With a
-    GPU, or ``launcher='none'``, the config is returned unchanged.
+    With a GPU, or ``launcher='none'``, the config is returned unchanged.
 
     Args:
         cfg (mmengine.Config): modified in place.
@@ -105,10 +97,8 @@ def prepare_cpu_distributed(cfg):
 def init_cpu_process_group(cfg) -> bool:
     """Create the process group for ``launcher='pytorch'`` without CUDA.
 
-    mmengine's ``init_dist('pytorch')`` calls ``torch.cuda.set_device``
-    first, which fails on a CPU-only machine; the Runner reuses a group that
-    already exists. Uses the environment set by ``torchrun`` (``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+    mmengine's ``init_dist`` calls ``torch.cuda.set_device`` first; the
+    Runner reuses a group that exists. Reads ``torchrun``'s environment.
 
     Returns:
         bool: whether a group was created here.

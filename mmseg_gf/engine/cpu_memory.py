@@ -1,14 +1,9 @@
 """Freed CPU memory kept for reuse: a training step without page faults.
 
-glibc's ``malloc`` ``mmap``s every block of 32 MiB or more and returns it on
-free, so the next such tensor (a step's feature maps and gradients at
-512x512) faults all its pages in again. :func:`keep_freed_cpu_memory` sets
-``M_MMAP_MAX`` 0 and ``M_TRIM_THRESHOLD`` to its maximum, so the heap keeps
-freed memory, as PyTorch's CUDA caching allocator does. The price is
-resident memory (the heap keeps its peak and fragments); figures in
-docs/benchmarks/README.md, "Freed CPU memory kept for reuse". Opt-in, as
-memory is what an edge device lacks first:
-``gradient_filter=dict(..., reuse_cpu_memory=True)``. Process-wide.
+glibc ``mmap``s blocks of 32 MiB or more and returns them on free, so each
+large tensor faults its pages in again; keeping them trades resident
+memory for step time (docs/benchmarks/README.md, "Freed CPU memory kept
+for reuse"). Opt-in (``reuse_cpu_memory=True``); process-wide.
 """
 import ctypes
 import ctypes.util
@@ -32,8 +27,7 @@ _kept = False
 
 
 def _mallopt() -> Optional[Callable[[int, int], int]]:
-    """glibc's ``mallopt``, or None where the C library has none (macOS,
-    musl, Windows)."""
+    """glibc's ``mallopt``, or None where the C library has none."""
     name = ctypes.util.find_library('c')
     if name is None:
         return None
@@ -52,12 +46,11 @@ def supported() -> bool:
 
 
 def keep_freed_cpu_memory(keep: bool = True) -> bool:
-    """Keep freed CPU memory in ``malloc``'s heap for reuse (``keep``), or
-    return to glibc's default of giving large blocks back at once.
+    """Keep freed CPU memory in ``malloc``'s heap (``keep``), or restore
+    glibc's default.
 
     Returns:
-        bool: whether the C library took the setting (False without glibc's
-        ``mallopt``; nothing changes then).
+        bool: whether the C library took the setting.
     """
     global _kept
     mallopt = _mallopt()
@@ -77,11 +70,10 @@ def cpu_memory_kept() -> bool:
 
 
 def return_freed_cpu_memory() -> bool:
-    """Have ``malloc`` give every block of 128 KiB or more back to the
-    system when it is freed (glibc's static default threshold, its dynamic
-    raise switched off): the process's resident memory then follows its
-    live tensors instead of keeping what earlier, larger steps (a budget's
-    profile) freed, which a ``process_mib`` budget needs. Process-wide.
+    """Have ``malloc`` give blocks of 128 KiB or more back when freed.
+
+    Resident memory then follows live tensors, which a ``process_mib``
+    budget needs. Process-wide.
 
     Returns:
         bool: whether the C library took the setting.
@@ -99,13 +91,12 @@ def return_freed_cpu_memory() -> bool:
 
 
 def _keep_no_kernel_outputs() -> bool:
-    """Switch the compiled kernels' output pool off (``MMSEG_GF_RECYCLE_MB``
-    0, freeing what it keeps). The pool keeps the large outputs one
-    backward freed (``g_x``, the lean region's gradients) for the next
-    step's, up to 256 MiB: torch allocations that are no step's live
-    tensors, so no prediction of the step counts them (Swin-T UPerNet,
-    256x256, batch 2, 21 layers: 142 MiB kept between steps). Returns
-    whether there was a pool (False without the compiled kernels)."""
+    """Switch the compiled kernels' output pool off; returns whether there was
+    one.
+
+    Its blocks are no step's live tensors, so no prediction counts them
+    (docs/benchmarks/design_measurements.md).
+    """
     if not extension.built():
         return False
     output_pool.recycle_limit(0)
@@ -113,9 +104,8 @@ def _keep_no_kernel_outputs() -> bool:
 
 
 def bound_process_memory() -> bool:
-    """What a ``process_mib`` budget needs on CPU: large freed blocks go back
-    to the system (:func:`return_freed_cpu_memory`) and the compiled kernels
-    keep no freed outputs (:func:`_keep_no_kernel_outputs`). Process-wide.
+    """What a ``process_mib`` budget needs on CPU: freed blocks returned, no
+    output pool.
 
     Returns:
         bool: whether the C library took the ``malloc`` setting.

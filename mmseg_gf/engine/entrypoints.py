@@ -1,12 +1,6 @@
 """Training and evaluation runs: the one code path behind ``tools/train.py``,
-``tools/test.py``, the demo (:mod:`mmseg_gf.demo`) and the protocol
-(:mod:`mmseg_gf.protocol.stages`).
-
-Every caller needs the same steps (load the config, apply the overrides,
-``--amp``, ``--resume``, the CPU-distributed settings, the
-``gradient_filter`` rewrite, the Runner); they are done here once, as mmseg
-1.x's ``tools/train.py`` / ``tools/test.py`` do them, with the plugin's
-steps added, so that no caller misses one.
+``tools/test.py``, the demo and the protocol, so that no caller misses a
+step mmseg's own tools take or one the plugin adds.
 """
 import json
 import logging
@@ -44,10 +38,8 @@ def load_config(config: str,
                 format_python_code: bool = True) -> Config:
     """The config file with the launcher, ``cfg_options`` and work dir.
 
-    Work dir: ``work_dir`` > the config's ``work_dir`` >
-    ``./work_dirs/<config name>`` (mmseg's rule). ``format_python_code=False``
-    skips yapf when the config is printed and stored in checkpoints (about
-    1 s each time on a slow CPU; the protocol's many short runs use it).
+    ``format_python_code=False`` skips yapf when the config is dumped
+    (docs/benchmarks/design_measurements.md).
     """
     cfg = Config.fromfile(config, format_python_code=format_python_code)
     cfg.launcher = launcher
@@ -65,16 +57,9 @@ def resolve_resume(cfg: Config, resume: bool) -> Config:
     """``resume``: continue from the newest checkpoint in ``work_dir`` that
     loads.
 
-    mmengine reads ``resume=True`` together with a ``load_from`` as "resume
-    from load_from". A finetuning config's ``load_from`` is the pretrained
-    model, so that would restart from it, or, with its ``meta`` iteration
-    count (e.g. 80k of the original training), end at once. Here the latest
-    checkpoint of this run wins; without one the run starts from
-    ``load_from`` as a fresh run would. The checkpoint is the one
-    ``last_checkpoint`` names if it loads through the plugin's loader
-    (names, declared costs, then the file read as data), else the newest
-    ``iter_*.pth`` / ``epoch_*.pth`` that does, with one warning naming the
-    skipped files (:func:`.checkpoint.resume.find_resumable_checkpoint`).
+    Unlike mmengine, a finetuning config's ``load_from`` is not resumed from;
+    without a checkpoint the run starts from it as a fresh run would
+    (docs/reliability.md#resume).
 
     Raises:
         NoResumableCheckpoint: the work dir has checkpoints and none loads.
@@ -101,10 +86,7 @@ def build_train_config(config: str,
                        amp: bool = False,
                        launcher: str = 'none',
                        format_python_code: bool = True) -> Config:
-    """A training config as ``tools/train.py`` runs it: overrides, mixed
-    precision (bfloat16 autocast without CUDA), resume, distributed without
-    CUDA (gloo, a CPU DDP wrapper) and the ``gradient_filter`` rewrite
-    (a config without it is returned unchanged by the rewrite)."""
+    """A training config as ``tools/train.py`` runs it, rewrite included."""
     cfg = load_config(config, work_dir, cfg_options, launcher,
                       format_python_code)
     if amp:
@@ -115,13 +97,8 @@ def build_train_config(config: str,
 
 
 def build_runner(cfg: Config, log_config: bool = True) -> Runner:
-    """The config's Runner (its ``runner_type`` if it names one).
-
-    ``log_config=False``: the Runner logs the config's file name, not its
-    text (:class:`.config_log.ConfigByNameRunner`; a config naming its own
-    ``runner_type`` logs it as that Runner does), for a run whose config
-    another Runner of the same command has logged.
-    """
+    """The config's Runner; ``log_config=False`` logs the config's name
+    only."""
     if 'runner_type' in cfg:
         from mmseg.registry import RUNNERS
         return RUNNERS.build(cfg)
@@ -175,13 +152,8 @@ def build_test_config(config: str,
                       show_dir: Optional[str] = None,
                       wait_time: float = 2,
                       tta: bool = False) -> Config:
-    """A test config as ``tools/test.py`` runs it (mmseg's flags: ``out``
-    saves the predicted label maps there, ``show`` / ``show_dir`` paint
-    them, ``tta`` uses the config's test-time augmentation).
-
-    The model is built from the config as is: the plugin's checkpoints hold
-    plain mmseg keys, and gradient filtering only changes the backward.
-    """
+    """A test config as ``tools/test.py`` runs it (``out``, ``show``,
+    ``tta``)."""
     cfg = load_config(config, work_dir, cfg_options, launcher)
     cfg.load_from = checkpoint
     cfg.resume = False
@@ -198,13 +170,12 @@ def build_test_config(config: str,
 
 
 def run_test(cfg: Config, log_config: bool = True) -> Dict[str, float]:
-    """Build a Runner from ``cfg`` and return its test metrics, also
-    written to ``<work_dir>/metrics.json`` by rank 0 (``log_config``: as
-    :func:`build_runner`'s).
+    """Build a Runner from ``cfg`` and return its test metrics.
 
-    The checkpoint must match the model exactly (mmengine would load it with
-    ``strict=False`` and evaluate whatever weights did not load): a
-    mismatch raises ValueError before anything is evaluated.
+    The metrics are also written to ``<work_dir>/metrics.json``.
+
+    Raises:
+        ValueError: the checkpoint does not match the model exactly.
     """
     init_cpu_process_group(cfg)
     runner = (Runner if log_config else ConfigByNameRunner).from_cfg(cfg)
@@ -223,9 +194,7 @@ def run_test(cfg: Config, log_config: bool = True) -> Dict[str, float]:
 
 def evaluate(config: str, checkpoint: str, log_config: bool = True,
              **kwargs) -> Dict[str, float]:
-    """Test a checkpoint as ``tools/test.py`` does (``**kwargs``:
-    :func:`build_test_config`'s; ``log_config``: :func:`build_runner`'s);
-    returns the metrics."""
+    """Test a checkpoint as ``tools/test.py`` does; returns the metrics."""
     return run_test(build_test_config(config, checkpoint, **kwargs),
                     log_config)
 
@@ -238,15 +207,11 @@ def format_metrics(metrics: Dict[str, float]) -> str:
 
 
 def run_in_subprocess(fn: Callable, *args, **kwargs) -> None:
-    """Call ``fn(*args, **kwargs)`` in a fresh Python process and wait.
+    """Call ``fn(*args, **kwargs)`` (module-level) in a fresh Python process.
 
-    For runs that must not share a process with the caller: mmengine keeps
-    a run's logger, message hub and visualizer as process-wide instances
-    named after the config file and the start second, so two runs of one
-    config in one process can meet under one name; a fresh process also
-    gives all of a run's memory back when it ends. ``fn`` must be a
-    module-level function (it is pickled by name); its return value is
-    dropped.
+    mmengine's process-wide logger, message hub and visualizer would let two
+    runs of one config meet under one name; a fresh process also gives the
+    run's memory back.
 
     Raises:
         RuntimeError: the process ended with a non-zero exit code.

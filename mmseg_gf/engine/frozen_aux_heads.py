@@ -1,24 +1,12 @@
-"""Frozen auxiliary heads are not run in training: none steers the
-trained parameters.
+"""Frozen auxiliary heads are not run in training: none steers the trained
+parameters.
 
-A head whose parameters are all frozen (its classifier included) either
-reads features that need no gradient (its loss is a constant) or reads
-trained features, through which it would train the backbone towards a
-head that never trains (after a class-count change, towards noise). The
-rule: a frozen head is cut off from the backbone, so in both cases it is
-not run. docs/lean_region.md ("Frozen auxiliary heads") states the cases,
-the log lines and the measured steps.
-
-:func:`skip_frozen_aux_heads` swaps the segmentor's class for a subclass of
-its own class (``isinstance``, ``state_dict`` keys and checkpoints are
-unchanged) whose ``_auxiliary_head_forward_train`` decides head by head,
-at every call. A head left out is logged once, with the reason; its loss
-is left out of the returned dict, or, with ``log_frozen_aux_losses=True``,
-computed under ``torch.no_grad`` and returned detached. The segmentor's
-:class:`~.state.GradientFilterState` holds both switches
-(``keep_frozen_aux_heads=True`` runs every head, as mmseg does). A skipped
-head draws no random numbers, so later dropout masks differ from a run
-with it (same distribution) unless its loss is logged."""
+A frozen head either reads features needing no gradient (a constant loss)
+or would train the backbone towards a head that never trains; so it is cut
+off. The segmentor's class is swapped for a subclass deciding head by head
+at every call; cases, log lines and switches: docs/lean_region.md
+("Frozen auxiliary heads").
+"""
 import contextlib
 import logging
 from typing import List, Optional, Tuple
@@ -41,8 +29,8 @@ __all__ = ['aux_heads', 'features_read', 'frozen_head_reason',
 
 
 def aux_heads(segmentor: nn.Module) -> List[Tuple[str, str, nn.Module]]:
-    """``(loss prefix, module path, head)`` of each auxiliary head, named
-    as mmseg's ``_auxiliary_head_forward_train`` names their losses."""
+    """``(loss prefix, module path, head)`` of each auxiliary head, named as
+    mmseg does."""
     heads = getattr(segmentor, 'auxiliary_head', None)
     if heads is None:
         return []
@@ -53,9 +41,8 @@ def aux_heads(segmentor: nn.Module) -> List[Tuple[str, str, nn.Module]]:
 
 
 def features_read(head: nn.Module, inputs) -> List[torch.Tensor]:
-    """The tensors of ``inputs`` (the extracted features) that ``head``
-    reads: its ``in_index`` selection when it transforms its inputs as
-    mmseg's ``BaseDecodeHead`` does, otherwise every tensor in them."""
+    """The tensors of ``inputs`` that ``head`` reads (its ``in_index``
+    selection)."""
     index = getattr(head, 'in_index', None)
     transform = getattr(type(head), '_transform_inputs', None)
     if (index is not None and isinstance(inputs, (list, tuple))
@@ -69,9 +56,7 @@ def features_read(head: nn.Module, inputs) -> List[torch.Tensor]:
 
 
 def frozen_head_reason(head: nn.Module, inputs) -> Optional[str]:
-    """Why ``head`` is not run in training, or None when it runs (a
-    trained parameter). A frozen head reading features that carry a
-    gradient is cut off from the backbone (the module docstring)."""
+    """Why ``head`` is not run in training, or None when it runs."""
     if any(p.requires_grad for p in head.parameters()):
         return None
     index = getattr(head, 'in_index', None)
@@ -103,9 +88,8 @@ def _log_skipped_once(state: GradientFilterState, path: str,
 
 @contextlib.contextmanager
 def unlogged_aux_heads(segmentor: nn.Module):
-    """Within the block, heads left out are not logged: for steps traced
-    on the way to training (the GELU detection, the budget's probe), so
-    that the first training step logs each head once."""
+    """Within the block, left-out heads are not logged (traced steps before
+    training)."""
     state = get_state(segmentor)
     if state is None:
         yield
@@ -129,8 +113,7 @@ def _constant_losses(head: nn.Module, inputs, data_samples,
 
 
 class _SkipsFrozenAuxHeads:
-    """``_auxiliary_head_forward_train`` leaving out frozen heads (see the
-    module docstring); as mmseg's otherwise."""
+    """``_auxiliary_head_forward_train`` leaving out frozen heads."""
 
     def _auxiliary_head_forward_train(self, inputs, data_samples) -> dict:
         state = get_state(self)
@@ -161,14 +144,12 @@ def skips_frozen_aux_heads(segmentor: nn.Module) -> bool:
 
 
 def skip_frozen_aux_heads(segmentor: nn.Module) -> bool:
-    """Let ``segmentor`` (wrapped or not) leave out, in training, frozen
-    auxiliary heads (the module docstring). Only for segmentors whose auxiliary
-    losses are mmseg's ``EncoderDecoder._auxiliary_head_forward_train``
-    (``EncoderDecoder``, ``CascadeEncoderDecoder``); idempotent.
+    """Let ``segmentor`` leave out frozen auxiliary heads in training;
+    idempotent.
 
     Returns:
-        Whether the segmentor skips such heads now (False: it has no
-        auxiliary head, or computes their losses its own way).
+        Whether the segmentor skips such heads now (False: no auxiliary head,
+        or not mmseg's ``_auxiliary_head_forward_train``).
     """
     model = unwrap_model(segmentor)
     if skips_frozen_aux_heads(model):

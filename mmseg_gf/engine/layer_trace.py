@@ -2,17 +2,12 @@
 order, and which of them a loss gradient reaches.
 
 "The last N layers" means forward execution order on the inference path,
-not registration order (mmseg heads register ``conv_seg`` first; UPerHead
-its ``lateral_convs`` before the PPM it runs earlier). So the segmentor runs
-once through mmseg's ``encode_decode`` (a cascade: every head's ``forward``,
-then the last one's ``predict``) with forward hooks on every layer of a
-registered kind; its logits are *the output*; auxiliary heads run after,
-marked. The trace records autograd's graph without keeping activations; a
-layer *feeds the output* when its output's node is behind the output, so
-layers used under ``no_grad`` or detached (EMANet's ``ema_mid_conv``, DANet's
-side classifiers) drop out by themselves. ``with_cp`` is off during the
-trace (a reentrant checkpoint runs without autograd). The policy on the
-records is :mod:`.selection`.
+not registration order (mmseg heads register ``conv_seg`` first). The
+segmentor runs once through ``encode_decode`` with forward hooks on every
+layer of a registered kind, then its auxiliary heads, marked; a layer
+feeds the output when its autograd node is behind the logits, so layers
+run under ``no_grad`` or detached drop out by themselves. The policy on
+the records is :mod:`.selection`.
 """
 import contextlib
 from dataclasses import dataclass
@@ -33,18 +28,12 @@ class LayerRecord:
     """A layer of a registered kind seen during the trace (first call only).
 
     Attributes:
-        in_shape, out_shape: ``(C, H, W)``.
         inference: it ran on the inference path (False: an auxiliary head).
         input_requires_grad: its input needed a gradient (``grad=True`` only).
-        norm_path: the norm consuming its output right after it, if any
-            (trained too with ``train_norm=True``).
-        feeds_output: a loss gradient on the output reaches it, in any call
-            (None for ``grad=True``).
-        feeds_heads: some head output depends on it (the output, a decode
-            head's ``forward`` outputs, an auxiliary head's); None for
-            ``grad=True``.
-        kind: its layer kind's name.
-        geometry: its kind's geometry at the first call (for the cost model).
+        norm_path: the norm consuming its output right after it, if any.
+        feeds_output: a loss gradient on the output reaches it (None for
+            ``grad=True``).
+        feeds_heads: some head output depends on it (None for ``grad=True``).
     """
 
     path: str
@@ -72,13 +61,8 @@ def nested_tensors(obj) -> List[torch.Tensor]:
 
 
 def _capture(obj: nn.Module, name: str, sink: List) -> callable:
-    """Record every result of the method ``obj.<name>``, however called.
-
-    mmseg calls heads' ``forward`` directly (``decode_head.forward(x)``,
-    ``self.forward(...)`` inside ``predict``), which module forward hooks do
-    not see; an instance attribute shadowing the method does. Returns the
-    function that undoes it.
-    """
+    """Record every result of ``obj.<name>``, even when called directly;
+    returns the undo."""
     original = getattr(obj, name)
 
     def method(*args, **kwargs):
@@ -90,8 +74,7 @@ def _capture(obj: nn.Module, name: str, sink: List) -> callable:
 
 
 def head_list(head) -> List[nn.Module]:
-    """A segmentor's head(s) as a list (a cascade's ``ModuleList``, one
-    head, or none)."""
+    """A segmentor's head(s) as a list."""
     if head is None:
         return []
     return list(head) if isinstance(head, nn.ModuleList) else [head]
@@ -99,15 +82,10 @@ def head_list(head) -> List[nn.Module]:
 
 def _run_inference_path(model: nn.Module, x: torch.Tensor,
                         aux_marker: List[bool]):
-    """mmseg's ``encode_decode``, then the auxiliary heads (marked).
-
-    The auxiliary heads get the features ``encode_decode`` extracted. A
-    model without ``encode_decode`` runs ``extract_feat`` and the decode
-    head(s') ``forward``, a cascade feeding each head the previous output.
+    """mmseg's ``encode_decode``, then the auxiliary heads on its features.
 
     Returns:
-        ``(output, side_outputs)``: the segmentation logits, and the
-        auxiliary heads' outputs.
+        ``(output, side_outputs)``: the logits and the auxiliary outputs.
     """
     h, w = x.shape[-2:]
     feats: List = []
@@ -161,16 +139,14 @@ def trace_layers(model: nn.Module,
     """Run the segmentor once and list its layers of a registered kind in
     execution order.
 
-    Runs in eval mode (batch 1 safe for BN) with autograd recording but no
-    activation kept, and restores training flags, ``requires_grad`` and
-    ``with_cp``: the trace changes no state.
+    Eval mode, no activation kept; the trace changes no state.
 
     Args:
         model: an ``EncoderDecoder`` or ``CascadeEncoderDecoder``.
         input_size: ``(H, W)`` of the dummy input (use the training crop).
-        grad: False: every parameter requires a gradient during the trace,
-            to find ``feeds_output`` / ``feeds_heads``. True: parameters keep
-            their own, to find ``input_requires_grad`` after surgery.
+        grad: False: every parameter requires a gradient, to find
+            ``feeds_output`` / ``feeds_heads``. True: parameters keep their
+            own, to find ``input_requires_grad`` after surgery.
 
     Returns:
         One :class:`LayerRecord` per layer that ran, first-call order,
@@ -208,9 +184,8 @@ def trace_layers(model: nn.Module,
 
 
 class _LayerHooks:
-    """Forward hooks of the selection trace: a :class:`LayerRecord` per
-    layer of a registered kind (first call), the autograd node of every
-    call, and which norm layer directly consumes a layer's output."""
+    """Forward hooks of the selection trace: records, autograd nodes and
+    norms."""
 
     def __init__(self, model: nn.Module, grad: bool) -> None:
         self.model = model
@@ -290,8 +265,8 @@ def _captured_heads(model: nn.Module, sink: List):
 
 @contextlib.contextmanager
 def _trace_state(model: nn.Module, grad: bool):
-    """Eval mode, activation checkpointing off and (``grad=False``) every
-    parameter requiring a gradient for the block; all restored after."""
+    """Eval mode, checkpointing off and (``grad=False``) all parameters
+    trainable; restored after."""
     modes = {m: m.training for m in model.modules()}
     checkpointed = [
         m for m in model.modules() if getattr(m, 'with_cp', False) is True

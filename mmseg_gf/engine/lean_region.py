@@ -1,18 +1,11 @@
 """The lean trained region: what a training step keeps for backward.
 
-Gradient filtering shrinks what a trained conv keeps (its input's patch sums
-instead of its input), but a conv is surrounded by layers that keep full-size
-tensors of their own: the frozen norm after it, the activation, dropout, and
-the decode head's loss on logits upsampled to the label size.
-:func:`apply_lean_region` swaps those modules of a segmentor for their lean
-variants (:mod:`mmseg_gf.models.lean`), which compute the same forward and
-the same gradients while keeping a per-channel scale, one bit per element, or
-the low-resolution logits. It applies to ``mode='gf'`` and ``'vanilla'``
-alike; ``lean=False`` in the gradient-filter settings leaves the model as it
-is, for comparison.
-
-Modules outside the trained region are swapped too: a lean module runs its
-plain forward whenever autograd does not record it.
+Frozen norms, activations, dropout and the loss around a trained conv keep
+full-size tensors; their lean variants (:mod:`mmseg_gf.models.lean`)
+compute the same forward and gradients while keeping a per-channel scale,
+a bit per element or low-resolution logits. ``lean=False`` leaves the
+model as it is; outside the trained region a lean module runs its plain
+forward.
 """
 from collections import Counter
 from typing import Dict
@@ -30,7 +23,7 @@ def apply_lean_region(model: nn.Module) -> Dict[str, int]:
 
     Returns:
         dict: kind (``norm``, ``activation``, ``dropout``, ``loss``) -> how
-        many modules of the model now are lean.
+        many modules are now lean.
     """
     model = unwrap_model(model)
     for module in list(model.modules()):

@@ -1,32 +1,11 @@
 """Where a GELU may keep only the patch means of its derivative, decided
-from the autograd graph of one traced training step
-(docs/gradient_filter.md#elementwise-ops-between-filtered-layers).
+from the autograd graph of one traced training step.
 
-The rule (:mod:`mmseg_gf.ops.linear.patch_mean_activation`) is exact for the
-filtered gradients when, in the training step's graph:
-
-* the GELU's input is the output of a filtered layer ``U`` that ran its
-  filtered backward (the tensor itself, unchanged: the mark
-  :func:`~mmseg_gf.ops.linear.patch_mean_activation.tag_output` put on it), so
-  ``U`` reads only patch means of the gradient it receives;
-* every node that consumes the GELU's output is the filtered node of a
-  filtered layer ``D`` called on that very tensor (an identity dropout,
-  ``p = 0`` or eval mode, returns it unchanged and adds no node; anything
-  else in between, a dropout with ``p > 0`` included, adds a node and
-  disqualifies the GELU), and each ``D``'s input patches are ``U``'s output
-  patches (the ``input_partition`` of the conv's and the Linear's filtered
-  modules, :class:`~mmseg_gf.models.filtered_layer.FilteredLayer`: same
-  map or token grid, same ``r``, tiles from 0);
-* every call of the module satisfies this on the same partition.
-
-Elsewhere the GELU stays plain (autograd keeps its input). The trace runs
-``model.loss`` once on a random batch of two images at the training size,
-in training mode with frozen norms in eval mode; training flags, buffers
-(BN statistics of trained norms), the random number generators and the
-record of frozen auxiliary heads already logged are restored afterwards.
-It runs after the selection (``select_and_apply``, the path of the config
-rewrite and of GradFilterHook), not in
-:func:`~mmseg_gf.engine.surgery.apply_gradient_filter` alone.
+The rule is exact where the GELU's input is a filtered layer's output and
+every consumer of its output is a filtered layer with the same patches
+(docs/gradient_filter.md#elementwise-ops-between-filtered-layers);
+elsewhere the GELU stays plain. The trace restores training flags,
+buffers and random generators, and runs after the selection.
 """
 import contextlib
 import warnings
@@ -56,9 +35,8 @@ def _plain_gelus(model: nn.Module) -> Dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def _restored(model: nn.Module):
-    """Training flags, buffers and the random number generators as they
-    were, after the block; no auxiliary head logged in it (the first
-    training step logs them)."""
+    """Training flags, buffers and generators restored after the block; no aux
+    head logged."""
     modes = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     device = model_device(model)
@@ -77,8 +55,7 @@ def _restored(model: nn.Module):
 
 def _traced_step_graph(model: nn.Module, input_size):
     """The consumers of every node of one training step's graph (two
-    images: a trained norm on pooled 1x1 maps needs more than one value
-    per channel)."""
+    images)."""
     param = next((p for p in model.parameters()
                   if p.dtype.is_floating_point), None)
     inputs, samples = random_batch(model, input_size, 2,
@@ -90,13 +67,12 @@ def _traced_step_graph(model: nn.Module, input_size):
 
 def find_patch_mean_gelus(model: nn.Module, input_size
                           ) -> Dict[str, PatchPartition]:
-    """The GELUs of ``model`` (by path) where the patch-mean rule is exact,
-    with the partition each relies on, from one traced training step.
+    """The GELUs (by path) where the patch-mean rule is exact, with their
+    partitions.
 
     Args:
         model: a gradient-filtered segmentor (wrapped or not).
-        input_size: ``(H, W)`` of the traced batch (the training crop: the
-            partitions hold the map sizes).
+        input_size: ``(H, W)`` of the traced batch (the training crop).
     """
     model = unwrap_model(model)
     gelus = _plain_gelus(model)
@@ -161,9 +137,8 @@ def _only_filtered_consumers(node, part: PatchPartition, graph,
 
 def install_patch_mean_gelus(model: nn.Module,
                              input_size) -> Dict[str, PatchPartition]:
-    """Make the GELUs :func:`find_patch_mean_gelus` finds keep the patch
-    means of their derivative; the others plain. Returns path ->
-    partition."""
+    """Make the GELUs :func:`find_patch_mean_gelus` finds keep patch means;
+    path -> partition."""
     model = unwrap_model(model)
     found = find_patch_mean_gelus(model, input_size)
     for path, partition in found.items():

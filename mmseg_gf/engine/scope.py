@@ -1,16 +1,10 @@
 """The ``mmseg_gf`` config scope: ``_base_ = 'mmseg_gf::gf/...py'``.
 
-mmengine reads a ``<package>::<path>`` base from the package's
-``.mim/configs`` only for a package named in its ``MODULE2PACKAGE`` table,
-and builds that base's objects from the registries of scope
-``<package>``. :func:`install` (run when :mod:`mmseg_gf.engine` is
-imported) adds the table's entry (``mmseg_gf.registry``: the imported
-package's directory whatever the install) and, under each of mmseg's
-registries, an empty child registry of scope ``mmseg_gf`` whose lookups
-fall through to mmseg's, so a config inheriting from ``mmseg_gf::`` builds
-exactly what the repository's file builds. Both changes go through
-:mod:`mmseg_gf.patching` (docs/patching.md, "Dict entries");
-:func:`uninstall` undoes them."""
+:func:`install` adds ``mmseg_gf`` to mmengine's ``MODULE2PACKAGE`` and,
+under each mmseg registry, a child of scope ``mmseg_gf`` that falls
+through to mmseg's, so such a config builds exactly what the file builds;
+through :mod:`mmseg_gf.patching` (docs/patching.md, "Dict entries").
+"""
 from typing import Dict, List
 
 from mmengine.config import utils as config_utils
@@ -30,10 +24,8 @@ PACKAGE_LOOKUP = 'mmseg_gf.registry'
 
 
 def _child(parent: Registry) -> Registry:
-    """A registry of scope ``mmseg_gf`` for ``parent``: its lazy imports
-    are the parent's and this package (a registry of a scope in
-    ``MODULE2PACKAGE`` without locations would look for
-    ``mmseg_gf.utils.register_all_modules``)."""
+    """A registry of scope ``mmseg_gf`` for ``parent``, with the parent's lazy
+    imports."""
     return Registry(parent.name, scope=SCOPE,
                     locations=list(parent._locations) + ['mmseg_gf.engine'])
 
@@ -54,8 +46,7 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Add ``mmseg_gf`` to mmengine's ``MODULE2PACKAGE`` and each of
-    :data:`REGISTRIES` under its mmseg parent; a no-op when installed."""
+    """Add the scope to mmengine's table and mmseg's registries; idempotent."""
     if _undos:
         return
     _undos.append(patching.set_entry(config_utils.MODULE2PACKAGE, SCOPE,
@@ -67,8 +58,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: mmengine's table and mmseg's registries as
-    they were (the child registries stay, detached)."""
+    """Undo :func:`install` (the child registries stay, detached)."""
     while _undos:
         _undos.pop()()
     for child in REGISTRIES.values():

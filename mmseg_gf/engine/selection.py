@@ -1,18 +1,9 @@
 """Which layers to gradient-filter, and with which patch size: the policy.
 
-The selection trace (:mod:`.layer_trace`) lists a segmentor's layers of the
-registered kinds in forward execution order on the inference path, with
-which of them a loss gradient reaches; this module chooses the last N that
-feed the output, or named module paths, each with its radius.
-
-Classifiers (every decode head's ``conv_seg``, each head's of a cascade,
-PointRend's ``fc_seg``; Segmenter's ``patch_proj`` / ``classes_proj``; SAN's
-``rec_with_attnbias.proj``) are always trained and never counted among the
-N unless named; ``num_layers`` refuses a segmentor where none feeds the
-output. ``layer_kinds`` says which kinds count (default: all; ``['conv2d']``:
-the paper's count). A Linear on no token grid (CGNet's global-context FCs,
-Segmenter's class embeddings) is not counted, skipped in a container, and
-refused by name.
+Chooses, from the selection trace (:mod:`.layer_trace`), the last N layers
+that feed the output or named module paths, each with its radius.
+Classifiers are always trained and never counted unless named; which ones
+they are per family is in docs/settings.md.
 """
 import difflib
 from dataclasses import dataclass, field
@@ -42,8 +33,8 @@ __all__ = [
 
 
 def check_layer_kinds(layer_kinds) -> Tuple[str, ...]:
-    """Validate the ``layer_kinds`` setting: None (every registered kind)
-    or a non-empty list of registered kind names.
+    """Validate ``layer_kinds``: None (every kind) or a non-empty list of
+    kinds.
 
     Returns:
         the kind names, in registration order.
@@ -73,7 +64,7 @@ MAX_INPUT_SIDE = 8192
 
 
 def check_input_size(size) -> Tuple[int, int]:
-    """Validate ``input_size``: an int or an ``(H, W)`` pair of ints in
+    """Validate ``input_size``: an int or ``(H, W)``, sides in
     ``[1, MAX_INPUT_SIDE]``.
 
     Raises:
@@ -92,17 +83,7 @@ def check_input_size(size) -> Tuple[int, int]:
 
 @dataclass
 class LayerChoice:
-    """One selected layer: where it is, what it computes, which radius.
-
-    Attributes:
-        path: dotted module path (a ``state_dict`` prefix).
-        module: the layer (after surgery: its kind's filtered module).
-        in_shape, out_shape: ``(C, H, W)`` at the trace's ``input_hw``.
-        geometry: its kind's
-            :class:`~mmseg_gf.models.layer_kinds.LayerGeometry` at the traced
-            call, for the cost model.
-        norm_path: the norm layer directly after the conv, if any.
-    """
+    """One selected layer: its path, module, shapes, geometry and radius."""
 
     path: str
     module: nn.Module
@@ -116,19 +97,15 @@ class LayerChoice:
 
     @property
     def output_stride(self) -> int:
-        """Input-image pixels per output pixel of this layer (1, 2, 4,
-        ...), by its map (a Swin window's Linear by the stage's map)."""
+        """Input-image pixels per output pixel of this layer."""
         return map_output_stride(self.input_hw, self.geometry.map_area)
 
 
 def radius_over_map(choice: LayerChoice) -> Optional[str]:
-    """Why ``choice``'s radius is larger than its output map at the traced
-    input size (a sentence naming the layer, the radius and the map), or
-    None when ``r`` is at most the map's height and width.
+    """Why ``choice``'s radius exceeds its traced output map, or None.
 
-    Such a radius is valid (the one patch along that side is the whole
-    side) but seldom what was meant: the layer's gradient is then averaged
-    over that whole side, whatever the radius beyond it."""
+    Valid, but seldom meant: the gradient is then averaged over the whole side.
+    """
     _, h, w = choice.out_shape
     if choice.radius <= h and choice.radius <= w:
         return None
@@ -141,14 +118,10 @@ def radius_over_map(choice: LayerChoice) -> Optional[str]:
 
 
 def auto_radius(output_stride: int) -> int:
-    """The 'auto' radius rule: coarser maps get smaller patches.
+    """The 'auto' radius: stride <= 4 -> 8, 8 -> 4, >= 16 -> 2.
 
-    Output stride <= 4 -> 8, 8 -> 4, >= 16 -> 2, as in the reference UPerNet
-    setting, so a patch covers about 32 image pixels at every level (``d8``
-    backbones keep layer3, layer4 and the head at 1/8: ``r = 4``). Dilation is
-    ignored: the operator keeps taps with ``d >= r`` on the pooled grid. For
-    the reference DeepLabV3's hand-tuned ASPP patches give a dict, e.g.
-    ``{'*': 3, 'decode_head.aspp_modules.2': 6, 'decode_head.aspp_modules.3': 9}``.
+    A patch then covers about 32 image pixels at every level, as in the
+    reference UPerNet setting; dilation is ignored.
     """
     if output_stride <= 4:
         return 8
@@ -166,10 +139,8 @@ def resolve_radius(radius: RadiusSetting, path: str,
                    output_stride: int) -> int:
     """The radius of one layer from the ``radius`` setting.
 
-    ``radius``: an int, ``'auto'`` (:func:`auto_radius` of ``output_stride``), or
-    ``{module path prefix: int or 'auto'}``, where the longest prefix matching
-    whole path components wins (``'backbone.layer4'`` matches
-    ``backbone.layer4.1.conv2``, not ``backbone.layer40``) and ``'*'`` is the
+    ``radius``: an int, ``'auto'``, or ``{path prefix: int or 'auto'}`` where
+    the longest prefix matching whole path components wins and ``'*'`` is the
     fallback.
 
     Raises:
@@ -194,9 +165,7 @@ def resolve_radius(radius: RadiusSetting, path: str,
 
 
 def check_radius_paths(model: nn.Module, radius: RadiusSetting) -> None:
-    """Refuse a ``radius`` dict with a key that is no module path of
-    ``model`` (a typo), whatever else it holds: a ``'*'`` fallback would
-    otherwise give the misspelt layers its radius without a word.
+    """Refuse a ``radius`` key that is no module path of ``model`` (a typo).
 
     Raises:
         ValueError: naming the key, close matches and the allowed keys.
@@ -296,8 +265,7 @@ def select_layers(model: nn.Module,
 
 @dataclass
 class _KindNote:
-    """The ``layer_kinds`` setting and the kinds the model runs, for the
-    errors of an empty choice."""
+    """The ``layer_kinds`` setting and the kinds the model runs, for errors."""
 
     kinds: Tuple[str, ...]
     ran: List[str]
@@ -313,10 +281,7 @@ class _KindNote:
 
 def check_radius_keys_used(radius: RadiusSetting,
                            paths: Sequence[str]) -> None:
-    """Refuse a ``radius`` dict key (other than ``'*'``) that matches no
-    selected layer: it would be ignored without a word (a layer left out
-    of the selection, or a part of a selected layer such as an attention's
-    ``out_proj``, whose radius is the whole layer's).
+    """Refuse a ``radius`` key (not ``'*'``) that matches no selected layer.
 
     Raises:
         ValueError: naming the key and the selected layers.
@@ -339,8 +304,8 @@ def check_radius_keys_used(radius: RadiusSetting,
 
 def _last_n_layers(model: nn.Module, records: List[LayerRecord],
                    num_layers, note: '_KindNote') -> List[LayerRecord]:
-    """The last ``num_layers`` inference-path convs that feed the output,
-    classifiers excluded (see :func:`select_layers`)."""
+    """The last ``num_layers`` layers that feed the output, classifiers
+    excluded."""
     name = type(model).__name__
     classifiers = [
         r.path for r in records
@@ -394,8 +359,7 @@ def _nouns(recs: Sequence[LayerRecord]) -> str:
 
 
 def has_grid(rec: LayerRecord) -> bool:
-    """Whether a traced layer can be filtered at its traced call: a conv,
-    or tokens on a grid."""
+    """Whether a traced layer can be filtered: a conv, or tokens on a grid."""
     return getattr(rec.geometry, 'grid', True) is not None
 
 
@@ -440,8 +404,7 @@ def _named_layers(model: nn.Module, records: List[LayerRecord],
 def _convs_reached_in(model: nn.Module, modules: Dict[str, nn.Module],
                       records: List[LayerRecord], path: str,
                       note: _KindNote) -> List[LayerRecord]:
-    """The convs at or inside ``path`` that some loss gradient reaches (a
-    head's classifier only when named itself); errors name the path."""
+    """The convs at or inside ``path`` that some loss gradient reaches."""
     if path not in modules:
         close = difflib.get_close_matches(path, list(modules), n=3)
         hint = f'; did you mean {close}?' if close else ''

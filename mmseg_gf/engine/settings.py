@@ -1,20 +1,10 @@
 """The gradient-filter settings, declared once.
 
-A config's ``gradient_filter=dict(...)`` (:func:`.config.rewrite_config`),
-the ``GradFilterModel`` builder, ``GradFilterHook``'s arguments and what
-the tools read of a config (``tools/analyze_cost.py``: a hook's settings)
-all take the same settings. Each is one field of
-:class:`GradientFilterSettings`, with its default, its check and its doc;
-the key lists (:data:`SETTING_KEYS`, :data:`FLAGS`, :data:`SURGERY_FLAGS`)
-and the defaults (:data:`DEFAULTS`) are read off the fields, so a new
-setting is one field here (and a row of README's Settings table, which a
-test holds to the field list). ``GradFilterHook`` takes two more
-arguments of its own, declared here too with their defaults and docs
-(:data:`HOOK_OPTIONS`); :data:`ACCEPTED_KEYS` is everything the hook
-accepts.
-
-Every error names the setting, its value and what is allowed, and comes
-before any model is built.
+The config rewrite, ``GradFilterModel``, ``GradFilterHook`` and the tools
+take the same settings: each is one field of
+:class:`GradientFilterSettings` with its default, check and doc, and the
+key lists and defaults are read off the fields. Every error names the
+setting, its value and what is allowed, before any model is built.
 """
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -75,26 +65,18 @@ def _layer_kinds(kinds: Any) -> List[str]:
 def _setting(default: Any, doc: str,
              check: Optional[Callable[[Any], Any]] = None,
              surgery: bool = False):
-    """A field: its default, its doc and the check that returns its
-    normalised value (None skips the check of a setting whose default is
-    None). ``surgery``: a flag :func:`.surgery.apply_gradient_filter`
-    takes."""
+    """A field: its default, its doc and the check that normalises its
+    value."""
     return field(default=default,
                  metadata=dict(doc=doc, check=check, surgery=surgery))
 
 
 @dataclass(frozen=True)
 class GradientFilterSettings:
-    """Which layers gradient filtering trains and how; checked (and
-    normalised) when made. :meth:`from_dict` makes one from a config's
-    dict, refusing unknown keys by name.
+    """Which layers gradient filtering trains and how; checked when made.
 
-    Frozen: the entry points (:func:`.config.rewrite_config`, the
-    ``GradFilterModel`` builder, ``GradFilterHook``) check a dict once and
-    pass this object down; a value derived later (the trace's
-    ``input_size``, a budget's ``batch``) is a new object
-    (``dataclasses.replace``, which checks it again), so no caller's dict
-    or settings change under it.
+    Frozen: a dict is checked once and this object passed down; a value
+    derived later is a new object, so no caller's settings change under it.
     """
     num_layers: Optional[int] = _setting(
         None, 'train the last N layers of `layer_kinds` (execution order)',
@@ -145,13 +127,10 @@ class GradientFilterSettings:
 
     @classmethod
     def from_dict(cls, settings: Any) -> 'GradientFilterSettings':
-        """Checked settings from a dict with keys among
-        :data:`SETTING_KEYS` (the others take their defaults).
+        """Checked settings from a dict with keys among :data:`SETTING_KEYS`.
 
         Raises:
-            ValueError: not a dict, an unknown key, or a setting
-                :func:`check_settings` refuses; the message says what is
-                allowed.
+            ValueError: not a dict, an unknown key, or a refused setting.
         """
         if not isinstance(settings, dict):
             raise ValueError(
@@ -169,15 +148,12 @@ class GradientFilterSettings:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def surgery_flags(self) -> Dict[str, bool]:
-        """The flags :func:`.surgery.apply_gradient_filter` takes
-        (:data:`SURGERY_FLAGS`), by name."""
+        """The flags :func:`.surgery.apply_gradient_filter` takes, by name."""
         return {k: getattr(self, k) for k in SURGERY_FLAGS}
 
 
 def as_settings(settings: Any) -> GradientFilterSettings:
-    """``settings`` as checked :class:`GradientFilterSettings`: the object
-    itself when it is one (checked when it was made), else a dict checked
-    once by :meth:`GradientFilterSettings.from_dict`.
+    """``settings`` as checked :class:`GradientFilterSettings`.
 
     Raises:
         ValueError: as :meth:`GradientFilterSettings.from_dict`.
@@ -206,8 +182,7 @@ SURGERY_FLAGS: Tuple[str, ...] = tuple(k for k, f in _FIELDS.items()
 
 @dataclass(frozen=True)
 class HookOption:
-    """An argument ``GradFilterHook`` takes besides the settings: what the
-    hook does in the run, not which layers train."""
+    """An argument ``GradFilterHook`` takes besides the settings."""
 
     default: bool
     doc: str
@@ -233,17 +208,15 @@ ACCEPTED_KEYS: Tuple[str, ...] = SETTING_KEYS + tuple(HOOK_OPTIONS)
 
 
 def setting_docs() -> Dict[str, Tuple[Any, str]]:
-    """Every accepted key -> ``(default, doc)``, in
-    :data:`ACCEPTED_KEYS` order (what a settings reference is written
-    from)."""
+    """Every accepted key -> ``(default, doc)``, in :data:`ACCEPTED_KEYS`
+    order."""
     out = {k: (f.default, f.metadata['doc']) for k, f in _FIELDS.items()}
     out.update({k: (o.default, o.doc) for k, o in HOOK_OPTIONS.items()})
     return out
 
 
 def _check(out: Dict[str, Any], keys: Sequence[str]) -> None:
-    """Check (and normalise in place) ``keys``, in this order: a flag is
-    True or False; a setting whose default is None is checked when given."""
+    """Check and normalise ``keys`` in place."""
     for key in keys:
         value, f = out[key], _FIELDS[key]
         if key in FLAGS:
@@ -255,9 +228,7 @@ def _check(out: Dict[str, Any], keys: Sequence[str]) -> None:
 
 
 def _check_all(out: Dict[str, Any]) -> None:
-    """Every rule, in the order whose first failure is reported: the layer
-    kinds, one choice of layers, then the budget's rules or the layers'
-    and radius', then mode, the flags and input_size."""
+    """Every rule, in the order whose first failure is reported."""
     _check(out, ('layer_kinds', ))
     if sum(out[k] is not None for k in CHOICE_KEYS) != 1:
         raise ValueError('gradient_filter: give exactly one of num_layers '
@@ -276,8 +247,8 @@ def _check_all(out: Dict[str, Any]) -> None:
 
 
 def _check_budget_settings(out: Dict[str, Any], late: Sequence[str]) -> None:
-    """A budget chooses layers and radii itself, for filtered convs with
-    frozen norms."""
+    """A budget chooses layers and radii itself, for filtered convs with frozen
+    norms."""
     _check(out, ('budget', ))
     if out['radius'] is not None:
         raise ValueError(
@@ -306,14 +277,12 @@ def check_settings(settings: Any) -> Dict[str, Any]:
             :class:`GradientFilterSettings`).
 
     Returns:
-        dict: a new dict of every setting, the defaults filled (:data:`DEFAULTS`; radius
-        4 unless a budget chooses the radii).
+        dict: a new dict of every setting, the defaults filled.
 
     Raises:
         ValueError: not a dict, unknown key, not exactly one of
-            num_layers / layers / budget, a budget with a radius (its
-            candidates go in ``budget['radii']``), with ``mode`` other than
-            'gf' or with ``train_norm``, bad mode, radius, budget or
+            num_layers / layers / budget, a budget with a radius, mode other
+            than 'gf' or ``train_norm``, bad mode, radius, budget or
             input_size. Errors say what is allowed.
     """
     return as_settings(settings).as_dict()

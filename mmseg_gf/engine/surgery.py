@@ -1,9 +1,7 @@
-"""Swap selected layers for their kind's filtered module (a conv for
-GFConv2d) and freeze everything else.
+"""Swap selected layers for their kind's filtered module and freeze the rest.
 
-The swap shares Parameters (the kind's ``from_plain``:
-``GFConv2d.from_conv``), so ``state_dict`` keys and values are unchanged
-and an optimizer built before the swap stays valid.
+The swap shares Parameters, so ``state_dict`` keys and values are unchanged
+and an optimizer built before it stays valid.
 """
 import logging
 from typing import List, Optional, Sequence
@@ -56,34 +54,25 @@ def apply_gradient_filter(model: nn.Module,
                           keep_frozen_aux_heads: bool = False,
                           log_frozen_aux_losses: bool = False
                           ) -> List[LayerChoice]:
-    """Swap the chosen layers to their kind's filtered module (convs to
-    GFConv2d) and freeze all other parameters.
+    """Swap the chosen layers to their kind's filtered module and freeze all
+    other parameters.
 
-    Trainable afterwards: the chosen convs, the decode head's ``conv_seg``
-    and, with ``train_norm=True``, the norm layer directly following each
-    chosen conv. Freezing is what makes the backward cheap: autograd then
-    stops at the first chosen conv (no ``g_x`` needed there) and frozen
-    layers save nothing for backward.
-
-    Idempotent: a model already marked is returned unchanged (the applied
-    choices are returned), so a config-rewritten model passing through a
-    GradFilterHook is not filtered twice.
+    Trainable afterwards: the chosen layers, the classifiers and, with
+    ``train_norm``, the norm after each chosen layer. Freezing makes the
+    backward cheap: autograd stops at the first chosen layer and frozen layers
+    save nothing. Idempotent: a model already marked is returned unchanged.
 
     Args:
         model: the segmentor (unwrapped, or a wrapper with ``.module``).
         choices: from :func:`select_layers` on this model.
         mode: ``'gf'`` or ``'vanilla'`` (exact backward, same layers).
-        train_norm: also train the norms following the chosen convs.
-        lean: swap the frozen norms, activations, dropout and the decode
-            head's loss for variants that keep only what their backward
-            needs (:mod:`mmseg_gf.engine.lean_region`); same forward, same
-            gradients.
-        keep_frozen_aux_heads: run frozen auxiliary heads, as mmseg
-            does; False leaves them out of training steps: a head on
-            frozen features trains nothing, one on trained features is cut
-            off from the backbone (:mod:`mmseg_gf.engine.frozen_aux_heads`).
-        log_frozen_aux_losses: the left-out heads' losses, computed without
-            autograd, are still returned for the log.
+        train_norm: also train the norms following the chosen layers.
+        lean: frozen norms, activations, dropout and the loss keep only what
+            their backward needs (:mod:`mmseg_gf.engine.lean_region`); same
+            forward, same gradients.
+        keep_frozen_aux_heads: run frozen auxiliary heads as mmseg does;
+            False leaves them out (:mod:`mmseg_gf.engine.frozen_aux_heads`).
+        log_frozen_aux_losses: still log the left-out heads' losses.
 
     Returns:
         list[LayerChoice]: the choices, ``module`` now the filtered one.
@@ -111,10 +100,7 @@ def apply_gradient_filter(model: nn.Module,
 
 
 def warn_radius_over_map(choices: Sequence[LayerChoice]) -> None:
-    """A warning (mmengine's current logger) for each chosen layer whose
-    radius is larger than its output map (:func:`.selection.radius_over_map`):
-    an 8x8 crop leaves a 2x2 map at 1/4 of it, where r = 4 would train
-    without a word."""
+    """Warn for each chosen layer whose radius exceeds its output map."""
     for choice in choices:
         reason = radius_over_map(choice)
         if reason is not None:
@@ -123,10 +109,8 @@ def warn_radius_over_map(choices: Sequence[LayerChoice]) -> None:
 
 def _swap_chosen_layers(model: nn.Module, choices: Sequence[LayerChoice],
                         enabled: bool) -> None:
-    """Install what the chosen kinds read in every step, then put each
-    chosen layer's filtered module in its place (``choice.module`` becomes
-    it). Installing first, once per kind, so that a Linear kind's token
-    grids are current from the first step on."""
+    """Install what the chosen kinds read per step, then swap each chosen
+    layer."""
     chosen_kinds = {c.kind for c in choices}
     for kind in layer_kinds():
         # what the kinds' filtered modules read in every step (the Linear
@@ -149,9 +133,8 @@ def _swap_chosen_layers(model: nn.Module, choices: Sequence[LayerChoice],
 
 def _freeze_all_but(model: nn.Module, choices: Sequence[LayerChoice],
                     train_norm: bool) -> None:
-    """Freeze every parameter, then unfreeze the chosen layers, the
-    classifiers and (``train_norm``) the norms after the chosen layers:
-    freezing is what lets autograd stop at the first chosen layer."""
+    """Freeze every parameter but the chosen layers, classifiers and
+    (``train_norm``) norms."""
     for p in model.parameters():
         p.requires_grad_(False)
     trained = [c.path for c in choices] + classifier_paths(model)

@@ -1,9 +1,5 @@
-"""What the tools' command lines share: mmseg's common flags of
-tools/train.py and tools/test.py, the checkpoint types a user trusts
-explicitly, writing a tool's ``--out`` json.
-
-The tools follow mmseg 1.x's scripts flag for flag; the runs themselves are
-in :mod:`mmseg_gf.engine.entrypoints`.
+"""What the tools' command lines share: mmseg's common flags, trusted
+checkpoint types, and writing ``--out`` json.
 """
 import argparse
 import json
@@ -21,7 +17,7 @@ __all__ = [
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """``--cfg-options``, ``--launcher``, ``--local-rank`` and
+    """``--cfg-options``, ``--launcher``, ``--local-rank``,
     ``--trust-checkpoint-type``."""
     parser.add_argument(
         '--cfg-options',
@@ -43,8 +39,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_trust_argument(parser: argparse.ArgumentParser) -> None:
-    """``--trust-checkpoint-type``, repeatable, read into
-    ``args.trust_checkpoint_types``."""
+    """``--trust-checkpoint-type``, repeatable."""
     parser.add_argument(
         TRUST_FLAG,
         dest='trust_checkpoint_types',
@@ -59,16 +54,13 @@ def add_trust_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_common_args(args: argparse.Namespace) -> None:
-    """What the common flags do before a run: export ``LOCAL_RANK``, trust
-    the named checkpoint types."""
+    """Export ``LOCAL_RANK`` and trust the named checkpoint types."""
     export_local_rank(args)
     trust_checkpoint_types(args.trust_checkpoint_types)
 
 
 def export_local_rank(args: argparse.Namespace) -> None:
-    """Export ``--local-rank`` as ``LOCAL_RANK`` when the launcher did not
-    (``torch.distributed.launch`` passes the flag; mmengine reads the
-    variable)."""
+    """Export ``--local-rank`` as ``LOCAL_RANK`` when the launcher did not."""
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
 

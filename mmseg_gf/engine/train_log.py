@@ -1,14 +1,6 @@
-"""What the training log states besides mmengine's own fields: the step's
-precision and, on CPU, the measured peak memory of the logged steps.
-
-mmengine logs ``memory`` (``torch.cuda.max_memory_allocated`` since the
-previous log line) only on CUDA. On CPU, :class:`PeakResidentMemory` gives
-the process's peak resident set size (Linux ``VmHWM``) over the iterations
-since the previous log line: the peak is reset (``/proc/self/clear_refs``,
-value 5) when a logged interval starts, and ``GradFilterHook`` puts it in
-the log line as ``peak_rss`` (MiB). It counts everything the process holds
-(weights, optimizer state, Python, freed memory the C library keeps), not
-only live tensors; dataloader worker processes are not counted.
+"""What the training log states besides mmengine's fields: the precision
+and, on CPU, the peak resident memory per log interval (``peak_rss``,
+docs/usage.md).
 """
 import os
 from typing import Optional
@@ -23,8 +15,7 @@ PEAK_KEY = 'peak_rss'
 
 
 def precision_summary(optim_wrapper) -> str:
-    """One line naming the training precision: AMP's autocast dtype (and
-    the wrapper doing it) or that AMP is off."""
+    """One line naming the training precision."""
     wrappers = getattr(optim_wrapper, 'optim_wrappers', None)
     items = list(wrappers.values()) if isinstance(wrappers, dict) else [
         optim_wrapper]
@@ -43,8 +34,7 @@ def precision_summary(optim_wrapper) -> str:
 
 
 def _status_bytes(key: str) -> Optional[int]:
-    """A ``kB`` field of ``/proc/self/status`` in bytes (None where there
-    is none: not Linux)."""
+    """A ``kB`` field of ``/proc/self/status`` in bytes, or None."""
     try:
         with open('/proc/self/status') as f:
             for line in f:
@@ -56,22 +46,18 @@ def _status_bytes(key: str) -> Optional[int]:
 
 
 def peak_resident_bytes() -> Optional[int]:
-    """The process's highest resident memory so far (Linux ``VmHWM`` in
-    ``/proc/self/status``; None elsewhere)."""
+    """The process's highest resident memory so far (``VmHWM``), or None."""
     return _status_bytes('VmHWM')
 
 
 def resident_bytes() -> Optional[int]:
-    """The process's resident memory now (Linux ``VmRSS``; None
-    elsewhere)."""
+    """The process's resident memory now (``VmRSS``), or None."""
     return _status_bytes('VmRSS')
 
 
 class PeakResidentMemory:
-    """The process's peak resident memory since the last :meth:`reset`
-    (Linux: ``VmHWM``, which ``/proc/self/clear_refs`` resets to the
-    current resident size). Process-wide: anything else reading ``VmHWM``
-    sees the reset too."""
+    """Peak resident memory since the last :meth:`reset` (process-wide
+    reset)."""
 
     def __init__(self) -> None:
         self.supported = peak_resident_bytes() is not None and os.access(
@@ -95,8 +81,7 @@ class PeakResidentMemory:
 
 
 def logged_now(runner, batch_idx: int) -> bool:
-    """Whether the runner's ``LoggerHook`` writes a log line after this
-    training iteration (its own rule, mmengine 0.10)."""
+    """Whether the ``LoggerHook`` writes a log line after this iteration."""
     for hook in runner.hooks:
         if not isinstance(hook, LoggerHook):
             continue

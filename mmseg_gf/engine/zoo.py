@@ -1,11 +1,6 @@
-"""mmseg's own config zoo as a user brings it.
-
-Where mmseg 1.x installs its configs (``mmseg/.mim/configs``), the twelve
-real-time families that the step benchmarks and the exactness tests of
-``tests/test_engine/test_realtime_families.py`` run, and the one adaptation
-that lets a zoo config build and train in a single process without
-downloads (:func:`make_offline`): the zoo's configs are written for
-multi-GPU runs from ImageNet-pretrained backbones.
+"""mmseg's own config zoo as a user brings it: where it is installed, the
+real-time families the benchmarks and tests run, and :func:`make_offline`,
+which lets a zoo config build and train in one process without downloads.
 """
 import os.path as osp
 from dataclasses import dataclass
@@ -20,8 +15,7 @@ __all__ = ['ZooFamily', 'REALTIME_FAMILIES', 'TRANSFORMER_FAMILIES',
 
 
 def mmseg_config_dir() -> str:
-    """The ``configs`` directory that mmseg installs with itself (``mim``
-    puts the repository's ``configs`` under the package's ``.mim``)."""
+    """The ``configs`` directory mmseg installs under its ``.mim``."""
     return osp.join(osp.dirname(mmseg.__file__), '.mim', 'configs')
 
 
@@ -30,11 +24,9 @@ class ZooFamily:
     """One model family of mmseg's zoo, by one of its configs.
 
     Attributes:
-        label: display name.
         config: path relative to :func:`mmseg_config_dir`.
         crop: the config's training crop ``(H, W)``.
-        min_crop: the smallest square input side the model runs at, where
-            a layer needs more than the usual 32 pixels (``why``).
+        min_crop: the smallest square side the model runs at.
         why: the reason for ``min_crop`` (empty when it is 32).
     """
 
@@ -165,18 +157,11 @@ def _offline_module(d: dict) -> None:
 
 
 def offline_model_config(model_cfg: dict) -> dict:
-    """A zoo ``model`` config that builds and trains in one process on a
-    machine without downloads, in place (also returned).
+    """A zoo ``model`` config that trains in one process without downloads, in
+    place.
 
-    * ``SyncBN`` -> ``BN`` everywhere: the model a single-process run
-      trains (mmengine's Runner reverts SyncBN outside distributed runs; a
-      model built without the Runner would keep it);
-    * ``pretrained=None`` and every ``init_cfg`` that names a checkpoint
-      (``type='Pretrained'`` or a ``checkpoint`` key) removed: the weights
-      are the modules' own random init.
-
-    Nothing else changes: the layers, their widths and the heads are the
-    zoo's.
+    SyncBN becomes BN and every pretrained checkpoint is dropped (random
+    init); the layers and heads are the zoo's.
     """
     _walk_dicts(model_cfg, _offline_module)
     return model_cfg

@@ -1,23 +1,12 @@
 """Checkpoints on the local disk written so that a cut leaves the old file
 or the new one, never a part of one.
 
-mmengine 0.10.7 writes a checkpoint in place with one ``write``, and
-``CheckpointHook`` rewrites ``last_checkpoint`` in place and deletes the
-outdated checkpoints *before* it writes the new one: a cut leaves a
-truncated file that ``last_checkpoint`` may name, the older good files
-gone. Here every write goes into a hidden temporary file in the same
-folder (``.gf-partial-<name>.<pid>.<random>``), flushed and ``fsync``-ed,
-then ``os.replace``-d into place, then the folder is ``fsync``-ed.
-
-:func:`install_atomic_checkpoints` (called when :mod:`mmseg_gf.engine` is
-imported) puts this behind ``LocalBackend.put`` / ``put_text`` and gives
-``CheckpointHook`` a ``_save_checkpoint_with_step`` that writes
-``last_checkpoint`` the same way and deletes the outdated checkpoint only
-after the new one and ``last_checkpoint`` are complete, through
-:func:`~mmseg_gf.patching.override` (docs/patching.md);
-:func:`uninstall_atomic_checkpoints` undoes them. What holds and what does
-not (other backends, storage that acknowledges ``fsync`` early):
-docs/reliability.md, "Checkpoints survive a cut"."""
+Every write goes to a hidden temporary file in the same folder, is
+``fsync``-ed and renamed into place; ``CheckpointHook`` deletes outdated
+checkpoints only after the new one and ``last_checkpoint`` are complete.
+Installed through :func:`~mmseg_gf.patching.override` (docs/patching.md);
+what holds: docs/reliability.md#checkpoints-survive-a-cut.
+"""
 import contextlib
 import os
 import os.path as osp
@@ -43,21 +32,16 @@ CHUNK_BYTES = 1 << 20
 
 
 def write_chunks(file, data: bytes, path: str) -> None:
-    """Write ``data`` to the open binary ``file`` (the temporary file of
-    ``path``) in parts of :data:`CHUNK_BYTES`.
-
-    :func:`atomic_write_bytes` looks it up at each call, so that the
-    fault-injection benchmark can stop the write of a chosen ``path`` at a
-    byte offset (:mod:`mmseg_gf.analysis.fault_injection`).
-    """
+    """Write ``data`` to ``file`` in parts; looked up per call so fault
+    injection can cut it."""
     view = memoryview(data)
     for start in range(0, len(view), CHUNK_BYTES):
         file.write(view[start:start + CHUNK_BYTES])
 
 
 def fsync_folder(folder: str) -> None:
-    """``fsync`` a folder, so that a rename in it is on the disk. A system
-    that cannot open a folder (Windows) makes this a no-op."""
+    """``fsync`` a folder so that a rename in it is on the disk (no-op where
+    unsupported)."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
     except OSError:
@@ -69,13 +53,11 @@ def fsync_folder(folder: str) -> None:
 
 
 def atomic_write_bytes(data: bytes, path: str) -> None:
-    """Write ``data`` to ``path`` through a temporary file in its folder:
-    write, flush, ``fsync``, ``os.replace``, ``fsync`` of the folder.
+    """Write ``data`` to ``path`` through a temporary file, ``fsync`` and
+    rename.
 
-    The folder is created if missing. Until the rename, ``path`` holds what
-    it held before; the temporary file is removed if the write fails (a
-    killed process leaves it: :func:`remove_partial_writes`). The file is
-    created with mode ``0o666`` less the umask, as ``open(path, 'wb')``.
+    Until the rename ``path`` holds what it held; the folder is created if
+    missing and the file gets ``open(path, 'wb')``'s mode.
     """
     folder = osp.dirname(osp.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -101,8 +83,8 @@ def atomic_write_text(text: str, path: str, encoding: str = 'utf-8') -> None:
 
 
 def remove_partial_writes(folder: str) -> List[str]:
-    """Delete the temporary files a cut left in ``folder`` (names starting
-    with :data:`PARTIAL_PREFIX`); returns their names."""
+    """Delete the temporary files a cut left in ``folder``; returns their
+    names."""
     if not osp.isdir(folder):
         return []
     removed = []
@@ -135,12 +117,8 @@ def _remove_checkpoint(hook: CheckpointHook, step: int) -> None:
 
 
 def _save_checkpoint_with_step(self, runner, step, meta) -> None:
-    """mmengine 0.10.7's ``CheckpointHook._save_checkpoint_with_step`` with
-    the outdated checkpoint deleted last: save the new checkpoint, write
-    ``last_checkpoint`` (atomically), then delete. The kept steps
-    (``keep_ckpt_ids``, stored in the checkpoint's message hub) are
-    updated before the save, as mmengine does, so a resumed run deletes
-    the same files."""
+    """mmengine 0.10.7's ``_save_checkpoint_with_step``, the outdated
+    checkpoint deleted last."""
     outdated: Optional[int] = None
     if self.max_keep_ckpts > 0 and not (
             self.keep_ckpt_ids and self.keep_ckpt_ids[-1] == step):
@@ -174,8 +152,7 @@ def atomic_checkpoints_installed() -> bool:
 
 
 def install_atomic_checkpoints() -> None:
-    """Make local checkpoint writes atomic (see the module doc); a second
-    call does nothing."""
+    """Make local checkpoint writes atomic; idempotent."""
     if _UNDO:
         return
     patches = ((LocalBackend, 'put', _put),
@@ -187,7 +164,6 @@ def install_atomic_checkpoints() -> None:
 
 
 def uninstall_atomic_checkpoints() -> None:
-    """Give mmengine back its own writes (the undo of
-    :func:`install_atomic_checkpoints`)."""
+    """Give mmengine back its own writes."""
     while _UNDO:
         _UNDO.pop()()

@@ -1,20 +1,12 @@
-"""The non-torch data of mmengine checkpoints, rebuilt by stand-ins that
-check every argument before anything is built.
+"""The non-torch data of mmengine checkpoints, rebuilt by checking stand-ins.
 
-Allow-listing numpy's and mmengine's own classes for
-``torch.load(weights_only=True)`` would hand a crafted file their
-unchecked code (numpy's dtype ``__setstate__`` reading the file's bytes
-as object pointers, ``HistoryBuffer.__setstate__`` writing the
-class-wide ``statistics_methods``). So the names a checkpoint uses
-resolve to these stand-ins instead: :func:`rebuild_dtype` /
-:class:`CheckedDtype`, :class:`CheckedArray`, a checked scalar,
-:class:`CheckedHistoryBuffer` and :func:`checked_getattr`, each accepting
-exactly what numpy or mmengine write (docs/reliability.md, "Checkpoints
-are data", tabulates them and the defects).
-
-Every refusal is a :class:`RefusedCheckpointError` naming what the file
-holds and the ``--trust-checkpoint-type`` value that would hand that name
-back to its own, unchecked code (:mod:`.safe_load`)."""
+Allow-listing numpy's and mmengine's own classes would hand a crafted file
+their unchecked ``__setstate__``; so a checkpoint's names resolve to these
+stand-ins, each accepting exactly what numpy or mmengine write
+(docs/reliability.md#checkpoints-are-data). Every refusal is a
+:class:`RefusedCheckpointError` naming the ``--trust-checkpoint-type``
+value that would hand the name back to its own code.
+"""
 import importlib
 import pickle
 import re
@@ -56,19 +48,17 @@ _REPR.maxstring = _REPR.maxother = 60
 
 
 class RefusedCheckpointError(pickle.UnpicklingError):
-    """A checkpoint holds a type, or a value of an allowed type, that is
-    not allowed to load."""
+    """A checkpoint holds a type or value that is not allowed to load."""
 
 
 def refusal(holds: str, why: str,
             trust: Optional[str] = None) -> RefusedCheckpointError:
-    """The error for a refused checkpoint (one line).
+    """The one-line error for a refused checkpoint.
 
     Args:
         holds: what the file holds, as a user can recognise it.
         why: why it is refused.
-        trust: the ``--trust-checkpoint-type`` value that hands it to its
-            own code; None: no value does.
+        trust: the ``--trust-checkpoint-type`` value; None: no value does.
     """
     text = f'checkpoint refused: it holds {holds}: {why}.'
     if trust is None:
@@ -111,17 +101,12 @@ def _plain_dtype_problem(dtype: np.dtype) -> Optional[str]:
 
 
 class CheckedDtype:
-    """A numpy dtype read from a checkpoint: a plain kind, the state numpy
-    writes for it.
+    """A numpy dtype read from a checkpoint: a plain kind and the state numpy
+    writes.
 
-    numpy pickles a dtype as ``numpy.dtype(spec, False, True)`` followed by
-    ``__setstate__((3, byteorder, None, None, None, elsize, alignment,
-    flags))``. torch's unpickler can only hand that state to the object the
-    call returned, so the call returns this holder and its
-    ``__setstate__`` accepts only the state of ``spec`` in one of its byte
-    orders. ``np.dtype(checked)`` and ``np.zeros(..., dtype=checked)`` read
-    ``.dtype``; equality and hashing are the dtype's; it pickles as the
-    plain numpy dtype.
+    torch's unpickler hands the pickled state to what ``numpy.dtype(...)``
+    returned, so this holder's ``__setstate__`` accepts only the state of
+    ``spec``; it compares, hashes and pickles as the plain dtype.
     """
 
     __slots__ = ('dtype', '_state_set')
@@ -176,8 +161,7 @@ class CheckedDtype:
 
 def rebuild_dtype(spec: Any = None, align: Any = False,
                   copy: Any = True) -> CheckedDtype:
-    """``numpy.dtype(spec, align, copy)`` for a plain dtype only (what
-    numpy pickles: ``('f8', False, True)``, ``('U3', False, True)``)."""
+    """``numpy.dtype(spec, align, copy)`` for a plain dtype only."""
     holds = f'numpy.dtype{_show((spec, align, copy))}'
     if type(spec) is not str or not _DTYPE_SPEC.match(spec) or \
             align is not False or copy is not True:
@@ -197,8 +181,7 @@ def rebuild_dtype(spec: Any = None, align: Any = False,
 
 
 def _checked_dtype(dtype: Any, holds: str, trust: str) -> np.dtype:
-    """The numpy dtype behind a :class:`CheckedDtype` (or a numpy dtype
-    that passes the same checks: one made by a trusted ``numpy.dtype``)."""
+    """The numpy dtype behind a :class:`CheckedDtype`, checked."""
     if isinstance(dtype, CheckedDtype):
         return dtype.dtype
     if isinstance(dtype, np.dtype):
@@ -225,16 +208,11 @@ def _check_data(dtype: np.dtype, data: Any, count: int, holds: str,
 
 
 class CheckedArray(np.ndarray):
-    """A numpy array read from a checkpoint: a checked dtype and exactly
-    the bytes its shape needs.
+    """A numpy array read from a checkpoint: a checked dtype and exactly its
+    bytes.
 
-    numpy pickles an array as ``_reconstruct(numpy.ndarray, (0,), b'b')``
-    followed by ``__setstate__((1, shape, dtype, is_fortran, data))``;
-    torch's unpickler hands that state to the object ``_reconstruct``
-    returned, so it returns this subclass, whose ``__setstate__`` checks
-    the state before numpy's runs. It pickles as a plain ``ndarray``
-    (mmengine's HistoryBuffer keeps plain copies: see
-    :class:`CheckedHistoryBuffer`).
+    Its ``__setstate__`` checks the state before numpy's runs; it pickles as
+    a plain ``ndarray``.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -275,8 +253,7 @@ class CheckedArray(np.ndarray):
 
 
 def make_rebuild_array(name: str) -> Callable:
-    """numpy's ``_reconstruct`` as pickled under ``name``: the empty array
-    whose state comes next, nothing else."""
+    """numpy's ``_reconstruct`` under ``name``: only the empty array."""
 
     def rebuild_array(subtype: Any = None, shape: Any = None,
                       typecode: Any = None) -> np.ndarray:
@@ -297,8 +274,8 @@ def make_rebuild_array(name: str) -> Callable:
 
 
 def make_rebuild_scalar(name: str) -> Callable:
-    """numpy's ``scalar`` as pickled under ``name``: a scalar of a checked
-    dtype from exactly its bytes."""
+    """numpy's ``scalar`` under ``name``: a checked dtype from exactly its
+    bytes."""
     scalar = _MULTIARRAY.scalar
 
     def rebuild_scalar(dtype: Any = None, data: Any = None) -> np.generic:
@@ -324,16 +301,10 @@ def _history_values(value: Any, key: str, holds: str) -> np.ndarray:
 
 
 class CheckedHistoryBuffer(HistoryBuffer):
-    """mmengine's ``HistoryBuffer`` restored from its data only.
+    """mmengine's ``HistoryBuffer`` restored from its checked data only.
 
-    mmengine's ``__setstate__`` copies the pickled ``statistics_methods``
-    into the class-wide ``HistoryBuffer._statistics_methods``, so a file
-    could redefine ``statistics('mean')`` for the whole process. This
-    stand-in, which the name ``HistoryBuffer`` resolves to, checks the
-    state (the keys mmengine writes; logged values and counts: 1-D numeric
-    arrays of one length; ``max_length``: a positive int), keeps it, drops
-    ``statistics_methods`` (the class keeps its own) and becomes a plain
-    ``HistoryBuffer``. It is never built from arguments.
+    It drops the pickled ``statistics_methods``, which mmengine's own
+    ``__setstate__`` would copy into the class-wide table.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -391,13 +362,8 @@ class CheckedHistoryBuffer(HistoryBuffer):
 
 
 class ParentName:
-    """What the name of a class that holds a trusted nested class resolves
-    to: usable only as ``getattr``'s first argument.
-
-    A nested class pickles (torch's protocol 2) as
-    ``getattr(module.Outer, 'Inner')``; trusting ``module.Outer.Inner``
-    should not trust ``module.Outer`` (calling it, building it).
-    """
+    """The parent of a trusted nested class: usable only as ``getattr``'s first
+    argument."""
 
     __slots__ = ('path', )
 
@@ -422,9 +388,7 @@ ALLOWED_NAMES: Dict[int, str] = {}
 
 
 def importable_name(path: str) -> Optional[str]:
-    """``path`` if it names something, as far as can be told without
-    importing anything (a name's module may not be imported yet: then it
-    is given as is); None if its module is imported and lacks it."""
+    """``path`` if it may name something (without importing), else None."""
     parts = path.split('.')
     for i in range(len(parts) - 1, 0, -1):
         module = sys.modules.get('.'.join(parts[:i]))
@@ -454,12 +418,8 @@ def _path_of(obj: Any) -> str:
 def checked_getattr(obj: Any, name: Any) -> Any:
     """``getattr`` as a checkpoint may use it.
 
-    A HistoryBuffer pickles its ``statistics_methods`` as ``getattr(
-    HistoryBuffer, 'mean')`` and so on; those resolve to the method's name
-    (:class:`CheckedHistoryBuffer` ignores them, and a name cannot be called
-    by torch's ``_rebuild_from_type_v2``). A nested class the user trusted
-    resolves to itself. Everything else is refused, naming the dotted name
-    the trust flag accepts.
+    HistoryBuffer's pickled statistics resolve to their names; a trusted
+    nested class to itself; everything else is refused.
     """
     if type(name) is not str:
         raise refusal(f'getattr{_show((obj, name))}',

@@ -1,19 +1,10 @@
-"""What loading a checkpoint file may cost, bounded before anything is
-built.
+"""What loading a checkpoint file may cost, bounded before anything is built.
 
-torch's ``weights_only`` unpickler runs only allow-listed names, but those
-can still build a lot from a few bytes (``Counter(bytearray(2**31))``, a
-view of billions of elements, a zip record deflated 1000:1). The loader
-(:func:`.safe_load.load_checkpoint_file`) therefore reads the zip's
-directory and walks the pickle (:mod:`.pickle_scan`) first, adds up what
-the file declares (records, tensors, sized constructors, iterated
-elements, Python objects) and refuses a file whose sum exceeds the larger
-of ``factor`` x the file's size (default 4) and ``floor`` bytes (default
-64 MiB). A ``torch.save`` checkpoint declares about its own size, so it
-passes with room to spare. :func:`set_load_limit` (or
-``MMSEG_GF_CHECKPOINT_COST_FACTOR``) changes the factor and the floor.
-What is counted, and the cost of counting: docs/reliability.md, "What a
-file may cost"."""
+Allow-listed names can still build a lot from a few bytes; so the file's
+declared cost (records, tensors, sized constructors, objects) is added up
+first and refused past the larger of ``factor`` x its size (default 4) and
+``floor`` (64 MiB) (docs/reliability.md#what-a-file-may-cost).
+"""
 import os
 import pickletools
 import zipfile
@@ -38,8 +29,10 @@ _READABLE = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 
 def set_load_limit(factor: Optional[float] = None,
                    floor_bytes: Optional[int] = None) -> Tuple[float, int]:
-    """Set what a checkpoint may declare: the larger of ``factor`` x its
-    file size and ``floor_bytes``. None keeps a value.
+    """Set what a checkpoint may declare: max(``factor`` x file size,
+    ``floor_bytes``).
+
+    None keeps a value.
 
     Returns:
         the previous ``(factor, floor_bytes)``.
@@ -64,8 +57,7 @@ def set_load_limit(factor: Optional[float] = None,
 
 
 def _factor() -> float:
-    """The factor set at run time, else the environment's (a bad value
-    there raises ValueError, naming the variable), else 4."""
+    """The factor set at run time, else the environment's, else 4."""
     return switches.value(FACTOR_ENV)
 
 
@@ -97,8 +89,8 @@ def _too_costly(what: str, cost: int, file_size: int,
 
 def _check_records(infos: List[zipfile.ZipInfo], file_size: int,
                    cap: int) -> int:
-    """The records' total uncompressed size, refused past the cap or in a
-    compression torch does not read."""
+    """The records' total uncompressed size, refused past the cap or in an
+    unread compression."""
     for info in infos:
         if info.compress_type not in _READABLE:
             raise refusal(
@@ -113,9 +105,10 @@ def _check_records(infos: List[zipfile.ZipInfo], file_size: int,
 
 def read_checkpoint(filename: str
                     ) -> Optional[Tuple[bytes, List[zipfile.ZipInfo]]]:
-    """The pickle and record list of a checkpoint in torch's zip format,
-    the records' declared sizes checked against the cap before any is
-    decompressed; None for another format (left to torch).
+    """The pickle and records of a zip checkpoint, sizes checked before
+    decompression.
+
+    None for another format (left to torch).
 
     Raises:
         OSError: the file cannot be read.
@@ -146,10 +139,7 @@ def read_checkpoint(filename: str
 
 def check_cost(filename: str, scan: PickleScan,
                infos: Optional[List[zipfile.ZipInfo]]) -> None:
-    """Refuse a file whose pickle declares more than the cap (with its
-    zip records; in the legacy format, with the storages it declares,
-    which torch allocates at their declared size), a storage larger than
-    its record, or a tensor whose size is not given as numbers.
+    """Refuse a file whose declarations exceed the cap or cannot be bounded.
 
     Raises:
         RefusedCheckpointError: naming what and how much.
@@ -188,9 +178,7 @@ def _scan(data) -> PickleScan:
 
 
 def _scan_legacy(filename: str) -> Optional[PickleScan]:
-    """The data pickle of a file in torch's legacy format (four pickles:
-    magic number, protocol, system info, the data; then the storages),
-    scanned; None if the file does not start as one (left to torch)."""
+    """The scanned data pickle of a legacy-format file, or None."""
     with open(filename, 'rb') as f:
         if f.read(1) != b'\x80':
             return None
@@ -207,10 +195,8 @@ def _scan_legacy(filename: str) -> Optional[PickleScan]:
 def scan_checkpoint(filename: str
                     ) -> Optional[Tuple[PickleScan,
                                         Optional[List[zipfile.ZipInfo]]]]:
-    """The file's data pickle scanned (:func:`.pickle_scan.scan_pickle`),
-    with the zip's records (None for torch's legacy format), read within
-    the cap (:func:`read_checkpoint`); None for a file in neither format.
-    """
+    """The file's data pickle scanned, with its zip records; None for another
+    format."""
     read = read_checkpoint(filename)
     if read is not None:
         return _scan(read[0]), read[1]

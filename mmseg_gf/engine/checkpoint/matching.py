@@ -56,17 +56,8 @@ def load_from_report(setting: str, filename: str, shapes: Sequence[str],
                      dropped: Sequence[str]) -> str:
     """The warning for a checkpoint that differs in the allowed keys only.
 
-    Shape mismatches first (mmengine skips those keys: the model keeps its
-    initialisation), then the model keys the file lacks (also
-    re-initialised), then the file's keys the model has no place for
-    (dropped); every key is named, grouped by module.
-
-    Args:
-        setting: the config setting that named the file.
-        filename: the checkpoint.
-        shapes: ``'key: checkpoint (..) vs model (..)'`` lines.
-        missing: model keys not in the checkpoint.
-        dropped: checkpoint keys not in the model.
+    Shape mismatches first, then missing keys, then dropped keys, every key
+    named, grouped by module.
     """
     parts = []
     if shapes:
@@ -88,13 +79,10 @@ def check_checkpoint_matches(model: nn.Module,
                              logger: Any = 'current') -> None:
     """Fail early if a checkpoint does not fit ``model``.
 
-    mmengine loads ``load_from`` with ``strict=False``: a checkpoint of a
-    different model (or one with renamed keys) only logs a warning and
-    training starts from random weights. Here any missing key, unexpected
-    key or shape mismatch is an error, except for keys matching
-    ``allowed`` (by default the classifiers, which legitimately change with
-    the number of classes; those are logged). Remote checkpoints
-    (``scheme://...``) are not checked.
+    mmengine loads ``load_from`` with ``strict=False``, so a wrong checkpoint
+    only warns and training starts from random weights. Here any mismatch is
+    an error, except for keys matching ``allowed`` (the classifiers, logged).
+    Remote checkpoints are not checked.
 
     Args:
         model: the (unwrapped) model.
@@ -105,10 +93,8 @@ def check_checkpoint_matches(model: nn.Module,
 
     Raises:
         FileNotFoundError: ``filename`` is a local path that does not exist.
-        RefusedCheckpointError: the file holds what a checkpoint may not
-            (see :mod:`.safe_load`).
-        ValueError: the keys / shapes do not match, listing the mismatches
-            (shape mismatches first, all of them).
+        RefusedCheckpointError: the file holds what a checkpoint may not.
+        ValueError: the keys / shapes do not match, listing the mismatches.
     """
     if '://' in str(filename):
         return
@@ -167,8 +153,7 @@ def _split(keys: List[str], allowed: Optional[str]):
 
 def _mismatches(missing: List[str], unexpected: List[str],
                 shapes: List[str]) -> str:
-    """Shape mismatches first, all of them; then missing and unexpected
-    keys (the first few of each, with their count)."""
+    """Every shape mismatch, then the first missing and unexpected keys."""
     parts = []
     if shapes:
         parts.append(f'{len(shapes)} shape mismatches [{", ".join(shapes)}]')

@@ -1,19 +1,13 @@
 """What a checkpoint's pickle refers to and declares, read without building
 anything.
 
-A refusal should name everything a file needs at once, each under the name
-``--trust-checkpoint-type`` accepts; torch's own error names the first
-refused global only, strips ``builtins.``, and cannot name a nested class
-(protocol 2 writes ``module.Outer.Inner`` as ``getattr(module.Outer,
-'Inner')``). This module walks the opcodes of the file's ``data.pkl``
-(``pickletools.genops``: it decodes, it runs nothing) with a symbolic stack
-that tracks where names, numbers and sizes go: every ``GLOBAL`` is a name,
-``getattr(name, 'attr')`` is the name ``name.attr``, and a name used only
-as such a parent is not counted.
-
-The same walk adds up what loading would build (:class:`PickleScan`) for
-:mod:`.load_bounds` (docs/reliability.md, "What a file may cost"), linear
-in the pickle's length."""
+torch's error names only the first refused global and cannot name a nested
+class; this module walks the opcodes of ``data.pkl`` (``pickletools``: it
+runs nothing) with a symbolic stack, so a refusal names every name under
+the spelling ``--trust-checkpoint-type`` accepts. The same walk adds up
+what loading would build, for :mod:`.load_bounds`
+(docs/reliability.md#what-a-file-may-cost).
+"""
 import functools
 import pickletools
 import zipfile
@@ -73,11 +67,9 @@ class PickleScan:
     Attributes:
         names: every dotted name it uses, nested classes as
             ``module.Outer.Inner``, in order of first use.
-        built_bytes: what loading it would build, as declared (tensors,
-            ``bytearray(n)`` and sized constructors, Python objects).
+        built_bytes: what loading it would build, as declared.
         storages: storage record key -> bytes the pickle declares for it.
-        problem: why the declarations cannot be bounded (a tensor size that
-            is not numbers), or None.
+        problem: why the declarations cannot be bounded, or None.
     """
 
     names: List[str]
@@ -102,8 +94,8 @@ def _int_size(value: Any) -> Optional[Tuple[int, ...]]:
 
 
 def _itemsize(storage_type: Any) -> int:
-    """Bytes per element of a pickled storage type (torch's legacy storage
-    class names, ``torch.UntypedStorage``: 1); 16 (the largest) if unknown."""
+    """Bytes per element of a pickled storage type; 16 (the largest) if
+    unknown."""
     if isinstance(storage_type, _Name):
         return _storage_itemsize(storage_type.path)
     return 16
@@ -125,8 +117,8 @@ def _storage_itemsize(path: str) -> int:
 
 
 def _allocating_units() -> Dict[str, int]:
-    """Allow-listed constructors that allocate from a size: name -> bytes
-    per unit of the product of their int arguments (an upper bound)."""
+    """Allow-listed constructors that allocate from a size -> bytes per
+    unit."""
     units = {'builtins.bytearray': 1, 'torch.UntypedStorage': 1,
              'torch.storage.UntypedStorage': 1, 'torch.Tensor': 16,
              'torch.storage.TypedStorage': 16}
@@ -152,8 +144,8 @@ _INT_ELEMENT = 8
 
 
 class _Sized:
-    """A value of ``count`` elements, each costing ``unit`` bytes when
-    something iterates over it (a tensor, a bytearray)."""
+    """A value of ``count`` elements costing ``unit`` bytes each when
+    iterated."""
     __slots__ = ('count', 'unit')
 
     def __init__(self, count: int, unit: int):
@@ -171,9 +163,7 @@ def _flat(value: Any, kind: type, depth: int = 0) -> List[Any]:
 
 
 def _allocated_count(path: str, args: tuple) -> int:
-    """The units an allocating constructor makes: ``bytearray`` of a text
-    (protocol 2's pickle of bytes) or of a sized value: their length; else
-    the product of the int arguments."""
+    """The units an allocating constructor makes."""
     if path == 'builtins.bytearray' and args:
         if isinstance(args[0], str):
             return len(args[0])
@@ -369,9 +359,7 @@ class _Walk:
 def scan_pickle(data: Union[bytes, BinaryIO]) -> PickleScan:
     """Names and declared costs of a pickle (see :class:`PickleScan`).
 
-    Opcodes outside what torch's ``weights_only`` unpickler accepts end the
-    walk (torch refuses the file at that opcode anyway, before anything
-    after it is built). A file object is read up to the pickle's ``STOP``.
+    Opcodes torch's ``weights_only`` unpickler refuses end the walk.
     """
     walk = _Walk()
     handlers = walk.handlers()
@@ -390,14 +378,12 @@ def scan_pickle(data: Union[bytes, BinaryIO]) -> PickleScan:
 
 
 def names_in_pickle(data: bytes) -> List[str]:
-    """Every dotted name the pickle uses, nested classes as
-    ``module.Outer.Inner``, in order of first use."""
+    """Every dotted name the pickle uses, in order of first use."""
     return scan_pickle(data).names
 
 
 def data_pickle_info(archive: zipfile.ZipFile) -> Optional[zipfile.ZipInfo]:
-    """The record of a torch zip checkpoint's pickle (``*/data.pkl``), or
-    None if there is not exactly one."""
+    """The record of a torch zip checkpoint's ``*/data.pkl``, or None."""
     pickles = [i for i in archive.infolist()
                if i.filename.endswith('/data.pkl') or
                i.filename == 'data.pkl']
@@ -405,9 +391,8 @@ def data_pickle_info(archive: zipfile.ZipFile) -> Optional[zipfile.ZipInfo]:
 
 
 def checkpoint_pickle(filename: str) -> Optional[bytes]:
-    """The pickle of a checkpoint in torch's zip format (its
-    ``*/data.pkl``), or None for another format. Unbounded: the loader
-    reads it through :func:`.load_bounds.read_checkpoint` instead."""
+    """The unbounded pickle of a zip checkpoint, or None; the loader uses
+    :mod:`.load_bounds`."""
     if not zipfile.is_zipfile(filename):
         return None
     with zipfile.ZipFile(filename) as archive:

@@ -1,21 +1,10 @@
 """torch's random-number state in a checkpoint, put back on resume.
 
-mmengine saves the seed but no generator state. On resume its
-``IterBasedTrainLoop`` replays the data pipeline over the iterations
-already trained, so the generators mmseg's transforms draw from (numpy's
-and Python's, in the main process or in seeded workers) reach the states
-of the uninterrupted run; torch's do not: dropout and drop path would draw
-from wherever building the model left it. A checkpoint therefore keeps
-torch's CPU and CUDA generator states (:data:`KEY`), and the resumed run
-puts them back just before its first iteration, after the replay
-(:class:`ResumedRandomState`): with a seeded run (``randomness=dict(seed=
-...)``) the resumed weights equal the uninterrupted run's bit for bit.
-
-One process only: under DDP each rank has its own generators and rank 0
-alone writes the checkpoint, so a distributed resume keeps mmengine's
-behaviour. A state that is not what this process's torch would write (a
-file from elsewhere, another device count) is not restored, with one
-warning: loading a checkpoint never fails on it.
+mmengine's resume replays the data pipeline but not torch's generators, so
+dropout would draw differently; the state saved here and restored before
+the first resumed iteration makes a seeded resume bit-identical. One
+process only; a foreign state is skipped with a warning
+(docs/reliability.md#resume).
 """
 from typing import Any, Dict, List, Optional
 
@@ -44,8 +33,7 @@ def _byte_state(value: Any, like: torch.Tensor) -> bool:
 
 
 def refusal(state: Any) -> Optional[str]:
-    """Why ``state`` (a checkpoint's :data:`KEY`) cannot be restored in
-    this process, or None."""
+    """Why a checkpoint's state cannot be restored in this process, or None."""
     if not isinstance(state, dict) or not _byte_state(
             state.get('torch'), torch.get_rng_state()):
         return 'not a torch generator state'
@@ -70,11 +58,8 @@ def restore(state: Dict[str, Any]) -> None:
 
 
 class ResumedRandomState:
-    """The hook's side of it: :meth:`save` into each checkpoint written,
-    :meth:`loaded` from each one read, :meth:`before_iteration` restores
-    the state once, at the iteration the checkpoint was written after
-    (a ``load_from`` of another run's checkpoint starts at iteration 0 and
-    restores nothing)."""
+    """Saves the state into checkpoints and restores it once, at the resumed
+    iteration."""
 
     def __init__(self) -> None:
         self._pending: Optional[tuple] = None

@@ -1,16 +1,9 @@
 """The checkpoint a resumed run starts from: the newest one that loads.
 
-mmengine's ``find_latest_checkpoint`` returns whatever ``last_checkpoint``
-names. A file truncated by a cut (written by mmengine without the atomic
-writes of :mod:`.atomic_write`, or by a disk that lost what it
-acknowledged) or refused by the plugin's loader then ends the resume with
-an error, although an older checkpoint of the run may be good.
-:func:`find_resumable_checkpoint` tries the named file first, then the
-work dir's ``iter_<N>.pth`` / ``epoch_<N>.pth``, newest (largest ``N``)
-first, and returns the first that loads (:func:`.safe_load.
-load_checkpoint_file`: the names and declared costs checked, then the whole
-file read as data). Files it skips are named in one warning, with why; a
-truncated newest checkpoint so costs the iterations since the previous one.
+mmengine resumes from whatever ``last_checkpoint`` names, so a truncated or
+refused file ends the resume although an older one may be good; here the
+named file is tried first, then ``iter_<N>.pth`` / ``epoch_<N>.pth``
+newest first, skipped files named in one warning.
 """
 import logging
 import os
@@ -40,8 +33,7 @@ class NoResumableCheckpoint(RuntimeError):
 
 
 def read_last_checkpoint(work_dir: str) -> Optional[str]:
-    """What ``<work_dir>/last_checkpoint`` names (stripped; ``''`` for an
-    empty file), or None without the file."""
+    """What ``<work_dir>/last_checkpoint`` names, or None without the file."""
     path = osp.join(work_dir, LAST_CHECKPOINT)
     if not osp.isfile(path):
         return None
@@ -50,8 +42,8 @@ def read_last_checkpoint(work_dir: str) -> Optional[str]:
 
 
 def numbered_checkpoints(work_dir: str) -> List[str]:
-    """The work dir's ``iter_<N>.pth`` / ``epoch_<N>.pth`` files, largest
-    ``N`` first."""
+    """The work dir's ``iter_<N>.pth`` / ``epoch_<N>.pth``, largest ``N``
+    first."""
     if not osp.isdir(work_dir):
         return []
     found = []
@@ -85,9 +77,7 @@ def _why(err: Exception) -> str:
 
 
 def _nothing_loads(work_dir: str, skipped) -> Exception:
-    """The error when no checkpoint loads: the refusal of the first file
-    tried (a refused file stays a refusal), else NoResumableCheckpoint;
-    both name every file tried."""
+    """The error when no checkpoint loads, naming every file tried."""
     tried = ', '.join(p for p, _ in skipped)
     first = skipped[0][1]
     if isinstance(first, RefusedCheckpointError):
@@ -111,20 +101,15 @@ def _candidates(work_dir: str, named: Optional[str]) -> List[str]:
 def find_resumable_checkpoint(
         work_dir: str,
         logger: Union[str, logging.Logger] = 'current') -> Optional[str]:
-    """The checkpoint to resume ``work_dir``'s run from.
+    """The checkpoint to resume ``work_dir``'s run from; None for a fresh run.
 
-    The file ``last_checkpoint`` names if it loads, else the newest
-    numbered checkpoint that does; None if the work dir has neither
-    ``last_checkpoint`` nor a numbered checkpoint (a fresh run). The
-    temporary files a cut left during a write are deleted first
-    (:func:`.atomic_write.remove_partial_writes`). Skipped files are named
-    in one warning to ``logger`` (mmengine's ``print_log``).
+    Partial writes a cut left are deleted first; skipped files are named in
+    one warning to ``logger``.
 
     Raises:
-        RefusedCheckpointError: the first file tried is refused by the
-            loader and no other loads (its refusal, naming every file).
-        NoResumableCheckpoint: there are checkpoints and none loads (each
-            is named with why).
+        RefusedCheckpointError: the first file tried is refused and no other
+            loads.
+        NoResumableCheckpoint: there are checkpoints and none loads.
     """
     removed = remove_partial_writes(work_dir)
     if removed:

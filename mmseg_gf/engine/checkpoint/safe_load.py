@@ -1,18 +1,9 @@
-"""Checkpoints are loaded as data: torch's ``weights_only`` unpickler, with
-mmengine checkpoints' own types allowed through checking stand-ins.
+"""Checkpoints are loaded as data: torch's ``weights_only`` unpickler.
 
-A pickle can run any callable while loading, and ``load_from`` is often a
-URL. ``torch.load(weights_only=True)`` (torch's default since 2.6, inherited
-by mmengine's calls) refuses all but tensors, containers and plain values;
-mmengine checkpoints also hold ``HistoryBuffer`` objects and numpy arrays,
-scalars and dtypes. :func:`allow_mmengine_checkpoints` (called on importing
-:mod:`mmseg_gf.engine`) allow-lists those names as the stand-ins of
-:mod:`.data`, which check every argument before anything is built. Any other
-type or value is refused: :func:`check_checkpoint_types` names it before
-loading, :func:`explain_refused_checkpoints` turns a refusal during a load
-into a :class:`RefusedCheckpointError`; each names the
-``--trust-checkpoint-type`` value (:func:`trust_checkpoint_types`) for a
-file the user trusts.
+mmengine checkpoints' own types (``HistoryBuffer``, numpy values) pass
+through the checking stand-ins of :mod:`.data`; anything else is refused,
+naming the ``--trust-checkpoint-type`` value for a trusted file
+(docs/checkpoints.md).
 """
 import builtins
 import contextlib
@@ -98,8 +89,8 @@ for _name, _obj in _STAND_INS.items():
 
 
 def mmengine_checkpoint_types() -> List:
-    """What :func:`allow_mmengine_checkpoints` allows (see the module
-    docstring), in ``add_safe_globals``'s format."""
+    """What :func:`allow_mmengine_checkpoints` allows, for
+    ``add_safe_globals``."""
     return [(obj, name) for name, obj in _STAND_INS.items()]
 
 
@@ -121,13 +112,10 @@ def _set_allowed(names_to_drop: Sequence[str], add: List) -> None:
 
 
 def allow_mmengine_checkpoints() -> None:
-    """Allow mmengine checkpoints' own types under ``weights_only=True``,
-    through the checking stand-ins of :mod:`.data`.
+    """Allow mmengine checkpoints' own types under ``weights_only=True``.
 
-    Idempotent; a name the user trusted keeps its own object. Also
-    registers HistoryBuffer's four default statistics (what constructing
-    any HistoryBuffer does), so that restored buffers answer
-    ``statistics('mean')`` before the process makes a buffer of its own.
+    Idempotent; also registers HistoryBuffer's default statistics so that
+    restored buffers answer ``statistics('mean')``.
     """
     HistoryBuffer()
     present = {_entry_name(e) for e in torch.serialization.get_safe_globals()}
@@ -136,8 +124,7 @@ def allow_mmengine_checkpoints() -> None:
 
 
 def runs_code(name: str) -> bool:
-    """Whether ``name`` runs code, reads files or imports by its
-    arguments (no trust flag is suggested for or accepts it)."""
+    """Whether ``name`` runs code, reads files or imports by its arguments."""
     parts = name.split('.')
     return parts[0] in _RUNS_CODE_MODULES or any(
         '.'.join(parts[:i]) in _RUNS_CODE_NAMES
@@ -145,8 +132,7 @@ def runs_code(name: str) -> bool:
 
 
 def _resolve(name: str):
-    """The object a dotted name imports to (the longest importable module
-    prefix, then attributes: nested classes included)."""
+    """The object a dotted name imports to (nested classes included)."""
     if not isinstance(name, str) or '.' not in name.strip('.'):
         raise ValueError(
             f'{TRUST_FLAG} {name!r}: give the full dotted name as a refused '
@@ -179,13 +165,9 @@ def _resolve(name: str):
 
 
 def trust_checkpoint_types(names: Sequence[str]) -> None:
-    """Allow the given names (dotted, as a refusal prints them) in checkpoints.
+    """Allow the given dotted names (as a refusal prints them) in checkpoints.
 
-    Unpickling one runs its own code: only for a trusted file, and only the
-    names its refusal printed. A name checked through a stand-in then resolves
-    to its own object (``HistoryBuffer``, whose ``__setstate__`` updates a
-    class-wide table; ``builtins.getattr``; numpy's pickling names, trusted as
-    one group). A nested class is trusted without its parent.
+    Unpickling one runs its own code: only for a trusted file.
 
     Raises:
         ValueError: a name that does not import.
@@ -213,8 +195,7 @@ def trust_checkpoint_types(names: Sequence[str]) -> None:
 
 
 def _numpy_own() -> List:
-    """numpy's own objects under its pickling names, and its dtype classes
-    (a pickled dtype gets its state by ``__setstate__``)."""
+    """numpy's own objects under its pickling names, and its dtype classes."""
     multiarray = importlib.import_module(_NUMPY_MODULES[0] if hasattr(
         np, '_core') else _NUMPY_MODULES[1])
     own: List = [(np.dtype, 'numpy.dtype'), (np.ndarray, 'numpy.ndarray')]
@@ -242,9 +223,8 @@ def _allowed_names() -> set:
 
 
 def refused_names(filename: str) -> Optional[List[str]]:
-    """The names a checkpoint file uses that are not allowed, in order of
-    first use; None if the file is in neither of torch's formats (zip,
-    legacy)."""
+    """A file's refused names in order of first use; None if not a torch
+    format."""
     scanned = scan_checkpoint(filename)
     if scanned is None:
         return None
@@ -257,9 +237,7 @@ MAX_NAMES_SHOWN = 20
 
 
 def _names_refusal(names: List[str]) -> RefusedCheckpointError:
-    """The error naming refused names (the first
-    :data:`MAX_NAMES_SHOWN`), with the flag values that trust them (none
-    for names that do not exist, run code or cannot be trusted)."""
+    """The error naming refused names and the flag values that trust them."""
     more = len(names) - MAX_NAMES_SHOWN
     names = names[:MAX_NAMES_SHOWN]
     trustable = [n for n in names if importable_name(n) is not None and
@@ -288,11 +266,8 @@ def _names_refusal(names: List[str]) -> RefusedCheckpointError:
 
 
 def check_checkpoint_types(filename: str) -> None:
-    """Refuse a checkpoint file before anything in it is built if it uses
-    names that are not allowed, naming all of them.
-
-    Files in neither of torch's formats (zip, legacy) are left to the load
-    itself.
+    """Refuse a checkpoint file that uses names not allowed, naming all of
+    them.
 
     Raises:
         RefusedCheckpointError: the file uses names that are not allowed.
@@ -303,12 +278,7 @@ def check_checkpoint_types(filename: str) -> None:
 
 
 def check_checkpoint_file(filename: str) -> None:
-    """Everything the loader checks before anything in a file is built:
-    the names it uses (as :func:`check_checkpoint_types`), then what it
-    declares against the cap of :mod:`.load_bounds` (records, tensors,
-    bytearrays, objects). One read of the zip directory and one walk of the
-    pickle (torch's legacy format: of its data pickle); a file in neither
-    format is left to the load.
+    """Check a file's names and declared costs before anything is built.
 
     Raises:
         RefusedCheckpointError: naming the names, or what costs how much.
@@ -329,8 +299,7 @@ _TORCH_GLOBAL = re.compile(r'GLOBAL (\S+) was not an allowed global')
 
 
 def _torch_name(name: str) -> str:
-    """A name as torch's error prints it -> as the flag takes it (torch
-    strips ``builtins.``)."""
+    """A name as torch's error prints it -> as the flag takes it."""
     if '.' not in name and hasattr(builtins, name):
         return f'builtins.{name}'
     return name
@@ -340,13 +309,11 @@ def _torch_name(name: str) -> str:
 def explain_refused_checkpoints(
         filename: Optional[str] = None) -> Iterator[None]:
     """Re-raise a ``weights_only`` refusal as a
-    :class:`RefusedCheckpointError` that names what the file holds and the
-    flag value that trusts it.
+    :class:`RefusedCheckpointError`.
 
     Args:
-        filename: the checkpoint loaded inside the block, if known: its
-            refused names are then read from the file, all of them, nested
-            classes by their full name.
+        filename: the checkpoint loaded inside the block, if known, to name
+            all its refused names.
     """
     try:
         yield
@@ -376,12 +343,8 @@ def explain_refused_checkpoints(
 def load_checkpoint_file(filename: str, map_location: Any = 'cpu') -> Any:
     """A local checkpoint file's content, loaded as data.
 
-    :func:`check_checkpoint_file` first (names and declared costs); then
-    ``torch.load(..., weights_only=True)`` with sparse tensors' invariants
-    checked (torch checks them only when asked: an index out of range
-    would crash a later ``to_dense``), any failure inside it (a refused
-    value, a pickle too damaged for the unpickler, memory) raised as a
-    :class:`RefusedCheckpointError`.
+    Checks the file first, then ``torch.load(weights_only=True)`` with sparse
+    tensors' invariants checked.
 
     Raises:
         OSError: the file cannot be read.

@@ -1,17 +1,9 @@
 """Weights files that plain mmseg loads: tensors and plain Python data only.
 
-With torch >= 2.6, ``torch.load`` defaults to ``weights_only=True``, which
-mmengine's ``load_checkpoint`` inherits; a Runner checkpoint holds
-``HistoryBuffer`` objects and numpy values that torch refuses there, so
-without this plugin (:mod:`.safe_load`) no training checkpoint of this
-stack loads. :func:`export_weights` writes what a model needs and nothing
-else: ``state_dict`` (mmseg's keys, a DDP ``module.`` prefix removed,
-torch's ``_metadata``) and ``meta`` (``dataset_meta``, the config text,
-``epoch`` / ``iter``, the library versions), every value converted to
-plain Python. A value that is not plain data is left out and named; a
-sparse, quantized, meta or subclassed tensor is refused by its key. The
-written file is checked to use no name beyond torch's own
-``weights_only`` allow-list (docs/checkpoints.md)."""
+A Runner checkpoint holds objects torch >= 2.6 refuses by default, so
+:func:`export_weights` writes only ``state_dict`` and plain ``meta`` and
+checks the file against torch's own allow-list (docs/checkpoints.md).
+"""
 import collections
 import re
 from typing import Any, Dict, List, Sequence, Tuple
@@ -27,9 +19,7 @@ _META_KEYS = ('cfg', 'epoch', 'iter')
 
 
 def plain_data(value: Any) -> Any:
-    """``value`` as plain Python data: numbers, str, bytes, None, lists,
-    tuples, dicts of those; numpy scalars and arrays become numbers and
-    lists.
+    """``value`` as plain Python data (numpy values become numbers and lists).
 
     Raises:
         TypeError: a value of another type (named).
@@ -97,8 +87,7 @@ def _check_dense(key: Any, value: torch.Tensor, filename: str) -> None:
 
 
 def _meta(checkpoint: Any) -> Tuple[Dict[str, Any], List[str]]:
-    """The exported ``meta`` and the names of source entries left out
-    (not plain data)."""
+    """The exported ``meta`` and the source entries left out."""
     import mmengine
     import mmseg
     source = checkpoint.get('meta', {}) if isinstance(checkpoint, dict) \
@@ -144,20 +133,18 @@ def export_weights(checkpoint: str, out: str,
     """Write ``checkpoint``'s weights and plain metadata to ``out``.
 
     Args:
-        checkpoint: a checkpoint file (a Runner's, with message hub and
-            optimizer state, or a bare state dict), read as data
-            (:func:`.safe_load.load_checkpoint_file`).
+        checkpoint: a checkpoint file (a Runner's or a bare state dict), read
+            as data.
         out: the file to write.
         trust: names to trust in ``checkpoint`` (``--trust-checkpoint-type``).
 
     Returns:
-        A summary: ``keys`` (number of tensors), ``meta`` (the keys
-        written), ``left_out`` (meta entries that were not plain data).
+        A summary: ``keys`` (number of tensors), ``meta`` (the keys written),
+        ``left_out`` (meta entries that were not plain data).
 
     Raises:
         RefusedCheckpointError: ``checkpoint`` holds what is not allowed.
-        ValueError: it holds no state dict of tensors, or one that is not
-            dense (named).
+        ValueError: no state dict of tensors, or one that is not dense.
     """
     trust_checkpoint_types(list(trust))
     source = load_checkpoint_file(checkpoint, map_location='cpu')

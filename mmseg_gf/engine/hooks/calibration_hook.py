@@ -1,21 +1,9 @@
-"""CalibrationHook: the paper's calibration step before finetuning.
+"""CalibrationHook: the paper's calibration step before finetuning (Supplement
+D.3).
 
-Supplement D.3 (see :mod:`mmseg_gf.engine.calibration`): train the
-classifier (or the decoder), re-estimate the batch-norm statistics, keep all
-other weights frozen. The hook, in an otherwise ordinary training config::
-
-    custom_hooks = [dict(type='CalibrationHook',
-                         trainable=['decode_head.conv_seg'])]
-
-* ``before_train`` (after the checkpoint is loaded): every parameter outside
-  ``trainable`` gets ``requires_grad=False`` -- the optimizer, built earlier,
-  then skips them (SGD ignores parameters without a gradient, weight decay
-  included) and autograd stops at the first trained module. A DDP-wrapped
-  model is wrapped again, as GradFilterHook does.
-* ``before_train_iter`` (after the loop's ``model.train()``): every BN layer
-  is put in train mode, overriding ``norm_eval=True`` backbones, so its
-  running statistics follow the target data. Its affine parameters stay
-  frozen unless they are inside ``trainable``.
+In ``before_train`` every parameter outside ``trainable`` is frozen (a DDP
+model is wrapped again); in ``before_train_iter`` every BN layer is put in
+train mode so its statistics follow the target data.
 """
 from typing import List, Optional, Sequence, Union
 
@@ -37,12 +25,10 @@ class CalibrationHook(Hook):
     """Train only ``trainable`` and re-estimate the BN statistics.
 
     Args:
-        trainable: module path or paths to train (default: the decode
-            head's classifier ``decode_head.conv_seg``; the MobileNetV2
-            models calibrate ``decode_head``).
+        trainable: module path or paths to train (default:
+            ``decode_head.conv_seg``).
         update_norm_stats: keep every BN layer in train mode (default True);
-            False: norm layers without trained parameters stay in eval mode
-            (statistics fixed).
+            False: norms without trained parameters stay in eval mode.
     """
 
     priority = 'ABOVE_NORMAL'

@@ -1,14 +1,8 @@
 """GradFilterHook: gradient filtering for an unchanged mmseg config.
 
-Where it acts in mmengine's ``Runner.train()``: the optimizer is built, then
-``before_run``, weight init, ``load_or_resume`` (checkpoint / optimizer
-state), then the train loop calls ``before_train``. The hook swaps layers in
-``before_train``, after all of that: GFConv2d shares the conv's Parameters,
-so the optimizer (and a resumed optimizer state) stays valid and loaded
-weights are kept. DDP fixes the set of gradient-requiring parameters when it
-is constructed, so a DDP-wrapped model is wrapped again after freezing
-(otherwise the reducer waits for gradients of frozen parameters:
-"Expected to have finished reduction in the prior iteration").
+Layers are swapped in ``before_train``, after the optimizer, weight init and
+``load_or_resume``, and a DDP model is wrapped again after freezing
+(docs/reliability.md#distributed-training).
 """
 from typing import Any, Dict, Optional, Sequence
 
@@ -46,13 +40,12 @@ __all__ = ['GradFilterHook']
 
 
 def _take_compile_setting(runner, lean: bool) -> Optional[dict]:
-    """The ``torch.compile`` arguments the hook compiles the segmentor's
-    loss with (:mod:`..compiled_loss`), taken from ``runner.cfg.compile``,
-    which becomes False (the Runner compiles nothing); None where the
-    setting is off or its ``target`` is ``'train_step'`` (then the setting,
-    as the model compiles on its device, stays the Runner's). ``lean``:
-    whether a model not prepared yet will have its lean trained region on
-    (:func:`~..compile_settings.model_compile_setting`). Logged."""
+    """The ``torch.compile`` arguments for the segmentor's loss, taken from
+    ``runner.cfg``.
+
+    The Runner's ``compile`` becomes False; None where it is off or targets
+    ``'train_step'``. Logged.
+    """
     cfg = getattr(runner, 'cfg', None)
     setting = None if cfg is None else cfg.get('compile')
     if setting is None or setting is False:
@@ -81,40 +74,29 @@ def _take_compile_setting(runner, lean: bool) -> Optional[dict]:
 class GradFilterHook(Hook):
     """Gradient-filter the last layers of an existing mmseg config's model.
 
-    Use with ``custom_imports=dict(imports=['mmseg_gf'],
-    allow_failed_imports=False)`` and
+    Use with ``custom_imports=dict(imports=['mmseg_gf'])`` and
     ``custom_hooks=[dict(type='GradFilterHook', num_layers=5, radius=4)]``.
-    If the model was already prepared (built by ``GradFilterModel`` through
-    ``rewrite_config``), nothing is re-applied and the hook only logs the
-    cost table and keeps frozen norms in eval mode; then no settings are
-    needed. With the config's ``compile`` on, the hook compiles the
-    segmentor's loss, not mmengine's ``train_step``
-    (:mod:`..compiled_loss`), with the setting for the model's device
-    (:mod:`..compile_settings`).
+    On a model already prepared by ``GradFilterModel`` nothing is re-applied:
+    the hook logs the cost table and keeps frozen norms in eval mode. With the
+    config's ``compile`` on, it compiles the segmentor's loss, not
+    ``train_step`` (:mod:`..compiled_loss`).
 
     Args:
-        settings: (positional only) the settings as one object
-            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings` or a
-            dict), instead of keywords; a config gives keywords.
-        **kwargs: the gradient-filter settings, as a config's
-            ``gradient_filter`` takes them
-            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings`: each
-            field's default and doc). ``input_size`` defaults to the
-            config's data_preprocessor size / crop_size, else 512; a
-            ``budget`` is fitted at the training crop and the train
-            dataloader's batch size; ``reuse_cpu_memory`` applies when the
-            model trains on CPU (:mod:`mmseg_gf.engine.cpu_memory`).
+        settings: (positional only) the settings as one object or dict,
+            instead of keywords.
+        **kwargs: the settings as a config's ``gradient_filter`` takes them
+            (:class:`~mmseg_gf.engine.settings.GradientFilterSettings`).
+            ``input_size`` defaults to the config's crop, else 512; a
+            ``budget`` is fitted at the crop and the dataloader's batch size.
         log_table: log the per-layer cost table at train start.
-        check_load_from: before the checkpoint is loaded, fail if the
-            ``load_from`` (or resumed) checkpoint does not exist or does not
-            match the model (see :func:`check_checkpoint_matches`).
-        resume_random_state: keep torch's generator state in each
-            checkpoint and put it back on resume
-            (:mod:`..checkpoint.random_state`).
+        check_load_from: fail before loading if the checkpoint does not exist
+            or does not match the model.
+        resume_random_state: keep torch's generator state in each checkpoint
+            and restore it on resume.
 
-    ``log_table``, ``check_load_from`` and ``resume_random_state`` are
-    declared with their defaults and docs in
-    :data:`~mmseg_gf.engine.settings.HOOK_OPTIONS`.
+    Raises:
+        ValueError: an unknown keyword, settings given twice, or a setting
+            :func:`check_settings` refuses.
     """
 
     priority = 'ABOVE_NORMAL'
@@ -143,16 +125,12 @@ class GradFilterHook(Hook):
         self._undo_compile = None
 
     def before_run(self, runner) -> None:
-        """Take the ``compile`` setting over, for the model's device
-        (:func:`_take_compile_setting`; the Runner compiles after
-        ``before_run``), and check the checkpoint to be loaded, before
-        anything is trained.
+        """Take the ``compile`` setting over and check the checkpoint to be
+        loaded.
 
-        ``before_run`` precedes the Runner's ``load_or_resume``. A run
-        with ``resume=True`` and no ``load_from`` resumes from the newest
-        checkpoint of its work dir that loads
-        (:func:`~..checkpoint.resume.find_resumable_checkpoint`), where
-        mmengine takes whatever ``last_checkpoint`` names.
+        With ``resume=True`` and no ``load_from``, resume from the newest
+        checkpoint of the work dir that loads, not whatever ``last_checkpoint``
+        names.
         """
         self._compile = _take_compile_setting(
             runner, self.configured and self.settings.lean)
@@ -227,8 +205,8 @@ class GradFilterHook(Hook):
     @staticmethod
     def _log_cost(runner, model: nn.Module,
                   choices: Sequence[LayerChoice]) -> None:
-        """Log the chosen layers' cost table (and, with the lean region,
-        the whole step's saved bytes)."""
+        """Log the chosen layers' cost table (and the lean step's saved
+        bytes)."""
         batch = _batch_size(runner) or 1
         size = choices[0].input_hw if choices[0].input_hw[0] else (
             DEFAULT_INPUT_SIZE)
@@ -261,18 +239,15 @@ class GradFilterHook(Hook):
 
     def before_train_iter(self, runner, batch_idx: int,
                           data_batch: Any = None) -> None:
-        """mmengine loops call ``model.train()``: re-freeze norm stats. On
-        the first iteration after a resume, torch's generators take the
-        checkpoint's state (after the loop replayed the data pipeline)."""
+        """Re-freeze norm stats; after a resume, restore torch's generators."""
         set_frozen_norms_eval(runner.model)
         if self._random_state is not None:
             self._random_state.before_iteration(runner)
 
     def after_train_iter(self, runner, batch_idx: int,
                          data_batch: Any = None, outputs: Any = None) -> None:
-        """On CPU, put the peak resident memory since the previous log
-        line into the next one (``peak_rss``, MiB; this hook runs before
-        the ``LoggerHook``), and start a new interval once it is logged."""
+        """On CPU, log the peak resident memory (``peak_rss``, MiB) per
+        interval."""
         if self._peak_memory is None:
             return
         peak = self._peak_memory.peak_mib()
@@ -284,15 +259,11 @@ class GradFilterHook(Hook):
 
 def _hook_settings(settings: Any, kwargs: Dict[str, Any]
                    ) -> Optional[GradientFilterSettings]:
-    """The hook's settings, checked once: ``settings`` (an object or a
-    dict) or the keywords; None when neither chooses layers (no
-    ``num_layers``, ``layers`` or ``budget``).
+    """The hook's settings, checked once; None when nothing chooses layers.
 
     Raises:
         ValueError: an unknown keyword (naming the accepted ones), both
-            ``settings`` and keywords, or a setting
-            :class:`~mmseg_gf.engine.settings.GradientFilterSettings`
-            refuses.
+            ``settings`` and keywords, or a refused setting.
     """
     unknown = sorted(set(kwargs) - set(SETTING_KEYS))
     if unknown:
@@ -312,9 +283,7 @@ def _hook_settings(settings: Any, kwargs: Dict[str, Any]
 
 def _cpu_peak_memory(runner, model: nn.Module
                      ) -> Optional[PeakResidentMemory]:
-    """A peak-memory meter for a model training on CPU (mmengine logs
-    CUDA's own ``memory``), started now; None on other devices or where
-    the process's peak cannot be read and reset (logged)."""
+    """A peak-memory meter for a model training on CPU, or None (logged)."""
     if any(p.device.type != 'cpu' for p in model.parameters()):
         return None
     meter = PeakResidentMemory()
@@ -331,8 +300,7 @@ def _cpu_peak_memory(runner, model: nn.Module
 
 
 def _reuse_cpu_memory(runner, model: nn.Module) -> None:
-    """Keep freed CPU memory for reuse when the model trains on CPU and its
-    settings ask for it, and say so."""
+    """Keep freed CPU memory for reuse when the settings ask for it."""
     if not get_state(model).reuse_cpu_memory or any(
             p.device.type != 'cpu' for p in model.parameters()):
         return

@@ -1,11 +1,7 @@
 """``GradientQualityHook``: log how close filtered gradients are to exact.
 
-Every ``interval`` training iterations it records, for each enabled
-filtered layer of the model (a layer kind's filtered module, e.g.
-``GFConv2d``), the layer's input and the gradient arriving at its output, then
-compares the filtered gradients with the exact ones (SNR and cosine of
-``g_y``, ``g_x`` and ``g_W``, paper Section 4.1). Figures go to the message
-hub, hence to mmengine's logger and visualizer backends, as
+Every ``interval`` iterations, SNR and cosine of each filtered layer's
+``g_y``, ``g_x`` and ``g_W`` (paper Section 4.1) go to the message hub as
 ``gf_quality/<layer>/<measure>``.
 """
 
@@ -23,8 +19,8 @@ from ...models.gradient_quality import capture_layer_io
 class GradientQualityHook(Hook):
     """Periodically measure filtered-vs-exact gradient quality.
 
-    It costs one exact backward per filtered layer on the logged iteration
-    only, so keep ``interval`` large in real runs.
+    One exact backward per filtered layer on each measured iteration: keep
+    ``interval`` large in real runs.
 
     Args:
         interval (int): measure every ``interval`` training iterations.
