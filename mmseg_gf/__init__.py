@@ -6,13 +6,13 @@ existing config only needs ``custom_imports = dict(imports=['mmseg_gf'])``.
 Without mmseg installed, the pure-PyTorch operator in ``mmseg_gf.ops`` still
 imports; a broken mmseg installation still fails loudly. Where the compiled
 CPU kernels are not built, the import warns once
-(``ops.backend.extension.KernelsMissingWarning``) and the PyTorch path runs.
+(``ops.backend.availability.KernelsMissingWarning``) and the PyTorch path runs.
 """
 from importlib.util import find_spec
 
 from .models import GFConv2d
 from .ops.bit_mask import masks as bit_mask
-from .ops.backend import extension
+from .ops.backend import availability
 from .ops.resized_loss import loss as resized_loss  # noqa: F401 (loaders)
 from .ops import check_radius, gradient_filtered_conv2d
 
@@ -23,4 +23,4 @@ if find_spec('mmseg') is not None:
     from . import engine  # noqa: F401  (registers the hook and the builder)
 
 # Every loader of the compiled kernels has run: one warning if any is missing.
-extension.warn_if_kernels_missing()
+availability.warn_if_kernels_missing()

@@ -39,7 +39,7 @@ from mmseg_gf.analysis.layer_benchmark import (BENCHMARK_CONV_SHAPES,
                                                CLOCKS, plot, summarize,
                                                time_layer, time_linear_layer,
                                                timing_table)
-from mmseg_gf.ops.backend import triton_runtime
+from mmseg_gf.ops.backend import availability
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
           'float16': torch.float16}
@@ -112,7 +112,7 @@ def main(argv: Optional[List[str]] = None):
                              'glibc mallopt')
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     if args.no_triton:
-        triton_runtime.set_enabled(False)
+        availability.set_triton_enabled(False)
     if args.tf32 is not None:
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
         torch.backends.cudnn.allow_tf32 = args.tf32
@@ -149,7 +149,7 @@ def main(argv: Optional[List[str]] = None):
     if 'cuda' in devices:
         meta.update(gpu=torch.cuda.get_device_name(),
                     cudnn_benchmark=args.cudnn_benchmark,
-                    triton_kernels=triton_runtime.enabled(),
+                    triton_kernels=availability.triton_enabled(),
                     tf32=dict(cudnn=torch.backends.cudnn.allow_tf32,
                               matmul=torch.backends.cuda.matmul.allow_tf32))
     with open(osp.join(args.out_dir, 'layers.json'), 'w') as f:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..ops.backend import switches, triton_runtime
+from ..ops.backend import availability, switches, triton_runtime
 from ..ops.backend.device_path import as_on_cuda
 
 __all__ = ['cuda_path']
@@ -68,7 +68,7 @@ def cuda_path(triton: bool = True) -> Iterator[None]:
         RuntimeError: ``triton=True`` where triton's interpreter cannot
             run the kernels on CPU tensors.
     """
-    if triton and not (triton_runtime.installed() and triton_runtime.INTERPRETED):
+    if triton and not (availability.triton_installed() and triton_runtime.INTERPRETED):
         raise RuntimeError(
             'counting the Triton path on a CPU needs triton >= '
             f'{".".join(map(str, triton_runtime.MIN_TRITON))} installed and '
@@ -77,10 +77,10 @@ def cuda_path(triton: bool = True) -> Iterator[None]:
             f'{triton_runtime.triton_version()}, the interpreter '
             f'{"on" if triton_runtime.INTERPRETED else "off"}); or count without '
             'it (triton=False)')
-    previous = triton_runtime.set_enabled(triton)
+    previous = availability.set_triton_enabled(triton)
     try:
         with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
                 _FusedDropout():
             yield
     finally:
-        triton_runtime.set_enabled(previous)
+        availability.set_triton_enabled(previous)

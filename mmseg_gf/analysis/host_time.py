@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..accounting.batch import random_batch, summed_losses
 from ..accounting.launches import kernel_outputs, module_kind
 from ..models.segmentor import set_frozen_norms_eval
-from ..ops.backend import switches, triton_runtime
+from ..ops.backend import availability, switches
 from ..ops.backend.device_path import as_on_cuda
 from ..patching import Hooks, plain_class
 from .launch_count import build_uninterpreted
@@ -81,19 +81,19 @@ def host_path(triton: bool = True) -> Iterator[None]:
     Raises:
         RuntimeError: ``triton=True`` without triton's interpreter.
     """
-    if triton and not (triton_runtime.installed()
+    if triton and not (availability.triton_installed()
                        and switches.value('TRITON_INTERPRET')):
         raise RuntimeError(
             'the host time of the Triton path on a CPU needs triton '
             'installed and TRITON_INTERPRET=1 in the environment before '
             'mmseg_gf is imported; or measure without it (triton=False)')
-    previous = triton_runtime.set_enabled(triton)
+    previous = availability.set_triton_enabled(triton)
     try:
         with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
                 stubbed_triton():
             yield
     finally:
-        triton_runtime.set_enabled(previous)
+        availability.set_triton_enabled(previous)
 
 
 def _kind(module: nn.Module) -> Optional[str]:

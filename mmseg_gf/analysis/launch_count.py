@@ -18,7 +18,7 @@ from ..accounting.format import MIB, format_table
 from ..accounting.launches import KINDS, count_step
 from ..engine.build import build_segmentor
 from ..engine.tool_args import write_json
-from ..ops.backend import triton_runtime
+from ..ops.backend import availability, triton_runtime
 from .step_benchmark import lean_against_vanilla, parse_row
 from .step_jobs import Job
 
@@ -71,11 +71,11 @@ def build_uninterpreted(cfg, device: str = 'cpu'):
     """
     if not (triton_runtime.INTERPRETED and torch.device(device).type == 'cpu'):
         return build_segmentor(cfg).to(device)
-    previous = triton_runtime.set_enabled(False)
+    previous = availability.set_triton_enabled(False)
     try:
         return build_segmentor(cfg).to(device)
     finally:
-        triton_runtime.set_enabled(previous)
+        availability.set_triton_enabled(previous)
 
 
 def _as_summary(recorded: Dict) -> Dict:

@@ -76,7 +76,7 @@ def _switches(held: Dict[str, Any]) -> _Setting:
     """One of :mod:`~mmseg_gf.ops.backend.switches`' tables: what it read from the
     environment (or an :func:`~mmseg_gf.ops.backend.switches.override` put there),
     or what was set at run time (``set_value``,
-    ``triton_runtime.set_enabled``, ``set_load_limit``)."""
+    ``availability.set_triton_enabled``, ``set_load_limit``)."""
 
     def write(saved: Dict[str, Any]) -> None:
         held.clear()

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import numpy as np
 import pytest
 
-from mmseg_gf.ops.backend import switches, triton_runtime
+from mmseg_gf.ops.backend import availability, switches, triton_runtime
 from tests.helpers.devices import kernels_off
 from tests.helpers.tools import REPO
 
@@ -30,7 +30,7 @@ TRITON_VERSION = triton_runtime.triton_version() or (0, )
 _MIN = '.'.join(map(str, triton_runtime.MIN_TRITON))
 #: Skips a test where triton (>= MIN_TRITON) is not installed.
 TRITON = pytest.mark.skipif(
-    not triton_runtime.installed(),
+    not availability.triton_installed(),
     reason=f'triton >= {_MIN} is not installed (requirements/tests.txt '
     'pins it)' + ('' if triton_runtime.triton_version() is None else
                   f', found {triton_runtime.triton_version()}'))
@@ -65,7 +65,7 @@ def case_device() -> str:
     """Where a case file's tensors go: ``'cpu'`` under the interpreter,
     else ``'cuda'``; skips the whole file (called at its import) where
     triton is missing, or neither is possible."""
-    if not triton_runtime.installed():
+    if not availability.triton_installed():
         pytest.skip(f'triton >= {_MIN} is not installed '
                     '(triton_runtime.MIN_TRITON)', allow_module_level=True)
     if switches.value('TRITON_INTERPRET'):
@@ -79,13 +79,13 @@ def case_device() -> str:
 
 @contextlib.contextmanager
 def triton_enabled(flag: Optional[bool]) -> Iterator[None]:
-    """``triton_runtime.set_enabled(flag)`` inside the block, the previous
+    """``availability.set_triton_enabled(flag)`` inside the block, the previous
     setting restored."""
-    previous = triton_runtime.set_enabled(flag)
+    previous = availability.set_triton_enabled(flag)
     try:
         yield
     finally:
-        triton_runtime.set_enabled(previous)
+        availability.set_triton_enabled(previous)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from mmseg_gf.accounting.launches import (KINDS, LaunchCounter, count_step,
 from mmseg_gf.models.gf_conv import GFConv2d
 from mmseg_gf.models.lean import make_lean
 from mmseg_gf.ops.bit_mask import masks as bit_mask
-from mmseg_gf.ops.backend import device_path, extension
+from mmseg_gf.ops.backend import availability, device_path
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.backend import switches, triton_runtime
 from mmseg_gf.ops.conv import cpu as conv_cpu
@@ -78,11 +78,11 @@ def test_cuda_path_switches_and_restores(switch_override):
     assert device_path.host_checks(t)
     with cuda_path(triton=False):
         assert switches.value('MMSEG_GF_NATIVE') is False
-        assert not extension.available() and not conv_cpu.usable(t)
+        assert not availability.native_available() and not conv_cpu.usable(t)
         assert not bit_mask.native_available()
         assert not resized_loss.kernel_usable(t)
         assert not device_path.host_checks(t)
-        assert not triton_runtime.enabled()
+        assert not availability.triton_enabled()
     assert switches.value('MMSEG_GF_NATIVE') is True
     assert device_path.host_checks(t)
 

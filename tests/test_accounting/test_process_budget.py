@@ -24,7 +24,7 @@ from mmseg_gf.engine.config import (build_grad_filter_model,  # noqa: E402
                                     check_settings, rewrite_config)
 from mmseg_gf.engine.train_log import resident_bytes  # noqa: E402
 from mmseg_gf.models.segmentor import set_frozen_norms_eval  # noqa: E402
-from mmseg_gf.ops.backend import extension, output_pool  # noqa: E402
+from mmseg_gf.ops.backend import availability, extension, output_pool  # noqa: E402
 from tests.helpers.engine_fixtures import (  # noqa: E402
     SMALL_BATCH, SMALL_SIZE, build_model, model_cfg)
 
@@ -151,7 +151,7 @@ def test_measured_process_peak_is_within_10_percent(tmp_path):
     assert result['kernel_pool_mib'] in (None, 0), json.dumps(result)
 
 
-@pytest.mark.skipif(not extension.available() or torch.cuda.is_available(),
+@pytest.mark.skipif(not availability.native_available() or torch.cuda.is_available(),
                     reason='the compiled CPU kernels are not in use')
 def test_a_process_budget_keeps_no_freed_kernel_outputs(
         kernel_pool_restored):

@@ -5,7 +5,7 @@ from torch import nn
 
 from mmseg_gf.models import GFConv2d, GFLinear
 from mmseg_gf.models.layer_paths import layer_path, representative_input
-from mmseg_gf.ops.backend import dispatch, extension, switches
+from mmseg_gf.ops.backend import availability, dispatch, extension, switches
 
 
 def _conv():
@@ -19,7 +19,7 @@ def test_a_filtered_conv_takes_the_kernel_or_says_why_not():
     assert x.shape == (1, 3, 8, 8) and x.requires_grad
     with switches.override(MMSEG_GF_NATIVE=True):
         on = layer_path(conv, x)
-    assert on == ('c++' if extension.available() else
+    assert on == ('c++' if availability.native_available() else
                   'torch: cpu tensor (triton), mmseg_gf._patch_ops not '
                   'built (c++)')
     with switches.override(MMSEG_GF_NATIVE=False):

@@ -17,14 +17,14 @@ from mmseg_gf.models.lean import is_lean, make_lean
 from mmseg_gf.ops import (TokenGrid, gradient_filtered_conv2d,
                           gradient_filtered_linear)
 from mmseg_gf.ops.bit_mask import masks as bit_mask
-from mmseg_gf.ops.backend import extension
+from mmseg_gf.ops.backend import availability
 from mmseg_gf.ops.conv import cpu as conv_cpu
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.resized_loss import traced as traced_loss
 from mmseg_gf.ops.resize.bilinear import strided_gradient_resizes
 from tests.helpers.devices import needs_token_kinds
 
-KERNELS = pytest.mark.skipif(not extension.available(),
+KERNELS = pytest.mark.skipif(not availability.native_available(),
                              reason='compiled CPU kernels not built')
 LOSS_KERNEL = pytest.mark.skipif(
     not resized_loss.operator_usable(torch.zeros(1)),
@@ -110,9 +110,9 @@ def test_filtered_conv_traces_on_the_kernels(dilation):
     torch.manual_seed(0)
     conv = GFConv2d(4, 5, 3, padding=dilation, dilation=dilation, radius=2)
     x = torch.randn(2, 4, 10, 9)
-    calls = conv_cpu.fused_backward_calls() if extension.available() else 0
+    calls = conv_cpu.fused_backward_calls() if availability.native_available() else 0
     _check_compiled(conv, x, list(conv.parameters()))
-    if extension.available() and dilation == 1:
+    if availability.native_available() and dilation == 1:
         # eager's C++ node and the compiled graph's operator: one each
         assert conv_cpu.fused_backward_calls() == calls + 2
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from mmseg_gf.ops.backend import triton_runtime
+from mmseg_gf.ops.backend import availability
 from mmseg_gf.ops.conv import gpu as conv_gpu
 from mmseg_gf.ops.conv.function import (GradientFilterConv2dFunction,
                                         conv_geometry)
@@ -90,7 +90,7 @@ def test_filtered_conv_on_fake_cuda(stride, kernel, dilation, groups, radius,
     """The filtered conv's step-by-step backward (every conv kind) and the
     Triton path's Python side (its ops through their fake
     implementations)."""
-    if path == 'triton' and not triton_runtime.installed():
+    if path == 'triton' and not availability.triton_installed():
         pytest.skip('triton is not installed')
     padding = dilation * (kernel // 2)
     with fake_cuda():

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from mmseg_gf.ops.backend import (device_path, dispatch, extension, switches,
-                                  triton_runtime)
+from mmseg_gf.ops.backend import (availability, device_path, dispatch,
+                                  extension, switches)
 from mmseg_gf.ops.bit_mask import masks as bit_mask
 from mmseg_gf.ops.resize import gemm as bilinear_gemm
 from mmseg_gf.ops.resized_loss import loss as resized_loss
@@ -187,7 +187,7 @@ def test_resize_kernel_refuses_a_gradient_whose_images_are_strided():
     grad = torch.randn(2, 3, 4, 4).transpose(2, 3)
     explained = dispatch.explain('resize', grad)
     assert explained.path == 'torch'
-    if extension.available():
+    if availability.native_available():
         assert dict(explained.refusals)['c++'] == \
             'an image of the gradient not contiguous'
 
@@ -210,7 +210,7 @@ def test_resized_loss_names_its_refusals_and_a_forced_kernel_says_why():
     assert dict(traced.refusals)['c++'] in ('MMSEG_GF_NATIVE off',
                                            'mmseg_gf._resized_loss not built')
     if extension.built('resized_loss') and \
-            not triton_runtime.takes_device(logits):
+            not availability.triton_takes(logits):
         assert dispatch.explain('resized_loss_traced', logits).path == 'c++'
         assert resized_loss.operator_usable(logits)
 

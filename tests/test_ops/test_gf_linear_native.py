@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
-from mmseg_gf.ops.backend import cpu_settings, extension, output_pool
+from mmseg_gf.ops.backend import availability, cpu_settings, extension, output_pool
 from mmseg_gf.ops.linear import cpu as linear_cpu
 from mmseg_gf.ops.linear.token_grid import TokenLayout
 from tests.helpers.devices import kernels_off
 from tests.helpers.gf_linear_cases import LAYOUT_CASES
 
 pytestmark = pytest.mark.skipif(
-    not extension.available() or
+    not availability.native_available() or
     not hasattr(extension.module('patch_ops'), 'token_filtered_backward'),
     reason='compiled kernels not built (pip install --no-build-isolation -e .)')
 
@@ -206,7 +206,7 @@ AVX512_CASES = [
 
 
 @pytest.mark.skipif(
-    not extension.available() or
+    not availability.native_available() or
     not hasattr(extension.module('patch_ops'), 'token_rows_avx512_enabled') or
     not cpu_settings.token_rows_avx512_enabled(),
     reason='no AVX-512 token-row passes on this CPU / build')

@@ -11,7 +11,7 @@ import torch
 
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
 from mmseg_gf.ops.linear import gpu as triton_linear
-from mmseg_gf.ops.backend import triton_runtime
+from mmseg_gf.ops.backend import availability, triton_runtime
 from tests.helpers.devices import DEVICES, needs_cuda
 from tests.helpers.triton_runs import INTERPRETER, TRITON, run_case_file
 from tests.helpers.gf_linear_reference import reference_linear_gradients
@@ -54,7 +54,7 @@ def test_cuda_tensors_take_the_triton_path(device, radius):
     calls = triton_linear.backward_calls()
     y = gradient_filtered_linear(*leaves, grid, radius, 1)
     got = torch.autograd.grad(y, leaves, g.to(device))
-    expected = int(device == 'cuda' and triton_runtime.enabled())
+    expected = int(device == 'cuda' and availability.triton_enabled())
     assert triton_linear.backward_calls() - calls == expected
     ref = reference_linear_gradients(x, w, g, 5, 7, 2, 'tokens', 1, radius)
     for a, e in zip(got, ref):
@@ -70,16 +70,16 @@ def test_switch_decides_usable(monkeypatch, switch_override):
     assert not triton_linear.usable(x)  # interpreter off in this process
     monkeypatch.setattr(triton_runtime, 'INTERPRETED', True)
     switch_override(MMSEG_GF_TRITON=True)
-    previous = triton_runtime.set_enabled(None)
+    previous = availability.set_triton_enabled(None)
     try:
-        assert triton_linear.usable(x) == triton_runtime.installed()
+        assert triton_linear.usable(x) == availability.triton_installed()
         assert not triton_linear.usable(x.int())
         assert not triton_linear.usable(x[:0])
-        triton_runtime.set_enabled(False)
+        availability.set_triton_enabled(False)
         assert not triton_linear.usable(x)
-        triton_runtime.set_enabled(None)
+        availability.set_triton_enabled(None)
         switch_override(MMSEG_GF_TRITON=False)
         assert not triton_linear.usable(x)
         assert not triton_linear.usable(x.to('meta'))
     finally:
-        triton_runtime.set_enabled(previous)
+        availability.set_triton_enabled(previous)

@@ -12,7 +12,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 from mmseg_gf.ops import gradient_filtered_conv2d
-from mmseg_gf.ops.backend import cpu_settings, extension, output_pool
+from mmseg_gf.ops.backend import availability, cpu_settings, output_pool
 from mmseg_gf.ops.conv import cpu as conv_cpu
 from mmseg_gf.ops.conv.function import (AxisGeometry,
                                         GradientFilterConv2dFunction,
@@ -20,7 +20,7 @@ from mmseg_gf.ops.conv.function import (AxisGeometry,
                                         spread_to_input)
 
 pytestmark = pytest.mark.skipif(
-    not extension.available(),
+    not availability.native_available(),
     reason='compiled kernels not built (pip install --no-build-isolation -e .)')
 
 

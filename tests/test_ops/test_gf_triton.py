@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mmseg_gf.ops import gradient_filtered_conv2d
-from mmseg_gf.ops.backend import triton_runtime
+from mmseg_gf.ops.backend import availability, triton_runtime
 from mmseg_gf.ops.conv import gpu as conv_gpu
 from tests.helpers.devices import needs_cuda
 from tests.helpers.triton_runs import (
@@ -288,16 +288,16 @@ def test_switch_and_cpu_tensors_without_the_interpreter(switch_override):
     x, w = torch.zeros(1, 2, 4, 4), torch.zeros(2, 2, 3, 3)
     assert not conv_gpu.usable(x, w, None)
     switch_override(MMSEG_GF_TRITON=False)
-    assert not triton_runtime.enabled()
-    previous = triton_runtime.set_enabled(True)
+    assert not availability.triton_enabled()
+    previous = availability.set_triton_enabled(True)
     try:
-        assert triton_runtime.enabled() == triton_runtime.installed()
-        triton_runtime.set_enabled(None)
-        assert not triton_runtime.enabled()
+        assert availability.triton_enabled() == availability.triton_installed()
+        availability.set_triton_enabled(None)
+        assert not availability.triton_enabled()
         switch_override(MMSEG_GF_TRITON=True)
-        assert triton_runtime.enabled() == triton_runtime.installed()
+        assert availability.triton_enabled() == availability.triton_installed()
     finally:
-        triton_runtime.set_enabled(previous)
+        availability.set_triton_enabled(previous)
 
 
 def test_package_runs_without_triton():
@@ -306,9 +306,10 @@ def test_package_runs_without_triton():
     code = '\n'.join([
         'import sys', 'sys.modules["triton"] = None',
         'import torch', 'from mmseg_gf.ops import gradient_filtered_conv2d',
-        'from mmseg_gf.ops.backend import triton_runtime',
+        'from mmseg_gf.ops.backend import availability',
         'from mmseg_gf.ops.conv import gpu as conv_gpu',
-        'assert not triton_runtime.installed() and not triton_runtime.enabled()',
+        'assert not availability.triton_installed()',
+        'assert not availability.triton_enabled()',
         'x = torch.randn(1, 2, 6, 6, requires_grad=True)',
         'w = torch.randn(3, 2, 3, 3, requires_grad=True)',
         'gradient_filtered_conv2d(x, w, None, 1, 1, 1, 1, 2).sum().backward()',

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mmseg_gf.ops.backend import extension, switches
+from mmseg_gf.ops.backend import availability, extension, switches
 
 REPO = Path(__file__).resolve().parents[2]
 MISSING = {name: f'No module named mmseg_gf.{name}' for name in extension.KERNELS}
@@ -20,12 +20,12 @@ MISSING = {name: f'No module named mmseg_gf.{name}' for name in extension.KERNEL
 def none_built(monkeypatch):
     """The loaders' record as where no kernel was built, not warned yet."""
     monkeypatch.setattr(extension, '_missing', dict(MISSING))
-    monkeypatch.setattr(extension, '_warned', False)
+    monkeypatch.setattr(availability, '_warned', False)
 
 
 def test_the_warning_names_every_module_the_path_and_the_build(none_built):
-    with pytest.warns(extension.KernelsMissingWarning) as caught:
-        assert extension.warn_if_kernels_missing()
+    with pytest.warns(availability.KernelsMissingWarning) as caught:
+        assert availability.warn_if_kernels_missing()
     text = str(caught[0].message)
     assert all(f'mmseg_gf.{name}' in text for name in extension.KERNELS)
     assert 'pure-PyTorch path' in text
@@ -34,11 +34,11 @@ def test_the_warning_names_every_module_the_path_and_the_build(none_built):
 
 
 def test_the_warning_comes_once(none_built):
-    with pytest.warns(extension.KernelsMissingWarning):
-        extension.warn_if_kernels_missing()
+    with pytest.warns(availability.KernelsMissingWarning):
+        availability.warn_if_kernels_missing()
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert not extension.warn_if_kernels_missing()
+        assert not availability.warn_if_kernels_missing()
 
 
 @pytest.mark.parametrize('switch', ['MMSEG_GF_NATIVE',
@@ -46,15 +46,15 @@ def test_the_warning_comes_once(none_built):
 def test_no_warning_where_the_kernels_are_off_on_purpose(none_built, switch):
     with switches.override(**{switch: False}), warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert not extension.warn_if_kernels_missing()
+        assert not availability.warn_if_kernels_missing()
 
 
 def test_no_warning_where_every_kernel_imported(monkeypatch):
     monkeypatch.setattr(extension, '_missing', {})
-    monkeypatch.setattr(extension, '_warned', False)
+    monkeypatch.setattr(availability, '_warned', False)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert not extension.warn_if_kernels_missing()
+        assert not availability.warn_if_kernels_missing()
 
 
 def _import_copy(tmp_path, **env):

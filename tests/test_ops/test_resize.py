@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmseg_gf.ops.backend import extension
+from mmseg_gf.ops.backend import availability
 from mmseg_gf.ops.resize import cpu as resize_cpu
 from mmseg_gf.ops.resize.bilinear import (BilinearResizeFunction,
                                           bilinear_resize_backward,
@@ -39,7 +39,7 @@ def _head(x, other, **resize):
 
 # 'torch': the PyTorch path (kernels off), which 'cuda' tensors take too.
 KERNELS = ['torch', pytest.param('compiled', marks=pytest.mark.skipif(
-    not extension.available(), reason='compiled kernels not built')),
+    not availability.native_available(), reason='compiled kernels not built')),
            pytest.param('cuda', marks=[pytest.mark.cuda, pytest.mark.skipif(
                not CUDA_AVAILABLE, reason='no CUDA GPU on this machine')])]
 
@@ -104,7 +104,7 @@ def test_a_channel_slice_gradient_is_not_copied(kernel, switch_override):
     _assert_same(got, want, kernel)
 
 
-@pytest.mark.skipif(not extension.available(), reason='compiled kernels not '
+@pytest.mark.skipif(not availability.native_available(), reason='compiled kernels not '
                     'built')
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('sizes', [((7, 9), (16, 21)), ((16, 21), (7, 9)),

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import device_path, extension, shape_caches, switches, triton_runtime
+from . import availability, device_path, shape_caches, switches, triton_runtime
 
 __all__ = ['Implementation', 'Choice', 'Operator', 'Explanation', 'CACHE_SIZE',
            'register', 'operator', 'choose', 'explain', 'refusal',
@@ -233,4 +233,4 @@ def cache_clear() -> None:
 
 def compiled_kernels_refusal(name: str = 'patch_ops') -> Optional[str]:
     """Why the compiled extension ``name`` may not run, or None."""
-    return extension.refusal(name)
+    return availability.native_refusal(name)

@@ -11,7 +11,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from . import extension, shape_caches, switches
+from . import availability, extension, shape_caches, switches
 
 __all__ = ['recycle_limit', 'current_recycle_limit', 'recycled_bytes',
            'release_recycled',
@@ -68,7 +68,7 @@ def empty_for_writing(shape, like: Tensor) -> Tensor:
     """
     if (_kernels is None or like.device.type != 'cpu'
             or torch.compiler.is_compiling()
-            or not extension.switched_on()):
+            or not availability.native_switched_on()):
         return like.new_empty(shape)
     return _kernels.empty_for_writing([int(v) for v in shape], like.dtype)
 

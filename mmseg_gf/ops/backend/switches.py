@@ -68,7 +68,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch('MMSEG_GF_TRITON', True, bool,
            'The Triton GPU kernels (`0`: CUDA tensors take the PyTorch '
            'path).', on_unless_zero,
-           setter='mmseg_gf.ops.backend.triton_runtime.set_enabled'),
+           setter='mmseg_gf.ops.backend.availability.set_triton_enabled'),
     Switch('MMSEG_GF_FUSED_PRODUCTS', True, bool,
            "A filtered layer's patch-grid products on the Triton path as "
            'one fused launch (`0`: batched GEMMs, a tap sum and a spread; '

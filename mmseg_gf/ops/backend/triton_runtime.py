@@ -1,5 +1,6 @@
-"""The Triton runtime every GPU path shares: whether triton is installed and
-switched on, which devices may take a Triton path, and launch helpers.
+"""The Triton runtime every GPU path shares: the installed triton's
+version, whether its interpreter runs the kernels, and launch helpers
+(whether a path may take triton: :mod:`.availability`).
 
 Decided at import, since dispatch must not import modules while
 ``torch.compile`` traces. CPU tensors take a Triton path only under
@@ -18,9 +19,8 @@ from torch import Tensor
 from . import switches
 
 __all__ = [
-    'MIN_TRITON', 'INTERPRETED', 'FLOAT_TYPES', 'triton_version',
-    'installed', 'enabled', 'set_enabled', 'takes_device', 'on_device',
-    'no_autocast', 'is_fake', 'call'
+    'MIN_TRITON', 'INTERPRETED', 'FLOAT_TYPES', 'TRITON_VERSION',
+    'triton_version', 'on_device', 'no_autocast', 'is_fake', 'call'
 ]
 
 #: The oldest triton the kernels were tested with (the interpreter cases
@@ -43,47 +43,12 @@ def triton_version() -> Optional[Tuple[int, ...]]:
     return tuple(int(v) for v in re.findall(r'\d+', text)[:3])
 
 
-_VERSION = triton_version()
-_INSTALLED = _VERSION is not None and _VERSION >= MIN_TRITON
+#: The installed triton's version (read at import), or None.
+TRITON_VERSION = triton_version()
 
 #: Whether the kernels run in triton's interpreter (``TRITON_INTERPRET``,
 #: read at import): CPU tensors take the Triton paths then.
 INTERPRETED = bool(switches.value('TRITON_INTERPRET'))
-
-
-def installed() -> bool:
-    return _INSTALLED
-
-
-def enabled() -> bool:
-    """Triton installed and the GPU path switched on."""
-    return _INSTALLED and switches.value('MMSEG_GF_TRITON')
-
-
-def set_enabled(flag: Optional[bool]) -> Optional[bool]:
-    """Switch the Triton paths on or off for this process (None: back to
-    ``MMSEG_GF_TRITON``); returns the previous override.
-    """
-    return switches.set_value('MMSEG_GF_TRITON',
-                              None if flag is None else bool(flag))
-
-
-def device_refusal(t: Tensor) -> Optional[str]:
-    """Why ``t``'s device may not take a Triton path, or None."""
-    if not _INSTALLED:
-        return 'triton not installed' if _VERSION is None else (
-            f'triton {_VERSION} older than {MIN_TRITON}')
-    device = t.device.type
-    if not (device == 'cuda' or (INTERPRETED and device == 'cpu')):
-        return f'{device} tensor'
-    if not switches.value('MMSEG_GF_TRITON'):
-        return 'MMSEG_GF_TRITON off'
-    return None
-
-
-def takes_device(t: Tensor) -> bool:
-    """Whether ``t``'s device may take a Triton path at all."""
-    return device_refusal(t) is None
 
 
 def on_device(t: Tensor):

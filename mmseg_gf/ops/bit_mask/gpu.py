@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backend import dispatch, triton_runtime
+from ..backend import availability, dispatch
 from ..backend.triton_runtime import is_fake, on_device
 
 __all__ = ['refusal', 'usable', 'takes_dtype', 'empty_bits', 'pack', 'apply',
@@ -35,7 +35,7 @@ def takes_dtype(dtype: torch.dtype) -> bool:
 
 def refusal(t: Tensor) -> Optional[str]:
     """Why ``t`` may not take the Triton path, or None."""
-    reason = triton_runtime.device_refusal(t)
+    reason = availability.triton_refusal(t)
     if reason is not None:
         return reason
     if not takes_dtype(t.dtype):

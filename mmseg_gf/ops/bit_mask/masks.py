@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import dispatch, extension
+from ..backend import availability, dispatch, extension
 from ..backend.output_pool import empty_for_writing
 from . import gpu as triton_bit_mask
 
@@ -26,12 +26,12 @@ __all__ = ['pack', 'apply', 'unpack', 'packed_bytes', 'native_available',
 
 
 def native_available() -> bool:
-    return extension.available('bit_mask')
+    return availability.native_available('bit_mask')
 
 
 def kernel_refusal(t: Tensor) -> Optional[str]:
     """Why the compiled kernels may not take ``t``, or None."""
-    reason = extension.refusal('bit_mask')
+    reason = availability.native_refusal('bit_mask')
     if reason is not None:
         return reason
     if t.device.type != 'cpu':

@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import extension
+from ..backend import availability, extension
 
 __all__ = ['refusal', 'usable', 'patch_sums', 'spread', 'collapsed_backward',
            'filtered_conv2d', 'fused_backward_calls']
@@ -25,7 +25,7 @@ def refusal(t: Tensor) -> Optional[str]:
     """Why the kernels may not take ``t``, or None: they take non-empty
     contiguous NCHW float32 / float64 CPU tensors.
     """
-    reason = extension.refusal('patch_ops')
+    reason = availability.native_refusal('patch_ops')
     if reason is not None:
         return reason
     if t.device.type != 'cpu':

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..backend import dispatch, triton_runtime
+from ..backend import availability, dispatch, triton_runtime
 
 __all__ = [
     'usable', 'refusal', 'filtered_conv2d', 'collapsed_backward',
@@ -47,7 +47,7 @@ def refusal(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[str]:
 
     The caller checks that the kernel collapses on both axes.
     """
-    reason = triton_runtime.device_refusal(x)
+    reason = availability.triton_refusal(x)
     if reason is not None:
         return reason
     if x.dim() != 4 or x.numel() == 0 or weight.numel() == 0:

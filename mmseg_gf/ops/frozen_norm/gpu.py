@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..backend import dispatch, triton_runtime
+from ..backend import availability, dispatch
 from ..backend.triton_runtime import is_fake, on_device
 from ..function_output import owned_output
 
@@ -47,7 +47,7 @@ def refusal(x: Tensor) -> Optional[str]:
     """Why a frozen norm's input ``x`` may not take the Triton path, or
     None.
     """
-    reason = triton_runtime.device_refusal(x)
+    reason = availability.triton_refusal(x)
     if reason is not None:
         return reason
     if x.dtype not in _DTYPES:
@@ -116,7 +116,7 @@ def layer_norm_refusal(x: Tensor, dims: int) -> Optional[str]:
     """Why a frozen layer norm's backward may not take the Triton path
     (contiguous ``x``, rows of at most 8192 elements), or None.
     """
-    reason = triton_runtime.device_refusal(x)
+    reason = availability.triton_refusal(x)
     if reason is not None:
         return reason
     if x.dtype not in _DTYPES:

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import extension
+from ..backend import availability, extension
 
 __all__ = ['TOKEN_CHUNK_BYTES', 'TOKEN_STREAM_BYTES', 'token_rows_refusal',
            'token_rows_usable', 'token_patch_sums', 'token_filtered_backward']
@@ -30,7 +30,7 @@ def token_rows_refusal(*tensors: Optional[Tensor]) -> Optional[str]:
     take ``L x H x W x C`` token rows (any strides but a channel stride of
     1) and matrices: CPU tensors of one dtype, float32 or float64, in eager
     mode; ``None`` entries are skipped."""
-    reason = extension.refusal('patch_ops')
+    reason = availability.native_refusal('patch_ops')
     if reason is not None:
         return reason
     if not hasattr(_kernels, 'token_filtered_backward'):

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backend import triton_runtime
+from ..backend import availability
 from ..backend.triton_runtime import FLOAT_TYPES, on_device
 from ..conv import gpu as conv_gpu
 
@@ -30,7 +30,7 @@ def refusal(*tensors: Optional[Tensor]) -> Optional[str]:
     path, or None.
     """
     first = tensors[0]
-    reason = triton_runtime.device_refusal(first)
+    reason = availability.triton_refusal(first)
     if reason is not None:
         return reason
     if first.numel() == 0:

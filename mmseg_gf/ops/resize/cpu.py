@@ -4,7 +4,7 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
-from ..backend import extension
+from ..backend import availability, extension
 
 __all__ = ['refusal', 'bilinear_backward']
 
@@ -13,7 +13,7 @@ _kernels = extension.module('patch_ops')
 
 def refusal() -> Optional[str]:
     """Why the compiled backward may not run now, or None."""
-    return extension.refusal('patch_ops')
+    return availability.native_refusal('patch_ops')
 
 
 def bilinear_backward(grad: Tensor, out: Tensor, align_corners: bool,

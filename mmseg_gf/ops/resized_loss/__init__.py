@@ -13,12 +13,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backend import dispatch, extension, triton_runtime
+from ..backend import availability, dispatch, triton_runtime
 from . import loss, traced
 
 
 def _triton_takes(logits: Tensor) -> Optional[str]:
-    reason = triton_runtime.device_refusal(logits)
+    reason = availability.triton_refusal(logits)
     if reason is not None:
         return reason
     if logits.dtype not in loss.TRITON_DTYPES:
@@ -30,7 +30,7 @@ def _triton_takes(logits: Tensor) -> Optional[str]:
 
 
 def _cpp_takes(logits: Tensor) -> Optional[str]:
-    reason = extension.refusal('resized_loss')
+    reason = availability.native_refusal('resized_loss')
     if reason is not None:
         return reason
     if logits.device.type != 'cpu':
