@@ -181,11 +181,11 @@ def spread_to_input(grad_pooled: Tensor, geo_h: AxisGeometry,
     elsewhere, as two broadcasts with contiguous inner dimensions
     (docs/benchmarks/design_measurements.md).
     """
-    if grad_pooled.device.type == 'cpu':
+    if dispatch.choose('patch_spread',
+                       grad_pooled).implementation.name == 'c++':
         grid = grad_pooled.contiguous()  # small (patch grid): cheap if needed
-        if _kernel_takes(grid):
-            return conv_cpu.spread(grid, geo_h.in_size, geo_w.in_size,
-                                 geo_h.input_patches, geo_w.input_patches)
+        return conv_cpu.spread(grid, geo_h.in_size, geo_w.in_size,
+                               geo_h.input_patches, geo_w.input_patches)
     n, c, ph, pw = grad_pooled.shape
     ih, iw = geo_h.in_patch, geo_w.in_patch
     rows = grad_pooled.unsqueeze(-1).expand(n, c, ph, pw, iw).reshape(

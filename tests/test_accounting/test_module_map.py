@@ -23,6 +23,8 @@ TESTS_OF = {
         ('tests/test_accounting/test_unmodelled.py', 'choose_by_budget')],
     'cuda_kernels': [
         ('tests/test_accounting/test_cuda_kernels.py', 'count_model')],
+    'cuda_path': [
+        ('tests/test_accounting/test_launches.py', 'cuda_path')],
     'format': [('tests/test_accounting/test_format.py', 'format_table')],
     'kept': [
         ('tests/test_engine/test_lean_region.py', 'trace_step_saved_bytes'),
@@ -52,6 +54,10 @@ TESTS_OF = {
         ('tests/test_accounting/test_process_budget.py', 'peak_bytes'),
         ('tests/test_analysis/test_budget_check.py', 'peak')],
     'quiet': [('tests/test_accounting/test_quiet.py', 'quiet_profiler')],
+    'saved_bytes': [
+        ('tests/test_accounting/test_unmodelled.py',
+         'trace_step_saved_bytes'),
+        ('tests/test_engine/test_lean_region.py', 'trace_step_saved_bytes')],
     'report': [
         ('tests/test_accounting/test_unmodelled.py', 'step_kept_table'),
         ('tests/test_engine/test_hook.py', 'accounting.report')],

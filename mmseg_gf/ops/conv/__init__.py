@@ -85,6 +85,12 @@ dispatch.register('patch_grid', [
     dispatch.Implementation('c++', cpu.refusal),
     dispatch.Implementation('torch', lambda t: None),
 ])
+# the spread of a patch grid: the kernel takes a contiguous copy (a small
+# grid), so the grid's own strides do not refuse it
+dispatch.register('patch_spread', [
+    dispatch.Implementation('c++', lambda t: cpu.refusal(t, layout=False)),
+    dispatch.Implementation('torch', lambda t: None),
+])
 
 
 def _fused_products_refusal() -> Optional[str]:

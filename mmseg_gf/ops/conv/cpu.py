@@ -21,9 +21,10 @@ Patches = Tuple[int, int, int]  # (start, size, count) along one axis
 _kernels = extension.module('patch_ops')
 
 
-def refusal(t: Tensor) -> Optional[str]:
+def refusal(t: Tensor, layout: bool = True) -> Optional[str]:
     """Why the kernels may not take ``t``, or None: they take non-empty
-    contiguous NCHW float32 / float64 CPU tensors.
+    contiguous NCHW float32 / float64 CPU tensors (``layout=False``: any
+    strides, for a caller that makes ``t`` contiguous itself).
     """
     reason = availability.native_refusal('patch_ops')
     if reason is not None:
@@ -34,7 +35,7 @@ def refusal(t: Tensor) -> Optional[str]:
         return f'{t.dtype} tensor'
     if t.dim() != 4 or t.numel() == 0:
         return 'empty or not 4-D'
-    if not t.is_contiguous():
+    if layout and not t.is_contiguous():
         return 'not contiguous NCHW'
     return None
 
