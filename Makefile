@@ -53,7 +53,7 @@ demo: venv
 	$(BIN)/python tools/demo.py
 
 test: venv
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: venv
 	$(BIN)/python tools/benchmark_layers.py

@@ -13,6 +13,33 @@ def pytest_configure(config):
     _share_cores_between_workers()
 
 
+#: Files of a minute or more on 2 cores, slowest first: run before the
+#: rest, so that the workers (which take whole files in collection order:
+#: the Makefile's ``--dist loadfile --no-loadscope-reorder``) end together
+#: rather than one of them starting a long file last.
+SLOW_FIRST = (
+    'tests/test_protocol/test_protocol.py',
+    'tests/test_ops/test_gf_triton.py',
+    'tests/test_protocol/test_protocol_heads.py',
+    'tests/test_packaging.py',
+    'tests/test_engine/test_compile_step.py',
+    'tests/test_analysis/test_fault_injection.py',
+    'tests/test_tools/test_cli.py',
+    'tests/test_models/test_conv_block.py',
+    'tests/test_tools/test_gpu_check.py',
+    'tests/test_engine/test_cuda_graph_trace.py',
+    'tests/test_engine/test_distributed.py',
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The files of :data:`SLOW_FIRST` first, in that order; the rest
+    as collected (a stable sort: each file's tests stay together)."""
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition('::')[0],
+                                         len(rank)))
+
+
 def _share_cores_between_workers():
     """Under pytest-xdist (``make test`` runs one worker per core), give each
     worker its share of the cores: torch's default of one intra-op thread
