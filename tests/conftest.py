@@ -19,7 +19,7 @@ def pytest_configure(config):
 #: rather than one of them starting a long file last.
 SLOW_FIRST = (
     'tests/test_protocol/test_protocol.py',
-    'tests/test_ops/test_gf_triton.py',
+    'tests/test_ops/conv/test_gf_triton.py',
     'tests/test_protocol/test_protocol_heads.py',
     'tests/test_packaging.py',
     'tests/test_engine/test_compile_step.py',

@@ -60,7 +60,7 @@ def _test_command(args) -> List[str]:
     argv = [sys.executable, '-m', 'pytest', '-p', 'no:cacheprovider', '-rfE',
             '--tb=short']
     if args.quick:
-        argv += ['tests/test_ops/test_gf_op.py', '-q', '-k',
+        argv += ['tests/test_ops/conv/test_gf_op.py', '-q', '-k',
                  'nan_in_output_grad']
     else:
         argv += ['tests', '-m', 'cuda', '-v']

@@ -1,7 +1,7 @@
 """A stand-in backend of the filtered Linear's backward: the PyTorch
 reference, counted, taking float32 only. What a second backend for one
 operator costs: this file plus one line in the operator's list
-(tests/test_ops/test_dispatch.py adds it)."""
+(tests/test_ops/backend/test_dispatch.py adds it)."""
 from mmseg_gf.ops.backend.dispatch import Implementation
 from mmseg_gf.ops.linear.function import filtered_backward_torch
 

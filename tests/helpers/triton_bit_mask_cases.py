@@ -1,5 +1,5 @@
 """Cases of the bit masks' Triton path (``mmseg_gf.ops.bit_mask.gpu``);
-run by ``tests/test_ops/test_bit_mask_triton.py`` in a subprocess.
+run by ``tests/test_ops/lean/test_lean_triton.py`` in a subprocess.
 
 Not collected on its own (see ``tests/helpers/triton_cases.py``). Run
 directly::

@@ -1,4 +1,4 @@
-"""Cases of the Triton path; run by ``tests/test_ops/test_gf_triton.py`` in a subprocess.
+"""Cases of the Triton path; run by ``tests/test_ops/conv/test_gf_triton.py`` in a subprocess.
 
 Not collected on its own (the name does not start with ``test_``): triton
 decides at import whether its kernels run compiled or interpreted, from

@@ -1,5 +1,5 @@
 """Cases of the filtered Linear's Triton path (``mmseg_gf.ops.linear.gpu``);
-run by ``tests/test_ops/test_gf_linear_triton.py`` in a subprocess.
+run by ``tests/test_ops/linear/test_gf_linear_triton.py`` in a subprocess.
 
 Not collected on its own, for the reason given in
 ``tests/helpers/triton_cases.py`` (``TRITON_INTERPRET`` is read when

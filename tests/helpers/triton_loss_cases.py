@@ -1,12 +1,12 @@
 """Cases of the resized cross-entropy's Triton path
 (``mmseg_gf.ops.resized_loss.loss`` with ``triton_loss_kernels``); run by
-``tests/test_ops/test_lean_triton.py`` in a subprocess (see
+``tests/test_ops/lean/test_lean_triton.py`` in a subprocess (see
 ``tests/helpers/triton_cases.py``). Run directly::
 
     TRITON_INTERPRET=1 python -m pytest -q tests/helpers/triton_loss_cases.py
 
 Compared with the PyTorch path (``use_kernel=False``): loss and gradient
-to rounding, hits exactly. ``tests/test_ops/test_resized_loss.py`` holds
+to rounding, hits exactly. ``tests/test_ops/resized_loss/test_resized_loss.py`` holds
 both against a float64 reference, and its CUDA variants take this path.
 """
 import pytest

@@ -1,5 +1,5 @@
 """Cases of the frozen norms' Triton backward (batch norm, layer norm:
-(``mmseg_gf.ops.frozen_norm.gpu``); run by ``tests/test_ops/test_lean_triton.py``
+(``mmseg_gf.ops.frozen_norm.gpu``); run by ``tests/test_ops/lean/test_lean_triton.py``
 in a subprocess (see ``tests/helpers/triton_cases.py``). Run directly::
 
     TRITON_INTERPRET=1 python -m pytest -q tests/helpers/triton_norm_cases.py

@@ -13,7 +13,7 @@ device_discipline.py``): a tensor made on the CPU and mixed in, a value
 read on the host (``.item()``, ``bool(t)``, data-dependent shapes such as
 ``nonzero`` or boolean-mask indexing), a copy to the CPU, an op with a CPU
 kernel only. The ops' Functions on fake CUDA tensors:
-``tests/test_ops/test_device_discipline.py``.
+``tests/test_ops/backend/test_device_discipline.py``.
 """
 import pytest
 import torch

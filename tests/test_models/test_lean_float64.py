@@ -44,11 +44,11 @@ TOLERANCES = {
 ELSEWHERE = {
     # decode heads: the loss's gradient is taken in the forward
     # (resized_loss, fused_classifier): float64 against autograd in
-    # tests/test_ops/test_resized_loss.py and test_fused_loss_ops.py
-    'loss': 'tests/test_ops/test_resized_loss.py',
+    # tests/test_ops/resized_loss/test_resized_loss.py and test_fused_loss_ops.py
+    'loss': 'tests/test_ops/resized_loss/test_resized_loss.py',
     # installed by the engine on a traced step only; float64 against the
-    # exact GELU in tests/test_ops/test_patch_mean_activation.py
-    'patch_mean_gelu': 'tests/test_ops/test_patch_mean_activation.py',
+    # exact GELU in tests/test_ops/linear/test_patch_mean_activation.py
+    'patch_mean_gelu': 'tests/test_ops/linear/test_patch_mean_activation.py',
 }
 
 

@@ -4,7 +4,7 @@
 objects: called from the host they go through a wrapper that unwraps its
 arguments (about 2 us a call), and a filtered conv's launches computed
 their grids and tiles with 12-14 of them per call. These two give the
-same integers for the host's ints (``tests/test_ops/test_launch_geometry.py``
+same integers for the host's ints (``tests/test_ops/backend/test_launch_geometry.py``
 checks them against triton's), at the cost of an integer operation; the
 tile choices built on them are cached per shape where they are made
 (``shape_caches.lru`` on pure functions of ints, bounded).

@@ -4,7 +4,7 @@ Hardsigmoid, mmcv's ``HSigmoid`` and PReLU with a frozen slope need one
 bit per element in their backward, not the float input autograd keeps.
 :class:`PiecewiseLinearActivationFunction` keeps the bit and rebuilds the
 gradient with autograd's floating-point operations: equal bit for bit
-(``tests/test_ops/test_lean_kinds.py``).
+(``tests/test_ops/lean/test_lean_kinds.py``).
 """
 import math
 from typing import Callable, Optional

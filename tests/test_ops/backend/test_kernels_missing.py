@@ -12,7 +12,7 @@ import pytest
 
 from mmseg_gf.ops.backend import availability, extension, switches
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MISSING = {name: f'No module named mmseg_gf.{name}' for name in extension.KERNELS}
 
 

@@ -4,7 +4,7 @@ docs/gradient_filter.md#linear-layers-on-token-grids.
 
 The tests that take ``device`` also run on CUDA tensors (``pytest -m
 cuda``); their CPU path with the compiled kernels off is the one
-tests/test_ops/test_gf_linear_native.py compares with the kernels."""
+tests/test_ops/linear/test_gf_linear_native.py compares with the kernels."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -3,7 +3,7 @@
 Its cases (``tests/helpers/triton_linear_cases.py``) run in a subprocess: under
 triton's interpreter on CPU tensors (every machine with triton) and
 compiled on CUDA where there is a GPU (``TRITON_INTERPRET`` must stay off
-in this process; see tests/test_ops/test_gf_triton.py). The tests here
+in this process; see tests/test_ops/conv/test_gf_triton.py). The tests here
 also cover the switch and, on CUDA, the path in this process.
 """
 import pytest

@@ -11,7 +11,7 @@ from mmseg_gf.ops.backend import extension, output_pool, shape_caches
 from mmseg_gf.ops.resize import gemm as bilinear_gemm
 from mmseg_gf.ops.backend.shape_caches import BoundedDict
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[2] / 'mmseg_gf'
+PACKAGE = pathlib.Path(__file__).resolve().parents[3] / 'mmseg_gf'
 
 
 def test_lru_registers_and_stays_within_its_bound():

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     reason='compiled CPU kernels not built')
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
+    os.path.dirname(os.path.abspath(__file__)))))
 
 # Each case: name -> a Python expression over torch, ``P`` (mmseg_gf.
 # _patch_ops), ``B`` (_bit_mask) and ``L`` (_resized_loss), ``e`` =

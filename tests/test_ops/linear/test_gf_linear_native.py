@@ -1,7 +1,7 @@
 """The compiled token-grid kernels of the filtered Linear
 (``csrc/token_grid_backward.cpp``) against the pure-PyTorch path of
 ``mmseg_gf.ops.linear.function`` (``MMSEG_GF_NATIVE=0``), which
-tests/test_ops/test_gf_linear.py checks against the float64 reference.
+tests/test_ops/linear/test_gf_linear.py checks against the float64 reference.
 
 Both paths must agree for every layout, token axis, partial border patch,
 extra / trailing tokens, chunking and store mode; float64 to 1e-12,

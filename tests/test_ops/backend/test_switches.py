@@ -10,7 +10,7 @@ import torch
 
 from mmseg_gf.ops.backend import cpu_settings, extension, output_pool, switches
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 #: Where switch names are written: Python, docs, the build's scripts. The
 #: C++ sources count only through ``getenv("...")``: their other
 #: ``MMSEG_GF_*`` names are preprocessor macros.
