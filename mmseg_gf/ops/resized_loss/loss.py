@@ -25,7 +25,8 @@ __all__ = ['ResizedCrossEntropy', 'BatchTotals', 'accuracy',
            'resized_cross_entropy', 'kernel_usable',
            'triton_usable', 'check_labels', 'LabelRangeError',
            'operator_usable', 'triton_loss', 'kernel_loss',
-           'reference_loss', 'MAX_CLASSES', 'TRITON_DTYPES']
+           'reference_loss', 'check_arguments', 'pixel_losses',
+           'MAX_CLASSES', 'TRITON_DTYPES']
 
 #: ``kernels.MAX_CLASSES`` (not imported: it imports triton).
 MAX_CLASSES = 2048
@@ -106,7 +107,10 @@ def triton_usable(logits: Tensor) -> bool:
     return dispatch.refusal('resized_loss', 'triton', logits) is None
 
 
-def _check(logits: Tensor, label: Tensor, weight: Optional[Tensor]) -> None:
+def check_arguments(logits: Tensor, label: Tensor,
+                    weight: Optional[Tensor]) -> None:
+    """Raise ValueError, naming the argument, on logits, labels or a class
+    weight the loss cannot take."""
     if logits.dim() != 4:
         raise ValueError(f'logits must be N x C x h x w, got shape '
                          f'{tuple(logits.shape)}')
@@ -160,7 +164,7 @@ def resized_cross_entropy(logits: Tensor, label: Tensor, *,
             ``ignore_index``.
         RuntimeError: ``use_kernel=True`` where the kernel cannot run.
     """
-    _check(logits, label, weight)
+    check_arguments(logits, label, weight)
     logits = logits.detach()
     path = _path(logits, use_kernel)
     out = path(logits, label, ignore_index, align_corners, weight, want_grad,
@@ -251,8 +255,8 @@ def _check_image_labels(target: Tensor, classes: int,
                               f'{int(valid.min())}..{int(valid.max())}')
 
 
-def _pixel_losses(up: Tensor, target: Tensor, ignore_index: int,
-                  sigmoid: bool) -> Tensor:
+def pixel_losses(up: Tensor, target: Tensor, ignore_index: int,
+                 sigmoid: bool) -> Tensor:
     """Per-pixel loss of ``1 x C x H x W`` logits, 0 where ignored."""
     if not sigmoid:
         return F.cross_entropy(up, target, reduction='none',
@@ -290,7 +294,7 @@ def reference_loss(logits: Tensor, label: Tensor, ignore_index: int,
         with forward_graph() if want_grad else torch.no_grad():
             up = F.interpolate(leaf, size=target.shape[-2:], mode='bilinear',
                                align_corners=align_corners)
-            ce = _pixel_losses(up, target, ignore_index, sigmoid)
+            ce = pixel_losses(up, target, ignore_index, sigmoid)
             total = (ce * w).sum()
             if want_grad:
                 grad[i:i + 1], = torch.autograd.grad(total, leaf)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..backend import dispatch
-from .loss import _check, _pixel_losses, resized_cross_entropy
+from .loss import check_arguments, pixel_losses, resized_cross_entropy
 
 __all__ = ['traced_resized_cross_entropy', 'traced_pytorch_cross_entropy']
 
@@ -37,7 +37,7 @@ def _resized_cross_entropy_op(logits: Tensor, label: Tensor,
 
 @_resized_cross_entropy_op.register_fake
 def _(logits, label, weight, ignore_index, align_corners, sigmoid):
-    _check(logits, label, weight)
+    check_arguments(logits, label, weight)
     n = logits.shape[0]
     return (logits.new_empty(n, dtype=torch.float64),
             logits.new_empty(n, dtype=torch.int64),
@@ -93,14 +93,14 @@ def traced_pytorch_cross_entropy(logits: Tensor, label: Tensor, *,
     the hits by ``argmax``, a count of a boolean map: no data-dependent
     shape, no value read on the host (mmseg's accuracy indexes by a
     mask, a host sync and a graph break)."""
-    _check(logits, label, weight)
+    check_arguments(logits, label, weight)
     up = F.interpolate(logits, size=label.shape[-2:], mode='bilinear',
                        align_corners=align_corners)
     valid = label != ignore_index
     w = valid.to(up.dtype)
     if weight is not None:
         w = w * weight.to(up.dtype)
-    ce = _pixel_losses(up, label, ignore_index, sigmoid)
+    ce = pixel_losses(up, label, ignore_index, sigmoid)
     loss = (ce * w).flatten(1).sum(1).to(torch.float64)
     hits = (up.detach().argmax(1).eq(label) & valid).flatten(1).sum(1)
     return loss, hits
