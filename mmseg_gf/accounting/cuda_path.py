@@ -77,10 +77,7 @@ def cuda_path(triton: bool = True) -> Iterator[None]:
             f'{triton_runtime.triton_version()}, the interpreter '
             f'{"on" if triton_runtime.INTERPRETED else "off"}); or count without '
             'it (triton=False)')
-    previous = availability.set_triton_enabled(triton)
-    try:
-        with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
-                _FusedDropout():
-            yield
-    finally:
-        availability.set_triton_enabled(previous)
+    with availability.triton_switched(triton), \
+            switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
+            _FusedDropout():
+        yield

@@ -87,13 +87,10 @@ def host_path(triton: bool = True) -> Iterator[None]:
             'the host time of the Triton path on a CPU needs triton '
             'installed and TRITON_INTERPRET=1 in the environment before '
             'mmseg_gf is imported; or measure without it (triton=False)')
-    previous = availability.set_triton_enabled(triton)
-    try:
-        with switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
-                stubbed_triton():
-            yield
-    finally:
-        availability.set_triton_enabled(previous)
+    with availability.triton_switched(triton), \
+            switches.override(MMSEG_GF_NATIVE=False), as_on_cuda(), \
+            stubbed_triton():
+        yield
 
 
 def _kind(module: nn.Module) -> Optional[str]:

@@ -71,11 +71,8 @@ def build_uninterpreted(cfg, device: str = 'cpu'):
     """
     if not (triton_runtime.INTERPRETED and torch.device(device).type == 'cpu'):
         return build_segmentor(cfg).to(device)
-    previous = availability.set_triton_enabled(False)
-    try:
+    with availability.triton_switched(False):
         return build_segmentor(cfg).to(device)
-    finally:
-        availability.set_triton_enabled(previous)
 
 
 def _as_summary(recorded: Dict) -> Dict:

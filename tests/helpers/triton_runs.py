@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -77,15 +77,7 @@ def case_device() -> str:
     return 'cuda'
 
 
-@contextlib.contextmanager
-def triton_enabled(flag: Optional[bool]) -> Iterator[None]:
-    """``availability.set_triton_enabled(flag)`` inside the block, the previous
-    setting restored."""
-    previous = availability.set_triton_enabled(flag)
-    try:
-        yield
-    finally:
-        availability.set_triton_enabled(previous)
+triton_enabled = availability.triton_switched
 
 
 @contextlib.contextmanager

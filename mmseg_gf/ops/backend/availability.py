@@ -9,8 +9,9 @@ triton's interpreter). The implementations' refusals and the dispatcher
 switches. A missing extension is reported once at import
 (:func:`warn_if_kernels_missing`).
 """
+import contextlib
 import warnings
-from typing import Optional
+from typing import Iterator, Optional
 
 from torch import Tensor
 
@@ -18,6 +19,7 @@ from . import extension, switches, triton_runtime
 
 __all__ = ['native_switched_on', 'native_refusal', 'native_available',
            'triton_installed', 'triton_enabled', 'set_triton_enabled',
+           'triton_switched',
            'triton_refusal', 'triton_takes', 'KernelsMissingWarning',
            'warn_if_kernels_missing']
 
@@ -57,6 +59,17 @@ def set_triton_enabled(flag: Optional[bool]) -> Optional[bool]:
     ``MMSEG_GF_TRITON``); returns the previous override."""
     return switches.set_value('MMSEG_GF_TRITON',
                               None if flag is None else bool(flag))
+
+
+@contextlib.contextmanager
+def triton_switched(flag: Optional[bool]) -> Iterator[None]:
+    """:func:`set_triton_enabled` inside the block; the previous setting
+    comes back afterwards."""
+    previous = set_triton_enabled(flag)
+    try:
+        yield
+    finally:
+        set_triton_enabled(previous)
 
 
 def triton_refusal(t: Tensor) -> Optional[str]:
