@@ -11,12 +11,11 @@ Runs the GEMM route on the CPU as it runs on CUDA (``as_on_cuda``);
 ``--out PREFIX`` writes ``PREFIX.json`` and ``PREFIX.md``.
 """
 import argparse
-import json
-import sys
 
 import torch
 
 from mmseg_gf.analysis.resize_nonfinite import markdown, measure
+from mmseg_gf.engine.tool_args import command_line, write_report
 
 
 def parse_args(argv=None):
@@ -34,16 +33,13 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = measure(args.repeats)
-    command = 'python tools/benchmark_resize_nonfinite.py ' + ' '.join(
-        sys.argv[1:] if argv is None else argv)
+    command = command_line('benchmark_resize_nonfinite', argv)
     table = markdown(rows, command)
     print(table)
     if args.out:
-        with open(args.out + '.json', 'w') as f:
-            json.dump(dict(command=command, rows=rows), f, indent=1)
-        with open(args.out + '.md', 'w') as f:
-            f.write('# Non-finite gradients through the GEMM resize: what '
-                    'keeping them local costs\n\n' + table)
+        write_report(args.out + '.json', dict(command=command, rows=rows),
+                     '# Non-finite gradients through the GEMM resize: what '
+                     'keeping them local costs\n\n' + table)
 
 
 if __name__ == '__main__':

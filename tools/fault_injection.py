@@ -16,8 +16,6 @@ Examples::
 """
 import argparse
 import os.path as osp
-import shlex
-import sys
 from typing import Any, Dict, List, Optional
 
 import mmseg_gf  # noqa: F401  (registers the plugin, atomic writes)
@@ -26,7 +24,7 @@ from mmseg_gf.analysis.fault_injection import (PIPELINES, FaultSetting,
 from mmseg_gf.analysis.fault_report import fault_markdown
 from mmseg_gf.analysis.hardware import cpu_model
 from mmseg_gf.demo import ensure_data
-from mmseg_gf.engine.tool_args import write_json
+from mmseg_gf.engine.tool_args import command_line, write_report
 
 DEMO_CONFIG = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))),
                        'configs', 'demo', 'pspnet_r18_voc_r4_cpu.py')
@@ -86,14 +84,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     result = run_fault_injection(
         setting, args.work_dir, kills=args.kills, in_write=args.in_write,
         kills_per_episode=args.kills_per_episode, seed=args.seed)
-    command = 'python tools/fault_injection.py ' + ' '.join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    text = fault_markdown(result, command.strip(), cpu_model())
+    command = command_line('fault_injection', argv)
+    text = fault_markdown(result, command, cpu_model())
     print(text)
     if args.out:
-        write_json(args.out, dict(result, command=command, cpu=cpu_model()))
-        with open(osp.splitext(args.out)[0] + '.md', 'w') as f:
-            f.write(text)
+        write_report(args.out, dict(result, command=command,
+                                    cpu=cpu_model()), text)
     return result
 
 

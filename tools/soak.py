@@ -16,13 +16,13 @@ shape cache holds more than its bound. ``--out PREFIX`` writes
 ``PREFIX.json`` and ``PREFIX.md``.
 """
 import argparse
-import json
 import sys
 
 from mmengine.utils import ProgressBar
 
 from mmseg_gf.analysis.soak import random_shapes, soak, soak_config, \
     soak_table
+from mmseg_gf.engine.tool_args import command_line, write_report
 
 MODELS = ('pspnet_r18', 'segformer_b0')
 
@@ -63,16 +63,14 @@ def main(argv=None) -> int:
                              shapes, args.interval, args.batch, args.seed,
                              progress=bar.update, threads=args.threads)
         print()
-    command = 'python tools/soak.py ' + ' '.join(
-        sys.argv[1:] if argv is None else argv)
+    command = command_line('soak', argv)
     table = soak_table(results, command)
     print(table)
     if args.out:
-        with open(args.out + '.json', 'w') as f:
-            json.dump(dict(command=command, results=results), f, indent=1)
-        with open(args.out + '.md', 'w') as f:
-            f.write(f'# Soak: resident memory and shape caches over '
-                    f'{args.iters} iterations\n\n{table}')
+        write_report(args.out + '.json',
+                     dict(command=command, results=results),
+                     f'# Soak: resident memory and shape caches over '
+                     f'{args.iters} iterations\n\n{table}')
     failed = [n for n, r in results.items()
               if not r['flat'] or r['over_bound']]
     return 1 if failed else 0

@@ -5,6 +5,9 @@ import argparse
 import json
 import os
 import os.path as osp
+import shlex
+import sys
+from typing import Optional, Sequence
 
 from mmengine.config import DictAction
 
@@ -12,7 +15,7 @@ from .checkpoint.safe_load import TRUST_FLAG, trust_checkpoint_types
 
 __all__ = [
     'add_common_args', 'add_trust_argument', 'apply_common_args',
-    'export_local_rank', 'write_json'
+    'export_local_rank', 'write_json', 'command_line', 'write_report'
 ]
 
 
@@ -72,3 +75,18 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
     print(f'wrote {path}')
 
+
+def command_line(tool: str, argv: Optional[Sequence[str]] = None) -> str:
+    """The command that ran ``tools/<tool>.py`` with ``argv`` (default: the
+    process's own arguments), as a report quotes it."""
+    args = sys.argv[1:] if argv is None else argv
+    return ' '.join([f'python tools/{tool}.py'] +
+                    [shlex.quote(a) for a in args])
+
+
+def write_report(json_path: str, payload, markdown: str) -> None:
+    """A benchmark's ``--out``: ``payload`` as JSON at ``json_path`` and
+    ``markdown`` beside it (the same name ending in ``.md``)."""
+    write_json(json_path, payload)
+    with open(osp.splitext(json_path)[0] + '.md', 'w') as f:
+        f.write(markdown)
