@@ -76,9 +76,8 @@ def switch_state() -> tuple:
     """The backend switches and the device stand-in: part of every cache
     key, so a switch changed at run time is seen at once.
     """
-    return (tuple(switches.value(name) for name in BACKEND_SWITCHES),
-            triton_runtime.INTERPRETED, device_path.acting_as_cuda(),
-            torch.is_autocast_enabled('cpu'))
+    return (switches.values(BACKEND_SWITCHES), triton_runtime.INTERPRETED,
+            device_path.acting_as_cuda(), torch.is_autocast_enabled('cpu'))
 
 
 def tensor_signature(t) -> Optional[tuple]:

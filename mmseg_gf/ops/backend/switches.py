@@ -11,10 +11,10 @@ in compiled code through :func:`bind_applier`. Switches read elsewhere
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-__all__ = ['Switch', 'SWITCHES', 'value', 'set_value', 'override', 'reread',
-           'bind_applier', 'markdown']
+__all__ = ['Switch', 'SWITCHES', 'value', 'values', 'set_value', 'override',
+           'reread', 'bind_applier', 'markdown']
 
 #: ``reader`` of a switch whose value :func:`value` gives.
 PYTHON = 'mmseg_gf'
@@ -140,6 +140,9 @@ _environment: Dict[str, Any] = {}  # name -> the environment's value
 _runtime: Dict[str, Any] = {}  # name -> the value set_value gave
 #: name -> apply(value) -> restore, for switches read outside Python
 _appliers: Dict[str, Callable[[Any], Callable[[], None]]] = {}
+#: names -> their values, as :func:`values` last gave them; emptied by every
+#: change (:func:`set_value`, :func:`override`, :func:`reread`)
+_snapshots: Dict[Tuple[str, ...], Tuple[Any, ...]] = {}
 
 
 def _declared(name: str) -> Switch:
@@ -189,6 +192,15 @@ def value(name: str) -> Any:
     return found
 
 
+def values(names: Tuple[str, ...]) -> Tuple[Any, ...]:
+    """:func:`value` of each of ``names``, read once and kept until a switch
+    changes: what a per-call cache key holds (one dict lookup a call)."""
+    found = _snapshots.get(names)
+    if found is None:
+        found = _snapshots[names] = tuple(value(name) for name in names)
+    return found
+
+
 def set_value(name: str, new: Any) -> Any:
     """Set the switch for this process (None: back to the environment); returns
     the previous run-time value.
@@ -199,6 +211,7 @@ def set_value(name: str, new: Any) -> Any:
     previous = _runtime.pop(name, None)
     if new is not None:
         _runtime[name] = new
+    _snapshots.clear()
     return previous
 
 
@@ -218,6 +231,7 @@ def override(**values: Any) -> Iterator[None]:
         for name, given in applied.items():
             restores.append(_appliers[name](given))
         _environment.update(read)
+        _snapshots.clear()
         yield
     finally:
         for restore in reversed(restores):
@@ -227,6 +241,7 @@ def override(**values: Any) -> Iterator[None]:
                 _environment.pop(name, None)
             else:
                 _environment[name] = old
+        _snapshots.clear()
 
 
 def bind_applier(name: str,
@@ -259,6 +274,7 @@ def reread(*names: str) -> None:
             _environment[name] = _read(_declared(name))
         except ValueError:
             pass
+    _snapshots.clear()
 
 
 def markdown() -> str:

@@ -184,6 +184,26 @@ def test_a_value_set_at_run_time_wins_until_set_back():
         assert switches.value('MMSEG_GF_TRITON') is False
 
 
+def test_values_follow_every_change(fresh):
+    """The kept tuple of :func:`switches.values` is read again after a run-time
+    value, an override (in and out) and a reread."""
+    names = ('MMSEG_GF_TRITON', 'MMSEG_GF_FUZZ_SEED')
+    fresh.setenv('MMSEG_GF_FUZZ_SEED', '5')
+    triton = switches.value('MMSEG_GF_TRITON')
+    assert switches.values(names) == (triton, 5)
+    with switches.override(MMSEG_GF_FUZZ_SEED=3):
+        assert switches.values(names) == (triton, 3)
+        switches.set_value('MMSEG_GF_TRITON', not triton)
+        try:
+            assert switches.values(names) == (not triton, 3)
+        finally:
+            switches.set_value('MMSEG_GF_TRITON', None)
+        assert switches.values(names) == (triton, 3)
+    assert switches.values(names) == (triton, 5)
+    fresh.setenv('MMSEG_GF_FUZZ_SEED', '8')
+    assert switches.values(names) == (triton, 8)
+
+
 @pytest.mark.parametrize('call', [
     lambda: switches.override(MMSEG_GF_NATIVE='0').__enter__(),
     lambda: switches.set_value('MMSEG_GF_FUZZ_SEED', True),
