@@ -34,12 +34,14 @@ from ..ops.resize.bilinear import (strided_gradient_resizes,
 from ..ops.frozen_norm.gpu import FrozenBatchNormFunction
 from ..ops.resized_loss.loss import LabelRangeError
 from .conv_block import conv_block_mixin
+from .head_resizes import routed_resizes
 from .gf_conv import with_mmcv_wrapper
 from .layer_kinds import traced_kind_of
 from .lean_transformer import (KIND_MIXINS, TRANSFORMER_KINDS,
                                mmcv_dropout_class, transformer_kind,
                                transformer_mixin)
 from .patch_mean_gelu import LEAN_OWNER, is_patch_mean_gelu
+from .trained import trains
 from .lean_head import (ClassifierCapture, base_decode_head,
                         disable_classifier_fusion, fused_classifier_losses,
                         fusion_blocker, lean_head_losses, log_fallback_once,
@@ -97,15 +99,14 @@ class _LeanFrozenNorm:
         """``(running_mean, running_var, weight, bias, eps)`` while frozen
         (eval mode, nothing trained), else None."""
         if (self.training or self.running_var is None
-                or self.running_mean is None
-                or any(p.requires_grad for p in self.parameters())):
+                or self.running_mean is None or trains(self)):
             return None
         return (self.running_mean, self.running_var, self.weight, self.bias,
                 float(self.eps))
 
     def forward(self, x: Tensor) -> Tensor:
         if (not _recording(x) or self.training or self.running_var is None
-                or any(p.requires_grad for p in self.parameters())):
+                or trains(self)):
             return super().forward(x)
         plain = super().forward
         # the factor is taken in the backward
@@ -325,8 +326,8 @@ class _LeanLossHead:
             with strided_gradient_resizes():
                 return super().loss(*args, **kwargs)
         # its bilinear resizes read a concatenation's channel slice of
-        # their gradient in place (ops.resize)
-        with strided_gradient_resizes():
+        # their gradient in place (ops.resize), F.interpolate alone routed
+        with routed_resizes():
             if fusion_blocker(self) is not None:
                 return super().loss(*args, **kwargs)
             self._gf_classifier_capture = ClassifierCapture()

@@ -8,12 +8,12 @@ contiguous, so :func:`bilinear_resize_backward` reads it in place (the
 compiled kernel one axis at a time, or torch's kernel image by image, bit
 for bit). :func:`strided_gradient_resizes` routes bilinear ``interpolate``
 calls that need a gradient to :class:`BilinearResizeFunction` inside a
-block (a torch function mode: mmseg's ``resize`` is covered untouched).
+block (a torch function mode: mmseg's ``resize`` is covered untouched);
+:func:`strided_gradient_resize` is the rule for one call.
 Details: docs/lean_region.md; figures:
 docs/benchmarks/design_measurements.md.
 """
 import contextlib
-import inspect
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -30,12 +30,9 @@ from ..backend.output_pool import empty_for_writing
 from . import cpu as resize_cpu
 
 __all__ = ['BilinearResizeFunction', 'bilinear_resize_backward',
-           'strided_gradient_resizes', 'traced_rule_applies',
+           'strided_gradient_resize', 'strided_gradient_resizes', 'traced_rule_applies',
            'images_contiguous', 'gemm_backward', 'kernel_backward',
            'torch_backward']
-
-_INTERPOLATE = inspect.signature(F.interpolate)
-
 
 def _scales(scale_factor, recompute_scale_factor
             ) -> Tuple[Optional[float], Optional[float]]:
@@ -176,21 +173,36 @@ class BilinearResizeFunction(Function):
                 None, None, None, None)
 
 
+def _interpolate_arguments(input, size=None, scale_factor=None,
+                           mode='nearest', align_corners=None,
+                           recompute_scale_factor=None, antialias=False):
+    """``F.interpolate``'s arguments, bound as it binds them."""
+    return (input, size, scale_factor, mode, align_corners,
+            recompute_scale_factor, antialias)
+
+
+def strided_gradient_resize(*args, **kwargs) -> Optional[Tensor]:
+    """``F.interpolate(*args, **kwargs)`` as :class:`BilinearResizeFunction`
+    where it is a bilinear resize of a 4-D map that autograd records (no
+    antialias), else None (the caller runs ``F.interpolate``)."""
+    (x, size, scale_factor, mode, align_corners, recompute_scale_factor,
+     antialias) = _interpolate_arguments(*args, **kwargs)
+    if (mode == 'bilinear' and not antialias and isinstance(x, Tensor)
+            and x.dim() == 4 and x.requires_grad and torch.is_grad_enabled()):
+        return BilinearResizeFunction.apply(x, size, scale_factor,
+                                            align_corners,
+                                            recompute_scale_factor)
+    return None
+
+
 class _StridedGradientResizes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.interpolate:
-            call = _INTERPOLATE.bind(*args, **kwargs)
-            call.apply_defaults()
-            a = call.arguments
-            x = a['input']
-            if (a['mode'] == 'bilinear' and not a['antialias']
-                    and isinstance(x, Tensor) and x.dim() == 4
-                    and x.requires_grad and torch.is_grad_enabled()):
-                return BilinearResizeFunction.apply(
-                    x, a['size'], a['scale_factor'], a['align_corners'],
-                    a['recompute_scale_factor'])
+            out = strided_gradient_resize(*args, **kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
 
 
@@ -198,6 +210,10 @@ class _StridedGradientResizes(TorchFunctionMode):
 def strided_gradient_resizes():
     """Inside the block, bilinear resizes that need a gradient run as
     :class:`BilinearResizeFunction` (same outputs and gradients).
+
+    A torch function mode, which sees every torch call of the block: for a
+    traced region, where it costs nothing at run time; eager lean heads
+    route ``F.interpolate`` alone (:mod:`mmseg_gf.models.head_resizes`).
     """
     with _StridedGradientResizes():
         yield
