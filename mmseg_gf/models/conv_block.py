@@ -7,13 +7,16 @@ mmcv's ``ConvModule`` and mmseg's ResNet blocks become the lean kind
 node where every condition holds, and as the three lean modules otherwise
 (conditions and exactness: docs/lean_region.md, "Conv blocks on the GPU
 path"; ``MMSEG_GF_CONV_BLOCKS=0`` switches it off)."""
+from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from ..ops.backend import dispatch
+from ..ops.backend.dispatch import tensor_signature
 from ..ops.conv_block import gpu as triton_conv_block
+from ..patching import PRIVATE_PREFIX
 from .layer_kinds import CONV2D
 
 try:
@@ -45,25 +48,61 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+#: Call signatures a conv keeps its fused-call geometry for.
+GEOMETRY_CACHE_SIZE = 8
+_GEOMETRY = PRIVATE_PREFIX + 'block_geometry'
+
+
+def _geometry_key(conv: nn.Module, x: Tensor) -> tuple:
+    """What the conv's fused-call geometry may depend on: the input's
+    signature, the conv's filter setting and parameters, the switches."""
+    weight, bias = conv.weight, conv.bias
+    return (tensor_signature(x), conv.radius, conv.enabled,
+            weight.dtype, weight.device, weight.requires_grad,
+            None if bias is None else bias.requires_grad,
+            dispatch.switch_state())
+
+
+def _fused_geometry(conv: nn.Module, x: Tensor) -> Optional[tuple]:
+    """``(stride, padding, dilation, groups, radius, rows, cols)`` of the
+    fused node for a call of ``conv`` on ``x``, None where it may not run:
+    decided once per call signature and kept on the conv (a few entries)."""
+    plans = conv.__dict__.get(_GEOMETRY)
+    if plans is None:
+        plans = conv.__dict__[_GEOMETRY] = OrderedDict()
+    key = _geometry_key(conv, x)
+    if key in plans:
+        return plans[key]
+    geometry = None
+    if dispatch.choose('conv_block', x, conv.weight,
+                       conv.bias).implementation.name == 'triton':
+        call = conv.collapsed_call(x)
+        geometry = None if call is None else call[2:]
+    plans[key] = geometry
+    if len(plans) > GEOMETRY_CACHE_SIZE:
+        plans.popitem(last=False)
+    return geometry
+
+
 def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
                 x: Tensor) -> Optional[Tuple]:
     """The fused node's arguments after ``x`` for the triple ``conv, bn,
     act``, None where the three modules run (see the module docstring)."""
     if not (torch.is_grad_enabled() and x.requires_grad):
         return None
-    # the device first: on CPU tensors a block call stops here
-    if (not CONV2D.is_filtered(conv)
-            or dispatch.choose('conv_block', x, conv.weight,
-                               conv.bias).implementation.name != 'triton'
-            or any(map(_hooked, (conv, bn, act)))):
+    # the device first (in the geometry): on CPU tensors a call stops here
+    if (not CONV2D.is_filtered(conv) or _hooked(conv) or _hooked(bn)
+            or _hooked(act)):
         return None
-    call = conv.collapsed_call(x)
+    geometry = _fused_geometry(conv, x)
+    if geometry is None:
+        return None
     # what the lean norm and activation say of themselves (models.lean)
     norm = getattr(bn, 'frozen_affine', lambda: None)()
     mask = getattr(act, 'mask_arguments', lambda: None)()
-    if call is None or norm is None or mask is None:
+    if norm is None or mask is None:
         return None
-    return (*call, norm, mask)
+    return (conv.weight, conv.bias, *geometry, norm, mask)
 
 
 def _fused(parts: Tuple, x: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from ..ops.lean.transformer import (BitMaskDropPathFunction,
                                     FrozenLayerNormFunction,
                                     multihead_attention)
+from .trained import trains
 
 __all__ = ['AttentionCall', 'transformer_kind', 'transformer_mixin',
            'mmcv_dropout_class', 'is_rule_owner', 'TRANSFORMER_KINDS',
@@ -59,12 +60,12 @@ def _recording(*tensors: Optional[Tensor]) -> bool:
 def _core_recorded(attention: nn.Module, x: Tensor) -> bool:
     """Whether autograd records a window attention's own code (its input or
     its trained ``qkv`` needs a gradient)."""
-    return _recording(x) or (torch.is_grad_enabled() and any(
-        p.requires_grad for p in attention.qkv.parameters()))
+    return _recording(x) or (torch.is_grad_enabled()
+                             and trains(attention.qkv))
 
 
 def _frozen(module: nn.Module) -> bool:
-    return not any(p.requires_grad for p in module.parameters())
+    return not trains(module)
 
 
 def _stat_bytes(t: Tensor) -> int:

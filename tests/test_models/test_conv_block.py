@@ -79,3 +79,46 @@ def test_resnet_blocks_are_lean_kinds():
         torch.testing.assert_close(block(x), want, rtol=0, atol=0)
         remove_lean_region(block)
         assert type(block) is cls
+
+
+def test_fused_geometry_is_decided_once_per_call_signature(monkeypatch):
+    """The fused node's geometry is kept per call signature on the conv and
+    decided again when the radius, the filter switch, a parameter's
+    ``requires_grad``, the input's shape or a backend switch changes."""
+    from mmseg_gf.models import conv_block
+    from mmseg_gf.ops.backend import dispatch, switches
+    asked = []
+
+    class _Triton:
+        name = 'triton'
+
+    def choose(name, *call):
+        asked.append(name)
+        return dispatch.Choice(_Triton(), (), ())
+
+    monkeypatch.setattr(conv_block.dispatch, 'choose', choose)
+    torch.manual_seed(0)
+    conv = GFConv2d.from_conv(torch.nn.Conv2d(4, 4, 3, padding=1), radius=2)
+    x = torch.randn(1, 4, 8, 8, requires_grad=True)
+
+    def geometry():
+        return conv_block._fused_geometry(conv, x)
+
+    first = geometry()
+    assert first == conv.collapsed_call(x)[2:] and first[4] == 2
+    assert geometry() is first and len(asked) == 1
+    conv.radius = 4
+    assert geometry()[4] == 4 and len(asked) == 2
+    conv.enabled = False
+    assert geometry() is None  # not filtering: the three modules run
+    conv.enabled = True
+    conv.weight.requires_grad_(False)
+    geometry()
+    conv.weight.requires_grad_(True)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    geometry()
+    with switches.override(MMSEG_GF_CONV_BLOCKS=False):
+        geometry()
+    assert len(asked) == 6
+    assert len(vars(conv)[conv_block._GEOMETRY]) <= \
+        conv_block.GEOMETRY_CACHE_SIZE

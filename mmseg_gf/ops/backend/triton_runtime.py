@@ -11,7 +11,8 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import re
-from typing import Optional, Tuple
+from types import ModuleType
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -20,7 +21,8 @@ from . import switches
 
 __all__ = [
     'MIN_TRITON', 'INTERPRETED', 'FLOAT_TYPES', 'TRITON_VERSION',
-    'triton_version', 'on_device', 'no_autocast', 'is_fake', 'call'
+    'triton_version', 'lazy_module', 'on_device', 'no_autocast', 'is_fake',
+    'call'
 ]
 
 #: The oldest triton the kernels were tested with (the interpreter cases
@@ -49,6 +51,21 @@ TRITON_VERSION = triton_version()
 #: Whether the kernels run in triton's interpreter (``TRITON_INTERPRET``,
 #: read at import): CPU tensors take the Triton paths then.
 INTERPRETED = bool(switches.value('TRITON_INTERPRET'))
+
+
+def lazy_module(load: Callable[[], ModuleType]) -> Callable[[], ModuleType]:
+    """A function giving the module ``load()`` imports, loaded at its first
+    call: a path's kernels import triton only when first used, and a later
+    call is a list lookup, not an import statement (about 1 us each,
+    several per layer call)."""
+    held = []
+
+    def module() -> ModuleType:
+        if not held:
+            held.append(load())
+        return held[0]
+
+    return module
 
 
 def on_device(t: Tensor):

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..backend import availability, dispatch
-from ..backend.triton_runtime import is_fake, on_device
+from ..backend.triton_runtime import is_fake, lazy_module, on_device
 
 __all__ = ['refusal', 'usable', 'takes_dtype', 'empty_bits', 'pack', 'apply',
            'activate_and_pack', 'activation_code', 'FORMULAS',
@@ -58,9 +58,12 @@ def usable(t: Tensor) -> bool:
     return dispatch.refusal('bit_mask', 'triton', t) is None
 
 
-def _kernels():
+def _import_kernels():
     from . import kernels as triton_bit_mask_kernels  # imports triton: when first used
     return triton_bit_mask_kernels
+
+
+_kernels = lazy_module(_import_kernels)
 
 
 def empty_bits(t: Tensor) -> Tensor:

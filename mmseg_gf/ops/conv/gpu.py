@@ -69,14 +69,18 @@ def usable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     return refusal(x, weight, bias) is None
 
 
-def _kernels():
+def _import_kernels():
     from . import kernels  # imports triton: only when first used
     return kernels
 
 
-def _products():
+def _import_products():
     from . import products_kernels  # imports triton: only when first used
     return products_kernels
+
+
+_kernels = triton_runtime.lazy_module(_import_kernels)
+_products = triton_runtime.lazy_module(_import_products)
 
 
 def backward_calls() -> int:

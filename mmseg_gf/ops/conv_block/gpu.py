@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from ..bit_mask import masks as bit_mask, gpu as triton_bit_mask
 from ..frozen_norm import gpu as triton_norm
-from ..backend.triton_runtime import on_device
+from ..backend.triton_runtime import lazy_module, on_device
 from ..conv import gpu as conv_gpu
 from ..conv.gpu import Patches
 
@@ -34,9 +34,12 @@ def block_calls() -> int:
     return _calls
 
 
-def _kernels():
+def _import_kernels():
     from . import kernels as triton_conv_block_kernels  # imports triton: when used
     return triton_conv_block_kernels
+
+
+_kernels = lazy_module(_import_kernels)
 
 
 def refusal(x: Tensor, weight: Tensor,

@@ -17,7 +17,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
 from ..backend import availability, dispatch
-from ..backend.triton_runtime import is_fake, on_device
+from ..backend.triton_runtime import is_fake, lazy_module, on_device
 from ..function_output import owned_output
 
 __all__ = ['refusal', 'usable', 'FrozenBatchNormFunction', 'reference_norm',
@@ -27,6 +27,13 @@ __all__ = ['refusal', 'usable', 'FrozenBatchNormFunction', 'reference_norm',
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: ``triton_norm_kernels.MAX_ROW`` (not imported: it imports triton).
 _MAX_ROW = 8192
+
+def _import_kernels():
+    from . import kernels as triton_norm_kernels  # imports triton: when used
+    return triton_norm_kernels
+
+
+_kernels = lazy_module(_import_kernels)
 
 
 def _inner(t: Tensor) -> Optional[int]:
@@ -104,7 +111,7 @@ class FrozenBatchNormFunction(Function):
         if inner is None:
             grad = grad.contiguous()
             inner = _inner(grad)
-        from . import kernels as triton_norm_kernels  # imports triton
+        triton_norm_kernels = _kernels()
         with on_device(grad):
             g_x = triton_norm_kernels.frozen_norm_backward(
                 grad, running_var, weight, ctx.eps, inner,
@@ -146,7 +153,7 @@ def frozen_layer_norm_backward(grad: Tensor, x: Tensor, rstd: Tensor,
     dtype.
     """
     row = x.numel() // max(1, rstd.numel())
-    from . import kernels as triton_norm_kernels  # imports triton
+    triton_norm_kernels = _kernels()
     with on_device(x):
         return triton_norm_kernels.frozen_layer_norm_backward(
             grad.contiguous(), x, rstd.contiguous(),

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..backend import availability
-from ..backend.triton_runtime import FLOAT_TYPES, on_device
+from ..backend.triton_runtime import FLOAT_TYPES, lazy_module, on_device
 from ..conv import gpu as conv_gpu
 
 __all__ = ['refusal', 'usable', 'filtered_backward', 'backward_calls']
@@ -49,19 +49,24 @@ def usable(*tensors: Optional[Tensor]) -> bool:
     return refusal(*tensors) is None
 
 
-def _conv_kernels():
+def _import_conv_kernels():
     from ..conv import kernels as conv_kernels  # imports triton: on first use
     return conv_kernels
 
 
-def _products():
+def _import_products():
     from ..conv import products_kernels  # imports triton: on first use
     return products_kernels
 
 
-def _token_kernels():
+def _import_token_kernels():
     from . import kernels as triton_token_kernels  # imports triton: on first use
     return triton_token_kernels
+
+
+_conv_kernels = lazy_module(_import_conv_kernels)
+_products = lazy_module(_import_products)
+_token_kernels = lazy_module(_import_token_kernels)
 
 
 def backward_calls() -> int:
