@@ -1,17 +1,36 @@
 """``GFConv2d``: an ``nn.Conv2d`` whose backward is the gradient filter."""
 
 import warnings
-from typing import Optional
+from collections import OrderedDict
+from typing import Callable, NamedTuple, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
+from ..ops.backend import dispatch
+from ..ops.backend.dispatch import tensor_signature
 from ..ops.conv.function import (as_pair, collapsed_patches, conv_geometry,
                                  filtered_conv, resolve_padding)
 from ..ops.linear.patch_mean_activation import PatchPartition, tag_output
-from ..patching import plain_class
+from ..patching import PRIVATE_PREFIX, plain_class
 from .filtered_layer import FilteredLayer
+
+#: Call signatures a filtered conv keeps its plan for.
+PLAN_CACHE_SIZE = 8
+_PLANS = PRIVATE_PREFIX + 'conv_plans'
+#: The plan of a call that does not filter: the plain conv runs.
+_PLAIN = 'plain'
+
+
+class CallPlan(NamedTuple):
+    """What a filtered call runs, decided once per call signature: the
+    dispatcher's implementation, its arguments after ``(x, weight, bias)``
+    and the patches its output is tagged with."""
+    run: Callable
+    arguments: tuple
+    partition: PatchPartition
 
 
 _CONV_ATTRIBUTES = ('in_channels', 'out_channels', 'kernel_size', 'stride',
@@ -133,6 +152,62 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
 
     def _conv_forward(self, input: Tensor, weight: Tensor,
                       bias: Optional[Tensor]) -> Tensor:
+        if torch.compiler.is_compiling():
+            return self._decided_conv_forward(input, weight, bias)
+        plan = self._call_plan(input, weight, bias)
+        if plan is None:
+            return self._decided_conv_forward(input, weight, bias)
+        if plan is _PLAIN:
+            return super()._conv_forward(input, weight, bias)
+        out = plan.run(input, weight, bias, *plan.arguments)
+        # what an elementwise op after it may rely on (its g_y is read as
+        # patch means on these patches; ops.linear.patch_mean_activation)
+        return tag_output(out, plan.partition)
+
+    def _call_plan(self, input: Tensor, weight: Tensor,
+                   bias: Optional[Tensor]):
+        """The call's plan: :data:`_PLAIN` (not filtering), a
+        :class:`CallPlan`, or None (a case decided per call); kept per call
+        signature (input, parameters, radius, switches)."""
+        plans = self.__dict__.get(_PLANS)
+        if plans is None:
+            plans = self.__dict__[_PLANS] = OrderedDict()
+        key = (tensor_signature(input), tensor_signature(weight),
+               tensor_signature(bias), self.radius, self.enabled,
+               torch.is_grad_enabled(), dispatch.switch_state())
+        if key in plans:
+            return plans[key]
+        plan = self._new_plan(input, weight, bias)
+        plans[key] = plan
+        if len(plans) > PLAN_CACHE_SIZE:
+            plans.popitem(last=False)
+        return plan
+
+    def _new_plan(self, input: Tensor, weight: Tensor,
+                  bias: Optional[Tensor]):
+        if not self._filter_active(input, weight, bias):
+            return _PLAIN
+        if (input.dim() != 4 or input.numel() == 0 or weight.numel() == 0
+                or exact_backward_reason(input, weight) is not None
+                or self.padding_mode != 'zeros'):
+            return None
+        pad, extra = resolve_padding(self.padding, self.kernel_size,
+                                     self.dilation)
+        if extra is not None:
+            return None
+        stride, dilation = as_pair(self.stride), as_pair(self.dilation)
+        arguments = (stride, pad, dilation, self.groups, self.radius)
+        choice = dispatch.choose('conv', input, weight, bias, *arguments)
+        out_hw = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s
+                  in zip(input.shape[2:], pad, dilation, weight.shape[2:],
+                         stride)]
+        return CallPlan(choice.implementation.run,
+                        arguments + tuple(choice.launch),
+                        PatchPartition.conv_map(self.radius, *out_hw))
+
+    def _decided_conv_forward(self, input: Tensor, weight: Tensor,
+                              bias: Optional[Tensor]) -> Tensor:
+        """:meth:`_conv_forward` deciding everything on this call."""
         if not self._filter_active(input, weight, bias):
             return super()._conv_forward(input, weight, bias)
         if input.numel() == 0 or weight.numel() == 0:
@@ -147,8 +222,6 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
             return self._filtered_conv(input.unsqueeze(0), weight,
                                        bias).squeeze(0)
         out = self._filtered_conv(input, weight, bias)
-        # what an elementwise op after it may rely on (its g_y is read as
-        # patch means on these patches; ops.linear.patch_mean_activation)
         return tag_output(out, PatchPartition.conv_map(self.radius,
                                                        *out.shape[-2:]))
 

@@ -128,3 +128,52 @@ def test_operator_and_gfconv2d_import_without_mmseg():
             'assert conv.weight.grad is not None\n'
             'assert "mmseg_gf.engine" not in sys.modules\n')
     subprocess.run([sys.executable, '-c', code], check=True)
+
+
+def test_call_plans_follow_the_radius_the_switch_and_the_shape(monkeypatch):
+    """A call's plan (implementation, arguments, output patches) is decided
+    once per call signature and decided again after a change of radius,
+    filter switch, grad mode or input shape: the gradients are always the
+    operator's at the radius of the moment."""
+    from mmseg_gf.models import gf_conv
+    chosen = []
+    new_plan = GFConv2d._new_plan
+
+    def counting(self, *call):
+        chosen.append('conv')
+        return new_plan(self, *call)
+
+    monkeypatch.setattr(GFConv2d, '_new_plan', counting)
+    torch.manual_seed(0)
+    conv = GFConv2d(4, 6, 3, stride=2, padding=1, radius=2)
+    x, grad_out = torch.randn(2, 4, 15, 13), torch.randn(2, 6, 8, 7)
+
+    def reference(radius):
+        xr = x.clone().requires_grad_()
+        wr = conv.weight.detach().clone().requires_grad_()
+        gradient_filtered_conv2d(xr, wr, conv.bias.detach(), 2, 1, 1, 1,
+                                 radius).backward(grad_out)
+        return xr.grad, wr.grad
+
+    for radius in (2, 2, 4, 2):
+        conv.radius = radius
+        _, gx, gw = _grads(conv, x, grad_out)
+        want_x, want_w = reference(radius)
+        torch.testing.assert_close(gx, want_x)
+        torch.testing.assert_close(gw, want_w)
+    assert chosen == ['conv', 'conv']  # radius 2, then 4; 2 kept
+    out = conv(x.requires_grad_())
+    assert out.grad_fn is not None
+    conv.enabled = False
+    _, gx, _ = _grads(conv, x, grad_out)
+    exact = nn.Conv2d(4, 6, 3, stride=2, padding=1)
+    exact.load_state_dict(conv.state_dict())
+    _, px, _ = _grads(exact, x, grad_out)
+    torch.testing.assert_close(gx, px)
+    with torch.no_grad():
+        assert torch.equal(conv(x), exact(x))
+    conv.enabled = True
+    _grads(conv, torch.randn(1, 4, 9, 9), torch.randn(1, 6, 5, 5))
+    # radius 2 and 4; disabled, with and without grad mode; another shape
+    assert chosen == ['conv'] * 5
+    assert len(vars(conv)[gf_conv._PLANS]) <= gf_conv.PLAN_CACHE_SIZE
