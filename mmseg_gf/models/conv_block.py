@@ -18,6 +18,7 @@ from ..ops.backend.dispatch import tensor_signature
 from ..ops.conv_block import gpu as triton_conv_block
 from ..patching import PRIVATE_PREFIX
 from .layer_kinds import CONV2D
+from .trained import trains
 
 try:
     from mmcv.cnn import ConvModule
@@ -88,12 +89,14 @@ def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
                 x: Tensor) -> Optional[Tuple]:
     """The fused node's arguments after ``x`` for the triple ``conv, bn,
     act``, None where the three modules run (see the module docstring)."""
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    if not (torch.is_grad_enabled() and CONV2D.is_filtered(conv)):
+        return None
+    # the first trained block's input needs no gradient, its conv does
+    if not (x.requires_grad or trains(conv)):
+        return None
+    if _hooked(conv) or _hooked(bn) or _hooked(act):
         return None
     # the device first (in the geometry): on CPU tensors a call stops here
-    if (not CONV2D.is_filtered(conv) or _hooked(conv) or _hooked(bn)
-            or _hooked(act)):
-        return None
     geometry = _fused_geometry(conv, x)
     if geometry is None:
         return None

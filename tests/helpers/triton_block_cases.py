@@ -133,6 +133,30 @@ def test_non_affine_norm_and_channels_last():
     _compare_with_modules(block, x, g)
 
 
+def test_an_input_without_gradient_runs_fused():
+    """The first trained block of a model: its input needs no gradient, its
+    conv's parameters do. It runs fused, with the modules' output to
+    float32 rounding and their weight and bias gradients."""
+    block = _block(bias=True)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 9, 11, generator=gen).to(DEVICE)
+    g = torch.randn(2, 8, 9, 11, generator=gen).to(DEVICE)
+    params = [p for p in block.parameters() if p.requires_grad]
+    assert len(params) == 2  # the conv's weight and bias
+    results = []
+    for fused in (False, True):
+        calls = triton_conv_block.block_calls()
+        with switches.override(MMSEG_GF_CONV_BLOCKS=fused):
+            out = block(x)
+        ran = triton_conv_block.block_calls() - calls
+        grads = torch.autograd.grad(out, params, g)
+        results.append((out.detach().cpu(), [t.cpu() for t in grads], ran))
+    (want_out, want, ran_plain), (got_out, got, ran) = results
+    assert (ran_plain, ran) == (0, 1)
+    torch.testing.assert_close(got_out, want_out, **FORWARD)
+    _assert_close_grads(got, want)
+
+
 def test_two_launches_forward_and_backward():
     """The fused block's forward: cuDNN's conv and one launch (norm,
     activation, mask, the input's patch sums); its backward: the pass over
