@@ -21,6 +21,7 @@ from .filtered_layer import FilteredLayer
 from .gf_conv import warn_exact_backward
 from .gf_linear import TokenGridSource
 from .lean_transformer import AttentionCall
+from .trained import trains
 
 
 @dataclass(frozen=True)
@@ -156,14 +157,13 @@ class GFMultiheadAttention(FilteredLayer, nn.MultiheadAttention):
                 ) -> Tuple[Tensor, Optional[Tensor]]:
         args = (query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal)
-        self._gf_lean_call = self._gf_probabilities_call = None
-        self._exact_inputs = ()
-        self._packing = None
-        self._out_rows_copied = True
-        params = [p for p in self.parameters() if p.requires_grad]
+        # this call's records, plain attributes (no Module.__setattr__)
+        vars(self).update(_gf_lean_call=None, _gf_probabilities_call=None,
+                          _exact_inputs=(), _packing=None,
+                          _out_rows_copied=True)
         if not (torch.is_grad_enabled() and
-                (params or query.requires_grad or key.requires_grad
-                 or value.requires_grad)):
+                (query.requires_grad or key.requires_grad
+                 or value.requires_grad or trains(self))):
             return super().forward(*args)
         reason = self._unsupported(query, key, value, key_padding_mask,
                                    attn_mask, is_causal)
