@@ -7,7 +7,6 @@ mmcv's ``ConvModule`` and mmseg's ResNet blocks become the lean kind
 node where every condition holds, and as the three lean modules otherwise
 (conditions and exactness: docs/lean_region.md, "Conv blocks on the GPU
 path"; ``MMSEG_GF_CONV_BLOCKS=0`` switches it off)."""
-from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -16,7 +15,7 @@ from torch import Tensor, nn
 from ..ops.backend import dispatch
 from ..ops.backend.dispatch import tensor_signature
 from ..ops.conv_block import gpu as triton_conv_block
-from ..patching import PRIVATE_PREFIX
+from .call_plans import plan_for
 from .layer_kinds import CONV2D
 from .trained import trains
 
@@ -30,7 +29,7 @@ except ImportError:  # no mmseg: no ResNet blocks
     BasicBlock = Bottleneck = None
 
 __all__ = ['conv_block_mixin', 'LeanConvBlock', 'LeanBasicBlock',
-           'LeanBottleneck', 'fused_parts']
+           'LeanBottleneck', 'fused_parts', 'fused_geometry']
 
 
 def conv_block_mixin(plain: type) -> Optional[type]:
@@ -49,11 +48,6 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-#: Call signatures a conv keeps its fused-call geometry for.
-GEOMETRY_CACHE_SIZE = 8
-_GEOMETRY = PRIVATE_PREFIX + 'block_geometry'
-
-
 def _geometry_key(conv: nn.Module, x: Tensor) -> tuple:
     """What the conv's fused-call geometry may depend on: the input's
     signature, the conv's filter setting and parameters, the switches."""
@@ -64,25 +58,20 @@ def _geometry_key(conv: nn.Module, x: Tensor) -> tuple:
             dispatch.switch_state())
 
 
-def _fused_geometry(conv: nn.Module, x: Tensor) -> Optional[tuple]:
+def _decided_geometry(conv: nn.Module, x: Tensor) -> Optional[tuple]:
+    if dispatch.choose('conv_block', x, conv.weight,
+                       conv.bias).implementation.name != 'triton':
+        return None
+    call = conv.collapsed_call(x)
+    return None if call is None else call[2:]
+
+
+def fused_geometry(conv: nn.Module, x: Tensor) -> Optional[tuple]:
     """``(stride, padding, dilation, groups, radius, rows, cols)`` of the
     fused node for a call of ``conv`` on ``x``, None where it may not run:
-    decided once per call signature and kept on the conv (a few entries)."""
-    plans = conv.__dict__.get(_GEOMETRY)
-    if plans is None:
-        plans = conv.__dict__[_GEOMETRY] = OrderedDict()
-    key = _geometry_key(conv, x)
-    if key in plans:
-        return plans[key]
-    geometry = None
-    if dispatch.choose('conv_block', x, conv.weight,
-                       conv.bias).implementation.name == 'triton':
-        call = conv.collapsed_call(x)
-        geometry = None if call is None else call[2:]
-    plans[key] = geometry
-    if len(plans) > GEOMETRY_CACHE_SIZE:
-        plans.popitem(last=False)
-    return geometry
+    decided once per call signature (:mod:`.call_plans`)."""
+    return plan_for(conv, 'block_geometry', _geometry_key(conv, x),
+                    _decided_geometry, conv, x)
 
 
 def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
@@ -97,7 +86,7 @@ def fused_parts(conv: nn.Module, bn: nn.Module, act: nn.Module,
     if _hooked(conv) or _hooked(bn) or _hooked(act):
         return None
     # the device first (in the geometry): on CPU tensors a call stops here
-    geometry = _fused_geometry(conv, x)
+    geometry = fused_geometry(conv, x)
     if geometry is None:
         return None
     # what the lean norm and activation say of themselves (models.lean)

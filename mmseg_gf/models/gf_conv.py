@@ -1,7 +1,6 @@
 """``GFConv2d``: an ``nn.Conv2d`` whose backward is the gradient filter."""
 
 import warnings
-from collections import OrderedDict
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -14,14 +13,9 @@ from ..ops.backend.dispatch import tensor_signature
 from ..ops.conv.function import (as_pair, collapsed_patches, conv_geometry,
                                  filtered_conv, resolve_padding)
 from ..ops.linear.patch_mean_activation import PatchPartition, tag_output
-from ..patching import PRIVATE_PREFIX, plain_class
+from ..patching import plain_class
+from .call_plans import PLAIN, plan_for
 from .filtered_layer import FilteredLayer
-
-#: Call signatures a filtered conv keeps its plan for.
-PLAN_CACHE_SIZE = 8
-_PLANS = PRIVATE_PREFIX + 'conv_plans'
-#: The plan of a call that does not filter: the plain conv runs.
-_PLAIN = 'plain'
 
 
 class CallPlan(NamedTuple):
@@ -157,7 +151,7 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
         plan = self._call_plan(input, weight, bias)
         if plan is None:
             return self._decided_conv_forward(input, weight, bias)
-        if plan is _PLAIN:
+        if plan is PLAIN:
             return super()._conv_forward(input, weight, bias)
         out = plan.run(input, weight, bias, *plan.arguments)
         # what an elementwise op after it may rely on (its g_y is read as
@@ -166,27 +160,20 @@ class GFConv2d(FilteredLayer, nn.Conv2d):
 
     def _call_plan(self, input: Tensor, weight: Tensor,
                    bias: Optional[Tensor]):
-        """The call's plan: :data:`_PLAIN` (not filtering), a
+        """The call's plan: :data:`~.call_plans.PLAIN` (not filtering), a
         :class:`CallPlan`, or None (a case decided per call); kept per call
-        signature (input, parameters, radius, switches)."""
-        plans = self.__dict__.get(_PLANS)
-        if plans is None:
-            plans = self.__dict__[_PLANS] = OrderedDict()
+        signature (input, parameters, radius, switches: :mod:`.call_plans`).
+        """
         key = (tensor_signature(input), tensor_signature(weight),
                tensor_signature(bias), self.radius, self.enabled,
                torch.is_grad_enabled(), dispatch.switch_state())
-        if key in plans:
-            return plans[key]
-        plan = self._new_plan(input, weight, bias)
-        plans[key] = plan
-        if len(plans) > PLAN_CACHE_SIZE:
-            plans.popitem(last=False)
-        return plan
+        return plan_for(self, 'conv_plans', key, self._new_plan, input,
+                        weight, bias)
 
     def _new_plan(self, input: Tensor, weight: Tensor,
                   bias: Optional[Tensor]):
         if not self._filter_active(input, weight, bias):
-            return _PLAIN
+            return PLAIN
         if (input.dim() != 4 or input.numel() == 0 or weight.numel() == 0
                 or exact_backward_reason(input, weight) is not None
                 or self.padding_mode != 'zeros'):

@@ -8,15 +8,19 @@ keep current, or that holds a fixed grid (a Swin window)."""
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import check_radius
-from ..ops.linear.function import gradient_filtered_linear
-from ..ops.linear.token_grid import TokenGrid
+from ..ops.backend.dispatch import tensor_signature
+from ..ops.linear.function import (GradientFilterLinearFunction,
+                                   gradient_filtered_linear)
+from ..ops.linear.token_grid import TokenGrid, token_layout
 from ..ops.linear.patch_mean_activation import PatchPartition, tag_output
 from ..patching import plain_class
 from .filtered_layer import FilteredLayer
+from .call_plans import PLAIN, plan_for
 from .gf_conv import warn_exact_backward, with_mmcv_wrapper
 
 
@@ -121,6 +125,44 @@ class GFLinear(FilteredLayer, nn.Linear):
         return None if self.grid_source is None else self.grid_source.grid
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return self._decided_forward(input)
+        grid = self.current_grid()
+        plan = self._call_plan(input, grid)
+        if plan is None:
+            return self._decided_forward(input)
+        if plan is PLAIN:
+            return F.linear(input, self.weight, self.bias)
+        out = GradientFilterLinearFunction.apply(
+            input, self.weight, self.bias, grid, self.radius, self.token_dim)
+        # what an elementwise op after it may rely on (its g_y is read as
+        # patch means on these patches; ops.linear.patch_mean_activation)
+        return tag_output(out, plan)
+
+    def _call_plan(self, input: Tensor, grid: Optional[TokenGrid]):
+        """The call's plan: :data:`~.call_plans.PLAIN` (not filtering), the
+        output's :class:`PatchPartition` (filtering, the shapes checked), or
+        None (a case decided per call, a warning's); kept per call signature
+        (input, parameters, grid, radius, token axis: :mod:`.call_plans`)."""
+        key = (tensor_signature(input), tensor_signature(self.weight),
+               tensor_signature(self.bias), grid, self.radius,
+               self.token_dim, self.enabled, torch.is_grad_enabled())
+        return plan_for(self, 'linear_plans', key, self._new_plan, input,
+                        grid)
+
+    def _new_plan(self, input: Tensor, grid: Optional[TokenGrid]):
+        if (not self._filter_active(input, self.weight, self.bias)
+                or input.numel() == 0 or self.weight.numel() == 0):
+            return PLAIN
+        if (grid is None or input.is_complex()
+                or self.weight.is_complex()):
+            return None
+        layout = token_layout(grid, self.radius, tuple(input.shape),
+                              self.token_dim)
+        return PatchPartition.tokens(grid, self.radius, layout.dim)
+
+    def _decided_forward(self, input: Tensor) -> Tensor:
+        """:meth:`forward` deciding everything on this call."""
         if not self._filter_active(input, self.weight, self.bias) or \
                 input.numel() == 0 or \
                 self.weight.numel() == 0:
@@ -138,8 +180,6 @@ class GFLinear(FilteredLayer, nn.Linear):
             return F.linear(input, self.weight, self.bias)
         out = gradient_filtered_linear(input, self.weight, self.bias, grid,
                                        self.radius, self.token_dim)
-        # what an elementwise op after it may rely on (its g_y is read as
-        # patch means on these patches; ops.linear.patch_mean_activation)
         return tag_output(out, self._partition(grid, out))
 
     def _partition(self, grid: TokenGrid, t: Tensor) -> PatchPartition:

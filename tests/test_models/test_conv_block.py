@@ -85,7 +85,7 @@ def test_fused_geometry_is_decided_once_per_call_signature(monkeypatch):
     """The fused node's geometry is kept per call signature on the conv and
     decided again when the radius, the filter switch, a parameter's
     ``requires_grad``, the input's shape or a backend switch changes."""
-    from mmseg_gf.models import conv_block
+    from mmseg_gf.models import call_plans, conv_block
     from mmseg_gf.ops.backend import dispatch, switches
     asked = []
 
@@ -102,7 +102,7 @@ def test_fused_geometry_is_decided_once_per_call_signature(monkeypatch):
     x = torch.randn(1, 4, 8, 8, requires_grad=True)
 
     def geometry():
-        return conv_block._fused_geometry(conv, x)
+        return conv_block.fused_geometry(conv, x)
 
     first = geometry()
     assert first == conv.collapsed_call(x)[2:] and first[4] == 2
@@ -120,5 +120,5 @@ def test_fused_geometry_is_decided_once_per_call_signature(monkeypatch):
     with switches.override(MMSEG_GF_CONV_BLOCKS=False):
         geometry()
     assert len(asked) == 6
-    assert len(vars(conv)[conv_block._GEOMETRY]) <= \
-        conv_block.GEOMETRY_CACHE_SIZE
+    assert len(call_plans.kept_plans(conv, 'block_geometry')) <= \
+        call_plans.CACHE_SIZE

@@ -135,7 +135,7 @@ def test_call_plans_follow_the_radius_the_switch_and_the_shape(monkeypatch):
     once per call signature and decided again after a change of radius,
     filter switch, grad mode or input shape: the gradients are always the
     operator's at the radius of the moment."""
-    from mmseg_gf.models import gf_conv
+    from mmseg_gf.models import call_plans
     chosen = []
     new_plan = GFConv2d._new_plan
 
@@ -176,4 +176,5 @@ def test_call_plans_follow_the_radius_the_switch_and_the_shape(monkeypatch):
     _grads(conv, torch.randn(1, 4, 9, 9), torch.randn(1, 6, 5, 5))
     # radius 2 and 4; disabled, with and without grad mode; another shape
     assert chosen == ['conv'] * 5
-    assert len(vars(conv)[gf_conv._PLANS]) <= gf_conv.PLAN_CACHE_SIZE
+    assert len(call_plans.kept_plans(conv, 'conv_plans')) <= \
+        call_plans.CACHE_SIZE

@@ -90,6 +90,42 @@ def test_a_grid_that_does_not_fit_the_call_is_refused():
         gf(torch.randn(2, 12, 6, requires_grad=True))
 
 
+def test_call_plans_follow_the_grid_the_radius_and_the_switch():
+    """A call's checks and output patches are decided once per signature
+    and again when the grid, the radius or the filter switch changes: the
+    gradients are the operator's for the grid and radius of the moment,
+    and a grid that no longer fits is refused even after a kept plan."""
+    from mmseg_gf.models import call_plans
+    torch.manual_seed(0)
+    plain = nn.Linear(6, 4).double()
+    source = TokenGridSource()
+    gf = GFLinear.from_linear(plain, 2, source)
+    x = torch.randn(2, 13, 6, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 13, 4, dtype=torch.float64)
+    params = (x, plain.weight, plain.bias)
+    for grid, radius in [(TokenGrid(3, 4, extra_tokens=1), 2),
+                         (TokenGrid(3, 4, extra_tokens=1), 2),
+                         (TokenGrid(4, 3, extra_tokens=1), 2),
+                         (TokenGrid(4, 3, extra_tokens=1), 3),
+                         (TokenGrid(3, 4, trailing_tokens=1), 2)]:
+        source.set(grid)
+        gf.radius = radius
+        got = _grads(gf(x), params, g)
+        want = _grads(gradient_filtered_linear(x, plain.weight, plain.bias,
+                                               grid, radius), params, g)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(call_plans.kept_plans(gf, 'linear_plans')) == 4
+    gf.enabled = False
+    got = _grads(gf(x), params, g)
+    for a, b in zip(got, _grads(plain(x), params, g)):
+        assert torch.equal(a, b)
+    gf.enabled = True
+    source.set(TokenGrid(4, 4))
+    with pytest.raises(ValueError, match='13 tokens on axis 1'):
+        gf(x)
+
+
 def test_only_plain_linears_are_wrapped():
     class Scaled(nn.Linear):
         def forward(self, x):

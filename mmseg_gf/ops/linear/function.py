@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from ..backend import dispatch, output_pool
 from ..patch_grid import autocast_off, check_radius
 from ..function_output import owned_output
-from .token_grid import TokenGrid, TokenLayout
+from .token_grid import TokenGrid, TokenLayout, token_layout
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -126,7 +126,7 @@ class GradientFilterLinearFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                 grid: TokenGrid, radius: int, token_dim: int) -> Tensor:
         out = F.linear(x, weight, bias)
-        layout = TokenLayout(grid, radius, grid.token_axis(x.shape, token_dim))
+        layout = token_layout(grid, radius, tuple(x.shape), token_dim)
         x_sums = x_extra = None
         if ctx.needs_input_grad[1]:
             # Never save x: its patch sums (accumulated in float32 for
@@ -199,7 +199,7 @@ def gradient_filtered_linear(x: Tensor,
     radius = check_radius(radius)
     if not isinstance(grid, TokenGrid):
         raise TypeError(f'grid must be a TokenGrid, got {type(grid).__name__}')
-    grid.token_axis(x.shape, token_dim)
+    token_layout(grid, radius, tuple(x.shape), token_dim)  # checks the shape
     if x.numel() == 0 or weight.numel() == 0:
         # no token or no channel: nothing to filter, the exact (empty or
         # zero) gradients

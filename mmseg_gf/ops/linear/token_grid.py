@@ -1,7 +1,8 @@
 """Where a Linear's tokens lie on a 2-D grid, and how a call sees them.
 
 :class:`TokenGrid` is declared, never guessed from the token count;
-:class:`TokenLayout` resolves it for one call
+:class:`TokenLayout` resolves it for one call (:func:`token_layout`, kept
+per call shape)
 (docs/gradient_filter.md#linear-layers-on-token-grids). No mmseg import.
 """
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backend import dispatch
+from ..backend import dispatch, shape_caches
 from ..patch_grid import AxisGeometry
 
 
@@ -250,3 +251,20 @@ class TokenLayout:
                                     rows[1]).narrow(
                                         2, cols[0] // self.radius, cols[1])
                 block.copy_(src.unsqueeze(3).unsqueeze(2))
+
+
+#: Call shapes whose :class:`TokenLayout` is kept (:func:`token_layout`).
+_LAYOUTS_CACHED = 256
+
+
+@shape_caches.lru('linear.token_layout', _LAYOUTS_CACHED)
+def token_layout(grid: TokenGrid, radius: int, shape: Tuple[int, ...],
+                 token_dim: int) -> TokenLayout:
+    """The :class:`TokenLayout` of a call on an input of ``shape``, its
+    shape checked against the grid (:meth:`TokenGrid.token_axis`), kept per
+    call shape: every filtered Linear call asks for it.
+
+    Raises:
+        ValueError: ``shape`` does not hold the grid on ``token_dim``.
+    """
+    return TokenLayout(grid, radius, grid.token_axis(shape, token_dim))
