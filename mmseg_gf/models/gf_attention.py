@@ -7,8 +7,7 @@ Torch's attention calls ``F.linear`` on its packed weights, never its
 op for op (bit for bit, tested) with filtered projections."""
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +23,7 @@ from .lean_transformer import AttentionCall
 from .trained import trains
 
 
-@dataclass(frozen=True)
-class ProbabilitiesCall:
+class ProbabilitiesCall(NamedTuple):
     """What a ``bmm``-path call (``need_weights=True``) kept besides its
     projections, as shapes."""
 

@@ -36,6 +36,10 @@ def timed_by_default(fn: Callable, quantiles=None):
                                    quantiles=quantiles)
 
 
+#: What :meth:`Tuning.tuner` reads at every launch, as one kept tuple.
+_TUNING_SWITCHES = ('TRITON_INTERPRET', 'MMSEG_GF_AUTOTUNE')
+
+
 class Tuning:
     """A kernel's ``triton.autotune`` wrapper, built on first use, and whether
     launches take it.
@@ -66,8 +70,8 @@ class Tuning:
         """The autotuned launcher to take now, or None (fixed tiles)."""
         if self._override:
             return self._override[-1]
-        if switches.value('TRITON_INTERPRET') or \
-                not switches.value('MMSEG_GF_AUTOTUNE'):
+        interpreted, autotune = switches.values(_TUNING_SWITCHES)
+        if interpreted or not autotune:
             return None
         if self._tuner is None:
             try:
