@@ -11,7 +11,7 @@ from ..engine.tool_args import write_json
 from .host_time import TARGETS, host_time_model
 from .step_jobs import Job
 
-__all__ = ['step_table', 'layer_table', 'run_host_jobs']
+__all__ = ['step_table', 'layer_table', 'decisions_line', 'run_host_jobs']
 
 
 def _ms(us: float) -> str:
@@ -58,6 +58,15 @@ def layer_table(result: Dict) -> str:
     return format_table(headers, body, align='lrrrr')
 
 
+def decisions_line(result: Dict) -> str:
+    """What the profiled steps decided anew (none: every call's choice,
+    geometry and plan was kept from the warm-up)."""
+    decided = result['rows'][0]['decided']
+    return (f"Decided in the {result['steps']} profiled steps of "
+            f"{len(result['rows'])} rows: {decided['dispatch_misses']} "
+            f"dispatcher choices, {decided['plans_made']} call plans.")
+
+
 def run_host_jobs(jobs: Sequence[Job], batch: int, out_dir: str,
                   steps: int = 20, warmup: int = 3,
                   triton: bool = True) -> List[Dict]:
@@ -69,7 +78,8 @@ def run_host_jobs(jobs: Sequence[Job], batch: int, out_dir: str,
         results.append(host_time_model(
             job, batch, steps, warmup, triton,
             progress=lambda m: print(m, flush=True)))
-        print(f"\n{layer_table(results[-1])}\n", flush=True)
+        print(f"\n{layer_table(results[-1])}\n\n"
+              f"{decisions_line(results[-1])}\n", flush=True)
         os.makedirs(out_dir, exist_ok=True)
         write_json(osp.join(out_dir, 'host_time.json'), results)
         with open(osp.join(out_dir, 'host_time.md'), 'w') as f:
@@ -88,5 +98,5 @@ def _markdown(results: Sequence[Dict]) -> str:
             step_table(results), '']
     for res in results:
         text += [f"## {res['label']}: host time per call, by kind\n",
-                 layer_table(res), '']
+                 layer_table(res), '', decisions_line(res), '']
     return '\n'.join(text) + '\n'

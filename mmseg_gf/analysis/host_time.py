@@ -20,8 +20,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..accounting.batch import random_batch, summed_losses
 from ..accounting.launches import kernel_outputs, module_kind
+from ..models import call_plans
 from ..models.segmentor import set_frozen_norms_eval
-from ..ops.backend import availability, switches
+from ..ops.backend import availability, dispatch, switches
 from ..ops.backend.device_path import as_on_cuda
 from ..patching import Hooks, plain_class
 from .launch_count import build_uninterpreted
@@ -311,20 +312,32 @@ def training_step(cfg, crop: Sequence[int], batch: int = 1
 def host_times(cfgs: Sequence, crop: Sequence[int], batch: int = 1,
                steps: int = 20, warmup: int = 3,
                triton: bool = True) -> List[Dict]:
-    """Each config's host time per step and per kind, rows taken in turn."""
+    """Each config's host time per step and per kind, rows taken in turn;
+    ``decided``: the dispatcher's misses and the call plans made in the
+    plain profiled steps of all rows (none once the warm-up has run)."""
     built = [training_step(cfg, crop, batch) for cfg in cfgs]
     steps_of = [step for _, step in built]
     with host_path(triton):
         for _ in range(warmup):
             for step in steps_of:
                 step(lambda name: None)
+        decided = _decisions()
         plain = _profiled(steps_of, steps, dict)
+        decided = {k: v - decided[k] for k, v in _decisions().items()}
         ranges = _Ranges()
         with contextlib.ExitStack() as stack:
             for model, _ in built:
                 stack.enter_context(_scoped(model, ranges))
             scoped = _profiled(steps_of, steps, ranges.by_sequence)
-    return [_summarised(p, s) for p, s in zip(plain, scoped)]
+    return [dict(_summarised(p, s), decided=decided)
+            for p, s in zip(plain, scoped)]
+
+
+def _decisions() -> Dict[str, int]:
+    """What the process decided so far: dispatcher choices made without
+    its cache, filtered layers' call plans."""
+    return dict(dispatch_misses=dispatch.misses(),
+                plans_made=call_plans.plans_made())
 
 
 def compare(rows: Sequence[Dict]) -> List[Dict]:

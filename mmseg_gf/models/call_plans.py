@@ -14,12 +14,14 @@ from typing import Any, Callable, Hashable
 
 from ..patching import PRIVATE_PREFIX
 
-__all__ = ['PLAIN', 'CACHE_SIZE', 'plan_for', 'kept_plans']
+__all__ = ['PLAIN', 'CACHE_SIZE', 'plan_for', 'kept_plans', 'plans_made']
 
 #: The plan of a call that does not filter: the plain layer runs.
 PLAIN = 'plain'
 #: Call signatures a module keeps a plan for, per name.
 CACHE_SIZE = 8
+
+_made = [0]  # plans decided in this process (plans_made)
 
 
 def plan_for(module, name: str, key: Hashable,
@@ -33,6 +35,7 @@ def plan_for(module, name: str, key: Hashable,
     if key in plans:
         return plans[key]
     plan = plans[key] = decide(*args)
+    _made[0] += 1
     if len(plans) > CACHE_SIZE:
         plans.popitem(last=False)
     return plan
@@ -41,3 +44,9 @@ def plan_for(module, name: str, key: Hashable,
 def kept_plans(module, name: str) -> 'OrderedDict[Hashable, Any]':
     """The plans ``module`` keeps under ``name`` (empty if none)."""
     return module.__dict__.get(PRIVATE_PREFIX + name, OrderedDict())
+
+
+def plans_made() -> int:
+    """Plans decided in this process so far: a steady training step makes
+    none (:mod:`mmseg_gf.analysis.host_time` reports it)."""
+    return _made[0]

@@ -9,6 +9,8 @@ import pytest
 pytest.importorskip('mmseg')
 
 from mmseg_gf.analysis.host_time import TARGETS  # noqa: E402
+from mmseg_gf.models import call_plans  # noqa: E402
+from mmseg_gf.ops.backend import dispatch  # noqa: E402
 from tests.helpers.tools import load_tool  # noqa: E402
 
 count_launches = load_tool('count_launches')
@@ -64,6 +66,18 @@ def test_lean_against_vanilla(report):
     for v in c['layers']:
         assert v['overhead_us'] == pytest.approx(v['lean_us'] -
                                                  v['vanilla_us'])
+
+
+def test_a_steady_step_decides_nothing(report):
+    """After the warm-up, the profiled steps make no dispatcher choice
+    without its cache and no call plan: each call's implementation and
+    arguments were decided once, at its first step; the report says so."""
+    out, (result, ) = report
+    assert call_plans.plans_made() > 0 and dispatch.misses() > 0  # warm-up
+    for row in result['rows']:
+        assert row['decided'] == dict(dispatch_misses=0, plans_made=0)
+    assert '0 dispatcher choices, 0 call plans' in \
+        (out / 'host_time.md').read_text()
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -19,7 +19,7 @@ from . import availability, device_path, shape_caches, switches, triton_runtime
 
 __all__ = ['Implementation', 'Choice', 'Operator', 'Explanation', 'CACHE_SIZE',
            'register', 'operator', 'choose', 'explain', 'refusal',
-           'cache_info',
+           'cache_info', 'misses',
            'cache_clear', 'switch_state', 'tensor_signature']
 
 #: Call signatures kept per operator (least recently used dropped first).
@@ -217,6 +217,12 @@ def refusal(name: str, implementation: str, *call) -> Optional[str]:
     None.
     """
     return operator(name).refusal(implementation, *call)
+
+
+def misses() -> int:
+    """Choices made without the cache so far, every operator's: a steady
+    training step makes none."""
+    return sum(op._misses for op in _OPERATORS.values())
 
 
 def cache_info() -> Dict[str, dict]:
