@@ -12,6 +12,7 @@ from mmseg_gf.ops.resize import cpu as resize_cpu
 from mmseg_gf.ops.resize.bilinear import (BilinearResizeFunction,
                                           bilinear_resize_backward,
                                           strided_gradient_resizes)
+from mmseg_gf.models.head_resizes import routed_resizes
 from tests.helpers.devices import CUDA_AVAILABLE
 
 RESIZES = [
@@ -130,9 +131,13 @@ def test_compiled_backward_equals_torchs_kernel(dtype, sizes, align_corners):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-def test_other_interpolations_are_torchs():
+@pytest.mark.parametrize('routing', [strided_gradient_resizes,
+                                     routed_resizes])
+def test_other_interpolations_are_torchs(routing):
+    """Under the mode (traced regions) and the ``F.interpolate`` route (eager
+    lean heads) alike, only bilinear resizes that need a gradient change."""
     x = torch.randn(1, 2, 4, 4, requires_grad=True)
-    with strided_gradient_resizes():
+    with routing():
         nearest = F.interpolate(x, scale_factor=2, mode='nearest')
         with torch.no_grad():
             plain = F.interpolate(x, scale_factor=2, mode='bilinear')
