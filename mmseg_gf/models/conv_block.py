@@ -69,7 +69,10 @@ def _decided_geometry(conv: nn.Module, x: Tensor) -> Optional[tuple]:
 def fused_geometry(conv: nn.Module, x: Tensor) -> Optional[tuple]:
     """``(stride, padding, dilation, groups, radius, rows, cols)`` of the
     fused node for a call of ``conv`` on ``x``, None where it may not run:
-    decided once per call signature (:mod:`.call_plans`)."""
+    decided once per call signature (:mod:`.call_plans`), per call under
+    ``torch.compile`` (a kept plan would be a guarded, mutated input)."""
+    if torch.compiler.is_compiling():
+        return _decided_geometry(conv, x)
     return plan_for(conv, 'block_geometry', _geometry_key(conv, x),
                     _decided_geometry, conv, x)
 
