@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from mmseg_gf.ops.backend import availability, switches, triton_runtime
-from tests.helpers.devices import kernels_off
+from tests.helpers.devices import kernels_off, needs_cuda
 from tests.helpers.tools import REPO
 
-__all__ = ['ROOT', 'TRITON_VERSION', 'TRITON', 'INTERPRETER',
+__all__ = ['ROOT', 'TRITON_VERSION', 'TRITON', 'INTERPRETER', 'CASE_RUNS',
            'run_case_file', 'case_device', 'triton_enabled', 'pytorch_path']
 
 ROOT = Path(REPO)
@@ -43,10 +43,18 @@ INTERPRETER = pytest.mark.skipif(
     reason="triton < 3.7's interpreter does not run with numpy >= 2.4")
 
 
+#: The two runs of a case file, as a test's ``interpret`` parameter:
+#: interpreted on CPU tensors (every machine with triton), compiled on CUDA
+#: (where a GPU is; ``cuda``-marked).
+CASE_RUNS = [pytest.param(True, id='interpreted', marks=INTERPRETER),
+             pytest.param(False, id='cuda',
+                          marks=[pytest.mark.cuda, needs_cuda])]
+
+
 def run_case_file(name: str, interpret: bool, *args: str) -> str:
     """``pytest tests/helpers/<name>`` in a subprocess, interpreted (CPU
-    tensors) or compiled (CUDA); asserts that it passed and returns its
-    report."""
+    tensors) or compiled (CUDA); asserts that every case ran and passed (none
+    skipped) and returns its report."""
     env = dict(os.environ, TRITON_INTERPRET='1' if interpret else '0')
     env.pop('MMSEG_GF_TRITON', None)
     env['PYTHONPATH'] = os.pathsep.join(
@@ -58,6 +66,7 @@ def run_case_file(name: str, interpret: bool, *args: str) -> str:
     report = proc.stdout[-8000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, report
     assert ' passed' in report and ' failed' not in report, report
+    assert 'skipped' not in report, report
     return report
 
 

@@ -14,24 +14,14 @@ from mmseg_gf.engine.lean_region import (apply_lean_region,  # noqa: E402
 from mmseg_gf.models import GFConv2d  # noqa: E402
 from mmseg_gf.models.lean import is_lean, lean_kind  # noqa: E402
 from mmseg_gf.ops.conv_block import gpu as triton_conv_block  # noqa: E402
-from tests.helpers.devices import needs_cuda  # noqa: E402
-from tests.helpers.triton_runs import (INTERPRETER, TRITON,  # noqa: E402
+from tests.helpers.triton_runs import (CASE_RUNS, TRITON,  # noqa: E402
                                        run_case_file)
 
 
 @TRITON
-@INTERPRETER
-def test_cases_under_the_triton_interpreter():
-    report = run_case_file('triton_block_cases.py', True)
-    assert 'skipped' not in report, report
-
-
-@TRITON
-@pytest.mark.cuda
-@needs_cuda
-def test_cases_compiled_on_cuda():
-    report = run_case_file('triton_block_cases.py', False)
-    assert 'skipped' not in report, report
+@pytest.mark.parametrize('interpret', CASE_RUNS)
+def test_block_cases(interpret):
+    run_case_file('triton_block_cases.py', interpret)
 
 
 class _OwnForward(ConvModule):

@@ -20,26 +20,17 @@ from mmseg_gf.ops.backend import availability, triton_runtime
 from mmseg_gf.ops.conv import gpu as conv_gpu
 from tests.helpers.devices import needs_cuda
 from tests.helpers.triton_runs import (
-    INTERPRETER, ROOT, TRITON, TRITON_VERSION, run_case_file)
+    CASE_RUNS, ROOT, TRITON, TRITON_VERSION, run_case_file)
 
 CUDA = needs_cuda
 
 
 @TRITON
-@INTERPRETER
-def test_kernels_under_the_triton_interpreter():
-    """Every case of ``triton_cases.py`` on CPU tensors, interpreted."""
-    report = run_case_file('triton_cases.py', True)
-    assert 'skipped' not in report, report
-
-
-@TRITON
-@pytest.mark.cuda
-@CUDA
-def test_kernels_compiled_on_cuda():
-    """The same cases on CUDA tensors, compiled (float16 autocast too)."""
-    report = run_case_file('triton_cases.py', False)
-    assert 'skipped' not in report, report
+@pytest.mark.parametrize('interpret', CASE_RUNS)
+def test_kernel_cases(interpret):
+    """Every case of ``triton_cases.py``: on CPU tensors, interpreted; on
+    CUDA tensors, compiled (float16 autocast too)."""
+    run_case_file('triton_cases.py', interpret)
 
 
 @TRITON

@@ -14,28 +14,17 @@ import torch
 from mmseg_gf.ops.bit_mask import masks as bit_mask, gpu as triton_bit_mask
 from mmseg_gf.ops.resized_loss import loss as resized_loss
 from mmseg_gf.ops.frozen_norm import gpu as triton_norm
-from tests.helpers.devices import needs_cuda
-from tests.helpers.triton_runs import INTERPRETER, TRITON, run_case_file
+from tests.helpers.triton_runs import CASE_RUNS, TRITON, run_case_file
 
 CASE_FILES = ['triton_bit_mask_cases.py', 'triton_norm_cases.py',
               'triton_loss_cases.py']
 
 
 @TRITON
-@INTERPRETER
+@pytest.mark.parametrize('interpret', CASE_RUNS)
 @pytest.mark.parametrize('name', CASE_FILES)
-def test_kernels_under_the_triton_interpreter(name):
-    report = run_case_file(name, True)
-    assert 'skipped' not in report, report
-
-
-@TRITON
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize('name', CASE_FILES)
-def test_kernels_compiled_on_cuda(name):
-    report = run_case_file(name, False)
-    assert 'skipped' not in report, report
+def test_kernel_cases(name, interpret):
+    run_case_file(name, interpret)
 
 
 def test_cpu_tensors_take_the_cpu_paths():

@@ -12,30 +12,17 @@ import torch
 from mmseg_gf.ops import TokenGrid, gradient_filtered_linear
 from mmseg_gf.ops.linear import gpu as triton_linear
 from mmseg_gf.ops.backend import availability, triton_runtime
-from tests.helpers.devices import DEVICES, needs_cuda
-from tests.helpers.triton_runs import INTERPRETER, TRITON, run_case_file
+from tests.helpers.devices import DEVICES
+from tests.helpers.triton_runs import CASE_RUNS, TRITON, run_case_file
 from tests.helpers.gf_linear_reference import reference_linear_gradients
 
 
-def _run_cases(interpret: bool) -> None:
-    report = run_case_file('triton_linear_cases.py', interpret)
-    assert 'skipped' not in report, report
-
-
 @TRITON
-@INTERPRETER
-def test_cases_under_the_triton_interpreter():
-    """Every case of ``triton_linear_cases.py`` on CPU tensors,
-    interpreted."""
-    _run_cases(True)
-
-
-@TRITON
-@pytest.mark.cuda
-@needs_cuda
-def test_cases_compiled_on_cuda():
-    """The same cases on CUDA tensors, compiled."""
-    _run_cases(False)
+@pytest.mark.parametrize('interpret', CASE_RUNS)
+def test_cases(interpret):
+    """Every case of ``triton_linear_cases.py``: on CPU tensors,
+    interpreted; on CUDA tensors, compiled."""
+    run_case_file('triton_linear_cases.py', interpret)
 
 
 @pytest.mark.parametrize('device', DEVICES)
